@@ -1,0 +1,18 @@
+"""Built-in model architectures, registered through ``chassis.general_plugins``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chassis.plugins.hookspecs import hookimpl
+
+_PKG = "chassis.builtin_plugins.models"
+
+
+@hookimpl
+def chassis_register_models(registry: Any) -> None:
+    # Lazy strings: nothing is imported until a model of that architecture is built.
+    registry.register("LlamaForCausalLM", f"{_PKG}.llama:LlamaForCausalLM")
+    registry.register("MistralForCausalLM", f"{_PKG}.llama:LlamaForCausalLM")
+    registry.register("Qwen2ForCausalLM", f"{_PKG}.qwen2:Qwen2ForCausalLM")
+    registry.register("Qwen3ForCausalLM", f"{_PKG}.qwen3:Qwen3ForCausalLM")

@@ -1,0 +1,1 @@
+"""Engine core: config, requests, scheduling, KV cache, model execution, LLM and AsyncLLM."""

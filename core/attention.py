@@ -1,0 +1,101 @@
+"""The attention-backend interface and the one metadata object every backend reads.
+
+A step's batch mixes prefill chunks (possibly over a cached prefix) and single-token decodes.
+Tokens of all requests are concatenated ("flattened") along the first dimension; request ``i``
+owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, which are the *last* query tokens
+of its ``seq_lens[i]`` context tokens. Its K/V live in the paged cache at the blocks listed in
+``block_table[i]``; the new tokens' K/V are written at ``slot_mapping`` (slot = block * block_size
++ offset; ``-1`` marks padding that must not be written).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything an attention backend needs for one step (shared by all layers)."""
+
+    #: tokens of real requests in this step; rows past it are padding
+    num_actual_tokens: int
+    num_reqs: int
+    #: [num_reqs + 1] int32, cumulative query lengths (cu_seqlens_q), on the device
+    query_start_loc: torch.Tensor
+    #: [num_reqs] int32, context length of each request *including* this step's tokens
+    seq_lens: torch.Tensor
+    #: [num_reqs, max_blocks_per_req] int32, physical block ids (unused entries arbitrary)
+    block_table: torch.Tensor
+    #: [num_tokens] int64, cache slot of each new token, -1 for padding
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    #: host copies of query_start_loc and seq_lens (reference paths loop over requests)
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int, int]:
+    """Shape of one layer's paged KV cache: ``[num_blocks, 2 (K, V), block_size, kv_heads, dim]``."""
+    return (num_blocks, 2, block_size, num_kv_heads, head_dim)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one layer. One instance per attention layer.
+
+    Register a subclass with ``chassis_register_attention_backends``; it is selected with
+    ``--attention-backend NAME`` or by the platform's ``default_attention_backend``.
+    """
+
+    #: dtypes the backend computes in
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    )
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache`` and return causal attention output.
+
+        :param query: ``[num_tokens, num_heads, head_dim]``
+        :param key: ``[num_tokens, num_kv_heads, head_dim]`` (new tokens only)
+        :param value: ``[num_tokens, num_kv_heads, head_dim]``
+        :param kv_cache: this layer's cache, shape :func:`kv_cache_shape`
+        :param metadata: the step's :class:`AttentionMetadata`
+        :return: ``[num_tokens, num_heads, head_dim]``; rows past ``num_actual_tokens`` are
+            unspecified. Query token ``j`` of request ``i`` attends to context positions
+            ``0 .. seq_lens[i] - query_len_i + j`` (causal over the cached prefix + chunk).
+        """
+
+
+@dataclass
+class ForwardContext:
+    """Passed to ``CausalLM.forward``: what attention layers read during one step."""
+
+    attn_metadata: AttentionMetadata
+    #: one cache tensor per attention layer, indexed by layer number
+    kv_caches: list[torch.Tensor]

@@ -1,0 +1,122 @@
+"""``EngineConfig``: every setting of one engine, validated with actionable errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+#: What ``chassis serve`` serves when no model is named (see docs/models.md).
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    """All settings of one engine. Fields named as vLLM's flags where the concept is the same.
+
+    ``None`` fields are derived: from the model (``max_model_len``), or by the platform's
+    ``check_and_update_config`` (``attention_backend``, ``kv_cache_memory``). Plugins adjust
+    the final object in their ``chassis_configure`` hook.
+    """
+
+    # -- model -----------------------------------------------------------------------------
+    #: hub id, local HF directory, or None for the embedded default model
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    chat_template: str | None = None
+
+    # -- KV cache --------------------------------------------------------------------------
+    block_size: int = 16
+    #: bytes of KV cache on the CPU (None: the platform decides)
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    #: exact number of KV blocks (tests and experiments; overrides memory sizing)
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    # -- scheduling ------------------------------------------------------------------------
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduler: str = "fcfs"
+
+    # -- execution -------------------------------------------------------------------------
+    sampler: str = "default"
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    max_logprobs: int = 20
+
+    # -- plugins ---------------------------------------------------------------------------
+    #: values of flags added through ``chassis_add_cli_args``
+    plugin_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field and what would be valid."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two >= 1; got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1; got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be > 0 bytes; got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"--max-num-batched-tokens must be >= 1; got {self.max_num_batched_tokens}"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "--tensor-parallel-size other than 1 is not supported yet (see docs/roadmap.md)"
+            )
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0; got {self.max_logprobs}")
+
+    def check_against_model(self, model_max_len: int) -> None:
+        """Derive ``max_model_len`` from the model and check the token budget against it."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        elif self.max_model_len > model_max_len:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's context length "
+                f"{model_max_len}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, --max-num-batched-tokens ({self.max_num_batched_tokens}) "
+                f"must be >= --max-model-len ({self.max_model_len})"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown engine settings: {', '.join(unknown)}")
+        return cls(**data)

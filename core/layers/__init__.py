@@ -1,0 +1,1 @@
+"""Reusable model layers (norms, rotary embedding, linear, attention wrapper) for model plugins."""

@@ -1,0 +1,63 @@
+"""The interface of a model: what a ``chassis_register_models`` plugin provides."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from chassis.core.attention import AttentionBackend, ForwardContext
+
+
+@dataclass(frozen=True)
+class ModelBuildContext:
+    """What a model's constructor gets besides the HF config."""
+
+    #: the selected backend; each attention layer instantiates it once
+    attention_backend: type[AttentionBackend]
+    dtype: torch.dtype
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model written for paged attention.
+
+    Constructed as ``Model(hf_config, build_ctx)`` on the target device and dtype (the loader
+    sets the default device and dtype around the constructor), then filled by
+    :meth:`load_weights`.
+    """
+
+    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+
+    @abstractmethod
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Run the decoder over a flattened batch.
+
+        :param input_ids: ``[num_tokens]`` int64
+        :param positions: ``[num_tokens]`` int64, position of each token in its sequence
+        :param ctx: attention metadata and the per-layer KV caches
+        :return: final hidden states ``[num_tokens, hidden_size]`` (after the last norm)
+        """
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` -> ``[n, vocab_size]`` logits."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into the module; return the names it consumed.
+
+        Unknown names raise ``ValueError``; the loader checks every parameter was filled.
+        """
+
+    @property
+    def num_attention_layers(self) -> int:
+        """How many KV caches the model needs (one per attention layer)."""
+        return int(self.hf_config.num_hidden_layers)

@@ -1,0 +1,64 @@
+"""What the front-end (``LLM``, ``AsyncLLM``) returns to callers, vLLM-compatible in shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: token id -> logprob of that token (the sampled one plus the top alternatives)
+PositionLogprobs = dict[int, "Logprob"]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    #: 1-based rank in the full distribution
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One completion (of ``n``) of a request.
+
+    In delta mode (streaming), ``text``, ``token_ids`` and ``logprobs`` hold only what is new
+    since the previous yield for this index; otherwise everything so far.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    #: ``"stop"``, ``"length"``, ``"abort"`` or None while running
+    finish_reason: str | None = None
+    #: the stop string or stop token id that ended it, if any
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    #: time spent before the first scheduling (engine-side queue), seconds
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request, as yielded by ``AsyncLLM.generate`` and returned by ``LLM``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    extra: dict[str, object] = field(default_factory=dict)

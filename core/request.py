@@ -1,0 +1,162 @@
+"""The engine core's view of one request, and the messages that cross the process boundary."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from chassis.core.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are OpenAI's ``finish_reason`` strings."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages (msgspec Structs, msgpack on the wire; never pickle)
+# ---------------------------------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A tokenized request sent from the front-end to the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    #: Token ids that end generation unless ``ignore_eos`` (the model's EOS ids).
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    arrival_time: float = 0.0
+    priority: int = 0
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top-k alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    #: 1-based rank of the chosen token in the full distribution.
+    rank: int
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one request produced in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] | None = None
+    #: For the first output of a request with ``prompt_logprobs``: one entry per prompt
+    #: token (the first is ``None``: nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: FinishReason | None = None
+    #: The stop token id that ended the request, if any.
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    """A snapshot of the scheduler, sent with outputs for metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One message from the engine core to the front-end."""
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    timestamp: float = 0.0
+    stats: SchedulerStats | None = None
+    #: Set when the engine core hit a fatal error; the front-end fails every request.
+    engine_error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine-core-side state
+# ---------------------------------------------------------------------------------------------
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable state of one request inside the engine core (owned by the scheduler)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        #: Tokens whose K/V are in the cache (prefix hits included).
+        self.num_computed_tokens = 0
+        #: Tokens found in the prefix cache when the request was first scheduled.
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_ids,
+            req.arrival_time or None,
+            req.priority,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
+            f"{self.status.value})"
+        )

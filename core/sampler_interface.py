@@ -1,0 +1,55 @@
+"""The sampler interface: logits of the rows that sample this step -> token ids (+ logprobs)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
+    from chassis.core.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class SampledLogprobs:
+    """Logprobs of the sampled tokens and the top-k alternatives, per row."""
+
+    #: [num_rows, 1 + max_num_logprobs] int64: the sampled id, then the top-k ids
+    token_ids: torch.Tensor
+    #: [num_rows, 1 + max_num_logprobs] float32, matching ``token_ids``
+    logprobs: torch.Tensor
+    #: [num_rows] int64, 1-based rank of the sampled token
+    ranks: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    #: [num_rows] int64
+    sampled_token_ids: torch.Tensor
+    #: present when any row asked for logprobs
+    logprobs: SampledLogprobs | None = None
+
+
+class Sampler(ABC):
+    """Chooses the next token of every row. Register with ``chassis_register_samplers``.
+
+    Must not synchronize the device with the host beyond what producing the ids requires;
+    the caller copies the ids to the host.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row.
+
+        :param logits: ``[num_rows, vocab_size]`` float32 (may be modified in place)
+        :param metadata: per-row sampling settings and token histories
+        :return: sampled ids, plus logprobs of the *unmodified* distribution
+            (``log_softmax(logits)`` before penalties and temperature, as vLLM returns them)
+            when ``metadata.max_num_logprobs`` is not None
+        """

@@ -1,0 +1,133 @@
+"""The scheduler interface and the messages between scheduler and model runner.
+
+Each engine step: ``schedule()`` decides which requests run and how many tokens each gets,
+the model runner executes that :class:`SchedulerOutput` and returns a
+:class:`ModelRunnerOutput`, and ``update_from_output`` appends sampled tokens, applies stop
+conditions and returns what each request produced.
+
+:class:`SchedulerOutput` is a *diff* against the runner's persistent batch: requests appear in
+``new_requests`` once (again after a preemption), then only as ``cached_requests``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
+    from chassis.core.kv_cache_manager import KVCacheManager
+    from chassis.core.request import (
+        EngineCoreOutput,
+        Request,
+        SchedulerStats,
+        TokenLogprobs,
+    )
+    from chassis.core.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    #: tokens generated before a preemption; the runner recomputes their K/V
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    #: tokens whose K/V are already cached (prefix-cache hits)
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request already in the runner's batch."""
+
+    request_id: str
+    #: blocks to append to its block table
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    #: request id -> tokens to compute this step (prefill chunk length, or 1 for a decode)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    #: finished, aborted or preempted since the last step: the runner drops them
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner computed for a :class:`SchedulerOutput`."""
+
+    #: request ids in the order of the other lists
+    request_ids: list[str] = field(default_factory=list)
+    #: sampled tokens per request; empty for a prefill chunk that does not end the prompt
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    #: per request, the logprobs of its sampled token (None where not requested or no sample)
+    logprobs: list[TokenLogprobs | None] | None = None
+    #: request id -> prompt logprobs, present once, when the request's prefill completes
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+
+class Scheduler(ABC):
+    """Decides, step by step, which requests run. Register with ``chassis_register_schedulers``.
+
+    The engine core is the only caller; no method is called concurrently.
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status ``WAITING``)."""
+
+    @abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Finish these requests with reason ``abort`` and free their blocks.
+
+        Unknown or already-finished ids are ignored. Aborted ids are reported to the runner in
+        the next ``SchedulerOutput.finished_request_ids``.
+        """
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step within ``max_num_batched_tokens`` and ``max_num_seqs``."""
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance request states with the step's results.
+
+        Appends sampled tokens, applies stop conditions (EOS unless ``ignore_eos``,
+        ``stop_token_ids``, ``max_tokens``, ``min_tokens``, ``max_model_len``), frees the
+        blocks of finished requests, and returns one output per request that produced
+        tokens or finished.
+        """
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+
+    @abstractmethod
+    def stats(self) -> SchedulerStats:
+        """A snapshot for metrics."""

@@ -1,0 +1,86 @@
+"""The CPU platform: always available, the fallback when no accelerator is found."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from chassis.platforms.interface import Platform
+from chassis.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
+
+
+def cpu_flags() -> set[str]:
+    """The processor's feature flags from /proc/cpuinfo (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_fast_bf16() -> bool:
+    """Whether bf16 matmuls run natively (AVX512-BF16 or AMX), which makes bf16 the default."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    supported_dtypes = (torch.bfloat16, torch.float32, torch.float16)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @classmethod
+    def detection_detail(cls) -> str:
+        return f"always available ({os.cpu_count()} cores, bf16 native: {has_fast_bf16()})"
+
+    def device_count(self) -> int:
+        return 1
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def device_name(self, index: int = 0) -> str:
+        for line in _read_lines("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+        return "cpu"
+
+    def memory_total(self, index: int = 0) -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def memory_available(self, index: int = 0) -> int:
+        for line in _read_lines("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        return self.memory_total(index) // 2
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if has_fast_bf16() else torch.float32
+
+    def default_attention_backend(self, config: EngineConfig) -> str:
+        return "torch_paged"
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.readlines()
+    except OSError:
+        return []
+
+
+@hookimpl
+def chassis_platform() -> type[Platform] | None:
+    return CpuPlatform

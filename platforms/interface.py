@@ -1,0 +1,119 @@
+"""The ``Platform`` interface: what core code asks of the hardware it runs on.
+
+Core code never branches on a device name; it asks ``current_platform``. A vendor plugin
+subclasses :class:`Platform` and returns the subclass from its ``chassis_platform`` hook.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
+
+
+class Platform(ABC):
+    """One kind of device. Instantiated once per process as ``current_platform``.
+
+    Class attributes are the identity; methods answer capability and resource questions.
+    """
+
+    #: Short name, used by ``CHASSIS_PLATFORM`` and shown by ``chassis env`` (``"cuda"``).
+    name: ClassVar[str]
+    #: The ``torch.device`` type tensors go to (``"cuda"``, ``"cpu"``, ``"xpu"``, ``"xla"``).
+    device_type: ClassVar[str]
+    #: The ``torch.distributed`` backend for tensor parallelism (``"nccl"``, ``"gloo"``).
+    dist_backend: ClassVar[str]
+    #: dtypes a model may run in on this device, best first.
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+
+    #: Why this platform was chosen; filled in by platform resolution.
+    selection_reason: str = ""
+
+    # -- detection ----------------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether the device is present and usable in this process. Cheap; no side effects."""
+
+    @classmethod
+    def detection_detail(cls) -> str:
+        """A one-line account of what detection saw (for ``chassis env``)."""
+        return "available" if cls.is_available() else "not available"
+
+    # -- devices ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def device_count(self) -> int:
+        """Number of devices of this kind visible to the process."""
+
+    def device(self, index: int = 0) -> torch.device:
+        """The ``torch.device`` for local device ``index``."""
+        return torch.device(self.device_type, index)
+
+    def set_device(self, index: int) -> None:
+        """Make ``index`` the current device of this process (default: nothing to do)."""
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on the current device (default: nothing queued)."""
+
+    def device_name(self, index: int = 0) -> str:
+        """Human-readable name of device ``index``."""
+        return self.name
+
+    # -- memory -------------------------------------------------------------------------------
+
+    @abstractmethod
+    def memory_total(self, index: int = 0) -> int:
+        """Total memory of device ``index`` in bytes."""
+
+    @abstractmethod
+    def memory_available(self, index: int = 0) -> int:
+        """Memory of device ``index`` free for this process now, in bytes."""
+
+    # -- capabilities -------------------------------------------------------------------------
+
+    def default_dtype(self) -> torch.dtype:
+        """The dtype ``--dtype auto`` resolves to for a checkpoint stored in 16-bit floats."""
+        return self.supported_dtypes[0]
+
+    @abstractmethod
+    def default_attention_backend(self, config: EngineConfig) -> str:
+        """Name (in the attention-backend registry) of the backend to use without a flag."""
+
+    def supports_graph_capture(self) -> bool:
+        """Whether decode steps can be captured and replayed as device graphs."""
+        return False
+
+    def pin_memory_available(self) -> bool:
+        """Whether host staging buffers should be pinned for non-blocking copies."""
+        return False
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        """Validate ``config`` for this device and fill device-dependent fields in place.
+
+        Raise ``ValueError`` with an actionable message for what this device cannot do.
+        """
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``chassis env``."""
+        count = self.device_count()
+        return {
+            "platform": self.name,
+            "device_type": self.device_type,
+            "dist_backend": self.dist_backend,
+            "device_count": count,
+            "devices": [self.device_name(i) for i in range(count)],
+            "supported_dtypes": [str(d).removeprefix("torch.") for d in self.supported_dtypes],
+            "graph_capture": self.supports_graph_capture(),
+            "selected_because": self.selection_reason,
+        }
+
+    def __repr__(self) -> str:
+        return f"<Platform {self.name}>"

@@ -1,0 +1,53 @@
+"""The torch facts platform detectors read, as small functions tests can replace."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def hip_version() -> str | None:
+    """torch's HIP version on a ROCm build, else None."""
+    return getattr(torch.version, "hip", None)
+
+
+def cuda_version() -> str | None:
+    return getattr(torch.version, "cuda", None)
+
+
+def cuda_device_count() -> int:
+    """Devices torch.cuda sees (CUDA or HIP); 0 when the runtime is unusable."""
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver reads as "no device", and detection_detail says so
+        return 0
+
+
+def xpu_device_count() -> int:
+    xpu = getattr(torch, "xpu", None)
+    try:
+        return xpu.device_count() if xpu is not None and xpu.is_available() else 0
+    except Exception:
+        return 0
+
+
+def module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def tpu_device_count() -> int:
+    """TPU devices seen through torch_xla (0 without torch_xla, libtpu or devices)."""
+    if not module_present("torch_xla") or not (
+        module_present("libtpu") or module_present("libtpu_nightly")
+    ):
+        return 0
+    try:
+        import torch_xla.runtime as xr  # type: ignore[import-not-found]
+
+        return int(xr.global_runtime_device_count()) if xr.device_type() == "TPU" else 0
+    except Exception:
+        return 0

@@ -1,0 +1,68 @@
+"""The process's registries, filled by the ``chassis_register_*`` hooks of loaded plugins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from chassis.plugins.manager import PluginManager, get_plugin_manager
+from chassis.plugins.registry import Registry
+
+
+@dataclass(frozen=True)
+class Registries:
+    """One registry per pick-by-name kind of plugin object."""
+
+    models: Registry[Any]
+    attention_backends: Registry[Any]
+    schedulers: Registry[Any]
+    samplers: Registry[Any]
+    tool_parsers: Registry[Any]
+    reasoning_parsers: Registry[Any]
+
+    def items(self) -> list[tuple[str, Registry[Any]]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+#: registry field -> (hook that fills it, human-readable kind)
+_HOOKS = {
+    "models": ("chassis_register_models", "model architecture"),
+    "attention_backends": ("chassis_register_attention_backends", "attention backend"),
+    "schedulers": ("chassis_register_schedulers", "scheduler"),
+    "samplers": ("chassis_register_samplers", "sampler"),
+    "tool_parsers": ("chassis_register_tool_parsers", "tool-call parser"),
+    "reasoning_parsers": ("chassis_register_reasoning_parsers", "reasoning parser"),
+}
+
+
+def build_registries(manager: PluginManager) -> Registries:
+    """Load the general plugins of ``manager`` and let each fill the registries."""
+    manager.load_general_plugins()
+    built: dict[str, Registry[Any]] = {}
+    for field_name, (hook, kind) in _HOOKS.items():
+        registry: Registry[Any] = Registry(kind)
+        for plugin_name, fn, argnames in manager.hookimpls(hook):
+            registry.current_owner = plugin_name
+            try:
+                fn(**{a: registry for a in argnames})
+            except Exception as exc:
+                from chassis.plugins.manager import PluginLoadError
+
+                raise PluginLoadError(
+                    f"plugin {plugin_name!r} from distribution "
+                    f"{manager.distribution_of(plugin_name)!r}: hook {hook!r} failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        registry.current_owner = "<direct>"
+        built[field_name] = registry
+    return Registries(**built)
+
+
+def get_registries() -> Registries:
+    """The registries of this process, built once (after loading the general plugins)."""
+    manager = get_plugin_manager()
+    regs = manager.cache.get("registries")
+    if regs is None:
+        regs = build_registries(manager)
+        manager.cache["registries"] = regs
+    return regs

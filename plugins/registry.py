@@ -1,0 +1,87 @@
+"""A registry maps names to plugin-provided classes; pick-one choices are made from it."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownNameError(ValueError):
+    """A name was asked of a registry that does not hold it; the message lists known names."""
+
+
+class DuplicateNameError(ValueError):
+    """Two plugins registered the same name in one registry."""
+
+
+class Registry(Generic[T]):
+    """Name -> class (or lazy ``"module:Class"`` string) for one kind of plugin object.
+
+    Registration hooks call :meth:`register`; the engine calls :meth:`get`. Lazy strings are
+    imported on the first :meth:`get`, so registering is cheap and import-safe.
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, T | str] = {}
+        self._owners: dict[str, str] = {}
+        #: Set by the plugin manager while a plugin's hook runs, to attribute registrations.
+        self.current_owner: str = "<direct>"
+
+    def register(self, name: str, obj: T | str) -> None:
+        """Add ``name``; ``obj`` is the class itself or ``"package.module:Class"``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        if isinstance(obj, str) and ":" not in obj:
+            raise ValueError(
+                f"lazy {self.kind} {name!r} must be 'package.module:Class', got {obj!r}"
+            )
+        if name in self._entries:
+            raise DuplicateNameError(
+                f"{self.kind} {name!r} is registered twice: by {self._owners[name]!r} "
+                f"and by {self.current_owner!r}"
+            )
+        self._entries[name] = obj
+        self._owners[name] = self.current_owner
+
+    def get(self, name: str) -> T:
+        """Return the class registered as ``name``; raise :class:`UnknownNameError` if none."""
+        try:
+            obj = self._entries[name]
+        except KeyError:
+            known = ", ".join(sorted(self._entries)) or "(none)"
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; known: {known}") from None
+        if isinstance(obj, str):
+            module_name, _, attr = obj.partition(":")
+            try:
+                obj = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError) as exc:
+                raise ImportError(
+                    f"{self.kind} {name!r} (registered by {self._owners[name]!r}) points to "
+                    f"{self._entries[name]!r}, which cannot be imported: {exc}"
+                ) from exc
+            self._entries[name] = obj
+        return obj  # type: ignore[return-value]
+
+    def owner(self, name: str) -> str:
+        """The plugin that registered ``name``."""
+        return self._owners[name]
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._entries)
+
+    def names_by(self, owner: str) -> list[str]:
+        """Names that plugin ``owner`` registered."""
+        return sorted(n for n, o in self._owners.items() if o == owner)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {self.names()})"

@@ -1,0 +1,1 @@
+"""Serving: the chassis CLI, the OpenAI-compatible FastAPI app, protocol models, SSE."""

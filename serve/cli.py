@@ -1,0 +1,51 @@
+"""The ``chassis`` command: one sub-command per module, each with ``add_parser`` and ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+#: sub-command name -> module with ``add_parser(subparsers)`` and ``run(args) -> int``
+SUBCOMMANDS = {
+    "serve": "chassis.serve.cli_serve",
+    "env": "chassis.serve.cli_env",
+    "plugins": "chassis.serve.cli_plugins",
+    "bench": "chassis.serve.cli_bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chassis", description="chassis: a plugin-first LLM inference and serving engine"
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # sub-command not built yet
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
