@@ -1,10 +1,21 @@
-"""``SamplingMetadata``: the per-row sampling settings of one step, built by the model runner."""
+"""``SamplingMetadata``: the per-row sampling settings of one step, built by the model runner.
+
+:func:`build_sampling_metadata` turns the sampling requests of one step (one
+:class:`SamplingRow` each) into a :class:`SamplingMetadata`; it runs every step, so it makes
+tensors only for the features some row uses.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from chassis.core.sampling_params import SamplingParams
+
+#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing by them would
+#: overflow, and the distribution is one-hot for every practical purpose.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -12,6 +23,7 @@ class SamplingMetadata:
     """Settings for the rows that sample this step (row ``i`` = ``i``-th sampling request).
 
     Optional tensors are ``None`` when no row uses the feature, so the sampler skips it.
+    Greedy rows carry neutral ``top_k``/``top_p``/``min_p`` values.
     """
 
     #: [num_rows] float32; 0 means greedy for that row
@@ -24,13 +36,18 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None
     #: [num_rows] float32, 0.0 = off
     min_p: torch.Tensor | None = None
+    #: a host-side hint for the top-k/top-p filter: every row with ``top_k > 0`` or
+    #: ``top_p < 1`` has ``0 < top_k <= max_top_k``, so ranking that many candidates
+    #: suffices; None (always correct) makes the sampler sort the whole vocabulary
+    max_top_k: int | None = None
     #: row -> generator of a request with a seed (rows absent use the global RNG)
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     #: [num_rows] float32 each; None when every row has the neutral value
     repetition_penalty: torch.Tensor | None = None
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
-    #: token histories, needed only when a penalty is set
+    #: token histories, needed only when a penalty is set; a row whose penalties make no use
+    #: of a history may carry an empty list there (the builder does this to stay cheap)
     prompt_token_ids: list[list[int]] | None = None
     output_token_ids: list[list[int]] | None = None
     #: per row, token id -> additive bias (None for rows without)
@@ -48,3 +65,180 @@ class SamplingMetadata:
             and self.presence_penalty is None
             and self.frequency_penalty is None
         )
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One sampling request of a step, as the model runner knows it.
+
+    ``prompt_token_ids`` and ``output_token_ids`` are read, never copied or modified.
+    ``generator`` (seeded requests only) must live on the device the logits are on; the
+    sampler draws exactly one ``[vocab_size]`` noise vector from it per random step, so a
+    request's tokens depend only on its seed and its own history.
+    """
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None
+    #: the model's end-of-sequence ids (blocked while under ``min_tokens`` unless
+    #: ``ignore_eos``)
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+def host_to_device(
+    data: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A tensor of ``data`` (host values or a CPU tensor) on ``device``, without making the
+    host wait for the device.
+
+    On CUDA/ROCm the values go through pinned memory with an asynchronous copy; a plain copy
+    from pageable memory would wait for all queued device work (the model forward).
+    """
+    device = torch.device(device)
+    if isinstance(data, torch.Tensor):
+        host = data.to(dtype)
+    else:
+        host = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def build_sampling_metadata(
+    rows: Sequence[SamplingRow], device: torch.device | str, vocab_size: int
+) -> SamplingMetadata:
+    """The :class:`SamplingMetadata` of ``rows`` (row ``i`` of the logits = ``rows[i]``).
+
+    Cheap enough to call every step: one pass over the rows, tensors only for features some
+    row uses. Greedy rows (temperature < :data:`SAMPLING_EPS`) get temperature 0, neutral
+    top-k/top-p/min-p and no generator. ``top_k >= vocab_size`` counts as off.
+
+    :param rows: the rows that sample this step, in logits order
+    :param device: where the logits live; tensors are placed there
+    :param vocab_size: the logits' last dimension
+    :raises ValueError: if a ``logit_bias`` token id is outside ``[0, vocab_size)``
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    device = torch.device(device)
+    temperature: list[float] = []
+    top_k: list[int] = []
+    top_p: list[float] = []
+    min_p: list[float] = []
+    repetition: list[float] = []
+    presence: list[float] = []
+    frequency: list[float] = []
+    generators: dict[int, torch.Generator] = {}
+    logit_bias: list[dict[int, float] | None] = []
+    blocked: list[set[int] | None] = []
+    max_num_logprobs: int | None = None
+    num_greedy = 0
+    max_top_k = 0  # -1 once a row uses top-p without top-k
+    use_top_k = use_top_p = use_min_p = use_bias = use_blocked = False
+
+    for i, row in enumerate(rows):
+        params = row.sampling_params
+        if params.temperature < SAMPLING_EPS:
+            num_greedy += 1
+            temperature.append(0.0)
+            top_k.append(0)
+            top_p.append(1.0)
+            min_p.append(0.0)
+        else:
+            temperature.append(params.temperature)
+            k = params.top_k if params.top_k < vocab_size else 0
+            top_k.append(k)
+            top_p.append(params.top_p)
+            min_p.append(params.min_p)
+            use_top_k |= k > 0
+            if params.top_p < 1.0 and k == 0:
+                max_top_k = -1
+            elif max_top_k >= 0:
+                max_top_k = max(max_top_k, k)
+            use_top_p |= params.top_p < 1.0
+            use_min_p |= params.min_p > 0.0
+            if row.generator is not None:
+                generators[i] = row.generator
+
+        repetition.append(params.repetition_penalty)
+        presence.append(params.presence_penalty)
+        frequency.append(params.frequency_penalty)
+
+        bias = params.logit_bias or None
+        if bias is not None:
+            for token_id in bias:
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(
+                        f"invalid sampling parameter logit_bias: token id {token_id} is "
+                        f"outside the vocabulary [0, {vocab_size})"
+                    )
+            use_bias = True
+        logit_bias.append(bias)
+
+        row_blocked = None
+        if len(row.output_token_ids) < params.min_tokens:
+            ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                ids |= row.eos_token_ids
+            # Ids past the logits can never be sampled, so there is nothing to block.
+            row_blocked = {t for t in ids if t < vocab_size} or None
+            use_blocked |= row_blocked is not None
+        blocked.append(row_blocked)
+
+        if params.logprobs is not None and (
+            max_num_logprobs is None or params.logprobs > max_num_logprobs
+        ):
+            max_num_logprobs = params.logprobs
+
+    num_rows = len(temperature)
+    metadata = SamplingMetadata(
+        temperature=host_to_device(temperature, torch.float32, device),
+        all_greedy=num_greedy == num_rows,
+        all_random=num_greedy == 0 and num_rows > 0,
+        top_k=host_to_device(top_k, torch.int64, device) if use_top_k else None,
+        top_p=host_to_device(top_p, torch.float32, device) if use_top_p else None,
+        min_p=host_to_device(min_p, torch.float32, device) if use_min_p else None,
+        max_top_k=max_top_k if use_top_k and max_top_k > 0 else None,
+        generators=generators,
+        logit_bias=logit_bias if use_bias else None,
+        min_tokens_blocked=blocked if use_blocked else None,
+        max_num_logprobs=max_num_logprobs,
+    )
+    _add_penalties(metadata, rows, repetition, presence, frequency, device)
+    return metadata
+
+
+def _add_penalties(
+    metadata: SamplingMetadata,
+    rows: Sequence[SamplingRow],
+    repetition: list[float],
+    presence: list[float],
+    frequency: list[float],
+    device: torch.device,
+) -> None:
+    """Fill the penalty tensors and the histories they need, if any row has a penalty."""
+    uses_prompt = [r != 1.0 for r in repetition]
+    uses_output = [
+        r != 1.0 or p != 0.0 or f != 0.0
+        for r, p, f in zip(repetition, presence, frequency, strict=True)
+    ]
+    if not any(uses_output):
+        return
+    if any(uses_prompt):
+        metadata.repetition_penalty = host_to_device(repetition, torch.float32, device)
+    if any(p != 0.0 for p in presence):
+        metadata.presence_penalty = host_to_device(presence, torch.float32, device)
+    if any(f != 0.0 for f in frequency):
+        metadata.frequency_penalty = host_to_device(frequency, torch.float32, device)
+    # Only the repetition penalty reads the prompt; rows without a penalty need no history.
+    metadata.prompt_token_ids = [
+        row.prompt_token_ids if use else [] for row, use in zip(rows, uses_prompt, strict=True)
+    ]
+    metadata.output_token_ids = [
+        row.output_token_ids if use else [] for row, use in zip(rows, uses_output, strict=True)
+    ]

@@ -1,0 +1,79 @@
+"""The built-in ``default`` sampler: vLLM v1 semantics, vectorized, no host synchronization."""
+
+from __future__ import annotations
+
+import torch
+from chassis.builtin_plugins.samplers.draw import exponential_race
+from chassis.builtin_plugins.samplers.filters import (
+    apply_min_p,
+    apply_temperature,
+    apply_top_k_top_p,
+)
+from chassis.builtin_plugins.samplers.logit_edits import apply_logit_bias, apply_min_tokens
+from chassis.builtin_plugins.samplers.logprobs import gather_logprobs
+from chassis.builtin_plugins.samplers.penalties import apply_penalties, token_counts
+from chassis.core.sampler_interface import Sampler, SamplerOutput
+from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingMetadata
+
+
+class DefaultSampler(Sampler):
+    """Greedy and random sampling with every vLLM sampling parameter.
+
+    Order (as vLLM v1): logprobs of the raw logits (if asked) -> ``logit_bias`` ->
+    ``min_tokens`` blocking -> repetition/frequency/presence penalties -> greedy rows take the
+    argmax; random rows: temperature -> min-p -> top-k -> top-p -> softmax -> exponential
+    race. See docs/sampling.md. ``logits`` is modified in place.
+    """
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row; see :meth:`Sampler.__call__` for the contract."""
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+
+        logits = self.process_logits(logits, metadata)
+        sampled = self.sample(logits, metadata)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Apply the edits that also change greedy choices: bias, min_tokens, penalties."""
+        if metadata.logit_bias is not None:
+            apply_logit_bias(logits, metadata.logit_bias)
+        if metadata.min_tokens_blocked is not None:
+            apply_min_tokens(logits, metadata.min_tokens_blocked)
+        if not metadata.no_penalties:
+            vocab_size = logits.shape[-1]
+            if metadata.output_token_ids is None:
+                raise ValueError("SamplingMetadata has penalties but no output_token_ids")
+            output_counts = token_counts(metadata.output_token_ids, vocab_size, logits.device)
+            prompt_counts = None
+            if metadata.repetition_penalty is not None and metadata.prompt_token_ids is not None:
+                prompt_counts = token_counts(metadata.prompt_token_ids, vocab_size, logits.device)
+            apply_penalties(
+                logits,
+                prompt_counts,
+                output_counts,
+                metadata.repetition_penalty,
+                metadata.presence_penalty,
+                metadata.frequency_penalty,
+            )
+        return logits
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """``[num_rows]`` int64: argmax for greedy rows, a random draw for the others."""
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy
+        apply_temperature(logits, metadata.temperature)
+        if metadata.min_p is not None:
+            apply_min_p(logits, metadata.min_p)
+        apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+        random = exponential_race(logits.softmax(dim=-1), metadata.generators)
+        if greedy is None:
+            return random
+        return torch.where(metadata.temperature < SAMPLING_EPS, greedy, random)
