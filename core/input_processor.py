@@ -1,0 +1,143 @@
+"""Prompt -> validated ``EngineCoreRequest``s (one per completion when ``n > 1``)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from chassis.core.request import EngineCoreRequest
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from chassis.core.config import EngineConfig
+    from chassis.core.sampling_params import SamplingParams
+    from transformers import PreTrainedTokenizerBase
+
+_SEED_SPAN = 2**64
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    """The engine-core id of completion ``index`` of a request with ``n > 1``."""
+    return f"{index}_{request_id}"
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts in the front-end, before anything reaches the engine.
+
+    ``config.max_model_len`` must be resolved (``EngineConfig.check_against_model``). Every
+    rejection is a ``ValueError`` whose message a client can act on (the API server returns
+    it as HTTP 400).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        config: EngineConfig,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        if config.max_model_len is None:
+            raise ValueError(
+                "InputProcessor needs config.max_model_len; call "
+                "EngineConfig.check_against_model(...) first"
+            )
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len: int = config.max_model_len
+        #: ids in [0, vocab_size) are valid (added tokens included)
+        self.vocab_size = len(tokenizer)
+
+    def tokenize(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``prompt`` as token ids, with the tokenizer's special tokens (BOS) unless told not."""
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+
+    def process(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        *,
+        add_special_tokens: bool = True,
+    ) -> list[EngineCoreRequest]:
+        """Validate one request and return what to send to the engine core.
+
+        ``prompt`` is text (tokenized here) or token ids (checked against the vocabulary).
+        ``max_tokens=None`` becomes "up to the context length". For ``n == 1`` one request
+        with ``request_id``; for ``n > 1``, ``n`` requests with ids ``f"{i}_{request_id}"``,
+        each ``n=1``; when ``params.seed`` is set, child ``i`` gets ``seed + i`` (modulo 2**64)
+        so completions differ yet reproduce. ``add_special_tokens=False`` suits prompts
+        rendered by a chat template that already contains BOS.
+        """
+        if isinstance(prompt, str):
+            prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        else:
+            prompt_token_ids = [int(t) for t in prompt]
+        params = self._validate(prompt_token_ids, params)
+        if arrival_time is None:
+            arrival_time = time.time()
+
+        def make(rid: str, p: SamplingParams) -> EngineCoreRequest:
+            return EngineCoreRequest(
+                request_id=rid,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=p,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival_time,
+                priority=priority,
+            )
+
+        if params.n == 1:
+            return [make(request_id, params)]
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else (params.seed + i) % _SEED_SPAN
+            children.append(make(child_request_id(i, request_id), params.clone(n=1, seed=seed)))
+        return children
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check the prompt and params against the model; return params with max_tokens set."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:10]}"
+            )
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt is {num_prompt} tokens, which leaves no room for a completion. "
+                "Please reduce the length of the prompt."
+            )
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.max_model_len - num_prompt)
+        elif num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
+                f"messages, {params.max_tokens} in the completion). Please reduce the length "
+                "of the messages or completion."
+            )
+        max_logprobs = self.config.max_logprobs
+        for name, value in (
+            ("logprobs", params.logprobs),
+            ("prompt_logprobs", params.prompt_logprobs),
+        ):
+            if value is not None and value > max_logprobs:
+                raise ValueError(
+                    f"{name}={value} exceeds the server's limit of {max_logprobs} (--max-logprobs)"
+                )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias or ())),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): {bad[:10]}"
+                )
+        return params

@@ -1,0 +1,332 @@
+"""Engine-core outputs (token ids per step) -> ``RequestOutput``s (text, logprobs, metrics).
+
+Runs in the front-end. Each parent request (one ``RequestOutput``) has one child per
+completion (``n``); the engine core only knows children. Stop strings are applied here, so a
+child that hits one is finished here first and reported in ``request_ids_to_abort`` for the
+engine core to drop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from chassis.core.detokenizer import IncrementalDetokenizer
+from chassis.core.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from chassis.core.request import FinishReason
+
+if TYPE_CHECKING:
+    from chassis.core.request import EngineCoreOutput, EngineCoreOutputs, TokenLogprobs
+    from chassis.core.sampling_params import SamplingParams
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessedOutputs:
+    """The result of one ``OutputProcessor.process_outputs`` call."""
+
+    #: one per parent request that made progress, in the order first touched
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    #: child (engine-core) request ids finished by a stop string: abort them in the engine
+    request_ids_to_abort: list[str] = field(default_factory=list)
+
+
+class _Completion:
+    """Front-end state of one child request (one completion of a parent)."""
+
+    def __init__(
+        self, index: int, detokenizer: IncrementalDetokenizer, want_logprobs: bool
+    ) -> None:
+        self.index = index
+        self.detokenizer = detokenizer
+        self.logprobs: list[PositionLogprobs] | None = [] if want_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if want_logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Delta mode: what has not been yielded yet.
+        self.pending_text = ""
+        self.num_tokens_sent = 0
+        self.has_progress = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def delta_output(self) -> CompletionOutput:
+        """What is new since the previous delta (and mark it sent)."""
+        start = self.num_tokens_sent
+        token_ids = self.detokenizer.token_ids[start:]
+        out = CompletionOutput(
+            index=self.index,
+            text=self.pending_text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs[start:],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.pending_text = ""
+        self.num_tokens_sent += len(token_ids)
+        return out
+
+    def cumulative_output(self) -> CompletionOutput:
+        """Everything so far (text without the characters held back for stop strings)."""
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.streamed_text,
+            token_ids=list(self.detokenizer.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class _ParentRequest:
+    """Front-end state of one request as the caller sees it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        completions: dict[str, _Completion],
+        arrival_time: float,
+        delta: bool,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        #: child request id -> completion, in index order
+        self.completions = completions
+        self.delta = delta
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.prompt_logprobs_sent = False
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions.values())
+
+    def make_output(self) -> RequestOutput:
+        finished = self.finished
+        if self.delta:
+            outputs = [c.delta_output() for c in self.completions.values() if c.has_progress]
+            prompt_logprobs = None if self.prompt_logprobs_sent else self.prompt_logprobs
+        else:
+            outputs = [c.cumulative_output() for c in self.completions.values()]
+            prompt_logprobs = self.prompt_logprobs
+        self.prompt_logprobs_sent = self.prompt_logprobs is not None
+        for c in self.completions.values():
+            c.has_progress = False
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+            # a snapshot: the caller may read it after later steps updated ours
+            metrics=replace(self.metrics),
+        )
+
+
+class OutputProcessor:
+    """Tracks every running request in the front-end and turns engine outputs into results.
+
+    Not thread-safe: call it from one thread (the output handler task of ``AsyncLLM``, or the
+    loop of the offline ``LLM``).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _ParentRequest] = {}
+        #: child request id -> parent request id
+        self._child_to_parent: dict[str, str] = {}
+        self._token_text: dict[int, str] = {}
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_request_ids: list[str],
+        arrival_time: float | None,
+        delta: bool,
+    ) -> None:
+        """Start tracking a request whose children were sent to the engine core.
+
+        ``child_request_ids`` are the engine-core ids in completion-index order (``[request_id]``
+        when ``n == 1``). ``delta``: yield only what is new (streaming) instead of the full
+        state. Raises ``ValueError`` if an id is already tracked.
+        """
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not child_request_ids:
+            raise ValueError(f"request {request_id!r} needs at least one child request id")
+        taken = [c for c in child_request_ids if c in self._child_to_parent]
+        if taken:
+            raise ValueError(f"child request ids already running: {taken}")
+        want_logprobs = params.logprobs is not None
+        completions = {
+            child_id: _Completion(
+                index,
+                IncrementalDetokenizer.from_sampling_params(self.tokenizer, params),
+                want_logprobs,
+            )
+            for index, child_id in enumerate(child_request_ids)
+        }
+        self._parents[request_id] = _ParentRequest(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            completions,
+            time.time() if arrival_time is None else arrival_time,
+            delta,
+        )
+        for child_id in child_request_ids:
+            self._child_to_parent[child_id] = request_id
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Stop tracking a parent request; return its unfinished child ids (abort them in the
+        engine core). Unknown ids return ``[]``."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return []
+        self._remove(parent)
+        return [cid for cid, c in parent.completions.items() if not c.finished]
+
+    def fail_all(self, error: BaseException | str) -> list[str]:
+        """Forget every request (the engine died); return the parent ids so the caller can
+        fail each one with ``error``."""
+        request_ids = list(self._parents)
+        if request_ids:
+            logger.error("failing %d running requests: %s", len(request_ids), error)
+        self._parents.clear()
+        self._child_to_parent.clear()
+        return request_ids
+
+    def has_unfinished(self) -> bool:
+        """Whether any parent request is still tracked."""
+        return bool(self._parents)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._parents)
+
+    def _remove(self, parent: _ParentRequest) -> None:
+        del self._parents[parent.request_id]
+        for child_id in parent.completions:
+            self._child_to_parent.pop(child_id, None)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def process_outputs(self, engine_core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """Apply one batch of engine-core outputs.
+
+        Returns one ``RequestOutput`` per parent that made progress (finished parents are
+        then forgotten) and the children a stop string finished. Outputs for unknown or
+        already finished children (aborted, or stopped here) are ignored. ``engine_error`` is
+        not handled here: the caller checks it and calls ``fail_all``.
+        """
+        now = time.time()
+        result = ProcessedOutputs()
+        touched: dict[str, _ParentRequest] = {}
+        for out in engine_core_outputs.outputs:
+            parent_id = self._child_to_parent.get(out.request_id)
+            if parent_id is None:
+                continue
+            parent = self._parents[parent_id]
+            completion = parent.completions[out.request_id]
+            if completion.finished:
+                continue
+            if self._apply(parent, completion, out, now):
+                result.request_ids_to_abort.append(out.request_id)
+            touched[parent_id] = parent
+        for parent in touched.values():
+            finished = parent.finished
+            if finished:
+                parent.metrics.finished_time = now
+            result.request_outputs.append(parent.make_output())
+            if finished:
+                self._remove(parent)
+        return result
+
+    def _apply(
+        self,
+        parent: _ParentRequest,
+        completion: _Completion,
+        out: EngineCoreOutput,
+        now: float,
+    ) -> bool:
+        """Fold one engine output into a completion; True if the engine must abort it."""
+        if out.num_cached_tokens:
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [
+                None if tl is None else self._position_logprobs(tl) for tl in out.prompt_logprobs
+            ]
+        detok = completion.detokenizer
+        num_before = len(detok.token_ids)
+        completion.pending_text += detok.update(
+            out.new_token_ids,
+            finished=out.finished,
+            stop_token_terminated=out.finish_reason == FinishReason.STOP,
+        )
+        num_new = len(detok.token_ids) - num_before
+        if completion.logprobs is not None and out.new_logprobs:
+            for tl in out.new_logprobs[:num_new]:
+                completion.logprobs.append(self._position_logprobs(tl))
+                completion.cumulative_logprob += tl.logprobs[0]
+        if num_new:
+            metrics = parent.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.num_generation_tokens += num_new
+        completion.has_progress = True
+        must_abort = False
+        if detok.stop_reason is not None:
+            completion.finish_reason = FinishReason.STOP.value
+            completion.stop_reason = detok.stop_reason
+            must_abort = not out.finished
+        elif out.finished:
+            completion.finish_reason = FinishReason(out.finish_reason).value
+            completion.stop_reason = out.stop_reason
+        return must_abort
+
+    def _position_logprobs(self, tl: TokenLogprobs) -> PositionLogprobs:
+        """The chosen token (its true rank) then the top alternatives (ranks 1, 2, ...)."""
+        chosen = tl.token_ids[0]
+        result: PositionLogprobs = {
+            chosen: Logprob(tl.logprobs[0], tl.rank, self._decoded_token(chosen))
+        }
+        for rank, (token_id, logprob) in enumerate(
+            zip(tl.token_ids[1:], tl.logprobs[1:], strict=True), start=1
+        ):
+            if token_id not in result:
+                result[token_id] = Logprob(logprob, rank, self._decoded_token(token_id))
+        return result
+
+    def _decoded_token(self, token_id: int) -> str:
+        # One token's own text (special tokens kept); partial UTF-8 bytes read as U+FFFD.
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text

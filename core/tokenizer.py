@@ -1,0 +1,137 @@
+"""Tokenizer loading, EOS ids and chat templates for the front-end.
+
+The front-end owns the tokenizer: it turns prompts (or chat messages) into token ids and token
+ids back into text. Everything here is a thin, documented layer over ``transformers`` so the
+rest of the engine never touches ``AutoTokenizer`` directly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+#: Characters that only appear in an inline Jinja template, never in a plain file path.
+_JINJA_MARKERS = ("{{", "{%", "{#", "\n")
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def load_tokenizer(
+    path: str | Path,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    **kwargs: Any,
+) -> PreTrainedTokenizerBase:
+    """Load the (fast, Rust-backed where available) tokenizer of a model.
+
+    ``path`` is a local directory with tokenizer files or a hub id. Extra ``kwargs`` go to
+    ``AutoTokenizer.from_pretrained`` (e.g. ``gguf_file=...``). Raises ``ValueError`` with the
+    path when nothing loadable is there.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path),
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            use_fast=True,
+            **kwargs,
+        )
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    hf_generation_config_path_or_dir: str | Path | None = None,
+) -> list[int]:
+    """The token ids that end generation: the tokenizer's EOS, then the model's extra ones.
+
+    ``hf_generation_config_path_or_dir`` is a ``generation_config.json`` file or the model
+    directory holding one; its ``eos_token_id`` (an int or a list) is added when present. A
+    missing file is not an error (many checkpoints have none). Order is kept, duplicates
+    dropped.
+    """
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if hf_generation_config_path_or_dir is not None:
+        path = Path(hf_generation_config_path_or_dir)
+        if path.is_dir():
+            path = path / GENERATION_CONFIG_FILE
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+            extra = data.get("eos_token_id")
+            if isinstance(extra, int):
+                extra = [extra]
+            for token_id in extra or []:
+                if int(token_id) not in ids:
+                    ids.append(int(token_id))
+    return ids
+
+
+def load_chat_template(arg: str | Path | None) -> str | None:
+    """Resolve a ``--chat-template`` value: a file path or an inline Jinja template string.
+
+    ``None`` stays ``None`` (use the tokenizer's own template). A string containing Jinja
+    markup (``{{``, ``{%``, ``{#``) or a newline is taken as the template itself; otherwise it
+    must name an existing file, whose contents are returned. A path-like value that does not
+    exist raises ``ValueError``.
+    """
+    if arg is None:
+        return None
+    text = str(arg)
+    if any(marker in text for marker in _JINJA_MARKERS):
+        return text
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path.read_text()
+    raise ValueError(
+        f"--chat-template {text!r} is neither an existing file nor an inline Jinja template "
+        "(an inline template must contain '{{', '{%' or '{#')"
+    )
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Render chat ``messages`` to the prompt string the model expects.
+
+    ``chat_template`` overrides the tokenizer's own template. ``add_generation_prompt`` appends
+    the header of the assistant's turn. ``tools`` (OpenAI function schemas) and any other
+    ``kwargs`` are passed to the template. Returns text, not token ids: tokenize it with
+    ``InputProcessor`` (the template already contains any BOS, so callers that care may
+    tokenize without special tokens). Raises ``ValueError`` when there is no template at all.
+    """
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "this model's tokenizer has no chat template, so chat messages cannot be rendered; "
+            "pass one with --chat-template (a file path or an inline Jinja string), or use the "
+            "completions API with a plain prompt"
+        )
+    rendered = tokenizer.apply_chat_template(
+        messages,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        tokenize=False,
+        **kwargs,
+    )
+    if not isinstance(rendered, str):
+        raise ValueError(f"the chat template rendered {type(rendered).__name__}, expected text")
+    return rendered
