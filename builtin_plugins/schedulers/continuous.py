@@ -1,0 +1,381 @@
+"""``ContinuousBatchingScheduler``: the machinery shared by the built-in schedulers.
+
+Each step (:meth:`~ContinuousBatchingScheduler.schedule`):
+
+1. Running requests, in policy order, each get what they still need (1 token for a decode, the
+   rest of the prompt for a prefill, cut to the remaining token budget when chunked prefill is
+   on). If the KV cache has no room, the policy's victim is preempted (possibly the request
+   itself) until it has.
+2. If nothing was preempted, waiting requests are admitted in policy order while the token
+   budget and ``max_num_seqs`` allow, each starting from its longest prefix-cache hit. The
+   first one that does not fit stops admission (no overtaking, so no starvation), unless the
+   policy lets it preempt running requests.
+
+Preemption is by recompute: the victim's blocks are freed (full computed blocks stay in the
+prefix cache, so resuming is often cheap), its ``num_computed_tokens`` drops to 0, it goes back
+to the waiting queue and later restarts as a new request whose prompt is its prompt plus the
+tokens generated so far.
+
+``request.num_computed_tokens`` is advanced in ``schedule()`` (as in vLLM), at the end of the
+step plan, for every scheduled request: from then on it counts the tokens whose K/V exist once
+the runner has executed that plan. The ``num_computed_tokens`` sent in ``NewRequestData`` and
+``CachedRequestData`` is the value *before* the step: the position of the step's first token.
+
+Subclasses choose the policy by overriding :meth:`sort_key`, :meth:`select_victim` and
+:meth:`can_preempt_for`; see docs/scheduling.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from chassis.core.request import EngineCoreOutput, FinishReason, RequestStatus, SchedulerStats
+from chassis.core.scheduler_interface import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    Scheduler,
+    SchedulerOutput,
+)
+from chassis.core.stop_conditions import check_stop
+
+if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
+    from chassis.core.kv_cache_manager import KVCacheManager
+    from chassis.core.request import Request
+
+
+@dataclass
+class _StepPlan:
+    """The step being planned; preemption may take requests out of it again."""
+
+    token_budget: int
+    #: request id -> tokens to compute, in scheduling order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    #: ids to send as NewRequestData (the rest are CachedRequestData)
+    new_request_ids: set[str] = field(default_factory=set)
+    #: request id -> blocks taken this step (cached requests)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    #: preempted during this step (not to be readmitted in it)
+    preempted_ids: set[str] = field(default_factory=set)
+    #: ids the runner must drop
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    def add(self, request_id: str, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
+        self.num_scheduled_tokens[request_id] = num_tokens
+        self.token_budget -= num_tokens
+        if is_new:
+            self.new_request_ids.add(request_id)
+        else:
+            self.new_block_ids[request_id] = block_ids
+
+    def remove(self, request_id: str) -> None:
+        """Unschedule a request (preempted later in the same step), returning its tokens to the
+        budget."""
+        self.token_budget += self.num_scheduled_tokens.pop(request_id, 0)
+        self.new_request_ids.discard(request_id)
+        self.new_block_ids.pop(request_id, None)
+
+
+class ContinuousBatchingScheduler(Scheduler):
+    """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    The default policy is first come, first served; subclasses override the policy hooks.
+
+    Public state (read-only for callers): :attr:`waiting` (sorted by :meth:`sort_key`),
+    :attr:`running` (in the order of the last step), :attr:`requests` (unfinished requests by
+    id), :attr:`num_preemptions`.
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        super().__init__(config, kv_cache_manager)
+        if kv_cache_manager.block_size != config.block_size:
+            raise ValueError(
+                f"the KV cache manager's block size ({kv_cache_manager.block_size}) differs "
+                f"from --block-size ({config.block_size})"
+            )
+        capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} does not fit in the KV cache "
+                f"({kv_cache_manager.num_blocks} blocks of {kv_cache_manager.block_size} = "
+                f"{capacity} tokens): give the KV cache more memory or lower --max-model-len"
+            )
+        #: the context limit applied by stop conditions: max_model_len, or, when unset, what
+        #: the whole KV cache holds (a longer request could never run)
+        self.max_len = config.max_model_len if config.max_model_len is not None else capacity
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._arrival_index: dict[str, int] = {}
+        self._next_arrival_index = 0
+        # ids the runner holds in its persistent batch (sent as NewRequestData, not yet dropped)
+        self._in_runner: set[str] = set()
+        # finished or aborted since the last schedule(): the runner must drop them
+        self._finished_ids: set[str] = set()
+
+    # -- policy hooks (override in subclasses) ---------------------------------------------
+
+    def sort_key(self, request: Request) -> Any:
+        """The policy order: smaller keys are served first and preempted last.
+
+        Orders the waiting queue, the running requests within a step (who gets the token
+        budget first) and, by default, the choice of victim. Keys must be totally ordered and
+        unique per request. Default: arrival order (``arrival_index``).
+        """
+        return self.arrival_index(request)
+
+    def select_victim(self, candidates: list[Request]) -> Request:
+        """The running request to preempt when KV blocks run out; ``candidates`` is non-empty.
+
+        Default: the one with the largest :meth:`sort_key`.
+        """
+        return max(candidates, key=self.sort_key)
+
+    def can_preempt_for(self, request: Request, victim: Request) -> bool:
+        """Whether the waiting ``request`` may preempt the running ``victim`` to be admitted.
+
+        Default ``False``: waiting requests wait for blocks to be freed.
+        """
+        return False
+
+    # -- Scheduler interface ---------------------------------------------------------------
+
+    def arrival_index(self, request: Request) -> int:
+        """The request's position in arrival (``add_request``) order, from 0."""
+        return self._arrival_index[request.request_id]
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (status ``WAITING``).
+
+        Raises ``ValueError`` for a duplicate id or a prompt longer than :attr:`max_len`.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens > self.max_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"the {self.max_len} the engine accepts (--max-model-len or the KV cache size)"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._arrival_index[request.request_id] = self._next_arrival_index
+        self._next_arrival_index += 1
+        self._insert_waiting(request)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Finish these requests with ``FinishReason.ABORT`` and free their blocks.
+
+        Unknown or finished ids are ignored. Ids the runner holds are reported in the next
+        ``SchedulerOutput.finished_request_ids``.
+        """
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason = FinishReason.ABORT
+            self._finish(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see the module docstring) and advance ``num_computed_tokens``."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        plan.finished_request_ids, self._finished_ids = self._finished_ids, set()
+        self._schedule_running(plan)
+        if not plan.preempted_ids:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, apply :func:`check_stop`, free finished requests.
+
+        Returns one output per request that got tokens, prompt logprobs or finished. Results for
+        requests no longer running (aborted meanwhile) are dropped. Raises ``ValueError`` if the
+        runner sampled for a request whose scheduled tokens did not reach its last token.
+        """
+        outputs: list[EngineCoreOutput] = []
+        logprobs = runner_output.logprobs
+        for i, request_id in enumerate(runner_output.request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            sampled = runner_output.sampled_token_ids[i]
+            if sampled and request.num_computed_tokens < request.num_tokens:
+                raise ValueError(
+                    f"the model runner sampled a token for request {request_id!r} although "
+                    f"only {request.num_computed_tokens} of its {request.num_tokens} tokens are "
+                    "computed (a prefill chunk that does not end the prompt samples nothing)"
+                )
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.output_token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                if check_stop(request, self.max_len):
+                    break
+            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            if not new_token_ids and prompt_logprobs is None:
+                continue
+            token_logprobs = logprobs[i] if logprobs is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=[token_logprobs]
+                    if token_logprobs is not None and new_token_ids
+                    else None,
+                    prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if request.finish_reason is not None:
+                self.running.remove(request)
+                self._finish(request)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def has_finished_requests(self) -> bool:
+        """Whether finished ids are pending for the runner (call ``schedule()`` once more to
+        let it drop them, even with nothing unfinished)."""
+        return bool(self._finished_ids)
+
+    def stats(self) -> SchedulerStats:
+        """Queue lengths, KV usage, prefix-cache counters (tokens) and preemptions so far."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # -- planning --------------------------------------------------------------------------
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        self.running.sort(key=self.sort_key)
+        for request in list(self.running):
+            if plan.token_budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new <= 0:
+                continue
+            if num_new > plan.token_budget:
+                if not self.config.enable_chunked_prefill:
+                    continue
+                num_new = plan.token_budget
+            while True:
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                if block_ids is not None:
+                    plan.add(request.request_id, num_new, block_ids, is_new=False)
+                    break
+                victim = self.select_victim(list(self.running))
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while (
+            self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            if request.request_id in plan.preempted_ids:
+                break
+            hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > plan.token_budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = plan.token_budget
+            block_ids = kv.allocate_slots(request, num_new, hit_block_ids, num_hit_tokens)
+            while block_ids is None:
+                victims = [r for r in self.running if self.can_preempt_for(request, r)]
+                if not victims:
+                    return
+                self._preempt(self.select_victim(victims), plan)
+                block_ids = kv.allocate_slots(request, num_new, hit_block_ids, num_hit_tokens)
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            self.running.append(request)
+            plan.add(request.request_id, num_new, block_ids, is_new=True)
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        output = SchedulerOutput(finished_request_ids=plan.finished_request_ids)
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            if request_id in plan.new_request_ids:
+                output.new_requests.append(
+                    NewRequestData(
+                        request_id=request_id,
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv_cache_manager.get_block_ids(request_id),
+                        num_computed_tokens=request.num_computed_tokens,
+                        eos_token_ids=request.eos_token_ids,
+                    )
+                )
+                self._in_runner.add(request_id)
+            else:
+                output.cached_requests.append(
+                    CachedRequestData(
+                        request_id=request_id,
+                        new_block_ids=plan.new_block_ids[request_id],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            output.num_scheduled_tokens[request_id] = num_tokens
+            request.num_computed_tokens += num_tokens
+        return output
+
+    # -- state changes ---------------------------------------------------------------------
+
+    def _insert_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self.sort_key)
+
+    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
+        """Preempt ``victim`` by recompute; it rejoins the waiting queue in policy order."""
+        self.running.remove(victim)
+        plan.remove(victim.request_id)
+        plan.preempted_ids.add(victim.request_id)
+        # num_computed_tokens is not yet advanced for this step, so free() registers only
+        # blocks whose K/V really exist.
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        if victim.request_id in self._in_runner:
+            self._in_runner.discard(victim.request_id)
+            plan.finished_request_ids.add(victim.request_id)
+        self._insert_waiting(victim)
+
+    def _finish(self, request: Request) -> None:
+        """Mark finished (``finish_reason`` already set), free blocks, forget the request."""
+        request.status = RequestStatus.FINISHED
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        del self._arrival_index[request.request_id]
+        if request.request_id in self._in_runner:
+            self._in_runner.discard(request.request_id)
+            self._finished_ids.add(request.request_id)

@@ -1,0 +1,246 @@
+"""``KVCacheManager``: which KV blocks each request owns, and the prefix cache.
+
+Schedulers talk to the KV cache only through this class:
+
+1. a request enters: ``blocks, num_hit = get_computed_blocks(request)`` finds the longest cached
+   prefix of full blocks;
+2. every step it is scheduled: ``allocate_slots(request, num_new_tokens, ...)`` makes room for
+   the tokens it will compute (``None``: no room, nothing changed; preempt or wait);
+3. it finishes or is preempted: ``free(request)``.
+
+Prefix caching. A *full* block is keyed by a chained hash: ``hash(parent_hash, its token ids)``,
+so equal keys mean equal whole prefixes, not just equal blocks. A block is registered once its
+K/V have been computed, i.e. once ``request.num_computed_tokens`` covers it, checked on the
+request's next ``allocate_slots`` and on ``free``. Registering a block only after it was computed
+(rather than when it is scheduled) means no request can ever hit a block whose K/V do not exist
+yet, even if its owner is preempted in the step that scheduled it. The cost is that two
+requests with the same prefix scheduled in the *same* step do not share it.
+
+Units: every count is in tokens unless its name says blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from chassis.core.block_pool import BlockHash, BlockPool
+
+if TYPE_CHECKING:
+    from chassis.core.request import Request
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The prefix-cache key of a full block: sha256 of the parent's key and the token ids.
+
+    Stable across processes and runs (no Python ``hash`` randomization).
+    """
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+@dataclass
+class _RequestBlocks:
+    """What the manager keeps per request."""
+
+    block_ids: list[int] = field(default_factory=list)
+    #: chained hashes of the request's first full blocks (computed lazily, only ever extended)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    #: leading blocks already registered in (or hit from) the prefix cache
+    num_cached_blocks: int = 0
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests, with prefix caching (on by default).
+
+    :param num_blocks: blocks in every layer's KV cache tensor.
+    :param block_size: tokens per block.
+    :param enable_prefix_caching: share full blocks between requests with equal prefixes.
+        When off, nothing is hashed and :meth:`get_computed_blocks` never hits.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1; got {block_size}")
+        self.block_pool = BlockPool(num_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        #: tokens looked up in the prefix cache (each call of get_computed_blocks counts)
+        self.prefix_cache_queries = 0
+        #: of those, tokens found
+        self.prefix_cache_hits = 0
+        self._requests: dict[str, _RequestBlocks] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by requests, in ``[0, 1]`` (cached free blocks are unused)."""
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available to :meth:`allocate_slots` (free cached blocks included)."""
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (empty if it holds no blocks)."""
+        state = self._requests.get(request_id)
+        return list(state.block_ids) if state else []
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of full blocks of ``request.all_token_ids``.
+
+        Returns ``(block_ids, num_computed_tokens)`` with ``num_computed_tokens ==
+        len(block_ids) * block_size``. Pass both to :meth:`allocate_slots` in the same step
+        (nothing is reserved until then). The whole sequence is never returned: at least one
+        token is left to compute so that the step produces logits. Only for a request that
+        holds no blocks (new, or resumed after preemption). Adds ``request.num_tokens`` to
+        :attr:`prefix_cache_queries` and the hit tokens to :attr:`prefix_cache_hits`.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestBlocks()
+        elif state.block_ids:
+            raise ValueError(
+                f"request {request.request_id!r} already holds KV blocks; "
+                "get_computed_blocks is for requests without blocks"
+            )
+        num_tokens = request.num_tokens
+        max_hit_blocks = (num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, state, max_hit_blocks)
+        hit_blocks: list[int] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            hit_blocks.append(block_id)
+        num_hit_tokens = len(hit_blocks) * self.block_size
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hit_blocks, num_hit_tokens
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (contents of blocks in use are untouched); returns how many
+        hashes were dropped. Blocks already registered for running requests are not registered
+        again."""
+        return self.block_pool.reset_prefix_cache()
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make room for ``request`` to compute ``num_new_tokens`` more tokens.
+
+        After the call the request holds blocks for ``request.num_computed_tokens +
+        num_new_computed_tokens + num_new_tokens`` tokens. ``new_computed_blocks`` and
+        ``num_new_computed_tokens`` are the result of :meth:`get_computed_blocks` for a request
+        that holds no blocks yet: those blocks get a reference and start its block table. The
+        caller then adds ``num_new_computed_tokens`` to ``request.num_computed_tokens``.
+
+        Also registers in the prefix cache every full block that ``request.num_computed_tokens``
+        (plus the hits) now covers.
+
+        Returns the block ids newly taken from the free list (possibly empty), in block-table
+        order after the existing ones; or ``None`` if there are not enough free blocks, in which
+        case nothing changed.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
+        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+            raise ValueError(
+                f"num_new_computed_tokens ({num_new_computed_tokens}) must be "
+                f"len(new_computed_blocks) * block_size "
+                f"({len(new_computed_blocks)} * {self.block_size})"
+            )
+        state = self._requests.get(request.request_id)
+        if new_computed_blocks and (
+            (state is not None and state.block_ids) or request.num_computed_tokens
+        ):
+            raise ValueError(
+                f"request {request.request_id!r}: prefix-cache blocks can only start a request "
+                "that holds no blocks and has no computed tokens"
+            )
+        num_held = len(state.block_ids) if state else 0
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required = self.num_blocks_for(num_computed + num_new_tokens)
+        num_to_take = max(0, num_required - num_held - len(new_computed_blocks))
+        # Hits sitting in the free list leave it when touched, so they count against it too.
+        num_free_hits = sum(1 for b in new_computed_blocks if self.block_pool.ref_count(b) == 0)
+        if num_to_take + num_free_hits > self.block_pool.num_free_blocks:
+            return None
+
+        if state is None:
+            state = self._requests[request.request_id] = _RequestBlocks()
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            state.block_ids.extend(new_computed_blocks)
+            state.num_cached_blocks = len(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_to_take)
+        state.block_ids.extend(new_blocks)
+        self._cache_computed_blocks(request, state, num_computed)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; those also used by others or cached stay valid.
+
+        Blocks covered by ``request.num_computed_tokens`` are registered in the prefix cache
+        first, so call this *before* resetting ``num_computed_tokens`` (preemption), and only
+        with a count of tokens whose K/V were actually computed or are being computed by a step
+        already sent to the runner. Blocks are released tail first, so the request's last
+        blocks are evicted before its first ones. A request without blocks is a no-op.
+        """
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return
+        self._cache_computed_blocks(request, state, request.num_computed_tokens)
+        self.block_pool.free_blocks(reversed(state.block_ids))
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _block_hashes(
+        self, request: Request, state: _RequestBlocks, num_blocks: int
+    ) -> list[BlockHash]:
+        """The request's chained block hashes, extended to at least ``num_blocks`` entries."""
+        hashes = state.block_hashes
+        if len(hashes) < num_blocks:
+            tokens = request.all_token_ids
+            size = self.block_size
+            for i in range(len(hashes), num_blocks):
+                parent = hashes[-1] if hashes else None
+                hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
+        return hashes
+
+    def _cache_computed_blocks(
+        self, request: Request, state: _RequestBlocks, num_computed_tokens: int
+    ) -> None:
+        """Register the request's full blocks whose K/V cover ``num_computed_tokens``."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(state.block_ids))
+        if num_full <= state.num_cached_blocks:
+            return
+        hashes = self._block_hashes(request, state, num_full)
+        for i in range(state.num_cached_blocks, num_full):
+            self.block_pool.cache_block(state.block_ids[i], hashes[i])
+        state.num_cached_blocks = num_full
