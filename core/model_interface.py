@@ -52,9 +52,12 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the module; return the names it consumed.
+        """Copy checkpoint tensors (HF names) into the module; return what it filled.
 
-        Unknown names raise ``ValueError``; the loader checks every parameter was filled.
+        The returned names are the module's own parameter names (as in
+        ``named_parameters()``), each included once it is completely filled (a merged
+        parameter only when all its shards arrived). Unknown names raise ``ValueError``; the
+        loader checks every parameter is among the returned names.
         """
 
     @property

@@ -1,0 +1,123 @@
+"""``torch_paged``: the reference paged-attention backend, in plain PyTorch.
+
+It is the definition of correct that faster backends are tested against, and the CPU
+platform's default. The code favours being obviously right; it is fast only where that stays
+simple: all single-token decodes of a step share one padded gather and one SDPA call, and
+only prefill chunks (query length > 1) are handled one request at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from chassis.core.attention import AttentionBackend, AttentionMetadata
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Softmax is computed in float32 whatever the cache dtype; the output has the query's dtype.
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = metadata.num_actual_tokens
+        write_kv_cache(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping)
+
+        output = torch.zeros_like(query)
+        starts = metadata.query_start_loc_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        decode_reqs: list[int] = []
+        for i in range(metadata.num_reqs):
+            query_len = starts[i + 1] - starts[i]
+            if query_len == 1:
+                decode_reqs.append(i)
+            elif query_len > 1:
+                output[starts[i] : starts[i + 1]] = self._prefill(
+                    query[starts[i] : starts[i + 1]],
+                    kv_cache,
+                    metadata.block_table[i],
+                    seq_lens[i],
+                )
+        if decode_reqs:
+            token_rows = torch.tensor([starts[i] for i in decode_reqs], device=query.device)
+            output[token_rows] = self._decode(
+                query[token_rows],
+                kv_cache,
+                metadata.block_table[decode_reqs],
+                [seq_lens[i] for i in decode_reqs],
+            )
+        return output
+
+    def _prefill(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
+        """One request's chunk: ``query [Q, H, D]`` are the last ``Q`` of ``seq_len`` tokens."""
+        query_len = query.shape[0]
+        block_size = kv_cache.shape[2]
+        num_blocks = -(-seq_len // block_size)
+        # [n, 2, block_size, KV, D] -> [2, n * block_size, KV, D] -> first seq_len tokens
+        kv = kv_cache[block_ids[:num_blocks].long()].transpose(0, 1).flatten(1, 2)[:, :seq_len]
+        q = query.transpose(0, 1).float()  # [H, Q, D]
+        k = kv[0].transpose(0, 1).float()  # [KV, L, D]
+        v = kv[1].transpose(0, 1).float()
+        if query_len == seq_len:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            # Query row j sits at absolute position seq_len - query_len + j.
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+            k_pos = torch.arange(seq_len, device=query.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L], True = may attend
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+        return out.transpose(0, 1).to(query.dtype)
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: list[int],
+    ) -> torch.Tensor:
+        """All decodes at once: ``query [B, H, D]``, one new token per request."""
+        num_cache_blocks, _, block_size = kv_cache.shape[:3]
+        max_len = max(seq_lens)
+        max_blocks = -(-max_len // block_size)
+        # Table entries past a request's own blocks are arbitrary: clamp them to a valid id;
+        # what they point to is masked out below.
+        block_ids = block_table[:, :max_blocks].long().clamp(0, num_cache_blocks - 1)
+        # [B, n, 2, block_size, KV, D] -> [2, B, n * block_size, KV, D]
+        kv = kv_cache[block_ids].permute(2, 0, 1, 3, 4, 5).flatten(2, 3)[:, :, :max_len]
+        q = query.unsqueeze(2).float()  # [B, H, 1, D]
+        k = kv[0].transpose(1, 2).float()  # [B, KV, L, D]
+        v = kv[1].transpose(1, 2).float()
+        lens = torch.tensor(seq_lens, device=query.device)
+        mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]  # [B, L]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+        )
+        return out.squeeze(2).to(query.dtype)
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``key``/``value [T, KV, D]`` at ``slot_mapping [>= T]``; slots ``< 0`` are skipped."""
+    block_size = kv_cache.shape[2]
+    slots = slot_mapping[: key.shape[0]].long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)

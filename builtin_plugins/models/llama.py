@@ -1,0 +1,320 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window) for paged attention.
+
+The building blocks here are shared by the Qwen2 and Qwen3 models, which differ only in the
+options of :class:`DecoderSpec` (QKV bias, per-head q/k norm). Q/K/V and gate/up projections
+are merged into one matmul each; :meth:`LlamaForCausalLM.load_weights` copies the separate HF
+checkpoint tensors into row slices of the merged weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.activation import SiluAndMul
+from chassis.core.layers.attention import Attention
+from chassis.core.layers.norm import RMSNorm
+from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
+from chassis.core.model_interface import CausalLM, ModelBuildContext
+
+logger = logging.getLogger(__name__)
+
+#: checkpoint projection name -> (merged parameter module name, shard key)
+_MERGED_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+#: HF buffers that some checkpoints contain and that are recomputed here
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Shapes and options of one decoder layer, read from the HF config."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position: int
+    rope: dict[str, Any]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    #: RMSNorm over each head of q and k before RoPE (Qwen3)
+    qk_norm: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> DecoderSpec:
+        """Read a Llama-style config; ``overrides`` set the per-architecture options."""
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        num_heads = int(cfg.num_attention_heads)
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        fields: dict[str, Any] = {
+            "hidden_size": int(cfg.hidden_size),
+            "num_heads": num_heads,
+            "num_kv_heads": int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+            "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads),
+            "intermediate_size": int(cfg.intermediate_size),
+            "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            "max_position": int(getattr(cfg, "max_position_embeddings", 2048)),
+            "rope": rope_parameters(cfg),
+            "qkv_bias": attention_bias,
+            "o_bias": attention_bias,
+            "mlp_bias": bool(getattr(cfg, "mlp_bias", False)),
+        }
+        fields.update(overrides)
+        return cls(**fields)
+
+    def shard_rows(self) -> dict[str, tuple[int, int]]:
+        """Shard key -> (first row, number of rows) inside its merged weight."""
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        inter = self.intermediate_size
+        return {
+            "q": (0, q_size),
+            "k": (q_size, kv_size),
+            "v": (q_size + kv_size, kv_size),
+            "gate": (0, inter),
+            "up": (inter, inter),
+        }
+
+
+class LlamaAttention(nn.Module):
+    """Merged QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        build_ctx: ModelBuildContext,
+    ) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(
+            spec.num_heads,
+            spec.head_dim,
+            spec.num_kv_heads,
+            spec.head_dim**-0.5,
+            layer_idx,
+            build_ctx.attention_backend,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with the gate and up projections merged."""
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias
+        )
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; the residual add is fused into the norms."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        build_ctx: ModelBuildContext,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, rotary_emb, layer_idx, build_ctx)
+        self.mlp = LlamaMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(mlp output, residual stream)``; their sum is the layer's output."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, ctx)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
+
+    def __init__(self, hf_config: Any, spec: DecoderSpec, build_ctx: ModelBuildContext) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(int(hf_config.vocab_size), spec.hidden_size)
+        rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, rotary_emb, i, build_ctx)
+            for i in range(int(hf_config.num_hidden_layers))
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+        if residual is None:  # a model with no layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(CausalLM):
+    """``LlamaForCausalLM`` / ``MistralForCausalLM`` checkpoints.
+
+    Subclasses change the architecture options by overriding :meth:`decoder_spec`.
+    """
+
+    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
+        super().__init__(hf_config, build_ctx)
+        _warn_if_sliding_window(hf_config)
+        self.spec = self.decoder_spec(hf_config)
+        self.model = LlamaModel(hf_config, self.spec, build_ctx)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.spec.hidden_size, int(hf_config.vocab_size), bias=False)
+
+    @classmethod
+    def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
+        """The decoder-layer options for this architecture (override in subclasses)."""
+        return DecoderSpec.from_config(hf_config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Project to the vocabulary in the model dtype; return float32 ``[n, vocab]``."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in; return the names of the parameters now fully filled.
+
+        ``q_proj``/``k_proj``/``v_proj`` go to row slices of ``qkv_proj`` and
+        ``gate_proj``/``up_proj`` to ``gate_up_proj``; a merged parameter counts as filled
+        once all of its shards arrived. ``rotary_emb.inv_freq`` buffers are skipped, and so is
+        ``lm_head.weight`` when the embeddings are tied. Any other unknown name, or a shape
+        that does not match, raises ``ValueError``.
+        """
+        params = dict(self.named_parameters())
+        shard_rows = self.spec.shard_rows()
+        shards_loaded: dict[str, set[str]] = {}
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            param_name, shard = _merged_target(name)
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no counterpart in {type(self).__name__}; "
+                    "is the checkpoint's architecture right?"
+                )
+            target = param.data
+            if shard is not None:
+                start, size = shard_rows[shard]
+                target = target[start : start + size]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)} (does config.json match the weights?)"
+                )
+            target.copy_(tensor)
+            shards_loaded.setdefault(param_name, set()).add(shard or "")
+        return {name for name, shards in shards_loaded.items() if shards >= _shards_needed(name)}
+
+
+def _merged_target(name: str) -> tuple[str, str | None]:
+    """Checkpoint name -> (our parameter name, shard key or None when not merged)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        merged = _MERGED_SHARDS.get(part)
+        if merged is not None:
+            module, shard = merged
+            return ".".join([*parts[:i], module, *parts[i + 1 :]]), shard
+    return name, None
+
+
+def _shards_needed(param_name: str) -> set[str]:
+    parts = param_name.split(".")
+    if "qkv_proj" in parts:
+        return {"q", "k", "v"}
+    if "gate_up_proj" in parts:
+        return {"gate", "up"}
+    return {""}
+
+
+def _warn_if_sliding_window(hf_config: Any) -> None:
+    window = getattr(hf_config, "sliding_window", None)
+    # Qwen configs switch the window off with use_sliding_window=False; Mistral has no switch.
+    if window and getattr(hf_config, "use_sliding_window", None) is not False:
+        logger.warning(
+            "the checkpoint asks for sliding-window attention (window %s); chassis attends "
+            "to the full context, so sequences longer than the window differ from the "
+            "reference. Set --max-model-len <= %s for exact behaviour.",
+            window,
+            window,
+        )

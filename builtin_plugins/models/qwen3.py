@@ -1,0 +1,15 @@
+"""Qwen3: the Llama decoder with a per-head RMSNorm on q and k before RoPE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """``Qwen3ForCausalLM`` checkpoints (``q_norm``/``k_norm``; ``head_dim`` from the config)."""
+
+    @classmethod
+    def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
+        return DecoderSpec.from_config(hf_config, qk_norm=True)

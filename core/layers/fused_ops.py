@@ -1,0 +1,151 @@
+"""Fused decoder-layer ops: each a torch reference and a dispatch to its Triton kernel.
+
+The public functions (:func:`rms_norm`, :func:`silu_and_mul`, :func:`rotary_embedding_`) run
+the Triton kernel of :mod:`chassis.core.layers.triton_ops` when the input lives on a device
+where Triton compiles for real (``tensor.is_cuda``: CUDA and ROCm) and Triton is installed, and
+the ``*_ref`` torch function otherwise. The references are the specification: the kernels
+compute the same values in the same rounding order (HF transformers' order), so results agree
+to rounding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_embedding_",
+    "rotary_embedding_ref_",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "use_triton",
+]
+
+
+@lru_cache(maxsize=1)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the dispatching functions run their Triton kernel for ``x``."""
+    return x.is_cuda and _triton_installed()
+
+
+# ---------------------------------------------------------------------------------------------
+# references
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, optionally after adding ``residual``.
+
+    Without ``residual``: ``weight * normalize(x)``. With it: ``s = x + residual`` (rounded to
+    ``x.dtype``) and ``(weight * normalize(s), s)``. The statistics are float32; the normalized
+    value is rounded to ``x.dtype`` before the scale, and the result is ``x.dtype``.
+    """
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (weight * normed).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * d]`` -> ``[..., d]``: ``silu(x[..., :d]) * x[..., d:]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding_ref_(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query``/``key`` in place by ``positions`` and return them.
+
+    :param positions: ``[T]`` integer positions
+    :param query: ``[T, Hq * head_dim]`` or ``[T, Hq, head_dim]``
+    :param key: ``[T, Hk * head_dim]`` or ``[T, Hk, head_dim]``
+    :param cos_cache: ``[max_position, rot_dim / 2]`` (float32), ``cos(pos * inv_freq)``
+    :param sin_cache: same shape, ``sin(pos * inv_freq)``
+    :param head_dim: size of a head; the first ``rot_dim <= head_dim`` dims are rotated
+    :param is_neox: pair dim ``i`` with ``i + rot_dim / 2`` (Llama, Qwen: HF "rotate half");
+        else pair ``2i`` with ``2i + 1`` (GPT-J)
+    Computed in float32, stored in the tensors' dtype.
+    """
+    half = cos_cache.shape[-1]
+    if 2 * half > head_dim:
+        raise ValueError(f"rotary dim {2 * half} exceeds head_dim {head_dim}")
+    cos = cos_cache[positions].float().unsqueeze(1)  # [T, 1, half]
+    sin = sin_cache[positions].float().unsqueeze(1)
+    for x in (query, key):
+        heads = x.view(x.shape[0], -1, head_dim)
+        rot = heads[..., : 2 * half].float()
+        if is_neox:
+            x1, x2 = rot[..., :half], rot[..., half:]
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if is_neox:
+            rotated = torch.cat((r1, r2), dim=-1)
+        else:
+            rotated = torch.stack((r1, r2), dim=-1).flatten(-2)
+        heads[..., : 2 * half] = rotated.to(x.dtype)
+    return query, key
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm_ref`, by one Triton kernel on CUDA/ROCm (new tensors; inputs kept)."""
+    if use_triton(x):
+        from chassis.core.layers import triton_ops
+
+        return triton_ops.rms_norm(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_and_mul_ref`, by one Triton kernel on CUDA/ROCm."""
+    if use_triton(x):
+        from chassis.core.layers import triton_ops
+
+        return triton_ops.silu_and_mul(x)
+    return silu_and_mul_ref(x)
+
+
+def rotary_embedding_(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_embedding_ref_` (in place), by one Triton kernel on CUDA/ROCm."""
+    if use_triton(query):
+        from chassis.core.layers import triton_ops
+
+        return triton_ops.rotary_embedding_(
+            positions, query, key, cos_cache, sin_cache, head_dim, is_neox
+        )
+    return rotary_embedding_ref_(positions, query, key, cos_cache, sin_cache, head_dim, is_neox)

@@ -1,0 +1,49 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in a decoder layer."""
+
+from __future__ import annotations
+
+from typing import overload
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dimension, with a learned scale ``weight``.
+
+    The statistics are computed in float32 and the normalized value is cast back to the input
+    dtype before scaling (the same order as HF transformers, so float32 runs match it exactly).
+
+    ``forward(x)`` returns the normalized ``x``. ``forward(x, residual)`` first adds
+    ``residual`` to ``x`` and returns ``(norm(x + residual), x + residual)``: the second value
+    is the residual stream the next layer continues from.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._normalize(x)
+        x = x + residual
+        return self._normalize(x), x
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -1,0 +1,270 @@
+"""Triton kernels for the fused elementwise ops of a decoder layer, and their launchers.
+
+- :func:`rms_norm`: RMSNorm, optionally fused with the residual add before it.
+- :func:`silu_and_mul`: ``silu(x[..., :d]) * x[..., d:]``.
+- :func:`rotary_embedding_`: RoPE applied in place to flattened query and key.
+
+Each computes what its torch reference in :mod:`chassis.core.layers.fused_ops` computes, in
+the same rounding order, in one pass over memory. Call them through ``fused_ops``, which picks
+this module only for tensors on a device where Triton compiles (CUDA, ROCm). On the CPU they
+run only under Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is first
+imported), which the tests use. Loaded values are cast to float32 before arithmetic: the
+interpreter computes bfloat16 arithmetic on raw bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["check_launchable", "rms_norm", "rotary_embedding_", "silu_and_mul"]
+
+
+def check_launchable(kernel, tensor: torch.Tensor):
+    """Return ``kernel`` if it can run on ``tensor``'s device, else raise ``ValueError``.
+
+    Compiled kernels need a CUDA/ROCm tensor; interpreted ones (``TRITON_INTERPRET=1``) take
+    CPU tensors.
+    """
+    interpreted = type(kernel).__name__ == "InterpretedFunction"
+    if tensor.device.type == "cpu" and not interpreted:
+        raise ValueError(
+            "Triton kernels need CUDA/ROCm tensors; got a CPU tensor. To run them on the CPU "
+            "(slowly, for tests) set TRITON_INTERPRET=1 before triton is first imported."
+        )
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm (+ residual add)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # the residual stream is rounded to the model dtype, as the unfused add would
+        x = (x + r.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    variance = tl.sum(x * x, 0) / hidden
+    normed = (x / tl.sqrt_rn(variance + eps)).to(dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, normed * w, mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton RMSNorm over the last dim; see :func:`chassis.core.layers.fused_ops.rms_norm`."""
+    hidden = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty_like(x2)
+    if residual is not None:
+        r2 = _rows(residual)
+        residual_out = torch.empty_like(x2)
+    else:
+        r2 = residual_out = x2  # unused by the kernel
+    if x2.shape[0]:
+        block_n = triton.next_power_of_2(hidden)
+        check_launchable(_rms_norm_kernel, x)[(x2.shape[0],)](
+            x2,
+            r2,
+            weight,
+            out,
+            residual_out,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            residual_out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_N=block_n,
+            num_warps=_warps_for(block_n),
+        )
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), residual_out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU and mul
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    # silu is rounded to the model dtype before the product, as F.silu(gate) * up does
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Triton SwiGLU; see :func:`chassis.core.layers.fused_ops.silu_and_mul`."""
+    d = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and d:
+        block = min(1024, triton.next_power_of_2(d))
+        grid = (x2.shape[0], triton.cdiv(d, block))
+        check_launchable(_silu_and_mul_kernel, x)[grid](
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding, in place
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_q_tok,
+    stride_k_tok,
+    stride_cos,
+    num_q_heads,
+    num_k_heads,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    pairs = tl.arange(0, HALF_PAD)
+    pair_valid = pairs < HALF
+    cos = tl.load(cos_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+    if IS_NEOX:  # dimension i pairs with i + HALF
+        first = pairs
+        second = pairs + HALF
+    else:  # GPT-J: dimension 2i pairs with 2i + 1
+        first = pairs * 2
+        second = pairs * 2 + 1
+    heads = tl.arange(0, HEADS_PAD)
+
+    q_mask = (heads[:, None] < num_q_heads) & pair_valid[None, :]
+    q_row = q_ptr + token * stride_q_tok + heads[:, None] * HEAD_DIM
+    x1 = tl.load(q_row + first[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(q_row + second[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(q_row + first[None, :], x1 * cos - x2 * sin, mask=q_mask)
+    tl.store(q_row + second[None, :], x2 * cos + x1 * sin, mask=q_mask)
+
+    k_mask = (heads[:, None] < num_k_heads) & pair_valid[None, :]
+    k_row = k_ptr + token * stride_k_tok + heads[:, None] * HEAD_DIM
+    y1 = tl.load(k_row + first[None, :], mask=k_mask, other=0.0).to(tl.float32)
+    y2 = tl.load(k_row + second[None, :], mask=k_mask, other=0.0).to(tl.float32)
+    tl.store(k_row + first[None, :], y1 * cos - y2 * sin, mask=k_mask)
+    tl.store(k_row + second[None, :], y2 * cos + y1 * sin, mask=k_mask)
+
+
+def rotary_embedding_(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton in-place RoPE; see :func:`chassis.core.layers.fused_ops.rotary_embedding_`."""
+    num_tokens = positions.shape[0]
+    num_q_heads = _heads_per_token(query, num_tokens, head_dim, "query")
+    num_k_heads = _heads_per_token(key, num_tokens, head_dim, "key")
+    half = cos_cache.shape[-1]
+    if 2 * half > head_dim:
+        raise ValueError(f"rotary dim {2 * half} exceeds head_dim {head_dim}")
+    if cos_cache.stride(-1) != 1 or sin_cache.stride() != cos_cache.stride():
+        raise ValueError("cos_cache and sin_cache must be row-major with the same strides")
+    if num_tokens:
+        check_launchable(_rotary_kernel, query)[(num_tokens,)](
+            positions,
+            query,
+            key,
+            cos_cache,
+            sin_cache,
+            query.stride(0),
+            key.stride(0),
+            cos_cache.stride(0),
+            num_q_heads,
+            num_k_heads,
+            HEAD_DIM=head_dim,
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            HEADS_PAD=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
+            IS_NEOX=is_neox,
+            num_warps=4,
+        )
+    return query, key
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last]`` with a contiguous last dim (a view when possible)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:  # leading dims not collapsible into one stride
+        return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _heads_per_token(x: torch.Tensor, num_tokens: int, head_dim: int, name: str) -> int:
+    """Heads of ``x`` (``[T, H, D]`` or ``[T, H * D]``), whose per-token part must be dense."""
+    if x.shape[0] != num_tokens:
+        raise ValueError(f"{name} has {x.shape[0]} tokens; positions has {num_tokens}")
+    per_token = x.shape[1:].numel()
+    if per_token % head_dim:
+        raise ValueError(f"{name} row of {per_token} values is not whole heads of {head_dim}")
+    dense = x.dim() == 2 and x.stride(1) == 1
+    dense |= x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == head_dim
+    if not dense:
+        raise ValueError(f"{name} must be [T, H*D] or [T, H, D] with each token's heads dense")
+    return per_token // head_dim
+
+
+def _warps_for(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16

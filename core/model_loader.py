@@ -1,0 +1,250 @@
+"""From a model name to a loaded :class:`CausalLM`: locate, configure, build, fill weights.
+
+The engine calls, in order: :func:`resolve_model_path`, :func:`load_hf_config`,
+:func:`resolve_dtype`, :func:`model_max_len`, :func:`build_model`. Tokenizers are loaded by
+:func:`chassis.core.tokenizer.load_tokenizer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from chassis.core.config import DEFAULT_MODEL
+from chassis.core.gguf_checkpoint import embedded_model_dir
+from chassis.core.weights import iterate_safetensors
+
+if TYPE_CHECKING:
+    from chassis.core.attention import AttentionBackend
+    from chassis.core.config import EngineConfig
+    from chassis.core.model_interface import CausalLM
+    from chassis.platforms.interface import Platform
+
+logger = logging.getLogger(__name__)
+
+#: files fetched from the hub: config, tokenizer, chat template, weights
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+#: config fields that bound the context length, as different architectures name them
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+)
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None, revision: str | None = None) -> Path:
+    """Return a local directory holding the checkpoint named by ``model``.
+
+    - ``None`` (or ``"SmolLM2-135M-Instruct"``): the embedded default model, converted once.
+    - an existing local directory: itself (it must contain ``config.json``).
+    - otherwise a Hugging Face hub id, downloaded (or found in the HF cache) at ``revision``.
+
+    Raises ``ValueError`` with what to do when none of these works.
+    """
+    if model is None or str(model) == DEFAULT_MODEL:
+        return embedded_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json; is it an HF checkpoint?")
+        return path
+    if path.exists():
+        raise ValueError(f"model {str(model)!r} is a file; name a checkpoint directory or hub id")
+    return _download(str(model), revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        local = snapshot_download(
+            repo_id=repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS
+        )
+    except HFValidationError as exc:
+        raise ValueError(
+            f"model {repo_id!r} is neither an existing local directory nor a valid hub id "
+            f"('org/name'): {exc}"
+        ) from exc
+    except GatedRepoError as exc:
+        raise ValueError(
+            f"model {repo_id!r} is gated on the Hugging Face hub: accept its licence and log in "
+            "(`hf auth login` or HF_TOKEN)"
+        ) from exc
+    except RepositoryNotFoundError as exc:
+        raise ValueError(
+            f"model {repo_id!r} was not found on the Hugging Face hub (nor as a local directory)"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise ValueError(f"model {repo_id!r} has no revision {revision!r}") from exc
+    except LocalEntryNotFoundError as exc:
+        raise ValueError(
+            f"model {repo_id!r} is not a local directory and cannot be downloaded: the hub is "
+            "unreachable (offline or HF_HUB_OFFLINE=1) and it is not in the HF cache; download "
+            "it where there is network, or pass a local checkpoint directory"
+        ) from exc
+    path = Path(local)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"hub model {repo_id!r} has no config.json; is it a transformers model?")
+    return path
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> Any:
+    """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``, no remote code)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    """The dtype the checkpoint declares (``dtype``/``torch_dtype``); float32 when it is silent."""
+    declared = getattr(hf_config, "dtype", None)
+    if declared is None:
+        declared = hf_config.to_dict().get("torch_dtype") if hasattr(hf_config, "to_dict") else None
+    if declared is None:
+        return torch.float32
+    if isinstance(declared, torch.dtype):
+        return declared
+    name = str(declared).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"the checkpoint declares an unsupported dtype {declared!r}")
+    return DTYPE_NAMES[name]
+
+
+def resolve_dtype(config_dtype: str, hf_config: Any, platform: Platform) -> torch.dtype:
+    """The dtype to run in, from ``--dtype`` (``auto`` or a name) and the checkpoint.
+
+    ``auto``: float32 checkpoints run in float32; 16-bit ones in ``platform.default_dtype()``.
+    Raises ``ValueError`` for an unknown name or a dtype the platform does not support.
+    """
+    if config_dtype == "auto":
+        stored = checkpoint_dtype(hf_config)
+        dtype = torch.float32 if stored == torch.float32 else platform.default_dtype()
+    elif config_dtype in DTYPE_NAMES:
+        dtype = DTYPE_NAMES[config_dtype]
+    else:
+        raise ValueError(
+            f"--dtype must be auto or one of {', '.join(DTYPE_NAMES)}; got {config_dtype!r}"
+        )
+    if dtype not in platform.supported_dtypes:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in platform.supported_dtypes)
+        raise ValueError(
+            f"dtype {str(dtype).removeprefix('torch.')} is not supported on the "
+            f"{platform.name} platform; use --dtype with one of: {supported}"
+        )
+    return dtype
+
+
+def model_max_len(hf_config: Any) -> int:
+    """The model's context length: the smallest of the length limits its config states."""
+    limits = [
+        int(value)
+        for key in _MAX_LEN_KEYS
+        if isinstance(value := getattr(hf_config, key, None), int) and value > 0
+    ]
+    if not limits:
+        raise ValueError(
+            "the model config states no context length (max_position_embeddings); "
+            "set --max-model-len"
+        )
+    return min(limits)
+
+
+def build_model(
+    engine_config: EngineConfig,
+    hf_config: Any,
+    model_path: str | os.PathLike[str],
+    attention_backend_cls: type[AttentionBackend],
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> CausalLM:
+    """Construct the registered model class for the checkpoint on ``device`` and fill it.
+
+    Weights come from ``model_path``'s ``*.safetensors`` files, or are random
+    (``--load-format dummy``, seeded by ``engine_config.seed``). Raises ``ValueError`` when
+    the architecture is not registered or a parameter was left unfilled.
+    """
+    from chassis.core.model_interface import ModelBuildContext
+
+    model_cls = _model_class(hf_config)
+    build_ctx = ModelBuildContext(attention_backend=attention_backend_cls, dtype=dtype)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config, build_ctx)
+    model.eval()
+    if engine_config.load_format == "dummy":
+        init_dummy_weights(model, engine_config.seed)
+    else:
+        loaded = model.load_weights(iterate_safetensors(Path(model_path)))
+        missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (
+                f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+            )
+            raise ValueError(f"the checkpoint at {model_path} lacks weights for: {shown}")
+    return model
+
+
+def _model_class(hf_config: Any) -> type[CausalLM]:
+    from chassis.plugins.registries import get_registries
+
+    registry = get_registries().models
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in registry:
+            return registry.get(arch)
+    raise ValueError(
+        f"model architecture {architectures or '(none in config.json)'} is not supported; "
+        f"supported architectures: {', '.join(registry.names()) or '(none registered)'}"
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter with deterministic random values (for benchmarks, not for text).
+
+    Matrices get ``normal(0, 0.02)``, norm weights 1 and biases 0, drawn on the CPU from a
+    generator seeded with ``seed`` so every device gets the same model.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            values = torch.empty(param.shape, dtype=torch.float32)
+            values.normal_(0.0, 0.02, generator=generator)
+            param.copy_(values)
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.zero_()
+
+

@@ -1,0 +1,44 @@
+"""Reading checkpoint tensors from ``*.safetensors`` files."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's ``*.safetensors`` files, sorted; ``ValueError`` when there are none."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{model_dir} holds no *.safetensors files; chassis loads safetensors checkpoints "
+            "only (convert .bin weights with transformers' save_pretrained)"
+        )
+    return files
+
+
+def iterate_safetensors(
+    model_dir: Path, progress: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of every file, as CPU tensors.
+
+    :param progress: show a tqdm bar over tensors; ``None`` shows it when stderr is a tty
+    """
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    files = safetensors_files(model_dir)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    with tqdm(desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                bar.total = (bar.total or 0) + len(names)
+                bar.refresh()
+                for name in names:
+                    yield name, f.get_tensor(name)
+                    bar.update(1)
