@@ -40,6 +40,8 @@ class NewRequestData:
     block_ids: list[int]
     #: tokens whose K/V are already cached (prefix-cache hits)
     num_computed_tokens: int
+    #: the request's EOS ids (the sampler blocks them until ``min_tokens``)
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -49,6 +51,7 @@ class CachedRequestData:
     request_id: str
     #: blocks to append to its block table
     new_block_ids: list[int]
+    #: tokens whose K/V are cached *before* this step (this step computes the next ones)
     num_computed_tokens: int
 
 

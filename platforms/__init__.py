@@ -25,17 +25,35 @@ __all__ = [
 ]
 
 _current: Platform | None = None
-_lock = threading.Lock()
+# Re-entrant so that a plugin reading current_platform during detection gets an error, not
+# a deadlock.
+_lock = threading.RLock()
+_resolving = False
 
 
 def get_current_platform() -> Platform:
-    """The one platform of this process, resolved on first call."""
-    global _current
+    """The one platform of this process, resolved on first call.
+
+    A failed resolution is not cached: the next call tries again (and fails the same way).
+
+    :raises PlatformError: see :func:`chassis.platforms.resolve.resolve_platform`.
+    :raises PluginLoadError: a platform plugin failed to load.
+    """
+    global _current, _resolving
     with _lock:
         if _current is None:
+            if _resolving:
+                raise PlatformError(
+                    "current_platform was read while the platform is being resolved (from a "
+                    "chassis_platform hook?); detection must not depend on the platform"
+                )
             from chassis.plugins.manager import get_plugin_manager
 
-            _current = resolve_platform(get_plugin_manager())
+            _resolving = True
+            try:
+                _current = resolve_platform(get_plugin_manager())
+            finally:
+                _resolving = False
         return _current
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,8 @@ from chassis.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 
 
 def cpu_flags() -> set[str]:
@@ -32,6 +35,8 @@ def has_fast_bf16() -> bool:
 
 
 class CpuPlatform(Platform):
+    """The host CPU: always usable; one device; gloo for tensor parallelism."""
+
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
@@ -65,6 +70,16 @@ class CpuPlatform(Platform):
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
         return self.memory_total(index) // 2
+
+    def determine_kv_cache_memory(self, config: EngineConfig, profile: Callable[[], None]) -> int:
+        """``--kv-cache-memory``, else 4 GiB or 30% of available memory, whichever is less.
+
+        Host memory is shared with everything else on the machine, so the CPU never claims a
+        fraction of the total the way a GPU does.
+        """
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
+        return min(DEFAULT_CPU_KV_CACHE_BYTES, int(self.memory_available() * 0.3))
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if has_fast_bf16() else torch.float32

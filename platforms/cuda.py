@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,20 @@ class TorchCudaLikePlatform(Platform):
     def memory_available(self, index: int = 0) -> int:
         return torch.cuda.mem_get_info(index)[0]
 
+    def determine_kv_cache_memory(self, config: EngineConfig, profile: Callable[[], None]) -> int:
+        """Profile a forward at the max token budget, then grant
+        ``gpu_memory_utilization * total`` minus the torch peak and non-torch usage."""
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        profile()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        peak = torch.cuda.max_memory_allocated()
+        non_torch = total - free - torch.cuda.memory_reserved()
+        return int(total * config.gpu_memory_utilization) - peak - max(non_torch, 0)
+
     def default_attention_backend(self, config: EngineConfig) -> str:
         return "triton_paged"
 
@@ -49,6 +64,8 @@ class TorchCudaLikePlatform(Platform):
 
 
 class CudaPlatform(TorchCudaLikePlatform):
+    """NVIDIA GPUs: usable when torch is a CUDA build (not HIP) and sees at least one device."""
+
     name = "cuda"
     dist_backend = "nccl"
 
@@ -59,9 +76,11 @@ class CudaPlatform(TorchCudaLikePlatform):
     @classmethod
     def detection_detail(cls) -> str:
         if torch_facts.hip_version() is not None:
-            return "torch is a HIP (ROCm) build"
-        count = torch_facts.cuda_device_count()
-        return f"torch CUDA {torch_facts.cuda_version()}, {count} device(s)"
+            return "torch is a HIP (ROCm) build: see the rocm platform"
+        version = torch_facts.cuda_version()
+        if version is None:
+            return "torch is built without CUDA"
+        return f"torch CUDA {version}, {torch_facts.cuda_device_count()} device(s) visible"
 
 
 @hookimpl

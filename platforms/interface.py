@@ -7,6 +7,7 @@ subclasses :class:`Platform` and returns the subclass from its ``chassis_platfor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -55,10 +56,10 @@ class Platform(ABC):
         """The ``torch.device`` for local device ``index``."""
         return torch.device(self.device_type, index)
 
-    def set_device(self, index: int) -> None:
+    def set_device(self, index: int) -> None:  # noqa: B027 (optional; no-op default)
         """Make ``index`` the current device of this process (default: nothing to do)."""
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 (optional; no-op default)
         """Wait for all queued work on the current device (default: nothing queued)."""
 
     def device_name(self, index: int = 0) -> str:
@@ -74,6 +75,21 @@ class Platform(ABC):
     @abstractmethod
     def memory_available(self, index: int = 0) -> int:
         """Memory of device ``index`` free for this process now, in bytes."""
+
+    def determine_kv_cache_memory(self, config: EngineConfig, profile: Callable[[], None]) -> int:
+        """Bytes to give the KV cache, after the model is loaded.
+
+        ``config.kv_cache_memory`` wins when set. Otherwise this default runs ``profile`` (one
+        forward at the maximum token budget, so activation peaks are in use) and grants
+        ``gpu_memory_utilization`` of the device minus what is in use. Platforms with better
+        memory statistics override it.
+        """
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
+        profile()
+        self.synchronize()
+        in_use = self.memory_total() - self.memory_available()
+        return int(self.memory_total() * config.gpu_memory_utilization) - in_use
 
     # -- capabilities -------------------------------------------------------------------------
 
@@ -93,7 +109,7 @@ class Platform(ABC):
         """Whether host staging buffers should be pinned for non-blocking copies."""
         return False
 
-    def check_and_update_config(self, config: EngineConfig) -> None:
+    def check_and_update_config(self, config: EngineConfig) -> None:  # noqa: B027
         """Validate ``config`` for this device and fill device-dependent fields in place.
 
         Raise ``ValueError`` with an actionable message for what this device cannot do.

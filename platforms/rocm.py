@@ -9,6 +9,8 @@ from chassis.plugins.hookspecs import hookimpl
 
 
 class RocmPlatform(TorchCudaLikePlatform):
+    """AMD GPUs: usable when torch is a HIP build and sees at least one device."""
+
     name = "rocm"
     dist_backend = "nccl"  # RCCL, reached through torch's "nccl" backend name
 
@@ -21,7 +23,7 @@ class RocmPlatform(TorchCudaLikePlatform):
         hip = torch_facts.hip_version()
         if hip is None:
             return "torch is not a HIP build"
-        return f"torch HIP {hip}, {torch_facts.cuda_device_count()} device(s)"
+        return f"torch HIP {hip}, {torch_facts.cuda_device_count()} device(s) visible"
 
 
 @hookimpl

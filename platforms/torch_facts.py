@@ -13,6 +13,7 @@ def hip_version() -> str | None:
 
 
 def cuda_version() -> str | None:
+    """torch's CUDA version on a CUDA build, else None (CPU-only and HIP builds)."""
     return getattr(torch.version, "cuda", None)
 
 
@@ -24,7 +25,17 @@ def cuda_device_count() -> int:
         return 0
 
 
+def xpu_built() -> bool:
+    """Whether this torch build was compiled with XPU (Intel GPU) support."""
+    xpu = getattr(torch, "xpu", None)
+    try:
+        return bool(xpu is not None and xpu._is_compiled())
+    except Exception:
+        return False
+
+
 def xpu_device_count() -> int:
+    """Devices torch.xpu sees; 0 without XPU support or devices."""
     xpu = getattr(torch, "xpu", None)
     try:
         return xpu.device_count() if xpu is not None and xpu.is_available() else 0
@@ -33,17 +44,21 @@ def xpu_device_count() -> int:
 
 
 def module_present(name: str) -> bool:
+    """Whether module ``name`` can be imported (found without importing it)."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
 
 
+def libtpu_present() -> bool:
+    """Whether the TPU runtime library (``libtpu`` or ``libtpu_nightly``) is installed."""
+    return module_present("libtpu") or module_present("libtpu_nightly")
+
+
 def tpu_device_count() -> int:
     """TPU devices seen through torch_xla (0 without torch_xla, libtpu or devices)."""
-    if not module_present("torch_xla") or not (
-        module_present("libtpu") or module_present("libtpu_nightly")
-    ):
+    if not module_present("torch_xla") or not libtpu_present():
         return 0
     try:
         import torch_xla.runtime as xr  # type: ignore[import-not-found]

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 
 class TpuPlatform(Platform):
+    """Google TPUs: usable when torch_xla and libtpu are installed and see a TPU device."""
+
     name = "tpu"
     device_type = "xla"
     dist_backend = "xla"
@@ -28,6 +30,8 @@ class TpuPlatform(Platform):
     def detection_detail(cls) -> str:
         if not torch_facts.module_present("torch_xla"):
             return "torch_xla is not installed"
+        if not torch_facts.libtpu_present():
+            return "torch_xla is installed but libtpu is not"
         return f"torch_xla sees {torch_facts.tpu_device_count()} TPU device(s)"
 
     def device_count(self) -> int:

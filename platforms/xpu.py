@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 
 class XpuPlatform(Platform):
+    """Intel GPUs: usable when torch.xpu sees at least one device."""
+
     name = "xpu"
     device_type = "xpu"
     dist_backend = "xccl"
@@ -26,6 +28,8 @@ class XpuPlatform(Platform):
 
     @classmethod
     def detection_detail(cls) -> str:
+        if not torch_facts.xpu_built():
+            return "torch is built without XPU support"
         return f"torch.xpu sees {torch_facts.xpu_device_count()} device(s)"
 
     def device_count(self) -> int:

@@ -1,5 +1,10 @@
 """The plugin contract: hookspecs, entry-point loading, and the registries they fill."""
 
+from chassis.plugins.config_hooks import (
+    add_plugin_cli_args,
+    apply_configure_hooks,
+    plugin_args_from,
+)
 from chassis.plugins.hookspecs import hookimpl, hookspec
 from chassis.plugins.manager import (
     GENERAL_GROUP,
@@ -28,11 +33,14 @@ __all__ = [
     "Registries",
     "Registry",
     "UnknownNameError",
+    "add_plugin_cli_args",
+    "apply_configure_hooks",
     "get_plugin_manager",
     "get_registries",
     "hookimpl",
     "hookspec",
     "load_general_plugins",
+    "plugin_args_from",
     "register_plugin",
     "set_plugin_manager",
 ]

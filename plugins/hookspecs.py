@@ -5,9 +5,16 @@ functions decorated with :data:`hookimpl` and named after the hooks below, expos
 of the two entry-point groups:
 
 * ``chassis.platform_plugins`` -- loaded lazily, when ``current_platform`` is first read,
-  in every process. Implements :func:`chassis_platform`.
+  in every process. Implements :func:`chassis_platform` and nothing else.
 * ``chassis.general_plugins`` -- loaded once per process (API server, engine core, workers)
-  before any registry is read. Implements any of the other hooks.
+  before any registry is read. Implements any of the other hooks (never
+  :func:`chassis_platform`).
+
+The entry-point name is the plugin's name (in ``CHASSIS_PLUGINS``, ``chassis plugins`` and
+errors); it must be unique across installed distributions and both groups. A plugin that
+fails to import, a hookimpl that matches no hookspec or asks for an unknown argument, a
+``chassis_*`` function without ``@hookimpl``, or a hook wrapper stops start-up with a
+:class:`chassis.plugins.PluginLoadError` naming the distribution, entry point and hook.
 
 Compatibility promise (``PLUGIN_API_VERSION``): hookspecs only ever *gain* keyword arguments.
 pluggy calls a hookimpl with the subset of arguments it names, so a plugin written against an

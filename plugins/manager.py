@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import pluggy
 
@@ -22,8 +24,22 @@ GROUPS = (PLATFORM_GROUP, GENERAL_GROUP)
 #: The distribution whose entry points are the built-ins.
 BUILTIN_DISTRIBUTION = "chassis-llm"
 ALLOW_LIST_ENV = "CHASSIS_PLUGINS"
+#: The only hook a ``chassis.platform_plugins`` entry point may implement (and the one hook a
+#: ``chassis.general_plugins`` entry point may not): platform detection must not depend on
+#: which group happened to be loaded first.
+PLATFORM_HOOK = "chassis_platform"
 
-EntryPointSource = Callable[[str], Iterable[importlib.metadata.EntryPoint]]
+
+class EntryPointLike(Protocol):
+    """What the manager needs of an entry point (``importlib.metadata.EntryPoint`` or a fake)."""
+
+    name: str
+    value: str
+
+    def load(self) -> Any: ...
+
+
+EntryPointSource = Callable[[str], Iterable[EntryPointLike]]
 
 
 class PluginLoadError(RuntimeError):
@@ -38,23 +54,41 @@ class PluginRecord:
     name: str
     value: str
     distribution: str
-    #: ``"loaded"``, ``"skipped"`` (not in the allow-list) or ``"not loaded"`` (group not read yet)
+    #: ``"not loaded"`` (group not read yet), ``"loaded"``, ``"skipped"`` (not in
+    #: ``CHASSIS_PLUGINS``) or ``"failed"`` (``reason`` says why)
     status: str = "not loaded"
     reason: str = ""
     hooks: list[str] = field(default_factory=list)
+    #: set when another distribution provides an entry point of the same name and group
+    conflict: str = ""
 
     @property
     def is_builtin(self) -> bool:
-        return self.distribution == BUILTIN_DISTRIBUTION
+        return is_builtin_distribution(self.distribution)
+
+
+def canonical_distribution_name(name: str) -> str:
+    """PEP 503 normalisation: ``Chassis_LLM`` and ``chassis-llm`` are one distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def is_builtin_distribution(name: str) -> bool:
+    """Whether ``name`` is this project's own distribution (whose entry points are built-in)."""
+    return canonical_distribution_name(name) == BUILTIN_DISTRIBUTION
 
 
 def _installed_entry_points(group: str) -> Iterable[importlib.metadata.EntryPoint]:
     return importlib.metadata.entry_points(group=group)
 
 
-def _distribution_name(ep: importlib.metadata.EntryPoint) -> str:
+def _distribution_name(ep: EntryPointLike) -> str:
     dist = getattr(ep, "dist", None)
-    name = getattr(dist, "name", None) or (dist.metadata["Name"] if dist is not None else None)
+    if dist is None:
+        return "<unknown distribution>"
+    name = getattr(dist, "name", None)
+    if not name:
+        metadata = getattr(dist, "metadata", None)
+        name = metadata["Name"] if metadata is not None else None
     return name or "<unknown distribution>"
 
 
@@ -66,11 +100,31 @@ def allow_list_from_env() -> frozenset[str] | None:
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
 
+def _unmarked_hook_functions(plugin: object) -> list[str]:
+    """Names of ``chassis_*`` functions on ``plugin`` that lack ``@hookimpl``.
+
+    pluggy ignores them silently, which would make a forgotten decorator a plugin that
+    "loads" and does nothing; chassis reports it instead.
+    """
+    marker = f"{hookspecs.PROJECT_NAME}_impl"
+    names = []
+    for attr in dir(plugin):
+        if not attr.startswith(f"{hookspecs.PROJECT_NAME}_"):
+            continue
+        value = inspect.getattr_static(plugin, attr, None)
+        if isinstance(value, staticmethod | classmethod):
+            value = value.__func__
+        if inspect.isfunction(value) and not hasattr(value, marker):
+            names.append(attr)
+    return names
+
+
 class PluginManager:
     """Owns the pluggy manager of one process and the records of what was discovered.
 
     ``entry_points`` and ``allow_list`` are injectable so tests can use fake entry points
-    without installing anything.
+    without installing anything. A plugin's name is its entry-point name; two different
+    objects under one name is an error.
     """
 
     def __init__(
@@ -81,38 +135,77 @@ class PluginManager:
         read_env: bool = True,
     ) -> None:
         self._entry_points = entry_points or _installed_entry_points
-        self.allow_list = allow_list if allow_list is not None or not read_env else allow_list_from_env()
+        if allow_list is None and read_env:
+            allow_list = allow_list_from_env()
+        #: entry-point names to load (``None``: all)
+        self.allow_list = allow_list
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[tuple[str, str], PluginRecord] = {}
         self._distributions: dict[str, str] = {}
+        self._groups: dict[str, str] = {}
         self._loaded_groups: set[str] = set()
+        self._warned_allow_list = False
         self._lock = threading.RLock()
+        #: derived objects (the registries) rebuilt after any new registration
         self.cache: dict[str, Any] = {}
 
-    # -- loading ------------------------------------------------------------------------------
+    # -- discovery ----------------------------------------------------------------------------
 
     def discover(self, group: str) -> list[PluginRecord]:
         """Records of every entry point in ``group`` (without loading them)."""
-        out = []
-        for ep in self._entry_points(group):
-            key = (group, ep.name)
-            if key not in self.records:
-                self.records[key] = PluginRecord(group, ep.name, ep.value, _distribution_name(ep))
-            out.append(self.records[key])
-        return out
+        with self._lock:
+            return [self.discover_one(group, ep) for ep in self._entry_points(group)]
+
+    def discover_one(self, group: str, ep: EntryPointLike) -> PluginRecord:
+        """The record of entry point ``ep`` of ``group`` (created on first sight).
+
+        A second entry point with the same name in the group (another distribution, or
+        another value) marks the record ``"failed"``: names must be unique.
+        """
+        key = (group, ep.name)
+        distribution = _distribution_name(ep)
+        record = self.records.get(key)
+        if record is None:
+            record = self.records[key] = PluginRecord(group, ep.name, ep.value, distribution)
+        elif (record.distribution, record.value) != (distribution, ep.value):
+            record.status = "failed"
+            record.reason = record.conflict = (
+                f"entry point {ep.name!r} of group {group!r} is provided twice: "
+                f"{record.value} by distribution {record.distribution!r} and {ep.value} by "
+                f"distribution {distribution!r}; uninstall one or exclude the name with "
+                f"{ALLOW_LIST_ENV}"
+            )
+        return record
+
+    def unknown_allowed_names(self) -> list[str]:
+        """Names in the allow-list that match no entry point of either group (typos)."""
+        if self.allow_list is None:
+            return []
+        known = {r.name for group in GROUPS for r in self.discover(group)}
+        return sorted(self.allow_list - known)
+
+    # -- loading ------------------------------------------------------------------------------
 
     def load_group(self, group: str) -> None:
-        """Import and register every allowed entry point of ``group``; a no-op the second time."""
+        """Import and register every allowed entry point of ``group``; a no-op the second time.
+
+        :raises PluginLoadError: an entry point failed to import, or its hookimpls do not
+            match the hookspecs; the group stays unloaded, so the next call fails the same way.
+        """
         with self._lock:
             if group in self._loaded_groups:
                 return
-            for ep in self._entry_points(group):
-                record = self.discover_one(group, ep)
+            self._warn_unknown_allowed()
+            entry_points = list(self._entry_points(group))
+            records = [self.discover_one(group, ep) for ep in entry_points]
+            for ep, record in zip(entry_points, records, strict=True):
                 if self.allow_list is not None and ep.name not in self.allow_list:
                     record.status = "skipped"
                     record.reason = f"not in {ALLOW_LIST_ENV}"
                     continue
+                if record.conflict:
+                    raise PluginLoadError(record.conflict)
                 try:
                     obj = ep.load()
                 except Exception as exc:
@@ -122,17 +215,33 @@ class PluginManager:
                         f"cannot import plugin {ep.name!r} ({ep.value}) from distribution "
                         f"{record.distribution!r}, group {group!r}: {type(exc).__name__}: {exc}"
                     ) from exc
-                self.register(obj, ep.name, distribution=record.distribution, group=group)
+                try:
+                    self.register(obj, ep.name, distribution=record.distribution, group=group)
+                except PluginLoadError as exc:
+                    record.status = "failed"
+                    record.reason = str(exc)
+                    raise
                 record.status = "loaded"
+                record.reason = ""
                 record.hooks = self.hooks_of(ep.name)
             self._loaded_groups.add(group)
             logger.debug("loaded plugin group %s", group)
 
-    def discover_one(self, group: str, ep: importlib.metadata.EntryPoint) -> PluginRecord:
-        key = (group, ep.name)
-        if key not in self.records:
-            self.records[key] = PluginRecord(group, ep.name, ep.value, _distribution_name(ep))
-        return self.records[key]
+    def _warn_unknown_allowed(self) -> None:
+        if self._warned_allow_list:
+            return
+        self._warned_allow_list = True
+        unknown = self.unknown_allowed_names()
+        if unknown:
+            logger.warning(
+                "%s names entry points that no installed plugin provides: %s",
+                ALLOW_LIST_ENV,
+                ", ".join(unknown),
+            )
+
+    def is_loaded(self, group: str) -> bool:
+        """Whether ``group`` has been loaded in this manager."""
+        return group in self._loaded_groups
 
     def load_general_plugins(self) -> None:
         """Load ``chassis.general_plugins`` (once per process)."""
@@ -152,65 +261,136 @@ class PluginManager:
     ) -> None:
         """Register ``plugin`` (a module or object with hookimpls) under ``name``.
 
-        Registering the same name again is a no-op (loading is idempotent). A hookimpl whose
-        name matches no hookspec, or whose arguments the hookspec lacks, raises
-        :class:`PluginLoadError`.
+        Registering the same object under the same name again is a no-op (loading is
+        idempotent). Raises :class:`PluginLoadError`, naming the plugin, its distribution,
+        its group and the hook, when:
+
+        * another object is already registered under ``name``;
+        * a hookimpl's name matches no hookspec, or it asks for an argument the hookspec lacks;
+        * a ``chassis_*`` function lacks the ``@hookimpl`` decorator;
+        * a hookimpl is a wrapper (chassis calls each implementation itself);
+        * ``chassis_platform`` comes from the general group, or another hook from the
+          platform group.
         """
+        if group not in GROUPS:
+            raise ValueError(f"unknown plugin group {group!r}; known: {', '.join(GROUPS)}")
         with self._lock:
-            if self.pm.has_plugin(name):
-                return
             where = f"plugin {name!r} from distribution {distribution!r}, group {group!r}"
+            existing = self.pm.get_plugin(name)
+            if existing is not None:
+                if existing is plugin:
+                    return
+                raise PluginLoadError(
+                    f"{where}: the name is already taken by a plugin from distribution "
+                    f"{self.distribution_of(name)!r}, group {self._groups.get(name)!r}; "
+                    "entry-point names must be unique across distributions and groups"
+                )
+            unmarked = _unmarked_hook_functions(plugin)
+            if unmarked:
+                raise PluginLoadError(
+                    f"{where}: {', '.join(unmarked)} not decorated with "
+                    "@chassis.plugins.hookimpl, so it would never be called"
+                )
             try:
                 self.pm.register(plugin, name=name)
-            except pluggy.PluginValidationError as exc:
-                raise PluginLoadError(f"{where}: {exc}") from exc
-            except ValueError as exc:  # the same object registered under another name
-                raise PluginLoadError(f"{where}: {exc}") from exc
-            for caller in self.pm.get_hookcallers(plugin) or []:
-                if not caller.has_spec():
+            except (pluggy.PluginValidationError, ValueError) as exc:
+                # pluggy leaves a half-registered plugin behind when validation fails.
+                if self.pm.get_plugin(name) is plugin:
                     self.pm.unregister(name=name)
-                    known = ", ".join(sorted(h for h in dir(hookspecs) if h.startswith("chassis_")))
-                    raise PluginLoadError(
-                        f"{where}: hook {caller.name!r} matches no hookspec (known hooks: {known})"
-                    )
+                # ValueError: the same object is already registered under another name.
+                raise PluginLoadError(f"{where}: {exc}") from exc
+            try:
+                self._validate_hooks(plugin, name, group, where)
+            except PluginLoadError:
+                self.pm.unregister(name=name)
+                raise
             self._distributions[name] = distribution
+            self._groups[name] = group
             self.cache.clear()
+
+    def _validate_hooks(self, plugin: object, name: str, group: str, where: str) -> None:
+        known = ", ".join(sorted(h for h in dir(hookspecs) if h.startswith("chassis_")))
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            if not caller.has_spec():
+                raise PluginLoadError(
+                    f"{where}: hook {caller.name!r} matches no hookspec (known hooks: {known})"
+                )
+            if group == PLATFORM_GROUP and caller.name != PLATFORM_HOOK:
+                raise PluginLoadError(
+                    f"{where}: hook {caller.name!r} belongs in a 'chassis.general_plugins' entry "
+                    f"point; platform plugins implement only {PLATFORM_HOOK!r}"
+                )
+            if group == GENERAL_GROUP and caller.name == PLATFORM_HOOK:
+                raise PluginLoadError(
+                    f"{where}: hook {PLATFORM_HOOK!r} must be exposed through a "
+                    "'chassis.platform_plugins' entry point"
+                )
+            for impl in caller.get_hookimpls():
+                if impl.plugin_name == name and (impl.hookwrapper or impl.wrapper):
+                    raise PluginLoadError(
+                        f"{where}: hook {caller.name!r} is a wrapper; chassis calls every "
+                        "implementation itself, so wrappers are not supported"
+                    )
 
     # -- queries ------------------------------------------------------------------------------
 
     def hooks_of(self, name: str) -> list[str]:
+        """Hooks implemented by plugin ``name``, sorted (empty if not registered)."""
         plugin = self.pm.get_plugin(name)
         return sorted(c.name for c in self.pm.get_hookcallers(plugin) or []) if plugin else []
 
     def distribution_of(self, plugin_name: str) -> str:
+        """The distribution that provided plugin ``plugin_name`` (``"<direct>"`` if none)."""
         return self._distributions.get(plugin_name, "<direct>")
+
+    def group_of(self, plugin_name: str) -> str | None:
+        """The entry-point group plugin ``plugin_name`` was registered for."""
+        return self._groups.get(plugin_name)
+
+    def is_builtin(self, plugin_name: str) -> bool:
+        """Whether plugin ``plugin_name`` came from this project's own distribution."""
+        return is_builtin_distribution(self.distribution_of(plugin_name))
 
     def hookimpls(self, hook_name: str) -> list[tuple[str, Callable[..., Any], list[str]]]:
         """``(plugin name, function, argument names)`` of every implementation of a hook,
-        in registration order."""
+        in registration order (``tryfirst``/``trylast`` hookimpls move to the end/start)."""
         caller = getattr(self.pm.hook, hook_name)
-        impls = caller.get_hookimpls()
-        return [(impl.plugin_name, impl.function, list(impl.argnames)) for impl in impls][::-1]
+        # pluggy keeps implementations in registration order (and calls them in reverse).
+        return [(i.plugin_name, i.function, list(i.argnames)) for i in caller.get_hookimpls()]
 
     def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call every implementation of ``hook_name`` one by one; ``(plugin, result)`` pairs.
 
-        An exception from a hookimpl becomes a :class:`PluginLoadError` naming the plugin.
+        Each implementation receives the subset of ``kwargs`` it names. An exception from a
+        hookimpl becomes a :class:`PluginLoadError` naming the plugin and the hook.
         """
-        results = []
-        for plugin_name, fn, argnames in self.hookimpls(hook_name):
-            try:
-                result = fn(**{a: kwargs[a] for a in argnames})
-            except PluginLoadError:
-                raise
-            except Exception as exc:
-                raise PluginLoadError(
-                    f"plugin {plugin_name!r} from distribution "
-                    f"{self.distribution_of(plugin_name)!r}: hook {hook_name!r} failed: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            results.append((plugin_name, result))
-        return results
+        return [
+            (plugin_name, self.call_impl(plugin_name, hook_name, fn, argnames, **kwargs))
+            for plugin_name, fn, argnames in self.hookimpls(hook_name)
+        ]
+
+    def call_impl(
+        self,
+        plugin_name: str,
+        hook_name: str,
+        fn: Callable[..., Any],
+        argnames: list[str],
+        **kwargs: Any,
+    ) -> Any:
+        """Call one implementation (an item of :meth:`hookimpls`) with the arguments it names.
+
+        :raises PluginLoadError: the implementation raised; names the plugin and the hook.
+        """
+        try:
+            return fn(**{a: kwargs[a] for a in argnames})
+        except PluginLoadError:
+            raise
+        except Exception as exc:
+            raise PluginLoadError(
+                f"plugin {plugin_name!r} from distribution "
+                f"{self.distribution_of(plugin_name)!r}: hook {hook_name!r} failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
 
 _manager: PluginManager | None = None
@@ -239,7 +419,7 @@ def load_general_plugins() -> None:
 
 
 def register_plugin(plugin: object, name: str) -> None:
-    """Register a plugin object directly, without an entry point (scripts, notebooks, tests).
+    """Register a general plugin object directly, without an entry point (scripts, tests).
 
     Only takes effect in the calling process: an engine-core child process loads plugins
     from entry points, so ship an entry point for anything that must reach it.

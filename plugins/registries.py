@@ -21,6 +21,7 @@ class Registries:
     reasoning_parsers: Registry[Any]
 
     def items(self) -> list[tuple[str, Registry[Any]]]:
+        """``(field name, registry)`` pairs, e.g. ``("schedulers", Registry(...))``."""
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
 
@@ -36,23 +37,21 @@ _HOOKS = {
 
 
 def build_registries(manager: PluginManager) -> Registries:
-    """Load the general plugins of ``manager`` and let each fill the registries."""
+    """Load the general plugins of ``manager`` and let each fill the registries.
+
+    Hooks run in plugin registration order; a registration that fails (a duplicate name, a
+    malformed lazy string, an exception in the hook) raises
+    :class:`~chassis.plugins.manager.PluginLoadError` naming the plugin, its distribution and
+    the hook, with the original error as ``__cause__``.
+    """
     manager.load_general_plugins()
     built: dict[str, Registry[Any]] = {}
     for field_name, (hook, kind) in _HOOKS.items():
         registry: Registry[Any] = Registry(kind)
         for plugin_name, fn, argnames in manager.hookimpls(hook):
+            # Attribute every name the hook registers to its plugin (``names_by``, errors).
             registry.current_owner = plugin_name
-            try:
-                fn(**{a: registry for a in argnames})
-            except Exception as exc:
-                from chassis.plugins.manager import PluginLoadError
-
-                raise PluginLoadError(
-                    f"plugin {plugin_name!r} from distribution "
-                    f"{manager.distribution_of(plugin_name)!r}: hook {hook!r} failed: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+            manager.call_impl(plugin_name, hook, fn, argnames, registry=registry)
         registry.current_owner = "<direct>"
         built[field_name] = registry
     return Registries(**built)
@@ -61,8 +60,9 @@ def build_registries(manager: PluginManager) -> Registries:
 def get_registries() -> Registries:
     """The registries of this process, built once (after loading the general plugins)."""
     manager = get_plugin_manager()
-    regs = manager.cache.get("registries")
-    if regs is None:
-        regs = build_registries(manager)
-        manager.cache["registries"] = regs
-    return regs
+    with manager._lock:  # one build even when threads ask at once
+        regs = manager.cache.get("registries")
+        if regs is None:
+            regs = build_registries(manager)
+            manager.cache["registries"] = regs
+        return regs

@@ -66,7 +66,9 @@ class Registry(Generic[T]):
         return obj  # type: ignore[return-value]
 
     def owner(self, name: str) -> str:
-        """The plugin that registered ``name``."""
+        """The plugin that registered ``name``; :class:`UnknownNameError` if none did."""
+        if name not in self._owners:
+            self.get(name)  # raises UnknownNameError listing the known names
         return self._owners[name]
 
     def names(self) -> list[str]:

@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in SUBCOMMANDS.items():
+    for module_name in SUBCOMMANDS.values():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -35,16 +35,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return 2
-    return int(args.run(args) or 0)
+    """Run one sub-command; its exit status (2: no sub-command given).
+
+    A plugin that fails to load, or a platform that cannot be chosen, ends the command with
+    the error's message (which names the plugin and the cause) and exit status 1;
+    ``--log-level DEBUG`` adds the traceback.
+    """
+    from chassis.platforms.resolve import PlatformError
+    from chassis.plugins.manager import PluginLoadError
+
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return 2
+        return int(args.run(args) or 0)
+    except (PluginLoadError, PlatformError) as exc:
+        logging.getLogger(__name__).debug("start-up failed", exc_info=True)
+        print(f"chassis: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""Tests of chassis-plugin-template, run where the package is installed (``pip install -e .``).
+
+They call the hooks the way chassis does, and check the installed entry points through a
+real :class:`chassis.plugins.PluginManager`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from chassis_plugin_template import platform, plugin
+from chassis_plugin_template.sampler import TemplateGreedySampler
+
+from chassis.core.config import EngineConfig
+from chassis.core.request import Request
+from chassis.core.sampling_metadata import SamplingMetadata
+from chassis.core.sampling_params import SamplingParams
+from chassis.platforms.cpu import CpuPlatform
+from chassis.plugins import PluginManager, Registry
+from chassis.plugins.registries import build_registries
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("CHASSIS_PLUGINS", "CHASSIS_PLATFORM", platform.ACTIVATE_ENV, plugin.GREETING_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_platform_is_offered_only_when_activated(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert platform.chassis_platform() is None
+    assert "is not 1" in platform.TemplateCpuPlatform.detection_detail()
+    monkeypatch.setenv(platform.ACTIVATE_ENV, "1")
+    offered = platform.chassis_platform()
+    assert offered is platform.TemplateCpuPlatform
+    assert issubclass(offered, CpuPlatform)
+    assert offered.name == "template_cpu"
+    assert offered().device_count() == 1
+
+
+def test_registers_scheduler_and_sampler_lazily() -> None:
+    schedulers: Registry[object] = Registry("scheduler")
+    samplers: Registry[object] = Registry("sampler")
+    plugin.chassis_register_schedulers(schedulers)
+    plugin.chassis_register_samplers(samplers)
+    assert schedulers.names() == ["template_sjf"]
+    assert samplers.names() == ["template_greedy"]
+    assert samplers.get("template_greedy") is TemplateGreedySampler
+
+
+def _metadata(num_rows: int, temperature: float, **kwargs: object) -> SamplingMetadata:
+    return SamplingMetadata(
+        temperature=torch.full((num_rows,), temperature),
+        all_greedy=temperature == 0.0,
+        all_random=temperature > 0.0,
+        **kwargs,
+    )
+
+
+def test_sampler_takes_the_argmax_whatever_the_temperature() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    sampler = TemplateGreedySampler(EngineConfig())
+    for temperature in (0.0, 0.7, 1.5):
+        out = sampler(logits.clone(), _metadata(4, temperature))
+        assert out.sampled_token_ids.dtype == torch.int64
+        assert out.sampled_token_ids.tolist() == logits.argmax(dim=-1).tolist()
+        assert out.logprobs is None
+
+
+def test_sampler_rejects_logprobs() -> None:
+    sampler = TemplateGreedySampler(EngineConfig())
+    with pytest.raises(ValueError, match="does not compute logprobs"):
+        sampler(torch.zeros(1, 8), _metadata(1, 1.0, max_num_logprobs=2))
+
+
+def test_greeting_flag_reaches_plugin_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    plugin.chassis_add_cli_args(parser)
+    args = parser.parse_args(["--template-greeting", "hi there"])
+    config = EngineConfig(plugin_args={plugin.GREETING_KEY: args.template_greeting})
+    plugin.chassis_configure(config)
+    assert config.plugin_args[plugin.GREETING_KEY] == "hi there"
+
+    # Without the flag: the environment variable, then the default.
+    config = EngineConfig()
+    plugin.chassis_configure(config)
+    assert config.plugin_args[plugin.GREETING_KEY] == plugin.DEFAULT_GREETING
+    monkeypatch.setenv(plugin.GREETING_ENV, "from env")
+    config = EngineConfig(plugin_args={plugin.GREETING_KEY: None})
+    plugin.chassis_configure(config)
+    assert config.plugin_args[plugin.GREETING_KEY] == "from env"
+
+
+def test_greeting_must_be_a_string() -> None:
+    config = EngineConfig(plugin_args={plugin.GREETING_KEY: 42})
+    with pytest.raises(ValueError, match="must be a string"):
+        plugin.chassis_configure(config)
+
+
+def test_installed_entry_points_load_through_chassis() -> None:
+    manager = PluginManager(allow_list=None, read_env=False)
+    registries = build_registries(manager)
+    assert manager.distribution_of("template") == "chassis-plugin-template"
+    assert registries.schedulers.owner("template_sjf") == "template"
+    assert registries.samplers.owner("template_greedy") == "template"
+    manager.load_platform_plugins()
+    assert manager.hooks_of("template_platform") == ["chassis_platform"]
+
+
+def test_scheduler_admits_shortest_prompt_first() -> None:
+    from chassis_plugin_template.scheduler import ShortestPromptFirstScheduler
+
+    from chassis.builtin_plugins.schedulers.fcfs import FcfsScheduler
+    from chassis.core.kv_cache_manager import KVCacheManager
+
+    assert issubclass(ShortestPromptFirstScheduler, FcfsScheduler)
+
+    def admitted(scheduler_cls: type[FcfsScheduler]) -> tuple[list[str], dict[str, int]]:
+        config = EngineConfig(max_model_len=64, max_num_batched_tokens=8)
+        scheduler = scheduler_cls(config, KVCacheManager(64, config.block_size))
+        params = SamplingParams(max_tokens=1)
+        for request_id, length in (("long", 30), ("short", 3), ("middle", 10), ("short2", 3)):
+            scheduler.add_request(Request(request_id, list(range(1, length + 1)), params))
+        waiting = [r.request_id for r in scheduler.waiting]
+        return waiting, scheduler.schedule().num_scheduled_tokens
+
+    waiting, scheduled = admitted(ShortestPromptFirstScheduler)
+    assert waiting == ["short", "short2", "middle", "long"]
+    assert scheduled["short"] == 3 and scheduled["short2"] == 3 and "long" not in scheduled
+    # The built-in it derives from serves the long prompt first.
+    waiting, scheduled = admitted(FcfsScheduler)
+    assert waiting == ["long", "short", "middle", "short2"]
+    assert scheduled == {"long": 8}
