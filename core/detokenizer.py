@@ -35,8 +35,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from chassis.core.sampling_params import SamplingParams
     from transformers import PreTrainedTokenizerBase
+
+    from chassis.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,10 @@ from chassis.core.request import EngineCoreRequest
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from transformers import PreTrainedTokenizerBase
+
     from chassis.core.config import EngineConfig
     from chassis.core.sampling_params import SamplingParams
-    from transformers import PreTrainedTokenizerBase
 
 _SEED_SPAN = 2**64
 

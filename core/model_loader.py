@@ -246,5 +246,3 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             param.fill_(1.0)
         else:
             param.zero_()
-
-

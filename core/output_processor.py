@@ -24,9 +24,10 @@ from chassis.core.outputs import (
 from chassis.core.request import FinishReason
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from chassis.core.request import EngineCoreOutput, EngineCoreOutputs, TokenLogprobs
     from chassis.core.sampling_params import SamplingParams
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

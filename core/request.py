@@ -10,7 +10,7 @@ import msgspec
 from chassis.core.sampling_params import SamplingParams
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended; the values are OpenAI's ``finish_reason`` strings."""
 
     STOP = "stop"

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from chassis.core.sampling_params import SamplingParams
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing by them would

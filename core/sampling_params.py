@@ -72,7 +72,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad(
                 "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        for field, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+        for field, value in (
+            ("logprobs", self.logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise bad(field, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(not s for s in self.stop):

@@ -1,0 +1,203 @@
+"""``AsyncLLM``: the asyncio client of an engine-core child process (used by the server).
+
+Tokenization happens in the caller's event loop (off-loaded to a thread for long prompts);
+decoding of engine messages and detokenization happen on the client's output thread, which
+hands finished ``RequestOutput``s to per-request asyncio queues. The event loop never blocks
+on engine I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from chassis.core.config import EngineConfig
+from chassis.core.engine_client import EngineCoreClient
+from chassis.core.engine_setup import finalize_config
+from chassis.core.errors import EngineDeadError
+from chassis.core.input_processor import InputProcessor
+from chassis.core.output_processor import OutputProcessor
+from chassis.core.outputs import RequestOutput
+from chassis.core.request import EngineCoreOutputs, SchedulerStats
+from chassis.core.sampling_params import SamplingParams
+from chassis.core.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: prompts longer than this (characters) are tokenized in a worker thread
+_THREAD_TOKENIZE_CHARS = 4096
+
+
+class AsyncLLM:
+    """Submit prompts, stream ``RequestOutput``s; the engine core runs in a child process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        finalize_config(config)
+        self.config = config
+        assert config.tokenizer is not None and config.served_model_name is not None
+        self.model_name: str = config.served_model_name
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, config, eos_token_ids(self.tokenizer, config.model)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._lock = threading.Lock()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead_callbacks: list[Callable[[], None]] = []
+        self.dead_error: EngineDeadError | None = None
+        self._stats = SchedulerStats()
+        self.client = EngineCoreClient(config, self._on_outputs, self._on_dead)
+        self.engine_info = self.client.info
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> AsyncLLM:
+        """Resolve the model, load the tokenizer and start the engine core (blocking)."""
+        return cls(config)
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def stats(self) -> SchedulerStats:
+        """The latest scheduler snapshot the engine core sent."""
+        return self._stats
+
+    async def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine core is not running."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if not self.client.is_alive:
+            raise EngineDeadError("the engine core is not running")
+
+    def add_dead_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the event loop) once, when the engine core dies."""
+        # Outside a running loop the callback runs on the client's monitor thread.
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+        self._dead_callbacks.append(callback)
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        delta: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request (``n`` completions as ``outputs[i].index``).
+
+        Bad input raises ``ValueError`` before anything is yielded; a dead engine raises
+        :class:`EngineDeadError`. Closing the iterator early aborts the request.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        self._loop = asyncio.get_running_loop()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.time()
+        if isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS:
+            requests = await asyncio.to_thread(
+                self.input_processor.process, prompt, sampling_params, request_id, priority, arrival
+            )
+        else:
+            requests = self.input_processor.process(
+                prompt, sampling_params, request_id, priority, arrival
+            )
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        with self._lock:
+            self.output_processor.add_request(
+                request_id,
+                prompt if isinstance(prompt, str) else None,
+                requests[0].prompt_token_ids,
+                sampling_params,
+                [r.request_id for r in requests],
+                arrival,
+                delta,
+            )
+        finished = False
+        try:
+            for request in requests:
+                self.client.add_request(request)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks are freed. Unknown ids are ignored."""
+        self._abort(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            child_ids = self.output_processor.abort_request(request_id)
+        if child_ids and self.dead_error is None:
+            with contextlib.suppress(EngineDeadError):
+                self.client.abort(child_ids)
+
+    # -- output thread --------------------------------------------------------------------
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.stats is not None:
+            self._stats = outputs.stats
+        if not outputs.outputs:
+            return
+        with self._lock:
+            processed = self.output_processor.process_outputs(outputs)
+        if processed.request_ids_to_abort:
+            self.client.abort(processed.request_ids_to_abort)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        for request_output in processed.request_outputs:
+            queue = self._queues.get(request_output.request_id)
+            if queue is not None:
+                loop.call_soon_threadsafe(queue.put_nowait, request_output)
+
+    def _on_dead(self, reason: str) -> None:
+        self.dead_error = EngineDeadError(reason)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            for cb in self._dead_callbacks:
+                cb()
+            return
+
+        def fail_everything() -> None:
+            for queue in list(self._queues.values()):
+                queue.put_nowait(self.dead_error or EngineDeadError(reason))
+            for cb in self._dead_callbacks:
+                try:
+                    cb()
+                except Exception:
+                    logger.exception("dead-engine callback failed")
+
+        loop.call_soon_threadsafe(fail_everything)
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def shutdown_sync(self) -> None:
+        self.client.shutdown()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.client.shutdown)

@@ -1,0 +1,198 @@
+"""The front-end's handle on an engine-core child process.
+
+Starts the process (``spawn``), binds two private ``ipc://`` sockets in a fresh 0700 temp
+directory, waits for the ready message, then runs an output thread that decodes every
+``EngineCoreOutputs`` and hands it to a callback, and a monitor thread that notices the
+child's death. Sending is thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+
+import msgspec
+import zmq
+
+from chassis.core.config import EngineConfig
+from chassis.core.engine_core import EngineInfo
+from chassis.core.engine_core_proc import (
+    ABORT,
+    ADD,
+    ERROR,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    run_engine_core,
+)
+from chassis.core.errors import EngineDeadError
+from chassis.core.request import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+#: how long start-up (model load, KV sizing) may take before we give up
+STARTUP_TIMEOUT_S = float(os.environ.get("CHASSIS_ENGINE_STARTUP_TIMEOUT", "900"))
+
+
+class EngineCoreClient:
+    """Runs the engine core in a child process and talks to it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_outputs: Callable[[EngineCoreOutputs], None],
+        on_dead: Callable[[str], None],
+    ) -> None:
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        self._closing = False
+        self._dead_reported = False
+        self._send_lock = threading.Lock()
+        self._dead_lock = threading.Lock()
+        self._output_thread: threading.Thread | None = None
+        self._ipc_dir = tempfile.mkdtemp(prefix="chassis-ipc-")
+        os.chmod(self._ipc_dir, 0o700)
+        input_addr = f"ipc://{self._ipc_dir}/input"
+        output_addr = f"ipc://{self._ipc_dir}/output"
+
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.bind(input_addr)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(output_addr)
+
+        mp = multiprocessing.get_context("spawn")
+        self.process = mp.Process(
+            target=run_engine_core,
+            args=(config.to_dict(), input_addr, output_addr, logging.getLogger().level),
+            name="chassis-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        try:
+            self.info = self._wait_ready()
+        except BaseException:
+            self._kill()
+            self._cleanup()
+            raise
+        self._output_thread = threading.Thread(
+            target=self._read_outputs, daemon=True, name="chassis-output"
+        )
+        self._output_thread.start()
+        self._monitor = threading.Thread(target=self._watch, daemon=True, name="chassis-monitor")
+        self._monitor.start()
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def _wait_ready(self) -> EngineInfo:
+        poller = zmq.Poller()
+        poller.register(self._out, zmq.POLLIN)
+        waited = 0.0
+        while waited < STARTUP_TIMEOUT_S:
+            if poller.poll(500):
+                kind, payload = self._out.recv_multipart()
+                if kind == READY:
+                    return msgspec.msgpack.decode(payload, type=EngineInfo)
+                if kind == ERROR:
+                    raise EngineDeadError(f"engine core failed to start: {payload.decode()}")
+                raise EngineDeadError(f"unexpected first message from engine core: {kind!r}")
+            waited += 0.5
+            if not self.process.is_alive():
+                raise EngineDeadError(
+                    f"engine core exited during start-up (exit code {self.process.exitcode}); "
+                    "see its log above"
+                )
+        raise EngineDeadError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
+
+    # -- running --------------------------------------------------------------------------
+
+    def _read_outputs(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        while True:
+            try:
+                kind, payload = self._out.recv_multipart()
+            except zmq.ZMQError:  # ETERM: the context is being terminated at shutdown
+                self._out.close(0)
+                return
+            if kind != OUTPUTS:
+                continue
+            outputs = decoder.decode(payload)
+            if outputs.engine_error:
+                self._report_dead(f"engine core failed: {outputs.engine_error}")
+                return
+            try:
+                self._on_outputs(outputs)
+            except Exception:
+                logger.exception("error while processing engine outputs")
+
+    def _watch(self) -> None:
+        self.process.join()
+        if not self._closing:
+            self._report_dead(f"engine core process died (exit code {self.process.exitcode})")
+
+    def _report_dead(self, reason: str) -> None:
+        with self._dead_lock:
+            if self._dead_reported:
+                return
+            self._dead_reported = True
+        logger.error("%s", reason)
+        self._on_dead(reason)
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._dead_reported and self.process.is_alive()
+
+    def _send(self, kind: bytes, payload: bytes) -> None:
+        if not self.is_alive:
+            raise EngineDeadError("the engine core is not running")
+        with self._send_lock:
+            self._in.send_multipart([kind, payload])
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(ADD, msgspec.msgpack.encode(request))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids and self.is_alive:
+            self._send(ABORT, msgspec.msgpack.encode(ids))
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine core to exit, then make sure it has (terminate, kill)."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.process.is_alive():
+            try:
+                with self._send_lock:
+                    self._in.send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.process.join(timeout)
+        self._kill()
+        self._cleanup()
+
+    def _kill(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def _cleanup(self) -> None:
+        self._in.close(0)
+        if getattr(self, "_output_thread", None) is None:
+            self._out.close(0)
+        # term() makes the output thread's blocking recv fail with ETERM; it then closes its
+        # socket (sockets are not thread-safe, so only their own thread closes them).
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -1,0 +1,102 @@
+"""The engine core: the only owner of scheduler and KV state; one ``step()`` per iteration."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import msgspec
+
+from chassis.core.config import EngineConfig
+from chassis.core.executor import InProcessExecutor
+from chassis.core.kv_cache_manager import KVCacheManager
+from chassis.core.request import EngineCoreOutputs, EngineCoreRequest, Request
+
+logger = logging.getLogger(__name__)
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """What the engine core reports once it is ready (sent to the front-end)."""
+
+    platform: str
+    attention_backend: str
+    scheduler: str
+    sampler: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+class EngineCore:
+    """Schedules requests and runs steps. Built from a finalized ``EngineConfig``.
+
+    One step reads like ARCHITECTURE section 2: ``scheduler.schedule()`` ->
+    ``executor.execute_model()`` -> ``scheduler.update_from_output()``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from chassis.platforms import get_current_platform
+        from chassis.plugins import get_registries, load_general_plugins
+
+        load_general_plugins()
+        self.config = config
+        platform = get_current_platform()
+        self.executor = InProcessExecutor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        scheduler_cls = get_registries().schedulers.get(config.scheduler)
+        self.scheduler = scheduler_cls(config, self.kv_cache_manager)
+        assert config.max_model_len is not None and config.attention_backend is not None
+        self.info = EngineInfo(
+            platform=platform.name,
+            attention_backend=config.attention_backend,
+            scheduler=config.scheduler,
+            sampler=config.sampler,
+            num_kv_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+        )
+        logger.info(
+            "engine core ready: platform=%s attention=%s scheduler=%s KV cache %d blocks "
+            "(%d tokens)",
+            platform.name,
+            config.attention_backend,
+            config.scheduler,
+            num_blocks,
+            self.info.kv_capacity_tokens,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.abort(list(request_ids))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one scheduling + execution step and return what requests produced."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            # Nothing runnable (e.g. only aborts to report); still hand the diff over.
+            self.executor.execute_model(scheduler_output)
+            return EngineCoreOutputs(timestamp=time.time(), stats=self.scheduler.stats())
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(
+            outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,145 @@
+"""The engine core as a child process, fed over ZMQ with msgpack (no pickle on the socket).
+
+Wire protocol (multipart frames): front-end -> engine ``[b"add", EngineCoreRequest]``,
+``[b"abort", list[str]]``, ``[b"shutdown", b""]``; engine -> front-end ``[b"ready",
+EngineInfo]`` once, ``[b"error", str]`` if start-up fails, then ``[b"outputs",
+EngineCoreOutputs]`` per step. An input thread and an output thread move frames between the
+sockets and queues, so the busy loop never blocks on I/O.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from chassis.core.request import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
+READY, ERROR, OUTPUTS = b"ready", b"error", b"outputs"
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+_abort_decoder = msgspec.msgpack.Decoder(list[str])
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent-pid check in the loop covers it
+
+
+def run_engine_core(
+    config_dict: dict[str, Any], input_addr: str, output_addr: str, log_level: int
+) -> None:
+    """Entry point of the engine-core child process."""
+    parent_pid = os.getppid()
+    _die_with_parent()
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 1000)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    in_sock.connect(input_addr)
+
+    try:
+        from chassis.core.config import EngineConfig
+        from chassis.core.engine_core import EngineCore
+
+        core = EngineCore(EngineConfig.from_dict(config_dict))
+    except BaseException as exc:
+        logger.exception("engine core failed to start")
+        out_sock.send_multipart([ERROR, f"{type(exc).__name__}: {exc}".encode()])
+        out_sock.close()
+        raise SystemExit(1) from exc
+    out_sock.send_multipart([READY, _encoder.encode(core.info)])
+
+    inputs: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+    outputs: queue.Queue[bytes | None] = queue.Queue()
+
+    def read_inputs() -> None:
+        while True:
+            try:
+                kind, payload = in_sock.recv_multipart()
+            except zmq.ZMQError:
+                return
+            inputs.put((kind, payload))
+
+    def write_outputs() -> None:
+        while True:
+            item = outputs.get()
+            if item is None:
+                return
+            out_sock.send_multipart([OUTPUTS, item])
+
+    threading.Thread(target=read_inputs, daemon=True, name="engine-input").start()
+    writer = threading.Thread(target=write_outputs, daemon=True, name="engine-output")
+    writer.start()
+
+    try:
+        _busy_loop(core, inputs, outputs, parent_pid)
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit):
+            logger.exception("engine core crashed")
+            error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            outputs.put(_encoder.encode(EngineCoreOutputs(engine_error=error)))
+        outputs.put(None)
+        writer.join(timeout=5)
+        raise
+    outputs.put(None)
+    writer.join(timeout=5)
+    core.shutdown()
+
+
+def _busy_loop(
+    core: Any,
+    inputs: queue.Queue[tuple[bytes, bytes]],
+    outputs: queue.Queue[bytes | None],
+    parent_pid: int,
+) -> None:
+    aborted_since_step = False
+    while True:
+        # Block for input only when idle; otherwise take what arrived and step.
+        block = not core.has_unfinished() and not aborted_since_step
+        while True:
+            try:
+                kind, payload = inputs.get(block=block, timeout=1.0 if block else None)
+            except queue.Empty:
+                if block and os.getppid() != parent_pid:
+                    logger.warning("front-end process is gone; engine core exits")
+                    return
+                break
+            block = False
+            if kind == ADD:
+                core.add_request(_request_decoder.decode(payload))
+            elif kind == ABORT:
+                core.abort_requests(_abort_decoder.decode(payload))
+                aborted_since_step = True
+            elif kind == SHUTDOWN:
+                return
+        if core.has_unfinished() or aborted_since_step:
+            result = core.step()
+            aborted_since_step = False
+            outputs.put(_encoder.encode(result))
+        elif block:
+            time.sleep(0)

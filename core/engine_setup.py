@@ -1,0 +1,66 @@
+"""Turning the user's settings into the final ``EngineConfig`` (in the front-end process)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from chassis.core.config import DEFAULT_MODEL, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def finalize_config(config: EngineConfig) -> Any:
+    """Resolve the model, derive defaults, validate names, let plugins adjust; return hf_config.
+
+    After this ``config.model`` is a local directory, ``max_model_len`` and
+    ``attention_backend`` are set, and every name (scheduler, sampler, backend, architecture)
+    is known to the registries. Errors are ``ValueError`` with the known alternatives.
+    """
+    from chassis.core.model_loader import load_hf_config, model_max_len, resolve_model_path
+    from chassis.platforms import get_current_platform
+    from chassis.plugins import apply_configure_hooks, get_plugin_manager, get_registries
+
+    manager = get_plugin_manager()
+    manager.load_general_plugins()
+    platform = get_current_platform()
+    registries = get_registries()
+
+    if config.served_model_name is None:
+        config.served_model_name = config.model or DEFAULT_MODEL
+    config.model = str(resolve_model_path(config.model, config.revision))
+    if config.tokenizer is None:
+        config.tokenizer = config.model
+    hf_config = load_hf_config(config.model)
+    config.check_against_model(model_max_len(hf_config))
+
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not any(a in registries.models for a in architectures):
+        raise ValueError(
+            f"model architecture(s) {architectures or '(none in config.json)'} not supported; "
+            f"registered architectures: {', '.join(registries.models.names())}"
+        )
+    if config.attention_backend is None:
+        config.attention_backend = platform.default_attention_backend(config)
+    # Unknown names fail here, in the front-end, with the list of known ones.
+    registries.attention_backends.get(config.attention_backend)
+    registries.schedulers.get(config.scheduler)
+    registries.samplers.get(config.sampler)
+
+    platform.check_and_update_config(config)
+    apply_configure_hooks(config, manager)
+    config.validate()
+    logger.info(
+        "engine config: model=%s platform=%s attention=%s scheduler=%s sampler=%s "
+        "max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d prefix_caching=%s",
+        config.model,
+        platform.name,
+        config.attention_backend,
+        config.scheduler,
+        config.sampler,
+        config.max_model_len,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        config.enable_prefix_caching,
+    )
+    return hf_config

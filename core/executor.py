@@ -1,0 +1,49 @@
+"""Executors run the model on one or more workers; the engine core talks only to this."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from chassis.core.config import EngineConfig
+from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """Owns the workers of one engine."""
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit on every worker (the minimum across workers)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every worker."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on all workers; return the driver worker's output."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release workers (default: nothing to do)."""
+
+
+class InProcessExecutor(Executor):
+    """One device, driven from the engine-core process itself."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from chassis.core.worker import Worker
+
+        self.worker = Worker(config)
+
+    @property
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.worker.runner.kv_cache_bytes_per_block()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,115 @@
+"""The model runner's persistent batch: per-request rows updated incrementally each step.
+
+Rows live in preallocated host arrays (token ids, block tables, progress). A step only adds
+new requests, appends new blocks and sampled tokens, and removes finished ones by moving the
+last row into the hole, so nothing is rebuilt from scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from chassis.core.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps per request besides the array rows."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    #: prompt logprobs gathered chunk by chunk until the prefill completes
+    prompt_logprobs: list | None = field(default=None)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class InputBatch:
+    """Rows ``0 .. num_reqs-1`` hold the requests currently in the runner."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.request_ids: list[str] = []
+        self.states: list[RequestState] = []
+        self.row_of: dict[str, int] = {}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.request_ids)
+
+    def add(self, state: RequestState, block_ids: list[int], num_computed_tokens: int) -> None:
+        if state.request_id in self.row_of:
+            raise ValueError(f"request {state.request_id!r} is already in the batch")
+        if self.num_reqs >= self.max_num_reqs:
+            raise ValueError(f"the batch is full ({self.max_num_reqs} requests)")
+        row = self.num_reqs
+        tokens = state.prompt_token_ids + state.output_token_ids
+        if len(tokens) > self.max_model_len:
+            raise ValueError(
+                f"request {state.request_id!r} has {len(tokens)} tokens, more than "
+                f"max_model_len {self.max_model_len}"
+            )
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self.request_ids.append(state.request_id)
+        self.states.append(state)
+        self.row_of[state.request_id] = row
+        self.append_blocks(row, block_ids)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            raise ValueError(
+                f"request {self.request_ids[row]!r} needs {end} blocks, more than "
+                f"{self.block_table.shape[1]} (max_model_len / block_size)"
+            )
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = int(self.num_tokens[row])
+        if n < self.max_model_len:
+            self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+        self.states[row].output_token_ids.append(token_id)
+
+    def remove(self, request_id: str) -> None:
+        """Drop a request, moving the last row into its place."""
+        row = self.row_of.pop(request_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        if row != last:
+            moved_id = self.request_ids[last]
+            n = int(self.num_tokens[last])
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            self.num_tokens[row] = self.num_tokens[last]
+            self.num_computed_tokens[row] = self.num_computed_tokens[last]
+            nb = int(self.num_blocks[last])
+            self.block_table[row, :nb] = self.block_table[last, :nb]
+            self.num_blocks[row] = nb
+            self.request_ids[row] = moved_id
+            self.states[row] = self.states[last]
+            self.row_of[moved_id] = row
+        self.request_ids.pop()
+        self.states.pop()

@@ -1,0 +1,168 @@
+"""``LLM``: offline batch inference with the engine core in this process (vLLM's API)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from chassis.core.config import EngineConfig
+from chassis.core.engine_core import EngineCore
+from chassis.core.engine_setup import finalize_config
+from chassis.core.input_processor import InputProcessor
+from chassis.core.output_processor import OutputProcessor
+from chassis.core.outputs import RequestOutput
+from chassis.core.sampling_params import SamplingParams
+from chassis.core.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Generate for many prompts at once; ``LLM(model, **engine settings)``.
+
+    ``model`` is a hub id, a local HF directory, or ``None`` for the embedded default. Other
+    keyword arguments are :class:`EngineConfig` fields (``max_model_len``, ``dtype``,
+    ``enable_prefix_caching``, ``max_num_batched_tokens``, ``scheduler``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        finalize_config(self.config)
+        assert self.config.tokenizer is not None
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.config, eos_token_ids(self.tokenizer, self.config.model)
+        )
+        self.engine = EngineCore(self.config)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of ``prompts``.
+
+        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(
+                f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
+            )
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        output_processor = OutputProcessor(self.tokenizer)
+        order: list[str] = []
+        batch_tag = uuid.uuid4().hex[:8]
+        # Validate (and tokenize) everything before anything is queued: bad input loses nothing.
+        prepared = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+            request_id = f"{batch_tag}-{i}"
+            arrival = time.time()
+            requests = self.input_processor.process(
+                _prompt_input(prompt), params, request_id, priorities[i], arrival
+            )
+            prepared.append((request_id, prompt, params, requests, arrival))
+        for request_id, prompt, params, requests, arrival in prepared:
+            output_processor.add_request(
+                request_id,
+                _prompt_text(prompt),
+                requests[0].prompt_token_ids,
+                params,
+                [r.request_id for r in requests],
+                arrival,
+                False,
+            )
+            for request in requests:
+                self.engine.add_request(request)
+            order.append(request_id)
+
+        results: dict[str, RequestOutput] = {}
+        progress = _progress(len(order)) if use_tqdm else None
+        while self.engine.has_unfinished():
+            processed = output_processor.process_outputs(self.engine.step())
+            if processed.request_ids_to_abort:
+                self.engine.abort_requests(processed.request_ids_to_abort)
+            for output in processed.request_outputs:
+                if output.finished:
+                    results[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [results[request_id] for request_id in order]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then :meth:`generate`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = apply_chat_template(
+                self.tokenizer,
+                conversation,
+                chat_template=chat_template or self.config.chat_template,
+                add_generation_prompt=add_generation_prompt,
+            )
+            # The template already contains the special tokens it needs.
+            prompts.append(
+                {
+                    "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids,
+                    "prompt": text,
+                }
+            )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # a single list of token ids
+    return prompts
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return str(prompt["prompt"])
+        raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+    return prompt
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    return None
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,266 @@
+"""The model runner: turns a ``SchedulerOutput`` into one forward pass and sampled tokens.
+
+One step, as in ARCHITECTURE section 2:
+update the persistent batch -> prepare flattened inputs and attention metadata -> forward ->
+logits of the rows that sample -> sampler -> token ids to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_shape
+from chassis.core.input_batch import InputBatch, RequestState
+from chassis.core.prompt_logprobs import PromptLogprobsCollector
+from chassis.core.request import TokenLogprobs
+from chassis.core.sampling_metadata import SamplingRow, build_sampling_metadata
+from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
+    from chassis.core.model_interface import CausalLM
+    from chassis.core.sampler_interface import Sampler, SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model, its KV caches and the persistent batch on one device."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: CausalLM,
+        sampler: Sampler,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+        pin_memory: bool = False,
+    ) -> None:
+        assert config.max_model_len is not None  # set by finalize_config
+        self.config = config
+        self.model = model
+        self.sampler = sampler
+        self.device = device
+        self.kv_dtype = kv_dtype
+        self.pin_memory = pin_memory
+        hf = model.hf_config
+        self.vocab_size = int(hf.vocab_size)
+        self.num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+        self.head_dim = int(
+            getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        )
+        self.block_size = config.block_size
+        self.max_blocks_per_req = math.ceil(config.max_model_len / self.block_size)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        self.kv_caches: list[torch.Tensor] = []
+        self.prompt_logprobs = PromptLogprobsCollector()
+
+    # -- KV cache -------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers (K and V)."""
+        per_layer = math.prod(kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim))
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        return per_layer * elem * self.model.num_attention_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(self.model.num_attention_layers)
+        ]
+
+    # -- one step -------------------------------------------------------------------------
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Apply the scheduler's diff to the persistent batch."""
+        for request_id in out.finished_request_ids:
+            self.batch.remove(request_id)
+            self.prompt_logprobs.drop(request_id)
+        for new in out.new_requests:
+            self.batch.remove(new.request_id)  # a preempted request comes back as new
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed % (2**63))
+            state = RequestState(
+                request_id=new.request_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=params,
+                eos_token_ids=frozenset(new.eos_token_ids),
+                generator=generator,
+            )
+            self.batch.add(state, new.block_ids, new.num_computed_tokens)
+            if params.prompt_logprobs is not None and not new.output_token_ids:
+                self.prompt_logprobs.start(
+                    new.request_id, new.prompt_token_ids, params.prompt_logprobs
+                )
+        for cached in out.cached_requests:
+            row = self.batch.row_of[cached.request_id]
+            self.batch.append_blocks(row, cached.new_block_ids)
+            self.batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        if self.pin_memory:
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput()
+        batch = self.batch
+
+        # Scheduled requests in persistent-batch row order.
+        rows = np.array(sorted(batch.row_of[r] for r in out.num_scheduled_tokens), dtype=np.int64)
+        num_scheduled = np.array(
+            [out.num_scheduled_tokens[batch.request_ids[r]] for r in rows], dtype=np.int64
+        )
+        starts = batch.num_computed_tokens[rows]
+        seq_lens = starts + num_scheduled
+        cu = np.cumsum(num_scheduled)
+        query_start_loc = np.concatenate(([0], cu)).astype(np.int32)
+        total = int(cu[-1])
+
+        # Flatten: which request each token belongs to, and its position in the sequence.
+        req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
+        positions = starts[req_of_token] + (np.arange(total) - query_start_loc[:-1][req_of_token])
+        token_rows = rows[req_of_token]
+        input_ids = batch.token_ids[token_rows, positions]
+        block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        max_blocks = math.ceil(seq_lens.max() / self.block_size)
+        block_table = np.ascontiguousarray(batch.block_table[rows, :max_blocks])
+
+        seq_lens_i32 = seq_lens.astype(np.int32)
+        metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            num_reqs=len(rows),
+            query_start_loc=self._to_device(query_start_loc),
+            seq_lens=self._to_device(seq_lens_i32),
+            block_table=self._to_device(block_table),
+            slot_mapping=self._to_device(slot_mapping),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=torch.from_numpy(query_start_loc),
+            seq_lens_cpu=torch.from_numpy(seq_lens_i32),
+        )
+        ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
+        hidden = self.model(self._to_device(input_ids), self._to_device(positions), ctx)
+
+        # Rows whose every known token is now computed sample their next token.
+        samples = seq_lens >= batch.num_tokens[rows]
+        sample_idx = np.nonzero(samples)[0]
+        request_ids = [batch.request_ids[r] for r in rows]
+
+        prompt_logprobs = self.prompt_logprobs.collect(
+            self.model, hidden, request_ids, starts, num_scheduled, query_start_loc
+        )
+
+        sampled: list[list[int]] = [[] for _ in rows]
+        logprobs: list[TokenLogprobs | None] | None = None
+        if len(sample_idx):
+            logits_index = self._to_device(cu[sample_idx] - 1)
+            logits = self.model.compute_logits(hidden[logits_index]).float()
+            states = [batch.states[rows[i]] for i in sample_idx]
+            metadata_s = build_sampling_metadata(
+                [
+                    SamplingRow(
+                        sampling_params=s.sampling_params,
+                        prompt_token_ids=s.prompt_token_ids,
+                        output_token_ids=s.output_token_ids,
+                        generator=s.generator,
+                        eos_token_ids=s.eos_token_ids,
+                    )
+                    for s in states
+                ],
+                self.device,
+                self.vocab_size,
+            )
+            result = self.sampler(logits[:, : self.vocab_size], metadata_s)
+            token_ids = result.sampled_token_ids.tolist()
+            for j, i in enumerate(sample_idx):
+                sampled[i] = [int(token_ids[j])]
+                batch.append_token(int(rows[i]), int(token_ids[j]))
+            if result.logprobs is not None:
+                logprobs = [None] * len(rows)
+                for j, i in enumerate(sample_idx):
+                    logprobs[i] = _row_logprobs(result, j, states[j].sampling_params.logprobs)
+
+        batch.num_computed_tokens[rows] = seq_lens
+        return ModelRunnerOutput(
+            request_ids=request_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """One forward over ``num_tokens`` dummy tokens without a KV cache write.
+
+        Shows peak activation memory before the KV cache is sized, and warms up kernels.
+        """
+        num_tokens = max(1, min(num_tokens, self.config.max_model_len))
+        dummy_cache = [
+            torch.zeros(
+                kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim),
+                dtype=self.kv_dtype,
+                device=self.device,
+            )
+            for _ in range(self.model.num_attention_layers)
+        ]
+        # A single long prefill whose K/V are not cached (slot -1) but which attends over
+        # itself: a block table of zeros is valid since only new tokens are read.
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=1,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_table=torch.zeros(
+                (1, math.ceil(num_tokens / self.block_size)), dtype=torch.int32, device=self.device
+            ),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_start_loc_cpu=torch.tensor([0, num_tokens], dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([num_tokens], dtype=torch.int32),
+        )
+        ctx = ForwardContext(attn_metadata=metadata, kv_caches=dummy_cache)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, ctx)
+        self.model.compute_logits(hidden[-1:])
+        del dummy_cache
+
+
+def _row_logprobs(result: SamplerOutput, j: int, num: int | None) -> TokenLogprobs | None:
+    if num is None or result.logprobs is None:
+        return None
+    lp = result.logprobs
+    k = 1 + num
+    return TokenLogprobs(
+        token_ids=[int(t) for t in lp.token_ids[j, :k].tolist()],
+        logprobs=[float(x) for x in lp.logprobs[j, :k].tolist()],
+        rank=int(lp.ranks[j]),
+    )
+
+
+def describe_runner(runner: ModelRunner) -> dict[str, Any]:
+    return {
+        "block_size": runner.block_size,
+        "num_kv_heads": runner.num_kv_heads,
+        "head_dim": runner.head_dim,
+        "kv_dtype": str(runner.kv_dtype),
+    }

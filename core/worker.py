@@ -1,0 +1,78 @@
+"""The worker: one device, its model, KV cache and model runner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from chassis.core.config import EngineConfig
+from chassis.core.model_runner import ModelRunner
+from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Loads the model on the current platform's device and runs steps on it."""
+
+    def __init__(self, config: EngineConfig, device_index: int = 0) -> None:
+        from chassis.core.model_loader import build_model, load_hf_config, resolve_dtype
+        from chassis.platforms import get_current_platform
+        from chassis.plugins import get_registries
+
+        self.config = config
+        self.platform = get_current_platform()
+        self.platform.set_device(device_index)
+        self.device = self.platform.device(device_index)
+        registries = get_registries()
+
+        assert config.model is not None and config.attention_backend is not None
+        hf_config = load_hf_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.platform)
+        backend_cls = registries.attention_backends.get(config.attention_backend)
+        torch.manual_seed(config.seed)
+        model = build_model(config, hf_config, config.model, backend_cls, self.device, self.dtype)
+        sampler = registries.samplers.get(config.sampler)(config)
+        self.runner = ModelRunner(
+            config,
+            model,
+            sampler,
+            self.device,
+            kv_dtype=self.dtype,
+            pin_memory=self.platform.pin_memory_available(),
+        )
+        logger.info(
+            "model loaded on %s (%s) in %s with attention backend %s",
+            self.platform.device_name(device_index),
+            self.platform.name,
+            str(self.dtype).removeprefix("torch."),
+            config.attention_backend,
+        )
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit; ``config.num_kv_blocks`` overrides memory sizing."""
+        config = self.config
+        assert config.max_model_len is not None
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = self.platform.determine_kv_cache_memory(
+                config, lambda: self.runner.profile_run(config.max_num_batched_tokens)
+            )
+            num_blocks = max(budget, 0) // self.runner.kv_cache_bytes_per_block()
+        needed = -(-config.max_model_len // config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * config.block_size} "
+                f"tokens), fewer than one sequence of --max-model-len {config.max_model_len} "
+                f"needs; raise --kv-cache-memory / --gpu-memory-utilization or lower "
+                f"--max-model-len"
+            )
+        return num_blocks
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

@@ -1,0 +1,98 @@
+"""Greedy generation through ``LLM`` is token-identical to HF transformers ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from chassis import LLM, SamplingParams
+from chassis.core.tokenizer import load_tokenizer
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "Write a long story about a dragon who learns to bake bread in a small village by the sea, "
+    "and the friends she makes along the way.",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32",
+    "def fibonacci(n):",
+]
+MAX_TOKENS = 12
+
+
+def hf_greedy(model_dir, prompts, max_tokens, dtype=torch.float32) -> list[list[int]]:
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
+
+
+def chassis_greedy(model_dir, prompts, max_tokens, **engine) -> list[list[int]]:
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir):
+    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"enable_prefix_caching": True},
+        {"enable_prefix_caching": False},
+        {"max_num_batched_tokens": 16, "block_size": 4},  # forces chunked prefill
+    ],
+    ids=["prefix-cache", "no-prefix-cache", "chunked-prefill"],
+)
+def test_tiny_models_match_hf(tiny_dirs, arch, engine):
+    model_dir = tiny_dirs[arch]
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine) == expected
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_llama_dir):
+    """A second batch sharing long prefixes with the first hits the cache, same tokens."""
+    shared = "A shared system prompt that is long enough to fill several KV cache blocks. " * 3
+    prompts = [shared + "Question one?", shared + "Question two?", shared + "Three"]
+    expected = hf_greedy(tiny_llama_dir, prompts, 8)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)
+    rest = llm.generate(prompts[1:], params)
+    assert [o.outputs[0].token_ids for o in first + rest] == expected
+    assert rest[0].num_cached_tokens > 0
+    assert llm.engine.kv_cache_manager.prefix_cache_hits > 0
+    assert llm.engine.kv_cache_manager.num_free_blocks == 64
+
+
+def test_smollm2_matches_hf(smollm2_dir):
+    prompts = ["The capital of France is", "Once upon a time", "import numpy as np\n"]
+    expected = hf_greedy(smollm2_dir, prompts, 16)
+    got = chassis_greedy(smollm2_dir, prompts, 16, max_num_batched_tokens=8)
+    assert got == expected
+
+
+def test_smollm2_chat_answers(smollm2_dir):
+    llm = LLM(str(smollm2_dir), dtype="float32", max_model_len=512, num_kv_blocks=64)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=20),
+    )
+    assert out[0].outputs[0].text.strip() == "The capital of France is Paris."
+    assert out[0].outputs[0].finish_reason == "stop"
