@@ -1,0 +1,77 @@
+"""``triton_paged``: paged attention by Triton kernels, for CUDA and ROCm GPUs.
+
+One kernel writes the step's K/V into the paged cache; one unified kernel computes attention
+for the whole mixed batch (prefill chunks over cached prefixes and decodes) with online
+softmax over the request's KV blocks, GQA query heads grouped per kv head, float32
+accumulation; decode-like steps on a GPU with idle multiprocessors also split each request's
+KV range and merge the parts in a second small kernel. See
+:mod:`chassis.builtin_plugins.attention.triton_paged_kernels`.
+
+On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
+is for tests; otherwise they raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+from chassis.core.attention import AttentionBackend, AttentionMetadata
+
+
+class TritonPagedAttention(AttentionBackend):
+    """Paged attention for one layer by the Triton kernels (the GPU platforms' default).
+
+    Nothing in :meth:`forward` reads a device tensor on the host, so it adds no device->host
+    synchronization and can be captured in a CUDA graph; the launch configuration depends only
+    on tensor shapes and the metadata's Python ints (``num_reqs``, ``max_query_len``,
+    ``max_seq_len``), none of which change the result.
+    """
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`. Rows past ``num_actual_tokens`` are unspecified."""
+        if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_dim):
+            raise ValueError(
+                f"query must be [num_tokens, {self.num_heads}, {self.head_dim}]; "
+                f"got {tuple(query.shape)}"
+            )
+        if key.shape[1:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"key must be [num_tokens, {self.num_kv_heads}, {self.head_dim}]; "
+                f"got {tuple(key.shape)}"
+            )
+        if query.dtype not in self.supported_dtypes:
+            raise ValueError(
+                f"triton_paged computes in {', '.join(map(str, self.supported_dtypes))}; "
+                f"got {query.dtype}"
+            )
+        kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        kernels.paged_attention(
+            query,
+            kv_cache,
+            out,
+            query_start_loc=metadata.query_start_loc,
+            seq_lens=metadata.seq_lens,
+            block_table=metadata.block_table,
+            num_reqs=metadata.num_reqs,
+            max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
+            scale=self.scale,
+        )
+        return out

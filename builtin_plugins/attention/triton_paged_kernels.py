@@ -1,0 +1,543 @@
+"""Triton kernels of the ``triton_paged`` backend: KV-cache write and unified paged attention.
+
+Both kernels take the layout of :mod:`chassis.core.attention`: flattened tokens, a paged cache
+``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, ``query_start_loc`` / ``seq_lens`` /
+``block_table`` on the device. Nothing here reads a device tensor on the host, so a launch never
+waits for the device and can be captured in a CUDA graph; grid sizes come from tensor shapes
+and the Python ints of the metadata.
+
+Written for Triton 3.6 (the GPU image) and 3.9 (this repository's CPU machines), using only
+long-standing ``tl`` APIs. Loaded values are cast to float32 before any elementwise arithmetic:
+besides being the numerically right thing, Triton's CPU interpreter computes bfloat16
+arithmetic on the raw bits, so this is also what keeps the interpreter usable for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from chassis.core.layers.triton_ops import check_launchable
+
+_LOG2E = 1.4426950408889634
+#: upper bound on KV splits of one query block (split-KV "flash decoding")
+MAX_KV_SPLITS = 16
+#: a split gets at least this many KV tiles, so its partial result is worth the extra write
+_MIN_TILES_PER_SPLIT = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# KV-cache write
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: copy its K and V (all kv heads) to cache slot ``slot_mapping[t]``."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token: nothing to write
+        return
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    cache_off = (
+        block * stride_c_block
+        + offset * stride_c_slot
+        + heads[:, None] * stride_c_head
+        + dims[None, :]
+    )
+    k = tl.load(
+        key_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask
+    )
+    tl.store(k_cache_ptr + cache_off, k, mask=mask)
+    v = tl.load(
+        value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask
+    )
+    tl.store(v_cache_ptr + cache_off, v, mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``key``/``value [T, num_kv_heads, head_dim]`` into ``kv_cache`` at ``slot_mapping``.
+
+    ``slot_mapping [T]`` holds ``block * block_size + offset`` per token, ``-1`` for padding
+    tokens, which are skipped. ``kv_cache`` has the shape of
+    :func:`chassis.core.attention.kv_cache_shape` and its dtype; K/V are cast to it on store.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if slot_mapping.shape[0] < num_tokens:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
+        )
+    _check_cache(kv_cache, num_kv_heads, head_dim)
+    if num_tokens == 0:
+        return
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    kernel = check_launchable(_write_kv_kernel, key)
+    k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
+    kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Unified paged attention (prefill chunks over cached prefixes + decodes in one launch)
+# ---------------------------------------------------------------------------------------------
+#
+# Grid: (query blocks, kv heads, kv splits). A program owns BLOCK_Q consecutive query tokens of
+# one request and all GROUP query heads that share one kv head, i.e. BLOCK_M = BLOCK_Q * GROUP
+# rows (row r = token r // GROUP, head r % GROUP), so every K/V tile it loads serves the whole
+# group. Request i's query blocks are numbered from qsl[i] // BLOCK_Q + i, which leaves each
+# request at least ceil(q_len_i / BLOCK_Q) numbers; the total is T // BLOCK_Q + num_reqs, known
+# on the host without reading the device. A program finds its request by binary search over
+# query_start_loc and exits at once when its block lies past the request's query.
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # -- which request: the last r with query_start_loc[r] // BLOCK_Q + r <= q_block ----------
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_reqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= q_block:
+            lo = mid
+        else:
+            hi = mid
+    req = lo
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    first_q = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    if first_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    prefix_len = seq_len - q_len  # context tokens cached before this step's chunk
+
+    rows = tl.arange(0, BLOCK_M)
+    tok_in_block = rows // GROUP
+    q_idx = first_q + tok_in_block  # index of the row's token within the request's query
+    row_valid = (tok_in_block < BLOCK_Q) & (q_idx < q_len)
+    q_head = kv_head * GROUP + rows % GROUP
+    # last context position each row may attend to (causal over prefix + chunk)
+    q_pos = prefix_len + q_idx
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    q_tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_tok[:, None] * stride_q_tok + q_head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # keys this block needs: 0 .. kv_end - 1 (the block's last query token sees kv_end - 1)
+    kv_end = tl.minimum(seq_len, prefix_len + first_q + BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    cols = tl.arange(0, TILE_N)
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * TILE_N + cols
+        k_valid = k_pos < kv_end
+        block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv_off = block * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot
+        kv_off += kv_head * stride_c_head
+        k_t = tl.load(  # [DIM_PAD, TILE_N]: K transposed for q @ k^T
+            k_cache_ptr + kv_off[None, :] + dims[:, None],
+            mask=dim_valid[:, None] & k_valid[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + kv_off[:, None] + dims[None, :],
+            mask=k_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k_t)
+        scores = scores * scale_log2
+        visible = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        # rows that have seen no key yet keep -inf; use 0 so exp2 gives 0, not NaN
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp2(row_max - safe_max)
+        p = tl.exp2(scores - safe_max[:, None])
+        row_sum = row_sum * correction + tl.sum(p, 1)
+        acc = acc * correction[:, None]
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        row_max = new_max
+
+    if NUM_SPLITS > 1:
+        # partial results [T, NUM_HEADS, NUM_SPLITS(, DIM_PAD)], combined by _combine_kernel;
+        # an empty split still writes (max -inf, sum 0) so the combine needs no other signal
+        part = (q_tok * NUM_HEADS + q_head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, row_max, mask=row_valid)
+        tl.store(part_sum_ptr + part, row_sum, mask=row_valid)
+        tl.store(
+            part_acc_ptr + part[:, None] * DIM_PAD + dims[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+    else:
+        out = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]
+        tl.store(
+            out_ptr
+            + q_tok[:, None] * stride_o_tok
+            + q_head[:, None] * stride_o_head
+            + dims[None, :],
+            out,
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _combine_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    stride_o_tok,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """One program per (token, q head): merge the splits' online-softmax partial results."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return  # a padding token: no partial results were written for it
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    dims = tl.arange(0, DIM_PAD)
+    base = (token * NUM_HEADS + head) * NUM_SPLITS
+    maxes = tl.load(part_max_ptr + base + splits, mask=split_valid, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + base + splits, mask=split_valid, other=0.0)
+    global_max = tl.max(maxes, 0)
+    safe_max = tl.where(global_max == float("-inf"), 0.0, global_max)
+    weights = tl.exp2(maxes - safe_max)  # empty splits: exp2(-inf) = 0
+    total = tl.sum(sums * weights, 0)
+    acc = tl.load(
+        part_acc_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )
+    out = tl.sum(acc * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_o_tok + head * stride_o_head + dims,
+        out,
+        mask=dims < HEAD_DIM,
+    )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and split count of one :func:`paged_attention` launch."""
+
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+@lru_cache(maxsize=8)
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_launch_config(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_tokens: int,
+    num_reqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    device: torch.device,
+    num_splits: int | None = None,
+) -> LaunchConfig:
+    """Pick tiles from the step's Python-int shape facts (never from device tensors).
+
+    Decode-like steps (every request's query fits one small block) use 16-row blocks, and when
+    those leave the GPU's multiprocessors idle the KV range of each block is split over up to
+    :data:`MAX_KV_SPLITS` programs whose partial results a second kernel combines. The split
+    count only changes speed, never the result: each program derives its KV range from the
+    request's actual ``seq_len``, so a CUDA graph captured with one ``max_seq_len`` replays
+    correctly with others. ``num_splits`` forces a split count (tests).
+    """
+    group = num_heads // num_kv_heads
+    rows = max(1, max_query_len) * group
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    decode_like = max_query_len <= block_q
+    tile_n = 32 if decode_like else 64
+    if num_splits is None:
+        num_splits = 1
+        if decode_like and device.type == "cuda":
+            programs = (num_tokens // block_q + num_reqs) * num_kv_heads
+            target = 2 * _multiprocessor_count(device)
+            max_useful = max(1, math.ceil(max_seq_len / (tile_n * _MIN_TILES_PER_SPLIT)))
+            num_splits = max(1, min(MAX_KV_SPLITS, math.ceil(target / programs), max_useful))
+    elif not 1 <= num_splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_KV_SPLITS}; got {num_splits}")
+    num_warps = 4 if block_m <= 32 or head_dim <= 64 else 8
+    return LaunchConfig(block_m, block_q, tile_n, num_splits, num_warps, num_stages=2)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_reqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> LaunchConfig:
+    """Causal paged attention of a mixed prefill/decode batch into ``out``; returns the config.
+
+    :param query: ``[T, num_heads, head_dim]`` (last dim contiguous)
+    :param kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, same dtype
+    :param out: ``[T, num_heads, head_dim]``; rows of tokens outside the ``num_reqs``
+        requests (padding) are unspecified afterwards
+    :param query_start_loc: ``[>= num_reqs + 1]`` int32 cumulative query lengths
+    :param seq_lens: ``[>= num_reqs]`` int32 context lengths including this step's tokens
+    :param block_table: ``[>= num_reqs, max_blocks]`` int32 physical block ids
+    :param max_query_len: bound on query lengths (picks tiles; any upper bound is correct)
+    :param max_seq_len: bound on ``seq_lens`` (sizes the KV split; any value is correct)
+    :param num_splits: force the KV split count (tests); ``None`` chooses
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+            f"({num_kv_heads}) of the cache"
+        )
+    _check_cache(kv_cache, num_kv_heads, head_dim)
+    if kv_cache.dtype != query.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}")
+    if out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dim")
+    config = choose_launch_config(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        device=query.device,
+        num_splits=num_splits,
+    )
+    if num_tokens == 0 or num_reqs == 0:
+        return config
+    query = _last_dim_contiguous(query)
+    kernel = check_launchable(_paged_attention_kernel, query)
+    group = num_heads // num_kv_heads
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    splits = config.num_splits
+    if splits > 1:
+        f32 = dict(dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(num_tokens, num_heads, splits, dim_pad, **f32)
+        part_max = torch.empty(num_tokens, num_heads, splits, **f32)
+        part_sum = torch.empty(num_tokens, num_heads, splits, **f32)
+    else:  # unused by the kernel; any tensor of the right device will do
+        part_acc = part_max = part_sum = out
+    grid = (num_tokens // config.block_q + num_reqs, num_kv_heads, splits)
+    kernel[grid](
+        query,
+        kv_cache[:, 0],
+        kv_cache[:, 1],
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        num_reqs,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_Q=config.block_q,
+        BLOCK_M=config.block_m,
+        TILE_N=config.tile_n,
+        NUM_SPLITS=splits,
+        DOT_FP32=_dot_in_fp32(query),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if splits > 1:
+        combine = check_launchable(_combine_kernel, query)
+        combine[(num_tokens, num_heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            query_start_loc,
+            num_reqs,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
+    return config
+
+
+def _dot_in_fp32(query: torch.Tensor) -> bool:
+    """Whether the kernel should upcast ``tl.dot`` operands to float32.
+
+    float32 inputs: yes, with IEEE precision (no TF32 rounding). 16-bit inputs on a GPU: no,
+    the tensor cores take them natively. On the CPU interpreter bfloat16 dots are computed on
+    raw bits, so there bfloat16 is upcast (float16 is exact in the interpreter and is not).
+    """
+    if query.dtype == torch.float32:
+        return True
+    return query.device.type == "cpu" and query.dtype == torch.bfloat16
+
+
+def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            "kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim]; got "
+            f"{tuple(kv_cache.shape)}"
+        )
+    if kv_cache.shape[3] != num_kv_heads or kv_cache.shape[4] != head_dim:
+        raise ValueError(
+            f"kv_cache holds {kv_cache.shape[3]} kv heads of dim {kv_cache.shape[4]}; "
+            f"expected {num_kv_heads} of dim {head_dim}"
+        )
+    if kv_cache.stride(4) != 1:
+        raise ValueError("kv_cache must be contiguous in its last (head_dim) dimension")
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,235 @@
+"""``triton_paged`` compiled on a real GPU at model shapes (run by tests/gpu/run_gpu_checks.sh).
+
+Shapes: Qwen3-0.6B (16 q heads, 8 kv heads, head_dim 128), SmolLM2 (9/3, 64) and Qwen2-0.5B
+(14/2, 64), cache blocks of 16. Checks against the dense float32 reference and the
+``torch_paged`` backend, the split-KV decode path, CUDA-graph replay with new metadata, the
+absence of device->host syncs, and cache offsets past 2**31 elements.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
+
+from paged_attention_cases import dense_attention, make_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU"),
+]
+
+QWEN3 = (16, 8, 128)
+#: prefills over prefixes of many lengths, a long prefill, decodes over short and long contexts
+MIXED = [(0, 300), (100, 57), (511, 1), (0, 1), (1500, 1), (33, 200), (2047, 1), (7, 16)]
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _backend(num_heads: int, num_kv_heads: int, head_dim: int):
+    from chassis.builtin_plugins.attention.triton_paged import TritonPagedAttention
+
+    return TritonPagedAttention(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
+
+
+def _check(out: torch.Tensor, batch, scale: float) -> None:
+    n = batch.metadata.num_actual_tokens
+    tol = TOL[out.dtype]
+    torch.testing.assert_close(
+        out[:n].float().cpu(), dense_attention(batch, scale), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "block_size"),
+    [
+        (QWEN3, torch.bfloat16, 16),
+        (QWEN3, torch.float16, 16),
+        (QWEN3, torch.float32, 16),
+        (QWEN3, torch.bfloat16, 32),
+        ((9, 3, 64), torch.bfloat16, 16),
+        ((14, 2, 64), torch.bfloat16, 16),
+    ],
+    ids=str,
+)
+def test_mixed_batch_matches_dense(shape, dtype: torch.dtype, block_size: int) -> None:
+    num_heads, num_kv_heads, head_dim = shape
+    batch = make_batch(
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device="cuda",
+        num_pad_tokens=5,
+    )
+    backend = _backend(num_heads, num_kv_heads, head_dim)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    torch.testing.assert_close(batch.kv_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+    _check(out, batch, backend.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_torch_paged(dtype: torch.dtype) -> None:
+    from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
+
+    shape = dict(
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        num_pad_tokens=3,
+        unwritten_fill=1e4,
+    )
+    ours_batch, ref_batch = make_batch(MIXED, **shape), make_batch(MIXED, **shape)
+    ours = _backend(16, 8, 128).forward(
+        ours_batch.query, ours_batch.key, ours_batch.value, ours_batch.kv_cache, ours_batch.metadata
+    )
+    ref = TorchPagedAttention(16, 128, 8, 128**-0.5).forward(
+        ref_batch.query, ref_batch.key, ref_batch.value, ref_batch.kv_cache, ref_batch.metadata
+    )
+    n = ours_batch.metadata.num_actual_tokens
+    torch.testing.assert_close(ours[:n], ref[:n], atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+
+
+def test_decode_splits_kv_when_the_gpu_would_idle() -> None:
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        [(4000, 1), (1000, 1), (17, 1)],
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    m = batch.metadata
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, m.slot_mapping)
+    args = dict(
+        query_start_loc=m.query_start_loc,
+        seq_lens=m.seq_lens,
+        block_table=m.block_table,
+        num_reqs=m.num_reqs,
+        max_query_len=m.max_query_len,
+        max_seq_len=m.max_seq_len,
+        scale=128**-0.5,
+    )
+    split_out, single_out = torch.empty_like(batch.query), torch.empty_like(batch.query)
+    config = kernels.paged_attention(batch.query, batch.kv_cache, split_out, **args)
+    assert config.num_splits > 1, config
+    kernels.paged_attention(batch.query, batch.kv_cache, single_out, num_splits=1, **args)
+    _check(split_out, batch, 128**-0.5)
+    torch.testing.assert_close(split_out, single_out, atol=1e-2, rtol=1e-2)
+
+
+def test_forward_never_syncs_with_the_host() -> None:
+    batch = make_batch(
+        MIXED,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    backend = _backend(16, 8, 128)
+    args = (batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    backend.forward(*args)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.forward(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize(
+    "specs_b",
+    [[(900, 1), (3, 1), (60, 1), (250, 1)], [(3, 1), (1900, 1), (60, 1), (10, 1)]],
+    ids=["same-max", "longer-max"],
+)
+def test_cuda_graph_replays_with_new_metadata(specs_b) -> None:
+    """Capture a decode step, then replay it on other lengths and blocks of the same shapes."""
+    shape = dict(
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        num_blocks=200,
+        max_blocks=130,
+        unwritten_fill=0.0,
+    )
+    a = make_batch([(250, 1), (60, 1), (3, 1), (900, 1)], seed=1, **shape)
+    b = make_batch(specs_b, seed=2, **shape)
+    backend = _backend(16, 8, 128)
+    static = (a.query, a.key, a.value, a.kv_cache, a.metadata)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(*static)  # compile and warm up before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(*static)
+    graph.replay()
+    _check(out, a, backend.scale)
+
+    for name in ("query", "key", "value", "kv_cache"):
+        getattr(a, name).copy_(getattr(b, name))
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        getattr(a.metadata, name).copy_(getattr(b.metadata, name))
+    graph.replay()
+    _check(out, b, backend.scale)
+
+
+def test_cache_offsets_beyond_int32() -> None:
+    """Blocks at the end of a cache of more than 2**31 elements are addressed correctly."""
+    num_blocks, block_size, heads, kv_heads, dim = 70_000, 16, 16, 8, 128
+    cache = torch.empty(
+        num_blocks, 2, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda"
+    )
+    assert cache.numel() > 2**31
+    from chassis.core.attention import AttentionMetadata
+
+    q_len = 20
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(q_len, heads, dim, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(q_len, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(q_len, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+    blocks = torch.tensor([[num_blocks - 1, num_blocks - 2]], dtype=torch.int32, device="cuda")
+    pos = torch.arange(q_len, device="cuda")
+    slots = blocks[0].long()[pos // block_size] * block_size + pos % block_size
+    qsl = torch.tensor([0, q_len], dtype=torch.int32)
+    lens = torch.tensor([q_len], dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=q_len,
+        num_reqs=1,
+        query_start_loc=qsl.cuda(),
+        seq_lens=lens.cuda(),
+        block_table=blocks,
+        slot_mapping=slots,
+        max_query_len=q_len,
+        max_seq_len=q_len,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+    )
+    backend = _backend(heads, kv_heads, dim)
+    out = backend.forward(q, k, v, cache, meta)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).float(),
+        k.transpose(0, 1).float(),
+        v.transpose(0, 1).float(),
+        is_causal=True,
+        scale=backend.scale,
+        enable_gqa=True,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)

@@ -1,0 +1,87 @@
+"""Fused Triton ops compiled on a real GPU at model shapes (run by tests/gpu/run_gpu_checks.sh).
+
+On the GPU float32 -> 16-bit conversions round to nearest even (the CPU interpreter
+truncates), and the residual stream must match the unfused add bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chassis.core.layers import fused_ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU"),
+]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+#: two roundings of the dtype (relative; the same absolute slack near zero): the kernel and
+#: torch may each land one ulp apart on the intermediate and on the final rounding
+ULP = {torch.bfloat16: 2**-6, torch.float16: 2**-9, torch.float32: 1e-5}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = ULP[expected.dtype]
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(300, 1024), (7, 4096), (3, 5, 896)], ids=str)
+def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    from chassis.core.layers import triton_ops
+
+    hidden = shape[-1]
+    x, residual = _randn(*shape, dtype=dtype), _randn(*shape, dtype=dtype, seed=1)
+    weight = (1 + 0.1 * _randn(hidden, dtype=torch.float32, seed=2)).to(dtype)
+    _close(triton_ops.rms_norm(x, weight, 1e-6), fused_ops.rms_norm_ref(x, weight, 1e-6))
+    out, new_residual = triton_ops.rms_norm(x, weight, 1e-6, residual)
+    ref_out, ref_residual = fused_ops.rms_norm_ref(x, weight, 1e-6, residual)
+    assert torch.equal(new_residual, ref_residual)
+    _close(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    from chassis.core.layers import triton_ops
+
+    x = 3 * _randn(300, 2 * 3072, dtype=torch.float32).to(dtype)
+    _close(triton_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_a_fused_qkv_output(dtype: torch.dtype) -> None:
+    from chassis.core.layers import triton_ops
+    from chassis.core.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, dim, tokens = 16, 8, 128, 300
+    with torch.device("cuda"):
+        rope = RotaryEmbedding(dim, 4096, {"rope_theta": 1_000_000.0, "rope_type": "default"})
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    ref_q, ref_k = q.clone(), k.clone()
+    fused_ops.rotary_embedding_ref_(positions, ref_q, ref_k, rope.cos_cache, rope.sin_cache, dim)
+    v_before = v.clone()
+    triton_ops.rotary_embedding_(positions, q, k, rope.cos_cache, rope.sin_cache, dim)
+    _close(q, ref_q)
+    _close(k, ref_k)
+    assert torch.equal(v, v_before)
+
+
+def test_dispatch_takes_the_triton_path_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chassis.core.layers import triton_ops
+
+    calls = []
+    real = triton_ops.silu_and_mul
+    monkeypatch.setattr(triton_ops, "silu_and_mul", lambda x: calls.append(1) or real(x))
+    x = _randn(4, 64, dtype=torch.bfloat16)
+    assert fused_ops.use_triton(x)
+    _close(fused_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x))
+    assert calls == [1]

@@ -1,0 +1,326 @@
+"""The ``triton_paged`` backend's kernels against a dense float32 reference, on the CPU.
+
+Triton kernels run on the CPU only under Triton's interpreter, which must be switched on
+(``TRITON_INTERPRET=1``) before ``triton`` is first imported; in a whole-suite run something
+has usually imported it already. So :func:`test_kernels_under_interpreter` re-runs this file in
+a child pytest with the variable set, and the kernel tests run only there. To see them one by
+one: ``TRITON_INTERPRET=1 python -m pytest tests/test_triton_attention.py``.
+
+Shapes are tiny: the interpreter executes every program of the grid in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from paged_attention_cases import dense_attention, make_batch
+from triton_compile_check import TARGETS, compile_kernel
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+in_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_kernels_under_interpreter"
+)
+
+#: (cached prefix length, query length): chunks over prefixes of several lengths, a prefill
+#: from scratch over several query blocks, decodes (one over several KV tiles)
+MIXED = [(5, 7), (0, 40), (13, 1), (0, 1), (60, 10), (16, 16), (33, 1)]
+DECODES = [(0, 1), (3, 1), (17, 1), (70, 1), (8, 1)]
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
+def test_kernels_under_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" in proc.stdout, proc.stdout[-2000:]
+
+
+def _backend(num_heads: int, num_kv_heads: int, head_dim: int):
+    from chassis.builtin_plugins.attention.triton_paged import TritonPagedAttention
+
+    return TritonPagedAttention(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
+
+
+def _assert_matches_dense(out: torch.Tensor, batch, scale: float) -> None:
+    n = batch.metadata.num_actual_tokens
+    torch.testing.assert_close(
+        out[:n].float(), dense_attention(batch, scale), atol=ATOL[out.dtype], rtol=0
+    )
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_kv_cache_skips_padding(dtype: torch.dtype) -> None:
+    from chassis.builtin_plugins.attention.triton_paged_kernels import write_kv_cache
+
+    batch = make_batch(
+        MIXED[:4],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=dtype,
+        num_pad_tokens=3,
+    )
+    write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    # bit-exact, and every slot not named by slot_mapping (NaN-filled) untouched
+    torch.testing.assert_close(batch.kv_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(2, 2, 16, 4), (4, 2, 32, 16), (6, 2, 16, 16)],  # GQA 1, 2 and a non-power-of-two 3
+)
+def test_backend_matches_dense_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    batch = make_batch(
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        num_pad_tokens=2,
+    )
+    backend = _backend(num_heads, num_kv_heads, head_dim)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    assert out.shape == batch.query.shape and out.dtype == dtype
+    torch.testing.assert_close(batch.kv_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+    _assert_matches_dense(out, batch, backend.scale)
+
+
+@in_interpreter
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 16])
+@pytest.mark.parametrize("specs", [DECODES, MIXED[:5]], ids=["decodes", "mixed"])
+def test_split_kv_gives_the_same_result(num_splits: int, specs) -> None:
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        specs,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        num_pad_tokens=1,
+    )
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    out = torch.empty_like(batch.query)
+    m = batch.metadata
+    config = kernels.paged_attention(
+        batch.query,
+        batch.kv_cache,
+        out,
+        query_start_loc=m.query_start_loc,
+        seq_lens=m.seq_lens,
+        block_table=m.block_table,
+        num_reqs=m.num_reqs,
+        max_query_len=m.max_query_len,
+        max_seq_len=m.max_seq_len,
+        scale=0.25,
+        num_splits=num_splits,
+    )
+    assert config.num_splits == num_splits
+    _assert_matches_dense(out, batch, 0.25)
+
+
+@in_interpreter
+@pytest.mark.parametrize(
+    "specs", [[(0, 23)], [(40, 1)], [(9, 5)]], ids=["prefill", "decode", "chunk"]
+)
+def test_single_request(specs) -> None:
+    batch = make_batch(
+        specs, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16
+    )
+    backend = _backend(4, 2, 16)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    _assert_matches_dense(out, batch, backend.scale)
+
+
+@in_interpreter
+def test_head_dim_that_is_not_a_power_of_two() -> None:
+    batch = make_batch(
+        MIXED[:4],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=24,
+        block_size=4,
+        dtype=torch.float16,
+        num_pad_tokens=1,
+    )
+    backend = _backend(4, 2, 24)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    torch.testing.assert_close(batch.kv_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+    _assert_matches_dense(out, batch, backend.scale)
+
+
+@in_interpreter
+def test_noncontiguous_views_of_a_fused_qkv_projection() -> None:
+    """Models pass q/k/v as views of one ``[T, (Hq + 2 Hk) D]`` matmul output."""
+    batch = make_batch(
+        MIXED[:3], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    t = batch.query.shape[0]
+    qkv = torch.cat([batch.query.flatten(1), batch.key.flatten(1), batch.value.flatten(1)], 1)
+    q, k, v = qkv.split([64, 32, 32], dim=1)
+    backend = _backend(4, 2, 16)
+    out = backend.forward(
+        q.view(t, 4, 16), k.view(t, 2, 16), v.view(t, 2, 16), batch.kv_cache, batch.metadata
+    )
+    _assert_matches_dense(out, batch, backend.scale)
+
+
+@in_interpreter
+def test_matches_torch_paged_backend() -> None:
+    torch_paged = pytest.importorskip("chassis.builtin_plugins.attention.torch_paged")
+    for dtype in (torch.float32, torch.bfloat16):
+        # finite junk in unowned slots: the reference's masked SDPA multiplies them by 0
+        shape = dict(
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            block_size=4,
+            dtype=dtype,
+            num_pad_tokens=2,
+            unwritten_fill=1e4,
+        )
+        batch, other = make_batch(MIXED, **shape), make_batch(MIXED, **shape)
+        ours = _backend(4, 2, 16).forward(
+            batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+        ref = torch_paged.TorchPagedAttention(4, 16, 2, 0.25).forward(
+            other.query, other.key, other.value, other.kv_cache, other.metadata
+        )
+        n = batch.metadata.num_actual_tokens
+        torch.testing.assert_close(ours[:n].float(), ref[:n].float(), atol=2 * ATOL[dtype], rtol=0)
+        torch.testing.assert_close(batch.kv_cache, other.kv_cache, atol=0, rtol=0, equal_nan=True)
+
+
+@in_interpreter
+def test_empty_step_launches_nothing() -> None:
+    batch = make_batch(
+        [(3, 1)], num_heads=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    m = batch.metadata
+    m.num_reqs, m.num_actual_tokens = 0, 0
+    empty_q = batch.query[:0]
+    out = _backend(2, 2, 16).forward(empty_q, batch.key[:0], batch.value[:0], batch.kv_cache, m)
+    assert out.shape == (0, 2, 16)
+
+
+@in_interpreter
+def test_launch_config_groups_heads_and_tiles() -> None:
+    from chassis.builtin_plugins.attention.triton_paged_kernels import choose_launch_config
+
+    cpu = torch.device("cpu")
+    common = dict(num_tokens=8, num_reqs=8, max_seq_len=4000, device=cpu)
+    decode = choose_launch_config(
+        num_heads=16, num_kv_heads=8, head_dim=128, max_query_len=1, **common
+    )
+    assert (decode.block_m, decode.block_q, decode.num_splits) == (16, 8, 1)
+    wide = choose_launch_config(
+        num_heads=32, num_kv_heads=1, head_dim=64, max_query_len=1, **common
+    )
+    assert (wide.block_m, wide.block_q) == (32, 1)  # a group never straddles programs
+    prefill = choose_launch_config(
+        num_heads=9, num_kv_heads=3, head_dim=64, max_query_len=500, **common
+    )
+    assert (prefill.block_m, prefill.block_q, prefill.tile_n) == (64, 21, 64)
+    with pytest.raises(ValueError, match="num_splits"):
+        choose_launch_config(
+            num_heads=2, num_kv_heads=2, head_dim=16, max_query_len=1, num_splits=17, **common
+        )
+
+
+@pytest.mark.skipif(INTERPRETED, reason="checks the compiled (non-interpreted) path")
+def test_cpu_tensors_without_interpreter_are_refused() -> None:
+    pytest.importorskip("triton")
+    batch = make_batch(
+        [(3, 2)], num_heads=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    backend = _backend(2, 2, 16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+
+def test_forward_validates_shapes_and_dtypes() -> None:
+    pytest.importorskip("triton")
+    batch = make_batch(
+        [(3, 2)], num_heads=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    backend = _backend(4, 2, 16)
+    with pytest.raises(ValueError, match="query must be"):
+        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    backend = _backend(2, 2, 16)
+    with pytest.raises(ValueError, match="computes in"):
+        backend.forward(
+            batch.query.double(), batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+def test_kernels_compile_for_gpu_targets(target) -> None:
+    """Every kernel variant the launcher picks compiles to Hopper / MI300 machine code."""
+    pytest.importorskip("triton")
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    scratch = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
+    metadata = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
+    fp32_io = {n: "*fp32" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    variants = [  # (group, head_dim, block_m, tile_n, splits, fp32, warps)
+        (2, 128, 16, 32, 1, False, 4),  # Qwen3 decode
+        (2, 128, 16, 32, 4, False, 4),  # Qwen3 split-KV decode
+        (2, 128, 64, 64, 1, False, 8),  # Qwen3 prefill
+        (3, 64, 64, 64, 1, False, 4),  # SmolLM2 prefill, non-power-of-two group
+        (2, 128, 64, 64, 1, True, 8),  # float32 model
+    ]
+    for group, head_dim, block_m, tile_n, splits, fp32, warps in variants:
+        compile_kernel(
+            kernels._paged_attention_kernel,
+            target,
+            dict(
+                NUM_HEADS=8 * group,
+                GROUP=group,
+                HEAD_DIM=head_dim,
+                DIM_PAD=head_dim,
+                BLOCK_SIZE=16,
+                BLOCK_Q=block_m // group,
+                BLOCK_M=block_m,
+                TILE_N=tile_n,
+                NUM_SPLITS=splits,
+                DOT_FP32=fp32,
+            ),
+            pointer_types={**scratch, **metadata, **(fp32_io if fp32 else {})},
+            float_args=("scale_log2",),
+            num_warps=warps,
+        )
+    compile_kernel(
+        kernels._combine_kernel,
+        target,
+        dict(NUM_HEADS=16, HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4),
+        pointer_types={**scratch, "query_start_loc_ptr": "*i32"},
+    )
+    compile_kernel(
+        kernels._write_kv_kernel,
+        target,
+        dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, BLOCK_SIZE=16),
+        pointer_types={"slot_mapping_ptr": "*i64"},
+    )

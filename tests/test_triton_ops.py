@@ -1,0 +1,215 @@
+"""Fused Triton ops (RMSNorm + residual, SiLU-and-mul, in-place RoPE) against torch references.
+
+The kernel tests run in a child pytest with ``TRITON_INTERPRET=1`` (see
+tests/test_triton_attention.py for why); the reference and dispatch tests run in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from triton_compile_check import TARGETS, compile_kernel
+
+from chassis.core.layers import fused_ops
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+in_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_ops_under_interpreter"
+)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to rounding: one rounding of the dtype, two for bfloat16.
+
+    Triton's interpreter converts float32 to bfloat16 by truncation (the GPU rounds to
+    nearest even), so a kernel result that is rounded twice may be two bfloat16 ulps off
+    here; tests/gpu/ checks one ulp on the GPU.
+    """
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}[expected.dtype]
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
+def test_ops_under_interpreter() -> None:
+    pytest.importorskip("triton")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout, proc.stdout[-2000:]
+
+
+# -- Triton kernels (interpreter) ---------------------------------------------------------------
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 48])
+def test_rms_norm_kernel(dtype: torch.dtype, hidden: int) -> None:
+    from chassis.core.layers import triton_ops
+
+    x = _randn(2, 3, hidden, dtype=dtype)
+    residual = _randn(2, 3, hidden, dtype=dtype, seed=1)
+    weight = (1 + 0.1 * _randn(hidden, dtype=torch.float32, seed=2)).to(dtype)
+    _close(triton_ops.rms_norm(x, weight, 1e-6), fused_ops.rms_norm_ref(x, weight, 1e-6))
+    out, new_residual = triton_ops.rms_norm(x, weight, 1e-6, residual)
+    ref_out, ref_residual = fused_ops.rms_norm_ref(x, weight, 1e-6, residual)
+    if dtype == torch.bfloat16:  # the interpreter truncates float32 -> bfloat16
+        _close(new_residual, ref_residual)
+    else:  # one correctly rounded add: bit-exact
+        assert torch.equal(new_residual, ref_residual)
+    _close(out, ref_out)
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_kernel_on_strided_rows(dtype: torch.dtype) -> None:
+    from chassis.core.layers import triton_ops
+
+    x = _randn(5, 80, dtype=dtype)[:, :64]  # rows 80 apart
+    weight = torch.ones(64, dtype=dtype)
+    _close(triton_ops.rms_norm(x, weight, 1e-5), fused_ops.rms_norm_ref(x, weight, 1e-5))
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 40])
+def test_silu_and_mul_kernel(dtype: torch.dtype, d: int) -> None:
+    from chassis.core.layers import triton_ops
+
+    x = 3 * _randn(2, 3, 2 * d, dtype=torch.float32).to(dtype)
+    _close(triton_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x))
+
+
+def _cos_sin(max_position: int, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_dim", [16, 8])  # whole head, partial rotary
+def test_rotary_kernel_in_place(dtype: torch.dtype, is_neox: bool, rot_dim: int) -> None:
+    from chassis.core.layers import triton_ops
+
+    head_dim, num_q, num_k, tokens = 16, 4, 2, 5
+    qkv = _randn(tokens, (num_q + 2 * num_k) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([num_q * head_dim, num_k * head_dim, num_k * head_dim], dim=1)
+    positions = torch.tensor([0, 7, 3, 30, 1])
+    cos, sin = _cos_sin(32, rot_dim)
+    ref_q, ref_k = q.clone(), k.clone()
+    fused_ops.rotary_embedding_ref_(positions, ref_q, ref_k, cos, sin, head_dim, is_neox)
+    untouched_v = qkv[:, (num_q + num_k) * head_dim :].clone()
+    out_q, out_k = triton_ops.rotary_embedding_(positions, q, k, cos, sin, head_dim, is_neox)
+    assert out_q is q and out_k is k
+    _close(q, ref_q)
+    _close(k, ref_k)
+    assert torch.equal(qkv[:, (num_q + num_k) * head_dim :], untouched_v)
+
+
+@in_interpreter
+def test_rotary_kernel_on_3d_heads() -> None:
+    from chassis.core.layers import triton_ops
+
+    q = _randn(3, 2, 16, dtype=torch.float32)
+    k = _randn(3, 1, 16, dtype=torch.float32, seed=1)
+    positions = torch.tensor([5, 0, 2])
+    cos, sin = _cos_sin(8, 16)
+    ref_q, ref_k = q.clone(), k.clone()
+    fused_ops.rotary_embedding_ref_(positions, ref_q, ref_k, cos, sin, 16)
+    triton_ops.rotary_embedding_(positions, q, k, cos, sin, 16)
+    _close(q, ref_q)
+    _close(k, ref_k)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+def test_kernels_compile_for_gpu_targets(target) -> None:
+    pytest.importorskip("triton")
+    from chassis.core.layers import triton_ops
+
+    for has_residual in (True, False):
+        compile_kernel(
+            triton_ops._rms_norm_kernel,
+            target,
+            dict(HAS_RESIDUAL=has_residual, BLOCK_N=1024),
+            float_args=("eps",),
+        )
+    compile_kernel(triton_ops._silu_and_mul_kernel, target, dict(BLOCK=1024))
+    for is_neox in (True, False):
+        compile_kernel(
+            triton_ops._rotary_kernel,
+            target,
+            dict(HEAD_DIM=128, HALF=64, HALF_PAD=64, HEADS_PAD=16, IS_NEOX=is_neox),
+            pointer_types={"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+        )
+
+
+# -- references and dispatch (in-process) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_references_agree_with_the_model_layers(dtype: torch.dtype) -> None:
+    """The fused ops' references compute what chassis.core.layers' modules compute."""
+    from chassis.core.layers.activation import SiluAndMul
+    from chassis.core.layers.norm import RMSNorm
+    from chassis.core.layers.rotary import RotaryEmbedding
+
+    norm = RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * _randn(64, dtype=torch.float32, seed=3))
+    x, residual = _randn(4, 64, dtype=dtype), _randn(4, 64, dtype=dtype, seed=1)
+    with torch.no_grad():
+        assert torch.equal(fused_ops.rms_norm_ref(x, norm.weight, 1e-6), norm(x))
+        for got, want in zip(
+            fused_ops.rms_norm_ref(x, norm.weight, 1e-6, residual), norm(x, residual), strict=True
+        ):
+            assert torch.equal(got, want)
+    assert torch.equal(fused_ops.silu_and_mul_ref(x), SiluAndMul()(x))
+
+    rope = RotaryEmbedding(16, 32, {"rope_theta": 10000.0, "rope_type": "default"})
+    positions = torch.tensor([0, 9, 31, 4])
+    q, k = _randn(4, 2, 16, dtype=dtype), _randn(4, 1, 16, dtype=dtype, seed=1)
+    want_q, want_k = rope(positions, q, k)
+    fused_ops.rotary_embedding_(positions, q, k, rope.cos_cache, rope.sin_cache, 16)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_cpu_tensors_dispatch_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_triton(*args, **kwargs):
+        raise AssertionError("the Triton path must not run for CPU tensors")
+
+    import chassis.core.layers.fused_ops as module
+
+    assert not module.use_triton(torch.zeros(1))
+    monkeypatch.setitem(sys.modules, "chassis.core.layers.triton_ops", no_triton)
+    x = _randn(2, 8, dtype=torch.float32)
+    assert torch.equal(module.silu_and_mul(x), module.silu_and_mul_ref(x))
+    assert torch.equal(
+        module.rms_norm(x, torch.ones(8), 1e-6), module.rms_norm_ref(x, torch.ones(8), 1e-6)
+    )
+
+
+def test_rotary_reference_rejects_a_rotary_dim_wider_than_the_head() -> None:
+    cos, sin = _cos_sin(4, 32)
+    q, k = torch.zeros(1, 16), torch.zeros(1, 16)
+    with pytest.raises(ValueError, match="exceeds head_dim"):
+        fused_ops.rotary_embedding_(torch.tensor([0]), q, k, cos, sin, 16)
