@@ -1,0 +1,180 @@
+"""``build_app``: the FastAPI application of ``chassis serve`` around one engine.
+
+Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.errors`):
+
+=========================  ==================================================================
+``GET  /v1/models``        the served model
+``POST /v1/completions``   :mod:`chassis.serve.openai_completions`
+``POST /v1/chat/completions``  :mod:`chassis.serve.openai_chat`
+``POST /tokenize``         ``prompt`` or chat ``messages`` -> token ids
+``POST /detokenize``       token ids -> text
+``GET  /health``           200, or 503 when the engine is dead or the server shutting down
+``GET  /metrics``          Prometheus text (:mod:`chassis.serve.metrics`)
+``GET  /version``          ``{"version": chassis.__version__}``
+=========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import chassis
+from chassis.serve import errors
+from chassis.serve.errors import install_exception_handlers
+from chassis.serve.metrics import ServerMetrics
+from chassis.serve.openai_chat import router as chat_router
+from chassis.serve.openai_completions import router as completions_router
+from chassis.serve.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from chassis.serve.renderer import ChatRenderer
+from chassis.serve.security import install_security
+from chassis.serve.settings import ServerSettings
+from chassis.serve.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def get_state(app: FastAPI) -> ServerState:
+    """The :class:`ServerState` that :func:`build_app` attached to ``app``."""
+    return app.state.chassis
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.chassis
+
+
+async def list_models(request: Request) -> JSONResponse:
+    state = _state(request)
+    card = ModelCard(
+        id=state.model_name,
+        root=getattr(state.engine.config, "model", None),
+        max_model_len=state.max_model_len,
+    )
+    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    state = _state(request)
+    state.check_model(body.model)
+    body.check()
+    renderer = state.renderer
+    if body.prompt is not None:
+        add_special = body.add_special_tokens is not False
+        ids = await asyncio.to_thread(
+            renderer.tokenize, body.prompt, add_special_tokens=add_special
+        )
+    else:
+        ids = await asyncio.to_thread(
+            renderer.render_ids,
+            body.messages or [],
+            add_generation_prompt=body.add_generation_prompt is not False,
+            continue_final_message=bool(body.continue_final_message),
+            tools=body.tools,
+            chat_template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=bool(body.add_special_tokens),
+        )
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = list(state.tokenizer.convert_ids_to_tokens(ids))
+    response = TokenizeResponse(
+        count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=token_strs
+    )
+    return JSONResponse(response.model_dump(mode="json", exclude_none=True))
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    state = _state(request)
+    state.check_model(body.model)
+    vocab_size = len(state.tokenizer)
+    bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise errors.bad_request(
+            f"token ids out of the vocabulary [0, {vocab_size}): {bad[:10]}", "tokens"
+        )
+    text = await asyncio.to_thread(state.tokenizer.decode, body.tokens)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump(mode="json"))
+
+
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.shutting_down:
+        return errors.shutting_down().response()
+    try:
+        await state.engine.check_health()
+    except Exception as exc:
+        return errors.to_api_error(exc).response()
+    return Response(status_code=200)
+
+
+async def metrics(request: Request) -> Response:
+    content, content_type = _state(request).metrics.render()
+    return Response(content=content, media_type=content_type)
+
+
+async def version(request: Request) -> JSONResponse:
+    return JSONResponse(VersionResponse(version=chassis.__version__).model_dump())
+
+
+def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
+    """The ASGI app serving ``engine`` (an ``AsyncLLM``; see :mod:`chassis.serve.state` for
+    the part of its contract used) with ``settings`` (defaults: :class:`ServerSettings()`).
+
+    The app's state is ``app.state.chassis`` (:class:`ServerState`). When the lifespan ends
+    (uvicorn's shutdown, or a ``TestClient`` leaving its ``with`` block) the server stops
+    accepting requests, aborts in-flight ones and, if ``settings.shutdown_engine_on_exit``,
+    shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template``.
+    """
+    settings = settings or ServerSettings()
+    state = ServerState(
+        engine=engine,
+        settings=settings,
+        renderer=ChatRenderer(engine.tokenizer, getattr(engine.config, "chat_template", None)),
+        metrics=ServerMetrics(engine.model_name, engine.stats),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.shutting_down = True
+        await state.abort_all()
+        if settings.shutdown_engine_on_exit:
+            try:
+                await engine.shutdown()
+            except Exception as exc:
+                logger.warning("engine shutdown failed: %s", exc)
+
+    app = FastAPI(
+        title="chassis",
+        version=chassis.__version__,
+        description="OpenAI-compatible API of a chassis engine",
+        lifespan=lifespan,
+    )
+    app.state.chassis = state
+    install_exception_handlers(app)
+    install_security(app, settings)
+
+    app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
+    app.include_router(completions_router)
+    app.include_router(chat_router)
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse)
+    app.add_api_route(
+        "/detokenize", detokenize, methods=["POST"], response_model=DetokenizeResponse
+    )
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse)
+    return app

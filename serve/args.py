@@ -1,0 +1,219 @@
+"""Engine flags shared by ``chassis serve`` and ``chassis bench``, named as vLLM's.
+
+:func:`add_engine_args` adds every :class:`~chassis.core.config.EngineConfig` setting plus the
+flags plugins add through ``chassis_add_cli_args``; :func:`engine_config_from_args` turns the
+parsed values into an ``EngineConfig`` (flags left out keep ``EngineConfig``'s defaults, so
+those stay defined in one place) with the plugin flags' values in ``config.plugin_args``.
+The ``chassis_configure`` hooks run later, when the engine finalizes the config (after the
+platform's ``check_and_update_config``, as the hookspec promises).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import MISSING, fields
+from typing import Any
+
+from chassis.core.config import DTYPES, LOAD_FORMATS, EngineConfig
+
+#: where add_engine_args records the dests of plugin flags on the parser's defaults
+_PLUGIN_DESTS = "_chassis_plugin_arg_dests"
+_PLUGIN_ERROR = "_chassis_plugin_load_error"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes from ``"4GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"4G"`` or ``"1073741824"``.
+
+    IEC units (KiB, MiB, GiB, TiB) and single letters (K, M, G, T) are powers of 1024; SI
+    units (KB, MB, GB, TB) powers of 1000. Case-insensitive. Raises ``ValueError``.
+    """
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"invalid memory size {text!r}: use bytes or a number with a unit, "
+            "e.g. 4GiB, 512MiB, 2GB"
+        )
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"invalid memory size {text!r}: must be > 0")
+    return size
+
+
+def _memory_size_arg(text: str) -> int:
+    try:
+        return parse_memory_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _default(name: str) -> Any:
+    for f in fields(EngineConfig):
+        if f.name == name:
+            return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    raise KeyError(name)
+
+
+def _help(text: str, name: str) -> str:
+    return f"{text} (default: {_default(name)})"
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = True) -> None:
+    """Add the engine flags (and, with ``with_plugins``, the plugins' flags) to ``parser``.
+
+    Every engine flag defaults to ``None`` here, meaning "``EngineConfig``'s default". A
+    plugin that fails to load does not break ``chassis --help`` or other sub-commands: the
+    error is recorded and :func:`engine_config_from_args` raises it.
+    """
+    g = parser.add_argument_group("model")
+    g.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="hub id or local HF directory; omit for the embedded default model",
+    )
+    g.add_argument(
+        "--model", dest="model_flag", default=None, metavar="MODEL", help="same as MODEL"
+    )
+    g.add_argument("--tokenizer", help="tokenizer hub id or directory (default: the model's)")
+    g.add_argument("--revision", help="model revision (branch, tag or commit) on the hub")
+    g.add_argument("--served-model-name", help="the name clients send as 'model' (default: MODEL)")
+    g.add_argument("--dtype", choices=DTYPES, help=_help("weights and activations dtype", "dtype"))
+    g.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        help=_help("weight format; 'dummy' = random weights", "load_format"),
+    )
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    g.add_argument("--seed", type=int, help=_help("engine random seed", "seed"))
+    g.add_argument(
+        "--chat-template",
+        help="chat template: a file path or an inline Jinja string (default: the tokenizer's)",
+    )
+
+    g = parser.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, help=_help("tokens per KV block", "block_size"))
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_memory_size_arg,
+        help="KV cache size on the CPU, e.g. 4GiB, 512MiB or bytes (default: the platform's)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help=_help("fraction of accelerator memory the engine may use", "gpu_memory_utilization"),
+    )
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        help="exact number of KV blocks, overriding memory sizing (tests, experiments)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_help("reuse KV blocks of shared prompt prefixes", "enable_prefix_caching"),
+    )
+
+    g = parser.add_argument_group("scheduling")
+    g.add_argument(
+        "--max-num-seqs", type=int, help=_help("most requests in one batch", "max_num_seqs")
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help=_help("token budget of one engine step", "max_num_batched_tokens"),
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_help("split long prompts across steps", "enable_chunked_prefill"),
+    )
+    g.add_argument("--scheduler", help=_help("scheduler plugin by name", "scheduler"))
+
+    g = parser.add_argument_group("execution")
+    g.add_argument("--sampler", help=_help("sampler plugin by name", "sampler"))
+    g.add_argument(
+        "--attention-backend", help="attention backend plugin by name (default: the platform's)"
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="no graph capture or compilation",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        help=_help("devices to shard the model over", "tensor_parallel_size"),
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        help=_help("largest logprobs a request may ask for", "max_logprobs"),
+    )
+
+    if with_plugins:
+        _add_plugin_args(parser)
+
+
+def _add_plugin_args(parser: argparse.ArgumentParser) -> None:
+    from chassis.plugins import PluginLoadError, add_plugin_cli_args
+
+    try:
+        dests = add_plugin_cli_args(parser)
+    except PluginLoadError as exc:
+        parser.set_defaults(**{_PLUGIN_DESTS: [], _PLUGIN_ERROR: str(exc)})
+        return
+    parser.set_defaults(**{_PLUGIN_DESTS: dests, _PLUGIN_ERROR: None})
+
+
+#: flag dest -> EngineConfig field (where they differ)
+_FIELD_OF = {"model_flag": "model"}
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """An :class:`EngineConfig` from parsed :func:`add_engine_args` flags.
+
+    Raises ``ValueError`` for invalid values (from ``EngineConfig``), for MODEL and
+    ``--model`` naming different models, and for a plugin that failed to load.
+    """
+    load_error = getattr(args, _PLUGIN_ERROR, None)
+    if load_error:
+        raise ValueError(load_error)
+    positional, flag = getattr(args, "model", None), getattr(args, "model_flag", None)
+    if positional and flag and positional != flag:
+        raise ValueError(f"MODEL {positional!r} and --model {flag!r} disagree; give one")
+    known = {f.name for f in fields(EngineConfig)} - {"plugin_args"}
+    values: dict[str, Any] = {}
+    for dest, value in vars(args).items():
+        name = _FIELD_OF.get(dest, dest)
+        if name in known and value is not None:
+            values[name] = value
+    dests = getattr(args, _PLUGIN_DESTS, None) or []
+    from chassis.plugins import plugin_args_from
+
+    values["plugin_args"] = plugin_args_from(args, dests)
+    return EngineConfig(**values)

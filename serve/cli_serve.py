@@ -1,0 +1,195 @@
+"""``chassis serve [MODEL]``: start the OpenAI-compatible HTTP server (see docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+from chassis.serve.args import add_engine_args, engine_config_from_args, parse_memory_size
+from chassis.serve.settings import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_PORT,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ServerSettings,
+)
+
+logger = logging.getLogger("chassis.serve")
+
+API_KEY_ENV = "CHASSIS_API_KEY"
+
+
+def _string_list(text: str) -> list[str]:
+    """A JSON list (``'["a","b"]'``, vLLM's form) or comma-separated values."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON list {text!r}: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_memory_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's own flags (the engine's come from :func:`add_engine_args`)."""
+    g = parser.add_argument_group("server")
+    g.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to bind (default: {DEFAULT_HOST}, this machine only; "
+        "use 0.0.0.0 to listen on every interface)",
+    )
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default: {DEFAULT_PORT})")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+        f"(default: ${API_KEY_ENV}, else no authentication)",
+    )
+    g.add_argument(
+        "--allow-unauthenticated-metrics",
+        action="store_true",
+        help="serve /metrics without the API key (for scrapers that cannot send one)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=_string_list,
+        default=[],
+        help="CORS origins, comma-separated or a JSON list (default: none, CORS off)",
+    )
+    g.add_argument(
+        "--allowed-methods",
+        type=_string_list,
+        default=["*"],
+        help="CORS methods (default: *)",
+    )
+    g.add_argument(
+        "--allowed-headers",
+        type=_string_list,
+        default=["*"],
+        help="CORS request headers (default: *)",
+    )
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument(
+        "--max-request-body-size",
+        type=_size,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="largest request body, e.g. 8MiB (default: 8MiB); larger gets 413",
+    )
+    g.add_argument(
+        "--max-header-size",
+        type=_size,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        help="largest request line plus headers (default: 64KiB)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help=f"seconds to wait for in-flight responses on SIGTERM "
+        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--timeout-keep-alive", type=int, default=5, help="idle keep-alive seconds (default: 5)"
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default: info)",
+    )
+    g.add_argument(
+        "--disable-access-log", action="store_true", help="do not log one line per request"
+    )
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``serve`` sub-command."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="start the OpenAI-compatible API server",
+        description="Serve a model over an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, ...). See docs/serving.md.",
+    )
+    add_server_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(run=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """:class:`ServerSettings` from the parsed flags (``$CHASSIS_API_KEY`` when no --api-key)."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        metrics_require_auth=not args.allow_unauthenticated_metrics,
+        allowed_origins=list(args.allowed_origins),
+        allowed_methods=list(args.allowed_methods),
+        allowed_headers=list(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        max_request_body_bytes=args.max_request_body_size,
+        max_header_bytes=args.max_header_size,
+        shutdown_timeout_s=args.shutdown_timeout,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_access_log,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine and the app, serve until SIGTERM/SIGINT or engine death.
+
+    Returns 0 after a clean shutdown, 1 when the engine died, 2 for invalid settings.
+    """
+    try:
+        settings = settings_from_args(args)
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+
+    from chassis.core.async_llm import AsyncLLM
+    from chassis.plugins import PluginLoadError
+    from chassis.serve.app import build_app
+    from chassis.serve.server import run_server
+
+    if settings.api_key is None:
+        logger.warning(
+            "no API key set (--api-key or $%s): any client that can reach %s:%d may use it",
+            API_KEY_ENV,
+            settings.host,
+            settings.port,
+        )
+    try:
+        engine = AsyncLLM.from_engine_config(config)
+    except (ValueError, PluginLoadError) as exc:
+        logger.error("cannot start the engine: %s", exc)
+        return 2
+    try:
+        app = build_app(engine, settings)
+        return run_server(app, settings)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    finally:
+        # The app's lifespan shuts the engine down on a normal exit; this covers start-up
+        # failures and forced exits. Shutdown is idempotent.
+        try:
+            engine.shutdown_sync()
+        except Exception as exc:
+            logger.debug("engine shutdown: %s", exc)

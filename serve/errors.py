@@ -1,0 +1,190 @@
+"""Errors in OpenAI's shape, and the exception handlers that produce them.
+
+Every error the server returns, whatever raised it, has the body::
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}
+
+Status codes: 400 invalid request (including pydantic validation errors and malformed JSON,
+never FastAPI's default 422), 401 missing or wrong API key, 404 unknown model or route,
+405 wrong method, 413 body too large, 431 headers too large, 503 engine dead, overloaded or shutting down, 500 only
+for a bug in the server (the traceback is logged, never sent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chassis.core.errors import EngineDeadError, EngineOverloadedError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
+
+logger = logging.getLogger(__name__)
+
+#: status -> OpenAI error ``type``
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    431: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
+
+#: "invalid sampling parameter top_p: ..." (SamplingParams' messages) -> param "top_p"
+_PARAM_IN_MESSAGE = re.compile(r"^invalid sampling parameter (\w+):")
+
+
+class APIError(Exception):
+    """An error to return to the client with ``status`` in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | int | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """A 400; ``param`` names the offending field when known."""
+    return APIError(400, message, param=param)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """A 400 from a ``ValueError`` raised by validation (SamplingParams, the engine, a template)."""
+    message = str(exc) or type(exc).__name__
+    match = _PARAM_IN_MESSAGE.match(message)
+    return APIError(400, message, param=match.group(1) if match else None)
+
+
+def engine_dead(exc: BaseException | None = None) -> APIError:
+    detail = f": {exc}" if exc is not None and str(exc) else ""
+    return APIError(503, f"the engine is not running{detail}", code="engine_dead")
+
+
+def overloaded(exc: BaseException | None = None) -> APIError:
+    detail = f": {exc}" if exc is not None and str(exc) else ""
+    return APIError(503, f"the server is overloaded{detail}; retry later", code="overloaded")
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", code="shutting_down")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception raised while serving a request to the error the client should get."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(exc)
+    if isinstance(exc, EngineOverloadedError):
+        return overloaded(exc)
+    if isinstance(exc, ValueError):
+        return from_value_error(exc)
+    # A bug in the server: log the traceback here, send the client no internals.
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, "internal server error (see the server log)", code="internal_error")
+
+
+def stream_error_json(exc: BaseException) -> str:
+    """The JSON of an error event sent inside an SSE stream (headers already went out, so
+    the status travels as ``code`` when the error has no code of its own)."""
+    error = to_api_error(exc)
+    body = error.body()
+    if body["error"]["code"] is None:
+        body["error"]["code"] = error.status
+    return json.dumps(body)
+
+
+def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
+    """A 400 naming every invalid field, from pydantic's (or FastAPI's JSON-decode) errors."""
+    parts: list[str] = []
+    first_param: str | None = None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return APIError(400, f"malformed JSON body: {err.get('msg', 'invalid JSON')}")
+        where = ".".join(loc)
+        if first_param is None and where:
+            first_param = where
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{where}: {msg}" if where else msg)
+    message = "; ".join(parts) or "invalid request"
+    return APIError(400, message, param=first_param)
+
+
+# Each handler is registered for its own exception type only (install_exception_handlers).
+
+
+async def _api_error_handler(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error_to_api_error(exc).response()
+
+
+async def _http_exception_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    code = "request_too_large" if exc.status_code == 413 else None
+    error = APIError(exc.status_code, message, code=code)
+    return error.response(headers=getattr(exc, "headers", None))
+
+
+async def _value_error_handler(request: Request, exc: ValueError) -> JSONResponse:
+    return from_value_error(exc).response()
+
+
+async def _engine_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    return to_api_error(exc).response()
+
+
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    return to_api_error(exc).response()
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Register the handlers that turn every exception into OpenAI's error shape."""
+    app.add_exception_handler(APIError, _api_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_exception_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(ValueError, _value_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(EngineDeadError, _engine_error_handler)
+    app.add_exception_handler(EngineOverloadedError, _engine_error_handler)
+    app.add_exception_handler(Exception, _unexpected_handler)

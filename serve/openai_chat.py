@@ -1,0 +1,243 @@
+"""``POST /v1/chat/completions``: messages in, an assistant message out, streamed or not.
+
+The messages are rendered with the chat template and tokenized (without special tokens by
+default: the template writes BOS) in a worker thread, then sent to the engine as token ids.
+A stream starts with one chunk per choice carrying ``role: "assistant"`` and empty content,
+then content deltas, the finish reason on each choice's last chunk, an optional usage chunk
+(``stream_options.include_usage``: empty ``choices``), and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from chassis.serve import errors
+from chassis.serve.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobToken,
+    ChatLogprobTop,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from chassis.serve.state import ServerState, UsageCounter
+from chassis.serve.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    ClosingStreamingResponse,
+    cancel_on_disconnect,
+    sse,
+)
+
+if TYPE_CHECKING:
+    from chassis.core.outputs import CompletionOutput, RequestOutput
+
+router = APIRouter()
+
+ROLE = "assistant"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.chassis
+
+
+def _logprobs(
+    state: ServerState, completion: CompletionOutput, top_n: int
+) -> list[ChatLogprobToken]:
+    """OpenAI chat logprobs for the tokens of one delta."""
+    out = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs or [], strict=False):
+        sampled = position.get(token_id)
+        text = state.token_text(token_id, sampled.decoded_token if sampled else None)
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
+        top = []
+        for tid, lp in ranked:
+            top_text = state.token_text(tid, lp.decoded_token)
+            top.append(
+                ChatLogprobTop(
+                    token=top_text, logprob=lp.logprob, bytes=list(top_text.encode("utf-8"))
+                )
+            )
+        out.append(
+            ChatLogprobToken(
+                token=text,
+                # a sampled token outside the returned set has no known logprob
+                logprob=sampled.logprob if sampled else float("-inf"),
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=top,
+            )
+        )
+    return out
+
+
+async def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    return await asyncio.to_thread(
+        state.renderer.render_ids,
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt is not False,
+        continue_final_message=bool(body.continue_final_message),
+        tools=body.tools,
+        chat_template_kwargs=body.chat_template_kwargs,
+        add_special_tokens=bool(body.add_special_tokens),
+    )
+
+
+async def _collect(
+    state: ServerState,
+    stream: AsyncIterator[RequestOutput],
+    body: ChatCompletionRequest,
+    request_id: str,
+    model: str,
+    n: int,
+) -> ChatCompletionResponse:
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    logprobs: dict[int, list[ChatLogprobToken]] = {i: [] for i in range(n)}
+    finish: dict[int, tuple[str | None, int | str | None]] = {}
+    top_n = body.top_logprobs or 0
+    usage = UsageCounter()
+    prompt_logprobs = None
+    async with contextlib.aclosing(stream):
+        async for output in stream:
+            usage.add(0, output)
+            prompt_logprobs = state.prompt_logprobs(output) or prompt_logprobs
+            for completion in output.outputs:
+                texts[completion.index].append(completion.text)
+                if body.logprobs:
+                    logprobs[completion.index] += _logprobs(state, completion, top_n)
+                if completion.finish_reason is not None:
+                    finish[completion.index] = (completion.finish_reason, completion.stop_reason)
+    choices = []
+    for i in range(n):
+        reason, stop_reason = finish.get(i, ("abort", None))
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=ChatResponseMessage(role=ROLE, content="".join(texts[i])),
+                logprobs=ChatChoiceLogprobs(content=logprobs[i]) if body.logprobs else None,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+            )
+        )
+    return ChatCompletionResponse(
+        id=request_id,
+        model=model,
+        choices=choices,
+        usage=usage.info(),
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+async def _events(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    stream: AsyncIterator[RequestOutput],
+    request_id: str,
+    model: str,
+    n: int,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    top_n = body.top_logprobs or 0
+    finished: set[int] = set()
+    usage = UsageCounter()
+
+    def chunk(choices: list[ChatStreamChoice], with_usage: bool) -> str:
+        response = ChatCompletionChunk(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage.info() if with_usage else None,
+        )
+        return sse(response.model_dump_json())
+
+    try:
+        async with contextlib.aclosing(stream):
+            first = [
+                ChatStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))
+                for i in range(n)
+            ]
+            yield chunk(first, body.continuous_usage)
+            async for output in stream:
+                usage.add(0, output)
+                choices = []
+                for completion in output.outputs:
+                    if not (completion.text or completion.token_ids or completion.finished):
+                        continue
+                    logprobs = None
+                    if body.logprobs:
+                        logprobs = ChatChoiceLogprobs(content=_logprobs(state, completion, top_n))
+                    if completion.finished:
+                        finished.add(completion.index)
+                    choices.append(
+                        ChatStreamChoice(
+                            index=completion.index,
+                            delta=DeltaMessage(content=completion.text),
+                            logprobs=logprobs,
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason,
+                        )
+                    )
+                if choices:
+                    yield chunk(choices, body.continuous_usage)
+        # A stream that ended without a finish reason was aborted (server shutdown).
+        unfinished = sorted(set(range(n)) - finished)
+        if unfinished:
+            aborted = [
+                ChatStreamChoice(index=i, delta=DeltaMessage(), finish_reason="abort")
+                for i in unfinished
+            ]
+            yield chunk(aborted, body.continuous_usage)
+        if body.include_usage:
+            yield chunk([], True)
+    except Exception as exc:
+        # Headers are sent: the error becomes an event in the stream (e.g. the engine died).
+        yield sse(errors.stream_error_json(exc))
+    yield SSE_DONE
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    """OpenAI's chat completions API."""
+    state = _state(request)
+    state.check_accepting()
+    model = state.check_model(body.model)
+    params = body.to_sampling_params()
+    prompt_ids = await _prompt_ids(state, body)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    n = params.n
+    priority = body.priority or 0
+    try:
+        if body.stream:
+            stream = await cancel_on_disconnect(
+                request, state.open_stream(prompt_ids, params, request_id, priority)
+            )
+            return ClosingStreamingResponse(
+                _events(state, body, stream, request_id, model, n),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+
+        async def run() -> ChatCompletionResponse:
+            stream = await state.open_stream(prompt_ids, params, request_id, priority)
+            return await _collect(state, stream, body, request_id, model, n)
+
+        response = await cancel_on_disconnect(request, run())
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
+    except errors.APIError:
+        raise
+    except Exception as exc:
+        raise errors.to_api_error(exc) from exc
+    return JSONResponse(response.model_dump(mode="json"))

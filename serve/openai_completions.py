@@ -1,0 +1,256 @@
+"""``POST /v1/completions``: text (or token-id) prompts in, completions out, streamed or not.
+
+A batch of ``P`` prompts with ``n`` completions each gives ``P * n`` choices, choice
+``index = prompt_index * n + completion_index``, as OpenAI does. Each prompt is one engine
+request (``n > 1`` is handled inside the engine). Text prompts are tokenized here, in a worker
+thread, with the tokenizer's special tokens unless ``add_special_tokens`` is false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from chassis.serve import errors
+from chassis.serve.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptLogprobs,
+)
+from chassis.serve.state import ServerState, UsageCounter
+from chassis.serve.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    ClosingStreamingResponse,
+    cancel_on_disconnect,
+    merge_streams,
+    sse,
+)
+
+if TYPE_CHECKING:
+    from chassis.core.outputs import CompletionOutput, RequestOutput
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.chassis
+
+
+class _LogprobBuilder:
+    """Builds OpenAI's legacy completion logprobs for one choice, delta by delta."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.offset = 0
+
+    def build(self, completion: CompletionOutput) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for token_id, position in zip(
+            completion.token_ids, completion.logprobs or [], strict=False
+        ):
+            sampled = position.get(token_id)
+            text = self.state.token_text(token_id, sampled.decoded_token if sampled else None)
+            out.tokens.append(text)
+            out.token_logprobs.append(sampled.logprob if sampled else None)
+            out.top_logprobs.append(
+                {
+                    self.state.token_text(tid, lp.decoded_token): lp.logprob
+                    for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
+                }
+            )
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+class _Choice:
+    """What is accumulated for one choice of a non-streaming response."""
+
+    def __init__(self, index: int, state: ServerState, with_logprobs: bool) -> None:
+        self.index = index
+        self.text: list[str] = []
+        self.logprobs = _LogprobBuilder(state) if with_logprobs else None
+        self.merged = CompletionLogprobs() if with_logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.text.append(completion.text)
+        if self.logprobs is not None and self.merged is not None:
+            part = self.logprobs.build(completion)
+            self.merged.tokens += part.tokens
+            self.merged.token_logprobs += part.token_logprobs
+            self.merged.top_logprobs += part.top_logprobs
+            self.merged.text_offset += part.text_offset
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
+
+    def result(self) -> CompletionChoice:
+        return CompletionChoice(
+            index=self.index,
+            text="".join(self.text),
+            logprobs=self.merged,
+            # a stream that ended without a finish reason was aborted (e.g. on shutdown)
+            finish_reason=self.finish_reason or "abort",
+            stop_reason=self.stop_reason,
+            prompt_logprobs=self.prompt_logprobs,
+        )
+
+
+async def _prompt_batch(state: ServerState, body: CompletionRequest) -> list[str | list[int]]:
+    prompts = body.prompts()
+    add_special = body.add_special_tokens is not False
+
+    def tokenize() -> list[str | list[int]]:
+        return [
+            state.renderer.tokenize(p, add_special_tokens=add_special) if isinstance(p, str) else p
+            for p in prompts
+        ]
+
+    if not any(isinstance(p, str) for p in prompts):
+        return prompts
+    return await asyncio.to_thread(tokenize)
+
+
+async def _collect(
+    state: ServerState,
+    streams: list[AsyncIterator[RequestOutput]],
+    request_id: str,
+    model: str,
+    n: int,
+    with_logprobs: bool,
+) -> CompletionResponse:
+    choices = {
+        p * n + i: _Choice(p * n + i, state, with_logprobs)
+        for p in range(len(streams))
+        for i in range(n)
+    }
+    usage = UsageCounter()
+    async with contextlib.aclosing(merge_streams(streams)) as merged:
+        async for prompt_index, output in merged:
+            usage.add(prompt_index, output)
+            prompt_logprobs = state.prompt_logprobs(output)
+            for completion in output.outputs:
+                choice = choices[prompt_index * n + completion.index]
+                choice.add(completion)
+                if prompt_logprobs is not None:
+                    choice.prompt_logprobs = prompt_logprobs
+    return CompletionResponse(
+        id=request_id,
+        model=model,
+        choices=[choices[i].result() for i in sorted(choices)],
+        usage=usage.info(),
+    )
+
+
+async def _events(
+    state: ServerState,
+    body: CompletionRequest,
+    streams: list[AsyncIterator[RequestOutput]],
+    request_id: str,
+    model: str,
+    n: int,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    with_logprobs = body.logprobs is not None
+    builders: dict[int, _LogprobBuilder] = {}
+    finished: set[int] = set()
+    usage = UsageCounter()
+
+    def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
+        response = CompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage.info() if with_usage else None,
+        )
+        return sse(response.model_dump_json())
+
+    try:
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for prompt_index, output in merged:
+                usage.add(prompt_index, output)
+                choices = []
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    if not (completion.text or completion.token_ids or completion.finished):
+                        continue
+                    logprobs = None
+                    if with_logprobs:
+                        builder = builders.setdefault(index, _LogprobBuilder(state))
+                        logprobs = builder.build(completion)
+                    if completion.finished:
+                        finished.add(index)
+                    choices.append(
+                        CompletionChoice(
+                            index=index,
+                            text=completion.text,
+                            logprobs=logprobs,
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason,
+                        )
+                    )
+                if choices:
+                    yield chunk(choices, body.continuous_usage)
+        # Streams that ended without a finish reason were aborted (server shutdown).
+        unfinished = sorted(set(range(len(streams) * n)) - finished)
+        if unfinished:
+            aborted = [
+                CompletionChoice(index=i, text="", finish_reason="abort") for i in unfinished
+            ]
+            yield chunk(aborted, body.continuous_usage)
+        if body.include_usage:
+            yield chunk([], True)
+    except Exception as exc:
+        # Headers are sent: the error becomes an event in the stream (e.g. the engine died).
+        yield sse(errors.stream_error_json(exc))
+    yield SSE_DONE
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    """OpenAI's completions API (see the module docstring for batches and indices)."""
+    state = _state(request)
+    state.check_accepting()
+    model = state.check_model(body.model)
+    params = body.to_sampling_params()
+    prompts = await _prompt_batch(state, body)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    n = params.n
+    priority = body.priority or 0
+    try:
+        if body.stream:
+            streams = await cancel_on_disconnect(
+                request, state.open_streams(prompts, params, request_id, priority)
+            )
+            return ClosingStreamingResponse(
+                _events(state, body, streams, request_id, model, n),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+
+        async def run() -> CompletionResponse:
+            streams = await state.open_streams(prompts, params, request_id, priority)
+            return await _collect(state, streams, request_id, model, n, body.logprobs is not None)
+
+        response = await cancel_on_disconnect(request, run())
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the requests were aborted
+    except errors.APIError:
+        raise
+    except Exception as exc:
+        raise errors.to_api_error(exc) from exc
+    return JSONResponse(response.model_dump(mode="json"))

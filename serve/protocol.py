@@ -1,0 +1,490 @@
+"""Pydantic models of the OpenAI request and response bodies the server speaks.
+
+Requests accept OpenAI's fields plus vLLM's extra sampling fields (what the ``openai`` client
+sends through ``extra_body``). ``None`` for an optional field means "the default", because
+clients send explicit ``null``s. Unknown fields are ignored with a warning in the log, as
+vLLM does. Turning a request into :class:`~chassis.core.sampling_params.SamplingParams` lives
+here too (``to_sampling_params``), so every route applies the same defaults and limits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from chassis.core.sampling_params import SamplingParams
+from chassis.serve.errors import APIError, bad_request, from_value_error
+
+logger = logging.getLogger(__name__)
+
+#: OpenAI's range for ``logit_bias`` values.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class _Request(BaseModel):
+    """Base of request bodies: unknown fields are kept aside and logged, not rejected."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self) -> _Request:
+        if self.model_extra:
+            logger.warning(
+                "ignoring unknown fields in %s: %s",
+                type(self).__name__,
+                ", ".join(sorted(self.model_extra)),
+            )
+        return self
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+    #: vLLM extension: usage on every chunk, not only the last
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # -- vLLM extra_body sampling fields ----------------------------------------------------
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    #: scheduling priority for the ``priority`` scheduler (lower runs first)
+    priority: int | None = 0
+
+    def _logit_bias_ids(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        out: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys must be token ids (integers as strings); got {key!r}",
+                    "logit_bias",
+                ) from None
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise bad_request(
+                    f"logit_bias values must be in [-100, 100]; got {value} for token {key}",
+                    "logit_bias",
+                )
+            out[token_id] = float(value)
+        return out
+
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Build and validate :class:`SamplingParams`; invalid values raise a 400 ``APIError``."""
+        values: dict[str, Any] = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "logit_bias": self._logit_bias_ids(),
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        # None means "not given": SamplingParams' own defaults apply.
+        kwargs = {k: v for k, v in values.items() if v is not None}
+        kwargs["max_tokens"] = max_tokens
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        except TypeError as exc:  # msgspec type checks
+            raise bad_request(str(exc)) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def _check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/completions
+# ---------------------------------------------------------------------------------------------
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``. ``prompt``: text, a batch of texts, token ids, or a batch of
+    token-id lists; each prompt gets ``n`` choices (``index = prompt_index * n + i``)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    #: number of top alternatives per token (0..--max-logprobs)
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool | None = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts; raises a 400 for an empty one."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            batch: list[str | list[int]] = [prompt]
+        elif not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        elif isinstance(prompt[0], int):
+            batch = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            batch = list(prompt)  # type: ignore[arg-type]
+        for p in batch:
+            if len(p) == 0:
+                raise bad_request("prompt must not be empty", "prompt")
+        return batch
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Validate the fields this server does not implement, then build the params."""
+        self._check_stream_options()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request("best_of other than n is not supported", "best_of")
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completion logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt logprob entry (``prompt_logprobs`` request field)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: per prompt position: ``None`` for the first token, else token id (as a string) -> entry
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    #: vLLM extension: the stop string or stop token id that ended this choice
+    stop_reason: int | str | None = None
+    #: vLLM extension (non-streaming responses, when ``prompt_logprobs`` was asked for)
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/chat/completions
+# ---------------------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    """One message of the conversation; extra keys (e.g. ``reasoning_content``) reach the
+    chat template unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # -- vLLM extras ------------------------------------------------------------------------
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Validate the fields this server does not implement, then build the params.
+
+        ``max_tokens`` ``None`` (neither ``max_completion_tokens`` nor ``max_tokens`` given)
+        means "up to the context length", as OpenAI's chat API does.
+        """
+        self._check_stream_options()
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise bad_request(
+                f"response_format type {fmt!r} is not supported (structured output is not "
+                "implemented); use 'text'",
+                "response_format",
+            )
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            raise bad_request(
+                "tool_choice 'required' or a named function is not supported; use 'auto' or "
+                "'none' (tool calls are returned as plain text until a tool-call parser is set)",
+                "tool_choice",
+            )
+        if self.add_generation_prompt and self.continue_final_message:
+            raise bad_request(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                "continue_final_message",
+            )
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+
+class ChatLogprobTop(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatLogprobTop):
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    #: vLLM extension (when ``prompt_logprobs`` was asked for)
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class DeltaMessage(BaseModel):
+    """The new part of a streamed message; absent fields are omitted from the JSON."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/models, /tokenize, /detokenize, /version
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "chassis"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize``: exactly one of ``prompt`` (text) or ``messages`` (chat)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    #: default: True for ``prompt``, False for ``messages`` (the template holds BOS)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+        if self.messages is not None and self.add_generation_prompt and self.continue_final_message:
+            raise bad_request(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                "continue_final_message",
+            )
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (see :mod:`chassis.serve.errors`)."""
+
+    error: ErrorInfo
+
+
+__all__ = [
+    "APIError",
+    "ChatChoice",
+    "ChatChoiceLogprobs",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatLogprobToken",
+    "ChatLogprobTop",
+    "ChatMessage",
+    "ChatResponseMessage",
+    "ChatStreamChoice",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "DeltaMessage",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "ErrorInfo",
+    "ErrorResponse",
+    "ModelCard",
+    "ModelList",
+    "PromptLogprob",
+    "PromptLogprobs",
+    "StreamOptions",
+    "TokenizeRequest",
+    "TokenizeResponse",
+    "UsageInfo",
+    "VersionResponse",
+]

@@ -1,0 +1,128 @@
+"""Running the app under uvicorn: start-up, signals, engine death, graceful shutdown.
+
+* HTTP/1.1 through uvicorn's ``h11`` implementation, because only it bounds the request line
+  plus headers (``h11_max_incomplete_event_size`` = ``--max-header-size``; httptools has no
+  such setting).
+* SIGTERM / SIGINT: uvicorn stops accepting connections; we also mark the server as
+  shutting down (new requests and ``/health`` get 503) and abort every in-flight request, so
+  open streams end at once with ``finish_reason: "abort"``; uvicorn then waits up to
+  ``--shutdown-timeout`` seconds for responses to finish, runs the app's lifespan shutdown
+  (which shuts the engine down), and exits.
+* Engine death: the engine's dead callback sets ``should_exit``; in-flight requests fail with
+  503 (or an error event in their stream), and the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from chassis.serve.settings import ServerSettings
+    from chassis.serve.state import ServerState
+
+logger = logging.getLogger("chassis.serve")
+
+
+def format_url(host: str, port: int) -> str:
+    """``http://host:port`` with IPv6 hosts bracketed."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+class ChassisServer(uvicorn.Server):
+    """A uvicorn server that aborts in-flight requests on a signal and logs when it is ready."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.engine_died = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._abort_task: asyncio.Task[None] | None = None
+
+    @property
+    def bound_port(self) -> int | None:
+        """The port actually listened on (useful with ``--port 0``)."""
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    return sock.getsockname()[1]
+        return None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self.started:
+            port = self.bound_port or self.config.port
+            logger.info("ready on %s", format_url(self.config.host, port))
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.state.shutting_down:
+            logger.info("received %s: shutting down", signal.Signals(sig).name)
+            self.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort in-flight ones (safe to call from a signal handler)."""
+        self.state.shutting_down = True
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def start_aborting() -> None:
+            # keep a reference: the loop holds tasks only weakly
+            self._abort_task = loop.create_task(self.state.abort_all())
+
+        loop.call_soon_threadsafe(start_aborting)
+
+    def on_engine_dead(self) -> None:
+        """The engine's dead callback: stop serving (runs on the event loop)."""
+        error = getattr(self.state.engine, "dead_error", None)
+        logger.error("the engine core died (%s); shutting the server down", error)
+        self.engine_died = True
+        self.should_exit = True
+
+
+def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
+    """The uvicorn configuration ``settings`` ask for."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http="h11",
+        ws="none",
+        lifespan="on",
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=settings.timeout_keep_alive_s,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        log_level=settings.uvicorn_log_level,
+        access_log=settings.access_log,
+        # the CLI has configured logging already; keep uvicorn from replacing it
+        log_config=None,
+    )
+
+
+async def serve_app(app: FastAPI, settings: ServerSettings) -> int:
+    """Serve ``app`` (from :func:`~chassis.serve.app.build_app`) until a signal or engine
+    death; return the exit status (0, or 1 when the engine died)."""
+    state: ServerState = app.state.chassis
+    server = ChassisServer(uvicorn_config(app, settings), state)
+    state.engine.add_dead_callback(server.on_engine_dead)
+    await server.serve()
+    return 1 if server.engine_died or state.engine.errored else 0
+
+
+def run_server(app: FastAPI, settings: ServerSettings) -> int:
+    """Blocking :func:`serve_app`; Ctrl-C returns 130 instead of a traceback."""
+    try:
+        return asyncio.run(serve_app(app, settings))
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,66 @@
+"""``ServerSettings``: how the HTTP server behaves (not the engine: that is ``EngineConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+#: Largest request body accepted (413 beyond); chat histories of a 128k-token context fit.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+#: Largest request line plus headers (uvicorn's h11 ``max_incomplete_event_size``).
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+#: Seconds in-flight requests get to finish after SIGTERM (they are aborted first, so they
+#: finish at once; this bounds a stuck one).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ServerSettings:
+    """Settings of the API server, from ``chassis serve`` flags or set by tests and embedders.
+
+    ``api_key`` ``None`` disables authentication. ``allowed_origins`` empty disables CORS.
+    """
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    #: require the API key on ``/metrics`` too (``/health`` never needs it)
+    metrics_require_auth: bool = True
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    timeout_keep_alive_s: int = 5
+    uvicorn_log_level: str = "info"
+    access_log: bool = True
+    #: call ``engine.shutdown()`` when the app's lifespan ends
+    shutdown_engine_on_exit: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid setting."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535]; got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty (omit it to disable authentication)")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(
+                f"--max-request-body-size must be at least 1 KiB; got {self.max_request_body_bytes}"
+            )
+        if self.max_header_bytes < 1024:
+            raise ValueError(
+                f"--max-header-size must be at least 1 KiB; got {self.max_header_bytes}"
+            )
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout_s}")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError(
+                "--allow-credentials cannot be combined with --allowed-origins '*'; "
+                "list the origins explicitly"
+            )

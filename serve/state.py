@@ -1,0 +1,246 @@
+"""``ServerState``: what every route shares (engine, renderer, metrics, in-flight requests).
+
+The engine is anything that fulfils the ``AsyncLLM`` contract of
+:mod:`chassis.core.async_llm`; the server uses exactly this part of it::
+
+    engine.config.max_model_len: int       # resolved by the engine
+    engine.config.chat_template: str|None  # the --chat-template value
+    engine.tokenizer                       # a transformers tokenizer (encode/decode/__len__)
+    engine.model_name: str                 # the name clients must send as "model"
+    engine.generate(prompt: str | list[int], sampling_params, request_id, *,
+                    priority=0, delta=True) -> AsyncIterator[RequestOutput]
+        # ValueError (bad input) from the first __anext__, before anything is yielded;
+        # EngineDeadError when the engine core is dead; closing or cancelling the iterator
+        # aborts the request in the engine (frees its KV blocks); with n > 1 one
+        # RequestOutput carries deltas for several completions (outputs[i].index).
+    await engine.abort(request_id)         # end a request early (on SIGTERM); its stream
+                                           # then raises CancelledError (handled here)
+    engine.errored: bool; engine.dead_error: EngineDeadError | None
+    await engine.check_health()            # raises EngineDeadError
+    engine.stats() -> SchedulerStats       # latest scheduler snapshot (for /metrics)
+    engine.add_dead_callback(cb)           # cb() once, on the event loop, when the core dies
+    await engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from chassis.serve import errors
+from chassis.serve.protocol import PromptLogprob, PromptLogprobs, UsageInfo
+from chassis.serve.streaming import prepend
+
+if TYPE_CHECKING:
+    from chassis.core.outputs import RequestOutput
+    from chassis.core.sampling_params import SamplingParams
+    from chassis.serve.metrics import ServerMetrics
+    from chassis.serve.renderer import ChatRenderer
+    from chassis.serve.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """Shared by all routes of one app (``app.state.chassis``)."""
+
+    engine: Any
+    settings: ServerSettings
+    renderer: ChatRenderer
+    metrics: ServerMetrics
+    #: engine request ids currently generating (aborted on shutdown)
+    inflight: set[str] = field(default_factory=set)
+    shutting_down: bool = False
+    #: in-flight ids the server aborted itself
+    _aborted: set[str] = field(default_factory=set)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int | None:
+        return getattr(self.engine.config, "max_model_len", None)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def token_text(self, token_id: int, decoded: str | None = None) -> str:
+        """The text of one token for logprobs (the engine's decoding when it sent one)."""
+        if decoded is not None:
+            return decoded
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt_logprobs(self, output: RequestOutput) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` of an output, or ``None`` when it has none."""
+        if output.prompt_logprobs is None:
+            return None
+        result: PromptLogprobs = []
+        for position in output.prompt_logprobs:
+            if position is None:
+                result.append(None)
+                continue
+            result.append(
+                {
+                    str(tid): PromptLogprob(
+                        logprob=lp.logprob,
+                        rank=lp.rank,
+                        decoded_token=self.token_text(tid, lp.decoded_token),
+                    )
+                    for tid, lp in position.items()
+                }
+            )
+        return result
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def check_model(self, requested: str | None) -> str:
+        """The served name; a 404 for any other ``model`` (``None`` means the served one)."""
+        if requested is None or requested == self.model_name:
+            return self.model_name
+        raise errors.APIError(
+            404,
+            f"The model '{requested}' does not exist. This server serves '{self.model_name}' "
+            "(see GET /v1/models).",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_accepting(self) -> None:
+        """A 503 when the server is shutting down or the engine is dead."""
+        if self.shutting_down:
+            raise errors.shutting_down()
+        if self.engine.errored:
+            raise errors.engine_dead(self.engine.dead_error)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def _tracked(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+    ) -> AsyncIterator[RequestOutput]:
+        tracker = self.metrics.tracker()
+        self.inflight.add(request_id)
+        try:
+            stream = self.engine.generate(prompt, params, request_id, priority=priority, delta=True)
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    tracker.observe(output)
+                    yield output
+        except asyncio.CancelledError:
+            # AsyncLLM.abort() ends the request's stream by raising CancelledError in it. When
+            # the server itself aborted the request (shutdown) and this task is not being
+            # cancelled, end the stream quietly: the routes report finish_reason "abort".
+            task = asyncio.current_task()
+            if request_id in self._aborted and (task is None or not task.cancelling()):
+                return
+            raise
+        finally:
+            self.inflight.discard(request_id)
+            self._aborted.discard(request_id)
+
+    async def open_stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Start one request and wait for its first output.
+
+        Invalid input surfaces here (a 400 ``APIError``; a dead engine a 503) before any
+        response byte is sent. The returned stream yields the first output again, then the
+        rest; close it (``aclosing``) to abort the request.
+        """
+        stream = self._tracked(prompt, params, request_id, priority)
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return _empty()
+        except Exception as exc:
+            await stream.aclose()
+            raise errors.to_api_error(exc) from exc
+        except BaseException:
+            await stream.aclose()
+            raise
+        return prepend(first, stream)
+
+    async def open_streams(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """:meth:`open_stream` for a batch (ids ``{request_id}-{i}``); all or none."""
+        if len(prompts) == 1:
+            return [await self.open_stream(prompts[0], params, request_id, priority)]
+        tasks = [
+            asyncio.ensure_future(self.open_stream(p, params, f"{request_id}-{i}", priority))
+            for i, p in enumerate(prompts)
+        ]
+        opened = False
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task.done() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            opened = True
+            return [task.result() for task in tasks]
+        finally:
+            if not opened:  # one failed, or we were cancelled: close what did open
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for task in tasks:
+                    if not task.cancelled() and task.exception() is None:
+                        await task.result().aclose()  # type: ignore[attr-defined]
+
+    async def abort_all(self) -> None:
+        """Abort every in-flight request (shutdown): their streams end with ``abort``."""
+        for request_id in list(self.inflight):
+            self._aborted.add(request_id)
+            try:
+                await self.engine.abort(request_id)
+            except Exception as exc:  # the engine may be gone already
+                logger.debug("abort of %s failed: %s", request_id, exc)
+
+
+class UsageCounter:
+    """Token counts of one API request: prompts (counted once per prompt) and completions."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        if prompt_index not in self.prompt_tokens:
+            self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.cached_tokens[prompt_index] = max(
+            self.cached_tokens.get(prompt_index, 0), output.num_cached_tokens or 0
+        )
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def info(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt + self.completion_tokens,
+            prompt_tokens_details={"cached_tokens": sum(self.cached_tokens.values())},
+        )
+
+
+async def _empty() -> AsyncIterator[RequestOutput]:
+    return
+    yield  # pragma: no cover - makes this an async generator

@@ -1,0 +1,492 @@
+"""The API routes against a test double of the AsyncLLM contract (tests/fake_engine.py).
+
+The fake's completion ``i`` generates "abcdef..." starting at letter ``i``, one token per
+letter; its tokenizer is a real byte-level fast tokenizer (one token per byte).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fake_engine import FakeAsyncLLM
+from fastapi.testclient import TestClient
+
+from chassis.serve.app import build_app
+from chassis.serve.settings import ServerSettings
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def engine() -> FakeAsyncLLM:
+    return FakeAsyncLLM()
+
+
+@pytest.fixture
+def client(engine: FakeAsyncLLM) -> Iterator[TestClient]:
+    with TestClient(build_app(engine, ServerSettings())) as c:
+        yield c
+
+
+def sse_events(text: str) -> list[Any]:
+    """The JSON payloads of an SSE body; asserts the framing and the final [DONE]."""
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+def assert_error(response: Any, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    return body["error"]
+
+
+# -- models, version, tokenize ----------------------------------------------------------------
+
+
+def test_models_lists_the_served_name(client: TestClient) -> None:
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["fake-model"]
+    assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == 256
+
+
+def test_version(client: TestClient) -> None:
+    import chassis
+
+    assert client.get("/version").json() == {"version": chassis.__version__}
+
+
+def test_tokenize_prompt_and_messages_and_detokenize(
+    client: TestClient, engine: FakeAsyncLLM
+) -> None:
+    tok = engine.tokenizer
+    body = client.post("/tokenize", json={"prompt": "héllo"}).json()
+    assert body["tokens"] == tok("héllo").input_ids  # with BOS by default
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 256
+    body = client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False}).json()
+    assert body["tokens"] == tok("hi", add_special_tokens=False).input_ids
+    body = client.post("/tokenize", json={"messages": CHAT, "return_token_strs": True}).json()
+    rendered = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert body["tokens"] == tok(rendered, add_special_tokens=False).input_ids
+    assert body["tokens"][0] == tok.bos_token_id  # exactly one BOS, from the template
+    assert len(body["token_strs"]) == body["count"]
+    text = client.post("/detokenize", json={"tokens": tok("héllo").input_ids[1:]}).json()
+    assert text == {"prompt": "héllo"}
+
+
+def test_tokenize_and_detokenize_errors(client: TestClient) -> None:
+    assert_error(client.post("/tokenize", json={}), 400, "prompt")
+    assert_error(client.post("/tokenize", json={"prompt": "a", "messages": CHAT}), 400)
+    assert_error(client.post("/tokenize", json={"prompt": "a", "model": "other"}), 404, "model")
+    assert_error(client.post("/detokenize", json={"tokens": [1, 99999]}), 400, "tokens")
+    assert_error(client.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
+
+
+# -- completions ------------------------------------------------------------------------------
+
+
+def test_completion_non_streaming(client: TestClient, engine: FakeAsyncLLM) -> None:
+    response = client.post(
+        "/v1/completions", json={"model": "fake-model", "prompt": "hello", "max_tokens": 5}
+    )
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == "fake-model"
+    assert body["id"].startswith("cmpl-")
+    [choice] = body["choices"]
+    assert choice["text"] == "abcde" and choice["finish_reason"] == "length"
+    assert choice["index"] == 0 and choice["logprobs"] is None
+    prompt_len = len(engine.tokenizer("hello").input_ids)
+    assert body["usage"]["prompt_tokens"] == prompt_len
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["total_tokens"] == prompt_len + 5
+    # the server tokenized the prompt (with BOS) and sent token ids to the engine
+    _, prompt_ids, params, _ = engine.requests[-1]
+    assert prompt_ids == engine.tokenizer("hello").input_ids and params.max_tokens == 5
+
+
+def test_completion_model_may_be_omitted_and_unknown_model_is_404(client: TestClient) -> None:
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    error = assert_error(
+        client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model"
+    )
+    assert error["code"] == "model_not_found" and "gpt-4" in error["message"]
+
+
+def test_completion_batch_n_and_indices(client: TestClient, engine: FakeAsyncLLM) -> None:
+    body = client.post(
+        "/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3}
+    ).json()
+    texts = {c["index"]: c["text"] for c in body["choices"]}
+    # index = prompt_index * n + completion_index
+    assert texts == {0: "abc", 1: "bcd", 2: "abc", 3: "bcd"}
+    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["prompt_tokens"] == 2 * 3  # BOS + 2 bytes, per prompt
+    assert {r[3] for r in engine.requests} == {0}
+    assert len({r[0] for r in engine.requests}) == 2  # one engine request per prompt
+
+
+def test_completion_token_id_prompts(client: TestClient, engine: FakeAsyncLLM) -> None:
+    body = client.post("/v1/completions", json={"prompt": [70, 71, 72], "max_tokens": 2}).json()
+    assert body["choices"][0]["text"] == "ab"
+    assert engine.requests[-1][1] == [70, 71, 72]
+    body = client.post("/v1/completions", json={"prompt": [[70], [71, 72]], "max_tokens": 1}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["prompt_tokens"] == 3
+
+
+def test_completion_stop_strings(client: TestClient) -> None:
+    body = client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 10, "stop": ["d", "zz"]}
+    ).json()
+    assert body["choices"][0]["text"] == "abc"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["stop_reason"] == "d"
+    body = client.post(
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 10, "stop": "c", "include_stop_str_in_output": True},
+    ).json()
+    assert body["choices"][0]["text"] == "abc"
+
+
+def test_completion_logprobs(client: TestClient) -> None:
+    body = client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 3, "logprobs": 2}
+    ).json()
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "b", "c"]
+    assert logprobs["token_logprobs"] == [-0.5, -0.5, -0.5]
+    assert logprobs["text_offset"] == [0, 1, 2]
+    # sampled token plus 2 alternatives, which the server decoded itself
+    assert logprobs["top_logprobs"][0] == {"a": -0.5, "A": -2.0, "B": -3.0}
+
+
+def test_prompt_logprobs(client: TestClient) -> None:
+    body = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 0}
+    ).json()
+    prompt_logprobs = body["choices"][0]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None  # BOS: nothing before it
+    assert [list(p.values()) for p in prompt_logprobs[1:]] == [
+        [{"logprob": -1.0, "rank": 1, "decoded_token": c}] for c in "hi"
+    ]
+    chat = client.post(
+        "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0}
+    ).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    plain = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+
+
+def test_completion_streaming(client: TestClient) -> None:
+    response = client.post(
+        "/v1/completions",
+        json={
+            "prompt": "x",
+            "max_tokens": 3,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    ids = {e["id"] for e in events}
+    assert len(ids) == 1 and next(iter(ids)).startswith("cmpl-")
+    text: dict[int, str] = {0: "", 1: ""}
+    finish = {}
+    for event in events[:-1]:
+        assert event["object"] == "text_completion" and event["usage"] is None
+        for choice in event["choices"]:
+            text[choice["index"]] += choice["text"]
+            if choice["finish_reason"]:
+                finish[choice["index"]] = choice["finish_reason"]
+    assert text == {0: "abc", 1: "bcd"} and finish == {0: "length", 1: "length"}
+    usage_event = events[-1]
+    assert usage_event["choices"] == []
+    assert usage_event["usage"]["completion_tokens"] == 6
+
+
+def test_completion_streaming_without_usage_has_no_usage_chunk(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+    events = sse_events(response.text)
+    assert all(e["choices"] for e in events)
+    assert all(e["usage"] is None for e in events)
+
+
+def test_completion_batch_streaming(client: TestClient) -> None:
+    response = client.post(
+        "/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2, "stream": True}
+    )
+    events = sse_events(response.text)
+    text: dict[int, str] = {}
+    for event in events:
+        for choice in event["choices"]:
+            text[choice["index"]] = text.get(choice["index"], "") + choice["text"]
+    assert text == {0: "ab", 1: "ab", 2: "ab"}
+
+
+def test_continuous_usage_stats(client: TestClient) -> None:
+    response = client.post(
+        "/v1/completions",
+        json={
+            "prompt": "x",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
+    events = sse_events(response.text)
+    assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 3]
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+
+def test_chat_non_streaming(client: TestClient, engine: FakeAsyncLLM) -> None:
+    response = client.post(
+        "/v1/chat/completions",
+        json={"model": "fake-model", "messages": CHAT, "max_completion_tokens": 4, "seed": 1},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "abcd", "tool_calls": []}
+    assert choice["finish_reason"] == "length"
+    rendered = engine.tokenizer.apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = engine.tokenizer(rendered, add_special_tokens=False).input_ids
+    assert engine.requests[-1][1] == prompt_ids
+    assert engine.requests[-1][2].seed == 1
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 4,
+        "total_tokens": len(prompt_ids) + 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_chat_default_max_tokens_is_the_rest_of_the_context() -> None:
+    engine = FakeAsyncLLM(max_model_len=40)
+    with TestClient(build_app(engine)) as client:
+        body = client.post("/v1/chat/completions", json={"messages": CHAT}).json()
+    prompt_len = body["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 40 - prompt_len
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_content_parts_and_n(client: TestClient, engine: FakeAsyncLLM) -> None:
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    body = client.post(
+        "/v1/chat/completions", json={"messages": messages, "n": 2, "max_tokens": 2}
+    ).json()
+    assert [c["message"]["content"] for c in body["choices"]] == ["ab", "bc"]
+    prompt = engine.tokenizer.decode(engine.requests[-1][1])
+    assert "be brief" in prompt and "a\nb" in prompt
+
+
+def test_chat_rejects_non_text_parts_and_template_errors(client: TestClient) -> None:
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert_error(client.post("/v1/chat/completions", json={"messages": image}), 400)
+    bad_role = [{"role": "forbidden", "content": "x"}]
+    error = assert_error(client.post("/v1/chat/completions", json={"messages": bad_role}), 400)
+    assert "forbidden" in error["message"]
+    assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
+
+
+def test_chat_without_template_is_400() -> None:
+    engine = FakeAsyncLLM(chat_template=None)
+    with TestClient(build_app(engine)) as client:
+        error = assert_error(client.post("/v1/chat/completions", json={"messages": CHAT}), 400)
+    assert "chat template" in error["message"]
+
+
+def test_chat_template_flag_overrides_the_tokenizer_template(tmp_path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    engine = FakeAsyncLLM(config_chat_template=str(template))
+    with TestClient(build_app(engine)) as client:
+        body = client.post("/tokenize", json={"messages": CHAT}).json()
+    assert engine.tokenizer.decode(body["tokens"]) == "[hi]"
+
+
+def test_bad_chat_template_path_fails_at_build() -> None:
+    with pytest.raises(ValueError, match="chat-template"):
+        build_app(FakeAsyncLLM(config_chat_template="/no/such/template.jinja"))
+
+
+def test_chat_streaming(client: TestClient) -> None:
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": CHAT,
+            "max_tokens": 3,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    first = events[0]
+    assert first["object"] == "chat.completion.chunk"
+    assert sorted(c["index"] for c in first["choices"]) == [0, 1]
+    assert all(c["delta"] == {"role": "assistant", "content": ""} for c in first["choices"])
+    content: dict[int, str] = {0: "", 1: ""}
+    finish = {}
+    for event in events[1:-1]:
+        for choice in event["choices"]:
+            assert "role" not in choice["delta"]
+            content[choice["index"]] += choice["delta"].get("content", "")
+            if choice["finish_reason"]:
+                finish[choice["index"]] = choice["finish_reason"]
+    assert content == {0: "abc", 1: "bcd"} and finish == {0: "length", 1: "length"}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    assert events[-1]["usage"]["total_tokens"] == events[-1]["usage"]["prompt_tokens"] + 6
+
+
+def test_chat_logprobs(client: TestClient) -> None:
+    body = client.post(
+        "/v1/chat/completions",
+        json={"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 2},
+    ).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in content] == ["a", "b"]
+    assert content[0]["logprob"] == -0.5 and content[0]["bytes"] == [97]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["a", "A"]
+    body = client.post(
+        "/v1/chat/completions",
+        json={"messages": CHAT, "max_tokens": 2, "logprobs": True, "stream": True},
+    )
+    events = sse_events(body.text)
+    tokens = [
+        t["token"]
+        for e in events
+        for c in e["choices"]
+        if c["logprobs"]
+        for t in c["logprobs"]["content"]
+    ]
+    assert tokens == ["a", "b"]
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def test_validation_errors_are_400_not_422(client: TestClient) -> None:
+    error = assert_error(
+        client.post("/v1/completions", json={"prompt": "x", "temperature": "hot"}),
+        400,
+        "temperature",
+    )
+    assert error["type"] == "invalid_request_error"
+    assert_error(client.post("/v1/completions", json={}), 400, "prompt")
+    assert_error(client.post("/v1/chat/completions", json={"messages": "hi"}), 400, "messages")
+    assert_error(client.post("/v1/completions", json=[1, 2]), 400)
+
+
+def test_malformed_json_is_400(client: TestClient) -> None:
+    error = assert_error(
+        client.post(
+            "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"}
+        ),
+        400,
+    )
+    assert "JSON" in error["message"]
+
+
+def test_engine_value_errors_are_400(client: TestClient) -> None:
+    # context length: the engine rejects before generating anything
+    error = assert_error(client.post("/v1/completions", json={"prompt": "x" * 300}), 400)
+    assert "context length" in error["message"]
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 300}), 400)
+    assert_error(
+        client.post("/v1/completions", json={"prompt": "x", "logprobs": 21}), 400, "logprobs"
+    )
+    # and for streams, before any event is sent
+    response = client.post("/v1/completions", json={"prompt": "x" * 300, "stream": True})
+    assert_error(response, 400)
+    response = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x" * 300}], "stream": True},
+    )
+    assert_error(response, 400)
+
+
+def test_batch_with_one_bad_prompt_fails_whole_and_aborts_the_others(
+    client: TestClient, engine: FakeAsyncLLM
+) -> None:
+    assert_error(
+        client.post("/v1/completions", json={"prompt": ["ok", "x" * 300], "max_tokens": 50}),
+        400,
+    )
+    assert not engine.running
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/completions"), 405)
+
+
+def test_health(client: TestClient, engine: FakeAsyncLLM) -> None:
+    assert client.get("/health").status_code == 200
+    engine.kill()
+    error = assert_error(client.get("/health"), 503)
+    assert error["code"] == "engine_dead"
+
+
+def test_metrics(client: TestClient) -> None:
+    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3})
+    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 10, "stop": "b"})
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    label = 'model_name="fake-model"'
+    expected = [
+        f"chassis:num_requests_running{{{label}}} 0.0",
+        f"chassis:num_requests_waiting{{{label}}} 0.0",
+        f"chassis:kv_cache_usage_perc{{{label}}} 0.25",
+        f"chassis:prefix_cache_queries_total{{{label}}} 10.0",
+        f"chassis:prefix_cache_hits_total{{{label}}} 4.0",
+        f"chassis:num_preemptions_total{{{label}}} 1.0",
+        f"chassis:prompt_tokens_total{{{label}}} 6.0",
+        f"chassis:generation_tokens_total{{{label}}} 5.0",
+        f'chassis:request_success_total{{finished_reason="length",{label}}} 1.0',
+        f'chassis:request_success_total{{finished_reason="stop",{label}}} 1.0',
+        f"chassis:time_to_first_token_seconds_count{{{label}}} 2.0",
+        f"chassis:e2e_request_latency_seconds_count{{{label}}} 2.0",
+        f"chassis:inter_token_latency_seconds_count{{{label}}} 3.0",
+        "# TYPE chassis:request_queue_time_seconds histogram",
+    ]
+    for line in expected:
+        assert line in text, line
+    assert "_created" not in text
+
+
+def test_metrics_survive_a_dead_engine(client: TestClient, engine: FakeAsyncLLM) -> None:
+    engine.kill()
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert "chassis:num_requests_running" not in response.text
+    assert "chassis:prompt_tokens_total" in response.text
