@@ -110,8 +110,11 @@ class KVCacheManager:
         token is left to compute so that the step produces logits. Only for a request that
         holds no blocks (new, or resumed after preemption). Adds ``request.num_tokens`` to
         :attr:`prefix_cache_queries` and the hit tokens to :attr:`prefix_cache_hits`.
+
+        A request that asks for ``prompt_logprobs`` never hits (and is not counted): its
+        prompt logprobs need the logits of every prompt position, so it computes them all.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         state = self._requests.get(request.request_id)
         if state is None:

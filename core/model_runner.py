@@ -18,7 +18,7 @@ from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_s
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
 from chassis.core.request import TokenLogprobs
-from chassis.core.sampling_metadata import SamplingRow, build_sampling_metadata
+from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingRow, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -89,6 +89,10 @@ class ModelRunner:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed % (2**63))
+                if params.temperature >= SAMPLING_EPS:
+                    # Resumed after preemption: continue the stream where it was, so the
+                    # tokens do not depend on preemptions (and hence on the other requests).
+                    self._skip_draws(generator, len(new.output_token_ids))
             state = RequestState(
                 request_id=new.request_id,
                 prompt_token_ids=list(new.prompt_token_ids),
@@ -106,6 +110,18 @@ class ModelRunner:
             row = self.batch.row_of[cached.request_id]
             self.batch.append_blocks(row, cached.new_block_ids)
             self.batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def _skip_draws(self, generator: torch.Generator, num_steps: int) -> None:
+        """Advance ``generator`` past ``num_steps`` random sampling steps.
+
+        Relies on the ``SamplingRow`` contract: a sampler draws exactly one float32
+        ``[vocab_size]`` uniform vector from a seeded row's generator per random step.
+        """
+        if num_steps == 0:
+            return
+        noise = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
+        for _ in range(num_steps):
+            noise.uniform_(generator=generator)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

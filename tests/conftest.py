@@ -2,8 +2,9 @@
 
 import os
 
-# Tests run on 2 cores shared with engine child processes: keep torch from oversubscribing.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Tests run engine child processes beside the test process on 2 cores; OpenMP threads that
+# spin while another process holds the other core make tiny-model steps ~30x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from fixtures_models import *  # noqa: E402,F403
 from fixtures_tokenizer import *  # noqa: E402,F403
