@@ -1,0 +1,145 @@
+"""Engine-core death under a real ``chassis serve`` (tiny random Llama): SIGKILL the child.
+
+The server must fail what is in flight (an error event in an open stream, 503 for a waiting
+non-streaming request), answer 503 on ``/health`` while it is still up, and exit by itself
+with status 1, leaving no process of its tree behind (engine core, multiprocessing's
+resource tracker).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import ServerProcess, start_server
+
+psutil = pytest.importorskip("psutil")
+
+pytestmark = pytest.mark.timeout(180)
+
+MAX_MODEL_LEN = 512
+# the server must notice the death and exit within this many seconds of the SIGKILL
+EXIT_WITHIN_S = 15.0
+
+
+@pytest.fixture
+def server(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    server = start_server(tiny_llama_dir, tmp_path, max_model_len=MAX_MODEL_LEN, num_kv_blocks=256)
+    try:
+        yield server
+    finally:
+        if server.proc.poll() is None:  # the test failed before the server exited
+            server.kill()
+
+
+def _still_alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` that still run (a zombie waiting for its reaper is gone)."""
+    alive = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _data_events(lines: Iterator[str], count: int | None = None) -> list[str]:
+    """The payloads of the next ``count`` SSE events (all of them when ``None``)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            events.append(line[len("data: ") :])
+            if count is not None and len(events) == count:
+                break
+    return events
+
+
+def _wait_running(server: ServerProcess, count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.metric("chassis:num_requests_running") < count:
+        assert time.monotonic() < deadline, f"{count} requests never ran together"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_engine_core_fails_requests_and_stops_the_server(
+    server: ServerProcess,
+) -> None:
+    core = server.engine_core()
+    tree = psutil.Process(server.proc.pid).children(recursive=True)
+    assert core in tree
+    body = {
+        "model": "tiny",
+        "prompt": "tell me everything",
+        "max_tokens": MAX_MODEL_LEN - 64,
+        "ignore_eos": True,
+    }
+    with (
+        ThreadPoolExecutor(1) as pool,
+        httpx.stream(
+            "POST",
+            server.base + "/v1/completions",
+            json={**body, "stream": True},
+            headers=server.headers,
+            timeout=30,
+        ) as stream,
+    ):
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        first = _data_events(lines, 3)  # the stream is under way
+        waiting = pool.submit(
+            httpx.post,
+            server.base + "/v1/completions",
+            json=body,
+            headers=server.headers,
+            timeout=30,
+        )
+        _wait_running(server, 2)  # the non-streaming request runs too
+
+        core.kill()  # SIGKILL: no goodbye message from the engine core
+        killed_at = time.monotonic()
+
+        rest = _data_events(lines)
+        response = waiting.result(timeout=30)
+
+    # the open stream ended with an error event, then [DONE]; it never finished normally
+    assert rest[-1] == "[DONE]", rest[-3:]
+    chunks = [json.loads(e) for e in first + rest[:-1]]
+    error = chunks[-1]
+    assert set(error) == {"error"}, error
+    assert error["error"]["code"] == "engine_dead", error
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    # the waiting non-streaming request got a 503
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "engine_dead"
+
+    # while the server is still up, /health and new requests say 503
+    try:
+        health = httpx.get(server.base + "/health", timeout=2)
+        assert health.status_code == 503, health.text
+        late = httpx.post(
+            server.base + "/v1/completions", json=body, headers=server.headers, timeout=2
+        )
+        assert late.status_code == 503, late.text
+    except httpx.TransportError:
+        pass  # already gone: also fine
+
+    try:
+        server.proc.wait(timeout=EXIT_WITHIN_S - (time.monotonic() - killed_at))
+    except Exception:
+        raise AssertionError(
+            f"the server did not exit within {EXIT_WITHIN_S} s of the engine's death:\n"
+            f"{server.output()}"
+        ) from None
+    output = server.output()
+    assert server.proc.returncode == 1, output
+    assert "the engine core died" in output, output
+    # nothing of the server's process tree survives it
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    assert not _still_alive(alive), [(p.pid, p.cmdline()) for p in _still_alive(alive)]
