@@ -11,8 +11,8 @@ of its ``seq_lens[i]`` context tokens. Its K/V live in the paged cache at the bl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +37,9 @@ class AttentionMetadata:
     #: host copies of query_start_loc and seq_lens (reference paths loop over requests)
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    #: scratch space where a backend memoizes what it derives from this metadata once per
+    #: step (gather indices, masks) and then reuses in every layer; keys are backend-private
+    derived: dict[str, Any] = field(default_factory=dict)
 
 
 def kv_cache_shape(

@@ -23,6 +23,7 @@ class Worker:
 
         self.config = config
         self.platform = get_current_platform()
+        self.platform.init_worker_process()
         self.platform.set_device(device_index)
         self.device = self.platform.device(device_index)
         registries = get_registries()

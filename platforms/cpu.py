@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -71,6 +72,9 @@ class CpuPlatform(Platform):
                 return int(line.split()[1]) * 1024
         return self.memory_total(index) // 2
 
+    def init_worker_process(self) -> None:
+        keep_heap_allocations()
+
     def determine_kv_cache_memory(self, config: EngineConfig, profile: Callable[[], None]) -> int:
         """``--kv-cache-memory``, else 4 GiB or 30% of available memory, whichever is less.
 
@@ -85,7 +89,32 @@ class CpuPlatform(Platform):
         return torch.bfloat16 if has_fast_bf16() else torch.float32
 
     def default_attention_backend(self, config: EngineConfig) -> str:
-        return "torch_paged"
+        return "cpu_paged"
+
+
+#: mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: allocations up to this size come from the heap and freed memory stays in the process
+_HEAP_KEEP_BYTES = 1 << 30
+
+
+def keep_heap_allocations() -> bool:
+    """Make glibc keep freed activation buffers instead of unmapping them.
+
+    By default glibc serves large allocations with ``mmap`` and trims freed heap memory, so a
+    CPU forward pass page-faults its multi-MB activations in afresh on every op; measured here,
+    that made a 2048-token prefill step of SmolLM2 about 30% slower. Returns whether glibc
+    accepted the settings (elsewhere this is a no-op).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(
+            libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_KEEP_BYTES)
+            and libc.mallopt(_M_TRIM_THRESHOLD, _HEAP_KEEP_BYTES)
+        )
+    except (OSError, AttributeError):
+        return False
 
 
 def _read_lines(path: str) -> list[str]:

@@ -66,6 +66,13 @@ class Platform(ABC):
         """Human-readable name of device ``index``."""
         return self.name
 
+    def init_worker_process(self) -> None:  # noqa: B027 - optional hook
+        """Tune the process that will run the model, once, before the model loads.
+
+        Default: nothing. The CPU platform uses it to stop the C allocator from returning
+        large activation buffers to the OS after every op (page faults on each step).
+        """
+
     # -- memory -------------------------------------------------------------------------------
 
     @abstractmethod

@@ -91,16 +91,23 @@ class RotaryEmbedding(nn.Module):
         device = torch.empty(0).device
         self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
+        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, Hq, D]`` and ``key [T, Hk, D]`` by ``positions [T]``.
 
-        Computed in float32 and returned in the input dtype (new tensors; inputs untouched).
+        Computed in the input dtype, as HF does (new tensors; inputs untouched).
         """
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D / 2]
-        sin = self.sin_cache[positions].unsqueeze(1)
+        # All layers share this module and the step's positions tensor: gather the tables
+        # once per step (keyed on the tensor object) and reuse them in every layer.
+        memo = self._memo
+        if memo is None or memo[0] is not positions or memo[1] != query.dtype:
+            cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [T, 1, D / 2]
+            sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
+            memo = self._memo = (positions, query.dtype, cos, sin)
+        cos, sin = memo[2], memo[3]
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
     def extra_repr(self) -> str:
@@ -108,6 +115,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
+    # In the input dtype with tables cast to it, as HF transformers does.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
