@@ -6,5 +6,5 @@ import os
 # spin while another process holds the other core make tiny-model steps ~30x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from fixtures_models import *  # noqa: E402,F403
-from fixtures_tokenizer import *  # noqa: E402,F403
+from fixtures_models import *  # noqa: F403
+from fixtures_tokenizer import *  # noqa: F403

@@ -55,8 +55,15 @@ def test_matches_dense_reference_and_torch_paged(case, block_size, num_heads, nu
 
 def test_plan_is_shared_by_layers():
     """The per-step plan is computed once and reused by every layer's call."""
-    b = make_batch([(0, 5), (7, 1)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
-                   dtype=torch.float32, unwritten_fill=1e4)
+    b = make_batch(
+        [(0, 5), (7, 1)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        unwritten_fill=1e4,
+    )
     backend = CpuPagedAttention(4, 16, 2, 0.25)
     backend.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
     plan = next(iter(b.metadata.derived.values()))

@@ -6,10 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir, sp_tokenizer  # noqa: F401
+
 from chassis.core import detokenizer as detok_mod
 from chassis.core.detokenizer import IncrementalDetokenizer
 from chassis.core.sampling_params import SamplingParams
-from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir, sp_tokenizer  # noqa: F401
 
 TEXTS = [
     "The capital of France is Paris.",

@@ -7,6 +7,8 @@ import time
 
 import msgspec
 import pytest
+from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir  # noqa: F401
+
 from chassis.core.config import EngineConfig
 from chassis.core.input_processor import InputProcessor
 from chassis.core.output_processor import OutputProcessor
@@ -23,7 +25,6 @@ from chassis.core.tokenizer import (
     load_chat_template,
     load_tokenizer,
 )
-from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir  # noqa: F401
 
 EOS = 2  # <|im_end|>
 

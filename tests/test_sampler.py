@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from chassis.builtin_plugins.samplers import chassis_register_samplers
 from chassis.builtin_plugins.samplers.default import DefaultSampler
 from chassis.builtin_plugins.samplers.filters import apply_top_k_top_p

@@ -190,7 +190,13 @@ def test_references_agree_with_the_model_layers(dtype: torch.dtype) -> None:
     q, k = _randn(4, 2, 16, dtype=dtype), _randn(4, 1, 16, dtype=dtype, seed=1)
     want_q, want_k = rope(positions, q, k)
     fused_ops.rotary_embedding_(positions, q, k, rope.cos_cache, rope.sin_cache, 16)
-    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    if dtype == torch.float32:
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    else:
+        # The module rotates in the model dtype, as HF does; the fused op rotates in float32
+        # and rounds once, so 16-bit results agree within a rounding step.
+        torch.testing.assert_close(q, want_q, rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(k, want_k, rtol=1.6e-2, atol=1e-2)
 
 
 def test_cpu_tensors_dispatch_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from chassis.builtin_plugins.samplers.draw import exponential_race
 from chassis.builtin_plugins.samplers.filters import (
     apply_min_p,

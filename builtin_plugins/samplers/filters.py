@@ -8,6 +8,7 @@ device with no host synchronization.
 from __future__ import annotations
 
 import torch
+
 from chassis.core.sampling_metadata import SAMPLING_EPS
 
 

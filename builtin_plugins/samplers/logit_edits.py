@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from chassis.core.sampling_metadata import host_to_device
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from chassis.core.sampler_interface import SampledLogprobs
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+
 from chassis.core.sampling_metadata import host_to_device
 
 
