@@ -36,14 +36,23 @@ class AsyncLLM:
     """Submit prompts, stream ``RequestOutput``s; the engine core runs in a child process."""
 
     def __init__(self, config: EngineConfig) -> None:
-        finalize_config(config)
+        hf_config = finalize_config(config)
         self.config = config
         assert config.tokenizer is not None and config.served_model_name is not None
         self.model_name: str = config.served_model_name
-        self.tokenizer = load_tokenizer(config.tokenizer)
-        self.input_processor = InputProcessor(
-            self.tokenizer, config, eos_token_ids(self.tokenizer, config.model)
-        )
+        # None with skip_tokenizer_init: token-id prompts only, outputs with empty text.
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer)
+        if self.tokenizer is None:
+            self.input_processor = InputProcessor(
+                None,
+                config,
+                eos_token_ids(None, config.model, hf_config=hf_config),
+                vocab_size=int(hf_config.vocab_size),
+            )
+        else:
+            self.input_processor = InputProcessor(
+                self.tokenizer, config, eos_token_ids(self.tokenizer, config.model)
+            )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}

@@ -32,6 +32,9 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None
+    #: run on token ids only: load no tokenizer, take token-id prompts, return ids with empty
+    #: text (vLLM's flag; for models without tokenizer files, e.g. dummy-weight benchmarks)
+    skip_tokenizer_init: bool = False
 
     # -- KV cache --------------------------------------------------------------------------
     block_size: int = 16

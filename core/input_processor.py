@@ -29,28 +29,41 @@ class InputProcessor:
     ``config.max_model_len`` must be resolved (``EngineConfig.check_against_model``). Every
     rejection is a ``ValueError`` whose message a client can act on (the API server returns
     it as HTTP 400).
+
+    Without a tokenizer (``tokenizer=None``, the engine's ``skip_tokenizer_init``) prompts
+    must be token ids, checked against ``vocab_size`` (the model config's), and stop strings
+    are rejected: there is no text to search.
     """
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | None,
         config: EngineConfig,
         eos_token_ids: Sequence[int],
+        *,
+        vocab_size: int | None = None,
     ) -> None:
         if config.max_model_len is None:
             raise ValueError(
                 "InputProcessor needs config.max_model_len; call "
                 "EngineConfig.check_against_model(...) first"
             )
+        if tokenizer is None and vocab_size is None:
+            raise ValueError("InputProcessor without a tokenizer needs vocab_size")
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len: int = config.max_model_len
         #: ids in [0, vocab_size) are valid (added tokens included)
-        self.vocab_size = len(tokenizer)
+        self.vocab_size = len(tokenizer) if tokenizer is not None else int(vocab_size or 0)
 
     def tokenize(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         """``prompt`` as token ids, with the tokenizer's special tokens (BOS) unless told not."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "this engine runs without a tokenizer (skip_tokenizer_init): text prompts "
+                "cannot be tokenized; send the prompt as a list of token ids"
+            )
         return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
 
     def process(
@@ -103,6 +116,11 @@ class InputProcessor:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty: it must contain at least one token")
+        if self.tokenizer is None and params.stop:
+            raise ValueError(
+                "stop strings need a tokenizer, and this engine runs without one "
+                "(skip_tokenizer_init); use stop_token_ids instead"
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(

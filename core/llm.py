@@ -24,20 +24,32 @@ class LLM:
 
     ``model`` is a hub id, a local HF directory, or ``None`` for the embedded default. Other
     keyword arguments are :class:`EngineConfig` fields (``max_model_len``, ``dtype``,
-    ``enable_prefix_caching``, ``max_num_batched_tokens``, ``scheduler``, ...).
+    ``enable_prefix_caching``, ``max_num_batched_tokens``, ``scheduler``, ...). With
+    ``skip_tokenizer_init=True`` no tokenizer is loaded: prompts must be token ids and
+    outputs carry token ids with empty text.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **engine_kwargs)
-        finalize_config(self.config)
+        hf_config = finalize_config(self.config)
         assert self.config.tokenizer is not None
-        self.tokenizer = load_tokenizer(self.config.tokenizer)
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.config, eos_token_ids(self.tokenizer, self.config.model)
-        )
+        if self.config.skip_tokenizer_init:
+            self.tokenizer = None
+            self.input_processor = InputProcessor(
+                None,
+                self.config,
+                eos_token_ids(None, self.config.model, hf_config=hf_config),
+                vocab_size=int(hf_config.vocab_size),
+            )
+        else:
+            self.tokenizer = load_tokenizer(self.config.tokenizer)
+            self.input_processor = InputProcessor(
+                self.tokenizer, self.config, eos_token_ids(self.tokenizer, self.config.model)
+            )
         self.engine = EngineCore(self.config)
 
     def get_tokenizer(self) -> Any:
+        """The tokenizer (``None`` with ``skip_tokenizer_init``)."""
         return self.tokenizer
 
     def generate(
@@ -116,6 +128,10 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then :meth:`generate`."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "chat needs a tokenizer, and this LLM was created with skip_tokenizer_init"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = []
         for conversation in conversations:

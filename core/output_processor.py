@@ -24,6 +24,8 @@ from chassis.core.outputs import (
 from chassis.core.request import FinishReason
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from transformers import PreTrainedTokenizerBase
 
     from chassis.core.request import EngineCoreOutput, EngineCoreOutputs, TokenLogprobs
@@ -42,11 +44,34 @@ class ProcessedOutputs:
     request_ids_to_abort: list[str] = field(default_factory=list)
 
 
+class _TokenIdsOnly:
+    """Stands in for ``IncrementalDetokenizer`` when there is no tokenizer: keeps the ids,
+    produces no text and never matches a stop string (the input processor rejects those)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.stop_reason: str | None = None
+        self.streamed_text = ""
+
+    def update(
+        self,
+        new_token_ids: Sequence[int],
+        *,
+        finished: bool = False,
+        stop_token_terminated: bool = False,
+    ) -> str:
+        self.token_ids.extend(new_token_ids)
+        return ""
+
+
 class _Completion:
     """Front-end state of one child request (one completion of a parent)."""
 
     def __init__(
-        self, index: int, detokenizer: IncrementalDetokenizer, want_logprobs: bool
+        self,
+        index: int,
+        detokenizer: IncrementalDetokenizer | _TokenIdsOnly,
+        want_logprobs: bool,
     ) -> None:
         self.index = index
         self.detokenizer = detokenizer
@@ -148,10 +173,12 @@ class OutputProcessor:
     """Tracks every running request in the front-end and turns engine outputs into results.
 
     Not thread-safe: call it from one thread (the output handler task of ``AsyncLLM``, or the
-    loop of the offline ``LLM``).
+    loop of the offline ``LLM``). With ``tokenizer=None`` (``skip_tokenizer_init``) outputs
+    carry token ids with empty text, logprobs have no ``decoded_token``, and stop strings
+    are refused.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self._parents: dict[str, _ParentRequest] = {}
         #: child request id -> parent request id
@@ -183,13 +210,11 @@ class OutputProcessor:
         taken = [c for c in child_request_ids if c in self._child_to_parent]
         if taken:
             raise ValueError(f"child request ids already running: {taken}")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (this engine runs without one)")
         want_logprobs = params.logprobs is not None
         completions = {
-            child_id: _Completion(
-                index,
-                IncrementalDetokenizer.from_sampling_params(self.tokenizer, params),
-                want_logprobs,
-            )
+            child_id: _Completion(index, self._detokenizer(params), want_logprobs)
             for index, child_id in enumerate(child_request_ids)
         }
         self._parents[request_id] = _ParentRequest(
@@ -202,6 +227,11 @@ class OutputProcessor:
         )
         for child_id in child_request_ids:
             self._child_to_parent[child_id] = request_id
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | _TokenIdsOnly:
+        if self.tokenizer is None:
+            return _TokenIdsOnly()
+        return IncrementalDetokenizer.from_sampling_params(self.tokenizer, params)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Stop tracking a parent request; return its unfinished child ids (abort them in the
@@ -324,8 +354,10 @@ class OutputProcessor:
                 result[token_id] = Logprob(logprob, rank, self._decoded_token(token_id))
         return result
 
-    def _decoded_token(self, token_id: int) -> str:
+    def _decoded_token(self, token_id: int) -> str | None:
         # One token's own text (special tokens kept); partial UTF-8 bytes read as U+FFFD.
+        if self.tokenizer is None:
+            return None
         text = self._token_text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -48,19 +48,31 @@ def load_tokenizer(
 
 
 def eos_token_ids(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     hf_generation_config_path_or_dir: str | Path | None = None,
+    *,
+    hf_config: Any = None,
 ) -> list[int]:
     """The token ids that end generation: the tokenizer's EOS, then the model's extra ones.
 
-    ``hf_generation_config_path_or_dir`` is a ``generation_config.json`` file or the model
-    directory holding one; its ``eos_token_id`` (an int or a list) is added when present. A
-    missing file is not an error (many checkpoints have none). Order is kept, duplicates
-    dropped.
+    ``tokenizer`` may be ``None`` (``skip_tokenizer_init``): the ids then come from the model
+    alone. ``hf_config`` (the model's ``PretrainedConfig``), when given, adds its
+    ``eos_token_id`` (an int or a list). ``hf_generation_config_path_or_dir`` is a
+    ``generation_config.json`` file or the model directory holding one; its ``eos_token_id``
+    (an int or a list) is added when present. A missing file is not an error (many
+    checkpoints have none). Order is kept, duplicates dropped.
     """
     ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
+
+    def add(value: Any) -> None:
+        for token_id in [value] if isinstance(value, int) else value or []:
+            if int(token_id) not in ids:
+                ids.append(int(token_id))
+
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    if hf_config is not None:
+        add(getattr(hf_config, "eos_token_id", None))
     if hf_generation_config_path_or_dir is not None:
         path = Path(hf_generation_config_path_or_dir)
         if path.is_dir():
@@ -70,12 +82,7 @@ def eos_token_ids(
                 data = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} is not valid JSON: {e}") from e
-            extra = data.get("eos_token_id")
-            if isinstance(extra, int):
-                extra = [extra]
-            for token_id in extra or []:
-                if int(token_id) not in ids:
-                    ids.append(int(token_id))
+            add(data.get("eos_token_id"))
     return ids
 
 

@@ -110,6 +110,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "--chat-template",
         help="chat template: a file path or an inline Jinja string (default: the tokenizer's)",
     )
+    g.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        default=None,
+        help="load no tokenizer: prompts must be token ids, outputs carry ids and empty text",
+    )
 
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, help=_help("tokens per KV block", "block_size"))

@@ -3,6 +3,11 @@
 Both engines get the same workload in the same run, in the same dtype, greedy, with
 ``ignore_eos`` (every request generates exactly its output length). HF runs ``generate`` on
 one left-padded batch; its throughput counts only the tokens each request asked for.
+
+Workloads are random token ids drawn with the engine seed (``--seed``, default 0), so a run
+is reproducible. ``--skip-tokenizer-init`` (with ``--load-format dummy``, e.g. the shipped
+``--model-preset qwen3-0.6b``) benchmarks a model that has no tokenizer files: special ids to
+avoid come from the model config, and HF pads with id 0.
 """
 
 from __future__ import annotations
@@ -44,34 +49,43 @@ class ThroughputResult:
         )
 
 
-def run_chassis(
-    config: EngineConfig, workload: list[BenchRequest], warmup: bool = True
-) -> tuple[ThroughputResult, Any]:
-    """Run the workload through ``LLM``; returns the result and the LLM (for its config)."""
-    from chassis.core.llm import LLM
+def _greedy(max_tokens: int) -> Any:
     from chassis.core.sampling_params import SamplingParams
 
-    llm = LLM(**config.to_dict())
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def time_chassis(llm: Any, workload: list[BenchRequest]) -> ThroughputResult:
+    """Time one ``llm.generate`` over the whole workload (every request greedy, ignore_eos)."""
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload
-    ]
-    if warmup:
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    params = [_greedy(r.output_len) for r in workload]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return (
-        ThroughputResult(
-            "chassis",
-            len(workload),
-            elapsed,
-            sum(len(r.prompt_token_ids) for r in workload),
-            produced,
-        ),
-        llm,
+    return ThroughputResult(
+        "chassis", len(workload), elapsed, sum(len(r.prompt_token_ids) for r in workload), produced
     )
+
+
+def run_chassis(
+    config: EngineConfig, workload: list[BenchRequest], warmup: bool = True
+) -> tuple[ThroughputResult, Any]:
+    """Run the workload through ``LLM``; returns the result and the LLM (for its config).
+
+    The warm-up runs the first 16 requests for up to 16 tokens each (a mixed prefill and
+    decode batch), so kernel compilation is not timed.
+    """
+    from chassis.core.llm import LLM
+
+    llm = LLM(**config.to_dict())
+    if warmup:
+        head = workload[:16]
+        llm.generate(
+            [{"prompt_token_ids": r.prompt_token_ids} for r in head],
+            [_greedy(min(r.output_len, 16)) for r in head],
+        )
+    return time_chassis(llm, workload), llm
 
 
 def load_hf_model(config: EngineConfig, dtype: torch.dtype) -> Any:
@@ -124,70 +138,111 @@ def run_hf(
     )
 
 
-def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
-    """Run the throughput benchmark described by CLI ``args``; print and return results."""
+def _prepare(config: EngineConfig) -> tuple[Any, set[int], int]:
+    """Finalize ``config``; return the HF config, the token ids random prompts avoid (special
+    tokens) and the pad id for HF. Without a tokenizer (``skip_tokenizer_init``) both come
+    from the model config (its bos/eos/pad ids; pad 0)."""
     from chassis.core.engine_setup import finalize_config
-    from chassis.core.tokenizer import load_tokenizer
 
     hf_config = finalize_config(config)
+    if config.skip_tokenizer_init:
+        declared = (
+            getattr(hf_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        )
+        special: set[int] = set()
+        for value in declared:
+            special.update([value] if isinstance(value, int) else value or [])
+        return hf_config, special, 0
+    from chassis.core.tokenizer import load_tokenizer
+
     assert config.tokenizer is not None
     tokenizer = load_tokenizer(config.tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return hf_config, set(tokenizer.all_special_ids), pad
+
+
+def _engine_dtype_device(llm: Any) -> tuple[torch.dtype, torch.device]:
+    """The engine's dtype and device; the caller then drops its last reference to ``llm``."""
+    worker = llm.engine.executor.worker
+    return worker.dtype, worker.device
+
+
+def _release_memory(device: torch.device) -> None:
+    # The engine's KV cache is garbage once its LLM is gone; hand it back before HF allocates.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
+    """Run the throughput benchmark described by CLI ``args``; print and return results.
+
+    With ``--backend hf``, HF runs the first ``--hf-num-prompts`` requests (default: all);
+    when that is fewer than all, chassis is also timed on exactly those requests, and the
+    ratio compares the two runs of the same requests (``report["ratio_basis"]``).
+    """
+    hf_config, special, pad = _prepare(config)
     workload = random_workload(
         args.num_prompts,
         parse_length(args.input_len),
         parse_length(args.output_len),
         int(hf_config.vocab_size),
-        set(tokenizer.all_special_ids),
-        seed=args.seed,
+        special,
+        seed=config.seed,
     )
-    report: dict[str, Any] = {"workload": _describe(args), "results": []}
+    num_hf = getattr(args, "hf_num_prompts", None) or len(workload)
+    if not 1 <= num_hf <= len(workload):
+        raise ValueError(f"--hf-num-prompts must be in [1, {len(workload)}]; got {num_hf}")
+    report: dict[str, Any] = {"workload": _describe(args, config), "results": []}
     chassis_result, llm = run_chassis(config, workload)
     print(chassis_result.line())
     report["results"].append(_as_dict(chassis_result))
-    dtype = llm.engine.executor.worker.dtype
+    dtype, device = _engine_dtype_device(llm)
     report["dtype"] = str(dtype).removeprefix("torch.")
     if args.backend == "hf":
-        device = llm.engine.executor.worker.device
+        hf_workload = workload[:num_hf]
+        same = chassis_result
+        if num_hf < len(workload):
+            same = time_chassis(llm, hf_workload)
+            print(same.line() + f"  (the first {num_hf}, which HF runs)")
+            report["results"].append(_as_dict(same))
         del llm
-        gc.collect()
+        _release_memory(device)
         model = load_hf_model(config, dtype).to(device)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        hf_result = run_hf(model, workload, pad, args.hf_batch_size or len(workload))
+        batch = args.hf_batch_size or len(hf_workload)
+        run_hf(model, [BenchRequest(hf_workload[0].prompt_token_ids, 4)], pad, 1)  # warm-up
+        hf_result = run_hf(model, hf_workload, pad, batch)
         print(hf_result.line())
-        ratio = chassis_result.output_tokens_per_s / hf_result.output_tokens_per_s
-        print(f"   ratio: chassis / hf = {ratio:.2f}x output tokens/s")
+        ratio = same.output_tokens_per_s / hf_result.output_tokens_per_s
+        basis = f"chassis / hf output tokens/s on the same {num_hf} requests"
+        print(f"   ratio: {basis} = {ratio:.2f}x")
         report["results"].append(_as_dict(hf_result))
         report["ratio"] = ratio
+        report["ratio_basis"] = basis
     _maybe_write(args, report)
     return report
 
 
 def latency(args: Any, config: EngineConfig) -> dict[str, Any]:
     """Batch-``args.batch_size`` end-to-end latency of one generation, averaged over iterations."""
-    from chassis.core.engine_setup import finalize_config
-    from chassis.core.tokenizer import load_tokenizer
-
-    hf_config = finalize_config(config)
-    assert config.tokenizer is not None
-    tokenizer = load_tokenizer(config.tokenizer)
+    hf_config, special, pad = _prepare(config)
     input_len, output_len = int(args.input_len), int(args.output_len)
     workload = random_workload(
         args.batch_size,
         (input_len, input_len),
         (output_len, output_len),
         int(hf_config.vocab_size),
-        set(tokenizer.all_special_ids),
-        seed=args.seed,
+        special,
+        seed=config.seed,
     )
-    report: dict[str, Any] = {"workload": _describe(args), "results": []}
+    report: dict[str, Any] = {"workload": _describe(args, config), "results": []}
     from chassis.core.llm import LLM
-    from chassis.core.sampling_params import SamplingParams
 
     # Prefix caching off: every iteration must recompute the same prompt.
     config.enable_prefix_caching = False
     llm = LLM(**config.to_dict())
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = _greedy(output_len)
     for _ in range(args.num_iters_warmup):
         llm.generate(prompts, params)
     times = []
@@ -201,15 +256,19 @@ def latency(args: Any, config: EngineConfig) -> dict[str, Any]:
         f" chassis: latency {chassis_latency:.3f} s, {tok_s:.1f} output tok/s (batch {args.batch_size})"
     )
     report["results"].append(
-        {"backend": "chassis", "latency_s": chassis_latency, "output_tokens_per_s": tok_s}
+        {
+            "backend": "chassis",
+            "latency_s": chassis_latency,
+            "iteration_latencies_s": times,
+            "output_tokens_per_s": tok_s,
+        }
     )
+    dtype, device = _engine_dtype_device(llm)
+    report["dtype"] = str(dtype).removeprefix("torch.")
     if args.backend == "hf":
-        dtype = llm.engine.executor.worker.dtype
-        device = llm.engine.executor.worker.device
         del llm
-        gc.collect()
+        _release_memory(device)
         model = load_hf_model(config, dtype).to(device)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         for _ in range(args.num_iters_warmup):
             run_hf(model, workload, pad, args.batch_size)
         hf_times = [
@@ -220,16 +279,42 @@ def latency(args: Any, config: EngineConfig) -> dict[str, Any]:
         print(f"      hf: latency {hf_latency:.3f} s, {hf_tok_s:.1f} output tok/s")
         print(f"   ratio: chassis / hf = {tok_s / hf_tok_s:.2f}x output tokens/s")
         report["results"].append(
-            {"backend": "hf", "latency_s": hf_latency, "output_tokens_per_s": hf_tok_s}
+            {
+                "backend": "hf",
+                "latency_s": hf_latency,
+                "iteration_latencies_s": hf_times,
+                "output_tokens_per_s": hf_tok_s,
+            }
         )
         report["ratio"] = tok_s / hf_tok_s
+        report["ratio_basis"] = "chassis / hf output tokens/s, same batch"
     _maybe_write(args, report)
     return report
 
 
-def _describe(args: Any) -> dict[str, Any]:
-    keys = ("num_prompts", "input_len", "output_len", "batch_size", "seed", "backend")
-    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+def _describe(args: Any, config: EngineConfig) -> dict[str, Any]:
+    keys = (
+        "num_prompts",
+        "input_len",
+        "output_len",
+        "batch_size",
+        "backend",
+        "hf_num_prompts",
+        "hf_batch_size",
+        "model_preset",
+    )
+    described = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    described.update(
+        model=config.model,
+        seed=config.seed,
+        load_format=config.load_format,
+        skip_tokenizer_init=config.skip_tokenizer_init,
+        enforce_eager=config.enforce_eager,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        attention_backend=config.attention_backend,
+    )
+    return described
 
 
 def _as_dict(result: ThroughputResult) -> dict[str, Any]:

@@ -89,9 +89,16 @@ async def _one(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                had = result.output_tokens
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                if not chunk.get("choices"):
+                    continue
+                # A token arrived when the per-chunk usage grew (continuous usage stats), or,
+                # from a server that sends no per-chunk usage, when the chunk has text.
+                # Counting tokens, not text, also times servers that stream ids with empty
+                # text (--skip-tokenizer-init).
+                if not (result.output_tokens > had or chunk["choices"][0].get("text")):
                     continue
                 now = time.perf_counter()
                 if result.ttft_s == 0.0:
@@ -140,7 +147,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 "temperature": 0.0,
                 "ignore_eos": True,
                 "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             }
             tasks.append(asyncio.create_task(limited(body)))
             if args.request_rate != float("inf"):

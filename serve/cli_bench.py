@@ -1,9 +1,34 @@
-"""``chassis bench throughput|latency|serve``: the standard benchmarks."""
+"""``chassis bench throughput|latency|serve``: the standard benchmarks.
+
+``--model-preset NAME`` (offline benchmarks) names a model config shipped in
+``serve/bench_models/NAME/config.json`` (no weights, no tokenizer): it stands for MODEL and
+implies ``--load-format dummy --skip-tokenizer-init``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
+
+#: shipped benchmark model configs, one directory per preset
+BENCH_MODELS_DIR = Path(__file__).parent / "bench_models"
+
+
+def model_presets() -> list[str]:
+    """The names ``--model-preset`` accepts (directories of ``bench_models`` with a config)."""
+    return sorted(p.parent.name for p in BENCH_MODELS_DIR.glob("*/config.json"))
+
+
+def preset_dir(name: str) -> Path:
+    """The directory of preset ``name``; ``ValueError`` listing the presets when unknown."""
+    path = BENCH_MODELS_DIR / name
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"unknown --model-preset {name!r}; known: {', '.join(model_presets()) or '(none)'}"
+        )
+    return path
 
 
 def add_parser(subparsers: Any) -> None:
@@ -22,7 +47,14 @@ def add_parser(subparsers: Any) -> None:
         "--hf-batch-size",
         type=int,
         default=None,
-        help="HF generate batch size (default: all prompts in one padded batch)",
+        help="HF generate batch size (default: all of HF's prompts in one padded batch)",
+    )
+    tp.add_argument(
+        "--hf-num-prompts",
+        type=int,
+        default=None,
+        help="HF runs only the first N prompts; chassis is then timed on those N too and the "
+        "ratio compares the same requests (default: all prompts)",
     )
     tp.set_defaults(run=_run_offline)
 
@@ -47,6 +79,13 @@ def add_parser(subparsers: Any) -> None:
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--model-preset",
+        default=None,
+        metavar="NAME",
+        help="a shipped model config instead of MODEL (random weights, no tokenizer); "
+        f"known: {', '.join(model_presets())}",
+    )
+    parser.add_argument(
         "--backend",
         choices=("chassis", "hf"),
         default="chassis",
@@ -59,9 +98,29 @@ def _run_offline(args: argparse.Namespace) -> int:
     from chassis.serve import bench_offline
     from chassis.serve.args import engine_config_from_args
 
-    config = engine_config_from_args(args)
-    if args.bench_kind == "throughput":
-        bench_offline.throughput(args, config)
-    else:
-        bench_offline.latency(args, config)
+    try:
+        if args.model_preset is not None:
+            _apply_preset(args)
+        config = engine_config_from_args(args)
+        if args.bench_kind == "throughput":
+            bench_offline.throughput(args, config)
+        else:
+            bench_offline.latency(args, config)
+    except ValueError as exc:
+        print(f"chassis bench: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _apply_preset(args: argparse.Namespace) -> None:
+    """Point MODEL at the preset's directory; it has no weights or tokenizer, so imply
+    ``--load-format dummy --skip-tokenizer-init`` and refuse flags that contradict that."""
+    if args.model or args.model_flag:
+        raise ValueError("give either MODEL/--model or --model-preset, not both")
+    if args.load_format not in (None, "dummy"):
+        raise ValueError(
+            f"--model-preset has no weights: it needs --load-format dummy, not {args.load_format}"
+        )
+    args.model = str(preset_dir(args.model_preset))
+    args.load_format = "dummy"
+    args.skip_tokenizer_init = True

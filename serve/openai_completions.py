@@ -3,7 +3,9 @@
 A batch of ``P`` prompts with ``n`` completions each gives ``P * n`` choices, choice
 ``index = prompt_index * n + completion_index``, as OpenAI does. Each prompt is one engine
 request (``n > 1`` is handled inside the engine). Text prompts are tokenized here, in a worker
-thread, with the tokenizer's special tokens unless ``add_special_tokens`` is false.
+thread, with the tokenizer's special tokens unless ``add_special_tokens`` is false. An engine
+without a tokenizer (``--skip-tokenizer-init``) takes token-id prompts only and answers with
+empty ``text`` (the usage counts are still exact).
 """
 
 from __future__ import annotations
@@ -119,7 +121,9 @@ async def _prompt_batch(state: ServerState, body: CompletionRequest) -> list[str
             for p in prompts
         ]
 
-    if not any(isinstance(p, str) for p in prompts):
+    # Without a tokenizer (--skip-tokenizer-init) text goes on as is: the engine's input
+    # processor rejects it with a 400 that says to send token ids.
+    if state.tokenizer is None or not any(isinstance(p, str) for p in prompts):
         return prompts
     return await asyncio.to_thread(tokenize)
 

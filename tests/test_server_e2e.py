@@ -177,3 +177,22 @@ def test_metrics_count_requests(server: ServerProcess) -> None:
         model="tiny", prompt="x", max_tokens=4, extra_body={"ignore_eos": True}
     )
     assert server.metric("chassis:generation_tokens_total") == before + 4
+
+
+def test_stop_strings_and_seeded_sampling(server: ServerProcess) -> None:
+    client = server.client()
+    kwargs = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12}
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
+    assert len(greedy) > 4
+    stop = greedy[2:4]
+    cut = client.completions.create(temperature=0, stop=[stop], **kwargs).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == greedy[: greedy.index(stop)]
+
+    sampled = [
+        client.completions.create(temperature=1.0, seed=1234, **kwargs).choices[0].text
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+    other = client.completions.create(temperature=1.0, seed=99, **kwargs).choices[0].text
+    assert other != sampled[0]
