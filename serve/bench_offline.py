@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -69,23 +70,37 @@ def time_chassis(llm: Any, workload: list[BenchRequest]) -> ThroughputResult:
 
 
 def run_chassis(
-    config: EngineConfig, workload: list[BenchRequest], warmup: bool = True
+    config: EngineConfig,
+    workload: list[BenchRequest],
+    warmup: list[BenchRequest] | None = None,
 ) -> tuple[ThroughputResult, Any]:
-    """Run the workload through ``LLM``; returns the result and the LLM (for its config).
-
-    The warm-up runs the first 16 requests for up to 16 tokens each (a mixed prefill and
-    decode batch), so kernel compilation is not timed.
-    """
+    """Run ``warmup`` (untimed: kernel compilation), then time the workload through ``LLM``;
+    returns the result and the LLM (for its config and further runs)."""
     from chassis.core.llm import LLM
 
     llm = LLM(**config.to_dict())
     if warmup:
-        head = workload[:16]
         llm.generate(
-            [{"prompt_token_ids": r.prompt_token_ids} for r in head],
-            [_greedy(min(r.output_len, 16)) for r in head],
+            [{"prompt_token_ids": r.prompt_token_ids} for r in warmup],
+            [_greedy(r.output_len) for r in warmup],
         )
     return time_chassis(llm, workload), llm
+
+
+def with_fresh_ids(
+    requests: list[BenchRequest], vocab_size: int, excluded_ids: set[int], seed: int
+) -> list[BenchRequest]:
+    """The same request shapes (prompt and output lengths) with new random prompt ids.
+
+    Speed depends on the shapes only (random weights, ``ignore_eos``); new ids keep a re-run
+    from hitting the prefix cache the previous run filled.
+    """
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in excluded_ids]
+    return [
+        BenchRequest([rng.choice(allowed) for _ in r.prompt_token_ids], r.output_len)
+        for r in requests
+    ]
 
 
 def load_hf_model(config: EngineConfig, dtype: torch.dtype) -> Any:
@@ -178,8 +193,9 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
     """Run the throughput benchmark described by CLI ``args``; print and return results.
 
     With ``--backend hf``, HF runs the first ``--hf-num-prompts`` requests (default: all);
-    when that is fewer than all, chassis is also timed on exactly those requests, and the
-    ratio compares the two runs of the same requests (``report["ratio_basis"]``).
+    when that is fewer than all, chassis is also timed on requests of exactly those shapes
+    (fresh ids, so no prefix-cache hits), and the ratio compares those two runs
+    (``report["ratio_basis"]``). Otherwise it compares the full runs.
     """
     hf_config, special, pad = _prepare(config)
     workload = random_workload(
@@ -193,8 +209,14 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
     num_hf = getattr(args, "hf_num_prompts", None) or len(workload)
     if not 1 <= num_hf <= len(workload):
         raise ValueError(f"--hf-num-prompts must be in [1, {len(workload)}]; got {num_hf}")
+    vocab_size = int(hf_config.vocab_size)
     report: dict[str, Any] = {"workload": _describe(args, config), "results": []}
-    chassis_result, llm = run_chassis(config, workload)
+    # Warm-up: a mixed prefill/decode batch shaped like the first requests, other ids.
+    warmup = [
+        BenchRequest(r.prompt_token_ids, min(r.output_len, 16))
+        for r in with_fresh_ids(workload[:16], vocab_size, special, config.seed + 1)
+    ]
+    chassis_result, llm = run_chassis(config, workload, warmup)
     print(chassis_result.line())
     report["results"].append(_as_dict(chassis_result))
     dtype, device = _engine_dtype_device(llm)
@@ -203,8 +225,11 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
         hf_workload = workload[:num_hf]
         same = chassis_result
         if num_hf < len(workload):
-            same = time_chassis(llm, hf_workload)
-            print(same.line() + f"  (the first {num_hf}, which HF runs)")
+            # The shapes HF runs, with ids the cache has not seen (HF caches nothing either).
+            same = time_chassis(
+                llm, with_fresh_ids(hf_workload, vocab_size, special, config.seed + 2)
+            )
+            print(same.line() + f"  (the shapes of the first {num_hf}, which HF runs)")
             report["results"].append(_as_dict(same))
         del llm
         _release_memory(device)
@@ -214,7 +239,7 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
         hf_result = run_hf(model, hf_workload, pad, batch)
         print(hf_result.line())
         ratio = same.output_tokens_per_s / hf_result.output_tokens_per_s
-        basis = f"chassis / hf output tokens/s on the same {num_hf} requests"
+        basis = f"chassis / hf output tokens/s on the same {num_hf} request shapes"
         print(f"   ratio: {basis} = {ratio:.2f}x")
         report["results"].append(_as_dict(hf_result))
         report["ratio"] = ratio

@@ -1,0 +1,97 @@
+"""The whole engine on a GPU: ``LLM`` greedy tokens equal HF ``generate``'s (run by
+tests/gpu/run_gpu_checks.sh before the benchmarks, so a broken GPU path fails here, fast).
+
+A tiny random Qwen3 checkpoint is written with transformers (weights, no tokenizer), so the
+engine runs with ``skip_tokenizer_init`` exactly as the benchmark preset does. float32 on
+both sides (the Triton attention computes float32 dots in IEEE precision), so greedy choices
+agree token for token; a small token budget forces chunked prefills mixed with decodes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU"),
+]
+
+VOCAB = 512
+PROMPT_LENS = (5, 17, 40, 3)
+NEW_TOKENS = 8
+
+
+def write_tiny_qwen3(directory) -> None:
+    """A 2-layer Qwen3 (head_dim 32 != hidden / heads, q/k norms) with peaked logits."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(directory)
+
+
+def hf_greedy(directory, prompts: list[list[int]], device: str) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
+    model.eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def chassis_greedy(directory, prompts: list[list[int]], **engine: object) -> list[list[int]]:
+    from chassis.core.llm import LLM
+    from chassis.core.sampling_params import SamplingParams
+
+    llm = LLM(str(directory), skip_tokenizer_init=True, dtype="float32", **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert all(o.outputs[0].text == "" for o in outputs)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_llm_matches_hf_greedy_on_the_gpu(tmp_path):
+    from chassis.platforms import get_current_platform
+
+    assert get_current_platform().device_type == "cuda"
+    write_tiny_qwen3(tmp_path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    expected = hf_greedy(tmp_path, prompts, "cuda")
+    got = chassis_greedy(
+        tmp_path,
+        prompts,
+        max_model_len=256,
+        max_num_batched_tokens=32,  # the 40-token prompt is prefilled in two chunks
+        gpu_memory_utilization=0.2,  # sized by determine_kv_cache_memory, not a fixed count
+        enforce_eager=True,
+    )
+    assert got == expected
