@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from chassis.serve import errors
 from chassis.serve.protocol import (
@@ -35,9 +35,7 @@ from chassis.serve.protocol import (
 from chassis.serve.state import ServerState, UsageCounter
 from chassis.serve.streaming import (
     SSE_DONE,
-    ClientDisconnected,
-    ClosingStreamingResponse,
-    cancel_on_disconnect,
+    generation_response,
     sse,
 )
 
@@ -218,26 +216,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0
-    try:
-        if body.stream:
-            stream = await cancel_on_disconnect(
-                request, state.open_stream(prompt_ids, params, request_id, priority)
-            )
-            return ClosingStreamingResponse(
-                _events(state, body, stream, request_id, model, n),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-
-        async def run() -> ChatCompletionResponse:
-            stream = await state.open_stream(prompt_ids, params, request_id, priority)
-            return await _collect(state, stream, body, request_id, model, n)
-
-        response = await cancel_on_disconnect(request, run())
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening; the request was aborted
-    except errors.APIError:
-        raise
-    except Exception as exc:
-        raise errors.to_api_error(exc) from exc
-    return JSONResponse(response.model_dump(mode="json"))
+    return await generation_response(
+        request,
+        body.stream,
+        lambda: state.open_stream(prompt_ids, params, request_id, priority),
+        lambda stream: _events(state, body, stream, request_id, model, n),
+        lambda stream: _collect(state, stream, body, request_id, model, n),
+    )

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from chassis.serve import errors
 from chassis.serve.protocol import (
@@ -31,9 +31,7 @@ from chassis.serve.protocol import (
 from chassis.serve.state import ServerState, UsageCounter
 from chassis.serve.streaming import (
     SSE_DONE,
-    ClientDisconnected,
-    ClosingStreamingResponse,
-    cancel_on_disconnect,
+    generation_response,
     merge_streams,
     sse,
 )
@@ -235,26 +233,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     request_id = f"cmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0
-    try:
-        if body.stream:
-            streams = await cancel_on_disconnect(
-                request, state.open_streams(prompts, params, request_id, priority)
-            )
-            return ClosingStreamingResponse(
-                _events(state, body, streams, request_id, model, n),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-
-        async def run() -> CompletionResponse:
-            streams = await state.open_streams(prompts, params, request_id, priority)
-            return await _collect(state, streams, request_id, model, n, body.logprobs is not None)
-
-        response = await cancel_on_disconnect(request, run())
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening; the requests were aborted
-    except errors.APIError:
-        raise
-    except Exception as exc:
-        raise errors.to_api_error(exc) from exc
-    return JSONResponse(response.model_dump(mode="json"))
+    return await generation_response(
+        request,
+        body.stream,
+        lambda: state.open_streams(prompts, params, request_id, priority),
+        lambda streams: _events(state, body, streams, request_id, model, n),
+        lambda streams: _collect(state, streams, request_id, model, n, body.logprobs is not None),
+    )

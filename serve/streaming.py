@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -132,3 +133,40 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)  # let its aclosing blocks run
     raise ClientDisconnected
+
+
+async def generation_response(
+    request: Request,
+    stream: bool,
+    open_streams: Callable[[], Awaitable[S]],
+    events: Callable[[S], AsyncIterator[str]],
+    collect: Callable[[S], Awaitable[Any]],
+) -> Response:
+    """The shared shape of a generation route (completions, chat completions).
+
+    Streaming: open the engine streams, then answer with SSE ``events``. Otherwise: open and
+    ``collect`` them into one pydantic body while watching the client. A client that leaves
+    gets its requests aborted (499); other failures become OpenAI-shaped errors.
+    """
+    from chassis.serve import errors
+
+    try:
+        if stream:
+            opened = await cancel_on_disconnect(request, open_streams())
+            return ClosingStreamingResponse(
+                events(opened),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+
+        async def run() -> Any:
+            return await collect(await open_streams())
+
+        body = await cancel_on_disconnect(request, run())
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the requests were aborted
+    except errors.APIError:
+        raise
+    except Exception as exc:
+        raise errors.to_api_error(exc) from exc
+    return JSONResponse(body.model_dump(mode="json"))
