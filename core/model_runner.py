@@ -125,7 +125,7 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
-        if self.device.type == "cpu":
+        if tensor.device == self.device:
             return tensor
         if self.pin_memory:
             tensor = tensor.pin_memory()

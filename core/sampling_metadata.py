@@ -97,15 +97,19 @@ def host_to_device(
     """A tensor of ``data`` (host values or a CPU tensor) on ``device``, without making the
     host wait for the device.
 
-    On CUDA/ROCm the values go through pinned memory with an asynchronous copy; a plain copy
-    from pageable memory would wait for all queued device work (the model forward).
+    Where the platform supports pinned memory the values go through it with an asynchronous
+    copy; a plain copy from pageable memory would wait for all queued device work.
     """
     device = torch.device(device)
     if isinstance(data, torch.Tensor):
         host = data.to(dtype)
     else:
         host = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
+    if host.device == device:
+        return host
+    from chassis.platforms import get_current_platform
+
+    if get_current_platform().pin_memory_available():
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
