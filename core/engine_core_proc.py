@@ -16,7 +16,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import Any
 
@@ -141,5 +140,3 @@ def _busy_loop(
             result = core.step()
             aborted_since_step = False
             outputs.put(_encoder.encode(result))
-        elif block:
-            time.sleep(0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -271,12 +271,3 @@ def _row_logprobs(result: SamplerOutput, j: int, num: int | None) -> TokenLogpro
         logprobs=[float(x) for x in lp.logprobs[j, :k].tolist()],
         rank=int(lp.ranks[j]),
     )
-
-
-def describe_runner(runner: ModelRunner) -> dict[str, Any]:
-    return {
-        "block_size": runner.block_size,
-        "num_kv_heads": runner.num_kv_heads,
-        "head_dim": runner.head_dim,
-        "kv_dtype": str(runner.kv_dtype),
-    }
