@@ -112,6 +112,13 @@ class Platform(ABC):
         """Whether decode steps can be captured and replayed as device graphs."""
         return False
 
+    def prepare_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook
+        """Adapt a loaded model to this device in place before it runs (e.g. repack weights).
+
+        Called by the worker once the weights are loaded. Must not change the model's results
+        beyond rounding-identical reformulations; the default does nothing.
+        """
+
     def pin_memory_available(self) -> bool:
         """Whether host staging buffers should be pinned for non-blocking copies."""
         return False

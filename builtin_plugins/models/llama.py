@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chassis.core.attention import ForwardContext
@@ -230,8 +229,15 @@ class LlamaForCausalLM(CausalLM):
         self.spec = self.decoder_spec(hf_config)
         self.model = LlamaModel(hf_config, self.spec, build_ctx)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.spec.hidden_size, int(hf_config.vocab_size), bias=False)
+        # The head is a module even when tied (then sharing the embedding matrix, built on the
+        # meta device so no second matrix is allocated; parameter listings name it once, as
+        # model.embed_tokens.weight) so that a platform's prepare_model can swap it too.
+        head_device = "meta" if self.tie_word_embeddings else None
+        self.lm_head = nn.Linear(
+            self.spec.hidden_size, int(hf_config.vocab_size), bias=False, device=head_device
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -245,8 +251,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Project to the vocabulary in the model dtype; return float32 ``[n, vocab]``."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        return self.lm_head(hidden_states).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
