@@ -6,6 +6,7 @@ import pytest
 import torch
 from paged_attention_cases import dense_attention, make_batch
 
+from chassis.builtin_plugins.attention import cpu_paged
 from chassis.builtin_plugins.attention.cpu_paged import CpuPagedAttention
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
 
@@ -20,7 +21,14 @@ CASES = {
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_dense_reference_and_torch_paged(case, block_size, num_heads, num_kv_heads, dtype):
+@pytest.mark.parametrize("decode_path", ["elementwise", "bmm"])
+def test_matches_dense_reference_and_torch_paged(
+    case, block_size, num_heads, num_kv_heads, dtype, decode_path, monkeypatch
+):
+    # Small decode batches take the elementwise path; force each path in turn.
+    monkeypatch.setattr(
+        cpu_paged, "_ELEMENTWISE_MAX_ROWS", 1 << 30 if decode_path == "elementwise" else 0
+    )
     head_dim = 16
     scale = head_dim**-0.5
 

@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from chassis.core.attention import AttentionBackend, AttentionMetadata
 
 _PLAN_KEY = "cpu_paged.plan"
+#: decode batches with at most this many context rows in total use the elementwise path
+#: (measured on SmolLM2, 2 vCPUs: batch 1 step 32.9 -> 26.9 ms, batch 8 33.6 -> 40.8 ms)
+_ELEMENTWISE_MAX_ROWS = 1024
 
 
 @dataclass
@@ -175,9 +178,34 @@ class CpuPagedAttention(AttentionBackend):
             gathered = flat.index_select(0, rows).view(batch, length, kv_heads, dim)
             return gathered.transpose(1, 2).reshape(batch * kv_heads, length, dim).to(dtype)
 
+        if batch * length <= _ELEMENTWISE_MAX_ROWS:
+            return self._decode_elementwise(query, flat, plan, block_size)
         q = query[plan.decode_tokens].view(batch * kv_heads, group, dim)
         scores = torch.bmm(q, context(plan.decode_k_rows).transpose(1, 2)).float()
         scores = scores.view(batch, kv_heads, group, length) * self.scale + plan.decode_bias
         probs = torch.softmax(scores, dim=-1).to(dtype).view(batch * kv_heads, group, length)
         out = torch.bmm(probs, context(plan.decode_k_rows + block_size))  # [B * KV, group, D]
         return out.view(batch, self.num_heads, dim)
+
+    def _decode_elementwise(
+        self, query: torch.Tensor, flat: torch.Tensor, plan: _Plan, block_size: int
+    ) -> torch.Tensor:
+        """Small decode batches: broadcast multiply-and-sum in float32, no BLAS call.
+
+        Inside a step, between the large oneDNN matmuls, each tiny ``bmm`` costs ~100 us of
+        dispatch and thread hand-off; for a few hundred context rows plain vector ops are
+        cheaper.
+        """
+        assert plan.decode_tokens is not None and plan.decode_k_rows is not None
+        assert plan.decode_bias is not None
+        batch, kv_heads, dim = plan.decode_tokens.shape[0], self.num_kv_heads, self.head_dim
+        group, length = self.num_heads // kv_heads, plan.decode_max_len
+        shape = (batch, length, kv_heads, 1, dim)
+        q = query[plan.decode_tokens].float().view(batch, 1, kv_heads, group, dim)
+        k = flat.index_select(0, plan.decode_k_rows).view(shape).float()
+        scores = (q * k).sum(-1) * self.scale  # [B, L, KV, group]
+        scores = scores + plan.decode_bias.view(batch, length, 1, 1)
+        probs = torch.softmax(scores, dim=1).unsqueeze(-1)  # [B, L, KV, group, 1]
+        v = flat.index_select(0, plan.decode_k_rows + block_size).view(shape).float()
+        out = (probs * v).sum(1)  # [B, KV, group, D]
+        return out.reshape(batch, self.num_heads, dim).to(query.dtype)
