@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -148,3 +149,22 @@ def test_preset_stands_for_model_and_implies_dummy_weights_without_tokenizer():
         values = {**vars(args), "model": None, "load_format": None, **bad}
         with pytest.raises(ValueError, match=match):
             _apply_preset(argparse.Namespace(**values))
+
+
+def test_step_bench_times_decode_and_prefill_steps(tiny_llama_dir):
+    proc = run_bench(
+        "step",
+        str(tiny_llama_dir),
+        "--dtype", "float32",
+        "--max-model-len", "256",
+        "--num-kv-blocks", "64",
+        "--batch-size", "2",
+        "--context-len", "8",
+        "--num-steps", "2",
+        "--repeats", "1",
+        "--prefill-tokens", "16",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"decode step, batch 2, context ~8: [0-9.]+ ms", lines[-2])
+    assert re.fullmatch(r"prefill step, 16 tokens in one request: [0-9]+ ms", lines[-1])
