@@ -35,10 +35,6 @@ class InProcessExecutor(Executor):
 
         self.worker = Worker(config)
 
-    @property
-    def kv_cache_bytes_per_block(self) -> int:
-        return self.worker.runner.kv_cache_bytes_per_block()
-
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 

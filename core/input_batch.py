@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from chassis.core.sampling_metadata import SamplingRow
 from chassis.core.sampling_params import SamplingParams
 
 
@@ -25,12 +26,17 @@ class RequestState:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
-    #: prompt logprobs gathered chunk by chunk until the prefill completes
-    prompt_logprobs: list | None = field(default=None)
+    #: what the sampler reads; shares the token lists, so appended tokens show up in it
+    sampling_row: SamplingRow = field(init=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.sampling_row = SamplingRow(
+            sampling_params=self.sampling_params,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            generator=self.generator,
+            eos_token_ids=self.eos_token_ids,
+        )
 
 
 class InputBatch:

@@ -18,7 +18,7 @@ from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_s
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
 from chassis.core.request import TokenLogprobs
-from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingRow, build_sampling_metadata
+from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -191,18 +191,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_index]).float()
             states = [batch.states[rows[i]] for i in sample_idx]
             metadata_s = build_sampling_metadata(
-                [
-                    SamplingRow(
-                        sampling_params=s.sampling_params,
-                        prompt_token_ids=s.prompt_token_ids,
-                        output_token_ids=s.output_token_ids,
-                        generator=s.generator,
-                        eos_token_ids=s.eos_token_ids,
-                    )
-                    for s in states
-                ],
-                self.device,
-                self.vocab_size,
+                [s.sampling_row for s in states], self.device, self.vocab_size
             )
             result = self.sampler(logits[:, : self.vocab_size], metadata_s)
             token_ids = result.sampled_token_ids.tolist()
@@ -247,7 +236,7 @@ class ModelRunner:
             block_table=torch.zeros(
                 (1, math.ceil(num_tokens / self.block_size)), dtype=torch.int32, device=self.device
             ),
-            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
             query_start_loc_cpu=torch.tensor([0, num_tokens], dtype=torch.int32),

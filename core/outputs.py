@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: token id -> logprob of that token (the sampled one plus the top alternatives)
 PositionLogprobs = dict[int, "Logprob"]
@@ -61,4 +61,3 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    extra: dict[str, object] = field(default_factory=dict)
