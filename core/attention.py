@@ -62,6 +62,13 @@ class AttentionBackend(ABC):
         torch.bfloat16,
         torch.float16,
     )
+    #: whether :meth:`forward` may be captured in a device graph and replayed on new metadata:
+    #: it reads no device tensor's value on the host (nor the ``*_cpu`` copies, which a graph
+    #: would freeze), and it uses the metadata's Python ints only in ways that stay correct
+    #: when, at replay, ``num_reqs`` and ``num_actual_tokens`` are as at capture (padding
+    #: requests have one token, ``seq_len`` 1 and slot ``-1``), every query has one token, and
+    #: ``max_seq_len`` is only an upper bound on ``seq_lens``
+    graph_capture_safe: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
         if num_heads % num_kv_heads:

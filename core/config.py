@@ -55,6 +55,10 @@ class EngineConfig:
     sampler: str = "default"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    #: batch sizes whose pure-decode steps are captured as device graphs (vLLM's flag): one
+    #: value N = the default pattern up to N, several = exactly those; None = the default
+    #: pattern up to min(max_num_seqs, max_num_batched_tokens, 512) (see docs/gpu.md)
+    cuda_graph_sizes: list[int] | None = None
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
 
@@ -95,8 +99,31 @@ class EngineConfig:
             raise ValueError(
                 "--tensor-parallel-size other than 1 is not supported yet (see docs/roadmap.md)"
             )
+        if self.cuda_graph_sizes is not None:
+            self._validate_cuda_graph_sizes(self.cuda_graph_sizes)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0; got {self.max_logprobs}")
+
+    def _validate_cuda_graph_sizes(self, sizes: list[int]) -> None:
+        if not sizes:
+            raise ValueError(
+                "--cuda-graph-sizes needs at least one batch size; to capture no graphs, "
+                "use --enforce-eager"
+            )
+        bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+        if bad:
+            raise ValueError(
+                f"--cuda-graph-sizes takes batch sizes >= 1; got {bad[0]!r}. To capture no "
+                f"graphs, use --enforce-eager"
+            )
+        largest_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
+        too_big = sorted(s for s in sizes if s > largest_batch)
+        if len(sizes) > 1 and too_big:
+            raise ValueError(
+                f"--cuda-graph-sizes {too_big[-1]} can never be used: a decode batch has at "
+                f"most min(--max-num-seqs, --max-num-batched-tokens) = {largest_batch} "
+                f"requests; drop sizes above {largest_batch} or raise --max-num-seqs"
+            )
 
     def check_against_model(self, model_max_len: int) -> None:
         """Derive ``max_model_len`` from the model and check the token budget against it."""

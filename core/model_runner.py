@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_shape
+from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
 from chassis.core.request import TokenLogprobs
@@ -22,15 +23,22 @@ from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
     from chassis.core.model_interface import CausalLM
     from chassis.core.sampler_interface import Sampler, SamplerOutput
+    from chassis.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model, its KV caches and the persistent batch on one device."""
+    """Owns the model, its KV caches and the persistent batch on one device.
+
+    ``platform`` and ``attention_backend`` (the class the model was built with) decide whether
+    pure-decode steps replay captured graphs (see :mod:`chassis.core.cuda_graphs`); by default
+    they are the current platform and ``config.attention_backend`` from the registry.
+    """
 
     def __init__(
         self,
@@ -40,9 +48,23 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         pin_memory: bool = False,
+        *,
+        platform: Platform | None = None,
+        attention_backend: type[AttentionBackend] | None = None,
     ) -> None:
         assert config.max_model_len is not None  # set by finalize_config
+        if platform is None:
+            from chassis.platforms import get_current_platform
+
+            platform = get_current_platform()
+        if attention_backend is None:
+            from chassis.plugins import get_registries
+
+            assert config.attention_backend is not None  # set by finalize_config
+            attention_backend = get_registries().attention_backends.get(config.attention_backend)
         self.config = config
+        self.platform = platform
+        self.attention_backend = attention_backend
         self.model = model
         self.sampler = sampler
         self.device = device
@@ -59,6 +81,8 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
         self.kv_caches: list[torch.Tensor] = []
         self.prompt_logprobs = PromptLogprobsCollector()
+        #: captured decode graphs; None while there are none (eager only)
+        self.graphs: DecodeGraphs | None = None
 
     # -- KV cache -------------------------------------------------------------------------
 
@@ -69,11 +93,36 @@ class ModelRunner:
         return per_layer * elem * self.model.num_attention_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV caches, then capture the decode graphs where they can be used.
+
+        The graphs bake in the caches' addresses, hence they are captured here, after them.
+        """
+        self.graphs = None
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.model.num_attention_layers)
         ]
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        reason = eager_reason(self.config, self.platform, self.attention_backend)
+        if reason is not None:
+            logger.info("decode steps run eager: %s", reason)
+            return
+        assert self.config.max_model_len is not None
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.platform,
+            capture_sizes(self.config),
+            device=self.device,
+            max_model_len=self.config.max_model_len,
+            max_blocks_per_req=self.max_blocks_per_req,
+            pin_memory=self.pin_memory,
+        )
+        graphs.capture()
+        self.graphs = graphs
 
     # -- one step -------------------------------------------------------------------------
 
@@ -158,22 +207,27 @@ class ModelRunner:
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         max_blocks = math.ceil(seq_lens.max() / self.block_size)
         block_table = np.ascontiguousarray(batch.block_table[rows, :max_blocks])
-
         seq_lens_i32 = seq_lens.astype(np.int32)
-        metadata = AttentionMetadata(
-            num_actual_tokens=total,
-            num_reqs=len(rows),
-            query_start_loc=self._to_device(query_start_loc),
-            seq_lens=self._to_device(seq_lens_i32),
-            block_table=self._to_device(block_table),
-            slot_mapping=self._to_device(slot_mapping),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=torch.from_numpy(query_start_loc),
-            seq_lens_cpu=torch.from_numpy(seq_lens_i32),
-        )
-        ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
-        hidden = self.model(self._to_device(input_ids), self._to_device(positions), ctx)
+
+        graphs = self.graphs
+        if graphs is not None and total == len(rows) and graphs.size_for(total) is not None:
+            # Pure decode (one token per request) within the captured sizes: replay.
+            hidden = graphs.run(input_ids, positions, slot_mapping, seq_lens_i32, block_table)
+        else:
+            metadata = AttentionMetadata(
+                num_actual_tokens=total,
+                num_reqs=len(rows),
+                query_start_loc=self._to_device(query_start_loc),
+                seq_lens=self._to_device(seq_lens_i32),
+                block_table=self._to_device(block_table),
+                slot_mapping=self._to_device(slot_mapping),
+                max_query_len=int(num_scheduled.max()),
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=torch.from_numpy(query_start_loc),
+                seq_lens_cpu=torch.from_numpy(seq_lens_i32),
+            )
+            ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
+            hidden = self.model(self._to_device(input_ids), self._to_device(positions), ctx)
 
         # Rows whose every known token is now computed sample their next token.
         samples = seq_lens >= batch.num_tokens[rows]

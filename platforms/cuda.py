@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +14,16 @@ from chassis.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class _CudaGraphPool:
+    """What :meth:`TorchCudaLikePlatform.new_graph_pool` hands out (opaque to core code)."""
+
+    #: from ``torch.cuda.graph_pool_handle()``: graphs captured with it share one memory pool
+    handle: Any
+    #: the side stream every graph of the pool is warmed up and captured on
+    stream: torch.cuda.Stream
 
 
 class TorchCudaLikePlatform(Platform):
@@ -58,6 +69,35 @@ class TorchCudaLikePlatform(Platform):
 
     def supports_graph_capture(self) -> bool:
         return True
+
+    def new_graph_pool(self) -> object:
+        """A ``torch.cuda`` graph memory pool and the side stream its graphs are captured on."""
+        return _CudaGraphPool(torch.cuda.graph_pool_handle(), torch.cuda.Stream())
+
+    def capture_graph(
+        self, fn: Callable[[], torch.Tensor], pool: object, num_warmup: int = 2
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up, then capture ``fn`` into a ``torch.cuda.CUDAGraph`` on the pool's stream.
+
+        See :meth:`Platform.capture_graph`. Capture cannot happen on the default stream, so
+        it runs on the pool's side stream; the warm-up calls run on that same stream, because
+        libraries such as cuBLAS set up per-stream state on first use, which must not happen
+        inside the capture. Triton kernels compile during the warm-up as well.
+        """
+        if not isinstance(pool, _CudaGraphPool):
+            raise ValueError(f"pool must come from {type(self).__name__}.new_graph_pool()")
+        stream = pool.stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(num_warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool.handle, stream=stream):
+            output = fn()
+        torch.cuda.synchronize()
+        return graph, output
 
     def pin_memory_available(self) -> bool:
         return True

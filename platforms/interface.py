@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
+    from chassis.core.layers.kernels import LayerKernels
+
+
+class DeviceGraph(Protocol):
+    """A captured sequence of device work (e.g. ``torch.cuda.CUDAGraph``), replayable."""
+
+    def replay(self) -> None:
+        """Re-run the captured work on the current contents of the tensors it captured."""
 
 
 class Platform(ABC):
@@ -109,8 +117,38 @@ class Platform(ABC):
         """Name (in the attention-backend registry) of the backend to use without a flag."""
 
     def supports_graph_capture(self) -> bool:
-        """Whether decode steps can be captured and replayed as device graphs."""
+        """Whether decode steps can be captured and replayed as device graphs.
+
+        When ``True``, :meth:`new_graph_pool` and :meth:`capture_graph` must work.
+        """
         return False
+
+    def new_graph_pool(self) -> object:
+        """A memory pool that several graphs captured with it share (an opaque handle).
+
+        Graphs of one pool must never replay concurrently: each may reuse the intermediate
+        memory of the others. Default: graph capture is not supported (``NotImplementedError``).
+        """
+        raise NotImplementedError(
+            f"platform {self.name!r} cannot capture graphs (supports_graph_capture() is False)"
+        )
+
+    def capture_graph(
+        self, fn: Callable[[], torch.Tensor], pool: object, num_warmup: int = 2
+    ) -> tuple[DeviceGraph, torch.Tensor]:
+        """Run ``fn`` ``num_warmup`` times eagerly, then capture one call of it as a graph.
+
+        ``fn`` takes no arguments and must read and write only tensors that outlive the graph
+        (static buffers); it must not read device values on the host. The warm-up calls
+        compile kernels and initialize libraries, so that nothing of that happens while
+        capturing. Returns the graph and the tensor ``fn`` returned during capture: each
+        :meth:`DeviceGraph.replay` recomputes it in place from the static buffers' current
+        contents. ``pool`` comes from :meth:`new_graph_pool`. Default: not supported
+        (``NotImplementedError``).
+        """
+        raise NotImplementedError(
+            f"platform {self.name!r} cannot capture graphs (supports_graph_capture() is False)"
+        )
 
     def prepare_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook
         """Adapt a loaded model to this device in place before it runs (e.g. repack weights).
@@ -118,6 +156,16 @@ class Platform(ABC):
         Called by the worker once the weights are loaded. Must not change the model's results
         beyond rounding-identical reformulations; the default does nothing.
         """
+
+    def layer_kernels(self) -> LayerKernels | None:
+        """Fused implementations of the decoder-layer ops for this platform's tensors.
+
+        Layers (RMSNorm, SiLU-and-mul, rotary embedding) call these instead of their torch
+        reference when the returned object ``handles`` the tensor; ``None`` (the default)
+        means the torch references everywhere. Contract in
+        :class:`chassis.core.layers.kernels.LayerKernels`.
+        """
+        return None
 
     def pin_memory_available(self) -> bool:
         """Whether host staging buffers should be pinned for non-blocking copies."""

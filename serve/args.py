@@ -170,6 +170,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help="no graph capture or compilation",
     )
     g.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="batch sizes whose pure-decode steps replay captured device graphs: one value N "
+        "= 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to N; several values = "
+        "exactly those (default: that pattern up to min(--max-num-seqs, "
+        "--max-num-batched-tokens, 512); see docs/gpu.md)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,

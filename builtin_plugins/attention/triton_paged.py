@@ -35,6 +35,8 @@ class TritonPagedAttention(AttentionBackend):
         torch.float16,
         torch.float32,
     )
+    #: no host reads; tiles and split count only change speed (see the class docstring)
+    graph_capture_safe: ClassVar[bool] = True
 
     def forward(
         self,

@@ -1,0 +1,281 @@
+"""Device graphs of pure-decode steps: capture once at start-up, replay per step.
+
+A decode step launches every kernel of the model from Python (hundreds per step), which at
+small batches costs more than the kernels themselves. Where the platform can capture graphs
+and the attention backend is graph-capture safe, the model runner captures the model's forward
+(embedding to final hidden states; logits and sampling stay eager) once per batch size in a
+list of *capture sizes*. A step whose every request has exactly one query token, with at most
+the largest capture size of requests, is padded up to the smallest capture size that holds it
+and replayed:
+
+- the graphs read static input buffers, which each step fills in place; padding requests have
+  one token at slot ``-1`` (nothing is written to the KV cache) and a context of one token;
+- the first ``n`` rows of the graph's static output are the step's hidden states.
+
+Other steps (prefill chunks, mixed batches, larger batches, ``--enforce-eager``) run eager.
+The graphs share one memory pool and never replay concurrently (one engine step at a time).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from chassis.core.attention import AttentionMetadata, ForwardContext
+
+if TYPE_CHECKING:
+    from chassis.core.attention import AttentionBackend
+    from chassis.core.config import EngineConfig
+    from chassis.core.model_interface import CausalLM
+    from chassis.platforms.interface import DeviceGraph, Platform
+
+logger = logging.getLogger(__name__)
+
+#: the largest batch captured by default; larger decode batches run eager, where launch
+#: overhead is small next to the work of the batch
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+def capture_size_pattern(largest: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to and including ``largest``.
+
+    Padding a batch to the next size costs at most 15 % extra rows beyond 64 (where decode is
+    bound by reading the weights, not by the rows), and the coarser steps halve the graphs
+    (start-up time and memory) above 64. ``largest`` itself is always included, so every
+    batch up to it has a graph.
+    """
+    if largest < 1:
+        raise ValueError(f"the largest capture size must be >= 1; got {largest}")
+    sizes = [s for s in (1, 2, 4) if s < largest]
+    sizes += [s for s in range(8, min(64, largest) + 1, 8)]
+    sizes += [s for s in range(80, largest + 1, 16)]
+    if not sizes or sizes[-1] != largest:
+        sizes.append(largest)
+    return sorted(set(sizes))
+
+
+def capture_sizes(config: EngineConfig) -> list[int]:
+    """The batch sizes to capture for ``config`` (sorted, unique), from ``cuda_graph_sizes``.
+
+    ``None``: :func:`capture_size_pattern` up to min(``max_num_seqs``,
+    ``max_num_batched_tokens``, :data:`DEFAULT_MAX_CAPTURE_SIZE`). One value ``N``: the
+    pattern up to min(``N``, ``max_num_seqs``, ``max_num_batched_tokens``) (vLLM's meaning of
+    a single value). Several values: exactly those (``EngineConfig.validate`` has checked
+    that none exceeds the largest possible decode batch).
+    """
+    largest_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
+    sizes = config.cuda_graph_sizes
+    if sizes is None:
+        return capture_size_pattern(min(largest_batch, DEFAULT_MAX_CAPTURE_SIZE))
+    if len(sizes) == 1:
+        return capture_size_pattern(min(sizes[0], largest_batch))
+    return sorted(set(sizes))
+
+
+def eager_reason(
+    config: EngineConfig, platform: Platform, attention_backend: type[AttentionBackend]
+) -> str | None:
+    """Why decode steps must run eager with this setup, or ``None`` when graphs may be used.
+
+    Asks the interfaces (the platform's ``supports_graph_capture``, the backend's
+    ``graph_capture_safe``), never a device name.
+    """
+    if config.enforce_eager:
+        return "--enforce-eager is set"
+    if not platform.supports_graph_capture():
+        return f"platform {platform.name!r} does not support graph capture"
+    if not attention_backend.graph_capture_safe:
+        return (
+            f"attention backend {config.attention_backend!r} is not graph-capture safe "
+            f"(it reads step metadata on the host)"
+        )
+    return None
+
+
+class _StaticInputs:
+    """The buffers every graph reads; rows ``0 .. size-1`` are graph ``size``'s inputs."""
+
+    def __init__(self, max_size: int, max_blocks_per_req: int, device: torch.device) -> None:
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_size, **i64)
+        self.positions = torch.zeros(max_size, **i64)
+        # The capture-time contents are the padding's: no KV write, one context token.
+        self.slot_mapping = torch.full((max_size,), -1, **i64)
+        self.seq_lens = torch.ones(max_size, **i32)
+        # One query token per request: constant, written once.
+        self.query_start_loc = torch.arange(max_size + 1, **i32)
+        self.block_table = torch.zeros(max_size, max_blocks_per_req, **i32)
+
+
+class DecodeGraphs:
+    """One captured graph of the model's forward per capture size, and their replay.
+
+    Built by the model runner after the KV cache exists (the graphs bake in the addresses of
+    the caches, the weights and the static buffers); :meth:`capture` must run once before
+    :meth:`run`. ``replays`` counts replays per capture size.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        platform: Platform,
+        sizes: list[int],
+        *,
+        device: torch.device,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        pin_memory: bool = False,
+    ) -> None:
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"capture sizes must be sorted, unique and >= 1; got {sizes}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.platform = platform
+        self.sizes = list(sizes)
+        self.device = device
+        self.max_model_len = max_model_len
+        self.pin_memory = pin_memory
+        max_size = self.sizes[-1]
+        self._inputs = _StaticInputs(max_size, max_blocks_per_req, device)
+        # Host staging for the padded slots, and the host copies of seq_lens and
+        # query_start_loc that the metadata carries (kept equal to the device buffers).
+        self._slots_host = np.full(max_size, -1, dtype=np.int64)
+        self._seq_lens_host = np.ones(max_size, dtype=np.int32)
+        self._seq_lens_cpu = torch.from_numpy(self._seq_lens_host)
+        self._query_start_loc_cpu = torch.arange(max_size + 1, dtype=torch.int32)
+        self._graphs: dict[int, DeviceGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.replays: Counter[int] = Counter()
+
+    @property
+    def max_size(self) -> int:
+        """The largest batch a graph exists for."""
+        return self.sizes[-1]
+
+    @property
+    def num_replays(self) -> int:
+        """Replays so far, all sizes together."""
+        return sum(self.replays.values())
+
+    def size_for(self, num_reqs: int) -> int | None:
+        """The smallest capture size >= ``num_reqs``; ``None`` when there is none (run eager)."""
+        i = bisect.bisect_left(self.sizes, num_reqs)
+        return self.sizes[i] if num_reqs >= 1 and i < len(self.sizes) else None
+
+    # -- capture --------------------------------------------------------------------------
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model's forward over rows ``0 .. size-1`` of the static buffers.
+
+        Every Python object is built afresh per call, from new views of the buffers: modules
+        memoize per step by object identity (the rotary tables on the ``positions`` tensor,
+        backends in ``metadata.derived``); reused objects would let a warm-up's memo stand in
+        for work the capture must record. The Python ints are fixed for the graph's life:
+        ``size`` requests of one token each, and ``max_seq_len = max_model_len``, an upper
+        bound on every replay's ``seq_lens``.
+        """
+        inputs = self._inputs
+        metadata = AttentionMetadata(
+            num_actual_tokens=size,
+            num_reqs=size,
+            query_start_loc=inputs.query_start_loc[: size + 1],
+            seq_lens=inputs.seq_lens[:size],
+            block_table=inputs.block_table[:size],
+            slot_mapping=inputs.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=self._query_start_loc_cpu[: size + 1],
+            seq_lens_cpu=self._seq_lens_cpu[:size],
+        )
+        ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
+        return self.model(inputs.input_ids[:size], inputs.positions[:size], ctx)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, and log count, seconds and memory.
+
+        Largest first: the shared pool grows to the largest graph's needs and the smaller
+        graphs reuse that memory. The static buffers hold padding only (slot ``-1``), so the
+        warm-up and capture runs write nothing to the KV cache.
+        """
+        platform = self.platform
+        platform.synchronize()
+        free_before = platform.memory_available()
+        start = time.perf_counter()
+        pool = platform.new_graph_pool()
+        for size in reversed(self.sizes):
+            graph, output = platform.capture_graph(lambda size=size: self._forward(size), pool)
+            self._graphs[size] = graph
+            self._outputs[size] = output
+        platform.synchronize()
+        seconds = time.perf_counter() - start
+        used = max(0, free_before - platform.memory_available())
+        logger.info(
+            "captured %d decode graphs (batch sizes %s) in %.2f s; device memory used by "
+            "capture: %.1f MiB",
+            len(self.sizes),
+            _describe_sizes(self.sizes),
+            seconds,
+            used / 2**20,
+        )
+
+    # -- replay ---------------------------------------------------------------------------
+
+    def _host(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory() if self.pin_memory else tensor
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+    ) -> torch.Tensor:
+        """Replay the graph for ``n = len(input_ids)`` one-token requests; return ``[n, hidden]``.
+
+        :param input_ids: ``[n]`` the step's tokens, one per request
+        :param positions: ``[n]`` their positions
+        :param slot_mapping: ``[n]`` their KV cache slots
+        :param seq_lens: ``[n]`` context lengths including the new token (<= max_model_len)
+        :param block_table: ``[n, w]`` int32 block ids, ``w`` <= max blocks per request
+        :return: a view of the graph's static output, valid until the next replay
+        :raises ValueError: ``n`` is 0 or larger than :attr:`max_size`
+        """
+        n = len(input_ids)
+        size = self.size_for(n)
+        if size is None:
+            raise ValueError(f"no graph for a batch of {n}; capture sizes: {self.sizes}")
+        inputs = self._inputs
+        inputs.input_ids[:n].copy_(self._host(input_ids), non_blocking=True)
+        inputs.positions[:n].copy_(self._host(positions), non_blocking=True)
+        # Padding rows: slot -1 (write nothing), a one-token context (read almost nothing).
+        slots = self._slots_host[:size]
+        slots[:n] = slot_mapping
+        slots[n:] = -1
+        inputs.slot_mapping[:size].copy_(self._host(slots), non_blocking=True)
+        lens = self._seq_lens_host[:size]  # also the metadata's seq_lens_cpu
+        lens[:n] = seq_lens
+        lens[n:] = 1
+        inputs.seq_lens[:size].copy_(self._host(lens), non_blocking=True)
+        # Padding rows keep stale block ids: valid ids, of which only entry 0 is read.
+        width = block_table.shape[1]
+        inputs.block_table[:n, :width].copy_(self._host(block_table), non_blocking=True)
+        self._graphs[size].replay()
+        self.replays[size] += 1
+        return self._outputs[size][:n]
+
+
+def _describe_sizes(sizes: list[int]) -> str:
+    if len(sizes) <= 8:
+        return ", ".join(map(str, sizes))
+    return f"{', '.join(map(str, sizes[:4]))}, ..., {', '.join(map(str, sizes[-2:]))}"
