@@ -15,6 +15,7 @@ from chassis.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
+    from chassis.core.layers.kernels import LayerKernels
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ def has_fast_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+#: marks a not-yet-resolved lazy attribute (``None`` is a valid resolved value)
+_UNRESOLVED = object()
+
+
 class CpuPlatform(Platform):
     """The host CPU: always usable; one device; gloo for tensor parallelism."""
 
@@ -45,6 +50,9 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     supported_dtypes = (torch.bfloat16, torch.float32, torch.float16)
+
+    #: resolved on the first call of layer_kernels() (subclasses need not call __init__)
+    _layer_kernels: object = _UNRESOLVED
 
     @classmethod
     def is_available(cls) -> bool:
@@ -93,6 +101,20 @@ class CpuPlatform(Platform):
 
     def default_attention_backend(self, config: EngineConfig) -> str:
         return "cpu_paged"
+
+    def layer_kernels(self) -> LayerKernels | None:
+        """The compiled C++ kernels of ``platforms/cpu_kernels`` (built on first call, cached).
+
+        ``None`` when ``CHASSIS_CPU_KERNELS=0`` or no compiler/build is available; layers then
+        run their torch code.
+        """
+        if self._layer_kernels is _UNRESOLVED:
+            from chassis.platforms import cpu_kernels
+            from chassis.platforms.cpu_kernels.layer_kernels import CpuLayerKernels
+
+            ops = cpu_kernels.load()
+            self._layer_kernels = None if ops is None else CpuLayerKernels(ops)
+        return self._layer_kernels  # type: ignore[return-value]
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Pack bfloat16 linear weights in oneDNN's layout (see ``platforms/cpu_packed_linear``).

@@ -6,7 +6,6 @@ import pytest
 import torch
 from paged_attention_cases import dense_attention, make_batch
 
-from chassis.builtin_plugins.attention import cpu_paged
 from chassis.builtin_plugins.attention.cpu_paged import CpuPagedAttention
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
 
@@ -21,15 +20,15 @@ CASES = {
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("decode_path", ["elementwise", "bmm"])
+@pytest.mark.parametrize(
+    ("decode_path", "head_dim"),
+    # the compiled kernel's vectorized path (head_dim % 16 == 0) and its portable path, and
+    # the SDPA fallback used without compiled kernels
+    [("kernel", 16), ("kernel", 24), ("sdpa", 16)],
+)
 def test_matches_dense_reference_and_torch_paged(
-    case, block_size, num_heads, num_kv_heads, dtype, decode_path, monkeypatch
+    case, block_size, num_heads, num_kv_heads, dtype, decode_path, head_dim
 ):
-    # Small decode batches take the elementwise path; force each path in turn.
-    monkeypatch.setattr(
-        cpu_paged, "_ELEMENTWISE_MAX_ROWS", 1 << 30 if decode_path == "elementwise" else 0
-    )
-    head_dim = 16
     scale = head_dim**-0.5
 
     def batch():
@@ -46,9 +45,12 @@ def test_matches_dense_reference_and_torch_paged(
         )
 
     b = batch()
-    out = CpuPagedAttention(num_heads, head_dim, num_kv_heads, scale).forward(
-        b.query, b.key, b.value, b.kv_cache, b.metadata
-    )
+    backend = CpuPagedAttention(num_heads, head_dim, num_kv_heads, scale)
+    if decode_path == "sdpa":
+        backend.kernels = None
+    else:
+        assert backend.kernels is not None, "the CPU kernels did not build on this machine"
+    out = backend.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
     n = b.metadata.num_actual_tokens
     torch.testing.assert_close(b.kv_cache, b.expected_cache, equal_nan=True, rtol=0, atol=0)
     tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}

@@ -1,34 +1,55 @@
 """``cpu_paged``: paged attention tuned for the CPU (the CPU platform's default backend).
 
-Same contract and results as the reference ``torch_paged``; faster because everything that
-depends only on the step's metadata (which cache rows each request reads and writes, the
-masks) is computed once per step and reused by every layer, the cache is written and read
-with ``index_copy_``/``index_select`` on a flat view instead of advanced indexing, and
-attention runs in the model dtype (SDPA accumulates in float32 internally).
+Same contract and results as the reference ``torch_paged``; faster because
+
+- everything that depends only on the step's metadata (which cache rows each request reads
+  and writes, masks, the decodes' block tables) is computed once per step and reused by every
+  layer;
+- all single-token queries (decodes) of a step are one call: the compiled
+  ``chassis_cpu::decode_attention`` kernel, which reads K/V in place through the block table,
+  or, without the kernels (``CHASSIS_CPU_KERNELS=0``, no compiler), one SDPA call over whole
+  gathered blocks;
+- prefill chunks run SDPA's fused CPU kernel per request, on the new K/V directly when the
+  chunk is the whole context (nothing cached to gather).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from chassis.core.attention import AttentionBackend, AttentionMetadata
+from chassis.platforms import cpu_kernels
 
 _PLAN_KEY = "cpu_paged.plan"
-#: decode batches with at most this many context rows in total use the elementwise path
-#: (measured on SmolLM2, 2 vCPUs: batch 1 step 32.9 -> 26.9 ms, batch 8 33.6 -> 40.8 ms)
-_ELEMENTWISE_MAX_ROWS = 1024
 
 
 @dataclass
 class _Prefill:
     token_slice: slice
-    #: rows of the flat K view holding the request's context (V rows are + block_size)
-    k_rows: torch.Tensor
-    #: [query_len, seq_len] bool, True = may attend; None when the chunk is the whole context
+    #: rows of the flat K view holding the request's context (V rows are + block_size);
+    #: None when the chunk is the whole context (attend over the new K/V directly)
+    k_rows: torch.Tensor | None
+    #: [query_len, seq_len] bool, True = may attend; None when causal over the chunk itself
     mask: torch.Tensor | None
+
+
+@dataclass
+class _Decodes:
+    #: token index of each decode; None when the decodes are tokens 0..n-1 in order
+    tokens: torch.Tensor | None
+    count: int
+    #: [n, max_blocks] int32 and [n] int32: each decode's blocks and context length
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    #: SDPA fallback only (no compiled kernels), built on first use:
+    #: K-block indices into the [num_blocks * 2, block_size, KV, D] view, and the [n, 1, 1, L]
+    #: bool mask (True where a decode may attend)
+    k_blocks: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,13 +57,10 @@ class _Plan:
     #: flat-view rows where this step's K (and V = + block_size) go, only valid tokens
     write_k_rows: torch.Tensor
     write_tokens: torch.Tensor | None
-    decode_tokens: torch.Tensor | None
-    #: [num_decodes * max_len] rows of the decodes' contexts
-    decode_k_rows: torch.Tensor | None
-    #: [num_decodes, 1, 1, max_len] float32: 0 where a decode may attend, -inf elsewhere
-    decode_bias: torch.Tensor | None
-    decode_max_len: int
+    decodes: _Decodes | None
     prefills: list[_Prefill]
+    #: the whole output is the decodes' output (no prefills, no padding)
+    decode_only: bool
 
 
 def _context_rows(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -52,7 +70,7 @@ def _context_rows(block_table_row: torch.Tensor, length: int, block_size: int) -
     return blocks * (2 * block_size) + pos % block_size
 
 
-def _make_plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
+def _make_plan(metadata: AttentionMetadata, block_size: int, num_rows: int) -> _Plan:
     device = metadata.slot_mapping.device
     num_tokens = metadata.num_actual_tokens
     slots = metadata.slot_mapping[:num_tokens].long()
@@ -73,45 +91,36 @@ def _make_plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
             decodes.append(i)
         elif query_len > 1:
             seq_len = seq_lens[i]
-            mask = None
+            mask = k_rows = None
             if query_len != seq_len:
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-            prefills.append(
-                _Prefill(
-                    slice(starts[i], starts[i + 1]),
-                    _context_rows(metadata.block_table[i], seq_len, block_size),
-                    mask,
-                )
-            )
-    decode_tokens = decode_k_rows = decode_bias = None
-    decode_max_len = 0
+                k_rows = _context_rows(metadata.block_table[i], seq_len, block_size)
+            prefills.append(_Prefill(slice(starts[i], starts[i + 1]), k_rows, mask))
+    decode_plan = None
     if decodes:
-        decode_tokens = torch.tensor([starts[i] for i in decodes], device=device)
-        lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
-        decode_max_len = max(seq_lens[i] for i in decodes)
-        pos = torch.arange(decode_max_len, device=device)
-        valid_pos = pos[None, :] < lens[:, None]  # [B, L]
-        table = metadata.block_table[decodes]
-        blocks = table[:, (pos // block_size)].long()
-        rows = blocks * (2 * block_size) + pos % block_size
-        # Positions past a request's length point anywhere valid (row 0); they are masked.
-        decode_k_rows = torch.where(valid_pos, rows, 0).reshape(-1)
-        decode_bias = torch.zeros(valid_pos.shape, dtype=torch.float32, device=device)
-        decode_bias = decode_bias.masked_fill(~valid_pos, float("-inf"))[:, None, None, :]
-    return _Plan(
-        write_k_rows,
-        write_tokens,
-        decode_tokens,
-        decode_k_rows,
-        decode_bias,
-        decode_max_len,
-        prefills,
-    )
+        token_ids = [starts[i] for i in decodes]
+        in_order = token_ids == list(range(len(decodes)))
+        num_blocks = -(-max(seq_lens[i] for i in decodes) // block_size)
+        index = torch.tensor(decodes, device=device)
+        decode_plan = _Decodes(
+            tokens=None if in_order else torch.tensor(token_ids, device=device),
+            count=len(decodes),
+            block_table=metadata.block_table[index, :num_blocks].to(torch.int32).contiguous(),
+            seq_lens=metadata.seq_lens[index].to(torch.int32).contiguous(),
+        )
+    decode_only = not prefills and decode_plan is not None and decode_plan.tokens is None
+    decode_only = decode_only and len(decodes) == num_rows
+    return _Plan(write_k_rows, write_tokens, decode_plan, prefills, decode_only)
 
 
 class CpuPagedAttention(AttentionBackend):
-    """Paged attention for the CPU: per-step plans shared by all layers, flat-view gathers."""
+    """Paged attention for the CPU: per-step plans shared by all layers, one decode call."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__(num_heads, head_dim, num_kv_heads, scale)
+        #: the compiled ops (``torch.ops.chassis_cpu``) or None for the torch fallback
+        self.kernels: Any | None = cpu_kernels.load()
 
     def forward(
         self,
@@ -124,7 +133,8 @@ class CpuPagedAttention(AttentionBackend):
         block_size = kv_cache.shape[2]
         plan = metadata.derived.get(_PLAN_KEY)
         if plan is None:
-            plan = metadata.derived[_PLAN_KEY] = _make_plan(metadata, block_size)
+            plan = _make_plan(metadata, block_size, query.shape[0])
+            metadata.derived[_PLAN_KEY] = plan
         # [num_blocks, 2, block_size, KV, D] -> rows of [KV, D]; K of slot s in block b is row
         # b * 2 * block_size + s, its V is block_size rows later.
         flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -135,77 +145,81 @@ class CpuPagedAttention(AttentionBackend):
         flat.index_copy_(0, plan.write_k_rows, new_k.to(flat.dtype))
         flat.index_copy_(0, plan.write_k_rows + block_size, new_v.to(flat.dtype))
 
+        if plan.decode_only:
+            assert plan.decodes is not None
+            return self._decode(query, kv_cache, plan.decodes)
         output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
         for prefill in plan.prefills:
             q = query[prefill.token_slice].transpose(0, 1)[None]  # [1, H, Q, D]
 
-            def context(rows: torch.Tensor, dtype: torch.dtype = query.dtype) -> torch.Tensor:
-                kv = flat.index_select(0, rows).to(dtype)  # [L, KV, D]
+            def heads(kv: torch.Tensor) -> torch.Tensor:  # [L, KV, D] -> [1, H, L, D]
                 # Heads repeated, 4-D: what SDPA's fused CPU kernel takes (with enable_gqa or
                 # 3-D inputs it falls back to the unfused math path, ~2x slower).
-                return kv.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+                return kv.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None]
 
+            if prefill.k_rows is None:
+                k, v = key[prefill.token_slice], value[prefill.token_slice]
+            else:
+                k = flat.index_select(0, prefill.k_rows)
+                v = flat.index_select(0, prefill.k_rows + block_size)
             out = F.scaled_dot_product_attention(
                 q,
-                context(prefill.k_rows),
-                context(prefill.k_rows + block_size),
+                heads(k),
+                heads(v),
                 attn_mask=prefill.mask,
                 is_causal=prefill.mask is None,
                 scale=self.scale,
             )
             output[prefill.token_slice] = out[0].transpose(0, 1)
-        if plan.decode_tokens is not None:
-            output[plan.decode_tokens] = self._decode(query, flat, plan, block_size)
+        if plan.decodes is not None:
+            rows = plan.decodes.tokens
+            if rows is None:
+                output[: plan.decodes.count] = self._decode(query, kv_cache, plan.decodes)
+            else:
+                output[rows] = self._decode(query, kv_cache, plan.decodes)
         return output
 
-    def _decode(
-        self, query: torch.Tensor, flat: torch.Tensor, plan: _Plan, block_size: int
-    ) -> torch.Tensor:
-        """All single-token queries at once, as two batched matmuls around a float32 softmax.
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _Decodes) -> torch.Tensor:
+        """The single-token queries of the step, ``[n, H, D]``, in one call."""
+        q = query[: plan.count] if plan.tokens is None else query[plan.tokens]
+        if self.kernels is not None and kv_cache.dtype == query.dtype:
+            return self.kernels.decode_attention(
+                q, kv_cache, plan.block_table, plan.seq_lens, self.scale
+            )
+        return self._decode_sdpa(q, kv_cache, plan)
 
-        For one query row, SDPA's CPU kernel costs far more than the arithmetic; plain
-        matmuls over ``[decodes, kv_heads]`` batches (query heads of a group stacked as rows)
-        do the same work as HF's eager attention.
+    def _decode_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Decodes) -> torch.Tensor:
+        """Torch fallback: whole context blocks gathered, the GQA group as the query length.
+
+        One ``index_select`` each for K and V over the ``[num_blocks * 2, block_size, KV, D]``
+        view leaves them contiguous as ``[n, L, KV, D]``; the query heads of a group become the
+        query *length* of a ``[n, KV, group, D]`` query, so SDPA's fused kernel runs once
+        without repeating K/V heads (no causal mask: every row sees its whole context).
         """
-        assert plan.decode_tokens is not None and plan.decode_k_rows is not None
-        assert plan.decode_bias is not None
-        batch, kv_heads, dim = plan.decode_tokens.shape[0], self.num_kv_heads, self.head_dim
-        group, length = self.num_heads // kv_heads, plan.decode_max_len
-        dtype = query.dtype
+        batch, kv_heads, dim = plan.count, self.num_kv_heads, self.head_dim
+        block_size = kv_cache.shape[2]
+        if plan.k_blocks is None or plan.mask is None:
+            num_blocks = plan.block_table.shape[1]
+            lens = plan.seq_lens[:, None].long()
+            used = torch.arange(num_blocks, device=q.device)[None, :] * block_size < lens
+            # Blocks past a request's length are padding (their table entries arbitrary):
+            # read block 0 there, masked out below.
+            plan.k_blocks = (torch.where(used, plan.block_table.long(), 0) * 2).reshape(-1)
+            pos = torch.arange(num_blocks * block_size, device=q.device)
+            plan.mask = (pos[None, :] < lens)[:, None, None, :]
+        planes = kv_cache.view(-1, *kv_cache.shape[2:])  # [num_blocks * 2, bs, KV, D]
+        length = plan.mask.shape[-1]
 
-        def context(rows: torch.Tensor) -> torch.Tensor:  # -> [B * KV, L, D], contiguous
-            gathered = flat.index_select(0, rows).view(batch, length, kv_heads, dim)
-            return gathered.transpose(1, 2).reshape(batch * kv_heads, length, dim).to(dtype)
+        def context(ids: torch.Tensor) -> torch.Tensor:  # -> [n, KV, L, D] (a strided view)
+            gathered = planes.index_select(0, ids).to(q.dtype)
+            return gathered.view(batch, length, kv_heads, dim).transpose(1, 2)
 
-        if batch * length <= _ELEMENTWISE_MAX_ROWS:
-            return self._decode_elementwise(query, flat, plan, block_size)
-        q = query[plan.decode_tokens].view(batch * kv_heads, group, dim)
-        scores = torch.bmm(q, context(plan.decode_k_rows).transpose(1, 2)).float()
-        scores = scores.view(batch, kv_heads, group, length) * self.scale + plan.decode_bias
-        probs = torch.softmax(scores, dim=-1).to(dtype).view(batch * kv_heads, group, length)
-        out = torch.bmm(probs, context(plan.decode_k_rows + block_size))  # [B * KV, group, D]
-        return out.view(batch, self.num_heads, dim)
-
-    def _decode_elementwise(
-        self, query: torch.Tensor, flat: torch.Tensor, plan: _Plan, block_size: int
-    ) -> torch.Tensor:
-        """Small decode batches: broadcast multiply-and-sum in float32, no BLAS call.
-
-        Inside a step, between the large oneDNN matmuls, each tiny ``bmm`` costs ~100 us of
-        dispatch and thread hand-off; for a few hundred context rows plain vector ops are
-        cheaper.
-        """
-        assert plan.decode_tokens is not None and plan.decode_k_rows is not None
-        assert plan.decode_bias is not None
-        batch, kv_heads, dim = plan.decode_tokens.shape[0], self.num_kv_heads, self.head_dim
-        group, length = self.num_heads // kv_heads, plan.decode_max_len
-        shape = (batch, length, kv_heads, 1, dim)
-        q = query[plan.decode_tokens].float().view(batch, 1, kv_heads, group, dim)
-        k = flat.index_select(0, plan.decode_k_rows).view(shape).float()
-        scores = (q * k).sum(-1) * self.scale  # [B, L, KV, group]
-        scores = scores + plan.decode_bias.view(batch, length, 1, 1)
-        probs = torch.softmax(scores, dim=1).unsqueeze(-1)  # [B, L, KV, group, 1]
-        v = flat.index_select(0, plan.decode_k_rows + block_size).view(shape).float()
-        out = (probs * v).sum(1)  # [B, KV, group, D]
-        return out.reshape(batch, self.num_heads, dim).to(query.dtype)
+        out = F.scaled_dot_product_attention(
+            q.reshape(batch, kv_heads, -1, dim),
+            context(plan.k_blocks),
+            context(plan.k_blocks + 1),
+            attn_mask=plan.mask,
+            scale=self.scale,
+        )
+        return out.reshape(batch, self.num_heads, dim)

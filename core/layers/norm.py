@@ -7,6 +7,8 @@ from typing import overload
 import torch
 from torch import nn
 
+from chassis.core.layers.kernels import kernels_for
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension, with a learned scale ``weight``.
@@ -40,6 +42,15 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        kernels = kernels_for(x)
+        if kernels is not None and self.weight.dtype == x.dtype:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return self.forward_reference(x, residual)
+
+    def forward_reference(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The torch implementation (what platform kernels are tested against)."""
         if residual is None:
             return self._normalize(x)
         x = x + residual

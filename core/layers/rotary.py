@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from chassis.core.layers.kernels import kernels_for
+
 #: rope types this module implements (HF ``rope_parameters["rope_type"]``)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -98,10 +100,20 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, Hq, D]`` and ``key [T, Hk, D]`` by ``positions [T]``.
 
-        Computed in the input dtype, as HF does (new tensors; inputs untouched).
+        Computed in the input dtype, as HF does. Platform kernels rotate the given tensors in
+        place and return them; the torch path returns new tensors. Callers must not rely on
+        either: use the returned tensors and treat the inputs as consumed.
         """
-        # All layers share this module and the step's positions tensor: gather the tables
-        # once per step (keyed on the tensor object) and reuse them in every layer.
+        kernels = kernels_for(query)
+        if kernels is not None:
+            kernels.rotary_embedding_(positions, query, key, self.cos_cache, self.sin_cache)
+            return query, key
+        return self.forward_reference(positions, query, key)
+
+    def forward_reference(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch implementation (new tensors; what platform kernels are tested against)."""
         memo = self._memo
         if memo is None or memo[0] is not positions or memo[1] != query.dtype:
             cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [T, 1, D / 2]

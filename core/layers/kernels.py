@@ -1,0 +1,71 @@
+"""How layers find a platform's fused implementations of their ops.
+
+A platform may return a :class:`LayerKernels` from ``Platform.layer_kernels()``. The layers of
+:mod:`chassis.core.layers` ask :func:`kernels_for` on each call and run the kernel when one
+handles the tensor, else their torch code, which stays the reference the kernels are tested
+against.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, overload
+
+import torch
+
+
+class LayerKernels(Protocol):
+    """Fused decoder-layer ops. Each must give what the layer's torch code gives, rounding
+    to the model dtype at the same points (HF transformers' order). Elementwise results are
+    then bit-identical in 16-bit dtypes; where a float32 sum is taken in another order
+    (RMSNorm's mean of squares) or ``exp`` is another approximation (SiLU), rare elements
+    may be one rounding step apart, and float32 results may differ in the last bits."""
+
+    def handles(self, x: torch.Tensor) -> bool:
+        """Whether these kernels accept ``x`` (device, dtype, layout)."""
+        ...
+
+    @overload
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None
+    ) -> torch.Tensor: ...
+
+    @overload
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:class:`~chassis.core.layers.norm.RMSNorm` of ``[tokens, hidden]`` (see there)."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``[tokens, 2d] -> [tokens, d]``, as :class:`~chassis.core.layers.activation.SiluAndMul`."""
+        ...
+
+    def rotary_embedding_(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> None:
+        """Rotate-half RoPE of ``query [T, Hq, D]``/``key [T, Hk, D]`` in place, in their dtype,
+        as :class:`~chassis.core.layers.rotary.RotaryEmbedding` does."""
+        ...
+
+
+def kernels_for(x: torch.Tensor) -> LayerKernels | None:
+    """The current platform's kernels if they handle ``x``, else ``None``."""
+    from chassis.platforms import get_current_platform
+
+    kernels = get_current_platform().layer_kernels()
+    if kernels is not None and kernels.handles(x):
+        return kernels
+    return None

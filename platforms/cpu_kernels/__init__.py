@@ -1,0 +1,133 @@
+"""Fused C++ kernels for the CPU platform, compiled on first use and cached.
+
+``kernels.cpp`` defines torch ops under ``torch.ops.chassis_cpu`` (RMSNorm with the residual
+add, SiLU-and-mul, rotate-half RoPE in place, paged decode attention). :func:`load` compiles it
+once per (source, torch version, compiler, CPU) with the system C++ compiler against the
+installed torch, caches the shared library under ``$CHASSIS_CACHE_DIR/cpu_kernels`` (default
+``~/.cache/chassis``), and loads it. Compiling takes ~10-20 s on two cores; later processes
+load the cached library in milliseconds.
+
+Every op has a torch reference that the layers use when the kernels are unavailable (no
+compiler, a failed build, or ``CHASSIS_CPU_KERNELS=0``); tests compare the two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+#: set to 0 to run the torch reference ops instead of the compiled kernels
+ENV_SWITCH = "CHASSIS_CPU_KERNELS"
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether ``CHASSIS_CPU_KERNELS`` allows the compiled kernels (default: yes)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("CHASSIS_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "chassis"
+    )
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags: ``-march=native`` code must not move to another CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def _build_key(compiler: str) -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), compiler.encode()):
+        digest.update(part)
+    digest.update(" ".join(_FLAGS).encode())
+    digest.update(_cpu_fingerprint().encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile(compiler: str, target: Path) -> None:
+    from torch.utils.cpp_extension import include_paths
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name and rename: concurrent processes (an engine core and its
+    # parent, parallel tests) may build at once; each rename is atomic and the results equal.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [
+        compiler,
+        *_FLAGS,
+        "-std=c++20",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in include_paths()),
+        str(SOURCE),
+        "-o",
+        tmp,
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            errors = [ln for ln in result.stderr.splitlines() if "error" in ln][:5]
+            raise RuntimeError(f"{compiler} exited with {result.returncode}: {errors}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@cache
+def load() -> Any | None:
+    """Compile (once) and load the kernels; return ``torch.ops.chassis_cpu`` or ``None``.
+
+    ``None`` (with one warning saying why) when ``CHASSIS_CPU_KERNELS=0``, no C++ compiler is
+    found, or the build fails; callers then use their torch reference path.
+    """
+    if not enabled():
+        return None
+    with _lock:
+        compiler = _compiler()
+        if compiler is None:
+            logger.warning("no C++ compiler found: CPU kernels disabled (torch reference ops)")
+            return None
+        target = _cache_dir() / f"chassis_cpu_{_build_key(compiler)}.so"
+        try:
+            if not target.exists():
+                logger.info("compiling the CPU kernels (once; cached in %s)", target.parent)
+                _compile(compiler, target)
+            torch.ops.load_library(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            logger.warning("CPU kernels unavailable, using torch reference ops: %s", exc)
+            return None
+        return torch.ops.chassis_cpu

@@ -1,0 +1,541 @@
+// Fused CPU kernels for the decoder layer, registered as torch ops under `chassis_cpu::`.
+//
+// Each op computes what its torch reference in chassis computes, in the same rounding order
+// (HF transformers' order): intermediate values are rounded to the tensor dtype exactly where
+// the reference rounds them, and accumulated in float32 (sums in another order than torch's,
+// so rare 16-bit results differ by one rounding step; see core/layers/kernels.py). They exist because, on a CPU, a
+// decoder layer written as torch ops spends much of its time in small memory-bound ops and
+// in per-op dispatch; one pass per fused op is cheaper. Compiled at first use by
+// chassis/platforms/cpu_kernels/build.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// float32, bfloat16 and float16 (the dtypes chassis runs models in)
+#define CHASSIS_DISPATCH(TYPE, NAME, ...)                  \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                           \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)    \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Sum of squares with 16 independent accumulators (vectorizable without -ffast-math).
+inline float sum_squares(const float* x, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  float total = 0;
+  for (; i < n; ++i) total += x[i] * x[i];
+  for (int j = 0; j < 16; ++j) total += acc[j];
+  return total;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  float total = 0;
+  for (; i < n; ++i) total += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) total += acc[j];
+  return total;
+}
+
+// ---- 16-lane float helpers: AVX-512 when the compiler targets it, else plain loops -------
+#ifdef __AVX512F__
+#include <immintrin.h>
+constexpr bool kSimd = true;
+using vf = __m512;
+inline vf load16(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline vf load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// exp(x) for x <= 0 (softmax weights): 2^n * poly(r), ~2 ulp; exp(-inf) = 0.
+inline vf exp_nonpositive(vf x) {
+  const vf lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  vf y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_mask_blend_ps(tiny, y, _mm512_setzero_ps());
+}
+// Round 16 floats to T (nearest-even, as c10's conversions do) and store them / return them
+// as floats. bfloat16 rounding is done on the integer bits so denormals match c10 exactly.
+inline __m512i bf16_round_bits(vf v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+inline void store16(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v), 16)));
+}
+inline void store16(c10::Half* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <typename T>
+inline vf round16(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(bf16_round_bits(v));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// silu(x) = x / (1 + exp(-x)) in float32 for 16 lanes (exp by exp_nonpositive on -|x|).
+inline vf silu16(vf x) {
+  const vf one = _mm512_set1_ps(1.0f);
+  const vf neg_abs = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));
+  const vf e = exp_nonpositive(neg_abs);  // exp(-|x|) in (0, 1]
+  // x >= 0: x / (1 + e); x < 0: x / (1 + 1/e) = x * e / (1 + e). One division either way.
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const vf numerator = _mm512_mask_mul_ps(x, negative, x, e);
+  return _mm512_div_ps(numerator, _mm512_add_ps(one, e));
+}
+
+// Lane i of the result = sum of the 16 lanes of v[i] (a transpose-and-add tree: 4 stages of
+// shuffles instead of 16 separate horizontal reductions).
+inline vf hsum16(const vf* v) {
+  vf c[4];
+  for (int k = 0; k < 4; ++k) {
+    const vf s = _mm512_add_ps(_mm512_unpacklo_ps(v[4 * k], v[4 * k + 1]),
+                               _mm512_unpackhi_ps(v[4 * k], v[4 * k + 1]));
+    const vf t = _mm512_add_ps(_mm512_unpacklo_ps(v[4 * k + 2], v[4 * k + 3]),
+                               _mm512_unpackhi_ps(v[4 * k + 2], v[4 * k + 3]));
+    c[k] = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s), _mm512_castps_pd(t))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s), _mm512_castps_pd(t))));
+  }
+  const vf e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
+                               _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  const vf e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
+                               _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88),
+                       _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
+#else
+constexpr bool kSimd = false;
+#endif
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2, name, " must be 2-D [rows, hidden]");
+  TORCH_CHECK(x.stride(1) == 1, name, " must have contiguous rows");
+}
+
+// RMSNorm of each row of `x` (after adding `residual` when given; the rounded sum is written
+// to `sum_out`): out = round(w * round(s * rsqrt(mean(s^2) + eps))), statistics in float32.
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                   double eps, at::Tensor& out, at::Tensor* sum_out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x.data_ptr<T>() + r * x.stride(0);
+      const T* rr = residual == nullptr ? nullptr : residual->data_ptr<T>() + r * residual->stride(0);
+      T* so = sum_out == nullptr ? nullptr : sum_out->data_ptr<T>() + r * sum_out->stride(0);
+      T* o = out.data_ptr<T>() + r * out.stride(0);
+      int64_t i = 0;
+#ifdef __AVX512F__
+      for (; i + 16 <= n; i += 16) {
+        vf v = load16(xr + i);
+        if (rr != nullptr) {
+          v = round16<T>(_mm512_add_ps(v, load16(rr + i)));
+          store16(so + i, v);
+        }
+        _mm512_storeu_ps(s.data() + i, v);
+      }
+#endif
+      for (; i < n; ++i) {
+        if (rr != nullptr) {
+          const T v = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          so[i] = v;
+          s[i] = static_cast<float>(v);
+        } else {
+          s[i] = static_cast<float>(xr[i]);
+        }
+      }
+      const float inv = 1.0f / std::sqrt(sum_squares(s.data(), n) / static_cast<float>(n) +
+                                         static_cast<float>(eps));
+      i = 0;
+#ifdef __AVX512F__
+      const vf vinv = _mm512_set1_ps(inv);
+      for (; i + 16 <= n; i += 16) {
+        const vf normed = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(s.data() + i), vinv));
+        store16(o + i, _mm512_mul_ps(load16(w + i), normed));
+      }
+#endif
+      for (; i < n; ++i)
+        o[i] = static_cast<T>(static_cast<float>(w[i]) * round_to<T>(s[i] * inv));
+    }
+  });
+}
+
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                 const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [hidden] in x's dtype");
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor sum;
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x");
+    sum = at::empty_like(x, at::MemoryFormat::Contiguous);
+  }
+  CHASSIS_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x, residual.has_value() ? &*residual : nullptr, weight, eps, out,
+                            residual.has_value() ? &sum : nullptr);
+  });
+  if (residual.has_value()) return {out, sum};
+  return {out};
+}
+
+// [T, 2d] -> [T, d]: round(round(silu(gate)) * up), silu computed in float32.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "last dim must be even");
+  at::Tensor out = at::empty({rows, d}, x.options());
+  CHASSIS_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
+    using T = scalar_t;
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = x.data_ptr<T>() + r * x.stride(0);
+        const T* u = g + d;
+        T* o = out.data_ptr<T>() + r * d;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= d; i += 16)
+          store16(o + i, _mm512_mul_ps(round16<T>(silu16(load16(g + i))), load16(u + i)));
+#endif
+        for (; i < d; ++i) {
+          const float gv = static_cast<float>(g[i]);
+          const float a = round_to<T>(gv / (1.0f + std::exp(-gv)));
+          o[i] = static_cast<T>(a * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotate-half RoPE in place on `x` [T, H, D] (rows may be strided; each head contiguous), in
+// the tensor dtype as HF does: c = round(cos), s = round(sin),
+// x1' = round(round(x1 * c) - round(x2 * s)), x2' = round(round(x2 * c) + round(x1 * s)).
+template <typename T>
+void rotate_half(at::Tensor& x, const int64_t* pos, const float* cos_cache,
+                 const float* sin_cache, int64_t half) {
+  const int64_t tokens = x.size(0), heads = x.size(1);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(half), s(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cr = cos_cache + pos[t] * half;
+      const float* sr = sin_cache + pos[t] * half;
+      for (int64_t i = 0; i < half; ++i) {
+        c[i] = round_to<T>(cr[i]);
+        s[i] = round_to<T>(sr[i]);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= half; i += 16) {
+          const vf x1 = load16(v + i), x2 = load16(v + i + half);
+          const vf cv = _mm512_loadu_ps(c.data() + i), sv = _mm512_loadu_ps(s.data() + i);
+          const vf r1 = round16<T>(_mm512_sub_ps(round16<T>(_mm512_mul_ps(x1, cv)),
+                                                 round16<T>(_mm512_mul_ps(x2, sv))));
+          const vf r2 = round16<T>(_mm512_add_ps(round16<T>(_mm512_mul_ps(x2, cv)),
+                                                 round16<T>(_mm512_mul_ps(x1, sv))));
+          store16(v + i, r1);
+          store16(v + i + half, r2);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
+          v[i] = static_cast<T>(round_to<T>(x1 * c[i]) - round_to<T>(x2 * s[i]));
+          v[i + half] = static_cast<T>(round_to<T>(x2 * c[i]) + round_to<T>(x1 * s[i]));
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key,
+                      const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be contiguous int64");
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && cos_cache.is_contiguous() &&
+                  sin_cache.is_contiguous() && sin_cache.sizes() == cos_cache.sizes(),
+              "cos/sin caches must be contiguous float32 [max_position, head_dim / 2]");
+  const int64_t half = cos_cache.size(1);
+  for (const at::Tensor* x : {&query, &key}) {
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(2) == 2 * half &&
+                    x->size(0) == positions.size(0),
+                "query/key must be [tokens, heads, head_dim] with contiguous heads");
+  }
+  const int64_t max_pos = cos_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range of the rotary cache");
+  CHASSIS_DISPATCH(query.scalar_type(), "rotary", [&] {
+    rotate_half<scalar_t>(query, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(),
+                          half);
+    rotate_half<scalar_t>(key, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(),
+                          half);
+  });
+}
+
+// Single-token (decode) attention over a paged cache [num_blocks, 2, block_size, KV, D].
+// query [B, H, D] (H = KV * group); request b attends to its first seq_lens[b] positions,
+// found through block_table[b]. Float32 scores, softmax and accumulator (online softmax, one
+// cache block at a time); the output is rounded to the query dtype once.
+// Geometry of one decode_attention call, shared by the SIMD and the scalar paths.
+struct DecodeShape {
+  int64_t batch, kv_heads, group, dim, block_size;
+  int64_t blk_stride, kv_stride, pos_stride, table_stride, q_b, q_h, o_b, o_h;
+  float scale;
+};
+
+#ifdef __AVX512F__
+// One request, kv heads [h0, h1): 16 positions at a time; each K/V row read serves all
+// `group` query rows of its kv head. Covering all kv heads of a request in one item reads its
+// cache blocks front to back (whole cache lines, a stream the hardware prefetcher follows).
+// Requires dim % 16 == 0, dim <= 256 and group <= 16. `q_in`/`out` point at the request's
+// first query row, `cache` at the layer's cache.
+template <typename T>
+void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, const int32_t* table,
+                      int64_t len, T* out, int64_t h0, int64_t h1, float* q, float* acc,
+                      float* m, float* l) {
+  const int64_t G = sh.group, D = sh.dim, chunks = sh.dim / 16;
+  for (int64_t row = h0 * G; row < h1 * G; ++row) {
+    const T* qr = q_in + row * sh.q_h;
+    for (int64_t d = 0; d < D; ++d) q[row * D + d] = static_cast<float>(qr[d]) * sh.scale;
+    m[row] = -std::numeric_limits<float>::infinity();
+    l[row] = 0;
+  }
+  std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.0f);
+  vf part[16][16];  // [group][position]
+  float weights[16][16];
+  for (int64_t start = 0; start < len; start += 16) {
+    const int64_t n = std::min<int64_t>(16, len - start);
+    const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const T* rows[16];
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t pos = start + p;
+      const T* blk = cache + static_cast<int64_t>(table[pos / sh.block_size]) * sh.blk_stride;
+      rows[p] = blk + (pos % sh.block_size) * sh.pos_stride;
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* qh = q + h * G * D;
+      float* ah = acc + h * G * D;
+      // scores: part[g][p] = sum over dim chunks of q_g * k_p (unreduced), then one tree
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = 0; p < 16; ++p) part[g][p] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < n; ++p)
+        for (int64_t c = 0; c < chunks; ++c) {
+          const vf k = load16(rows[p] + h * D + c * 16);
+          for (int64_t g = 0; g < G; ++g)
+            part[g][p] = _mm512_fmadd_ps(load16(qh + g * D + c * 16), k, part[g][p]);
+        }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * G + g;
+        const vf sc = hsum16(part[g]);
+        const float new_max = std::max(m[r], _mm512_mask_reduce_max_ps(lanes, sc));
+        const vf e = _mm512_maskz_mov_ps(
+            lanes, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+        const float correction = std::exp(m[r] - new_max);  // 0 on the first chunk
+        l[r] = l[r] * correction + _mm512_reduce_add_ps(e);
+        m[r] = new_max;
+        _mm512_storeu_ps(weights[g], e);
+        if (correction != 1.0f) {
+          const vf cv = _mm512_set1_ps(correction);
+          for (int64_t c = 0; c < chunks; ++c) {
+            float* a = ah + g * D + c * 16;
+            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), cv));
+          }
+        }
+      }
+      for (int64_t p = 0; p < n; ++p) {
+        const T* v = rows[p] + sh.kv_stride + h * D;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const vf vv = load16(v + c * 16);
+          for (int64_t g = 0; g < G; ++g) {
+            float* a = ah + g * D + c * 16;
+            _mm512_storeu_ps(
+                a, _mm512_fmadd_ps(_mm512_set1_ps(weights[g][p]), vv, _mm512_loadu_ps(a)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t row = h0 * G; row < h1 * G; ++row) {
+    const float inv = l[row] > 0 ? 1.0f / l[row] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[row * sh.o_h + d] = static_cast<T>(acc[row * D + d] * inv);
+  }
+}
+#endif
+
+// Portable path: one position at a time.
+template <typename T>
+void decode_item_scalar(const DecodeShape& sh, const T* q_in, const T* cache,
+                        const int32_t* table, int64_t len, T* out) {
+  const int64_t G = sh.group, D = sh.dim;
+  std::vector<float> q(G * D), acc(G * D, 0.0f), row(D), m(G), l(G, 0.0f);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(q_in[g * sh.q_h + d]) * sh.scale;
+    m[g] = -std::numeric_limits<float>::infinity();
+  }
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const T* k = cache + static_cast<int64_t>(table[pos / sh.block_size]) * sh.blk_stride +
+                 (pos % sh.block_size) * sh.pos_stride;
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[d]);
+    std::vector<float> w(G);
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = dot(q.data() + g * D, row.data(), D);
+      const float new_max = std::max(m[g], s);
+      const float correction = std::exp(m[g] - new_max);
+      w[g] = std::exp(s - new_max);
+      l[g] = l[g] * correction + w[g];
+      m[g] = new_max;
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= correction;
+    }
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[sh.kv_stride + d]);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w[g] * row[d];
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0 ? 1.0f / l[g] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[g * sh.o_h + d] = static_cast<T>(acc[g * D + d] * inv);
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens,
+                           double scale, at::Tensor& out) {
+  const DecodeShape sh{query.size(0),       kv_cache.size(3),    query.size(1) / kv_cache.size(3),
+                       query.size(2),       kv_cache.size(2),    kv_cache.stride(0),
+                       kv_cache.stride(1),  kv_cache.stride(2),  block_table.stride(0),
+                       query.stride(0),     query.stride(1),     out.stride(0),
+                       out.stride(1),       static_cast<float>(scale)};
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const T* cache = kv_cache.data_ptr<T>();
+  const T* qbase = query.data_ptr<T>();
+  T* obase = out.data_ptr<T>();
+  const bool simd = kSimd && sh.dim % 16 == 0 && sh.dim <= 256 && sh.group <= 16;
+  // Whole requests per work item when there are enough of them to keep every thread busy
+  // (sequential reads of each block), else (request, kv head) pairs.
+  const int64_t per_item = sh.batch >= 2 * at::get_num_threads() ? sh.kv_heads : 1;
+  const int64_t items = sh.batch * (sh.kv_heads / per_item);
+  const int64_t heads = sh.kv_heads * sh.group;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(heads * sh.dim), acc(heads * sh.dim), m(heads), l(heads);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item * per_item / sh.kv_heads;
+      const int64_t h0 = item * per_item % sh.kv_heads, h1 = h0 + per_item;
+      const T* qb = qbase + b * sh.q_b;
+      T* ob = obase + b * sh.o_b;
+      const int32_t* t = table + b * sh.table_stride;
+#ifdef __AVX512F__
+      if (simd) {
+        decode_item_simd<T>(sh, qb, cache, t, lens[b], ob, h0, h1, q.data(), acc.data(),
+                            m.data(), l.data());
+        continue;
+      }
+#endif
+      for (int64_t h = h0; h < h1; ++h)
+        decode_item_scalar<T>(sh, qb + h * sh.group * sh.q_h, cache + h * sh.dim, t, lens[b],
+                              ob + h * sh.group * sh.o_h);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens,
+                            double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [B, H, D], D contiguous");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
+              "kv_cache must be contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache must have query's dtype");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
+              "head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1 && block_table.size(0) >= query.size(0),
+              "block_table must be int32 [>= B, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  seq_lens.size(0) >= query.size(0),
+              "seq_lens must be contiguous int32 [>= B]");
+  const int64_t block_size = kv_cache.size(2);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < query.size(0); ++b)
+    TORCH_CHECK(lens[b] >= 0 && (lens[b] + block_size - 1) / block_size <= block_table.size(1),
+                "seq_lens[", b, "] needs more blocks than block_table has");
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  CHASSIS_DISPATCH(query.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(query, kv_cache, block_table, seq_lens, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chassis_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_cache, "
+      "Tensor sin_cache) -> ()");
+  m.def(
+      "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(chassis_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("decode_attention", &decode_attention);
+}

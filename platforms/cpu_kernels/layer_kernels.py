@@ -1,0 +1,54 @@
+"""The CPU platform's :class:`~chassis.core.layers.kernels.LayerKernels`: the compiled ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CpuLayerKernels:
+    """Runs RMSNorm, SiLU-and-mul and RoPE with the ``chassis_cpu`` ops of ``kernels.cpp``."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+
+    def handles(self, x: torch.Tensor) -> bool:
+        # Tensors that need autograd go to the torch code (the kernels define no backward).
+        return (
+            x.device.type == "cpu"
+            and x.dtype in _DTYPES
+            and not (x.requires_grad and torch.is_grad_enabled())
+        )
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> Any:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        r2 = None if residual is None else residual.reshape(-1, shape[-1])
+        outs = self.ops.rms_norm(x2, r2, weight.to(x.dtype), eps)
+        if residual is None:
+            return outs[0].view(shape)
+        return outs[0].view(shape), outs[1].view(shape)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = self.ops.silu_and_mul(x.reshape(-1, shape[-1]))
+        return out.view(*shape[:-1], shape[-1] // 2)
+
+    def rotary_embedding_(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> None:
+        self.ops.rotary_embedding(positions.long(), query, key, cos_cache, sin_cache)

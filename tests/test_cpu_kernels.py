@@ -1,0 +1,137 @@
+"""The compiled CPU kernels against the torch code of the layers they replace."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from chassis.core.layers.activation import SiluAndMul
+from chassis.core.layers.kernels import kernels_for
+from chassis.core.layers.norm import RMSNorm
+from chassis.core.layers.rotary import RotaryEmbedding
+from chassis.platforms import cpu_kernels
+from chassis.platforms.cpu_kernels.layer_kernels import CpuLayerKernels
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuLayerKernels:
+    ops = cpu_kernels.load()
+    assert ops is not None, "the CPU kernels did not build (is a C++ compiler installed?)"
+    return CpuLayerKernels(ops)
+
+
+def _exact_or_close(actual: torch.Tensor, expected: torch.Tensor, exact: bool = True) -> None:
+    """16-bit results are bit-identical (or, where a float32 sum is taken in another order,
+    one rounding step apart in rare elements); float32 ones may differ in the last bits."""
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    elif exact:
+        assert torch.equal(actual, expected)
+    else:
+        assert (actual != expected).float().mean().item() < 1e-2
+        step = 2**-7 if expected.dtype == torch.bfloat16 else 2**-10
+        torch.testing.assert_close(actual, expected, rtol=step, atol=step)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 72, 576])  # 72: a tail past the 16-lane vectors
+@pytest.mark.parametrize("tokens", [1, 33])
+@torch.no_grad()
+def test_rms_norm_matches_module(kernels, dtype, hidden, tokens):
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data.normal_()
+    x = torch.randn(tokens, hidden).to(dtype) * 3
+    residual = torch.randn(tokens, hidden).to(dtype)
+    # the mean of squares is summed in another order than torch's: rare one-step differences
+    expected = norm.forward_reference(x)
+    _exact_or_close(kernels.rms_norm(x, norm.weight, norm.eps), expected, exact=False)
+    out, summed = kernels.rms_norm(x, norm.weight, norm.eps, residual)
+    ref_out, ref_sum = norm.forward_reference(x, residual)
+    _exact_or_close(out, ref_out, exact=False)
+    assert torch.equal(summed, ref_sum)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [2 * 1536, 2 * 40])
+def test_silu_and_mul_matches_module(kernels, dtype, width):
+    torch.manual_seed(0)
+    x = (torch.randn(17, width) * 4).to(dtype)
+    x[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 80.0, -80.0, 1e-3, -1e-3])
+    expected = SiluAndMul().forward_reference(x)
+    actual = kernels.silu_and_mul(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    else:
+        # exp differs from torch's vectorized exp by an ulp or two of float32, which can move
+        # a 16-bit rounding in rare elements; one step at most
+        mismatched = (actual != expected).float().mean().item()
+        assert mismatched < 1e-3
+        torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: half = 20, a vector and a scalar tail
+def test_rotary_matches_module_on_fused_qkv_views(kernels, dtype, head_dim):
+    torch.manual_seed(0)
+    heads, kv_heads, tokens = 6, 2, 9
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    positions = torch.tensor([0, 1, 5, 17, 100, 1023, 2047, 3000, 4095])
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = t[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = t[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        return q, k
+
+    ref_q, ref_k = rope.forward_reference(positions, *views(qkv))
+    fused = qkv.clone()
+    q, k = views(fused)
+    kernels.rotary_embedding_(positions, q, k, rope.cos_cache, rope.sin_cache)
+    _exact_or_close(q, ref_q)
+    _exact_or_close(k, ref_k)
+    # only q and k were written: v is untouched
+    v_start = (heads + kv_heads) * head_dim
+    assert torch.equal(fused[:, v_start:], qkv[:, v_start:])
+
+
+def test_layers_use_the_platform_kernels_on_the_cpu(kernels):
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert kernels_for(x) is not None
+    # autograd needs the torch code (the kernels define no backward)
+    assert kernels_for(torch.randn(3, 64, requires_grad=True)) is None
+    assert kernels_for(torch.zeros(3, dtype=torch.int64)) is None
+
+
+def test_rotary_rejects_positions_past_its_cache(kernels):
+    rope = RotaryEmbedding(16, 8, {"rope_type": "default", "rope_theta": 10000.0})
+    q, k = torch.zeros(1, 1, 16), torch.zeros(1, 1, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.rotary_embedding_(torch.tensor([8]), q, k, rope.cos_cache, rope.sin_cache)
+
+
+@pytest.fixture
+def fresh_load(monkeypatch, tmp_path):
+    """``cpu_kernels.load`` with its memo cleared (and cleared again afterwards)."""
+    monkeypatch.setenv("CHASSIS_CACHE_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    yield cpu_kernels.load
+    cpu_kernels.load.cache_clear()
+
+
+def test_switched_off_by_environment(fresh_load, monkeypatch, tmp_path):
+    monkeypatch.setenv("CHASSIS_CPU_KERNELS", "0")
+    assert fresh_load() is None
+    assert not list(tmp_path.iterdir())  # nothing compiled
+
+
+def test_failed_build_falls_back_with_a_warning(fresh_load, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    with caplog.at_level(logging.WARNING, logger="chassis.platforms.cpu_kernels"):
+        assert fresh_load() is None
+    assert "CPU kernels unavailable" in caplog.text
+    assert not list((tmp_path / "cpu_kernels").glob("*.so"))  # no half-written library left
