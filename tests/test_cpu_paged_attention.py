@@ -22,9 +22,9 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("decode_path", "head_dim"),
-    # the compiled kernel's vectorized path (head_dim % 16 == 0) and its portable path, and
+    # the compiled kernel's vectorized paths (head_dim 32, 64) and its portable path, and
     # the SDPA fallback used without compiled kernels
-    [("kernel", 16), ("kernel", 24), ("sdpa", 16)],
+    [("kernel", 32), ("kernel", 64), ("kernel", 24), ("sdpa", 16)],
 )
 def test_matches_dense_reference_and_torch_paged(
     case, block_size, num_heads, num_kv_heads, dtype, decode_path, head_dim

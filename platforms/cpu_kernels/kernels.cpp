@@ -344,11 +344,12 @@ struct DecodeShape {
 // cache blocks front to back (whole cache lines, a stream the hardware prefetcher follows).
 // Requires dim % 16 == 0, dim <= 256 and group <= 16. `q_in`/`out` point at the request's
 // first query row, `cache` at the layer's cache.
-template <typename T>
+template <typename T, int C>
 void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, const int32_t* table,
                       int64_t len, T* out, int64_t h0, int64_t h1, float* q, float* acc,
                       float* m, float* l) {
-  const int64_t G = sh.group, D = sh.dim, chunks = sh.dim / 16;
+  // C = dim / 16 is a compile-time constant so the per-row vectors live in registers.
+  const int64_t G = sh.group, D = 16 * C;
   for (int64_t row = h0 * G; row < h1 * G; ++row) {
     const T* qr = q_in + row * sh.q_h;
     for (int64_t d = 0; d < D; ++d) q[row * D + d] = static_cast<float>(qr[d]) * sh.scale;
@@ -357,7 +358,7 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
   }
   std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.0f);
   vf part[16][16];  // [group][position]
-  float weights[16][16];
+  float weights[16][16], corrections[16];
   for (int64_t start = 0; start < len; start += 16) {
     const int64_t n = std::min<int64_t>(16, len - start);
     const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
@@ -367,18 +368,36 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
       const T* blk = cache + static_cast<int64_t>(table[pos / sh.block_size]) * sh.blk_stride;
       rows[p] = blk + (pos % sh.block_size) * sh.pos_stride;
     }
+    // The cache is read once per step, from memory: request the next chunk's K and V rows
+    // (the kv heads this item covers) now, so their loads overlap this chunk's arithmetic.
+    for (int64_t pos = start + 16; pos < std::min<int64_t>(start + 32, len); ++pos) {
+      const char* next = reinterpret_cast<const char*>(
+          cache + static_cast<int64_t>(table[pos / sh.block_size]) * sh.blk_stride +
+          (pos % sh.block_size) * sh.pos_stride + h0 * D);
+      const int64_t bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(T));
+      const int64_t v_offset = sh.kv_stride * static_cast<int64_t>(sizeof(T));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch(next + off, _MM_HINT_T0);
+        _mm_prefetch(next + v_offset + off, _MM_HINT_T0);
+      }
+    }
     for (int64_t h = h0; h < h1; ++h) {
       const float* qh = q + h * G * D;
       float* ah = acc + h * G * D;
-      // scores: part[g][p] = sum over dim chunks of q_g * k_p (unreduced), then one tree
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t p = 0; p < 16; ++p) part[g][p] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < n; ++p)
-        for (int64_t c = 0; c < chunks; ++c) {
-          const vf k = load16(rows[p] + h * D + c * 16);
-          for (int64_t g = 0; g < G; ++g)
-            part[g][p] = _mm512_fmadd_ps(load16(qh + g * D + c * 16), k, part[g][p]);
+      // scores: part[g][p] = q_g * k_p summed over dim chunks (16 lanes, unreduced), then
+      // one transpose-and-add tree per group row
+      for (int64_t p = 0; p < n; ++p) {
+        vf k[C];
+        for (int c = 0; c < C; ++c) k[c] = load16(rows[p] + h * D + c * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          vf sum = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D), k[0]);
+          for (int c = 1; c < C; ++c)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + c * 16), k[c], sum);
+          part[g][p] = sum;
         }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = n; p < 16; ++p) part[g][p] = _mm512_setzero_ps();
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = h * G + g;
         const vf sc = hsum16(part[g]);
@@ -389,24 +408,20 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
         l[r] = l[r] * correction + _mm512_reduce_add_ps(e);
         m[r] = new_max;
         _mm512_storeu_ps(weights[g], e);
-        if (correction != 1.0f) {
-          const vf cv = _mm512_set1_ps(correction);
-          for (int64_t c = 0; c < chunks; ++c) {
-            float* a = ah + g * D + c * 16;
-            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), cv));
-          }
-        }
+        corrections[g] = correction;
       }
-      for (int64_t p = 0; p < n; ++p) {
-        const T* v = rows[p] + sh.kv_stride + h * D;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const vf vv = load16(v + c * 16);
-          for (int64_t g = 0; g < G; ++g) {
-            float* a = ah + g * D + c * 16;
-            _mm512_storeu_ps(
-                a, _mm512_fmadd_ps(_mm512_set1_ps(weights[g][p]), vv, _mm512_loadu_ps(a)));
-          }
+      // acc_g = acc_g * correction_g + sum_p w_gp * v_p, the C chunks of acc_g in registers
+      for (int64_t g = 0; g < G; ++g) {
+        float* ag = ah + g * D;
+        const vf cv = _mm512_set1_ps(corrections[g]);
+        vf a[C];
+        for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(ag + c * 16), cv);
+        for (int64_t p = 0; p < n; ++p) {
+          const T* v = rows[p] + sh.kv_stride + h * D;
+          const vf w = _mm512_set1_ps(weights[g][p]);
+          for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(w, load16(v + c * 16), a[c]);
         }
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(ag + c * 16, a[c]);
       }
     }
   }
@@ -465,7 +480,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
   const T* cache = kv_cache.data_ptr<T>();
   const T* qbase = query.data_ptr<T>();
   T* obase = out.data_ptr<T>();
-  const bool simd = kSimd && sh.dim % 16 == 0 && sh.dim <= 256 && sh.group <= 16;
+  const bool simd = kSimd && (sh.dim == 32 || sh.dim == 64 || sh.dim == 128 || sh.dim == 256) &&
+                    sh.group <= 16;
   // Whole requests per work item when there are enough of them to keep every thread busy
   // (sequential reads of each block), else (request, kv head) pairs.
   const int64_t per_item = sh.batch >= 2 * at::get_num_threads() ? sh.kv_heads : 1;
@@ -481,8 +497,17 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
       const int32_t* t = table + b * sh.table_stride;
 #ifdef __AVX512F__
       if (simd) {
-        decode_item_simd<T>(sh, qb, cache, t, lens[b], ob, h0, h1, q.data(), acc.data(),
-                            m.data(), l.data());
+        auto run = [&](auto chunks) {
+          decode_item_simd<T, decltype(chunks)::value>(sh, qb, cache, t, lens[b], ob, h0, h1,
+                                                        q.data(), acc.data(), m.data(),
+                                                        l.data());
+        };
+        switch (sh.dim) {
+          case 32: run(std::integral_constant<int, 2>{}); break;
+          case 64: run(std::integral_constant<int, 4>{}); break;
+          case 128: run(std::integral_constant<int, 8>{}); break;
+          default: run(std::integral_constant<int, 16>{}); break;  // 256
+        }
         continue;
       }
 #endif
