@@ -40,6 +40,9 @@ def get_current_platform() -> Platform:
     :raises PluginLoadError: a platform plugin failed to load.
     """
     global _current, _resolving
+    current = _current
+    if current is not None:  # the hot path (layers ask per call): no lock once resolved
+        return current
     with _lock:
         if _current is None:
             if _resolving:

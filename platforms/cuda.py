@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +16,16 @@ from chassis.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
+    from chassis.core.layers.kernels import LayerKernels
+
+
+@cache
+def _triton_layer_kernels() -> LayerKernels | None:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from chassis.core.layers.triton_ops import TritonLayerKernels
+
+    return TritonLayerKernels()
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,11 @@ class TorchCudaLikePlatform(Platform):
 
     def default_attention_backend(self, config: EngineConfig) -> str:
         return "triton_paged"
+
+    def layer_kernels(self) -> LayerKernels | None:
+        """The Triton RMSNorm(+residual), SiLU-and-mul and RoPE kernels (``core/layers/
+        triton_ops``), when Triton is installed; the layers' torch code otherwise."""
+        return _triton_layer_kernels()
 
     def supports_graph_capture(self) -> bool:
         return True

@@ -126,6 +126,39 @@ def test_rotary_kernel_in_place(dtype: torch.dtype, is_neox: bool, rot_dim: int)
 
 
 @in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_kernels_match_the_model_layers(dtype: torch.dtype) -> None:
+    """TritonLayerKernels (what the CUDA platform hands the layers) against the layers' torch
+    code, including RoPE in HF's rounding order."""
+    from chassis.core.layers import triton_ops
+    from chassis.core.layers.activation import SiluAndMul
+    from chassis.core.layers.norm import RMSNorm
+    from chassis.core.layers.rotary import RotaryEmbedding
+
+    kernels = triton_ops.TritonLayerKernels()
+    head_dim, num_q, num_k, tokens = 16, 4, 2, 5
+    rope = RotaryEmbedding(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    qkv = _randn(tokens, (num_q + 2 * num_k) * head_dim, dtype=dtype)
+    q = qkv[:, : num_q * head_dim].view(tokens, num_q, head_dim)
+    k = qkv[:, num_q * head_dim : (num_q + num_k) * head_dim].view(tokens, num_k, head_dim)
+    positions = torch.tensor([0, 7, 3, 60, 1])
+    ref_q, ref_k = rope.forward_reference(positions, q, k)
+    kernels.rotary_embedding_(positions, q, k, rope.cos_cache, rope.sin_cache)
+    _close(q, ref_q)
+    _close(k, ref_k)
+
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    x, r = _randn(3, 48, dtype=dtype), _randn(3, 48, dtype=dtype, seed=1)
+    with torch.no_grad():
+        for got, want in zip(
+            kernels.rms_norm(x, norm.weight, 1e-6, r), norm.forward_reference(x, r), strict=True
+        ):
+            _close(got, want)
+    g = _randn(3, 40, dtype=dtype)
+    _close(kernels.silu_and_mul(g), SiluAndMul().forward_reference(g))
+
+
+@in_interpreter
 def test_rotary_kernel_on_3d_heads() -> None:
     from chassis.core.layers import triton_ops
 
@@ -154,11 +187,18 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
             float_args=("eps",),
         )
     compile_kernel(triton_ops._silu_and_mul_kernel, target, dict(BLOCK=1024))
-    for is_neox in (True, False):
+    for is_neox, hf_rounding in ((True, False), (False, False), (True, True)):
         compile_kernel(
             triton_ops._rotary_kernel,
             target,
-            dict(HEAD_DIM=128, HALF=64, HALF_PAD=64, HEADS_PAD=16, IS_NEOX=is_neox),
+            dict(
+                HEAD_DIM=128,
+                HALF=64,
+                HALF_PAD=64,
+                HEADS_PAD=16,
+                IS_NEOX=is_neox,
+                HF_ROUNDING=hf_rounding,
+            ),
             pointer_types={"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
         )
 
@@ -168,7 +208,8 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_references_agree_with_the_model_layers(dtype: torch.dtype) -> None:
-    """The fused ops' references compute what chassis.core.layers' modules compute."""
+    """The fused ops' references compute what chassis.core.layers' modules' torch code
+    (``forward_reference``; ``forward`` may run a platform kernel) computes."""
     from chassis.core.layers.activation import SiluAndMul
     from chassis.core.layers.norm import RMSNorm
     from chassis.core.layers.rotary import RotaryEmbedding
@@ -178,17 +219,19 @@ def test_references_agree_with_the_model_layers(dtype: torch.dtype) -> None:
         norm.weight.copy_(1 + 0.1 * _randn(64, dtype=torch.float32, seed=3))
     x, residual = _randn(4, 64, dtype=dtype), _randn(4, 64, dtype=dtype, seed=1)
     with torch.no_grad():
-        assert torch.equal(fused_ops.rms_norm_ref(x, norm.weight, 1e-6), norm(x))
+        assert torch.equal(fused_ops.rms_norm_ref(x, norm.weight, 1e-6), norm.forward_reference(x))
         for got, want in zip(
-            fused_ops.rms_norm_ref(x, norm.weight, 1e-6, residual), norm(x, residual), strict=True
+            fused_ops.rms_norm_ref(x, norm.weight, 1e-6, residual),
+            norm.forward_reference(x, residual),
+            strict=True,
         ):
             assert torch.equal(got, want)
-    assert torch.equal(fused_ops.silu_and_mul_ref(x), SiluAndMul()(x))
+    assert torch.equal(fused_ops.silu_and_mul_ref(x), SiluAndMul().forward_reference(x))
 
     rope = RotaryEmbedding(16, 32, {"rope_theta": 10000.0, "rope_type": "default"})
     positions = torch.tensor([0, 9, 31, 4])
     q, k = _randn(4, 2, 16, dtype=dtype), _randn(4, 1, 16, dtype=dtype, seed=1)
-    want_q, want_k = rope(positions, q, k)
+    want_q, want_k = rope.forward_reference(positions, q, k)
     fused_ops.rotary_embedding_(positions, q, k, rope.cos_cache, rope.sin_cache, 16)
     if dtype == torch.float32:
         assert torch.equal(q, want_q) and torch.equal(k, want_k)

@@ -8,9 +8,12 @@ against.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol, overload
 
 import torch
+
+from chassis.platforms import get_current_platform
 
 
 class LayerKernels(Protocol):
@@ -61,10 +64,14 @@ class LayerKernels(Protocol):
         ...
 
 
+#: ``CHASSIS_LAYER_KERNELS=0`` (read at import) makes every layer run its torch code
+ENABLED = os.environ.get("CHASSIS_LAYER_KERNELS", "1").strip().lower() not in {"0", "false", "off"}
+
+
 def kernels_for(x: torch.Tensor) -> LayerKernels | None:
     """The current platform's kernels if they handle ``x``, else ``None``."""
-    from chassis.platforms import get_current_platform
-
+    if not ENABLED:
+        return None
     kernels = get_current_platform().layer_kernels()
     if kernels is not None and kernels.handles(x):
         return kernels

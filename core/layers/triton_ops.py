@@ -14,6 +14,8 @@ interpreter computes bfloat16 arithmetic on raw bits.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -165,6 +167,7 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    HF_ROUNDING: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -174,6 +177,10 @@ def _rotary_kernel(
     sin = tl.load(sin_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
     cos = cos.to(tl.float32)[None, :]
     sin = sin.to(tl.float32)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    if HF_ROUNDING:  # HF rotates in the model dtype: cos/sin rounded to it first
+        cos = cos.to(dtype).to(tl.float32)
+        sin = sin.to(dtype).to(tl.float32)
     if IS_NEOX:  # dimension i pairs with i + HALF
         first = pairs
         second = pairs + HALF
@@ -186,15 +193,26 @@ def _rotary_kernel(
     q_row = q_ptr + token * stride_q_tok + heads[:, None] * HEAD_DIM
     x1 = tl.load(q_row + first[None, :], mask=q_mask, other=0.0).to(tl.float32)
     x2 = tl.load(q_row + second[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    tl.store(q_row + first[None, :], x1 * cos - x2 * sin, mask=q_mask)
-    tl.store(q_row + second[None, :], x2 * cos + x1 * sin, mask=q_mask)
+    tl.store(q_row + first[None, :], _rot(x1, cos, x2, sin, -1.0, dtype, HF_ROUNDING), mask=q_mask)
+    tl.store(q_row + second[None, :], _rot(x2, cos, x1, sin, 1.0, dtype, HF_ROUNDING), mask=q_mask)
 
     k_mask = (heads[:, None] < num_k_heads) & pair_valid[None, :]
     k_row = k_ptr + token * stride_k_tok + heads[:, None] * HEAD_DIM
     y1 = tl.load(k_row + first[None, :], mask=k_mask, other=0.0).to(tl.float32)
     y2 = tl.load(k_row + second[None, :], mask=k_mask, other=0.0).to(tl.float32)
-    tl.store(k_row + first[None, :], y1 * cos - y2 * sin, mask=k_mask)
-    tl.store(k_row + second[None, :], y2 * cos + y1 * sin, mask=k_mask)
+    tl.store(k_row + first[None, :], _rot(y1, cos, y2, sin, -1.0, dtype, HF_ROUNDING), mask=k_mask)
+    tl.store(k_row + second[None, :], _rot(y2, cos, y1, sin, 1.0, dtype, HF_ROUNDING), mask=k_mask)
+
+
+@triton.jit
+def _rot(a, cos, b, sin, sign, dtype: tl.constexpr, HF_ROUNDING: tl.constexpr):
+    """``a * cos + sign * b * sin``: float32 with one rounding, or each product rounded to
+    ``dtype`` before the sum (HF's order when it rotates in the model dtype)."""
+    if HF_ROUNDING:
+        ac = (a * cos).to(dtype).to(tl.float32)
+        bs = (b * sin).to(dtype).to(tl.float32)
+        return ac + sign * bs
+    return a * cos + sign * (b * sin)
 
 
 def rotary_embedding_(
@@ -205,8 +223,14 @@ def rotary_embedding_(
     sin_cache: torch.Tensor,
     head_dim: int,
     is_neox: bool = True,
+    hf_rounding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton in-place RoPE; see :func:`chassis.core.layers.fused_ops.rotary_embedding_`."""
+    """Triton in-place RoPE; see :func:`chassis.core.layers.fused_ops.rotary_embedding_`.
+
+    ``hf_rounding``: round cos/sin and each product to the tensors' dtype before the sum, as
+    HF transformers (and :class:`~chassis.core.layers.rotary.RotaryEmbedding`) do, instead of
+    one float32 rounding at the end.
+    """
     num_tokens = positions.shape[0]
     num_q_heads = _heads_per_token(query, num_tokens, head_dim, "query")
     num_k_heads = _heads_per_token(key, num_tokens, head_dim, "key")
@@ -232,6 +256,7 @@ def rotary_embedding_(
             HALF_PAD=triton.next_power_of_2(half),
             HEADS_PAD=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
             IS_NEOX=is_neox,
+            HF_ROUNDING=hf_rounding,
             num_warps=4,
         )
     return query, key
@@ -268,3 +293,47 @@ def _heads_per_token(x: torch.Tensor, num_tokens: int, head_dim: int, name: str)
 
 def _warps_for(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+# ---------------------------------------------------------------------------------------------
+# the CUDA/ROCm platforms' LayerKernels
+# ---------------------------------------------------------------------------------------------
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class TritonLayerKernels:
+    """:class:`~chassis.core.layers.kernels.LayerKernels` by the Triton kernels above, for
+    tensors on a CUDA/ROCm device (what ``Platform.layer_kernels`` of those platforms returns).
+    """
+
+    def handles(self, x: torch.Tensor) -> bool:
+        return (
+            x.is_cuda
+            and x.dtype in _KERNEL_DTYPES
+            and not (x.requires_grad and torch.is_grad_enabled())
+        )
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> Any:
+        return rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+    def rotary_embedding_(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> None:
+        rotary_embedding_(
+            positions, query, key, cos_cache, sin_cache, query.shape[-1], hf_rounding=True
+        )
