@@ -6,6 +6,7 @@ import pytest
 import torch
 from paged_attention_cases import dense_attention, make_batch
 
+from chassis.builtin_plugins.attention import cpu_paged
 from chassis.builtin_plugins.attention.cpu_paged import CpuPagedAttention
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
 
@@ -24,11 +25,14 @@ CASES = {
     ("decode_path", "head_dim"),
     # the compiled kernel's vectorized paths (head_dim 32, 64) and its portable path, and
     # the SDPA fallback used without compiled kernels
-    [("kernel", 32), ("kernel", 64), ("kernel", 24), ("sdpa", 16)],
+    # ("split": prefills over more than 8 positions go to SDPA, shorter ones to the kernel)
+    [("kernel", 32), ("kernel", 64), ("kernel", 24), ("split", 64), ("sdpa", 16)],
 )
 def test_matches_dense_reference_and_torch_paged(
-    case, block_size, num_heads, num_kv_heads, dtype, decode_path, head_dim
+    case, block_size, num_heads, num_kv_heads, dtype, decode_path, head_dim, monkeypatch
 ):
+    if decode_path == "split":
+        monkeypatch.setattr(cpu_paged, "KERNEL_MAX_PREFILL_CONTEXT", 8)
     scale = head_dim**-0.5
 
     def batch():

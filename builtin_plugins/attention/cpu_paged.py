@@ -3,14 +3,16 @@
 Same contract and results as the reference ``torch_paged``; faster because
 
 - everything that depends only on the step's metadata (which cache rows each request reads
-  and writes, masks, the decodes' block tables) is computed once per step and reused by every
+  and writes, masks, per-row block tables) is computed once per step and reused by every
   layer;
-- all single-token queries (decodes) of a step are one call: the compiled
-  ``chassis_cpu::decode_attention`` kernel, which reads K/V in place through the block table,
-  or, without the kernels (``CHASSIS_CPU_KERNELS=0``, no compiler), one SDPA call over whole
-  gathered blocks;
-- prefill chunks run SDPA's fused CPU kernel per request, on the new K/V directly when the
-  chunk is the whole context (nothing cached to gather).
+- with the compiled kernels (``platforms/cpu_kernels``), every decode and every row of a
+  short prefill chunk (context up to :data:`KERNEL_MAX_PREFILL_CONTEXT`) is one row of a
+  single ``chassis_cpu::decode_attention`` call, which reads K/V in place through the block
+  table: one call per layer for a typical step;
+- longer prefill chunks run SDPA's tiled CPU kernel per request, on the new K/V directly
+  when the chunk is the whole context (nothing cached to gather);
+- without the kernels (``CHASSIS_CPU_KERNELS=0``, no compiler) decodes are one SDPA call over
+  whole gathered blocks, and every prefill chunk goes to SDPA.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +28,9 @@ from chassis.core.attention import AttentionBackend, AttentionMetadata
 from chassis.platforms import cpu_kernels
 
 _PLAN_KEY = "cpu_paged.plan"
+#: with the compiled kernel, prefill chunks over at most this many positions are attended row
+#: by row (each row re-reads its context from cache); longer ones go to SDPA's tiled kernel
+KERNEL_MAX_PREFILL_CONTEXT = 512
 
 
 @dataclass
@@ -38,14 +44,18 @@ class _Prefill:
 
 
 @dataclass
-class _Decodes:
-    #: token index of each decode; None when the decodes are tokens 0..n-1 in order
+class _Rows:
+    """Query rows attended one by one over their own context: every decode, and with the
+    compiled kernel every token of a short prefill chunk (row j of a chunk over
+    ``seq_len`` positions sees the first ``seq_len - query_len + j + 1``)."""
+
+    #: token index of each row; None when the rows are tokens 0..n-1 in order
     tokens: torch.Tensor | None
     count: int
-    #: [n, max_blocks] int32 and [n] int32: each decode's blocks and context length
+    #: [n, max_blocks] int32 and [n] int32: each row's blocks and context length
     block_table: torch.Tensor
     seq_lens: torch.Tensor
-    #: SDPA fallback only (no compiled kernels), built on first use:
+    #: SDPA fallback only (no compiled kernels; then the rows are decodes), built on first use:
     #: K-block indices into the [num_blocks * 2, block_size, KV, D] view, and the [n, 1, 1, L]
     #: bool mask (True where a decode may attend)
     k_blocks: torch.Tensor | None = None
@@ -57,10 +67,11 @@ class _Plan:
     #: flat-view rows where this step's K (and V = + block_size) go, only valid tokens
     write_k_rows: torch.Tensor
     write_tokens: torch.Tensor | None
-    decodes: _Decodes | None
+    rows: _Rows | None
+    #: prefill chunks for SDPA (all of them without the kernel, else the long ones)
     prefills: list[_Prefill]
-    #: the whole output is the decodes' output (no prefills, no padding)
-    decode_only: bool
+    #: the whole output is the rows' output (no SDPA prefills, no padding)
+    rows_only: bool
 
 
 def _context_rows(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -70,7 +81,11 @@ def _context_rows(block_table_row: torch.Tensor, length: int, block_size: int) -
     return blocks * (2 * block_size) + pos % block_size
 
 
-def _make_plan(metadata: AttentionMetadata, block_size: int, num_rows: int) -> _Plan:
+def _make_plan(
+    metadata: AttentionMetadata, block_size: int, num_rows: int, kernel_max_context: int
+) -> _Plan:
+    """``kernel_max_context``: prefills whose context is at most this long go to the row
+    kernel with the decodes (0: no kernel, decodes only take the SDPA row path)."""
     device = metadata.slot_mapping.device
     num_tokens = metadata.num_actual_tokens
     slots = metadata.slot_mapping[:num_tokens].long()
@@ -83,35 +98,42 @@ def _make_plan(metadata: AttentionMetadata, block_size: int, num_rows: int) -> _
 
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
-    decodes: list[int] = []
+    # one entry per query row attended on its own: (request, token, context length)
+    row_req: list[np.ndarray] = []
+    row_tok: list[np.ndarray] = []
+    row_len: list[np.ndarray] = []
     prefills: list[_Prefill] = []
     for i in range(metadata.num_reqs):
-        query_len = starts[i + 1] - starts[i]
-        if query_len == 1:
-            decodes.append(i)
-        elif query_len > 1:
-            seq_len = seq_lens[i]
-            mask = k_rows = None
-            if query_len != seq_len:
-                q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-                k_rows = _context_rows(metadata.block_table[i], seq_len, block_size)
-            prefills.append(_Prefill(slice(starts[i], starts[i + 1]), k_rows, mask))
-    decode_plan = None
-    if decodes:
-        token_ids = [starts[i] for i in decodes]
-        in_order = token_ids == list(range(len(decodes)))
-        num_blocks = -(-max(seq_lens[i] for i in decodes) // block_size)
-        index = torch.tensor(decodes, device=device)
-        decode_plan = _Decodes(
-            tokens=None if in_order else torch.tensor(token_ids, device=device),
-            count=len(decodes),
+        query_len, seq_len = starts[i + 1] - starts[i], seq_lens[i]
+        if query_len == 0:
+            continue
+        if query_len == 1 or seq_len <= kernel_max_context:
+            # token j of the chunk sees positions 0 .. seq_len - query_len + j
+            row_req.append(np.full(query_len, i))
+            row_tok.append(np.arange(starts[i], starts[i + 1]))
+            row_len.append(np.arange(seq_len - query_len + 1, seq_len + 1))
+            continue
+        mask = k_rows = None
+        if query_len != seq_len:
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            k_rows = _context_rows(metadata.block_table[i], seq_len, block_size)
+        prefills.append(_Prefill(slice(starts[i], starts[i + 1]), k_rows, mask))
+    rows_plan = None
+    if row_req:
+        reqs, toks, lens = (np.concatenate(x) for x in (row_req, row_tok, row_len))
+        in_order = bool((toks == np.arange(len(toks))).all())
+        num_blocks = -(-int(lens.max()) // block_size)
+        index = torch.from_numpy(reqs).to(device)
+        rows_plan = _Rows(
+            tokens=None if in_order else torch.from_numpy(toks).to(device),
+            count=len(toks),
             block_table=metadata.block_table[index, :num_blocks].to(torch.int32).contiguous(),
-            seq_lens=metadata.seq_lens[index].to(torch.int32).contiguous(),
+            seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
         )
-    decode_only = not prefills and decode_plan is not None and decode_plan.tokens is None
-    decode_only = decode_only and len(decodes) == num_rows
-    return _Plan(write_k_rows, write_tokens, decode_plan, prefills, decode_only)
+    rows_only = not prefills and rows_plan is not None and rows_plan.tokens is None
+    rows_only = rows_only and rows_plan.count == num_rows
+    return _Plan(write_k_rows, write_tokens, rows_plan, prefills, rows_only)
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -133,7 +155,8 @@ class CpuPagedAttention(AttentionBackend):
         block_size = kv_cache.shape[2]
         plan = metadata.derived.get(_PLAN_KEY)
         if plan is None:
-            plan = _make_plan(metadata, block_size, query.shape[0])
+            max_context = KERNEL_MAX_PREFILL_CONTEXT if self.kernels is not None else 0
+            plan = _make_plan(metadata, block_size, query.shape[0], max_context)
             metadata.derived[_PLAN_KEY] = plan
         # [num_blocks, 2, block_size, KV, D] -> rows of [KV, D]; K of slot s in block b is row
         # b * 2 * block_size + s, its V is block_size rows later.
@@ -145,9 +168,9 @@ class CpuPagedAttention(AttentionBackend):
         flat.index_copy_(0, plan.write_k_rows, new_k.to(flat.dtype))
         flat.index_copy_(0, plan.write_k_rows + block_size, new_v.to(flat.dtype))
 
-        if plan.decode_only:
-            assert plan.decodes is not None
-            return self._decode(query, kv_cache, plan.decodes)
+        if plan.rows_only:
+            assert plan.rows is not None
+            return self._rows(query, kv_cache, plan.rows)
         output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
         for prefill in plan.prefills:
@@ -172,16 +195,16 @@ class CpuPagedAttention(AttentionBackend):
                 scale=self.scale,
             )
             output[prefill.token_slice] = out[0].transpose(0, 1)
-        if plan.decodes is not None:
-            rows = plan.decodes.tokens
-            if rows is None:
-                output[: plan.decodes.count] = self._decode(query, kv_cache, plan.decodes)
+        if plan.rows is not None:
+            tokens = plan.rows.tokens
+            if tokens is None:
+                output[: plan.rows.count] = self._rows(query, kv_cache, plan.rows)
             else:
-                output[rows] = self._decode(query, kv_cache, plan.decodes)
+                output[tokens] = self._rows(query, kv_cache, plan.rows)
         return output
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _Decodes) -> torch.Tensor:
-        """The single-token queries of the step, ``[n, H, D]``, in one call."""
+    def _rows(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _Rows) -> torch.Tensor:
+        """The rows' attention, ``[n, H, D]``, in one call."""
         q = query[: plan.count] if plan.tokens is None else query[plan.tokens]
         if self.kernels is not None and kv_cache.dtype == query.dtype:
             return self.kernels.decode_attention(
@@ -189,7 +212,7 @@ class CpuPagedAttention(AttentionBackend):
             )
         return self._decode_sdpa(q, kv_cache, plan)
 
-    def _decode_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Decodes) -> torch.Tensor:
+    def _decode_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Rows) -> torch.Tensor:
         """Torch fallback: whole context blocks gathered, the GQA group as the query length.
 
         One ``index_select`` each for K and V over the ``[num_blocks * 2, block_size, KV, D]``

@@ -490,8 +490,13 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(heads * sh.dim), acc(heads * sh.dim), m(heads), l(heads);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item * per_item / sh.kv_heads;
+      int64_t b = item * per_item / sh.kv_heads;
       const int64_t h0 = item * per_item % sh.kv_heads, h1 = h0 + per_item;
+      if (per_item == sh.kv_heads) {
+        // Rows of a prefill chunk see ever longer contexts; take them from both ends in turn
+        // (0, n-1, 1, n-2, ...) so each thread's contiguous share costs about the same.
+        b = item % 2 == 0 ? item / 2 : sh.batch - 1 - item / 2;
+      }
       const T* qb = qbase + b * sh.q_b;
       T* ob = obase + b * sh.o_b;
       const int32_t* t = table + b * sh.table_stride;
