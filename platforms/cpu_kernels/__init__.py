@@ -13,6 +13,7 @@ compiler, a failed build, or ``CHASSIS_CPU_KERNELS=0``); tests compare the two.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -107,6 +108,15 @@ def _compile(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _remove_other_builds(keep: Path) -> None:
+    """Delete libraries of other sources/versions (a process that loaded one keeps its
+    mapping; a later load of that version rebuilds it)."""
+    for path in keep.parent.glob("chassis_cpu_*.so"):
+        if path != keep:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 @cache
 def load() -> Any | None:
     """Compile (once) and load the kernels; return ``torch.ops.chassis_cpu`` or ``None``.
@@ -126,6 +136,7 @@ def load() -> Any | None:
             if not target.exists():
                 logger.info("compiling the CPU kernels (once; cached in %s)", target.parent)
                 _compile(compiler, target)
+                _remove_other_builds(target)
             torch.ops.load_library(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             logger.warning("CPU kernels unavailable, using torch reference ops: %s", exc)
