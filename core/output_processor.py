@@ -308,6 +308,8 @@ class OutputProcessor:
         """Fold one engine output into a completion; True if the engine must abort it."""
         if out.num_cached_tokens:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.first_scheduled_time is not None and parent.metrics.first_scheduled_time is None:
+            parent.metrics.first_scheduled_time = out.first_scheduled_time
         if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
             parent.prompt_logprobs = [
                 None if tl is None else self._position_logprobs(tl) for tl in out.prompt_logprobs

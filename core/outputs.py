@@ -45,7 +45,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    #: time spent before the first scheduling (engine-side queue), seconds
+    #: when the engine core first scheduled the request (``time.time()``, like
+    #: ``arrival_time``); ``first_scheduled_time - arrival_time`` is the time spent queued
+    first_scheduled_time: float | None = None
     num_generation_tokens: int = 0
 
 

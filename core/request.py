@@ -57,6 +57,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: The stop token id that ended the request, if any.
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    #: Wall-clock time (``time.time()``) the request was first scheduled; sent once, with the
+    #: request's first output.
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -123,6 +126,10 @@ class Request:
         #: Tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        #: wall-clock time of the first scheduling (None while waiting for it)
+        self.first_scheduled_time: float | None = None
+        #: whether an output has carried first_scheduled_time to the front-end yet
+        self.first_scheduled_time_sent = False
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
 

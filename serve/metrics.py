@@ -12,8 +12,8 @@ in one process, as in tests, do not collide):
   ``chassis:generation_tokens_total``, ``chassis:request_success_total{finished_reason}``
   (one per finished completion, so ``n=2`` counts two), and the histograms
   ``chassis:time_to_first_token_seconds``, ``chassis:inter_token_latency_seconds``,
-  ``chassis:e2e_request_latency_seconds``, ``chassis:request_queue_time_seconds`` (observed
-  only when the engine reports when a request was first scheduled).
+  ``chassis:e2e_request_latency_seconds``, ``chassis:request_queue_time_seconds`` (arrival to
+  the engine core's first scheduling, which the engine reports with the first output).
 """
 
 from __future__ import annotations
@@ -207,6 +207,5 @@ class RequestTracker:
 
     def _observe_queue_time(self, output: RequestOutput) -> None:
         m = output.metrics
-        scheduled = getattr(m, "first_scheduled_time", None) if m is not None else None
-        if m is not None and scheduled is not None and m.arrival_time:
-            self.metrics.queue_time.observe(max(0.0, scheduled - m.arrival_time))
+        if m is not None and m.first_scheduled_time is not None and m.arrival_time:
+            self.metrics.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))

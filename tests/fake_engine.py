@@ -319,7 +319,10 @@ class FakeAsyncLLM:
                     finished=finished,
                     prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=0,
-                    metrics=RequestMetrics(arrival_time=arrival),
+                    # the fake engine schedules a request 1 ms after it arrives
+                    metrics=RequestMetrics(
+                        arrival_time=arrival, first_scheduled_time=arrival + 1e-3
+                    ),
                 )
             finished_cleanly = True
             self.finished.append(request_id)

@@ -281,3 +281,17 @@ def test_abort_of_a_waiting_request(big_llm):
     assert not engine.has_unfinished()
     assert engine.step().outputs == []
     assert_all_blocks_free(big_llm)
+
+
+def test_outputs_report_when_requests_were_first_scheduled(tiny_llm):
+    # a 16-token budget: the later prompts wait behind the first one's chunks
+    llm = tiny_llm("fcfs", True)
+    outputs = llm.generate(PREEMPTION_PROMPTS, GREEDY)
+    scheduled = []
+    for output in outputs:
+        m = output.metrics
+        assert m.first_scheduled_time is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+        scheduled.append(m.first_scheduled_time)
+    assert scheduled == sorted(scheduled)  # first come, first scheduled
+    assert_all_blocks_free(llm)

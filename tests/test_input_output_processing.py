@@ -348,3 +348,16 @@ def test_abort_and_fail_all(smol_tokenizer):  # noqa: F811
     assert proc.num_unfinished == 1
     assert proc.fail_all(RuntimeError("engine died")) == ["b"]
     assert not proc.has_unfinished()
+
+
+def test_first_scheduled_time_is_kept_from_the_first_output(smol_tokenizer):  # noqa: F811
+    proc = OutputProcessor(smol_tokenizer)
+    proc.add_request("r", None, [1, 2], SamplingParams(), ["r"], 100.0, delta=True)
+    (first,) = proc.process_outputs(
+        step(out("r", [5], first_scheduled_time=100.25))
+    ).request_outputs
+    assert first.metrics.first_scheduled_time == 100.25
+    (last,) = proc.process_outputs(
+        step(out("r", [6], FinishReason.LENGTH, first_scheduled_time=999.0))
+    ).request_outputs
+    assert last.metrics.first_scheduled_time == 100.25

@@ -477,7 +477,7 @@ def test_metrics(client: TestClient) -> None:
         f"chassis:time_to_first_token_seconds_count{{{label}}} 2.0",
         f"chassis:e2e_request_latency_seconds_count{{{label}}} 2.0",
         f"chassis:inter_token_latency_seconds_count{{{label}}} 3.0",
-        "# TYPE chassis:request_queue_time_seconds histogram",
+        f"chassis:request_queue_time_seconds_count{{{label}}} 2.0",
     ]
     for line in expected:
         assert line in text, line

@@ -28,6 +28,7 @@ Subclasses choose the policy by overriding :meth:`sort_key`, :meth:`select_victi
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -236,8 +237,12 @@ class ContinuousBatchingScheduler(Scheduler):
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    first_scheduled_time=None
+                    if request.first_scheduled_time_sent
+                    else request.first_scheduled_time,
                 )
             )
+            request.first_scheduled_time_sent = True
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request)
@@ -315,6 +320,8 @@ class ContinuousBatchingScheduler(Scheduler):
             request.status = RequestStatus.RUNNING
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens
             self.running.append(request)
             plan.add(request.request_id, num_new, block_ids, is_new=True)
