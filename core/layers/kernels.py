@@ -64,6 +64,16 @@ class LayerKernels(Protocol):
         ...
 
 
+#: the dtypes fused kernels are written for
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_inference_tensor_of_kernel_dtype(x: torch.Tensor) -> bool:
+    """``x`` has a :data:`KERNEL_DTYPES` dtype and needs no autograd (kernels define no
+    backward); the device check is each implementation's own."""
+    return x.dtype in KERNEL_DTYPES and not (x.requires_grad and torch.is_grad_enabled())
+
+
 #: ``CHASSIS_LAYER_KERNELS=0`` (read at import) makes every layer run its torch code
 ENABLED = os.environ.get("CHASSIS_LAYER_KERNELS", "1").strip().lower() not in {"0", "false", "off"}
 

@@ -299,8 +299,6 @@ def _warps_for(block: int) -> int:
 # the CUDA/ROCm platforms' LayerKernels
 # ---------------------------------------------------------------------------------------------
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class TritonLayerKernels:
     """:class:`~chassis.core.layers.kernels.LayerKernels` by the Triton kernels above, for
@@ -308,11 +306,9 @@ class TritonLayerKernels:
     """
 
     def handles(self, x: torch.Tensor) -> bool:
-        return (
-            x.is_cuda
-            and x.dtype in _KERNEL_DTYPES
-            and not (x.requires_grad and torch.is_grad_enabled())
-        )
+        from chassis.core.layers.kernels import is_inference_tensor_of_kernel_dtype
+
+        return x.is_cuda and is_inference_tensor_of_kernel_dtype(x)
 
     def rms_norm(
         self,

@@ -33,18 +33,7 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// Sum of squares with 16 independent accumulators (vectorizable without -ffast-math).
-inline float sum_squares(const float* x, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
-  float total = 0;
-  for (; i < n; ++i) total += x[i] * x[i];
-  for (int j = 0; j < 16; ++j) total += acc[j];
-  return total;
-}
-
+// Dot product with 16 independent accumulators (vectorizable without -ffast-math).
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[16] = {0};
   int64_t i = 0;
@@ -194,7 +183,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
           s[i] = static_cast<float>(xr[i]);
         }
       }
-      const float inv = 1.0f / std::sqrt(sum_squares(s.data(), n) / static_cast<float>(n) +
+      const float inv = 1.0f / std::sqrt(dot(s.data(), s.data(), n) / static_cast<float>(n) +
                                          static_cast<float>(eps));
       i = 0;
 #ifdef __AVX512F__

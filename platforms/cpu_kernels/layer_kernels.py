@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from chassis.core.layers.kernels import is_inference_tensor_of_kernel_dtype
 
 
 class CpuLayerKernels:
@@ -16,12 +16,7 @@ class CpuLayerKernels:
         self.ops = ops
 
     def handles(self, x: torch.Tensor) -> bool:
-        # Tensors that need autograd go to the torch code (the kernels define no backward).
-        return (
-            x.device.type == "cpu"
-            and x.dtype in _DTYPES
-            and not (x.requires_grad and torch.is_grad_enabled())
-        )
+        return x.device.type == "cpu" and is_inference_tensor_of_kernel_dtype(x)
 
     def rms_norm(
         self,
