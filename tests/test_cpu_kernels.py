@@ -135,3 +135,18 @@ def test_failed_build_falls_back_with_a_warning(fresh_load, monkeypatch, tmp_pat
         assert fresh_load() is None
     assert "CPU kernels unavailable" in caplog.text
     assert not list((tmp_path / "cpu_kernels").glob("*.so"))  # no half-written library left
+
+
+def test_decode_attention_rejects_block_ids_outside_the_cache(kernels):
+    cache = torch.zeros(4, 2, 4, 1, 16)
+    query = torch.zeros(1, 2, 16)
+    table = torch.tensor([[0, 7]], dtype=torch.int32)  # the second block id is out of range
+    with pytest.raises(RuntimeError, match="not a block of this cache"):
+        kernels.ops.decode_attention(query, cache, table, torch.tensor([6], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="needs more blocks"):
+        kernels.ops.decode_attention(query, cache, table, torch.tensor([9], dtype=torch.int32), 1.0)
+    # ids past a row's length are never read, so they may be anything
+    out = kernels.ops.decode_attention(
+        query, cache, table, torch.tensor([3], dtype=torch.int32), 1.0
+    )
+    assert out.shape == (1, 2, 16) and torch.isfinite(out).all()

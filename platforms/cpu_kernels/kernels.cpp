@@ -529,9 +529,19 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "seq_lens must be contiguous int32 [>= B]");
   const int64_t block_size = kv_cache.size(2);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < query.size(0); ++b)
-    TORCH_CHECK(lens[b] >= 0 && (lens[b] + block_size - 1) / block_size <= block_table.size(1),
-                "seq_lens[", b, "] needs more blocks than block_table has");
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_blocks = kv_cache.size(0);
+  for (int64_t b = 0; b < query.size(0); ++b) {
+    const int64_t used = (lens[b] + block_size - 1) / block_size;
+    TORCH_CHECK(lens[b] >= 0 && used <= block_table.size(1), "seq_lens[", b,
+                "] needs more blocks than block_table has");
+    // the kernel reads through these ids unchecked: a bad one must fail here, not fault
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t id = table[b * block_table.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_table[", b, ", ", j, "] = ", id,
+                  " is not a block of this cache (", num_blocks, " blocks)");
+    }
+  }
   at::Tensor out = at::empty(query.sizes(), query.options());
   CHASSIS_DISPATCH(query.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(query, kv_cache, block_table, seq_lens, scale, out);
