@@ -41,7 +41,7 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 def _inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     """Per-pair inverse frequencies ``[head_dim / 2]`` (float32), after any scaling."""
     base = float(params["rope_theta"])
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (base**exponents)
     rope_type = params["rope_type"]
     if rope_type == "default":

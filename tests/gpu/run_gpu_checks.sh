@@ -87,7 +87,7 @@ step() {
 }
 
 if wanted pytest; then
-    step pytest 150 "$PY" -m pytest -m gpu tests/gpu -q -rfEs -p no:cacheprovider \
+    step pytest 220 "$PY" -m pytest -m gpu tests/gpu -q -rfEs -p no:cacheprovider \
         --junitxml="$OUT/junit.xml"
 fi
 

@@ -24,7 +24,9 @@ def _syncs_per_decode_step(directory, **engine: object) -> list[int]:
     from chassis.core.llm import LLM
     from chassis.core.sampling_params import SamplingParams
 
-    llm = LLM(str(directory), skip_tokenizer_init=True, dtype="bfloat16", **engine)
+    llm = LLM(
+        str(directory), skip_tokenizer_init=True, dtype="bfloat16", num_kv_blocks=256, **engine
+    )
     core = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

@@ -75,6 +75,40 @@ def test_rotary_in_place_on_a_fused_qkv_output(dtype: torch.dtype) -> None:
     assert torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_kernels_match_the_layers_bit_for_bit(dtype: torch.dtype) -> None:
+    """What the CUDA platform hands the layers (RoPE with HF's rounding, RMSNorm with the
+    residual, SiLU-and-mul) against the layers' torch code, at Qwen3-0.6B shapes. RoPE and
+    the residual sum round at the same points as the torch code, so they must be identical;
+    RMSNorm's float32 sum and SiLU's exp may differ slightly (one rounding step)."""
+    from chassis.core.layers.activation import SiluAndMul
+    from chassis.core.layers.norm import RMSNorm
+    from chassis.core.layers.rotary import RotaryEmbedding
+    from chassis.core.layers.triton_ops import TritonLayerKernels
+
+    kernels = TritonLayerKernels()
+    heads, kv_heads, dim, tokens = 16, 8, 128, 300
+    with torch.device("cuda"):
+        rope = RotaryEmbedding(dim, 4096, {"rope_theta": 1_000_000.0, "rope_type": "default"})
+        norm = RMSNorm(1024, 1e-6).to(dtype)
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    ref_q, ref_k = rope.forward_reference(positions, q, k)
+    kernels.rotary_embedding_(positions, q, k, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+    x, r = _randn(tokens, 1024, dtype=dtype), _randn(tokens, 1024, dtype=dtype, seed=1)
+    with torch.no_grad():
+        out, summed = kernels.rms_norm(x, norm.weight, 1e-6, r)
+        ref_out, ref_sum = norm.forward_reference(x, r)
+    assert torch.equal(summed, ref_sum)
+    _close(out, ref_out)
+    g = _randn(tokens, 2 * 3072, dtype=dtype)
+    _close(kernels.silu_and_mul(g), SiluAndMul().forward_reference(g))  # exp may differ
+
+
 def test_dispatch_takes_the_triton_path_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from chassis.core.layers import triton_ops
 
