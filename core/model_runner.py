@@ -269,9 +269,16 @@ class ModelRunner:
     def profile_run(self, num_tokens: int) -> None:
         """One forward over ``num_tokens`` dummy tokens without a KV cache write.
 
-        Shows peak activation memory before the KV cache is sized, and warms up kernels.
+        Shows peak activation memory before the KV cache is sized, and warms up kernels. A
+        budget longer than ``max_model_len`` is split into several requests (as a real step
+        would be), and logits are computed for as many rows as a step can sample
+        (``max_num_seqs``), so that both peaks are seen.
         """
-        num_tokens = max(1, min(num_tokens, self.config.max_model_len))
+        num_tokens = max(1, num_tokens)
+        max_len = self.config.max_model_len
+        lengths = [max_len] * (num_tokens // max_len) + (
+            [num_tokens % max_len] if num_tokens % max_len else []
+        )
         dummy_cache = [
             torch.zeros(
                 kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim),
@@ -280,27 +287,33 @@ class ModelRunner:
             )
             for _ in range(self.model.num_attention_layers)
         ]
-        # A single long prefill whose K/V are not cached (slot -1) but which attends over
-        # itself: a block table of zeros is valid since only new tokens are read.
+        # Prefills whose K/V are not cached (slot -1); every block id is 0, the one block of
+        # the dummy cache, so backends that read context through the block table stay in it.
+        starts = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+        seq_lens = np.array(lengths, dtype=np.int32)
         metadata = AttentionMetadata(
             num_actual_tokens=num_tokens,
-            num_reqs=1,
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            num_reqs=len(lengths),
+            query_start_loc=self._to_device(starts),
+            seq_lens=self._to_device(seq_lens),
             block_table=torch.zeros(
-                (1, math.ceil(num_tokens / self.block_size)), dtype=torch.int32, device=self.device
+                (len(lengths), math.ceil(max(lengths) / self.block_size)),
+                dtype=torch.int32,
+                device=self.device,
             ),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            query_start_loc_cpu=torch.tensor([0, num_tokens], dtype=torch.int32),
-            seq_lens_cpu=torch.tensor([num_tokens], dtype=torch.int32),
+            max_query_len=max(lengths),
+            max_seq_len=max(lengths),
+            query_start_loc_cpu=torch.from_numpy(starts),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
         )
         ctx = ForwardContext(attn_metadata=metadata, kv_caches=dummy_cache)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.from_numpy(
+            np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
+        ).to(self.device)
         hidden = self.model(input_ids, positions, ctx)
-        self.model.compute_logits(hidden[-1:])
+        self.model.compute_logits(hidden[: min(self.config.max_num_seqs, num_tokens)])
         del dummy_cache
 
 

@@ -295,3 +295,19 @@ def test_outputs_report_when_requests_were_first_scheduled(tiny_llm):
         scheduled.append(m.first_scheduled_time)
     assert scheduled == sorted(scheduled)  # first come, first scheduled
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("attention_backend", ["cpu_paged", "torch_paged"])
+def test_profile_run_covers_a_budget_longer_than_a_sequence(tiny_llama_dir, attention_backend):
+    # What a GPU platform runs before sizing the KV cache: the whole token budget (here 3.5
+    # sequences of max_model_len) and as many logits rows as a step can sample.
+    llm = make_llm(
+        tiny_llama_dir,
+        max_num_batched_tokens=7 * MAX_MODEL_LEN // 2,
+        attention_backend=attention_backend,
+    )
+    runner = llm.engine.executor.worker.runner
+    runner.profile_run(llm.config.max_num_batched_tokens)
+    # the dummy cache was separate: the engine still works and every block is free
+    assert_all_blocks_free(llm)
+    assert llm.generate(PREEMPTION_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
