@@ -1,7 +1,8 @@
 """Fused C++ kernels for the CPU platform, compiled on first use and cached.
 
 ``kernels.cpp`` defines torch ops under ``torch.ops.chassis_cpu`` (RMSNorm with the residual
-add, SiLU-and-mul, rotate-half RoPE in place, paged decode attention). :func:`load` compiles it
+add, SiLU-and-mul, rotate-half RoPE in place, paged attention over single query rows), and
+``bf16_linear.cpp`` a bfloat16 linear layer on AVX512-BF16 dot products. :func:`load` compiles it
 once per (source, torch version, compiler, CPU) with the system C++ compiler against the
 installed torch, caches the shared library under ``$CHASSIS_CACHE_DIR/cpu_kernels`` (default
 ``~/.cache/chassis``), and loads it. Compiling takes ~10-20 s on two cores; later processes
@@ -30,7 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+#: compiled together into one library (one op namespace, ``chassis_cpu``)
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 #: set to 0 to run the torch reference ops instead of the compiled kernels
 ENV_SWITCH = "CHASSIS_CPU_KERNELS"
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -66,7 +68,9 @@ def _compiler() -> str | None:
 
 def _build_key(compiler: str) -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), compiler.encode()):
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    for part in (torch.__version__.encode(), compiler.encode()):
         digest.update(part)
     digest.update(" ".join(_FLAGS).encode())
     digest.update(_cpu_fingerprint().encode())
@@ -89,7 +93,7 @@ def _compile(compiler: str, target: Path) -> None:
         "-std=c++20",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
-        str(SOURCE),
+        *(str(source) for source in SOURCES),
         "-o",
         tmp,
         f"-L{torch_lib}",
