@@ -144,6 +144,13 @@ inline vf hsum16(const vf* v) {
 constexpr bool kSimd = false;
 #endif
 
+// Rows per parallel task for elementwise row ops touching `row_elements` values per row: a
+// task of less than ~64K values costs less than waking another thread for it (decode steps'
+// few rows run on the calling thread).
+inline int64_t rows_per_task(int64_t row_elements) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_elements));
+}
+
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2, name, " must be 2-D [rows, hidden]");
   TORCH_CHECK(x.stride(1) == 1, name, " must have contiguous rows");
@@ -156,7 +163,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
                    double eps, at::Tensor& out, at::Tensor* sum_out) {
   const int64_t rows = x.size(0), n = x.size(1);
   const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
     std::vector<float> s(n);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x.data_ptr<T>() + r * x.stride(0);
@@ -229,7 +236,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({rows, d}, x.options());
   CHASSIS_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
     using T = scalar_t;
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, rows_per_task(3 * d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* g = x.data_ptr<T>() + r * x.stride(0);
         const T* u = g + d;
@@ -257,7 +264,7 @@ template <typename T>
 void rotate_half(at::Tensor& x, const int64_t* pos, const float* cos_cache,
                  const float* sin_cache, int64_t half) {
   const int64_t tokens = x.size(0), heads = x.size(1);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, rows_per_task(2 * heads * half), [&](int64_t begin, int64_t end) {
     std::vector<float> c(half), s(half);
     for (int64_t t = begin; t < end; ++t) {
       const float* cr = cos_cache + pos[t] * half;
