@@ -14,6 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -483,16 +485,22 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
   const int64_t per_item = sh.batch >= 2 * at::get_num_threads() ? sh.kv_heads : 1;
   const int64_t items = sh.batch * (sh.kv_heads / per_item);
   const int64_t heads = sh.kv_heads * sh.group;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Rows cost in proportion to their context length, which varies (decodes of different
+  // lengths, the rows of a prefill chunk): threads take items from a shared counter, longest
+  // first, so they finish together.
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return lens[x * per_item / sh.kv_heads] > lens[y * per_item / sh.kv_heads];
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> q(heads * sh.dim), acc(heads * sh.dim), m(heads), l(heads);
-    for (int64_t item = begin; item < end; ++item) {
-      int64_t b = item * per_item / sh.kv_heads;
+    for (int64_t taken = next.fetch_add(1); taken < items; taken = next.fetch_add(1)) {
+      const int64_t item = order[taken];
+      const int64_t b = item * per_item / sh.kv_heads;
       const int64_t h0 = item * per_item % sh.kv_heads, h1 = h0 + per_item;
-      if (per_item == sh.kv_heads) {
-        // Rows of a prefill chunk see ever longer contexts; take them from both ends in turn
-        // (0, n-1, 1, n-2, ...) so each thread's contiguous share costs about the same.
-        b = item % 2 == 0 ? item / 2 : sh.batch - 1 - item / 2;
-      }
       const T* qb = qbase + b * sh.q_b;
       T* ob = obase + b * sh.o_b;
       const int32_t* t = table + b * sh.table_stride;
