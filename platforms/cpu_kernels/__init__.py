@@ -5,7 +5,7 @@ add, SiLU-and-mul, rotate-half RoPE in place, paged attention over single query 
 ``bf16_linear.cpp`` a bfloat16 linear layer on AVX512-BF16 dot products. :func:`load` compiles it
 once per (source, torch version, compiler, CPU) with the system C++ compiler against the
 installed torch, caches the shared library under ``$CHASSIS_CACHE_DIR/cpu_kernels`` (default
-``~/.cache/chassis``), and loads it. Compiling takes ~10-20 s on two cores; later processes
+``~/.cache/chassis``), and loads it. Compiling takes ~15 s on two cores (one compiler process per source file); later processes
 load the cached library in milliseconds.
 
 Every op has a torch reference that the layers use when the kernels are unavailable (no
@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -77,39 +78,58 @@ def _build_key(compiler: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def _run(cmd: list[str], compiler: str) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        errors = [ln for ln in result.stderr.splitlines() if "error" in ln][:5]
+        raise RuntimeError(f"{compiler} exited with {result.returncode}: {errors}")
+
+
 def _compile(compiler: str, target: Path) -> None:
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build under a temporary name and rename: concurrent processes (an engine core and its
-    # parent, parallel tests) may build at once; each rename is atomic and the results equal.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [
-        compiler,
-        *_FLAGS,
-        "-std=c++20",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{p}" for p in include_paths()),
-        *(str(source) for source in SOURCES),
-        "-o",
-        tmp,
-        f"-L{torch_lib}",
-        "-lc10",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_lib}",
-    ]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            errors = [ln for ln in result.stderr.splitlines() if "error" in ln][:5]
-            raise RuntimeError(f"{compiler} exited with {result.returncode}: {errors}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # Build in a private directory and rename the library into place: concurrent processes
+    # (an engine core and its parent, parallel tests) may build at once; each rename is
+    # atomic and the results are equal.
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects = [Path(work) / f"{source.stem}.o" for source in SOURCES]
+        compile_cmds = [
+            [
+                compiler,
+                *_FLAGS,
+                "-c",
+                "-std=c++20",
+                f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                *(f"-I{p}" for p in include_paths()),
+                str(source),
+                "-o",
+                str(obj),
+            ]
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
+        # one compiler per source file, side by side (the torch headers dominate each one)
+        with ThreadPoolExecutor(max_workers=len(compile_cmds)) as pool:
+            for done in [pool.submit(_run, cmd, compiler) for cmd in compile_cmds]:
+                done.result()
+        library = Path(work) / "lib.so"
+        _run(
+            [
+                compiler,
+                *_FLAGS,
+                *(str(obj) for obj in objects),
+                "-o",
+                str(library),
+                f"-L{torch_lib}",
+                "-lc10",
+                "-ltorch_cpu",
+                f"-Wl,-rpath,{torch_lib}",
+            ],
+            compiler,
+        )
+        os.replace(library, target)
 
 
 def _remove_other_builds(keep: Path) -> None:
