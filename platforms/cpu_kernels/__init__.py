@@ -2,11 +2,11 @@
 
 ``kernels.cpp`` defines torch ops under ``torch.ops.chassis_cpu`` (RMSNorm with the residual
 add, SiLU-and-mul, rotate-half RoPE in place, paged attention over single query rows), and
-``bf16_linear.cpp`` a bfloat16 linear layer on AVX512-BF16 dot products. :func:`load` compiles it
-once per (source, torch version, compiler, CPU) with the system C++ compiler against the
-installed torch, caches the shared library under ``$CHASSIS_CACHE_DIR/cpu_kernels`` (default
-``~/.cache/chassis``), and loads it. Compiling takes ~15 s on two cores (one compiler process per source file); later processes
-load the cached library in milliseconds.
+``bf16_linear.cpp`` a bfloat16 linear layer on AVX512-BF16 dot products. :func:`load`
+compiles them once per (sources, torch version, compiler, CPU) with the system C++ compiler
+against the installed torch (one compiler process per file, ~15 s on two cores), caches the
+shared library under ``$CHASSIS_CACHE_DIR/cpu_kernels`` (default ``~/.cache/chassis``), and
+loads it; later processes load the cached library in milliseconds.
 
 Every op has a torch reference that the layers use when the kernels are unavailable (no
 compiler, a failed build, or ``CHASSIS_CPU_KERNELS=0``); tests compare the two.
