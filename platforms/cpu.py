@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -117,15 +118,22 @@ class CpuPlatform(Platform):
         return self._layer_kernels  # type: ignore[return-value]
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Pack bfloat16 linear weights in oneDNN's layout (see ``platforms/cpu_packed_linear``).
+        """Pack bfloat16 linear weights once for a fast kernel (``platforms/cpu_packed_linear``):
+        the compiled ``chassis_cpu::linear`` where the CPU and shapes allow, else oneDNN's.
 
-        Same values as ``F.linear``; decode steps at batch 1 measured ~25 % faster.
+        Same values as ``F.linear`` up to rare one-step bf16 roundings; measured batch-1 decode
+        steps: ~25 % faster with oneDNN's packing, ~28 % faster again with the chassis kernel.
         """
-        from chassis.platforms.cpu_packed_linear import pack_linear_weights
+        from chassis.platforms.cpu_packed_linear import PackedLinear, pack_linear_weights
 
         count = pack_linear_weights(model)
         if count:
-            logger.info("packed %d linear weights for oneDNN", count)
+            kernels = Counter(m.kernel for m in model.modules() if isinstance(m, PackedLinear))
+            logger.info(
+                "packed %d bf16 linear weights (%s)",
+                count,
+                ", ".join(f"{n} for {name}" for name, n in sorted(kernels.items())),
+            )
 
 
 #: mallopt parameters (glibc malloc.h)

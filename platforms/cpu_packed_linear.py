@@ -141,11 +141,15 @@ class PackedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.detach()
         return self._linear(x, self._packed, bias)
 
+    @property
+    def kernel(self) -> str:
+        """Which kernel runs this layer: ``"chassis"`` (``chassis_cpu::linear``) or ``"oneDNN"``."""
+        return "oneDNN" if self._linear is _onednn_linear else "chassis"
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, "
-            f"packed={'chassis' if self._linear is not _onednn_linear else 'oneDNN'}"
+            f"bias={self.bias is not None}, packed={self.kernel}"
         )
 
 
