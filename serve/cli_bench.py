@@ -1,4 +1,4 @@
-"""``chassis bench throughput|latency|step|serve``: the standard benchmarks.
+"""``chassis bench throughput|latency|step|kernels|serve``: the standard benchmarks.
 
 ``--model-preset NAME`` (offline benchmarks) names a model config shipped in
 ``serve/bench_models/NAME/config.json`` (no weights, no tokenizer): it stands for MODEL and
@@ -68,9 +68,11 @@ def add_parser(subparsers: Any) -> None:
     _add_common(lat)
     lat.set_defaults(run=_run_offline)
 
+    from chassis.serve.bench_kernels import add_kernel_bench_parser
     from chassis.serve.bench_step import add_step_bench_parser
 
     add_step_bench_parser(kinds, add_engine_args)
+    add_kernel_bench_parser(kinds)
 
     try:
         from chassis.serve.bench_serve import add_serve_bench_parser

@@ -168,3 +168,21 @@ def test_step_bench_times_decode_and_prefill_steps(tiny_llama_dir):
     lines = proc.stdout.strip().splitlines()
     assert re.fullmatch(r"decode step, batch 2, context ~8: [0-9.]+ ms", lines[-2])
     assert re.fullmatch(r"prefill step, 16 tokens in one request: [0-9]+ ms", lines[-1])
+
+
+def test_kernel_bench_times_every_linear_and_attention_variant():
+    proc = run_bench(
+        "kernels",
+        "--hidden", "64", "--intermediate", "128",
+        "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+        "--layers", "2", "--rows", "1,7", "--batch", "1,3", "--context", "20",
+        "--repeats", "1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for rows in (1, 7):
+        for name in ("oneDNN packed", "F.linear", "chassis_cpu::linear"):
+            assert re.search(rf"rows +{rows}  {re.escape(name)} +[0-9.]+ ms +[0-9]+ GFLOP/s", out)
+    for batch in (1, 3):
+        for name in ("decode_attention", "SDPA fallback"):
+            assert re.search(rf"batch +{batch}  {name} +[0-9.]+ us per layer", out)

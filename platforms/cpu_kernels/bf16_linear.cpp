@@ -1,8 +1,9 @@
 // bfloat16 linear layers with AVX512-BF16 dot products (`chassis_cpu::linear`).
 //
 // Why: oneDNN's packed bf16 linear reaches 20 GFLOP/s at 1 row and ~310 at 32 rows on the
-// 2-core development machine, while this kernel reaches 32 and ~355 (and matches oneDNN, ~415,
-// at 512-2,048 rows), so decode steps, which multiply a few rows by every weight, get faster.
+// 2-core development machine, while this kernel reaches ~30 and ~350 (and matches oneDNN,
+// ~425, from 512 rows; `chassis bench kernels`), so decode steps, which multiply a few rows by
+// every weight, get faster.
 //
 // Layout: `pack_linear` turns a [N, K] weight into panels of 64 output columns,
 // [N / 64][K / 2][64][2]: for each pair of input features, the 64 columns' two weights sit
