@@ -1,40 +1,17 @@
-"""Fused decoder-layer ops: each a torch reference and a dispatch to its Triton kernel.
+"""Torch references of the fused decoder-layer ops (the specification the kernels follow).
 
-The public functions (:func:`rms_norm`, :func:`silu_and_mul`, :func:`rotary_embedding_`) run
-the Triton kernel of :mod:`chassis.core.layers.triton_ops` when the input lives on a device
-where Triton compiles for real (``tensor.is_cuda``: CUDA and ROCm) and Triton is installed, and
-the ``*_ref`` torch function otherwise. The references are the specification: the kernels
-compute the same values in the same rounding order (HF transformers' order), so results agree
-to rounding.
+The Triton kernels of :mod:`chassis.core.layers.triton_ops` compute the same values in the
+same rounding order (HF transformers' order), so results agree to rounding. Which kernel the
+model's layers run is the platform's choice (``Platform.layer_kernels()``, see
+:mod:`chassis.core.layers.kernels`), not this module's.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "rms_norm",
-    "rms_norm_ref",
-    "rotary_embedding_",
-    "rotary_embedding_ref_",
-    "silu_and_mul",
-    "silu_and_mul_ref",
-    "use_triton",
-]
-
-
-@lru_cache(maxsize=1)
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the dispatching functions run their Triton kernel for ``x``."""
-    return x.is_cuda and _triton_installed()
+__all__ = ["rms_norm_ref", "rotary_embedding_ref_", "silu_and_mul_ref"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,47 +82,3 @@ def rotary_embedding_ref_(
             rotated = torch.stack((r1, r2), dim=-1).flatten(-2)
         heads[..., : 2 * half] = rotated.to(x.dtype)
     return query, key
-
-
-# ---------------------------------------------------------------------------------------------
-# dispatch
-# ---------------------------------------------------------------------------------------------
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rms_norm_ref`, by one Triton kernel on CUDA/ROCm (new tensors; inputs kept)."""
-    if use_triton(x):
-        from chassis.core.layers import triton_ops
-
-        return triton_ops.rms_norm(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """:func:`silu_and_mul_ref`, by one Triton kernel on CUDA/ROCm."""
-    if use_triton(x):
-        from chassis.core.layers import triton_ops
-
-        return triton_ops.silu_and_mul(x)
-    return silu_and_mul_ref(x)
-
-
-def rotary_embedding_(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    head_dim: int,
-    is_neox: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rotary_embedding_ref_` (in place), by one Triton kernel on CUDA/ROCm."""
-    if use_triton(query):
-        from chassis.core.layers import triton_ops
-
-        return triton_ops.rotary_embedding_(
-            positions, query, key, cos_cache, sin_cache, head_dim, is_neox
-        )
-    return rotary_embedding_ref_(positions, query, key, cos_cache, sin_cache, head_dim, is_neox)

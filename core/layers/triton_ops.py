@@ -80,7 +80,7 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton RMSNorm over the last dim; see :func:`chassis.core.layers.fused_ops.rms_norm`."""
+    """Triton RMSNorm over the last dim; reference :func:`chassis.core.layers.fused_ops.rms_norm_ref`."""
     hidden = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty_like(x2)
@@ -132,7 +132,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.conste
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton SwiGLU; see :func:`chassis.core.layers.fused_ops.silu_and_mul`."""
+    """Triton SwiGLU; reference :func:`chassis.core.layers.fused_ops.silu_and_mul_ref`."""
     d = x.shape[-1] // 2
     x2 = _rows(x)
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
@@ -225,7 +225,7 @@ def rotary_embedding_(
     is_neox: bool = True,
     hf_rounding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton in-place RoPE; see :func:`chassis.core.layers.fused_ops.rotary_embedding_`.
+    """Triton in-place RoPE; reference :func:`chassis.core.layers.fused_ops.rotary_embedding_ref_`.
 
     ``hf_rounding``: round cos/sin and each product to the tensors' dtype before the sum, as
     HF transformers (and :class:`~chassis.core.layers.rotary.RotaryEmbedding`) do, instead of

@@ -16,7 +16,7 @@ from triton.testing import do_bench
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
 from chassis.builtin_plugins.attention.triton_paged import TritonPagedAttention
 from chassis.core.attention import AttentionMetadata
-from chassis.core.layers import fused_ops
+from chassis.core.layers import fused_ops, triton_ops
 
 HEADS, KV_HEADS, DIM, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -92,11 +92,11 @@ def main() -> None:
         )
     x = torch.randn(256, 1024, device="cuda", dtype=DTYPE)
     r, w = torch.randn_like(x), torch.ones(1024, device="cuda", dtype=DTYPE)
-    fused = do_bench(lambda: fused_ops.rms_norm(x, w, 1e-6, r)) * 1e3
+    fused = do_bench(lambda: triton_ops.rms_norm(x, w, 1e-6, r)) * 1e3
     ref = do_bench(lambda: fused_ops.rms_norm_ref(x, w, 1e-6, r)) * 1e3
     print(f"add+rms_norm [256, 1024]  triton {fused:6.1f} us   torch {ref:6.1f} us")
     g = torch.randn(256, 2 * 3072, device="cuda", dtype=DTYPE)
-    fused = do_bench(lambda: fused_ops.silu_and_mul(g)) * 1e3
+    fused = do_bench(lambda: triton_ops.silu_and_mul(g)) * 1e3
     ref = do_bench(lambda: fused_ops.silu_and_mul_ref(g)) * 1e3
     print(f"silu_and_mul [256, 6144]  triton {fused:6.1f} us   torch {ref:6.1f} us")
 
