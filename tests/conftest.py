@@ -7,4 +7,5 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from fixtures_models import *  # noqa: F403
+from fixtures_threads import *  # noqa: F403
 from fixtures_tokenizer import *  # noqa: F403

@@ -19,13 +19,8 @@ NUM_KV_BLOCKS = 256
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads, and OpenMP threads that spin-wait for a busy
-    second core make them ~30x slower on the shared 2-core test machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+def _one_thread(one_torch_thread):
+    """Every test of this module runs on one intra-op thread (``fixtures_threads``)."""
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads on the shared 2-core test machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+def _one_thread(one_torch_thread):
+    """Every test of this module runs on one intra-op thread (``fixtures_threads``)."""
 
 
 @pytest.mark.parametrize("bias", [False, True])
