@@ -150,3 +150,62 @@ def test_decode_attention_rejects_block_ids_outside_the_cache(kernels):
         query, cache, table, torch.tensor([3], dtype=torch.int32), 1.0
     )
     assert out.shape == (1, 2, 16) and torch.isfinite(out).all()
+
+
+def _attention_reference(query, cache, table, lens, scale):
+    """float32 softmax attention of each query row over its context, read through the table."""
+    out = torch.empty(query.shape, dtype=torch.float32)
+    block_size, kv_heads = cache.shape[2], cache.shape[3]
+    group = query.shape[1] // kv_heads
+    for b in range(query.shape[0]):
+        pos = torch.arange(int(lens[b]))
+        blocks = table[b, pos // block_size].long()
+        k = cache[blocks, 0, pos % block_size].float().repeat_interleave(group, dim=1)
+        v = cache[blocks, 1, pos % block_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", query[b].float(), k) * scale
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
+def test_decode_attention_matches_float32_softmax(kernels, dtype, head_dim, heads, kv_heads):
+    # lengths that end mid-chunk (odd, so the bf16 path's position pairs end half-empty),
+    # span several blocks, and batches past 2 x threads (whole requests per work item)
+    torch.manual_seed(0)
+    block_size, lens = 16, [1, 15, 16, 17, 33, 100, 7]
+    blocks_per_row = -(-max(lens) // block_size)
+    cache = torch.randn(len(lens) * blocks_per_row + 3, 2, block_size, kv_heads, head_dim)
+    cache = cache.to(dtype)
+    table = torch.randperm(cache.shape[0])[: len(lens) * blocks_per_row]
+    table = table.view(len(lens), blocks_per_row).to(torch.int32)
+    query = torch.randn(len(lens), heads, head_dim).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    actual = kernels.ops.decode_attention(query, cache, table, seq_lens, scale)
+    expected = _attention_reference(query, cache, table, seq_lens, scale)
+    # bfloat16: the softmax weights are rounded to bfloat16 before p.v (as GPU kernels do)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(actual.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_stores_rows_at_their_slots(kernels, dtype):
+    torch.manual_seed(0)
+    num_blocks, block_size, kv_heads, dim = 5, 4, 2, 8
+    cache = torch.zeros(num_blocks, 2, block_size, kv_heads, dim, dtype=dtype)
+    # K and V as the strided views a fused QKV projection gives
+    qkv = torch.randn(6, 3 * kv_heads * dim).to(dtype)
+    key = qkv[:, kv_heads * dim : 2 * kv_heads * dim].view(6, kv_heads, dim)
+    value = qkv[:, 2 * kv_heads * dim :].view(6, kv_heads, dim)
+    slots = torch.tensor([0, 7, -1, 19, 5])  # the 6th token is not written; -1 is padding
+    kernels.ops.write_kv(key, value, cache, slots)
+    expected = torch.zeros_like(cache)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[slot // block_size, 0, slot % block_size] = key[i]
+            expected[slot // block_size, 1, slot % block_size] = value[i]
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.ops.write_kv(key, value, cache, torch.tensor([num_blocks * block_size]))

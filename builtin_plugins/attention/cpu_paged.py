@@ -64,6 +64,8 @@ class _Rows:
 
 @dataclass
 class _Plan:
+    #: int64 cache slot of each of this step's tokens (-1: padding, not written)
+    slots: torch.Tensor
     #: flat-view rows where this step's K (and V = + block_size) go, only valid tokens
     write_k_rows: torch.Tensor
     write_tokens: torch.Tensor | None
@@ -88,7 +90,7 @@ def _make_plan(
     kernel with the decodes (0: no kernel, decodes only take the SDPA row path)."""
     device = metadata.slot_mapping.device
     num_tokens = metadata.num_actual_tokens
-    slots = metadata.slot_mapping[:num_tokens].long()
+    all_slots = slots = metadata.slot_mapping[:num_tokens].long().contiguous()
     valid = slots >= 0
     all_valid = bool(valid.all())
     write_tokens = None if all_valid else torch.nonzero(valid).squeeze(1)
@@ -133,7 +135,7 @@ def _make_plan(
         )
     rows_only = not prefills and rows_plan is not None and rows_plan.tokens is None
     rows_only = rows_only and rows_plan.count == num_rows
-    return _Plan(write_k_rows, write_tokens, rows_plan, prefills, rows_only)
+    return _Plan(all_slots, write_k_rows, write_tokens, rows_plan, prefills, rows_only)
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -161,12 +163,15 @@ class CpuPagedAttention(AttentionBackend):
         # [num_blocks, 2, block_size, KV, D] -> rows of [KV, D]; K of slot s in block b is row
         # b * 2 * block_size + s, its V is block_size rows later.
         flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)
-        num_tokens = metadata.num_actual_tokens
-        new_k, new_v = key[:num_tokens], value[:num_tokens]
-        if plan.write_tokens is not None:
-            new_k, new_v = new_k[plan.write_tokens], new_v[plan.write_tokens]
-        flat.index_copy_(0, plan.write_k_rows, new_k.to(flat.dtype))
-        flat.index_copy_(0, plan.write_k_rows + block_size, new_v.to(flat.dtype))
+        if self.kernels is not None and key.dtype == value.dtype == kv_cache.dtype:
+            self.kernels.write_kv(key, value, kv_cache, plan.slots)
+        else:
+            num_tokens = metadata.num_actual_tokens
+            new_k, new_v = key[:num_tokens], value[:num_tokens]
+            if plan.write_tokens is not None:
+                new_k, new_v = new_k[plan.write_tokens], new_v[plan.write_tokens]
+            flat.index_copy_(0, plan.write_k_rows, new_k.to(flat.dtype))
+            flat.index_copy_(0, plan.write_k_rows + block_size, new_v.to(flat.dtype))
 
         if plan.rows_only:
             assert plan.rows is not None

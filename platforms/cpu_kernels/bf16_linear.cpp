@@ -139,14 +139,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float* bp = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
-  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+  // Work items are (panel, row tile) pairs in panel-major order, split into one contiguous
+  // range per thread: a thread reads each of its panels from memory once and reuses it from
+  // cache for that panel's row tiles, and threads get equal shares even when the panels do
+  // not divide evenly among them (a 576-wide layer has 9).
+  const int64_t tiles = (m + kRows - 1) / kRows;
+  at::parallel_for(0, (n / kPanel) * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / tiles, r = (item % tiles) * kRows;
       const uint16_t* panel = wp + p * (k / 2) * 2 * kPanel;
       const float* pb = bp == nullptr ? nullptr : bp + p * kPanel;
-      int64_t r = 0;
-      for (; r + kRows <= m; r += kRows)
+      if (r + kRows <= m)
         micro_kernel<kRows>(xp + r * k, k, panel, pb, op + r * n + p * kPanel, n);
-      rows_tail(m - r, xp + r * k, k, panel, pb, op + r * n + p * kPanel, n);
+      else
+        rows_tail(m - r, xp + r * k, k, panel, pb, op + r * n + p * kPanel, n);
     }
   });
 #endif

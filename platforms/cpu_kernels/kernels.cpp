@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <numeric>
 #include <cmath>
 #include <limits>
@@ -165,45 +166,56 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
                    double eps, at::Tensor& out, at::Tensor* sum_out) {
   const int64_t rows = x.size(0), n = x.size(1);
   const T* w = weight.data_ptr<T>();
+  const T* xs = x.data_ptr<T>();
+  const T* rs = residual == nullptr ? nullptr : residual->data_ptr<T>();
+  T* sums = sum_out == nullptr ? nullptr : sum_out->data_ptr<T>();
+  T* outs = out.data_ptr<T>();
+  const int64_t x_stride = x.stride(0), r_stride = rs == nullptr ? 0 : residual->stride(0),
+                s_stride = sums == nullptr ? 0 : sum_out->stride(0), o_stride = out.stride(0);
   at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
-    std::vector<float> s(n);
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x.data_ptr<T>() + r * x.stride(0);
-      const T* rr = residual == nullptr ? nullptr : residual->data_ptr<T>() + r * residual->stride(0);
-      T* so = sum_out == nullptr ? nullptr : sum_out->data_ptr<T>() + r * sum_out->stride(0);
-      T* o = out.data_ptr<T>() + r * out.stride(0);
+      const T* xr = xs + r * x_stride;
+      const T* rr = rs == nullptr ? nullptr : rs + r * r_stride;
+      T* so = sums == nullptr ? nullptr : sums + r * s_stride;
+      T* o = outs + r * o_stride;
+      // pass 1: the (rounded) sum, stored, and its squares summed; pass 2 reads the row back
+      // (from `so` when there is a residual), normalizes and scales it
+      const T* src = rr == nullptr ? xr : so;
+      float squares = 0;
       int64_t i = 0;
 #ifdef __AVX512F__
+      vf acc = _mm512_setzero_ps();
       for (; i + 16 <= n; i += 16) {
         vf v = load16(xr + i);
         if (rr != nullptr) {
           v = round16<T>(_mm512_add_ps(v, load16(rr + i)));
           store16(so + i, v);
         }
-        _mm512_storeu_ps(s.data() + i, v);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
       }
+      squares = _mm512_reduce_add_ps(acc);
 #endif
-      for (; i < n; ++i) {
+      for (int64_t j = i; j < n; ++j) {
+        float v = static_cast<float>(xr[j]);
         if (rr != nullptr) {
-          const T v = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-          so[i] = v;
-          s[i] = static_cast<float>(v);
-        } else {
-          s[i] = static_cast<float>(xr[i]);
+          so[j] = static_cast<T>(v + static_cast<float>(rr[j]));
+          v = static_cast<float>(so[j]);
         }
+        squares += v * v;
       }
-      const float inv = 1.0f / std::sqrt(dot(s.data(), s.data(), n) / static_cast<float>(n) +
-                                         static_cast<float>(eps));
+      const float inv =
+          1.0f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
       i = 0;
 #ifdef __AVX512F__
       const vf vinv = _mm512_set1_ps(inv);
       for (; i + 16 <= n; i += 16) {
-        const vf normed = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(s.data() + i), vinv));
+        const vf normed = round16<T>(_mm512_mul_ps(load16(src + i), vinv));
         store16(o + i, _mm512_mul_ps(load16(w + i), normed));
       }
 #endif
       for (; i < n; ++i)
-        o[i] = static_cast<T>(static_cast<float>(w[i]) * round_to<T>(s[i] * inv));
+        o[i] = static_cast<T>(static_cast<float>(w[i]) *
+                              round_to<T>(static_cast<float>(src[i]) * inv));
     }
   });
 }
@@ -337,6 +349,47 @@ struct DecodeShape {
 };
 
 #ifdef __AVX512F__
+// rows[p] = the cache row (K of kv head 0) of position start + p, p < n: one division per
+// chunk rather than one per position (an integer division costs tens of cycles, as much as
+// a position's arithmetic).
+template <typename T>
+inline void chunk_rows(const DecodeShape& sh, const T* cache, const int32_t* table,
+                       int64_t start, int64_t n, const T** rows) {
+  int64_t block = start / sh.block_size, offset = start % sh.block_size;
+  for (int64_t p = 0; p < n; ++p) {
+    rows[p] = cache + static_cast<int64_t>(table[block]) * sh.blk_stride + offset * sh.pos_stride;
+    if (++offset == sh.block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
+// Request K and V of one kv head (`row` points at its K) into L2. The cache is read once per
+// step, from memory: each position of a chunk requests the same head of the next chunk's
+// position, so loads run a chunk ahead of the arithmetic. Spread out like this rather than
+// in one burst per chunk (which overflows the core's outstanding-miss slots), and into L2
+// rather than L1, it halved an engine step's attention time (498 -> 223 us per layer at
+// batch 32, `chassis bench kernels` shapes in the engine).
+template <typename T>
+inline void prefetch_head(const T* row, int64_t kv_stride, int64_t dim) {
+  const char* k = reinterpret_cast<const char*>(row);
+  const char* v = reinterpret_cast<const char*>(row + kv_stride);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) {
+    _mm_prefetch(k + off, _MM_HINT_T1);
+    _mm_prefetch(v + off, _MM_HINT_T1);
+  }
+}
+
+// The rows of the chunk after the one at `start` (see prefetch_head); returns their count.
+template <typename T>
+inline int64_t next_chunk_rows(const DecodeShape& sh, const T* cache, const int32_t* table,
+                               int64_t start, int64_t len, const T** next) {
+  const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, len - start - 16));
+  if (n > 0) chunk_rows(sh, cache, table, start + 16, n, next);
+  return n;
+}
+
 // One request, kv heads [h0, h1): 16 positions at a time; each K/V row read serves all
 // `group` query rows of its kv head. Covering all kv heads of a request in one item reads its
 // cache blocks front to back (whole cache lines, a stream the hardware prefetcher follows).
@@ -361,30 +414,16 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
     const int64_t n = std::min<int64_t>(16, len - start);
     const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const T* rows[16];
-    for (int64_t p = 0; p < n; ++p) {
-      const int64_t pos = start + p;
-      const T* blk = cache + static_cast<int64_t>(table[pos / sh.block_size]) * sh.blk_stride;
-      rows[p] = blk + (pos % sh.block_size) * sh.pos_stride;
-    }
-    // The cache is read once per step, from memory: request the next chunk's K and V rows
-    // (the kv heads this item covers) now, so their loads overlap this chunk's arithmetic.
-    for (int64_t pos = start + 16; pos < std::min<int64_t>(start + 32, len); ++pos) {
-      const char* next = reinterpret_cast<const char*>(
-          cache + static_cast<int64_t>(table[pos / sh.block_size]) * sh.blk_stride +
-          (pos % sh.block_size) * sh.pos_stride + h0 * D);
-      const int64_t bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(T));
-      const int64_t v_offset = sh.kv_stride * static_cast<int64_t>(sizeof(T));
-      for (int64_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch(next + off, _MM_HINT_T0);
-        _mm_prefetch(next + v_offset + off, _MM_HINT_T0);
-      }
-    }
+    chunk_rows(sh, cache, table, start, n, rows);
+    const T* next[16];
+    const int64_t next_n = next_chunk_rows(sh, cache, table, start, len, next);
     for (int64_t h = h0; h < h1; ++h) {
       const float* qh = q + h * G * D;
       float* ah = acc + h * G * D;
       // scores: part[g][p] = q_g * k_p summed over dim chunks (16 lanes, unreduced), then
       // one transpose-and-add tree per group row
       for (int64_t p = 0; p < n; ++p) {
+        if (p < next_n) prefetch_head(next[p] + h * D, sh.kv_stride, D);
         vf k[C];
         for (int c = 0; c < C; ++c) k[c] = load16(rows[p] + h * D + c * 16);
         for (int64_t g = 0; g < G; ++g) {
@@ -426,6 +465,116 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
   for (int64_t row = h0 * G; row < h1 * G; ++row) {
     const float inv = l[row] > 0 ? 1.0f / l[row] : 0.0f;
     for (int64_t d = 0; d < D; ++d) out[row * sh.o_h + d] = static_cast<T>(acc[row * D + d] * inv);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The bfloat16 cache on CPUs with AVX512-BF16: both products as bf16 dot products
+// (`vdpbf16ps`, float32 sums), which takes less than half the instructions of converting
+// every K and V element to float32 first. q.k multiplies the query as stored (the scale is
+// applied to the float32 score); p.v multiplies softmax weights rounded to bfloat16 (as GPU
+// flash attention does), whose rounded values also form the denominator, so every output
+// is a convex combination of V rows. Same work split and prefetch as `decode_item_simd`.
+// `acc` holds each query row's sums in the lane order the interleaving below produces;
+// the end of the item puts them back in dimension order.
+template <int C2>  // C2 = dim / 32: 32 bf16 per 512-bit register
+void decode_item_bf16(const DecodeShape& sh, const c10::BFloat16* q_in,
+                      const c10::BFloat16* cache, const int32_t* table, int64_t len,
+                      c10::BFloat16* out, int64_t h0, int64_t h1, float* acc, float* m,
+                      float* l) {
+  constexpr int D = 32 * C2;
+  const int64_t G = sh.group;
+  for (int64_t row = h0 * G; row < h1 * G; ++row) {
+    m[row] = -std::numeric_limits<float>::infinity();
+    l[row] = 0;
+  }
+  std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.0f);
+  const vf scale = _mm512_set1_ps(sh.scale);
+  vf part[16][16];                          // [group][position]
+  alignas(64) uint32_t weights[16][8];      // [group][position pair]: two bf16 weights each
+  alignas(64) __m512i pairs[8][2 * C2];     // V rows 2j and 2j+1 interleaved per element
+  float corrections[16];
+  for (int64_t start = 0; start < len; start += 16) {
+    const int64_t n = std::min<int64_t>(16, len - start);
+    const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const c10::BFloat16* rows[16];
+    chunk_rows(sh, cache, table, start, n, rows);
+    // past the end: any valid row; its weight is zero
+    for (int64_t p = n; p < 16; ++p) rows[p] = rows[0];
+    const int64_t npairs = (n + 1) / 2;
+    const c10::BFloat16* next[16];
+    const int64_t next_n = next_chunk_rows(sh, cache, table, start, len, next);
+    for (int64_t h = h0; h < h1; ++h) {
+      const c10::BFloat16* qh = q_in + h * G * sh.q_h;
+      for (int64_t p = 0; p < n; ++p) {
+        if (p < next_n) prefetch_head(next[p] + h * D, sh.kv_stride, D);
+        __m512bh k[C2];
+        for (int c = 0; c < C2; ++c)
+          k[c] = (__m512bh)_mm512_loadu_si512(rows[p] + h * D + c * 32);
+        for (int64_t g = 0; g < G; ++g) {
+          vf sum = _mm512_setzero_ps();
+          for (int c = 0; c < C2; ++c)
+            sum = _mm512_dpbf16_ps(
+                sum, (__m512bh)_mm512_loadu_si512(qh + g * sh.q_h + c * 32), k[c]);
+          part[g][p] = sum;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = n; p < 16; ++p) part[g][p] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * G + g;
+        const vf sc = _mm512_mul_ps(hsum16(part[g]), scale);
+        const float new_max = std::max(m[r], _mm512_mask_reduce_max_ps(lanes, sc));
+        const vf e = _mm512_maskz_mov_ps(
+            lanes, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(weights[g]), rounded);
+        const vf used =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+        const float correction = std::exp(m[r] - new_max);  // 0 on the first chunk
+        l[r] = l[r] * correction + _mm512_reduce_add_ps(used);
+        m[r] = new_max;
+        corrections[g] = correction;
+      }
+      // V rows side by side in pairs: 16-bit lane 2i of `pairs[j]` holds row 2j, lane 2i+1
+      // row 2j+1, which is the operand order of a dot product with a (w_2j, w_2j+1) pair.
+      for (int64_t j = 0; j < npairs; ++j) {
+        const c10::BFloat16* v0 = rows[2 * j] + sh.kv_stride + h * D;
+        const c10::BFloat16* v1 = rows[2 * j + 1] + sh.kv_stride + h * D;
+        for (int c = 0; c < C2; ++c) {
+          const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+          const __m512i b = _mm512_loadu_si512(v1 + c * 32);
+          pairs[j][2 * c] = _mm512_unpacklo_epi16(a, b);
+          pairs[j][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* ag = acc + (h * G + g) * D;
+        const vf cv = _mm512_set1_ps(corrections[g]);
+        vf a[2 * C2];
+        for (int c = 0; c < 2 * C2; ++c)
+          a[c] = _mm512_mul_ps(_mm512_loadu_ps(ag + c * 16), cv);
+        for (int64_t j = 0; j < npairs; ++j) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[g][j]));
+          for (int c = 0; c < 2 * C2; ++c)
+            a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)pairs[j][c], w);
+        }
+        for (int c = 0; c < 2 * C2; ++c) _mm512_storeu_ps(ag + c * 16, a[c]);
+      }
+    }
+  }
+  // lane i of the low (high) interleaving of 32-element chunk c holds element
+  // 8 * (i / 4) + i % 4 (+ 4) of that chunk
+  for (int64_t row = h0 * G; row < h1 * G; ++row) {
+    const float inv = l[row] > 0 ? 1.0f / l[row] : 0.0f;
+    const float* ar = acc + row * D;
+    c10::BFloat16* orow = out + row * sh.o_h;
+    for (int c = 0; c < C2; ++c)
+      for (int half = 0; half < 2; ++half)
+        for (int i = 0; i < 16; ++i)
+          orow[c * 32 + 8 * (i / 4) + 4 * half + i % 4] =
+              static_cast<c10::BFloat16>(ar[(2 * c + half) * 16 + i] * inv);
   }
 }
 #endif
@@ -504,6 +653,23 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
       const T* qb = qbase + b * sh.q_b;
       T* ob = obase + b * sh.o_b;
       const int32_t* t = table + b * sh.table_stride;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (simd && sh.dim >= 32) {
+          auto run = [&](auto chunks) {
+            decode_item_bf16<decltype(chunks)::value>(sh, qb, cache, t, lens[b], ob, h0, h1,
+                                                      acc.data(), m.data(), l.data());
+          };
+          switch (sh.dim) {
+            case 32: run(std::integral_constant<int, 1>{}); break;
+            case 64: run(std::integral_constant<int, 2>{}); break;
+            case 128: run(std::integral_constant<int, 4>{}); break;
+            default: run(std::integral_constant<int, 8>{}); break;  // 256
+          }
+          continue;
+        }
+      }
+#endif
 #ifdef __AVX512F__
       if (simd) {
         auto run = [&](auto chunks) {
@@ -564,6 +730,49 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   return out;
 }
 
+// Store token i's K and V rows (i < slots.size(0)) into the paged cache at slot slots[i]
+// (block slots[i] / block_size, offset slots[i] % block_size); a negative slot (a padding
+// token) is skipped. One call per layer instead of the half-dozen tensor ops an
+// `index_copy_` of K and V takes from Python.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
+              "kv_cache must be contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == kv_cache.size(3) &&
+                  key.size(2) == kv_cache.size(4),
+              "key and value must be [tokens, kv_heads, head_dim] of the cache's shape");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "key and value must have the cache's dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) <= key.size(0),
+              "slots must be int64 [n] with n <= tokens");
+  const at::Tensor k = key.stride(2) == 1 && key.stride(1) == key.size(2) ? key : key.contiguous();
+  const at::Tensor v =
+      value.stride(2) == 1 && value.stride(1) == value.size(2) ? value : value.contiguous();
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* slot = sl.data_ptr<int64_t>();
+  const int64_t block_size = kv_cache.size(2), capacity = kv_cache.size(0) * block_size;
+  for (int64_t i = 0; i < sl.size(0); ++i)
+    TORCH_CHECK(slot[i] < capacity, "slot ", slot[i], " of token ", i, " is outside the cache (",
+                capacity, " slots)");
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t esz = key.element_size();
+  const int64_t blk = kv_cache.stride(0) * esz, half = kv_cache.stride(1) * esz,
+                pos = kv_cache.stride(2) * esz;
+  const int64_t ks = k.stride(0) * esz, vs = v.stride(0) * esz;
+  at::parallel_for(0, sl.size(0), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (slot[i] < 0) continue;
+      char* dst = cache + (slot[i] / block_size) * blk + (slot[i] % block_size) * pos;
+      std::memcpy(dst, kp + i * ks, row_bytes);
+      std::memcpy(dst + half, vp + i * vs, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(chassis_cpu, m) {
@@ -575,6 +784,7 @@ TORCH_LIBRARY(chassis_cpu, m) {
   m.def(
       "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "float scale) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(chassis_cpu, CPU, m) {
@@ -582,4 +792,5 @@ TORCH_LIBRARY_IMPL(chassis_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("decode_attention", &decode_attention);
+  m.impl("write_kv", &write_kv);
 }
