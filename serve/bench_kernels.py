@@ -6,9 +6,11 @@ Times, on random data shaped like a model's layers:
   ``[2 * intermediate, hidden]`` and down ``[hidden, intermediate]``), distinct per layer so
   the weights come from memory as in a decode step, through ``chassis_cpu::linear``,
   oneDNN's packed linear and plain ``F.linear``; prints ms per pass and GFLOP/s;
-- **attention**: one layer's single-row attention for ``B`` requests of ``--context``
-  positions over a paged bf16 cache, through ``chassis_cpu::decode_attention`` and the SDPA
-  fallback of ``cpu_paged`` (``CHASSIS_CPU_KERNELS=0``); prints microseconds per call.
+- **attention**: single-row attention for ``B`` requests of ``--context`` positions over
+  ``--layers`` distinct paged bf16 caches (blocks in shuffled order), one call per layer so
+  each layer's K/V comes from memory as in a decode step, through
+  ``chassis_cpu::decode_attention`` and the SDPA fallback of ``cpu_paged``
+  (``CHASSIS_CPU_KERNELS=0``); prints microseconds per layer.
 
 Shapes default to SmolLM2-135M's (hidden 576, intermediate 1536, 9 heads, 3 kv heads, head
 dim 64). Use it to compare kernel changes on a quiet machine; it is not an engine benchmark.
@@ -90,20 +92,26 @@ def run(args: argparse.Namespace) -> int:
     kv, d, heads, ctx = args.kv_heads, args.head_dim, args.heads, args.context
     block = 16
     blocks_per_req = -(-ctx // block)
-    print(f"attention: {heads} heads, {kv} kv heads, head dim {d}, {ctx} positions, block 16")
+    print(
+        f"attention: {heads} heads, {kv} kv heads, head dim {d}, {ctx} positions, block 16, "
+        f"{args.layers} layers"
+    )
     for batch in (int(b) for b in args.batch.split(",")):
         num_blocks = batch * blocks_per_req + 1
-        cache = randn(num_blocks, 2, block, kv, d)
-        table = torch.arange(batch * blocks_per_req, dtype=torch.int32).view(batch, -1)
+        caches = [randn(num_blocks, 2, block, kv, d) for _ in range(args.layers)]
+        order = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_req]
+        table = order.to(torch.int32).view(batch, -1)
         lens = torch.full((batch,), ctx, dtype=torch.int32)
         query = randn(batch, heads, d)
-        backend = CpuPagedAttention(heads, d, kv, d**-0.5)
         rows = _Rows(tokens=None, count=batch, block_table=table, seq_lens=lens)
-        kernel = lambda q=query, c=cache, r=rows, b=backend: b._rows(q, c, r)  # noqa: E731
+        kernel = CpuPagedAttention(heads, d, kv, d**-0.5)
         fallback = CpuPagedAttention(heads, d, kv, d**-0.5)
         fallback.kernels = None
-        sdpa = lambda q=query, c=cache, r=rows, b=fallback: b._rows(q, c, r)  # noqa: E731
-        for name, fn in (("decode_attention", kernel), ("SDPA fallback", sdpa)):
-            seconds = _time(fn, args.repeats * 20)
-            print(f"  batch {batch:4d}  {name:20s} {seconds * 1e6:9.1f} us per layer")
+        for name, backend in (("decode_attention", kernel), ("SDPA fallback", fallback)):
+            seconds = _time(
+                lambda b=backend, q=query, cs=caches, r=rows: [b._rows(q, c, r) for c in cs],
+                args.repeats,
+            )
+            per_layer = seconds / args.layers
+            print(f"  batch {batch:4d}  {name:20s} {per_layer * 1e6:9.1f} us per layer")
     return 0

@@ -5,7 +5,8 @@ Same contract and results as the reference ``torch_paged``; faster because
 - everything that depends only on the step's metadata (which cache rows each request reads
   and writes, masks, per-row block tables) is computed once per step and reused by every
   layer;
-- with the compiled kernels (``platforms/cpu_kernels``), every decode and every row of a
+- with the compiled kernels (``platforms/cpu_kernels``), a layer's new K/V rows go into the
+  cache in one ``chassis_cpu::write_kv`` call, and every decode and every row of a
   short prefill chunk (context up to :data:`KERNEL_MAX_PREFILL_CONTEXT`) is one row of a
   single ``chassis_cpu::decode_attention`` call, which reads K/V in place through the block
   table: one call per layer for a typical step;

@@ -339,8 +339,10 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
 
 // Single-token (decode) attention over a paged cache [num_blocks, 2, block_size, KV, D].
 // query [B, H, D] (H = KV * group); request b attends to its first seq_lens[b] positions,
-// found through block_table[b]. Float32 scores, softmax and accumulator (online softmax, one
-// cache block at a time); the output is rounded to the query dtype once.
+// found through block_table[b]. Float32 scores, softmax and accumulator (online softmax, 16
+// positions at a time); the output is rounded to the query dtype once. A bfloat16 cache on a
+// CPU with AVX512-BF16 multiplies in bfloat16 with float32 sums (`decode_item_bf16`).
+
 // Geometry of one decode_attention call, shared by the SIMD and the scalar paths.
 struct DecodeShape {
   int64_t batch, kv_heads, group, dim, block_size;
