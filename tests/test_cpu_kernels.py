@@ -209,3 +209,66 @@ def test_write_kv_stores_rows_at_their_slots(kernels, dtype):
     assert torch.equal(cache, expected)
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.ops.write_kv(key, value, cache, torch.tensor([num_blocks * block_size]))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
+def test_prefill_attention_matches_float32_softmax(kernels, head_dim, heads, kv_heads):
+    if not kernels.ops.prefill_attention_supported(torch.bfloat16, head_dim, heads // kv_heads):
+        pytest.skip("tiled prefill attention needs AVX512-BF16")
+    torch.manual_seed(0)
+    block_size = 16
+    # (prefix already cached, query length): whole prompts, chunks after a cached prefix,
+    # tiles ending mid-block, a single-token chunk, a context past 512 positions
+    chunks = [(0, 37), (20, 16), (5, 1), (48, 40), (0, 16), (530, 20)]
+    blocks_per_row = -(-max(p + q for p, q in chunks) // block_size)
+    cache = torch.randn(len(chunks) * blocks_per_row + 2, 2, block_size, kv_heads, head_dim)
+    cache = cache.to(torch.bfloat16)
+    table = torch.randperm(cache.shape[0])[: len(chunks) * blocks_per_row]
+    table = table.view(len(chunks), blocks_per_row).to(torch.int32)
+    # the chunks' tokens in reverse order after 3 tokens of no chunk (a step's decodes)
+    starts, at = [0] * len(chunks), 3
+    for i in reversed(range(len(chunks))):
+        starts[i], at = at, at + chunks[i][1]
+    query = torch.randn(at, heads, head_dim).to(torch.bfloat16)
+    out = torch.full_like(query, 7.0)
+    scale = head_dim**-0.5
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    seq_lens = i32([p + q for p, q in chunks])
+    query_lens = i32([q for _, q in chunks])
+    kernels.ops.prefill_attention(
+        query, cache, table, seq_lens, i32(starts), query_lens, scale, out
+    )
+    for i, (prefix, q_len) in enumerate(chunks):
+        # every token of the chunk as its own row over its causal context
+        tokens = slice(starts[i], starts[i] + q_len)
+        lens = torch.arange(prefix + 1, prefix + q_len + 1, dtype=torch.int32)
+        expected = _attention_reference(query[tokens], cache, table[[i] * q_len], lens, scale)
+        torch.testing.assert_close(out[tokens].float(), expected, rtol=2e-2, atol=2e-2)
+    assert (out[:3] == 7.0).all()  # tokens outside the chunks untouched
+
+
+def test_prefill_attention_rejects_bad_chunks(kernels):
+    if not kernels.ops.prefill_attention_supported(torch.bfloat16, 64, 1):
+        pytest.skip("tiled prefill attention needs AVX512-BF16")
+    cache = torch.zeros(4, 2, 16, 1, 64, dtype=torch.bfloat16)
+    query = torch.zeros(8, 1, 64, dtype=torch.bfloat16)
+    table = torch.tensor([[0, 9]], dtype=torch.int32)
+    start, length = torch.tensor([0], dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+    out = torch.empty_like(query)
+
+    def run(seq_len: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+        kernels.ops.prefill_attention(
+            query.to(dtype), cache.to(dtype), table, seq_lens, start, length, 1.0, out.to(dtype)
+        )
+
+    with pytest.raises(RuntimeError, match="not a block of this cache"):
+        run(20)
+    with pytest.raises(RuntimeError, match="number at most seq_lens"):
+        run(4)
+    with pytest.raises(RuntimeError, match="does not run this dtype"):
+        run(8, torch.float32)

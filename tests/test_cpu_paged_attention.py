@@ -83,3 +83,23 @@ def test_plan_is_shared_by_layers():
     plan = next(iter(b.metadata.derived.values()))
     backend.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
     assert next(iter(b.metadata.derived.values())) is plan
+
+
+def test_short_bf16_prefills_take_the_tiled_kernel():
+    backend = CpuPagedAttention(6, 64, 2, 0.125)
+    if backend.kernels is None or not backend._tiles_prefills(torch.bfloat16, torch.bfloat16):
+        pytest.skip("the tiled prefill kernel needs the compiled kernels and AVX512-BF16")
+    b = make_batch(
+        CASES["mixed"],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        unwritten_fill=1e4,
+    )
+    backend.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
+    plan = next(iter(b.metadata.derived.values()))
+    # chunks of more than one token go to the tiled kernel, one-token ones to the row kernel
+    assert plan.tiled is not None and plan.tiled.query_lens.tolist() == [12, 5, 4]
+    assert plan.rows is not None and plan.rows.count == 3

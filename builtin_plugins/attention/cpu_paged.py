@@ -6,12 +6,14 @@ Same contract and results as the reference ``torch_paged``; faster because
   and writes, masks, per-row block tables) is computed once per step and reused by every
   layer;
 - with the compiled kernels (``platforms/cpu_kernels``), a layer's new K/V rows go into the
-  cache in one ``chassis_cpu::write_kv`` call, and every decode and every row of a
-  short prefill chunk (context up to :data:`KERNEL_MAX_PREFILL_CONTEXT`) is one row of a
-  single ``chassis_cpu::decode_attention`` call, which reads K/V in place through the block
-  table: one call per layer for a typical step;
-- longer prefill chunks run SDPA's tiled CPU kernel per request, on the new K/V directly
-  when the chunk is the whole context (nothing cached to gather);
+  cache in one ``chassis_cpu::write_kv`` call, and every decode is one row of a single
+  ``chassis_cpu::decode_attention`` call, which reads K/V in place through the block table;
+- prefill chunks go to one ``chassis_cpu::prefill_attention`` call (16 query rows share
+  each K/V load) where it runs (bf16 on AVX512-BF16): a typical step makes one or two
+  attention calls per layer. Elsewhere, short chunks (context up to
+  :data:`KERNEL_MAX_PREFILL_CONTEXT`) are rows of the decode call, and longer ones run
+  SDPA's tiled CPU kernel per request, on the new K/V directly when the chunk is the whole
+  context (nothing cached to gather);
 - without the kernels (``CHASSIS_CPU_KERNELS=0``, no compiler) decodes are one SDPA call over
   whole gathered blocks, and every prefill chunk goes to SDPA.
 """
@@ -29,8 +31,9 @@ from chassis.core.attention import AttentionBackend, AttentionMetadata
 from chassis.platforms import cpu_kernels
 
 _PLAN_KEY = "cpu_paged.plan"
-#: with the compiled kernel, prefill chunks over at most this many positions are attended row
-#: by row (each row re-reads its context from cache); longer ones go to SDPA's tiled kernel
+#: without the tiled prefill kernel (see ``prefill_attention_supported``), prefill chunks over
+#: at most this many positions are attended row by row (each row re-reads its context from
+#: cache); longer ones go to SDPA's tiled kernel
 KERNEL_MAX_PREFILL_CONTEXT = 512
 
 
@@ -64,6 +67,17 @@ class _Rows:
 
 
 @dataclass
+class _Tiled:
+    """Short prefill chunks for ``chassis_cpu::prefill_attention`` (int32 tensors): chunk i's
+    blocks, context length, first token in the step and query length."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    token_starts: torch.Tensor
+    query_lens: torch.Tensor
+
+
+@dataclass
 class _Plan:
     #: int64 cache slot of each of this step's tokens (-1: padding, not written)
     slots: torch.Tensor
@@ -71,6 +85,7 @@ class _Plan:
     write_k_rows: torch.Tensor
     write_tokens: torch.Tensor | None
     rows: _Rows | None
+    tiled: _Tiled | None
     #: prefill chunks for SDPA (all of them without the kernel, else the long ones)
     prefills: list[_Prefill]
     #: the whole output is the rows' output (no SDPA prefills, no padding)
@@ -85,10 +100,15 @@ def _context_rows(block_table_row: torch.Tensor, length: int, block_size: int) -
 
 
 def _make_plan(
-    metadata: AttentionMetadata, block_size: int, num_rows: int, kernel_max_context: int
+    metadata: AttentionMetadata,
+    block_size: int,
+    num_rows: int,
+    kernel_max_context: int,
+    tile_prefills: bool = False,
 ) -> _Plan:
-    """``kernel_max_context``: prefills whose context is at most this long go to the row
-    kernel with the decodes (0: no kernel, decodes only take the SDPA row path)."""
+    """Every prefill chunk goes to the tiled prefill kernel when ``tile_prefills``; otherwise
+    those whose context is at most ``kernel_max_context`` become rows of the row kernel, with
+    the decodes (0: no kernels, decodes take the SDPA row path), and longer ones go to SDPA."""
     device = metadata.slot_mapping.device
     num_tokens = metadata.num_actual_tokens
     all_slots = slots = metadata.slot_mapping[:num_tokens].long().contiguous()
@@ -106,9 +126,13 @@ def _make_plan(
     row_tok: list[np.ndarray] = []
     row_len: list[np.ndarray] = []
     prefills: list[_Prefill] = []
+    tiled: list[tuple[int, int, int, int]] = []  # (request, first token, query len, seq len)
     for i in range(metadata.num_reqs):
         query_len, seq_len = starts[i + 1] - starts[i], seq_lens[i]
         if query_len == 0:
+            continue
+        if query_len > 1 and tile_prefills:
+            tiled.append((i, starts[i], query_len, seq_len))
             continue
         if query_len == 1 or seq_len <= kernel_max_context:
             # token j of the chunk sees positions 0 .. seq_len - query_len + j
@@ -134,9 +158,24 @@ def _make_plan(
             block_table=metadata.block_table[index, :num_blocks].to(torch.int32).contiguous(),
             seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
         )
-    rows_only = not prefills and rows_plan is not None and rows_plan.tokens is None
-    rows_only = rows_only and rows_plan.count == num_rows
-    return _Plan(all_slots, write_k_rows, write_tokens, rows_plan, prefills, rows_only)
+    tiled_plan = None
+    if tiled:
+        reqs, first, q_lens, lens = (list(x) for x in zip(*tiled, strict=True))
+        num_blocks = -(-max(lens) // block_size)
+        index = torch.tensor(reqs, device=device)
+
+        def i32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        tiled_plan = _Tiled(
+            block_table=metadata.block_table[index, :num_blocks].to(torch.int32).contiguous(),
+            seq_lens=i32(lens),
+            token_starts=i32(first),
+            query_lens=i32(q_lens),
+        )
+    rows_only = not prefills and tiled_plan is None and rows_plan is not None
+    rows_only = rows_only and rows_plan.tokens is None and rows_plan.count == num_rows
+    return _Plan(all_slots, write_k_rows, write_tokens, rows_plan, tiled_plan, prefills, rows_only)
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -159,7 +198,8 @@ class CpuPagedAttention(AttentionBackend):
         plan = metadata.derived.get(_PLAN_KEY)
         if plan is None:
             max_context = KERNEL_MAX_PREFILL_CONTEXT if self.kernels is not None else 0
-            plan = _make_plan(metadata, block_size, query.shape[0], max_context)
+            tile = self._tiles_prefills(query.dtype, kv_cache.dtype)
+            plan = _make_plan(metadata, block_size, query.shape[0], max_context, tile)
             metadata.derived[_PLAN_KEY] = plan
         # [num_blocks, 2, block_size, KV, D] -> rows of [KV, D]; K of slot s in block b is row
         # b * 2 * block_size + s, its V is block_size rows later.
@@ -178,6 +218,19 @@ class CpuPagedAttention(AttentionBackend):
             assert plan.rows is not None
             return self._rows(query, kv_cache, plan.rows)
         output = torch.empty_like(query)
+        if plan.tiled is not None:
+            assert self.kernels is not None
+            t = plan.tiled
+            self.kernels.prefill_attention(
+                query,
+                kv_cache,
+                t.block_table,
+                t.seq_lens,
+                t.token_starts,
+                t.query_lens,
+                self.scale,
+                output,
+            )
         group = self.num_heads // self.num_kv_heads
         for prefill in plan.prefills:
             q = query[prefill.token_slice].transpose(0, 1)[None]  # [1, H, Q, D]
@@ -208,6 +261,13 @@ class CpuPagedAttention(AttentionBackend):
             else:
                 output[tokens] = self._rows(query, kv_cache, plan.rows)
         return output
+
+    def _tiles_prefills(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        """Whether short prefill chunks go to ``chassis_cpu::prefill_attention``."""
+        if self.kernels is None or cache_dtype != dtype:
+            return False
+        group = self.num_heads // self.num_kv_heads
+        return bool(self.kernels.prefill_attention_supported(dtype, self.head_dim, group))
 
     def _rows(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _Rows) -> torch.Tensor:
         """The rows' attention, ``[n, H, D]``, in one call."""

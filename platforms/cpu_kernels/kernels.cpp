@@ -581,6 +581,168 @@ void decode_item_bf16(const DecodeShape& sh, const c10::BFloat16* q_in,
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kPrefillTiles = true;
+
+// Causal attention of up to 16 consecutive query rows of one prefill chunk over one kv head
+// (bfloat16 cache, AVX512-BF16): the rows share every K/V load. Scores are computed
+// transposed, a position at a time with the 16 rows in the vector lanes (the query is
+// repacked once per tile as pairs of dims), so the online softmax runs lane-wise: no
+// horizontal sums or maxima, and one exp per (position, row) as before. Numerics as in
+// `decode_item_bf16` (bf16 products with float32 sums, softmax weights rounded to bf16 for
+// p.v and in the denominator). `rows_in_tile` rows start at query token `tok0`, at positions
+// first_pos, first_pos + 1, ...; `work` holds (3 + rows * D) * group floats per thread.
+template <int C2>
+void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_t tok0,
+                       int64_t rows_in_tile, int64_t first_pos, const c10::BFloat16* cache,
+                       const int32_t* table, int64_t h, c10::BFloat16* out,
+                       std::vector<float>& work, std::vector<uint32_t>& qt_buf) {
+  constexpr int D = 32 * C2;
+  const int64_t G = sh.group, R = rows_in_tile;
+  const int64_t last = first_pos + R - 1;  // the last row's position: the context's end
+  // qt[g][d2] lane r = dims (2 d2, 2 d2 + 1) of row r, group g (zero past the tile)
+  qt_buf.assign(static_cast<size_t>(G) * (D / 2) * 16, 0u);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint32_t* words =
+          reinterpret_cast<const uint32_t*>(query + (tok0 + r) * sh.q_b + (h * G + g) * sh.q_h);
+      for (int64_t d2 = 0; d2 < D / 2; ++d2) qt_buf[(g * (D / 2) + d2) * 16 + r] = words[d2];
+    }
+  const __m512i* qt = reinterpret_cast<const __m512i*>(qt_buf.data());
+  work.assign(static_cast<size_t>(G) * (3 * 16 + R * D), 0.0f);
+  float* m = work.data();          // [G][16] running maxima
+  float* l = m + G * 16;           // [G][16] running denominators
+  float* corr = l + G * 16;        // [G][16] this chunk's rescale factors
+  float* acc = corr + G * 16;      // [G][R][D] in the interleaved lane order
+  for (int64_t i = 0; i < G * 16; ++i) m[i] = -std::numeric_limits<float>::infinity();
+  const vf scale = _mm512_set1_ps(sh.scale);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  vf scores[16][16];                      // [group][position], lanes = rows
+  __m256i rounded[16];                    // [position]: bf16 weights, lanes = rows
+  // [position pair j][slot]: the bf16 weights of positions 2j, 2j+1 for one row, side by
+  // side (a dot-product operand); row r sits in slot `slot_of[r]` (the unpack order)
+  alignas(64) uint32_t weight_pairs[8][16];
+  static constexpr int slot_of[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  alignas(64) __m512i pairs[8][2 * C2];   // V rows 2j, 2j+1 interleaved per element
+  for (int64_t start = 0; start <= last; start += 16) {
+    const int64_t n = std::min<int64_t>(16, last + 1 - start);
+    const c10::BFloat16* rows[16];
+    chunk_rows(sh, cache, table, start, n, rows);
+    for (int64_t p = n; p < 16; ++p) rows[p] = rows[0];
+    // q.k, four positions at a time with the dims split in two halves: eight independent
+    // dot-product chains (vdpbf16ps has a latency of several cycles; fewer chains stall)
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512i* qg = qt + g * (D / 2);
+      for (int64_t p = 0; p < n; p += 4) {
+        const uint32_t* k[4];
+        for (int i = 0; i < 4; ++i) k[i] = reinterpret_cast<const uint32_t*>(rows[p + i] + h * D);
+        vf even[4], odd[4];
+        for (int i = 0; i < 4; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+        for (int d2 = 0; d2 < D / 2; d2 += 2) {
+          const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qg + d2);
+          const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qg + d2 + 1);
+          for (int i = 0; i < 4; ++i) {
+            even[i] = _mm512_dpbf16_ps(
+                even[i], q0, (__m512bh)_mm512_set1_epi32(static_cast<int>(k[i][d2])));
+            odd[i] = _mm512_dpbf16_ps(
+                odd[i], q1, (__m512bh)_mm512_set1_epi32(static_cast<int>(k[i][d2 + 1])));
+          }
+        }
+        for (int i = 0; i < 4; ++i)
+          scores[g][p + i] = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale);
+      }
+    }
+    // row r sees position start + p iff start + p <= first_pos + r
+    __mmask16 visible[16];
+    for (int64_t p = 0; p < 16; ++p)
+      visible[p] = p < n ? _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(
+                                                             static_cast<int>(start + p - first_pos)))
+                         : static_cast<__mmask16>(0);
+    // V rows side by side in pairs, shared by every row and group of the tile
+    const int64_t npairs = (n + 1) / 2;
+    for (int64_t j = 0; j < npairs; ++j) {
+      const c10::BFloat16* v0 = rows[2 * j] + sh.kv_stride + h * D;
+      const c10::BFloat16* v1 = rows[2 * j + 1] + sh.kv_stride + h * D;
+      for (int c = 0; c < C2; ++c) {
+        const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+        const __m512i b = _mm512_loadu_si512(v1 + c * 32);
+        pairs[j][2 * c] = _mm512_unpacklo_epi16(a, b);
+        pairs[j][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+      }
+    }
+    const vf minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t g = 0; g < G; ++g) {
+      vf top = minus_inf;
+      for (int64_t p = 0; p < n; ++p)
+        top = _mm512_max_ps(top, _mm512_mask_mov_ps(minus_inf, visible[p], scores[g][p]));
+      const vf old_max = _mm512_loadu_ps(m + g * 16);
+      const vf new_max = _mm512_max_ps(old_max, top);
+      const vf c = exp_nonpositive(_mm512_sub_ps(old_max, new_max));  // 0 on the first chunk
+      vf sum = _mm512_setzero_ps();
+      for (int64_t p = 0; p < 16; ++p) {
+        const vf e = _mm512_maskz_mov_ps(
+            visible[p], exp_nonpositive(_mm512_sub_ps(scores[g][p], new_max)));
+        rounded[p] = (__m256i)_mm512_cvtneps_pbh(e);
+        sum = _mm512_add_ps(
+            sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded[p]), 16)));
+      }
+      for (int64_t j = 0; j < npairs; ++j) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(weight_pairs[j]),
+                           _mm256_unpacklo_epi16(rounded[2 * j], rounded[2 * j + 1]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(weight_pairs[j] + 8),
+                           _mm256_unpackhi_epi16(rounded[2 * j], rounded[2 * j + 1]));
+      }
+      _mm512_storeu_ps(l + g * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + g * 16), c, sum));
+      _mm512_storeu_ps(m + g * 16, new_max);
+      _mm512_storeu_ps(corr + g * 16, c);
+      // p.v, two rows at a time (2 x 2 C2 independent chains)
+      for (int64_t r = 0; r < R; r += 2) {
+        const int64_t r1 = std::min<int64_t>(r + 1, R - 1);  // an odd last row: itself twice
+        float* a0p = acc + (g * R + r) * D;
+        float* a1p = acc + (g * R + r1) * D;
+        const vf c0 = _mm512_set1_ps(corr[g * 16 + r]), c1 = _mm512_set1_ps(corr[g * 16 + r1]);
+        vf a0[2 * C2], a1[2 * C2];
+        for (int c2 = 0; c2 < 2 * C2; ++c2) {
+          a0[c2] = _mm512_mul_ps(_mm512_loadu_ps(a0p + c2 * 16), c0);
+          a1[c2] = _mm512_mul_ps(_mm512_loadu_ps(a1p + c2 * 16), c1);
+        }
+        for (int64_t j = 0; j < npairs; ++j) {
+          const __m512bh w0 =
+              (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[j][slot_of[r]]));
+          const __m512bh w1 =
+              (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[j][slot_of[r1]]));
+          for (int c2 = 0; c2 < 2 * C2; ++c2) {
+            a0[c2] = _mm512_dpbf16_ps(a0[c2], (__m512bh)pairs[j][c2], w0);
+            a1[c2] = _mm512_dpbf16_ps(a1[c2], (__m512bh)pairs[j][c2], w1);
+          }
+        }
+        // r1 == r: both hold the same sums; storing a1 last keeps one copy
+        for (int c2 = 0; c2 < 2 * C2; ++c2) {
+          _mm512_storeu_ps(a0p + c2 * 16, a0[c2]);
+          _mm512_storeu_ps(a1p + c2 * 16, a1[c2]);
+        }
+      }
+    }
+  }
+  // lane i of the low (high) interleaving of 32-element chunk c holds element
+  // 8 * (i / 4) + i % 4 (+ 4) of that chunk
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < R; ++r) {
+      const float denom = l[g * 16 + r];
+      const float inv = denom > 0 ? 1.0f / denom : 0.0f;
+      const float* ar = acc + (g * R + r) * D;
+      c10::BFloat16* orow = out + (tok0 + r) * sh.o_b + (h * G + g) * sh.o_h;
+      for (int c = 0; c < C2; ++c)
+        for (int half = 0; half < 2; ++half)
+          for (int i = 0; i < 16; ++i)
+            orow[c * 32 + 8 * (i / 4) + 4 * half + i % 4] =
+                static_cast<c10::BFloat16>(ar[(2 * c + half) * 16 + i] * inv);
+    }
+}
+#else
+constexpr bool kPrefillTiles = false;
+#endif
+
 // Portable path: one position at a time.
 template <typename T>
 void decode_item_scalar(const DecodeShape& sh, const T* q_in, const T* cache,
@@ -732,6 +894,125 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   return out;
 }
 
+// Whether `prefill_attention` runs for this dtype and shape (bfloat16 on AVX512-BF16, head
+// dim 32/64/128/256, at most 16 query heads per kv head).
+bool prefill_attention_supported(at::ScalarType dtype, int64_t head_dim, int64_t group) {
+  return kPrefillTiles && dtype == at::kBFloat16 &&
+         (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256) &&
+         group >= 1 && group <= 16;
+}
+
+// Causal attention of prefill chunks over a paged cache that already holds their K/V.
+// Chunk i is the query_lens[i] tokens of `query` [T, H, D] from token_starts[i]; its token j
+// is at position seq_lens[i] - query_lens[i] + j and attends positions 0 .. that, read
+// through block_table[i]. Writes those tokens' rows of `out` [T, H, D] (others untouched).
+void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                       const at::Tensor& block_table, const at::Tensor& seq_lens,
+                       const at::Tensor& token_starts, const at::Tensor& query_lens,
+                       double scale, at::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [T, H, D] with contiguous heads");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2) && out.scalar_type() == query.scalar_type(),
+              "out must be like query");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
+              "kv_cache must be contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache must have query's dtype");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
+              "head_dim must match and heads must be a multiple of kv_heads");
+  const int64_t group = query.size(1) / kv_cache.size(3);
+  TORCH_CHECK(prefill_attention_supported(query.scalar_type(), query.size(2), group),
+              "prefill_attention does not run this dtype/shape here (see "
+              "prefill_attention_supported)");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1,
+              "block_table must be int32 [N, max_blocks] with contiguous rows");
+  const int64_t chunks = block_table.size(0);
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  seq_lens.size(0) == chunks,
+              "seq_lens must be contiguous int32 [N]");
+  for (const at::Tensor* t : {&token_starts, &query_lens})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->size(0) == chunks,
+                "token_starts and query_lens must be contiguous int32 [N]");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qs = token_starts.data_ptr<int32_t>();
+  const int32_t* ql = query_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(0);
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t q_len = ql[i];
+    TORCH_CHECK(qs[i] >= 0 && q_len >= 0 && qs[i] + q_len <= query.size(0) && lens[i] >= q_len,
+                "chunk ", i, ": query tokens [", qs[i], ", ", qs[i] + q_len,
+                ") must lie in the query and number at most seq_lens[i] = ", lens[i]);
+    const int64_t used = (lens[i] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= block_table.size(1), "seq_lens[", i,
+                "] needs more blocks than block_table has");
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t id = table[i * block_table.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_table[", i, ", ", j, "] = ", id,
+                  " is not a block of this cache (", num_blocks, " blocks)");
+    }
+  }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const DecodeShape sh{0,
+                       kv_cache.size(3),
+                       group,
+                       query.size(2),
+                       block_size,
+                       kv_cache.stride(0),
+                       kv_cache.stride(1),
+                       kv_cache.stride(2),
+                       block_table.stride(0),
+                       query.stride(0),
+                       query.stride(1),
+                       out.stride(0),
+                       out.stride(1),
+                       static_cast<float>(scale)};
+  // items: (chunk, tile of 16 rows, kv head); a tile's cost grows with its last position,
+  // so threads take them from a shared counter, latest tiles first
+  struct Item {
+    int64_t chunk, tile, head, last;
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t q_len = ql[i], prefix = lens[i] - q_len;
+    for (int64_t t = 0; t * 16 < q_len; ++t)
+      for (int64_t h = 0; h < sh.kv_heads; ++h)
+        items.push_back({i, t, h, prefix + std::min<int64_t>(q_len, 16 * (t + 1)) - 1});
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.last > b.last; });
+  const auto* q = reinterpret_cast<const c10::BFloat16*>(query.data_ptr());
+  auto* o = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
+  const auto* cache = reinterpret_cast<const c10::BFloat16*>(kv_cache.data_ptr());
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, total));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> work;
+    std::vector<uint32_t> qt;
+    for (int64_t taken = next.fetch_add(1); taken < total; taken = next.fetch_add(1)) {
+      const Item& it = items[taken];
+      const int64_t q_len = ql[it.chunk];
+      const int64_t rows = std::min<int64_t>(16, q_len - 16 * it.tile);
+      const int64_t tok0 = qs[it.chunk] + 16 * it.tile;
+      const int64_t first_pos = lens[it.chunk] - q_len + 16 * it.tile;
+      const int32_t* t = table + it.chunk * block_table.stride(0);
+      auto run = [&](auto chunks_per_row) {
+        prefill_tile_bf16<decltype(chunks_per_row)::value>(sh, q, tok0, rows, first_pos, cache, t,
+                                                           it.head, o, work, qt);
+      };
+      switch (sh.dim) {
+        case 32: run(std::integral_constant<int, 1>{}); break;
+        case 64: run(std::integral_constant<int, 2>{}); break;
+        case 128: run(std::integral_constant<int, 4>{}); break;
+        default: run(std::integral_constant<int, 8>{}); break;  // 256
+      }
+    }
+  });
+#endif
+}
+
 // Store token i's K and V rows (i < slots.size(0)) into the paged cache at slot slots[i]
 // (block slots[i] / block_size, offset slots[i] % block_size); a negative slot (a padding
 // token) is skipped. One call per layer instead of the half-dozen tensor ops an
@@ -787,6 +1068,11 @@ TORCH_LIBRARY(chassis_cpu, m) {
       "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "float scale) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
+  m.def(
+      "prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor token_starts, Tensor query_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("prefill_attention_supported(ScalarType dtype, int head_dim, int group) -> bool",
+        &prefill_attention_supported);
 }
 
 TORCH_LIBRARY_IMPL(chassis_cpu, CPU, m) {
@@ -795,4 +1081,5 @@ TORCH_LIBRARY_IMPL(chassis_cpu, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("decode_attention", &decode_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("prefill_attention", &prefill_attention);
 }
