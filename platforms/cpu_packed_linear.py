@@ -142,6 +142,12 @@ class PackedLinear(nn.Module):
         return self._linear(x, self._packed, bias)
 
     @property
+    def packed_weight(self) -> torch.Tensor:
+        """The packed copy of ``weight`` the kernel reads (rebuilt after in-place updates)."""
+        assert self._packed is not None
+        return self._packed
+
+    @property
     def kernel(self) -> str:
         """Which kernel runs this layer: ``"chassis"`` (``chassis_cpu::linear``) or ``"oneDNN"``."""
         return "oneDNN" if self._linear is _onednn_linear else "chassis"
