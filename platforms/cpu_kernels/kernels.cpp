@@ -591,7 +591,7 @@ constexpr bool kPrefillTiles = true;
 // horizontal sums or maxima, and one exp per (position, row) as before. Numerics as in
 // `decode_item_bf16` (bf16 products with float32 sums, softmax weights rounded to bf16 for
 // p.v and in the denominator). `rows_in_tile` rows start at query token `tok0`, at positions
-// first_pos, first_pos + 1, ...; `work` holds (3 + rows * D) * group floats per thread.
+// first_pos, first_pos + 1, ...; `work` and `qt_buf` are the calling thread's scratch.
 template <int C2>
 void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_t tok0,
                        int64_t rows_in_tile, int64_t first_pos, const c10::BFloat16* cache,
