@@ -140,7 +140,10 @@ class CpuPlatform(Platform):
                 ", ".join(f"{n} for {name}" for name, n in sorted(kernels.items())),
             )
             start = time.perf_counter()
-            collapsed = collapse_into_huge_pages(m.packed_weight for m in packed)
+            # oneDNN's packed weights are opaque tensors; only the chassis kernel's are plain
+            collapsed = collapse_into_huge_pages(
+                m.packed_weight for m in packed if m.kernel == "chassis"
+            )
             if collapsed:
                 logger.info(
                     "packed weights on huge pages: %.0f MiB in %.2f s",

@@ -59,3 +59,23 @@ def test_collapse_keeps_values_and_uses_huge_pages_where_the_kernel_allows():
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(cpu_huge_pages.ENV_SWITCH, "0")
     assert collapse_into_huge_pages([torch.randn(H)]) == 0
+
+
+def test_opaque_onednn_weights_are_skipped_and_the_model_still_prepares(monkeypatch):
+    from torch import nn
+
+    from chassis.platforms.cpu import CpuPlatform
+    from chassis.platforms.cpu_packed_linear import PackedLinear, can_pack
+
+    if not can_pack(torch.empty(2, 2, dtype=torch.bfloat16)):
+        pytest.skip("this torch build has no oneDNN linear packing")
+    # 8,192 inputs: beyond the chassis kernel, so oneDNN packs it (an opaque tensor)
+    model = nn.Sequential(nn.Linear(8192, 128), nn.Linear(96, 128)).to(torch.bfloat16)
+    CpuPlatform().prepare_model(model)
+    assert isinstance(model[0], PackedLinear) and model[0].kernel == "oneDNN"
+    assert collapse_into_huge_pages([model[0].packed_weight]) == 0
+    # and with the compiled kernels off, every layer is oneDNN's
+    monkeypatch.setattr("chassis.platforms.cpu_packed_linear._chassis_linear_ops", lambda: None)
+    other = nn.Sequential(nn.Linear(64, 128)).to(torch.bfloat16)
+    CpuPlatform().prepare_model(other)
+    assert other[0].kernel == "oneDNN"

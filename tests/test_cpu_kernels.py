@@ -272,3 +272,15 @@ def test_prefill_attention_rejects_bad_chunks(kernels):
         run(4)
     with pytest.raises(RuntimeError, match="does not run this dtype"):
         run(8, torch.float32)
+    # two chunks over the same query tokens would write the same output rows concurrently
+    with pytest.raises(RuntimeError, match="chunks overlap"):
+        kernels.ops.prefill_attention(
+            query,
+            cache,
+            torch.tensor([[0], [1]], dtype=torch.int32),
+            torch.tensor([8, 8], dtype=torch.int32),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([8, 4], dtype=torch.int32),
+            1.0,
+            out,
+        )

@@ -32,7 +32,9 @@ def test_matches_dense_reference_and_torch_paged(
     case, block_size, num_heads, num_kv_heads, dtype, decode_path, head_dim, monkeypatch
 ):
     if decode_path == "split":
+        # the row kernel / SDPA split that runs where the tiled prefill kernel does not
         monkeypatch.setattr(cpu_paged, "KERNEL_MAX_PREFILL_CONTEXT", 8)
+        monkeypatch.setattr(CpuPagedAttention, "_tiles_prefills", lambda self, a, b: False)
     scale = head_dim**-0.5
 
     def batch():

@@ -1,6 +1,8 @@
 """``cpu_paged``: paged attention tuned for the CPU (the CPU platform's default backend).
 
-Same contract and results as the reference ``torch_paged``; faster because
+Same contract as the reference ``torch_paged``, and the same results within the dtype's
+tolerance (the bfloat16 kernels round softmax weights to bfloat16 before p.v); faster
+because
 
 - everything that depends only on the step's metadata (which cache rows each request reads
   and writes, masks, per-row block tables) is computed once per step and reused by every
@@ -68,7 +70,7 @@ class _Rows:
 
 @dataclass
 class _Tiled:
-    """Short prefill chunks for ``chassis_cpu::prefill_attention`` (int32 tensors): chunk i's
+    """Prefill chunks for ``chassis_cpu::prefill_attention`` (int32 tensors): chunk i's
     blocks, context length, first token in the step and query length."""
 
     block_table: torch.Tensor
@@ -86,7 +88,8 @@ class _Plan:
     write_tokens: torch.Tensor | None
     rows: _Rows | None
     tiled: _Tiled | None
-    #: prefill chunks for SDPA (all of them without the kernel, else the long ones)
+    #: prefill chunks for SDPA: all of them without the compiled kernels, the long ones with
+    #: the row kernel, none with the tiled prefill kernel
     prefills: list[_Prefill]
     #: the whole output is the rows' output (no SDPA prefills, no padding)
     rows_only: bool
@@ -263,7 +266,7 @@ class CpuPagedAttention(AttentionBackend):
         return output
 
     def _tiles_prefills(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-        """Whether short prefill chunks go to ``chassis_cpu::prefill_attention``."""
+        """Whether prefill chunks go to ``chassis_cpu::prefill_attention``."""
         if self.kernels is None or cache_dtype != dtype:
             return False
         group = self.num_heads // self.num_kv_heads

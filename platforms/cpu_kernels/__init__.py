@@ -1,7 +1,8 @@
 """Fused C++ kernels for the CPU platform, compiled on first use and cached.
 
 ``kernels.cpp`` defines torch ops under ``torch.ops.chassis_cpu`` (RMSNorm with the residual
-add, SiLU-and-mul, rotate-half RoPE in place, paged attention over single query rows), and
+add, SiLU-and-mul, rotate-half RoPE in place, paged attention over single query rows, tiled
+causal attention of prefill chunks, K/V stores into the paged cache), and
 ``bf16_linear.cpp`` a bfloat16 linear layer on AVX512-BF16 dot products. :func:`load`
 compiles them once per (sources, torch version, compiler, CPU) with the system C++ compiler
 against the installed torch (one compiler process per file, ~15 s on two cores), caches the

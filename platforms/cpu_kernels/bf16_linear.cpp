@@ -9,7 +9,8 @@
 // [N / 64][K / 2][64][2]: for each pair of input features, the 64 columns' two weights sit
 // side by side, which is what `vdpbf16ps` multiplies with a broadcast pair of inputs. The
 // micro-kernel keeps a 6 x 64 block of float32 sums in 24 registers while it walks K; each
-// thread takes whole panels, so each weight is read from memory once per call.
+// thread takes a contiguous range of (panel, row tile) items, so each weight is read from
+// memory about once per call (a panel split between two threads is read by both).
 // Results: float32 sums (+ bias) rounded once to bfloat16, like oneDNN's; the order in which
 // products are summed differs, so rare outputs differ from F.linear's by one rounding step.
 
@@ -141,8 +142,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
   const float* bp = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   // Work items are (panel, row tile) pairs in panel-major order, split into one contiguous
   // range per thread: a thread reads each of its panels from memory once and reuses it from
-  // cache for that panel's row tiles, and threads get equal shares even when the panels do
-  // not divide evenly among them (a 576-wide layer has 9).
+  // cache for that panel's row tiles, and with several row tiles threads get near-equal
+  // shares even when the panels do not divide evenly among them (a 576-wide layer has 9;
+  // with one row tile, up to 6 rows, they still split 5:4).
   const int64_t tiles = (m + kRows - 1) / kRows;
   at::parallel_for(0, (n / kPanel) * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {

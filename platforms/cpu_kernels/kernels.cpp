@@ -1,9 +1,11 @@
 // Fused CPU kernels for the decoder layer, registered as torch ops under `chassis_cpu::`.
 //
-// Each op computes what its torch reference in chassis computes, in the same rounding order
-// (HF transformers' order): intermediate values are rounded to the tensor dtype exactly where
-// the reference rounds them, and accumulated in float32 (sums in another order than torch's,
-// so rare 16-bit results differ by one rounding step; see core/layers/kernels.py). They exist because, on a CPU, a
+// Each layer op computes what its torch reference in chassis computes, in the same rounding
+// order (HF transformers' order): intermediate values are rounded to the tensor dtype exactly
+// where the reference rounds them, and accumulated in float32 (sums in another order than
+// torch's, so rare 16-bit results differ by one rounding step; see core/layers/kernels.py).
+// The attention ops match their reference within the dtype's tolerance: for bfloat16 they
+// round the softmax weights to bfloat16 before p.v, as GPU flash attention does. They exist because, on a CPU, a
 // decoder layer written as torch ops spends much of its time in small memory-bound ops and
 // in per-op dispatch; one pass per fused op is cheaper. Compiled at first use by
 // chassis/platforms/cpu_kernels/build.py.
@@ -20,6 +22,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -604,8 +607,8 @@ void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_
   qt_buf.assign(static_cast<size_t>(G) * (D / 2) * 16, 0u);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
-      const uint32_t* words =
-          reinterpret_cast<const uint32_t*>(query + (tok0 + r) * sh.q_b + (h * G + g) * sh.q_h);
+      uint32_t words[D / 2];  // memcpy: the row may start at any element
+      std::memcpy(words, query + (tok0 + r) * sh.q_b + (h * G + g) * sh.q_h, sizeof(words));
       for (int64_t d2 = 0; d2 < D / 2; ++d2) qt_buf[(g * (D / 2) + d2) * 16 + r] = words[d2];
     }
   const __m512i* qt = reinterpret_cast<const __m512i*>(qt_buf.data());
@@ -651,6 +654,7 @@ void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_
         for (int i = 0; i < 4; ++i)
           scores[g][p + i] = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale);
       }
+      for (int64_t p = (n + 3) / 4 * 4; p < 16; ++p) scores[g][p] = _mm512_setzero_ps();
     }
     // row r sees position start + p iff start + p <= first_pos + r
     __mmask16 visible[16];
@@ -864,6 +868,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
               "kv_cache must be contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache must have query's dtype");
+  TORCH_CHECK(kv_cache.size(2) > 0 && kv_cache.size(3) > 0,
+              "kv_cache needs a positive block size and kv head count");
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
               "head_dim must match and heads must be a multiple of kv_heads");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
@@ -920,6 +926,8 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache must have query's dtype");
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
               "head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(kv_cache.size(2) > 0 && kv_cache.size(3) > 0,
+              "kv_cache needs a positive block size and kv head count");
   const int64_t group = query.size(1) / kv_cache.size(3);
   TORCH_CHECK(prefill_attention_supported(query.scalar_type(), query.size(2), group),
               "prefill_attention does not run this dtype/shape here (see "
@@ -952,6 +960,16 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       TORCH_CHECK(id >= 0 && id < num_blocks, "block_table[", i, ", ", j, "] = ", id,
                   " is not a block of this cache (", num_blocks, " blocks)");
     }
+  }
+  {  // chunks write disjoint rows of `out` (threads write them concurrently)
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    for (int64_t i = 0; i < chunks; ++i)
+      if (ql[i] > 0) spans.emplace_back(qs[i], qs[i] + ql[i]);
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i)
+      TORCH_CHECK(spans[i].first >= spans[i - 1].second, "chunks overlap: query tokens [",
+                  spans[i].first, ", ", spans[i].second, ") and [", spans[i - 1].first, ", ",
+                  spans[i - 1].second, ")");
   }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   const DecodeShape sh{0,
@@ -1029,6 +1047,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
               "key and value must have the cache's dtype");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) <= key.size(0),
               "slots must be int64 [n] with n <= tokens");
+  TORCH_CHECK(kv_cache.size(2) > 0, "kv_cache needs a positive block size");
   const at::Tensor k = key.stride(2) == 1 && key.stride(1) == key.size(2) ? key : key.contiguous();
   const at::Tensor v =
       value.stride(2) == 1 && value.stride(1) == value.size(2) ? value : value.contiguous();

@@ -30,7 +30,7 @@ class CpuLayerKernels:
     ) -> Any:
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
-        if x.dim() == 2:
+        if x.dim() == 2 and (residual is None or residual.dim() == 2):
             outs = self.ops.rms_norm(x, residual, weight, eps)
             return outs[0] if residual is None else (outs[0], outs[1])
         shape = x.shape
