@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from fixtures_models import smollm2_dir  # noqa: F401
 
 from chassis.core.layers.activation import SiluAndMul
 from chassis.core.layers.kernels import kernels_for
@@ -284,3 +288,21 @@ def test_prefill_attention_rejects_bad_chunks(kernels):
             1.0,
             out,
         )
+
+
+def test_engine_generates_with_the_compiled_kernels_off(smollm2_dir):  # noqa: F811
+    """The bf16 engine on the torch fallbacks (oneDNN-packed linears, SDPA attention): the
+    path of CPUs without a compiler or AVX512-BF16. A child process, since a process loads
+    the kernels once."""
+    code = (
+        "from chassis import LLM, SamplingParams\n"
+        f"llm = LLM({str(smollm2_dir)!r}, dtype='bfloat16')\n"
+        "out = llm.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=8))\n"
+        "print(len(out[0].outputs[0].token_ids))\n"
+    )
+    env = {**os.environ, "CHASSIS_CPU_KERNELS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "8"
