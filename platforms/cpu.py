@@ -104,6 +104,9 @@ class CpuPlatform(Platform):
     def default_attention_backend(self, config: EngineConfig) -> str:
         return "cpu_paged"
 
+    def host_reads_are_free(self) -> bool:
+        return True
+
     def layer_kernels(self) -> LayerKernels | None:
         """The compiled C++ kernels of ``platforms/cpu_kernels`` (built on first call, cached).
 

@@ -171,6 +171,15 @@ class Platform(ABC):
         """Whether host staging buffers should be pinned for non-blocking copies."""
         return False
 
+    def host_reads_are_free(self) -> bool:
+        """Whether reading a device tensor's values on the host (``bool(t)``, ``.item()``)
+        costs no device synchronization, because the device is the host.
+
+        Code that otherwise avoids host reads (the sampler) may then look at values before
+        choosing how much work to do. Default ``False``.
+        """
+        return False
+
     def check_and_update_config(self, config: EngineConfig) -> None:  # noqa: B027
         """Validate ``config`` for this device and fill device-dependent fields in place.
 

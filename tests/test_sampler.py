@@ -243,6 +243,34 @@ def test_candidate_path_matches_full_sort() -> None:
     assert torch.equal(fast[1], logits[1])
 
 
+@pytest.mark.parametrize("width", [3, 8, VOCAB - 1])
+def test_nucleus_candidates_match_full_sort(width: int) -> None:
+    """Top-p over a few ranked candidates (taken only when they hold the nucleus, else the
+    full sort runs) keeps exactly the full sort's tokens; rows with p = 1 stay untouched."""
+    logits = random_logits(6, seed=12)
+    logits[5] = 0.0  # flat: its nucleus needs most of the vocabulary
+    top_p = torch.tensor([0.3, 1.0, 0.6, 0.9, 0.05, 0.7])
+    full = apply_top_k_top_p(logits.clone(), None, top_p)
+    fast = apply_top_k_top_p(logits.clone(), None, top_p, nucleus_candidates=width)
+    assert torch.equal(torch.isfinite(full[:5]), torch.isfinite(fast[:5]))
+    # the flat row is all ties: which of them survive is unspecified, how many is not
+    assert int(torch.isfinite(fast[5]).sum()) == int(torch.isfinite(full[5]).sum())
+    assert torch.equal(fast[1], logits[1])
+    # without the flat row, a small candidate set holds every nucleus and is used
+    sharp = logits[:5].clone()
+    used = apply_top_k_top_p(sharp.clone(), None, top_p[:5], nucleus_candidates=VOCAB // 2)
+    assert torch.equal(torch.isfinite(used), torch.isfinite(full[:5]))
+
+
+def test_default_sampler_ranks_nucleus_candidates_where_host_reads_are_free() -> None:
+    from chassis.platforms import get_current_platform
+
+    expected = DefaultSampler.NUCLEUS_CANDIDATES
+    if not get_current_platform().host_reads_are_free():
+        expected = None
+    assert DefaultSampler(EngineConfig())._nucleus_candidates == expected
+
+
 def test_builder_max_top_k_hint() -> None:
     def hint(*params: SamplingParams) -> int | None:
         return build_sampling_metadata([row(p) for p in params], "cpu", VOCAB).max_top_k

@@ -33,6 +33,7 @@ def apply_top_k_top_p(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     max_top_k: int | None = None,
+    nucleus_candidates: int | None = None,
 ) -> torch.Tensor:
     """Keep each row's top-k tokens, then the top-p nucleus of what remains, in place.
 
@@ -40,17 +41,32 @@ def apply_top_k_top_p(
       boundary survive is unspecified.
     - top-p (``1.0`` = off) keeps the smallest prefix of the tokens sorted by probability
       (after top-k and any earlier filter, renormalized) whose cumulative probability
-      reaches ``p``; the most likely token is always kept.
+      reaches ``p``; the most likely token is always kept; which of several tokens tied
+      at the boundary survive is unspecified.
 
     :param max_top_k: when every row that filters has ``0 < top_k <= max_top_k`` (see
         ``SamplingMetadata.max_top_k``), only the ``max_top_k`` best tokens are ranked
         instead of sorting the whole vocabulary; ``None`` always sorts everything.
+    :param nucleus_candidates: top-p without top-k: first rank only this many best tokens
+        per row, and use them when each filtering row's nucleus lies within them (checked on
+        the host, so only for devices whose host reads are free); otherwise, or ``None``,
+        sort everything. Either way the same tokens survive (up to float rounding of the
+        running sums, which can matter only for a token whose mass before it is within
+        ~1e-6 of ``p``).
     """
     if top_k is None and top_p is None:
         return logits
     vocab_size = logits.shape[-1]
     if top_k is not None and max_top_k is not None and max_top_k < vocab_size:
         return _filter_candidates(logits, top_k, top_p, max_top_k)
+    if (
+        top_k is None
+        and top_p is not None
+        and nucleus_candidates is not None
+        and nucleus_candidates < vocab_size
+        and _nucleus_from_candidates(logits, top_p, nucleus_candidates)
+    ):
+        return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     drop = _sorted_drop_mask(sorted_logits, top_k, top_p)
     unsorted_drop = torch.empty_like(drop).scatter_(-1, order, drop)
@@ -73,6 +89,30 @@ def _filter_candidates(
     kept = torch.where(filters, candidates.masked_fill(drop, float("-inf")), candidates)
     # Only [num_rows, max_top_k]-sized work besides one fill of the filtering rows.
     return logits.masked_fill_(filters, float("-inf")).scatter_(-1, ids, kept)
+
+
+def _nucleus_from_candidates(logits: torch.Tensor, top_p: torch.Tensor, width: int) -> bool:
+    """Top-p over each row's ``width`` best tokens, in place, if that is exact; returns whether
+    it was (else ``logits`` is untouched and the caller sorts everything).
+
+    The candidates' probabilities are taken under the softmax of the whole row, so their
+    running sums are the full sort's; the nucleus ends inside them when they hold at least
+    ``p`` of the mass. A host check of that decides, so this runs only where host reads of
+    device values are free. Rows with ``top_p == 1`` are left as they are.
+    """
+    candidates, ids = logits.topk(width, dim=-1)  # sorted, descending
+    top = candidates[:, :1]
+    normalizer = (logits - top).exp().sum(dim=-1, keepdim=True)
+    probs = (candidates - top).exp() / normalizer
+    mass = probs.cumsum(dim=-1)
+    filters = top_p < 1.0
+    if not bool(((mass[:, -1] >= top_p) | ~filters).all()):
+        return False
+    drop = (mass - probs) >= top_p.unsqueeze(1)
+    rows = filters.unsqueeze(1)
+    kept = torch.where(rows, candidates.masked_fill(drop, float("-inf")), candidates)
+    logits.masked_fill_(rows, float("-inf")).scatter_(-1, ids, kept)
+    return True
 
 
 def _sorted_drop_mask(
