@@ -10,7 +10,11 @@ import torch
 from chassis.builtin_plugins.samplers import chassis_register_samplers
 from chassis.builtin_plugins.samplers.default import DefaultSampler
 from chassis.builtin_plugins.samplers.filters import apply_top_k_top_p
-from chassis.builtin_plugins.samplers.penalties import apply_penalties, token_counts
+from chassis.builtin_plugins.samplers.penalties import (
+    apply_penalties,
+    apply_penalties_at_seen_tokens,
+    token_counts,
+)
 from chassis.core.config import EngineConfig
 from chassis.core.sampling_metadata import SamplingRow, build_sampling_metadata
 from chassis.core.sampling_params import SamplingParams
@@ -357,6 +361,42 @@ def test_penalty_op_exact_values() -> None:
         0.5,
     ]
     assert logits[0].tolist() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("with_prompt", [True, False])
+def test_penalties_at_seen_tokens_equal_the_dense_form(with_prompt: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    prompts = [[1, 2, 2, 7], [], [5, 5, 5], [0, 49]]
+    outputs = [[2, 9, 9, 9], [3], [], [49, 0, 0]]  # a row with nothing seen at all
+    repetition = torch.tensor([1.3, 1.0, 2.0, 0.8])  # 1.0: a row that does not use it
+    presence = torch.tensor([0.5, 0.0, -0.25, 1.0])
+    frequency = torch.tensor([0.2, 0.7, 0.0, -0.1])
+    prompt_ids = prompts if with_prompt else None
+    dense = logits.clone()
+    apply_penalties(
+        dense,
+        token_counts(prompt_ids, VOCAB, dense.device) if with_prompt else None,
+        token_counts(outputs, VOCAB, dense.device),
+        repetition,
+        presence,
+        frequency,
+    )
+    sparse = apply_penalties_at_seen_tokens(
+        logits.clone(), prompt_ids, outputs, repetition, presence, frequency
+    )
+    assert torch.equal(sparse, dense)
+    # each penalty alone
+    for args in [(repetition, None, None), (None, presence, None), (None, None, frequency)]:
+        dense = logits.clone()
+        apply_penalties(
+            dense,
+            token_counts(prompts, VOCAB, dense.device),
+            token_counts(outputs, VOCAB, dense.device),
+            *args,
+        )
+        sparse = apply_penalties_at_seen_tokens(logits.clone(), prompts, outputs, *args)
+        assert torch.equal(sparse, dense)
 
 
 def test_penalty_op_rows_are_independent() -> None:

@@ -12,7 +12,11 @@ from chassis.builtin_plugins.samplers.filters import (
 )
 from chassis.builtin_plugins.samplers.logit_edits import apply_logit_bias, apply_min_tokens
 from chassis.builtin_plugins.samplers.logprobs import gather_logprobs
-from chassis.builtin_plugins.samplers.penalties import apply_penalties, token_counts
+from chassis.builtin_plugins.samplers.penalties import (
+    apply_penalties,
+    apply_penalties_at_seen_tokens,
+    token_counts,
+)
 from chassis.core.config import EngineConfig
 from chassis.core.sampler_interface import Sampler, SamplerOutput
 from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingMetadata
@@ -35,9 +39,8 @@ class DefaultSampler(Sampler):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self._nucleus_candidates = (
-            self.NUCLEUS_CANDIDATES if get_current_platform().host_reads_are_free() else None
-        )
+        self._host_reads_are_free = get_current_platform().host_reads_are_free()
+        self._nucleus_candidates = self.NUCLEUS_CANDIDATES if self._host_reads_are_free else None
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row; see :meth:`Sampler.__call__` for the contract."""
@@ -64,6 +67,17 @@ class DefaultSampler(Sampler):
             vocab_size = logits.shape[-1]
             if metadata.output_token_ids is None:
                 raise ValueError("SamplingMetadata has penalties but no output_token_ids")
+            if self._host_reads_are_free:
+                # only the seen tokens (same values; the dense form costs ~20 ms per step on
+                # the CPU for 32 rows of 49,152 logits)
+                return apply_penalties_at_seen_tokens(
+                    logits,
+                    metadata.prompt_token_ids if metadata.repetition_penalty is not None else None,
+                    metadata.output_token_ids,
+                    metadata.repetition_penalty,
+                    metadata.presence_penalty,
+                    metadata.frequency_penalty,
+                )
             output_counts = token_counts(metadata.output_token_ids, vocab_size, logits.device)
             prompt_counts = None
             if metadata.repetition_penalty is not None and metadata.prompt_token_ids is not None:

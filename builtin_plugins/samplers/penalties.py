@@ -60,3 +60,56 @@ def apply_penalties(
     if presence_penalty is not None:
         logits.sub_(presence_penalty.unsqueeze(1) * in_output)
     return logits
+
+
+def _unique_keys(histories: list[list[int]], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ``row * vocab_size + id`` of ``histories`` and how often each occurs
+    (host tensors; a ``torch.unique`` whose output size the host must know)."""
+    lengths = [len(h) for h in histories]
+    ids = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor(lengths))
+    return torch.unique(row_of * vocab_size + ids, return_counts=True)
+
+
+def apply_penalties_at_seen_tokens(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]] | None,
+    output_token_ids: list[list[int]],
+    repetition_penalty: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`apply_penalties` touching only the tokens each row has seen; same values.
+
+    Penalties change only tokens that occur in a row's history (tens to thousands), while
+    the dense form builds and combines several ``[num_rows, vocab]`` tensors: on the CPU,
+    20.7 ms per step for 32 rows of a 49,152-token vocabulary. Here the distinct (row, token)
+    pairs come from a host-side ``torch.unique``, so this suits devices whose host reads are
+    free (``Platform.host_reads_are_free``); the arithmetic is the dense form's, in its order.
+    """
+    vocab_size = logits.shape[-1]
+    flat = logits.view(-1)
+    if repetition_penalty is not None:
+        histories = output_token_ids
+        if prompt_token_ids is not None:
+            histories = [p + o for p, o in zip(prompt_token_ids, output_token_ids, strict=True)]
+        seen, _ = _unique_keys(histories, vocab_size)
+        if seen.numel():
+            seen = seen.to(logits.device)
+            rows = seen // vocab_size
+            values = flat[seen]
+            penalty = repetition_penalty[rows]
+            flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if frequency_penalty is None and presence_penalty is None:
+        return logits
+    keys, counts = _unique_keys(output_token_ids, vocab_size)
+    if keys.numel():
+        keys, counts = keys.to(logits.device), counts.to(logits.device, torch.float32)
+        rows = keys // vocab_size
+        values = flat[keys]
+        if frequency_penalty is not None:
+            values = values - frequency_penalty[rows] * counts
+        if presence_penalty is not None:
+            values = values - presence_penalty[rows]
+        flat[keys] = values
+    return logits
