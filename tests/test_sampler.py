@@ -382,10 +382,13 @@ def test_penalties_at_seen_tokens_equal_the_dense_form(with_prompt: bool) -> Non
         presence,
         frequency,
     )
+    # on a column slice of wider logits, as the runner hands the sampler
+    wide = torch.cat([logits, torch.zeros(4, 3)], dim=1)
     sparse = apply_penalties_at_seen_tokens(
-        logits.clone(), prompt_ids, outputs, repetition, presence, frequency
+        wide[:, :VOCAB], prompt_ids, outputs, repetition, presence, frequency
     )
     assert torch.equal(sparse, dense)
+    assert (wide[:, VOCAB:] == 0).all()
     # each penalty alone
     for args in [(repetition, None, None), (None, presence, None), (None, None, frequency)]:
         dense = logits.clone()

@@ -88,7 +88,6 @@ def apply_penalties_at_seen_tokens(
     free (``Platform.host_reads_are_free``); the arithmetic is the dense form's, in its order.
     """
     vocab_size = logits.shape[-1]
-    flat = logits.view(-1)
     if repetition_penalty is not None:
         histories = output_token_ids
         if prompt_token_ids is not None:
@@ -96,20 +95,20 @@ def apply_penalties_at_seen_tokens(
         seen, _ = _unique_keys(histories, vocab_size)
         if seen.numel():
             seen = seen.to(logits.device)
-            rows = seen // vocab_size
-            values = flat[seen]
+            rows, tokens = seen // vocab_size, seen % vocab_size
+            values = logits[rows, tokens]
             penalty = repetition_penalty[rows]
-            flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+            logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
     if frequency_penalty is None and presence_penalty is None:
         return logits
     keys, counts = _unique_keys(output_token_ids, vocab_size)
     if keys.numel():
         keys, counts = keys.to(logits.device), counts.to(logits.device, torch.float32)
-        rows = keys // vocab_size
-        values = flat[keys]
+        rows, tokens = keys // vocab_size, keys % vocab_size
+        values = logits[rows, tokens]
         if frequency_penalty is not None:
             values = values - frequency_penalty[rows] * counts
         if presence_penalty is not None:
             values = values - presence_penalty[rows]
-        flat[keys] = values
+        logits[rows, tokens] = values
     return logits
