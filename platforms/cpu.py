@@ -143,10 +143,8 @@ class CpuPlatform(Platform):
                 ", ".join(f"{n} for {name}" for name, n in sorted(kernels.items())),
             )
             start = time.perf_counter()
-            # oneDNN's packed weights are opaque tensors; only the chassis kernel's are plain
-            collapsed = collapse_into_huge_pages(
-                m.packed_weight for m in packed if m.kernel == "chassis"
-            )
+            # (oneDNN's packed weights are opaque tensors, which the function skips)
+            collapsed = collapse_into_huge_pages(m.packed_weight for m in packed)
             if collapsed:
                 logger.info(
                     "packed weights on huge pages: %.0f MiB in %.2f s",

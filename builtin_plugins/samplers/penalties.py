@@ -17,15 +17,22 @@ def token_counts(histories: list[list[int]], vocab_size: int, device: torch.devi
     """
     num_rows = len(histories)
     counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
-    lengths = [len(h) for h in histories]
-    if sum(lengths) == 0:
+    keys = _flat_keys(histories, vocab_size)
+    if keys.numel() == 0:
         return counts.view(num_rows, vocab_size)
-    # Flat index row * vocab + id, computed on the host where building it is C-speed.
-    ids = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64)
-    row_of = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(lengths))
-    flat = host_to_device(row_of * vocab_size + ids, torch.int64, device)
+    flat = host_to_device(keys, torch.int64, device)
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
     return counts.view(num_rows, vocab_size)
+
+
+def _flat_keys(histories: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """Host int64 ``row * vocab_size + id`` for every id of every row, in order (built on the
+    host, where it runs at C speed)."""
+    ids = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64)
+    row_of = torch.repeat_interleave(
+        torch.arange(len(histories)), torch.tensor([len(h) for h in histories])
+    )
+    return row_of * vocab_size + ids
 
 
 def apply_penalties(
@@ -63,12 +70,9 @@ def apply_penalties(
 
 
 def _unique_keys(histories: list[list[int]], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct ``row * vocab_size + id`` of ``histories`` and how often each occurs
-    (host tensors; a ``torch.unique`` whose output size the host must know)."""
-    lengths = [len(h) for h in histories]
-    ids = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64)
-    row_of = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor(lengths))
-    return torch.unique(row_of * vocab_size + ids, return_counts=True)
+    """The distinct :func:`_flat_keys` of ``histories`` and how often each occurs (host
+    tensors; a ``torch.unique`` whose output size the host must know)."""
+    return torch.unique(_flat_keys(histories, vocab_size), return_counts=True)
 
 
 def apply_penalties_at_seen_tokens(

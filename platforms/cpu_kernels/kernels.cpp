@@ -346,6 +346,18 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
 // positions at a time); the output is rounded to the query dtype once. A bfloat16 cache on a
 // CPU with AVX512-BF16 multiplies in bfloat16 with float32 sums (`decode_item_bf16`).
 
+// f(std::integral_constant<int, dim / Lanes>{}) for a head dim of 32, 64, 128 or 256: the
+// vectorized attention kernels are specialised on how many Lanes-wide registers a head spans.
+template <int Lanes, typename F>
+void dispatch_head_dim(int64_t dim, F&& f) {
+  switch (dim) {
+    case 32: f(std::integral_constant<int, 32 / Lanes>{}); break;
+    case 64: f(std::integral_constant<int, 64 / Lanes>{}); break;
+    case 128: f(std::integral_constant<int, 128 / Lanes>{}); break;
+    default: f(std::integral_constant<int, 256 / Lanes>{}); break;  // 256
+  }
+}
+
 // Geometry of one decode_attention call, shared by the SIMD and the scalar paths.
 struct DecodeShape {
   int64_t batch, kv_heads, group, dim, block_size;
@@ -475,6 +487,39 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+// V rows of positions 2j and 2j+1 (kv head at element `head_offset` of each row) side by side
+// for j < npairs: 16-bit lane 2i of pairs[j][..] holds row 2j, lane 2i+1 row 2j+1, which is
+// the operand order of a bf16 dot product with a (w_2j, w_2j+1) pair of softmax weights.
+// Register 2c of a pair covers the low half of 32-element chunk c, 2c+1 the high half.
+template <int C2>
+inline void interleave_v_pairs(const c10::BFloat16* const* rows, int64_t npairs,
+                               int64_t kv_stride, int64_t head_offset, __m512i (*pairs)[2 * C2]) {
+  for (int64_t j = 0; j < npairs; ++j) {
+    const c10::BFloat16* v0 = rows[2 * j] + kv_stride + head_offset;
+    const c10::BFloat16* v1 = rows[2 * j + 1] + kv_stride + head_offset;
+    for (int c = 0; c < C2; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+      const __m512i b = _mm512_loadu_si512(v1 + c * 32);
+      pairs[j][2 * c] = _mm512_unpacklo_epi16(a, b);
+      pairs[j][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+}
+
+// out[d] = round(acc * inv) in dimension order, from sums kept in the lane order that
+// products with `interleave_v_pairs` registers produce: lane i of the low (high) register of
+// 32-element chunk c holds element 8 * (i / 4) + i % 4 (+ 4) of that chunk.
+template <int C2>
+inline void store_interleaved_row(const float* acc, float inv, c10::BFloat16* out) {
+  for (int c = 0; c < C2; ++c)
+    for (int half = 0; half < 2; ++half)
+      for (int i = 0; i < 16; ++i)
+        out[c * 32 + 8 * (i / 4) + 4 * half + i % 4] =
+            static_cast<c10::BFloat16>(acc[(2 * c + half) * 16 + i] * inv);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 // The bfloat16 cache on CPUs with AVX512-BF16: both products as bf16 dot products
 // (`vdpbf16ps`, float32 sums), which takes less than half the instructions of converting
 // every K and V element to float32 first. q.k multiplies the query as stored (the scale is
@@ -542,18 +587,7 @@ void decode_item_bf16(const DecodeShape& sh, const c10::BFloat16* q_in,
         m[r] = new_max;
         corrections[g] = correction;
       }
-      // V rows side by side in pairs: 16-bit lane 2i of `pairs[j]` holds row 2j, lane 2i+1
-      // row 2j+1, which is the operand order of a dot product with a (w_2j, w_2j+1) pair.
-      for (int64_t j = 0; j < npairs; ++j) {
-        const c10::BFloat16* v0 = rows[2 * j] + sh.kv_stride + h * D;
-        const c10::BFloat16* v1 = rows[2 * j + 1] + sh.kv_stride + h * D;
-        for (int c = 0; c < C2; ++c) {
-          const __m512i a = _mm512_loadu_si512(v0 + c * 32);
-          const __m512i b = _mm512_loadu_si512(v1 + c * 32);
-          pairs[j][2 * c] = _mm512_unpacklo_epi16(a, b);
-          pairs[j][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-        }
-      }
+      interleave_v_pairs<C2>(rows, npairs, sh.kv_stride, h * D, pairs);
       for (int64_t g = 0; g < G; ++g) {
         float* ag = acc + (h * G + g) * D;
         const vf cv = _mm512_set1_ps(corrections[g]);
@@ -569,18 +603,9 @@ void decode_item_bf16(const DecodeShape& sh, const c10::BFloat16* q_in,
       }
     }
   }
-  // lane i of the low (high) interleaving of 32-element chunk c holds element
-  // 8 * (i / 4) + i % 4 (+ 4) of that chunk
-  for (int64_t row = h0 * G; row < h1 * G; ++row) {
-    const float inv = l[row] > 0 ? 1.0f / l[row] : 0.0f;
-    const float* ar = acc + row * D;
-    c10::BFloat16* orow = out + row * sh.o_h;
-    for (int c = 0; c < C2; ++c)
-      for (int half = 0; half < 2; ++half)
-        for (int i = 0; i < 16; ++i)
-          orow[c * 32 + 8 * (i / 4) + 4 * half + i % 4] =
-              static_cast<c10::BFloat16>(ar[(2 * c + half) * 16 + i] * inv);
-  }
+  for (int64_t row = h0 * G; row < h1 * G; ++row)
+    store_interleaved_row<C2>(acc + row * D, l[row] > 0 ? 1.0f / l[row] : 0.0f,
+                              out + row * sh.o_h);
 }
 #endif
 
@@ -664,16 +689,7 @@ void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_
                          : static_cast<__mmask16>(0);
     // V rows side by side in pairs, shared by every row and group of the tile
     const int64_t npairs = (n + 1) / 2;
-    for (int64_t j = 0; j < npairs; ++j) {
-      const c10::BFloat16* v0 = rows[2 * j] + sh.kv_stride + h * D;
-      const c10::BFloat16* v1 = rows[2 * j + 1] + sh.kv_stride + h * D;
-      for (int c = 0; c < C2; ++c) {
-        const __m512i a = _mm512_loadu_si512(v0 + c * 32);
-        const __m512i b = _mm512_loadu_si512(v1 + c * 32);
-        pairs[j][2 * c] = _mm512_unpacklo_epi16(a, b);
-        pairs[j][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-      }
-    }
+    interleave_v_pairs<C2>(rows, npairs, sh.kv_stride, h * D, pairs);
     const vf minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t g = 0; g < G; ++g) {
       vf top = minus_inf;
@@ -728,19 +744,11 @@ void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_
       }
     }
   }
-  // lane i of the low (high) interleaving of 32-element chunk c holds element
-  // 8 * (i / 4) + i % 4 (+ 4) of that chunk
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < R; ++r) {
       const float denom = l[g * 16 + r];
-      const float inv = denom > 0 ? 1.0f / denom : 0.0f;
-      const float* ar = acc + (g * R + r) * D;
-      c10::BFloat16* orow = out + (tok0 + r) * sh.o_b + (h * G + g) * sh.o_h;
-      for (int c = 0; c < C2; ++c)
-        for (int half = 0; half < 2; ++half)
-          for (int i = 0; i < 16; ++i)
-            orow[c * 32 + 8 * (i / 4) + 4 * half + i % 4] =
-                static_cast<c10::BFloat16>(ar[(2 * c + half) * 16 + i] * inv);
+      store_interleaved_row<C2>(acc + (g * R + r) * D, denom > 0 ? 1.0f / denom : 0.0f,
+                                out + (tok0 + r) * sh.o_b + (h * G + g) * sh.o_h);
     }
 }
 #else
@@ -824,33 +832,21 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (simd && sh.dim >= 32) {
-          auto run = [&](auto chunks) {
+          dispatch_head_dim<32>(sh.dim, [&](auto chunks) {
             decode_item_bf16<decltype(chunks)::value>(sh, qb, cache, t, lens[b], ob, h0, h1,
                                                       acc.data(), m.data(), l.data());
-          };
-          switch (sh.dim) {
-            case 32: run(std::integral_constant<int, 1>{}); break;
-            case 64: run(std::integral_constant<int, 2>{}); break;
-            case 128: run(std::integral_constant<int, 4>{}); break;
-            default: run(std::integral_constant<int, 8>{}); break;  // 256
-          }
+          });
           continue;
         }
       }
 #endif
 #ifdef __AVX512F__
       if (simd) {
-        auto run = [&](auto chunks) {
+        dispatch_head_dim<16>(sh.dim, [&](auto chunks) {
           decode_item_simd<T, decltype(chunks)::value>(sh, qb, cache, t, lens[b], ob, h0, h1,
                                                         q.data(), acc.data(), m.data(),
                                                         l.data());
-        };
-        switch (sh.dim) {
-          case 32: run(std::integral_constant<int, 2>{}); break;
-          case 64: run(std::integral_constant<int, 4>{}); break;
-          case 128: run(std::integral_constant<int, 8>{}); break;
-          default: run(std::integral_constant<int, 16>{}); break;  // 256
-        }
+        });
         continue;
       }
 #endif
@@ -1016,16 +1012,10 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       const int64_t tok0 = qs[it.chunk] + 16 * it.tile;
       const int64_t first_pos = lens[it.chunk] - q_len + 16 * it.tile;
       const int32_t* t = table + it.chunk * block_table.stride(0);
-      auto run = [&](auto chunks_per_row) {
-        prefill_tile_bf16<decltype(chunks_per_row)::value>(sh, q, tok0, rows, first_pos, cache, t,
-                                                           it.head, o, work, qt);
-      };
-      switch (sh.dim) {
-        case 32: run(std::integral_constant<int, 1>{}); break;
-        case 64: run(std::integral_constant<int, 2>{}); break;
-        case 128: run(std::integral_constant<int, 4>{}); break;
-        default: run(std::integral_constant<int, 8>{}); break;  // 256
-      }
+      dispatch_head_dim<32>(sh.dim, [&](auto chunks) {
+        prefill_tile_bf16<decltype(chunks)::value>(sh, q, tok0, rows, first_pos, cache, t,
+                                                   it.head, o, work, qt);
+      });
     }
   });
 #endif
