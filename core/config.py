@@ -59,6 +59,10 @@ class EngineConfig:
     #: value N = the default pattern up to N, several = exactly those; None = the default
     #: pattern up to min(max_num_seqs, max_num_batched_tokens, 512) (see docs/gpu.md)
     cuda_graph_sizes: list[int] | None = None
+    #: plan step N+1 while the device computes step N (vLLM's flag): the next step's input
+    #: tokens come from the device, outputs reach the front-end one step later, and a request
+    #: that stops may compute one token that is thrown away (see docs/scheduling.md)
+    async_scheduling: bool = False
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
 

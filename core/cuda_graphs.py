@@ -235,7 +235,7 @@ class DecodeGraphs:
 
     def run(
         self,
-        input_ids: np.ndarray,
+        input_ids: np.ndarray | torch.Tensor,
         positions: np.ndarray,
         slot_mapping: np.ndarray,
         seq_lens: np.ndarray,
@@ -243,7 +243,8 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """Replay the graph for ``n = len(input_ids)`` one-token requests; return ``[n, hidden]``.
 
-        :param input_ids: ``[n]`` the step's tokens, one per request
+        :param input_ids: ``[n]`` the step's tokens, one per request: host values, or a device
+            tensor (tokens an unresolved step sampled, under async scheduling)
         :param positions: ``[n]`` their positions
         :param slot_mapping: ``[n]`` their KV cache slots
         :param seq_lens: ``[n]`` context lengths including the new token (<= max_model_len)
@@ -256,7 +257,8 @@ class DecodeGraphs:
         if size is None:
             raise ValueError(f"no graph for a batch of {n}; capture sizes: {self.sizes}")
         inputs = self._inputs
-        inputs.input_ids[:n].copy_(self._host(input_ids), non_blocking=True)
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else self._host(input_ids)
+        inputs.input_ids[:n].copy_(ids, non_blocking=True)
         inputs.positions[:n].copy_(self._host(positions), non_blocking=True)
         # Padding rows: slot -1 (write nothing), a one-token context (read almost nothing).
         slots = self._slots_host[:size]

@@ -10,8 +10,10 @@ import msgspec
 
 from chassis.core.config import EngineConfig
 from chassis.core.executor import InProcessExecutor
+from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.kv_cache_manager import KVCacheManager
 from chassis.core.request import EngineCoreOutputs, EngineCoreRequest, Request
+from chassis.core.scheduler_interface import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,10 @@ class EngineCore:
 
     One step reads like ARCHITECTURE section 2: ``scheduler.schedule()`` ->
     ``executor.execute_model()`` -> ``scheduler.update_from_output()``.
+
+    With ``config.async_scheduling`` a step launches plan N+1 before it collects the results
+    of plan N, so the host plans and prepares while the device computes; each step then
+    returns the outputs of the plan before it (see docs/scheduling.md).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -55,7 +61,15 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         scheduler_cls = get_registries().schedulers.get(config.scheduler)
+        if config.async_scheduling and not scheduler_cls.supports_async_scheduling:
+            raise ValueError(
+                f"scheduler {config.scheduler!r} does not support --async-scheduling "
+                "(its supports_async_scheduling is False); drop the flag or use a scheduler "
+                "built on ContinuousBatchingScheduler"
+            )
         self.scheduler = scheduler_cls(config, self.kv_cache_manager)
+        #: the plan launched by the last async step, whose results are not collected yet
+        self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         assert config.max_model_len is not None and config.attention_backend is not None
         self.info = EngineInfo(
             platform=platform.name,
@@ -83,10 +97,13 @@ class EngineCore:
         self.scheduler.abort(list(request_ids))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is waiting or running, or a launched step awaits collection."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
         """Run one scheduling + execution step and return what requests produced."""
+        if self.config.async_scheduling:
+            return self._step_async()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             # Nothing runnable (e.g. only aborts to report); still hand the diff over.
@@ -94,6 +111,19 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=time.time(), stats=self.scheduler.stats())
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(
+            outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
+        )
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """Plan and launch step N+1, then collect step N (the device runs N+1 meanwhile)."""
+        scheduler_output = self.scheduler.schedule()
+        pending = self.executor.execute_model_async(scheduler_output)
+        outputs = []
+        if self._in_flight is not None:
+            previous, previous_pending = self._in_flight
+            outputs = self.scheduler.update_from_output(previous, previous_pending.result())
+        self._in_flight = None if scheduler_output.is_empty else (scheduler_output, pending)
         return EngineCoreOutputs(
             outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
         )

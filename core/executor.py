@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from chassis.core.config import EngineConfig
+from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
 
@@ -22,6 +23,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on all workers; return the driver worker's output."""
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
+        """Launch one step and return before its results are on the host.
+
+        Results are asked for in step order. Default: run :meth:`execute_model` to the end
+        (correct, without overlap).
+        """
+        return PendingRunnerOutput.ready(self.execute_model(scheduler_output))
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers (default: nothing to do)."""
@@ -43,3 +52,6 @@ class InProcessExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
+        return self.worker.execute_model_async(scheduler_output)

@@ -48,6 +48,9 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        #: tokens sampled by steps whose ids have not reached the host yet (async scheduling);
+        #: ``token_ids`` holds the ``num_tokens`` known ones
+        self.num_unresolved = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.request_ids: list[str] = []
@@ -73,6 +76,7 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = num_computed_tokens
+        self.num_unresolved[row] = 0
         self.num_blocks[row] = 0
         self.request_ids.append(state.request_id)
         self.states.append(state)
@@ -111,6 +115,7 @@ class InputBatch:
             self.token_ids[row, :n] = self.token_ids[last, :n]
             self.num_tokens[row] = self.num_tokens[last]
             self.num_computed_tokens[row] = self.num_computed_tokens[last]
+            self.num_unresolved[row] = self.num_unresolved[last]
             nb = int(self.num_blocks[last])
             self.block_table[row, :nb] = self.block_table[last, :nb]
             self.num_blocks[row] = nb

@@ -240,7 +240,10 @@ class KVCacheManager:
         """Register the request's full blocks whose K/V cover ``num_computed_tokens``."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(state.block_ids))
+        # Under async scheduling the count may include positions whose token ids are still in
+        # flight; a block is keyed by its token ids, so only known tokens can complete one.
+        num_known = min(num_computed_tokens, request.num_tokens)
+        num_full = min(num_known // self.block_size, len(state.block_ids))
         if num_full <= state.num_cached_blocks:
             return
         hashes = self._block_hashes(request, state, num_full)

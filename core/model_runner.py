@@ -3,6 +3,11 @@
 One step, as in ARCHITECTURE section 2:
 update the persistent batch -> prepare flattened inputs and attention metadata -> forward ->
 logits of the rows that sample -> sampler -> token ids to the host.
+
+``execute_model_async`` stops before the last arrow: it starts the copy of the ids and returns
+a :class:`~chassis.core.in_flight.PendingRunnerOutput`, so that the engine core can plan and
+launch the next step while the device computes this one (async scheduling; see
+:mod:`chassis.core.in_flight`). ``execute_model`` is the same, waited for.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ import torch
 
 from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_shape
 from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
+from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
-from chassis.core.request import TokenLogprobs
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
@@ -26,7 +31,7 @@ if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
     from chassis.core.model_interface import CausalLM
-    from chassis.core.sampler_interface import Sampler, SamplerOutput
+    from chassis.core.sampler_interface import Sampler
     from chassis.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
@@ -79,6 +84,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / self.block_size)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        self.in_flight = InFlightSteps(self.batch, platform, pin_memory)
         self.kv_caches: list[torch.Tensor] = []
         self.prompt_logprobs = PromptLogprobsCollector()
         #: captured decode graphs; None while there are none (eager only)
@@ -180,11 +186,21 @@ class ModelRunner:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled ids."""
+        return self.execute_model_async(out).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, out: SchedulerOutput) -> PendingRunnerOutput:
+        """Launch one step; the ids reach the host when the result is asked for.
+
+        The plan may schedule the decode of a token an unresolved step sampled (async
+        scheduling): its id is read from the device. Results must be asked for in step order
+        (:mod:`chassis.core.in_flight`).
+        """
         self.update_states(out)
         if out.is_empty:
-            return ModelRunnerOutput()
+            return PendingRunnerOutput.ready(ModelRunnerOutput())
         batch = self.batch
 
         # Scheduled requests in persistent-batch row order.
@@ -202,7 +218,17 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
         positions = starts[req_of_token] + (np.arange(total) - query_start_loc[:-1][req_of_token])
         token_rows = rows[req_of_token]
-        input_ids = batch.token_ids[token_rows, positions]
+        input_ids: np.ndarray | torch.Tensor = batch.token_ids[token_rows, positions]
+        # Tokens past the known ones were sampled by a step whose ids are still on the device.
+        pending = positions >= batch.num_tokens[token_rows]
+        if pending.any():
+            pending_index = np.nonzero(pending)[0]
+            input_ids = self.in_flight.input_ids(
+                input_ids,
+                pending_index,
+                [batch.request_ids[r] for r in token_rows[pending_index]],
+                self._to_device,
+            )
         block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         max_blocks = math.ceil(seq_lens.max() / self.block_size)
@@ -227,10 +253,12 @@ class ModelRunner:
                 seq_lens_cpu=torch.from_numpy(seq_lens_i32),
             )
             ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
-            hidden = self.model(self._to_device(input_ids), self._to_device(positions), ctx)
+            if isinstance(input_ids, np.ndarray):
+                input_ids = self._to_device(input_ids)
+            hidden = self.model(input_ids, self._to_device(positions), ctx)
 
-        # Rows whose every known token is now computed sample their next token.
-        samples = seq_lens >= batch.num_tokens[rows]
+        # Rows whose every token, known or in flight, is now computed sample their next one.
+        samples = seq_lens >= batch.num_tokens[rows] + batch.num_unresolved[rows]
         sample_idx = np.nonzero(samples)[0]
         request_ids = [batch.request_ids[r] for r in rows]
 
@@ -238,31 +266,25 @@ class ModelRunner:
             self.model, hidden, request_ids, starts, num_scheduled, query_start_loc
         )
 
-        sampled: list[list[int]] = [[] for _ in rows]
-        logprobs: list[TokenLogprobs | None] | None = None
+        result = None
         if len(sample_idx):
             logits_index = self._to_device(cu[sample_idx] - 1)
             logits = self.model.compute_logits(hidden[logits_index]).float()
             states = [batch.states[rows[i]] for i in sample_idx]
+            if any(
+                batch.num_unresolved[rows[i]] and state.sampling_row.reads_output_history
+                for i, state in zip(sample_idx, states, strict=True)
+            ):
+                # Penalties and min_tokens read the generated tokens: wait for the last ones.
+                self.in_flight.resolve_all()
             metadata_s = build_sampling_metadata(
                 [s.sampling_row for s in states], self.device, self.vocab_size
             )
             result = self.sampler(logits[:, : self.vocab_size], metadata_s)
-            token_ids = result.sampled_token_ids.tolist()
-            for j, i in enumerate(sample_idx):
-                sampled[i] = [int(token_ids[j])]
-                batch.append_token(int(rows[i]), int(token_ids[j]))
-            if result.logprobs is not None:
-                logprobs = [None] * len(rows)
-                for j, i in enumerate(sample_idx):
-                    logprobs[i] = _row_logprobs(result, j, states[j].sampling_params.logprobs)
 
         batch.num_computed_tokens[rows] = seq_lens
-        return ModelRunnerOutput(
-            request_ids=request_ids,
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+        return self.in_flight.launch(
+            request_ids, rows, sample_idx.tolist(), result, prompt_logprobs
         )
 
     @torch.inference_mode()
@@ -315,15 +337,3 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, ctx)
         self.model.compute_logits(hidden[: min(self.config.max_num_seqs, num_tokens)])
         del dummy_cache
-
-
-def _row_logprobs(result: SamplerOutput, j: int, num: int | None) -> TokenLogprobs | None:
-    if num is None or result.logprobs is None:
-        return None
-    lp = result.logprobs
-    k = 1 + num
-    return TokenLogprobs(
-        token_ids=[int(t) for t in lp.token_ids[j, :k].tolist()],
-        logprobs=[float(x) for x in lp.logprobs[j, :k].tolist()],
-        rank=int(lp.ranks[j]),
-    )

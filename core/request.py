@@ -123,6 +123,9 @@ class Request:
         self.status = RequestStatus.WAITING
         #: Tokens whose K/V are in the cache (prefix hits included).
         self.num_computed_tokens = 0
+        #: Tokens a step already sent to the runner will sample, not known yet (async
+        #: scheduling plans the next step before they are): counted as tokens when planning.
+        self.num_output_placeholders = 0
         #: Tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = 0
         self.num_preemptions = 0

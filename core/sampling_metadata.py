@@ -90,6 +90,18 @@ class SamplingRow:
     #: ``ignore_eos``)
     eos_token_ids: frozenset[int] = frozenset()
 
+    @property
+    def reads_output_history(self) -> bool:
+        """Whether sampling this row reads its generated tokens: a penalty, or EOS and stop
+        ids still blocked by ``min_tokens``."""
+        params = self.sampling_params
+        return (
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or len(self.output_token_ids) < params.min_tokens
+        )
+
 
 def host_to_device(
     data: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device | str

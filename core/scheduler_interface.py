@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
@@ -93,7 +93,21 @@ class Scheduler(ABC):
     """Decides, step by step, which requests run. Register with ``chassis_register_schedulers``.
 
     The engine core is the only caller; no method is called concurrently.
+
+    **Async scheduling** (``--async-scheduling``, only with schedulers whose
+    :attr:`supports_async_scheduling` is ``True``): the engine core calls ``schedule()`` for
+    step N+1 *before* ``update_from_output`` of step N, so a request that samples in step N
+    may be planned again while that token is unknown. Such a scheduler counts the tokens its
+    sent plans will sample (``Request.num_output_placeholders`` in the built-in one), plans the
+    decode of an unknown token like any other (the runner takes its id from the device), must
+    not plan a request that is bound to stop by length once those tokens arrive, and must
+    accept results for requests that were preempted, aborted or finished meanwhile (they are
+    dropped; a preempted request resamples the token). ``update_from_output`` is still called
+    once per plan, in plan order.
     """
+
+    #: whether this scheduler honours the async-scheduling contract above
+    supports_async_scheduling: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config

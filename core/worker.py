@@ -7,6 +7,7 @@ import logging
 import torch
 
 from chassis.core.config import EngineConfig
+from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.model_runner import ModelRunner
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
@@ -78,3 +79,6 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
+        return self.runner.execute_model_async(scheduler_output)

@@ -119,6 +119,12 @@ class TorchCudaLikePlatform(Platform):
     def pin_memory_available(self) -> bool:
         return True
 
+    def record_event(self) -> torch.cuda.Event:
+        """A ``torch.cuda.Event`` recorded on the current stream (waits for that work only)."""
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
 
 class CudaPlatform(TorchCudaLikePlatform):
     """NVIDIA GPUs: usable when torch is a CUDA build (not HIP) and sees at least one device."""

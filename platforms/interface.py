@@ -24,6 +24,28 @@ class DeviceGraph(Protocol):
         """Re-run the captured work on the current contents of the tensors it captured."""
 
 
+class DeviceEvent(Protocol):
+    """A point in the device's queue of work (e.g. ``torch.cuda.Event``), already recorded."""
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued before the event has finished."""
+
+
+class _QueueDrainEvent:
+    """The default :class:`DeviceEvent`: waits for *all* queued work of the platform.
+
+    Correct on every platform, but it also waits for work queued after the event, which
+    removes any overlap the caller hoped for; platforms with real events override
+    :meth:`Platform.record_event`.
+    """
+
+    def __init__(self, platform: Platform) -> None:
+        self._platform = platform
+
+    def synchronize(self) -> None:
+        self._platform.synchronize()
+
+
 class Platform(ABC):
     """One kind of device. Instantiated once per process as ``current_platform``.
 
@@ -170,6 +192,16 @@ class Platform(ABC):
     def pin_memory_available(self) -> bool:
         """Whether host staging buffers should be pinned for non-blocking copies."""
         return False
+
+    def record_event(self) -> DeviceEvent:
+        """Record an event after the work queued so far on the current stream.
+
+        Async scheduling copies a step's sampled ids to the host without waiting, queues the
+        next step, and only then calls the event's ``synchronize()``. Default: an event whose
+        ``synchronize()`` is :meth:`synchronize` (correct, but it waits for the later step
+        too); override with the device's own events.
+        """
+        return _QueueDrainEvent(self)
 
     def host_reads_are_free(self) -> bool:
         """Whether reading a device tensor's values on the host (``bool(t)``, ``.item()``)

@@ -41,6 +41,12 @@ class XpuPlatform(Platform):
     def synchronize(self) -> None:
         torch.xpu.synchronize()
 
+    def record_event(self) -> torch.xpu.Event:
+        """A ``torch.xpu.Event`` recorded on the current stream (waits for that work only)."""
+        event = torch.xpu.Event()
+        event.record()
+        return event
+
     def device_name(self, index: int = 0) -> str:
         return torch.xpu.get_device_name(index)
 

@@ -180,6 +180,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "--max-num-batched-tokens, 512); see docs/gpu.md)",
     )
     g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        default=None,
+        help="plan step N+1 while the device runs step N; pays off where the host's "
+        "per-step work is a large part of a step (small models on a GPU); see "
+        "docs/scheduling.md",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,

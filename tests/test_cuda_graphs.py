@@ -319,7 +319,7 @@ def engines(graph_platform: GraphTestPlatform, tiny_llama_dir: Any) -> dict[str,
 def _record_steps(monkeypatch: pytest.MonkeyPatch, runner: Any) -> list[tuple[bool, int, bool]]:
     """Per step: (pure decode?, requests, replayed a graph?)."""
     steps: list[tuple[bool, int, bool]] = []
-    execute, run = runner.execute_model, runner.graphs.run
+    execute, run = runner.execute_model_async, runner.graphs.run
     replayed: list[int] = []
 
     def spy_run(*args: Any) -> torch.Tensor:
@@ -335,7 +335,7 @@ def _record_steps(monkeypatch: pytest.MonkeyPatch, runner: Any) -> list[tuple[bo
         return result
 
     monkeypatch.setattr(runner.graphs, "run", spy_run)
-    monkeypatch.setattr(runner, "execute_model", spy_execute)
+    monkeypatch.setattr(runner, "execute_model_async", spy_execute)
     return steps
 
 
@@ -355,6 +355,28 @@ def test_graph_tokens_equal_eager(
     assert steps[0][:2] == (False, num_prompts) and not steps[0][2]
     assert steps[1:] == [(True, num_prompts, True)] * (MAX_TOKENS - 1)
     assert runner.graphs.replays == {bucket: MAX_TOKENS - 1}
+
+
+def test_graph_replay_with_async_scheduling_reads_device_ids(
+    engines: dict[str, Any], tiny_llama_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under async scheduling a decode step's input ids are the previous step's samples on
+    the device; the graph copies them into its static buffer. Tokens equal the eager run's."""
+    llm = _llm(tiny_llama_dir, cuda_graph_sizes=[1, 2, 4, 8], async_scheduling=True)
+    runner = _runner(llm)
+    steps = _record_steps(monkeypatch, runner)
+    input_kinds: list[type] = []
+    run = runner.graphs.run
+
+    def spy_input_kind(input_ids: Any, *args: Any) -> torch.Tensor:
+        input_kinds.append(type(input_ids))
+        return run(input_ids, *args)
+
+    monkeypatch.setattr(runner.graphs, "run", spy_input_kind)
+    prompts = _prompts(3, seed=3)
+    assert _greedy(llm, prompts) == _greedy(engines["eager"], prompts)
+    assert steps[1:] == [(True, 3, True)] * (MAX_TOKENS - 1)
+    assert input_kinds == [torch.Tensor] * (MAX_TOKENS - 1)
 
 
 def test_mixed_and_oversize_batches_run_eager(

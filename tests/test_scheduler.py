@@ -201,11 +201,7 @@ def step(sched: ContinuousBatchingScheduler, runner: FakeRunner, result: RunResu
     so = sched.schedule()
     check_invariants(sched, so)
     result.steps.append(so)
-    for out in sched.update_from_output(so, runner.execute(so)):
-        result.outputs.append(out)
-        result.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if out.finished:
-            result.finish[out.request_id] = out
+    collect(sched, so, runner.execute(so), result)
     check_invariants(sched, None)
 
 
@@ -625,9 +621,123 @@ def test_priority_running_victim_is_the_worst_key() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_random_workload(seed: int) -> ContinuousBatchingScheduler:
+@dataclass
+class AsyncStepper:
+    """Steps as the engine core does under async scheduling: plan and execute step N+1, then
+    hand step N's results to the scheduler. The fake runner knows its sampled tokens at once
+    (as the device does), the scheduler only one step later."""
+
+    in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    #: decodes planned while the token they decode was still unknown to the scheduler
+    num_unknown_token_decodes: int = 0
+
+    def __call__(
+        self, sched: ContinuousBatchingScheduler, runner: FakeRunner, result: RunResult
+    ) -> None:
+        so = sched.schedule()
+        check_invariants(sched, so)
+        result.steps.append(so)
+        self.num_unknown_token_decodes += sum(
+            sched.requests[r.request_id].num_output_placeholders == 2 for r in so.cached_requests
+        )
+        runner_output = runner.execute(so)
+        if self.in_flight is not None:
+            collect(sched, *self.in_flight, result)
+        self.in_flight = None if so.is_empty else (so, runner_output)
+        check_invariants(sched, None)
+
+
+def collect(
+    sched: ContinuousBatchingScheduler,
+    so: SchedulerOutput,
+    runner_output: ModelRunnerOutput,
+    result: RunResult,
+) -> None:
+    for out in sched.update_from_output(so, runner_output):
+        result.outputs.append(out)
+        result.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            result.finish[out.request_id] = out
+
+
+# ---------------------------------------------------------------------------------------------
+# Async scheduling: plans made before the previous step's tokens are known
+# ---------------------------------------------------------------------------------------------
+
+
+def test_async_plan_decodes_the_token_in_flight() -> None:
+    sched = make_scheduler()
+    runner = FakeRunner(4)
+    request = make_request("a", [1, 2, 3], max_tokens=5)
+    sched.add_request(request)
+    prefill = sched.schedule()
+    assert prefill.num_scheduled_tokens == {"a": 3}
+    assert request.num_output_placeholders == 1  # the prefill samples the first token
+    prefill_output = runner.execute(prefill)
+
+    decode = sched.schedule()  # before the first token is known
+    assert decode.num_scheduled_tokens == {"a": 1}
+    assert decode.cached_requests[0].num_computed_tokens == 3  # position of the unknown token
+    assert request.num_output_placeholders == 2 and request.output_token_ids == []
+    decode_output = runner.execute(decode)
+
+    result = RunResult()
+    collect(sched, prefill, prefill_output, result)
+    assert request.num_output_placeholders == 1 and len(request.output_token_ids) == 1
+    collect(sched, decode, decode_output, result)
+    assert request.num_output_placeholders == 0
+    assert result.tokens["a"] == expected_tokens(request, sched.max_len)[:2]
+
+
+def test_async_plan_skips_a_request_its_tokens_in_flight_finish() -> None:
+    sched = make_scheduler(max_model_len=16)
+    runner = FakeRunner(4)
+    short = make_request("short", [1, 2, 3], max_tokens=1)
+    long_prompt = make_request("long", list(range(15)), max_tokens=None)  # ends at 16 tokens
+    sched.add_request(short)
+    sched.add_request(long_prompt)
+    first = sched.schedule()
+    first_output = runner.execute(first)
+    # Each request's one sampled token finishes it (max_tokens 1; max_model_len 16).
+    assert sched.schedule().is_empty
+    result = RunResult()
+    collect(sched, first, first_output, result)
+    assert result.finish["short"].finish_reason == FinishReason.LENGTH
+    assert result.finish["long"].finish_reason == FinishReason.LENGTH
+    assert not sched.has_unfinished()
+
+
+def test_async_preemption_drops_the_token_in_flight_and_resamples_it() -> None:
+    # 3 blocks of 2 tokens: "b" is preempted once "a" needs a third block.
+    sched = make_scheduler(num_blocks=3, block_size=2)
+    runner = FakeRunner(2)
+    a = make_request("a", [1, 2, 3], max_tokens=3)
+    b = make_request("b", [4], max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    stepper = AsyncStepper()
+    result = RunResult()
+    while sched.num_preemptions == 0:
+        stepper(sched, runner, result)
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 0
+    # The plan before the preempting one decoded "b"'s first token and sampled its second,
+    # which was still in flight at the preemption: dropped (the resumed request resamples it).
+    assert result.steps[-2].num_scheduled_tokens.get("b") == 1
+    assert len(b.output_token_ids) == 1 and result.tokens["b"] == b.output_token_ids
+    while sched.has_unfinished() or stepper.in_flight is not None:
+        stepper(sched, runner, result)
+    assert result.tokens["a"] == expected_tokens(a, sched.max_len)
+    assert result.tokens["b"] == expected_tokens(b, sched.max_len)
+    assert sched.kv_cache_manager.num_free_blocks == 3
+
+
+def run_random_workload(
+    seed: int, async_scheduling: bool = False
+) -> tuple[ContinuousBatchingScheduler, int]:
     """A random workload (arrivals, shared prefixes, aborts) under random limits; checks the
-    invariants every step and every token stream at the end."""
+    invariants every step and every token stream at the end. ``async_scheduling``: plan each
+    step before the previous one's results are in (:class:`AsyncStepper`). Returns the
+    scheduler and how many decodes of still unknown tokens were planned."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
     num_blocks = rng.randint(4, 16)
@@ -662,6 +772,7 @@ def run_random_workload(seed: int) -> ContinuousBatchingScheduler:
     pending = list(requests)
     aborted: set[str] = set()
     result = RunResult()
+    stepper = AsyncStepper() if async_scheduling else step
     for _ in range(2000):
         while pending and rng.random() < 0.6:
             sched.add_request(pending.pop(0))
@@ -669,9 +780,10 @@ def run_random_workload(seed: int) -> ContinuousBatchingScheduler:
             victim = rng.choice(sorted(sched.requests))
             sched.abort([victim])
             aborted.add(victim)
-        if not pending and not sched.has_unfinished():
+        in_flight = isinstance(stepper, AsyncStepper) and stepper.in_flight is not None
+        if not pending and not sched.has_unfinished() and not in_flight:
             break
-        step(sched, runner, result)
+        stepper(sched, runner, result)
     else:
         raise AssertionError("workload did not finish")
     kv = sched.kv_cache_manager
@@ -685,17 +797,22 @@ def run_random_workload(seed: int) -> ContinuousBatchingScheduler:
         else:
             assert result.tokens[rid] == expected
             assert result.finish[rid].finish_reason == FinishReason.LENGTH
-    return sched
+    unknown = stepper.num_unknown_token_decodes if isinstance(stepper, AsyncStepper) else 0
+    return sched, unknown
 
 
-def test_random_workloads_keep_invariants_and_token_streams() -> None:
-    num_preempted = num_hit = 0
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_random_workloads_keep_invariants_and_token_streams(async_scheduling: bool) -> None:
+    num_preempted = num_hit = num_unknown_token_decodes = 0
     for seed in range(300):
         try:
-            sched = run_random_workload(seed)
+            sched, unknown = run_random_workload(seed, async_scheduling)
         except AssertionError as exc:
             raise AssertionError(f"seed {seed}: {exc}") from exc
         num_preempted += sched.num_preemptions > 0
         num_hit += sched.kv_cache_manager.prefix_cache_hits > 0
+        num_unknown_token_decodes += unknown
     # The workloads do exercise preemption and prefix-cache hits.
     assert num_preempted > 50 and num_hit > 50
+    if async_scheduling:
+        assert num_unknown_token_decodes > 1000

@@ -21,6 +21,16 @@ step plan, for every scheduled request: from then on it counts the tokens whose 
 the runner has executed that plan. The ``num_computed_tokens`` sent in ``NewRequestData`` and
 ``CachedRequestData`` is the value *before* the step: the position of the step's first token.
 
+Async scheduling (``--async-scheduling``): ``schedule()`` for step N+1 runs before
+``update_from_output`` of step N. Every plan that makes a request sample adds one to its
+``num_output_placeholders``, and ``update_from_output`` takes one off when the token arrives;
+planning counts those tokens as the request's (a running request with a placeholder gets a
+one-token decode of it), except that a request which the placeholders alone bring to its
+``max_tokens`` or to the context limit is not planned again. Tokens that arrive for a request
+no longer running are dropped; preemption resets the count (the request resamples the token
+when it resumes). Without async scheduling the count is 1 between ``schedule()`` and
+``update_from_output`` and 0 otherwise, so one code path serves both.
+
 Subclasses choose the policy by overriding :meth:`sort_key`, :meth:`select_victim` and
 :meth:`can_preempt_for`; see docs/scheduling.md.
 """
@@ -90,6 +100,8 @@ class ContinuousBatchingScheduler(Scheduler):
     :attr:`running` (in the order of the last step), :attr:`requests` (unfinished requests by
     id), :attr:`num_preemptions`.
     """
+
+    supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         super().__init__(config, kv_cache_manager)
@@ -216,6 +228,8 @@ class ContinuousBatchingScheduler(Scheduler):
                     f"only {request.num_computed_tokens} of its {request.num_tokens} tokens are "
                     "computed (a prefill chunk that does not end the prompt samples nothing)"
                 )
+            if sampled:
+                request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.output_token_ids.append(token_id)
@@ -278,7 +292,11 @@ class ContinuousBatchingScheduler(Scheduler):
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = request.num_tokens - request.num_computed_tokens
+            if request.num_output_placeholders and self._stops_by_length(request):
+                continue  # its last token is in flight; nothing more to compute
+            num_new = (
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            )
             if num_new <= 0:
                 continue
             if num_new > plan.token_budget:
@@ -353,7 +371,19 @@ class ContinuousBatchingScheduler(Scheduler):
                 )
             output.num_scheduled_tokens[request_id] = num_tokens
             request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                # This step samples the request's next token: unknown until update_from_output.
+                request.num_output_placeholders += 1
         return output
+
+    def _stops_by_length(self, request: Request) -> bool:
+        """Whether the tokens already in flight bring ``request`` to ``max_tokens`` or to the
+        context limit (it stops when they arrive, so planning more would be wasted)."""
+        placeholders = request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return (
+            max_tokens is not None and len(request.output_token_ids) + placeholders >= max_tokens
+        ) or request.num_tokens + placeholders >= self.max_len
 
     # -- state changes ---------------------------------------------------------------------
 
@@ -370,6 +400,7 @@ class ContinuousBatchingScheduler(Scheduler):
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0  # tokens in flight for it are dropped
         victim.num_preemptions += 1
         self.num_preemptions += 1
         if victim.request_id in self._in_runner:

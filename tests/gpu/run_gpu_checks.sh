@@ -7,8 +7,10 @@
 #   pytest      pytest -m gpu tests/gpu                      -> pytest.txt, junit.xml
 #   throughput  (a)+(c) nano-vllm workload on the Qwen3-0.6B preset, chassis and HF
 #                                                            -> throughput.txt/.json
-#   latency     (b)+(c) batch 1, 128-token prompt, 256 new tokens, chassis and HF
-#                                                            -> latency.txt/.json
+#   latency     (b)+(c) batch 1, 128-token prompt, 256 new tokens, chassis and HF; then
+#               chassis with --async-scheduling, and with --enforce-eager
+#                                                            -> latency*.txt/.json
+#   async       (a) chassis only, with --async-scheduling    -> throughput_async.txt/.json
 #   serve       (d) chassis serve + chassis bench serve, 64 concurrent streams
 #                                                            -> server.txt, serve.txt/.json
 #   attn        tests/gpu/bench_triton_attention.py          -> bench.txt
@@ -25,7 +27,7 @@ set -u
 OUT="${OUT:-/tmp/chassis-gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-pytest throughput latency serve attn}"
+STEPS="${STEPS:-pytest throughput latency async serve attn}"
 BUDGET_S="${BUDGET_S:-540}"
 HF_NUM_PROMPTS="${HF_NUM_PROMPTS:-32}"
 PORT="${PORT:-8123}"
@@ -111,12 +113,23 @@ if wanted latency; then
     step latency 110 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
         --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
         --num-iters 2 --num-iters-warmup 1 --backend hf --output-json "$OUT/latency.json"
+    # the same with async scheduling (chassis only): what overlapping host and device gains
+    step latency_async 60 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+        --async-scheduling --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
+        --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_async.json"
     if [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
         # the same without graphs (chassis only): what capture gains at batch 1
         step latency_eager 60 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
             --enforce-eager --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
             --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_eager.json"
     fi
+fi
+
+if wanted async; then
+    # (a) again with async scheduling (chassis only), next to the synchronous run above
+    step throughput_async 120 "${CHASSIS[@]}" bench throughput "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+        --async-scheduling --num-prompts "$NUM_PROMPTS" --input-len "$LENS" --output-len "$LENS" \
+        --output-json "$OUT/throughput_async.json"
 fi
 
 if wanted serve; then

@@ -1,6 +1,8 @@
-"""No per-step host stalls (issue 5, item 4): a decode step of the whole engine on a GPU makes
-one device-to-host synchronization, the read of the sampled token ids, with CUDA graphs and
-without. torch's sync debug mode warns on every synchronizing CUDA call; the test counts them.
+"""No per-step host stalls (issue 5, item 4): a decode step of the whole engine on a GPU waits
+for the device once, for the event recorded after the non-blocking copy of the sampled token
+ids, and makes no other synchronizing CUDA call; with CUDA graphs and without, with async
+scheduling and without. torch's sync debug mode warns on every synchronizing CUDA call; the
+test counts those warnings outside the event wait, and the event waits themselves.
 """
 
 from __future__ import annotations
@@ -20,7 +22,23 @@ pytestmark = [
 DECODE_STEPS = 6
 
 
-def _syncs_per_decode_step(directory, **engine: object) -> list[int]:
+class _CountedEvent:
+    """Wraps a platform event: counts its waits, and keeps their warnings apart."""
+
+    waits = 0
+
+    def __init__(self, event) -> None:
+        self._event = event
+
+    def synchronize(self) -> None:
+        _CountedEvent.waits += 1
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            self._event.synchronize()
+
+
+def _syncs_per_decode_step(directory, monkeypatch, **engine: object) -> list[tuple[int, int]]:
+    """Per decode step: (event waits, other synchronizing CUDA calls)."""
     from chassis.core.llm import LLM
     from chassis.core.sampling_params import SamplingParams
 
@@ -28,6 +46,9 @@ def _syncs_per_decode_step(directory, **engine: object) -> list[int]:
         str(directory), skip_tokenizer_init=True, dtype="bfloat16", num_kv_blocks=256, **engine
     )
     core = llm.engine
+    platform = core.executor.worker.runner.in_flight.platform
+    record_event = platform.record_event
+    monkeypatch.setattr(platform, "record_event", lambda: _CountedEvent(record_event()))
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for i, length in enumerate((7, 30, 12)):
@@ -40,17 +61,22 @@ def _syncs_per_decode_step(directory, **engine: object) -> list[int]:
     torch.cuda.set_sync_debug_mode("warn")
     try:
         for _ in range(DECODE_STEPS):
+            waits_before = _CountedEvent.waits
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 core.step()
-            counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+            other = sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+            counts.append((_CountedEvent.waits - waits_before, other))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return counts
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_a_decode_step_syncs_once(tmp_path, enforce_eager):
+def test_a_decode_step_waits_once(tmp_path, monkeypatch, enforce_eager, async_scheduling):
     write_tiny_qwen3(tmp_path)
-    counts = _syncs_per_decode_step(tmp_path, enforce_eager=enforce_eager)
-    assert counts == [1] * DECODE_STEPS, f"synchronizing calls per decode step: {counts}"
+    counts = _syncs_per_decode_step(
+        tmp_path, monkeypatch, enforce_eager=enforce_eager, async_scheduling=async_scheduling
+    )
+    assert counts == [(1, 0)] * DECODE_STEPS, f"(event waits, other syncs) per step: {counts}"
