@@ -14,11 +14,15 @@ from chassis.core.errors import EngineDeadError
 from chassis.core.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def engine(tiny_llama_dir, request):
     llm = AsyncLLM.from_engine_config(
         EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=256,
+            num_kv_blocks=64,
+            async_scheduling=request.param,
         )
     )
     yield llm
