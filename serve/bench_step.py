@@ -1,9 +1,14 @@
 """``chassis bench step``: the time of one engine step, for profiling the hot path.
 
-Fills the engine with ``--batch-size`` requests of ``--context-len`` random prompt tokens,
-runs their prefill, then times decode steps (``EngineCore.step()``, one token per request)
-and, with ``--prefill-tokens``, one prefill step of that many tokens. Prints the median of
-``--repeats`` timings of ``--num-steps`` steps each.
+For each ``--batch-size``, fills the engine with that many requests of ``--context-len``
+random prompt tokens, runs their prefill, then times decode steps (``EngineCore.step()``, one
+token per request) and, with ``--prefill-tokens``, one prefill step of that many tokens.
+Prints the median of ``--repeats`` timings of ``--num-steps`` steps each.
+
+``--profile`` adds, per batch size, where a decode step's time goes
+(:mod:`chassis.serve.step_profile`): host time per engine-core call, and under
+``torch.profiler`` the device's busy time per step and the top kernels (the top CPU ops on a
+host-only platform). ``--profile-dir`` also writes a Chrome trace per batch size.
 """
 
 from __future__ import annotations
@@ -12,17 +17,28 @@ import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 
 def add_step_bench_parser(kinds: Any, add_engine_args: Any) -> None:
     p = kinds.add_parser("step", help="time decode (and prefill) engine steps")
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--batch-size", type=int, nargs="+", default=[1], help="decode batch sizes to time"
+    )
     p.add_argument("--context-len", type=int, default=150, help="prompt tokens per request")
     p.add_argument("--num-steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefill-tokens", type=int, default=0, help="also time one prefill step")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also show host time per engine-core call, device busy time and top kernels",
+    )
+    p.add_argument(
+        "--profile-dir", type=Path, help="with --profile: write a Chrome trace per batch size here"
+    )
     p.set_defaults(run=run)
 
 
@@ -31,9 +47,11 @@ def _requests(llm: Any, count: int, length: int, tag: str, rng: random.Random) -
 
     # max_tokens None: the rest of the context, so no request ends while being timed
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    vocab = llm.input_processor.vocab_size
+    low, high = min(1000, vocab // 4), min(40000, vocab)  # ordinary tokens of any vocabulary
     out = []
     for i in range(count):
-        ids = [rng.randrange(1000, 40000) for _ in range(length)]
+        ids = [rng.randrange(low, high) for _ in range(length)]
         out += llm.input_processor.process(ids, params, f"{tag}{i}")
     return out
 
@@ -42,10 +60,21 @@ def run(args: argparse.Namespace) -> int:
     from chassis.core.llm import LLM
     from chassis.serve.args import engine_config_from_args
 
+    if any(b < 1 for b in args.batch_size):
+        raise ValueError(f"--batch-size values must be >= 1; got {args.batch_size}")
     config = engine_config_from_args(args)
     llm = LLM(**config.to_dict())
-    engine, rng = llm.engine, random.Random(0)
-    requests = _requests(llm, args.batch_size, args.context_len, "decode", rng)
+    rng = random.Random(0)
+    for batch_size in args.batch_size:
+        _decode_steps(llm, args, batch_size, rng)
+    if args.prefill_tokens:
+        _prefill_step(llm, args, rng)
+    return 0
+
+
+def _decode_steps(llm: Any, args: argparse.Namespace, batch_size: int, rng: random.Random) -> None:
+    engine = llm.engine
+    requests = _requests(llm, batch_size, args.context_len, f"decode{batch_size}-", rng)
     for request in requests:
         engine.add_request(request)
     pending = {r.request_id for r in requests}
@@ -60,19 +89,31 @@ def run(args: argparse.Namespace) -> int:
             engine.step()
         timings.append((time.perf_counter() - start) / args.num_steps)
     decode_ms = statistics.median(timings) * 1e3
-    print(f"decode step, batch {args.batch_size}, context ~{args.context_len}: {decode_ms:.1f} ms")
+    print(f"decode step, batch {batch_size}, context ~{args.context_len}: {decode_ms:.1f} ms")
+    if args.profile:
+        from chassis.serve.step_profile import profile_steps, time_phases
+
+        for line in time_phases(engine, args.num_steps).lines():
+            print(line)
+        trace = args.profile_dir / f"trace_batch{batch_size}.json" if args.profile_dir else None
+        for line in profile_steps(engine, args.num_steps, trace_path=trace).lines():
+            print(line)
     engine.abort_requests([r.request_id for r in requests])
-    engine.step()
-    if args.prefill_tokens:
-        prefill = []
-        for attempt in range(args.repeats + 1):  # the first one warms up buffers of that size
-            (request,) = _requests(llm, 1, args.prefill_tokens, f"prefill{attempt}-", rng)
-            engine.add_request(request)
-            start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _prefill_step(llm: Any, args: argparse.Namespace, rng: random.Random) -> None:
+    engine = llm.engine
+    prefill = []
+    for attempt in range(args.repeats + 1):  # the first one warms up buffers of that size
+        (request,) = _requests(llm, 1, args.prefill_tokens, f"prefill{attempt}-", rng)
+        engine.add_request(request)
+        start = time.perf_counter()
+        engine.step()
+        prefill.append(time.perf_counter() - start)
+        engine.abort_requests([request.request_id])
+        while engine.has_unfinished():
             engine.step()
-            prefill.append(time.perf_counter() - start)
-            engine.abort_requests([request.request_id])
-            engine.step()
-        prefill_ms = statistics.median(prefill[1:]) * 1e3
-        print(f"prefill step, {args.prefill_tokens} tokens in one request: {prefill_ms:.0f} ms")
-    return 0
+    prefill_ms = statistics.median(prefill[1:]) * 1e3
+    print(f"prefill step, {args.prefill_tokens} tokens in one request: {prefill_ms:.0f} ms")

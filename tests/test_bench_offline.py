@@ -170,6 +170,36 @@ def test_step_bench_times_decode_and_prefill_steps(tiny_llama_dir):
     assert re.fullmatch(r"prefill step, 16 tokens in one request: [0-9]+ ms", lines[-1])
 
 
+def test_step_bench_profile_shows_host_phases_and_top_ops(tiny_llama_dir, tmp_path):
+    proc = run_bench(
+        "step",
+        str(tiny_llama_dir),
+        "--dtype", "float32",
+        "--max-model-len", "256",
+        "--num-kv-blocks", "64",
+        "--batch-size", "1", "3",
+        "--context-len", "8",
+        "--num-steps", "2",
+        "--repeats", "1",
+        "--async-scheduling",
+        "--profile",
+        "--profile-dir", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for batch in (1, 3):
+        assert re.search(rf"decode step, batch {batch}, context ~8: [0-9.]+ ms", out)
+        assert json.loads((tmp_path / f"trace_batch{batch}.json").read_text())["traceEvents"]
+    host = re.findall(r"host: [0-9.]+ ms per step \((.*)\)", out)
+    assert len(host) == 2
+    for phases in host:
+        names = [part.split()[0] for part in phases.split(", ")]
+        assert names == ["schedule", "execute_model_async", "update_from_output", "other"]
+    # The CPU platform records no device activity; the top ops are the host's.
+    assert out.count("no device activity recorded") == 2
+    assert re.search(r"top \d+ by CPU self time per step:\n +[0-9.]+ ms +[0-9.]+x  \S+", out)
+
+
 def test_kernel_bench_times_every_linear_and_attention_variant():
     proc = run_bench(
         "kernels",

@@ -11,23 +11,32 @@
 #               chassis with --async-scheduling, and with --enforce-eager
 #                                                            -> latency*.txt/.json
 #   async       (a) chassis only, with --async-scheduling    -> throughput_async.txt/.json
+#   profile     chassis bench step --profile at batch 1 and PROFILE_BATCH, sync and async:
+#               host time per engine-core call, device busy/idle, top kernels
+#                                                            -> profile_*.txt, profile_*/
 #   serve       (d) chassis serve + chassis bench serve, 64 concurrent streams
 #                                                            -> server.txt, serve.txt/.json
 #   attn        tests/gpu/bench_triton_attention.py          -> bench.txt
 # STEPS="throughput serve" runs a subset. HF_NUM_PROMPTS (default 32): HF runs only the first
 # N of the 256 throughput requests, and the throughput ratio compares chassis and HF on those
 # same N request shapes (see docs/gpu.md). Writes env.txt and summary.txt (one line per step:
-# name, exit status, seconds) under $OUT (default /tmp/chassis-gpu).
+# name, exit status, seconds). Everything is packed into $OUT/results.tgz (default OUT:
+# /tmp/chassis-gpu), next to a copy of summary.txt.
 # Exit status: 0 when every step that ran passed, else 1.
 # A dry run of the benchmark steps on a CPU, with a tiny config directory:
 #   STEPS="throughput latency serve" MODEL=/tmp/tiny NUM_PROMPTS=4 HF_NUM_PROMPTS=2 LENS=4:8 \
 #   LAT_INPUT=8 LAT_OUTPUT=4 VOCAB=512 ENGINE_ARGS="--num-kv-blocks 64" \
 #   bash tests/gpu/run_gpu_checks.sh
 set -u
-OUT="${OUT:-/tmp/chassis-gpu}"
-mkdir -p "$OUT"
+# The device tool brings back at most 8 files from $OUT, so every step writes into a work
+# folder, and after each step the folder is packed into $OUT/results.tgz (with summary.txt
+# beside it): what ran before a time-out still comes back.
+FINAL_OUT="${OUT:-/tmp/chassis-gpu}"
+OUT="${RESULTS_DIR:-/tmp/chassis-gpu-results}"
+rm -rf "$OUT"
+mkdir -p "$OUT" "$FINAL_OUT"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-pytest throughput latency async serve attn}"
+STEPS="${STEPS:-pytest throughput latency async profile serve attn}"
 BUDGET_S="${BUDGET_S:-540}"
 HF_NUM_PROMPTS="${HF_NUM_PROMPTS:-32}"
 PORT="${PORT:-8123}"
@@ -39,6 +48,9 @@ LENS="${LENS:-100:1024}"
 LAT_INPUT="${LAT_INPUT:-128}"
 LAT_OUTPUT="${LAT_OUTPUT:-256}"
 CONCURRENCY="${CONCURRENCY:-64}"
+# the profile step's decode batch and prompt length (the throughput workload's scale)
+PROFILE_BATCH="${PROFILE_BATCH:-256}"
+PROFILE_CONTEXT="${PROFILE_CONTEXT:-600}"
 # token ids of the serving benchmark's random prompts are drawn from [0, VOCAB) (nano-vllm's)
 VOCAB="${VOCAB:-10000}"
 # nano-vllm's engine settings (max_model_len 4096, 16384-token steps); half the GPU for the
@@ -67,6 +79,11 @@ fi
 
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
+pack() {
+    cp "$OUT/summary.txt" "$FINAL_OUT/summary.txt"
+    tar czf "$FINAL_OUT/results.tgz.part" -C "$OUT" . && mv "$FINAL_OUT/results.tgz.part" "$FINAL_OUT/results.tgz"
+}
+
 # step NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, what the budget has left), output to
 # $OUT/NAME.txt, and record the result in summary.txt.
 step() {
@@ -84,6 +101,7 @@ step() {
     rc=$?
     echo "$name rc=$rc $((SECONDS - t0))s (limit ${limit}s)" | tee -a "$OUT/summary.txt"
     tail -n 15 "$OUT/$name.txt"
+    pack
     ((rc == 0)) || STATUS=1
     return $rc
 }
@@ -132,6 +150,19 @@ if wanted async; then
         --output-json "$OUT/throughput_async.json"
 fi
 
+if wanted profile; then
+    # Where a decode step's time goes (issue 5: "CPU vs GPU time per step, top kernels"), at
+    # batch 1 and at the throughput workload's batch, synchronous and async; Chrome traces in
+    # $OUT/profile*/.
+    for mode in sync async; do
+        extra=()
+        [[ $mode == async ]] && extra=(--async-scheduling)
+        step "profile_$mode" 120 "${CHASSIS[@]}" bench step "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+            "${extra[@]}" --batch-size 1 "$PROFILE_BATCH" --context-len "$PROFILE_CONTEXT" \
+            --num-steps 10 --repeats 2 --profile --profile-dir "$OUT/profile_$mode"
+    done
+fi
+
 if wanted serve; then
     # (d) the server on the same model, driven with token-id prompts at 64 concurrent streams.
     # In its own session, so the server and its engine-core child are stopped together.
@@ -172,4 +203,5 @@ if wanted attn; then
 fi
 
 echo "total $((SECONDS - START))s, exit $STATUS" | tee -a "$OUT/summary.txt"
+pack
 exit $STATUS
