@@ -55,6 +55,9 @@ class EngineConfig:
     sampler: str = "default"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    #: run the model's forward through torch.compile (attention as one opaque op; the layers'
+    #: torch code instead of the platform's kernels); start-up compiles it (see docs/gpu.md)
+    torch_compile: bool = False
     #: batch sizes whose pure-decode steps are captured as device graphs (vLLM's flag): one
     #: value N = the default pattern up to N, several = exactly those; None = the default
     #: pattern up to min(max_num_seqs, max_num_batched_tokens, 512) (see docs/gpu.md)
@@ -105,6 +108,11 @@ class EngineConfig:
             )
         if self.cuda_graph_sizes is not None:
             self._validate_cuda_graph_sizes(self.cuda_graph_sizes)
+        if self.torch_compile and self.enforce_eager:
+            raise ValueError(
+                "--torch-compile and --enforce-eager contradict each other (--enforce-eager "
+                "means no graph capture and no compilation); drop one"
+            )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0; got {self.max_logprobs}")
 

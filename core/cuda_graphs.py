@@ -22,6 +22,7 @@ import bisect
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,7 +33,6 @@ from chassis.core.attention import AttentionMetadata, ForwardContext
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
-    from chassis.core.model_interface import CausalLM
     from chassis.platforms.interface import DeviceGraph, Platform
 
 logger = logging.getLogger(__name__)
@@ -119,12 +119,13 @@ class DecodeGraphs:
 
     Built by the model runner after the KV cache exists (the graphs bake in the addresses of
     the caches, the weights and the static buffers); :meth:`capture` must run once before
-    :meth:`run`. ``replays`` counts replays per capture size.
+    :meth:`run`. ``replays`` counts replays per capture size. ``model`` is the model, or
+    anything called like it (the ``torch.compile``'d forward of ``--torch-compile``).
     """
 
     def __init__(
         self,
-        model: CausalLM,
+        model: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor],
         kv_caches: list[torch.Tensor],
         platform: Platform,
         sizes: list[int],

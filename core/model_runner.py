@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_shape
+from chassis.core.compiled_model import CompiledForward
 from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
 from chassis.core.input_batch import InputBatch, RequestState
@@ -71,6 +74,10 @@ class ModelRunner:
         self.platform = platform
         self.attention_backend = attention_backend
         self.model = model
+        #: what runs the forward: the model itself, or its torch.compile'd form
+        self.forward: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor] = (
+            CompiledForward(model) if config.torch_compile else model
+        )
         self.sampler = sampler
         self.device = device
         self.kv_dtype = kv_dtype
@@ -109,7 +116,21 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.model.num_attention_layers)
         ]
+        if isinstance(self.forward, CompiledForward):
+            self._compile_forward()
         self._capture_graphs()
+
+    def _compile_forward(self) -> None:
+        """Compile ``--torch-compile``'s forward now rather than in the first requests' steps:
+        one dummy forward of several tokens (the graph for any count) and one of a single
+        token (torch specializes that size)."""
+        assert isinstance(self.forward, CompiledForward)
+        start = time.perf_counter()
+        self.profile_run(min(16, self.config.max_num_batched_tokens))
+        self.profile_run(1)
+        logger.info(
+            "torch.compile: forward compiled at start-up in %.1f s", time.perf_counter() - start
+        )
 
     def _capture_graphs(self) -> None:
         reason = eager_reason(self.config, self.platform, self.attention_backend)
@@ -118,7 +139,7 @@ class ModelRunner:
             return
         assert self.config.max_model_len is not None
         graphs = DecodeGraphs(
-            self.model,
+            self.forward,
             self.kv_caches,
             self.platform,
             capture_sizes(self.config),
@@ -255,7 +276,7 @@ class ModelRunner:
             ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
             if isinstance(input_ids, np.ndarray):
                 input_ids = self._to_device(input_ids)
-            hidden = self.model(input_ids, self._to_device(positions), ctx)
+            hidden = self.forward(input_ids, self._to_device(positions), ctx)
 
         # Rows whose every token, known or in flight, is now computed sample their next one.
         samples = seq_lens >= batch.num_tokens[rows] + batch.num_unresolved[rows]
@@ -334,6 +355,6 @@ class ModelRunner:
         positions = torch.from_numpy(
             np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
         ).to(self.device)
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = self.forward(input_ids, positions, ctx)
         self.model.compute_logits(hidden[: min(self.config.max_num_seqs, num_tokens)])
         del dummy_cache

@@ -35,7 +35,10 @@ class Worker:
         backend_cls = registries.attention_backends.get(config.attention_backend)
         torch.manual_seed(config.seed)
         model = build_model(config, hf_config, config.model, backend_cls, self.device, self.dtype)
-        self.platform.prepare_model(model)
+        if not config.torch_compile:
+            # Compiled forwards run the layers' torch code, not the platform's kernels, whose
+            # weight formats prepare_model would set up.
+            self.platform.prepare_model(model)
         sampler = registries.samplers.get(config.sampler)(config)
         self.runner = ModelRunner(
             config,

@@ -170,6 +170,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help="no graph capture or compilation",
     )
     g.add_argument(
+        "--torch-compile",
+        action="store_true",
+        default=None,
+        help="compile the model's forward with torch.compile at start-up (off by default: "
+        "it costs start-up time; the log reports how much); see docs/gpu.md",
+    )
+    g.add_argument(
         "--cuda-graph-sizes",
         type=int,
         nargs="+",

@@ -336,6 +336,7 @@ def _describe(args: Any, config: EngineConfig) -> dict[str, Any]:
         skip_tokenizer_init=config.skip_tokenizer_init,
         enforce_eager=config.enforce_eager,
         async_scheduling=config.async_scheduling,
+        torch_compile=config.torch_compile,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         attention_backend=config.attention_backend,

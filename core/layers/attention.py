@@ -34,7 +34,21 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """``q [T, H*D]`` (or ``[T, H, D]``), ``k``/``v [T, KV*D]`` -> ``[T, H*D]``."""
+        """``q [T, H*D]`` (or ``[T, H, D]``), ``k``/``v [T, KV*D]`` -> ``[T, H*D]``.
+
+        Inside ``torch.compile`` (``--torch-compile``) the layer is one opaque op that finds the
+        step's context itself (:mod:`chassis.core.compiled_model`).
+        """
+        if torch.compiler.is_compiling():
+            from chassis.core.compiled_model import paged_attention
+
+            return paged_attention(q, k, v, self.layer_idx)
+        return self.run_backend(q, k, v, ctx)
+
+    def run_backend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Hand the step's q/k/v to the backend, with this layer's KV cache."""
         num_tokens = q.shape[0]
         out = self.backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),

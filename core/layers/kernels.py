@@ -79,8 +79,12 @@ ENABLED = os.environ.get("CHASSIS_LAYER_KERNELS", "1").strip().lower() not in {"
 
 
 def kernels_for(x: torch.Tensor) -> LayerKernels | None:
-    """The current platform's kernels if they handle ``x``, else ``None``."""
-    if not ENABLED:
+    """The current platform's kernels if they handle ``x``, else ``None``.
+
+    Always ``None`` while ``torch.compile`` traces (``--torch-compile``): the layers' torch
+    code is what inductor fuses.
+    """
+    if not ENABLED or torch.compiler.is_compiling():
         return None
     kernels = get_current_platform().layer_kernels()
     if kernels is not None and kernels.handles(x):

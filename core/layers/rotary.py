@@ -114,6 +114,12 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch implementation (new tensors; what platform kernels are tested against)."""
+        if torch.compiler.is_compiling():
+            # No memo by tensor identity in traced code (it would become a guard); the
+            # compiler shares the gather between layers itself.
+            cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)
+            sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
+            return _rotate(query, cos, sin), _rotate(key, cos, sin)
         memo = self._memo
         if memo is None or memo[0] is not positions or memo[1] != query.dtype:
             cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [T, 1, D / 2]

@@ -8,14 +8,15 @@
 #   throughput  (a)+(c) nano-vllm workload on the Qwen3-0.6B preset, chassis and HF
 #                                                            -> throughput.txt/.json
 #   latency     (b)+(c) batch 1, 128-token prompt, 256 new tokens, chassis and HF; then
-#               chassis with --async-scheduling, and with --enforce-eager
-#                                                            -> latency*.txt/.json
-#   async       (a) chassis only, with --async-scheduling    -> throughput_async.txt/.json
+#               chassis with --async-scheduling              -> latency*.txt/.json
 #   profile     chassis bench step --profile at batch 1 and PROFILE_BATCH, sync and async:
 #               host time per engine-core call, device busy/idle, top kernels
 #                                                            -> profile_*.txt, profile_*/
+#   async       (a) chassis only, with --async-scheduling    -> throughput_async.txt/.json
 #   serve       (d) chassis serve + chassis bench serve, 64 concurrent streams
 #                                                            -> server.txt, serve.txt/.json
+#   eager       (b) chassis only, with --enforce-eager       -> latency_eager.txt/.json
+#   compile     (b) chassis only, with --torch-compile       -> latency_compile.txt/.json
 #   attn        tests/gpu/bench_triton_attention.py          -> bench.txt
 # STEPS="throughput serve" runs a subset. HF_NUM_PROMPTS (default 32): HF runs only the first
 # N of the 256 throughput requests, and the throughput ratio compares chassis and HF on those
@@ -36,7 +37,7 @@ OUT="${RESULTS_DIR:-/tmp/chassis-gpu-results}"
 rm -rf "$OUT"
 mkdir -p "$OUT" "$FINAL_OUT"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-pytest throughput latency async profile serve attn}"
+STEPS="${STEPS:-pytest throughput latency profile async serve eager compile attn}"
 BUDGET_S="${BUDGET_S:-540}"
 HF_NUM_PROMPTS="${HF_NUM_PROMPTS:-32}"
 PORT="${PORT:-8123}"
@@ -135,19 +136,6 @@ if wanted latency; then
     step latency_async 60 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
         --async-scheduling --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
         --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_async.json"
-    if [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
-        # the same without graphs (chassis only): what capture gains at batch 1
-        step latency_eager 60 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
-            --enforce-eager --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
-            --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_eager.json"
-    fi
-fi
-
-if wanted async; then
-    # (a) again with async scheduling (chassis only), next to the synchronous run above
-    step throughput_async 120 "${CHASSIS[@]}" bench throughput "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
-        --async-scheduling --num-prompts "$NUM_PROMPTS" --input-len "$LENS" --output-len "$LENS" \
-        --output-json "$OUT/throughput_async.json"
 fi
 
 if wanted profile; then
@@ -161,6 +149,13 @@ if wanted profile; then
             "${extra[@]}" --batch-size 1 "$PROFILE_BATCH" --context-len "$PROFILE_CONTEXT" \
             --num-steps 10 --repeats 2 --profile --profile-dir "$OUT/profile_$mode"
     done
+fi
+
+if wanted async; then
+    # (a) again with async scheduling (chassis only), next to the synchronous run above
+    step throughput_async 120 "${CHASSIS[@]}" bench throughput "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+        --async-scheduling --num-prompts "$NUM_PROMPTS" --input-len "$LENS" --output-len "$LENS" \
+        --output-json "$OUT/throughput_async.json"
 fi
 
 if wanted serve; then
@@ -195,6 +190,21 @@ if wanted serve; then
     for _ in $(seq 30); do kill -0 "$server" 2>/dev/null || break; sleep 1; done
     kill -KILL -- "-$server" 2>/dev/null
     wait "$server" 2>/dev/null
+fi
+
+if wanted eager && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
+    # (b) without graphs (chassis only): what capture gains at batch 1
+    step latency_eager 60 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+        --enforce-eager --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
+        --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_eager.json"
+fi
+
+if wanted compile; then
+    # (b) with --torch-compile (chassis only): start-up cost and batch-1 speed; the compile
+    # seconds are in the log lines of latency_compile.txt
+    step latency_compile 180 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" \
+        "${ENGINE[@]}" --torch-compile --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" \
+        --batch-size 1 --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_compile.json"
 fi
 
 # Kernel timings last: they matter least for issue 5.

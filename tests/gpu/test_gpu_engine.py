@@ -81,12 +81,13 @@ def chassis_greedy(directory, prompts: list[list[int]], **engine: object) -> lis
 
 @pytest.mark.parametrize(
     "engine",
-    [{"enforce_eager": True}, {"async_scheduling": True}],
-    ids=["eager", "graphs-async"],
+    [{"enforce_eager": True}, {"async_scheduling": True}, {"torch_compile": True}],
+    ids=["eager", "graphs-async", "graphs-compile"],
 )
 def test_llm_matches_hf_greedy_on_the_gpu(tmp_path, engine):
-    """The eager engine, and the engine with decode graphs and async scheduling (the decode
-    inputs then come from the device), against HF."""
+    """The eager engine, the engine with decode graphs and async scheduling (the decode
+    inputs then come from the device), and decode graphs of the torch.compile'd forward,
+    against HF."""
     from chassis.platforms import get_current_platform
 
     assert get_current_platform().device_type == "cuda"
