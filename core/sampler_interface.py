@@ -37,7 +37,9 @@ class Sampler(ABC):
     """Chooses the next token of every row. Register with ``chassis_register_samplers``.
 
     Must not synchronize the device with the host beyond what producing the ids requires;
-    the caller copies the ids to the host.
+    the caller copies the ids to the host. ``metadata.output_token_ids`` (present when a row
+    has a penalty) is complete also under async scheduling: the runner waits for tokens still
+    in flight before it builds the metadata of such rows.
     """
 
     def __init__(self, config: EngineConfig) -> None:

@@ -102,8 +102,10 @@ class Scheduler(ABC):
     decode of an unknown token like any other (the runner takes its id from the device), must
     not plan a request that is bound to stop by length once those tokens arrive, and must
     accept results for requests that were preempted, aborted or finished meanwhile (they are
-    dropped; a preempted request resamples the token). ``update_from_output`` is still called
-    once per plan, in plan order.
+    dropped; a preempted request resamples the token), including an aborted request whose id
+    was given to a new request before the results came in (they belong to the old one).
+    ``update_from_output`` is still called once per plan, in plan order, with the plan object
+    ``schedule()`` returned.
     """
 
     #: whether this scheduler honours the async-scheduling contract above

@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _decode_steps(llm: Any, args: argparse.Namespace, batch_size: int, rng: random.Random) -> None:
+    from chassis.platforms import get_current_platform
+
     engine = llm.engine
     requests = _requests(llm, batch_size, args.context_len, f"decode{batch_size}-", rng)
     for request in requests:
@@ -82,11 +84,13 @@ def _decode_steps(llm: Any, args: argparse.Namespace, batch_size: int, rng: rand
         pending -= {o.request_id for o in engine.step().outputs if o.new_token_ids}
     for _ in range(3):  # warm up the decode path
         engine.step()
+    platform = get_current_platform()
     timings = []
     for _ in range(args.repeats):
         start = time.perf_counter()
         for _ in range(args.num_steps):
             engine.step()
+        platform.synchronize()  # under async scheduling the last step may still be running
         timings.append((time.perf_counter() - start) / args.num_steps)
     decode_ms = statistics.median(timings) * 1e3
     print(f"decode step, batch {batch_size}, context ~{args.context_len}: {decode_ms:.1f} ms")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 
 @dataclass
@@ -125,7 +126,15 @@ def profile_steps(
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_path))
     events = prof.key_averages()
-    device = [e for e in events if e.self_device_time_total > 0]
+    # Device events only: a CPU op also reports the time of the kernels it launched as its own
+    # device time, and annotations span kernels, so either would count kernels twice.
+    device = [
+        e
+        for e in events
+        if e.device_type != DeviceType.CPU
+        and not getattr(e, "is_user_annotation", False)
+        and e.self_device_time_total > 0
+    ]
     if device:
         busy: float | None = sum(e.self_device_time_total for e in device) / 1e3 / num_steps
         ranked = sorted(device, key=lambda e: e.self_device_time_total, reverse=True)

@@ -231,6 +231,27 @@ def test_abort_while_a_step_is_in_flight(engines):
     assert_idle_and_free(async_)
 
 
+@pytest.mark.parametrize("budget", [2048, 8], ids=["whole-prompt", "chunked"])
+def test_an_id_reused_while_its_old_request_is_in_flight(engines, budget):
+    """Abort a request and add a new one under the same id before the step that still holds
+    the old one is collected: the old request's token must not reach the new one."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = engines()[0].generate([PROMPTS[1]], params)[0].outputs[0].token_ids
+    _, async_ = engines(max_num_batched_tokens=budget)
+    engine = async_.engine
+    engine.add_request(async_.input_processor.process(PROMPTS[0], params, "A")[0])
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None
+    engine.abort_requests(["A"])
+    engine.add_request(async_.input_processor.process(PROMPTS[1], params, "A")[0])
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step().outputs for t in out.new_token_ids]
+    assert tokens == expected
+    assert_idle_and_free(async_)
+
+
 def test_a_scheduler_without_async_support_is_refused(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(FcfsScheduler, "supports_async_scheduling", False)
     with pytest.raises(ValueError, match="does not support --async-scheduling"):

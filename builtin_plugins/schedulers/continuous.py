@@ -130,6 +130,11 @@ class ContinuousBatchingScheduler(Scheduler):
         self._in_runner: set[str] = set()
         # finished or aborted since the last schedule(): the runner must drop them
         self._finished_ids: set[str] = set()
+        # per plan not yet given to update_from_output (by id() of its SchedulerOutput, which
+        # the caller keeps alive until then): the Request objects it scheduled. Under async
+        # scheduling an id can be aborted and reused while a plan with the old request is in
+        # flight; results go only to the request a plan was made for.
+        self._planned: dict[int, dict[str, Request]] = {}
 
     # -- policy hooks (override in subclasses) ---------------------------------------------
 
@@ -217,10 +222,13 @@ class ContinuousBatchingScheduler(Scheduler):
         """
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
+        planned = self._planned.pop(id(scheduler_output), None)
         for i, request_id in enumerate(runner_output.request_ids):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if planned is not None and planned.get(request_id) is not request:
+                continue  # the id now names a newer request than the one planned
             sampled = runner_output.sampled_token_ids[i]
             if sampled and request.num_computed_tokens < request.num_tokens:
                 raise ValueError(
@@ -229,7 +237,11 @@ class ContinuousBatchingScheduler(Scheduler):
                     "computed (a prefill chunk that does not end the prompt samples nothing)"
                 )
             if sampled:
-                request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+                if request.num_output_placeholders == 0:
+                    raise RuntimeError(
+                        f"request {request_id!r} received a token no plan made it sample"
+                    )
+                request.num_output_placeholders -= 1
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.output_token_ids.append(token_id)
@@ -308,7 +320,7 @@ class ContinuousBatchingScheduler(Scheduler):
                 if block_ids is not None:
                     plan.add(request.request_id, num_new, block_ids, is_new=False)
                     break
-                victim = self.select_victim(list(self.running))
+                victim = self.select_victim(self._victim_candidates(self.running))
                 self._preempt(victim, plan)
                 if victim is request:
                     break
@@ -329,7 +341,11 @@ class ContinuousBatchingScheduler(Scheduler):
                 num_new = plan.token_budget
             block_ids = kv.allocate_slots(request, num_new, hit_block_ids, num_hit_tokens)
             while block_ids is None:
-                victims = [r for r in self.running if self.can_preempt_for(request, r)]
+                victims = [
+                    r
+                    for r in self._victim_candidates(self.running)
+                    if self.can_preempt_for(request, r)
+                ]
                 if not victims:
                     return
                 self._preempt(self.select_victim(victims), plan)
@@ -346,6 +362,9 @@ class ContinuousBatchingScheduler(Scheduler):
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=plan.finished_request_ids)
+        planned: dict[str, Request] = {}
+        if plan.num_scheduled_tokens:
+            self._planned[id(output)] = planned
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[request_id]
             if request_id in plan.new_request_ids:
@@ -370,11 +389,19 @@ class ContinuousBatchingScheduler(Scheduler):
                     )
                 )
             output.num_scheduled_tokens[request_id] = num_tokens
+            planned[request_id] = request
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 # This step samples the request's next token: unknown until update_from_output.
                 request.num_output_placeholders += 1
         return output
+
+    def _victim_candidates(self, running: list[Request]) -> list[Request]:
+        """``running`` without the requests whose tokens in flight finish them (async
+        scheduling): preempting one would recompute it all for a token it already has. All of
+        ``running`` when that leaves none."""
+        keep = [r for r in running if not (r.num_output_placeholders and self._stops_by_length(r))]
+        return keep or list(running)
 
     def _stops_by_length(self, request: Request) -> bool:
         """Whether the tokens already in flight bring ``request`` to ``max_tokens`` or to the

@@ -199,7 +199,7 @@ if wanted eager && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
         --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_eager.json"
 fi
 
-if wanted compile; then
+if wanted compile && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
     # (b) with --torch-compile (chassis only): start-up cost and batch-1 speed; the compile
     # seconds are in the log lines of latency_compile.txt
     step latency_compile 180 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" \
