@@ -379,6 +379,23 @@ def test_graph_replay_with_async_scheduling_reads_device_ids(
     assert input_kinds == [torch.Tensor] * (MAX_TOKENS - 1)
 
 
+def test_graphs_of_the_compiled_forward_equal_eager(
+    engines: dict[str, Any], tiny_llama_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--torch-compile`` with graphs: capture and replay call the compiled forward (whose
+    attention op finds the step's context in the slot the forward fills); tokens equal the
+    eager run's and every decode step replays."""
+    from chassis.core.compiled_model import CompiledForward
+
+    llm = _llm(tiny_llama_dir, cuda_graph_sizes=[1, 2, 4], torch_compile=True)
+    runner = _runner(llm)
+    assert isinstance(runner.forward, CompiledForward) and runner.graphs is not None
+    steps = _record_steps(monkeypatch, runner)
+    prompts = _prompts(3, seed=5)
+    assert _greedy(llm, prompts) == _greedy(engines["eager"], prompts)
+    assert steps[1:] == [(True, 3, True)] * (MAX_TOKENS - 1)
+
+
 def test_mixed_and_oversize_batches_run_eager(
     graph_platform: GraphTestPlatform, tiny_llama_dir: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
