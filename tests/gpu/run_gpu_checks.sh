@@ -16,7 +16,8 @@
 #   serve       (d) chassis serve + chassis bench serve, 64 concurrent streams
 #                                                            -> server.txt, serve.txt/.json
 #   eager       (b) chassis only, with --enforce-eager       -> latency_eager.txt/.json
-#   compile     (b) chassis only, with --torch-compile       -> latency_compile.txt/.json
+#   compile     pytest -m gpu_compile, then (b) chassis only with --torch-compile
+#                                                -> pytest_compile.txt, latency_compile.txt/.json
 #   attn        tests/gpu/bench_triton_attention.py          -> bench.txt
 # STEPS="throughput serve" runs a subset. HF_NUM_PROMPTS (default 32): HF runs only the first
 # N of the 256 throughput requests, and the throughput ratio compares chassis and HF on those
@@ -108,8 +109,8 @@ step() {
 }
 
 if wanted pytest; then
-    step pytest 220 "$PY" -m pytest -m gpu tests/gpu -q -rfEs -p no:cacheprovider \
-        --junitxml="$OUT/junit.xml"
+    step pytest 220 "$PY" -m pytest -m "gpu and not gpu_compile" tests/gpu -q -rfEs \
+        -p no:cacheprovider --junitxml="$OUT/junit.xml"
 fi
 
 if wanted throughput; then
@@ -200,6 +201,9 @@ if wanted eager && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
 fi
 
 if wanted compile && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
+    # the engine with graphs of the compiled forward against HF (tiny model), then (b)
+    step pytest_compile 120 "$PY" -m pytest -m gpu_compile tests/gpu -q -rfEs \
+        -p no:cacheprovider --junitxml="$OUT/junit_compile.xml"
     # (b) with --torch-compile (chassis only): start-up cost and batch-1 speed; the compile
     # seconds are in the log lines of latency_compile.txt
     step latency_compile 180 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" \

@@ -81,7 +81,11 @@ def chassis_greedy(directory, prompts: list[list[int]], **engine: object) -> lis
 
 @pytest.mark.parametrize(
     "engine",
-    [{"enforce_eager": True}, {"async_scheduling": True}, {"torch_compile": True}],
+    [
+        {"enforce_eager": True},
+        {"async_scheduling": True},
+        pytest.param({"torch_compile": True}, marks=pytest.mark.gpu_compile),
+    ],
     ids=["eager", "graphs-async", "graphs-compile"],
 )
 def test_llm_matches_hf_greedy_on_the_gpu(tmp_path, engine):
