@@ -143,6 +143,42 @@ def test_split_kv_gives_the_same_result(num_splits: int, specs) -> None:
 
 @in_interpreter
 @pytest.mark.parametrize(
+    "tiles",
+    [(16, 16, 1, 2, 1), (32, 64, 3, 4, 3), (64, 32, 2, 8, 2)],
+    ids=["small", "split3", "wide"],
+)
+def test_explicit_launch_configs_give_the_same_result(tiles) -> None:
+    """Tuning sweeps launch with configs of their own: any valid one computes the same."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    block_m, tile_n, num_splits, num_warps, num_stages = tiles
+    batch = make_batch(
+        MIXED[:5], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    out = torch.empty_like(batch.query)
+    m = batch.metadata
+    config = kernels.LaunchConfig(block_m, block_m // 2, tile_n, num_splits, num_warps, num_stages)
+    args = dict(
+        query_start_loc=m.query_start_loc,
+        seq_lens=m.seq_lens,
+        block_table=m.block_table,
+        num_reqs=m.num_reqs,
+        max_query_len=m.max_query_len,
+        max_seq_len=m.max_seq_len,
+        scale=0.25,
+    )
+    assert (
+        kernels.paged_attention(batch.query, batch.kv_cache, out, config=config, **args) == config
+    )
+    _assert_matches_dense(out, batch, 0.25)
+    bad = kernels.LaunchConfig(block_m, block_m, tile_n, num_splits, num_warps, num_stages)
+    with pytest.raises(ValueError, match="block_q must be block_m // group"):
+        kernels.paged_attention(batch.query, batch.kv_cache, out, config=bad, **args)
+
+
+@in_interpreter
+@pytest.mark.parametrize(
     "specs", [[(0, 23)], [(40, 1)], [(9, 5)]], ids=["prefill", "decode", "chunk"]
 )
 def test_single_request(specs) -> None:

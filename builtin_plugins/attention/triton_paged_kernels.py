@@ -405,6 +405,7 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
+    config: LaunchConfig | None = None,
 ) -> LaunchConfig:
     """Causal paged attention of a mixed prefill/decode batch into ``out``; returns the config.
 
@@ -418,6 +419,10 @@ def paged_attention(
     :param max_query_len: bound on query lengths (picks tiles; any upper bound is correct)
     :param max_seq_len: bound on ``seq_lens`` (sizes the KV split; any value is correct)
     :param num_splits: force the KV split count (tests); ``None`` chooses
+    :param config: launch with these tiles instead of :func:`choose_launch_config`'s (tuning
+        sweeps; any valid config gives the same result): ``block_m`` a power of two and a
+        multiple of the GQA group with ``block_q == block_m // group``, ``tile_n`` a power of
+        two >= 16, ``num_splits`` in 1..:data:`MAX_KV_SPLITS`
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -431,17 +436,20 @@ def paged_attention(
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}")
     if out.shape != query.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dim")
-    config = choose_launch_config(
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_tokens=num_tokens,
-        num_reqs=num_reqs,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        device=query.device,
-        num_splits=num_splits,
-    )
+    if config is None:
+        config = choose_launch_config(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            device=query.device,
+            num_splits=num_splits,
+        )
+    else:
+        _check_config(config, num_heads // num_kv_heads)
     if num_tokens == 0 or num_reqs == 0:
         return config
     query = _last_dim_contiguous(query)
@@ -510,6 +518,28 @@ def paged_attention(
             num_warps=4,
         )
     return config
+
+
+def _check_config(config: LaunchConfig, group: int) -> None:
+    def power_of_two(n: int) -> bool:
+        return n >= 1 and n & (n - 1) == 0
+
+    problems = []
+    if not power_of_two(config.block_m) or config.block_m < 16 or config.block_m % group:
+        problems.append(
+            f"block_m {config.block_m} must be a power of two >= 16 and a multiple of "
+            f"the GQA group {group}"
+        )
+    if config.block_q != config.block_m // group:
+        problems.append(f"block_q must be block_m // group = {config.block_m // group}")
+    if not power_of_two(config.tile_n) or config.tile_n < 16:
+        problems.append(f"tile_n {config.tile_n} must be a power of two >= 16")
+    if not 1 <= config.num_splits <= MAX_KV_SPLITS:
+        problems.append(f"num_splits {config.num_splits} must be in 1..{MAX_KV_SPLITS}")
+    if config.num_warps < 1 or config.num_stages < 1:
+        problems.append("num_warps and num_stages must be >= 1")
+    if problems:
+        raise ValueError(f"invalid launch config {config}: " + "; ".join(problems))
 
 
 def _dot_in_fp32(query: torch.Tensor) -> bool:
