@@ -289,8 +289,11 @@ class ModelRunner:
 
         result = None
         if len(sample_idx):
-            logits_index = self._to_device(cu[sample_idx] - 1)
-            logits = self.model.compute_logits(hidden[logits_index]).float()
+            if len(sample_idx) == total:
+                sample_hidden = hidden  # one token per request, each sampling: every row
+            else:
+                sample_hidden = hidden[self._to_device(cu[sample_idx] - 1)]
+            logits = self.model.compute_logits(sample_hidden).float()
             states = [batch.states[rows[i]] for i in sample_idx]
             if any(
                 batch.num_unresolved[rows[i]] and state.sampling_row.reads_output_history
