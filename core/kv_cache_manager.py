@@ -170,13 +170,26 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
+        state = self._requests.get(request.request_id)
+        if not new_computed_blocks and not num_new_computed_tokens and state is not None:
+            # The common case, a running request's next tokens: the same as below without the
+            # checks and sums that only prefix-cache hits need.
+            num_computed = request.num_computed_tokens
+            num_to_take = -(-(num_computed + num_new_tokens) // self.block_size) - len(
+                state.block_ids
+            )
+            if num_to_take > self.block_pool.num_free_blocks:
+                return None
+            new_blocks = self.block_pool.get_new_blocks(num_to_take) if num_to_take > 0 else []
+            state.block_ids.extend(new_blocks)
+            self._cache_computed_blocks(request, state, num_computed)
+            return new_blocks
         if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
             raise ValueError(
                 f"num_new_computed_tokens ({num_new_computed_tokens}) must be "
                 f"len(new_computed_blocks) * block_size "
                 f"({len(new_computed_blocks)} * {self.block_size})"
             )
-        state = self._requests.get(request.request_id)
         if new_computed_blocks and (
             (state is not None and state.block_ids) or request.num_computed_tokens
         ):
@@ -238,8 +251,11 @@ class KVCacheManager:
         self, request: Request, state: _RequestBlocks, num_computed_tokens: int
     ) -> None:
         """Register the request's full blocks whose K/V cover ``num_computed_tokens``."""
-        if not self.enable_prefix_caching:
-            return
+        if (
+            not self.enable_prefix_caching
+            or num_computed_tokens // self.block_size <= state.num_cached_blocks
+        ):
+            return  # (the second test: no block completed since the last call, most steps)
         # Under async scheduling the count may include positions whose token ids are still in
         # flight; a block is keyed by its token ids, so only known tokens can complete one.
         num_known = min(num_computed_tokens, request.num_tokens)
