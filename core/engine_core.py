@@ -38,7 +38,7 @@ class EngineCore:
     """Schedules requests and runs steps. Built from a finalized ``EngineConfig``.
 
     One step reads like ARCHITECTURE section 2: ``scheduler.schedule()`` ->
-    ``executor.execute_model()`` -> ``scheduler.update_from_output()``.
+    ``executor.execute_model_async()`` -> ``scheduler.update_from_output()`` with the result.
 
     With ``config.async_scheduling`` a step launches plan N+1 before it collects the results
     of plan N, so the host plans and prepares while the device computes; each step then
@@ -101,29 +101,22 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
-        """Run one scheduling + execution step and return what requests produced."""
-        if self.config.async_scheduling:
-            return self._step_async()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            # Nothing runnable (e.g. only aborts to report); still hand the diff over.
-            self.executor.execute_model(scheduler_output)
-            return EngineCoreOutputs(timestamp=time.time(), stats=self.scheduler.stats())
-        runner_output = self.executor.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(
-            outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
-        )
+        """Run one scheduling + execution step and return what requests produced.
 
-    def _step_async(self) -> EngineCoreOutputs:
-        """Plan and launch step N+1, then collect step N (the device runs N+1 meanwhile)."""
+        An empty plan (e.g. only aborts to report) still goes to the executor, which drops the
+        finished requests from its batch. With async scheduling the plan launched here is
+        collected by the next step, and this step collects the one before.
+        """
         scheduler_output = self.scheduler.schedule()
         pending = self.executor.execute_model_async(scheduler_output)
+        to_collect = None if scheduler_output.is_empty else (scheduler_output, pending)
+        if self.config.async_scheduling:
+            # The device computes this plan while the host collects the previous one.
+            to_collect, self._in_flight = self._in_flight, to_collect
         outputs = []
-        if self._in_flight is not None:
-            previous, previous_pending = self._in_flight
-            outputs = self.scheduler.update_from_output(previous, previous_pending.result())
-        self._in_flight = None if scheduler_output.is_empty else (scheduler_output, pending)
+        if to_collect is not None:
+            plan, result = to_collect
+            outputs = self.scheduler.update_from_output(plan, result.result())
         return EngineCoreOutputs(
             outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
         )

@@ -117,15 +117,15 @@ class InFlightSteps:
             (the scheduler and the runner disagree about which tokens exist)
         """
         last = self._last
+        index_of = last.index_of if last is not None else {}
         try:
-            if last is None:
-                raise KeyError(pending_request_ids[0])
-            src = [last.index_of[r] for r in pending_request_ids]
+            src = [index_of[r] for r in pending_request_ids]
         except KeyError as exc:
             raise RuntimeError(
                 f"request {exc.args[0]!r} is scheduled to decode a token that the previous "
                 "step did not sample"
             ) from None
+        assert last is not None  # some pending id was found in it
         sampled = last.token_ids
         if len(pending_index) == len(input_ids):
             if src == list(range(len(sampled))):
@@ -140,17 +140,18 @@ class InFlightSteps:
     def launch(
         self,
         request_ids: list[str],
-        rows: np.ndarray,
         sample_positions: list[int],
+        sample_rows: np.ndarray,
+        states: list[RequestState],
         result: SamplerOutput | None,
         prompt_logprobs: dict[str, list[TokenLogprobs | None]],
     ) -> PendingRunnerOutput:
-        """Register a step the device is computing; ``rows[i]`` is ``request_ids[i]``'s row.
+        """Register a step the device is computing.
 
-        ``result`` holds the ids (and logprobs) sampled for ``sample_positions``, or is
-        ``None`` when no row sampled.
+        ``result`` holds the ids (and logprobs) sampled for the requests at
+        ``sample_positions`` of ``request_ids``, whose batch rows are ``sample_rows`` and
+        runner states ``states``; it is ``None`` when no row sampled.
         """
-        batch = self.batch
         if result is None:
             self._last = None
             output = ModelRunnerOutput(
@@ -173,13 +174,13 @@ class InFlightSteps:
         step = _Step(
             request_ids=request_ids,
             sample_positions=sample_positions,
-            states=[batch.states[int(rows[i])] for i in sample_positions],
+            states=states,
             token_ids=self._to_host(sampled),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             event=self.platform.record_event(),
         )
-        batch.num_unresolved[rows[sample_positions]] += 1
+        self.batch.num_unresolved[sample_rows] += 1
         self._steps.append(step)
         return PendingRunnerOutput(lambda: self._resolve_through(step))
 

@@ -171,38 +171,15 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
         state = self._requests.get(request.request_id)
-        if not new_computed_blocks and not num_new_computed_tokens and state is not None:
-            # The common case, a running request's next tokens: the same as below without the
-            # checks and sums that only prefix-cache hits need.
-            num_computed = request.num_computed_tokens
-            num_to_take = -(-(num_computed + num_new_tokens) // self.block_size) - len(
-                state.block_ids
-            )
-            if num_to_take > self.block_pool.num_free_blocks:
-                return None
-            new_blocks = self.block_pool.get_new_blocks(num_to_take) if num_to_take > 0 else []
-            state.block_ids.extend(new_blocks)
-            self._cache_computed_blocks(request, state, num_computed)
-            return new_blocks
-        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
-            raise ValueError(
-                f"num_new_computed_tokens ({num_new_computed_tokens}) must be "
-                f"len(new_computed_blocks) * block_size "
-                f"({len(new_computed_blocks)} * {self.block_size})"
-            )
-        if new_computed_blocks and (
-            (state is not None and state.block_ids) or request.num_computed_tokens
-        ):
-            raise ValueError(
-                f"request {request.request_id!r}: prefix-cache blocks can only start a request "
-                "that holds no blocks and has no computed tokens"
-            )
+        num_free_hits = 0
+        if new_computed_blocks or num_new_computed_tokens:  # prefix-cache hits: check them
+            self._check_hits(request, state, new_computed_blocks, num_new_computed_tokens)
+            # Hits sitting in the free list leave it when touched, so they count against it.
+            num_free_hits = sum(1 for b in new_computed_blocks if self.block_pool.ref_count(b) == 0)
         num_held = len(state.block_ids) if state else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
         num_to_take = max(0, num_required - num_held - len(new_computed_blocks))
-        # Hits sitting in the free list leave it when touched, so they count against it too.
-        num_free_hits = sum(1 for b in new_computed_blocks if self.block_pool.ref_count(b) == 0)
         if num_to_take + num_free_hits > self.block_pool.num_free_blocks:
             return None
 
@@ -212,10 +189,30 @@ class KVCacheManager:
             self.block_pool.touch(new_computed_blocks)
             state.block_ids.extend(new_computed_blocks)
             state.num_cached_blocks = len(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_to_take)
+        new_blocks = self.block_pool.get_new_blocks(num_to_take) if num_to_take else []
         state.block_ids.extend(new_blocks)
         self._cache_computed_blocks(request, state, num_computed)
         return new_blocks
+
+    def _check_hits(
+        self,
+        request: Request,
+        state: _RequestBlocks | None,
+        new_computed_blocks: Sequence[int],
+        num_new_computed_tokens: int,
+    ) -> None:
+        """``allocate_slots``'s rules for prefix-cache hits (``ValueError`` when broken)."""
+        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+            raise ValueError(
+                f"num_new_computed_tokens ({num_new_computed_tokens}) must be "
+                f"len(new_computed_blocks) * block_size "
+                f"({len(new_computed_blocks)} * {self.block_size})"
+            )
+        if (state is not None and state.block_ids) or request.num_computed_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: prefix-cache blocks can only start a request "
+                "that holds no blocks and has no computed tokens"
+            )
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; those also used by others or cached stay valid.

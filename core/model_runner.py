@@ -287,17 +287,20 @@ class ModelRunner:
             self.model, hidden, request_ids, starts, num_scheduled, query_start_loc
         )
 
+        sample_rows = rows[sample_idx]
+        states = [batch.states[r] for r in sample_rows]
         result = None
-        if len(sample_idx):
+        if states:
             if len(sample_idx) == total:
                 sample_hidden = hidden  # one token per request, each sampling: every row
             else:
                 sample_hidden = hidden[self._to_device(cu[sample_idx] - 1)]
             logits = self.model.compute_logits(sample_hidden).float()
-            states = [batch.states[rows[i]] for i in sample_idx]
-            if any(
-                batch.num_unresolved[rows[i]] and state.sampling_row.reads_output_history
-                for i, state in zip(sample_idx, states, strict=True)
+            unresolved = batch.num_unresolved[sample_rows]
+            if unresolved.any() and any(
+                state.sampling_row.reads_output_history
+                for state, n in zip(states, unresolved, strict=True)
+                if n
             ):
                 # Penalties and min_tokens read the generated tokens: wait for the last ones.
                 self.in_flight.resolve_all()
@@ -308,7 +311,7 @@ class ModelRunner:
 
         batch.num_computed_tokens[rows] = seq_lens
         return self.in_flight.launch(
-            request_ids, rows, sample_idx.tolist(), result, prompt_logprobs
+            request_ids, sample_idx.tolist(), sample_rows, states, result, prompt_logprobs
         )
 
     @torch.inference_mode()

@@ -1,7 +1,7 @@
 """Where an engine step's time goes: host phases, device busy time and the top kernels.
 
 :func:`time_phases` wraps the engine core's three calls (``schedule``, the executor's
-``execute_model`` / ``execute_model_async``, ``update_from_output``) with wall-clock timers for
+``execute_model_async``, ``update_from_output``) with wall-clock timers for
 some steps; :func:`profile_steps` runs steps under ``torch.profiler`` with every activity this
 torch build supports (CPU, plus the accelerator's kernels where there is one) and sums the
 device's busy time. Their difference from the wall time is what the device spends waiting for
@@ -33,7 +33,8 @@ class PhaseTimes:
 
     def lines(self) -> list[str]:
         parts = [f"{name} {ms:.3f}" for name, ms in self.phases_ms.items()]
-        # Under async scheduling the wait for the previous step's ids falls in here.
+        # The wait for the sampled ids (the previous step's, under async scheduling) falls in
+        # here, with the output bookkeeping.
         parts.append(f"other {max(0.0, self.wall_ms - sum(self.phases_ms.values())):.3f}")
         return [f"  host: {self.wall_ms:.3f} ms per step ({', '.join(parts)})"]
 
@@ -93,17 +94,16 @@ def _wrapped(obj: Any, names: list[str], totals: dict[str, float]) -> Iterator[N
 def time_phases(engine: Any, num_steps: int) -> PhaseTimes:
     """Run ``num_steps`` steps of ``engine`` (an ``EngineCore``) timing its three calls."""
     totals: dict[str, float] = defaultdict(float)
-    executor_calls = ["execute_model", "execute_model_async"]
     start = time.perf_counter()
     with (
         _wrapped(engine.scheduler, ["schedule", "update_from_output"], totals),
-        _wrapped(engine.executor, executor_calls, totals),
+        _wrapped(engine.executor, ["execute_model_async"], totals),
     ):
         for _ in range(num_steps):
             engine.step()
     wall = time.perf_counter() - start
-    order = ["schedule", *executor_calls, "update_from_output"]
-    phases = {name: totals[name] * 1e3 / num_steps for name in order if name in totals}
+    order = ["schedule", "execute_model_async", "update_from_output"]
+    phases = {name: totals[name] * 1e3 / num_steps for name in order}
     return PhaseTimes(num_steps, wall * 1e3 / num_steps, phases)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,19 @@ class PagedBatch:
     metadata: AttentionMetadata
     #: per request: (prefix_len, query_len, context K [S, Hk, D], context V [S, Hk, D])
     contexts: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+    def kernel_args(self, scale: float) -> dict[str, Any]:
+        """The keyword arguments of ``triton_paged_kernels.paged_attention`` for this step."""
+        m = self.metadata
+        return dict(
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table,
+            num_reqs=m.num_reqs,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            scale=scale,
+        )
 
 
 def make_batch(

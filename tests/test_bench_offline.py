@@ -151,19 +151,21 @@ def test_preset_stands_for_model_and_implies_dummy_weights_without_tokenizer():
             _apply_preset(argparse.Namespace(**values))
 
 
+#: ``chassis bench step`` on the tiny Llama (after its path): small, quick steps
+STEP_ARGS = [
+    "--dtype", "float32",
+    "--max-model-len", "256",
+    "--num-kv-blocks", "64",
+    "--context-len", "8",
+    "--num-steps", "2",
+    "--repeats", "1",
+]  # fmt: skip
+
+
 def test_step_bench_times_decode_and_prefill_steps(tiny_llama_dir):
     proc = run_bench(
-        "step",
-        str(tiny_llama_dir),
-        "--dtype", "float32",
-        "--max-model-len", "256",
-        "--num-kv-blocks", "64",
-        "--batch-size", "2",
-        "--context-len", "8",
-        "--num-steps", "2",
-        "--repeats", "1",
-        "--prefill-tokens", "16",
-    )  # fmt: skip
+        "step", str(tiny_llama_dir), *STEP_ARGS, "--batch-size", "2", "--prefill-tokens", "16"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert re.fullmatch(r"decode step, batch 2, context ~8: [0-9.]+ ms", lines[-2])
@@ -174,13 +176,8 @@ def test_step_bench_profile_shows_host_phases_and_top_ops(tiny_llama_dir, tmp_pa
     proc = run_bench(
         "step",
         str(tiny_llama_dir),
-        "--dtype", "float32",
-        "--max-model-len", "256",
-        "--num-kv-blocks", "64",
+        *STEP_ARGS,
         "--batch-size", "1", "3",
-        "--context-len", "8",
-        "--num-steps", "2",
-        "--repeats", "1",
         "--async-scheduling",
         "--profile",
         "--profile-dir", str(tmp_path),

@@ -123,19 +123,8 @@ def test_split_kv_gives_the_same_result(num_splits: int, specs) -> None:
     )
     kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
     out = torch.empty_like(batch.query)
-    m = batch.metadata
     config = kernels.paged_attention(
-        batch.query,
-        batch.kv_cache,
-        out,
-        query_start_loc=m.query_start_loc,
-        seq_lens=m.seq_lens,
-        block_table=m.block_table,
-        num_reqs=m.num_reqs,
-        max_query_len=m.max_query_len,
-        max_seq_len=m.max_seq_len,
-        scale=0.25,
-        num_splits=num_splits,
+        batch.query, batch.kv_cache, out, num_splits=num_splits, **batch.kernel_args(0.25)
     )
     assert config.num_splits == num_splits
     _assert_matches_dense(out, batch, 0.25)
@@ -157,17 +146,8 @@ def test_explicit_launch_configs_give_the_same_result(tiles) -> None:
     )
     kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
     out = torch.empty_like(batch.query)
-    m = batch.metadata
     config = kernels.LaunchConfig(block_m, block_m // 2, tile_n, num_splits, num_warps, num_stages)
-    args = dict(
-        query_start_loc=m.query_start_loc,
-        seq_lens=m.seq_lens,
-        block_table=m.block_table,
-        num_reqs=m.num_reqs,
-        max_query_len=m.max_query_len,
-        max_seq_len=m.max_seq_len,
-        scale=0.25,
-    )
+    args = batch.kernel_args(0.25)
     assert (
         kernels.paged_attention(batch.query, batch.kv_cache, out, config=config, **args) == config
     )

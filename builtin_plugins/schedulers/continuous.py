@@ -304,7 +304,7 @@ class ContinuousBatchingScheduler(Scheduler):
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if request.num_output_placeholders and self._stops_by_length(request):
+            if self._finishes_in_flight(request):
                 continue  # its last token is in flight; nothing more to compute
             num_new = (
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
@@ -400,13 +400,16 @@ class ContinuousBatchingScheduler(Scheduler):
         """``running`` without the requests whose tokens in flight finish them (async
         scheduling): preempting one would recompute it all for a token it already has. All of
         ``running`` when that leaves none."""
-        keep = [r for r in running if not (r.num_output_placeholders and self._stops_by_length(r))]
+        keep = [r for r in running if not self._finishes_in_flight(r)]
         return keep or list(running)
 
-    def _stops_by_length(self, request: Request) -> bool:
-        """Whether the tokens already in flight bring ``request`` to ``max_tokens`` or to the
-        context limit (it stops when they arrive, so planning more would be wasted)."""
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Whether tokens already in flight (async scheduling) bring ``request`` to
+        ``max_tokens`` or to the context limit: it stops when they arrive, so planning more
+        would be wasted."""
         placeholders = request.num_output_placeholders
+        if not placeholders:
+            return False
         max_tokens = request.sampling_params.max_tokens
         return (
             max_tokens is not None and len(request.output_token_ids) + placeholders >= max_tokens

@@ -117,16 +117,21 @@ class RotaryEmbedding(nn.Module):
         if torch.compiler.is_compiling():
             # No memo by tensor identity in traced code (it would become a guard); the
             # compiler shares the gather between layers itself.
-            cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)
-            sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
-            return _rotate(query, cos, sin), _rotate(key, cos, sin)
-        memo = self._memo
-        if memo is None or memo[0] is not positions or memo[1] != query.dtype:
-            cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [T, 1, D / 2]
-            sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
-            memo = self._memo = (positions, query.dtype, cos, sin)
-        cos, sin = memo[2], memo[3]
+            cos, sin = self._cos_sin(positions, query.dtype)
+        else:
+            memo = self._memo
+            if memo is None or memo[0] is not positions or memo[1] != query.dtype:
+                memo = self._memo = (positions, query.dtype, *self._cos_sin(positions, query.dtype))
+            cos, sin = memo[2], memo[3]
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def _cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, D / 2]`` cos and sin at ``positions``, in ``dtype``."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

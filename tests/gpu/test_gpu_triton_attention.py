@@ -110,17 +110,8 @@ def test_decode_splits_kv_when_the_gpu_would_idle() -> None:
         dtype=torch.bfloat16,
         device="cuda",
     )
-    m = batch.metadata
-    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, m.slot_mapping)
-    args = dict(
-        query_start_loc=m.query_start_loc,
-        seq_lens=m.seq_lens,
-        block_table=m.block_table,
-        num_reqs=m.num_reqs,
-        max_query_len=m.max_query_len,
-        max_seq_len=m.max_seq_len,
-        scale=128**-0.5,
-    )
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    args = batch.kernel_args(128**-0.5)
     split_out, single_out = torch.empty_like(batch.query), torch.empty_like(batch.query)
     config = kernels.paged_attention(batch.query, batch.kv_cache, split_out, **args)
     assert config.num_splits > 1, config
