@@ -173,6 +173,78 @@ def test_rotary_kernel_on_3d_heads() -> None:
     _close(k, ref_k)
 
 
+def _qwen3_heads(
+    dtype: torch.dtype, tokens: int, num_q: int, num_k: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k and v views of a merged QKV output (strided heads, as the model passes them)."""
+    qkv = _randn(tokens, (num_q + 2 * num_k) * head_dim, dtype=dtype)
+    q = qkv[:, : num_q * head_dim].view(tokens, num_q, head_dim)
+    k = qkv[:, num_q * head_dim : (num_q + num_k) * head_dim].view(tokens, num_k, head_dim)
+    return q, k, qkv[:, (num_q + num_k) * head_dim :]
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 12])  # power of two, padded half
+def test_qk_norm_rotary_kernel_in_place(dtype: torch.dtype, head_dim: int) -> None:
+    from chassis.core.layers import triton_ops
+
+    num_q, num_k, tokens = 3, 2, 5
+    q, k, v = _qwen3_heads(dtype, tokens, num_q, num_k, head_dim)
+    q_weight = (1 + 0.2 * _randn(head_dim, dtype=torch.float32, seed=4)).to(dtype)
+    k_weight = (1 + 0.2 * _randn(head_dim, dtype=torch.float32, seed=5)).to(dtype)
+    positions = torch.tensor([0, 7, 3, 30, 1])
+    cos, sin = _cos_sin(32, head_dim)
+    args = (q_weight, k_weight, 1e-6, cos, sin)
+    ref_q, ref_k = fused_ops.qk_norm_rotary_embedding_ref(positions, q, k, *args)
+    untouched_v = v.clone()
+    out_q, out_k = triton_ops.qk_norm_rotary_embedding_(positions, q, k, *args)
+    assert out_q is q and out_k is k  # in place, into the merged QKV output
+    _close(q, ref_q)
+    _close(k, ref_k)
+    assert torch.equal(v, untouched_v)
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_layer_fuses_the_qk_norms(dtype: torch.dtype, monkeypatch) -> None:
+    """RotaryEmbedding with Qwen3's q/k norms on the Triton kernels (one fused launch) against
+    the layers' torch code."""
+    from chassis.core.layers import kernels as kernels_module
+    from chassis.core.layers import triton_ops
+    from chassis.core.layers.norm import RMSNorm
+    from chassis.core.layers.rotary import RotaryEmbedding
+
+    triton_kernels = triton_ops.TritonLayerKernels()
+    monkeypatch.setattr(kernels_module, "kernels_for", lambda x: triton_kernels)
+    launches = []
+    fused = triton_kernels.qk_norm_rotary_embedding_
+    monkeypatch.setattr(
+        triton_kernels, "qk_norm_rotary_embedding_", lambda *a: launches.append(1) or fused(*a)
+    )
+    monkeypatch.setattr("chassis.core.layers.rotary.kernels_for", lambda x: triton_kernels)
+
+    rope = RotaryEmbedding(16, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    norms = (RMSNorm(16, 1e-6).to(dtype), RMSNorm(16, 1e-6).to(dtype))
+    with torch.no_grad():
+        norms[0].weight.copy_(1 + 0.2 * _randn(16, dtype=torch.float32, seed=4))
+        norms[1].weight.copy_(1 + 0.2 * _randn(16, dtype=torch.float32, seed=5))
+    q, k, _ = _qwen3_heads(dtype, 4, 4, 2, 16)
+    positions = torch.tensor([0, 63, 5, 17])
+    with torch.no_grad():
+        ref_q, ref_k = rope.forward_reference(positions, q.clone(), k.clone(), norms)
+        got_q, got_k = rope(positions, q, k, norms)
+    assert launches == [1]
+    if dtype == torch.bfloat16:
+        # Four truncating roundings in a row under the interpreter (norm, scale, two products)
+        # can land four bfloat16 ulps off; tests/gpu/ checks it with the GPU's rounding.
+        for got, want in ((got_q, ref_q), (got_k, ref_k)):
+            torch.testing.assert_close(got, want, atol=3.2e-2, rtol=3.2e-2)
+    else:
+        _close(got_q, ref_q)
+        _close(got_k, ref_k)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
 def test_kernels_compile_for_gpu_targets(target) -> None:
@@ -201,6 +273,13 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
             ),
             pointer_types={"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
         )
+    compile_kernel(
+        triton_ops._qk_norm_rotary_kernel,
+        target,
+        dict(HEAD_DIM=128, HALF=64, HALF_PAD=64, HEADS_PAD=16),
+        float_args=("eps",),
+        pointer_types={"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+    )
 
 
 # -- references and dispatch (in-process) ---------------------------------------------------
@@ -240,6 +319,47 @@ def test_references_agree_with_the_model_layers(dtype: torch.dtype) -> None:
         # and rounds once, so 16-bit results agree within a rounding step.
         torch.testing.assert_close(q, want_q, rtol=1.6e-2, atol=1e-2)
         torch.testing.assert_close(k, want_k, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rotary_reference_is_the_layers_composition(dtype: torch.dtype) -> None:
+    """The fused op's reference computes what Qwen3's attention layers compute unfused:
+    RMSNorm per head, then RotaryEmbedding's rotation (bit for bit)."""
+    from chassis.core.layers.norm import RMSNorm
+    from chassis.core.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, 32, {"rope_theta": 10000.0, "rope_type": "default"})
+    norms = (RMSNorm(16, 1e-6).to(dtype), RMSNorm(16, 1e-6).to(dtype))
+    with torch.no_grad():
+        norms[0].weight.copy_(1 + 0.2 * _randn(16, dtype=torch.float32, seed=4))
+        norms[1].weight.copy_(1 + 0.2 * _randn(16, dtype=torch.float32, seed=5))
+    positions = torch.tensor([0, 9, 31, 4])
+    q, k = _randn(4, 2, 16, dtype=dtype), _randn(4, 1, 16, dtype=dtype, seed=1)
+    with torch.no_grad():
+        want_q, want_k = rope.forward_reference(positions, q, k, norms)
+        got_q, got_k = fused_ops.qk_norm_rotary_embedding_ref(
+            positions, q, k, norms[0].weight, norms[1].weight, 1e-6, rope.cos_cache, rope.sin_cache
+        )
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_qk_norm_rotary_kernel_rejects_what_it_cannot_fuse() -> None:
+    pytest.importorskip("triton")
+    from chassis.core.layers import triton_ops
+
+    q, k = torch.zeros(2, 4, 16), torch.zeros(2, 2, 16)
+    w = torch.ones(16)
+    cos, sin = _cos_sin(4, 16)
+    positions = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="rotates whole heads"):
+        triton_ops.qk_norm_rotary_embedding_(positions, q, k, w, w, 1e-6, *_cos_sin(4, 8))
+    with pytest.raises(ValueError, match=r"must be \[16\]"):
+        triton_ops.qk_norm_rotary_embedding_(positions, q, k, torch.ones(8), w, 1e-6, cos, sin)
+    with pytest.raises(ValueError, match=r"\[T, H, D\]"):
+        triton_ops.qk_norm_rotary_embedding_(positions, q.view(2, 64), k, w, w, 1e-6, cos, sin)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="CUDA/ROCm tensors"):
+            triton_ops.qk_norm_rotary_embedding_(positions, q, k, w, w, 1e-6, cos, sin)
 
 
 def test_platforms_hand_the_triton_kernels_only_device_tensors() -> None:

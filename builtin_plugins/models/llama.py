@@ -136,9 +136,8 @@ class LlamaAttention(nn.Module):
         )
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        qk_norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k = self.rotary_emb(positions, q, k, qk_norms)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 

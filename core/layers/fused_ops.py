@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm_ref", "rotary_embedding_ref_", "silu_and_mul_ref"]
+__all__ = [
+    "qk_norm_rotary_embedding_ref",
+    "rms_norm_ref",
+    "rotary_embedding_ref_",
+    "silu_and_mul_ref",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,3 +87,31 @@ def rotary_embedding_ref_(
             rotated = torch.stack((r1, r2), dim=-1).flatten(-2)
         heads[..., : 2 * half] = rotated.to(x.dtype)
     return query, key
+
+
+def qk_norm_rotary_embedding_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of ``query [T, Hq, D]`` and ``key [T, Hk, D]``, then rotate-half RoPE
+    of the whole head, as Qwen3's attention does (HF's rounding order). Returns new tensors.
+
+    The norm is :func:`rms_norm_ref` over ``D`` with ``q_weight`` / ``k_weight`` ``[D]``. The
+    rotation runs in the tensors' dtype with cos/sin (``[max_position, D / 2]``, float32)
+    rounded to it first: ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``, each product
+    rounded before the sum.
+    """
+    cos = cos_cache[positions].unsqueeze(1).to(query.dtype)  # [T, 1, D / 2]
+    sin = sin_cache[positions].unsqueeze(1).to(query.dtype)
+    rotated = []
+    for x, weight in ((query, q_weight), (key, k_weight)):
+        normed = rms_norm_ref(x, weight, eps)
+        x1, x2 = normed.chunk(2, dim=-1)
+        rotated.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    return rotated[0], rotated[1]

@@ -21,7 +21,16 @@ class LayerKernels(Protocol):
     to the model dtype at the same points (HF transformers' order). Elementwise results are
     then bit-identical in 16-bit dtypes; where a float32 sum is taken in another order
     (RMSNorm's mean of squares) or ``exp`` is another approximation (SiLU), rare elements
-    may be one rounding step apart, and float32 results may differ in the last bits."""
+    may be one rounding step apart, and float32 results may differ in the last bits.
+
+    Optional, looked up with ``getattr`` (a class without it still satisfies this protocol):
+    ``qk_norm_rotary_embedding_(positions, query, key, q_weight, k_weight, eps, cos_cache,
+    sin_cache) -> (query, key)``, the per-head RMSNorm of ``query [T, Hq, D]`` and
+    ``key [T, Hk, D]`` followed by the rotation of :meth:`rotary_embedding_` (Qwen3's
+    attention; reference :func:`chassis.core.layers.fused_ops.qk_norm_rotary_embedding_ref`).
+    It may work in place and returns the tensors to use. Without it the layers call
+    :meth:`rms_norm` twice and then :meth:`rotary_embedding_`.
+    """
 
     def handles(self, x: torch.Tensor) -> bool:
         """Whether these kernels accept ``x`` (device, dtype, layout)."""

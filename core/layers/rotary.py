@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from chassis.core.layers.kernels import kernels_for
+from chassis.core.layers.norm import RMSNorm
 
 #: rope types this module implements (HF ``rope_parameters["rope_type"]``)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -96,24 +97,52 @@ class RotaryEmbedding(nn.Module):
         self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, Hq, D]`` and ``key [T, Hk, D]`` by ``positions [T]``.
+
+        ``qk_norms``: ``(q_norm, k_norm)``, per-head RMSNorms over ``D`` applied to query and
+        key first (Qwen3). A platform kernel may fuse them with the rotation.
 
         Computed in the input dtype, as HF does. Platform kernels rotate the given tensors in
         place and return them; the torch path returns new tensors. Callers must not rely on
         either: use the returned tensors and treat the inputs as consumed.
         """
         kernels = kernels_for(query)
-        if kernels is not None:
-            kernels.rotary_embedding_(positions, query, key, self.cos_cache, self.sin_cache)
-            return query, key
-        return self.forward_reference(positions, query, key)
+        if kernels is None:
+            return self.forward_reference(positions, query, key, qk_norms)
+        if qk_norms is not None:
+            q_norm, k_norm = qk_norms
+            fused = getattr(kernels, "qk_norm_rotary_embedding_", None)
+            if fused is not None and _fusable(q_norm, k_norm, query, key):
+                return fused(
+                    positions,
+                    query,
+                    key,
+                    q_norm.weight,
+                    k_norm.weight,
+                    q_norm.eps,
+                    self.cos_cache,
+                    self.sin_cache,
+                )
+            query, key = q_norm(query), k_norm(key)
+        kernels.rotary_embedding_(positions, query, key, self.cos_cache, self.sin_cache)
+        return query, key
 
     def forward_reference(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch implementation (new tensors; what platform kernels are tested against)."""
+        if qk_norms is not None:
+            query, key = qk_norms[0].forward_reference(query), qk_norms[1].forward_reference(key)
         if torch.compiler.is_compiling():
             # No memo by tensor identity in traced code (it would become a guard); the
             # compiler shares the gather between layers itself.
@@ -141,3 +170,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     # In the input dtype with tables cast to it, as HF transformers does.
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _fusable(q_norm: RMSNorm, k_norm: RMSNorm, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether one fused kernel computes what the two norms and the rotation do: the norms'
+    weights are in the tensors' dtype (else RMSNorm runs its torch code) and share one eps."""
+    return (
+        q_norm.weight.dtype == query.dtype == key.dtype == k_norm.weight.dtype
+        and q_norm.eps == k_norm.eps
+    )

@@ -3,6 +3,7 @@
 - :func:`rms_norm`: RMSNorm, optionally fused with the residual add before it.
 - :func:`silu_and_mul`: ``silu(x[..., :d]) * x[..., d:]``.
 - :func:`rotary_embedding_`: RoPE applied in place to flattened query and key.
+- :func:`qk_norm_rotary_embedding_`: per-head RMSNorm of query and key, then RoPE, in place.
 
 Each computes what its torch reference in :mod:`chassis.core.layers.fused_ops` computes, in
 the same rounding order, in one pass over memory. Call them through ``fused_ops``, which picks
@@ -20,7 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["check_launchable", "rms_norm", "rotary_embedding_", "silu_and_mul"]
+__all__ = [
+    "check_launchable",
+    "qk_norm_rotary_embedding_",
+    "rms_norm",
+    "rotary_embedding_",
+    "silu_and_mul",
+]
 
 
 def check_launchable(kernel, tensor: torch.Tensor):
@@ -263,6 +270,144 @@ def rotary_embedding_(
 
 
 # ---------------------------------------------------------------------------------------------
+# Per-head RMSNorm of query and key, then RoPE (Qwen3's q_norm/k_norm), in place
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_q_tok,
+    stride_k_tok,
+    stride_cos,
+    num_q_heads,
+    num_k_heads,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    pairs = tl.arange(0, HALF_PAD)
+    pair_valid = pairs < HALF
+    dtype = q_ptr.dtype.element_ty
+    # HF rotates in the model dtype: cos/sin rounded to it first
+    cos = tl.load(cos_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
+    cos = cos.to(dtype).to(tl.float32)[None, :]
+    sin = sin.to(dtype).to(tl.float32)[None, :]
+    _norm_rotate_heads(
+        q_ptr + token * stride_q_tok, q_weight_ptr, num_q_heads, cos, sin, eps,
+        HEAD_DIM, HALF, HALF_PAD, HEADS_PAD,
+    )  # fmt: skip
+    _norm_rotate_heads(
+        k_ptr + token * stride_k_tok, k_weight_ptr, num_k_heads, cos, sin, eps,
+        HEAD_DIM, HALF, HALF_PAD, HEADS_PAD,
+    )  # fmt: skip
+
+
+@triton.jit
+def _norm_rotate_heads(
+    row_ptr,
+    weight_ptr,
+    num_heads,
+    cos,
+    sin,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+):
+    """RMSNorm each of a token's ``num_heads`` heads over ``HEAD_DIM``, then rotate-half RoPE,
+    rounding to the model dtype where the unfused norm and rotary layers do."""
+    heads = tl.arange(0, HEADS_PAD)
+    pairs = tl.arange(0, HALF_PAD)
+    pair_valid = pairs < HALF
+    mask = (heads[:, None] < num_heads) & pair_valid[None, :]
+    first = row_ptr + heads[:, None] * HEAD_DIM + pairs[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM
+    root = tl.sqrt_rn(variance + eps)[:, None]
+    w1 = tl.load(weight_ptr + pairs, mask=pair_valid, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + pairs, mask=pair_valid, other=0.0).to(tl.float32)[None, :]
+    # the norm's output is rounded twice (normalized value, then scaled), as RMSNorm does
+    y1 = ((x1 / root).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    y2 = ((x2 / root).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    tl.store(first, _rot(y1, cos, y2, sin, -1.0, dtype, True), mask=mask)
+    tl.store(first + HALF, _rot(y2, cos, y1, sin, 1.0, dtype, True), mask=mask)
+
+
+def qk_norm_rotary_embedding_(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of ``query [T, Hq, D]`` and ``key [T, Hk, D]`` (weights ``[D]``), then
+    rotate-half RoPE over the whole head in HF's rounding order, in place, in one kernel.
+
+    Reference: :func:`chassis.core.layers.fused_ops.qk_norm_rotary_embedding_ref`. Replaces
+    four launches (two norms, two copies of the strided heads they need) and the rotary
+    launch; each token's heads must be dense (views into a merged QKV output are).
+    """
+    if query.dim() != 3 or key.dim() != 3:
+        raise ValueError("query and key must be [T, H, D]")
+    head_dim = query.shape[-1]
+    if key.shape[-1] != head_dim:
+        raise ValueError(f"key head_dim {key.shape[-1]} != query head_dim {head_dim}")
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
+        raise ValueError(f"q_weight and k_weight must be [{head_dim}]")
+    num_tokens = positions.shape[0]
+    num_q_heads = _heads_per_token(query, num_tokens, head_dim, "query")
+    num_k_heads = _heads_per_token(key, num_tokens, head_dim, "key")
+    half = cos_cache.shape[-1]
+    if 2 * half != head_dim:
+        raise ValueError(f"the fused op rotates whole heads: rotary dim {2 * half} != {head_dim}")
+    if cos_cache.stride(-1) != 1 or sin_cache.stride() != cos_cache.stride():
+        raise ValueError("cos_cache and sin_cache must be row-major with the same strides")
+    if num_tokens:
+        half_pad = triton.next_power_of_2(half)
+        heads_pad = triton.next_power_of_2(max(num_q_heads, num_k_heads))
+        check_launchable(_qk_norm_rotary_kernel, query)[(num_tokens,)](
+            positions,
+            query,
+            key,
+            q_weight,
+            k_weight,
+            cos_cache,
+            sin_cache,
+            query.stride(0),
+            key.stride(0),
+            cos_cache.stride(0),
+            num_q_heads,
+            num_k_heads,
+            eps,
+            HEAD_DIM=head_dim,
+            HALF=half,
+            HALF_PAD=half_pad,
+            HEADS_PAD=heads_pad,
+            num_warps=_warps_for(heads_pad * half_pad),
+        )
+    return query, key
+
+
+# ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
 
@@ -332,4 +477,19 @@ class TritonLayerKernels:
     ) -> None:
         rotary_embedding_(
             positions, query, key, cos_cache, sin_cache, query.shape[-1], hf_rounding=True
+        )
+
+    def qk_norm_rotary_embedding_(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return qk_norm_rotary_embedding_(
+            positions, query, key, q_weight, k_weight, eps, cos_cache, sin_cache
         )

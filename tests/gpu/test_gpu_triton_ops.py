@@ -109,6 +109,38 @@ def test_layer_kernels_match_the_layers_bit_for_bit(dtype: torch.dtype) -> None:
     _close(kernels.silu_and_mul(g), SiluAndMul().forward_reference(g))  # exp may differ
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rotary_at_qwen3_shapes(dtype: torch.dtype) -> None:
+    """The fused per-head norm + RoPE (one launch for Qwen3's five) in place on a merged QKV
+    output, against the reference and through the layer."""
+    from chassis.core.layers import triton_ops
+    from chassis.core.layers.norm import RMSNorm
+    from chassis.core.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, dim, tokens = 16, 8, 128, 300
+    with torch.device("cuda"):
+        rope = RotaryEmbedding(dim, 4096, {"rope_theta": 1_000_000.0, "rope_type": "default"})
+        norms = (RMSNorm(dim, 1e-6).to(dtype), RMSNorm(dim, 1e-6).to(dtype))
+    with torch.no_grad():
+        norms[0].weight.copy_(1 + 0.2 * _randn(dim, dtype=torch.float32, seed=4))
+        norms[1].weight.copy_(1 + 0.2 * _randn(dim, dtype=torch.float32, seed=5))
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    args = (norms[0].weight, norms[1].weight, 1e-6, rope.cos_cache, rope.sin_cache)
+    with torch.no_grad():
+        ref_q, ref_k = fused_ops.qk_norm_rotary_embedding_ref(positions, q, k, *args)
+        layer_q, layer_k = rope.forward_reference(positions, q, k, norms)
+        got_q, got_k = rope(positions, q.clone(), k.clone(), norms)  # the layer's kernel path
+        triton_ops.qk_norm_rotary_embedding_(positions, q, k, *args)
+    assert torch.equal(ref_q, layer_q) and torch.equal(ref_k, layer_k)
+    for got, want in ((q, ref_q), (k, ref_k), (got_q, ref_q), (got_k, ref_k)):
+        _close(got, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
+
+
 def test_the_cuda_platform_hands_the_layers_the_triton_kernels() -> None:
     from chassis.core.layers.kernels import kernels_for
     from chassis.core.layers.triton_ops import TritonLayerKernels
