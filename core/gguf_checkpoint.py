@@ -95,6 +95,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
         source, name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name)
+        align_special_tokens(tokenizer, model.config)
         # save_pretrained refuses a GGUF-quantized model, so write the plain checkpoint out
         # directly: the dequantized tensors, the config and the generation config.
         state = model.state_dict()
@@ -121,6 +122,30 @@ def _convert(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("converted the embedded model in %.1f s", time.monotonic() - start)
+
+
+def align_special_tokens(tokenizer: Any, model_config: Any) -> None:
+    """Give ``tokenizer`` the BOS/EOS tokens of ``model_config`` where the two disagree.
+
+    Both come from the GGUF's ``tokenizer.ggml.bos_token_id`` / ``eos_token_id``, but
+    transformers 5.17 (the GPU image's version) reads the tokenizer's EOS wrongly from
+    SmolLM2's file: ``<|im_start|>`` (1) instead of ``<|im_end|>`` (2), while its model config
+    says 2, as the file does. The saved tokenizer would then end generation on the wrong token.
+    """
+    for role in ("bos", "eos"):
+        want = getattr(model_config, f"{role}_token_id", None)
+        if not isinstance(want, int) or getattr(tokenizer, f"{role}_token_id") == want:
+            continue
+        token = tokenizer.convert_ids_to_tokens(want)
+        logger.warning(
+            "the tokenizer read from the GGUF file has %s token %r; using the file's %s id %d (%r)",
+            role,
+            getattr(tokenizer, f"{role}_token"),
+            role,
+            want,
+            token,
+        )
+        setattr(tokenizer, f"{role}_token", token)
 
 
 def _finish_config(config_path: Path) -> None:

@@ -33,9 +33,19 @@ DECODES = [(0, 1), (3, 1), (17, 1), (70, 1), (8, 1)]
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+def _interpreter_runs_the_kernels(version: str) -> bool:
+    """Triton 3.6's interpreter (the version torch 2.11 pins) hands the attention kernel a
+    loaded scalar as a 1-element array and fails on it; 3.7.1, 3.8.0 and 3.9.0 run it
+    (checked 2026-11-30). Compiled for a GPU, 3.6 builds the kernel (the compile test)."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) >= (3, 7)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
 def test_kernels_under_interpreter() -> None:
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if not _interpreter_runs_the_kernels(triton.__version__):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run this kernel (< 3.7)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
