@@ -139,6 +139,12 @@ class IncrementalDetokenizer:
 
     ``use_decode_stream``: ``None`` picks ``DecodeStream`` for Rust-backed tokenizers, the
     offset algorithm otherwise; ``False`` forces the offset algorithm.
+
+    ``decode_at_finish``: decode nothing per token and the whole completion once when it
+    finishes (``update`` returns ``""`` until then). For outputs read only at the end (the
+    offline ``LLM``), where per-token decoding is work nobody reads; the final text is the
+    same full decode that otherwise reconciles the incremental text. Not with stop strings,
+    which need the text as it grows.
     """
 
     def __init__(
@@ -150,9 +156,13 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
         use_decode_stream: bool | None = None,
+        decode_at_finish: bool = False,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
+        if decode_at_finish and stop:
+            raise ValueError("stop strings need per-token decoding, not decode_at_finish")
+        self._decode_at_finish = decode_at_finish
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
@@ -178,15 +188,24 @@ class IncrementalDetokenizer:
 
     @classmethod
     def from_sampling_params(
-        cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        params: SamplingParams,
+        *,
+        read_at_finish_only: bool = False,
     ) -> IncrementalDetokenizer:
-        """A detokenizer configured by a request's ``SamplingParams``."""
+        """A detokenizer configured by a request's ``SamplingParams``.
+
+        ``read_at_finish_only``: the caller reads the text only once the completion finished;
+        it is then decoded once at the end unless stop strings need it per token.
+        """
         return cls(
             tokenizer,
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
+            decode_at_finish=read_at_finish_only and not params.stop,
         )
 
     @property
@@ -223,7 +242,8 @@ class IncrementalDetokenizer:
             if i == last and stop_token_terminated and not self._include_stop:
                 continue
             self.decoded_token_ids.append(token_id)
-            self._append(self._decode_step(token_id))
+            if not self._decode_at_finish:
+                self._append(self._decode_step(token_id))
         if finished and not self.finished:
             self._reconcile()
             self.finished = True

@@ -98,6 +98,7 @@ class LLM:
                 [r.request_id for r in requests],
                 arrival,
                 False,
+                final_only=True,
             )
             for request in requests:
                 self.engine.add_request(request)

@@ -129,6 +129,7 @@ class _ParentRequest:
         completions: dict[str, _Completion],
         arrival_time: float,
         delta: bool,
+        final_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -136,6 +137,7 @@ class _ParentRequest:
         #: child request id -> completion, in index order
         self.completions = completions
         self.delta = delta
+        self.final_only = final_only
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.prompt_logprobs_sent = False
@@ -196,13 +198,20 @@ class OutputProcessor:
         child_request_ids: list[str],
         arrival_time: float | None,
         delta: bool,
+        *,
+        final_only: bool = False,
     ) -> None:
         """Start tracking a request whose children were sent to the engine core.
 
         ``child_request_ids`` are the engine-core ids in completion-index order (``[request_id]``
         when ``n == 1``). ``delta``: yield only what is new (streaming) instead of the full
-        state. Raises ``ValueError`` if an id is already tracked.
+        state. ``final_only`` (with ``delta=False``): yield one output, the full state once
+        every completion finished, and none per step (the offline ``LLM``: building the full
+        state of every request at every step costs time that grows with the output length).
+        Raises ``ValueError`` if an id is already tracked or both modes are asked for.
         """
+        if delta and final_only:
+            raise ValueError("final_only outputs are whole (delta=False), not deltas")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already running")
         if not child_request_ids:
@@ -214,7 +223,7 @@ class OutputProcessor:
             raise ValueError("stop strings need a tokenizer (this engine runs without one)")
         want_logprobs = params.logprobs is not None
         completions = {
-            child_id: _Completion(index, self._detokenizer(params), want_logprobs)
+            child_id: _Completion(index, self._detokenizer(params, final_only), want_logprobs)
             for index, child_id in enumerate(child_request_ids)
         }
         self._parents[request_id] = _ParentRequest(
@@ -224,14 +233,19 @@ class OutputProcessor:
             completions,
             time.time() if arrival_time is None else arrival_time,
             delta,
+            final_only,
         )
         for child_id in child_request_ids:
             self._child_to_parent[child_id] = request_id
 
-    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | _TokenIdsOnly:
+    def _detokenizer(
+        self, params: SamplingParams, final_only: bool
+    ) -> IncrementalDetokenizer | _TokenIdsOnly:
         if self.tokenizer is None:
             return _TokenIdsOnly()
-        return IncrementalDetokenizer.from_sampling_params(self.tokenizer, params)
+        return IncrementalDetokenizer.from_sampling_params(
+            self.tokenizer, params, read_at_finish_only=final_only
+        )
 
     def abort_request(self, request_id: str) -> list[str]:
         """Stop tracking a parent request; return its unfinished child ids (abort them in the
@@ -270,8 +284,9 @@ class OutputProcessor:
     def process_outputs(self, engine_core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
         """Apply one batch of engine-core outputs.
 
-        Returns one ``RequestOutput`` per parent that made progress (finished parents are
-        then forgotten) and the children a stop string finished. Outputs for unknown or
+        Returns one ``RequestOutput`` per parent that made progress (a ``final_only`` parent
+        only when it finished; finished parents are then forgotten) and the children a stop
+        string finished. Outputs for unknown or
         already finished children (aborted, or stopped here) are ignored. ``engine_error`` is
         not handled here: the caller checks it and calls ``fail_all``.
         """
@@ -288,7 +303,8 @@ class OutputProcessor:
                 continue
             if self._apply(parent, completion, out, now):
                 result.request_ids_to_abort.append(out.request_id)
-            touched[parent_id] = parent
+            if not parent.final_only or parent.finished:
+                touched[parent_id] = parent
         for parent in touched.values():
             finished = parent.finished
             if finished:

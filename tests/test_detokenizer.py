@@ -281,3 +281,35 @@ def test_from_sampling_params(smol_tokenizer):  # noqa: F811
 def test_empty_stop_string_is_rejected(smol_tokenizer):  # noqa: F811
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(smol_tokenizer, stop=[""])
+
+
+# -- decode once at the end (the offline LLM's outputs) -----------------------------------------
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_decode_at_finish_gives_the_per_token_text(tokenizer, include_stop):
+    for text in TEXTS:
+        ids = [*tokenizer(text, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+        per_token = IncrementalDetokenizer(tokenizer, include_stop_str_in_output=include_stop)
+        at_end = IncrementalDetokenizer(
+            tokenizer, include_stop_str_in_output=include_stop, decode_at_finish=True
+        )
+        deltas = stream(at_end, ids, stop_token_terminated=True)
+        assert deltas[:-1] == [""] * (len(ids) - 1)  # nothing decoded before the end
+        expected = "".join(stream(per_token, ids, stop_token_terminated=True))
+        assert deltas[-1] == expected == at_end.output_text == at_end.streamed_text
+        assert at_end.token_ids == ids and at_end.finished
+
+
+def test_decode_at_finish_is_chosen_only_without_stop_strings(smol_tokenizer):  # noqa: F811
+    ids = smol_tokenizer(SENTENCE, add_special_tokens=False).input_ids
+    plain = IncrementalDetokenizer.from_sampling_params(
+        smol_tokenizer, SamplingParams(), read_at_finish_only=True
+    )
+    assert plain.update(ids) == ""  # deferred
+    with_stop = IncrementalDetokenizer.from_sampling_params(
+        smol_tokenizer, SamplingParams(stop=["France"]), read_at_finish_only=True
+    )
+    assert "".join(stream(with_stop, ids)) == "The capital of "
+    with pytest.raises(ValueError, match="stop strings need per-token decoding"):
+        IncrementalDetokenizer(smol_tokenizer, stop=["x"], decode_at_finish=True)

@@ -255,6 +255,35 @@ def test_cumulative_mode_reports_all_completions(smol_tokenizer):  # noqa: F811
     ]
 
 
+def test_final_only_mode_yields_once_when_every_completion_finished(smol_tokenizer):  # noqa: F811
+    """What the offline LLM asks for: no per-step outputs, then the cumulative final state
+    (stop strings still end a child and ask the engine to abort it)."""
+    tok = smol_tokenizer
+    proc = OutputProcessor(tok)
+    params = SamplingParams(n=2, stop=["is Par"])
+    proc.add_request("p", "x", [1], params, ["0_p", "1_p"], None, False, final_only=True)
+    a = ids_of(tok, "The capital of France is Paris.")
+    b = ids_of(tok, "Paris is nice. ") * len(a)  # never contains the stop string
+    aborted = []
+    for token_id, other in zip(a, b, strict=False):
+        result = proc.process_outputs(step(out("0_p", [token_id]), out("1_p", [other])))
+        assert result.request_outputs == []
+        aborted += result.request_ids_to_abort
+    assert aborted == ["0_p"] and proc.has_unfinished()
+    (ro,) = proc.process_outputs(step(out("1_p", [EOS], FinishReason.STOP))).request_outputs
+    assert ro.finished and not proc.has_unfinished()
+    c0, c1 = ro.outputs
+    assert (c0.text, c0.finish_reason, c0.stop_reason) == (
+        "The capital of France ",
+        "stop",
+        "is Par",
+    )
+    assert c1.token_ids[-1] == EOS and c1.finish_reason == "stop" and c1.text.startswith("Paris")
+    assert ro.metrics.num_generation_tokens == len(c0.token_ids) + len(c1.token_ids)
+    with pytest.raises(ValueError, match="final_only"):
+        proc.add_request("q", None, [1], SamplingParams(), ["q"], None, True, final_only=True)
+
+
 @pytest.mark.parametrize("delta", [True, False])
 def test_stop_string_finishes_child_and_asks_for_abort(smol_tokenizer, delta):  # noqa: F811
     tok = smol_tokenizer
