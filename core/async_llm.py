@@ -21,7 +21,7 @@ from chassis.core.engine_setup import finalize_config
 from chassis.core.errors import EngineDeadError
 from chassis.core.input_processor import InputProcessor
 from chassis.core.output_processor import OutputProcessor
-from chassis.core.outputs import RequestOutput
+from chassis.core.outputs import RequestOutput, merge_delta_outputs
 from chassis.core.request import EngineCoreOutputs, SchedulerStats
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.tokenizer import eos_token_ids, load_tokenizer
@@ -142,6 +142,13 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                # A consumer that fell behind gets what has queued up as one output: fewer,
+                # larger stream events instead of a backlog of one-token ones.
+                while not item.finished and not queue.empty():
+                    following = queue.get_nowait()
+                    if isinstance(following, BaseException):
+                        raise following
+                    item = merge_delta_outputs(item, following) if delta else following
                 finished = item.finished
                 yield item
                 if finished:
@@ -177,12 +184,17 @@ class AsyncLLM:
         if processed.request_ids_to_abort:
             self.client.abort(processed.request_ids_to_abort)
         loop = self._loop
-        if loop is None or loop.is_closed():
+        if loop is None or loop.is_closed() or not processed.request_outputs:
             return
-        for request_output in processed.request_outputs:
+        # One wake-up of the event loop per engine step, not one per request.
+        loop.call_soon_threadsafe(self._deliver, processed.request_outputs)
+
+    def _deliver(self, request_outputs: list[RequestOutput]) -> None:
+        """On the event loop: hand each output to its request's queue (if still open)."""
+        for request_output in request_outputs:
             queue = self._queues.get(request_output.request_id)
             if queue is not None:
-                loop.call_soon_threadsafe(queue.put_nowait, request_output)
+                queue.put_nowait(request_output)
 
     def _on_dead(self, reason: str) -> None:
         self.dead_error = EngineDeadError(reason)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: token id -> logprob of that token (the sampled one plus the top alternatives)
 PositionLogprobs = dict[int, "Logprob"]
@@ -63,3 +63,34 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+def merge_delta_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta-mode output equal to ``earlier`` followed by ``later`` (same request).
+
+    For a consumer that fell behind: text, token ids and logprobs of each completion index
+    are concatenated; finish and stop reasons, cumulative logprob, metrics and ``finished``
+    are the later ones; prompt logprobs (sent once) come from whichever has them.
+    """
+    merged = {c.index: replace(c, token_ids=list(c.token_ids)) for c in earlier.outputs}
+    for c in later.outputs:
+        prev = merged.get(c.index)
+        if prev is None:
+            merged[c.index] = c
+            continue
+        logprobs = prev.logprobs
+        if c.logprobs is not None:
+            logprobs = [*(logprobs or []), *c.logprobs]
+        merged[c.index] = replace(
+            c,
+            text=prev.text + c.text,
+            token_ids=prev.token_ids + c.token_ids,
+            logprobs=logprobs,
+        )
+    return replace(
+        later,
+        outputs=list(merged.values()),
+        prompt_logprobs=later.prompt_logprobs
+        if later.prompt_logprobs is not None
+        else earlier.prompt_logprobs,
+    )

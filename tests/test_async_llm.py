@@ -52,6 +52,38 @@ def test_streams_deltas_that_add_up(engine):
     assert full[-1].outputs[0].finish_reason == "length"
 
 
+def test_a_consumer_that_falls_behind_gets_merged_deltas(engine):
+    """Outputs that queued up while the consumer was busy arrive as one delta (fewer stream
+    events), which adds up to the same tokens, text and logprobs as one-token deltas."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, n=2)
+
+    async def slow(request_id):
+        outs = []
+        async for out in engine.generate("Hello there", params, request_id):
+            outs.append(out)
+            await asyncio.sleep(0.3)  # several engine steps pass meanwhile
+        return outs
+
+    async def main():
+        return await slow("slow"), await collect(engine, "Hello there", params, "fast")
+
+    slow_outs, fast_outs = asyncio.run(main())
+    assert slow_outs[-1].finished and len(slow_outs) < 12
+    assert any(len(c.token_ids) > 1 for out in slow_outs for c in out.outputs)
+    for index in (0, 1):
+        parts = {
+            name: [c for out in outs for c in out.outputs if c.index == index]
+            for name, outs in (("slow", slow_outs), ("fast", fast_outs))
+        }
+        tokens = {name: [t for c in cs for t in c.token_ids] for name, cs in parts.items()}
+        assert tokens["slow"] == tokens["fast"] and len(tokens["slow"]) == 12
+        texts = {name: "".join(c.text for c in cs) for name, cs in parts.items()}
+        assert texts["slow"] == texts["fast"]
+        logprobs = [lp for c in parts["slow"] for lp in c.logprobs]
+        assert [next(iter(lp)) for lp in logprobs] == tokens["slow"]
+        assert parts["slow"][-1].finish_reason == "length"
+
+
 def test_concurrent_requests_and_n(engine):
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=3, seed=7)
 

@@ -12,6 +12,13 @@ from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir  # noqa: F401
 from chassis.core.config import EngineConfig
 from chassis.core.input_processor import InputProcessor
 from chassis.core.output_processor import OutputProcessor
+from chassis.core.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    merge_delta_outputs,
+)
 from chassis.core.request import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -390,3 +397,42 @@ def test_first_scheduled_time_is_kept_from_the_first_output(smol_tokenizer):  # 
         step(out("r", [6], FinishReason.LENGTH, first_scheduled_time=999.0))
     ).request_outputs
     assert last.metrics.first_scheduled_time == 100.25
+
+
+def test_merge_delta_outputs_concatenates_per_completion():
+    def lp(token_id):
+        return {token_id: Logprob(-0.5, 1)}
+
+    prompt_logprobs = [None, lp(7)]
+    earlier = RequestOutput(
+        "r",
+        "p",
+        [1, 7],
+        [CompletionOutput(0, "Hel", [5], -0.5, [lp(5)])],
+        False,
+        prompt_logprobs=prompt_logprobs,
+        metrics=RequestMetrics(arrival_time=1.0),
+    )
+    later = RequestOutput(
+        "r",
+        "p",
+        [1, 7],
+        [
+            CompletionOutput(0, "lo", [6], -1.0, [lp(6)], "length"),
+            CompletionOutput(1, "Hi", [8], -0.5, [lp(8)]),
+        ],
+        False,
+        metrics=RequestMetrics(arrival_time=1.0, num_generation_tokens=3),
+    )
+    merged = merge_delta_outputs(earlier, later)
+    c0, c1 = merged.outputs
+    assert (c0.text, c0.token_ids, c0.cumulative_logprob, c0.finish_reason) == (
+        "Hello",
+        [5, 6],
+        -1.0,
+        "length",
+    )
+    assert c0.logprobs == [lp(5), lp(6)] and c1 == later.outputs[1]
+    assert merged.prompt_logprobs is prompt_logprobs
+    assert merged.metrics.num_generation_tokens == 3 and not merged.finished
+    assert earlier.outputs[0].token_ids == [5]  # inputs are not modified
