@@ -16,9 +16,12 @@
 #   serve       (d) chassis serve + chassis bench serve, 64 concurrent streams
 #                                                            -> server.txt, serve.txt/.json
 #   eager       (b) chassis only, with --enforce-eager       -> latency_eager.txt/.json
+#   kernels     (b) chassis only, the layers' torch code instead of the Triton layer kernels
+#               (CHASSIS_LAYER_KERNELS=0)                    -> latency_torch_ops.txt/.json
 #   compile     pytest -m gpu_compile, then (b) chassis only with --torch-compile
 #                                                -> pytest_compile.txt, latency_compile.txt/.json
 #   attn        tests/gpu/bench_triton_attention.py          -> bench.txt
+#   tune        (only when named in STEPS) tests/gpu/tune_triton_attention.py -> tune.txt
 # STEPS="throughput serve" runs a subset. HF_NUM_PROMPTS (default 32): HF runs only the first
 # N of the 256 throughput requests, and the throughput ratio compares chassis and HF on those
 # same N request shapes (see docs/gpu.md). Writes env.txt and summary.txt (one line per step:
@@ -38,7 +41,7 @@ OUT="${RESULTS_DIR:-/tmp/chassis-gpu-results}"
 rm -rf "$OUT"
 mkdir -p "$OUT" "$FINAL_OUT"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-pytest throughput latency profile async serve eager compile attn}"
+STEPS="${STEPS:-pytest throughput latency profile async serve eager kernels compile attn}"
 BUDGET_S="${BUDGET_S:-540}"
 HF_NUM_PROMPTS="${HF_NUM_PROMPTS:-32}"
 PORT="${PORT:-8123}"
@@ -200,6 +203,14 @@ if wanted eager && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
         --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_eager.json"
 fi
 
+if wanted kernels; then
+    # (b) with the layers' torch code (chassis only): what the fused Triton RMSNorm, SiLU,
+    # RoPE and q/k-norm+RoPE kernels gain at batch 1
+    step latency_torch_ops 60 env CHASSIS_LAYER_KERNELS=0 "${CHASSIS[@]}" bench latency \
+        "${MODEL_ARGS[@]}" "${ENGINE[@]}" --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" \
+        --batch-size 1 --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_torch_ops.json"
+fi
+
 if wanted compile && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
     # the engine with graphs of the compiled forward against HF (tiny model), then (b)
     step pytest_compile 120 "$PY" -m pytest -m gpu_compile tests/gpu -q -rfEs \
@@ -214,6 +225,11 @@ fi
 # Kernel timings last: they matter least for issue 5.
 if wanted attn; then
     step bench 60 "$PY" tests/gpu/bench_triton_attention.py
+fi
+
+# Only when named (STEPS="tune"): a sweep of decode launch configs, for choosing defaults.
+if wanted tune; then
+    step tune 180 "$PY" tests/gpu/tune_triton_attention.py
 fi
 
 echo "total $((SECONDS - START))s, exit $STATUS" | tee -a "$OUT/summary.txt"
