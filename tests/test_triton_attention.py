@@ -358,7 +358,7 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
                 BLOCK_Q=block_m // group,
                 BLOCK_M=block_m,
                 TILE_N=tile_n,
-                NUM_SPLITS=splits,
+                SPLIT_KV=splits > 1,
                 DOT_FP32=fp32,
             ),
             pointer_types={**scratch, **metadata, **(fp32_io if fp32 else {})},
@@ -368,7 +368,7 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
     compile_kernel(
         kernels._combine_kernel,
         target,
-        dict(NUM_HEADS=16, HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4),
+        dict(NUM_HEADS=16, HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16),
         pointer_types={**scratch, "query_start_loc_ptr": "*i32"},
     )
     compile_kernel(

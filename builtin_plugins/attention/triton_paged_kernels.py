@@ -29,6 +29,8 @@ _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
 #: a split gets at least this many KV tiles, so its partial result is worth the extra write
 _MIN_TILES_PER_SPLIT = 4
+#: the combine kernel's split lanes: one compiled variant for every split count
+_SPLITS_PAD = triton.next_power_of_2(MAX_KV_SPLITS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +141,11 @@ def write_kv_cache(
 # query_start_loc and exits at once when its block lies past the request's query.
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+# Arguments that change from step to step are not specialized (Triton would otherwise compile
+# a variant per value class: == 1, divisible by 16, other), so an eager step of a new shape
+# never compiles mid-run: the request count, the block table's row stride (its width follows
+# the longest sequence) and the split count. One kernel per tile shape and SPLIT_KV remains.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -161,6 +167,7 @@ def _paged_attention_kernel(
     stride_c_slot,
     stride_c_head,
     stride_bt,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -169,7 +176,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -217,8 +224,8 @@ def _paged_attention_kernel(
     # keys this block needs: 0 .. kv_end - 1 (the block's last query token sees kv_end - 1)
     kv_end = tl.minimum(seq_len, prefix_len + first_q + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    if NUM_SPLITS > 1:
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    if SPLIT_KV:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
     else:
@@ -267,10 +274,10 @@ def _paged_attention_kernel(
             acc = tl.dot(p.to(v.dtype), v, acc)
         row_max = new_max
 
-    if NUM_SPLITS > 1:
-        # partial results [T, NUM_HEADS, NUM_SPLITS(, DIM_PAD)], combined by _combine_kernel;
+    if SPLIT_KV:
+        # partial results [T, NUM_HEADS, num_splits(, DIM_PAD)], combined by _combine_kernel;
         # an empty split still writes (max -inf, sum 0) so the combine needs no other signal
-        part = (q_tok * NUM_HEADS + q_head) * NUM_SPLITS + split
+        part = (q_tok * NUM_HEADS + q_head) * num_splits + split
         tl.store(part_max_ptr + part, row_max, mask=row_valid)
         tl.store(part_sum_ptr + part, row_sum, mask=row_valid)
         tl.store(
@@ -290,7 +297,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _combine_kernel(
     out_ptr,
     part_acc_ptr,
@@ -298,12 +305,12 @@ def _combine_kernel(
     part_sum_ptr,
     query_start_loc_ptr,
     num_reqs,
+    num_splits,
     stride_o_tok,
     stride_o_head,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     """One program per (token, q head): merge the splits' online-softmax partial results."""
@@ -312,9 +319,9 @@ def _combine_kernel(
     if token >= tl.load(query_start_loc_ptr + num_reqs):
         return  # a padding token: no partial results were written for it
     splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < NUM_SPLITS
+    split_valid = splits < num_splits
     dims = tl.arange(0, DIM_PAD)
-    base = (token * NUM_HEADS + head) * NUM_SPLITS
+    base = (token * NUM_HEADS + head) * num_splits
     maxes = tl.load(part_max_ptr + base + splits, mask=split_valid, other=float("-inf"))
     sums = tl.load(part_sum_ptr + base + splits, mask=split_valid, other=0.0)
     global_max = tl.max(maxes, 0)
@@ -486,6 +493,7 @@ def paged_attention(
         kv_cache.stride(2),
         kv_cache.stride(3),
         block_table.stride(0),
+        splits,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -494,7 +502,7 @@ def paged_attention(
         BLOCK_Q=config.block_q,
         BLOCK_M=config.block_m,
         TILE_N=config.tile_n,
-        NUM_SPLITS=splits,
+        SPLIT_KV=splits > 1,
         DOT_FP32=_dot_in_fp32(query),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -508,13 +516,13 @@ def paged_attention(
             part_sum,
             query_start_loc,
             num_reqs,
+            splits,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad,
-            NUM_SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
+            SPLITS_PAD=_SPLITS_PAD,
             num_warps=4,
         )
     return config

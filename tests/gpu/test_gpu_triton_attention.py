@@ -120,6 +120,49 @@ def test_decode_splits_kv_when_the_gpu_would_idle() -> None:
     torch.testing.assert_close(split_out, single_out, atol=1e-2, rtol=1e-2)
 
 
+def _num_compiled(kernel) -> int:
+    """Compiled variants of a ``@triton.jit`` kernel so far, every device together."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton version keeps its compiled kernels elsewhere")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_new_step_shapes_compile_nothing_after_the_first() -> None:
+    """Block tables of other widths (strides 1, 15, 16, 17, 32, 48: the value classes Triton
+    specializes integers on) and other split counts reuse the compiled kernels: an eager step
+    of a new shape must not stop a benchmark for a Triton compile."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    long_ctx, short_ctx = [(200, 1), (90, 1)], [(5, 1), (9, 1)]  # 13 blocks; 1 block
+    steps = [(long_ctx, 15, 2), (long_ctx, 16, 3), (short_ctx, 1, 5), (long_ctx, 17, 16)]
+    steps += [(long_ctx, 32, 4), (long_ctx, 48, 2)]
+    compiled = None
+    for specs, width, num_splits in steps:
+        batch = make_batch(
+            specs,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            block_size=16,
+            dtype=torch.bfloat16,
+            device="cuda",
+            max_blocks=width,
+        )
+        kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+        out = torch.empty_like(batch.query)
+        kernels.paged_attention(
+            batch.query, batch.kv_cache, out, num_splits=num_splits, **batch.kernel_args(0.1)
+        )
+        _check(out, batch, 0.1)
+        counts = (
+            _num_compiled(kernels._paged_attention_kernel),
+            _num_compiled(kernels._combine_kernel),
+        )
+        compiled = compiled or counts
+        assert counts == compiled, (width, num_splits)
+
+
 def test_forward_never_syncs_with_the_host() -> None:
     batch = make_batch(
         MIXED,
