@@ -3,7 +3,9 @@
 Sends streaming ``/v1/completions`` requests with random-token prompts at a request rate
 (Poisson arrivals) or with a fixed number in flight (``--max-concurrency``), and measures per
 request the time to first token (TTFT), time per output token after the first (TPOT), and
-every inter-token latency (ITL).
+every inter-token latency (ITL): the gap before each chunk that brought tokens, as vLLM's
+serving benchmark counts it (a server that falls behind sends several tokens in one chunk;
+TPOT counts tokens).
 """
 
 from __future__ import annotations
