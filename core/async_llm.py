@@ -143,16 +143,21 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 # A consumer that fell behind gets what has queued up as one output: fewer,
-                # larger stream events instead of a backlog of one-token ones.
+                # larger stream events instead of a backlog of one-token ones. An abort or
+                # engine death queued behind them is raised after they are yielded.
+                error: BaseException | None = None
                 while not item.finished and not queue.empty():
                     following = queue.get_nowait()
                     if isinstance(following, BaseException):
-                        raise following
+                        error = following
+                        break
                     item = merge_delta_outputs(item, following) if delta else following
                 finished = item.finished
                 yield item
                 if finished:
                     return
+                if error is not None:
+                    raise error
         finally:
             self._queues.pop(request_id, None)
             if not finished:

@@ -142,9 +142,11 @@ class IncrementalDetokenizer:
 
     ``decode_at_finish``: decode nothing per token and the whole completion once when it
     finishes (``update`` returns ``""`` until then). For outputs read only at the end (the
-    offline ``LLM``), where per-token decoding is work nobody reads; the final text is the
-    same full decode that otherwise reconciles the incremental text. Not with stop strings,
-    which need the text as it grows.
+    offline ``LLM``), where per-token decoding is work nobody reads. The text is then the
+    tokenizer's full decode: the same as the incremental text for valid UTF-8, but a run of
+    byte tokens that never completes a character comes out as replacement characters where
+    the incremental decoders may have left it out. Not with stop strings, which need the text
+    as it grows.
     """
 
     def __init__(

@@ -137,6 +137,8 @@ def align_special_tokens(tokenizer: Any, model_config: Any) -> None:
         if not isinstance(want, int) or getattr(tokenizer, f"{role}_token_id") == want:
             continue
         token = tokenizer.convert_ids_to_tokens(want)
+        if token is None:  # an id the vocabulary lacks: keep what the tokenizer has
+            continue
         logger.warning(
             "the tokenizer read from the GGUF file has %s token %r; using the file's %s id %d (%r)",
             role,

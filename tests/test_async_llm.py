@@ -84,6 +84,33 @@ def test_a_consumer_that_falls_behind_gets_merged_deltas(engine):
         assert parts["slow"][-1].finish_reason == "length"
 
 
+def test_outputs_queued_before_an_abort_are_still_delivered(engine):
+    """An abort (or engine death) behind queued deltas ends the stream after them: the
+    merged tokens are yielded first, then the error is raised."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = engine.generate("Hello there", params, "queued-abort")
+        await stream.__anext__()
+        queue = engine._queues["queued-abort"]
+        for _ in range(1000):  # let a few steps' outputs queue up
+            if queue.qsize() >= 3:
+                break
+            await asyncio.sleep(0.005)
+        queued = queue.qsize()
+        await engine.abort("queued-abort")  # no await inside: nothing else is delivered
+        received = []
+        with pytest.raises(asyncio.CancelledError):
+            async for out in stream:
+                received.append(out)
+        return queued, received
+
+    queued, received = asyncio.run(main())
+    assert queued >= 3
+    (merged,) = received
+    assert len(merged.outputs[0].token_ids) == queued and not merged.finished
+
+
 def test_concurrent_requests_and_n(engine):
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=3, seed=7)
 

@@ -349,17 +349,19 @@ def test_failed_conversion_leaves_nothing_behind(
     assert leftovers == [".SmolLM2-135M-Instruct.lock"]
 
 
-def test_a_misread_gguf_eos_token_is_replaced_by_the_files_id(smol_tokenizer, tmp_path: Path):
+def test_a_misread_gguf_eos_token_is_replaced_by_the_files_id(smol_tokenizer_dir, tmp_path):
     """transformers 5.17 reads SmolLM2's GGUF tokenizer with EOS ``<|im_start|>`` (1); the
-    conversion gives it the file's EOS, 2 (``<|im_end|>``), as the model config has it."""
+    conversion gives it the file's EOS, 2 (``<|im_end|>``), as the model config has it. An id
+    outside the vocabulary changes nothing."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
 
-    smol_tokenizer.eos_token = "<|im_start|>"  # what 5.17 produces
-    gguf_checkpoint.align_special_tokens(
-        smol_tokenizer, SimpleNamespace(bos_token_id=1, eos_token_id=2)
-    )
-    assert (smol_tokenizer.bos_token_id, smol_tokenizer.eos_token_id) == (1, 2)
-    smol_tokenizer.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(smol_tokenizer_dir)  # a copy of its own
+    tokenizer.eos_token = "<|im_start|>"  # what 5.17 produces
+    gguf_checkpoint.align_special_tokens(tokenizer, SimpleNamespace(bos_token_id=1, eos_token_id=2))
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    tokenizer.save_pretrained(tmp_path)
     assert AutoTokenizer.from_pretrained(tmp_path).eos_token == "<|im_end|>"
+    gguf_checkpoint.align_special_tokens(tokenizer, SimpleNamespace(eos_token_id=10**9))
+    assert tokenizer.eos_token_id == 2

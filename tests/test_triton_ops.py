@@ -205,6 +205,52 @@ def test_qk_norm_rotary_kernel_in_place(dtype: torch.dtype, head_dim: int) -> No
     assert torch.equal(v, untouched_v)
 
 
+@pytest.fixture
+def bfloat16_rounds_to_nearest(monkeypatch):
+    """Make the interpreter round float32 -> bfloat16 to nearest even, as GPUs do (it
+    truncates), so that a kernel's rounding points can be checked bit for bit. Patches a
+    private function of Triton's interpreter; skips where it looks different."""
+    import inspect
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = getattr(interpreter, "_convert_float", None)
+    params = ["input", "input_dtype", "output_dtype", "rounding_mode"]
+    if convert is None or list(inspect.signature(convert).parameters) != params:
+        pytest.skip("this Triton's interpreter converts floats in another function")
+
+    def round_to_nearest(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            values = torch.from_numpy(np.ascontiguousarray(input).view(np.float32).copy())
+            bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return bits.reshape(np.shape(input))
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", round_to_nearest)
+
+
+@in_interpreter
+@pytest.mark.parametrize("head_dim", [16, 12])
+def test_qk_norm_rotary_kernel_rounds_where_the_layers_do(bfloat16_rounds_to_nearest, head_dim):
+    """With the GPU's rounding, bfloat16 results equal the reference bit for bit: the kernel
+    rounds the normalized value, the scaled value, cos/sin and each product where the unfused
+    layers do (a kernel that skips one of these roundings fails here)."""
+    from chassis.core.layers import triton_ops
+
+    dtype = torch.bfloat16
+    q, k, _ = _qwen3_heads(dtype, 9, 5, 3, head_dim)
+    q_weight = (1 + 0.2 * _randn(head_dim, dtype=torch.float32, seed=4)).to(dtype)
+    k_weight = (1 + 0.2 * _randn(head_dim, dtype=torch.float32, seed=5)).to(dtype)
+    positions = torch.tensor([0, 7, 3, 30, 1, 12, 31, 2, 19])
+    cos, sin = _cos_sin(32, head_dim)
+    args = (q_weight, k_weight, 1e-6, cos, sin)
+    ref_q, ref_k = fused_ops.qk_norm_rotary_embedding_ref(positions, q, k, *args)
+    triton_ops.qk_norm_rotary_embedding_(positions, q, k, *args)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
 @in_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_layer_fuses_the_qk_norms(dtype: torch.dtype, monkeypatch) -> None:
@@ -360,6 +406,50 @@ def test_qk_norm_rotary_kernel_rejects_what_it_cannot_fuse() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ValueError, match="CUDA/ROCm tensors"):
             triton_ops.qk_norm_rotary_embedding_(positions, q, k, w, w, 1e-6, cos, sin)
+
+
+def test_rotary_layer_fuses_only_plain_rms_norms_of_the_tensors_dtype(monkeypatch) -> None:
+    """The fused q/k-norm + RoPE runs only for this package's RMSNorm with weights in the
+    tensors' dtype and one eps; otherwise the norm modules are called as they are (a
+    subclass's own forward included), then the rotation."""
+    from chassis.core.layers import rotary
+    from chassis.core.layers.norm import RMSNorm
+
+    class DoubledNorm(RMSNorm):  # a plugin's norm with other semantics
+        def forward(self, x, residual=None):
+            return 2 * super().forward(x)
+
+    class Recorder:
+        fused: list[str] = []
+
+        def qk_norm_rotary_embedding_(self, positions, query, key, *rest):
+            self.fused.append("fused")
+            return query, key
+
+        def rotary_embedding_(self, positions, query, key, cos, sin):
+            pass  # rotation in place: not what this test looks at
+
+    recorder = Recorder()
+    monkeypatch.setattr(rotary, "kernels_for", lambda x: recorder)
+    rope = rotary.RotaryEmbedding(16, 32, {"rope_theta": 10000.0, "rope_type": "default"})
+    q = _randn(3, 2, 16, dtype=torch.bfloat16)
+    k = _randn(3, 1, 16, dtype=torch.bfloat16, seed=1)
+    positions = torch.tensor([0, 1, 2])
+    bf16 = torch.bfloat16
+    cases = {
+        "plain": (RMSNorm(16, 1e-6).to(bf16), RMSNorm(16, 1e-6).to(bf16), True),
+        "subclass": (DoubledNorm(16, 1e-6).to(bf16), RMSNorm(16, 1e-6).to(bf16), False),
+        "eps": (RMSNorm(16, 1e-6).to(bf16), RMSNorm(16, 1e-5).to(bf16), False),
+        "float32 weights": (RMSNorm(16, 1e-6), RMSNorm(16, 1e-6), False),
+    }
+    for name, (q_norm, k_norm, fuses) in cases.items():
+        Recorder.fused.clear()
+        with torch.no_grad():
+            got_q, _ = rope(positions, q.clone(), k.clone(), (q_norm, k_norm))
+        assert Recorder.fused == (["fused"] if fuses else []), name
+        if not fuses:
+            with torch.no_grad():
+                assert torch.equal(got_q, q_norm(q.clone())), name  # the module's own result
 
 
 def test_platforms_hand_the_triton_kernels_only_device_tensors() -> None:

@@ -106,15 +106,14 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``query [T, Hq, D]`` and ``key [T, Hk, D]`` by ``positions [T]``.
 
         ``qk_norms``: ``(q_norm, k_norm)``, per-head RMSNorms over ``D`` applied to query and
-        key first (Qwen3). A platform kernel may fuse them with the rotation.
+        key first (Qwen3). A platform kernel may fuse them with the rotation when both are
+        :class:`RMSNorm` itself; other modules (subclasses included) are called as they are.
 
         Computed in the input dtype, as HF does. Platform kernels rotate the given tensors in
         place and return them; the torch path returns new tensors. Callers must not rely on
         either: use the returned tensors and treat the inputs as consumed.
         """
         kernels = kernels_for(query)
-        if kernels is None:
-            return self.forward_reference(positions, query, key, qk_norms)
         if qk_norms is not None:
             q_norm, k_norm = qk_norms
             fused = getattr(kernels, "qk_norm_rotary_embedding_", None)
@@ -130,6 +129,8 @@ class RotaryEmbedding(nn.Module):
                     self.sin_cache,
                 )
             query, key = q_norm(query), k_norm(key)
+        if kernels is None:
+            return self.forward_reference(positions, query, key)
         kernels.rotary_embedding_(positions, query, key, self.cos_cache, self.sin_cache)
         return query, key
 
@@ -173,9 +174,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _fusable(q_norm: RMSNorm, k_norm: RMSNorm, query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether one fused kernel computes what the two norms and the rotation do: the norms'
-    weights are in the tensors' dtype (else RMSNorm runs its torch code) and share one eps."""
+    """Whether one fused kernel computes what the two norms and the rotation do: both norms
+    are this package's RMSNorm (a subclass may compute something else), their weights are in
+    the tensors' dtype (else RMSNorm runs its torch code) and they share one eps."""
     return (
-        q_norm.weight.dtype == query.dtype == key.dtype == k_norm.weight.dtype
+        type(q_norm) is RMSNorm
+        and type(k_norm) is RMSNorm
+        and q_norm.weight.dtype == query.dtype == key.dtype == k_norm.weight.dtype
         and q_norm.eps == k_norm.eps
     )

@@ -363,8 +363,9 @@ def qk_norm_rotary_embedding_(
     rotate-half RoPE over the whole head in HF's rounding order, in place, in one kernel.
 
     Reference: :func:`chassis.core.layers.fused_ops.qk_norm_rotary_embedding_ref`. Replaces
-    four launches (two norms, two copies of the strided heads they need) and the rotary
-    launch; each token's heads must be dense (views into a merged QKV output are).
+    the two norms' launches, the rotary launch and, for steps of more than one token, the
+    copies of the strided heads the norms need; each token's heads must be dense (views into
+    a merged QKV output are).
     """
     if query.dim() != 3 or key.dim() != 3:
         raise ValueError("query and key must be [T, H, D]")
