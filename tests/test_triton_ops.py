@@ -252,6 +252,37 @@ def test_qk_norm_rotary_kernel_rounds_where_the_layers_do(bfloat16_rounds_to_nea
 
 
 @in_interpreter
+def test_layer_kernels_round_where_the_layers_do(bfloat16_rounds_to_nearest) -> None:
+    """With the GPU's rounding, the RMSNorm(+residual), SiLU-and-mul and RoPE kernels give
+    the layers' bfloat16 results bit for bit on these inputs (the contract allows rare
+    one-step differences from another sum order or exp; the interpreter has neither)."""
+    from chassis.core.layers import triton_ops
+    from chassis.core.layers.activation import SiluAndMul
+    from chassis.core.layers.norm import RMSNorm
+    from chassis.core.layers.rotary import RotaryEmbedding
+
+    dtype, kernels = torch.bfloat16, triton_ops.TritonLayerKernels()
+    rope = RotaryEmbedding(16, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    q, k, _ = _qwen3_heads(dtype, 7, 4, 2, 16)
+    positions = torch.tensor([0, 63, 5, 17, 2, 40, 9])
+    ref_q, ref_k = rope.forward_reference(positions, q.clone(), k.clone())
+    kernels.rotary_embedding_(positions, q, k, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * _randn(48, dtype=torch.float32, seed=3))
+        x, r = _randn(9, 48, dtype=dtype), _randn(9, 48, dtype=dtype, seed=1)
+        for got, want in zip(
+            kernels.rms_norm(x, norm.weight, 1e-6, r), norm.forward_reference(x, r), strict=True
+        ):
+            assert torch.equal(got, want)
+        assert torch.equal(kernels.rms_norm(x, norm.weight, 1e-6), norm.forward_reference(x))
+    g = 3 * _randn(9, 80, dtype=torch.float32).to(dtype)
+    assert torch.equal(kernels.silu_and_mul(g), SiluAndMul().forward_reference(g))
+
+
+@in_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_layer_fuses_the_qk_norms(dtype: torch.dtype, monkeypatch) -> None:
     """RotaryEmbedding with Qwen3's q/k norms on the Triton kernels (one fused launch) against
