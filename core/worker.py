@@ -66,7 +66,13 @@ class Worker:
             budget = self.platform.determine_kv_cache_memory(
                 config, lambda: self.runner.profile_run(config.max_num_batched_tokens)
             )
-            num_blocks = max(budget, 0) // self.runner.kv_cache_bytes_per_block()
+            bytes_per_block = self.runner.kv_cache_bytes_per_block()
+            if bytes_per_block == 0:
+                # No attention layer, nothing cached: blocks cost nothing, so give every
+                # sequence its longest context.
+                num_blocks = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+            else:
+                num_blocks = max(budget, 0) // bytes_per_block
         needed = -(-config.max_model_len // config.block_size)
         if num_blocks < needed:
             raise ValueError(

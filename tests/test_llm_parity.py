@@ -96,3 +96,15 @@ def test_smollm2_chat_answers(smollm2_dir):
     )
     assert out[0].outputs[0].text.strip() == "The capital of France is Paris."
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_a_model_without_attention_layers_runs_and_matches_hf(tmp_path):
+    """Zero decoder layers (embedding, final norm, head): no KV cache to size, which once
+    divided by zero; the blocks then cost nothing and the engine still matches HF."""
+    from fixtures_models import write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint("llama", tmp_path / "no_layers", num_hidden_layers=0)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+    assert got == hf_greedy(model_dir, PROMPTS[:2], 4)
