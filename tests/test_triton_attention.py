@@ -338,14 +338,16 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
     scratch = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
     metadata = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
     fp32_io = {n: "*fp32" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-    variants = [  # (group, head_dim, block_m, tile_n, splits, fp32, warps)
-        (2, 128, 16, 32, 1, False, 4),  # Qwen3 decode
-        (2, 128, 16, 32, 4, False, 4),  # Qwen3 split-KV decode
-        (2, 128, 64, 64, 1, False, 8),  # Qwen3 prefill
-        (3, 64, 64, 64, 1, False, 4),  # SmolLM2 prefill, non-power-of-two group
-        (2, 128, 64, 64, 1, True, 8),  # float32 model
+    variants = [  # (group, head_dim, block_m, tile_n, splits, fp32, warps, aligned)
+        (2, 128, 16, 32, 1, False, 4, True),  # Qwen3 decode
+        (2, 128, 16, 32, 4, False, 4, True),  # Qwen3 split-KV decode
+        (2, 128, 64, 64, 1, False, 8, True),  # Qwen3 prefill
+        (3, 64, 64, 64, 1, False, 4, True),  # SmolLM2 prefill, non-power-of-two group
+        (2, 128, 64, 64, 1, True, 8, True),  # float32 model
+        (2, 128, 16, 32, 1, False, 4, False),  # decode with strides not divisible by 16
+        (2, 128, 64, 64, 1, False, 8, False),  # prefill likewise
     ]
-    for group, head_dim, block_m, tile_n, splits, fp32, warps in variants:
+    for group, head_dim, block_m, tile_n, splits, fp32, warps, aligned in variants:
         compile_kernel(
             kernels._paged_attention_kernel,
             target,
@@ -364,6 +366,7 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
             pointer_types={**scratch, **metadata, **(fp32_io if fp32 else {})},
             float_args=("scale_log2",),
             num_warps=warps,
+            aligned=aligned,
         )
     compile_kernel(
         kernels._combine_kernel,

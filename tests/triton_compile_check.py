@@ -23,11 +23,17 @@ def compile_kernel(
     pointer_types: dict[str, str] | None = None,
     float_args: tuple[str, ...] = (),
     num_warps: int = 4,
+    aligned: bool = True,
 ) -> Any:
     """Compile ``kernel`` (a ``@triton.jit`` function) for ``target`` and return the result.
 
     Pointer args (names ending in ``_ptr``) are ``*bf16`` unless ``pointer_types`` says
     otherwise; ``float_args`` are fp32; every other runtime arg is i32.
+
+    ``aligned``: compile what a launch compiles when every pointer and every specialized
+    integer argument is divisible by 16, as model shapes make them: Triton then vectorizes
+    loads and pipelines them through shared memory, a different code path from the
+    unaligned one (``aligned=False``: scalar loads) that a launch with odd strides takes.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -44,7 +50,13 @@ def compile_kernel(
             signature[name] = pointer_types.get(name, "*bf16")
         else:
             signature[name] = "fp32" if name in float_args else "i32"
-    source = ASTSource(kernel, signature, constexprs=constexprs)
+    attrs = {}
+    if aligned:
+        not_specialized = set(getattr(kernel, "do_not_specialize", ()))
+        for index, name in enumerate(kernel.arg_names):
+            if signature[name] not in ("constexpr", "fp32") and name not in not_specialized:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(
         source, target=GPUTarget(*target), options={"num_warps": num_warps, "num_stages": 2}
     )

@@ -1,0 +1,84 @@
+"""Registers, spills and shared memory of the ``triton_paged`` kernel variants on Hopper.
+
+Not a test, and no GPU needed: each variant is compiled for sm_90 as a launch at model
+shapes compiles it (``tests/triton_compile_check.py``, pointers and strides divisible by
+16 unless marked unaligned), and ``cuobjdump`` from Triton's wheel reads the cubin's
+resource usage. Registers per thread bound how many programs a multiprocessor holds
+(65,536 registers per SM), which matters for the memory-bound decode. Run from the
+repository root::
+
+    python tests/gpu/kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
+
+from triton_compile_check import compile_kernel
+
+#: (name, group, head_dim, block_m, tile_n, split, warps, aligned): Qwen3-0.6B's GQA group
+VARIANTS = [
+    ("decode", 2, 128, 16, 32, False, 4, True),
+    ("decode, split KV", 2, 128, 16, 32, True, 4, True),
+    ("decode, tile 64", 2, 128, 16, 64, False, 4, True),
+    ("decode, 8 warps", 2, 128, 16, 32, False, 8, True),
+    ("decode, unaligned", 2, 128, 16, 32, False, 4, False),
+    ("prefill", 2, 128, 64, 64, False, 8, True),
+]
+
+
+def resource_usage(compiled) -> str:
+    """cuobjdump's ``REG:... SHARED:...`` line of a compiled kernel's cubin."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        out = subprocess.run(
+            [str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    return " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
+
+
+def main() -> None:
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    pointer_types = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
+    pointer_types |= {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
+    print("variant                 dynamic shared  cuobjdump -res-usage")
+    for name, group, head_dim, block_m, tile_n, split, warps, aligned in VARIANTS:
+        compiled = compile_kernel(
+            kernels._paged_attention_kernel,
+            ("cuda", 90, 32),
+            dict(
+                NUM_HEADS=8 * group,
+                GROUP=group,
+                HEAD_DIM=head_dim,
+                DIM_PAD=head_dim,
+                BLOCK_SIZE=16,
+                BLOCK_Q=block_m // group,
+                BLOCK_M=block_m,
+                TILE_N=tile_n,
+                SPLIT_KV=split,
+                DOT_FP32=False,
+            ),
+            pointer_types=pointer_types,
+            float_args=("scale_log2",),
+            num_warps=warps,
+            aligned=aligned,
+        )
+        shared = compiled.metadata.shared
+        print(f"{name:22s}  {shared:>8d} B      {resource_usage(compiled)}")
+
+
+if __name__ == "__main__":
+    main()
