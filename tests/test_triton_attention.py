@@ -279,6 +279,37 @@ def test_empty_step_launches_nothing() -> None:
 
 
 @in_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_step_one_program_per_request_equals_the_searched_grid(num_splits: int) -> None:
+    """A decode-like step runs one program per request (no search over query_start_loc); the
+    same step through the general grid, chosen by a larger max_query_len bound, and the dense
+    reference agree. Two- and three-token queries fit one block of the decode tile too."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        [(0, 1), (37, 1), (5, 2), (70, 1), (12, 3), (3, 1)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        num_pad_tokens=2,
+    )
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    outs = []
+    for max_query_len in (3, 40):  # decode tile: one block per request; then the general grid
+        args = {**batch.kernel_args(0.25), "max_query_len": max_query_len}
+        out = torch.empty_like(batch.query)
+        config = kernels.paged_attention(
+            batch.query, batch.kv_cache, out, num_splits=num_splits, **args
+        )
+        assert (max_query_len <= config.block_q) == (max_query_len == 3)
+        _assert_matches_dense(out, batch, 0.25)
+        outs.append(out[: batch.metadata.num_actual_tokens])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
+
+
+@in_interpreter
 def test_launch_config_groups_heads_and_tiles() -> None:
     from chassis.builtin_plugins.attention.triton_paged_kernels import choose_launch_config
 
@@ -362,6 +393,7 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
                 TILE_N=tile_n,
                 SPLIT_KV=splits > 1,
                 DOT_FP32=fp32,
+                ONE_BLOCK_PER_REQ=block_m == 16,  # the decode variants
             ),
             pointer_types={**scratch, **metadata, **(fp32_io if fp32 else {})},
             float_args=("scale_log2",),

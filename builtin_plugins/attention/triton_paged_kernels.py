@@ -138,7 +138,9 @@ def write_kv_cache(
 # group. Request i's query blocks are numbered from qsl[i] // BLOCK_Q + i, which leaves each
 # request at least ceil(q_len_i / BLOCK_Q) numbers; the total is T // BLOCK_Q + num_reqs, known
 # on the host without reading the device. A program finds its request by binary search over
-# query_start_loc and exits at once when its block lies past the request's query.
+# query_start_loc and exits at once when its block lies past the request's query. When every
+# request's query fits one block (decode-like steps, ONE_BLOCK_PER_REQ) the grid is num_reqs
+# instead and program r is request r: no search, no idle programs.
 
 
 # Arguments that change from step to step are not specialized (Triton would otherwise compile
@@ -178,25 +180,33 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    ONE_BLOCK_PER_REQ: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # -- which request: the last r with query_start_loc[r] // BLOCK_Q + r <= q_block ----------
-    lo = tl.full([], 0, tl.int32)
-    hi = lo + num_reqs
-    while lo + 1 < hi:
-        mid = (lo + hi) // 2
-        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if mid_start <= q_block:
-            lo = mid
-        else:
-            hi = mid
-    req = lo
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    first_q = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    if ONE_BLOCK_PER_REQ:
+        # every request's query fits one block (decode-like steps): program r is request r
+        req = q_block
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        first_q = tl.full([], 0, tl.int32)
+    else:
+        # which request: the last r with query_start_loc[r] // BLOCK_Q + r <= q_block
+        lo = tl.full([], 0, tl.int32)
+        hi = lo + num_reqs
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if mid_start <= q_block:
+                lo = mid
+            else:
+                hi = mid
+        req = lo
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        first_q = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
     if first_q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
@@ -389,7 +399,7 @@ def choose_launch_config(
     if num_splits is None:
         num_splits = 1
         if decode_like and device.type == "cuda":
-            programs = (num_tokens // block_q + num_reqs) * num_kv_heads
+            programs = num_reqs * num_kv_heads  # one query block per request
             target = 2 * _multiprocessor_count(device)
             max_useful = max(1, math.ceil(max_seq_len / (tile_n * _MIN_TILES_PER_SPLIT)))
             num_splits = max(1, min(MAX_KV_SPLITS, math.ceil(target / programs), max_useful))
@@ -471,7 +481,11 @@ def paged_attention(
         part_sum = torch.empty(num_tokens, num_heads, splits, **f32)
     else:  # unused by the kernel; any tensor of the right device will do
         part_acc = part_max = part_sum = out
-    grid = (num_tokens // config.block_q + num_reqs, num_kv_heads, splits)
+    # Decode-like steps (each request's query fits one block) get one program per request and
+    # need no search for it; otherwise query blocks are numbered across requests (see the kernel).
+    one_block_per_req = max_query_len <= config.block_q
+    num_q_blocks = num_reqs if one_block_per_req else num_tokens // config.block_q + num_reqs
+    grid = (num_q_blocks, num_kv_heads, splits)
     kernel[grid](
         query,
         kv_cache[:, 0],
@@ -504,6 +518,7 @@ def paged_attention(
         TILE_N=config.tile_n,
         SPLIT_KV=splits > 1,
         DOT_FP32=_dot_in_fp32(query),
+        ONE_BLOCK_PER_REQ=one_block_per_req,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

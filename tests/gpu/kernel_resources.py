@@ -70,6 +70,7 @@ def main() -> None:
                 TILE_N=tile_n,
                 SPLIT_KV=split,
                 DOT_FP32=False,
+                ONE_BLOCK_PER_REQ=block_m == 16,  # the decode variants
             ),
             pointer_types=pointer_types,
             float_args=("scale_log2",),
