@@ -257,3 +257,21 @@ def test_prompt_logprobs_match_hf(llm, hf_model):
     again = llm.generate([prompt], params)[0]
     assert again.prompt_logprobs == out.prompt_logprobs
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_prompt_logprobs_in_slices_of_a_few_positions(llm, monkeypatch):
+    """Prompt logprobs are computed a bounded number of positions at a time (their full-vocab
+    tensors are not in the KV budget); slicing changes nothing in the result."""
+    from chassis.core import prompt_logprobs
+
+    prompt = "Prompt logprobs computed three positions at a time give the same numbers"
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    whole = llm.generate([prompt], params)[0].prompt_logprobs
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_SLICE", 3)
+    sliced = llm.generate([prompt], params)[0].prompt_logprobs
+    assert len(sliced) == len(whole) > 7
+    for got, want in zip(sliced[1:], whole[1:], strict=True):
+        assert got.keys() == want.keys()
+        for token_id, logprob in got.items():
+            assert logprob.rank == want[token_id].rank
+            assert logprob.logprob == pytest.approx(want[token_id].logprob, abs=1e-5)

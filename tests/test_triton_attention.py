@@ -333,6 +333,35 @@ def test_launch_config_groups_heads_and_tiles() -> None:
         )
 
 
+def test_split_count_on_a_gpu_follows_its_idle_multiprocessors(monkeypatch) -> None:
+    """Decode-like steps split the KV range until about two programs per multiprocessor
+    exist (132 on an H200), never past 16 splits or useful tile counts; a step without
+    requests (nothing to launch) must not divide by zero."""
+    pytest.importorskip("triton")
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    monkeypatch.setattr(kernels, "_multiprocessor_count", lambda device: 132)
+    gpu = torch.device("cuda")  # only its type is read
+
+    def splits(num_reqs: int, max_seq_len: int) -> int:
+        return kernels.choose_launch_config(
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            num_tokens=num_reqs,
+            num_reqs=num_reqs,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            device=gpu,
+        ).num_splits
+
+    assert splits(1, 4096) == 16  # 8 programs: 264 wanted
+    assert splits(8, 4096) == 5  # 64 programs
+    assert splits(256, 4096) == 1  # 2048 programs fill the GPU
+    assert splits(1, 100) == 1  # a context of 4 tiles is not worth splitting
+    assert splits(0, 4096) == 16
+
+
 @pytest.mark.skipif(INTERPRETED, reason="checks the compiled (non-interpreted) path")
 def test_cpu_tensors_without_interpreter_are_refused() -> None:
     pytest.importorskip("triton")

@@ -399,7 +399,7 @@ def choose_launch_config(
     if num_splits is None:
         num_splits = 1
         if decode_like and device.type == "cuda":
-            programs = num_reqs * num_kv_heads  # one query block per request
+            programs = max(1, num_reqs) * num_kv_heads  # one query block per request
             target = 2 * _multiprocessor_count(device)
             max_useful = max(1, math.ceil(max_seq_len / (tile_n * _MIN_TILES_PER_SPLIT)))
             num_splits = max(1, min(MAX_KV_SPLITS, math.ceil(target / programs), max_useful))
