@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from paged_attention_cases import dense_attention, make_batch
-from triton_compile_check import TARGETS, compile_kernel
+from triton_compile_check import TARGETS, compile_attention_variant, compile_kernel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_interpreter = pytest.mark.skipif(
@@ -395,9 +395,6 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
     pytest.importorskip("triton")
     from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
 
-    scratch = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
-    metadata = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
-    fp32_io = {n: "*fp32" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     variants = [  # (group, head_dim, block_m, tile_n, splits, fp32, warps, aligned)
         (2, 128, 16, 32, 1, False, 4, True),  # Qwen3 decode
         (2, 128, 16, 32, 4, False, 4, True),  # Qwen3 split-KV decode
@@ -408,27 +405,18 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
         (2, 128, 64, 64, 1, False, 8, False),  # prefill likewise
     ]
     for group, head_dim, block_m, tile_n, splits, fp32, warps, aligned in variants:
-        compile_kernel(
-            kernels._paged_attention_kernel,
+        compile_attention_variant(
             target,
-            dict(
-                NUM_HEADS=8 * group,
-                GROUP=group,
-                HEAD_DIM=head_dim,
-                DIM_PAD=head_dim,
-                BLOCK_SIZE=16,
-                BLOCK_Q=block_m // group,
-                BLOCK_M=block_m,
-                TILE_N=tile_n,
-                SPLIT_KV=splits > 1,
-                DOT_FP32=fp32,
-                ONE_BLOCK_PER_REQ=block_m == 16,  # the decode variants
-            ),
-            pointer_types={**scratch, **metadata, **(fp32_io if fp32 else {})},
-            float_args=("scale_log2",),
+            group=group,
+            head_dim=head_dim,
+            block_m=block_m,
+            tile_n=tile_n,
+            split=splits > 1,
+            fp32=fp32,
             num_warps=warps,
             aligned=aligned,
         )
+    scratch = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
     compile_kernel(
         kernels._combine_kernel,
         target,

@@ -60,3 +60,51 @@ def compile_kernel(
     return triton.compile(
         source, target=GPUTarget(*target), options={"num_warps": num_warps, "num_stages": 2}
     )
+
+
+#: pointer types of the ``triton_paged`` attention kernel that are not the model dtype
+_ATTENTION_POINTERS = {
+    **{n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")},
+    **{n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")},
+}
+
+
+def compile_attention_variant(
+    target: tuple[str, Any, int],
+    *,
+    group: int,
+    head_dim: int,
+    block_m: int,
+    tile_n: int,
+    split: bool = False,
+    fp32: bool = False,
+    num_warps: int = 4,
+    aligned: bool = True,
+) -> Any:
+    """Compile one ``_paged_attention_kernel`` variant, 8 kv heads of ``group`` query heads,
+    as ``paged_attention`` launches it (16-row tiles are the decode variants: one query block
+    per request). ``fp32``: a float32 model; otherwise bfloat16."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    model_io = {n: "*fp32" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    return compile_kernel(
+        kernels._paged_attention_kernel,
+        target,
+        dict(
+            NUM_HEADS=8 * group,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            DIM_PAD=head_dim,
+            BLOCK_SIZE=16,
+            BLOCK_Q=block_m // group,
+            BLOCK_M=block_m,
+            TILE_N=tile_n,
+            SPLIT_KV=split,
+            DOT_FP32=fp32,
+            ONE_BLOCK_PER_REQ=block_m == 16,
+        ),
+        pointer_types={**_ATTENTION_POINTERS, **(model_io if fp32 else {})},
+        float_args=("scale_log2",),
+        num_warps=num_warps,
+        aligned=aligned,
+    )

@@ -177,17 +177,12 @@ def _rotary_kernel(
     HF_ROUNDING: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    cos, sin = _cos_sin_row(
+        positions_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HALF, HALF_PAD, HF_ROUNDING
+    )
     pairs = tl.arange(0, HALF_PAD)
     pair_valid = pairs < HALF
-    cos = tl.load(cos_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
-    cos = cos.to(tl.float32)[None, :]
-    sin = sin.to(tl.float32)[None, :]
-    dtype = q_ptr.dtype.element_ty
-    if HF_ROUNDING:  # HF rotates in the model dtype: cos/sin rounded to it first
-        cos = cos.to(dtype).to(tl.float32)
-        sin = sin.to(dtype).to(tl.float32)
     if IS_NEOX:  # dimension i pairs with i + HALF
         first = pairs
         second = pairs + HALF
@@ -209,6 +204,33 @@ def _rotary_kernel(
     y2 = tl.load(k_row + second[None, :], mask=k_mask, other=0.0).to(tl.float32)
     tl.store(k_row + first[None, :], _rot(y1, cos, y2, sin, -1.0, dtype, HF_ROUNDING), mask=k_mask)
     tl.store(k_row + second[None, :], _rot(y2, cos, y1, sin, 1.0, dtype, HF_ROUNDING), mask=k_mask)
+
+
+@triton.jit
+def _cos_sin_row(
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    token,
+    stride_cos,
+    dtype: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HF_ROUNDING: tl.constexpr,
+):
+    """``[1, HALF_PAD]`` float32 cos and sin at ``token``'s position (zero past ``HALF``);
+    with ``HF_ROUNDING`` rounded to ``dtype`` first, as HF rotates in the model dtype."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    pairs = tl.arange(0, HALF_PAD)
+    pair_valid = pairs < HALF
+    cos = tl.load(cos_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+    if HF_ROUNDING:
+        cos = cos.to(dtype).to(tl.float32)
+        sin = sin.to(dtype).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
@@ -238,14 +260,11 @@ def rotary_embedding_(
     HF transformers (and :class:`~chassis.core.layers.rotary.RotaryEmbedding`) do, instead of
     one float32 rounding at the end.
     """
-    num_tokens = positions.shape[0]
-    num_q_heads = _heads_per_token(query, num_tokens, head_dim, "query")
-    num_k_heads = _heads_per_token(key, num_tokens, head_dim, "key")
-    half = cos_cache.shape[-1]
+    num_tokens, num_q_heads, num_k_heads, half = _rope_shapes(
+        positions, query, key, cos_cache, sin_cache, head_dim
+    )
     if 2 * half > head_dim:
         raise ValueError(f"rotary dim {2 * half} exceeds head_dim {head_dim}")
-    if cos_cache.stride(-1) != 1 or sin_cache.stride() != cos_cache.stride():
-        raise ValueError("cos_cache and sin_cache must be row-major with the same strides")
     if num_tokens:
         check_launchable(_rotary_kernel, query)[(num_tokens,)](
             positions,
@@ -295,15 +314,10 @@ def _qk_norm_rotary_kernel(
     HEADS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    pairs = tl.arange(0, HALF_PAD)
-    pair_valid = pairs < HALF
     dtype = q_ptr.dtype.element_ty
-    # HF rotates in the model dtype: cos/sin rounded to it first
-    cos = tl.load(cos_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_cos + pairs, mask=pair_valid, other=0.0)
-    cos = cos.to(dtype).to(tl.float32)[None, :]
-    sin = sin.to(dtype).to(tl.float32)[None, :]
+    cos, sin = _cos_sin_row(
+        positions_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HALF, HALF_PAD, True
+    )
     _norm_rotate_heads(
         q_ptr + token * stride_q_tok, q_weight_ptr, num_q_heads, cos, sin, eps,
         HEAD_DIM, HALF, HALF_PAD, HEADS_PAD,
@@ -374,14 +388,11 @@ def qk_norm_rotary_embedding_(
         raise ValueError(f"key head_dim {key.shape[-1]} != query head_dim {head_dim}")
     if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
         raise ValueError(f"q_weight and k_weight must be [{head_dim}]")
-    num_tokens = positions.shape[0]
-    num_q_heads = _heads_per_token(query, num_tokens, head_dim, "query")
-    num_k_heads = _heads_per_token(key, num_tokens, head_dim, "key")
-    half = cos_cache.shape[-1]
+    num_tokens, num_q_heads, num_k_heads, half = _rope_shapes(
+        positions, query, key, cos_cache, sin_cache, head_dim
+    )
     if 2 * half != head_dim:
         raise ValueError(f"the fused op rotates whole heads: rotary dim {2 * half} != {head_dim}")
-    if cos_cache.stride(-1) != 1 or sin_cache.stride() != cos_cache.stride():
-        raise ValueError("cos_cache and sin_cache must be row-major with the same strides")
     if num_tokens:
         half_pad = triton.next_power_of_2(half)
         heads_pad = triton.next_power_of_2(max(num_q_heads, num_k_heads))
@@ -421,6 +432,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
         return x.view(-1, x.shape[-1])
     except RuntimeError:  # leading dims not collapsible into one stride
         return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _rope_shapes(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[int, int, int, int]:
+    """``(tokens, query heads, key heads, rotary pairs)`` of a RoPE launch, after checking
+    that each token's heads are dense and the cos/sin tables share a row-major layout."""
+    num_tokens = positions.shape[0]
+    num_q_heads = _heads_per_token(query, num_tokens, head_dim, "query")
+    num_k_heads = _heads_per_token(key, num_tokens, head_dim, "key")
+    if cos_cache.stride(-1) != 1 or sin_cache.stride() != cos_cache.stride():
+        raise ValueError("cos_cache and sin_cache must be row-major with the same strides")
+    return num_tokens, num_q_heads, num_k_heads, cos_cache.shape[-1]
 
 
 def _heads_per_token(x: torch.Tensor, num_tokens: int, head_dim: int, name: str) -> int:

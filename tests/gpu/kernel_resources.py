@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
 
-from triton_compile_check import compile_kernel
+from triton_compile_check import compile_attention_variant
 
 #: (name, group, head_dim, block_m, tile_n, split, warps, aligned): Qwen3-0.6B's GQA group
 VARIANTS = [
@@ -50,30 +50,15 @@ def resource_usage(compiled) -> str:
 
 
 def main() -> None:
-    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
-
-    pointer_types = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
-    pointer_types |= {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
     print("variant                 dynamic shared  cuobjdump -res-usage")
     for name, group, head_dim, block_m, tile_n, split, warps, aligned in VARIANTS:
-        compiled = compile_kernel(
-            kernels._paged_attention_kernel,
+        compiled = compile_attention_variant(
             ("cuda", 90, 32),
-            dict(
-                NUM_HEADS=8 * group,
-                GROUP=group,
-                HEAD_DIM=head_dim,
-                DIM_PAD=head_dim,
-                BLOCK_SIZE=16,
-                BLOCK_Q=block_m // group,
-                BLOCK_M=block_m,
-                TILE_N=tile_n,
-                SPLIT_KV=split,
-                DOT_FP32=False,
-                ONE_BLOCK_PER_REQ=block_m == 16,  # the decode variants
-            ),
-            pointer_types=pointer_types,
-            float_args=("scale_log2",),
+            group=group,
+            head_dim=head_dim,
+            block_m=block_m,
+            tile_n=tile_n,
+            split=split,
             num_warps=warps,
             aligned=aligned,
         )

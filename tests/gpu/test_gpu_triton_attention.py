@@ -24,6 +24,15 @@ pytestmark = [
 ]
 
 QWEN3 = (16, 8, 128)
+#: make_batch arguments of a Qwen3-0.6B bfloat16 step on the GPU (cache blocks of 16)
+QWEN3_BF16 = dict(
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    block_size=16,
+    dtype=torch.bfloat16,
+    device="cuda",
+)
 #: prefills over prefixes of many lengths, a long prefill, decodes over short and long contexts
 MIXED = [(0, 300), (100, 57), (511, 1), (0, 1), (1500, 1), (33, 200), (2047, 1), (7, 16)]
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -103,12 +112,7 @@ def test_decode_splits_kv_when_the_gpu_would_idle() -> None:
 
     batch = make_batch(
         [(4000, 1), (1000, 1), (17, 1)],
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
+        **QWEN3_BF16,
     )
     kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
     args = batch.kernel_args(128**-0.5)
@@ -141,12 +145,7 @@ def test_new_step_shapes_compile_nothing_after_the_first() -> None:
     for specs, width, num_splits in steps:
         batch = make_batch(
             specs,
-            num_heads=16,
-            num_kv_heads=8,
-            head_dim=128,
-            block_size=16,
-            dtype=torch.bfloat16,
-            device="cuda",
+            **QWEN3_BF16,
             max_blocks=width,
         )
         kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
@@ -166,12 +165,7 @@ def test_new_step_shapes_compile_nothing_after_the_first() -> None:
 def test_forward_never_syncs_with_the_host() -> None:
     batch = make_batch(
         MIXED,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
+        **QWEN3_BF16,
     )
     backend = _backend(16, 8, 128)
     args = (batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
@@ -192,12 +186,7 @@ def test_forward_never_syncs_with_the_host() -> None:
 def test_cuda_graph_replays_with_new_metadata(specs_b) -> None:
     """Capture a decode step, then replay it on other lengths and blocks of the same shapes."""
     shape = dict(
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
+        **QWEN3_BF16,
         num_blocks=200,
         max_blocks=130,
         unwritten_fill=0.0,
