@@ -14,7 +14,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -23,16 +23,14 @@ from chassis.serve import errors
 from chassis.serve.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobToken,
     ChatLogprobTop,
     ChatResponseMessage,
-    ChatStreamChoice,
-    DeltaMessage,
 )
 from chassis.serve.state import ServerState, UsageCounter
+from chassis.serve.stream_chunks import ChunkEncoder, chat_choice
 from chassis.serve.streaming import (
     SSE_DONE,
     generation_response,
@@ -144,28 +142,20 @@ async def _events(
     request_id: str,
     model: str,
     n: int,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[str | bytes]:
     created = int(time.time())
     top_n = body.top_logprobs or 0
     finished: set[int] = set()
     usage = UsageCounter()
 
-    def chunk(choices: list[ChatStreamChoice], with_usage: bool) -> str:
-        response = ChatCompletionChunk(
-            id=request_id,
-            created=created,
-            model=model,
-            choices=choices,
-            usage=usage.info() if with_usage else None,
-        )
-        return sse(response.model_dump_json())
+    encoder = ChunkEncoder("chat.completion.chunk", request_id, created, model)
+
+    def chunk(choices: list[dict[str, Any]], with_usage: bool) -> bytes:
+        return encoder.event(choices, usage.info() if with_usage else None)
 
     try:
         async with contextlib.aclosing(stream):
-            first = [
-                ChatStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))
-                for i in range(n)
-            ]
+            first = [chat_choice(i, role=ROLE, content="") for i in range(n)]
             yield chunk(first, body.continuous_usage)
             async for output in stream:
                 usage.add(0, output)
@@ -179,9 +169,9 @@ async def _events(
                     if completion.finished:
                         finished.add(completion.index)
                     choices.append(
-                        ChatStreamChoice(
-                            index=completion.index,
-                            delta=DeltaMessage(content=completion.text),
+                        chat_choice(
+                            completion.index,
+                            content=completion.text,
                             logprobs=logprobs,
                             finish_reason=completion.finish_reason,
                             stop_reason=completion.stop_reason,
@@ -192,10 +182,7 @@ async def _events(
         # A stream that ended without a finish reason was aborted (server shutdown).
         unfinished = sorted(set(range(n)) - finished)
         if unfinished:
-            aborted = [
-                ChatStreamChoice(index=i, delta=DeltaMessage(), finish_reason="abort")
-                for i in unfinished
-            ]
+            aborted = [chat_choice(i, finish_reason="abort") for i in unfinished]
             yield chunk(aborted, body.continuous_usage)
         if body.include_usage:
             yield chunk([], True)

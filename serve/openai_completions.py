@@ -15,7 +15,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -29,6 +29,7 @@ from chassis.serve.protocol import (
     PromptLogprobs,
 )
 from chassis.serve.state import ServerState, UsageCounter
+from chassis.serve.stream_chunks import ChunkEncoder, completion_choice
 from chassis.serve.streaming import (
     SSE_DONE,
     generation_response,
@@ -164,22 +165,17 @@ async def _events(
     request_id: str,
     model: str,
     n: int,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[str | bytes]:
     created = int(time.time())
     with_logprobs = body.logprobs is not None
     builders: dict[int, _LogprobBuilder] = {}
     finished: set[int] = set()
     usage = UsageCounter()
 
-    def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
-        response = CompletionResponse(
-            id=request_id,
-            created=created,
-            model=model,
-            choices=choices,
-            usage=usage.info() if with_usage else None,
-        )
-        return sse(response.model_dump_json())
+    encoder = ChunkEncoder("text_completion", request_id, created, model)
+
+    def chunk(choices: list[dict[str, Any]], with_usage: bool) -> bytes:
+        return encoder.event(choices, usage.info() if with_usage else None)
 
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:
@@ -197,12 +193,12 @@ async def _events(
                     if completion.finished:
                         finished.add(index)
                     choices.append(
-                        CompletionChoice(
-                            index=index,
-                            text=completion.text,
-                            logprobs=logprobs,
-                            finish_reason=completion.finish_reason,
-                            stop_reason=completion.stop_reason,
+                        completion_choice(
+                            index,
+                            completion.text,
+                            logprobs,
+                            completion.finish_reason,
+                            completion.stop_reason,
                         )
                     )
                 if choices:
@@ -210,9 +206,7 @@ async def _events(
         # Streams that ended without a finish reason were aborted (server shutdown).
         unfinished = sorted(set(range(len(streams) * n)) - finished)
         if unfinished:
-            aborted = [
-                CompletionChoice(index=i, text="", finish_reason="abort") for i in unfinished
-            ]
+            aborted = [completion_choice(i, "", finish_reason="abort") for i in unfinished]
             yield chunk(aborted, body.continuous_usage)
         if body.include_usage:
             yield chunk([], True)

@@ -1,8 +1,9 @@
 """Running the app under uvicorn: start-up, signals, engine death, graceful shutdown.
 
-* HTTP/1.1 through uvicorn's ``h11`` implementation, because only it bounds the request line
-  plus headers (``h11_max_incomplete_event_size`` = ``--max-header-size``; httptools has no
-  such setting).
+* HTTP/1.1 through uvicorn's httptools implementation, with a bound on unfinished request
+  heads (``--max-header-size``) that httptools lacks (:mod:`chassis.serve.http_protocol`);
+  h11 with its own bound when httptools is not installed.
+* The event loop is uvloop's when it is installed (asyncio's otherwise).
 * SIGTERM / SIGINT: uvicorn stops accepting connections; we also mark the server as
   shutting down (new requests and ``/health`` get 503) and abort every in-flight request, so
   open streams end at once with ``finish_reason: "abort"``; uvicorn then waits up to
@@ -18,10 +19,13 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
+
+from chassis.serve.http_protocol import http_config
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -97,16 +101,15 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
         app,
         host=settings.host,
         port=settings.port,
-        http="h11",
         ws="none",
         lifespan="on",
-        h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=settings.timeout_keep_alive_s,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
         log_level=settings.uvicorn_log_level,
         access_log=settings.access_log,
         # the CLI has configured logging already; keep uvicorn from replacing it
         log_config=None,
+        **http_config(settings.max_header_bytes),
     )
 
 
@@ -120,9 +123,20 @@ async def serve_app(app: FastAPI, settings: ServerSettings) -> int:
     return 1 if server.engine_died or state.engine.errored else 0
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (less CPU per streamed chunk), else None
+    (asyncio's default loop)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def run_server(app: FastAPI, settings: ServerSettings) -> int:
     """Blocking :func:`serve_app`; Ctrl-C returns 130 instead of a traceback."""
     try:
-        return asyncio.run(serve_app(app, settings))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(serve_app(app, settings))
     except KeyboardInterrupt:
         return 130

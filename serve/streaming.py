@@ -139,7 +139,7 @@ async def generation_response(
     request: Request,
     stream: bool,
     open_streams: Callable[[], Awaitable[S]],
-    events: Callable[[S], AsyncIterator[str]],
+    events: Callable[[S], AsyncIterator[str | bytes]],
     collect: Callable[[S], Awaitable[Any]],
 ) -> Response:
     """The shared shape of a generation route (completions, chat completions).

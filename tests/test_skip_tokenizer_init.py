@@ -130,5 +130,8 @@ def test_async_llm_and_completions_route_without_tokenizer(config_dir):
     assert text.status_code == 400 and "token ids" in text.json()["error"]["message"]
     assert streamed.ok, streamed.error
     assert streamed.output_tokens == 6 and streamed.ttft_s > 0
-    # one inter-token latency per token after the first, though every chunk's text is empty
-    assert len(streamed.itl_s) == 5
+    # Chunks with empty text are timed (the per-chunk usage says they brought tokens): one
+    # inter-token latency per chunk after the first, as vLLM's benchmark counts them. A
+    # reader that fell behind gets several tokens in one chunk, so there are at most 5.
+    assert len(streamed.itl_s) <= 5
+    assert sum(streamed.itl_s) <= streamed.latency_s - streamed.ttft_s + 1e-9

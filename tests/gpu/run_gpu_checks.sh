@@ -69,10 +69,14 @@ CHASSIS=("$PY" -m chassis.serve.cli)
 START=$SECONDS
 STATUS=0
 
-# `chassis` is the repository root; install it editable, or else expose it by a symlink.
+# `chassis` is the repository root; install it editable. Without the install there is no
+# package metadata, so no entry points, so no built-in platform or model: stop here.
 if ! "$PY" -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.txt" 2>&1; then
-    mkdir -p /tmp/chassis-path && ln -sfn "$PWD" /tmp/chassis-path/chassis
-    export PYTHONPATH="/tmp/chassis-path${PYTHONPATH:+:$PYTHONPATH}"
+    echo "install rc=1: pip install -e . failed (install.txt)" | tee "$OUT/summary.txt"
+    tail -n 30 "$OUT/install.txt"
+    cp "$OUT/summary.txt" "$FINAL_OUT/summary.txt"
+    tar czf "$FINAL_OUT/results.tgz" -C "$OUT" .
+    exit 1
 fi
 
 {

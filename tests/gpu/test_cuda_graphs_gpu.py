@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_gpu_engine import VOCAB, write_tiny_qwen3
+from test_gpu_engine import VOCAB, divergence_report, write_tiny_qwen3
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,7 +80,10 @@ def _check_graph_replay_matches_eager(model_dir: Path) -> None:
         prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS[:num_prompts]]
         runner.graphs.replays.clear()
         got = _greedy(graphs_llm, prompts)
-        assert got == _greedy(eager_llm, prompts), f"batch of {num_prompts}"
+        eager = _greedy(eager_llm, prompts)
+        assert got == eager, (
+            f"batch of {num_prompts}: {divergence_report(model_dir, prompts, eager, got)}"
+        )
         # all prompts prefill in the first step; every later step is a decode
         assert runner.graphs.replays == {bucket: NEW_TOKENS - 1}, num_prompts
 

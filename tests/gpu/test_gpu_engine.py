@@ -68,6 +68,32 @@ def hf_greedy(directory, prompts: list[list[int]], device: str) -> list[list[int
     return outputs
 
 
+def divergence_report(
+    directory, prompts: list[list[int]], expected: list[list[int]], got: list[list[int]]
+) -> str:
+    """For a failed exact-token comparison: where the first sequence diverges, and HF's two
+    best logits there (a gap near float32 rounding is a near-tie, not a broken kernel)."""
+    from transformers import AutoModelForCausalLM
+
+    for prompt, want, have in zip(prompts, expected, got, strict=True):
+        if want == have:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), None)
+        if i is None:
+            return f"prompt of {len(prompt)}: lengths differ ({len(want)} vs {len(have)})"
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda()
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + want[:i]], device="cuda")
+            logits = model(input_ids=ids).logits[0, -1]
+        top = torch.topk(logits, 2)
+        return (
+            f"prompt of {len(prompt)} tokens diverges at new token {i}: expected {want[i]}, "
+            f"got {have[i]}; HF top-2 logits {top.values.tolist()} for ids "
+            f"{top.indices.tolist()}, logit of the token got {logits[have[i]].item()}"
+        )
+    return "no divergence"
+
+
 def chassis_greedy(directory, prompts: list[list[int]], **engine: object) -> list[list[int]]:
     from chassis.core.llm import LLM
     from chassis.core.sampling_params import SamplingParams
@@ -107,6 +133,6 @@ def test_llm_matches_hf_greedy_on_the_gpu(tmp_path, engine):
         gpu_memory_utilization=0.2,  # sized by determine_kv_cache_memory, not a fixed count
         **engine,
     )
-    assert got == expected
+    assert got == expected, divergence_report(tmp_path, prompts, expected, got)
     gc.collect()  # the engine's KV cache goes before the next test sizes its own
     torch.cuda.empty_cache()
