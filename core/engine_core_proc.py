@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from chassis.core.heap import freeze_startup_heap
 from chassis.core.request import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def run_engine_core(
         out_sock.send_multipart([ERROR, f"{type(exc).__name__}: {exc}".encode()])
         out_sock.close()
         raise SystemExit(1) from exc
+    freeze_startup_heap()  # this process serves one engine until it exits
     out_sock.send_multipart([READY, _encoder.encode(core.info)])
 
     inputs: queue.Queue[tuple[bytes, bytes]] = queue.Queue()

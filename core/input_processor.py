@@ -85,6 +85,8 @@ class InputProcessor:
         so completions differ yet reproduce. ``add_special_tokens=False`` suits prompts
         rendered by a chat template that already contains BOS.
         """
+        if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         if isinstance(prompt, str):
             prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         else:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 #: Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
 MAX_LOGPROBS = 20
+#: Largest ``n``: each completion is its own engine request, created at once, so an
+#: unbounded ``n`` lets one request exhaust the front-end's memory (OpenAI's own cap is 128).
+MAX_N = 1024
+#: Integer fields travel to the engine core as msgpack int64.
+_INT64_MAX = 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -48,25 +55,28 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"invalid sampling parameter {field}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        # `not x >= 0` (rather than `x < 0`) also refuses NaN
+        if not 0 <= self.temperature < math.inf:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if not 0 <= self.top_k <= _INT64_MAX:
             raise bad("top_k", f"must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise bad(
+                "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}"
+            )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= _INT64_MAX:
             raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
+        if not 0 <= self.min_tokens <= _INT64_MAX:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(
@@ -80,8 +90,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise bad(field, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")
+        if self.logit_bias is not None and not all(
+            math.isfinite(v) for v in self.logit_bias.values()
+        ):
+            raise bad("logit_bias", "bias values must be finite numbers")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", f"out of range: {self.seed}")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -129,6 +130,16 @@ async def version(request: Request) -> JSONResponse:
     return JSONResponse(VersionResponse(version=chassis.__version__).model_dump())
 
 
+def _lenient_content_type() -> dict[str, Any]:
+    """Read a body without a ``Content-Type`` as JSON, as FastAPI did before its
+    ``strict_content_type`` (on by default in recent releases) and as vLLM's clients expect:
+    ``requests.post(url, data=json.dumps(body))`` sends none. A body with a non-JSON content
+    type is still not parsed (it gets a 400 that names the content type)."""
+    if "strict_content_type" in inspect.signature(FastAPI).parameters:
+        return {"strict_content_type": False}
+    return {}
+
+
 def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` (an ``AsyncLLM``; see :mod:`chassis.serve.state` for
     the part of its contract used) with ``settings`` (defaults: :class:`ServerSettings()`).
@@ -162,6 +173,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         version=chassis.__version__,
         description="OpenAI-compatible API of a chassis engine",
         lifespan=lifespan,
+        **_lenient_content_type(),
     )
     app.state.chassis = state
     install_exception_handlers(app)

@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     from chassis.core.async_llm import AsyncLLM
+    from chassis.core.heap import freeze_startup_heap
     from chassis.plugins import PluginLoadError
     from chassis.serve.app import build_app
     from chassis.serve.server import run_server
@@ -182,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         app = build_app(engine, settings)
+        freeze_startup_heap()  # this process serves one app until it exits
         return run_server(app, settings)
     except ValueError as exc:
         logger.error("%s", exc)

@@ -138,6 +138,14 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             return APIError(400, f"malformed JSON body: {err.get('msg', 'invalid JSON')}")
+        if not loc and isinstance(err.get("input"), str | bytes):
+            # FastAPI left the body unparsed: its Content-Type is not JSON (e.g. curl -d's
+            # form type)
+            return APIError(
+                400,
+                "the request body must be a JSON object sent with Content-Type: "
+                "application/json (or with no Content-Type)",
+            )
         where = ".".join(loc)
         if first_param is None and where:
             first_param = where

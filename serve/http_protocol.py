@@ -11,6 +11,12 @@ head began in, which is not counted, and the one that crossed the bound. A head 
 
 Without httptools installed the server falls back to h11 with
 ``h11_max_incomplete_event_size``, which bounds the same thing (uvicorn answers 400 there).
+
+The subclass leans on uvicorn internals: the parser callbacks ``on_message_begin`` and
+``on_headers_complete``, ``data_received``, and the ``transport`` and ``cycle`` attributes.
+A uvicorn release that renames them breaks
+``tests/test_server_lifecycle.py::test_oversized_headers_are_refused_by_the_real_server``,
+which drives a real server with a head that never ends.
 """
 
 from __future__ import annotations

@@ -142,11 +142,13 @@ async def _events(
     request_id: str,
     model: str,
     n: int,
+    num_prompt_tokens: int,
 ) -> AsyncIterator[str | bytes]:
     created = int(time.time())
     top_n = body.top_logprobs or 0
     finished: set[int] = set()
     usage = UsageCounter()
+    usage.prompt_tokens[0] = num_prompt_tokens  # known before the first output (role chunk)
 
     encoder = ChunkEncoder("chat.completion.chunk", request_id, created, model)
 
@@ -207,6 +209,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         request,
         body.stream,
         lambda: state.open_stream(prompt_ids, params, request_id, priority),
-        lambda stream: _events(state, body, stream, request_id, model, n),
+        lambda stream: _events(state, body, stream, request_id, model, n, len(prompt_ids)),
         lambda stream: _collect(state, stream, body, request_id, model, n),
     )

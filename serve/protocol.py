@@ -22,6 +22,11 @@ logger = logging.getLogger(__name__)
 
 #: OpenAI's range for ``logit_bias`` values.
 LOGIT_BIAS_LIMIT = 100.0
+#: ``max_tokens`` of ``/v1/completions`` when not given (or ``null``), as OpenAI's.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Most choices (prompts x ``n``) one request may ask for: each is an engine request created
+#: at once, so the batch is bounded, not only each prompt's ``n``.
+MAX_CHOICES_PER_REQUEST = 4096
 
 
 class _Request(BaseModel):
@@ -71,8 +76,8 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
-    #: scheduling priority for the ``priority`` scheduler (lower runs first)
-    priority: int | None = 0
+    #: scheduling priority for the ``priority`` scheduler (lower runs first); a 64-bit integer
+    priority: int | None = Field(0, ge=-(2**63), le=2**63 - 1)
 
     def _logit_bias_ids(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -132,7 +137,11 @@ class _SamplingRequest(_Request):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage on every chunk: vLLM's ``continuous_usage_stats``, which (as in vLLM) only
+        applies together with ``include_usage``."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
     def _check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -151,7 +160,8 @@ class CompletionRequest(_SamplingRequest):
     token-id lists; each prompt gets ``n`` choices (``index = prompt_index * n + i``)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    #: ``null`` also means the default, 16 (as OpenAI does)
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     #: number of top alternatives per token (0..--max-logprobs)
     logprobs: int | None = None
     echo: bool | None = False
@@ -173,6 +183,13 @@ class CompletionRequest(_SamplingRequest):
         for p in batch:
             if len(p) == 0:
                 raise bad_request("prompt must not be empty", "prompt")
+        n = self.n or 1
+        if len(batch) * n > MAX_CHOICES_PER_REQUEST:
+            raise bad_request(
+                f"{len(batch)} prompts x n={n} ask for {len(batch) * n} choices; one request may "
+                f"ask for at most {MAX_CHOICES_PER_REQUEST}: split the batch over several requests",
+                "prompt",
+            )
         return batch
 
     def to_sampling_params(self) -> SamplingParams:
@@ -184,7 +201,8 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of other than n is not supported", "best_of")
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs)
 
 
 class UsageInfo(BaseModel):

@@ -25,16 +25,27 @@ if TYPE_CHECKING:
     from chassis.serve.protocol import ChatMessage
 
 
-def _content_text(content: str | list[dict[str, Any]] | None, index: int) -> str | None:
-    """OpenAI content (a string or a list of parts) as one string; only text parts allowed."""
-    if content is None or isinstance(content, str):
+def _content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    """OpenAI content (a string or a list of parts) as one string; only text parts allowed.
+
+    Absent content (``null``: an assistant turn that only calls tools, as OpenAI allows) is
+    the empty string, which templates handle; many index ``message['content']`` directly.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
         return content
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind != "text":
             raise bad_request(
                 f"messages[{index}].content: only text parts are supported; got type {kind!r}",
+                f"messages.{index}.content",
+            )
+        if not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"messages[{index}].content[{j}]: a text part needs a string field 'text'",
                 f"messages.{index}.content",
             )
         texts.append(part["text"])

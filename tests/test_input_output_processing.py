@@ -170,6 +170,33 @@ def test_invalid_prompts_and_params(processor):
         processor.process("Hi", SamplingParams(stop_token_ids=[10**6]), "r")
     with pytest.raises(ValueError, match="max_model_len"):
         InputProcessor(processor.tokenizer, EngineConfig(), [EOS])
+    with pytest.raises(ValueError, match="priority must be a 64-bit integer"):
+        processor.process("Hi", SamplingParams(), "r", priority=2**63)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 1025),  # each completion is an engine request created at once
+        ("n", 10**12),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("repetition_penalty", float("nan")),
+        ("top_k", 2**63),  # past msgpack's int64: the engine core could not receive it
+        ("max_tokens", 2**64),
+        ("min_tokens", 2**63),
+        ("stop_token_ids", [2**64]),
+        ("logit_bias", {5: float("nan")}),
+    ],
+)
+def test_sampling_params_refuse_values_the_engine_cannot_take(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"invalid sampling parameter {field}"):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_limits_are_inclusive() -> None:
+    assert SamplingParams(n=1024).n == 1024
+    assert SamplingParams(top_k=2**63 - 1, max_tokens=2**63 - 1).top_k == 2**63 - 1
 
 
 # -- OutputProcessor ---------------------------------------------------------------------------

@@ -65,6 +65,9 @@ def test_explicit_nulls_mean_defaults() -> None:
     params = body.to_sampling_params()
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.n == 1
     assert params.max_tokens == 16  # OpenAI's completions default
+    # an explicit null max_tokens (what the openai client sends for None) is that default too
+    explicit = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": None})
+    assert explicit.to_sampling_params().max_tokens == 16
 
 
 def test_chat_max_completion_tokens_wins_and_default_is_context() -> None:
@@ -102,7 +105,21 @@ def test_chat_logprobs_and_top_logprobs() -> None:
         ({"top_p": 0}, "top_p"),
         ({"temperature": -1}, "temperature"),
         ({"n": 0}, "n"),
+        # one request must not fan out into unbounded engine requests
+        ({"n": 10**12}, "n"),
+        ({"n": 1025}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
+        # integers past int64 cannot reach the engine core (msgpack): 400, not 500
+        ({"top_k": 10**20}, "top_k"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"min_tokens": 2**64}, "min_tokens"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+        # non-finite numbers (Python's JSON parser accepts NaN and Infinity)
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
         ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),

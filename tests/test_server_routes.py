@@ -242,18 +242,54 @@ def test_completion_batch_streaming(client: TestClient) -> None:
     assert text == {0: "ab", 1: "ab", 2: "ab"}
 
 
-def test_continuous_usage_stats(client: TestClient) -> None:
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats(client: TestClient, include_usage: bool) -> None:
     response = client.post(
         "/v1/completions",
         json={
             "prompt": "x",
             "max_tokens": 3,
             "stream": True,
+            "stream_options": {"include_usage": include_usage, "continuous_usage_stats": True},
+        },
+    )
+    events = sse_events(response.text)
+    if include_usage:
+        assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 3]
+    else:  # as in vLLM, per-chunk usage only comes with include_usage
+        assert all(e["usage"] is None for e in events)
+
+
+def test_chat_continuous_usage_counts_the_prompt_from_the_first_chunk(client: TestClient) -> None:
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": CHAT,
+            "max_tokens": 2,
+            "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         },
     )
     events = sse_events(response.text)
-    assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 3]
+    prompt_tokens = {e["usage"]["prompt_tokens"] for e in events}
+    assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[0]["usage"]["completion_tokens"] == 0
+
+
+def test_too_many_choices_in_one_request_are_400(client: TestClient, engine: FakeAsyncLLM) -> None:
+    error = assert_error(
+        client.post("/v1/completions", json={"prompt": [[5]] * 3000, "n": 2, "max_tokens": 1}),
+        400,
+        "prompt",
+    )
+    assert "6000 choices" in error["message"]
+    assert_error(
+        client.post("/v1/chat/completions", json={"messages": CHAT, "n": 10**12}), 400, "n"
+    )
+    assert_error(
+        client.post("/v1/completions", json={"prompt": "x", "priority": 10**23}), 400, "priority"
+    )
 
 
 # -- chat -------------------------------------------------------------------------------------
@@ -403,6 +439,23 @@ def test_validation_errors_are_400_not_422(client: TestClient) -> None:
     assert_error(client.post("/v1/completions", json={}), 400, "prompt")
     assert_error(client.post("/v1/chat/completions", json={"messages": "hi"}), 400, "messages")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400)
+
+
+def test_json_body_without_content_type_is_read(client: TestClient) -> None:
+    # what requests.post(url, data=json.dumps(body)) sends: no Content-Type
+    response = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}')
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    # a form content type (curl -d) is not JSON: the error says what to send
+    error = assert_error(
+        client.post(
+            "/v1/completions",
+            content=b'{"prompt": "x"}',
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        ),
+        400,
+    )
+    assert "Content-Type: application/json" in error["message"]
 
 
 def test_malformed_json_is_400(client: TestClient) -> None:
