@@ -125,6 +125,9 @@ class EngineCoreClient:
                 continue
             outputs = decoder.decode(payload)
             if outputs.engine_error:
+                # Close before leaving: shutdown's context term() waits for every socket, and
+                # only this thread may close this one.
+                self._out.close(0)
                 self._report_dead(f"engine core failed: {outputs.engine_error}")
                 return
             try:

@@ -16,7 +16,6 @@ import queue
 import signal
 import sys
 import threading
-import traceback
 from typing import Any
 
 import msgspec
@@ -102,7 +101,9 @@ def run_engine_core(
     except BaseException as exc:
         if not isinstance(exc, SystemExit):
             logger.exception("engine core crashed")
-            error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            # The traceback is in this process's log (above); the front-end passes the error
+            # on to clients, who get the exception only.
+            error = f"{type(exc).__name__}: {exc}"
             outputs.put(_encoder.encode(EngineCoreOutputs(engine_error=error)))
         outputs.put(None)
         writer.join(timeout=5)

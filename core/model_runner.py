@@ -27,6 +27,7 @@ from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
+from chassis.core.sampler_interface import check_sampler_output
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
@@ -308,6 +309,7 @@ class ModelRunner:
                 [s.sampling_row for s in states], self.device, self.vocab_size
             )
             result = self.sampler(logits[:, : self.vocab_size], metadata_s)
+            check_sampler_output(result, metadata_s, self.sampler)  # plugins: fail by name
 
         batch.num_computed_tokens[rows] = seq_lens
         return self.in_flight.launch(

@@ -55,3 +55,39 @@ class Sampler(ABC):
             (``log_softmax(logits)`` before penalties and temperature, as vLLM returns them)
             when ``metadata.max_num_logprobs`` is not None
         """
+
+
+def check_sampler_output(output: object, metadata: SamplingMetadata, sampler: object) -> None:
+    """Raise ``TypeError`` naming ``sampler``'s class when ``output`` breaks the contract of
+    :meth:`Sampler.__call__`: not a :class:`SamplerOutput`, ids not an int64 vector of one id
+    per row, or no logprobs (or too few) when a row asked for them.
+
+    Host-side metadata only, so no device sync: whether every id is inside the vocabulary is
+    the sampler's own promise (an id outside it fails in the embedding, on a GPU as a device
+    assert).
+    """
+    name = type(sampler).__qualname__
+    if not isinstance(output, SamplerOutput):
+        raise TypeError(f"sampler {name} returned {type(output).__name__}, not a SamplerOutput")
+    ids = output.sampled_token_ids
+    rows = metadata.num_rows
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or tuple(ids.shape) != (rows,):
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        dtype = ids.dtype if isinstance(ids, torch.Tensor) else None
+        raise TypeError(
+            f"sampler {name} returned sampled_token_ids of shape {shape} and dtype {dtype}; "
+            f"expected an int64 tensor of shape ({rows},), one id per row"
+        )
+    wanted = metadata.max_num_logprobs
+    if wanted is not None:
+        got = output.logprobs
+        if got is None:
+            raise TypeError(
+                f"sampler {name} returned no logprobs, but a request asked for logprobs "
+                f"(up to {wanted}); see Sampler.__call__"
+            )
+        if tuple(got.token_ids.shape) != (rows, 1 + wanted):
+            raise TypeError(
+                f"sampler {name} returned logprobs of shape {tuple(got.token_ids.shape)}; "
+                f"expected ({rows}, {1 + wanted}): the sampled id, then the top {wanted}"
+            )

@@ -17,7 +17,12 @@ from chassis.plugins.manager import (
     set_plugin_manager,
 )
 from chassis.plugins.registries import Registries, get_registries
-from chassis.plugins.registry import DuplicateNameError, Registry, UnknownNameError
+from chassis.plugins.registry import (
+    DuplicateNameError,
+    PluginObjectError,
+    Registry,
+    UnknownNameError,
+)
 
 #: Version of the plugin contract. Minor bumps add hooks or keyword arguments; a major bump
 #: (never silently) removes or changes one.
@@ -30,6 +35,7 @@ __all__ = [
     "DuplicateNameError",
     "PluginLoadError",
     "PluginManager",
+    "PluginObjectError",
     "Registries",
     "Registry",
     "UnknownNameError",

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import threading
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -214,6 +215,8 @@ class PluginManager:
                     raise PluginLoadError(
                         f"cannot import plugin {ep.name!r} ({ep.value}) from distribution "
                         f"{record.distribution!r}, group {group!r}: {type(exc).__name__}: {exc}"
+                        f"{_raised_at(exc)}. Fix or uninstall it, or leave it out by listing "
+                        f"the plugins to load in ${ALLOW_LIST_ENV}"
                     ) from exc
                 try:
                     self.register(obj, ep.name, distribution=record.distribution, group=group)
@@ -425,3 +428,13 @@ def register_plugin(plugin: object, name: str) -> None:
     from entry points, so ship an entry point for anything that must reach it.
     """
     get_plugin_manager().register(plugin, name)
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` (raised at file:line)`` of the innermost frame of ``exc``'s traceback, or ``""``:
+    a plugin author reading ``KeyError: 7`` needs to know where."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (raised at {last.filename}:{last.lineno})"

@@ -25,6 +25,14 @@ class Registries:
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
 
+#: registry field -> the class every registered class must subclass
+_BASES = {
+    "models": "chassis.core.model_interface:CausalLM",
+    "attention_backends": "chassis.core.attention:AttentionBackend",
+    "schedulers": "chassis.core.scheduler_interface:Scheduler",
+    "samplers": "chassis.core.sampler_interface:Sampler",
+}
+
 #: registry field -> (hook that fills it, human-readable kind)
 _HOOKS = {
     "models": ("chassis_register_models", "model architecture"),
@@ -47,7 +55,7 @@ def build_registries(manager: PluginManager) -> Registries:
     manager.load_general_plugins()
     built: dict[str, Registry[Any]] = {}
     for field_name, (hook, kind) in _HOOKS.items():
-        registry: Registry[Any] = Registry(kind)
+        registry: Registry[Any] = Registry(kind, base=_BASES.get(field_name))
         for plugin_name, fn, argnames in manager.hookimpls(hook):
             # Attribute every name the hook registers to its plugin (``names_by``, errors).
             registry.current_owner = plugin_name

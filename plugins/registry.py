@@ -16,6 +16,12 @@ class DuplicateNameError(ValueError):
     """Two plugins registered the same name in one registry."""
 
 
+class PluginObjectError(ImportError):
+    """What a plugin registered under a name cannot be used: its lazy ``"module:Class"``
+    does not import, or it is not a subclass of the class the registry holds. The message
+    names the plugin."""
+
+
 class Registry(Generic[T]):
     """Name -> class (or lazy ``"module:Class"`` string) for one kind of plugin object.
 
@@ -23,8 +29,11 @@ class Registry(Generic[T]):
     imported on the first :meth:`get`, so registering is cheap and import-safe.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, base: str | None = None) -> None:
+        """``base``: ``"package.module:Class"`` every registered class must subclass (checked
+        on :meth:`get`, imported then, so no import cycle at registry creation)."""
         self.kind = kind
+        self.base = base
         self._entries: dict[str, T | str] = {}
         self._owners: dict[str, str] = {}
         #: Set by the plugin manager while a plugin's hook runs, to attribute registrations.
@@ -47,22 +56,30 @@ class Registry(Generic[T]):
         self._owners[name] = self.current_owner
 
     def get(self, name: str) -> T:
-        """Return the class registered as ``name``; raise :class:`UnknownNameError` if none."""
+        """Return the class registered as ``name``; raise :class:`UnknownNameError` if none,
+        :class:`PluginObjectError` if it does not import or is not a ``base`` subclass."""
         try:
             obj = self._entries[name]
         except KeyError:
             known = ", ".join(sorted(self._entries)) or "(none)"
             raise UnknownNameError(f"unknown {self.kind} {name!r}; known: {known}") from None
         if isinstance(obj, str):
-            module_name, _, attr = obj.partition(":")
             try:
-                obj = getattr(importlib.import_module(module_name), attr)
+                obj = _import_object(obj)
             except (ImportError, AttributeError) as exc:
-                raise ImportError(
+                raise PluginObjectError(
                     f"{self.kind} {name!r} (registered by {self._owners[name]!r}) points to "
-                    f"{self._entries[name]!r}, which cannot be imported: {exc}"
+                    f"{self._entries[name]!r}, which cannot be imported: "
+                    f"{type(exc).__name__}: {exc}"
                 ) from exc
-            self._entries[name] = obj
+        if self.base is not None:
+            base = _import_object(self.base)
+            if not (isinstance(obj, type) and issubclass(obj, base)):
+                raise PluginObjectError(
+                    f"{self.kind} {name!r} (registered by {self._owners[name]!r}) is {obj!r}, "
+                    f"not a subclass of {base.__module__}.{base.__qualname__}"
+                )
+        self._entries[name] = obj
         return obj  # type: ignore[return-value]
 
     def owner(self, name: str) -> str:
@@ -87,3 +104,8 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"
+
+
+def _import_object(target: str) -> object:
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)

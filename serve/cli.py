@@ -37,12 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one sub-command; its exit status (2: no sub-command given).
 
-    A plugin that fails to load, or a platform that cannot be chosen, ends the command with
+    A plugin that fails to load (or registered a class that does not import or is of the
+    wrong kind), or a platform that cannot be chosen, ends the command with
     the error's message (which names the plugin and the cause) and exit status 1;
     ``--log-level DEBUG`` adds the traceback.
     """
     from chassis.platforms.resolve import PlatformError
     from chassis.plugins.manager import PluginLoadError
+    from chassis.plugins.registry import PluginObjectError
 
     try:
         parser = build_parser()
@@ -55,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         return int(args.run(args) or 0)
-    except (PluginLoadError, PlatformError) as exc:
+    except (PluginLoadError, PluginObjectError, PlatformError) as exc:
         logging.getLogger(__name__).debug("start-up failed", exc_info=True)
         print(f"chassis: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

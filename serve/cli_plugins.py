@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = collect_plugins(manager)
     except PluginLoadError as exc:
+        logging.getLogger(__name__).debug("plugin load failed", exc_info=True)
         # Show every entry point's state, the failed one included, then the error.
         partial = _report(manager, {}, {})
         if args.json:

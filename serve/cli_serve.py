@@ -164,8 +164,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     from chassis.core.async_llm import AsyncLLM
+    from chassis.core.errors import EngineDeadError
     from chassis.core.heap import freeze_startup_heap
-    from chassis.plugins import PluginLoadError
     from chassis.serve.app import build_app
     from chassis.serve.server import run_server
 
@@ -178,9 +178,13 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         engine = AsyncLLM.from_engine_config(config)
-    except (ValueError, PluginLoadError) as exc:
+    except ValueError as exc:  # PluginLoadError and PluginObjectError: main() reports, exit 1
         logger.error("cannot start the engine: %s", exc)
         return 2
+    except EngineDeadError as exc:  # the engine core's own log above has the traceback
+        logger.debug("engine start-up failed", exc_info=True)
+        logger.error("cannot start the engine: %s", exc)
+        return 1
     try:
         app = build_app(engine, settings)
         freeze_startup_heap()  # this process serves one app until it exits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import pytest
 
@@ -185,3 +186,35 @@ def test_killing_the_engine_core_fails_pending_requests(tiny_llama_dir):
     finally:
         engine.shutdown_sync()
     assert not engine.client.process.is_alive()
+
+
+def test_an_engine_core_exception_fails_cleanly_and_shutdown_returns(tiny_llama_dir):
+    """The engine core raising (here: a message it cannot decode, the one way to make it
+    raise from outside) kills the engine; clients get the exception without the engine's
+    traceback (that stays in its log), and shutdown returns (it hung on the open socket)."""
+    from chassis.core.engine_core_proc import ADD
+
+    engine = AsyncLLM.from_engine_config(
+        EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64
+        )
+    )
+
+    async def main() -> str:
+        died = asyncio.Event()
+        engine.add_dead_callback(died.set)
+        engine.client._send(ADD, b"not msgpack")
+        await asyncio.wait_for(died.wait(), 30)
+        with pytest.raises(EngineDeadError) as info:
+            await engine.check_health()
+        return str(info.value)
+
+    try:
+        message = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        done = threading.Thread(target=engine.shutdown_sync)
+        done.start()
+        done.join(30)
+    assert not done.is_alive(), "shutdown hung after the engine core failed"
+    assert "engine core failed" in message and "Error" in message, message
+    assert "Traceback" not in message and ".py" not in message, message

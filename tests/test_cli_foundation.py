@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures_models import tiny_llama_dir  # noqa: F401
 from fixtures_plugins import (  # noqa: F401
     FakeEntryPoint,
     builtin_platform_eps,
@@ -16,7 +18,7 @@ from fixtures_plugins import (  # noqa: F401
 )
 
 from chassis.platforms.cpu import CpuPlatform
-from chassis.plugins import hookimpl, set_plugin_manager
+from chassis.plugins import hookimpl, register_plugin, set_plugin_manager
 from chassis.serve.cli import main
 
 
@@ -175,3 +177,24 @@ def test_plugins_load_failure_exits_1_with_the_message(capsys: pytest.CaptureFix
     assert main(["plugins"]) == 1
     out = capsys.readouterr().out
     assert "broken = chassis_no_such_module_xyz  [broken-dist]  failed (ModuleNotFoundError" in out
+
+
+class _WrongKindSamplerPlugin:
+    @hookimpl
+    def chassis_register_samplers(self, registry: Any) -> None:
+        registry.register("not_a_sampler", "collections:OrderedDict")
+
+
+def test_serve_with_a_wrong_kind_of_plugin_class_exits_1_naming_the_plugin(
+    isolated_plugins: None,  # noqa: F811
+    tiny_llama_dir: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The name is resolved in the front-end, so no engine process starts.
+    register_plugin(_WrongKindSamplerPlugin(), "wrong-kind")
+    code = main(["serve", str(tiny_llama_dir), "--sampler", "not_a_sampler", "--port", "0"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "PluginObjectError: sampler 'not_a_sampler' (registered by 'wrong-kind')" in err
+    assert "not a subclass of chassis.core.sampler_interface.Sampler" in err
+    assert "Traceback" not in err

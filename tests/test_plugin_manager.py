@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from chassis.plugins import (
     DuplicateNameError,
     PluginLoadError,
     PluginManager,
+    PluginObjectError,
     Registry,
     UnknownNameError,
     add_plugin_cli_args,
@@ -328,6 +331,42 @@ def test_registry_rejects_bad_entries_and_reports_broken_lazy_imports() -> None:
     assert registry.get("real") is collections.OrderedDict
     with pytest.raises(DuplicateNameError, match=r"'plugin-x' and by 'plugin-x'"):
         registry.register("real", dict)
+
+
+def test_registry_checks_the_kind_of_class_it_hands_out() -> None:
+    registry: Registry[Any] = Registry("sampler", base="chassis.core.sampler_interface:Sampler")
+    registry.current_owner = "plugin-y"
+    registry.register("not_a_sampler", "collections:OrderedDict")
+    registry.register("instance", object())
+    registry.register("good", "chassis.builtin_plugins.samplers.default:DefaultSampler")
+    for name in ("not_a_sampler", "instance"):
+        with pytest.raises(PluginObjectError, match=r"registered by 'plugin-y'.*not a subclass"):
+            registry.get(name)
+    assert registry.get("good").__name__ == "DefaultSampler"
+    registry.register("lazy_broken", "chassis_no_such_module_xyz:S")
+    with pytest.raises(PluginObjectError, match=r"ModuleNotFoundError"):
+        registry.get("lazy_broken")
+    assert issubclass(PluginObjectError, ImportError)
+
+
+def test_an_entry_point_that_fails_to_import_says_where_and_what_to_do(
+    isolated_plugins: None,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "raises_in_helper.py").write_text("def helper():\n    return {}[7]\n\nhelper()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        broken = FakeEntryPoint("raiser", "raises_in_helper", "raiser-dist")
+        manager = fake_manager([], [broken])
+        with pytest.raises(PluginLoadError) as info:
+            manager.load_general_plugins()
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("raises_in_helper", None)
+    message = str(info.value)
+    assert "KeyError: 7" in message
+    assert f"raised at {tmp_path / 'raises_in_helper.py'}:2" in message
+    assert "CHASSIS_PLUGINS" in message
 
 
 @pytest.mark.usefixtures("isolated_plugins")

@@ -498,3 +498,42 @@ def test_logprobs_zero_returns_only_sampled(sampler: DefaultSampler) -> None:
     out = run(sampler, logits, [row(SamplingParams(temperature=0.0, logprobs=0))] * 2)
     assert out.logprobs.token_ids.shape == (2, 1)
     assert out.logprobs.ranks.tolist() == [1, 1]
+
+
+# -- the runner's check of what a (plugin) sampler returns -----------------------------------
+
+
+class _NamedSampler:
+    """Stands in for a plugin's sampler: only its class name is used by the check."""
+
+
+def test_check_sampler_output_names_the_sampler_and_the_broken_promise() -> None:
+    from chassis.builtin_plugins.samplers.logprobs import gather_logprobs
+    from chassis.core.sampler_interface import SamplerOutput, check_sampler_output
+    from chassis.core.sampling_metadata import SamplingMetadata
+
+    plain = SamplingMetadata(temperature=torch.zeros(3), all_greedy=True, all_random=False)
+    wants_2 = SamplingMetadata(
+        temperature=torch.zeros(3), all_greedy=True, all_random=False, max_num_logprobs=2
+    )
+    logits = torch.randn(3, 11)
+    ids = logits.argmax(dim=-1)
+    good = SamplerOutput(ids, gather_logprobs(torch.log_softmax(logits, -1), ids, 2))
+    check_sampler_output(SamplerOutput(ids), plain, _NamedSampler())
+    check_sampler_output(good, wants_2, _NamedSampler())
+    broken = [
+        (ids.tolist(), plain, "returned list, not a SamplerOutput"),
+        (SamplerOutput(ids.to(torch.int32)), plain, "expected an int64 tensor of shape (3,)"),
+        (SamplerOutput(ids[:2]), plain, "shape (2,)"),
+        (SamplerOutput(logits.topk(2).indices), plain, "shape (3, 2)"),
+        (SamplerOutput(ids), wants_2, "returned no logprobs"),
+        (
+            SamplerOutput(ids, gather_logprobs(torch.log_softmax(logits, -1), ids, 1)),
+            wants_2,
+            "expected (3, 3)",
+        ),
+    ]
+    for output, metadata, message in broken:
+        with pytest.raises(TypeError, match=r"sampler _NamedSampler") as info:
+            check_sampler_output(output, metadata, _NamedSampler())
+        assert message in str(info.value)
