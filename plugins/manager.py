@@ -93,12 +93,29 @@ def _distribution_name(ep: EntryPointLike) -> str:
     return name or "<unknown distribution>"
 
 
-def allow_list_from_env() -> frozenset[str] | None:
-    """Entry-point names from ``CHASSIS_PLUGINS=a,b`` or ``None`` when unset (load all)."""
+def _env_names() -> list[str] | None:
     raw = os.environ.get(ALLOW_LIST_ENV)
     if raw is None:
         return None
-    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def allow_list_from_env() -> frozenset[str] | None:
+    """Entry-point names to load from ``CHASSIS_PLUGINS=a,b``; ``None`` (load all) when it is
+    unset or names only exclusions (``-c``)."""
+    names = _env_names()
+    if names is None:
+        return None
+    allowed = frozenset(n for n in names if not n.startswith("-"))
+    if not allowed and names:  # only exclusions: everything else loads
+        return None
+    return allowed
+
+
+def deny_list_from_env() -> frozenset[str]:
+    """Entry-point names never to load: the ``-name`` items of ``CHASSIS_PLUGINS`` (e.g.
+    ``CHASSIS_PLUGINS=-broken`` skips a broken plugin and loads all others)."""
+    return frozenset(n[1:].strip() for n in _env_names() or [] if n.startswith("-"))
 
 
 def _unmarked_hook_functions(plugin: object) -> list[str]:
@@ -134,12 +151,17 @@ class PluginManager:
         allow_list: frozenset[str] | None = None,
         *,
         read_env: bool = True,
+        deny_list: frozenset[str] = frozenset(),
     ) -> None:
         self._entry_points = entry_points or _installed_entry_points
         if allow_list is None and read_env:
             allow_list = allow_list_from_env()
+        if not deny_list and read_env:
+            deny_list = deny_list_from_env()
         #: entry-point names to load (``None``: all)
         self.allow_list = allow_list
+        #: entry-point names never to load (``CHASSIS_PLUGINS=-name``)
+        self.deny_list = deny_list
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[tuple[str, str], PluginRecord] = {}
@@ -180,11 +202,13 @@ class PluginManager:
         return record
 
     def unknown_allowed_names(self) -> list[str]:
-        """Names in the allow-list that match no entry point of either group (typos)."""
-        if self.allow_list is None:
+        """Names in the allow- or deny-list that match no entry point of either group
+        (typos)."""
+        listed = (self.allow_list or frozenset()) | self.deny_list
+        if not listed:
             return []
         known = {r.name for group in GROUPS for r in self.discover(group)}
-        return sorted(self.allow_list - known)
+        return sorted(listed - known)
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -205,6 +229,10 @@ class PluginManager:
                     record.status = "skipped"
                     record.reason = f"not in {ALLOW_LIST_ENV}"
                     continue
+                if ep.name in self.deny_list:
+                    record.status = "skipped"
+                    record.reason = f"excluded by {ALLOW_LIST_ENV}=-{ep.name}"
+                    continue
                 if record.conflict:
                     raise PluginLoadError(record.conflict)
                 try:
@@ -215,8 +243,8 @@ class PluginManager:
                     raise PluginLoadError(
                         f"cannot import plugin {ep.name!r} ({ep.value}) from distribution "
                         f"{record.distribution!r}, group {group!r}: {type(exc).__name__}: {exc}"
-                        f"{_raised_at(exc)}. Fix or uninstall it, or leave it out by listing "
-                        f"the plugins to load in ${ALLOW_LIST_ENV}"
+                        f"{_raised_at(exc)}. Fix or uninstall it, or leave it out with "
+                        f"{ALLOW_LIST_ENV}=-{ep.name}"
                     ) from exc
                 try:
                     self.register(obj, ep.name, distribution=record.distribution, group=group)
@@ -227,6 +255,12 @@ class PluginManager:
                 record.status = "loaded"
                 record.reason = ""
                 record.hooks = self.hooks_of(ep.name)
+                if not record.hooks:
+                    # Often the wrong module: e.g. a project folder of the same name on
+                    # sys.path shadowing the package, imported as an empty namespace.
+                    where = getattr(obj, "__file__", None) or getattr(obj, "__path__", None)
+                    record.reason = f"implements no chassis_* hook (loaded from {where})"
+                    logger.warning("plugin %r %s", ep.name, record.reason)
             self._loaded_groups.add(group)
             logger.debug("loaded plugin group %s", group)
 

@@ -74,6 +74,7 @@ def _report(
     return {
         "plugin_api_version": PLUGIN_API_VERSION,
         "allow_list": sorted(manager.allow_list) if manager.allow_list is not None else None,
+        "deny_list": sorted(manager.deny_list),
         "unknown_allow_list_names": manager.unknown_allowed_names(),
         "plugins": _records(manager, registered),
         "registries": owners,
@@ -85,6 +86,8 @@ def format_text(report: dict[str, Any]) -> str:
     lines = [f"Plugin API version {report['plugin_api_version']}"]
     if report["allow_list"] is not None:
         lines.append(f"CHASSIS_PLUGINS allow-list: {', '.join(report['allow_list']) or '(empty)'}")
+    if report["deny_list"]:
+        lines.append(f"CHASSIS_PLUGINS excludes: {', '.join(report['deny_list'])}")
     if report["unknown_allow_list_names"]:
         lines.append(
             "  warning: no entry point is named " + ", ".join(report["unknown_allow_list_names"])

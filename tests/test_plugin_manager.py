@@ -164,6 +164,34 @@ def test_allow_list_from_env_limits_loading(
     assert "typo_name" in caplog.text
 
 
+@pytest.mark.usefixtures("isolated_plugins")
+def test_a_minus_name_in_the_env_excludes_that_plugin_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CHASSIS_PLUGINS", "-broken")
+    good = FakeEntryPoint("good", "pkg_good", "d", SchedulerPlugin("alpha"))
+    broken = FakeEntryPoint("broken", "chassis_no_such_module_xyz", "d")
+    manager = PluginManager(lambda group: [good, broken] if group == GENERAL_GROUP else [])
+    assert manager.allow_list is None and manager.deny_list == frozenset({"broken"})
+    assert build_registries(manager).schedulers.names() == ["alpha"]
+    skipped = manager.records[(GENERAL_GROUP, "broken")]
+    assert (skipped.status, skipped.reason) == ("skipped", "excluded by CHASSIS_PLUGINS=-broken")
+    assert broken.load_count == 0
+    # names and exclusions together: only the named, minus the excluded
+    monkeypatch.setenv("CHASSIS_PLUGINS", "good,broken,-broken")
+    manager = PluginManager(lambda group: [good, broken] if group == GENERAL_GROUP else [])
+    assert build_registries(manager).schedulers.names() == ["alpha"]
+
+
+def test_a_plugin_without_hooks_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    manager = fake_manager(general=[FakeEntryPoint("empty", "types", "d", types.ModuleType("x"))])
+    with caplog.at_level(logging.WARNING, logger="chassis.plugins.manager"):
+        build_registries(manager)
+    record = manager.records[(GENERAL_GROUP, "empty")]
+    assert record.status == "loaded" and "implements no chassis_* hook" in record.reason
+    assert "'empty' implements no chassis_* hook" in caplog.text
+
+
 def test_explicit_allow_list_overrides_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CHASSIS_PLUGINS", "a")
     manager = fake_manager(
