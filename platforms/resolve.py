@@ -6,7 +6,7 @@ import logging
 import os
 
 from chassis.platforms.interface import Platform
-from chassis.plugins.manager import PluginManager
+from chassis.plugins.manager import PLATFORM_GROUP, PluginManager
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,17 @@ def resolve_platform(manager: PluginManager, forced: str | None = None) -> Platf
             "no platform is usable: no accelerator was detected and the CPU platform plugin is "
             "not loaded (is 'cpu' missing from CHASSIS_PLUGINS?)"
         )
-    return _select(cpu[0][1], "no accelerator platform is usable; falling back to the CPU")
+    reason = "no accelerator platform is usable; falling back to the CPU"
+    excluded = sorted(
+        record.name
+        for (group, _), record in manager.records.items()
+        if group == PLATFORM_GROUP and record.status == "skipped"
+    )
+    if excluded:
+        # Not silent: the operator's CHASSIS_PLUGINS kept these detectors from looking.
+        reason += f" (platform plugins not loaded, by CHASSIS_PLUGINS: {', '.join(excluded)})"
+        logger.warning("%s", reason)
+    return _select(cpu[0][1], reason)
 
 
 def _select(cls: type[Platform], reason: str) -> Platform:

@@ -160,7 +160,10 @@ def test_cpu_excluded_by_allow_list_is_a_clear_error() -> None:
 def test_allow_list_can_exclude_an_out_of_tree_platform() -> None:
     eps = [*builtin_platform_eps(), oot("vendor_a", VendorAPlatform, "vendor-a-dist")]
     manager = fake_manager(eps, allow_list=frozenset({"cpu", "cuda"}))
-    assert type(resolve_platform(manager)) is CpuPlatform
+    platform = resolve_platform(manager)
+    assert type(platform) is CpuPlatform
+    # the CPU fallback says which detectors the operator's CHASSIS_PLUGINS left out
+    assert "by CHASSIS_PLUGINS: rocm, tpu, vendor_a, xpu" in platform.selection_reason
 
 
 def test_offer_that_is_not_a_platform_class_is_an_error() -> None:
