@@ -67,6 +67,7 @@ def run_engine_core(
 
         core = EngineCore(EngineConfig.from_dict(config_dict))
     except BaseException as exc:
+        _die_quietly_on_sigterm()
         logger.exception("engine core failed to start")
         out_sock.send_multipart([ERROR, f"{type(exc).__name__}: {exc}".encode()])
         out_sock.close()
@@ -99,6 +100,7 @@ def run_engine_core(
     try:
         _busy_loop(core, inputs, outputs, parent_pid)
     except BaseException as exc:
+        _die_quietly_on_sigterm()
         if not isinstance(exc, SystemExit):
             logger.exception("engine core crashed")
             # The traceback is in this process's log (above); the front-end passes the error
@@ -108,9 +110,17 @@ def run_engine_core(
         outputs.put(None)
         writer.join(timeout=5)
         raise
+    _die_quietly_on_sigterm()
     outputs.put(None)
     writer.join(timeout=5)
     core.shutdown()
+
+
+def _die_quietly_on_sigterm() -> None:
+    """On the way out, a SIGTERM (the front-end making sure this process ends) ends it at
+    once: raised as SystemExit it would land in whatever exit handler runs, as a second
+    traceback in the log that has nothing to do with the error."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _busy_loop(
