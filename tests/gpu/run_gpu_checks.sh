@@ -83,6 +83,8 @@ fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
     "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'hip', torch.version.hip)"
     "$PY" -c "import fastapi, uvicorn, zmq, msgspec; print('server deps ok')"
+    # the serving step's HTTP parser and event loop (h11 and asyncio's loop without them)
+    "$PY" -c "import httptools, uvloop; print('httptools', httptools.__version__, 'uvloop', uvloop.__version__)"
 } >"$OUT/env.txt" 2>&1
 : >"$OUT/summary.txt"
 
