@@ -175,7 +175,7 @@ async def _events(
     encoder = ChunkEncoder("text_completion", request_id, created, model)
 
     def chunk(choices: list[dict[str, Any]], with_usage: bool) -> bytes:
-        return encoder.event(choices, usage.info() if with_usage else None)
+        return encoder.event(choices, usage.as_dict() if with_usage else None)
 
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:

@@ -232,13 +232,17 @@ class UsageCounter:
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def info(self) -> UsageInfo:
+        return UsageInfo(**self.as_dict())
+
+    def as_dict(self) -> dict[str, Any]:
+        """:meth:`info` as the plain dict its JSON is (streamed chunks skip the model)."""
         prompt = sum(self.prompt_tokens.values())
-        return UsageInfo(
-            prompt_tokens=prompt,
-            completion_tokens=self.completion_tokens,
-            total_tokens=prompt + self.completion_tokens,
-            prompt_tokens_details={"cached_tokens": sum(self.cached_tokens.values())},
-        )
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
 
 
 async def _empty() -> AsyncIterator[RequestOutput]:

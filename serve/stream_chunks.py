@@ -18,8 +18,6 @@ import msgspec
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from chassis.serve.protocol import UsageInfo
-
 _encode = msgspec.json.Encoder().encode
 
 
@@ -39,11 +37,13 @@ class ChunkEncoder:
     def __init__(self, object_type: str, response_id: str, created: int, model: str) -> None:
         self._head = {"id": response_id, "object": object_type, "created": created, "model": model}
 
-    def event(self, choices: list[dict[str, Any]], usage: UsageInfo | None) -> bytes:
-        """One event: the response's constant fields, ``choices`` and ``usage`` (or null)."""
+    def event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
+        """One event: the response's constant fields, ``choices`` and ``usage`` (or null):
+        a :class:`~chassis.serve.protocol.UsageInfo` as a dict
+        (``UsageCounter.as_dict()``)."""
         chunk = dict(self._head)
         chunk["choices"] = choices
-        chunk["usage"] = None if usage is None else usage.model_dump(mode="json")
+        chunk["usage"] = usage
         return b"data: " + _encode(chunk) + b"\n\n"
 
 

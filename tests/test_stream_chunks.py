@@ -22,7 +22,13 @@ from chassis.serve.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from chassis.serve.state import UsageCounter
 from chassis.serve.stream_chunks import ChunkEncoder, chat_choice, completion_choice
+
+
+def _as_dict(usage: UsageInfo | None) -> dict | None:
+    return None if usage is None else usage.model_dump(mode="json")
+
 
 USAGE = UsageInfo(
     prompt_tokens=7,
@@ -66,7 +72,7 @@ def test_completion_chunk_matches_the_pydantic_model(fields: dict, usage: UsageI
         usage=usage,
     ).model_dump_json()
     encoder = ChunkEncoder("text_completion", "cmpl-1", 1_700_000_000, "m")
-    event = encoder.event([completion_choice(**fields)], usage)
+    event = encoder.event([completion_choice(**fields)], _as_dict(usage))
     assert event == f"data: {reference}\n\n".encode()
 
 
@@ -74,7 +80,7 @@ def test_an_empty_usage_chunk_matches_the_pydantic_model() -> None:
     reference = CompletionResponse(
         id="cmpl-1", created=5, model="m", choices=[], usage=USAGE
     ).model_dump_json()
-    event = ChunkEncoder("text_completion", "cmpl-1", 5, "m").event([], USAGE)
+    event = ChunkEncoder("text_completion", "cmpl-1", 5, "m").event([], _as_dict(USAGE))
     assert event == f"data: {reference}\n\n".encode()
 
 
@@ -99,7 +105,7 @@ def test_chat_chunk_matches_the_pydantic_model(fields: dict, usage: UsageInfo | 
         usage=usage,
     ).model_dump_json()
     event = ChunkEncoder("chat.completion.chunk", "chatcmpl-1", 9, "served").event(
-        [chat_choice(**fields)], usage
+        [chat_choice(**fields)], _as_dict(usage)
     )
     assert event == f"data: {reference}\n\n".encode()
 
@@ -114,3 +120,12 @@ def test_several_choices_in_one_event() -> None:
     assert [c["text"] for c in body["choices"]] == ["a", "b"]
     assert body["choices"][1]["finish_reason"] == "stop"
     assert body["usage"] is None
+
+
+def test_the_usage_counter_dict_is_the_usage_model() -> None:
+    counter = UsageCounter()
+    counter.prompt_tokens.update({0: 7, 1: 5})
+    counter.cached_tokens.update({0: 4})
+    counter.completion_tokens = 3
+    assert counter.as_dict() == counter.info().model_dump(mode="json")
+    assert counter.info().total_tokens == 15
