@@ -95,7 +95,7 @@ class EngineConfig:
                 f"--gpu-memory-utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+            raise ValueError(f"--num-kv-blocks must be >= 1; got {self.num_kv_blocks}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -114,7 +114,13 @@ class EngineConfig:
                 "means no graph capture and no compilation); drop one"
             )
         if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0; got {self.max_logprobs}")
+            raise ValueError(f"--max-logprobs must be >= 0; got {self.max_logprobs}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty (omit it to use MODEL)")
+        if self.chat_template is not None:
+            from chassis.core.tokenizer import load_chat_template
+
+            load_chat_template(self.chat_template)  # a mistyped path fails here, not after loading
 
     def _validate_cuda_graph_sizes(self, sizes: list[int]) -> None:
         if not sizes:

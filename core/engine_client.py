@@ -28,6 +28,7 @@ from chassis.core.engine_core_proc import (
     OUTPUTS,
     READY,
     SHUTDOWN,
+    START_CONFIG_ERROR,
     run_engine_core,
 )
 from chassis.core.errors import EngineDeadError
@@ -97,9 +98,11 @@ class EngineCoreClient:
         waited = 0.0
         while waited < STARTUP_TIMEOUT_S:
             if poller.poll(500):
-                kind, payload = self._out.recv_multipart()
+                kind, payload, *detail = self._out.recv_multipart()
                 if kind == READY:
                     return msgspec.msgpack.decode(payload, type=EngineInfo)
+                if kind == ERROR and detail == [START_CONFIG_ERROR]:
+                    raise ValueError(payload.decode())  # a settings error, like the front-end's
                 if kind == ERROR:
                     raise EngineDeadError(f"engine core failed to start: {payload.decode()}")
                 raise EngineDeadError(f"unexpected first message from engine core: {kind!r}")

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
 READY, ERROR, OUTPUTS = b"ready", b"error", b"outputs"
+#: third frame of an ERROR at start-up: the settings cannot work (a ValueError)
+START_CONFIG_ERROR = b"config"
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
@@ -35,10 +37,12 @@ _abort_decoder = msgspec.msgpack.Decoder(list[str])
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans), and name it
+    ``chassis-engine`` (what ``ps``/``pgrep chassis`` show; its command line is Python's)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(15, b"chassis-engine", 0, 0, 0)  # PR_SET_NAME (15 bytes at most)
     except OSError:
         pass  # not Linux: the parent-pid check in the loop covers it
 
@@ -53,6 +57,9 @@ def run_engine_core(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Ctrl-C in a terminal reaches the whole process group; the front-end owns it and shuts
+    # this process down in order (a KeyboardInterrupt here would be a crash mid-step).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.setsockopt(zmq.LINGER, 1000)
@@ -68,8 +75,16 @@ def run_engine_core(
         core = EngineCore(EngineConfig.from_dict(config_dict))
     except BaseException as exc:
         _die_quietly_on_sigterm()
-        logger.exception("engine core failed to start")
-        out_sock.send_multipart([ERROR, f"{type(exc).__name__}: {exc}".encode()])
+        if isinstance(exc, SystemExit):  # SIGTERM while loading: the front-end is stopping
+            logger.info("engine core stopped during start-up")
+            kind, text = b"", "stopped during start-up"
+        elif isinstance(exc, ValueError):  # the settings cannot work (the message says why)
+            logger.error("engine core cannot start: %s", exc)
+            kind, text = START_CONFIG_ERROR, str(exc)
+        else:
+            logger.exception("engine core failed to start")
+            kind, text = b"", f"{type(exc).__name__}: {exc}"
+        out_sock.send_multipart([ERROR, text.encode(), kind])
         out_sock.close()
         raise SystemExit(1) from exc
     freeze_startup_heap()  # this process serves one engine until it exits

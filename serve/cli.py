@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chassis", description="chassis: a plugin-first LLM inference and serving engine"
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="logging level (default: INFO); goes before the sub-command",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMANDS.values():
         try:
@@ -57,6 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         return int(args.run(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`chassis plugins --json | head`): stop quietly, and keep
+        # Python's final flush of stdout from raising again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (PluginLoadError, PluginObjectError, PlatformError) as exc:
         logging.getLogger(__name__).debug("start-up failed", exc_info=True)
         print(f"chassis: {type(exc).__name__}: {exc}", file=sys.stderr)

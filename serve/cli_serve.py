@@ -152,9 +152,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the engine and the app, serve until SIGTERM/SIGINT or engine death.
+    """Bind the port, build the engine and the app, serve until SIGTERM/SIGINT or engine
+    death.
 
-    Returns 0 after a clean shutdown, 1 when the engine died, 2 for invalid settings.
+    Returns 0 after a clean shutdown (uvicorn then re-raises a SIGTERM, so the process ends
+    by that signal), 130 after Ctrl-C, 1 when the engine died or failed to start, 2 for
+    invalid settings (the port included).
     """
     try:
         settings = settings_from_args(args)
@@ -167,8 +170,15 @@ def run(args: argparse.Namespace) -> int:
     from chassis.core.errors import EngineDeadError
     from chassis.core.heap import freeze_startup_heap
     from chassis.serve.app import build_app
-    from chassis.serve.server import run_server
+    from chassis.serve.server import bind_socket, run_server
 
+    # Take the port first: a port in use fails now, not after loading the model.
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+        return 2
+    settings.port = sock.getsockname()[1]  # the real one when --port 0
     if settings.api_key is None:
         logger.warning(
             "no API key set (--api-key or $%s): any client that can reach %s:%d may use it",
@@ -179,20 +189,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = AsyncLLM.from_engine_config(config)
     except ValueError as exc:  # PluginLoadError and PluginObjectError: main() reports, exit 1
+        sock.close()
         logger.error("cannot start the engine: %s", exc)
         return 2
     except EngineDeadError as exc:  # the engine core's own log above has the traceback
+        sock.close()
         logger.debug("engine start-up failed", exc_info=True)
         logger.error("cannot start the engine: %s", exc)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        sock.close()
+        return 130
     try:
         app = build_app(engine, settings)
         freeze_startup_heap()  # this process serves one app until it exits
-        return run_server(app, settings)
+        return run_server(app, settings, sock)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
     finally:
+        sock.close()
         # The app's lifespan shuts the engine down on a normal exit; this covers start-up
         # failures and forced exits. Shutdown is idempotent.
         try:

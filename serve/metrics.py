@@ -161,9 +161,9 @@ class ServerMetrics:
     def success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()
 
-    def tracker(self) -> RequestTracker:
-        """A tracker for one engine request, started now."""
-        return RequestTracker(self)
+    def tracker(self, n: int = 1) -> RequestTracker:
+        """A tracker for one engine request of ``n`` completions, started now."""
+        return RequestTracker(self, n)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -173,12 +173,15 @@ class ServerMetrics:
 class RequestTracker:
     """Observes the outputs of one engine request (all ``n`` completions) as they stream."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int = 1) -> None:
         self.metrics = metrics
         self.start = time.monotonic()
         self.last: float | None = None
         self.prompt_counted = False
         self.finished = False
+        self.n = n
+        #: completion indices whose finish reason was counted
+        self.counted: set[int] = set()
 
     def observe(self, output: RequestOutput) -> None:
         """Record one delta-mode output of the request."""
@@ -199,11 +202,20 @@ class RequestTracker:
                     self.metrics.itl.observe(per_token)
             self.last = now
         for completion in output.outputs:
-            if completion.finish_reason is not None:
+            if completion.finish_reason is not None and completion.index not in self.counted:
+                self.counted.add(completion.index)
                 self.metrics.success(completion.finish_reason)
         if output.finished and not self.finished:
             self.finished = True
             self.metrics.e2e.observe(now - self.start)
+
+    def close(self) -> None:
+        """The request's stream ended: completions that never finished were aborted (the
+        client went away, or the server shut down), and count as ``finished_reason="abort"``,
+        as vLLM counts them."""
+        for _ in range(self.n - len(self.counted)):
+            self.metrics.success("abort")
+        self.counted = set(range(self.n))
 
     def _observe_queue_time(self, output: RequestOutput) -> None:
         m = output.metrics

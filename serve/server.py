@@ -113,13 +113,36 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
     )
 
 
-async def serve_app(app: FastAPI, settings: ServerSettings) -> int:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv4 or IPv6, as ``host`` resolves; port 0: any
+    free port), not yet listening. ``chassis serve`` binds before it loads the model, so a
+    port in use fails in a second instead of after a start-up of minutes.
+
+    :raises OSError: the address cannot be bound (in use, not local, unknown host).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve_app(
+    app: FastAPI, settings: ServerSettings, sock: socket.socket | None = None
+) -> int:
     """Serve ``app`` (from :func:`~chassis.serve.app.build_app`) until a signal or engine
-    death; return the exit status (0, or 1 when the engine died)."""
+    death, on ``sock`` (from :func:`bind_socket`) or else on a socket bound now; return the
+    exit status (0, or 1 when the engine died)."""
     state: ServerState = app.state.chassis
     server = ChassisServer(uvicorn_config(app, settings), state)
     state.engine.add_dead_callback(server.on_engine_dead)
-    await server.serve()
+    await server.serve(sockets=[sock] if sock is not None else None)
     return 1 if server.engine_died or state.engine.errored else 0
 
 
@@ -133,10 +156,10 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def run_server(app: FastAPI, settings: ServerSettings) -> int:
+def run_server(app: FastAPI, settings: ServerSettings, sock: socket.socket | None = None) -> int:
     """Blocking :func:`serve_app`; Ctrl-C returns 130 instead of a traceback."""
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            return runner.run(serve_app(app, settings))
+            return runner.run(serve_app(app, settings, sock))
     except KeyboardInterrupt:
         return 130

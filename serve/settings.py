@@ -57,6 +57,8 @@ class ServerSettings:
             raise ValueError(
                 f"--max-header-size must be at least 1 KiB; got {self.max_header_bytes}"
             )
+        if self.timeout_keep_alive_s < 0:
+            raise ValueError(f"--timeout-keep-alive must be >= 0; got {self.timeout_keep_alive_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout_s}")
         if self.allow_credentials and "*" in self.allowed_origins:

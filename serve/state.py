@@ -128,7 +128,7 @@ class ServerState:
         request_id: str,
         priority: int,
     ) -> AsyncIterator[RequestOutput]:
-        tracker = self.metrics.tracker()
+        tracker = self.metrics.tracker(params.n)
         self.inflight.add(request_id)
         try:
             stream = self.engine.generate(prompt, params, request_id, priority=priority, delta=True)
@@ -145,6 +145,7 @@ class ServerState:
                 return
             raise
         finally:
+            tracker.close()
             self.inflight.discard(request_id)
             self._aborted.discard(request_id)
 

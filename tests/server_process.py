@@ -205,7 +205,10 @@ def start_server(
     cmd += list(extra_args)
     env = {**os.environ, "CHASSIS_API_KEY": api_key}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # its own process group: a test may signal the whole group, as a terminal's Ctrl-C does
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log, served_model_name, api_key)
     deadline = time.monotonic() + startup_timeout
     while True:

@@ -262,9 +262,18 @@ def test_model_flag_and_positional() -> None:
         engine_config_from_args(_serve_parser().parse_args(["y", "--model", "x"]))
 
 
-def test_invalid_engine_flag_value_is_value_error() -> None:
+def test_invalid_engine_flag_value_is_value_error(tmp_path) -> None:
     with pytest.raises(ValueError, match="block-size"):
         engine_config_from_args(_serve_parser().parse_args(["--block-size", "3"]))
+    with pytest.raises(ValueError, match="--served-model-name must not be empty"):
+        engine_config_from_args(_serve_parser().parse_args(["--served-model-name", " "]))
+    # a mistyped template path is found with the other settings, before the model loads
+    with pytest.raises(ValueError, match=r"--chat-template .* neither an existing file"):
+        engine_config_from_args(
+            _serve_parser().parse_args(["--chat-template", str(tmp_path / "typo.jinja")])
+        )
+    with pytest.raises(ValueError, match="--num-kv-blocks must be >= 1"):
+        engine_config_from_args(_serve_parser().parse_args(["--num-kv-blocks", "0"]))
 
 
 def test_server_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,6 +307,16 @@ def test_server_settings_validation() -> None:
         ServerSettings(allowed_origins=["*"], allow_credentials=True)
     with pytest.raises(ValueError, match="api-key"):
         ServerSettings(api_key="")
+    with pytest.raises(ValueError, match="--timeout-keep-alive must be >= 0"):
+        ServerSettings(timeout_keep_alive_s=-1)
+
+
+def test_log_level_is_checked_and_case_insensitive() -> None:
+    from chassis.serve.cli import build_parser
+
+    assert build_parser().parse_args(["--log-level", "debug", "env"]).log_level == "DEBUG"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-level", "bogus", "env"])
 
 
 def test_plugin_flags_reach_plugin_args(isolated_plugins: None) -> None:  # noqa: F811
