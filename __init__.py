@@ -15,8 +15,10 @@ __all__ = [
     "LLM",
     "PLUGIN_API_VERSION",
     "AsyncLLM",
+    "CompletionOutput",
     "EngineConfig",
     "Platform",
+    "RequestOutput",
     "SamplingParams",
     "__version__",
     "hookimpl",
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from chassis.core.async_llm import AsyncLLM
     from chassis.core.config import EngineConfig
     from chassis.core.llm import LLM
+    from chassis.core.outputs import CompletionOutput, RequestOutput
     from chassis.core.sampling_params import SamplingParams
     from chassis.platforms.interface import Platform
     from chassis.plugins import PLUGIN_API_VERSION
@@ -36,6 +39,8 @@ _LAZY = {
     "LLM": "chassis.core.llm",
     "AsyncLLM": "chassis.core.async_llm",
     "EngineConfig": "chassis.core.config",
+    "RequestOutput": "chassis.core.outputs",
+    "CompletionOutput": "chassis.core.outputs",
     "SamplingParams": "chassis.core.sampling_params",
     "Platform": "chassis.platforms.interface",
     "PLUGIN_API_VERSION": "chassis.plugins",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from numbers import Integral
 from typing import TYPE_CHECKING
 
 from chassis.core.request import EngineCoreRequest
@@ -54,8 +55,19 @@ class InputProcessor:
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len: int = config.max_model_len
+        #: the engine's scheduler (a non-zero priority needs one that uses it)
+        self.scheduler = config.scheduler
+        self._uses_priority: bool | None = None
         #: ids in [0, vocab_size) are valid (added tokens included)
         self.vocab_size = len(tokenizer) if tokenizer is not None else int(vocab_size or 0)
+
+    def _scheduler_uses_priority(self) -> bool:
+        if self._uses_priority is None:
+            from chassis.plugins.registries import get_registries
+
+            scheduler_cls = get_registries().schedulers.get(self.scheduler)
+            self._uses_priority = bool(getattr(scheduler_cls, "uses_priority", False))
+        return self._uses_priority
 
     def tokenize(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         """``prompt`` as token ids, with the tokenizer's special tokens (BOS) unless told not."""
@@ -87,9 +99,17 @@ class InputProcessor:
         """
         if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        if priority != 0 and not self._scheduler_uses_priority():
+            raise ValueError(
+                f"priority {priority} was given, but the {self.scheduler!r} scheduler ignores "
+                "priorities; start the engine with --scheduler priority (scheduler='priority')"
+            )
         if isinstance(prompt, str):
             prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         else:
+            not_ints = [t for t in prompt if isinstance(t, bool) or not isinstance(t, Integral)]
+            if not_ints:
+                raise ValueError(f"prompt token ids must be integers; got {not_ints[:10]}")
             prompt_token_ids = [int(t) for t in prompt]
         params = self._validate(prompt_token_ids, params)
         if arrival_time is None:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from chassis.core.chat import render_chat
 from chassis.core.config import EngineConfig
 from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
@@ -14,7 +15,7 @@ from chassis.core.input_processor import InputProcessor
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import RequestOutput
 from chassis.core.sampling_params import SamplingParams
-from chassis.core.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from chassis.core.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -77,6 +78,8 @@ class LLM:
                 f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
             )
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         output_processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
         batch_tag = uuid.uuid4().hex[:8]
@@ -126,21 +129,37 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then :meth:`generate`."""
+        """Apply the chat template to each conversation, then :meth:`generate`.
+
+        As vLLM's ``LLM.chat`` (and the server's chat route, which renders the same way,
+        :mod:`chassis.core.chat`): content may be a string or a list of text parts;
+        ``chat_template`` (a file path or inline Jinja) overrides the model's;
+        ``continue_final_message`` continues the last assistant message instead of starting a
+        new turn; ``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``
+        for Qwen3) reach the template. A message or conversation the template cannot take
+        raises ``ValueError``.
+        """
         if self.tokenizer is None:
             raise ValueError(
                 "chat needs a tokenizer, and this LLM was created with skip_tokenizer_init"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = load_chat_template(chat_template or self.config.chat_template)
         prompts: list[Prompt] = []
         for conversation in conversations:
-            text = apply_chat_template(
+            text = render_chat(
                 self.tokenizer,
                 conversation,
-                chat_template=chat_template or self.config.chat_template,
-                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
             # The template already contains the special tokens it needs.
             prompts.append(

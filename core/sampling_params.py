@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 
 import msgspec
 
@@ -43,13 +44,39 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # vLLM declares these Optional: None means none
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._validate()
+
+    def _check_types(self) -> None:
+        """``ValueError`` (not a ``TypeError`` from a comparison) for a number of the wrong
+        type, e.g. ``temperature="0.5"``; bools are not numbers here. numpy scalars become
+        Python numbers (the engine core receives these fields as msgpack)."""
+        numbers = ("temperature", "top_p", "min_p", "repetition_penalty")
+        numbers += ("presence_penalty", "frequency_penalty")
+        integers = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs")
+        integers += ("prompt_logprobs",)
+        for name in numbers + integers:
+            value = getattr(self, name)
+            if value is None and name not in numbers:
+                continue
+            kind = Real if name in numbers else Integral
+            if isinstance(value, bool) or not isinstance(value, kind):
+                what = "a number" if name in numbers else "an integer"
+                raise ValueError(
+                    f"invalid sampling parameter {name}: must be {what}, got {value!r}"
+                )
+            setattr(self, name, float(value) if name in numbers else int(value))
 
     def _validate(self) -> None:
         def bad(field: str, why: str) -> ValueError:

@@ -110,6 +110,9 @@ class Scheduler(ABC):
 
     #: whether this scheduler honours the async-scheduling contract above
     supports_async_scheduling: ClassVar[bool] = False
+    #: whether this scheduler orders requests by ``Request.priority``; a request with a
+    #: non-zero priority is refused (``ValueError``, as vLLM) by a scheduler that would ignore it
+    uses_priority: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config

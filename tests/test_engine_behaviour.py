@@ -107,7 +107,10 @@ def test_preemption_keeps_greedy_outputs_and_frees_every_block(
     llm = tiny_llm(scheduler, enable_prefix_caching)
     before = llm.engine.scheduler.stats().num_preemptions
     # Priorities out of arrival order make the priority scheduler preempt for waiting requests.
-    priority = [(7 * i) % 5 for i in range(len(PREEMPTION_PROMPTS))]
+    # (fcfs refuses non-zero priorities, as vLLM does)
+    priority = [
+        (7 * i) % 5 if scheduler == "priority" else 0 for i in range(len(PREEMPTION_PROMPTS))
+    ]
     outputs = llm.generate(PREEMPTION_PROMPTS, GREEDY, priority=priority)
 
     assert llm.engine.scheduler.stats().num_preemptions > before

@@ -107,7 +107,9 @@ def test_load_chat_template(tmp_path):
 
 @pytest.fixture
 def processor(smol_tokenizer):  # noqa: F811
-    return InputProcessor(smol_tokenizer, EngineConfig(max_model_len=64, max_logprobs=5), [EOS])
+    return InputProcessor(
+        smol_tokenizer, EngineConfig(max_model_len=64, max_logprobs=5, scheduler="priority"), [EOS]
+    )
 
 
 def test_process_text_prompt(processor, smol_tokenizer):  # noqa: F811
@@ -172,6 +174,31 @@ def test_invalid_prompts_and_params(processor):
         InputProcessor(processor.tokenizer, EngineConfig(), [EOS])
     with pytest.raises(ValueError, match="priority must be a 64-bit integer"):
         processor.process("Hi", SamplingParams(), "r", priority=2**63)
+    # token ids are integers: 1.5 is not silently token 1
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers; got \[1.5, True\]"):
+        processor.process([5, 1.5, True], SamplingParams(), "r")
+
+
+def test_a_priority_needs_a_scheduler_that_uses_it(smol_tokenizer):  # noqa: F811
+    fcfs = InputProcessor(smol_tokenizer, EngineConfig(max_model_len=64), [EOS])
+    fcfs.process("Hi", SamplingParams(), "r", priority=0)  # the default: fine
+    with pytest.raises(ValueError, match=r"'fcfs' scheduler ignores priorities"):
+        fcfs.process("Hi", SamplingParams(), "r", priority=3)
+    by_priority = InputProcessor(
+        smol_tokenizer, EngineConfig(max_model_len=64, scheduler="priority"), [EOS]
+    )
+    assert by_priority.process("Hi", SamplingParams(), "r", priority=3)[0].priority == 3
+
+
+def test_sampling_params_types_and_vllm_nones() -> None:
+    import numpy as np
+
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []  # vLLM's Optional fields
+    params = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5))
+    assert type(params.max_tokens) is int and type(params.temperature) is float
+    for field, value in (("temperature", "0.5"), ("n", 1.5), ("top_k", True)):
+        with pytest.raises(ValueError, match=f"invalid sampling parameter {field}: must be"):
+            SamplingParams(**{field: value})
 
 
 @pytest.mark.parametrize(

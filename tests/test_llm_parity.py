@@ -96,6 +96,29 @@ def test_smollm2_chat_answers(smollm2_dir):
     )
     assert out[0].outputs[0].text.strip() == "The capital of France is Paris."
     assert out[0].outputs[0].finish_reason == "stop"
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    # text parts render as the plain string does (vLLM's LLM.chat, and the server)
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the capital"},
+                {"type": "text", "text": "of France?"},
+            ],
+        }
+    ]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    assert llm.chat(parts, one)[0].prompt == llm.chat(joined, one)[0].prompt
+    # an assistant turn to continue, and kwargs that reach the template
+    prefix = [*joined, {"role": "assistant", "content": "The capital"}]
+    continued = llm.chat(prefix, one, continue_final_message=True)[0].prompt
+    assert continued.endswith("The capital")
+    inline = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ flavour }}"
+    rendered = llm.chat(joined, one, chat_template=inline, chat_template_kwargs={"flavour": "X"})
+    assert rendered[0].prompt == "What is the capital\nof France?|X"
+    with pytest.raises(ValueError, match="only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], one)
+    assert llm.chat(joined, one)[0].outputs[0].token_ids  # still serving after the error
 
 
 def test_a_model_without_attention_layers_runs_and_matches_hf(tmp_path):

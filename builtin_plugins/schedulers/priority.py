@@ -20,6 +20,8 @@ class PriorityScheduler(ContinuousBatchingScheduler):
     worse than its own to get in.
     """
 
+    uses_priority = True
+
     def sort_key(self, request: Request) -> tuple[int, int]:
         """``(priority, arrival index)``."""
         return (request.priority, self.arrival_index(request))

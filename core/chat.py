@@ -1,0 +1,142 @@
+"""OpenAI-style chat messages -> the prompt text of a chat template (``LLM.chat`` and the
+server's ``/v1/chat/completions`` both render through :func:`render_chat`).
+
+Messages are normalized to what templates expect: text content parts are joined into one
+string (other part types are refused), absent content (an assistant turn that only calls
+tools) is the empty string, and tool-call ``arguments`` sent as JSON strings are parsed to
+objects (templates index into them). Template failures (``raise_exception`` in the template,
+messages shaped unlike what it indexes) become ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
+
+from chassis.core.tokenizer import apply_chat_template
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class ChatMessageError(ValueError):
+    """A message the renderer cannot use; ``index`` is its position in the conversation."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+def content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    """OpenAI content (a string or a list of parts) as one string; only text parts allowed.
+
+    Absent content (``None``) is the empty string, which templates handle; many index
+    ``message['content']`` directly.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatMessageError(
+            f"messages[{index}].content must be a string or a list of parts; got "
+            f"{type(content).__name__}",
+            index,
+        )
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text":
+            raise ChatMessageError(
+                f"messages[{index}].content: only text parts are supported; got type {kind!r}",
+                index,
+            )
+        if not isinstance(part.get("text"), str):
+            raise ChatMessageError(
+                f"messages[{index}].content[{j}]: a text part needs a string field 'text'", index
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _tool_calls_for_template(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for call in tool_calls:
+        call = dict(call)
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            function = dict(function)
+            # not JSON: give the template the string as sent
+            with contextlib.suppress(json.JSONDecodeError):
+                function["arguments"] = json.loads(function["arguments"])
+            call["function"] = function
+        out.append(call)
+    return out
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The plain dicts chat templates iterate over (see the module docstring); keys other
+    than ``content`` and ``tool_calls`` (``name``, ``tool_call_id``, ``reasoning_content``...)
+    pass through unchanged. The input is not modified."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ChatMessageError(f"messages[{i}] must be an object with a string 'role'", i)
+        item = {k: v for k, v in message.items() if v is not None or k == "content"}
+        item["content"] = content_text(message.get("content"), i)
+        if message.get("tool_calls") is not None:
+            item["tool_calls"] = _tool_calls_for_template(message["tool_calls"])
+        out.append(item)
+    return out
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The prompt text of one conversation.
+
+    ``chat_template`` (the template text) overrides the tokenizer's; ``continue_final_message``
+    leaves the last (assistant) message open for the model to continue, and cannot be combined
+    with ``add_generation_prompt``; ``tools`` and ``chat_template_kwargs`` (e.g. Qwen3's
+    ``enable_thinking``) reach the template. Raises ``ChatMessageError`` for a message it
+    cannot use and ``ValueError`` when the template refuses the conversation.
+    """
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    kwargs = dict(chat_template_kwargs or {})
+    # The caller owns these; template kwargs must not switch tokenization on.
+    for reserved in ("tokenize", "return_dict", "chat_template"):
+        kwargs.pop(reserved, None)
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    items = normalize_messages(messages)
+    try:
+        return apply_chat_template(
+            tokenizer,
+            items,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **kwargs,
+        )
+    except ValueError as exc:
+        if "no chat template" in str(exc):
+            raise
+        raise ValueError(f"cannot render the chat messages: {exc}") from None
+    except (TemplateError, TypeError, KeyError) as exc:
+        # raise_exception(...) in the template, or messages shaped unlike what the template
+        # indexes into: the caller's input, not a bug here.
+        raise ValueError(
+            f"the chat template rejected the messages: {type(exc).__name__}: {exc}"
+        ) from None
