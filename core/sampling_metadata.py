@@ -19,6 +19,9 @@ from chassis.core.sampling_params import SamplingParams
 SAMPLING_EPS = 1e-5
 
 
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
+
+
 @dataclass
 class SamplingMetadata:
     """Settings for the rows that sample this step (row ``i`` = ``i``-th sampling request).
@@ -170,7 +173,10 @@ def build_sampling_metadata(
             temperature.append(params.temperature)
             k = params.top_k if params.top_k < vocab_size else 0
             top_k.append(k)
-            top_p.append(params.top_p)
+            # float32 flushes a p below ~1e-45 to 0, which would drop every token (the filter
+            # keeps what has less mass before it than p); the smallest normal float keeps the
+            # most likely token, which is what any p that small means
+            top_p.append(max(params.top_p, _FLOAT32_TINY))
             min_p.append(params.min_p)
             use_top_k |= k > 0
             if params.top_p < 1.0 and k == 0:

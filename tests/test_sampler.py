@@ -294,6 +294,15 @@ def test_top_p_smallest_set_reaching_p() -> None:
         assert int(torch.isfinite(logits).sum()) == expected, p
 
 
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token(sampler) -> None:
+    # 1e-46 is 0 in float32, which once dropped every token (all -inf: token 0 every time)
+    logits = torch.randn(1, VOCAB)
+    best = int(logits.argmax())
+    for p in (1e-46, 1e-300):
+        params = SamplingParams(temperature=1.0, top_p=p, seed=0)
+        assert int(run(sampler, logits, [row(params, seed=0)]).sampled_token_ids[0]) == best
+
+
 # --- temperature and the distribution -----------------------------------------------------
 
 
