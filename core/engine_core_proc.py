@@ -80,6 +80,7 @@ def run_engine_core(
             kind, text = b"", "stopped during start-up"
         elif isinstance(exc, ValueError):  # the settings cannot work (the message says why)
             logger.error("engine core cannot start: %s", exc)
+            logger.debug("where it was raised", exc_info=True)  # --log-level DEBUG
             kind, text = START_CONFIG_ERROR, str(exc)
         else:
             logger.exception("engine core failed to start")

@@ -97,8 +97,13 @@ class InputProcessor:
         so completions differ yet reproduce. ``add_special_tokens=False`` suits prompts
         rendered by a chat template that already contains BOS.
         """
-        if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, Integral)
+            or not -(2**63) <= priority < 2**63
+        ):
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        priority = int(priority)  # numpy integers too
         if priority != 0 and not self._scheduler_uses_priority():
             raise ValueError(
                 f"priority {priority} was given, but the {self.scheduler!r} scheduler ignores "

@@ -77,6 +77,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     f"invalid sampling parameter {name}: must be {what}, got {value!r}"
                 )
             setattr(self, name, float(value) if name in numbers else int(value))
+        if not isinstance(self.stop, list) or not all(isinstance(x, str) for x in self.stop):
+            raise ValueError(
+                f"invalid sampling parameter stop: must be a string or a list of strings, "
+                f"got {self.stop!r}"
+            )
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or any(
+            isinstance(t, bool) or not isinstance(t, Integral) for t in ids
+        ):
+            raise ValueError(
+                f"invalid sampling parameter stop_token_ids: must be a list of integers, "
+                f"got {ids!r}"
+            )
+        self.stop_token_ids = [int(t) for t in ids]
 
     def _validate(self) -> None:
         def bad(field: str, why: str) -> ValueError:

@@ -170,15 +170,20 @@ def run(args: argparse.Namespace) -> int:
     from chassis.core.errors import EngineDeadError
     from chassis.core.heap import freeze_startup_heap
     from chassis.serve.app import build_app
-    from chassis.serve.server import bind_socket, run_server
+    from chassis.serve.server import bind_sockets, run_server
 
     # Take the port first: a port in use fails now, not after loading the model.
     try:
-        sock = bind_socket(settings.host, settings.port)
+        sockets = bind_sockets(settings.host, settings.port)
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return 2
-    settings.port = sock.getsockname()[1]  # the real one when --port 0
+    settings.port = sockets[0].getsockname()[1]  # the real one when --port 0
+
+    def close_sockets() -> None:
+        for sock in sockets:
+            sock.close()
+
     if settings.api_key is None:
         logger.warning(
             "no API key set (--api-key or $%s): any client that can reach %s:%d may use it",
@@ -189,26 +194,29 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = AsyncLLM.from_engine_config(config)
     except ValueError as exc:  # PluginLoadError and PluginObjectError: main() reports, exit 1
-        sock.close()
+        close_sockets()
         logger.error("cannot start the engine: %s", exc)
         return 2
     except EngineDeadError as exc:  # the engine core's own log above has the traceback
-        sock.close()
+        close_sockets()
         logger.debug("engine start-up failed", exc_info=True)
         logger.error("cannot start the engine: %s", exc)
         return 1
     except KeyboardInterrupt:  # Ctrl-C while the model loads
-        sock.close()
+        close_sockets()
         return 130
+    except BaseException:
+        close_sockets()
+        raise
     try:
         app = build_app(engine, settings)
         freeze_startup_heap()  # this process serves one app until it exits
-        return run_server(app, settings, sock)
+        return run_server(app, settings, sockets)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
     finally:
-        sock.close()
+        close_sockets()
         # The app's lifespan shuts the engine down on a normal exit; this covers start-up
         # failures and forced exits. Shutdown is idempotent.
         try:

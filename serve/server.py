@@ -113,36 +113,55 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
     )
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (IPv4 or IPv6, as ``host`` resolves; port 0: any
-    free port), not yet listening. ``chassis serve`` binds before it loads the model, so a
-    port in use fails in a second instead of after a start-up of minutes.
+#: listen backlog, uvicorn's default
+BACKLOG = 2048
 
-    :raises OSError: the address cannot be bound (in use, not local, unknown host).
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening TCP sockets for ``host:port``, as asyncio's ``create_server`` (what uvicorn
+    used before) makes them: one per address ``host`` resolves to (``localhost``: 127.0.0.1
+    and ::1; ``""``: every interface), IPv6 ones IPv6-only, port 0 one free port for all.
+
+    ``chassis serve`` binds before it loads the model, so a port in use (by another server,
+    or by a second ``chassis serve`` still loading) fails in a second, not after a start-up
+    of minutes; connections made during the load wait in the backlog.
+
+    :raises OSError: an address cannot be bound (in use, not local, unknown host).
     """
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    seen = set()
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-        sock.bind(address)
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # the port the first socket got
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(BACKLOG)
     except OSError:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise
-    return sock
+    return sockets
 
 
 async def serve_app(
-    app: FastAPI, settings: ServerSettings, sock: socket.socket | None = None
+    app: FastAPI, settings: ServerSettings, sockets: list[socket.socket] | None = None
 ) -> int:
     """Serve ``app`` (from :func:`~chassis.serve.app.build_app`) until a signal or engine
-    death, on ``sock`` (from :func:`bind_socket`) or else on a socket bound now; return the
-    exit status (0, or 1 when the engine died)."""
+    death, on ``sockets`` (from :func:`bind_sockets`) or else on sockets bound now; return
+    the exit status (0, or 1 when the engine died)."""
     state: ServerState = app.state.chassis
     server = ChassisServer(uvicorn_config(app, settings), state)
     state.engine.add_dead_callback(server.on_engine_dead)
-    await server.serve(sockets=[sock] if sock is not None else None)
+    await server.serve(sockets=sockets)
     return 1 if server.engine_died or state.engine.errored else 0
 
 
@@ -156,10 +175,12 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def run_server(app: FastAPI, settings: ServerSettings, sock: socket.socket | None = None) -> int:
+def run_server(
+    app: FastAPI, settings: ServerSettings, sockets: list[socket.socket] | None = None
+) -> int:
     """Blocking :func:`serve_app`; Ctrl-C returns 130 instead of a traceback."""
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            return runner.run(serve_app(app, settings, sock))
+            return runner.run(serve_app(app, settings, sockets))
     except KeyboardInterrupt:
         return 130

@@ -130,6 +130,7 @@ class ServerState:
     ) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker(params.n)
         self.inflight.add(request_id)
+        failed = False  # refused (400) or engine death: not an abort by the client
         try:
             stream = self.engine.generate(prompt, params, request_id, priority=priority, delta=True)
             async with contextlib.aclosing(stream):
@@ -144,8 +145,12 @@ class ServerState:
             if request_id in self._aborted and (task is None or not task.cancelling()):
                 return
             raise
+        except Exception:
+            failed = True
+            raise
         finally:
-            tracker.close()
+            if not failed:
+                tracker.close()
             self.inflight.discard(request_id)
             self._aborted.discard(request_id)
 

@@ -43,3 +43,25 @@ def test_the_refusal_is_a_complete_openai_shaped_431() -> None:
 def test_uvloop_is_the_event_loop_when_installed() -> None:
     uvloop = pytest.importorskip("uvloop")
     assert event_loop_factory() is uvloop.new_event_loop
+
+
+def test_bind_sockets_listens_on_every_address_of_the_host() -> None:
+    import socket
+
+    from chassis.serve.server import bind_sockets
+
+    sockets = bind_sockets("localhost", 0)
+    try:
+        ports = {s.getsockname()[1] for s in sockets}
+        assert len(ports) == 1  # port 0: one free port for every address
+        families = {s.family for s in sockets}
+        assert socket.AF_INET in families  # localhost's 127.0.0.1 is served
+        port = ports.pop()
+        # listening already: a second server (still loading, or not) cannot take the port
+        with pytest.raises(OSError):
+            bind_sockets("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # accepted into the backlog while nothing serves yet
+    finally:
+        for sock in sockets:
+            sock.close()

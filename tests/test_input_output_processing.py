@@ -196,7 +196,15 @@ def test_sampling_params_types_and_vllm_nones() -> None:
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []  # vLLM's Optional fields
     params = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5))
     assert type(params.max_tokens) is int and type(params.temperature) is float
-    for field, value in (("temperature", "0.5"), ("n", 1.5), ("top_k", True)):
+    assert SamplingParams(stop_token_ids=[np.int64(3)]).stop_token_ids == [3]
+    for field, value in (
+        ("temperature", "0.5"),
+        ("n", 1.5),
+        ("top_k", True),
+        ("stop_token_ids", [1.5]),
+        ("stop_token_ids", [True]),
+        ("stop", [1]),
+    ):
         with pytest.raises(ValueError, match=f"invalid sampling parameter {field}: must be"):
             SamplingParams(**{field: value})
 

@@ -393,6 +393,52 @@ def _send_endless_head(base: str) -> tuple[bytes, bytes]:
     return head.split(b"\r\n")[0], body
 
 
+def _connect(base: str) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def test_an_endless_chunked_trailer_is_cut_off_and_h2c_upgrades_refused() -> None:
+    proc, base = _start_server()
+    try:
+        # A chunked body whose trailer never ends: httptools would buffer it without limit.
+        with _connect(base) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n0\r\nX-Trailer: "
+            )
+            sent = 0
+            with contextlib.suppress(OSError):
+                while sent < 4_000_000:
+                    sock.sendall(b"a" * 8192)
+                    sent += 8192
+                    time.sleep(0.001)
+            assert sent < 1_000_000, "the server kept reading an endless trailer"
+        # What curl --http2 sends over plain HTTP: the body would be lost, so a clear 400.
+        body = b'{"prompt": "x", "max_tokens": 1}'
+        with _connect(base) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, "
+                b"HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA"
+                b"\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            response = b""
+            with contextlib.suppress(OSError):
+                while chunk := sock.recv(65536):
+                    response += chunk
+        head, _, payload = response.partition(b"\r\n\r\n")
+        if HttpToolsProtocol is not None:
+            assert head.startswith(b"HTTP/1.1 400"), response
+            assert json.loads(payload)["error"]["code"] == "upgrade_not_supported"
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
 def test_oversized_headers_are_refused_by_the_real_server() -> None:
     proc, base = _start_server()
     try:

@@ -535,6 +535,10 @@ def test_metrics(client: TestClient) -> None:
     for line in expected:
         assert line in text, line
     assert "_created" not in text
+    # a request refused with a 400 never ran: it is not an aborted completion
+    refused = client.post("/v1/completions", json={"prompt": "ab" * 500, "n": 4})
+    assert refused.status_code == 400
+    assert 'finished_reason="abort"' not in client.get("/metrics").text
 
 
 def test_metrics_survive_a_dead_engine(client: TestClient, engine: FakeAsyncLLM) -> None:
