@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from chassis.core.tokenizer import apply_chat_template
+from chassis.core.tokenizer import NoChatTemplateError, apply_chat_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -130,9 +130,9 @@ def render_chat(
             tools=tools,
             **kwargs,
         )
+    except NoChatTemplateError:
+        raise
     except ValueError as exc:
-        if "no chat template" in str(exc):
-            raise
         raise ValueError(f"cannot render the chat messages: {exc}") from None
     except (TemplateError, TypeError, KeyError) as exc:
         # raise_exception(...) in the template, or messages shaped unlike what the template

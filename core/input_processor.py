@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from numbers import Integral
 from typing import TYPE_CHECKING
 
 from chassis.core.request import EngineCoreRequest
+from chassis.core.sampling_params import is_integer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -55,9 +55,7 @@ class InputProcessor:
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len: int = config.max_model_len
-        #: the engine's scheduler (a non-zero priority needs one that uses it)
-        self.scheduler = config.scheduler
-        self._uses_priority: bool | None = None
+        self._uses_priority: bool | None = None  # the scheduler's, asked on first need
         #: ids in [0, vocab_size) are valid (added tokens included)
         self.vocab_size = len(tokenizer) if tokenizer is not None else int(vocab_size or 0)
 
@@ -65,7 +63,7 @@ class InputProcessor:
         if self._uses_priority is None:
             from chassis.plugins.registries import get_registries
 
-            scheduler_cls = get_registries().schedulers.get(self.scheduler)
+            scheduler_cls = get_registries().schedulers.get(self.config.scheduler)
             self._uses_priority = bool(getattr(scheduler_cls, "uses_priority", False))
         return self._uses_priority
 
@@ -97,22 +95,18 @@ class InputProcessor:
         so completions differ yet reproduce. ``add_special_tokens=False`` suits prompts
         rendered by a chat template that already contains BOS.
         """
-        if (
-            isinstance(priority, bool)
-            or not isinstance(priority, Integral)
-            or not -(2**63) <= priority < 2**63
-        ):
+        if not is_integer(priority) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         priority = int(priority)  # numpy integers too
         if priority != 0 and not self._scheduler_uses_priority():
             raise ValueError(
-                f"priority {priority} was given, but the {self.scheduler!r} scheduler ignores "
+                f"priority {priority} was given, but the {self.config.scheduler!r} scheduler ignores "
                 "priorities; start the engine with --scheduler priority (scheduler='priority')"
             )
         if isinstance(prompt, str):
             prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         else:
-            not_ints = [t for t in prompt if isinstance(t, bool) or not isinstance(t, Integral)]
+            not_ints = [t for t in prompt if not is_integer(t)]
             if not_ints:
                 raise ValueError(f"prompt token ids must be integers; got {not_ints[:10]}")
             prompt_token_ids = [int(t) for t in prompt]

@@ -14,6 +14,21 @@ MAX_LOGPROBS = 20
 MAX_N = 1024
 #: Integer fields travel to the engine core as msgpack int64.
 _INT64_MAX = 2**63 - 1
+#: fields that take a number (any real) and those that take an integer (or None)
+_REAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
+
+
+def is_integer(value: object) -> bool:
+    """An integer as a token id or count: Python's or numpy's, but not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -59,37 +74,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self._validate()
 
     def _check_types(self) -> None:
-        """``ValueError`` (not a ``TypeError`` from a comparison) for a number of the wrong
+        """``ValueError`` (not a ``TypeError`` from a comparison) for a value of the wrong
         type, e.g. ``temperature="0.5"``; bools are not numbers here. numpy scalars become
         Python numbers (the engine core receives these fields as msgpack)."""
-        numbers = ("temperature", "top_p", "min_p", "repetition_penalty")
-        numbers += ("presence_penalty", "frequency_penalty")
-        integers = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs")
-        integers += ("prompt_logprobs",)
-        for name in numbers + integers:
+
+        def wrong(name: str, what: str) -> ValueError:
             value = getattr(self, name)
-            if value is None and name not in numbers:
-                continue
-            kind = Real if name in numbers else Integral
-            if isinstance(value, bool) or not isinstance(value, kind):
-                what = "a number" if name in numbers else "an integer"
-                raise ValueError(
-                    f"invalid sampling parameter {name}: must be {what}, got {value!r}"
-                )
-            setattr(self, name, float(value) if name in numbers else int(value))
+            return ValueError(f"invalid sampling parameter {name}: must be {what}, got {value!r}")
+
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise wrong(name, "a number")
+            setattr(self, name, float(value))
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                if not is_integer(value):
+                    raise wrong(name, "an integer")
+                setattr(self, name, int(value))
         if not isinstance(self.stop, list) or not all(isinstance(x, str) for x in self.stop):
-            raise ValueError(
-                f"invalid sampling parameter stop: must be a string or a list of strings, "
-                f"got {self.stop!r}"
-            )
+            raise wrong("stop", "a string or a list of strings")
         ids = self.stop_token_ids
-        if not isinstance(ids, list) or any(
-            isinstance(t, bool) or not isinstance(t, Integral) for t in ids
-        ):
-            raise ValueError(
-                f"invalid sampling parameter stop_token_ids: must be a list of integers, "
-                f"got {ids!r}"
-            )
+        if not isinstance(ids, list) or not all(is_integer(t) for t in ids):
+            raise wrong("stop_token_ids", "a list of integers")
         self.stop_token_ids = [int(t) for t in ids]
 
     def _validate(self) -> None:

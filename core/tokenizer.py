@@ -108,6 +108,10 @@ def load_chat_template(arg: str | Path | None) -> str | None:
     )
 
 
+class NoChatTemplateError(ValueError):
+    """The tokenizer has no chat template and none was given."""
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
@@ -123,10 +127,11 @@ def apply_chat_template(
     the header of the assistant's turn. ``tools`` (OpenAI function schemas) and any other
     ``kwargs`` are passed to the template. Returns text, not token ids: tokenize it with
     ``InputProcessor`` (the template already contains any BOS, so callers that care may
-    tokenize without special tokens). Raises ``ValueError`` when there is no template at all.
+    tokenize without special tokens). Raises :class:`NoChatTemplateError` (a ``ValueError``)
+    when there is no template at all.
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise NoChatTemplateError(
             "this model's tokenizer has no chat template, so chat messages cannot be rendered; "
             "pass one with --chat-template (a file path or an inline Jinja string), or use the "
             "completions API with a plain prompt"

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chassis.serve.args import add_engine_args, engine_config_from_args, parse_memory_size
 from chassis.serve.settings import (
@@ -17,6 +17,11 @@ from chassis.serve.settings import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServerSettings,
 )
+
+if TYPE_CHECKING:
+    import socket
+
+    from chassis.core.config import EngineConfig
 
 logger = logging.getLogger("chassis.serve")
 
@@ -166,11 +171,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
 
-    from chassis.core.async_llm import AsyncLLM
-    from chassis.core.errors import EngineDeadError
-    from chassis.core.heap import freeze_startup_heap
-    from chassis.serve.app import build_app
-    from chassis.serve.server import bind_sockets, run_server
+    from chassis.serve.server import bind_sockets
 
     # Take the port first: a port in use fails now, not after loading the model.
     try:
@@ -179,10 +180,21 @@ def run(args: argparse.Namespace) -> int:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return 2
     settings.port = sockets[0].getsockname()[1]  # the real one when --port 0
-
-    def close_sockets() -> None:
+    try:
+        return _serve(config, settings, sockets)
+    finally:
         for sock in sockets:
             sock.close()
+
+
+def _serve(config: EngineConfig, settings: ServerSettings, sockets: list[socket.socket]) -> int:
+    """Start the engine, then serve on ``sockets`` until the end; the exit status of
+    :func:`run`."""
+    from chassis.core.async_llm import AsyncLLM
+    from chassis.core.errors import EngineDeadError
+    from chassis.core.heap import freeze_startup_heap
+    from chassis.serve.app import build_app
+    from chassis.serve.server import run_server
 
     if settings.api_key is None:
         logger.warning(
@@ -194,20 +206,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = AsyncLLM.from_engine_config(config)
     except ValueError as exc:  # PluginLoadError and PluginObjectError: main() reports, exit 1
-        close_sockets()
         logger.error("cannot start the engine: %s", exc)
         return 2
     except EngineDeadError as exc:  # the engine core's own log above has the traceback
-        close_sockets()
         logger.debug("engine start-up failed", exc_info=True)
         logger.error("cannot start the engine: %s", exc)
         return 1
     except KeyboardInterrupt:  # Ctrl-C while the model loads
-        close_sockets()
         return 130
-    except BaseException:
-        close_sockets()
-        raise
     try:
         app = build_app(engine, settings)
         freeze_startup_heap()  # this process serves one app until it exits
@@ -216,7 +222,6 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     finally:
-        close_sockets()
         # The app's lifespan shuts the engine down on a normal exit; this covers start-up
         # failures and forced exits. Shutdown is idempotent.
         try:

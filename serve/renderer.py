@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from chassis.core.chat import ChatMessageError, normalize_messages, render_chat
+from chassis.core.chat import ChatMessageError, render_chat
 from chassis.core.tokenizer import load_chat_template
 from chassis.serve.errors import bad_request
 
@@ -20,16 +20,8 @@ if TYPE_CHECKING:
     from chassis.serve.protocol import ChatMessage
 
 
-def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The request's messages as the plain dicts chat templates iterate over
-    (:func:`chassis.core.chat.normalize_messages`); a message it cannot use is a 400."""
-    try:
-        return normalize_messages([_as_dict(m) for m in messages])
-    except ChatMessageError as exc:
-        raise bad_request(str(exc), f"messages.{exc.index}.content") from None
-
-
 def _as_dict(message: ChatMessage) -> dict[str, Any]:
+    """A request message as the dict :func:`~chassis.core.chat.render_chat` takes."""
     item: dict[str, Any] = {"role": message.role, "content": message.content}
     for key in ("name", "tool_calls", "tool_call_id"):
         value = getattr(message, key)

@@ -1,13 +1,15 @@
-"""OpenAI chat messages -> template input (serve/renderer.py), with real chat templates."""
+"""OpenAI chat messages -> template input (core/chat.py, and serve/renderer.py's 400s), with
+real chat templates."""
 
 from __future__ import annotations
 
 import pytest
 from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir  # noqa: F401
 
+from chassis.core.chat import normalize_messages
 from chassis.serve.errors import APIError
 from chassis.serve.protocol import ChatMessage
-from chassis.serve.renderer import ChatRenderer, messages_for_template
+from chassis.serve.renderer import ChatRenderer
 
 TOOL_CALL = {
     "id": "call_1",
@@ -38,10 +40,13 @@ def test_a_tool_calling_turn_without_content_renders(
 
 
 def test_template_input_parses_tool_arguments_and_keeps_extra_keys() -> None:
-    message = ChatMessage(
-        role="assistant", content=None, tool_calls=[TOOL_CALL], reasoning_content="hmm"
-    )
-    [item] = messages_for_template([message])
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [TOOL_CALL],
+        "reasoning_content": "hmm",
+    }
+    [item] = normalize_messages([message])
     assert item["content"] == ""
     assert item["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert item["reasoning_content"] == "hmm"
@@ -49,20 +54,16 @@ def test_template_input_parses_tool_arguments_and_keeps_extra_keys() -> None:
     assert TOOL_CALL["function"]["arguments"] == '{"city": "Paris"}'
 
 
-def test_text_parts_are_joined_and_bad_parts_named() -> None:
-    [item] = messages_for_template(
-        [
-            ChatMessage(
-                role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-            )
-        ]
-    )
+def test_text_parts_are_joined_and_bad_parts_named(smol_tokenizer) -> None:  # noqa: F811
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    [item] = normalize_messages([{"role": "user", "content": parts}])
     assert item["content"] == "a\nb"
+    renderer = ChatRenderer(smol_tokenizer)  # the server's side: a 400 naming the message
     with pytest.raises(APIError) as info:
-        messages_for_template([ChatMessage(role="user", content=[{"type": "text"}])])
+        renderer.render([ChatMessage(role="user", content=[{"type": "text"}])])
     assert info.value.status == 400 and "needs a string field 'text'" in info.value.message
     with pytest.raises(APIError) as info:
-        messages_for_template(
+        renderer.render(
             [ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])]
         )
     assert "only text parts" in info.value.message

@@ -84,22 +84,3 @@ def test_ctrl_c_to_the_process_group_stops_the_server_cleanly(
             time.sleep(0.1)
     finally:
         server.kill()
-
-
-def test_aborted_completions_count_as_abort_successes() -> None:
-    from chassis.core.outputs import CompletionOutput, RequestOutput
-    from chassis.serve.metrics import ServerMetrics
-
-    metrics = ServerMetrics("m", stats=lambda: None)
-    tracker = metrics.tracker(n=3)
-    done = CompletionOutput(index=1, text="", token_ids=[4], finish_reason="stop")
-    tracker.observe(
-        RequestOutput(
-            request_id="r", prompt=None, prompt_token_ids=[1], outputs=[done], finished=False
-        )
-    )
-    tracker.close()  # the client went away: completions 0 and 2 never finished
-    tracker.close()  # counted once
-    text = metrics.render()[0].decode()
-    assert 'chassis:request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
-    assert 'chassis:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text

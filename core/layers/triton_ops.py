@@ -181,6 +181,31 @@ def _rotary_kernel(
     cos, sin = _cos_sin_row(
         positions_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HALF, HALF_PAD, HF_ROUNDING
     )
+    _rotate_heads(
+        q_ptr + token * stride_q_tok, num_q_heads, cos, sin, dtype,
+        HEAD_DIM, HALF, HALF_PAD, HEADS_PAD, IS_NEOX, HF_ROUNDING,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr + token * stride_k_tok, num_k_heads, cos, sin, dtype,
+        HEAD_DIM, HALF, HALF_PAD, HEADS_PAD, IS_NEOX, HF_ROUNDING,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rotate_heads(
+    row_ptr,
+    num_heads,
+    cos,
+    sin,
+    dtype: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HF_ROUNDING: tl.constexpr,
+):
+    """Rotate the first ``2 * HALF`` dims of each of a token's ``num_heads`` heads."""
     pairs = tl.arange(0, HALF_PAD)
     pair_valid = pairs < HALF
     if IS_NEOX:  # dimension i pairs with i + HALF
@@ -190,20 +215,12 @@ def _rotary_kernel(
         first = pairs * 2
         second = pairs * 2 + 1
     heads = tl.arange(0, HEADS_PAD)
-
-    q_mask = (heads[:, None] < num_q_heads) & pair_valid[None, :]
-    q_row = q_ptr + token * stride_q_tok + heads[:, None] * HEAD_DIM
-    x1 = tl.load(q_row + first[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(q_row + second[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    tl.store(q_row + first[None, :], _rot(x1, cos, x2, sin, -1.0, dtype, HF_ROUNDING), mask=q_mask)
-    tl.store(q_row + second[None, :], _rot(x2, cos, x1, sin, 1.0, dtype, HF_ROUNDING), mask=q_mask)
-
-    k_mask = (heads[:, None] < num_k_heads) & pair_valid[None, :]
-    k_row = k_ptr + token * stride_k_tok + heads[:, None] * HEAD_DIM
-    y1 = tl.load(k_row + first[None, :], mask=k_mask, other=0.0).to(tl.float32)
-    y2 = tl.load(k_row + second[None, :], mask=k_mask, other=0.0).to(tl.float32)
-    tl.store(k_row + first[None, :], _rot(y1, cos, y2, sin, -1.0, dtype, HF_ROUNDING), mask=k_mask)
-    tl.store(k_row + second[None, :], _rot(y2, cos, y1, sin, 1.0, dtype, HF_ROUNDING), mask=k_mask)
+    mask = (heads[:, None] < num_heads) & pair_valid[None, :]
+    row = row_ptr + heads[:, None] * HEAD_DIM
+    x1 = tl.load(row + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(row + first[None, :], _rot(x1, cos, x2, sin, -1.0, dtype, HF_ROUNDING), mask=mask)
+    tl.store(row + second[None, :], _rot(x2, cos, x1, sin, 1.0, dtype, HF_ROUNDING), mask=mask)
 
 
 @triton.jit
