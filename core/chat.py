@@ -81,7 +81,8 @@ def _tool_calls_for_template(tool_calls: list[dict[str, Any]]) -> list[dict[str,
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The plain dicts chat templates iterate over (see the module docstring); keys other
     than ``content`` and ``tool_calls`` (``name``, ``tool_call_id``, ``reasoning_content``...)
-    pass through unchanged. The input is not modified."""
+    pass through unchanged; a ``reasoning`` (the response field) is also given as
+    ``reasoning_content`` when that is absent. The input is not modified."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
@@ -90,6 +91,9 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         item["content"] = content_text(message.get("content"), i)
         if message.get("tool_calls") is not None:
             item["tool_calls"] = _tool_calls_for_template(message["tool_calls"])
+        if "reasoning" in item and "reasoning_content" not in item:
+            # vLLM's response field, sent back; templates (Qwen3's) read reasoning_content
+            item["reasoning_content"] = item["reasoning"]
         out.append(item)
     return out
 

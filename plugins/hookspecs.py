@@ -129,7 +129,10 @@ def chassis_register_samplers(registry: Registry[Any]) -> None:
 def chassis_register_tool_parsers(registry: Registry[Any]) -> None:
     """Add tool-call parsers (selected with ``--tool-call-parser``).
 
-    :param registry: maps a parser name to a tool-parser class or a lazy string.
+    :param registry: maps a parser name (built-ins: ``"hermes"``, ``"llama3_json"``,
+        ``"mistral"``, ``"pythonic"``) to a :class:`chassis.serve.tool_parser.ToolParser`
+        subclass or a lazy string. The API server builds one instance per choice of a request
+        it parses (see that class for the streaming contract).
     :return: nothing.
 
     1:N.
@@ -140,7 +143,9 @@ def chassis_register_tool_parsers(registry: Registry[Any]) -> None:
 def chassis_register_reasoning_parsers(registry: Registry[Any]) -> None:
     """Add reasoning parsers (selected with ``--reasoning-parser``).
 
-    :param registry: maps a parser name to a reasoning-parser class or a lazy string.
+    :param registry: maps a parser name (built-ins: ``"qwen3"``, ``"deepseek_r1"``) to a
+        :class:`chassis.serve.reasoning_parser.ReasoningParser` subclass or a lazy string. The
+        API server builds one instance per choice of every chat completion.
     :return: nothing.
 
     1:N.

@@ -31,6 +31,8 @@ _BASES = {
     "attention_backends": "chassis.core.attention:AttentionBackend",
     "schedulers": "chassis.core.scheduler_interface:Scheduler",
     "samplers": "chassis.core.sampler_interface:Sampler",
+    "tool_parsers": "chassis.serve.tool_parser:ToolParser",
+    "reasoning_parsers": "chassis.serve.reasoning_parser:ReasoningParser",
 }
 
 #: registry field -> (hook that fills it, human-readable kind)

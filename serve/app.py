@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 import chassis
 from chassis.serve import errors
+from chassis.serve.chat_parsing import ChatParsers
 from chassis.serve.errors import install_exception_handlers
 from chassis.serve.metrics import ServerMetrics
 from chassis.serve.openai_chat import router as chat_router
@@ -147,7 +148,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     The app's state is ``app.state.chassis`` (:class:`ServerState`). When the lifespan ends
     (uvicorn's shutdown, or a ``TestClient`` leaving its ``with`` block) the server stops
     accepting requests, aborts in-flight ones and, if ``settings.shutdown_engine_on_exit``,
-    shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template``.
+    shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template`` and for
+    unknown parser names.
     """
     settings = settings or ServerSettings()
     state = ServerState(
@@ -155,6 +157,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         settings=settings,
         renderer=ChatRenderer(engine.tokenizer, getattr(engine.config, "chat_template", None)),
         metrics=ServerMetrics(engine.model_name, engine.stats),
+        parsers=ChatParsers.from_settings(settings),
     )
 
     @contextlib.asynccontextmanager

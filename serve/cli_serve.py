@@ -120,6 +120,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disable-access-log", action="store_true", help="do not log one line per request"
     )
+    g = parser.add_argument_group("chat output parsing (see docs/serving.md)")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="return the tool calls a model writes as OpenAI tool_calls (needs --tool-call-parser)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="the model's tool-call format: hermes, llama3_json, mistral, pythonic, or a "
+        "plugin's (chassis plugins lists them)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="split the model's reasoning into the message's 'reasoning' field: qwen3, "
+        "deepseek_r1, or a plugin's",
+    )
 
 
 def add_parser(subparsers: Any) -> None:
@@ -153,6 +171,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         timeout_keep_alive_s=args.timeout_keep_alive,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 
@@ -164,10 +185,13 @@ def run(args: argparse.Namespace) -> int:
     by that signal), 130 after Ctrl-C, 1 when the engine died or failed to start, 2 for
     invalid settings (the port included).
     """
+    from chassis.serve.chat_parsing import ChatParsers
+
     try:
         settings = settings_from_args(args)
         config = engine_config_from_args(args)
-    except ValueError as exc:
+        ChatParsers.from_settings(settings)  # unknown parser names fail before the model loads
+    except (ValueError, ImportError) as exc:  # ImportError: a parser plugin that does not load
         logger.error("%s", exc)
         return 2
 

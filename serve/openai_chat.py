@@ -20,6 +20,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from chassis.serve import errors
+from chassis.serve.chat_parsing import (
+    ChoiceDelta,
+    ChoiceParser,
+    RequestParsing,
+    finish_reason,
+    tool_call_json,
+)
 from chassis.serve.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -78,15 +85,30 @@ def _logprobs(
     return out
 
 
-async def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The rendered prompt's text (parsers read it) and token ids."""
     return await asyncio.to_thread(
-        state.renderer.render_ids,
+        state.renderer.render_prompt,
         body.messages,
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message),
         tools=body.tools,
         chat_template_kwargs=body.chat_template_kwargs,
         add_special_tokens=bool(body.add_special_tokens),
+    )
+
+
+def _parsed_message(parsed: ChoiceDelta) -> ChatResponseMessage:
+    """The message of a parsed choice. Content that is empty next to reasoning, or only
+    whitespace next to tool calls, is null, as OpenAI sends for a message of tool calls."""
+    content: str | None = parsed.content
+    if (parsed.calls and not parsed.content.strip()) or (parsed.reasoning and not content):
+        content = None
+    return ChatResponseMessage(
+        role=ROLE,
+        content=content,
+        reasoning=parsed.reasoning or None,
+        tool_calls=[tool_call_json(call) for call in parsed.calls],
     )
 
 
@@ -97,6 +119,7 @@ async def _collect(
     request_id: str,
     model: str,
     n: int,
+    parsing: RequestParsing | None,
 ) -> ChatCompletionResponse:
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     logprobs: dict[int, list[ChatLogprobToken]] = {i: [] for i in range(n)}
@@ -117,10 +140,15 @@ async def _collect(
     choices = []
     for i in range(n):
         reason, stop_reason = finish.get(i, ("abort", None))
+        message = ChatResponseMessage(role=ROLE, content="".join(texts[i]))
+        if parsing is not None:
+            parser = parsing.choice_parser()
+            message = _parsed_message(parser.parse(message.content or ""))
+            reason = finish_reason(reason, parser)
         choices.append(
             ChatChoice(
                 index=i,
-                message=ChatResponseMessage(role=ROLE, content="".join(texts[i])),
+                message=message,
                 logprobs=ChatChoiceLogprobs(content=logprobs[i]) if body.logprobs else None,
                 finish_reason=reason,
                 stop_reason=stop_reason,
@@ -135,6 +163,32 @@ async def _collect(
     )
 
 
+def _parsed_choice(
+    parser: ChoiceParser, completion: CompletionOutput, logprobs: ChatChoiceLogprobs | None
+) -> dict[str, Any] | None:
+    """The streamed choice of ``completion``'s new text after the parsers, or ``None`` when
+    they hold all of it back (and there is no finish reason or logprobs to send)."""
+    first_call = parser.num_calls
+    delta = parser.feed(completion.text)
+    if completion.finished:
+        rest = parser.finish()
+        delta = ChoiceDelta(
+            delta.reasoning + rest.reasoning, delta.content + rest.content, delta.calls + rest.calls
+        )
+    if not (delta or completion.finished or logprobs):
+        return None
+    calls = [tool_call_json(call, first_call + k) for k, call in enumerate(delta.calls)]
+    return chat_choice(
+        completion.index,
+        content=delta.content or None,
+        reasoning=delta.reasoning or None,
+        tool_calls=calls or None,
+        logprobs=logprobs,
+        finish_reason=finish_reason(completion.finish_reason, parser),
+        stop_reason=completion.stop_reason,
+    )
+
+
 async def _events(
     state: ServerState,
     body: ChatCompletionRequest,
@@ -143,8 +197,10 @@ async def _events(
     model: str,
     n: int,
     num_prompt_tokens: int,
+    parsing: RequestParsing | None,
 ) -> AsyncIterator[str | bytes]:
     created = int(time.time())
+    parsers = {i: parsing.choice_parser() for i in range(n)} if parsing else None
     top_n = body.top_logprobs or 0
     finished: set[int] = set()
     usage = UsageCounter()
@@ -170,15 +226,19 @@ async def _events(
                         logprobs = ChatChoiceLogprobs(content=_logprobs(state, completion, top_n))
                     if completion.finished:
                         finished.add(completion.index)
-                    choices.append(
-                        chat_choice(
+                    if parsers is None:
+                        choice = chat_choice(
                             completion.index,
                             content=completion.text,
                             logprobs=logprobs,
                             finish_reason=completion.finish_reason,
                             stop_reason=completion.stop_reason,
                         )
-                    )
+                    else:
+                        choice = _parsed_choice(parsers[completion.index], completion, logprobs)
+                        if choice is None:
+                            continue  # all held back by the parsers
+                    choices.append(choice)
                 if choices:
                     yield chunk(choices, body.continuous_usage)
         # A stream that ended without a finish reason was aborted (server shutdown).
@@ -201,7 +261,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_accepting()
     model = state.check_model(body.model)
     params = body.to_sampling_params()
-    prompt_ids = await _prompt_ids(state, body)
+    prompt_text, prompt_ids = await _prompt(state, body)
+    parsing = state.parsers.for_request(body, state.tokenizer, prompt_text)
+    if parsing is not None and parsing.needs_special_tokens:
+        params = params.clone(skip_special_tokens=False)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0
@@ -209,6 +272,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         request,
         body.stream,
         lambda: state.open_stream(prompt_ids, params, request_id, priority),
-        lambda stream: _events(state, body, stream, request_id, model, n, len(prompt_ids)),
-        lambda stream: _collect(state, stream, body, request_id, model, n),
+        lambda stream: _events(state, body, stream, request_id, model, n, len(prompt_ids), parsing),
+        lambda stream: _collect(state, stream, body, request_id, model, n, parsing),
     )

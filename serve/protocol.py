@@ -292,6 +292,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    #: with ``--reasoning-parser``: false drops the reasoning from the response
+    include_reasoning: bool | None = True
 
     def to_sampling_params(self) -> SamplingParams:
         """Validate the fields this server does not implement, then build the params.
@@ -310,12 +312,6 @@ class ChatCompletionRequest(_SamplingRequest):
                 f"response_format type {fmt!r} is not supported (structured output is not "
                 "implemented); use 'text'",
                 "response_format",
-            )
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise bad_request(
-                "tool_choice 'required' or a named function is not supported; use 'auto' or "
-                "'none' (tool calls are returned as plain text until a tool-call parser is set)",
-                "tool_choice",
             )
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request(
@@ -348,6 +344,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    #: the model's reasoning, split off by ``--reasoning-parser`` (vLLM's field name)
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -375,6 +373,10 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    #: completed calls: ``{"index", "id", "type": "function", "function": {"name",
+    #: "arguments"}}``
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler: Any) -> dict[str, Any]:

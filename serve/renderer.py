@@ -71,7 +71,12 @@ class ChatRenderer:
         """``text`` as token ids."""
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def render_ids(
+    def render_ids(self, messages: list[ChatMessage], **kwargs: Any) -> list[int]:
+        """Render and tokenize in one call (meant for a worker thread); the keyword arguments
+        are :meth:`render_prompt`'s."""
+        return self.render_prompt(messages, **kwargs)[1]
+
+    def render_prompt(
         self,
         messages: list[ChatMessage],
         *,
@@ -80,8 +85,8 @@ class ChatRenderer:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
-    ) -> list[int]:
-        """Render and tokenize in one call (meant for a worker thread)."""
+    ) -> tuple[str, list[int]]:
+        """The prompt text and its token ids (meant for a worker thread)."""
         text = self.render(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -89,4 +94,4 @@ class ChatRenderer:
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return self.tokenize(text, add_special_tokens=add_special_tokens)
+        return text, self.tokenize(text, add_special_tokens=add_special_tokens)

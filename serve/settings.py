@@ -39,6 +39,12 @@ class ServerSettings:
     access_log: bool = True
     #: call ``engine.shutdown()`` when the app's lifespan ends
     shutdown_engine_on_exit: bool = True
+    #: parse tool calls out of chat outputs (needs ``tool_call_parser``)
+    enable_auto_tool_choice: bool = False
+    #: tool-call parser name (``chassis_register_tool_parsers``), e.g. ``"hermes"``
+    tool_call_parser: str | None = None
+    #: reasoning parser name (``chassis_register_reasoning_parsers``), e.g. ``"qwen3"``
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()

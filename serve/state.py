@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chassis.serve import errors
+from chassis.serve.chat_parsing import ChatParsers
 from chassis.serve.protocol import PromptLogprob, PromptLogprobs, UsageInfo
 from chassis.serve.streaming import prepend
 
@@ -53,6 +54,8 @@ class ServerState:
     settings: ServerSettings
     renderer: ChatRenderer
     metrics: ServerMetrics
+    #: the reasoning and tool-call parsers of ``--reasoning-parser`` / ``--tool-call-parser``
+    parsers: ChatParsers = field(default_factory=ChatParsers)
     #: engine request ids currently generating (aborted on shutdown)
     inflight: set[str] = field(default_factory=set)
     shutting_down: bool = False

@@ -73,14 +73,20 @@ def chat_choice(
     logprobs: BaseModel | None = None,
     finish_reason: str | None = None,
     stop_reason: int | str | None = None,
+    reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A :class:`~chassis.serve.protocol.ChatStreamChoice`; the delta omits absent fields,
     as :class:`~chassis.serve.protocol.DeltaMessage` does."""
-    delta: dict[str, str] = {}
+    delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if reasoning is not None:
+        delta["reasoning"] = reasoning
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     return {
         "index": index,
         "delta": delta,

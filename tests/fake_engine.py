@@ -7,7 +7,9 @@ honours ``max_tokens``, stop strings, logprobs and ``abort``, records what it wa
 can be killed (``kill()``) to test engine death.
 
 Completion ``i`` of a request generates the letters ``"abcdefghijklmnopqrstuvwxyz"`` cyclically,
-starting at letter ``i``, one byte-level token per letter, so outputs are predictable.
+starting at letter ``i``, one byte-level token per letter, so outputs are predictable. With
+``script`` set, every completion instead writes that text, one character per step, and then
+stops as at EOS (finish reason ``stop``) unless ``max_tokens`` ends it first.
 
 The tokenizer is a real ``transformers`` fast tokenizer built in memory (byte-level BPE without
 merges: one token per UTF-8 byte, plus BOS/EOS/ChatML specials), so the renderer, /tokenize
@@ -82,6 +84,7 @@ class FakeAsyncLLM:
         chat_template: str | None = CHAT_TEMPLATE,
         config_chat_template: str | None = None,
         abort_mode: str = "cancel",
+        script: str | None = None,
     ) -> None:
         self.tokenizer = make_tokenizer(chat_template)
         self.config = EngineConfig(
@@ -96,6 +99,8 @@ class FakeAsyncLLM:
         #: what abort() does to the stream: "cancel" raises CancelledError in it (as
         #: AsyncLLM does), "finish" yields a last output with finish_reason "abort"
         self.abort_mode = abort_mode
+        #: the text every completion writes (None: the letters)
+        self.script = script
         self.requests: list[tuple[str, list[int], SamplingParams, int]] = []
         #: requests whose stream was closed or cancelled before it finished
         self.aborted: list[str] = []
@@ -271,8 +276,12 @@ class FakeAsyncLLM:
                             CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
                         )
                         continue
-                    char = LETTERS[(i + counts[i]) % len(LETTERS)]
-                    token_id = self.tokenizer.convert_tokens_to_ids(char)
+                    if self.script is not None:
+                        char = self.script[counts[i]]
+                        token_id = self.tokenizer.encode(char, add_special_tokens=False)[0]
+                    else:
+                        char = LETTERS[(i + counts[i]) % len(LETTERS)]
+                        token_id = self.tokenizer.convert_tokens_to_ids(char)
                     counts[i] += 1
                     new_text = char
                     finish: str | None = None
@@ -286,6 +295,8 @@ class FakeAsyncLLM:
                             new_text = full[len(texts[i]) : cut] if cut > len(texts[i]) else ""
                             finish, stop_reason = "stop", stop
                             break
+                    if finish is None and self.script is not None and counts[i] == len(self.script):
+                        finish = "stop"  # the script's end is its EOS
                     if finish is None and counts[i] >= (params.max_tokens or 0):
                         finish = "length"
                     texts[i] += new_text

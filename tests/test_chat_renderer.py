@@ -54,6 +54,13 @@ def test_template_input_parses_tool_arguments_and_keeps_extra_keys() -> None:
     assert TOOL_CALL["function"]["arguments"] == '{"city": "Paris"}'
 
 
+def test_reasoning_sent_back_reaches_templates_as_reasoning_content() -> None:
+    [item] = normalize_messages([{"role": "assistant", "content": "4", "reasoning": "2+2"}])
+    assert item["reasoning_content"] == "2+2" and item["reasoning"] == "2+2"
+    both = {"role": "assistant", "content": "4", "reasoning": "a", "reasoning_content": "b"}
+    assert normalize_messages([both])[0]["reasoning_content"] == "b"
+
+
 def test_text_parts_are_joined_and_bad_parts_named(smol_tokenizer) -> None:  # noqa: F811
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     [item] = normalize_messages([{"role": "user", "content": parts}])

@@ -138,7 +138,6 @@ def test_invalid_completion_fields_are_400_naming_the_param(fields: dict, param:
     "fields",
     [
         {"response_format": {"type": "json_object"}},
-        {"tool_choice": "required"},
         {"add_generation_prompt": True, "continue_final_message": True},
     ],
 )

@@ -90,13 +90,31 @@ CHAT_CASES = [
     ({"index": 0, "content": "", "finish_reason": "length"}, USAGE),
     ({"index": 1, "finish_reason": "abort"}, None),
     ({"index": 0, "content": "\u4e16", "logprobs": CHAT_LOGPROBS, "stop_reason": 2}, None),
+    ({"index": 0, "reasoning": "Let me think.\n"}, None),
+    ({"index": 0, "content": "ok", "reasoning": "r"}, USAGE),
+    (
+        {
+            "index": 1,
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": '{"city": "Z\u00fcrich"}'},
+                }
+            ],
+            "finish_reason": "tool_calls",
+        },
+        None,
+    ),
 ]
+DELTA_FIELDS = ("role", "content", "reasoning", "tool_calls")
 
 
 @pytest.mark.parametrize(("fields", "usage"), CHAT_CASES)
 def test_chat_chunk_matches_the_pydantic_model(fields: dict, usage: UsageInfo | None) -> None:
-    delta = DeltaMessage(role=fields.get("role"), content=fields.get("content"))
-    model_fields = {k: v for k, v in fields.items() if k not in ("role", "content")}
+    delta = DeltaMessage(**{k: v for k, v in fields.items() if k in DELTA_FIELDS})
+    model_fields = {k: v for k, v in fields.items() if k not in DELTA_FIELDS}
     reference = ChatCompletionChunk(
         id="chatcmpl-1",
         created=9,

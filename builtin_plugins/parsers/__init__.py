@@ -1,0 +1,24 @@
+"""Built-in tool-call and reasoning parsers, registered through ``chassis.general_plugins``
+(``--tool-call-parser NAME``, ``--reasoning-parser NAME``; see docs/serving.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chassis.plugins.hookspecs import hookimpl
+
+_PKG = "chassis.builtin_plugins.parsers"
+
+
+@hookimpl
+def chassis_register_tool_parsers(registry: Any) -> None:
+    registry.register("hermes", f"{_PKG}.hermes:HermesToolParser")
+    registry.register("llama3_json", f"{_PKG}.llama3_json:Llama3JsonToolParser")
+    registry.register("mistral", f"{_PKG}.mistral:MistralToolParser")
+    registry.register("pythonic", f"{_PKG}.pythonic:PythonicToolParser")
+
+
+@hookimpl
+def chassis_register_reasoning_parsers(registry: Any) -> None:
+    registry.register("qwen3", f"{_PKG}.think_tags:Qwen3ReasoningParser")
+    registry.register("deepseek_r1", f"{_PKG}.think_tags:DeepSeekR1ReasoningParser")

@@ -1,0 +1,139 @@
+"""Mistral tool calls, in both forms Mistral's tokenizers use (registered as ``mistral``).
+Older tokenizers (Mistral 7B v0.3, Mixtral, Nemo) write a JSON array after the marker::
+
+    Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+newer ones (tokenizer v11 and later, e.g. Mistral Small 3.2, Magistral) one
+``name[ARGS]{json}`` per call, each after its own marker, sometimes with a call id
+(``name[CALL_ID]a1b2c3d4e[ARGS]{...}``)::
+
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
+
+Text before a marker is content and streams as it comes (only what may be the start of a
+marker is held back); whitespace right after a call is dropped. A call is reported as soon as
+its JSON is complete. The array form may also be a single call object, not in a list. A marker
+not followed by a valid call (a malformed array, an array with a non-call, a bad name, JSON cut
+short by the end of generation) is content, as written, and the text after it is read on.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from typing import Any
+
+from chassis.builtin_plugins.parsers.json_calls import tool_call_from_object
+from chassis.builtin_plugins.parsers.text_scan import held_prefix_len, skip_space
+from chassis.serve.tool_parser import ToolCall, ToolDelta, ToolParser
+
+_DECODER = json.JSONDecoder()
+MARKER = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+CALL_ID = "[CALL_ID]"
+#: a whole ``name[CALL_ID]id`` header (the id optional), before ``[ARGS]``
+_HEADER = re.compile(r"\s*([\w.\-]+)(?:\[CALL_ID\][\w\-]+)?")
+#: what the start of a header may look like before ``[ARGS]`` arrives (partial markers cut off)
+_HEADER_START = re.compile(r"\s*[\w.\-]*(?:\[CALL_ID\][\w\-]*)?")
+
+
+class _Mode(enum.Enum):
+    TEXT = "text"
+    AFTER_CALL = "after-call"  # text right after a call: its leading whitespace is dropped
+    CALLS = "calls"  # the held text follows a marker
+
+
+#: what :func:`_read_calls` answers for a marker that is followed by no valid call
+_NOT_A_CALL: tuple[list[ToolCall], int] = ([], 0)
+
+
+class MistralToolParser(ToolParser):
+    """``[TOOL_CALLS][{...}, ...]`` arrays and ``[TOOL_CALLS]name[ARGS]{...}`` calls."""
+
+    #: ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens
+    needs_special_tokens = True
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
+        super().__init__(tokenizer, tools)
+        self._mode = _Mode.TEXT
+        self._held = ""
+
+    def feed(self, text: str) -> ToolDelta:
+        self._held += text
+        return self._scan(final=False)
+
+    def finish(self) -> ToolDelta:
+        return self._scan(final=True)
+
+    def _scan(self, *, final: bool) -> ToolDelta:
+        """Everything the held text now settles; at the end (``final``) that is all of it."""
+        out = ToolDelta()
+        while True:
+            if self._mode is _Mode.AFTER_CALL:
+                self._held = self._held.lstrip()
+                if not self._held:
+                    return out
+                self._mode = _Mode.TEXT
+            if self._mode is _Mode.TEXT:
+                start = self._held.find(MARKER)
+                if start < 0:
+                    keep = 0 if final else held_prefix_len(self._held, MARKER)
+                    cut = len(self._held) - keep
+                    out.content += self._held[:cut]
+                    self._held = self._held[cut:]
+                    return out
+                out.content += self._held[:start]
+                self._held = self._held[start + len(MARKER) :]
+                self._mode = _Mode.CALLS
+                continue
+            found = _read_calls(self._held, final=final)
+            if found is None:
+                return out  # the call is not complete yet
+            calls, end = found
+            if calls:
+                out.calls += calls
+                self._held = self._held[end:]
+                self._mode = _Mode.AFTER_CALL
+            else:  # the marker starts no call: it is text, and what follows it is read on
+                out.content += MARKER
+                self._mode = _Mode.TEXT
+
+
+def _read_calls(text: str, *, final: bool) -> tuple[list[ToolCall], int] | None:
+    """The calls at the start of ``text`` (what follows a marker) and where they end;
+    ``_NOT_A_CALL`` when ``text`` cannot start with one, ``None`` when more text is needed to
+    tell (never when ``final``)."""
+    undecided = _NOT_A_CALL if final else None
+    pos = skip_space(text, 0)
+    if pos == len(text):
+        return undecided
+    if text[pos] in "[{":  # the JSON form: an array of calls, or one call
+        try:
+            value, end = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return undecided  # incomplete so far, or malformed (known only at the end)
+        items = value if isinstance(value, list) else [value]
+        calls = [tool_call_from_object(item) for item in items]
+        if not calls or any(call is None for call in calls):
+            return _NOT_A_CALL
+        return [call for call in calls if call is not None], end
+    args = text.find(ARGS)
+    if args < 0:
+        cut = max(held_prefix_len(text, ARGS), held_prefix_len(text, CALL_ID))
+        if _HEADER_START.fullmatch(text[: len(text) - cut]):
+            return undecided
+        return _NOT_A_CALL  # no name can start like this
+    header = _HEADER.fullmatch(text[:args])
+    if header is None:
+        return _NOT_A_CALL
+    pos = skip_space(text, args + len(ARGS))
+    if pos == len(text):
+        return undecided
+    if text[pos] != "{":
+        return _NOT_A_CALL
+    try:
+        arguments, end = _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        return undecided
+    call = tool_call_from_object({"name": header.group(1), "arguments": arguments})
+    return ([call], end) if call is not None else _NOT_A_CALL

@@ -1,0 +1,108 @@
+"""Reasoning between ``<think>`` and ``</think>``: DeepSeek-R1, Qwen3 and the models that copy
+their format (registered as ``deepseek_r1`` and ``qwen3``).
+
+Where the reasoning starts:
+
+- after a ``<think>`` at the very start of the output (Qwen3 with thinking on writes one);
+- at the start of the output when the prompt leaves a ``<think>`` open (DeepSeek-R1's and
+  Qwen3-Thinking's templates end the prompt with ``<think>\\n``);
+- for ``deepseek_r1``, at the start of the output in any case: R1 models may skip the opening
+  tag, so text up to ``</think>`` is reasoning even without one.
+
+Otherwise (Qwen3 with ``enable_thinking: false``, whose template closes an empty think block in
+the prompt) the whole output is content. The reasoning ends at ``</think>``; what follows is
+content. Whitespace around each part is trimmed (the tags sit on their own lines).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from chassis.builtin_plugins.parsers.text_scan import held_prefix_len, split_trailing_space
+from chassis.serve.reasoning_parser import ReasoningDelta, ReasoningParser
+
+
+class _Mode(enum.Enum):
+    UNDECIDED = "undecided"  # nothing but whitespace or the start of "<think>" seen yet
+    REASONING_LEAD = "reasoning-lead"  # in reasoning, no non-space character seen yet
+    REASONING = "reasoning"
+    CONTENT_LEAD = "content-lead"
+    CONTENT = "content"
+
+
+class ThinkTagReasoningParser(ReasoningParser):
+    """``<think>reasoning</think>content`` (see the module docstring for where the reasoning
+    starts). Subclasses set :attr:`starts_in_reasoning`."""
+
+    start_tag = "<think>"
+    end_tag = "</think>"
+    #: the output begins in reasoning even without an opening tag
+    starts_in_reasoning = False
+
+    def __init__(self, tokenizer: Any, prompt: str) -> None:
+        super().__init__(tokenizer, prompt)
+        opened_by_prompt = prompt.rfind(self.start_tag) > prompt.rfind(self.end_tag)
+        self._default_reasoning = self.starts_in_reasoning or opened_by_prompt
+        self._mode = _Mode.UNDECIDED
+        self._held = ""
+
+    def feed(self, text: str) -> ReasoningDelta:
+        self._held += text
+        out = ReasoningDelta()
+        # Each pass either changes mode or returns; modes only move forward.
+        while True:
+            mode = self._mode
+            if mode is _Mode.UNDECIDED:
+                stripped = self._held.lstrip()
+                if stripped.startswith(self.start_tag):
+                    self._held = stripped[len(self.start_tag) :]
+                    self._mode = _Mode.REASONING_LEAD
+                elif not stripped or self.start_tag.startswith(stripped):
+                    return out  # may still become "<think>"
+                else:
+                    self._mode = (
+                        _Mode.REASONING_LEAD if self._default_reasoning else _Mode.CONTENT_LEAD
+                    )
+            elif mode in (_Mode.REASONING_LEAD, _Mode.CONTENT_LEAD):
+                self._held = self._held.lstrip()
+                if not self._held:
+                    return out
+                self._mode = _Mode.REASONING if mode is _Mode.REASONING_LEAD else _Mode.CONTENT
+            elif mode is _Mode.REASONING:
+                end = self._held.find(self.end_tag)
+                if end >= 0:
+                    out.reasoning += self._held[:end].rstrip()
+                    self._held = self._held[end + len(self.end_tag) :]
+                    self._mode = _Mode.CONTENT_LEAD
+                    continue
+                # Hold back what may be the start of "</think>" and the spaces before it.
+                keep = held_prefix_len(self._held, self.end_tag)
+                body, space = split_trailing_space(self._held[: len(self._held) - keep])
+                out.reasoning += body
+                self._held = space + self._held[len(self._held) - keep :]
+                return out
+            else:
+                out.content += self._held
+                self._held = ""
+                return out
+
+    def finish(self) -> ReasoningDelta:
+        held, self._held = self._held, ""
+        mode = self._mode
+        if mode is _Mode.UNDECIDED:
+            mode = _Mode.REASONING if self._default_reasoning else _Mode.CONTENT
+            held = held.lstrip()
+        if mode in (_Mode.REASONING, _Mode.REASONING_LEAD):
+            return ReasoningDelta(reasoning=held.strip())
+        return ReasoningDelta(content=held.lstrip() if mode is _Mode.CONTENT_LEAD else held)
+
+
+class Qwen3ReasoningParser(ThinkTagReasoningParser):
+    """Qwen3: reasoning only after a ``<think>`` (in the output or left open by the prompt)."""
+
+
+class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
+    """DeepSeek-R1: the output starts in reasoning, with or without ``<think>``."""
+
+    starts_in_reasoning = True

@@ -1,0 +1,205 @@
+"""Reasoning and tool-call parsing of generated chat messages (``--reasoning-parser``,
+``--enable-auto-tool-choice --tool-call-parser``).
+
+:class:`ChatParsers` holds the parser classes the server was started with and decides, per
+request, which apply: the reasoning parser to every chat completion, the tool parser to a
+request with ``tools`` whose ``tool_choice`` is ``"auto"`` (or absent). For each choice of such
+a request it builds a :class:`ChoiceParser`, which runs the message text through the reasoning
+parser and the *content* part through the tool parser (calls inside the reasoning are not
+calls).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from chassis.serve.errors import bad_request
+from chassis.serve.reasoning_parser import ReasoningDelta
+from chassis.serve.tool_parser import ToolCall, ToolDelta
+
+if TYPE_CHECKING:
+    from chassis.serve.protocol import ChatCompletionRequest
+    from chassis.serve.reasoning_parser import ReasoningParser
+    from chassis.serve.settings import ServerSettings
+    from chassis.serve.tool_parser import ToolParser
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceDelta:
+    """New reasoning, content and completed tool calls of one choice."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+
+class ChoiceParser:
+    """Parses one choice's message, piece by piece (:meth:`feed`, then :meth:`finish` once) or
+    whole (:meth:`parse`). ``include_reasoning`` false drops the reasoning text."""
+
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        include_reasoning: bool = True,
+    ) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+        self._include_reasoning = include_reasoning
+        #: tool calls returned so far (the next call's index in the choice)
+        self.num_calls = 0
+
+    def feed(self, text: str) -> ChoiceDelta:
+        """The classified part of ``text``, the next piece of the message."""
+        split = self._reasoning.feed(text) if self._reasoning else ReasoningDelta(content=text)
+        return self._tool_pass(split, self._tools.feed(split.content) if self._tools else None)
+
+    def finish(self) -> ChoiceDelta:
+        """Everything still held back; call once, when the choice has finished."""
+        split = self._reasoning.finish() if self._reasoning else ReasoningDelta()
+        if self._tools is None:
+            return self._tool_pass(split, None)
+        found = self._tools.feed(split.content) if split.content else ToolDelta()
+        found += self._tools.finish()
+        return self._tool_pass(split, found)
+
+    def parse(self, text: str) -> ChoiceDelta:
+        """The whole message at once."""
+        whole = self.feed(text)
+        rest = self.finish()
+        return ChoiceDelta(
+            whole.reasoning + rest.reasoning, whole.content + rest.content, whole.calls + rest.calls
+        )
+
+    def _tool_pass(self, split: ReasoningDelta, found: ToolDelta | None) -> ChoiceDelta:
+        reasoning = split.reasoning if self._include_reasoning else ""
+        if found is None:
+            return ChoiceDelta(reasoning, split.content)
+        self.num_calls += len(found.calls)
+        return ChoiceDelta(reasoning, found.content, list(found.calls))
+
+
+@dataclass(frozen=True)
+class ChatParsers:
+    """The parser classes of one server (``None``: that kind of parsing is off)."""
+
+    reasoning_cls: type[ReasoningParser] | None = None
+    tool_cls: type[ToolParser] | None = None
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings) -> ChatParsers:
+        """Resolve the settings' parser names in the plugin registries.
+
+        Raises ``ValueError`` for an unknown name (the message lists the known ones) and for
+        ``--enable-auto-tool-choice`` without ``--tool-call-parser``.
+        """
+        from chassis.plugins.registries import get_registries
+
+        if settings.enable_auto_tool_choice and not settings.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+        registries = get_registries()
+        reasoning_cls = tool_cls = None
+        if settings.reasoning_parser:
+            reasoning_cls = registries.reasoning_parsers.get(settings.reasoning_parser)
+        if settings.tool_call_parser:
+            if settings.enable_auto_tool_choice:
+                tool_cls = registries.tool_parsers.get(settings.tool_call_parser)
+            else:
+                registries.tool_parsers.get(settings.tool_call_parser)  # still check the name
+                logger.warning(
+                    "--tool-call-parser %s has no effect without --enable-auto-tool-choice",
+                    settings.tool_call_parser,
+                )
+        return cls(reasoning_cls, tool_cls)
+
+    def tool_parsing(self, body: ChatCompletionRequest) -> bool:
+        """Whether ``body``'s output is parsed for tool calls; a 400 for a ``tool_choice``
+        this server cannot honour.
+
+        ``"none"`` (or no ``tools``): never. ``"auto"``: needs ``--enable-auto-tool-choice``.
+        Absent: ``"auto"`` when the server has a tool parser, else the tools only reach the
+        chat template and calls come back as text. ``"required"`` and named functions would
+        need constrained decoding, which chassis does not have.
+        """
+        choice = body.tool_choice
+        if choice is not None and choice not in ("none", "auto"):
+            raise bad_request(
+                "tool_choice 'required' or a named function is not supported (it needs "
+                "constrained decoding); use 'auto' or 'none'",
+                "tool_choice",
+            )
+        if not body.tools or choice == "none":
+            return False
+        if self.tool_cls is None:
+            if choice == "auto":
+                raise bad_request(
+                    "tool_choice 'auto' needs the server to be started with "
+                    "--enable-auto-tool-choice and --tool-call-parser",
+                    "tool_choice",
+                )
+            return False
+        return True
+
+    def for_request(
+        self, body: ChatCompletionRequest, tokenizer: Any, prompt: str
+    ) -> RequestParsing | None:
+        """How ``body``'s choices are parsed, or ``None`` when they are not (the text is all
+        content). Raises the 400s of :meth:`tool_parsing`."""
+        tools = self.tool_parsing(body)
+        if self.reasoning_cls is None and not tools:
+            return None
+        return RequestParsing(
+            self.reasoning_cls,
+            self.tool_cls if tools else None,
+            tokenizer,
+            prompt,
+            list(body.tools or []),
+            body.include_reasoning is not False,
+        )
+
+
+@dataclass(frozen=True)
+class RequestParsing:
+    """The parsing of one request: makes a :class:`ChoiceParser` per choice."""
+
+    reasoning_cls: type[ReasoningParser] | None
+    tool_cls: type[ToolParser] | None
+    tokenizer: Any
+    prompt: str
+    tools: list[dict[str, Any]]
+    include_reasoning: bool
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        """The tool parser reads special tokens, so the text must keep them."""
+        return bool(self.tool_cls and self.tool_cls.needs_special_tokens)
+
+    def choice_parser(self) -> ChoiceParser:
+        reasoning = self.reasoning_cls(self.tokenizer, self.prompt) if self.reasoning_cls else None
+        tools = self.tool_cls(self.tokenizer, self.tools) if self.tool_cls else None
+        return ChoiceParser(reasoning, tools, self.include_reasoning)
+
+
+def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
+    """OpenAI's ``tool_calls`` for a choice that stopped after calling tools."""
+    if reason == "stop" and parser.num_calls:
+        return "tool_calls"
+    return reason
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call as OpenAI's ``tool_calls`` item, with a fresh id; ``index`` (streamed calls
+    carry it) is the call's position in its choice."""
+    item: dict[str, Any] = {} if index is None else {"index": index}
+    item["id"] = f"call_{uuid.uuid4().hex[:24]}"
+    item["type"] = "function"
+    item["function"] = {"name": call.name, "arguments": call.arguments}
+    return item

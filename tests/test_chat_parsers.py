@@ -1,0 +1,226 @@
+"""The built-in ``qwen3`` / ``deepseek_r1`` reasoning parsers, the ``hermes`` tool parser, and
+their combination per choice (``serve/chat_parsing.py``).
+
+Every case is checked whole (:meth:`parse`, the non-streamed path) and streamed in random
+pieces, one character at a time included: the streamed deltas must add up to the whole
+result, whatever the pieces.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from chassis.builtin_plugins.parsers.hermes import HermesToolParser
+from chassis.builtin_plugins.parsers.text_scan import held_prefix_len
+from chassis.builtin_plugins.parsers.think_tags import (
+    DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser,
+)
+from chassis.plugins.registries import get_registries
+from chassis.serve.chat_parsing import ChoiceParser
+from chassis.serve.reasoning_parser import ReasoningDelta, ReasoningParser
+from chassis.serve.tool_parser import ToolCall, ToolDelta, ToolParser
+
+
+def pieces(text: str, rng: random.Random) -> list[str]:
+    """``text`` cut at random places (empty pieces included)."""
+    cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 8)))
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def splits(text: str) -> list[list[str]]:
+    rng = random.Random(text)
+    return [[text], list(text), *(pieces(text, rng) for _ in range(30))]
+
+
+def streamed_reasoning(cls: type[ReasoningParser], prompt: str, parts: list[str]):
+    parser = cls(None, prompt)
+    total = ReasoningDelta()
+    for part in parts:
+        total += parser.feed(part)
+    total += parser.finish()
+    return total
+
+
+def streamed_tools(cls: type[ToolParser], parts: list[str]) -> ToolDelta:
+    parser = cls(None, [])
+    total = ToolDelta()
+    for part in parts:
+        total += parser.feed(part)
+    total += parser.finish()
+    return total
+
+
+def test_held_prefix_len() -> None:
+    assert held_prefix_len("ok <tool", "<tool_call>") == 5
+    assert held_prefix_len("ok", "<tool_call>") == 0
+    assert held_prefix_len("<", "<tool_call>") == 1
+    assert held_prefix_len("x<tool_call>", "<tool_call>") == 0  # a whole marker is not held
+
+
+def test_parsers_are_registered_like_plugins() -> None:
+    registries = get_registries()
+    assert registries.reasoning_parsers.get("qwen3") is Qwen3ReasoningParser
+    assert registries.reasoning_parsers.get("deepseek_r1") is DeepSeekR1ReasoningParser
+    assert registries.tool_parsers.get("hermes") is HermesToolParser
+
+
+# -- reasoning ------------------------------------------------------------------------------
+
+QWEN_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+QWEN_NO_THINK = QWEN_PROMPT + "<think>\n\n</think>\n\n"
+R1_PROMPT = "<｜User｜>hi<｜Assistant｜><think>\n"
+
+REASONING_CASES = [
+    # (parser, prompt, output, reasoning, content)
+    (
+        Qwen3ReasoningParser,
+        QWEN_PROMPT,
+        "<think>\nLet me see.\n</think>\n\nParis.",
+        "Let me see.",
+        "Paris.",
+    ),
+    (Qwen3ReasoningParser, QWEN_PROMPT, "Paris.", "", "Paris."),
+    (
+        Qwen3ReasoningParser,
+        QWEN_NO_THINK,
+        "Paris, <think> is a tag.",
+        "",
+        "Paris, <think> is a tag.",
+    ),
+    (
+        Qwen3ReasoningParser,
+        QWEN_PROMPT,
+        "<think>\nstill thinking when cut",
+        "still thinking when cut",
+        "",
+    ),
+    (Qwen3ReasoningParser, QWEN_PROMPT, "  <thi", "", "<thi"),
+    (Qwen3ReasoningParser, QWEN_PROMPT, "<think>a </thin b</think>c", "a </thin b", "c"),
+    (Qwen3ReasoningParser, QWEN_PROMPT, "<think></think>", "", ""),
+    (Qwen3ReasoningParser, QWEN_PROMPT, "", "", ""),
+    # the prompt opened the block: no opening tag in the output
+    (Qwen3ReasoningParser, QWEN_PROMPT + "<think>\n", "hmm\n</think>\nOK", "hmm", "OK"),
+    (
+        DeepSeekR1ReasoningParser,
+        R1_PROMPT,
+        "Think 2+2.\n</think>\n\n**4**\n",
+        "Think 2+2.",
+        "**4**\n",
+    ),
+    (DeepSeekR1ReasoningParser, "", "<think>x</think>y", "x", "y"),
+    # R1 starts in reasoning even without a tag in the prompt or the output
+    (DeepSeekR1ReasoningParser, "", "no end tag at all", "no end tag at all", ""),
+    (DeepSeekR1ReasoningParser, "", "a</think>b</think>c", "a", "b</think>c"),
+    (DeepSeekR1ReasoningParser, R1_PROMPT, "ü 世界\n\n</think>\n\nünï", "ü 世界", "ünï"),
+]
+
+
+@pytest.mark.parametrize(("cls", "prompt", "output", "reasoning", "content"), REASONING_CASES)
+def test_reasoning_split(
+    cls: type[ReasoningParser], prompt: str, output: str, reasoning: str, content: str
+) -> None:
+    assert cls(None, prompt).parse(output) == ReasoningDelta(reasoning, content)
+    for parts in splits(output):
+        assert streamed_reasoning(cls, prompt, parts) == ReasoningDelta(reasoning, content), parts
+
+
+def test_reasoning_streams_before_the_end_tag() -> None:
+    parser = Qwen3ReasoningParser(None, QWEN_PROMPT)
+    assert parser.feed("<thi") == ReasoningDelta()  # may be the tag: held
+    assert parser.feed("nk>\nStep one") == ReasoningDelta(reasoning="Step one")
+    assert parser.feed(", two </") == ReasoningDelta(reasoning=", two")  # " </" held
+    assert parser.feed("think>\n\nAn") == ReasoningDelta(content="An")
+    assert parser.feed("swer") == ReasoningDelta(content="swer")
+    assert parser.finish() == ReasoningDelta()
+
+
+# -- hermes tool calls -------------------------------------------------------------------------
+
+
+def call(name: str, **arguments: object) -> ToolCall:
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TIME = '<tool_call>\n{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}\n</tool_call>'
+
+HERMES_CASES = [
+    # (output, content, calls)
+    ("Just text, <b>tags</b> and < signs.", "Just text, <b>tags</b> and < signs.", []),
+    (WEATHER, "", [call("get_weather", city="Paris")]),
+    ("Let me check.\n\n" + WEATHER, "Let me check.", [call("get_weather", city="Paris")]),
+    (
+        WEATHER + "\n" + TIME + "\n",
+        "",
+        [call("get_weather", city="Paris"), call("get_time", tz="CET")],
+    ),
+    (WEATHER + "\nDone.", "Done.", [call("get_weather", city="Paris")]),
+    # parameters instead of arguments, no arguments, unicode
+    (
+        '<tool_call>{"name": "f", "parameters": {"q": "Zürich 世界"}}</tool_call>',
+        "",
+        [call("f", q="Zürich 世界")],
+    ),
+    ('<tool_call>{"name": "now"}</tool_call>', "", [call("now")]),
+    # not a call: kept as written, whitespace included
+    ("See:\n<tool_call>not json</tool_call> ok", "See:\n<tool_call>not json</tool_call> ok", []),
+    (
+        'x <tool_call>{"arguments": {}}</tool_call>',
+        'x <tool_call>{"arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+        [],
+    ),
+    # cut short by the end of generation
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', "", [call("f", a=1)]),
+    ('ok <tool_call>\n{"name": "f", "argu', 'ok <tool_call>\n{"name": "f", "argu', []),
+    ("ends with <tool_c", "ends with <tool_c", []),
+    ("trailing space  ", "trailing space  ", []),
+]
+
+
+@pytest.mark.parametrize(("output", "content", "calls"), HERMES_CASES)
+def test_hermes_calls(output: str, content: str, calls: list[ToolCall]) -> None:
+    assert HermesToolParser(None, []).parse(output) == ToolDelta(content, calls)
+    for parts in splits(output):
+        assert streamed_tools(HermesToolParser, parts) == ToolDelta(content, calls), parts
+
+
+def test_hermes_reports_a_call_once_it_is_closed() -> None:
+    parser = HermesToolParser(None, [])
+    assert parser.feed("Sure. <tool") == ToolDelta(content="Sure.")
+    assert parser.feed('_call>{"name": "f", "arguments": {}}') == ToolDelta()
+    assert parser.feed("</tool_call>") == ToolDelta(calls=[call("f")])
+    assert parser.finish() == ToolDelta()
+
+
+# -- both, per choice ----------------------------------------------------------------------
+
+
+def test_calls_inside_the_reasoning_are_not_calls() -> None:
+    output = "<think>I could " + WEATHER + "</think>\n" + TIME
+    parser = ChoiceParser(Qwen3ReasoningParser(None, QWEN_PROMPT), HermesToolParser(None, []))
+    parsed = parser.parse(output)
+    assert parsed.reasoning == "I could " + WEATHER
+    assert (parsed.content, parsed.calls) == ("", [call("get_time", tz="CET")])
+    assert parser.num_calls == 1
+    for parts in splits(output):
+        streamed = ChoiceParser(Qwen3ReasoningParser(None, QWEN_PROMPT), HermesToolParser(None, []))
+        deltas = [streamed.feed(p) for p in parts] + [streamed.finish()]
+        assert "".join(d.reasoning for d in deltas) == parsed.reasoning
+        assert [c for d in deltas for c in d.calls] == parsed.calls
+
+
+def test_include_reasoning_false_drops_it() -> None:
+    parser = ChoiceParser(Qwen3ReasoningParser(None, QWEN_PROMPT), None, include_reasoning=False)
+    parsed = parser.parse("<think>secret</think>answer")
+    assert (parsed.reasoning, parsed.content, parsed.calls) == ("", "answer", [])

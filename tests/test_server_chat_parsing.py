@@ -1,0 +1,172 @@
+"""``/v1/chat/completions`` with ``--reasoning-parser`` and ``--enable-auto-tool-choice
+--tool-call-parser``: the routes against the fake engine (tests/fake_engine.py), which writes
+a scripted message one character per step, so every streamed chunk boundary is exercised.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fake_engine import FakeAsyncLLM
+from fastapi.testclient import TestClient
+from test_server_routes import assert_error, sse_events
+
+from chassis.plugins.registry import UnknownNameError
+from chassis.serve.app import build_app
+from chassis.serve.settings import ServerSettings
+
+CHAT = [{"role": "user", "content": "Weather in Paris?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+THOUGHT = "<think>\nThe user wants the weather.\n</think>\n\n"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+BOTH = ServerSettings(
+    enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3"
+)
+
+
+def client_for(script: str, settings: ServerSettings) -> Iterator[TestClient]:
+    with TestClient(build_app(FakeAsyncLLM(script=script), settings)) as client:
+        yield client
+
+
+@pytest.fixture
+def tool_client() -> Iterator[TestClient]:
+    yield from client_for(THOUGHT + "Checking.\n" + CALL, BOTH)
+
+
+def chat(client: TestClient, **fields: Any) -> Any:
+    return client.post("/v1/chat/completions", json={"messages": CHAT, **fields})
+
+
+def test_reasoning_and_a_tool_call_in_one_message(tool_client: TestClient) -> None:
+    response = chat(tool_client, tools=TOOLS)
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["reasoning"] == "The user wants the weather."
+    assert message["content"] == "Checking."
+    [tool_call] = message["tool_calls"]
+    assert tool_call["type"] == "function" and tool_call["id"].startswith("call_")
+    assert tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_streamed_deltas_add_up_to_the_message(tool_client: TestClient) -> None:
+    whole = chat(tool_client, tools=TOOLS).json()["choices"][0]["message"]
+    events = sse_events(chat(tool_client, tools=TOOLS, stream=True).text)
+    deltas = [event["choices"][0] for event in events if event["choices"]]
+    assert deltas[0]["delta"] == {"role": "assistant", "content": ""}
+    reasoning = "".join(d["delta"].get("reasoning", "") for d in deltas)
+    content = "".join(d["delta"].get("content", "") for d in deltas)
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert (reasoning, content) == (whole["reasoning"], whole["content"])
+    [streamed_call] = calls
+    assert streamed_call["index"] == 0 and streamed_call["id"].startswith("call_")
+    assert streamed_call["function"] == whole["tool_calls"][0]["function"]
+    # reasoning streams as it is written, not all at the end
+    assert sum(1 for d in deltas if "reasoning" in d["delta"]) > 5
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert all(d["finish_reason"] is None for d in deltas[:-1])
+
+
+def test_several_choices_each_get_their_calls(tool_client: TestClient) -> None:
+    body = chat(tool_client, tools=TOOLS, n=2, stream=True)
+    events = sse_events(body.text)
+    calls: dict[int, list[Any]] = {0: [], 1: []}
+    for event in events:
+        for choice in event["choices"]:
+            calls[choice["index"]] += choice["delta"].get("tool_calls", [])
+    assert [len(calls[0]), len(calls[1])] == [1, 1]
+    assert calls[0][0]["id"] != calls[1][0]["id"]
+
+
+def test_tool_choice_none_or_no_tools_leaves_the_call_as_text(tool_client: TestClient) -> None:
+    for fields in ({"tools": TOOLS, "tool_choice": "none"}, {}):
+        [choice] = chat(tool_client, **fields).json()["choices"]
+        assert choice["finish_reason"] == "stop"
+        assert choice["message"]["content"] == "Checking.\n" + CALL
+        assert choice["message"]["tool_calls"] == []
+        assert choice["message"]["reasoning"] == "The user wants the weather."
+
+
+def test_include_reasoning_false(tool_client: TestClient) -> None:
+    message = chat(tool_client, include_reasoning=False).json()["choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"].startswith("Checking.")
+
+
+def test_a_message_of_only_calls_has_null_content() -> None:
+    for client in client_for(CALL + "\n", BOTH):
+        message = chat(client, tools=TOOLS).json()["choices"][0]["message"]
+        assert message["content"] is None and len(message["tool_calls"]) == 1
+
+
+def test_a_call_cut_by_max_tokens_stays_text_and_length() -> None:
+    for client in client_for(CALL, BOTH):
+        [choice] = chat(client, tools=TOOLS, max_tokens=20).json()["choices"]
+        assert choice["finish_reason"] == "length"
+        assert choice["message"]["content"] == CALL[:20]
+        assert choice["message"]["tool_calls"] == []
+
+
+def test_without_parsers_the_output_is_untouched() -> None:
+    for client in client_for(THOUGHT + CALL, ServerSettings()):
+        # absent tool_choice: the tools only reach the template
+        [choice] = chat(client, tools=TOOLS).json()["choices"]
+        assert choice["message"]["content"] == THOUGHT + CALL
+        assert choice["message"]["reasoning"] is None
+        assert_error(chat(client, tools=TOOLS, tool_choice="auto"), 400, "tool_choice")
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_tool_choice_is_refused(tool_client: TestClient, tool_choice: Any) -> None:
+    error = assert_error(chat(tool_client, tools=TOOLS, tool_choice=tool_choice), 400)
+    assert error["param"] == "tool_choice" and "constrained decoding" in error["message"]
+
+
+def test_the_reasoning_parser_alone() -> None:
+    settings = ServerSettings(reasoning_parser="deepseek_r1")
+    for client in client_for("2+2 is 4.</think>The answer is 4.", settings):
+        message = chat(client).json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("2+2 is 4.", "The answer is 4.")
+        # truncated reasoning: no content at all
+        message = chat(client, max_tokens=5).json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("2+2 i", None)
+
+
+@pytest.mark.parametrize(("parser", "skip"), [("hermes", True), ("mistral", False)])
+def test_a_parser_that_reads_special_tokens_gets_them(parser: str, skip: bool) -> None:
+    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser=parser)
+    engine = FakeAsyncLLM(script="x")
+    with TestClient(build_app(engine, settings)) as client:
+        chat(client, tools=TOOLS)
+        chat(client)  # no tools: no tool parsing, special tokens skipped as usual
+    # hermes' tags are ordinary text; mistral's [TOOL_CALLS] is a special token
+    assert [request[2].skip_special_tokens for request in engine.requests] == [skip, True]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (ServerSettings(reasoning_parser="nope"), "unknown reasoning parser 'nope'"),
+        (ServerSettings(enable_auto_tool_choice=True, tool_call_parser="x"), "known: hermes"),
+        (ServerSettings(enable_auto_tool_choice=True), "needs --tool-call-parser"),
+    ],
+)
+def test_bad_parser_settings_fail_at_build(settings: ServerSettings, message: str) -> None:
+    with pytest.raises((UnknownNameError, ValueError), match=message):
+        build_app(FakeAsyncLLM(), settings)

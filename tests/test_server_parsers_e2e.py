@@ -1,0 +1,99 @@
+"""``chassis serve --reasoning-parser deepseek_r1 --enable-auto-tool-choice --tool-call-parser
+hermes`` as a real process on a tiny random Llama, driven by the official ``openai`` client.
+
+The model is random, so it writes neither ``</think>`` nor tool calls: under ``deepseek_r1``
+its whole greedy output is reasoning. The reference is the same prompt's greedy completion
+from ``/v1/completions``, which no parser touches.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures_models import tiny_llama_dir  # noqa: F401
+from server_process import ServerProcess, free_port, running_server
+
+openai = pytest.importorskip("openai")
+
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_llama_dir: Path,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServerProcess]:
+    flags = ["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice"]
+    flags += ["--tool-call-parser", "hermes"]
+    with running_server(
+        tiny_llama_dir, tmp_path_factory.mktemp("serve"), extra_args=flags
+    ) as server:
+        yield server
+
+
+def reference_text(server: ServerProcess, max_tokens: int) -> str:
+    """The greedy output for CHAT with TOOLS, from the routes no parser touches."""
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    ids = httpx.post(
+        f"{server.base}/tokenize",
+        json={"messages": CHAT, "tools": TOOLS},
+        headers=headers,
+    ).json()["tokens"]
+    completion = server.client().completions.create(
+        model="tiny", prompt=ids, max_tokens=max_tokens, temperature=0
+    )
+    return completion.choices[0].text
+
+
+def test_the_output_is_reasoning_streamed_or_not(server: ServerProcess) -> None:
+    expected = reference_text(server, 12).strip()
+    assert expected and "</think>" not in expected
+    client = server.client()
+    kwargs = {"model": "tiny", "messages": CHAT, "tools": TOOLS, "max_tokens": 12}
+    response = client.chat.completions.create(temperature=0, **kwargs)
+    [choice] = response.choices
+    assert choice.finish_reason == "length"
+    assert choice.message.reasoning == expected
+    assert choice.message.content is None and not choice.message.tool_calls
+
+    chunks = list(client.chat.completions.create(temperature=0, stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == expected
+    assert not any(d.content for d in deltas) and not any(d.tool_calls for d in deltas)
+
+
+def test_forced_tool_choice_is_a_400(server: ServerProcess) -> None:
+    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+        server.client().chat.completions.create(
+            model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=4
+        )
+
+
+def test_an_unknown_parser_fails_before_the_model_loads(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "chassis.serve.cli", "serve", str(tmp_path / "no-model")),
+            *("--port", str(free_port()), "--reasoning-parser", "nope"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "unknown reasoning parser 'nope'; known: deepseek_r1, qwen3" in result.stderr
+    assert "Traceback" not in result.stderr and "no-model" not in result.stderr

@@ -1,0 +1,421 @@
+"""The ``llama3_json``, ``mistral`` and ``pythonic`` tool-call parsers: what they find in
+whole messages, that they stream content and calls as early as the contract allows, and that
+the result never depends on how the message was cut into pieces."""
+
+from __future__ import annotations
+
+import json
+import random
+from itertools import pairwise
+from typing import Any
+
+import pytest
+
+from chassis.builtin_plugins.parsers import chassis_register_tool_parsers
+from chassis.builtin_plugins.parsers.llama3_json import Llama3JsonToolParser
+from chassis.builtin_plugins.parsers.mistral import MistralToolParser
+from chassis.builtin_plugins.parsers.pythonic import PythonicToolParser
+from chassis.builtin_plugins.parsers.text_scan import (
+    skip_space,
+    starts_with_after_tag,
+    strip_start_tag,
+)
+from chassis.plugins.registry import Registry
+from chassis.serve.tool_parser import ToolDelta, ToolParser
+
+Calls = list[tuple[str, dict[str, Any]]]
+
+
+def _result(delta: ToolDelta) -> tuple[str, Calls]:
+    """``delta`` as (content, [(name, decoded arguments)]); the arguments must be a JSON
+    object."""
+    calls = []
+    for call in delta.calls:
+        arguments = json.loads(call.arguments)
+        assert isinstance(arguments, dict)
+        calls.append((call.name, arguments))
+    return delta.content, calls
+
+
+def _run(cls: type[ToolParser], pieces: list[str]) -> tuple[str, Calls]:
+    """Feed ``pieces`` to a fresh parser, then finish it; everything it returned."""
+    parser = cls(None, [])
+    total = ToolDelta()
+    for piece in pieces:
+        total += parser.feed(piece)
+    total += parser.finish()
+    return _result(total)
+
+
+def _random_pieces(text: str, rng: random.Random) -> list[str]:
+    """``text`` cut at random places (empty pieces included now and then)."""
+    cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, len(text) + 1)))
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in pairwise(bounds)]
+
+
+def _parse_every_way(cls: type[ToolParser], text: str) -> tuple[str, Calls]:
+    """The result for ``text`` whole, after checking that :meth:`parse`, one-character pieces
+    and many random cuts all give exactly the same."""
+    whole = _run(cls, [text])
+    assert _result(cls(None, []).parse(text)) == whole
+    assert _run(cls, list(text)) == whole, "one-character pieces"
+    rng = random.Random(f"{cls.__name__}:{text}")
+    for _ in range(40):
+        pieces = _random_pieces(text, rng)
+        assert _run(cls, pieces) == whole, f"pieces {pieces!r}"
+    return whole
+
+
+# (text, expected content, expected calls)
+LLAMA3_CASES: list[tuple[str, str, Calls]] = [
+    (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}',
+        "",
+        [("a", {}), ("b", {"x": 1})],
+    ),
+    (
+        ' \n<|python_tag|> {"name": "a", "parameters": {"n": [1, 2.5, null]}} ;\n'
+        '{"name": "b", "parameters": {"ok": true}};',
+        "",
+        [("a", {"n": [1, 2.5, None]}), ("b", {"ok": True})],
+    ),
+    ('{"name": "s", "arguments": "{\\"x\\": [1, 2]}"}', "", [("s", {"x": [1, 2]})]),
+    (
+        '{"name": "translate", "parameters": {"text": "héllo → 世界 🌍"}}',
+        "",
+        [("translate", {"text": "héllo → 世界 🌍"})],
+    ),
+    ('{"name": "no_args"}', "", [("no_args", {})]),
+    # content: not starting with "{"
+    ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+    ("  It costs {price}.", "  It costs {price}.", []),
+    ("<|python_tag|>print('hi')", "<|python_tag|>print('hi')", []),
+    ("", "", []),
+    (" \n ", " \n ", []),
+    ("<|python_ta", "<|python_ta", []),
+    ("<|python_tag|>", "<|python_tag|>", []),
+    # invalid: the whole text comes back as content, unchanged
+    *(
+        (text, text, [])
+        for text in [
+            '{"name": "a", "parameters": {}} and then some words',
+            '{"name": "a", "parameters": {"city": "Par',
+            '{"foo": 1}',
+            '{"name": "a", "parameters": [1]}',
+            '{"name": "a", "arguments": "not json"}',
+            '{"name": "a", "parameters": {}};; {"name": "b"}',
+            '{"name": "a", "parameters": {}} {"name": "b"}',
+            '<|python_tag|>{"name": "", "parameters": {}}',
+            "{not json at all",
+        ]
+    ),
+]
+
+MISTRAL_CASES: list[tuple[str, str, Calls]] = [
+    (
+        'Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "Let me check. ",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+        "",
+        [("a", {"x": 1}), ("b", {})],
+    ),
+    ('[TOOL_CALLS]{"name": "one", "arguments": {"k": "v"}}', "", [("one", {"k": "v"})]),
+    (
+        '[TOOL_CALLS][{"name": "s", "arguments": "{\\"x\\": [1, 2]}"}]',
+        "",
+        [("s", {"x": [1, 2]})],
+    ),
+    (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+        "",
+        [("get_weather", {"city": "Paris"}), ("get_time", {})],
+    ),
+    (
+        '[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS] {"x": {"y": [true, null]}}',
+        "",
+        [("f", {"x": {"y": [True, None]}})],
+    ),
+    (
+        '[TOOL_CALLS]translate[ARGS]{"text": "héllo → 世界 🌍"}',
+        "",
+        [("translate", {"text": "héllo → 世界 🌍"})],
+    ),
+    # whitespace after a call is dropped; text after it is content
+    ("[TOOL_CALLS]f[ARGS]{}  \n done", "done", [("f", {})]),
+    ("[TOOL_CALLS]f[ARGS]{} \n", "", [("f", {})]),
+    # a marker that starts no call is content, and the text after it is still read
+    (
+        "Use [TOOL_CALLS] wisely. [TOOL_CALLS]f[ARGS]{}",
+        "Use [TOOL_CALLS] wisely. ",
+        [("f", {})],
+    ),
+    (
+        '[TOOL_CALLS][TOOL_CALLS][{"name": "f", "arguments": {}}]',
+        "[TOOL_CALLS]",
+        [("f", {})],
+    ),
+    # content only
+    ("Just [text] with [TOOL_CA", "Just [text] with [TOOL_CA", []),
+    ("", "", []),
+    # invalid: the raw text, marker included, is content
+    *(
+        (text, text, [])
+        for text in [
+            "[TOOL_CALLS]",
+            "[TOOL_CALLS]  ",
+            '[TOOL_CALLS][{"name": "f", "arguments": {}}, 3]',
+            '[TOOL_CALLS][{"name": "f", "argu',
+            "[TOOL_CALLS][]",
+            '[TOOL_CALLS]f[ARGS]{"x": ',
+            "[TOOL_CALLS]f[ARGS][1, 2]",
+            "[TOOL_CALLS]f[ARGS]",
+            "[TOOL_CALLS]not a name[ARGS]{}",
+            "[TOOL_CALLS]get_weather",
+            "[TOOL_CALLS]f[CALL_ID][ARGS]{}",
+            'Hi [TOOL_CALLS]{"name": "f", "arguments": 7}',
+        ]
+    ),
+]
+
+PYTHONIC_CASES: list[tuple[str, str, Calls]] = [
+    ('[get_weather(city="Paris", days=3)]', "", [("get_weather", {"city": "Paris", "days": 3})]),
+    (
+        '[get_weather(city="Paris"), other(x=[1, 2], y={"k": None}, z=True, w=-1.5, t=(1, "a"))]',
+        "",
+        [
+            ("get_weather", {"city": "Paris"}),
+            ("other", {"x": [1, 2], "y": {"k": None}, "z": True, "w": -1.5, "t": [1, "a"]}),
+        ],
+    ),
+    ('<|python_start|>[f(a="x")]<|python_end|>', "", [("f", {"a": "x"})]),
+    (' \n<|python_start|> [f(a="x")]', "", [("f", {"a": "x"})]),
+    ("  [no_args()]\n", "", [("no_args", {})]),
+    (
+        '[say(text="héllo → 世界 🌍", raw=\'{"x": 1}\')]',
+        "",
+        [("say", {"text": "héllo → 世界 🌍", "raw": '{"x": 1}'})],
+    ),
+    ("[f(\n    a=1,\n    b='two',\n)]", "", [("f", {"a": 1, "b": "two"})]),
+    # content: not starting with "["
+    ("Sure, here you go.", "Sure, here you go.", []),
+    ("  It is f(x=1).", "  It is f(x=1).", []),
+    ("<|python_start|>print(1)<|python_end|>", "<|python_start|>print(1)<|python_end|>", []),
+    ("", "", []),
+    ("<|python_sta", "<|python_sta", []),
+    # invalid: the whole text comes back as content, unchanged
+    *(
+        (text, text, [])
+        for text in [
+            "[link](http://example.com)",
+            "[f(1)]",
+            "[obj.f(a=1)]",
+            "[f(a=g())]",
+            "[f(a=x)]",
+            '[f(a=1), "text"]',
+            "[f(a=1)",
+            "[1, 2]",
+            "[]",
+            "[f(**kw)]",
+            "[f(a=1, a=2)]",
+            "[f(a={1, 2})]",
+            "[f(a=1e999)]",
+            "[f(a=b'x')]",
+            "[f(a=1j)]",
+            "[f(a={1: 2})]",
+            '[f(a=__import__("os").system("echo hi"))]',
+            "[f(a=1)] and more",
+            "[f(a=true)]",
+            "  [f(a=1)]<|python_end|>",
+        ]
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), LLAMA3_CASES)
+def test_llama3_json(text: str, content: str, calls: Calls) -> None:
+    assert _parse_every_way(Llama3JsonToolParser, text) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), MISTRAL_CASES)
+def test_mistral(text: str, content: str, calls: Calls) -> None:
+    assert _parse_every_way(MistralToolParser, text) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC_CASES)
+def test_pythonic(text: str, content: str, calls: Calls) -> None:
+    assert _parse_every_way(PythonicToolParser, text) == (content, calls)
+
+
+def test_arguments_are_compact_json_objects() -> None:
+    """``arguments`` is JSON text of an object, with non-ASCII kept as written."""
+    llama = Llama3JsonToolParser(None, []).parse('{"name": "f", "parameters": {"t": "é"}}')
+    mistral = MistralToolParser(None, []).parse('[TOOL_CALLS]f[ARGS]{"t": "é"}')
+    pythonic = PythonicToolParser(None, []).parse('[f(t="é")]')
+    for delta in (llama, mistral, pythonic):
+        assert [call.arguments for call in delta.calls] == ['{"t": "é"}']
+
+
+def test_llama3_json_streams_content_and_holds_calls() -> None:
+    parser = Llama3JsonToolParser(None, [])
+    assert parser.feed(" \n<|pyth").content == ""  # may still be the python tag
+    assert parser.feed("on_tag|>Hello").content == " \n<|python_tag|>Hello"
+    assert parser.feed(" world").content == " world"
+    assert parser.finish() == ToolDelta()
+
+    parser = Llama3JsonToolParser(None, [])
+    assert parser.feed('{"name": "f", "parameters": {}}') == ToolDelta()  # held to the end
+    assert [call.name for call in parser.finish().calls] == ["f"]
+
+
+def test_mistral_streams_content_and_calls_when_complete() -> None:
+    parser = MistralToolParser(None, [])
+    assert parser.feed("Hello [TOOL").content == "Hello "
+    assert parser.feed("_CALLS]get_weather[AR") == ToolDelta()
+    assert parser.feed('GS]{"city": "Par') == ToolDelta()
+    first = parser.feed('is"}[TOOL_CALLS]get_time[ARGS]{"zone": ')
+    assert first.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in first.calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    second = parser.feed('"UTC"}')
+    assert [c.name for c in second.calls] == ["get_time"]
+    assert parser.finish() == ToolDelta()
+
+
+def test_mistral_array_reported_as_soon_as_it_parses() -> None:
+    parser = MistralToolParser(None, [])
+    assert parser.feed('[TOOL_CALLS][{"name": "f", "arguments": {}}') == ToolDelta()
+    delta = parser.feed("]")
+    assert [c.name for c in delta.calls] == ["f"]
+
+
+def test_mistral_gives_up_early_on_a_marker_that_cannot_start_a_call() -> None:
+    """A marker followed by prose streams as content at once, not at the end."""
+    parser = MistralToolParser(None, [])
+    assert parser.feed("[TOOL_CALLS] hello there").content == "[TOOL_CALLS] hello there"
+
+
+def test_pythonic_streams_content_and_holds_calls() -> None:
+    parser = PythonicToolParser(None, [])
+    assert parser.feed("  ").content == ""
+    assert parser.feed("Hi").content == "  Hi"
+    assert parser.finish() == ToolDelta()
+
+    parser = PythonicToolParser(None, [])
+    assert parser.feed("[f(a=1)]") == ToolDelta()
+    assert [call.name for call in parser.finish().calls] == ["f"]
+
+
+def test_start_helpers() -> None:
+    tag = "<|python_tag|>"
+    assert starts_with_after_tag("", tag, "{") is None
+    assert starts_with_after_tag(" \n<|py", tag, "{") is None
+    assert starts_with_after_tag(" <|python_tag|> ", tag, "{") is None
+    assert starts_with_after_tag(" <|python_tag|> {", tag, "{") is True
+    assert starts_with_after_tag(" <|python_tag|>x", tag, "{") is False
+    assert starts_with_after_tag("<|pyx", tag, "{") is False
+    assert starts_with_after_tag("{", tag, "{") is True
+    assert strip_start_tag(" <|python_tag|>\n{}", tag) == "{}"
+    assert strip_start_tag(" {} ", tag) == "{} "
+    assert skip_space("a  b", 1) == 3
+    assert skip_space("a  ", 1) == 3
+
+
+def test_special_token_needs() -> None:
+    assert Llama3JsonToolParser.needs_special_tokens is True
+    assert MistralToolParser.needs_special_tokens is True
+    # Llama 4's wrapper tokens may be dropped: the bare list parses the same
+    assert PythonicToolParser.needs_special_tokens is False
+
+
+def test_registered_by_name() -> None:
+    registry: Registry[Any] = Registry(
+        "tool-call parser", base="chassis.serve.tool_parser:ToolParser"
+    )
+    chassis_register_tool_parsers(registry=registry)
+    assert registry.get("llama3_json") is Llama3JsonToolParser
+    assert registry.get("mistral") is MistralToolParser
+    assert registry.get("pythonic") is PythonicToolParser
+
+
+def _llama3_message(rng: random.Random) -> tuple[str, int]:
+    objects = [
+        '{"name": "f", "parameters": {"x": 1}}',
+        '{"name": "g", "arguments": {}}',
+        '{"name": "h", "arguments": "{\\"y\\": [1, \\"é\\"]}"}',
+    ]
+    count = rng.randint(1, 3)
+    body = rng.choice([";", "; ", " ;\n"]).join(rng.choice(objects) for _ in range(count))
+    prefix = rng.choice(["", " ", "\n", "<|python_tag|>", " <|python_tag|> "])
+    return prefix + body + rng.choice(["", ";", " "]), count
+
+
+def _mistral_message(rng: random.Random) -> tuple[str, int]:
+    forms = [
+        '[{"name": "f", "arguments": {"x": 1}}]',
+        '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": "{}"}]',
+        'f[ARGS]{"y": [1, "é"]}',
+        "g[CALL_ID]abc123xyz[ARGS] {}",
+        '{"name": "h", "arguments": {"z": null}}',
+    ]
+    text, count = rng.choice(["", "Sure. ", "a [b] c\n"]), 0
+    for _ in range(rng.randint(1, 3)):
+        form = rng.choice(forms)
+        text += "[TOOL_CALLS]" + form + rng.choice(["", " ", "\n"])
+        count += 2 if form.count('"name"') == 2 else 1
+    return text + rng.choice(["", "done"]), count
+
+
+def _pythonic_message(rng: random.Random) -> tuple[str, int]:
+    calls = ["f(x=1)", 'g(s="é", l=[1, None], d={"k": True})', "h()", "k(t=(1, 2.5))"]
+    count = rng.randint(1, 3)
+    body = "[" + rng.choice([",", ", ", ",\n "]).join(rng.choice(calls) for _ in range(count)) + "]"
+    if rng.random() < 0.3:
+        body = "<|python_start|>" + body + rng.choice(["", "<|python_end|>"])
+    return rng.choice(["", " ", "\n"]) + body + rng.choice(["", "\n"]), count
+
+
+_NOISE = [" ", "x", "{", "}", "[", "]", ";", ",", '"', "(", ")", "[TOOL_CALLS]", "[ARGS]", "<|"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "make"),
+    [
+        (Llama3JsonToolParser, _llama3_message),
+        (MistralToolParser, _mistral_message),
+        (PythonicToolParser, _pythonic_message),
+    ],
+)
+def test_random_messages_are_chunk_invariant(cls: type[ToolParser], make: Any) -> None:
+    """Generated messages, valid or damaged (a fragment inserted, the end cut off), give the
+    same result however they are cut; valid ones give all their calls."""
+    rng = random.Random(f"random-messages:{cls.__name__}")
+    num_with_calls = 0
+    for _ in range(150):
+        text, count = make(rng)
+        damaged = rng.random() < 0.4
+        if damaged:
+            at = rng.randint(0, len(text))
+            if rng.random() < 0.5:
+                text = text[:at] + rng.choice(_NOISE) + text[at:]
+            else:
+                text = text[:at]
+        content, calls = _run(cls, [text])
+        if not damaged:
+            assert len(calls) == count, text
+        if not calls:
+            assert content == text, "nothing may be lost when nothing was a call"
+        num_with_calls += bool(calls)
+        for _ in range(5):
+            assert _run(cls, _random_pieces(text, rng)) == (content, calls), text
+        assert _run(cls, list(text)) == (content, calls), text
+    assert num_with_calls > 50
