@@ -11,7 +11,6 @@ calls).
 
 from __future__ import annotations
 
-import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,8 +25,6 @@ if TYPE_CHECKING:
     from chassis.serve.settings import ServerSettings
     from chassis.serve.tool_parser import ToolParser
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class ChoiceDelta:
@@ -39,6 +36,12 @@ class ChoiceDelta:
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.calls)
+
+    def __iadd__(self, other: ChoiceDelta) -> ChoiceDelta:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.calls += other.calls
+        return self
 
 
 class ChoiceParser:
@@ -56,6 +59,8 @@ class ChoiceParser:
         self._include_reasoning = include_reasoning
         #: tool calls returned so far (the next call's index in the choice)
         self.num_calls = 0
+        #: the message had reasoning (even when ``include_reasoning`` drops it)
+        self.saw_reasoning = False
 
     def feed(self, text: str) -> ChoiceDelta:
         """The classified part of ``text``, the next piece of the message."""
@@ -74,12 +79,11 @@ class ChoiceParser:
     def parse(self, text: str) -> ChoiceDelta:
         """The whole message at once."""
         whole = self.feed(text)
-        rest = self.finish()
-        return ChoiceDelta(
-            whole.reasoning + rest.reasoning, whole.content + rest.content, whole.calls + rest.calls
-        )
+        whole += self.finish()
+        return whole
 
     def _tool_pass(self, split: ReasoningDelta, found: ToolDelta | None) -> ChoiceDelta:
+        self.saw_reasoning = self.saw_reasoning or bool(split.reasoning)
         reasoning = split.reasoning if self._include_reasoning else ""
         if found is None:
             return ChoiceDelta(reasoning, split.content)
@@ -99,7 +103,8 @@ class ChatParsers:
         """Resolve the settings' parser names in the plugin registries.
 
         Raises ``ValueError`` for an unknown name (the message lists the known ones) and for
-        ``--enable-auto-tool-choice`` without ``--tool-call-parser``.
+        ``--enable-auto-tool-choice`` without ``--tool-call-parser``. A tool parser without
+        ``--enable-auto-tool-choice`` is checked but not used.
         """
         from chassis.plugins.registries import get_registries
 
@@ -110,14 +115,9 @@ class ChatParsers:
         if settings.reasoning_parser:
             reasoning_cls = registries.reasoning_parsers.get(settings.reasoning_parser)
         if settings.tool_call_parser:
-            if settings.enable_auto_tool_choice:
-                tool_cls = registries.tool_parsers.get(settings.tool_call_parser)
-            else:
-                registries.tool_parsers.get(settings.tool_call_parser)  # still check the name
-                logger.warning(
-                    "--tool-call-parser %s has no effect without --enable-auto-tool-choice",
-                    settings.tool_call_parser,
-                )
+            tool_cls = registries.tool_parsers.get(settings.tool_call_parser)
+        if not settings.enable_auto_tool_choice:
+            tool_cls = None  # the name is checked all the same
         return cls(reasoning_cls, tool_cls)
 
     def tool_parsing(self, body: ChatCompletionRequest) -> bool:

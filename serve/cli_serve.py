@@ -194,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:  # ImportError: a parser plugin that does not load
         logger.error("%s", exc)
         return 2
+    if settings.tool_call_parser and not settings.enable_auto_tool_choice:
+        logger.warning(
+            "--tool-call-parser %s has no effect without --enable-auto-tool-choice",
+            settings.tool_call_parser,
+        )
 
     from chassis.serve.server import bind_sockets
 

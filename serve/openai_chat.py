@@ -98,11 +98,12 @@ async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str,
     )
 
 
-def _parsed_message(parsed: ChoiceDelta) -> ChatResponseMessage:
-    """The message of a parsed choice. Content that is empty next to reasoning, or only
-    whitespace next to tool calls, is null, as OpenAI sends for a message of tool calls."""
+def _parsed_message(parsed: ChoiceDelta, parser: ChoiceParser) -> ChatResponseMessage:
+    """The message of a parsed choice. Content that is empty next to reasoning (sent or
+    dropped by ``include_reasoning``), or only whitespace next to tool calls, is null, as
+    OpenAI sends for a message of tool calls."""
     content: str | None = parsed.content
-    if (parsed.calls and not parsed.content.strip()) or (parsed.reasoning and not content):
+    if (parsed.calls and not parsed.content.strip()) or (parser.saw_reasoning and not content):
         content = None
     return ChatResponseMessage(
         role=ROLE,
@@ -143,7 +144,7 @@ async def _collect(
         message = ChatResponseMessage(role=ROLE, content="".join(texts[i]))
         if parsing is not None:
             parser = parsing.choice_parser()
-            message = _parsed_message(parser.parse(message.content or ""))
+            message = _parsed_message(parser.parse(message.content or ""), parser)
             reason = finish_reason(reason, parser)
         choices.append(
             ChatChoice(
@@ -164,28 +165,31 @@ async def _collect(
 
 
 def _parsed_choice(
-    parser: ChoiceParser, completion: CompletionOutput, logprobs: ChatChoiceLogprobs | None
+    parser: ChoiceParser,
+    index: int,
+    text: str,
+    logprobs: ChatChoiceLogprobs | None = None,
+    finish: str | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any] | None:
-    """The streamed choice of ``completion``'s new text after the parsers, or ``None`` when
-    they hold all of it back (and there is no finish reason or logprobs to send)."""
+    """The streamed choice of ``text``, new text of choice ``index``, after the parsers
+    (flushed when ``finish`` is a finish reason); ``None`` when they hold all of it back and
+    there is no finish reason or logprobs to send."""
     first_call = parser.num_calls
-    delta = parser.feed(completion.text)
-    if completion.finished:
-        rest = parser.finish()
-        delta = ChoiceDelta(
-            delta.reasoning + rest.reasoning, delta.content + rest.content, delta.calls + rest.calls
-        )
-    if not (delta or completion.finished or logprobs):
+    delta = parser.feed(text)
+    if finish is not None:
+        delta += parser.finish()
+    if not (delta or finish is not None or logprobs):
         return None
     calls = [tool_call_json(call, first_call + k) for k, call in enumerate(delta.calls)]
     return chat_choice(
-        completion.index,
+        index,
         content=delta.content or None,
         reasoning=delta.reasoning or None,
         tool_calls=calls or None,
         logprobs=logprobs,
-        finish_reason=finish_reason(completion.finish_reason, parser),
-        stop_reason=completion.stop_reason,
+        finish_reason=finish_reason(finish, parser),
+        stop_reason=stop_reason,
     )
 
 
@@ -235,7 +239,14 @@ async def _events(
                             stop_reason=completion.stop_reason,
                         )
                     else:
-                        choice = _parsed_choice(parsers[completion.index], completion, logprobs)
+                        choice = _parsed_choice(
+                            parsers[completion.index],
+                            completion.index,
+                            completion.text,
+                            logprobs,
+                            completion.finish_reason,
+                            completion.stop_reason,
+                        )
                         if choice is None:
                             continue  # all held back by the parsers
                     choices.append(choice)
@@ -244,7 +255,12 @@ async def _events(
         # A stream that ended without a finish reason was aborted (server shutdown).
         unfinished = sorted(set(range(n)) - finished)
         if unfinished:
-            aborted = [chat_choice(i, finish_reason="abort") for i in unfinished]
+            aborted = [
+                chat_choice(i, finish_reason="abort")
+                if parsers is None
+                else _parsed_choice(parsers[i], i, "", finish="abort")  # what they held
+                for i in unfinished
+            ]
             yield chunk(aborted, body.continuous_usage)
         if body.include_usage:
             yield chunk([], True)

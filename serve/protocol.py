@@ -344,9 +344,17 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    #: the model's reasoning, split off by ``--reasoning-parser`` (vLLM's field name)
+    #: the model's reasoning, split off by ``--reasoning-parser`` (vLLM's field name); left
+    #: out of the JSON when there is none
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("reasoning") is None:
+            data.pop("reasoning", None)
+        return data
 
 
 class ChatChoice(BaseModel):

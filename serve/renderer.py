@@ -2,8 +2,9 @@
 
 The server's side of :mod:`chassis.core.chat` (which ``LLM.chat`` shares): request models to
 the message dicts it normalizes and renders, its ``ValueError``s to 400s, and the rendered
-text tokenized *without* special tokens by default because the template already writes BOS. Both steps are CPU work, so callers run :meth:`ChatRenderer.render_ids` in a
-thread (``asyncio.to_thread``), never on the event loop.
+text tokenized *without* special tokens by default because the template already writes BOS.
+Both steps are CPU work, so callers run :meth:`ChatRenderer.render_prompt` (text and ids) or
+:meth:`ChatRenderer.render_ids` in a thread (``asyncio.to_thread``), never on the event loop.
 """
 
 from __future__ import annotations

@@ -8,11 +8,10 @@ result, whatever the pieces.
 
 from __future__ import annotations
 
-import itertools
 import json
-import random
 
 import pytest
+from parser_splits import run_reasoning_parser, run_tool_parser, split_ways
 
 from chassis.builtin_plugins.parsers.hermes import HermesToolParser
 from chassis.builtin_plugins.parsers.text_scan import held_prefix_len
@@ -23,37 +22,7 @@ from chassis.builtin_plugins.parsers.think_tags import (
 from chassis.plugins.registries import get_registries
 from chassis.serve.chat_parsing import ChoiceParser
 from chassis.serve.reasoning_parser import ReasoningDelta, ReasoningParser
-from chassis.serve.tool_parser import ToolCall, ToolDelta, ToolParser
-
-
-def pieces(text: str, rng: random.Random) -> list[str]:
-    """``text`` cut at random places (empty pieces included)."""
-    cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 8)))
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def splits(text: str) -> list[list[str]]:
-    rng = random.Random(text)
-    return [[text], list(text), *(pieces(text, rng) for _ in range(30))]
-
-
-def streamed_reasoning(cls: type[ReasoningParser], prompt: str, parts: list[str]):
-    parser = cls(None, prompt)
-    total = ReasoningDelta()
-    for part in parts:
-        total += parser.feed(part)
-    total += parser.finish()
-    return total
-
-
-def streamed_tools(cls: type[ToolParser], parts: list[str]) -> ToolDelta:
-    parser = cls(None, [])
-    total = ToolDelta()
-    for part in parts:
-        total += parser.feed(part)
-    total += parser.finish()
-    return total
+from chassis.serve.tool_parser import ToolCall, ToolDelta
 
 
 def test_held_prefix_len() -> None:
@@ -126,8 +95,8 @@ def test_reasoning_split(
     cls: type[ReasoningParser], prompt: str, output: str, reasoning: str, content: str
 ) -> None:
     assert cls(None, prompt).parse(output) == ReasoningDelta(reasoning, content)
-    for parts in splits(output):
-        assert streamed_reasoning(cls, prompt, parts) == ReasoningDelta(reasoning, content), parts
+    for parts in split_ways(output):
+        assert run_reasoning_parser(cls, prompt, parts) == ReasoningDelta(reasoning, content), parts
 
 
 def test_reasoning_streams_before_the_end_tag() -> None:
@@ -184,6 +153,25 @@ HERMES_CASES = [
     ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', "", [call("f", a=1)]),
     ('ok <tool_call>\n{"name": "f", "argu', 'ok <tool_call>\n{"name": "f", "argu', []),
     ("ends with <tool_c", "ends with <tool_c", []),
+    # text on both sides of a call keeps the whitespace that followed the call
+    (
+        "Paris first. " + WEATHER + " Then the time. " + TIME + " Done.",
+        "Paris first. Then the time. Done.",
+        [call("get_weather", city="Paris"), call("get_time", tz="CET")],
+    ),
+    (
+        "Line one.\n" + WEATHER + "\nLine two.",
+        "Line one.\nLine two.",
+        [call("get_weather", city="Paris")],
+    ),
+    # the end tag inside a JSON string does not end the block
+    (
+        '<tool_call>{"name": "echo", "arguments": {"s": "a</tool_call>b \\" </tool_call>"}}</tool_call>',
+        "",
+        [call("echo", s='a</tool_call>b " </tool_call>')],
+    ),
+    # deep nesting (a model repeating "[") is not a call, and not an error
+    ("<tool_call>" + "[" * 5000 + "</tool_call>", "<tool_call>" + "[" * 5000 + "</tool_call>", []),
     ("trailing space  ", "trailing space  ", []),
 ]
 
@@ -191,8 +179,8 @@ HERMES_CASES = [
 @pytest.mark.parametrize(("output", "content", "calls"), HERMES_CASES)
 def test_hermes_calls(output: str, content: str, calls: list[ToolCall]) -> None:
     assert HermesToolParser(None, []).parse(output) == ToolDelta(content, calls)
-    for parts in splits(output):
-        assert streamed_tools(HermesToolParser, parts) == ToolDelta(content, calls), parts
+    for parts in split_ways(output):
+        assert run_tool_parser(HermesToolParser, parts) == ToolDelta(content, calls), parts
 
 
 def test_hermes_reports_a_call_once_it_is_closed() -> None:
@@ -213,10 +201,11 @@ def test_calls_inside_the_reasoning_are_not_calls() -> None:
     assert parsed.reasoning == "I could " + WEATHER
     assert (parsed.content, parsed.calls) == ("", [call("get_time", tz="CET")])
     assert parser.num_calls == 1
-    for parts in splits(output):
+    for parts in split_ways(output):
         streamed = ChoiceParser(Qwen3ReasoningParser(None, QWEN_PROMPT), HermesToolParser(None, []))
         deltas = [streamed.feed(p) for p in parts] + [streamed.finish()]
         assert "".join(d.reasoning for d in deltas) == parsed.reasoning
+        assert "".join(d.content for d in deltas) == parsed.content
         assert [c for d in deltas for c in d.calls] == parsed.calls
 
 

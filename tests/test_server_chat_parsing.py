@@ -5,6 +5,7 @@ a scripted message one character per step, so every streamed chunk boundary is e
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -12,10 +13,11 @@ from typing import Any
 import pytest
 from fake_engine import FakeAsyncLLM
 from fastapi.testclient import TestClient
+from test_server_lifecycle import AsgiCall, wait_until
 from test_server_routes import assert_error, sse_events
 
 from chassis.plugins.registry import UnknownNameError
-from chassis.serve.app import build_app
+from chassis.serve.app import build_app, get_state
 from chassis.serve.settings import ServerSettings
 
 CHAT = [{"role": "user", "content": "Weather in Paris?"}]
@@ -102,9 +104,37 @@ def test_tool_choice_none_or_no_tools_leaves_the_call_as_text(tool_client: TestC
         assert choice["message"]["reasoning"] == "The user wants the weather."
 
 
+def test_several_choices_non_streamed(tool_client: TestClient) -> None:
+    choices = chat(tool_client, tools=TOOLS, n=2).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice in choices:
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["reasoning"] == "The user wants the weather."
+        assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert (
+        choices[0]["message"]["tool_calls"][0]["id"] != choices[1]["message"]["tool_calls"][0]["id"]
+    )
+
+
+def test_logprobs_stream_while_the_parsers_hold_text(tool_client: TestClient) -> None:
+    events = sse_events(chat(tool_client, tools=TOOLS, stream=True, logprobs=True).text)
+    choices = [event["choices"][0] for event in events if event["choices"]][1:]
+    # one character, one token per step: every token's logprob is sent, held text or not
+    tokens = [t["token"] for c in choices for t in (c["logprobs"] or {}).get("content", [])]
+    assert "".join(tokens) == THOUGHT + "Checking.\n" + CALL
+    assert any(c["delta"] == {} and c["logprobs"] for c in choices)
+
+
 def test_include_reasoning_false(tool_client: TestClient) -> None:
     message = chat(tool_client, include_reasoning=False).json()["choices"][0]["message"]
-    assert message["reasoning"] is None and message["content"].startswith("Checking.")
+    assert "reasoning" not in message and message["content"].startswith("Checking.")
+    events = sse_events(chat(tool_client, include_reasoning=False, stream=True).text)
+    deltas = [event["choices"][0]["delta"] for event in events if event["choices"]]
+    assert not any("reasoning" in delta for delta in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    # generation ended inside the (dropped) reasoning: null content, as when it is sent
+    cut = chat(tool_client, include_reasoning=False, max_tokens=12).json()["choices"][0]
+    assert cut["message"]["content"] is None and cut["finish_reason"] == "length"
 
 
 def test_a_message_of_only_calls_has_null_content() -> None:
@@ -121,13 +151,41 @@ def test_a_call_cut_by_max_tokens_stays_text_and_length() -> None:
         assert choice["message"]["tool_calls"] == []
 
 
-def test_without_parsers_the_output_is_untouched() -> None:
+def test_without_parsers_calls_are_text_and_auto_needs_the_flags() -> None:
     for client in client_for(THOUGHT + CALL, ServerSettings()):
         # absent tool_choice: the tools only reach the template
         [choice] = chat(client, tools=TOOLS).json()["choices"]
-        assert choice["message"]["content"] == THOUGHT + CALL
-        assert choice["message"]["reasoning"] is None
+        assert choice["message"] == {
+            "role": "assistant",
+            "content": THOUGHT + CALL,
+            "tool_calls": [],
+        }
+        # an explicit "auto" cannot be honoured: a 400, as in vLLM
         assert_error(chat(client, tools=TOOLS, tool_choice="auto"), 400, "tool_choice")
+
+
+def test_a_stream_cut_by_shutdown_sends_what_the_parsers_held() -> None:
+    engine = FakeAsyncLLM(script="<b>bold</b>")
+    engine.hold()  # one step ("<"), then nothing until the shutdown below
+
+    async def scenario() -> str:
+        app = build_app(engine, BOTH)
+        call = AsgiCall(
+            app, "/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "stream": True}
+        )
+        task = call.start()
+        await wait_until(lambda: bool(get_state(app).inflight))
+        await asyncio.sleep(0.05)
+        await get_state(app).abort_all()
+        await asyncio.wait_for(task, 5)
+        return call.text
+
+    events = sse_events(asyncio.run(scenario()))
+    last = events[-1]["choices"][0]
+    # "<" may start "<think>" or "<tool_call>": held by both parsers until the abort
+    deltas = [event["choices"][0]["delta"] for event in events]
+    assert "".join(d.get("content", "") for d in deltas) == "<"
+    assert last["finish_reason"] == "abort"
 
 
 @pytest.mark.parametrize(

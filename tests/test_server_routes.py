@@ -304,12 +304,7 @@ def test_chat_non_streaming(client: TestClient, engine: FakeAsyncLLM) -> None:
     body = response.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     [choice] = body["choices"]
-    assert choice["message"] == {
-        "role": "assistant",
-        "content": "abcd",
-        "reasoning": None,
-        "tool_calls": [],
-    }
+    assert choice["message"] == {"role": "assistant", "content": "abcd", "tool_calls": []}
     assert choice["finish_reason"] == "length"
     rendered = engine.tokenizer.apply_chat_template(
         CHAT, tokenize=False, add_generation_prompt=True

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import random
-from itertools import pairwise
 from typing import Any
 
 import pytest
+from parser_splits import random_pieces, run_tool_parser
 
 from chassis.builtin_plugins.parsers import chassis_register_tool_parsers
 from chassis.builtin_plugins.parsers.llama3_json import Llama3JsonToolParser
@@ -39,19 +39,7 @@ def _result(delta: ToolDelta) -> tuple[str, Calls]:
 
 def _run(cls: type[ToolParser], pieces: list[str]) -> tuple[str, Calls]:
     """Feed ``pieces`` to a fresh parser, then finish it; everything it returned."""
-    parser = cls(None, [])
-    total = ToolDelta()
-    for piece in pieces:
-        total += parser.feed(piece)
-    total += parser.finish()
-    return _result(total)
-
-
-def _random_pieces(text: str, rng: random.Random) -> list[str]:
-    """``text`` cut at random places (empty pieces included now and then)."""
-    cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, len(text) + 1)))
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in pairwise(bounds)]
+    return _result(run_tool_parser(cls, pieces))
 
 
 def _parse_every_way(cls: type[ToolParser], text: str) -> tuple[str, Calls]:
@@ -62,7 +50,7 @@ def _parse_every_way(cls: type[ToolParser], text: str) -> tuple[str, Calls]:
     assert _run(cls, list(text)) == whole, "one-character pieces"
     rng = random.Random(f"{cls.__name__}:{text}")
     for _ in range(40):
-        pieces = _random_pieces(text, rng)
+        pieces = random_pieces(text, rng)
         assert _run(cls, pieces) == whole, f"pieces {pieces!r}"
     return whole
 
@@ -255,7 +243,7 @@ def test_pythonic(text: str, content: str, calls: Calls) -> None:
     assert _parse_every_way(PythonicToolParser, text) == (content, calls)
 
 
-def test_arguments_are_compact_json_objects() -> None:
+def test_arguments_are_json_objects() -> None:
     """``arguments`` is JSON text of an object, with non-ASCII kept as written."""
     llama = Llama3JsonToolParser(None, []).parse('{"name": "f", "parameters": {"t": "é"}}')
     mistral = MistralToolParser(None, []).parse('[TOOL_CALLS]f[ARGS]{"t": "é"}')
@@ -416,6 +404,26 @@ def test_random_messages_are_chunk_invariant(cls: type[ToolParser], make: Any) -
             assert content == text, "nothing may be lost when nothing was a call"
         num_with_calls += bool(calls)
         for _ in range(5):
-            assert _run(cls, _random_pieces(text, rng)) == (content, calls), text
+            assert _run(cls, random_pieces(text, rng)) == (content, calls), text
         assert _run(cls, list(text)) == (content, calls), text
     assert num_with_calls > 50
+
+
+@pytest.mark.parametrize(
+    ("cls", "text"),
+    [
+        (Llama3JsonToolParser, '{"name": "f", "parameters": ' + "[" * 5000),
+        (
+            Llama3JsonToolParser,
+            '{"name": "f", "parameters": {"a": "' + '\\"' * 10 + '"}}; ' + "{" * 5000,
+        ),
+        (MistralToolParser, "[TOOL_CALLS]" + "[" * 5000),
+        (MistralToolParser, '[TOOL_CALLS]f[ARGS]{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
+        (PythonicToolParser, "[f(a=" + "[" * 5000 + ")]"),
+    ],
+)
+def test_deep_nesting_is_content_not_an_error(cls: type[ToolParser], text: str) -> None:
+    """Python's decoders give up on ~1000 levels (a model stuck repeating a bracket): the
+    message is then not a call, and comes back as written."""
+    assert _run(cls, [text]) == (text, [])
+    assert _run(cls, [text[:3000], text[3000:]]) == (text, [])

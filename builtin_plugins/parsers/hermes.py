@@ -7,9 +7,12 @@ for (registered as ``hermes``)::
     </tool_call>
 
 Each ``<tool_call>...</tool_call>`` block holding a JSON object with ``name`` and
-``arguments`` is one call; text around the blocks is content (whitespace next to a block is
-dropped). A block whose JSON is not a call is returned as content, unchanged. A block left
-open by the end of generation is a call if what follows the tag parses.
+``arguments`` is one call; text around the blocks is content. The whitespace before a block
+and after it is dropped, except that text resuming after a call keeps the whitespace that
+followed the call when content came before it (so the pieces of text around a call do not
+run together). A ``</tool_call>`` inside a JSON string of the call does not end the block. A
+block whose JSON is not a call is returned as content, unchanged. A block left open by the end
+of generation is a call if what follows the tag parses.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from chassis.builtin_plugins.parsers.json_calls import tool_call_from_json
-from chassis.builtin_plugins.parsers.text_scan import held_prefix_len, split_trailing_space
+from chassis.builtin_plugins.parsers.json_calls import inside_json_string, tool_call_from_json
+from chassis.builtin_plugins.parsers.text_scan import hold_back, split_trailing_space
 from chassis.serve.tool_parser import ToolDelta, ToolParser
 
 
 class _Mode(enum.Enum):
     TEXT = "text"
-    AFTER_CALL = "after-call"  # text right after a block: its leading whitespace is dropped
+    AFTER_CALL = "after-call"  # text right after a call: its leading whitespace is held
     IN_CALL = "in-call"
 
 
@@ -40,61 +43,74 @@ class HermesToolParser(ToolParser):
         self._held = ""
         #: whitespace dropped before the open block: given back if the block is not a call
         self._gap = ""
+        #: where the search for the open block's end tag resumes
+        self._search_from = 0
+        #: some content has been returned (whitespace after a call then separates)
+        self._has_content = False
 
     def feed(self, text: str) -> ToolDelta:
         self._held += text
         out = ToolDelta()
         while True:
             if self._mode is _Mode.IN_CALL:
-                end = self._held.find(self.end_tag)
-                if end < 0:
-                    return out  # the call is not complete yet
-                called = self._close_block(self._held[:end], out, closed=True)
-                self._held = self._held[end + len(self.end_tag) :]
-                self._mode = _Mode.AFTER_CALL if called else _Mode.TEXT
+                if not self._close_block(out):
+                    break  # the call is not complete yet
                 continue
             if self._mode is _Mode.AFTER_CALL:
-                self._held = self._held.lstrip()
-                if not self._held:
-                    return out
+                body = self._held.lstrip()
+                if not body:
+                    break
+                if not (self._has_content or out.content):
+                    self._held = body
                 self._mode = _Mode.TEXT
             start = self._held.find(self.start_tag)
-            if start >= 0:
-                out.content, self._gap = _join(out.content, self._held[:start])
-                self._held = self._held[start + len(self.start_tag) :]
-                self._mode = _Mode.IN_CALL
-                continue
-            # Hold back what may be the start of "<tool_call>" and the whitespace before it.
-            keep = held_prefix_len(self._held, self.start_tag)
-            body, space = split_trailing_space(self._held[: len(self._held) - keep])
-            out.content += body
-            self._held = space + self._held[len(self._held) - keep :]
-            return out
+            if start < 0:
+                ready, self._held = hold_back(self._held, self.start_tag)
+                out.content += ready
+                break
+            text_before, self._gap = split_trailing_space(self._held[:start])
+            out.content += text_before
+            self._held = self._held[start + len(self.start_tag) :]
+            self._mode = _Mode.IN_CALL
+            self._search_from = 0
+        self._has_content = self._has_content or bool(out.content)
+        return out
 
     def finish(self) -> ToolDelta:
         out = ToolDelta()
         held, self._held = self._held, ""
         if self._mode is _Mode.IN_CALL:
-            self._close_block(held, out, closed=False)
-        elif self._mode is _Mode.AFTER_CALL:
-            out.content += held.lstrip()
-        else:
+            call = tool_call_from_json(held)
+            if call is not None:
+                out.calls.append(call)
+            else:
+                out.content += self._gap + self.start_tag + held
+        elif self._mode is _Mode.TEXT:
             out.content += held
+        # AFTER_CALL: only whitespace after the last call, dropped
         return out
 
-    def _close_block(self, body: str, out: ToolDelta, *, closed: bool) -> bool:
-        """Add the block's call to ``out``, or the block itself as content when it holds no
-        call; whether it was a call."""
-        call = tool_call_from_json(body)
+    def _close_block(self, out: ToolDelta) -> bool:
+        """End the open block at its end tag, if the held text has it: its call goes to
+        ``out``, or the block itself as content when it holds no call. Whether it ended."""
+        while True:
+            end = self._held.find(self.end_tag, self._search_from)
+            if end < 0:
+                # resume where a tag may still start
+                self._search_from = max(0, len(self._held) - len(self.end_tag) + 1)
+                return False
+            body = self._held[:end]
+            call = tool_call_from_json(body)
+            if call is None and body.lstrip().startswith("{") and inside_json_string(body):
+                self._search_from = end + len(self.end_tag)  # the tag is in a string
+                continue
+            break
         if call is not None:
             out.calls.append(call)
+            self._mode = _Mode.AFTER_CALL
         else:  # not a call: the block is content, as written
-            out.content += self._gap + self.start_tag + body + (self.end_tag if closed else "")
+            out.content += self._gap + self.start_tag + body + self.end_tag
+            self._mode = _Mode.TEXT
+        self._held = self._held[end + len(self.end_tag) :]
         self._gap = ""
-        return call is not None
-
-
-def _join(content: str, text: str) -> tuple[str, str]:
-    """``content`` extended by ``text`` without its trailing whitespace, and that whitespace."""
-    body, space = split_trailing_space(text)
-    return content + body, space
+        return True

@@ -16,7 +16,8 @@ def tool_call_from_object(
 
     A call is a JSON object with a non-empty string ``name`` and its arguments under the first
     of ``argument_keys`` present: an object, or a string holding a JSON object (absent: no
-    arguments, ``{}``). The arguments are re-encoded as compact JSON text.
+    arguments, ``{}``). The arguments are re-encoded as JSON text (``json.dumps``, non-ASCII
+    kept as is).
     """
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -28,7 +29,7 @@ def tool_call_from_object(
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -39,6 +40,20 @@ def tool_call_from_json(text: str) -> ToolCall | None:
     """The call in ``text`` (one JSON object, surrounding whitespace allowed), or ``None``."""
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # deeply nested: not a call either
         return None
     return tool_call_from_object(obj)
+
+
+def inside_json_string(text: str) -> bool:
+    """Whether ``text``, the start of a JSON value, ends inside a string literal (so a marker
+    right after it would be part of the string, not the end of the value)."""
+    inside = escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\" and inside:
+            escaped = True
+        elif char == '"':
+            inside = not inside
+    return inside

@@ -13,58 +13,26 @@ written, is content.
 
 from __future__ import annotations
 
-import enum
 import json
-from typing import Any
 
 from chassis.builtin_plugins.parsers.json_calls import tool_call_from_object
-from chassis.builtin_plugins.parsers.text_scan import (
-    skip_space,
-    starts_with_after_tag,
-    strip_start_tag,
-)
-from chassis.serve.tool_parser import ToolCall, ToolDelta, ToolParser
+from chassis.builtin_plugins.parsers.text_scan import skip_space, strip_start_tag
+from chassis.builtin_plugins.parsers.whole_message import WholeMessageToolParser
+from chassis.serve.tool_parser import ToolCall
 
 _DECODER = json.JSONDecoder()
 
 
-class _Mode(enum.Enum):
-    UNDECIDED = "undecided"  # only whitespace and part of <|python_tag|> so far
-    CONTENT = "content"
-    CALLS = "calls"  # starts with "{": held to the end
-
-
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(WholeMessageToolParser):
     """``{"name": ..., "parameters": {...}}`` objects separated by ``;``, the whole message."""
 
     #: ``<|python_tag|>`` is a special token
     needs_special_tokens = True
-    python_tag = "<|python_tag|>"
+    start_tag = "<|python_tag|>"
+    opener = "{"
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
-        super().__init__(tokenizer, tools)
-        self._mode = _Mode.UNDECIDED
-        self._held = ""
-
-    def feed(self, text: str) -> ToolDelta:
-        self._held += text
-        if self._mode is _Mode.UNDECIDED:
-            calls = starts_with_after_tag(self._held, self.python_tag, "{")
-            if calls is None:
-                return ToolDelta()
-            self._mode = _Mode.CALLS if calls else _Mode.CONTENT
-        if self._mode is _Mode.CALLS:
-            return ToolDelta()
-        held, self._held = self._held, ""
-        return ToolDelta(content=held)
-
-    def finish(self) -> ToolDelta:
-        held, self._held = self._held, ""
-        if self._mode is _Mode.CALLS:
-            calls = parse_calls(strip_start_tag(held, self.python_tag))
-            if calls is not None:
-                return ToolDelta(calls=calls)
-        return ToolDelta(content=held)
+    def calls_in(self, message: str) -> list[ToolCall] | None:
+        return parse_calls(strip_start_tag(message, self.start_tag))
 
 
 def parse_calls(text: str) -> list[ToolCall] | None:
@@ -78,7 +46,7 @@ def parse_calls(text: str) -> list[ToolCall] | None:
             return calls
         try:
             obj, pos = _DECODER.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # deep nesting: not a call either
             return None
         call = tool_call_from_object(obj)
         if call is None:

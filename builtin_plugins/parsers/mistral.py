@@ -110,7 +110,7 @@ def _read_calls(text: str, *, final: bool) -> tuple[list[ToolCall], int] | None:
     if text[pos] in "[{":  # the JSON form: an array of calls, or one call
         try:
             value, end = _DECODER.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return undecided  # incomplete so far, or malformed (known only at the end)
         items = value if isinstance(value, list) else [value]
         calls = [tool_call_from_object(item) for item in items]
@@ -133,7 +133,7 @@ def _read_calls(text: str, *, final: bool) -> tuple[list[ToolCall], int] | None:
         return _NOT_A_CALL
     try:
         arguments, end = _DECODER.raw_decode(text, pos)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return undecided
     call = tool_call_from_object({"name": header.group(1), "arguments": arguments})
     return ([call], end) if call is not None else _NOT_A_CALL

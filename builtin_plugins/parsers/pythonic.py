@@ -15,67 +15,38 @@ wholly such a list, all of it, as written, is content. The text is parsed, never
 from __future__ import annotations
 
 import ast
-import enum
 import json
 import math
 from typing import Any
 
-from chassis.builtin_plugins.parsers.text_scan import starts_with_after_tag
-from chassis.serve.tool_parser import ToolCall, ToolDelta, ToolParser
+from chassis.builtin_plugins.parsers.whole_message import WholeMessageToolParser
+from chassis.serve.tool_parser import ToolCall
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
 
 
-class _Mode(enum.Enum):
-    UNDECIDED = "undecided"  # only whitespace and part of <|python_start|> so far
-    CONTENT = "content"
-    CALLS = "calls"  # starts with "[": held to the end
-
-
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(WholeMessageToolParser):
     """``[name(key=literal, ...), ...]``, the whole message."""
 
     # False: Llama 4's <|python_start|>/<|python_end|> are special tokens, and with them
     # dropped by the detokenizer the bare list is left, which parses the same; asking for
     # special tokens would only let other ones leak into plain content.
     needs_special_tokens = False
+    start_tag = PYTHON_START
+    opener = "["
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
-        super().__init__(tokenizer, tools)
-        self._mode = _Mode.UNDECIDED
-        self._held = ""
-
-    def feed(self, text: str) -> ToolDelta:
-        self._held += text
-        if self._mode is _Mode.UNDECIDED:
-            calls = starts_with_after_tag(self._held, PYTHON_START, "[")
-            if calls is None:
-                return ToolDelta()
-            self._mode = _Mode.CALLS if calls else _Mode.CONTENT
-        if self._mode is _Mode.CALLS:
-            return ToolDelta()
-        held, self._held = self._held, ""
-        return ToolDelta(content=held)
-
-    def finish(self) -> ToolDelta:
-        held, self._held = self._held, ""
-        if self._mode is _Mode.CALLS:
-            calls = parse_calls(_unwrap(held))
-            if calls is not None:
-                return ToolDelta(calls=calls)
-        return ToolDelta(content=held)
+    def calls_in(self, message: str) -> list[ToolCall] | None:
+        return parse_calls(_unwrap(message))
 
 
 def _unwrap(text: str) -> str:
     """``text`` without surrounding whitespace and the ``<|python_start|>`` ...
     ``<|python_end|>`` wrapper, when it has one (the end tag is optional)."""
     text = text.strip()
-    if text.startswith(PYTHON_START):
-        text = text[len(PYTHON_START) :].strip()
-        if text.endswith(PYTHON_END):
-            text = text[: -len(PYTHON_END)].strip()
-    return text
+    if not text.startswith(PYTHON_START):
+        return text
+    return text[len(PYTHON_START) :].strip().removesuffix(PYTHON_END).rstrip()
 
 
 def parse_calls(text: str) -> list[ToolCall] | None:

@@ -19,6 +19,15 @@ def split_trailing_space(text: str) -> tuple[str, str]:
     return body, text[len(body) :]
 
 
+def hold_back(text: str, marker: str) -> tuple[str, str]:
+    """``text`` as (what can be released now, what to hold): the held part is what may be the
+    start of ``marker`` and the whitespace before it, for parsers that drop the whitespace
+    next to a marker. ``hold_back("ok \n</thi", "</think>") == ("ok", " \n</thi")``."""
+    keep = held_prefix_len(text, marker)
+    body, space = split_trailing_space(text[: len(text) - keep])
+    return body, space + text[len(text) - keep :]
+
+
 def starts_with_after_tag(text: str, tag: str, opener: str) -> bool | None:
     """Whether ``text``, the start of a message so far, begins with ``opener`` once leading
     whitespace, an optional ``tag`` and the whitespace after it are skipped; ``None`` while

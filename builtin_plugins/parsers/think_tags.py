@@ -11,7 +11,8 @@ Where the reasoning starts:
 
 Otherwise (Qwen3 with ``enable_thinking: false``, whose template closes an empty think block in
 the prompt) the whole output is content. The reasoning ends at ``</think>``; what follows is
-content. Whitespace around each part is trimmed (the tags sit on their own lines).
+content. The whitespace next to the tags is dropped (they sit on their own lines): around the
+reasoning, and at the start of the content.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from chassis.builtin_plugins.parsers.text_scan import held_prefix_len, split_trailing_space
+from chassis.builtin_plugins.parsers.text_scan import hold_back
 from chassis.serve.reasoning_parser import ReasoningDelta, ReasoningParser
 
 
@@ -77,10 +78,8 @@ class ThinkTagReasoningParser(ReasoningParser):
                     self._mode = _Mode.CONTENT_LEAD
                     continue
                 # Hold back what may be the start of "</think>" and the spaces before it.
-                keep = held_prefix_len(self._held, self.end_tag)
-                body, space = split_trailing_space(self._held[: len(self._held) - keep])
-                out.reasoning += body
-                self._held = space + self._held[len(self._held) - keep :]
+                ready, self._held = hold_back(self._held, self.end_tag)
+                out.reasoning += ready
                 return out
             else:
                 out.content += self._held
