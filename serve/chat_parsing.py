@@ -11,7 +11,7 @@ calls).
 
 from __future__ import annotations
 
-import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,10 +85,12 @@ class ChoiceParser:
     def _tool_pass(self, split: ReasoningDelta, found: ToolDelta | None) -> ChoiceDelta:
         self.saw_reasoning = self.saw_reasoning or bool(split.reasoning)
         reasoning = split.reasoning if self._include_reasoning else ""
-        if found is None:
+        if found is None or self._tools is None:
             return ChoiceDelta(reasoning, split.content)
         self.num_calls += len(found.calls)
-        return ChoiceDelta(reasoning, found.content, list(found.calls))
+        tools = self._tools
+        calls = [c if c.id else dataclasses.replace(c, id=tools.new_call_id()) for c in found.calls]
+        return ChoiceDelta(reasoning, found.content, calls)
 
 
 @dataclass(frozen=True)
@@ -196,10 +198,10 @@ def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
 
 
 def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """A call as OpenAI's ``tool_calls`` item, with a fresh id; ``index`` (streamed calls
-    carry it) is the call's position in its choice."""
+    """A call (its id set by :class:`ChoiceParser`) as OpenAI's ``tool_calls`` item;
+    ``index`` (streamed calls carry it) is the call's position in its choice."""
     item: dict[str, Any] = {} if index is None else {"index": index}
-    item["id"] = f"call_{uuid.uuid4().hex[:24]}"
+    item["id"] = call.id
     item["type"] = "function"
     item["function"] = {"name": call.name, "arguments": call.arguments}
     return item

@@ -313,6 +313,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 "implemented); use 'text'",
                 "response_format",
             )
+        self._check_tools()
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -325,6 +326,57 @@ class ChatCompletionRequest(_SamplingRequest):
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+    def _check_tools(self) -> None:
+        """400s for malformed ``tools`` and ``tool_choice`` (whether this server can honour a
+        well-formed ``tool_choice`` is :class:`~chassis.serve.chat_parsing.ChatParsers`'
+        call)."""
+        names = []
+        for i, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function":
+                raise bad_request(
+                    f"tools[{i}].type must be 'function'; got {tool.get('type')!r}",
+                    f"tools.{i}.type",
+                )
+            function = tool.get("function")
+            if not isinstance(function, dict) or not _is_name(function.get("name")):
+                raise bad_request(
+                    f"tools[{i}].function must be an object with a non-empty string 'name'",
+                    f"tools.{i}.function",
+                )
+            if not isinstance(function.get("parameters", {}), dict):
+                raise bad_request(
+                    f"tools[{i}].function.parameters must be a JSON Schema object",
+                    f"tools.{i}.function.parameters",
+                )
+            names.append(function["name"])
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not _is_name(name):
+                raise bad_request(
+                    "a named tool_choice must be {'type': 'function', 'function': {'name': ...}}",
+                    "tool_choice",
+                )
+            if name not in names:
+                raise bad_request(
+                    f"tool_choice names {name!r}, which is not in tools", "tool_choice"
+                )
+        elif choice not in ("auto", "required"):
+            raise bad_request(
+                f"tool_choice must be 'none', 'auto', 'required' or a named function; got "
+                f"{choice!r}",
+                "tool_choice",
+            )
+        if not names:
+            raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 class ChatLogprobTop(BaseModel):

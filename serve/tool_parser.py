@@ -11,6 +11,7 @@ Plugins register subclasses with the ``chassis_register_tool_parsers`` hook.
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +20,13 @@ from typing import Any
 @dataclass(frozen=True)
 class ToolCall:
     """One function call: the function's ``name`` and its ``arguments`` as JSON text (an
-    object), as OpenAI's ``function.arguments`` carries them."""
+    object), as OpenAI's ``function.arguments`` carries them. ``id`` is the call's id when the
+    model wrote one (some formats carry it); ``None`` lets the server make one
+    (:meth:`ToolParser.new_call_id`)."""
 
     name: str
     arguments: str
+    id: str | None = None
 
 
 @dataclass
@@ -70,6 +74,12 @@ class ToolParser(ABC):
     def finish(self) -> ToolDelta:
         """Generation ended: return everything still held back, a call cut short by the end
         included when it is complete enough to parse. Called once, last."""
+
+    def new_call_id(self) -> str:
+        """A fresh id for a call the model wrote without one. OpenAI's shape by default
+        (``call_`` and 24 hex digits); formats whose chat templates check the ids they get
+        back (Mistral's want 9 letters and digits) override it."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def parse(self, text: str) -> ToolDelta:
         """The whole message at once (non-streamed responses)."""

@@ -8,6 +8,7 @@ result, whatever the pieces.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -170,6 +171,34 @@ HERMES_CASES = [
         "",
         [call("echo", s='a</tool_call>b " </tool_call>')],
     ),
+    # lenient where nothing is lost: raw newlines in strings, null arguments, a list
+    (
+        '<tool_call>{"name": "py", "arguments": {"code": "a\n\tb"}}</tool_call>',
+        "",
+        [call("py", code="a\n\tb")],
+    ),
+    ('<tool_call>{"name": "now", "arguments": null}</tool_call>', "", [call("now")]),
+    ('<tool_call>[{"name": "a"}, {"name": "b"}]</tool_call>', "", [call("a"), call("b")]),
+    # a forgotten end tag between parallel calls; prose that mentions the tag
+    ('<tool_call>{"name": "a"}\n<tool_call>{"name": "b"}</tool_call>', "", [call("a"), call("b")]),
+    (
+        'Use <tool_call> tags. <tool_call>{"name": "a"}</tool_call>',
+        "Use <tool_call> tags. ",
+        [call("a")],
+    ),
+    # what a client could not decode stays text: NaN, a lone surrogate
+    (
+        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "f", "arguments": {"c": "\\ud83d"}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"c": "\\ud83d"}}</tool_call>',
+        [],
+    ),
+    # an id the model wrote is kept
+    ('<tool_call>{"name": "f", "id": "c1"}</tool_call>', "", [ToolCall("f", "{}", "c1")]),
     # deep nesting (a model repeating "[") is not a call, and not an error
     ("<tool_call>" + "[" * 5000 + "</tool_call>", "<tool_call>" + "[" * 5000 + "</tool_call>", []),
     ("trailing space  ", "trailing space  ", []),
@@ -199,14 +228,19 @@ def test_calls_inside_the_reasoning_are_not_calls() -> None:
     parser = ChoiceParser(Qwen3ReasoningParser(None, QWEN_PROMPT), HermesToolParser(None, []))
     parsed = parser.parse(output)
     assert parsed.reasoning == "I could " + WEATHER
-    assert (parsed.content, parsed.calls) == ("", [call("get_time", tz="CET")])
+    assert parsed.content == ""
+    [made] = parsed.calls  # the server gives each call an id
+    assert made.id and made.id.startswith("call_")
+    assert dataclasses.replace(made, id=None) == call("get_time", tz="CET")
     assert parser.num_calls == 1
     for parts in split_ways(output):
         streamed = ChoiceParser(Qwen3ReasoningParser(None, QWEN_PROMPT), HermesToolParser(None, []))
         deltas = [streamed.feed(p) for p in parts] + [streamed.finish()]
         assert "".join(d.reasoning for d in deltas) == parsed.reasoning
         assert "".join(d.content for d in deltas) == parsed.content
-        assert [c for d in deltas for c in d.calls] == parsed.calls
+        assert [(c.name, c.arguments) for d in deltas for c in d.calls] == [
+            (made.name, made.arguments)
+        ]
 
 
 def test_include_reasoning_false_drops_it() -> None:

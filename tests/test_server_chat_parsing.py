@@ -228,3 +228,36 @@ def test_a_parser_that_reads_special_tokens_gets_them(parser: str, skip: bool) -
 def test_bad_parser_settings_fail_at_build(settings: ServerSettings, message: str) -> None:
     with pytest.raises((UnknownNameError, ValueError), match=message):
         build_app(FakeAsyncLLM(), settings)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools.0.function", "non-empty string 'name'"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type", "must be 'function'"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools.0.function.parameters",
+            "JSON Schema object",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "got 'sometimes'"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "'nope', which is not in tools",
+        ),
+        ({"tool_choice": "auto"}, "tool_choice", "only allowed when tools are given"),
+    ],
+)
+def test_malformed_tools_and_tool_choice_are_named(
+    tool_client: TestClient, fields: dict[str, Any], param: str, message: str
+) -> None:
+    error = assert_error(chat(tool_client, **fields), 400, param)
+    assert message in error["message"]
+
+
+def test_mistral_requests_get_ids_its_template_accepts() -> None:
+    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    for client in client_for('[TOOL_CALLS][{"name": "get_weather", "arguments": {}}]', settings):
+        [tool_call] = chat(client, tools=TOOLS).json()["choices"][0]["message"]["tool_calls"]
+        assert len(tool_call["id"]) == 9 and tool_call["id"].isalnum()

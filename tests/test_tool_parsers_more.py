@@ -18,7 +18,6 @@ from chassis.builtin_plugins.parsers.pythonic import PythonicToolParser
 from chassis.builtin_plugins.parsers.text_scan import (
     skip_space,
     starts_with_after_tag,
-    strip_start_tag,
 )
 from chassis.plugins.registry import Registry
 from chassis.serve.tool_parser import ToolDelta, ToolParser
@@ -312,8 +311,6 @@ def test_start_helpers() -> None:
     assert starts_with_after_tag(" <|python_tag|>x", tag, "{") is False
     assert starts_with_after_tag("<|pyx", tag, "{") is False
     assert starts_with_after_tag("{", tag, "{") is True
-    assert strip_start_tag(" <|python_tag|>\n{}", tag) == "{}"
-    assert strip_start_tag(" {} ", tag) == "{} "
     assert skip_space("a  b", 1) == 3
     assert skip_space("a  ", 1) == 3
 
@@ -427,3 +424,39 @@ def test_deep_nesting_is_content_not_an_error(cls: type[ToolParser], text: str) 
     message is then not a call, and comes back as written."""
     assert _run(cls, [text]) == (text, [])
     assert _run(cls, [text[:3000], text[3000:]]) == (text, [])
+
+
+def test_mistral_ids_fit_its_templates_and_written_ids_are_kept() -> None:
+    parser = MistralToolParser(None, [])
+    ids = {parser.new_call_id() for _ in range(50)}
+    assert len(ids) == 50
+    assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
+    [written] = parser.parse("[TOOL_CALLS]f[CALL_ID]abc123xyz[ARGS]{}").calls
+    assert (written.name, written.id) == ("f", "abc123xyz")
+    [keyed] = MistralToolParser(None, []).parse('[TOOL_CALLS][{"name": "f", "id": "k9"}]').calls
+    assert keyed.id == "k9"
+
+
+def test_mistral_keeps_the_text_around_a_call_apart() -> None:
+    text = "Sure.[TOOL_CALLS]f[ARGS]{} and [TOOL_CALLS]g[ARGS]{} ok"
+    content, calls = _parse_every_way(MistralToolParser, text)
+    assert content == "Sure. and  ok"
+    assert [name for name, _ in calls] == ["f", "g"]
+
+
+def test_llama3_json_python_tag_before_each_call() -> None:
+    text = '<|python_tag|>{"name": "a", "parameters": {}}; <|python_tag|>{"name": "b"}'
+    assert _parse_every_way(Llama3JsonToolParser, text) == ("", [("a", {}), ("b", {})])
+
+
+@pytest.mark.parametrize(
+    ("cls", "text"),
+    [
+        (PythonicToolParser, '[f(c="\\ud83d")]'),
+        (PythonicToolParser, "[f(x=1e400)]"),
+        (Llama3JsonToolParser, '{"name": "f", "parameters": {"x": Infinity}}'),
+        (MistralToolParser, '[TOOL_CALLS]f[ARGS]{"c": "\\ud83d"}'),
+    ],
+)
+def test_arguments_a_client_cannot_decode_stay_text(cls: type[ToolParser], text: str) -> None:
+    assert _parse_every_way(cls, text) == (text, [])

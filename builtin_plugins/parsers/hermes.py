@@ -7,12 +7,13 @@ for (registered as ``hermes``)::
     </tool_call>
 
 Each ``<tool_call>...</tool_call>`` block holding a JSON object with ``name`` and
-``arguments`` is one call; text around the blocks is content. The whitespace before a block
-and after it is dropped, except that text resuming after a call keeps the whitespace that
-followed the call when content came before it (so the pieces of text around a call do not
-run together). A ``</tool_call>`` inside a JSON string of the call does not end the block. A
-block whose JSON is not a call is returned as content, unchanged. A block left open by the end
-of generation is a call if what follows the tag parses.
+``arguments`` (or a list of such objects) is a call; text around the blocks is content. The
+whitespace before a block and after it is dropped, except that text resuming after a call
+keeps the whitespace that followed the call when content came before it (so the pieces of
+text around a call do not run together). A block ends at ``</tool_call>`` or at the next
+``<tool_call>`` (a forgotten end tag between parallel calls), but not at a tag inside a JSON
+string of the call. A block whose JSON is not a call is returned as content, unchanged. A
+block left open by the end of generation is a call if what follows the tag parses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from chassis.builtin_plugins.parsers.json_calls import inside_json_string, tool_call_from_json
+from chassis.builtin_plugins.parsers.json_calls import inside_json_string, tool_calls_from_json
 from chassis.builtin_plugins.parsers.text_scan import hold_back, split_trailing_space
 from chassis.serve.tool_parser import ToolDelta, ToolParser
 
@@ -80,9 +81,9 @@ class HermesToolParser(ToolParser):
         out = ToolDelta()
         held, self._held = self._held, ""
         if self._mode is _Mode.IN_CALL:
-            call = tool_call_from_json(held)
-            if call is not None:
-                out.calls.append(call)
+            calls = tool_calls_from_json(held)
+            if calls is not None:
+                out.calls += calls
             else:
                 out.content += self._gap + self.start_tag + held
         elif self._mode is _Mode.TEXT:
@@ -91,26 +92,33 @@ class HermesToolParser(ToolParser):
         return out
 
     def _close_block(self, out: ToolDelta) -> bool:
-        """End the open block at its end tag, if the held text has it: its call goes to
-        ``out``, or the block itself as content when it holds no call. Whether it ended."""
+        """End the open block, if the held text has its end: a ``</tool_call>``, or a new
+        ``<tool_call>`` (models forget the end tag between parallel calls; prose may mention
+        the tag), either outside the JSON's strings. The block's calls go to ``out``, or the
+        block itself as content when it holds none. Whether it ended."""
         while True:
             end = self._held.find(self.end_tag, self._search_from)
-            if end < 0:
+            nested = self._held.find(self.start_tag, self._search_from)
+            if nested >= 0 and (end < 0 or nested < end):
+                at, closing = nested, ""  # the new tag stays, to open the next block
+            elif end >= 0:
+                at, closing = end, self.end_tag
+            else:
                 # resume where a tag may still start
                 self._search_from = max(0, len(self._held) - len(self.end_tag) + 1)
                 return False
-            body = self._held[:end]
-            call = tool_call_from_json(body)
-            if call is None and body.lstrip().startswith("{") and inside_json_string(body):
-                self._search_from = end + len(self.end_tag)  # the tag is in a string
+            body = self._held[:at]
+            calls = tool_calls_from_json(body)
+            if calls is None and body.lstrip()[:1] in ("{", "[") and inside_json_string(body):
+                self._search_from = at + 1  # the tag is inside a string of the call
                 continue
             break
-        if call is not None:
-            out.calls.append(call)
+        if calls is not None:
+            out.calls += calls
             self._mode = _Mode.AFTER_CALL
         else:  # not a call: the block is content, as written
-            out.content += self._gap + self.start_tag + body + self.end_tag
+            out.content += self._gap + self.start_tag + body + closing
             self._mode = _Mode.TEXT
-        self._held = self._held[end + len(self.end_tag) :]
+        self._held = self._held[at + len(closing) :]
         self._gap = ""
         return True

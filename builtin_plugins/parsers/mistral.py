@@ -10,7 +10,9 @@ newer ones (tokenizer v11 and later, e.g. Mistral Small 3.2, Magistral) one
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
 
 Text before a marker is content and streams as it comes (only what may be the start of a
-marker is held back); whitespace right after a call is dropped. A call is reported as soon as
+marker is held back); whitespace right after a call is dropped, unless text came before the
+call and resumes after it. An id the model wrote (``[CALL_ID]`` or an ``"id"`` key) is kept;
+ids made for calls without one are nine letters and digits, as Mistral's templates require. A call is reported as soon as
 its JSON is complete. The array form may also be a single call object, not in a list. A marker
 not followed by a valid call (a malformed array, an array with a non-call, a bad name, JSON cut
 short by the end of generation) is content, as written, and the text after it is read on.
@@ -21,18 +23,20 @@ from __future__ import annotations
 import enum
 import json
 import re
+import secrets
+import string
 from typing import Any
 
-from chassis.builtin_plugins.parsers.json_calls import tool_call_from_object
+from chassis.builtin_plugins.parsers.json_calls import DECODER, tool_call_from_object
 from chassis.builtin_plugins.parsers.text_scan import held_prefix_len, skip_space
 from chassis.serve.tool_parser import ToolCall, ToolDelta, ToolParser
 
-_DECODER = json.JSONDecoder()
+_ID_ALPHABET = string.ascii_letters + string.digits
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
 #: a whole ``name[CALL_ID]id`` header (the id optional), before ``[ARGS]``
-_HEADER = re.compile(r"\s*([\w.\-]+)(?:\[CALL_ID\][\w\-]+)?")
+_HEADER = re.compile(r"\s*([\w.\-]+)(?:\[CALL_ID\]([\w\-]+))?")
 #: what the start of a header may look like before ``[ARGS]`` arrives (partial markers cut off)
 _HEADER_START = re.compile(r"\s*[\w.\-]*(?:\[CALL_ID\][\w\-]*)?")
 
@@ -57,10 +61,18 @@ class MistralToolParser(ToolParser):
         super().__init__(tokenizer, tools)
         self._mode = _Mode.TEXT
         self._held = ""
+        #: some content has been returned (whitespace after a call then separates)
+        self._has_content = False
+
+    def new_call_id(self) -> str:
+        """Nine letters and digits: Mistral's chat templates refuse other ids."""
+        return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
 
     def feed(self, text: str) -> ToolDelta:
         self._held += text
-        return self._scan(final=False)
+        out = self._scan(final=False)
+        self._has_content = self._has_content or bool(out.content)
+        return out
 
     def finish(self) -> ToolDelta:
         return self._scan(final=True)
@@ -70,9 +82,11 @@ class MistralToolParser(ToolParser):
         out = ToolDelta()
         while True:
             if self._mode is _Mode.AFTER_CALL:
-                self._held = self._held.lstrip()
-                if not self._held:
+                body = self._held.lstrip()
+                if not body:
                     return out
+                if not (self._has_content or out.content):
+                    self._held = body  # else the whitespace separates the texts around a call
                 self._mode = _Mode.TEXT
             if self._mode is _Mode.TEXT:
                 start = self._held.find(MARKER)
@@ -109,7 +123,7 @@ def _read_calls(text: str, *, final: bool) -> tuple[list[ToolCall], int] | None:
         return undecided
     if text[pos] in "[{":  # the JSON form: an array of calls, or one call
         try:
-            value, end = _DECODER.raw_decode(text, pos)
+            value, end = DECODER.raw_decode(text, pos)
         except (json.JSONDecodeError, RecursionError):
             return undecided  # incomplete so far, or malformed (known only at the end)
         items = value if isinstance(value, list) else [value]
@@ -132,8 +146,10 @@ def _read_calls(text: str, *, final: bool) -> tuple[list[ToolCall], int] | None:
     if text[pos] != "{":
         return _NOT_A_CALL
     try:
-        arguments, end = _DECODER.raw_decode(text, pos)
+        arguments, end = DECODER.raw_decode(text, pos)
     except (json.JSONDecodeError, RecursionError):
         return undecided
-    call = tool_call_from_object({"name": header.group(1), "arguments": arguments})
+    call = tool_call_from_object(
+        {"name": header.group(1), "arguments": arguments, "id": header.group(2)}
+    )
     return ([call], end) if call is not None else _NOT_A_CALL

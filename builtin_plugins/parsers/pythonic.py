@@ -15,10 +15,10 @@ wholly such a list, all of it, as written, is content. The text is parsed, never
 from __future__ import annotations
 
 import ast
-import json
 import math
 from typing import Any
 
+from chassis.builtin_plugins.parsers.json_calls import arguments_json
 from chassis.builtin_plugins.parsers.whole_message import WholeMessageToolParser
 from chassis.serve.tool_parser import ToolCall
 
@@ -83,7 +83,8 @@ def _call_from_node(node: ast.expr) -> ToolCall | None:
         if not _is_json(value):
             return None
         arguments[keyword.arg] = value
-    return ToolCall(name=node.func.id, arguments=json.dumps(arguments, ensure_ascii=False))
+    text = arguments_json(arguments)
+    return None if text is None else ToolCall(name=node.func.id, arguments=text)
 
 
 def _is_json(value: Any) -> bool:

@@ -43,15 +43,6 @@ def starts_with_after_tag(text: str, tag: str, opener: str) -> bool | None:
     return rest.startswith(opener)
 
 
-def strip_start_tag(text: str, tag: str) -> str:
-    """``text`` without its leading whitespace, ``tag`` right after it and the whitespace
-    after the tag (when there is no tag, only the leading whitespace goes)."""
-    rest = text.lstrip()
-    if rest.startswith(tag):
-        rest = rest[len(tag) :].lstrip()
-    return rest
-
-
 def skip_space(text: str, pos: int) -> int:
     """The index of the first non-whitespace character of ``text`` from ``pos`` on
     (``len(text)`` when there is none)."""
