@@ -99,7 +99,11 @@ config = EngineConfig(plugin_args=plugin_args_from(args, dests))
 apply_configure_hooks(config)
 unset = EngineConfig(plugin_args=plugin_args_from(parser.parse_args([]), dests))
 apply_configure_hooks(unset)
+tool_parser = registries.tool_parsers.get("template_json_fence")(None, [])
+found = tool_parser.parse('Sure.\\n```json\\n{"name": "f", "arguments": {"x": 1}}\\n```')
 print(json.dumps({
+    "tool_calls": [[call.name, call.arguments] for call in found.calls],
+    "tool_parser_owner": registries.tool_parsers.owner("template_json_fence"),
     "argmax": sampled.tolist() == logits.argmax(dim=-1).tolist(),
     "dests": dests,
     "greeting": config.plugin_args["template_greeting"],
@@ -249,10 +253,12 @@ def test_plugins_lists_the_installed_template(venv: Venv) -> None:
         "chassis_configure",
         "chassis_register_samplers",
         "chassis_register_schedulers",
+        "chassis_register_tool_parsers",
     ]
     assert general_ep["registered"] == {
         "samplers": ["template_greedy"],
         "schedulers": ["template_sjf"],
+        "tool_parsers": ["template_json_fence"],
     }
     assert report["registries"]["schedulers"]["template_sjf"] == "template"
     assert report["registries"]["samplers"]["template_greedy"] == "template"
@@ -320,6 +326,8 @@ def test_template_changes_behaviour_through_the_public_contract(venv: Venv) -> N
     assert result.returncode == 0, result.stderr
     facts = json.loads(result.stdout)
     assert facts == {
+        "tool_calls": [["f", '{"x": 1}']],
+        "tool_parser_owner": "template",
         "argmax": True,  # temperature 1.0 ignored: the template's sampler is greedy
         "dests": ["template_greeting"],
         "greeting": "bonjour",

@@ -1,4 +1,5 @@
-"""The general plugin: registers a scheduler and a sampler, adds a flag, adjusts the config.
+"""The general plugin: registers a scheduler, a sampler and a tool-call parser, adds a flag,
+adjusts the config.
 
 Every hook here is a module-level function decorated with ``@hookimpl`` and named after a
 hookspec in ``chassis.plugins.hookspecs``; a hookimpl may take any subset of the hookspec's
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "template_sjf"
 SAMPLER_NAME = "template_greedy"
+TOOL_PARSER_NAME = "template_json_fence"
 #: ``config.plugin_args`` key of ``--template-greeting`` (the flag's argparse ``dest``)
 GREETING_KEY = "template_greeting"
 #: fallback for callers without a command line (the offline ``LLM`` class)
@@ -44,6 +46,13 @@ def chassis_register_schedulers(registry: Registry[Any]) -> None:
 def chassis_register_samplers(registry: Registry[Any]) -> None:
     """Register ``template_greedy`` (always the argmax); select it with ``--sampler``."""
     registry.register(SAMPLER_NAME, "chassis_plugin_template.sampler:TemplateGreedySampler")
+
+
+@hookimpl
+def chassis_register_tool_parsers(registry: Registry[Any]) -> None:
+    """Register ``template_json_fence`` (calls in Markdown JSON blocks); select it with
+    ``chassis serve --enable-auto-tool-choice --tool-call-parser template_json_fence``."""
+    registry.register(TOOL_PARSER_NAME, "chassis_plugin_template.tool_parser:JsonFenceToolParser")
 
 
 @hookimpl

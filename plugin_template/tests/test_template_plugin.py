@@ -105,6 +105,7 @@ def test_installed_entry_points_load_through_chassis() -> None:
     assert manager.distribution_of("template") == "chassis-plugin-template"
     assert registries.schedulers.owner("template_sjf") == "template"
     assert registries.samplers.owner("template_greedy") == "template"
+    assert registries.tool_parsers.owner("template_json_fence") == "template"
     manager.load_platform_plugins()
     assert manager.hooks_of("template_platform") == ["chassis_platform"]
 
@@ -133,3 +134,31 @@ def test_scheduler_admits_shortest_prompt_first() -> None:
     waiting, scheduled = admitted(FcfsScheduler)
     assert waiting == ["long", "short", "middle", "short2"]
     assert scheduled == {"long": 8}
+
+
+CALL_BLOCK = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "names"),
+    [
+        (
+            "I will look it up.\n" + CALL_BLOCK + "\nDone.",
+            "I will look it up.\n\nDone.",
+            ["get_weather"],
+        ),
+        ("```json\n[1, 2]\n```", "```json\n[1, 2]\n```", []),  # JSON, but not a call
+        ("Use ``` fences", "Use ``` fences", []),
+        ('```json\n{"name": "f"', '```json\n{"name": "f"', []),  # cut short: text
+    ],
+)
+def test_tool_parser_finds_calls_in_json_fences(text: str, content: str, names: list[str]) -> None:
+    from chassis_plugin_template.tool_parser import JsonFenceToolParser
+
+    whole = JsonFenceToolParser(None, []).parse(text)
+    assert (whole.content, [call.name for call in whole.calls]) == (content, names)
+    # the streaming contract: the same result, one character at a time
+    parser = JsonFenceToolParser(None, [])
+    deltas = [parser.feed(char) for char in text] + [parser.finish()]
+    assert "".join(d.content for d in deltas) == whole.content
+    assert [call for d in deltas for call in d.calls] == whole.calls
