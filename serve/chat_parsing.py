@@ -46,17 +46,21 @@ class ChoiceDelta:
 
 class ChoiceParser:
     """Parses one choice's message, piece by piece (:meth:`feed`, then :meth:`finish` once) or
-    whole (:meth:`parse`). ``include_reasoning`` false drops the reasoning text."""
+    whole (:meth:`parse`). ``include_reasoning`` false drops the reasoning text;
+    ``parallel_tool_calls`` false keeps only the first call (the rest are dropped, as vLLM
+    does: the model cannot be stopped from writing them)."""
 
     def __init__(
         self,
         reasoning: ReasoningParser | None,
         tools: ToolParser | None,
         include_reasoning: bool = True,
+        parallel_tool_calls: bool = True,
     ) -> None:
         self._reasoning = reasoning
         self._tools = tools
         self._include_reasoning = include_reasoning
+        self._max_calls = None if parallel_tool_calls else 1
         #: tool calls returned so far (the next call's index in the choice)
         self.num_calls = 0
         #: the message had reasoning (even when ``include_reasoning`` drops it)
@@ -87,9 +91,12 @@ class ChoiceParser:
         reasoning = split.reasoning if self._include_reasoning else ""
         if found is None or self._tools is None:
             return ChoiceDelta(reasoning, split.content)
-        self.num_calls += len(found.calls)
+        found_calls = found.calls
+        if self._max_calls is not None:
+            found_calls = found_calls[: max(0, self._max_calls - self.num_calls)]
+        self.num_calls += len(found_calls)
         tools = self._tools
-        calls = [c if c.id else dataclasses.replace(c, id=tools.new_call_id()) for c in found.calls]
+        calls = [c if c.id else dataclasses.replace(c, id=tools.new_call_id()) for c in found_calls]
         return ChoiceDelta(reasoning, found.content, calls)
 
 
@@ -165,6 +172,7 @@ class ChatParsers:
             prompt,
             list(body.tools or []),
             body.include_reasoning is not False,
+            body.parallel_tool_calls is not False,
         )
 
 
@@ -178,6 +186,7 @@ class RequestParsing:
     prompt: str
     tools: list[dict[str, Any]]
     include_reasoning: bool
+    parallel_tool_calls: bool
 
     @property
     def needs_special_tokens(self) -> bool:
@@ -187,7 +196,7 @@ class RequestParsing:
     def choice_parser(self) -> ChoiceParser:
         reasoning = self.reasoning_cls(self.tokenizer, self.prompt) if self.reasoning_cls else None
         tools = self.tool_cls(self.tokenizer, self.tools) if self.tool_cls else None
-        return ChoiceParser(reasoning, tools, self.include_reasoning)
+        return ChoiceParser(reasoning, tools, self.include_reasoning, self.parallel_tool_calls)
 
 
 def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:

@@ -261,3 +261,20 @@ def test_mistral_requests_get_ids_its_template_accepts() -> None:
     for client in client_for('[TOOL_CALLS][{"name": "get_weather", "arguments": {}}]', settings):
         [tool_call] = chat(client, tools=TOOLS).json()["choices"][0]["message"]["tool_calls"]
         assert len(tool_call["id"]) == 9 and tool_call["id"].isalnum()
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    two = CALL + "\n" + CALL.replace("Paris", "Rome")
+    for client in client_for(two, BOTH):
+        calls = chat(client, tools=TOOLS).json()["choices"][0]["message"]["tool_calls"]
+        assert len(calls) == 2
+        for stream in (False, True):
+            response = chat(client, tools=TOOLS, parallel_tool_calls=False, stream=stream)
+            if stream:
+                events = sse_events(response.text)
+                choices = [event["choices"][0] for event in events if event["choices"]]
+                calls = [c for choice in choices for c in choice["delta"].get("tool_calls", [])]
+                assert choices[-1]["finish_reason"] == "tool_calls"
+            else:
+                calls = response.json()["choices"][0]["message"]["tool_calls"]
+            assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
