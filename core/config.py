@@ -102,9 +102,9 @@ class EngineConfig:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1; got {self.max_num_batched_tokens}"
             )
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
             raise ValueError(
-                "--tensor-parallel-size other than 1 is not supported yet (see docs/roadmap.md)"
+                f"--tensor-parallel-size must be >= 1; got {self.tensor_parallel_size}"
             )
         if self.cuda_graph_sizes is not None:
             self._validate_cuda_graph_sizes(self.cuda_graph_sizes)

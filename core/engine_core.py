@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import msgspec
 
 from chassis.core.config import EngineConfig
-from chassis.core.executor import InProcessExecutor
+from chassis.core.executor import make_executor
 from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.kv_cache_manager import KVCacheManager
 from chassis.core.request import EngineCoreOutputs, EngineCoreRequest, Request
@@ -52,9 +52,13 @@ class EngineCore:
         load_general_plugins()
         self.config = config
         platform = get_current_platform()
-        self.executor = InProcessExecutor(config)
-        num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(num_blocks)
+        self.executor = make_executor(config)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=config.block_size,

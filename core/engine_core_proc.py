@@ -36,13 +36,13 @@ _request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 _abort_decoder = msgspec.msgpack.Decoder(list[str])
 
 
-def _die_with_parent() -> None:
+def die_with_parent(name: str = "chassis-engine") -> None:
     """Ask Linux to SIGTERM this process when its parent dies (no orphans), and name it
-    ``chassis-engine`` (what ``ps``/``pgrep chassis`` show; its command line is Python's)."""
+    ``name`` (what ``ps``/``pgrep chassis`` show; its command line is Python's)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        libc.prctl(15, b"chassis-engine", 0, 0, 0)  # PR_SET_NAME (15 bytes at most)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME (15 bytes at most)
     except OSError:
         pass  # not Linux: the parent-pid check in the loop covers it
 
@@ -52,7 +52,7 @@ def run_engine_core(
 ) -> None:
     """Entry point of the engine-core child process."""
     parent_pid = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
     )

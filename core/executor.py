@@ -55,3 +55,13 @@ class InProcessExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         return self.worker.execute_model_async(scheduler_output)
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor ``config`` asks for: in-process for one device, the tensor-parallel
+    executor (``chassis.core.tp_executor``) for ``tensor_parallel_size`` above 1."""
+    if config.tensor_parallel_size > 1:
+        from chassis.core.tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config)
+    return InProcessExecutor(config)

@@ -53,6 +53,11 @@ class LLM:
         """The tokenizer (``None`` with ``skip_tokenizer_init``)."""
         return self.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (with ``tensor_parallel_size`` above 1;
+        otherwise they stop with this process). The ``LLM`` cannot generate afterwards."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -30,6 +30,14 @@ class CausalLM(nn.Module, ABC):
     :meth:`load_weights`.
     """
 
+    #: The model shards itself over a tensor-parallel group: built in every rank's process, it
+    #: keeps this rank's share (:mod:`chassis.core.parallel_state`), loads only that share from
+    #: the full checkpoint tensors, and returns the full (summed) hidden states and logits on
+    #: every rank. Its attention layers hold ``num_key_value_heads / N`` KV heads each (the
+    #: runner sizes the KV cache so). ``--tensor-parallel-size`` above 1 is refused for models
+    #: that do not.
+    supports_tensor_parallel: bool = False
+
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__()
         self.hf_config = hf_config

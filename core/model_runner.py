@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from chassis.core import parallel_state
 from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_shape
 from chassis.core.compiled_model import CompiledForward
 from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
@@ -85,7 +86,9 @@ class ModelRunner:
         self.pin_memory = pin_memory
         hf = model.hf_config
         self.vocab_size = int(hf.vocab_size)
-        self.num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+        num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+        # a tensor-parallel model keeps its rank's share of the KV heads (CausalLM contract)
+        self.num_kv_heads = num_kv_heads // parallel_state.tp_size()
         self.head_dim = int(
             getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         )

@@ -16,6 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+# At run time, not only for type checking: the tensor-parallel executor decodes
+# SchedulerOutput with msgspec, which resolves the field types.
+from chassis.core.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
     from chassis.core.kv_cache_manager import KVCacheManager
@@ -25,7 +29,6 @@ if TYPE_CHECKING:
         SchedulerStats,
         TokenLogprobs,
     )
-    from chassis.core.sampling_params import SamplingParams
 
 
 @dataclass

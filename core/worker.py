@@ -35,6 +35,11 @@ class Worker:
         backend_cls = registries.attention_backends.get(config.attention_backend)
         torch.manual_seed(config.seed)
         model = build_model(config, hf_config, config.model, backend_cls, self.device, self.dtype)
+        if config.tensor_parallel_size > 1 and not model.supports_tensor_parallel:
+            raise ValueError(
+                f"{type(model).__name__} cannot be sharded (its supports_tensor_parallel is "
+                "False); use --tensor-parallel-size 1"
+            )
         if not config.torch_compile:
             # Compiled forwards run the layers' torch code, not the platform's kernels, whose
             # weight formats prepare_model would set up.

@@ -67,6 +67,10 @@ class CpuPlatform(Platform):
     def device_count(self) -> int:
         return 1
 
+    def tensor_parallel_devices(self, size: int) -> list[int]:
+        """Every rank runs on the host; the tensor-parallel executor splits the cores."""
+        return [0] * size
+
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
 

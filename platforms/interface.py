@@ -89,6 +89,17 @@ class Platform(ABC):
     def set_device(self, index: int) -> None:  # noqa: B027 (optional; no-op default)
         """Make ``index`` the current device of this process (default: nothing to do)."""
 
+    def tensor_parallel_devices(self, size: int) -> list[int]:
+        """The local device index of each rank of a tensor-parallel group of ``size``
+        processes (rank ``r`` uses entry ``r``). Default: one device per rank, so ``size``
+        must not exceed :meth:`device_count` (a ``ValueError`` naming both)."""
+        count = self.device_count()
+        if size > count:
+            raise ValueError(
+                f"--tensor-parallel-size {size} needs {size} {self.name} devices; {count} visible"
+            )
+        return list(range(size))
+
     def synchronize(self) -> None:  # noqa: B027 (optional; no-op default)
         """Wait for all queued work on the current device (default: nothing queued)."""
 

@@ -8,6 +8,7 @@ checkpoint tensors into row slices of the merged weights.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.activation import SiluAndMul
 from chassis.core.layers.attention import Attention
@@ -33,6 +35,10 @@ _MERGED_SHARDS = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
+#: projections whose output rows are split over a tensor-parallel group (column parallel)
+_COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+#: projections whose input columns are split, their outputs summed (row parallel)
+_ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 #: HF buffers that some checkpoints contain and that are recomputed here
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -78,6 +84,19 @@ class DecoderSpec:
         }
         fields.update(overrides)
         return cls(**fields)
+
+    def tensor_parallel_share(self) -> DecoderSpec:
+        """This rank's share of the layer: its attention heads and MLP columns (the whole
+        layer without tensor parallelism). A ``ValueError`` when the heads or the MLP do not
+        split evenly over the group."""
+        if parallel_state.tp_size() == 1:
+            return self
+        _, heads = parallel_state.shard(self.num_heads, "num_attention_heads")
+        _, kv_heads = parallel_state.shard(self.num_kv_heads, "num_key_value_heads")
+        _, inter = parallel_state.shard(self.intermediate_size, "intermediate_size")
+        return dataclasses.replace(
+            self, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter
+        )
 
     def shard_rows(self) -> dict[str, tuple[int, int]]:
         """Shard key -> (first row, number of rows) inside its merged weight."""
@@ -138,7 +157,8 @@ class LlamaAttention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         qk_norms = (self.q_norm, self.k_norm) if self.qk_norm else None
         q, k = self.rotary_emb(positions, q, k, qk_norms)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
+        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
 
 
 class LlamaMLP(nn.Module):
@@ -153,7 +173,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # Each rank holds some columns of the MLP: down_proj's partial sums add up.
+        return parallel_state.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -220,12 +241,20 @@ class LlamaForCausalLM(CausalLM):
     """``LlamaForCausalLM`` / ``MistralForCausalLM`` checkpoints.
 
     Subclasses change the architecture options by overriding :meth:`decoder_spec`.
+
+    Tensor parallel: every rank keeps ``1/N`` of the attention heads (q, k and v: the KV heads
+    must divide too) and of the MLP columns, and sums the partial outputs of ``o_proj`` and
+    ``down_proj`` over the group; the embedding, norms and LM head are whole on every rank.
     """
+
+    supports_tensor_parallel = True
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__(hf_config, build_ctx)
         _warn_if_sliding_window(hf_config)
-        self.spec = self.decoder_spec(hf_config)
+        #: the whole layer's shapes (checkpoint tensors), and this rank's share of them
+        self.full_spec = self.decoder_spec(hf_config)
+        self.spec = self.full_spec.tensor_parallel_share()
         self.model = LlamaModel(hf_config, self.spec, build_ctx)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # The head is a module even when tied (then sharing the embedding matrix, built on the
@@ -266,6 +295,7 @@ class LlamaForCausalLM(CausalLM):
         shard_rows = self.spec.shard_rows()
         shards_loaded: dict[str, set[str]] = {}
         for name, tensor in weights:
+            tensor = self._tensor_parallel_slice(name, tensor)
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
@@ -289,6 +319,23 @@ class LlamaForCausalLM(CausalLM):
             target.copy_(tensor)
             shards_loaded.setdefault(param_name, set()).add(shard or "")
         return {name for name, shards in shards_loaded.items() if shards >= _shards_needed(name)}
+
+    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole checkpoint tensor: rows of the column-parallel
+        projections (q, k, v, gate, up: weights and biases), columns of the row-parallel ones
+        (o, down), whose biases only rank 0 adds. Other tensors are whole."""
+        if parallel_state.tp_size() == 1:
+            return tensor
+        leaf = name.split(".")[-2] if "." in name else ""
+        if leaf in _COLUMN_PARALLEL:
+            start, length = parallel_state.shard(tensor.shape[0], name)
+            return tensor[start : start + length]
+        if leaf in _ROW_PARALLEL:
+            if name.endswith(".bias"):
+                return tensor if parallel_state.tp_rank() == 0 else torch.zeros_like(tensor)
+            start, length = parallel_state.shard(tensor.shape[1], name)
+            return tensor[:, start : start + length]
+        return tensor
 
 
 def _merged_target(name: str) -> tuple[str, str | None]:

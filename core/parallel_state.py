@@ -1,0 +1,81 @@
+"""The tensor-parallel group of this process: its rank, its size, and the collective the
+sharded layers need.
+
+With ``--tensor-parallel-size N`` the engine runs N workers, one process each (rank 0 in the
+engine-core process), joined in one ``torch.distributed`` group over the platform's
+``dist_backend`` (NCCL on GPUs, gloo on CPUs). A TP-aware model (``CausalLM.supports_tensor_
+parallel``) reads :func:`tp_rank` and :func:`tp_size` when it is built, keeps its share of the
+attention heads and MLP columns, and sums the partial outputs with :func:`all_reduce`. In a
+process that joined no group every call here is the single-device case: rank 0 of size 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+
+_GROUP = TensorParallelGroup()
+
+
+def tp_rank() -> int:
+    """This process's rank in its tensor-parallel group (0 without one)."""
+    return _GROUP.rank
+
+
+def tp_size() -> int:
+    """The number of processes the model is sharded over (1 without a group)."""
+    return _GROUP.size
+
+
+def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str) -> None:
+    """Join the group of ``size`` processes as ``rank`` (every rank calls this at the same
+    time; it returns once all have joined). ``init_method`` is a ``torch.distributed``
+    rendezvous address, e.g. ``file:///tmp/dir/rendezvous``."""
+    global _GROUP
+    if size > 1:
+        torch.distributed.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            # a rank that never joins (it failed to start) fails the others in 2 minutes
+            timeout=datetime.timedelta(seconds=120),
+        )
+    _GROUP = TensorParallelGroup(rank, size)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (a no-op without one)."""
+    global _GROUP
+    if _GROUP.size > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    _GROUP = TensorParallelGroup()
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor`` over the group, in place; every rank gets the same values."""
+    if _GROUP.size > 1:
+        torch.distributed.all_reduce(tensor)
+    return tensor
+
+
+def shard(size: int, what: str) -> tuple[int, int]:
+    """This rank's ``(start, length)`` of ``size`` items split evenly over the group; a
+    ``ValueError`` naming ``what`` when ``size`` does not divide evenly."""
+    if size % _GROUP.size:
+        raise ValueError(
+            f"{what} ({size}) is not divisible by --tensor-parallel-size {_GROUP.size}"
+        )
+    length = size // _GROUP.size
+    return _GROUP.rank * length, length

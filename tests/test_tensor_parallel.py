@@ -1,0 +1,145 @@
+"""Tensor parallelism on the CPU: ``--tensor-parallel-size 2`` runs two ranks (the engine's
+process and one worker process) joined over gloo, each with half the attention heads, KV
+heads and MLP columns of the tiny models (4 heads, 2 KV heads). The bar is the single-device
+one: HF's greedy tokens, and seeded sampling identical to one rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
+
+from chassis import LLM, SamplingParams
+from chassis.core import parallel_state
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def tp_workers() -> list[psutil.Process]:
+    """This process's tensor-parallel worker processes still alive."""
+    return [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if "chassis.core.tp_worker_proc" in " ".join(child.cmdline())
+    ]
+
+
+def wait_for_no_workers(timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while tp_workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not tp_workers()
+
+
+@pytest.fixture
+def tiny_dirs(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir):
+    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_two_ranks_match_hf(tiny_dirs, arch: str) -> None:
+    model_dir = tiny_dirs[arch]
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, tensor_parallel_size=2) == expected
+    # the engine is gone, and with it its ranks and its group: this process is single-device
+    gc.collect()
+    assert (parallel_state.tp_rank(), parallel_state.tp_size()) == (0, 1)
+    wait_for_no_workers()
+
+
+def test_seeded_sampling_matches_one_rank(tiny_llama_dir) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for size in (1, 2):
+        llm = LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=128,
+            num_kv_blocks=64,
+            tensor_parallel_size=size,
+        )
+        outputs[size] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+        llm.shutdown()
+    assert outputs[1] == outputs[2]
+    wait_for_no_workers()
+
+
+def test_heads_that_do_not_split_are_a_clear_error(tiny_llama_dir) -> None:
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads \(4\) is not divisible by --tensor-parallel-size 3"
+    ):
+        LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=128,
+            num_kv_blocks=64,
+            tensor_parallel_size=3,
+        )
+    wait_for_no_workers()
+
+
+def test_a_worker_that_dies_fails_the_step_not_the_caller_forever(tiny_llama_dir) -> None:
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+    )
+    [worker] = tp_workers()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(10)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        llm.generate(PROMPTS[:1], params)
+    assert time.monotonic() - started < 60
+    llm.shutdown()
+    wait_for_no_workers()
+
+
+def test_a_second_engine_needs_the_first_shut_down(tiny_llama_dir) -> None:
+    settings = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, tensor_parallel_size=2)
+    first = LLM(str(tiny_llama_dir), **settings)
+    with pytest.raises(ValueError, match="call its shutdown"):
+        LLM(str(tiny_llama_dir), **settings)
+    first.shutdown()
+    second = LLM(str(tiny_llama_dir), **settings)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+    assert len(second.generate(PROMPTS[:1], params)[0].outputs[0].token_ids) == 4
+    second.shutdown()
+    wait_for_no_workers()
+
+
+def test_chassis_serve_with_two_ranks(tiny_qwen2_dir, tmp_path) -> None:
+    from server_process import running_server
+
+    prompt = [1, 2, 3, 4, 5]
+    llm = LLM(str(tiny_qwen2_dir), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    [expected] = llm.generate([prompt], params)
+    flags = ["--tensor-parallel-size", "2"]
+    with running_server(tiny_qwen2_dir, tmp_path, extra_args=flags) as server:
+        names = [p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)]
+        assert "chassis-tp1" in names  # the engine core's rank-1 worker
+        response = server.client().completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    assert response.choices[0].text == expected.outputs[0].text
+
+
+def test_a_size_below_one_is_refused() -> None:
+    from chassis.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1; got 0"):
+        EngineConfig(tensor_parallel_size=0)
