@@ -11,6 +11,7 @@ on ``shutdown``, and with its parent (Linux ``PR_SET_PDEATHSIG``, or the sockets
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import traceback
 from typing import Any
@@ -54,6 +55,9 @@ def main(ipc_dir: str, rank: int) -> int:
     from chassis.core.engine_core_proc import die_with_parent
 
     die_with_parent(f"chassis-tp{rank}")
+    # Ctrl-C in a terminal reaches the whole process group: the driver stops this rank in
+    # order (SHUTDOWN); dying mid-collective would fail the driver's step instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(command_address(ipc_dir, rank))

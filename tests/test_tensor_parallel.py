@@ -143,3 +143,21 @@ def test_a_size_below_one_is_refused() -> None:
 
     with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1; got 0"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_unseeded_sampling_agrees_across_ranks(tiny_llama_dir) -> None:
+    # The driver checks every step that all ranks sampled the same ids (a RuntimeError if not):
+    # random sampling without a seed relies on the ranks' generators staying in step.
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+    )
+    params = SamplingParams(
+        temperature=1.0, top_k=50, n=2, max_tokens=16, ignore_eos=True, logprobs=2
+    )
+    outputs = llm.generate(PROMPTS, params)
+    assert all(len(c.token_ids) == 16 and len(c.logprobs) == 16 for o in outputs for c in o.outputs)
+    llm.shutdown()
