@@ -36,15 +36,25 @@ _request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 _abort_decoder = msgspec.msgpack.Decoder(list[str])
 
 
-def die_with_parent(name: str = "chassis-engine") -> None:
+def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies (no orphans), and name it
-    ``name`` (what ``ps``/``pgrep chassis`` show; its command line is Python's)."""
+    ``chassis-engine``."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME (15 bytes at most)
     except OSError:
         pass  # not Linux: the parent-pid check in the loop covers it
+    set_process_name("chassis-engine")
+
+
+def set_process_name(name: str) -> None:
+    """Name this process ``name`` in ``ps``/``pgrep chassis`` (its command line is
+    Python's); Linux only, 15 bytes at most."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
 
 
 def run_engine_core(
@@ -52,7 +62,7 @@ def run_engine_core(
 ) -> None:
     """Entry point of the engine-core child process."""
     parent_pid = os.getppid()
-    die_with_parent()
+    _die_with_parent()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from abc import ABC, abstractmethod
 
 from chassis.core.config import EngineConfig
@@ -60,6 +61,15 @@ class InProcessExecutor(Executor):
 def make_executor(config: EngineConfig) -> Executor:
     """The executor ``config`` asks for: in-process for one device, the tensor-parallel
     executor (``chassis.core.tp_executor``) for ``tensor_parallel_size`` above 1."""
+    from chassis.core import parallel_state
+
+    if parallel_state.tp_size() > 1:
+        gc.collect()  # an engine nobody references any more leaves its group when collected
+        if parallel_state.tp_size() > 1:
+            raise ValueError(
+                "a tensor-parallel engine is running in this process; call its shutdown() "
+                "before building another engine"
+            )
     if config.tensor_parallel_size > 1:
         from chassis.core.tp_executor import TensorParallelExecutor
 

@@ -187,7 +187,7 @@ def build_model(
     """
     from chassis.core.model_interface import ModelBuildContext
 
-    model_cls = _model_class(hf_config)
+    model_cls = model_class(hf_config)
     build_ctx = ModelBuildContext(attention_backend=attention_backend_cls, dtype=dtype)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, build_ctx)
@@ -205,7 +205,9 @@ def build_model(
     return model
 
 
-def _model_class(hf_config: Any) -> type[CausalLM]:
+def model_class(hf_config: Any) -> type[CausalLM]:
+    """The registered model class of ``config.architectures`` (the first one registered); a
+    ``ValueError`` listing the supported architectures when none is."""
     from chassis.plugins.registries import get_registries
 
     registry = get_registries().models

@@ -12,6 +12,7 @@ launch the next step while the device computes this one (async scheduling; see
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -159,7 +160,9 @@ class ModelRunner:
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply the scheduler's diff to the persistent batch."""
-        for request_id in out.finished_request_ids:
+        # Sorted: removals move rows, so their order lays out the batch, which must be the
+        # same on every tensor-parallel rank (a set's order differs between processes).
+        for request_id in sorted(out.finished_request_ids):
             self.batch.remove(request_id)
             self.prompt_logprobs.drop(request_id)
         for new in out.new_requests:
@@ -313,6 +316,15 @@ class ModelRunner:
             )
             result = self.sampler(logits[:, : self.vocab_size], metadata_s)
             check_sampler_output(result, metadata_s, self.sampler)  # plugins: fail by name
+            if parallel_state.tp_size() > 1:
+                # Every rank continues from the driver's tokens: the other ranks' generators
+                # need not stay in step with it (rank 0 may share its process with the user's).
+                result = dataclasses.replace(
+                    result,
+                    sampled_token_ids=parallel_state.broadcast_from_driver(
+                        result.sampled_token_ids
+                    ),
+                )
 
         batch.num_computed_tokens[rows] = seq_lens
         return self.in_flight.launch(

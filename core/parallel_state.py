@@ -12,6 +12,7 @@ process that joined no group every call here is the single-device case: rank 0 o
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,16 +42,21 @@ def tp_size() -> int:
 def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str) -> None:
     """Join the group of ``size`` processes as ``rank`` (every rank calls this at the same
     time; it returns once all have joined). ``init_method`` is a ``torch.distributed``
-    rendezvous address, e.g. ``file:///tmp/dir/rendezvous``."""
+    rendezvous address, e.g. ``file:///tmp/dir/rendezvous``. All ranks run on this host, so
+    the collectives' sockets listen on the loopback interface unless ``GLOO_SOCKET_IFNAME`` /
+    ``NCCL_SOCKET_IFNAME`` say otherwise."""
     global _GROUP
     if size > 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         torch.distributed.init_process_group(
             backend=backend,
             init_method=init_method,
             rank=rank,
             world_size=size,
-            # a rank that never joins (it failed to start) fails the others in 2 minutes
-            timeout=datetime.timedelta(seconds=120),
+            # Long: a rank may load its weights minutes after another. A rank that fails
+            # exits, which fails the others' collectives at once.
+            timeout=datetime.timedelta(minutes=30),
         )
     _GROUP = TensorParallelGroup(rank, size)
 
@@ -67,6 +73,16 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of ``tensor`` over the group, in place; every rank gets the same values."""
     if _GROUP.size > 1:
         torch.distributed.all_reduce(tensor)
+    return tensor
+
+
+def broadcast_from_driver(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``tensor`` on every rank (a new contiguous tensor; unchanged without a
+    group)."""
+    if _GROUP.size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    torch.distributed.broadcast(tensor, src=0)
     return tensor
 
 

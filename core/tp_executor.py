@@ -7,8 +7,9 @@ their own (``chassis.core.tp_worker_proc``), started here and joined with the dr
 ``Platform.tensor_parallel_devices`` gives it. Every step the driver sends the plan (a
 msgspec-encoded :class:`SchedulerOutput`) to every rank and runs it itself; all ranks run the
 same forward (each with its shard of the weights and of the KV heads, summing partial results
-with all-reduces) and the same sampling, so every rank's persistent batch stays the same. The
-driver returns its own result, after checking that every rank sampled the same tokens.
+with all-reduces), and rank 0's sampled ids are broadcast so every rank's batch continues from
+the same tokens. The driver returns its own result, after checking that every rank appended
+the same ids (else the ranks' batches differ). docs/architecture.md has the failure handling.
 
 Graph capture and ``torch.compile`` are not used with more than one rank (not validated with
 collectives yet); async scheduling runs, without overlap.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import shutil
@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -54,6 +55,10 @@ logger = logging.getLogger(__name__)
 #: how long the driver waits for a rank's reply before checking that the rank still lives
 _POLL_MS = 1000
 _SHUTDOWN_WAIT_S = 10.0
+#: how long a failed rank-0 step waits for the failing rank's own error
+_FAILURE_WAIT_S = 3.0
+
+T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, Any])
@@ -67,7 +72,7 @@ def start_rank(config: EngineConfig, rank: int, init_method: str) -> Worker:
     platform = get_current_platform()
     size = config.tensor_parallel_size
     device = platform.tensor_parallel_devices(size)[rank]
-    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
     parallel_state.init_tensor_parallel(rank, size, platform.dist_backend, init_method)
     return Worker(config, device_index=device)
 
@@ -82,24 +87,22 @@ class TensorParallelExecutor(Executor):
 
         if config.torch_compile:
             raise ValueError("--torch-compile cannot be combined with --tensor-parallel-size > 1")
-        if parallel_state.tp_size() > 1:
-            gc.collect()  # an engine nobody references any more leaves its group when collected
-            if parallel_state.tp_size() > 1:
-                raise ValueError(
-                    "another tensor-parallel engine is running in this process; call its "
-                    "shutdown() first"
-                )
         if not config.enforce_eager:
             logger.info("tensor parallel: device graphs are off (not validated with collectives)")
             config = dataclasses.replace(config, enforce_eager=True)
         self.size = config.tensor_parallel_size
         get_current_platform().tensor_parallel_devices(self.size)  # enough devices?
+        #: why the group cannot run any more (a rank failed or died), once it cannot
+        self._broken: str | None = None
         self._ranks = _Ranks(self.size)
         # Stop the ranks when the engine is dropped without shutdown() (an LLM going away).
         self._finalizer = weakref.finalize(self, self._ranks.stop)
         try:
             self._send(INIT, config.to_dict())
-            self.worker = start_rank(config, 0, rendezvous(self._ranks.ipc_dir))
+            self._collect(INIT)  # every rank started and joins the group now
+            self.worker = self._on_driver(
+                INIT, lambda: start_rank(config, 0, rendezvous(self._ranks.ipc_dir))
+            )
             self._collect(INIT)
         except BaseException:
             self.shutdown()
@@ -110,22 +113,25 @@ class TensorParallelExecutor(Executor):
 
     def determine_num_blocks(self) -> int:
         self._send(NUM_BLOCKS, None)
-        own = self.worker.determine_num_blocks()
+        own = self._on_driver(NUM_BLOCKS, self.worker.determine_num_blocks)
         return min([own, *self._collect(NUM_BLOCKS)])
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._send(INIT_CACHE, num_blocks)
-        self.worker.initialize_cache(num_blocks)
+        self._on_driver(INIT_CACHE, lambda: self.worker.initialize_cache(num_blocks))
         self._collect(INIT_CACHE)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._send(EXECUTE, scheduler_output)
-        output = self.worker.execute_model(scheduler_output)
+        output = self._on_driver(EXECUTE, lambda: self.worker.execute_model(scheduler_output))
         for rank, sampled in enumerate(self._collect(EXECUTE), start=1):
+            # Every rank continues from rank 0's sampled ids (broadcast), so a difference
+            # means the ranks' batches are laid out differently: outputs would be wrong.
             if sampled != output.sampled_token_ids:
+                self._broken = f"rank {rank}'s batch differs from rank 0's"
                 raise RuntimeError(
-                    f"tensor-parallel rank {rank} sampled {sampled}, rank 0 "
-                    f"{output.sampled_token_ids}: the ranks' sampling is not deterministic"
+                    f"tensor-parallel rank {rank} returned {sampled} where rank 0 returned "
+                    f"{output.sampled_token_ids}: the ranks' batches differ"
                 )
         return output
 
@@ -135,9 +141,28 @@ class TensorParallelExecutor(Executor):
 
     # -- messaging ------------------------------------------------------------------------
 
+    def _on_driver(self, method: str, run: Callable[[], T]) -> T:
+        """Run rank 0's part of ``method``. When it fails, a failing rank is the likely cause
+        (its exit broke the collective rank 0 was in): its own error is raised, if it sent one
+        within a few seconds, with rank 0's as the cause. The group is then broken."""
+        try:
+            return run()
+        except BaseException as exc:
+            self._broken = f"{method!r} failed"
+            if isinstance(exc, Exception):
+                reason = self._failure_reply(wait_s=_FAILURE_WAIT_S)
+                if reason is not None:
+                    raise reason from exc
+            raise
+
     def _send(self, method: str, payload: Any) -> None:
         """Send a command to every other rank. A rank not connected yet (starting) is waited
         for; one that exited raises ``RuntimeError`` (zmq would block on it forever)."""
+        if self._broken is not None:
+            raise RuntimeError(
+                f"the tensor-parallel group cannot run any more ({self._broken}); restart "
+                "the engine"
+            )
         frame = _encoder.encode([method, payload])
         for rank, (sock, proc) in enumerate(
             zip(self._ranks.commands, self._ranks.procs, strict=True), start=1
@@ -156,13 +181,15 @@ class TensorParallelExecutor(Executor):
 
     def _collect(self, method: str) -> list[Any]:
         """Every other rank's reply to ``method``, by rank; the first failure raises
-        (``ValueError`` for a rank's ``ValueError``, as at start-up, else ``RuntimeError``)."""
+        (``ValueError`` for a rank's ``ValueError``, as at start-up, else ``RuntimeError``)
+        and breaks the group."""
         results: dict[int, Any] = {}
         replies = self._ranks.replies
         while len(results) < self.size - 1:
             if not replies.poll(_POLL_MS):
                 for rank, proc in enumerate(self._ranks.procs, start=1):
                     if proc.poll() is not None and rank not in results:
+                        self._broken = f"rank {rank} exited"
                         raise RuntimeError(
                             f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                             f"during {method!r}"
@@ -170,10 +197,29 @@ class TensorParallelExecutor(Executor):
                 continue
             rank, ok, result = _reply_decoder.decode(replies.recv())
             if not ok:
-                error = ValueError if str(result).startswith("ValueError") else RuntimeError
-                raise error(f"tensor-parallel rank {rank}: {result}")
+                self._broken = f"rank {rank} failed"
+                raise _rank_error(rank, result)
             results[rank] = result
         return [results[rank] for rank in range(1, self.size)]
+
+    def _failure_reply(self, wait_s: float) -> Exception | None:
+        """The error a rank reported within ``wait_s`` seconds, if any."""
+        deadline = time.monotonic() + wait_s
+        replies = self._ranks.replies
+        while (left := deadline - time.monotonic()) > 0:
+            if not replies.poll(int(left * 1000)):
+                return None
+            rank, ok, result = _reply_decoder.decode(replies.recv())
+            if not ok:
+                return _rank_error(rank, result)
+        return None
+
+
+def _rank_error(rank: int, detail: Any) -> Exception:
+    """A rank's reported failure as an exception of the same kind where it matters (a
+    ``ValueError``: settings the group cannot run)."""
+    error = ValueError if str(detail).startswith("ValueError") else RuntimeError
+    return error(f"tensor-parallel rank {rank}: {detail}")
 
 
 class _Ranks:
@@ -182,36 +228,44 @@ class _Ranks:
     def __init__(self, size: int) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix="chassis-tp-")
         os.chmod(self.ipc_dir, 0o700)
+        #: rank 0 takes its share of the cores (start_rank); given back by stop()
+        self.driver_threads = torch.get_num_threads()
         self.ctx = zmq.Context()
         self.replies = self.ctx.socket(zmq.PULL)
-        self.replies.bind(reply_address(self.ipc_dir))
-        self.commands = []
-        for rank in range(1, size):
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(command_address(self.ipc_dir, rank))
-            self.commands.append(sock)
-        level = str(logging.getLogger().getEffectiveLevel())
-        module = "chassis.core.tp_worker_proc"
-        self.procs = [
-            subprocess.Popen([sys.executable, "-m", module, self.ipc_dir, str(r), level])
-            for r in range(1, size)
-        ]
+        self.commands: list[zmq.Socket[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            self.replies.bind(reply_address(self.ipc_dir))
+            for rank in range(1, size):
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(command_address(self.ipc_dir, rank))
+                self.commands.append(sock)
+            level = str(logging.getLogger().getEffectiveLevel())
+            module = "chassis.core.tp_worker_proc"
+            for rank in range(1, size):
+                command = [sys.executable, "-m", module, self.ipc_dir, str(rank)]
+                self.procs.append(subprocess.Popen([*command, str(os.getpid()), level]))
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        """Ask every live rank to exit, kill those that do not within 10 s, leave the group,
-        close the sockets. Idempotent (``weakref.finalize`` runs it once)."""
+        """Ask every live rank to exit, kill those that do not within 10 s (together), leave
+        the group, close the sockets. Idempotent (``weakref.finalize`` runs it once)."""
         live = [p for p in self.procs if p.poll() is None]
         for sock in self.commands:
             with contextlib.suppress(zmq.ZMQError):
                 sock.send(_encoder.encode([SHUTDOWN, None]), zmq.NOBLOCK)
+        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
         for proc in live:
             try:
-                proc.wait(timeout=_SHUTDOWN_WAIT_S)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
         parallel_state.destroy_tensor_parallel()
+        torch.set_num_threads(self.driver_threads)
         for sock in [self.replies, *self.commands]:
             sock.close(0)
         self.ctx.term()

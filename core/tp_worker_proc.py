@@ -1,16 +1,23 @@
 """A tensor-parallel worker process (ranks 1..N-1): ``python -m chassis.core.tp_worker_proc
-IPC_DIR RANK``, started by :class:`~chassis.core.tp_executor.TensorParallelExecutor`.
+IPC_DIR RANK DRIVER_PID LOG_LEVEL``, started by
+:class:`~chassis.core.tp_executor.TensorParallelExecutor`.
 
-It connects to the driver's sockets in ``IPC_DIR``, waits for ``init`` (the engine config),
-joins the tensor-parallel group, loads its share of the model, and then runs every command
-the driver sends (``num_blocks``, ``init_cache``, ``execute``, ``shutdown``) in order,
-replying to each with ``[rank, ok, result-or-error]``. Frames are msgspec msgpack. It exits
-on ``shutdown``, and with its parent (Linux ``PR_SET_PDEATHSIG``, or the sockets closing).
+It connects to the driver's sockets in ``IPC_DIR`` and waits for ``init`` (the engine config).
+It answers ``joining``, joins the tensor-parallel group, loads its share of the model and
+answers again; then it runs every command the driver sends (``num_blocks``, ``init_cache``,
+``execute``, ``shutdown``) in order, replying to each with ``[rank, ok, result-or-error]``.
+Frames are msgspec msgpack.
+
+It exits on ``shutdown``; after reporting any failure (so that the driver's collectives with
+it fail at once instead of waiting for it); and when the driver process is gone (its parent
+pid changes: checked every second while idle, and before it starts).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import sys
 import traceback
@@ -30,6 +37,9 @@ INIT, NUM_BLOCKS, INIT_CACHE, EXECUTE, SHUTDOWN = (
     "execute",
     "shutdown",
 )
+#: the first reply to ``init``: the rank is alive and joins the group now
+JOINING = "joining"
+_IDLE_CHECK_MS = 1000
 
 _encoder = msgspec.msgpack.Encoder()
 _command_decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
@@ -51,13 +61,15 @@ def rendezvous(ipc_dir: str) -> str:
     return f"file://{ipc_dir}/rendezvous"
 
 
-def main(ipc_dir: str, rank: int) -> int:
-    from chassis.core.engine_core_proc import die_with_parent
+def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
+    from chassis.core.engine_core_proc import set_process_name
 
-    die_with_parent(f"chassis-tp{rank}")
+    set_process_name(f"chassis-tp{rank}")
     # Ctrl-C in a terminal reaches the whole process group: the driver stops this rank in
     # order (SHUTDOWN); dying mid-collective would fail the driver's step instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getppid() != driver_pid:
+        return _orphaned(ipc_dir, rank)
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(command_address(ipc_dir, rank))
@@ -67,12 +79,17 @@ def main(ipc_dir: str, rank: int) -> int:
     worker: Any = None
     try:
         while True:
+            if not commands.poll(_IDLE_CHECK_MS):
+                if os.getppid() != driver_pid:
+                    return _orphaned(ipc_dir, rank)
+                continue
             method, payload = _command_decoder.decode(commands.recv())
             try:
                 if method == SHUTDOWN:
                     replies.send(_encoder.encode([rank, True, None]))
                     return 0
                 if method == INIT:
+                    replies.send(_encoder.encode([rank, True, JOINING]))
                     worker = _start(msgspec.msgpack.decode(payload), ipc_dir, rank)
                     result: Any = None
                 elif method == NUM_BLOCKS:
@@ -88,9 +105,7 @@ def main(ipc_dir: str, rank: int) -> int:
                 logger.error("tensor-parallel rank %d: %s failed", rank, method, exc_info=True)
                 detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 replies.send(_encoder.encode([rank, False, detail]))
-                if method == INIT:
-                    return 1
-                continue
+                return 1  # leaving fails the driver's collectives with this rank at once
             replies.send(_encoder.encode([rank, True, result]))
     finally:
         from chassis.core import parallel_state
@@ -99,6 +114,13 @@ def main(ipc_dir: str, rank: int) -> int:
         commands.close(0)
         replies.close()
         ctx.term()
+
+
+def _orphaned(ipc_dir: str, rank: int) -> int:
+    """The driver died without stopping this rank: clean up its directory and exit."""
+    logger.warning("tensor-parallel rank %d: the driver process is gone; exiting", rank)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+    return 1
 
 
 def _start(config_dict: dict[str, Any], ipc_dir: str, rank: int) -> Any:
@@ -111,5 +133,8 @@ def _start(config_dict: dict[str, Any], ipc_dir: str, rank: int) -> Any:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=int(sys.argv[3]) if len(sys.argv) > 3 else logging.INFO)
-    sys.exit(main(sys.argv[1], int(sys.argv[2])))
+    logging.basicConfig(
+        level=int(sys.argv[4]),
+        format="%(asctime)s %(levelname)s [tp" + sys.argv[2] + "] %(name)s: %(message)s",
+    )
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

@@ -93,14 +93,18 @@ class CpuPlatform(Platform):
         keep_heap_allocations()
 
     def determine_kv_cache_memory(self, config: EngineConfig, profile: Callable[[], None]) -> int:
-        """``--kv-cache-memory``, else 4 GiB or 30% of available memory, whichever is less.
+        """``--kv-cache-memory``, else 4 GiB or 30% of available memory, whichever is less;
+        with tensor parallelism, that budget split over the ranks (all on this host).
 
         Host memory is shared with everything else on the machine, so the CPU never claims a
         fraction of the total the way a GPU does.
         """
         if config.kv_cache_memory is not None:
-            return config.kv_cache_memory
-        return min(DEFAULT_CPU_KV_CACHE_BYTES, int(self.memory_available() * 0.3))
+            budget = config.kv_cache_memory
+        else:
+            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, int(self.memory_available() * 0.3))
+        # Tensor-parallel ranks share this host's memory: the budget is theirs together.
+        return budget // config.tensor_parallel_size
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if has_fast_bf16() else torch.float32

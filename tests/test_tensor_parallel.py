@@ -109,6 +109,8 @@ def test_a_second_engine_needs_the_first_shut_down(tiny_llama_dir) -> None:
     first = LLM(str(tiny_llama_dir), **settings)
     with pytest.raises(ValueError, match="call its shutdown"):
         LLM(str(tiny_llama_dir), **settings)
+    with pytest.raises(ValueError, match="call its shutdown"):  # a single-device one too
+        LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=64)
     first.shutdown()
     second = LLM(str(tiny_llama_dir), **settings)
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
@@ -161,3 +163,83 @@ def test_unseeded_sampling_agrees_across_ranks(tiny_llama_dir) -> None:
     outputs = llm.generate(PROMPTS, params)
     assert all(len(c.token_ids) == 16 and len(c.logprobs) == 16 for o in outputs for c in o.outputs)
     llm.shutdown()
+
+
+def test_requests_finishing_at_different_steps_keep_the_ranks_in_step(tiny_qwen3_dir) -> None:
+    # Removing finished requests moves rows in the batch: every rank must move them alike,
+    # whatever the hash seed of its process.
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [13, 14], [15, 16, 17, 18]]
+    lengths = [2, 2, 2, 10, 10, 10, 3, 7]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths[:6]]
+    outputs = {}
+    for size in (1, 2):
+        llm = LLM(
+            str(tiny_qwen3_dir),
+            dtype="float32",
+            max_model_len=128,
+            num_kv_blocks=64,
+            tensor_parallel_size=size,
+        )
+        outputs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.shutdown()
+    assert outputs[1] == outputs[2]
+
+
+def test_the_callers_random_numbers_do_not_desync_the_ranks(tiny_llama_dir) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    llm.generate(PROMPTS[:2], params)
+    torch.rand(3)  # rank 0 shares this process's default generator
+    assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(PROMPTS[:2], params))
+    llm.shutdown()
+    assert torch.get_num_threads() == threads  # rank 0's share of the cores is given back
+
+
+FAILING_RANK = """\
+import chassis.core.worker as worker_module
+
+_execute = worker_module.Worker.execute_model
+calls = []
+
+
+def execute_model(self, scheduler_output):
+    calls.append(1)
+    if len(calls) == 2:
+        raise RuntimeError("injected failure on this rank")
+    return _execute(self, scheduler_output)
+
+
+worker_module.Worker.execute_model = execute_model
+"""
+
+
+def test_a_rank_that_fails_reports_its_own_error_at_once(
+    tiny_llama_dir, tmp_path, monkeypatch
+) -> None:
+    # Only the worker processes read this sitecustomize (it is found at their start-up).
+    (tmp_path / "sitecustomize.py").write_text(FAILING_RANK)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+    )
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1: RuntimeError: injected failure"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert time.monotonic() - started < 30
+    with pytest.raises(RuntimeError, match="cannot run any more"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.shutdown()
+    wait_for_no_workers()
