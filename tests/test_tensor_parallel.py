@@ -30,6 +30,17 @@ def tp_workers() -> list[psutil.Process]:
     ]
 
 
+def small_llm(model_dir, tensor_parallel_size: int) -> LLM:
+    """An engine on a tiny checkpoint, in float32 with a small KV cache."""
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+
+
 def wait_for_no_workers(timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while tp_workers() and time.monotonic() < deadline:
@@ -57,13 +68,7 @@ def test_seeded_sampling_matches_one_rank(tiny_llama_dir) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
     outputs = {}
     for size in (1, 2):
-        llm = LLM(
-            str(tiny_llama_dir),
-            dtype="float32",
-            max_model_len=128,
-            num_kv_blocks=64,
-            tensor_parallel_size=size,
-        )
+        llm = small_llm(tiny_llama_dir, size)
         outputs[size] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
         llm.shutdown()
     assert outputs[1] == outputs[2]
@@ -74,24 +79,12 @@ def test_heads_that_do_not_split_are_a_clear_error(tiny_llama_dir) -> None:
     with pytest.raises(
         ValueError, match=r"num_attention_heads \(4\) is not divisible by --tensor-parallel-size 3"
     ):
-        LLM(
-            str(tiny_llama_dir),
-            dtype="float32",
-            max_model_len=128,
-            num_kv_blocks=64,
-            tensor_parallel_size=3,
-        )
+        small_llm(tiny_llama_dir, 3)
     wait_for_no_workers()
 
 
 def test_a_worker_that_dies_fails_the_step_not_the_caller_forever(tiny_llama_dir) -> None:
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        tensor_parallel_size=2,
-    )
+    llm = small_llm(tiny_llama_dir, 2)
     [worker] = tp_workers()
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(10)
@@ -105,14 +98,13 @@ def test_a_worker_that_dies_fails_the_step_not_the_caller_forever(tiny_llama_dir
 
 
 def test_a_second_engine_needs_the_first_shut_down(tiny_llama_dir) -> None:
-    settings = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, tensor_parallel_size=2)
-    first = LLM(str(tiny_llama_dir), **settings)
+    first = small_llm(tiny_llama_dir, 2)
     with pytest.raises(ValueError, match="call its shutdown"):
-        LLM(str(tiny_llama_dir), **settings)
+        small_llm(tiny_llama_dir, 2)
     with pytest.raises(ValueError, match="call its shutdown"):  # a single-device one too
-        LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=64)
+        small_llm(tiny_llama_dir, 1)
     first.shutdown()
-    second = LLM(str(tiny_llama_dir), **settings)
+    second = small_llm(tiny_llama_dir, 2)
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
     assert len(second.generate(PROMPTS[:1], params)[0].outputs[0].token_ids) == 4
     second.shutdown()
@@ -150,13 +142,7 @@ def test_a_size_below_one_is_refused() -> None:
 def test_unseeded_sampling_agrees_across_ranks(tiny_llama_dir) -> None:
     # The driver checks every step that all ranks sampled the same ids (a RuntimeError if not):
     # random sampling without a seed relies on the ranks' generators staying in step.
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        tensor_parallel_size=2,
-    )
+    llm = small_llm(tiny_llama_dir, 2)
     params = SamplingParams(
         temperature=1.0, top_k=50, n=2, max_tokens=16, ignore_eos=True, logprobs=2
     )
@@ -173,13 +159,7 @@ def test_requests_finishing_at_different_steps_keep_the_ranks_in_step(tiny_qwen3
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths[:6]]
     outputs = {}
     for size in (1, 2):
-        llm = LLM(
-            str(tiny_qwen3_dir),
-            dtype="float32",
-            max_model_len=128,
-            num_kv_blocks=64,
-            tensor_parallel_size=size,
-        )
+        llm = small_llm(tiny_qwen3_dir, size)
         outputs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.shutdown()
     assert outputs[1] == outputs[2]
@@ -189,13 +169,7 @@ def test_the_callers_random_numbers_do_not_desync_the_ranks(tiny_llama_dir) -> N
     import torch
 
     threads = torch.get_num_threads()
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        tensor_parallel_size=2,
-    )
+    llm = small_llm(tiny_llama_dir, 2)
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     llm.generate(PROMPTS[:2], params)
     torch.rand(3)  # rank 0 shares this process's default generator
@@ -228,13 +202,7 @@ def test_a_rank_that_fails_reports_its_own_error_at_once(
     # Only the worker processes read this sitecustomize (it is found at their start-up).
     (tmp_path / "sitecustomize.py").write_text(FAILING_RANK)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        tensor_parallel_size=2,
-    )
+    llm = small_llm(tiny_llama_dir, 2)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1: RuntimeError: injected failure"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
