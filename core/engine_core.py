@@ -125,5 +125,9 @@ class EngineCore:
             outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
         )
 
+    def check_health(self) -> None:
+        """Raise if the engine cannot run steps any more (a tensor-parallel rank died)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()

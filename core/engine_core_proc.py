@@ -9,6 +9,7 @@ sockets and queues, so the busy loop never blocks on I/O.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -135,6 +136,10 @@ def run_engine_core(
             outputs.put(_encoder.encode(EngineCoreOutputs(engine_error=error)))
         outputs.put(None)
         writer.join(timeout=5)
+        # This process ends with os._exit (multiprocessing), which runs no atexit handler:
+        # stop the workers here.
+        with contextlib.suppress(Exception):
+            core.shutdown()
         raise
     _die_quietly_on_sigterm()
     outputs.put(None)
@@ -166,6 +171,8 @@ def _busy_loop(
                 if block and os.getppid() != parent_pid:
                     logger.warning("front-end process is gone; engine core exits")
                     return
+                if block:
+                    core.check_health()  # idle: a dead worker is reported now, not later
                 break
             block = False
             if kind == ADD:

@@ -33,6 +33,11 @@ class Executor(ABC):
         """
         return PendingRunnerOutput.ready(self.execute_model(scheduler_output))
 
+    def check_health(self) -> None:  # noqa: B027 - optional hook
+        """Raise ``RuntimeError`` when the workers cannot run steps any more (called while the
+        engine is idle, so a dead worker is reported before the next request). Default:
+        nothing can fail outside a step."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers (default: nothing to do)."""
 

@@ -48,6 +48,7 @@ class LLM:
                 self.tokenizer, self.config, eos_token_ids(self.tokenizer, self.config.model)
             )
         self.engine = EngineCore(self.config)
+        self._shut_down = False
 
     def get_tokenizer(self) -> Any:
         """The tokenizer (``None`` with ``skip_tokenizer_init``)."""
@@ -55,7 +56,9 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes now (with ``tensor_parallel_size`` above 1;
-        otherwise they stop with this process). The ``LLM`` cannot generate afterwards."""
+        otherwise they stop with this process). The ``LLM`` cannot generate afterwards: a
+        ``RuntimeError`` says so."""
+        self._shut_down = True
         self.engine.shutdown()
 
     def generate(
@@ -70,6 +73,8 @@ class LLM:
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
         """
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -64,9 +64,11 @@ def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str) -
 def destroy_tensor_parallel() -> None:
     """Leave the group (a no-op without one)."""
     global _GROUP
-    if _GROUP.size > 1 and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    _GROUP = TensorParallelGroup()
+    try:
+        if _GROUP.size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    finally:
+        _GROUP = TensorParallelGroup()
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,7 @@ class TensorParallelExecutor(Executor):
             config = dataclasses.replace(config, enforce_eager=True)
         self.size = config.tensor_parallel_size
         get_current_platform().tensor_parallel_devices(self.size)  # enough devices?
+        _check_model_splits(config)  # before any process starts
         #: why the group cannot run any more (a rank failed or died), once it cannot
         self._broken: str | None = None
         self._ranks = _Ranks(self.size)
@@ -135,8 +136,13 @@ class TensorParallelExecutor(Executor):
                 )
         return output
 
+    def check_health(self) -> None:
+        if self._broken is None:
+            self._raise_if_a_rank_exited("idle")
+
     def shutdown(self) -> None:
         """Stop every rank (killing one that does not stop in 10 s) and leave the group."""
+        self._broken = self._broken or "it was shut down"
         self._finalizer()
 
     # -- messaging ------------------------------------------------------------------------
@@ -151,6 +157,8 @@ class TensorParallelExecutor(Executor):
             self._broken = f"{method!r} failed"
             if isinstance(exc, Exception):
                 reason = self._failure_reply(wait_s=_FAILURE_WAIT_S)
+                # a rank that was killed left the others to fail: name it first
+                self._raise_if_a_rank_exited(method, cause=exc, wait_s=0.5)
                 if reason is not None:
                     raise reason from exc
             raise
@@ -198,9 +206,31 @@ class TensorParallelExecutor(Executor):
             rank, ok, result = _reply_decoder.decode(replies.recv())
             if not ok:
                 self._broken = f"rank {rank} failed"
-                raise _rank_error(rank, result)
+                error = _rank_error(rank, result)
+                # a killed rank makes the others fail their collectives: name it first
+                self._raise_if_a_rank_exited(method, cause=error, wait_s=0.5)
+                raise error
             results[rank] = result
         return [results[rank] for rank in range(1, self.size)]
+
+    def _raise_if_a_rank_exited(
+        self, method: str, cause: BaseException | None = None, wait_s: float = 0.0
+    ) -> None:
+        """A ``RuntimeError`` naming the first rank whose process has exited (waiting up to
+        ``wait_s`` for one that is exiting), which breaks the group; nothing if all live."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self._ranks.procs, start=1):
+                code = proc.poll()
+                # a rank that reported a failure exits with 1: its own error says more
+                if code is not None and not (cause is not None and code == 1):
+                    self._broken = f"rank {rank} exited"
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited with code {code} during {method!r}"
+                    ) from cause
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _failure_reply(self, wait_s: float) -> Exception | None:
         """The error a rank reported within ``wait_s`` seconds, if any."""
@@ -213,6 +243,29 @@ class TensorParallelExecutor(Executor):
             if not ok:
                 return _rank_error(rank, result)
         return None
+
+
+def _check_model_splits(config: EngineConfig) -> None:
+    """The model's class shards itself and its heads divide by the group's size (the KV
+    heads: the runner gives each rank ``num_key_value_heads / N``)."""
+    from chassis.core.model_loader import load_hf_config, model_class
+
+    assert config.model is not None
+    hf_config = load_hf_config(config.model)
+    cls = model_class(hf_config)
+    if not cls.supports_tensor_parallel:
+        raise ValueError(
+            f"{cls.__name__} cannot be sharded (its supports_tensor_parallel is False); use "
+            "--tensor-parallel-size 1"
+        )
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if count % config.tensor_parallel_size:
+            raise ValueError(
+                f"{name} ({count}) is not divisible by --tensor-parallel-size "
+                f"{config.tensor_parallel_size}"
+            )
 
 
 def _rank_error(rank: int, detail: Any) -> Exception:
@@ -253,20 +306,23 @@ class _Ranks:
     def stop(self) -> None:
         """Ask every live rank to exit, kill those that do not within 10 s (together), leave
         the group, close the sockets. Idempotent (``weakref.finalize`` runs it once)."""
-        live = [p for p in self.procs if p.poll() is None]
-        for sock in self.commands:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send(_encoder.encode([SHUTDOWN, None]), zmq.NOBLOCK)
-        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        parallel_state.destroy_tensor_parallel()
-        torch.set_num_threads(self.driver_threads)
-        for sock in [self.replies, *self.commands]:
-            sock.close(0)
-        self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        try:
+            live = [p for p in self.procs if p.poll() is None]
+            for sock in self.commands:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send(_encoder.encode([SHUTDOWN, None]), zmq.NOBLOCK)
+            deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+            for proc in live:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            with contextlib.suppress(Exception):  # the group may be broken already
+                parallel_state.destroy_tensor_parallel()
+            torch.set_num_threads(self.driver_threads)
+            for sock in [self.replies, *self.commands]:
+                sock.close(0)
+            self.ctx.term()
+        finally:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -68,7 +68,12 @@ class CpuPlatform(Platform):
         return 1
 
     def tensor_parallel_devices(self, size: int) -> list[int]:
-        """Every rank runs on the host; the tensor-parallel executor splits the cores."""
+        """Every rank runs on the host, with its share of the cores (at least one each)."""
+        cores = len(os.sched_getaffinity(0))
+        if size > cores:
+            raise ValueError(
+                f"--tensor-parallel-size {size} needs a core per rank; this host has {cores}"
+            )
         return [0] * size
 
     def device(self, index: int = 0) -> torch.device:

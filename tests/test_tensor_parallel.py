@@ -75,25 +75,47 @@ def test_seeded_sampling_matches_one_rank(tiny_llama_dir) -> None:
     wait_for_no_workers()
 
 
-def test_heads_that_do_not_split_are_a_clear_error(tiny_llama_dir) -> None:
+def test_heads_that_do_not_split_are_refused_before_any_rank_starts(tmp_path) -> None:
+    import fixtures_models
+
+    one_kv_head = fixtures_models.write_tiny_checkpoint(
+        "llama", tmp_path / "one_kv_head", num_key_value_heads=1
+    )
+    started = time.monotonic()
     with pytest.raises(
-        ValueError, match=r"num_attention_heads \(4\) is not divisible by --tensor-parallel-size 3"
+        ValueError, match=r"num_key_value_heads \(1\) is not divisible by --tensor-parallel-size 2"
     ):
-        small_llm(tiny_llama_dir, 3)
-    wait_for_no_workers()
+        small_llm(one_kv_head, 2)
+    assert not tp_workers() and time.monotonic() - started < 10
+
+
+def test_the_cpu_gives_each_rank_a_core() -> None:
+    from chassis.platforms.cpu import CpuPlatform
+
+    cores = len(os.sched_getaffinity(0))
+    assert CpuPlatform().tensor_parallel_devices(cores) == [0] * cores
+    with pytest.raises(ValueError, match=f"needs a core per rank; this host has {cores}"):
+        CpuPlatform().tensor_parallel_devices(cores + 1)
 
 
 def test_a_worker_that_dies_fails_the_step_not_the_caller_forever(tiny_llama_dir) -> None:
     llm = small_llm(tiny_llama_dir, 2)
     [worker] = tp_workers()
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.wait(10)
+    os.kill(worker.pid, signal.SIGKILL)  # (not reaped here: the executor reads its status)
+    # what the engine-core process asks while idle, to report a dead rank before a request
+    deadline = time.monotonic() + 10
+    with pytest.raises(RuntimeError, match="rank 1 exited with code -9"):
+        while time.monotonic() < deadline:
+            llm.engine.check_health()
+            time.sleep(0.05)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     started = time.monotonic()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="rank 1 exited"):
         llm.generate(PROMPTS[:1], params)
     assert time.monotonic() - started < 60
     llm.shutdown()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        llm.generate(PROMPTS[:1], params)
     wait_for_no_workers()
 
 
