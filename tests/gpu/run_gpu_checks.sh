@@ -29,9 +29,10 @@
 # /tmp/chassis-gpu), next to a copy of summary.txt.
 # Exit status: 0 when every step that ran passed, else 1.
 # A dry run of the benchmark steps on a CPU, with a tiny config directory:
-#   STEPS="throughput latency serve" MODEL=/tmp/tiny NUM_PROMPTS=4 HF_NUM_PROMPTS=2 LENS=4:8 \
-#   LAT_INPUT=8 LAT_OUTPUT=4 VOCAB=512 ENGINE_ARGS="--num-kv-blocks 64" \
-#   bash tests/gpu/run_gpu_checks.sh
+#   STEPS="throughput latency serve profile async eager kernels" MODEL=/tmp/tiny NUM_PROMPTS=4 \
+#   HF_NUM_PROMPTS=2 LENS=4:8 LAT_INPUT=8 LAT_OUTPUT=4 VOCAB=512 PROFILE_CONTEXT=64 \
+#   PROFILE_BATCH=8 ENGINE_ARGS="--num-kv-blocks 64" bash tests/gpu/run_gpu_checks.sh
+# (the tiny config holds 512 positions: the profile's default 600-token context does not fit)
 set -u
 # The device tool brings back at most 8 files from $OUT, so every step writes into a work
 # folder, and after each step the folder is packed into $OUT/results.tgz (with summary.txt
