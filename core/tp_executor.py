@@ -181,6 +181,7 @@ class TensorParallelExecutor(Executor):
                     break
                 except zmq.Again:
                     if proc.poll() is not None:
+                        self._broken = f"rank {rank} exited"
                         raise RuntimeError(
                             f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                             f"before {method!r}"
