@@ -205,6 +205,11 @@ def build_model(
     return model
 
 
+def kv_head_count(hf_config: Any) -> int:
+    """The model's KV heads (``num_key_value_heads``; without it, one per attention head)."""
+    return int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+
+
 def model_class(hf_config: Any) -> type[CausalLM]:
     """The registered model class of ``config.architectures`` (the first one registered); a
     ``ValueError`` listing the supported architectures when none is."""

@@ -28,6 +28,7 @@ from chassis.core.compiled_model import CompiledForward
 from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
 from chassis.core.input_batch import InputBatch, RequestState
+from chassis.core.model_loader import kv_head_count
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
 from chassis.core.sampler_interface import check_sampler_output
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
@@ -87,9 +88,8 @@ class ModelRunner:
         self.pin_memory = pin_memory
         hf = model.hf_config
         self.vocab_size = int(hf.vocab_size)
-        num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
         # a tensor-parallel model keeps its rank's share of the KV heads (CausalLM contract)
-        self.num_kv_heads = num_kv_heads // parallel_state.tp_size()
+        self.num_kv_heads = kv_head_count(hf) // parallel_state.tp_size()
         self.head_dim = int(
             getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         )

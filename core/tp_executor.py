@@ -156,11 +156,12 @@ class TensorParallelExecutor(Executor):
         except BaseException as exc:
             self._broken = f"{method!r} failed"
             if isinstance(exc, Exception):
-                reason = self._failure_reply(wait_s=_FAILURE_WAIT_S)
+                reported = self._failure_reply(wait_s=_FAILURE_WAIT_S)
+                reporter = reported[0] if reported else None
                 # a rank that was killed left the others to fail: name it first
-                self._raise_if_a_rank_exited(method, cause=exc, wait_s=0.5)
-                if reason is not None:
-                    raise reason from exc
+                self._raise_if_a_rank_exited(method, exc, wait_s=0.5, reporter=reporter)
+                if reported is not None:
+                    raise reported[1] from exc
             raise
 
     def _send(self, method: str, payload: Any) -> None:
@@ -209,22 +210,27 @@ class TensorParallelExecutor(Executor):
                 self._broken = f"rank {rank} failed"
                 error = _rank_error(rank, result)
                 # a killed rank makes the others fail their collectives: name it first
-                self._raise_if_a_rank_exited(method, cause=error, wait_s=0.5)
+                self._raise_if_a_rank_exited(method, error, wait_s=0.5, reporter=rank)
                 raise error
             results[rank] = result
         return [results[rank] for rank in range(1, self.size)]
 
     def _raise_if_a_rank_exited(
-        self, method: str, cause: BaseException | None = None, wait_s: float = 0.0
+        self,
+        method: str,
+        cause: BaseException | None = None,
+        wait_s: float = 0.0,
+        reporter: int | None = None,
     ) -> None:
         """A ``RuntimeError`` naming the first rank whose process has exited (waiting up to
-        ``wait_s`` for one that is exiting), which breaks the group; nothing if all live."""
+        ``wait_s`` for one that is exiting), which breaks the group; nothing if all live.
+        ``reporter``, a rank that reported its own failure (and exits after it), is skipped:
+        its report says more."""
         deadline = time.monotonic() + wait_s
         while True:
             for rank, proc in enumerate(self._ranks.procs, start=1):
                 code = proc.poll()
-                # a rank that reported a failure exits with 1: its own error says more
-                if code is not None and not (cause is not None and code == 1):
+                if code is not None and rank != reporter:
                     self._broken = f"rank {rank} exited"
                     raise RuntimeError(
                         f"tensor-parallel rank {rank} exited with code {code} during {method!r}"
@@ -233,8 +239,8 @@ class TensorParallelExecutor(Executor):
                 return
             time.sleep(0.05)
 
-    def _failure_reply(self, wait_s: float) -> Exception | None:
-        """The error a rank reported within ``wait_s`` seconds, if any."""
+    def _failure_reply(self, wait_s: float) -> tuple[int, Exception] | None:
+        """The first failure a rank reported within ``wait_s`` seconds, as (rank, error)."""
         deadline = time.monotonic() + wait_s
         replies = self._ranks.replies
         while (left := deadline - time.monotonic()) > 0:
@@ -242,14 +248,14 @@ class TensorParallelExecutor(Executor):
                 return None
             rank, ok, result = _reply_decoder.decode(replies.recv())
             if not ok:
-                return _rank_error(rank, result)
+                return rank, _rank_error(rank, result)
         return None
 
 
 def _check_model_splits(config: EngineConfig) -> None:
     """The model's class shards itself and its heads divide by the group's size (the KV
     heads: the runner gives each rank ``num_key_value_heads / N``)."""
-    from chassis.core.model_loader import load_hf_config, model_class
+    from chassis.core.model_loader import kv_head_count, load_hf_config, model_class
 
     assert config.model is not None
     hf_config = load_hf_config(config.model)
@@ -260,7 +266,7 @@ def _check_model_splits(config: EngineConfig) -> None:
             "--tensor-parallel-size 1"
         )
     heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    kv_heads = kv_head_count(hf_config)
     for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if count % config.tensor_parallel_size:
             raise ValueError(

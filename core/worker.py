@@ -18,12 +18,7 @@ class Worker:
     """Loads the model on the current platform's device and runs steps on it."""
 
     def __init__(self, config: EngineConfig, device_index: int = 0) -> None:
-        from chassis.core.model_loader import (
-            build_model,
-            load_hf_config,
-            model_class,
-            resolve_dtype,
-        )
+        from chassis.core.model_loader import build_model, load_hf_config, resolve_dtype
         from chassis.platforms import get_current_platform
         from chassis.plugins import get_registries
 
@@ -39,12 +34,6 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.platform)
         backend_cls = registries.attention_backends.get(config.attention_backend)
         torch.manual_seed(config.seed)
-        model_cls = model_class(hf_config)
-        if config.tensor_parallel_size > 1 and not model_cls.supports_tensor_parallel:
-            raise ValueError(
-                f"{model_cls.__name__} cannot be sharded (its supports_tensor_parallel is "
-                "False); use --tensor-parallel-size 1"
-            )
         model = build_model(config, hf_config, config.model, backend_cls, self.device, self.dtype)
         if not config.torch_compile:
             # Compiled forwards run the layers' torch code, not the platform's kernels, whose

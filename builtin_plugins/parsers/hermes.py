@@ -22,7 +22,11 @@ import enum
 from typing import Any
 
 from chassis.builtin_plugins.parsers.json_calls import inside_json_string, tool_calls_from_json
-from chassis.builtin_plugins.parsers.text_scan import hold_back, split_trailing_space
+from chassis.builtin_plugins.parsers.text_scan import (
+    hold_back,
+    split_trailing_space,
+    text_after_call,
+)
 from chassis.serve.tool_parser import ToolDelta, ToolParser
 
 
@@ -58,11 +62,10 @@ class HermesToolParser(ToolParser):
                     break  # the call is not complete yet
                 continue
             if self._mode is _Mode.AFTER_CALL:
-                body = self._held.lstrip()
-                if not body:
+                resumed = text_after_call(self._held, self._has_content or bool(out.content))
+                if resumed is None:
                     break
-                if not (self._has_content or out.content):
-                    self._held = body
+                self._held = resumed
                 self._mode = _Mode.TEXT
             start = self._held.find(self.start_tag)
             if start < 0:

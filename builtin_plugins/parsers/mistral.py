@@ -28,7 +28,11 @@ import string
 from typing import Any
 
 from chassis.builtin_plugins.parsers.json_calls import DECODER, tool_call_from_object
-from chassis.builtin_plugins.parsers.text_scan import held_prefix_len, skip_space
+from chassis.builtin_plugins.parsers.text_scan import (
+    held_prefix_len,
+    skip_space,
+    text_after_call,
+)
 from chassis.serve.tool_parser import ToolCall, ToolDelta, ToolParser
 
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -82,11 +86,10 @@ class MistralToolParser(ToolParser):
         out = ToolDelta()
         while True:
             if self._mode is _Mode.AFTER_CALL:
-                body = self._held.lstrip()
-                if not body:
+                resumed = text_after_call(self._held, self._has_content or bool(out.content))
+                if resumed is None:
                     return out
-                if not (self._has_content or out.content):
-                    self._held = body  # else the whitespace separates the texts around a call
+                self._held = resumed
                 self._mode = _Mode.TEXT
             if self._mode is _Mode.TEXT:
                 start = self._held.find(MARKER)

@@ -43,6 +43,16 @@ def starts_with_after_tag(text: str, tag: str, opener: str) -> bool | None:
     return rest.startswith(opener)
 
 
+def text_after_call(held: str, content_before: bool) -> str | None:
+    """The text that resumes after a tool call, or ``None`` while it is only whitespace. The
+    whitespace that followed the call is kept when content came before the call (it keeps the
+    texts on both sides apart) and dropped otherwise."""
+    body = held.lstrip()
+    if not body:
+        return None
+    return held if content_before else body
+
+
 def skip_space(text: str, pos: int) -> int:
     """The index of the first non-whitespace character of ``text`` from ``pos`` on
     (``len(text)`` when there is none)."""
