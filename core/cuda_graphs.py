@@ -33,6 +33,7 @@ from chassis.core.attention import AttentionMetadata, ForwardContext
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
+    from chassis.core.model_interface import CausalLM
     from chassis.platforms.interface import DeviceGraph, Platform
 
 logger = logging.getLogger(__name__)
@@ -79,12 +80,15 @@ def capture_sizes(config: EngineConfig) -> list[int]:
 
 
 def eager_reason(
-    config: EngineConfig, platform: Platform, attention_backend: type[AttentionBackend]
+    config: EngineConfig,
+    platform: Platform,
+    attention_backend: type[AttentionBackend],
+    model: CausalLM | None = None,
 ) -> str | None:
     """Why decode steps must run eager with this setup, or ``None`` when graphs may be used.
 
     Asks the interfaces (the platform's ``supports_graph_capture``, the backend's
-    ``graph_capture_safe``), never a device name.
+    ``graph_capture_safe``, the model's ``graph_capture_blocker``), never a device name.
     """
     if config.enforce_eager:
         return "--enforce-eager is set"
@@ -95,6 +99,8 @@ def eager_reason(
             f"attention backend {config.attention_backend!r} is not graph-capture safe "
             f"(it reads step metadata on the host)"
         )
+    if model is not None:
+        return model.graph_capture_blocker()
     return None
 
 

@@ -68,6 +68,24 @@ class CausalLM(nn.Module, ABC):
         loader checks every parameter is among the returned names.
         """
 
+    def graph_capture_blocker(self) -> str | None:
+        """Why this model's forward cannot be captured as a device graph, or ``None``.
+
+        Asked once the weights are on the device, before decode graphs are captured; a
+        reason makes decode steps run eager (and is logged). The default asks every
+        submodule that has a ``graph_capture_blocker()`` method of its own (a layer whose
+        implementation on this platform reads device values on the host, such as a
+        mixture-of-experts layer without a fused kernel) and returns the first reason.
+        """
+        for module in self.modules():
+            if module is self:
+                continue
+            ask = getattr(module, "graph_capture_blocker", None)
+            reason = ask() if callable(ask) else None
+            if reason is not None:
+                return reason
+        return None
+
     @property
     def num_attention_layers(self) -> int:
         """How many KV caches the model needs (one per attention layer)."""

@@ -138,7 +138,7 @@ class ModelRunner:
         )
 
     def _capture_graphs(self) -> None:
-        reason = eager_reason(self.config, self.platform, self.attention_backend)
+        reason = eager_reason(self.config, self.platform, self.attention_backend, self.model)
         if reason is not None:
             logger.info("decode steps run eager: %s", reason)
             return

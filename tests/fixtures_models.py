@@ -11,6 +11,10 @@ SmolLM2 tokenizer, so real text round-trips):
 - ``tiny_qwen2_dir``: ``Qwen2ForCausalLM`` (QKV bias), tied embeddings.
 - ``tiny_qwen3_dir``: ``Qwen3ForCausalLM`` (q/k norm, ``head_dim`` 32 != hidden / heads).
 - ``smollm2_dir``: the converted embedded SmolLM2-135M-Instruct (the real model).
+- ``tiny_mixtral_dir``, ``tiny_qwen2_moe_dir``, ``tiny_qwen3_moe_dir``: mixture-of-experts
+  models (:data:`TINY_MOE_ARCHITECTURES`): Mixtral with 4 experts of intermediate 64, top 2;
+  Qwen2-MoE with 4 experts of 32, top 2, a shared expert of 48 and a dense second layer
+  (``mlp_only_layers``); Qwen3-MoE with 8 experts of 32, top 2, ``norm_topk_prob``.
 
 All tiny models: 2 layers, hidden 64, 4 heads, 2 KV heads, intermediate 128, 512 positions,
 vocab 49,152, float32 weights from ``torch.manual_seed(seed)`` (biases and norm weights
@@ -32,23 +36,35 @@ from chassis.core.attention import AttentionMetadata, kv_cache_shape
 
 __all__ = [
     "TINY_ARCHITECTURES",
+    "TINY_MOE_ARCHITECTURES",
     "allocate_block_tables",
     "make_attention_metadata",
     "new_kv_caches",
     "smollm2_dir",
     "tiny_llama_dir",
+    "tiny_mixtral_dir",
     "tiny_qwen2_dir",
+    "tiny_qwen2_moe_dir",
     "tiny_qwen3_dir",
+    "tiny_qwen3_moe_dir",
     "write_tiny_checkpoint",
 ]
 
 TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+TINY_MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _tiny_config(arch: str, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common: dict[str, Any] = {
         "vocab_size": 49152,
@@ -85,11 +101,42 @@ def _tiny_config(arch: str, **overrides: Any) -> Any:
         common.update(tie_word_embeddings=False, head_dim=32)
         common.update(overrides)
         return Qwen3Config(**common)
-    raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}")
+    if arch == "mixtral":
+        common.update(
+            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+        )
+        common.update(overrides)
+        return MixtralConfig(**common)
+    if arch == "qwen2_moe":
+        common.update(
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        )
+        common.update(overrides)
+        return Qwen2MoeConfig(**common)
+    if arch == "qwen3_moe":
+        common.update(
+            tie_word_embeddings=False,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
+        common.update(overrides)
+        return Qwen3MoeConfig(**common)
+    known = ", ".join(TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES)
+    raise ValueError(f"unknown tiny architecture {arch!r}; known: {known}")
 
 
 def write_tiny_checkpoint(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny random HF checkpoint of ``arch`` ('llama', 'qwen2', 'qwen3') to ``directory``.
+    """Write a tiny random HF checkpoint of ``arch`` (one of :data:`TINY_ARCHITECTURES` or
+    :data:`TINY_MOE_ARCHITECTURES`) to ``directory``.
 
     ``overrides`` replace config fields (e.g. ``attention_bias=True``). The SmolLM2 tokenizer
     is copied in (this converts the embedded model once if it is not cached yet).
@@ -129,6 +176,21 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("tiny_mixtral"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("qwen2_moe", tmp_path_factory.mktemp("tiny_qwen2_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tiny_qwen3_moe"))
 
 
 @pytest.fixture(scope="session")

@@ -16,3 +16,6 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("MistralForCausalLM", f"{_PKG}.llama:LlamaForCausalLM")
     registry.register("Qwen2ForCausalLM", f"{_PKG}.qwen2:Qwen2ForCausalLM")
     registry.register("Qwen3ForCausalLM", f"{_PKG}.qwen3:Qwen3ForCausalLM")
+    registry.register("MixtralForCausalLM", f"{_PKG}.mixtral:MixtralForCausalLM")
+    registry.register("Qwen2MoeForCausalLM", f"{_PKG}.qwen2_moe:Qwen2MoeForCausalLM")
+    registry.register("Qwen3MoeForCausalLM", f"{_PKG}.qwen3_moe:Qwen3MoeForCausalLM")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,17 +98,19 @@ class DecoderSpec:
             self, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter
         )
 
-    def shard_rows(self) -> dict[str, tuple[int, int]]:
-        """Shard key -> (first row, number of rows) inside its merged weight."""
+    def shard_rows(self, merged_rows: int) -> dict[str, tuple[int, int]]:
+        """Shard key -> (first row, number of rows) inside a merged weight of
+        ``merged_rows`` rows (gate and up are its halves: MLPs of other sizes, such as a MoE
+        block's shared expert, use the same keys)."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        inter = self.intermediate_size
+        half = merged_rows // 2
         return {
             "q": (0, q_size),
             "k": (q_size, kv_size),
             "v": (q_size + kv_size, kv_size),
-            "gate": (0, inter),
-            "up": (inter, inter),
+            "gate": (0, half),
+            "up": (half, half),
         }
 
 
@@ -162,19 +164,27 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP with the gate and up projections merged."""
+    """SwiGLU MLP with the gate and up projections merged.
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    ``intermediate_size`` is this rank's share (``spec.intermediate_size`` by default). With
+    ``reduce_output=False`` the output is this rank's partial sum, for a caller that adds more
+    partial sums before one all-reduce (a MoE block's shared expert).
+    """
+
+    def __init__(
+        self, spec: DecoderSpec, intermediate_size: int | None = None, reduce_output: bool = True
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
-            spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias
-        )
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        inter = spec.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=spec.mlp_bias)
         self.act_fn = SiluAndMul()
+        self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(self.act_fn(self.gate_up_proj(x)))
         # Each rank holds some columns of the MLP: down_proj's partial sums add up.
-        return parallel_state.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
+        return parallel_state.all_reduce(out) if self.reduce_output else out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -186,10 +196,12 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         layer_idx: int,
         build_ctx: ModelBuildContext,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, rotary_emb, layer_idx, build_ctx)
-        self.mlp = LlamaMLP(spec)
+        #: ``[T, hidden] -> [T, hidden]``, already summed over a tensor-parallel group
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -212,14 +224,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
+    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule).
 
-    def __init__(self, hf_config: Any, spec: DecoderSpec, build_ctx: ModelBuildContext) -> None:
+    ``make_mlp(layer_idx)`` builds each layer's MLP (a SwiGLU :class:`LlamaMLP` by default;
+    mixture-of-experts models return their sparse block for some layers).
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: DecoderSpec,
+        build_ctx: ModelBuildContext,
+        make_mlp: Callable[[int], nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(int(hf_config.vocab_size), spec.hidden_size)
         rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope)
+        make_mlp = make_mlp or (lambda _layer_idx: LlamaMLP(spec))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, rotary_emb, i, build_ctx)
+            LlamaDecoderLayer(spec, rotary_emb, i, build_ctx, make_mlp(i))
             for i in range(int(hf_config.num_hidden_layers))
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -255,7 +278,7 @@ class LlamaForCausalLM(CausalLM):
         #: the whole layer's shapes (checkpoint tensors), and this rank's share of them
         self.full_spec = self.decoder_spec(hf_config)
         self.spec = self.full_spec.tensor_parallel_share()
-        self.model = LlamaModel(hf_config, self.spec, build_ctx)
+        self.model = LlamaModel(hf_config, self.spec, build_ctx, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # The head is a module even when tied (then sharing the embedding matrix, built on the
         # meta device so no second matrix is allocated; parameter listings name it once, as
@@ -271,6 +294,12 @@ class LlamaForCausalLM(CausalLM):
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         """The decoder-layer options for this architecture (override in subclasses)."""
         return DecoderSpec.from_config(hf_config)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        """The MLP of decoder layer ``layer_idx`` (override for sparse layers); it returns
+        its output summed over the tensor-parallel group. Called from ``__init__`` after
+        ``self.spec`` (this rank's share) and ``self.full_spec`` are set."""
+        return LlamaMLP(self.spec)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -292,7 +321,6 @@ class LlamaForCausalLM(CausalLM):
         that does not match, raises ``ValueError``.
         """
         params = dict(self.named_parameters())
-        shard_rows = self.spec.shard_rows()
         shards_loaded: dict[str, set[str]] = {}
         for name, tensor in weights:
             tensor = self._tensor_parallel_slice(name, tensor)
@@ -309,7 +337,7 @@ class LlamaForCausalLM(CausalLM):
                 )
             target = param.data
             if shard is not None:
-                start, size = shard_rows[shard]
+                start, size = self.spec.shard_rows(target.shape[0])[shard]
                 target = target[start : start + size]
             if target.shape != tensor.shape:
                 raise ValueError(
