@@ -30,6 +30,12 @@ class LayerKernels(Protocol):
     attention; reference :func:`chassis.core.layers.fused_ops.qk_norm_rotary_embedding_ref`).
     It may work in place and returns the tensors to use. Without it the layers call
     :meth:`rms_norm` twice and then :meth:`rotary_embedding_`.
+
+    Optional too: ``fused_moe(x, w13, w2, topk_weights, topk_ids) -> [T, H]``, the experts of
+    a mixture-of-experts layer (reference :func:`chassis.core.layers.moe.fused_experts_ref`,
+    same arguments); :class:`~chassis.core.layers.moe.FusedMoE` runs it when present, else
+    its torch code. It should read nothing back to the host, so that decode steps with it can
+    be captured in CUDA graphs.
     """
 
     def handles(self, x: torch.Tensor) -> bool:

@@ -540,3 +540,15 @@ class TritonLayerKernels:
         return qk_norm_rotary_embedding_(
             positions, query, key, q_weight, k_weight, eps, cos_cache, sin_cache
         )
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        from chassis.core.layers.triton_moe import fused_moe
+
+        return fused_moe(x, w13, w2, topk_weights, topk_ids)
