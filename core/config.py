@@ -53,6 +53,8 @@ class EngineConfig:
 
     # -- execution -------------------------------------------------------------------------
     sampler: str = "default"
+    #: structured-output backend by name (``chassis_register_structured_output_backends``)
+    structured_output_backend: str = "chassis"
     attention_backend: str | None = None
     enforce_eager: bool = False
     #: run the model's forward through torch.compile (attention as one opaque op; the layers'

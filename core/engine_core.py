@@ -12,8 +12,15 @@ from chassis.core.config import EngineConfig
 from chassis.core.executor import make_executor
 from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.kv_cache_manager import KVCacheManager
-from chassis.core.request import EngineCoreOutputs, EngineCoreRequest, Request
+from chassis.core.request import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Request,
+)
 from chassis.core.scheduler_interface import SchedulerOutput
+from chassis.core.structured_output_manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +46,8 @@ class EngineCore:
 
     One step reads like ARCHITECTURE section 2: ``scheduler.schedule()`` ->
     ``executor.execute_model_async()`` -> ``scheduler.update_from_output()`` with the result.
+    Requests with structured outputs add one stage between planning and execution: their
+    allowed tokens go with the plan (``SchedulerOutput.allowed_token_masks``).
 
     With ``config.async_scheduling`` a step launches plan N+1 before it collects the results
     of plan N, so the host plans and prepares while the device computes; each step then
@@ -74,6 +83,9 @@ class EngineCore:
         self.scheduler = scheduler_cls(config, self.kv_cache_manager)
         #: the plan launched by the last async step, whose results are not collected yet
         self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
+        self.structured_outputs = StructuredOutputManager(config)
+        #: outputs of requests refused after they reached the engine, sent with the next step
+        self._refused: list[EngineCoreOutput] = []
         assert config.max_model_len is not None and config.attention_backend is not None
         self.info = EngineInfo(
             platform=platform.name,
@@ -95,14 +107,28 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        """Queue a request. One whose structured-output constraint does not compile (the
+        front-end checks constraints first, so this is rare) finishes at the next step with
+        reason ``abort``, and the error is logged; the engine keeps serving."""
+        engine_request = Request.from_engine_core_request(request)
+        try:
+            self.structured_outputs.add_request(engine_request)
+        except ValueError as exc:
+            logger.error("request %s refused: %s", request.request_id, exc)
+            self._refused.append(
+                EngineCoreOutput(request_id=request.request_id, finish_reason=FinishReason.ABORT)
+            )
+            return
+        self.scheduler.add_request(engine_request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.abort(list(request_ids))
+        request_ids = list(request_ids)
+        self.scheduler.abort(request_ids)
+        self.structured_outputs.finish(request_ids)
 
     def has_unfinished(self) -> bool:
         """Whether a request is waiting or running, or a launched step awaits collection."""
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._refused)
 
     def step(self) -> EngineCoreOutputs:
         """Run one scheduling + execution step and return what requests produced.
@@ -111,19 +137,35 @@ class EngineCore:
         finished requests from its batch. With async scheduling the plan launched here is
         collected by the next step, and this step collects the one before.
         """
+        outputs, self._refused = self._refused, []
         scheduler_output = self.scheduler.schedule()
+        if self.structured_outputs.has_constrained(scheduler_output):
+            if self._in_flight is not None:
+                # A mask depends on every token before it: collect the step in flight first
+                # (async scheduling pauses for plans with constrained requests).
+                outputs += self._collect(*self._in_flight)
+                self._in_flight = None
+            scheduler_output.allowed_token_masks = self.structured_outputs.masks_for(
+                scheduler_output
+            )
         pending = self.executor.execute_model_async(scheduler_output)
         to_collect = None if scheduler_output.is_empty else (scheduler_output, pending)
         if self.config.async_scheduling:
             # The device computes this plan while the host collects the previous one.
             to_collect, self._in_flight = self._in_flight, to_collect
-        outputs = []
         if to_collect is not None:
-            plan, result = to_collect
-            outputs = self.scheduler.update_from_output(plan, result.result())
+            outputs += self._collect(*to_collect)
         return EngineCoreOutputs(
             outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
         )
+
+    def _collect(
+        self, plan: SchedulerOutput, result: PendingRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """The outputs of a launched plan, once its results are in."""
+        outputs = self.scheduler.update_from_output(plan, result.result())
+        self.structured_outputs.update(outputs)
+        return outputs
 
     def check_health(self) -> None:
         """Raise if the engine cannot run steps any more (a tensor-parallel rank died)."""

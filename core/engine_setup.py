@@ -46,6 +46,7 @@ def finalize_config(config: EngineConfig) -> Any:
     registries.attention_backends.get(config.attention_backend)
     registries.schedulers.get(config.scheduler)
     registries.samplers.get(config.sampler)
+    registries.structured_output_backends.get(config.structured_output_backend)
 
     platform.check_and_update_config(config)
     apply_configure_hooks(config, manager)

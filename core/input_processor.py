@@ -180,4 +180,21 @@ class InputProcessor:
                 raise ValueError(
                     f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): {bad[:10]}"
                 )
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         return params
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """The engine's backend can compile the constraint (its ``check``; no tokenizer)."""
+        from chassis.plugins.registries import get_registries
+
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured outputs need a tokenizer, and this engine runs without one "
+                "(skip_tokenizer_init)"
+            )
+        backend = get_registries().structured_output_backends.get(
+            self.config.structured_output_backend
+        )
+        assert params.structured_outputs is not None
+        backend.check(params.structured_outputs)

@@ -33,6 +33,7 @@ from chassis.core.prompt_logprobs import PromptLogprobsCollector
 from chassis.core.sampler_interface import check_sampler_output
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+from chassis.core.structured_output_manager import unpack_masks
 
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
@@ -311,6 +312,8 @@ class ModelRunner:
             ):
                 # Penalties and min_tokens read the generated tokens: wait for the last ones.
                 self.in_flight.resolve_all()
+            if out.allowed_token_masks:
+                self._mask_disallowed_tokens(logits, states, out.allowed_token_masks)
             metadata_s = build_sampling_metadata(
                 [s.sampling_row for s in states], self.device, self.vocab_size
             )
@@ -330,6 +333,21 @@ class ModelRunner:
         return self.in_flight.launch(
             request_ids, sample_idx.tolist(), sample_rows, states, result, prompt_logprobs
         )
+
+    def _mask_disallowed_tokens(
+        self, logits: torch.Tensor, states: list[RequestState], masks: dict[str, bytes]
+    ) -> None:
+        """Set ``-inf`` on the logits of the tokens a constrained row may not sample
+        (structured outputs), before the sampler sees them: any sampler then keeps to the
+        constraint, and logprobs are those of the constrained distribution (as vLLM's)."""
+        rows = [i for i, state in enumerate(states) if state.request_id in masks]
+        if not rows:
+            return
+        allowed = unpack_masks([masks[states[i].request_id] for i in rows], self.vocab_size)
+        index = self._to_device(np.array(rows, dtype=np.int64))
+        constrained = logits[index, : self.vocab_size]
+        constrained.masked_fill_(~self._to_device(allowed), float("-inf"))
+        logits[index, : self.vocab_size] = constrained
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:

@@ -7,6 +7,8 @@ from numbers import Integral, Real
 
 import msgspec
 
+from chassis.core.structured_output import StructuredOutputsParams
+
 #: Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
 MAX_LOGPROBS = 20
 #: Largest ``n``: each completion is its own engine request, created at once, so an
@@ -57,6 +59,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    #: constrain the output to a JSON schema, any JSON object, a regex or a list of choices
+    #: (vLLM's ``StructuredOutputsParams``; a ``dict`` of its fields is accepted too)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # vLLM declares these Optional: None means none
@@ -71,6 +76,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown field name
+                raise ValueError(f"invalid sampling parameter structured_outputs: {exc}") from None
         self._validate()
 
     def _check_types(self) -> None:
@@ -147,6 +157,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("logit_bias", "bias values must be finite numbers")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", f"out of range: {self.seed}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict")
+            if self.min_tokens:
+                raise bad(
+                    "min_tokens",
+                    "cannot be combined with structured_outputs: the constraint decides "
+                    "where the output may end",
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -68,6 +68,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     #: finished, aborted or preempted since the last step: the runner drops them
     finished_request_ids: set[str] = field(default_factory=set)
+    #: request id -> the tokens it may sample this step, a ``bool [vocab_size]`` mask packed
+    #: with ``np.packbits`` (structured outputs; set by the engine core after ``schedule()``,
+    #: not by schedulers); the runner masks the other tokens' logits of a row that samples
+    allowed_token_masks: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

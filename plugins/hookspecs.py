@@ -158,6 +158,21 @@ def chassis_register_reasoning_parsers(registry: Registry[Any]) -> None:
 
 
 @hookspec
+def chassis_register_structured_output_backends(registry: Registry[Any]) -> None:
+    """Add structured-output (constrained decoding) backends.
+
+    :param registry: maps a backend name (built-in: ``"chassis"``) to a
+        :class:`chassis.core.structured_output.StructuredOutputBackend` subclass or a lazy
+        string. Selected with ``--structured-output-backend``. The engine core builds one
+        instance, with the tokenizer's vocabulary, when the first request asks for
+        structured output; the API server calls the class's ``check`` to validate requests.
+    :return: nothing.
+
+    1:N.
+    """
+
+
+@hookspec
 def chassis_add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add a plugin's own flags to ``chassis serve`` (and the other engine commands).
 

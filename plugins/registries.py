@@ -19,6 +19,7 @@ class Registries:
     samplers: Registry[Any]
     tool_parsers: Registry[Any]
     reasoning_parsers: Registry[Any]
+    structured_output_backends: Registry[Any]
 
     def items(self) -> list[tuple[str, Registry[Any]]]:
         """``(field name, registry)`` pairs, e.g. ``("schedulers", Registry(...))``."""
@@ -33,6 +34,7 @@ _BASES = {
     "samplers": "chassis.core.sampler_interface:Sampler",
     "tool_parsers": "chassis.serve.tool_parser:ToolParser",
     "reasoning_parsers": "chassis.serve.reasoning_parser:ReasoningParser",
+    "structured_output_backends": "chassis.core.structured_output:StructuredOutputBackend",
 }
 
 #: registry field -> (hook that fills it, human-readable kind)
@@ -43,6 +45,10 @@ _HOOKS = {
     "samplers": ("chassis_register_samplers", "sampler"),
     "tool_parsers": ("chassis_register_tool_parsers", "tool-call parser"),
     "reasoning_parsers": ("chassis_register_reasoning_parsers", "reasoning parser"),
+    "structured_output_backends": (
+        "chassis_register_structured_output_backends",
+        "structured-output backend",
+    ),
 }
 
 

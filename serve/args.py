@@ -161,6 +161,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     g = parser.add_argument_group("execution")
     g.add_argument("--sampler", help=_help("sampler plugin by name", "sampler"))
     g.add_argument(
+        "--structured-output-backend",
+        help=_help(
+            "constrained-decoding backend plugin by name (response_format, structured_outputs)",
+            "structured_output_backend",
+        ),
+    )
+    g.add_argument(
         "--attention-backend", help="attention backend plugin by name (default: the platform's)"
     )
     g.add_argument(

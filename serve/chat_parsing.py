@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chassis.serve.errors import bad_request
+from chassis.serve.forced_tool_calls import NamedToolCallParser, RequiredToolCallsParser
 from chassis.serve.reasoning_parser import ReasoningDelta
 from chassis.serve.tool_parser import ToolCall, ToolDelta
 
@@ -135,16 +136,12 @@ class ChatParsers:
 
         ``"none"`` (or no ``tools``): never. ``"auto"``: needs ``--enable-auto-tool-choice``.
         Absent: ``"auto"`` when the server has a tool parser, else the tools only reach the
-        chat template and calls come back as text. ``"required"`` and named functions would
-        need constrained decoding, which chassis does not have.
+        chat template and calls come back as text. ``"required"`` and named functions: always,
+        with or without a tool parser: the output is constrained to the calls' JSON.
         """
         choice = body.tool_choice
-        if choice is not None and choice not in ("none", "auto"):
-            raise bad_request(
-                "tool_choice 'required' or a named function is not supported (it needs "
-                "constrained decoding); use 'auto' or 'none'",
-                "tool_choice",
-            )
+        if body.forces_tool_calls:
+            return True
         if not body.tools or choice == "none":
             return False
         if self.tool_cls is None:
@@ -163,14 +160,25 @@ class ChatParsers:
         """How ``body``'s choices are parsed, or ``None`` when they are not (the text is all
         content). Raises the 400s of :meth:`tool_parsing`."""
         tools = self.tool_parsing(body)
-        if self.reasoning_cls is None and not tools:
+        # Output constrained from its first token (structured outputs, forced tool calls)
+        # holds no reasoning: the reasoning parser would only misread it.
+        reasoning_cls = None if body.constrains_output else self.reasoning_cls
+        if reasoning_cls is None and not tools:
             return None
+        tool_cls = self.tool_cls if tools else None
+        tool_list = list(body.tools or [])
+        if isinstance(body.tool_choice, dict) and body.forces_tool_calls:
+            tool_cls = NamedToolCallParser
+            name = body.tool_choice["function"]["name"]
+            tool_list = [t for t in tool_list if t["function"]["name"] == name]
+        elif body.forces_tool_calls:
+            tool_cls = RequiredToolCallsParser
         return RequestParsing(
-            self.reasoning_cls,
-            self.tool_cls if tools else None,
+            reasoning_cls,
+            tool_cls,
             tokenizer,
             prompt,
-            list(body.tools or []),
+            tool_list,
             body.include_reasoning is not False,
             body.parallel_tool_calls is not False,
         )

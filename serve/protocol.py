@@ -16,6 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from chassis.core.sampling_params import SamplingParams
+from chassis.core.structured_output import StructuredOutputsParams
+from chassis.serve import structured_request
 from chassis.serve.errors import APIError, bad_request, from_value_error
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,25 @@ class _SamplingRequest(_Request):
     prompt_logprobs: int | None = None
     #: scheduling priority for the ``priority`` scheduler (lower runs first); a 64-bit integer
     priority: int | None = Field(0, ge=-(2**63), le=2**63 - 1)
+    # -- structured outputs (serve/structured_request.py): at most one of them --------------
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        return structured_request.from_request_fields(
+            self.response_format,
+            self.structured_outputs,
+            {
+                "guided_json": self.guided_json,
+                "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice,
+                "guided_grammar": self.guided_grammar,
+            },
+        )
 
     def _logit_bias_ids(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -99,7 +120,13 @@ class _SamplingRequest(_Request):
             out[token_id] = float(value)
         return out
 
-    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """Build and validate :class:`SamplingParams`; invalid values raise a 400 ``APIError``."""
         values: dict[str, Any] = {
             "n": self.n,
@@ -120,6 +147,7 @@ class _SamplingRequest(_Request):
             "prompt_logprobs": self.prompt_logprobs,
             "logit_bias": self._logit_bias_ids(),
             "skip_special_tokens": self.skip_special_tokens,
+            "structured_outputs": structured_outputs,
         }
         # None means "not given": SamplingParams' own defaults apply.
         kwargs = {k: v for k, v in values.items() if v is not None}
@@ -202,7 +230,11 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of other than n is not supported", "best_of")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs)
+        return self._sampling_params(
+            max_tokens=max_tokens,
+            logprobs=self.logprobs,
+            structured_outputs=self._structured_outputs(),
+        )
 
 
 class UsageInfo(BaseModel):
@@ -283,7 +315,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -306,14 +337,19 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(
-                f"response_format type {fmt!r} is not supported (structured output is not "
-                "implemented); use 'text'",
-                "response_format",
-            )
         self._check_tools()
+        constraint = self._structured_outputs()
+        if self.forces_tool_calls:
+            if constraint is not None:
+                raise bad_request(
+                    "tool_choice 'required' or a named function already constrains the output; "
+                    "drop response_format / structured_outputs",
+                    "tool_choice",
+                )
+            assert self.tools and self.tool_choice is not None
+            constraint = structured_request.for_tool_choice(
+                self.tool_choice, self.tools, self.parallel_tool_calls is not False
+            )
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -325,7 +361,22 @@ class ChatCompletionRequest(_SamplingRequest):
             else self.max_tokens
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        return self._sampling_params(
+            max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint
+        )
+
+    @property
+    def constrains_output(self) -> bool:
+        """The output is constrained (structured outputs or forced tool calls)."""
+        return self.forces_tool_calls or self._structured_outputs() is not None
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """``tool_choice`` is ``"required"`` or names a function (and ``tools`` are given):
+        the output is constrained to the calls' JSON (serve/structured_request.py)."""
+        return bool(self.tools) and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+        )
 
     def _check_tools(self) -> None:
         """400s for malformed ``tools`` and ``tool_choice`` (whether this server can honour a

@@ -188,12 +188,59 @@ def test_a_stream_cut_by_shutdown_sends_what_the_parsers_held() -> None:
     assert last["finish_reason"] == "abort"
 
 
-@pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_forced_tool_choice_is_refused(tool_client: TestClient, tool_choice: Any) -> None:
-    error = assert_error(chat(tool_client, tools=TOOLS, tool_choice=tool_choice), 400)
-    assert error["param"] == "tool_choice" and "constrained decoding" in error["message"]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+FORCED_CASES = [
+    # (tool_choice, what the constrained model writes, the calls expected)
+    (
+        "required",
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "required",
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}]',
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})],
+    ),
+    (NAMED, '{"city": "Paris"}', [("get_weather", {"city": "Paris"})]),
+]
+
+
+@pytest.mark.parametrize("tool_choice,script,expected", FORCED_CASES)
+@pytest.mark.parametrize("settings", [BOTH, ServerSettings()], ids=["parsers", "no-parsers"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_choice_reads_the_calls_from_the_json(
+    tool_choice: Any, script: str, expected: list, settings: ServerSettings, stream: bool
+) -> None:
+    """``required`` / a named function constrain the output to the calls' JSON (the fake
+    engine writes that JSON); with or without a tool parser, even with a reasoning parser."""
+    for client in client_for(script, settings):
+        response = chat(client, tools=TOOLS, tool_choice=tool_choice, stream=stream)
+        assert response.status_code == 200, response.text
+        if stream:
+            deltas = [e["choices"][0] for e in sse_events(response.text) if e["choices"]]
+            calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+            content = "".join(d["delta"].get("content") or "" for d in deltas)
+            finish = deltas[-1]["finish_reason"]
+        else:
+            [choice] = response.json()["choices"]
+            calls = choice["message"]["tool_calls"]
+            content = choice["message"]["content"] or ""
+            finish = choice["finish_reason"]
+        assert [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
+        ] == expected
+        assert content == "" and finish == "tool_calls"
+        assert all(c["id"].startswith("call_") for c in calls)
+
+
+def test_forced_tool_choice_cut_short_is_content() -> None:
+    """JSON cut off by max_tokens is not a call: it comes back as written."""
+    for client in client_for('{"city": "Par', ServerSettings()):
+        response = chat(client, tools=TOOLS, tool_choice=NAMED)
+        [choice] = response.json()["choices"]
+        assert choice["message"]["content"] == '{"city": "Par'
+        assert not choice["message"].get("tool_calls")
 
 
 def test_the_reasoning_parser_alone() -> None:

@@ -8,6 +8,7 @@ from ``/v1/completions``, which no parser touches.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -76,10 +77,78 @@ def test_the_output_is_reasoning_streamed_or_not(server: ServerProcess) -> None:
     assert not any(d.content for d in deltas) and not any(d.tool_calls for d in deltas)
 
 
-def test_forced_tool_choice_is_a_400(server: ServerProcess) -> None:
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+#: tools whose every call is short (enums), so a random model's constrained output ends
+FINITE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "set_unit",
+            "parameters": {
+                "type": "object",
+                "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["unit"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time"}},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_choice_makes_a_random_model_call_tools(
+    server: ServerProcess, stream: bool
+) -> None:
+    """``required`` and a named function constrain the output to calls: even a random model
+    then makes valid ones (and the reasoning parser, which would take the whole output of
+    this model as reasoning, stays out of the way)."""
+    client = server.client()
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    for tool_choice, parallel in (("required", True), ("required", False), (named, True)):
+        kwargs = {"model": "tiny", "messages": CHAT, "tools": FINITE_TOOLS, "max_tokens": 200}
+        kwargs |= {"tool_choice": tool_choice, "parallel_tool_calls": parallel, "seed": 1}
+        if stream:
+            chunks = list(client.chat.completions.create(temperature=1.0, stream=True, **kwargs))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            calls = [call for d in deltas for call in d.tool_calls or []]
+            assert not "".join(d.content or "" for d in deltas)
+        else:
+            response = client.chat.completions.create(temperature=1.0, **kwargs)
+            calls = response.choices[0].message.tool_calls
+            assert not response.choices[0].message.content
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            arguments = json.loads(call.function.arguments)
+            if call.function.name == "set_unit":
+                assert arguments["unit"] in ("celsius", "fahrenheit")
+            else:
+                assert call.function.name == "get_time" and arguments == {}
+        if tool_choice is named:
+            assert [c.function.name for c in calls] == ["set_unit"]
+
+
+def test_response_format_json_schema_through_the_client(server: ServerProcess) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    response = server.client().chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        max_tokens=60,
+    )
+    value = json.loads(response.choices[0].message.content)
+    assert isinstance(value["ok"], bool) and value["n"] in (1, 2, 3) and set(value) == {"ok", "n"}
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
         server.client().chat.completions.create(
-            model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=4
+            model="tiny",
+            messages=CHAT,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "r", "schema": {"type": "array", "uniqueItems": True}},
+            },
         )
 
 

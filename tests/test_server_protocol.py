@@ -137,7 +137,7 @@ def test_invalid_completion_fields_are_400_naming_the_param(fields: dict, param:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_xml"}},
         {"add_generation_prompt": True, "continue_final_message": True},
     ],
 )

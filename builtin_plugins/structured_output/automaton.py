@@ -1,0 +1,463 @@
+"""Byte automata: an IR tree becomes an NFA, determinized lazily into a DFA over bytes.
+
+:meth:`Automaton.from_ir` builds a Thompson-style NFA (epsilon edges and byte-range edges;
+alternatives of plain byte sequences, such as UTF-8 character classes, share their common
+suffixes) and trims every state that cannot reach acceptance, so any live state can still
+complete the output. Bounded repetitions are expanded into copies, so the NFA's size is
+estimated first and a constraint over :data:`MAX_NFA_STATES` is refused. The DFA is built on demand by subset construction: a DFA state is the set of NFA
+states that have a byte edge (plus the accepting state) reachable by epsilon edges, interned
+to an ``int``. A state's row of the transition table (:attr:`Automaton.table`, ``int32``
+``[states, 256]``) is filled the first time any of its transitions is needed, all 256 bytes at
+once (grouping bytes that lead to the same NFA states), which is far cheaper than filling
+single entries. Only the states that generation (and its token masks) reach are ever built,
+so a pattern whose full DFA would be exponential costs only what is visited (about 1 KiB of
+table per state).
+
+State :data:`DEAD` (``0``) is the empty set: no output continues from it, and its row maps
+every byte back to it. :data:`UNKNOWN` marks the entries of rows not filled yet.
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from chassis.builtin_plugins.structured_output import ir
+
+__all__ = ["DEAD", "MAX_NFA_STATES", "UNKNOWN", "Automaton"]
+
+#: the dead DFA state: nothing more can match
+DEAD = 0
+#: a table entry whose row has not been filled yet
+UNKNOWN = -1
+#: the largest NFA :meth:`Automaton.from_ir` builds by default (bounded repetitions copy
+#: their item, so nested bounds multiply)
+MAX_NFA_STATES = 200_000
+
+_Ranges = tuple[tuple[int, int], ...]
+_SINGLE_BYTES: list[_Ranges] = [((b, b),) for b in range(256)]
+
+
+class _Nfa:
+    """A Thompson-style NFA under construction, as flat edge lists (few Python objects, so
+    large NFAs build fast): epsilon edges ``eps_from[i] -> eps_to[i]`` and byte edges
+    ``edge_from[i] -> edge_to[i]`` on the byte ranges ``edge_ranges[i]``.
+
+    :meth:`build` adds a fragment starting at an existing state and returns its exit. A
+    fragment adds edges out of its entry but never into it (loops get a fresh state), which
+    is what lets the options of an alternative share their entry.
+    """
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.eps_from: list[int] = []
+        self.eps_to: list[int] = []
+        self.edge_from: list[int] = []
+        self.edge_ranges: list[_Ranges] = []
+        self.edge_to: list[int] = []
+        self._ranges_of: dict[frozenset[int], _Ranges] = {}
+        self._chains: dict[int, list[tuple[_Ranges, ...]] | None] = {}
+        self._plans: dict[int, _ChainPlan] = {}
+
+    def new(self, count: int = 1) -> int:
+        """``count`` new states; returns the first."""
+        self.size += count
+        return self.size - count
+
+    def link(self, source: int, target: int) -> None:
+        self.eps_from.append(source)
+        self.eps_to.append(target)
+
+    def edge(self, source: int, ranges: _Ranges, target: int) -> None:
+        self.edge_from.append(source)
+        self.edge_ranges.append(ranges)
+        self.edge_to.append(target)
+
+    def ranges(self, allowed: frozenset[int]) -> _Ranges:
+        ranges = self._ranges_of.get(allowed)
+        if ranges is None:
+            ranges = self._ranges_of[allowed] = _to_ranges(allowed)
+        return ranges
+
+    def chains(self, node: ir.Alt) -> list[tuple[_Ranges, ...]] | None:
+        """The options of ``node`` as sequences of byte ranges if all are fixed-length
+        byte sequences (as UTF-8 character classes are), else ``None`` (memoized by id)."""
+        if id(node) not in self._chains:
+            self._chains[id(node)] = _chains(node, self.ranges)
+        return self._chains[id(node)]
+
+    def estimate(self, node: ir.Node, memo: dict[int, int] | None = None) -> int:
+        """An upper bound of the states :meth:`build` adds for ``node``, without building
+        (memoized by ``id``: IR trees share sub-trees, and a deep tree's hash is not cached)."""
+        memo = {} if memo is None else memo
+        known = memo.get(id(node))
+        if known is not None:
+            return known
+        if isinstance(node, ir.Bytes):
+            size = len(node.value)
+        elif isinstance(node, ir.ByteSet):
+            size = 1
+        elif isinstance(node, ir.Seq):
+            size = sum(self.estimate(item, memo) for item in node.items)
+        elif isinstance(node, ir.Alt):
+            chains = self.chains(node)
+            if chains is None:
+                size = 1 + sum(self.estimate(option, memo) for option in node.options)
+            else:
+                size = 1 + len({chain[k:] for chain in chains for k in range(1, len(chain))})
+        elif isinstance(node, ir.Repeat):
+            copies = node.min + 1 if node.max is None else node.max
+            size = 1 + copies * self.estimate(node.item, memo)
+        else:
+            raise TypeError(f"not an IR node: {node!r}")
+        memo[id(node)] = size
+        return size
+
+    def build(self, node: ir.Node, entry: int) -> int:
+        """Add a fragment matching ``node`` from state ``entry``; returns its exit state."""
+        if isinstance(node, ir.Bytes):
+            cur = entry
+            for byte in node.value:
+                nxt = self.new()
+                self.edge(cur, _SINGLE_BYTES[byte], nxt)
+                cur = nxt
+            return cur
+        if isinstance(node, ir.ByteSet):
+            end = self.new()
+            ranges = self.ranges(node.allowed)
+            if ranges:  # an empty set is no edge: the fragment matches nothing
+                self.edge(entry, ranges, end)
+            return end
+        if isinstance(node, ir.Seq):
+            cur = entry
+            for item in node.items:
+                cur = self.build(item, cur)
+            return cur
+        if isinstance(node, ir.Alt):
+            return self._alt(node, entry)
+        if isinstance(node, ir.Repeat):
+            return self._repeat(node, entry)
+        raise TypeError(f"not an IR node: {node!r}")
+
+    def _alt(self, node: ir.Alt, entry: int) -> int:
+        chains = self.chains(node)
+        if chains is None:
+            end = self.new()
+            for option in node.options:
+                self.link(self.build(option, entry), end)
+            return end
+        plan = self._plans.get(id(node))
+        if plan is None:
+            plan = self._plans[id(node)] = _ChainPlan(chains)
+        # stamp the plan's states: base is the exit, base + i its i-th suffix state
+        base = self.new(plan.num_states)
+        for i, ranges, j in plan.inner:
+            self.edge(base + i, ranges, base + j)
+        for ranges, j in plan.first:
+            self.edge(entry, ranges, base + j)
+        if plan.nullable:
+            self.link(entry, base)
+        return base
+
+    def _repeat(self, node: ir.Repeat, entry: int) -> int:
+        cur = entry
+        for _ in range(node.min):
+            cur = self.build(node.item, cur)
+        if node.max is None:  # a loop on a fresh state: the item again, any number of times
+            loop = self.new()
+            self.link(cur, loop)
+            self.link(self.build(node.item, loop), loop)
+            return loop
+        if node.max == node.min:
+            return cur
+        end = self.new()
+        for _ in range(node.max - node.min):  # nested optionals: x(x(x)?)? stays linear
+            self.link(cur, end)
+            cur = self.build(node.item, cur)
+        self.link(cur, end)
+        return end
+
+
+class _ChainPlan:
+    """The states of an alternative of byte sequences whose common suffixes are shared:
+    state 0 is the exit, each other state one suffix; ``inner`` holds the edges between
+    them as ``(state, ranges, state)``, ``first`` the entry's edges as ``(ranges, state)``,
+    ``nullable`` whether the empty sequence is an option."""
+
+    def __init__(self, chains: list[tuple[_Ranges, ...]]) -> None:
+        index: dict[tuple[_Ranges, ...], int] = {(): 0}
+        self.inner: list[tuple[int, _Ranges, int]] = []
+        self.first: list[tuple[_Ranges, int]] = []
+        self.nullable = False
+        for chain in chains:
+            if not chain:
+                self.nullable = True
+                continue
+            for k in range(len(chain) - 1, 0, -1):
+                if chain[k:] not in index:
+                    index[chain[k:]] = len(index)
+                    self.inner.append((index[chain[k:]], chain[k], index[chain[k + 1 :]]))
+            self.first.append((chain[0], index[chain[1:]]))
+        self.num_states = len(index)
+
+
+def _chains(node: ir.Alt, ranges_of: Callable[[frozenset[int]], _Ranges]) -> list | None:
+    chains = []
+    for option in node.options:
+        items = option.items if isinstance(option, ir.Seq) else (option,)
+        chain: list[_Ranges] = []
+        for item in items:
+            if isinstance(item, ir.Bytes):
+                chain.extend(((b, b),) for b in item.value)
+            elif isinstance(item, ir.ByteSet) and item.allowed:
+                chain.append(ranges_of(item.allowed))
+            else:
+                return None
+        chains.append(tuple(chain))
+    return chains
+
+
+def _to_ranges(allowed: frozenset[int]) -> _Ranges:
+    out: list[tuple[int, int]] = []
+    for byte in sorted(allowed):
+        if out and out[-1][1] == byte - 1:
+            out[-1] = (out[-1][0], byte)
+        else:
+            out.append((byte, byte))
+    return tuple(out)
+
+
+class Automaton:
+    """A byte-level DFA of one IR tree, determinized lazily; see the module docstring.
+
+    States are ``int``: :attr:`start`, :data:`DEAD`, and whatever :meth:`step` returns. Every
+    state other than :data:`DEAD` can still reach acceptance. Not thread-safe (the engine
+    core uses a grammar from one thread).
+    """
+
+    def __init__(self, nfa: _Nfa, nfa_start: int, accept: int) -> None:
+        self._accept = accept
+        live = _co_reachable(nfa, accept)
+        # edges into states that cannot complete are dropped; what remains is stored by
+        # source state (CSR: state s's edges are [offsets[s], offsets[s + 1]))
+        live_mask = np.array(live, dtype=bool)
+        eps_from = np.asarray(nfa.eps_from, dtype=np.int64)
+        eps_to = np.asarray(nfa.eps_to, dtype=np.int64)
+        keep = live_mask[eps_to]
+        self._eps_offsets, (self._eps_to,) = _by_source(nfa.size, eps_from[keep], eps_to[keep])
+        edge_to = np.asarray(nfa.edge_to, dtype=np.int64)
+        kept = np.flatnonzero(live_mask[edge_to])
+        edge_from = np.asarray(nfa.edge_from, dtype=np.int64)[kept]
+        self._edge_offsets, (edge_index, self._edge_to) = _by_source(
+            nfa.size, edge_from, kept, edge_to[kept]
+        )
+        self._edge_ranges = [nfa.edge_ranges[i] for i in edge_index]
+        self._closures: dict[int, frozenset[int]] = {}
+        self._sets: list[frozenset[int]] = [frozenset()]  # DFA state id -> NFA states
+        self._ids: dict[frozenset[int], int] = {frozenset(): DEAD}
+        self._targets_cache: dict[tuple[int, ...], int] = {}
+        self._accepting: list[bool] = [False]
+        self._terminal: list[bool] = [False]
+        self._table = np.full((64, 256), UNKNOWN, dtype=np.int32)
+        self._table[DEAD] = DEAD
+        self._filled = np.zeros(64, dtype=bool)
+        self._filled[DEAD] = True
+        self.nfa_size = nfa.size
+        self.start = self._intern(self._closure(nfa_start)) if live[nfa_start] else DEAD
+
+    @classmethod
+    def from_ir(cls, node: ir.Node, *, max_nfa_states: int = MAX_NFA_STATES) -> Automaton:
+        """The automaton of ``node``. Raises ``ValueError`` ("constraint too large") when its
+        NFA would exceed ``max_nfa_states`` states (estimated before building anything), or
+        when ``node`` is nested too deeply to walk."""
+        nfa = _Nfa()
+        try:
+            estimate = nfa.estimate(node)
+            if estimate > max_nfa_states:
+                raise ValueError(
+                    f"constraint too large: its automaton needs about {estimate} states, more "
+                    f"than the limit of {max_nfa_states}; use fewer or smaller bounded "
+                    "repetitions (e.g. maxLength/maxItems/{m,n}) or less nesting"
+                )
+            start = nfa.new()
+            accept = nfa.build(node, start)
+        except RecursionError:
+            raise ValueError("constraint too large: nested too deeply") from None
+        return cls(nfa, start, accept)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def matches_nothing(self) -> bool:
+        """Whether no output at all matches (the start state is :data:`DEAD`)."""
+        return self.start == DEAD
+
+    @property
+    def num_states(self) -> int:
+        """DFA states built so far (including :data:`DEAD`)."""
+        return len(self._sets)
+
+    @property
+    def table(self) -> np.ndarray:
+        """The transition table, ``int32 [capacity, 256]``: :data:`UNKNOWN` in rows not filled
+        yet (see :meth:`fill_rows`). Re-read it after filling: growing reallocates it."""
+        return self._table
+
+    def is_accepting(self, state: int) -> bool:
+        """Whether the output read so far is a complete match."""
+        return self._accepting[state]
+
+    def is_terminal(self, state: int) -> bool:
+        """Whether ``state`` is accepting and no byte may follow."""
+        return self._terminal[state]
+
+    def step(self, state: int, byte: int) -> int:
+        """The state after ``byte`` (:data:`DEAD` if it cannot follow)."""
+        if not self._filled[state]:
+            self._fill_row(state)
+        return int(self._table[state, byte])
+
+    def walk(self, state: int, data: bytes) -> int:
+        """The state after all of ``data`` (:data:`DEAD` as soon as a byte cannot follow)."""
+        for byte in data:
+            if state == DEAD:
+                break
+            state = self.step(state, byte)
+        return state
+
+    def fullmatch(self, data: bytes) -> bool:
+        """Whether all of ``data`` matches."""
+        return self.is_accepting(self.walk(self.start, data))
+
+    def row(self, state: int) -> np.ndarray:
+        """The filled transition row of ``state`` (a view of :attr:`table`)."""
+        if not self._filled[state]:
+            self._fill_row(state)
+        return self._table[state]
+
+    def fill_rows(self, states: np.ndarray) -> None:
+        """Fill the rows of ``states`` (any that are not filled yet)."""
+        for state in np.unique(states).tolist():
+            if not self._filled[state]:
+                self._fill_row(state)
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _closure(self, nfa_state: int) -> frozenset[int]:
+        """The NFA states with a live byte edge, or the accepting state, reachable from
+        ``nfa_state`` by epsilon edges (memoized)."""
+        known = self._closures.get(nfa_state)
+        if known is not None:
+            return known
+        seen = {nfa_state}
+        stack = [nfa_state]
+        important = []
+        eps_offsets, eps_to, edge_offsets = self._eps_offsets, self._eps_to, self._edge_offsets
+        while stack:
+            s = stack.pop()
+            if edge_offsets[s] < edge_offsets[s + 1] or s == self._accept:
+                important.append(s)
+            for t in eps_to[eps_offsets[s] : eps_offsets[s + 1]]:
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        result = frozenset(important)
+        self._closures[nfa_state] = result
+        return result
+
+    def _intern(self, nfa_states: frozenset[int]) -> int:
+        state = self._ids.get(nfa_states)
+        if state is not None:
+            return state
+        state = len(self._sets)
+        self._sets.append(nfa_states)
+        self._ids[nfa_states] = state
+        self._accepting.append(self._accept in nfa_states)
+        self._terminal.append(
+            nfa_states == frozenset((self._accept,))
+            and self._edge_offsets[self._accept] == self._edge_offsets[self._accept + 1]
+        )
+        if state >= len(self._table):
+            grown = np.full((2 * len(self._table), 256), UNKNOWN, dtype=np.int32)
+            grown[: len(self._table)] = self._table
+            self._table = grown
+            self._filled = np.concatenate([self._filled, np.zeros(len(self._filled), bool)])
+        return state
+
+    def _target(self, targets: list[int]) -> int:
+        """The DFA state of the epsilon closure of the NFA states ``targets``."""
+        key = tuple(sorted(set(targets)))
+        state = self._targets_cache.get(key)
+        if state is None:
+            if len(key) == 1:
+                nfa_states = self._closure(key[0])
+            else:
+                nfa_states = frozenset().union(*(self._closure(t) for t in key))
+            state = self._targets_cache[key] = self._intern(nfa_states)
+        return state
+
+    def _fill_row(self, state: int) -> None:
+        """All 256 transitions of ``state``: split the bytes into intervals on which every
+        NFA edge is either on or off, then one DFA target per interval."""
+        offsets = self._edge_offsets
+        edges = [
+            (self._edge_ranges[i], self._edge_to[i])
+            for s in self._sets[state]
+            for i in range(offsets[s], offsets[s + 1])
+        ]
+        cuts = {0, 256}
+        for ranges, _ in edges:
+            for lo, hi in ranges:
+                cuts.add(lo)
+                cuts.add(hi + 1)
+        bounds = sorted(cuts)
+        targets: list[list[int]] = [[] for _ in range(len(bounds) - 1)]
+        for ranges, to in edges:
+            for lo, hi in ranges:
+                for k in range(bisect.bisect_left(bounds, lo), bisect.bisect_left(bounds, hi + 1)):
+                    targets[k].append(to)
+        row = np.full(256, DEAD, dtype=np.int32)
+        for k, interval_targets in enumerate(targets):
+            if interval_targets:
+                row[bounds[k] : bounds[k + 1]] = self._target(interval_targets)
+        # _target may have grown the table: write into the current one
+        self._table[state] = row
+        self._filled[state] = True
+
+
+def _co_reachable(nfa: _Nfa, accept: int) -> list[bool]:
+    """Which NFA states can reach ``accept`` (following epsilon and byte edges)."""
+    offsets, (predecessors,) = _by_source(
+        nfa.size, nfa.eps_to + nfa.edge_to, nfa.eps_from + nfa.edge_from
+    )
+    live = [False] * nfa.size
+    live[accept] = True
+    stack = [accept]
+    while stack:
+        s = stack.pop()
+        for p in predecessors[offsets[s] : offsets[s + 1]]:
+            if not live[p]:
+                live[p] = True
+                stack.append(p)
+    return live
+
+
+def _by_source(
+    size: int, sources: Sequence[int] | np.ndarray, *columns: Sequence[int] | np.ndarray
+) -> tuple[array[int], tuple[array[int], ...]]:
+    """Group edges by source state: ``offsets`` (``size + 1``) and each column reordered so
+    that state ``s``'s entries are ``[offsets[s], offsets[s + 1])``. Compact ``array``s
+    (8 bytes an entry) that still index and iterate as Python ints."""
+    sources_array = np.asarray(sources, dtype=np.int64)
+    order = np.argsort(sources_array, kind="stable")
+    offsets = np.zeros(size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(sources_array, minlength=size), out=offsets[1:])
+    reordered = (np.asarray(c, dtype=np.int64)[order] for c in columns)
+    return _compact(offsets), tuple(_compact(c) for c in reordered)
+
+
+def _compact(values: np.ndarray) -> array[int]:
+    return array("q", values.astype(np.int64).tobytes())

@@ -1,0 +1,151 @@
+"""chassis's own structured-output backend: constraints as byte DFAs, masks with numpy.
+
+Every constraint becomes an IR tree (:mod:`.regex`, :mod:`.json_schema`, or an alternation
+of literal choices), then an :class:`~.automaton.Automaton` whose states the matcher
+follows; :class:`~.token_masks.TokenMasks` turns a state into the allowed-token mask. No
+dependency beyond numpy, and no tokenizer-specific code (the vocabulary is bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from chassis.builtin_plugins.structured_output import ir
+from chassis.builtin_plugins.structured_output.automaton import DEAD, Automaton
+from chassis.builtin_plugins.structured_output.regex import regex_to_ir
+from chassis.builtin_plugins.structured_output.token_masks import TokenMasks, TokenTable
+from chassis.core.structured_output import (
+    Grammar,
+    GrammarMatcher,
+    StructuredOutputBackend,
+    StructuredOutputsParams,
+    TokenVocabulary,
+)
+
+__all__ = [
+    "ChassisGrammar",
+    "ChassisGrammarMatcher",
+    "ChassisStructuredOutputBackend",
+    "constraint_automaton",
+    "constraint_to_ir",
+]
+
+
+#: how many constraints that passed :meth:`ChassisStructuredOutputBackend.check` are kept,
+#: so a client sending the same schema again is not compiled again (the API server checks
+#: every request, possibly from several threads)
+CHECKED_CACHE_SIZE = 256
+_checked: OrderedDict[tuple, None] = OrderedDict()
+_checked_lock = threading.Lock()
+
+
+def constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
+    """The IR tree of ``params``' constraint (``ValueError`` for an unsupported one)."""
+    kind = params.kind
+    if kind == "regex":
+        return regex_to_ir(params.regex)
+    if kind == "choice":
+        return ir.alt(*(ir.literal(choice) for choice in params.choice))
+    # imported here: the JSON-schema compiler is only needed by JSON constraints
+    from chassis.builtin_plugins.structured_output import json_schema
+
+    if kind == "json":
+        return json_schema.schema_to_ir(json.loads(params.json))
+    if kind == "json_object":
+        return json_schema.any_json_object()
+    raise ValueError(f"unknown structured-output constraint {kind!r}")
+
+
+def constraint_automaton(params: StructuredOutputsParams) -> Automaton:
+    """The automaton of ``params``: ``ValueError`` for an unsupported constraint, one too
+    large, or one that no output can match."""
+    automaton = Automaton.from_ir(constraint_to_ir(params))
+    if automaton.matches_nothing:
+        raise ValueError(f"the structured-output {params.kind} constraint matches no output")
+    return automaton
+
+
+class ChassisGrammarMatcher(GrammarMatcher):
+    """One request's DFA state in a :class:`ChassisGrammar`."""
+
+    def __init__(self, grammar: ChassisGrammar) -> None:
+        self._grammar = grammar
+        self.state = grammar.automaton.start
+
+    def allowed_tokens(self) -> np.ndarray:
+        """The cached, read-only mask of the current state (shared with other matchers)."""
+        return self._grammar.masks.allowed(self.state)
+
+    def accept_token(self, token_id: int) -> bool:
+        automaton = self._grammar.automaton
+        if token_id in self._grammar.eos_token_ids:
+            return automaton.is_accepting(self.state)
+        token_bytes = self._grammar.token_bytes
+        if not 0 <= token_id < len(token_bytes) or not token_bytes[token_id]:
+            return False
+        following = automaton.walk(self.state, token_bytes[token_id])
+        if following == DEAD:
+            return False
+        self.state = following
+        return True
+
+    def is_terminated(self) -> bool:
+        return self._grammar.automaton.is_terminal(self.state)
+
+
+class ChassisGrammar(Grammar):
+    """An automaton and its mask cache over one vocabulary; shared by every request with
+    the same constraint."""
+
+    def __init__(self, automaton: Automaton, tokens: TokenTable, vocabulary: TokenVocabulary):
+        self.automaton = automaton
+        self.masks = TokenMasks(automaton, tokens)
+        self.token_bytes = vocabulary.token_bytes
+        self.eos_token_ids = vocabulary.eos_token_ids
+
+    def matcher(self) -> ChassisGrammarMatcher:
+        return ChassisGrammarMatcher(self)
+
+
+class ChassisStructuredOutputBackend(StructuredOutputBackend):
+    """Compiles JSON schemas, JSON objects, regexes and choices into byte DFAs; keeps the
+    ``cache_size`` most recently used grammars (by ``params.cache_key()``)."""
+
+    name = "chassis"
+
+    def __init__(self, vocabulary: TokenVocabulary, *, cache_size: int = 64) -> None:
+        super().__init__(vocabulary)
+        self._tokens = TokenTable(vocabulary)
+        self._cache_size = cache_size
+        self._grammars: OrderedDict[tuple, ChassisGrammar] = OrderedDict()
+
+    @classmethod
+    def check(cls, params: StructuredOutputsParams) -> None:
+        """Builds the IR and the NFA (no DFA states beyond the start, no tokenizer); the
+        last :data:`CHECKED_CACHE_SIZE` constraints that passed are remembered."""
+        key = params.cache_key()
+        with _checked_lock:
+            if key in _checked:
+                _checked.move_to_end(key)
+                return
+        constraint_automaton(params)
+        with _checked_lock:
+            _checked[key] = None
+            if len(_checked) > CHECKED_CACHE_SIZE:
+                _checked.popitem(last=False)
+
+    def compile(self, params: StructuredOutputsParams) -> ChassisGrammar:
+        key = params.cache_key()
+        grammar = self._grammars.get(key)
+        if grammar is not None:
+            self._grammars.move_to_end(key)
+            return grammar
+        grammar = ChassisGrammar(constraint_automaton(params), self._tokens, self.vocabulary)
+        self._grammars[key] = grammar
+        if len(self._grammars) > self._cache_size:
+            self._grammars.popitem(last=False)
+        return grammar

@@ -1,0 +1,148 @@
+"""JSON Schemas (and "any JSON object") compiled to the structured-output byte IR.
+
+:func:`schema_to_ir` returns the JSON texts a model may write for a schema. Every text it
+accepts parses with ``json.loads`` and is valid against the schema; it does not accept
+every valid text, only the natural ones:
+
+- properties come in the order ``properties`` declares them (required ones always, the
+  others at most once), and only declared properties are written, even when
+  ``additionalProperties`` allows more; with no ``properties`` at all, an object takes any
+  keys (``additionalProperties`` absent or ``true``: any values; a schema: its values);
+- whitespace runs (at most :data:`~json_syntax.MAX_WHITESPACE` bytes) may follow ``{ [ , :``
+  and precede ``} ] , :``, so compact, ``", "``/``": "`` and pretty-printed output all pass;
+  there is none before or after the top-level value;
+- ``enum``/``const`` scalars are written as ``json.dumps(value, ensure_ascii=False)``
+  writes them; their arrays and objects keep their items and keys in order, with
+  whitespace wherever JSON allows it; property names are written the same way;
+- integers are canonical (no leading zeros, no fraction or exponent); numbers with bounds
+  have no exponent, and their bounds must be whole numbers (``minimum: 0.5`` is refused);
+- a ``pattern`` must match a string's whole content (as if anchored), and patterned
+  strings are written without escapes: the pattern's quotes, backslashes and control
+  characters are removed from what it may generate;
+- ``format`` is asserted for ``date``, ``time``, ``date-time``, ``uuid``, ``ipv4`` and
+  ``email``; other formats are annotations (as JSON Schema says by default) and ignored;
+- ``oneOf`` is compiled as ``anyOf``: a text valid for two of its branches is accepted;
+- recursion through ``$ref`` is unrolled :data:`MAX_RECURSION_DEPTH` times; past that the
+  recursive branch matches nothing, so optional or empty alternatives end the recursion.
+
+Refused with ``ValueError`` (naming the keyword and its location, e.g.
+``#/properties/tags``): ``not``, ``if``/``then``/``else``, ``patternProperties``,
+``propertyNames``, ``dependentRequired``/``dependentSchemas``/``dependencies``,
+``contains``, ``uniqueItems: true`` (unless at most one item), ``multipleOf`` (unless
+every integer satisfies it), ``minProperties``/``maxProperties`` beyond what the required
+and declared properties imply, remote ``$ref``, schemas with no finite instance, bounds
+above :data:`MAX_STRING_LENGTH` (``minLength``/``maxLength``) and :data:`MAX_ITEMS`
+(``minItems``/``maxItems``), and schemas whose automaton would be too large. Annotations
+(``title``, ``description``, ``examples``, ``default``, ``$schema``, ``$id``,
+``$comment``, ``deprecated``, ``readOnly``, ``writeOnly`` ...) and unknown keywords are
+ignored.
+
+Sizes: the automaton copies each shared sub-tree, so free-form values (``true``,
+``{"type": "object"}``) and recursion grow quickly with depth. When a schema's automaton
+would exceed :data:`MAX_STATES`, the free-form depth and the recursion depth are lowered
+together (down to 1) until it fits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chassis.builtin_plugins.structured_output import ir
+from chassis.builtin_plugins.structured_output.json_schema_compiler import SchemaCompiler
+from chassis.builtin_plugins.structured_output.json_schema_types import (
+    MAX_ITEMS,
+    MAX_STRING_LENGTH,
+)
+from chassis.builtin_plugins.structured_output.json_syntax import NOTHING, any_object
+
+__all__ = [
+    "ANY_JSON_DEPTH",
+    "MAX_ITEMS",
+    "MAX_RECURSION_DEPTH",
+    "MAX_STATES",
+    "MAX_STRING_LENGTH",
+    "any_json_object",
+    "check_schema",
+    "estimated_states",
+    "schema_to_ir",
+]
+
+#: how deep arrays and objects nest in "any JSON object" (the object itself is level 1),
+#: and at most in a free-form value of a schema. Each level multiplies the automaton by
+#: about four (see :mod:`json_syntax`): 4 levels are ~65k estimated NFA states, 5 would be
+#: ~260k, beyond what the automaton accepts.
+ANY_JSON_DEPTH = 4
+#: how many times a ``$ref`` may be expanded inside itself
+MAX_RECURSION_DEPTH = 5
+#: the largest automaton (estimated NFA states) a schema may compile to: half of what the
+#: automaton accepts; building one this size takes well under a second
+MAX_STATES = 100_000
+
+
+def any_json_object() -> ir.Node:
+    """Any JSON object (OpenAI's ``json_object``): keys are any JSON strings, values any
+    JSON values, arrays and objects nested at most :data:`ANY_JSON_DEPTH` deep."""
+    return any_object(ANY_JSON_DEPTH)
+
+
+def check_schema(schema: dict[str, Any] | bool) -> None:
+    """Raise ``ValueError`` (naming the keyword and where it is) if :func:`schema_to_ir`
+    cannot compile ``schema``."""
+    schema_to_ir(schema)
+
+
+def schema_to_ir(schema: dict[str, Any] | bool) -> ir.Node:
+    """The JSON texts a model may write for ``schema``: each is valid JSON and valid against
+    the schema (see the module docstring for what is generated, refused and ignored)."""
+    if schema is False:
+        raise ValueError("the JSON schema is false: no value is valid against it")
+    if not isinstance(schema, dict | bool):
+        raise ValueError(
+            f"a JSON schema must be an object or a boolean, not {type(schema).__name__}"
+        )
+    states = 0
+    for shrink in range(max(MAX_RECURSION_DEPTH, ANY_JSON_DEPTH)):
+        compiler = SchemaCompiler(
+            schema,
+            ref_depth=max(1, MAX_RECURSION_DEPTH - shrink),
+            free_depth=max(1, ANY_JSON_DEPTH - shrink),
+        )
+        node = compiler.compile(schema, "#")
+        if node == NOTHING:
+            raise compiler.no_instance_error()
+        states = estimated_states(node)
+        if states <= MAX_STATES or not compiler.depth_sensitive:
+            break
+    if states > MAX_STATES:
+        raise ValueError(
+            f"the JSON schema is too large to enforce: its automaton would need about "
+            f"{states} states, more than {MAX_STATES}; lower maxLength/minLength/maxItems/"
+            "minItems, shorten long enums, make leading optional properties required, "
+            "or nest less"
+        )
+    return node
+
+
+def estimated_states(node: ir.Node) -> int:
+    """The NFA states the automaton's Thompson construction makes for ``node``: shared
+    sub-trees and bounded repetitions count once per copy."""
+    return _estimate(node, {})
+
+
+def _estimate(node: ir.Node, memo: dict[int, int]) -> int:
+    known = memo.get(id(node))  # by id: hashing a deep shared tree is not cached
+    if known is not None:
+        return known
+    if isinstance(node, ir.Bytes):
+        size = len(node.value) + 1
+    elif isinstance(node, ir.ByteSet):
+        size = 2
+    elif isinstance(node, ir.Seq):
+        size = 1 + sum(_estimate(item, memo) for item in node.items)
+    elif isinstance(node, ir.Alt):
+        size = 2 + sum(_estimate(option, memo) for option in node.options)
+    else:
+        copies = node.min + 1 if node.max is None else node.max
+        size = 2 + copies * _estimate(node.item, memo)
+    memo[id(node)] = size
+    return size

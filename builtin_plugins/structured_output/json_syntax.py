@@ -1,0 +1,248 @@
+"""JSON text as byte IR: whitespace, strings, literals, arrays, objects and "any value".
+
+The pieces the JSON-schema compiler assembles, and "any JSON object" on its own. Every
+helper here keeps one rule: a part that can match nothing (:data:`NOTHING`, e.g. a schema
+with no instance) makes a sequence match nothing and drops out of an alternative, so a
+bounded recursion or an impossible property disappears cleanly.
+
+Layout: whitespace runs (:data:`MAX_WHITESPACE` bytes at most, so generation cannot spin on
+spaces forever) are allowed after ``{ [ , :`` and before ``} ] , :``, nowhere else; a value
+is therefore followed by its trailing whitespace inside a container, and the top-level
+value has none around it. The comma-separated lists below need their item twice (once
+first, once after each comma): a regular expression cannot say "items separated by commas"
+with one copy, and the automaton copies shared sub-trees, so each level of nesting in
+:func:`any_value` multiplies its size by about four.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from chassis.builtin_plugins.structured_output import ir
+from chassis.builtin_plugins.structured_output.json_numbers import any_number
+
+__all__ = [
+    "MAX_WHITESPACE",
+    "NOTHING",
+    "STRING_CHAR",
+    "WS",
+    "any_object",
+    "any_value",
+    "array",
+    "either",
+    "free_object",
+    "join",
+    "json_literal",
+    "maybe",
+    "object_members",
+    "quoted",
+    "repeat",
+    "string",
+]
+
+#: the longest whitespace run allowed between two tokens (a newline and 19 spaces of indent)
+MAX_WHITESPACE = 20
+
+#: matches nothing: an empty byte set
+NOTHING: ir.Node = ir.ByteSet(frozenset())
+
+WS: ir.Node = ir.Repeat(ir.ByteSet(frozenset(b" \t\n\r")), 0, MAX_WHITESPACE)
+
+# -- NOTHING-aware combinators -------------------------------------------------------------
+
+
+def join(*items: ir.Node) -> ir.Node:
+    """``ir.seq``, matching nothing if any item matches nothing."""
+    return NOTHING if any(item == NOTHING for item in items) else ir.seq(*items)
+
+
+def either(*options: ir.Node) -> ir.Node:
+    """``ir.alt`` without the options that match nothing (none left: :data:`NOTHING`)."""
+    kept = [option for option in options if option != NOTHING]
+    return ir.alt(*kept) if kept else NOTHING
+
+
+def maybe(item: ir.Node) -> ir.Node:
+    """``item`` or nothing at all (the empty string when ``item`` matches nothing)."""
+    return ir.EMPTY if item == NOTHING else ir.optional(item)
+
+
+def repeat(item: ir.Node, low: int, high: int | None) -> ir.Node:
+    """``ir.Repeat`` that copes with an ``item`` that matches nothing and with ``high == 0``."""
+    if high == 0 or (item == NOTHING and low == 0):
+        return ir.EMPTY
+    if item == NOTHING:
+        return NOTHING
+    return ir.Repeat(item, low, high)
+
+
+# -- strings ------------------------------------------------------------------------------
+
+_HEX = ir.ByteSet(frozenset(b"0123456789abcdefABCDEF"))
+_D = ir.ByteSet(frozenset(b"dD"))
+# \uXXXX: any code unit but a surrogate, or a high surrogate escape then a low one (one
+# character); a lone surrogate would decode to a string no UTF-8 text can hold
+_NOT_SURROGATE = ir.alt(
+    ir.seq(ir.ByteSet(frozenset(b"0123456789abcefABCEF")), _HEX, _HEX, _HEX),
+    ir.seq(_D, ir.byte_range(0x30, 0x37), _HEX, _HEX),
+)
+_SURROGATE_PAIR = ir.seq(
+    _D,
+    ir.ByteSet(frozenset(b"89abAB")),
+    _HEX,
+    _HEX,
+    ir.Bytes(b"\\u"),
+    _D,
+    ir.ByteSet(frozenset(b"cdefCDEF")),
+    _HEX,
+    _HEX,
+)
+_ESCAPE = ir.seq(
+    ir.Bytes(b"\\"),
+    ir.alt(
+        ir.ByteSet(frozenset(b'"\\/bfnrt')),
+        ir.seq(ir.Bytes(b"u"), ir.alt(_NOT_SURROGATE, _SURROGATE_PAIR)),
+    ),
+)
+#: bytes a JSON string cannot hold unescaped: the quote, the backslash, control characters
+UNESCAPED_FORBIDDEN = frozenset([*range(0x20), 0x22, 0x5C])
+
+#: one character of a string's content, raw or escaped (JSON Schema counts it as one)
+STRING_CHAR: ir.Node = ir.alt(ir.unicode_char(UNESCAPED_FORBIDDEN), _ESCAPE)
+
+_QUOTE = ir.Bytes(b'"')
+
+
+def quoted(content: ir.Node) -> ir.Node:
+    """``content`` between double quotes."""
+    return join(_QUOTE, content, _QUOTE)
+
+
+def string(min_length: int = 0, max_length: int | None = None) -> ir.Node:
+    """A JSON string of ``min_length`` to ``max_length`` characters (escapes count as one)."""
+    if max_length is not None and max_length < min_length:
+        return NOTHING
+    return quoted(repeat(STRING_CHAR, min_length, max_length))
+
+
+def json_literal(value: Any) -> ir.Node:
+    """The JSON text of ``value``: scalars as ``json.dumps(value, ensure_ascii=False)``
+    writes them; arrays and objects with their items (and keys) in order and whitespace
+    wherever JSON allows it, so compact, ``", "``/``": "`` and pretty forms all match."""
+    if isinstance(value, list):
+        return array([json_literal(item) for item in value], NOTHING, len(value), len(value))
+    if isinstance(value, dict):
+        return object_members([(str(k), json_literal(v), True) for k, v in value.items()])
+    return ir.literal(json.dumps(value, ensure_ascii=False))
+
+
+# -- containers ---------------------------------------------------------------------------
+
+_COMMA = ir.seq(ir.Bytes(b","), WS)
+_COLON = ir.seq(ir.Bytes(b":"), WS)
+
+
+def array(
+    prefix: list[ir.Node], items: ir.Node, min_items: int = 0, max_items: int | None = None
+) -> ir.Node:
+    """A JSON array: ``prefix[i]`` at position ``i``, ``items`` after the prefix, with
+    ``min_items`` to ``max_items`` elements (whitespace inside, none around)."""
+    if max_items is not None:
+        if max_items < min_items:
+            return NOTHING
+        prefix = prefix[:max_items]
+    # built from the end: each element after the first is preceded by its comma
+    tail_min = max(0, min_items - len(prefix))
+    tail_max = None if max_items is None else max_items - len(prefix)
+    element = join(items, WS)
+    if not prefix:
+        if tail_max == 0:
+            return ir.seq(ir.Bytes(b"["), WS, ir.Bytes(b"]"))
+        rest = repeat(join(_COMMA, element), max(0, tail_min - 1), _minus_one(tail_max))
+        body = join(element, rest)
+        if tail_min == 0:
+            body = maybe(body)
+        return join(ir.Bytes(b"["), WS, body, ir.Bytes(b"]"))
+    following = repeat(join(_COMMA, element), tail_min, tail_max)
+    for position in range(len(prefix) - 1, 0, -1):
+        following = join(_COMMA, prefix[position], WS, following)
+        if position >= min_items:
+            following = maybe(following)
+    body = join(prefix[0], WS, following)
+    if min_items == 0:
+        body = maybe(body)
+    return join(ir.Bytes(b"["), WS, body, ir.Bytes(b"]"))
+
+
+def _minus_one(count: int | None) -> int | None:
+    return None if count is None else count - 1
+
+
+def object_members(members: list[tuple[str, ir.Node, bool]]) -> ir.Node:
+    """A JSON object with these ``(name, value, required)`` members, in this order: the
+    required ones always, each optional one at most once, commas between those present."""
+    if not members:
+        return ir.seq(ir.Bytes(b"{"), WS, ir.Bytes(b"}"))
+    parts = [_member_forms(name, value, required) for name, value, required in members]
+    first, _, none = _combine(parts)
+    return join(ir.Bytes(b"{"), WS, either(first, none), ir.Bytes(b"}"))
+
+
+# A run of members has three forms: "first" (at least one member is written and the first
+# has no comma before it), "later" (something was written before the run: every member
+# written has its comma) and "none" (nothing written: EMPTY, or NOTHING if one is
+# required). Splitting the run in halves L, R:
+#     first(LR) = first(L) later(R) | none(L) first(R)     later(LR) = later(L) later(R)
+# keeps the size at O(n log n) members. Chaining one member at a time would copy every
+# "later" suffix once per optional member before it (O(n^2)), because a regular
+# expression cannot share a suffix between the two branches.
+_Forms = tuple[ir.Node, ir.Node, ir.Node]
+
+
+def _member_forms(name: str, value: ir.Node, required: bool) -> _Forms:
+    member = join(ir.literal(json.dumps(name, ensure_ascii=False)), WS, _COLON, value, WS)
+    later = join(_COMMA, member)
+    if required:
+        return member, later, NOTHING
+    return member, maybe(later), ir.EMPTY
+
+
+def _combine(parts: list[_Forms]) -> _Forms:
+    if len(parts) == 1:
+        return parts[0]
+    middle = len(parts) // 2
+    first_l, later_l, none_l = _combine(parts[:middle])
+    first_r, later_r, none_r = _combine(parts[middle:])
+    first = either(join(first_l, later_r), join(none_l, first_r))
+    return first, join(later_l, later_r), join(none_l, none_r)
+
+
+def free_object(values: ir.Node, min_properties: int = 0) -> ir.Node:
+    """A JSON object with any keys (any JSON strings) whose values match ``values``;
+    ``min_properties`` is 0 or 1."""
+    member = join(string(), WS, _COLON, values, WS)
+    body = join(member, repeat(join(_COMMA, member), 0, None))
+    if min_properties == 0:
+        body = maybe(body)
+    return join(ir.Bytes(b"{"), WS, body, ir.Bytes(b"}"))
+
+
+# -- any value ----------------------------------------------------------------------------
+
+_SCALAR = ir.alt(string(), any_number(), ir.Bytes(b"true"), ir.Bytes(b"false"), ir.Bytes(b"null"))
+
+
+@functools.cache
+def any_value(depth: int) -> ir.Node:
+    """Any JSON value with arrays and objects nested at most ``depth`` deep (0: scalars)."""
+    if depth <= 0:
+        return _SCALAR
+    return ir.alt(_SCALAR, array([], any_value(depth - 1)), any_object(depth))
+
+
+@functools.cache
+def any_object(depth: int) -> ir.Node:
+    """Any JSON object whose values nest at most ``depth - 1`` deeper (``depth >= 1``)."""
+    return free_object(any_value(depth - 1))

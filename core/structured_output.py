@@ -1,0 +1,178 @@
+"""Structured outputs: what a request asks its output to match, and the backend interface.
+
+A request's :class:`StructuredOutputsParams` (``SamplingParams.structured_outputs``) names
+one constraint: a JSON schema, any JSON object, a regular expression, or one of a list of
+strings. A :class:`StructuredOutputBackend` (registered with
+``chassis_register_structured_output_backends``, chosen with ``--structured-output-backend``)
+compiles it into a :class:`Grammar` over the tokenizer's vocabulary; every request gets its
+own :class:`GrammarMatcher`, which says before each step which tokens may come next
+(:meth:`GrammarMatcher.allowed_tokens`) and follows the tokens sampled
+(:meth:`GrammarMatcher.accept_token`). The engine core masks the other tokens' logits before
+the sampler runs, so any sampler works with any backend.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+
+__all__ = [
+    "Grammar",
+    "GrammarMatcher",
+    "StructuredOutputBackend",
+    "StructuredOutputsParams",
+    "TokenVocabulary",
+]
+
+#: the fields of :class:`StructuredOutputsParams` that name a constraint
+CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """The constraint on one request's output; exactly one field is set (vLLM's names).
+
+    - ``json``: a JSON schema, as a ``dict`` or its JSON text (kept as text, so property
+      order, which decides the order the properties are generated in, is preserved);
+    - ``json_object``: ``True`` for any JSON object (OpenAI's ``response_format``
+      ``{"type": "json_object"}``);
+    - ``regex``: a regular expression the whole output must match;
+    - ``choice``: the output is exactly one of these strings.
+
+    A malformed value raises ``ValueError`` naming the field. Whether a backend supports the
+    constraint (every JSON-schema keyword, every regex feature) is the backend's
+    :meth:`StructuredOutputBackend.check`.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            # frozen struct: set the normalized text through the base class
+            msgspec.structs.force_setattr(self, "json", json.dumps(self.json))
+        set_fields = [
+            name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)
+        ]
+        if len(set_fields) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(CONSTRAINT_FIELDS)}; got {set_fields or 'none'}"
+            )
+        if self.json is not None:
+            if not isinstance(self.json, str):
+                raise ValueError("structured_outputs.json must be a JSON schema (object or text)")
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+        if self.json_object is not False and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true or false")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings"
+            )
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: ``"json"``, ``"json_object"``, ``"regex"`` or ``"choice"``."""
+        return next(name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False))
+
+    def cache_key(self) -> tuple[Any, ...]:
+        """Equal for equal constraints (a backend may cache compiled grammars by it)."""
+        value = getattr(self, self.kind)
+        return (self.kind, tuple(value) if isinstance(value, list) else value)
+
+
+@dataclass(frozen=True)
+class TokenVocabulary:
+    """The tokenizer's tokens as the byte strings they stand for.
+
+    ``token_bytes[i]`` is what token ``i`` adds to the output text, as UTF-8 bytes (a token
+    may hold part of a character); ``None`` for a special or unused id, which a grammar never
+    allows. Its length is ``vocab_size``, the width of the model's logits (which may exceed
+    the tokenizer's size). ``eos_token_ids`` end the output: a grammar allows them exactly
+    when the output so far is complete. ``tokenizer`` is the HF tokenizer, for backends that
+    read it themselves.
+    """
+
+    token_bytes: Sequence[bytes | None]
+    eos_token_ids: frozenset[int]
+    tokenizer: Any = None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.token_bytes)
+
+
+class GrammarMatcher(ABC):
+    """One request's position in a :class:`Grammar`. Used by the engine core only, from one
+    thread."""
+
+    @abstractmethod
+    def allowed_tokens(self) -> np.ndarray:
+        """Which tokens may come next: a ``bool`` array of ``vocab_size`` entries.
+
+        EOS ids are allowed exactly when the output so far is a complete match. The array may
+        be shared (cached per state): callers must not modify it.
+        """
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance past ``token_id``. Returns ``False`` (and stays where it was) for a token
+        :meth:`allowed_tokens` does not allow. After the output is complete, an EOS id is
+        accepted and changes nothing."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """Whether the output is complete and nothing but EOS may follow."""
+
+
+class Grammar(ABC):
+    """A compiled constraint; shared by every request that asks for it."""
+
+    @abstractmethod
+    def matcher(self) -> GrammarMatcher:
+        """A new matcher at the start of the output."""
+
+
+class StructuredOutputBackend(ABC):
+    """Compiles constraints into grammars over one vocabulary.
+
+    Built once per engine, in the engine-core process (and in each tensor-parallel driver),
+    the first time a request asks for structured output, with the tokenizer's vocabulary.
+    The API server calls the classmethod :meth:`check` to refuse unsupported constraints with
+    a 400 before a request reaches the engine.
+    """
+
+    #: the name the built-in registers it under (for messages)
+    name: ClassVar[str] = ""
+
+    def __init__(self, vocabulary: TokenVocabulary) -> None:
+        self.vocabulary = vocabulary
+
+    @classmethod
+    @abstractmethod
+    def check(cls, params: StructuredOutputsParams) -> None:
+        """Raise ``ValueError`` with a message for the user if this backend cannot compile
+        ``params`` (an unsupported schema keyword, a malformed regex). Cheap: no tokenizer."""
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """The grammar of ``params`` over :attr:`vocabulary` (``ValueError`` as :meth:`check`).
+        May be cached by ``params.cache_key()``."""

@@ -1,0 +1,124 @@
+"""The engine core's side of structured outputs: one matcher per constrained request.
+
+Before a plan runs, :meth:`StructuredOutputManager.masks_for` gives the allowed tokens of
+every constrained request in it (packed bits, so they cross to tensor-parallel ranks as
+bytes); the model runner masks those rows' logits before the sampler. After the plan,
+:meth:`StructuredOutputManager.update` moves each matcher past the tokens sampled.
+
+The backend is built on the first constrained request (loading the tokenizer then, so an
+engine that never sees one pays nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from chassis.core.structured_output import GrammarMatcher, StructuredOutputBackend
+
+if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
+    from chassis.core.request import EngineCoreOutput, Request
+    from chassis.core.scheduler_interface import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def pack_mask(allowed: np.ndarray) -> bytes:
+    """A ``bool [vocab]`` mask as bytes, 8 tokens per byte (``np.packbits`` order)."""
+    return np.packbits(allowed).tobytes()
+
+
+def unpack_masks(packed: list[bytes], vocab_size: int) -> np.ndarray:
+    """``bool [len(packed), vocab_size]`` from :func:`pack_mask` outputs."""
+    rows = np.frombuffer(b"".join(packed), dtype=np.uint8).reshape(len(packed), -1)
+    return np.unpackbits(rows, axis=1, count=vocab_size).astype(bool)
+
+
+class StructuredOutputManager:
+    """Matchers of the engine core's constrained requests (engine-core thread only)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._backend: StructuredOutputBackend | None = None
+        self._matchers: dict[str, GrammarMatcher] = {}
+
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        """The configured backend, built with the tokenizer's vocabulary on first use."""
+        if self._backend is None:
+            from chassis.core.model_loader import load_hf_config
+            from chassis.core.token_vocabulary import vocabulary_from_tokenizer
+            from chassis.core.tokenizer import eos_token_ids, load_tokenizer
+            from chassis.plugins import get_registries
+
+            if self.config.skip_tokenizer_init:
+                raise ValueError("structured outputs need the tokenizer (--skip-tokenizer-init)")
+            assert self.config.tokenizer is not None and self.config.model is not None
+            tokenizer = load_tokenizer(self.config.tokenizer)  # as the front-end loads it
+            # Every mask covers the model's logits, which may be wider than the tokenizer.
+            vocab_size = int(load_hf_config(self.config.model).vocab_size)
+            vocabulary = vocabulary_from_tokenizer(
+                tokenizer, vocab_size, eos_token_ids(tokenizer, self.config.model)
+            )
+            cls = get_registries().structured_output_backends.get(
+                self.config.structured_output_backend
+            )
+            self._backend = cls(vocabulary)
+        return self._backend
+
+    def add_request(self, request: Request) -> None:
+        """Start a matcher for ``request`` if it asks for structured output.
+
+        Raises ``ValueError`` when its constraint cannot be compiled (the API server checks
+        constraints before they reach the engine, so that is a backend disagreeing with its
+        own ``check``).
+        """
+        params = request.sampling_params.structured_outputs
+        if params is not None:
+            self._matchers[request.request_id] = self.backend.compile(params).matcher()
+
+    def has_constrained(self, plan: SchedulerOutput) -> bool:
+        """Whether a request of ``plan`` is constrained."""
+        return bool(self._matchers) and any(r in self._matchers for r in plan.num_scheduled_tokens)
+
+    def masks_for(self, plan: SchedulerOutput) -> dict[str, bytes]:
+        """Request id -> packed allowed-token mask, for every constrained request in ``plan``
+        (the runner applies a mask only to a row that samples this step)."""
+        masks = {}
+        for request_id in plan.num_scheduled_tokens:
+            matcher = self._matchers.get(request_id)
+            if matcher is not None:
+                masks[request_id] = pack_mask(matcher.allowed_tokens())
+        return masks
+
+    def update(self, outputs: Iterable[EngineCoreOutput]) -> None:
+        """Move matchers past the tokens the step sampled; forget finished requests."""
+        if not self._matchers:
+            return
+        for output in outputs:
+            matcher = self._matchers.get(output.request_id)
+            if matcher is None:
+                continue
+            for token_id in output.new_token_ids:
+                if not matcher.accept_token(token_id):
+                    # Only a token the mask allowed can be sampled; if one is refused the
+                    # grammar and its masks disagree. Keep serving; say so once per request.
+                    logger.error(
+                        "structured output: request %s sampled token %d, which its grammar "
+                        "does not accept; the rest of its output is not constrained",
+                        output.request_id,
+                        token_id,
+                    )
+                    del self._matchers[output.request_id]
+                    break
+            if output.finished:
+                self._matchers.pop(output.request_id, None)
+
+    def finish(self, request_ids: Iterable[str]) -> None:
+        """Forget aborted requests."""
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)

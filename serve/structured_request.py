@@ -1,0 +1,123 @@
+"""The request fields that ask for structured output, turned into one constraint.
+
+OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+and its older ``guided_json`` / ``guided_regex`` / ``guided_choice``, and, on chat, a
+``tool_choice`` of ``"required"`` or a named function (the output is then the calls' JSON).
+At most one of them may be given; each mistake is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from chassis.core.structured_output import StructuredOutputsParams
+from chassis.serve.errors import bad_request
+
+#: ``parameters`` of a function that declares none: the empty object only
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def from_request_fields(
+    response_format: dict[str, Any] | None,
+    structured_outputs: dict[str, Any] | None,
+    guided: dict[str, Any],
+) -> StructuredOutputsParams | None:
+    """The constraint the fields ask for, or ``None``; ``guided`` maps the ``guided_*`` field
+    names to their values (``None`` when absent)."""
+    asked: list[tuple[str, StructuredOutputsParams]] = []
+    if response_format is not None:
+        from_format = _from_response_format(response_format)
+        if from_format is not None:
+            asked.append(("response_format", from_format))
+    if structured_outputs is not None:
+        if not isinstance(structured_outputs, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        asked.append(("structured_outputs", _params("structured_outputs", structured_outputs)))
+    for name, value in guided.items():
+        if value is None:
+            continue
+        if name == "guided_grammar":
+            raise bad_request(
+                "guided_grammar is not supported: use a JSON schema, a regex or choices",
+                name,
+            )
+        key = name.removeprefix("guided_")
+        asked.append((name, _params(name, {key: value})))
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise bad_request(
+            f"give at most one structured-output constraint; got {names}", asked[1][0]
+        )
+    return asked[0][1] if asked else None
+
+
+def for_tool_choice(
+    tool_choice: str | dict[str, Any], tools: list[dict[str, Any]], parallel_tool_calls: bool
+) -> StructuredOutputsParams:
+    """The JSON the model must write for ``tool_choice`` ``"required"`` or a named function:
+    the named function's arguments object, or an array of ``{"name", "parameters"}`` objects,
+    one per call (at most one without ``parallel_tool_calls``)."""
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    if isinstance(tool_choice, dict):
+        function = functions[tool_choice["function"]["name"]]
+        return StructuredOutputsParams(json=function.get("parameters") or _NO_PARAMETERS)
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": name},
+                "parameters": function.get("parameters") or _NO_PARAMETERS,
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, function in functions.items()
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsParams | None:
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request(
+                "response_format of type 'json_schema' needs a json_schema object "
+                "({'name': ..., 'schema': {...}})",
+                "response_format",
+            )
+        schema = spec.get("schema")
+        if schema is None:  # OpenAI's schema is optional: then any JSON object
+            return StructuredOutputsParams(json_object=True)
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format.json_schema.schema must be an object", "response_format"
+            )
+        return _params("response_format", {"json": schema})
+    raise bad_request(
+        f"response_format type must be 'text', 'json_object' or 'json_schema'; got {kind!r}",
+        "response_format",
+    )
+
+
+def _params(field: str, values: dict[str, Any]) -> StructuredOutputsParams:
+    values = dict(values)
+    if isinstance(values.get("json"), str):
+        try:  # the JSON schema as text: check it parses here, for a clear 400
+            json.loads(values["json"])
+        except ValueError as exc:
+            raise bad_request(f"{field}: the JSON schema is not valid JSON: {exc}", field) from None
+    try:
+        return StructuredOutputsParams(**values)
+    except TypeError as exc:  # an unknown key
+        raise bad_request(f"{field}: {exc}", field) from None
+    except ValueError as exc:
+        raise bad_request(f"{field}: {exc}", field) from None

@@ -1,0 +1,50 @@
+"""A tiny backtracking matcher of the structured-output IR, for tests only.
+
+It reads the IR tree directly (no automaton), so tests can check a compiler's IR (JSON
+schema, regex) independently of the automaton that the engine runs. Exponential in the
+worst case: use it on short strings.
+"""
+
+from __future__ import annotations
+
+from chassis.builtin_plugins.structured_output import ir
+
+
+def ir_fullmatch(node: ir.Node, data: bytes | str) -> bool:
+    """Whether all of ``data`` (UTF-8 bytes, or a str to encode) matches ``node``."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    return len(data) in _ends(node, data, 0)
+
+
+def _ends(node: ir.Node, data: bytes, i: int) -> set[int]:
+    """Every position where a match of ``node`` starting at ``i`` can end."""
+    if isinstance(node, ir.Bytes):
+        return {i + len(node.value)} if data.startswith(node.value, i) else set()
+    if isinstance(node, ir.ByteSet):
+        return {i + 1} if i < len(data) and data[i] in node.allowed else set()
+    if isinstance(node, ir.Seq):
+        current = {i}
+        for item in node.items:
+            current = {end for start in current for end in _ends(item, data, start)}
+            if not current:
+                break
+        return current
+    if isinstance(node, ir.Alt):
+        return {end for option in node.options for end in _ends(option, data, i)}
+    if isinstance(node, ir.Repeat):
+        result = {i} if node.min == 0 else set()
+        current, count = {i}, 0
+        while current and (node.max is None or count < node.max):
+            following = {end for start in current for end in _ends(node.item, data, start)}
+            count += 1
+            if following == current:
+                # an item that matches the empty string: more rounds add nothing new, and
+                # every further count (up to min) ends at the same positions
+                result |= current
+                break
+            current = following
+            if count >= node.min:
+                result |= current
+        return result
+    raise TypeError(f"not an IR node: {node!r}")

@@ -1,0 +1,116 @@
+"""What structured outputs cost per step on this host (docs/structured_outputs.md).
+
+Not a test. On the embedded SmolLM2 (49,152-token vocabulary)::
+
+    python tests/perf/structured_output_cost.py
+
+prints (1) the time to compute a token mask the first time the grammar reaches a state and
+when it returns to one, along one real constrained output; (2) the per-request, per-step
+host work of a warm state: the matcher's mask, packing it for the plan, and masking a batch
+of logits in the runner; (3) end to end, milliseconds per generated token of 8 chat requests
+with and without ``json_object``, greedy, in one engine, alternated.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from chassis import LLM, SamplingParams
+from chassis.core.gguf_checkpoint import embedded_model_dir
+from chassis.core.structured_output import StructuredOutputsParams
+from chassis.core.structured_output_manager import StructuredOutputManager, pack_mask, unpack_masks
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "colour": {"enum": ["black", "white", "ginger", "grey"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "indoor": {"type": "boolean"},
+    },
+    "required": ["name", "colour", "age", "indoor"],
+    "additionalProperties": False,
+}
+CHAT = [{"role": "user", "content": "Describe a cat in JSON."}]
+
+
+def per_call(fn, repeat: int = 200) -> float:
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def main() -> None:
+    model = str(embedded_model_dir())
+    llm = LLM(model, max_model_len=1024, num_kv_blocks=512)
+    schema_params = SamplingParams(
+        temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    [reference] = llm.chat(CHAT, schema_params)
+    tokens = reference.outputs[0].token_ids
+    print(f"constrained answer ({len(tokens)} tokens): {reference.outputs[0].text!r}")
+
+    # 1. masks along that output: a fresh backend, so every state is new the first time
+    manager = StructuredOutputManager(llm.config)
+    grammar = manager.backend.compile(schema_params.structured_outputs)
+    for label in ("first visit", "second visit"):
+        matcher = grammar.matcher()
+        times = []
+        for token in tokens:
+            start = time.perf_counter()
+            matcher.allowed_tokens()
+            times.append(time.perf_counter() - start)
+            matcher.accept_token(token)
+        ms = np.array(times) * 1e3
+        print(
+            f"mask, {label}: median {np.median(ms):.3f} ms, max {ms.max():.2f} ms, "
+            f"total {ms.sum():.1f} ms over {len(ms)} tokens"
+        )
+
+    # 2. the warm per-step host work of one constrained request
+    matcher = grammar.matcher()
+    matcher.accept_token(tokens[0])
+    allowed = matcher.allowed_tokens()
+    vocab = allowed.shape[0]
+    packed = pack_mask(allowed)
+    print(f"allowed_tokens() warm: {per_call(matcher.allowed_tokens) * 1e6:.1f} us")
+    print(f"pack_mask: {per_call(lambda: pack_mask(allowed)) * 1e6:.1f} us")
+    for rows in (1, 8, 32):
+        logits = torch.randn(rows, vocab)
+        index = torch.arange(rows)
+
+        def mask_rows(
+            rows: int = rows, logits: torch.Tensor = logits, index: torch.Tensor = index
+        ) -> None:
+            unpacked = torch.from_numpy(unpack_masks([packed] * rows, vocab))
+            sub = logits[index, :vocab]
+            sub.masked_fill_(~unpacked, float("-inf"))
+            logits[index, :vocab] = sub
+
+        print(f"runner masking of {rows} rows: {per_call(mask_rows, 50) * 1e3:.3f} ms")
+
+    # 3. end to end: 8 requests, constrained or not, alternated twice
+    free = SamplingParams(temperature=0, max_tokens=120)
+    obj = SamplingParams(
+        temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json_object=True)
+    )
+    conversations = [CHAT] * 8
+    llm.chat(conversations[:2], obj)  # warm the grammar's states
+    for round_ in range(2):
+        for label, params in (("free", free), ("json_object", obj)):
+            start = time.perf_counter()
+            outputs = llm.chat(conversations, params)
+            elapsed = time.perf_counter() - start
+            generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+            print(
+                f"round {round_ + 1} {label:11s}: {generated} tokens in {elapsed:.2f} s, "
+                f"{elapsed / generated * 1e3:.2f} ms per token"
+            )
+
+
+if __name__ == "__main__":
+    main()

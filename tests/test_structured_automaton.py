@@ -1,0 +1,497 @@
+"""The byte automaton, token masks, vocabulary conversion and the "chassis" structured-output
+backend: automaton vs the test IR matcher, vectorized masks vs a per-token walk (synthetic
+and SmolLM2 vocabularies), matcher rules, and tokenizer byte mappings vs real decoding."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+from ir_matcher import ir_fullmatch
+from test_structured_regex import sample
+
+from chassis.builtin_plugins.structured_output import (
+    chassis_register_structured_output_backends,
+    ir,
+)
+from chassis.builtin_plugins.structured_output.automaton import DEAD, Automaton
+from chassis.builtin_plugins.structured_output.backend import (
+    ChassisStructuredOutputBackend,
+    constraint_to_ir,
+)
+from chassis.builtin_plugins.structured_output.regex import regex_to_ir
+from chassis.builtin_plugins.structured_output.token_masks import (
+    TokenMasks,
+    TokenTable,
+    allowed_tokens,
+)
+from chassis.core.structured_output import StructuredOutputsParams, TokenVocabulary
+from chassis.core.token_vocabulary import vocabulary_from_tokenizer
+
+HAS_JSON_SCHEMA = (
+    importlib.util.find_spec("chassis.builtin_plugins.structured_output.json_schema") is not None
+)
+
+# -- random IR trees vs the IR matcher -------------------------------------------------------
+
+LEAVES = [ir.Bytes(b"a"), ir.Bytes(b"bc"), ir.Bytes(b""), ir.byte_range(0x61, 0x63)]
+LEAVES += [ir.ByteSet(frozenset()), ir.literal("é"), ir.ByteSet(frozenset(b"c\xc3"))]
+
+
+def nullable(node: ir.Node) -> bool:
+    if isinstance(node, ir.Bytes):
+        return not node.value
+    if isinstance(node, ir.ByteSet):
+        return False
+    if isinstance(node, ir.Seq):
+        return all(nullable(item) for item in node.items)
+    if isinstance(node, ir.Alt):
+        return any(nullable(option) for option in node.options)
+    return node.min == 0 or nullable(node.item)
+
+
+def random_ir(rng: random.Random, depth: int) -> ir.Node:
+    if depth == 0 or rng.random() < 0.25:
+        return rng.choice(LEAVES)
+    kind = rng.choice(["seq", "alt", "repeat"])
+    if kind == "seq":
+        return ir.Seq(tuple(random_ir(rng, depth - 1) for _ in range(rng.randint(0, 3))))
+    if kind == "alt":
+        return ir.Alt(tuple(random_ir(rng, depth - 1) for _ in range(rng.randint(0, 3))))
+    item = random_ir(rng, depth - 1)
+    # the IR matcher stops early on nullable items repeated at least twice: keep min <= 1
+    low = rng.randint(0, 1 if nullable(item) else 2)
+    high = rng.choice([None, low, low + 1, low + 3])
+    return ir.Repeat(item, low, high)
+
+
+def can_complete(automaton: Automaton, state: int) -> bool:
+    seen, frontier = {state}, [state]
+    while frontier:
+        s = frontier.pop()
+        if automaton.is_accepting(s):
+            return True
+        for t in set(automaton.row(s).tolist()) - seen - {DEAD}:
+            seen.add(t)
+            frontier.append(t)
+    return False
+
+
+def test_automaton_matches_ir_matcher_on_random_trees() -> None:
+    rng = random.Random(7)
+    pieces = [b"a", b"b", b"c", b"bc", "é".encode(), b"\xc3", b"\xa9", b"x"]
+    for _ in range(300):
+        node = random_ir(rng, 4)
+        automaton = Automaton.from_ir(node)
+        for _ in range(25):
+            data = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 5)))
+            assert automaton.fullmatch(data) == ir_fullmatch(node, data), (node, data)
+            state = automaton.walk(automaton.start, data)
+            if state != DEAD:
+                # trimmed: every live state can still complete
+                assert can_complete(automaton, state), (node, data)
+                row = automaton.row(state)
+                assert automaton.is_terminal(state) == (
+                    automaton.is_accepting(state) and bool((row == DEAD).all())
+                )
+
+
+def test_empty_language_and_size_limit() -> None:
+    assert Automaton.from_ir(ir.ByteSet(frozenset())).matches_nothing
+    assert Automaton.from_ir(ir.seq(ir.literal("a"), ir.Alt(()))).matches_nothing
+    with pytest.raises(ValueError, match="constraint too large"):
+        Automaton.from_ir(ir.Repeat(ir.Repeat(ir.literal("ab"), 0, 1000), 0, 1000))
+    with pytest.raises(ValueError, match="constraint too large"):
+        Automaton.from_ir(ir.Repeat(ir.literal("abc"), 0, 100), max_nfa_states=200)
+
+
+def test_large_json_like_automaton() -> None:
+    """Thousands of NFA states (bounded strings inside a bounded list) build quickly."""
+    char = ir.alt(
+        ir.unicode_char(excluded_ascii=[*range(32), 34, 92]),
+        ir.seq(ir.literal("\\"), ir.ByteSet(frozenset(b'"\\/bfnrt'))),
+    )
+    string = ir.seq(ir.literal('"'), ir.Repeat(char, 0, 100), ir.literal('"'))
+    member = ir.seq(string, ir.literal(":"), string)
+    node = ir.seq(
+        ir.literal("{"),
+        ir.optional(ir.seq(member, ir.Repeat(ir.seq(ir.literal(","), member), 0, 19))),
+        ir.literal("}"),
+    )
+    started = time.perf_counter()
+    automaton = Automaton.from_ir(node)
+    assert automaton.nfa_size > 10_000
+    assert time.perf_counter() - started < 5
+    text = "{" + ",".join(f'"k{i}":"v\\"é中😀{i}"' for i in range(20)) + "}"
+    assert automaton.fullmatch(text.encode())
+    assert not automaton.fullmatch(("{" + ",".join(['"a":"b"'] * 21) + "}").encode())
+    assert not automaton.fullmatch(('{"a":"' + "x" * 101 + '"}').encode())
+
+
+# -- token masks vs a per-token walk ---------------------------------------------------------
+
+
+def brute_force_mask(automaton: Automaton, vocabulary: TokenVocabulary, state: int) -> np.ndarray:
+    mask = np.zeros(vocabulary.vocab_size, dtype=bool)
+    for token_id, token in enumerate(vocabulary.token_bytes):
+        if token_id in vocabulary.eos_token_ids:
+            mask[token_id] = state != DEAD and automaton.is_accepting(state)
+        elif token:
+            mask[token_id] = state != DEAD and automaton.walk(state, token) != DEAD
+    return mask
+
+
+def synthetic_vocabulary(rng: random.Random) -> TokenVocabulary:
+    pieces = [b"a", b"b", b"1", b"2", b'"', b"{", b"}", b":", b",", b" ", b"\\", b"\n"]
+    pieces += ["é".encode(), b"\xc3", b"\xa9", "中".encode()[:2], "中".encode()[2:]]
+    tokens: list[bytes | None] = [None, None, b""]  # special, EOS, an empty token
+    tokens += [bytes([b]) for b in range(256)]
+    tokens += [b"".join(rng.choice(pieces) for _ in range(rng.randint(2, 9))) for _ in range(400)]
+    tokens.append(b'"}')  # an EOS id that also has bytes: EOS rules apply, not its bytes
+    return TokenVocabulary(tokens, eos_token_ids=frozenset({1, len(tokens) - 1}))
+
+
+SYNTHETIC_PATTERNS = [
+    r'\{"a": "([^"\\]|\\.)*", "b": \d{1,3}\}',
+    r"(ab|1)*é?",
+    r"[^\n]{0,6}",
+    r"(yes|no|中文)",
+]
+
+
+@pytest.mark.parametrize("pattern", SYNTHETIC_PATTERNS)
+def test_masks_match_brute_force_on_synthetic_vocabulary(pattern: str) -> None:
+    rng = random.Random(pattern)
+    vocabulary = synthetic_vocabulary(rng)
+    tokens = TokenTable(vocabulary)
+    automaton = Automaton.from_ir(regex_to_ir(pattern))
+    node = regex_to_ir(pattern)
+    states = {automaton.start, DEAD}
+    for _ in range(30):  # states along random matching strings
+        text = sample(node, rng)
+        states.add(automaton.walk(automaton.start, text[: rng.randint(0, len(text))]))
+        states.add(automaton.walk(automaton.start, text))
+    for state in sorted(states):
+        mask = allowed_tokens(automaton, tokens, state)
+        np.testing.assert_array_equal(mask, brute_force_mask(automaton, vocabulary, state))
+        assert not mask[0] and not mask[2]  # None and empty tokens
+        assert mask[1] == mask[-1] == (state != DEAD and automaton.is_accepting(state))
+
+
+def test_mask_cache_returns_shared_read_only_arrays() -> None:
+    vocabulary = synthetic_vocabulary(random.Random(1))
+    automaton = Automaton.from_ir(regex_to_ir(r"a+"))
+    masks = TokenMasks(automaton, TokenTable(vocabulary))
+    first = masks.allowed(automaton.start)
+    assert masks.allowed(automaton.start) is first
+    with pytest.raises(ValueError):
+        first[0] = True
+
+
+# -- the real SmolLM2 vocabulary ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer_embedded():
+    from chassis.core.gguf_checkpoint import embedded_model_dir
+    from chassis.core.tokenizer import load_tokenizer
+
+    return load_tokenizer(embedded_model_dir())
+
+
+@pytest.fixture(scope="module")
+def smol_vocabulary(smol_tokenizer_embedded) -> TokenVocabulary:
+    tokenizer = smol_tokenizer_embedded
+    return vocabulary_from_tokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
+
+
+def test_smollm2_vocabulary_decodes_like_the_tokenizer(smol_tokenizer_embedded, smol_vocabulary):
+    tokenizer = smol_tokenizer_embedded
+    token_bytes = smol_vocabulary.token_bytes
+    assert len(token_bytes) == 49152
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
+    assert all(token_bytes[i] is None for i in special)
+    assert token_bytes[tokenizer.convert_tokens_to_ids("Ġthe")] == b" the"
+    ids = [i for i, b in enumerate(token_bytes) if b is not None]
+    assert len(ids) == 49152 - len(special)
+    rng = random.Random(3)
+    for _ in range(300):
+        seq = rng.choices(ids, k=rng.randint(1, 12))
+        expected = tokenizer.decode(seq, clean_up_tokenization_spaces=False)
+        assert b"".join(token_bytes[i] for i in seq).decode("utf-8", "replace") == expected
+    text = 'Hello, world! {"naïve": [1, 2.5e-3, "中文 😀"]}\n\tdef f(x):\n        return x  # ok'
+    encoded = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(token_bytes[i] for i in encoded) == text.encode("utf-8")
+
+
+def test_smollm2_vocabulary_size_padding_and_added_tokens(smol_tokenizer_embedded):
+    import copy
+
+    tokenizer = copy.deepcopy(smol_tokenizer_embedded)  # the fixture stays unchanged
+    tokenizer.add_tokens(["abc def", "Ġxyzq"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<my_special>"]})
+    plain, byte_level, special = tokenizer.convert_tokens_to_ids(
+        ["abc def", "Ġxyzq", "<my_special>"]
+    )
+    vocabulary = vocabulary_from_tokenizer(tokenizer, 49160, [2])
+    assert len(vocabulary.token_bytes) == 49160
+    assert vocabulary.token_bytes[special] is None
+    assert vocabulary.token_bytes[special + 1 :] == [None] * (49160 - special - 1)
+    # an added token goes through the ByteLevel decoder too: "Ġxyzq" is " xyzq"
+    assert vocabulary.token_bytes[plain] == b"abc def"
+    assert vocabulary.token_bytes[byte_level] == b" xyzq"
+    seq = [plain, 100, byte_level, 200]
+    joined = b"".join(vocabulary.token_bytes[i] for i in seq).decode()
+    assert joined == tokenizer.decode(seq, clean_up_tokenization_spaces=False)
+    assert vocabulary.eos_token_ids == frozenset({2})
+    assert vocabulary.tokenizer is tokenizer
+
+
+def test_masks_match_brute_force_on_smollm2(smol_vocabulary) -> None:
+    tokens = TokenTable(smol_vocabulary)
+    pattern = r'\{"name": "([^"\\\x00-\x1f]|\\["\\/bfnrt])*", "age": (0|[1-9]\d{0,2})\}'
+    automaton = Automaton.from_ir(regex_to_ir(pattern))
+    in_string = automaton.walk(automaton.start, b'{"name": "B')
+    in_number = automaton.walk(in_string, b'ob", "age": 4')
+    for state in (automaton.start, in_string, in_number):
+        mask = allowed_tokens(automaton, tokens, state)
+        np.testing.assert_array_equal(mask, brute_force_mask(automaton, smol_vocabulary, state))
+    final = automaton.walk(in_number, b"2}")
+    mask = allowed_tokens(automaton, tokens, final)
+    assert automaton.is_terminal(final) and np.flatnonzero(mask).tolist() == [2]
+
+
+# -- SentencePiece-style tokenizers ------------------------------------------------------------
+
+
+def metaspace_tokenizer():
+    """A small BPE with a Metaspace pre-tokenizer and decoder and byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "▁he", "ll", "▁hell", "▁hello"]
+    words += ["▁w", "or", "▁wor", "▁world", "é", "!"]
+    vocab = {token: i for i, token in enumerate(pieces + words)}
+    merges = [("▁", "h"), ("▁h", "e"), ("l", "l"), ("▁he", "ll"), ("▁hell", "o")]
+    merges += [("▁", "w"), ("o", "r"), ("▁w", "or"), ("▁wor", "l"), ("▁worl", "d")]
+    vocab["▁worl"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def sentencepiece_tokenizers():
+    from fixtures_tokenizer import make_sentencepiece_style_tokenizer
+
+    return [metaspace_tokenizer(), make_sentencepiece_style_tokenizer()]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["metaspace_bpe", "replace_unigram"])
+def test_sentencepiece_vocabulary_decodes_like_the_tokenizer(which: int) -> None:
+    tokenizer = sentencepiece_tokenizers()[which]
+    eos = tokenizer.eos_token_id
+    vocabulary = vocabulary_from_tokenizer(tokenizer, len(tokenizer) + 3, [eos])
+    token_bytes = vocabulary.token_bytes
+    for name in ("<unk>", "<s>", "</s>"):
+        assert token_bytes[tokenizer.convert_tokens_to_ids(name)] is None
+    assert token_bytes[tokenizer.convert_tokens_to_ids("<0x0A>")] == b"\n"
+    assert token_bytes[tokenizer.convert_tokens_to_ids("<0xE4>")] == b"\xe4"
+    assert token_bytes[-3:] == [None] * 3
+    words = [i for i, b in enumerate(token_bytes) if b and (len(b) > 1 or b < b"\x80")]
+    byte_token = {b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    rng = random.Random(which)
+
+    def decoded(seq: list[int]) -> str:
+        text = b"".join(token_bytes[i] for i in seq).decode("utf-8")
+        # the decoder drops one leading space at the start of the text: the Metaspace decoder
+        # only a "▁" that starts the first token, Strip whatever space starts the text
+        first = tokenizer.convert_ids_to_tokens(seq[0])
+        if text.startswith(" ") and (which == 1 or first.startswith("▁")):
+            return text[1:]
+        return text
+
+    for _ in range(300):
+        seq: list[int] = []
+        for _ in range(rng.randint(1, 10)):
+            if rng.random() < 0.8:
+                seq.append(rng.choice(words))
+            else:  # a whole character as byte-fallback tokens
+                seq += [byte_token[b] for b in rng.choice("中é😀\n ").encode()]
+        assert decoded(seq) == tokenizer.decode(seq, clean_up_tokenization_spaces=False)
+    text = "hello world! 中文 é\nhello"
+    encoded = tokenizer.encode(text, add_special_tokens=False)
+    assert decoded(encoded) == text
+
+
+def test_unknown_tokenizer_kind_is_refused() -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    with pytest.raises(ValueError, match="cannot tell how this tokenizer"):
+        vocabulary_from_tokenizer(tokenizer, 2, [])
+    with pytest.raises(ValueError, match="fast"):
+        vocabulary_from_tokenizer(object(), 2, [])
+
+
+# -- matcher and backend -----------------------------------------------------------------------
+
+TINY = [None, b"y", b"es", b"yes", b"n", b"o", b"no", b"x", b"nox"]  # id 0: EOS
+TINY_EOS = 0
+
+
+@pytest.fixture
+def tiny_backend() -> ChassisStructuredOutputBackend:
+    return ChassisStructuredOutputBackend(TokenVocabulary(TINY, frozenset({TINY_EOS})))
+
+
+def allowed_ids(matcher) -> list[int]:
+    return np.flatnonzero(matcher.allowed_tokens()).tolist()
+
+
+def test_matcher_accepts_rejects_and_terminates(tiny_backend) -> None:
+    grammar = tiny_backend.compile(StructuredOutputsParams(choice=["yes", "no", "nox"]))
+    matcher = grammar.matcher()
+    assert allowed_ids(matcher) == [1, 3, 4, 6, 8]
+    assert not matcher.accept_token(TINY_EOS)  # not complete yet
+    assert not matcher.accept_token(7)  # "x": not allowed, nothing changes
+    assert not matcher.accept_token(99) and not matcher.is_terminated()
+    assert matcher.accept_token(4)  # "n"
+    assert allowed_ids(matcher) == [5]  # "o" ("nno" and "ox" are not options)
+    assert matcher.accept_token(5)  # "no": complete, but "x" may follow
+    assert allowed_ids(matcher) == [TINY_EOS, 7]
+    assert not matcher.is_terminated()
+    assert matcher.accept_token(TINY_EOS)  # accepted, nothing changes
+    assert allowed_ids(matcher) == [TINY_EOS, 7]
+    assert matcher.accept_token(7)  # "nox"
+    assert matcher.is_terminated() and allowed_ids(matcher) == [TINY_EOS]
+    assert not matcher.accept_token(1)
+    assert matcher.accept_token(TINY_EOS)
+    other = grammar.matcher()  # matchers are independent
+    assert other.accept_token(3) and other.is_terminated()
+
+
+def test_backend_check_compile_and_cache(tiny_backend) -> None:
+    regex = StructuredOutputsParams(regex=r"(yes|no)+")
+    ChassisStructuredOutputBackend.check(regex)
+    ChassisStructuredOutputBackend.check(regex)  # remembered
+    grammar = tiny_backend.compile(regex)
+    assert tiny_backend.compile(StructuredOutputsParams(regex=r"(yes|no)+")) is grammar
+    matcher = grammar.matcher()
+    for token in (3, 4, 5, 1, 2):
+        assert matcher.accept_token(token)
+    assert not matcher.is_terminated() and allowed_ids(matcher)[0] == TINY_EOS
+    choice = StructuredOutputsParams(choice=["a", "b"])
+    assert ir_fullmatch(constraint_to_ir(choice), "b")
+    for bad, message in [
+        (StructuredOutputsParams(regex=r"(a)\1"), "backreference"),
+        (StructuredOutputsParams(regex=r"[^\x00-\U0010ffff]"), "matches no output"),
+        (StructuredOutputsParams(regex=r"(a{1000}){1000}"), "too large"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ChassisStructuredOutputBackend.check(bad)
+        with pytest.raises(ValueError, match=message):
+            tiny_backend.compile(bad)
+
+
+def test_backend_grammar_cache_is_bounded() -> None:
+    backend = ChassisStructuredOutputBackend(TokenVocabulary(TINY, frozenset({0})), cache_size=2)
+    first = backend.compile(StructuredOutputsParams(regex="y"))
+    backend.compile(StructuredOutputsParams(regex="n"))
+    backend.compile(StructuredOutputsParams(regex="x"))
+    assert backend.compile(StructuredOutputsParams(regex="y")) is not first
+
+
+def test_registration_hook() -> None:
+    registered = {}
+
+    class Registry:
+        def register(self, name, target):
+            registered[name] = target
+
+    chassis_register_structured_output_backends(Registry())
+    module, _, attr = registered["chassis"].partition(":")
+    assert getattr(importlib.import_module(module), attr) is ChassisStructuredOutputBackend
+    assert ChassisStructuredOutputBackend.name == "chassis"
+
+
+@pytest.mark.skipif(not HAS_JSON_SCHEMA, reason="json_schema.py is not there yet")
+@pytest.mark.parametrize(
+    "params",
+    [
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(
+            json={
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "age": {"type": "integer"},
+                    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+                },
+                "required": ["name", "age", "tags"],
+            }
+        ),
+    ],
+    ids=["json_object", "json_schema"],
+)
+def test_greedy_walk_produces_json(params, smol_vocabulary, smol_tokenizer_embedded) -> None:
+    """A greedy walk ends in a complete JSON value: at each step EOS if allowed, else the
+    first allowed of a few closing/short tokens, else the first allowed token. (Plain
+    "first allowed token" would never leave a free string: "!" is a low id.)"""
+    backend = ChassisStructuredOutputBackend(smol_vocabulary)
+    ChassisStructuredOutputBackend.check(params)
+    matcher = backend.compile(params).matcher()
+    eos = next(iter(smol_vocabulary.eos_token_ids))
+    preferred = [eos, *smol_tokenizer_embedded.convert_tokens_to_ids(list('}]"0:,a'))]
+    out = b""
+    for _ in range(400):
+        allowed = matcher.allowed_tokens()
+        token = next((t for t in preferred if allowed[t]), None)
+        if token is None:
+            token = int(np.flatnonzero(allowed)[0])
+        assert matcher.accept_token(token)
+        if token == eos:
+            break
+        out += smol_vocabulary.token_bytes[token]
+    else:
+        pytest.fail(f"no EOS after 400 tokens: {out[:200]!r}")
+    assert matcher.is_terminated() or matcher.allowed_tokens()[eos]
+    value = json.loads(out)
+    assert isinstance(value, dict)
+
+
+def test_json_kinds_dispatch_to_the_json_schema_module(monkeypatch, tiny_backend) -> None:
+    """The wiring only, with a stand-in module: ``json`` passes the parsed schema to
+    ``schema_to_ir``, ``json_object`` calls ``any_json_object`` (the real module is tested by
+    its own tests and by the greedy walk below)."""
+    import sys
+    import types
+
+    from chassis.builtin_plugins import structured_output
+
+    calls = []
+    stand_in = types.ModuleType("json_schema")
+    stand_in.schema_to_ir = lambda schema: calls.append(schema) or ir.literal("yes")
+    stand_in.any_json_object = lambda: ir.literal("no")
+    name = "chassis.builtin_plugins.structured_output.json_schema"
+    monkeypatch.setitem(sys.modules, name, stand_in)
+    monkeypatch.setattr(structured_output, "json_schema", stand_in, raising=False)
+    schema = {"type": "string", "enum": ["yes"]}
+    matcher = tiny_backend.compile(StructuredOutputsParams(json=schema)).matcher()
+    assert calls == [schema]
+    assert matcher.accept_token(3) and matcher.is_terminated()
+    matcher = tiny_backend.compile(StructuredOutputsParams(json_object=True)).matcher()
+    assert matcher.accept_token(6) and matcher.is_terminated()
