@@ -114,7 +114,10 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
-        if isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS:
+        long_prompt = isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS
+        # Checking a new structured-output constraint compiles it (up to ~0.1 s for a large
+        # schema): off the event loop too.
+        if long_prompt or sampling_params.structured_outputs is not None:
             requests = await asyncio.to_thread(
                 self.input_processor.process, prompt, sampling_params, request_id, priority, arrival
             )

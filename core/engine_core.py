@@ -112,7 +112,7 @@ class EngineCore:
         reason ``abort``, and the error is logged; the engine keeps serving."""
         engine_request = Request.from_engine_core_request(request)
         try:
-            self.structured_outputs.add_request(engine_request)
+            matcher = self.structured_outputs.matcher_for(engine_request)
         except ValueError as exc:
             logger.error("request %s refused: %s", request.request_id, exc)
             self._refused.append(
@@ -120,6 +120,8 @@ class EngineCore:
             )
             return
         self.scheduler.add_request(engine_request)
+        if matcher is not None:  # only once the scheduler has the request
+            self.structured_outputs.track(request.request_id, matcher)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)

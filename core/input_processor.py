@@ -56,6 +56,9 @@ class InputProcessor:
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len: int = config.max_model_len
         self._uses_priority: bool | None = None  # the scheduler's, asked on first need
+        #: why the tokenizer cannot be mapped to bytes for structured outputs ("" when it
+        #: can), found on the first constrained request
+        self._tokenizer_refusal: str | None = None
         #: ids in [0, vocab_size) are valid (added tokens included)
         self.vocab_size = len(tokenizer) if tokenizer is not None else int(vocab_size or 0)
 
@@ -193,6 +196,16 @@ class InputProcessor:
                 "structured outputs need a tokenizer, and this engine runs without one "
                 "(skip_tokenizer_init)"
             )
+        if self._tokenizer_refusal is None:
+            from chassis.core.token_vocabulary import check_tokenizer
+
+            try:
+                check_tokenizer(self.tokenizer)
+                self._tokenizer_refusal = ""
+            except ValueError as exc:
+                self._tokenizer_refusal = str(exc)
+        if self._tokenizer_refusal:
+            raise ValueError(self._tokenizer_refusal)
         backend = get_registries().structured_output_backends.get(
             self.config.structured_output_backend
         )

@@ -138,10 +138,6 @@ class GrammarMatcher(ABC):
         :meth:`allowed_tokens` does not allow. After the output is complete, an EOS id is
         accepted and changes nothing."""
 
-    @abstractmethod
-    def is_terminated(self) -> bool:
-        """Whether the output is complete and nothing but EOS may follow."""
-
 
 class Grammar(ABC):
     """A compiled constraint; shared by every request that asks for it."""

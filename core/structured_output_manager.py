@@ -44,42 +44,57 @@ class StructuredOutputManager:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._backend: StructuredOutputBackend | None = None
+        #: why the backend could not be built (then every constrained request is refused)
+        self._backend_error: str | None = None
         self._matchers: dict[str, GrammarMatcher] = {}
 
     @property
     def backend(self) -> StructuredOutputBackend:
-        """The configured backend, built with the tokenizer's vocabulary on first use."""
+        """The configured backend, built with the tokenizer's vocabulary on first use (a
+        one-time cost on the engine core's thread: loading the tokenizer and mapping its
+        vocabulary). A failure is kept and raised again, as ``ValueError``, for every later
+        request."""
+        if self._backend_error is not None:
+            raise ValueError(self._backend_error)
         if self._backend is None:
-            from chassis.core.model_loader import load_hf_config
-            from chassis.core.token_vocabulary import vocabulary_from_tokenizer
-            from chassis.core.tokenizer import eos_token_ids, load_tokenizer
-            from chassis.plugins import get_registries
-
-            if self.config.skip_tokenizer_init:
-                raise ValueError("structured outputs need the tokenizer (--skip-tokenizer-init)")
-            assert self.config.tokenizer is not None and self.config.model is not None
-            tokenizer = load_tokenizer(self.config.tokenizer)  # as the front-end loads it
-            # Every mask covers the model's logits, which may be wider than the tokenizer.
-            vocab_size = int(load_hf_config(self.config.model).vocab_size)
-            vocabulary = vocabulary_from_tokenizer(
-                tokenizer, vocab_size, eos_token_ids(tokenizer, self.config.model)
-            )
-            cls = get_registries().structured_output_backends.get(
-                self.config.structured_output_backend
-            )
-            self._backend = cls(vocabulary)
+            try:
+                self._backend = self._build_backend()
+            except Exception as exc:
+                self._backend_error = f"structured outputs are unavailable: {exc}"
+                raise ValueError(self._backend_error) from exc
         return self._backend
 
-    def add_request(self, request: Request) -> None:
-        """Start a matcher for ``request`` if it asks for structured output.
+    def _build_backend(self) -> StructuredOutputBackend:
+        from chassis.core.model_loader import load_hf_config
+        from chassis.core.token_vocabulary import vocabulary_from_tokenizer
+        from chassis.core.tokenizer import eos_token_ids, load_tokenizer
+        from chassis.plugins import get_registries
 
-        Raises ``ValueError`` when its constraint cannot be compiled (the API server checks
+        if self.config.skip_tokenizer_init:
+            raise ValueError("structured outputs need the tokenizer (--skip-tokenizer-init)")
+        assert self.config.tokenizer is not None and self.config.model is not None
+        tokenizer = load_tokenizer(self.config.tokenizer)  # as the front-end loads it
+        # Every mask covers the model's logits, which may be wider than the tokenizer.
+        vocab_size = int(load_hf_config(self.config.model).vocab_size)
+        vocabulary = vocabulary_from_tokenizer(
+            tokenizer, vocab_size, eos_token_ids(tokenizer, self.config.model)
+        )
+        cls = get_registries().structured_output_backends.get(self.config.structured_output_backend)
+        return cls(vocabulary)
+
+    def matcher_for(self, request: Request) -> GrammarMatcher | None:
+        """A new matcher for ``request`` if it asks for structured output (else ``None``).
+
+        Raises ``ValueError`` when its constraint cannot be compiled (the front-end checks
         constraints before they reach the engine, so that is a backend disagreeing with its
-        own ``check``).
+        own ``check``) or the backend cannot be built.
         """
         params = request.sampling_params.structured_outputs
-        if params is not None:
-            self._matchers[request.request_id] = self.backend.compile(params).matcher()
+        return None if params is None else self.backend.compile(params).matcher()
+
+    def track(self, request_id: str, matcher: GrammarMatcher) -> None:
+        """Follow ``matcher`` for a request the scheduler has accepted."""
+        self._matchers[request_id] = matcher
 
     def has_constrained(self, plan: SchedulerOutput) -> bool:
         """Whether a request of ``plan`` is constrained."""
@@ -91,9 +106,33 @@ class StructuredOutputManager:
         masks = {}
         for request_id in plan.num_scheduled_tokens:
             matcher = self._matchers.get(request_id)
-            if matcher is not None:
-                masks[request_id] = pack_mask(matcher.allowed_tokens())
+            if matcher is None:
+                continue
+            allowed = matcher.allowed_tokens()
+            if not allowed.any():
+                allowed = self._dead_end(request_id)
+                if allowed is None:
+                    continue
+            masks[request_id] = pack_mask(allowed)
         return masks
+
+    def _dead_end(self, request_id: str) -> np.ndarray | None:
+        """The mask of a request whose grammar allows no token (the vocabulary cannot spell
+        what must come next, or EOS is needed and the model has none): only EOS, which ends
+        it, or, without EOS ids, no constraint any more. Logged as an error: every logit at
+        ``-inf`` would sample an arbitrary token."""
+        eos = sorted(self.backend.vocabulary.eos_token_ids)
+        logger.error(
+            "structured output: request %s can write no token its grammar allows; %s",
+            request_id,
+            "it ends with EOS" if eos else "its output is not constrained any more",
+        )
+        if not eos:
+            del self._matchers[request_id]
+            return None
+        allowed = np.zeros(self.backend.vocabulary.vocab_size, dtype=bool)
+        allowed[eos] = True
+        return allowed
 
     def update(self, outputs: Iterable[EngineCoreOutput]) -> None:
         """Move matchers past the tokens the step sampled; forget finished requests."""

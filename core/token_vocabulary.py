@@ -56,14 +56,7 @@ def vocabulary_from_tokenizer(
     """The :class:`TokenVocabulary` of a fast Hugging Face ``tokenizer`` (see the module
     docstring), ``vocab_size`` entries long. Raises ``ValueError`` for a tokenizer that is
     not ``tokenizers``-backed or whose token-to-bytes mapping is not one of those above."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError(
-            f"structured output needs a fast (tokenizers-backed) tokenizer; "
-            f"{type(tokenizer).__name__} is not one"
-        )
-    vocab = backend.get_vocab(with_added_tokens=True)
-    to_bytes = _token_decoder(json.loads(backend.to_str()), vocab)
+    vocab, to_bytes = _vocab_and_decoder(tokenizer)
     special = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
     for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
         if getattr(added, "special", False):
@@ -77,6 +70,23 @@ def vocabulary_from_tokenizer(
         eos_token_ids=frozenset(int(i) for i in eos_token_ids),
         tokenizer=tokenizer,
     )
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """Raise the ``ValueError`` :func:`vocabulary_from_tokenizer` would raise for
+    ``tokenizer``, without mapping its tokens (for a front-end's early 400)."""
+    _vocab_and_decoder(tokenizer)
+
+
+def _vocab_and_decoder(tokenizer: Any) -> tuple[dict[str, int], Callable[[str], bytes]]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"structured output needs a fast (tokenizers-backed) tokenizer; "
+            f"{type(tokenizer).__name__} is not one"
+        )
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return vocab, _token_decoder(json.loads(backend.to_str()), vocab)
 
 
 def _components(spec: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -67,6 +67,12 @@ class ChoiceParser:
         #: the message had reasoning (even when ``include_reasoning`` drops it)
         self.saw_reasoning = False
 
+    @property
+    def finish_reason_after_calls(self) -> str:
+        """The finish reason of a choice that stopped after its calls: ``tool_calls``, or the
+        tool parser's own (a named ``tool_choice`` keeps ``stop``)."""
+        return getattr(self._tools, "finish_reason_after_calls", "tool_calls")
+
     def feed(self, text: str) -> ChoiceDelta:
         """The classified part of ``text``, the next piece of the message."""
         split = self._reasoning.feed(text) if self._reasoning else ReasoningDelta(content=text)
@@ -208,9 +214,10 @@ class RequestParsing:
 
 
 def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
-    """OpenAI's ``tool_calls`` for a choice that stopped after calling tools."""
+    """OpenAI's ``tool_calls`` for a choice that stopped after calling tools (``stop`` still
+    when ``tool_choice`` named the function, as OpenAI and vLLM answer then)."""
     if reason == "stop" and parser.num_calls:
-        return "tool_calls"
+        return parser.finish_reason_after_calls
     return reason
 
 

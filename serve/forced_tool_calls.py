@@ -37,7 +37,10 @@ class _WholeJsonMessage(ToolParser):
 
 class NamedToolCallParser(_WholeJsonMessage):
     """``tool_choice`` names a function (``tools`` holds just that one): the message is the
-    arguments object of one call."""
+    arguments object of one call. The choice's finish reason stays ``stop`` (OpenAI's and
+    vLLM's answer to a named function)."""
+
+    finish_reason_after_calls = "stop"
 
     def calls_in(self, value: Any) -> list[ToolCall] | None:
         if not isinstance(value, dict):

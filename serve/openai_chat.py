@@ -28,6 +28,7 @@ from chassis.serve.chat_parsing import (
     tool_call_json,
 )
 from chassis.serve.protocol import (
+    MIN_LOGPROB,
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionRequest,
@@ -35,6 +36,7 @@ from chassis.serve.protocol import (
     ChatLogprobToken,
     ChatLogprobTop,
     ChatResponseMessage,
+    json_logprob,
 )
 from chassis.serve.state import ServerState, UsageCounter
 from chassis.serve.stream_chunks import ChunkEncoder, chat_choice
@@ -70,14 +72,16 @@ def _logprobs(
             top_text = state.token_text(tid, lp.decoded_token)
             top.append(
                 ChatLogprobTop(
-                    token=top_text, logprob=lp.logprob, bytes=list(top_text.encode("utf-8"))
+                    token=top_text,
+                    logprob=json_logprob(lp.logprob),
+                    bytes=list(top_text.encode("utf-8")),
                 )
             )
         out.append(
             ChatLogprobToken(
                 token=text,
                 # a sampled token outside the returned set has no known logprob
-                logprob=sampled.logprob if sampled else float("-inf"),
+                logprob=json_logprob(sampled.logprob if sampled else MIN_LOGPROB),
                 bytes=list(text.encode("utf-8")),
                 top_logprobs=top,
             )

@@ -27,6 +27,7 @@ from chassis.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptLogprobs,
+    json_logprob,
 )
 from chassis.serve.state import ServerState, UsageCounter
 from chassis.serve.stream_chunks import ChunkEncoder, completion_choice
@@ -62,10 +63,10 @@ class _LogprobBuilder:
             sampled = position.get(token_id)
             text = self.state.token_text(token_id, sampled.decoded_token if sampled else None)
             out.tokens.append(text)
-            out.token_logprobs.append(sampled.logprob if sampled else None)
+            out.token_logprobs.append(json_logprob(sampled.logprob) if sampled else None)
             out.top_logprobs.append(
                 {
-                    self.state.token_text(tid, lp.decoded_token): lp.logprob
+                    self.state.token_text(tid, lp.decoded_token): json_logprob(lp.logprob)
                     for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
                 }
             )

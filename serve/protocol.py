@@ -24,6 +24,16 @@ logger = logging.getLogger(__name__)
 
 #: OpenAI's range for ``logit_bias`` values.
 LOGIT_BIAS_LIMIT = 100.0
+#: The lowest logprob a response carries (vLLM's): tokens a structured-output constraint
+#: forbids have -inf, which JSON cannot hold.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """``value`` as a response carries it: at least :data:`MIN_LOGPROB`."""
+    return max(value, MIN_LOGPROB)
+
+
 #: ``max_tokens`` of ``/v1/completions`` when not given (or ``null``), as OpenAI's.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Most choices (prompts x ``n``) one request may ask for: each is an engine request created

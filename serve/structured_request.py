@@ -61,13 +61,13 @@ def for_tool_choice(
     functions = {t["function"]["name"]: t["function"] for t in tools}
     if isinstance(tool_choice, dict):
         function = functions[tool_choice["function"]["name"]]
-        return StructuredOutputsParams(json=function.get("parameters") or _NO_PARAMETERS)
+        return StructuredOutputsParams(json=_parameters(function))
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": name},
-                "parameters": function.get("parameters") or _NO_PARAMETERS,
+                "parameters": _parameters(function),
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,
@@ -78,6 +78,13 @@ def for_tool_choice(
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's ``parameters`` schema; one that declares none takes no arguments (``{}``
+    is a schema too: any value)."""
+    parameters = function.get("parameters")
+    return _NO_PARAMETERS if parameters is None else parameters
 
 
 def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsParams | None:

@@ -166,3 +166,32 @@ def test_an_unknown_parser_fails_before_the_model_loads(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert "unknown reasoning parser 'nope'; known: deepseek_r1, qwen3" in result.stderr
     assert "Traceback" not in result.stderr and "no-model" not in result.stderr
+
+
+def test_constrained_logprobs_are_finite_numbers(server: ServerProcess) -> None:
+    """Forbidden tokens have -inf logprobs, which JSON cannot carry: responses clamp them to
+    -9999.0, as vLLM does, instead of sending null."""
+    client = server.client()
+    completion = client.completions.create(
+        model="tiny",
+        prompt="Yes or no?",
+        max_tokens=4,
+        logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert completion.choices[0].text in ("yes", "no")
+    logprobs = completion.choices[0].logprobs
+    values = [v for top in logprobs.top_logprobs for v in top.values()]
+    values += logprobs.token_logprobs
+    assert values and all(isinstance(v, float) and v >= -9999.0 for v in values)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    content = chat.choices[0].logprobs.content
+    assert all(t.logprob >= -9999.0 for t in content)
+    assert all(isinstance(top.logprob, float) for t in content for top in t.top_logprobs)

@@ -19,14 +19,16 @@ import pytest
 from ir_matcher import ir_fullmatch
 
 from chassis.builtin_plugins.structured_output import ir
+from chassis.builtin_plugins.structured_output.automaton import (
+    MAX_NFA_STATES,
+    estimated_nfa_states,
+)
 from chassis.builtin_plugins.structured_output.json_numbers import integer_range, number_range
 from chassis.builtin_plugins.structured_output.json_schema import (
     ANY_JSON_DEPTH,
     MAX_RECURSION_DEPTH,
-    MAX_STATES,
     any_json_object,
     check_schema,
-    estimated_states,
     schema_to_ir,
 )
 from chassis.builtin_plugins.structured_output.json_syntax import MAX_WHITESPACE
@@ -157,7 +159,7 @@ def test_every_subset_of_optional_properties_in_order():
 def test_optional_properties_grow_quadratically_not_exponentially():
     schema = {"type": "object", "properties": {f"p{i}": {"type": "boolean"} for i in range(40)}}
     node = schema_to_ir(schema)
-    assert estimated_states(node) < MAX_STATES
+    assert estimated_nfa_states(node) < MAX_NFA_STATES
     value = {f"p{i}": True for i in range(0, 40, 7)}
     assert ir_fullmatch(node, json.dumps(value))
 
@@ -717,7 +719,7 @@ def _nested(depth: int) -> Any:
 
 def test_any_json_object():
     node = any_json_object()
-    assert estimated_states(node) <= MAX_STATES
+    assert estimated_nfa_states(node) <= MAX_NFA_STATES
     values = [{}, {"a": 1}, {"a": [], "b": {}, "c": "é\n", "d": -1.5e-3, "e": [True, False, None]}]
     values.append(_nested(ANY_JSON_DEPTH))
     for value in values:
@@ -736,7 +738,7 @@ def test_any_json_object():
 
 def test_true_schema_and_free_form_values_are_any_json():
     node = assert_accepts(True, 1, "s", None, [1, {"a": [2]}], {"x": {"y": [3]}})
-    assert estimated_states(node) <= MAX_STATES
+    assert estimated_nfa_states(node) <= MAX_NFA_STATES
     node = assert_accepts(
         {"properties": {"data": {}}, "required": ["data"]}, {"data": [1, {"b": None}]}
     )
@@ -988,3 +990,21 @@ def test_random_schemas_only_generate_valid_instances():
         node = schema_to_ir(schema)
         for _ in range(10):
             validate(schema, json.loads(sample(node, rng)))
+
+
+def test_common_large_schemas_fit_the_automaton() -> None:
+    """Sized by the automaton's own estimate (one estimator, one limit): the longest string
+    the docs promise, and an object of several bounded strings, compile."""
+    from chassis.builtin_plugins.structured_output.automaton import Automaton
+
+    longest = {"type": "string", "maxLength": 1000}
+    six = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "maxLength": 100} for i in range(6)},
+    }
+    for schema in (longest, six):
+        node = schema_to_ir(schema)
+        assert estimated_nfa_states(node) <= MAX_NFA_STATES
+        assert Automaton.from_ir(node).fullmatch(
+            json.dumps({"p0": "x"} if schema is six else "x").encode()
+        )

@@ -173,3 +173,64 @@ def test_smollm2_writes_the_json_it_is_asked_for(smollm2_dir) -> None:
     )
     assert output.outputs[0].finish_reason == "stop"
     assert isinstance(json.loads(output.outputs[0].text), dict)
+
+
+# -- engine-core bookkeeping ----------------------------------------------------------------------
+
+
+def test_a_refused_duplicate_id_keeps_the_running_request_s_matcher(tiny_llm: LLM) -> None:
+    """The matcher is tracked only once the scheduler accepted the request: a second request
+    with a running request's id is refused without touching the first one's place."""
+    core = tiny_llm.engine
+    params = constrained({"regex": "abcdefgh"}, temperature=1.0, seed=0)
+    [first] = tiny_llm.input_processor.process("hi", params, "dup")
+    core.add_request(first)
+    core.step()  # prefill and the first constrained token
+    core.step()
+    matcher = core.structured_outputs._matchers["dup"]
+    with pytest.raises(ValueError):
+        core.add_request(first)
+    assert core.structured_outputs._matchers["dup"] is matcher
+    texts = []
+    while core.has_unfinished():
+        texts += [o for o in core.step().outputs if o.request_id == "dup"]
+    assert not core.structured_outputs._matchers
+    tokens = [t for o in texts for t in o.new_token_ids]
+    assert texts[-1].finish_reason == "stop" and tokens
+
+
+def test_a_grammar_that_allows_nothing_ends_the_request_with_eos(tiny_llm: LLM) -> None:
+    """A state no token of the vocabulary can leave (here: a stand-in matcher) must not
+    leave every logit at -inf: the request gets EOS only, and ends."""
+    import numpy as np
+
+    class Stuck:
+        def allowed_tokens(self):
+            return np.zeros(tiny_llm.engine.structured_outputs.backend.vocabulary.vocab_size, bool)
+
+        def accept_token(self, token_id):
+            return False
+
+    core = tiny_llm.engine
+    params = constrained({"choice": ["x"]}, temperature=1.0, seed=0)
+    [request] = tiny_llm.input_processor.process("hi", params, "stuck")
+    core.add_request(request)
+    core.structured_outputs.track("stuck", Stuck())
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step().outputs
+    [last] = [o for o in outputs if o.finished]
+    assert last.finish_reason == "stop" and last.new_token_ids[-1] in request.eos_token_ids
+
+
+def test_a_tokenizer_that_cannot_be_mapped_is_a_clear_error(tiny_llm: LLM) -> None:
+    from chassis.core.input_processor import InputProcessor
+
+    class SlowTokenizer:  # no backend_tokenizer: not tokenizers-backed
+        def __len__(self) -> int:
+            return 49152
+
+    processor = InputProcessor(SlowTokenizer(), tiny_llm.config, [2])
+    for _ in range(2):  # the refusal is remembered
+        with pytest.raises(ValueError, match="fast .*tokenizer"):
+            processor.process([1, 2, 3], constrained({"choice": ["a"]}), "r")

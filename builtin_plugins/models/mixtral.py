@@ -25,4 +25,5 @@ class MixtralForCausalLM(SparseMoeForCausalLM):
             intermediate_size=int(hf_config.intermediate_size),
             renormalize=True,
             round_weights_to_model_dtype=False,
+            intermediate_size_field="intermediate_size",
         )

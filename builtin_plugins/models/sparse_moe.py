@@ -55,6 +55,8 @@ class MoeSpec:
     sparse_step: int = 1
     #: a gated, always-on shared expert of this intermediate size (Qwen2-MoE); 0 for none
     shared_expert_intermediate_size: int = 0
+    #: the config field ``intermediate_size`` comes from (for error messages)
+    intermediate_size_field: str = "moe_intermediate_size"
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` holds a MoE block (else a dense MLP)."""
@@ -83,6 +85,7 @@ class SparseMoeBlock(nn.Module):
             moe.intermediate_size,
             renormalize=moe.renormalize,
             round_weights_to_model_dtype=moe.round_weights_to_model_dtype,
+            intermediate_size_field=moe.intermediate_size_field,
         )
         self.shared_expert: LlamaMLP | None = None
         if moe.shared_expert_intermediate_size:

@@ -27,7 +27,7 @@ import numpy as np
 
 from chassis.builtin_plugins.structured_output import ir
 
-__all__ = ["DEAD", "MAX_NFA_STATES", "UNKNOWN", "Automaton"]
+__all__ = ["DEAD", "MAX_NFA_STATES", "UNKNOWN", "Automaton", "estimated_nfa_states"]
 
 #: the dead DFA state: nothing more can match
 DEAD = 0
@@ -179,6 +179,12 @@ class _Nfa:
             cur = self.build(node.item, cur)
         self.link(cur, end)
         return end
+
+
+def estimated_nfa_states(node: ir.Node) -> int:
+    """An upper bound of the NFA states :meth:`Automaton.from_ir` builds for ``node``,
+    without building it (what :data:`MAX_NFA_STATES` is compared with)."""
+    return _Nfa().estimate(node)
 
 
 class _ChainPlan:

@@ -94,6 +94,7 @@ class ChassisGrammarMatcher(GrammarMatcher):
         return True
 
     def is_terminated(self) -> bool:
+        """Whether the output is complete and nothing but EOS may follow."""
         return self._grammar.automaton.is_terminal(self.state)
 
 

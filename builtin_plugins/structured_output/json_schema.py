@@ -39,7 +39,7 @@ ignored.
 
 Sizes: the automaton copies each shared sub-tree, so free-form values (``true``,
 ``{"type": "object"}``) and recursion grow quickly with depth. When a schema's automaton
-would exceed :data:`MAX_STATES`, the free-form depth and the recursion depth are lowered
+would exceed :data:`~.automaton.MAX_NFA_STATES`, the free-form depth and the recursion depth are lowered
 together (down to 1) until it fits.
 """
 
@@ -48,6 +48,10 @@ from __future__ import annotations
 from typing import Any
 
 from chassis.builtin_plugins.structured_output import ir
+from chassis.builtin_plugins.structured_output.automaton import (
+    MAX_NFA_STATES,
+    estimated_nfa_states,
+)
 from chassis.builtin_plugins.structured_output.json_schema_compiler import SchemaCompiler
 from chassis.builtin_plugins.structured_output.json_schema_types import (
     MAX_ITEMS,
@@ -59,24 +63,19 @@ __all__ = [
     "ANY_JSON_DEPTH",
     "MAX_ITEMS",
     "MAX_RECURSION_DEPTH",
-    "MAX_STATES",
     "MAX_STRING_LENGTH",
     "any_json_object",
     "check_schema",
-    "estimated_states",
     "schema_to_ir",
 ]
 
 #: how deep arrays and objects nest in "any JSON object" (the object itself is level 1),
 #: and at most in a free-form value of a schema. Each level multiplies the automaton by
-#: about four (see :mod:`json_syntax`): 4 levels are ~65k estimated NFA states, 5 would be
-#: ~260k, beyond what the automaton accepts.
-ANY_JSON_DEPTH = 4
+#: about four (see :mod:`json_syntax`): 5 levels are ~118k NFA states (built in ~0.15 s,
+#: ~14 MiB), 6 would be ~471k, beyond what the automaton accepts.
+ANY_JSON_DEPTH = 5
 #: how many times a ``$ref`` may be expanded inside itself
 MAX_RECURSION_DEPTH = 5
-#: the largest automaton (estimated NFA states) a schema may compile to: half of what the
-#: automaton accepts; building one this size takes well under a second
-MAX_STATES = 100_000
 
 
 def any_json_object() -> ir.Node:
@@ -110,39 +109,14 @@ def schema_to_ir(schema: dict[str, Any] | bool) -> ir.Node:
         node = compiler.compile(schema, "#")
         if node == NOTHING:
             raise compiler.no_instance_error()
-        states = estimated_states(node)
-        if states <= MAX_STATES or not compiler.depth_sensitive:
+        states = estimated_nfa_states(node)
+        if states <= MAX_NFA_STATES or not compiler.depth_sensitive:
             break
-    if states > MAX_STATES:
+    if states > MAX_NFA_STATES:
         raise ValueError(
             f"the JSON schema is too large to enforce: its automaton would need about "
-            f"{states} states, more than {MAX_STATES}; lower maxLength/minLength/maxItems/"
+            f"{states} states, more than {MAX_NFA_STATES}; lower maxLength/minLength/maxItems/"
             "minItems, shorten long enums, make leading optional properties required, "
             "or nest less"
         )
     return node
-
-
-def estimated_states(node: ir.Node) -> int:
-    """The NFA states the automaton's Thompson construction makes for ``node``: shared
-    sub-trees and bounded repetitions count once per copy."""
-    return _estimate(node, {})
-
-
-def _estimate(node: ir.Node, memo: dict[int, int]) -> int:
-    known = memo.get(id(node))  # by id: hashing a deep shared tree is not cached
-    if known is not None:
-        return known
-    if isinstance(node, ir.Bytes):
-        size = len(node.value) + 1
-    elif isinstance(node, ir.ByteSet):
-        size = 2
-    elif isinstance(node, ir.Seq):
-        size = 1 + sum(_estimate(item, memo) for item in node.items)
-    elif isinstance(node, ir.Alt):
-        size = 2 + sum(_estimate(option, memo) for option in node.options)
-    else:
-        copies = node.min + 1 if node.max is None else node.max
-        size = 2 + copies * _estimate(node.item, memo)
-    memo[id(node)] = size
-    return size

@@ -140,7 +140,8 @@ class FusedMoE(nn.Module):
     partial sum: the caller all-reduces it (once, together with any shared expert).
 
     ``renormalize``: divide the top-k probabilities by their sum (Mixtral; Qwen's
-    ``norm_topk_prob``). ``round_weights_to_model_dtype``: HF's Qwen MoE blocks round the
+    ``norm_topk_prob``). ``intermediate_size_field`` names the config field of
+    ``intermediate_size`` in the error when it does not split over the tensor-parallel group. ``round_weights_to_model_dtype``: HF's Qwen MoE blocks round the
     routing weights to the model dtype before scaling the experts' outputs; Mixtral keeps
     them in float32.
     """
@@ -154,6 +155,7 @@ class FusedMoE(nn.Module):
         *,
         renormalize: bool,
         round_weights_to_model_dtype: bool,
+        intermediate_size_field: str = "moe_intermediate_size",
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -165,7 +167,7 @@ class FusedMoE(nn.Module):
         #: the whole checkpoint's intermediate size, and this rank's share of it
         self.full_intermediate_size = intermediate_size
         self.shard_start, self.intermediate_size = parallel_state.shard(
-            intermediate_size, "moe_intermediate_size"
+            intermediate_size, intermediate_size_field
         )
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * self.intermediate_size, hidden_size),
