@@ -37,7 +37,8 @@ CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice")
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     """The constraint on one request's output; exactly one field is set (vLLM's names).
 
-    - ``json``: a JSON schema, as a ``dict`` or its JSON text (kept as text, so property
+    - ``json``: a JSON schema, as a ``dict`` (or ``True``/``False``) or its JSON text (kept
+      as text, so property
       order, which decides the order the properties are generated in, is preserved);
     - ``json_object``: ``True`` for any JSON object (OpenAI's ``response_format``
       ``{"type": "json_object"}``);
@@ -55,9 +56,11 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     choice: list[str] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):
-            # frozen struct: set the normalized text through the base class
-            msgspec.structs.force_setattr(self, "json", json.dumps(self.json))
+        if isinstance(self.json, dict | bool):  # a schema object, or the schemas true/false
+            try:  # frozen struct: set the normalized text through the base class
+                msgspec.structs.force_setattr(self, "json", json.dumps(self.json))
+            except (RecursionError, ValueError) as exc:
+                raise ValueError(f"structured_outputs.json cannot be serialized: {exc}") from None
         set_fields = [
             name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)
         ]
@@ -73,6 +76,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
                 schema = json.loads(self.json)
             except ValueError as exc:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("structured_outputs.json is nested too deeply") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
         if self.json_object is not False and self.json_object is not True:

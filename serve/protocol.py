@@ -405,7 +405,8 @@ class ChatCompletionRequest(_SamplingRequest):
                     f"tools[{i}].function must be an object with a non-empty string 'name'",
                     f"tools.{i}.function",
                 )
-            if not isinstance(function.get("parameters", {}), dict):
+            parameters = function.get("parameters")  # null: none, as when absent
+            if parameters is not None and not isinstance(parameters, dict):
                 raise bad_request(
                     f"tools[{i}].function.parameters must be a JSON Schema object",
                     f"tools.{i}.function.parameters",

@@ -59,6 +59,14 @@ def for_tool_choice(
     the named function's arguments object, or an array of ``{"name", "parameters"}`` objects,
     one per call (at most one without ``parallel_tool_calls``)."""
     functions = {t["function"]["name"]: t["function"] for t in tools}
+    for i, function in enumerate(functions.values()):
+        kind = _parameters(function).get("type", "object")
+        if kind != "object":
+            raise bad_request(
+                f"tools[{i}].function.parameters must describe an object (type 'object') for "
+                f"tool_choice 'required' or a named function; got type {kind!r}",
+                f"tools.{i}.function.parameters",
+            )
     if isinstance(tool_choice, dict):
         function = functions[tool_choice["function"]["name"]]
         return StructuredOutputsParams(json=_parameters(function))
@@ -104,9 +112,10 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
         schema = spec.get("schema")
         if schema is None:  # OpenAI's schema is optional: then any JSON object
             return StructuredOutputsParams(json_object=True)
-        if not isinstance(schema, dict):
+        if not isinstance(schema, dict | bool):
             raise bad_request(
-                "response_format.json_schema.schema must be an object", "response_format"
+                "response_format.json_schema.schema must be a JSON schema (an object)",
+                "response_format",
             )
         return _params("response_format", {"json": schema})
     raise bad_request(
@@ -122,6 +131,8 @@ def _params(field: str, values: dict[str, Any]) -> StructuredOutputsParams:
             json.loads(values["json"])
         except ValueError as exc:
             raise bad_request(f"{field}: the JSON schema is not valid JSON: {exc}", field) from None
+        except RecursionError:
+            raise bad_request(f"{field}: the JSON schema is nested too deeply", field) from None
     try:
         return StructuredOutputsParams(**values)
     except TypeError as exc:  # an unknown key

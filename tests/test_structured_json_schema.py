@@ -1008,3 +1008,31 @@ def test_common_large_schemas_fit_the_automaton() -> None:
         assert Automaton.from_ir(node).fullmatch(
             json.dumps({"p0": "x"} if schema is six else "x").encode()
         )
+
+
+def test_digits_are_bounded_so_a_model_cannot_loop_on_them() -> None:
+    from chassis.builtin_plugins.structured_output.json_numbers import (
+        MAX_FRACTION_DIGITS,
+        MAX_INTEGER_DIGITS,
+    )
+
+    number = schema_to_ir({"type": "number"})
+    assert ir_fullmatch(number, "1" * MAX_INTEGER_DIGITS + "." + "5" * MAX_FRACTION_DIGITS)
+    assert not ir_fullmatch(number, "1" * (MAX_INTEGER_DIGITS + 1))
+    assert not ir_fullmatch(number, "1." + "0" * (MAX_FRACTION_DIGITS + 1))
+    assert ir_fullmatch(number, "1e308") and not ir_fullmatch(number, "1e3080")
+    unit = schema_to_ir({"type": "number", "minimum": 0, "maximum": 1})
+    assert ir_fullmatch(unit, "1." + "0" * MAX_FRACTION_DIGITS)
+    assert not ir_fullmatch(unit, "1." + "0" * (MAX_FRACTION_DIGITS + 1))
+    big = schema_to_ir({"type": "integer", "minimum": 10**25})  # a bound longer than the cap
+    assert ir_fullmatch(big, str(10**25)) and ir_fullmatch(big, str(10**26 - 1))
+    time = schema_to_ir({"type": "string", "format": "time"})
+    assert ir_fullmatch(time, '"12:00:00.123456789Z"')
+    assert not ir_fullmatch(time, '"12:00:00.1234567890Z"')
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_infinity_are_not_json_values(value: float) -> None:
+    for schema in ({"const": value}, {"enum": [1, value]}, {"enum": [[value]]}):
+        with pytest.raises(ValueError, match="not a JSON value"):
+            schema_to_ir(schema)

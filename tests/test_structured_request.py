@@ -86,7 +86,7 @@ def test_each_way_of_asking(fields, expected) -> None:
         ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
-            "must be an object",
+            "must be a JSON schema",
         ),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
         ({"structured_outputs": {"grammar": "root ::= x"}}, "grammar"),

@@ -210,6 +210,12 @@ class _ChainPlan:
         self.num_states = len(index)
 
 
+#: the longest byte sequence whose suffixes :class:`_ChainPlan` shares: enough for UTF-8
+#: characters (4 bytes) and short literals; sharing suffixes costs memory quadratic in the
+#: length, so long alternatives (a choice of long strings) are built as plain alternations
+_MAX_SHARED_CHAIN = 8
+
+
 def _chains(node: ir.Alt, ranges_of: Callable[[frozenset[int]], _Ranges]) -> list | None:
     chains = []
     for option in node.options:
@@ -221,6 +227,8 @@ def _chains(node: ir.Alt, ranges_of: Callable[[frozenset[int]], _Ranges]) -> lis
             elif isinstance(item, ir.ByteSet) and item.allowed:
                 chain.append(ranges_of(item.allowed))
             else:
+                return None
+            if len(chain) > _MAX_SHARED_CHAIN:
                 return None
         chains.append(tuple(chain))
     return chains

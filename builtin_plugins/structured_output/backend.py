@@ -45,6 +45,19 @@ _checked_lock = threading.Lock()
 
 def constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
     """The IR tree of ``params``' constraint (``ValueError`` for an unsupported one)."""
+    try:
+        return _constraint_to_ir(params)
+    except RecursionError:
+        raise ValueError(
+            f"the structured-output {params.kind} constraint is nested too deeply to compile"
+        ) from None
+    except OverflowError as exc:  # e.g. a bound with hundreds of digits, compared as a float
+        raise ValueError(
+            f"the structured-output {params.kind} constraint holds a number too large: {exc}"
+        ) from None
+
+
+def _constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
     kind = params.kind
     if kind == "regex":
         return regex_to_ir(params.regex)
@@ -63,7 +76,13 @@ def constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
 def constraint_automaton(params: StructuredOutputsParams) -> Automaton:
     """The automaton of ``params``: ``ValueError`` for an unsupported constraint, one too
     large, or one that no output can match."""
-    automaton = Automaton.from_ir(constraint_to_ir(params))
+    node = constraint_to_ir(params)
+    try:
+        automaton = Automaton.from_ir(node)
+    except RecursionError:
+        raise ValueError(
+            f"the structured-output {params.kind} constraint is nested too deeply to compile"
+        ) from None
     if automaton.matches_nothing:
         raise ValueError(f"the structured-output {params.kind} constraint matches no output")
     return automaton

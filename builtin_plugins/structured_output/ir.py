@@ -95,10 +95,19 @@ def seq(*items: Node) -> Node:
 def alt(*options: Node) -> Node:
     """An alternative, flattened and without duplicates; a single option is returned as it is."""
     flat: list[Node] = []
+    # Literals are deduplicated by value (a choice may list thousands); other options by
+    # comparison, which is cheap for the few a compiler joins (hashing a deep shared tree is
+    # not: dataclass hashes are not cached).
+    literals: set[bytes] = set()
     for option in options:
         for o in option.options if isinstance(option, Alt) else (option,):
-            if o not in flat:
-                flat.append(o)
+            if isinstance(o, Bytes):
+                if o.value in literals:
+                    continue
+                literals.add(o.value)
+            elif o in flat:
+                continue
+            flat.append(o)
     return flat[0] if len(flat) == 1 else Alt(tuple(flat))
 
 

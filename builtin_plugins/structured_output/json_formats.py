@@ -69,7 +69,7 @@ def _time() -> ir.Node:
     """RFC 3339 ``full-time``: ``HH:MM:SS(.fraction)?`` and ``Z`` or ``+HH:MM``."""
     hours = _two_digits(0, 23)
     minutes = ir.seq(ir.byte_range(0x30, 0x35), _DIGIT)
-    fraction = ir.optional(ir.seq(_b("."), ir.Repeat(_DIGIT, 1)))
+    fraction = ir.optional(ir.seq(_b("."), ir.Repeat(_DIGIT, 1, 9)))  # to nanoseconds
     offset = ir.alt(_b("Z"), ir.seq(_chars("+-"), hours, _b(":"), minutes))
     return ir.seq(hours, _b(":"), minutes, _b(":"), minutes, fraction, offset)
 
@@ -89,12 +89,16 @@ def _ipv4() -> ir.Node:
 
 def _email() -> ir.Node:
     """``local@domain.tld``: a dot-separated local part of letters, digits and ``_%+-``,
-    and a domain of dot-separated labels (letters, digits, inner hyphens)."""
+    and a domain of dot-separated labels (letters, digits, inner hyphens). Bounded so that a
+    model cannot write one forever: parts of at most 64 characters (RFC 5321's local part),
+    at most 4 dots in the local part, labels of at most 63 (RFC 1035) with at most 3 hyphens,
+    at most 5 labels after the first."""
     alnum = _chars("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
-    atom = ir.Repeat(ir.alt(alnum, _chars("_%+-")), 1)
-    local = ir.seq(atom, ir.Repeat(ir.seq(_b("."), atom)))
-    label = ir.seq(ir.Repeat(alnum, 1), ir.Repeat(ir.seq(_b("-"), ir.Repeat(alnum, 1))))
-    return ir.seq(local, _b("@"), label, ir.Repeat(ir.seq(_b("."), label), 1))
+    atom = ir.Repeat(ir.alt(alnum, _chars("_%+-")), 1, 64)
+    local = ir.seq(atom, ir.Repeat(ir.seq(_b("."), atom), 0, 4))
+    word = ir.Repeat(alnum, 1, 63)
+    label = ir.seq(word, ir.Repeat(ir.seq(_b("-"), word), 0, 3))
+    return ir.seq(local, _b("@"), label, ir.Repeat(ir.seq(_b("."), label), 1, 5))
 
 
 class StringFormat(NamedTuple):

@@ -4,6 +4,11 @@ Integers are written canonically (no leading zeros, no ``-0``, no fraction or ex
 range such as ``[-12, 305]`` becomes the usual digit-by-digit alternation, so every integer
 in the range (and nothing else) is accepted.
 
+Digits are bounded, so that a model cannot write digits forever (small models do, given
+the chance: ``1.0000000...``): an integer part has at most :data:`MAX_INTEGER_DIGITS`
+digits (or as many as a bound has), a fraction at most :data:`MAX_FRACTION_DIGITS`, an
+exponent at most :data:`MAX_EXPONENT_DIGITS`.
+
 Numbers with bounds are written without an exponent; their bounds must be whole numbers
 below 10**15 in magnitude. Each number is split by its integer part ``n`` (its magnitude's
 floor): every ``n`` strictly inside the range takes any fraction, and only the parts at a
@@ -16,7 +21,22 @@ from __future__ import annotations
 
 from chassis.builtin_plugins.structured_output import ir
 
-__all__ = ["MAX_NUMBER_BOUND", "any_number", "integer_range", "number_range"]
+__all__ = [
+    "MAX_EXPONENT_DIGITS",
+    "MAX_FRACTION_DIGITS",
+    "MAX_INTEGER_DIGITS",
+    "MAX_NUMBER_BOUND",
+    "any_number",
+    "integer_range",
+    "number_range",
+]
+
+#: digits of an integer (part) without an upper bound: 64-bit integers have up to 20
+MAX_INTEGER_DIGITS = 20
+#: digits after the point: more than a float64 holds (about 17 significant digits)
+MAX_FRACTION_DIGITS = 16
+#: digits of an exponent: float64 exponents have 3
+MAX_EXPONENT_DIGITS = 3
 
 #: the largest magnitude of a bound on a ``number`` (integers have no such limit): beyond
 #: it, floats no longer hold every whole number and the rounding margins below vanish
@@ -28,16 +48,19 @@ _MAX_MARGIN_DIGITS = 6
 _DIGIT = ir.byte_range(0x30, 0x39)
 _NONZERO = ir.byte_range(0x31, 0x39)
 _MINUS = ir.Bytes(b"-")
-_FRACTION = ir.seq(ir.Bytes(b"."), ir.Repeat(_DIGIT, 1, None))
+_FRACTION = ir.seq(ir.Bytes(b"."), ir.Repeat(_DIGIT, 1, MAX_FRACTION_DIGITS))
 _EXPONENT = ir.seq(
-    ir.ByteSet(frozenset(b"eE")), ir.optional(ir.ByteSet(frozenset(b"+-"))), ir.Repeat(_DIGIT, 1)
+    ir.ByteSet(frozenset(b"eE")),
+    ir.optional(ir.ByteSet(frozenset(b"+-"))),
+    ir.Repeat(_DIGIT, 1, MAX_EXPONENT_DIGITS),
 )
 _NOTHING = ir.ByteSet(frozenset())
 
 
 def any_number() -> ir.Node:
-    """Any JSON number: ``-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?``."""
-    whole = ir.alt(ir.Bytes(b"0"), ir.seq(_NONZERO, ir.Repeat(_DIGIT)))
+    """Any JSON number: ``-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?``, digits bounded
+    as the module docstring says."""
+    whole = ir.alt(ir.Bytes(b"0"), ir.seq(_NONZERO, ir.Repeat(_DIGIT, 0, MAX_INTEGER_DIGITS - 1)))
     return ir.seq(ir.optional(_MINUS), whole, ir.optional(_FRACTION), ir.optional(_EXPONENT))
 
 
@@ -123,7 +146,9 @@ def _fraction_at(
         # x <= hi with floor hi: the fraction is all zeros (x < hi is impossible here)
         if hi_exclusive or need_nonzero:
             return None
-        return ir.optional(ir.seq(ir.Bytes(b"."), ir.Repeat(ir.Bytes(b"0"), 1, None)))
+        return ir.optional(
+            ir.seq(ir.Bytes(b"."), ir.Repeat(ir.Bytes(b"0"), 1, MAX_FRACTION_DIGITS))
+        )
     need_short = hi is not None and n == hi - 1 and hi_exclusive
     if not need_nonzero and not need_short:
         return ir.optional(_FRACTION)
@@ -147,7 +172,9 @@ def _fraction_at(
             return None
         # a non-zero digit among the first `margin`: at least n + 10**-margin
         zeros = ir.Repeat(ir.Bytes(b"0"), 0, margin - 1)
-        return ir.seq(ir.Bytes(b"."), zeros, _NONZERO, ir.Repeat(_DIGIT))
+        return ir.seq(
+            ir.Bytes(b"."), zeros, _NONZERO, ir.Repeat(_DIGIT, 0, MAX_FRACTION_DIGITS - margin)
+        )
     # need_short: at most `margin` digits, so at most n + 1 - 10**-margin
     if margin == 0:
         return ir.EMPTY
@@ -175,8 +202,9 @@ def _natural_range(lo: int, hi: int | None) -> ir.Node:
         b = 10**length - 1 if hi is None else min(hi, 10**length - 1)
         if a <= b:
             parts.append(_same_length(str(a), str(b)))
-    if hi is None:  # and every longer number
-        parts.append(ir.seq(_NONZERO, ir.Repeat(_DIGIT, len(lo_text), None)))
+    longest = max(MAX_INTEGER_DIGITS, len(lo_text))
+    if hi is None and longest > len(lo_text):  # and every longer number, up to the cap
+        parts.append(ir.seq(_NONZERO, ir.Repeat(_DIGIT, len(lo_text), longest - 1)))
     return ir.alt(*parts)
 
 

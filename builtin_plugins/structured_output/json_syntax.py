@@ -135,7 +135,12 @@ def json_literal(value: Any) -> ir.Node:
         return array([json_literal(item) for item in value], NOTHING, len(value), len(value))
     if isinstance(value, dict):
         return object_members([(str(k), json_literal(v), True) for k, v in value.items()])
-    return ir.literal(json.dumps(value, ensure_ascii=False))
+    try:
+        return ir.literal(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    except ValueError:  # NaN and the infinities: Python's JSON parser reads them, JSON has none
+        raise ValueError(
+            f"{value!r} in an enum or const is not a JSON value (JSON has no NaN or Infinity)"
+        ) from None
 
 
 # -- containers ---------------------------------------------------------------------------
