@@ -7,6 +7,8 @@ worst case: use it on short strings.
 
 from __future__ import annotations
 
+import random
+
 from chassis.builtin_plugins.structured_output import ir
 
 
@@ -48,3 +50,27 @@ def _ends(node: ir.Node, data: bytes, i: int) -> set[int]:
                 result |= current
         return result
     raise TypeError(f"not an IR node: {node!r}")
+
+
+def ir_sample(
+    node: ir.Node, rng: random.Random, *, extra: int = 2, up_to_bound: bool = False
+) -> bytes:
+    """A random text that ``node`` matches. A repetition runs ``min`` to ``min + extra``
+    times (never above its ``max``), or, with ``up_to_bound``, up to its ``max`` when it has
+    one."""
+    if isinstance(node, ir.Bytes):
+        return node.value
+    if isinstance(node, ir.ByteSet):
+        return bytes([rng.choice(sorted(node.allowed))])
+    if isinstance(node, ir.Seq):
+        return b"".join(ir_sample(i, rng, extra=extra, up_to_bound=up_to_bound) for i in node.items)
+    if isinstance(node, ir.Alt):
+        return ir_sample(rng.choice(node.options), rng, extra=extra, up_to_bound=up_to_bound)
+    if node.max is None:
+        high = node.min + extra
+    else:
+        high = node.max if up_to_bound else min(node.max, node.min + extra)
+    count = rng.randint(node.min, high)
+    return b"".join(
+        ir_sample(node.item, rng, extra=extra, up_to_bound=up_to_bound) for _ in range(count)
+    )

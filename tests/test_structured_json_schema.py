@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
-from ir_matcher import ir_fullmatch
+from ir_matcher import ir_fullmatch, ir_sample
 
 from chassis.builtin_plugins.structured_output import ir
 from chassis.builtin_plugins.structured_output.automaton import (
@@ -71,16 +71,7 @@ def assert_rejects(node: ir.Node, *texts: str) -> None:
 
 def sample(node: ir.Node, rng: random.Random) -> bytes:
     """A random text matched by ``node`` (short repetitions)."""
-    if isinstance(node, ir.Bytes):
-        return node.value
-    if isinstance(node, ir.ByteSet):
-        return bytes([rng.choice(sorted(node.allowed))])
-    if isinstance(node, ir.Seq):
-        return b"".join(sample(item, rng) for item in node.items)
-    if isinstance(node, ir.Alt):
-        return sample(rng.choice(node.options), rng)
-    high = node.min + 2 if node.max is None else min(node.max, node.min + 2)
-    return b"".join(sample(node.item, rng) for _ in range(rng.randint(node.min, high)))
+    return ir_sample(node, rng, extra=2)
 
 
 def assert_samples_valid(schema: Any, count: int = 60, seed: int = 0) -> None:

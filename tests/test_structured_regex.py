@@ -7,7 +7,7 @@ import random
 import re
 
 import pytest
-from ir_matcher import ir_fullmatch
+from ir_matcher import ir_fullmatch, ir_sample
 
 from chassis.builtin_plugins.structured_output import ir
 from chassis.builtin_plugins.structured_output.automaton import Automaton
@@ -70,16 +70,7 @@ ALPHABET += ["é", "ñ", "à", "ÿ", "•", "Ā", "中", "😀", "😁", "😃",
 
 def sample(node: ir.Node, rng: random.Random) -> bytes:
     """A random string that matches ``node``."""
-    if isinstance(node, ir.Bytes):
-        return node.value
-    if isinstance(node, ir.ByteSet):
-        return bytes([rng.choice(sorted(node.allowed))])
-    if isinstance(node, ir.Seq):
-        return b"".join(sample(item, rng) for item in node.items)
-    if isinstance(node, ir.Alt):
-        return sample(rng.choice(node.options), rng)
-    count = rng.randint(node.min, node.min + 3 if node.max is None else node.max)
-    return b"".join(sample(node.item, rng) for _ in range(count))
+    return ir_sample(node, rng, extra=3, up_to_bound=True)
 
 
 def probes(pattern: str, node: ir.Node, rng: random.Random) -> list[str]:

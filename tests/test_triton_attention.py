@@ -12,14 +12,16 @@ Shapes are tiny: the interpreter executes every program of the grid in numpy.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from paged_attention_cases import dense_attention, make_batch
-from triton_compile_check import TARGETS, compile_attention_variant, compile_kernel
+from triton_compile_check import (
+    TARGETS,
+    compile_attention_variant,
+    compile_kernel,
+    run_under_interpreter,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_interpreter = pytest.mark.skipif(
@@ -46,17 +48,8 @@ def test_kernels_under_interpreter() -> None:
     triton = pytest.importorskip("triton")
     if not _interpreter_runs_the_kernels(triton.__version__):
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run this kernel (< 3.7)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
-        env=env,
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" in proc.stdout, proc.stdout[-2000:]
+    output = run_under_interpreter(__file__)
+    assert "skipped" in output, output[-2000:]
 
 
 def _backend(num_heads: int, num_kv_heads: int, head_dim: int):

@@ -9,14 +9,11 @@ tests/gpu/test_gpu_triton_moe.py checks them at a real layer's shape and under C
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from test_triton_ops import bfloat16_rounds_to_nearest  # noqa: F401  (a fixture)
-from triton_compile_check import TARGETS, compile_kernel
+from triton_compile_check import TARGETS, compile_kernel, run_under_interpreter
 
 from chassis.core.layers.moe import FusedMoE, fused_experts_ref, select_experts
 
@@ -52,16 +49,7 @@ def _experts(
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
 def test_moe_under_interpreter() -> None:
     pytest.importorskip("triton")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(__file__, timeout=300)
 
 
 # -- moe_align (plain torch, in-process) --------------------------------------------------------

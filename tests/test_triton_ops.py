@@ -7,13 +7,10 @@ tests/test_triton_attention.py for why); the reference and dispatch tests run in
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from triton_compile_check import TARGETS, compile_kernel
+from triton_compile_check import TARGETS, compile_kernel, run_under_interpreter
 
 from chassis.core.layers import fused_ops
 
@@ -43,16 +40,7 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
 def test_ops_under_interpreter() -> None:
     pytest.importorskip("triton")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(__file__)
 
 
 # -- Triton kernels (interpreter) ---------------------------------------------------------------

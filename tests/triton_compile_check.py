@@ -7,6 +7,10 @@ wheel, hsaco for MI300) catches that without a GPU. Used by tests/test_triton_*.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,3 +112,20 @@ def compile_attention_variant(
         num_warps=num_warps,
         aligned=aligned,
     )
+
+
+def run_under_interpreter(test_file: str, timeout: float = 500) -> str:
+    """Run the tests of ``test_file`` in a child pytest with ``TRITON_INTERPRET=1`` (set
+    before Triton is first imported, which the parent process has done) and return its
+    output; fails the calling test when the child fails or passes nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", test_file, "-q", "-x", "-p", "no:cacheprovider"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout, proc.stdout[-2000:]
+    return proc.stdout

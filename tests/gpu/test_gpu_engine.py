@@ -25,25 +25,29 @@ PROMPT_LENS = (5, 17, 40, 3)
 NEW_TOKENS = 8
 
 
+#: the shapes of the tiny Qwen3 models: 2 layers, head_dim 32 != hidden / heads, q/k norms,
+#: peaked logits (initializer_range 0.1)
+TINY_QWEN3 = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
 def write_tiny_qwen3(directory) -> None:
-    """A 2-layer Qwen3 (head_dim 32 != hidden / heads, q/k norms) with peaked logits."""
+    """A dense tiny Qwen3, tied embeddings."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     torch.manual_seed(0)
+    config = Qwen3Config(**TINY_QWEN3, tie_word_embeddings=True)
     Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(directory)
 
 
@@ -139,26 +143,16 @@ def test_llm_matches_hf_greedy_on_the_gpu(tmp_path, engine):
 
 
 def write_tiny_qwen3_moe(directory) -> None:
-    """A 2-layer Qwen3-MoE (8 experts of intermediate 32, top 2), peaked logits."""
+    """The tiny Qwen3 with 8 experts of intermediate 32 (top 2) in each layer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **TINY_QWEN3,
         moe_intermediate_size=32,
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        initializer_range=0.1,
         tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
     )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(directory)
