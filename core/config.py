@@ -55,6 +55,9 @@ class EngineConfig:
     sampler: str = "default"
     #: structured-output backend by name (``chassis_register_structured_output_backends``)
     structured_output_backend: str = "chassis"
+    #: the reasoning format (``--reasoning-parser``), so that structured outputs constrain
+    #: only what follows the reasoning when the format's tags are single tokens
+    reasoning_parser: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
     #: run the model's forward through torch.compile (attention as one opaque op; the layers'

@@ -121,7 +121,7 @@ class EngineCore:
             return
         self.scheduler.add_request(engine_request)
         if matcher is not None:  # only once the scheduler has the request
-            self.structured_outputs.track(request.request_id, matcher)
+            self.structured_outputs.track(request.request_id, request.prompt_token_ids, matcher)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)

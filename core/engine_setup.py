@@ -47,6 +47,8 @@ def finalize_config(config: EngineConfig) -> Any:
     registries.schedulers.get(config.scheduler)
     registries.samplers.get(config.sampler)
     registries.structured_output_backends.get(config.structured_output_backend)
+    if config.reasoning_parser is not None:
+        registries.reasoning_parsers.get(config.reasoning_parser)
 
     platform.check_and_update_config(config)
     apply_configure_hooks(config, manager)

@@ -5,6 +5,10 @@ every constrained request in it (packed bits, so they cross to tensor-parallel r
 bytes); the model runner masks those rows' logits before the sampler. After the plan,
 :meth:`StructuredOutputManager.update` moves each matcher past the tokens sampled.
 
+With ``reasoning_parser`` set and its tags single tokens, each request also has a
+:class:`~chassis.core.reasoning_gate.ReasoningGate`: its reasoning is not constrained, only
+the answer after it.
+
 The backend is built on the first constrained request (loading the tokenizer then, so an
 engine that never sees one pays nothing).
 """
@@ -12,11 +16,13 @@ engine that never sees one pays nothing).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from chassis.core.reasoning_gate import Phase, ReasoningGate, ReasoningTags
 from chassis.core.structured_output import GrammarMatcher, StructuredOutputBackend
 
 if TYPE_CHECKING:
@@ -38,6 +44,14 @@ def unpack_masks(packed: list[bytes], vocab_size: int) -> np.ndarray:
     return np.unpackbits(rows, axis=1, count=vocab_size).astype(bool)
 
 
+@dataclass
+class _Constrained:
+    """One constrained request: its grammar's matcher and where its reasoning stands."""
+
+    matcher: GrammarMatcher
+    gate: ReasoningGate
+
+
 class StructuredOutputManager:
     """Matchers of the engine core's constrained requests (engine-core thread only)."""
 
@@ -46,7 +60,9 @@ class StructuredOutputManager:
         self._backend: StructuredOutputBackend | None = None
         #: why the backend could not be built (then every constrained request is refused)
         self._backend_error: str | None = None
-        self._matchers: dict[str, GrammarMatcher] = {}
+        #: the reasoning format's tags (``config.reasoning_parser``), set with the backend
+        self._reasoning_tags: ReasoningTags | None = None
+        self._requests: dict[str, _Constrained] = {}
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -79,7 +95,11 @@ class StructuredOutputManager:
         vocabulary = vocabulary_from_tokenizer(
             tokenizer, vocab_size, eos_token_ids(tokenizer, self.config.model)
         )
-        cls = get_registries().structured_output_backends.get(self.config.structured_output_backend)
+        registries = get_registries()
+        if self.config.reasoning_parser is not None:
+            parser_cls = registries.reasoning_parsers.get(self.config.reasoning_parser)
+            self._reasoning_tags = parser_cls.reasoning_tags(tokenizer)
+        cls = registries.structured_output_backends.get(self.config.structured_output_backend)
         return cls(vocabulary)
 
     def matcher_for(self, request: Request) -> GrammarMatcher | None:
@@ -92,23 +112,33 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         return None if params is None else self.backend.compile(params).matcher()
 
-    def track(self, request_id: str, matcher: GrammarMatcher) -> None:
-        """Follow ``matcher`` for a request the scheduler has accepted."""
-        self._matchers[request_id] = matcher
+    def track(
+        self, request_id: str, prompt_token_ids: Sequence[int], matcher: GrammarMatcher
+    ) -> None:
+        """Follow ``matcher`` for a request the scheduler has accepted (its prompt tells
+        whether the output starts in reasoning)."""
+        gate = ReasoningGate(self._reasoning_tags, prompt_token_ids)
+        self._requests[request_id] = _Constrained(matcher, gate)
 
     def has_constrained(self, plan: SchedulerOutput) -> bool:
         """Whether a request of ``plan`` is constrained."""
-        return bool(self._matchers) and any(r in self._matchers for r in plan.num_scheduled_tokens)
+        return bool(self._requests) and any(r in self._requests for r in plan.num_scheduled_tokens)
 
     def masks_for(self, plan: SchedulerOutput) -> dict[str, bytes]:
         """Request id -> packed allowed-token mask, for every constrained request in ``plan``
-        (the runner applies a mask only to a row that samples this step)."""
+        outside its reasoning (the runner applies a mask only to a row that samples this
+        step). Before the first token of a format that may open with a reasoning tag, that
+        tag is allowed too."""
         masks = {}
         for request_id in plan.num_scheduled_tokens:
-            matcher = self._matchers.get(request_id)
-            if matcher is None:
+            constrained = self._requests.get(request_id)
+            if constrained is None or constrained.gate.phase is Phase.REASONING:
                 continue
-            allowed = matcher.allowed_tokens()
+            allowed = constrained.matcher.allowed_tokens()
+            start = constrained.gate.start_token_id
+            if start is not None and start < allowed.shape[0]:
+                allowed = allowed.copy()  # the matcher's array is shared: never modify it
+                allowed[start] = True
             if not allowed.any():
                 allowed = self._dead_end(request_id)
                 if allowed is None:
@@ -128,22 +158,25 @@ class StructuredOutputManager:
             "it ends with EOS" if eos else "its output is not constrained any more",
         )
         if not eos:
-            del self._matchers[request_id]
+            del self._requests[request_id]
             return None
         allowed = np.zeros(self.backend.vocabulary.vocab_size, dtype=bool)
         allowed[eos] = True
         return allowed
 
     def update(self, outputs: Iterable[EngineCoreOutput]) -> None:
-        """Move matchers past the tokens the step sampled; forget finished requests."""
-        if not self._matchers:
+        """Move matchers past the tokens the step sampled (those of the answer, not of the
+        reasoning); forget finished requests."""
+        if not self._requests:
             return
         for output in outputs:
-            matcher = self._matchers.get(output.request_id)
-            if matcher is None:
+            constrained = self._requests.get(output.request_id)
+            if constrained is None:
                 continue
             for token_id in output.new_token_ids:
-                if not matcher.accept_token(token_id):
+                if not constrained.gate.follow(token_id):
+                    continue  # reasoning, or a tag
+                if not constrained.matcher.accept_token(token_id):
                     # Only a token the mask allowed can be sampled; if one is refused the
                     # grammar and its masks disagree. Keep serving; say so once per request.
                     logger.error(
@@ -152,12 +185,22 @@ class StructuredOutputManager:
                         output.request_id,
                         token_id,
                     )
-                    del self._matchers[output.request_id]
+                    del self._requests[output.request_id]
                     break
             if output.finished:
-                self._matchers.pop(output.request_id, None)
+                self._requests.pop(output.request_id, None)
 
     def finish(self, request_ids: Iterable[str]) -> None:
         """Forget aborted requests."""
         for request_id in request_ids:
-            self._matchers.pop(request_id, None)
+            self._requests.pop(request_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        """Constrained requests followed now (finished and aborted ones are forgotten)."""
+        return len(self._requests)
+
+    def matcher_of(self, request_id: str) -> GrammarMatcher | None:
+        """The matcher of a tracked request."""
+        constrained = self._requests.get(request_id)
+        return None if constrained is None else constrained.matcher

@@ -166,9 +166,13 @@ class ChatParsers:
         """How ``body``'s choices are parsed, or ``None`` when they are not (the text is all
         content). Raises the 400s of :meth:`tool_parsing`."""
         tools = self.tool_parsing(body)
-        # Output constrained from its first token (structured outputs, forced tool calls)
-        # holds no reasoning: the reasoning parser would only misread it.
-        reasoning_cls = None if body.constrains_output else self.reasoning_cls
+        # Constrained output (structured outputs, forced tool calls) holds reasoning only when
+        # the engine can leave the reasoning free, which needs single-token tags; otherwise
+        # it is constrained from its first token and the reasoning parser would misread it.
+        reasoning_cls = self.reasoning_cls
+        if reasoning_cls is not None and body.constrains_output:
+            if reasoning_cls.reasoning_tags(tokenizer) is None:
+                reasoning_cls = None
         if reasoning_cls is None and not tools:
             return None
         tool_cls = self.tool_cls if tools else None

@@ -15,6 +15,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from chassis.core.reasoning_gate import ReasoningTags
+
+__all__ = ["ReasoningDelta", "ReasoningParser", "ReasoningTags"]
+
 
 @dataclass
 class ReasoningDelta:
@@ -56,6 +60,20 @@ class ReasoningParser(ABC):
     @abstractmethod
     def finish(self) -> ReasoningDelta:
         """Generation ended: return everything still held back. Called once, last."""
+
+    @classmethod
+    def reasoning_tags(cls, tokenizer: Any) -> ReasoningTags | None:
+        """This format's markers as token ids, or ``None`` (the default) when the engine
+        cannot tell reasoning from the answer by token ids.
+
+        With tags, a request with structured outputs may reason freely first: the engine
+        core leaves the output unconstrained while it is in reasoning, which it is when the
+        prompt leaves the start tag open (its last start tag comes after its last end tag),
+        when :attr:`ReasoningTags.starts_in_reasoning`, or after the start tag as the first
+        output token; the constraint applies from the token after the end tag. Without tags
+        the whole output is constrained, and the server does not run this parser on it.
+        """
+        return None
 
     def parse(self, text: str) -> ReasoningDelta:
         """The whole message at once (non-streamed responses)."""

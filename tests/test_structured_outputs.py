@@ -187,14 +187,14 @@ def test_a_refused_duplicate_id_keeps_the_running_request_s_matcher(tiny_llm: LL
     core.add_request(first)
     core.step()  # prefill and the first constrained token
     core.step()
-    matcher = core.structured_outputs._matchers["dup"]
+    matcher = core.structured_outputs.matcher_of("dup")
     with pytest.raises(ValueError):
         core.add_request(first)
-    assert core.structured_outputs._matchers["dup"] is matcher
+    assert core.structured_outputs.matcher_of("dup") is matcher
     texts = []
     while core.has_unfinished():
         texts += [o for o in core.step().outputs if o.request_id == "dup"]
-    assert not core.structured_outputs._matchers
+    assert core.structured_outputs.num_tracked == 0
     tokens = [t for o in texts for t in o.new_token_ids]
     assert texts[-1].finish_reason == "stop" and tokens
 
@@ -215,7 +215,7 @@ def test_a_grammar_that_allows_nothing_ends_the_request_with_eos(tiny_llm: LLM) 
     params = constrained({"choice": ["x"]}, temperature=1.0, seed=0)
     [request] = tiny_llm.input_processor.process("hi", params, "stuck")
     core.add_request(request)
-    core.structured_outputs.track("stuck", Stuck())
+    core.structured_outputs.track("stuck", request.prompt_token_ids, Stuck())
     outputs = []
     while core.has_unfinished():
         outputs += core.step().outputs

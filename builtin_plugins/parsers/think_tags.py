@@ -21,7 +21,7 @@ import enum
 from typing import Any
 
 from chassis.builtin_plugins.parsers.text_scan import hold_back
-from chassis.serve.reasoning_parser import ReasoningDelta, ReasoningParser
+from chassis.serve.reasoning_parser import ReasoningDelta, ReasoningParser, ReasoningTags
 
 
 class _Mode(enum.Enum):
@@ -47,6 +47,15 @@ class ThinkTagReasoningParser(ReasoningParser):
         self._default_reasoning = self.starts_in_reasoning or opened_by_prompt
         self._mode = _Mode.UNDECIDED
         self._held = ""
+
+    @classmethod
+    def reasoning_tags(cls, tokenizer: Any) -> ReasoningTags | None:
+        """The tags' token ids when each tag is one token of ``tokenizer`` (as in Qwen3's
+        and DeepSeek-R1's vocabularies), else ``None``."""
+        ids = [_single_token(tokenizer, tag) for tag in (cls.start_tag, cls.end_tag)]
+        if ids[0] is None or ids[1] is None:
+            return None
+        return ReasoningTags(ids[0], ids[1], cls.starts_in_reasoning)
 
     def feed(self, text: str) -> ReasoningDelta:
         self._held += text
@@ -105,3 +114,11 @@ class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
     """DeepSeek-R1: the output starts in reasoning, with or without ``<think>``."""
 
     starts_in_reasoning = True
+
+
+def _single_token(tokenizer: Any, text: str) -> int | None:
+    """The id of the one token ``tokenizer`` writes ``text`` as, or ``None``."""
+    if tokenizer is None:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
