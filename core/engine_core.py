@@ -121,7 +121,11 @@ class EngineCore:
             return
         self.scheduler.add_request(engine_request)
         if matcher is not None:  # only once the scheduler has the request
-            self.structured_outputs.track(request.request_id, request.prompt_token_ids, matcher)
+            params = request.sampling_params.structured_outputs
+            assert params is not None
+            self.structured_outputs.track(
+                request.request_id, request.prompt_token_ids, matcher, params.after_reasoning
+            )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)

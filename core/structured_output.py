@@ -54,6 +54,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    #: constrain only the answer after the model's reasoning, with the engine's
+    #: ``reasoning_parser`` (its tags must be single tokens); the chat route sets it for JSON
+    #: constraints when the server has a reasoning parser (docs/structured_outputs.md)
+    after_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict | bool):  # a schema object, or the schemas true/false
@@ -80,8 +84,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
                 raise ValueError("structured_outputs.json is nested too deeply") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
-        if self.json_object is not False and self.json_object is not True:
-            raise ValueError("structured_outputs.json_object must be true or false")
+        for flag in ("json_object", "after_reasoning"):
+            if getattr(self, flag) is not False and getattr(self, flag) is not True:
+                raise ValueError(f"structured_outputs.{flag} must be true or false")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string")
         if self.choice is not None and (

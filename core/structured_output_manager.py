@@ -62,6 +62,7 @@ class StructuredOutputManager:
         self._backend_error: str | None = None
         #: the reasoning format's tags (``config.reasoning_parser``), set with the backend
         self._reasoning_tags: ReasoningTags | None = None
+        self._packed_reasoning_mask: bytes | None = None
         self._requests: dict[str, _Constrained] = {}
 
     @property
@@ -113,11 +114,17 @@ class StructuredOutputManager:
         return None if params is None else self.backend.compile(params).matcher()
 
     def track(
-        self, request_id: str, prompt_token_ids: Sequence[int], matcher: GrammarMatcher
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        matcher: GrammarMatcher,
+        after_reasoning: bool = False,
     ) -> None:
-        """Follow ``matcher`` for a request the scheduler has accepted (its prompt tells
-        whether the output starts in reasoning)."""
-        gate = ReasoningGate(self._reasoning_tags, prompt_token_ids)
+        """Follow ``matcher`` for a request the scheduler has accepted. With
+        ``after_reasoning`` (and the engine's reasoning format known by its tags) the
+        request's reasoning is left free; its prompt tells whether the output starts in it."""
+        tags = self._reasoning_tags if after_reasoning else None
+        gate = ReasoningGate(tags, prompt_token_ids)
         self._requests[request_id] = _Constrained(matcher, gate)
 
     def has_constrained(self, plan: SchedulerOutput) -> bool:
@@ -132,7 +139,10 @@ class StructuredOutputManager:
         masks = {}
         for request_id in plan.num_scheduled_tokens:
             constrained = self._requests.get(request_id)
-            if constrained is None or constrained.gate.phase is Phase.REASONING:
+            if constrained is None:
+                continue
+            if constrained.gate.phase is Phase.REASONING:
+                masks[request_id] = self._reasoning_mask()
                 continue
             allowed = constrained.matcher.allowed_tokens()
             start = constrained.gate.start_token_id
@@ -145,6 +155,16 @@ class StructuredOutputManager:
                     continue
             masks[request_id] = pack_mask(allowed)
         return masks
+
+    def _reasoning_mask(self) -> bytes:
+        """Inside the reasoning every token but EOS: a constrained request must reach its
+        answer (only ``max_tokens`` may cut it short)."""
+        if self._packed_reasoning_mask is None:
+            vocabulary = self.backend.vocabulary
+            allowed = np.ones(vocabulary.vocab_size, dtype=bool)
+            allowed[sorted(vocabulary.eos_token_ids)] = False
+            self._packed_reasoning_mask = pack_mask(allowed)
+        return self._packed_reasoning_mask
 
     def _dead_end(self, request_id: str) -> np.ndarray | None:
         """The mask of a request whose grammar allows no token (the vocabulary cannot spell

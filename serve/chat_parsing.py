@@ -21,6 +21,7 @@ from chassis.serve.reasoning_parser import ReasoningDelta
 from chassis.serve.tool_parser import ToolCall, ToolDelta
 
 if TYPE_CHECKING:
+    from chassis.core.structured_output import StructuredOutputsParams
     from chassis.serve.protocol import ChatCompletionRequest
     from chassis.serve.reasoning_parser import ReasoningParser
     from chassis.serve.settings import ServerSettings
@@ -161,17 +162,28 @@ class ChatParsers:
         return True
 
     def for_request(
-        self, body: ChatCompletionRequest, tokenizer: Any, prompt: str
+        self,
+        body: ChatCompletionRequest,
+        tokenizer: Any,
+        prompt: str,
+        constraint: StructuredOutputsParams | None = None,
     ) -> RequestParsing | None:
         """How ``body``'s choices are parsed, or ``None`` when they are not (the text is all
-        content). Raises the 400s of :meth:`tool_parsing`."""
+        content). ``constraint`` is the request's structured-output constraint (its
+        ``SamplingParams.structured_outputs``). Raises the 400s of :meth:`tool_parsing`."""
         tools = self.tool_parsing(body)
-        # Constrained output (structured outputs, forced tool calls) holds reasoning only when
-        # the engine can leave the reasoning free, which needs single-token tags; otherwise
-        # it is constrained from its first token and the reasoning parser would misread it.
+        # Constrained output holds reasoning only when the engine leaves the reasoning free:
+        # for a JSON constraint (JSON cannot start with the whitespace the reasoning parser
+        # strips from the answer) and a format with single-token tags. Otherwise it is
+        # constrained from its first token, and the reasoning parser would misread it.
         reasoning_cls = self.reasoning_cls
-        if reasoning_cls is not None and body.constrains_output:
-            if reasoning_cls.reasoning_tags(tokenizer) is None:
+        after_reasoning = False
+        if reasoning_cls is not None and constraint is not None:
+            after_reasoning = (
+                constraint.kind in ("json", "json_object")
+                and reasoning_cls.reasoning_tags(tokenizer) is not None
+            )
+            if not after_reasoning:
                 reasoning_cls = None
         if reasoning_cls is None and not tools:
             return None
@@ -191,6 +203,7 @@ class ChatParsers:
             tool_list,
             body.include_reasoning is not False,
             body.parallel_tool_calls is not False,
+            after_reasoning,
         )
 
 
@@ -205,6 +218,9 @@ class RequestParsing:
     tools: list[dict[str, Any]]
     include_reasoning: bool
     parallel_tool_calls: bool
+    #: the request's constraint applies after the reasoning (set
+    #: ``StructuredOutputsParams.after_reasoning``)
+    constrained_after_reasoning: bool = False
 
     @property
     def needs_special_tokens(self) -> bool:

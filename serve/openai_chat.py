@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -282,9 +283,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model = state.check_model(body.model)
     params = body.to_sampling_params()
     prompt_text, prompt_ids = await _prompt(state, body)
-    parsing = state.parsers.for_request(body, state.tokenizer, prompt_text)
+    parsing = state.parsers.for_request(
+        body, state.tokenizer, prompt_text, params.structured_outputs
+    )
     if parsing is not None and parsing.needs_special_tokens:
         params = params.clone(skip_special_tokens=False)
+    if parsing is not None and parsing.constrained_after_reasoning:
+        assert params.structured_outputs is not None
+        params = params.clone(
+            structured_outputs=msgspec.structs.replace(
+                params.structured_outputs, after_reasoning=True
+            )
+        )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0

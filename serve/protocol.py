@@ -376,11 +376,6 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
     @property
-    def constrains_output(self) -> bool:
-        """The output is constrained (structured outputs or forced tool calls)."""
-        return self.forces_tool_calls or self._structured_outputs() is not None
-
-    @property
     def forces_tool_calls(self) -> bool:
         """``tool_choice`` is ``"required"`` or names a function (and ``tools`` are given):
         the output is constrained to the calls' JSON (serve/structured_request.py)."""

@@ -66,8 +66,10 @@ class ReasoningParser(ABC):
         """This format's markers as token ids, or ``None`` (the default) when the engine
         cannot tell reasoning from the answer by token ids.
 
-        With tags, a request with structured outputs may reason freely first: the engine
-        core leaves the output unconstrained while it is in reasoning, which it is when the
+        With tags, a request with structured outputs that asks for it
+        (``StructuredOutputsParams.after_reasoning``, which the chat route sets for JSON
+        constraints) may reason freely first: the engine core leaves the output
+        unconstrained but for EOS while it is in reasoning, which it is when the
         prompt leaves the start tag open (its last start tag comes after its last end tag),
         when :attr:`ReasoningTags.starts_in_reasoning`, or after the start tag as the first
         output token; the constraint applies from the token after the end tag. Without tags

@@ -58,29 +58,22 @@ def for_tool_choice(
     """The JSON the model must write for ``tool_choice`` ``"required"`` or a named function:
     the named function's arguments object, or an array of ``{"name", "parameters"}`` objects,
     one per call (at most one without ``parallel_tool_calls``)."""
-    functions = {t["function"]["name"]: t["function"] for t in tools}
-    for i, function in enumerate(functions.values()):
-        kind = _parameters(function).get("type", "object")
-        if kind != "object":
-            raise bad_request(
-                f"tools[{i}].function.parameters must describe an object (type 'object') for "
-                f"tool_choice 'required' or a named function; got type {kind!r}",
-                f"tools.{i}.function.parameters",
-            )
-    if isinstance(tool_choice, dict):
-        function = functions[tool_choice["function"]["name"]]
-        return StructuredOutputsParams(json=_parameters(function))
+    named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    arguments: dict[str, dict[str, Any]] = {}  # the callable functions' arguments schemas
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if named is None or function["name"] == named:
+            arguments[function["name"]] = _object_parameters(function, i)
+    if named is not None:
+        return StructuredOutputsParams(json=arguments[named])
     calls = [
         {
             "type": "object",
-            "properties": {
-                "name": {"const": name},
-                "parameters": _parameters(function),
-            },
+            "properties": {"name": {"const": name}, "parameters": schema},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for name, function in functions.items()
+        for name, schema in arguments.items()
     ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel_tool_calls:
@@ -88,11 +81,21 @@ def for_tool_choice(
     return StructuredOutputsParams(json=schema)
 
 
-def _parameters(function: dict[str, Any]) -> dict[str, Any]:
-    """A function's ``parameters`` schema; one that declares none takes no arguments (``{}``
-    is a schema too: any value)."""
+def _object_parameters(function: dict[str, Any], index: int) -> dict[str, Any]:
+    """The schema of ``function``'s arguments, always an object: none declared takes no
+    arguments; a schema without ``type`` (``{}`` included) gets ``type: object``; another
+    type is a 400 (OpenAI's function arguments are an object)."""
     parameters = function.get("parameters")
-    return _NO_PARAMETERS if parameters is None else parameters
+    if parameters is None:
+        return _NO_PARAMETERS
+    kind = parameters.get("type", "object")
+    if kind != "object":
+        raise bad_request(
+            f"tools[{index}].function.parameters must describe an object (type 'object') for "
+            f"tool_choice 'required' or a named function; got type {kind!r}",
+            f"tools.{index}.function.parameters",
+        )
+    return {**parameters, "type": "object"}
 
 
 def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsParams | None:

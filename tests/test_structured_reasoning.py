@@ -19,6 +19,7 @@ from chassis.builtin_plugins.parsers.think_tags import (
     Qwen3ReasoningParser,
 )
 from chassis.core.reasoning_gate import Phase, ReasoningGate, ReasoningTags
+from chassis.core.structured_output import StructuredOutputsParams
 from chassis.core.tokenizer import load_tokenizer
 
 #: one bounded JSON value: a random model reaches its end
@@ -61,12 +62,18 @@ def engine(directory: Path, reasoning_parser: str | None) -> LLM:
     )
 
 
-def generate(llm: LLM, prompt: str, bias: dict[int, float], max_tokens: int = 40):
+def generate(
+    llm: LLM,
+    prompt: str,
+    bias: dict[int, float],
+    max_tokens: int = 40,
+    after_reasoning: bool = True,
+):
     params = SamplingParams(
         temperature=0.0,
         max_tokens=max_tokens,
         logit_bias=bias,
-        structured_outputs={"json": SCHEMA},
+        structured_outputs={"json": SCHEMA, "after_reasoning": after_reasoning},
     )
     return llm.generate([prompt], params)[0].outputs[0]
 
@@ -138,11 +145,26 @@ def test_deepseek_r1_starts_in_reasoning(thinking_dir, ids) -> None:
     assert out.token_ids == [ids["word"]] * 5
 
 
-def test_without_a_reasoning_format_the_whole_output_is_constrained(thinking_dir, ids) -> None:
-    llm = engine(thinking_dir, None)
-    out = generate(llm, "Question?<think>", {ids["start"]: 100.0, ids["end"]: 100.0})
+@pytest.mark.parametrize("reasoning_parser", [None, "qwen3"])
+def test_without_both_the_format_and_the_request_flag_all_is_constrained(
+    thinking_dir, ids, reasoning_parser
+) -> None:
+    """The reasoning is left free only when the engine knows the format and the request
+    asks (``after_reasoning``, which the chat route sets; /v1/completions and plain offline
+    requests keep their whole output constrained)."""
+    llm = engine(thinking_dir, reasoning_parser)
+    bias = {ids["start"]: 100.0, ids["end"]: 100.0}
+    out = generate(llm, "Question?<think>", bias, after_reasoning=reasoning_parser is None)
     assert ids["start"] not in out.token_ids and ids["end"] not in out.token_ids
     assert json.loads(out.text) in ({"ok": True}, {"ok": False})
+
+
+def test_eos_cannot_end_a_constrained_request_inside_its_reasoning(thinking_dir, ids) -> None:
+    """A constrained request must reach its answer: only max_tokens may cut it short."""
+    llm = engine(thinking_dir, "qwen3")
+    [eos] = llm.input_processor.eos_token_ids
+    out = generate(llm, "Question?<think>", {eos: 100.0}, max_tokens=5)
+    assert eos not in out.token_ids and out.finish_reason == "length"
 
 
 def test_the_server_keeps_the_reasoning_parser_for_gated_output(thinking_dir, smollm2_dir):
@@ -152,8 +174,49 @@ def test_the_server_keeps_the_reasoning_parser_for_gated_output(thinking_dir, sm
     body = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}
     )
+    constraint = body.to_sampling_params().structured_outputs
     parsers = ChatParsers(reasoning_cls=Qwen3ReasoningParser)
-    gated = parsers.for_request(body, load_tokenizer(thinking_dir), "prompt")
+    thinking = load_tokenizer(thinking_dir)
+    gated = parsers.for_request(body, thinking, "prompt", constraint)
     assert gated is not None and gated.reasoning_cls is Qwen3ReasoningParser
+    assert gated.constrained_after_reasoning
     # without single-token tags the whole output is constrained: no reasoning to split off
-    assert parsers.for_request(body, load_tokenizer(smollm2_dir), "prompt") is None
+    assert parsers.for_request(body, load_tokenizer(smollm2_dir), "prompt", constraint) is None
+    # nor for a regex or a choice: the reasoning parser strips the answer's leading spaces
+    choice = StructuredOutputsParams(choice=[" yes", " no"])
+    assert parsers.for_request(body, thinking, "prompt", choice) is None
+
+
+def test_the_chat_route_constrains_the_answer_after_the_reasoning(thinking_dir, ids, tmp_path):
+    """``chassis serve --reasoning-parser qwen3``: the chat route asks the engine to leave the
+    reasoning free (``after_reasoning``), so the favoured ``</think>`` may come first and the
+    answer after it is the schema's; ``message.reasoning`` and ``content`` are split."""
+    pytest.importorskip("openai")
+    from server_process import running_server
+
+    flags = ["--reasoning-parser", "qwen3"]
+    with running_server(thinking_dir, tmp_path, extra_args=flags) as server:
+        client = server.client()
+        kwargs = {
+            "model": "tiny",
+            # the prompt leaves <think> open: the output starts in the reasoning
+            "messages": [
+                {"role": "user", "content": "Is it?"},
+                {"role": "assistant", "content": "<think>"},
+            ],
+            "extra_body": {"continue_final_message": True, "add_generation_prompt": False},
+            "logit_bias": {str(ids["end"]): 100},
+            "max_tokens": 30,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": SCHEMA},
+            },
+        }
+        response = client.chat.completions.create(**kwargs)
+        message = response.choices[0].message
+        assert json.loads(message.content) in ({"ok": True}, {"ok": False})
+        assert not getattr(message, "reasoning", None)  # the reasoning ended at once
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == message.content

@@ -293,8 +293,9 @@ class Automaton:
             if estimate > max_nfa_states:
                 raise ValueError(
                     f"constraint too large: its automaton needs about {estimate} states, more "
-                    f"than the limit of {max_nfa_states}; use fewer or smaller bounded "
-                    "repetitions (e.g. maxLength/maxItems/{m,n}) or less nesting"
+                    f"than the limit of {max_nfa_states}; use fewer or shorter choices, fewer "
+                    "or smaller bounded repetitions (maxLength, maxItems, {m,n}), or less "
+                    "nesting"
                 )
             start = nfa.new()
             accept = nfa.build(node, start)
