@@ -90,7 +90,7 @@ class ModelRunner:
         hf = model.hf_config
         self.vocab_size = int(hf.vocab_size)
         # a tensor-parallel model keeps its rank's share of the KV heads (CausalLM contract)
-        self.num_kv_heads = kv_head_count(hf) // parallel_state.tp_size()
+        self.num_kv_heads = parallel_state.shard_kv_heads(kv_head_count(hf))[1]
         self.head_dim = int(
             getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         )

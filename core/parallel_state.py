@@ -97,3 +97,30 @@ def shard(size: int, what: str) -> tuple[int, int]:
         )
     length = size // _GROUP.size
     return _GROUP.rank * length, length
+
+
+def kv_head_split(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s ``(first KV head, number of KV heads)`` out of ``num_kv_heads`` over
+    a group of ``size``.
+
+    An even split when ``size`` divides ``num_kv_heads``. With fewer KV heads than ranks,
+    when ``num_kv_heads`` divides ``size``, each rank holds one head, replicated: rank ``r``
+    holds head ``r // (size / num_kv_heads)``, the one its query heads (an even share) read
+    in grouped-query attention. Anything else is a ``ValueError``.
+    """
+    if num_kv_heads % size == 0:
+        per_rank = num_kv_heads // size
+        return rank * per_rank, per_rank
+    if size % num_kv_heads == 0:
+        return rank // (size // num_kv_heads), 1
+    raise ValueError(
+        f"num_key_value_heads ({num_kv_heads}) and --tensor-parallel-size {size} do not fit: "
+        "one must divide the other (KV heads are split evenly over the ranks, or replicated "
+        "when there are fewer of them than ranks)"
+    )
+
+
+def shard_kv_heads(num_kv_heads: int) -> tuple[int, int]:
+    """This rank's ``(first KV head, number of KV heads)``: :func:`kv_head_split` in this
+    process's group."""
+    return kv_head_split(num_kv_heads, _GROUP.size, _GROUP.rank)

@@ -253,9 +253,10 @@ class TensorParallelExecutor(Executor):
 
 
 def _check_model_splits(config: EngineConfig) -> None:
-    """The model's class shards itself and its heads divide by the group's size (the KV
-    heads: the runner gives each rank ``num_key_value_heads / N``)."""
+    """The model's class shards itself, its attention heads divide by the group's size, and
+    its KV heads split over the group or replicate (``parallel_state.kv_head_split``)."""
     from chassis.core.model_loader import kv_head_count, load_hf_config, model_class
+    from chassis.core.parallel_state import kv_head_split
 
     assert config.model is not None
     hf_config = load_hf_config(config.model)
@@ -266,13 +267,12 @@ def _check_model_splits(config: EngineConfig) -> None:
             "--tensor-parallel-size 1"
         )
     heads = int(hf_config.num_attention_heads)
-    kv_heads = kv_head_count(hf_config)
-    for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if count % config.tensor_parallel_size:
-            raise ValueError(
-                f"{name} ({count}) is not divisible by --tensor-parallel-size "
-                f"{config.tensor_parallel_size}"
-            )
+    if heads % config.tensor_parallel_size:
+        raise ValueError(
+            f"num_attention_heads ({heads}) is not divisible by --tensor-parallel-size "
+            f"{config.tensor_parallel_size}"
+        )
+    kv_head_split(kv_head_count(hf_config), config.tensor_parallel_size, 0)
 
 
 def _rank_error(rank: int, detail: Any) -> Exception:

@@ -82,15 +82,34 @@ def test_seeded_sampling_matches_one_rank(tiny_llama_dir) -> None:
 def test_heads_that_do_not_split_are_refused_before_any_rank_starts(tmp_path) -> None:
     import fixtures_models
 
-    one_kv_head = fixtures_models.write_tiny_checkpoint(
-        "llama", tmp_path / "one_kv_head", num_key_value_heads=1
+    three_kv_heads = fixtures_models.write_tiny_checkpoint(
+        "llama",
+        tmp_path / "three_kv_heads",
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=3,
     )
     started = time.monotonic()
     with pytest.raises(
-        ValueError, match=r"num_key_value_heads \(1\) is not divisible by --tensor-parallel-size 2"
+        ValueError,
+        match=r"num_key_value_heads \(3\) and --tensor-parallel-size 2 do not fit",
     ):
-        small_llm(one_kv_head, 2)
+        small_llm(three_kv_heads, 2)
     assert not tp_workers() and time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, arch: str) -> None:
+    """One KV head over two ranks: each rank holds a copy (and its bias, for Qwen2), the
+    one its query heads read; tokens equal HF's."""
+    import fixtures_models
+
+    model_dir = fixtures_models.write_tiny_checkpoint(
+        arch, tmp_path / arch, seed=4, num_key_value_heads=1
+    )
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, tensor_parallel_size=2) == expected
+    wait_for_no_workers()
 
 
 def test_the_cpu_gives_each_rank_a_core() -> None:

@@ -37,6 +37,8 @@ _MERGED_SHARDS = {
 }
 #: projections whose output rows are split over a tensor-parallel group (column parallel)
 _COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+#: the column-parallel projections split by KV head (which ranks may share)
+_KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
 #: projections whose input columns are split, their outputs summed (row parallel)
 _ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 #: HF buffers that some checkpoints contain and that are recomputed here
@@ -92,7 +94,7 @@ class DecoderSpec:
         if parallel_state.tp_size() == 1:
             return self
         _, heads = parallel_state.shard(self.num_heads, "num_attention_heads")
-        _, kv_heads = parallel_state.shard(self.num_kv_heads, "num_key_value_heads")
+        _, kv_heads = parallel_state.shard_kv_heads(self.num_kv_heads)
         _, inter = parallel_state.shard(self.intermediate_size, "intermediate_size")
         return dataclasses.replace(
             self, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter
@@ -265,8 +267,9 @@ class LlamaForCausalLM(CausalLM):
 
     Subclasses change the architecture options by overriding :meth:`decoder_spec`.
 
-    Tensor parallel: every rank keeps ``1/N`` of the attention heads (q, k and v: the KV heads
-    must divide too) and of the MLP columns, and sums the partial outputs of ``o_proj`` and
+    Tensor parallel: every rank keeps ``1/N`` of the attention heads and of the MLP columns,
+    and ``1/N`` of the KV heads or, with fewer KV heads than ranks, one replicated KV head
+    (the one its query heads read), and sums the partial outputs of ``o_proj`` and
     ``down_proj`` over the group; the embedding, norms and LM head are whole on every rank.
     """
 
@@ -355,6 +358,11 @@ class LlamaForCausalLM(CausalLM):
         if parallel_state.tp_size() == 1:
             return tensor
         leaf = name.split(".")[-2] if "." in name else ""
+        if leaf in _KV_PROJECTIONS:
+            # by KV head: an even share, or one replicated head when there are fewer than ranks
+            first, count = parallel_state.shard_kv_heads(self.full_spec.num_kv_heads)
+            head_dim = self.full_spec.head_dim
+            return tensor[first * head_dim : (first + count) * head_dim]
         if leaf in _COLUMN_PARALLEL:
             start, length = parallel_state.shard(tensor.shape[0], name)
             return tensor[start : start + length]
