@@ -210,4 +210,7 @@ class InputProcessor:
             self.config.structured_output_backend
         )
         assert params.structured_outputs is not None
-        backend.check(params.structured_outputs)
+        try:
+            backend.check(params.structured_outputs)
+        except ValueError as exc:  # the API server's 400 then names the parameter
+            raise ValueError(f"invalid sampling parameter structured_outputs: {exc}") from None

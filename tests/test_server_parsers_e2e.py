@@ -141,7 +141,7 @@ def test_response_format_json_schema_through_the_client(server: ServerProcess) -
     )
     value = json.loads(response.choices[0].message.content)
     assert isinstance(value["ok"], bool) and value["n"] in (1, 2, 3) and set(value) == {"ok", "n"}
-    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+    with pytest.raises(openai.BadRequestError, match="uniqueItems") as refused:
         server.client().chat.completions.create(
             model="tiny",
             messages=CHAT,
@@ -150,6 +150,7 @@ def test_response_format_json_schema_through_the_client(server: ServerProcess) -
                 "json_schema": {"name": "r", "schema": {"type": "array", "uniqueItems": True}},
             },
         )
+    assert refused.value.param == "structured_outputs"
 
 
 def test_an_unknown_parser_fails_before_the_model_loads(tmp_path: Path) -> None:
