@@ -124,3 +124,14 @@ def shard_kv_heads(num_kv_heads: int) -> tuple[int, int]:
     """This rank's ``(first KV head, number of KV heads)``: :func:`kv_head_split` in this
     process's group."""
     return kv_head_split(num_kv_heads, _GROUP.size, _GROUP.rank)
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor``, concatenated along the last dimension in rank order (the
+    same on every rank; ``tensor`` itself without a group)."""
+    if _GROUP.size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(_GROUP.size)]
+    torch.distributed.all_gather(parts, tensor)
+    return torch.cat(parts, dim=-1)

@@ -256,3 +256,17 @@ def test_a_rank_that_fails_reports_its_own_error_at_once(
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
     llm.shutdown()
     wait_for_no_workers()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch: str) -> None:
+    """The embedding and the LM head (tied for Qwen2) are split by vocabulary rows; 49,153
+    rows over two ranks leave the last rank one padding row, which no logit comes from."""
+    import fixtures_models
+
+    model_dir = fixtures_models.write_tiny_checkpoint(
+        arch, tmp_path / arch, seed=5, vocab_size=49153
+    )
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, tensor_parallel_size=2) == expected
+    wait_for_no_workers()

@@ -23,6 +23,7 @@ from chassis.core.layers.activation import SiluAndMul
 from chassis.core.layers.attention import Attention
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
+from chassis.core.layers.vocab_parallel import VocabParallelEmbedding, gather_logits, vocab_shard
 from chassis.core.model_interface import CausalLM, ModelBuildContext
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ _MERGED_SHARDS = {
 _COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 #: the column-parallel projections split by KV head (which ranks may share)
 _KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
+#: tensors split by vocabulary rows over a tensor-parallel group
+_VOCAB_ROWS = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 #: projections whose input columns are split, their outputs summed (row parallel)
 _ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 #: HF buffers that some checkpoints contain and that are recomputed here
@@ -240,7 +243,7 @@ class LlamaModel(nn.Module):
         make_mlp: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(int(hf_config.vocab_size), spec.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
         rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope)
         make_mlp = make_mlp or (lambda _layer_idx: LlamaMLP(spec))
         self.layers = nn.ModuleList(
@@ -268,9 +271,11 @@ class LlamaForCausalLM(CausalLM):
     Subclasses change the architecture options by overriding :meth:`decoder_spec`.
 
     Tensor parallel: every rank keeps ``1/N`` of the attention heads and of the MLP columns,
-    and ``1/N`` of the KV heads or, with fewer KV heads than ranks, one replicated KV head
-    (the one its query heads read), and sums the partial outputs of ``o_proj`` and
-    ``down_proj`` over the group; the embedding, norms and LM head are whole on every rank.
+    ``1/N`` of the KV heads or, with fewer KV heads than ranks, one replicated KV head (the
+    one its query heads read), and ``1/N`` of the vocabulary rows of the embedding and the
+    LM head (``core/layers/vocab_parallel.py``). It sums the partial outputs of ``o_proj``,
+    ``down_proj`` and the embedding over the group and gathers the logits; the norms are
+    whole on every rank.
     """
 
     supports_tensor_parallel = True
@@ -287,9 +292,10 @@ class LlamaForCausalLM(CausalLM):
         # meta device so no second matrix is allocated; parameter listings name it once, as
         # model.embed_tokens.weight) so that a platform's prepare_model can swap it too.
         head_device = "meta" if self.tie_word_embeddings else None
-        self.lm_head = nn.Linear(
-            self.spec.hidden_size, int(hf_config.vocab_size), bias=False, device=head_device
-        )
+        self.vocab_size = int(hf_config.vocab_size)
+        # this rank's vocabulary rows (all of them without tensor parallelism)
+        _, vocab_rows = vocab_shard(self.vocab_size)
+        self.lm_head = nn.Linear(self.spec.hidden_size, vocab_rows, bias=False, device=head_device)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -310,8 +316,13 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Project to the vocabulary in the model dtype; return float32 ``[n, vocab]``."""
-        return self.lm_head(hidden_states).float()
+        """Project to the vocabulary in the model dtype; return float32 ``[n, vocab]`` (under
+        tensor parallelism each rank projects to its vocabulary rows and the logits are
+        gathered)."""
+        logits = self.lm_head(hidden_states)
+        if parallel_state.tp_size() > 1:
+            logits = gather_logits(logits, self.vocab_size)
+        return logits.float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -358,6 +369,13 @@ class LlamaForCausalLM(CausalLM):
         if parallel_state.tp_size() == 1:
             return tensor
         leaf = name.split(".")[-2] if "." in name else ""
+        if name in _VOCAB_ROWS:
+            # this rank's vocabulary rows, padded with zero rows past the vocabulary
+            start, rows = vocab_shard(tensor.shape[0])
+            part = tensor[start : start + rows]
+            if part.shape[0] < rows:
+                part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+            return part
         if leaf in _KV_PROJECTIONS:
             # by KV head: an even share, or one replicated head when there are fewer than ranks
             first, count = parallel_state.shard_kv_heads(self.full_spec.num_kv_heads)
