@@ -270,3 +270,38 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch: str) 
     expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
     assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, tensor_parallel_size=2) == expected
     wait_for_no_workers()
+
+
+def test_a_vocabulary_that_disagrees_with_the_config_is_refused_on_every_rank(tmp_path):
+    """Padding must not hide a checkpoint one row short of config.json's vocabulary."""
+    import json
+
+    import fixtures_models
+
+    model_dir = fixtures_models.write_tiny_checkpoint("llama", tmp_path / "m", vocab_size=49153)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["vocab_size"] = 49154
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="has 49153 rows, expected the vocabulary's 49154"):
+        small_llm(model_dir, 2)
+    wait_for_no_workers()
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,size",
+    [(8, 2, 4), (4, 1, 2), (16, 4, 8), (8, 8, 4), (8, 4, 8), (12, 3, 6), (32, 4, 8), (8, 1, 8)],
+)
+def test_each_rank_holds_the_kv_heads_its_query_heads_read(heads, kv_heads, size) -> None:
+    """Grouped-query attention reads KV head ``q // (heads / kv_heads)`` for query head q;
+    every rank's query heads (an even share) must find theirs among its KV heads, split or
+    replicated, without starting any process."""
+    for rank in range(size):
+        first, count = parallel_state.kv_head_split(kv_heads, size, rank)
+        per_rank = heads // size
+        for q in range(rank * per_rank, (rank + 1) * per_rank):
+            kv = q // (heads // kv_heads)
+            assert first <= kv < first + count
+            # and at the same place in the rank's own grouping
+            assert (q - rank * per_rank) // (per_rank // count) == kv - first
+    with pytest.raises(ValueError, match="do not fit"):
+        parallel_state.kv_head_split(3, 2, 0)

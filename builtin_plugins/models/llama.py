@@ -370,8 +370,13 @@ class LlamaForCausalLM(CausalLM):
             return tensor
         leaf = name.split(".")[-2] if "." in name else ""
         if name in _VOCAB_ROWS:
+            if tensor.shape[0] != self.vocab_size:  # as the unsplit shapes would refuse it
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected the "
+                    f"vocabulary's {self.vocab_size} (does config.json match the weights?)"
+                )
             # this rank's vocabulary rows, padded with zero rows past the vocabulary
-            start, rows = vocab_shard(tensor.shape[0])
+            start, rows = vocab_shard(self.vocab_size)
             part = tensor[start : start + rows]
             if part.shape[0] < rows:
                 part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
