@@ -4,7 +4,7 @@
 #   bash tests/gpu/run_gpu_checks.sh
 # Steps, in order, each under its own timeout and all under one overall budget (BUDGET_S,
 # default 540 s: a step that would start with under 30 s left is skipped):
-#   pytest      pytest -m gpu tests/gpu                      -> pytest.txt, junit.xml
+#   pytest      pytest -m gpu tests/gpu (not gpu_compile, not gpu_moe) -> pytest.txt, junit.xml
 #   throughput  (a)+(c) nano-vllm workload on the Qwen3-0.6B preset, chassis and HF
 #                                                            -> throughput.txt/.json
 #   latency     (b)+(c) batch 1, 128-token prompt, 256 new tokens, chassis and HF; then
@@ -20,6 +20,8 @@
 #               (CHASSIS_LAYER_KERNELS=0)                    -> latency_torch_ops.txt/.json
 #   compile     pytest -m gpu_compile, then (b) chassis only with --torch-compile
 #                                                -> pytest_compile.txt, latency_compile.txt/.json
+#   moe         pytest -m gpu_moe: the Triton fused MoE and a MoE engine with graphs
+#                                                            -> pytest_moe.txt, junit_moe.xml
 #   attn        tests/gpu/bench_triton_attention.py          -> bench.txt
 #   tune        (only when named in STEPS) tests/gpu/tune_triton_attention.py -> tune.txt
 # STEPS="throughput serve" runs a subset. HF_NUM_PROMPTS (default 32): HF runs only the first
@@ -42,7 +44,7 @@ OUT="${RESULTS_DIR:-/tmp/chassis-gpu-results}"
 rm -rf "$OUT"
 mkdir -p "$OUT" "$FINAL_OUT"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-pytest throughput latency profile async serve eager kernels compile attn}"
+STEPS="${STEPS:-pytest throughput latency profile async serve eager kernels compile moe attn}"
 BUDGET_S="${BUDGET_S:-540}"
 HF_NUM_PROMPTS="${HF_NUM_PROMPTS:-32}"
 PORT="${PORT:-8123}"
@@ -119,7 +121,7 @@ step() {
 }
 
 if wanted pytest; then
-    step pytest 220 "$PY" -m pytest -m "gpu and not gpu_compile" tests/gpu -q -rfEs \
+    step pytest 220 "$PY" -m pytest -m "gpu and not gpu_compile and not gpu_moe" tests/gpu -q -rfEs \
         -p no:cacheprovider --junitxml="$OUT/junit.xml"
 fi
 
@@ -227,6 +229,13 @@ if wanted compile && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
     step latency_compile 180 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" \
         "${ENGINE[@]}" --torch-compile --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" \
         --batch-size 1 --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_compile.json"
+fi
+
+if wanted moe; then
+    # the mixture-of-experts path (session 8): kept out of the first step, whose budget the
+    # fused-MoE kernels' compilations would eat into
+    step pytest_moe 150 "$PY" -m pytest -m gpu_moe tests/gpu -q -rfEs \
+        -p no:cacheprovider --junitxml="$OUT/junit_moe.xml"
 fi
 
 # Kernel timings last: they matter least for issue 5.

@@ -158,6 +158,7 @@ def write_tiny_qwen3_moe(directory) -> None:
     Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(directory)
 
 
+@pytest.mark.gpu_moe
 @pytest.mark.parametrize("engine", [{"enforce_eager": True}, {}], ids=["moe-eager", "moe-graphs"])
 def test_moe_llm_matches_hf_greedy_on_the_gpu(tmp_path, engine):
     """The experts run the Triton fused-MoE kernel, which reads nothing back to the host,

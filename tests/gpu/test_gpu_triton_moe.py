@@ -14,6 +14,7 @@ from chassis.core.layers.moe import FusedMoE, fused_experts_ref, select_experts
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.gpu_moe,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU"),
 ]
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
