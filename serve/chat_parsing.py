@@ -72,7 +72,7 @@ class ChoiceParser:
     def finish_reason_after_calls(self) -> str:
         """The finish reason of a choice that stopped after its calls: ``tool_calls``, or the
         tool parser's own (a named ``tool_choice`` keeps ``stop``)."""
-        return getattr(self._tools, "finish_reason_after_calls", "tool_calls")
+        return self._tools.finish_reason_after_calls if self._tools else "tool_calls"
 
     def feed(self, text: str) -> ChoiceDelta:
         """The classified part of ``text``, the next piece of the message."""

@@ -60,6 +60,9 @@ class ToolParser(ABC):
     #: The format's markers are special tokens, which the detokenizer drops by default; when
     #: true, the server asks for the text with special tokens (``skip_special_tokens=False``).
     needs_special_tokens: bool = False
+    #: The finish reason of a choice that stopped after its calls: OpenAI's ``tool_calls``;
+    #: ``stop`` for output forced to be one named function's call (OpenAI's and vLLM's answer).
+    finish_reason_after_calls: str = "tool_calls"
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
         self.tokenizer = tokenizer

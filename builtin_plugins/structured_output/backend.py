@@ -76,13 +76,7 @@ def _constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
 def constraint_automaton(params: StructuredOutputsParams) -> Automaton:
     """The automaton of ``params``: ``ValueError`` for an unsupported constraint, one too
     large, or one that no output can match."""
-    node = constraint_to_ir(params)
-    try:
-        automaton = Automaton.from_ir(node)
-    except RecursionError:
-        raise ValueError(
-            f"the structured-output {params.kind} constraint is nested too deeply to compile"
-        ) from None
+    automaton = Automaton.from_ir(constraint_to_ir(params))  # (refuses too deep, too large)
     if automaton.matches_nothing:
         raise ValueError(f"the structured-output {params.kind} constraint matches no output")
     return automaton

@@ -71,8 +71,9 @@ __all__ = [
 
 #: how deep arrays and objects nest in "any JSON object" (the object itself is level 1),
 #: and at most in a free-form value of a schema. Each level multiplies the automaton by
-#: about four (see :mod:`json_syntax`): 5 levels are ~147k NFA states (built in ~0.15 s,
-#: ~14 MiB), 6 would be ~590k, beyond what the automaton accepts.
+#: about four (see :mod:`json_syntax`): 5 levels are ~147k NFA states (the compile time is
+#: in tests/perf/structured_output_cost.py), 6 would be ~590k, beyond what the automaton
+#: accepts.
 ANY_JSON_DEPTH = 5
 #: how many times a ``$ref`` may be expanded inside itself
 MAX_RECURSION_DEPTH = 5

@@ -8,7 +8,10 @@ prints (1) the time to compute a token mask the first time the grammar reaches a
 when it returns to one, along one real constrained output; (2) the per-request, per-step
 host work of a warm state: the matcher's mask, packing it for the plan, and masking a batch
 of logits in the runner; (3) end to end, milliseconds per generated token of 8 chat requests
-with and without ``json_object``, greedy, in one engine, alternated.
+with and without ``json_object``, greedy, in one engine, alternated; (4) what a new
+constraint costs before its first token: the front-end's ``check``, the engine core's
+``compile`` and its first mask (the engine core's thread waits for the last two), with the
+size of its NFA; measured first, before any check is cached in this process.
 """
 
 from __future__ import annotations
@@ -37,6 +40,38 @@ SCHEMA = {
 CHAT = [{"role": "user", "content": "Describe a cat in JSON."}]
 
 
+def new_constraint_costs(backend_cls: type, vocabulary: object) -> None:
+    """(4): check, compile and first mask of constraints no backend has seen yet."""
+    from chassis.builtin_plugins.structured_output.automaton import estimated_nfa_states
+    from chassis.builtin_plugins.structured_output.backend import constraint_to_ir
+
+    backend = backend_cls(vocabulary)  # a fresh one: nothing compiled or cached
+    cases = {
+        "json_object": StructuredOutputsParams(json_object=True),
+        "a 4-property schema": StructuredOutputsParams(json=SCHEMA),
+        "a choice of 20,000 strings": StructuredOutputsParams(
+            choice=[f"item{i}" for i in range(20000)]
+        ),
+        "a choice of two 12,000-character strings": StructuredOutputsParams(
+            choice=["x" * 12000, "y" * 12000]
+        ),
+    }
+    for label, params in cases.items():
+        start = time.perf_counter()
+        backend_cls.check(params)
+        checked = time.perf_counter()
+        matcher = backend.compile(params).matcher()
+        compiled = time.perf_counter()
+        matcher.allowed_tokens()
+        masked = time.perf_counter()
+        states = estimated_nfa_states(constraint_to_ir(params))
+        print(
+            f"new constraint, {label}: check {checked - start:.2f} s, compile "
+            f"{compiled - checked:.2f} s, first mask {masked - compiled:.2f} s "
+            f"({states} NFA states)"
+        )
+
+
 def per_call(fn, repeat: int = 200) -> float:
     start = time.perf_counter()
     for _ in range(repeat):
@@ -47,6 +82,10 @@ def per_call(fn, repeat: int = 200) -> float:
 def main() -> None:
     model = str(embedded_model_dir())
     llm = LLM(model, max_model_len=1024, num_kv_blocks=512)
+    manager = StructuredOutputManager(llm.config)
+    # 4. (first: nothing is checked or compiled yet) a new constraint's cost
+    new_constraint_costs(type(manager.backend), manager.backend.vocabulary)
+
     schema_params = SamplingParams(
         temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA)
     )
@@ -54,8 +93,8 @@ def main() -> None:
     tokens = reference.outputs[0].token_ids
     print(f"constrained answer ({len(tokens)} tokens): {reference.outputs[0].text!r}")
 
-    # 1. masks along that output: a fresh backend, so every state is new the first time
-    manager = StructuredOutputManager(llm.config)
+    # 1. masks along that output: the manager's backend has compiled nothing yet, so every
+    # state is new the first time
     grammar = manager.backend.compile(schema_params.structured_outputs)
     for label in ("first visit", "second visit"):
         matcher = grammar.matcher()
