@@ -69,16 +69,42 @@ class AttentionBackend(ABC):
     #: requests have one token, ``seq_len`` 1 and slot ``-1``), every query has one token, and
     #: ``max_seq_len`` is only an upper bound on ``seq_lens``
     graph_capture_safe: ClassVar[bool] = False
+    #: whether the backend honours ``sliding_window`` (Mistral, Gemma 2/3 local layers); a
+    #: model layer that needs it refuses a backend without it (no silent full attention)
+    supports_sliding_window: ClassVar[bool] = False
+    #: whether the backend honours ``logits_soft_cap`` (Gemma 2)
+    supports_logits_soft_cap: ClassVar[bool] = False
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        """``scale`` multiplies ``q . k``. ``sliding_window`` (``None``: the whole context)
+        limits each query to the last ``sliding_window`` positions, its own included.
+        ``logits_soft_cap`` (``None``: off) maps each scaled score ``s`` to
+        ``cap * tanh(s / cap)`` before the softmax. The attention layer passes the two
+        keywords only when set, so a backend whose ``__init__`` predates them keeps working
+        for the models that need neither."""
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def forward(
@@ -97,8 +123,11 @@ class AttentionBackend(ABC):
         :param kv_cache: this layer's cache, shape :func:`kv_cache_shape`
         :param metadata: the step's :class:`AttentionMetadata`
         :return: ``[num_tokens, num_heads, head_dim]``; rows past ``num_actual_tokens`` are
-            unspecified. Query token ``j`` of request ``i`` attends to context positions
-            ``0 .. seq_lens[i] - query_len_i + j`` (causal over the cached prefix + chunk).
+            unspecified. Query token ``j`` of request ``i`` sits at position
+            ``p = seq_lens[i] - query_len_i + j`` and attends to context positions ``0 .. p``
+            (causal over the cached prefix + chunk), or ``p - sliding_window + 1 .. p`` (not
+            below 0) with a sliding window; scores are soft-capped when
+            ``logits_soft_cap`` is set.
         """
 
 

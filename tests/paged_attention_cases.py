@@ -133,8 +133,15 @@ def make_batch(
     )
 
 
-def dense_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """float32 causal attention of the batch's real tokens: ``[num_actual_tokens, Hq, D]``."""
+def dense_attention(
+    batch: PagedBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """float32 causal attention of the batch's real tokens: ``[num_actual_tokens, Hq, D]``;
+    each query sees at most the last ``sliding_window`` positions (its own included), and
+    scores are ``cap * tanh(score / cap)`` with ``logits_soft_cap``."""
     outs = []
     start = 0
     for prefix_len, query_len, ctx_k, ctx_v in batch.contexts:
@@ -144,8 +151,13 @@ def dense_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         k = ctx_k.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
         v = ctx_v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = prefix_len + torch.arange(query_len)[:, None]
-        visible = torch.arange(k.shape[0])[None, :] <= q_pos  # [q, S]
+        k_pos = torch.arange(k.shape[0])[None, :]
+        visible = k_pos <= q_pos  # [q, S]
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(outs)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures_models import allocate_block_tables, make_attention_metadata
+from paged_attention_cases import dense_attention, make_batch
 
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention, write_kv_cache
 from chassis.core.attention import kv_cache_shape
+from chassis.core.layers.attention import Attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 SCALE = HEAD_DIM**-0.5
@@ -138,3 +140,67 @@ def test_output_keeps_query_dtype_with_float32_cache() -> None:
 def test_rejects_heads_not_multiple_of_kv_heads() -> None:
     with pytest.raises(ValueError, match="multiple"):
         TorchPagedAttention(6, HEAD_DIM, 4, SCALE)
+
+
+#: (cached prefix, query length): prefills shorter and longer than the window, chunks over a
+#: cached prefix that starts before / inside the window, decodes at and past the window edge
+WINDOW_BATCH = [(0, 5), (0, 19), (6, 1), (7, 1), (30, 1), (9, 4), (22, 6), (0, 1), (3, 12)]
+
+
+@pytest.mark.parametrize(
+    ("sliding_window", "soft_cap"), [(7, None), (None, 2.0), (7, 2.0), (1, None), (100, 0.5)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_and_soft_cap_match_dense_attention(
+    sliding_window: int | None, soft_cap: float | None, dtype: torch.dtype
+) -> None:
+    """A window of 1 attends to the token itself only; a window longer than every context is
+    full attention. The cap of 0.5 squeezes every score into (-0.5, 0.5)."""
+    batch = make_batch(
+        WINDOW_BATCH,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=4,
+        dtype=dtype,
+        num_pad_tokens=2,
+        seed=4,
+        # SDPA's masks add -inf, which leaves NaN in place: the reference backend gathers
+        # whole blocks, so unowned slots hold a large finite value (weight on it would show)
+        unwritten_fill=60.0,
+    )
+    backend = TorchPagedAttention(
+        NUM_HEADS,
+        HEAD_DIM,
+        NUM_KV_HEADS,
+        SCALE,
+        sliding_window=sliding_window,
+        logits_soft_cap=soft_cap,
+    )
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    n = batch.metadata.num_actual_tokens
+    expected = dense_attention(batch, SCALE, sliding_window, soft_cap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:n].float(), expected, atol=tol, rtol=tol)
+    full = dense_attention(batch, SCALE)
+    if sliding_window == 7 or soft_cap is not None:  # the options change the answer
+        assert not torch.allclose(expected, full, atol=1e-3)
+
+
+def test_rejects_bad_window_and_cap() -> None:
+    with pytest.raises(ValueError, match="sliding_window"):
+        TorchPagedAttention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        TorchPagedAttention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, logits_soft_cap=0.0)
+
+
+def test_attention_layer_refuses_backend_without_sliding_window() -> None:
+    """A model layer with a window never silently runs full attention."""
+
+    class FullOnly(TorchPagedAttention):
+        supports_sliding_window = False
+
+    with pytest.raises(ValueError, match="FullOnly does not support sliding-window"):
+        Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, 3, FullOnly, sliding_window=4)
+    layer = Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, 3, FullOnly)
+    assert layer.backend.sliding_window is None

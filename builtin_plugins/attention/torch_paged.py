@@ -18,7 +18,12 @@ class TorchPagedAttention(AttentionBackend):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Softmax is computed in float32 whatever the cache dtype; the output has the query's dtype.
+    A sliding window is a mask; a logit soft cap, which SDPA cannot apply, switches to the
+    explicit ``softmax(cap * tanh(q.k * scale / cap)) . v`` of :meth:`_attend`.
     """
+
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def forward(
         self,
@@ -68,7 +73,7 @@ class TorchPagedAttention(AttentionBackend):
         q = query.transpose(0, 1).float()  # [H, Q, D]
         k = kv[0].transpose(0, 1).float()  # [KV, L, D]
         v = kv[1].transpose(0, 1).float()
-        if query_len == seq_len:
+        if query_len == seq_len and self.sliding_window is None and self.logits_soft_cap is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
             )
@@ -77,9 +82,9 @@ class TorchPagedAttention(AttentionBackend):
             q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L], True = may attend
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
+            if self.sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+            out = self._attend(q, k, v, mask)
         return out.transpose(0, 1).to(query.dtype)
 
     def _decode(
@@ -102,11 +107,29 @@ class TorchPagedAttention(AttentionBackend):
         k = kv[0].transpose(1, 2).float()  # [B, KV, L, D]
         v = kv[1].transpose(1, 2).float()
         lens = torch.tensor(seq_lens, device=query.device)
-        mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]  # [B, L]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
-        )
+        k_pos = torch.arange(max_len, device=query.device)[None, :]
+        mask = k_pos < lens[:, None]  # [B, L]; the query sits at position lens - 1
+        if self.sliding_window is not None:
+            mask &= k_pos >= lens[:, None] - self.sliding_window
+        out = self._attend(q, k, v, mask[:, None, None, :])
         return out.squeeze(2).to(query.dtype)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Masked attention, float32: ``q [..., H, Q, D]``, ``k``/``v [..., KV, L, D]``,
+        ``mask`` broadcastable to ``[..., H, Q, L]`` (True = may attend)."""
+        if self.logits_soft_cap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+        cap = self.logits_soft_cap
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * (self.scale / cap)) * cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
 
 
 def write_kv_cache(

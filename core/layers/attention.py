@@ -23,13 +23,38 @@ class Attention(nn.Module):
         scale: float,
         layer_idx: int,
         backend_cls: type[AttentionBackend],
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
+        """``sliding_window`` and ``logits_soft_cap`` (see :class:`AttentionBackend`) need a
+        backend that declares support for them; otherwise building the layer is a
+        ``ValueError`` naming the backend, rather than attention that silently differs from
+        the model's."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
-        self.backend = backend_cls(num_heads, head_dim, num_kv_heads, scale)
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        options: dict[str, int | float] = {}
+        if sliding_window is not None:
+            if not backend_cls.supports_sliding_window:
+                raise ValueError(
+                    f"attention backend {backend_cls.__name__} does not support sliding-window "
+                    f"attention, which this model's layer {layer_idx} uses (window "
+                    f"{sliding_window}); choose another with --attention-backend"
+                )
+            options["sliding_window"] = sliding_window
+        if logits_soft_cap is not None:
+            if not backend_cls.supports_logits_soft_cap:
+                raise ValueError(
+                    f"attention backend {backend_cls.__name__} does not support attention "
+                    f"logit soft-capping, which this model uses (cap {logits_soft_cap}); "
+                    "choose another with --attention-backend"
+                )
+            options["logits_soft_cap"] = logits_soft_cap
+        self.backend = backend_cls(num_heads, head_dim, num_kv_heads, scale, **options)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
@@ -63,4 +88,6 @@ class Attention(nn.Module):
         return (
             f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, backend={type(self.backend).__name__}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
+            + (f", soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
         )
