@@ -120,7 +120,12 @@ class DecoderSpec:
 
 
 class LlamaAttention(nn.Module):
-    """Merged QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+    """Merged QKV projection, optional q/k norm, RoPE, paged attention, output projection.
+
+    ``scale`` multiplies ``q . k`` (default ``head_dim ** -0.5``); ``sliding_window`` and
+    ``logits_soft_cap`` are this layer's attention options (see
+    :class:`~chassis.core.layers.attention.Attention`), for the architectures that use them.
+    """
 
     def __init__(
         self,
@@ -128,6 +133,10 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         layer_idx: int,
         build_ctx: ModelBuildContext,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
@@ -148,9 +157,11 @@ class LlamaAttention(nn.Module):
             spec.num_heads,
             spec.head_dim,
             spec.num_kv_heads,
-            spec.head_dim**-0.5,
+            spec.head_dim**-0.5 if scale is None else scale,
             layer_idx,
             build_ctx.attention_backend,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
     def forward(
