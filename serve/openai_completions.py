@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from chassis.serve import errors
+from chassis.serve.completion_echo import echo_logprobs, echo_text, without_generation
 from chassis.serve.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -39,7 +40,7 @@ from chassis.serve.streaming import (
 )
 
 if TYPE_CHECKING:
-    from chassis.core.outputs import CompletionOutput, RequestOutput
+    from chassis.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 router = APIRouter()
 
@@ -99,15 +100,57 @@ class _Choice:
             self.finish_reason = completion.finish_reason
             self.stop_reason = completion.stop_reason
 
-    def result(self) -> CompletionChoice:
+    def result(self, echo: _Echo | None = None) -> CompletionChoice:
+        """The choice; with ``echo``, its prompt (and the prompt's logprobs) first."""
+        text = "".join(self.text)
+        logprobs = self.merged
+        if echo is not None:
+            text = echo.text + text
+            if logprobs is not None and echo.logprobs is not None:
+                logprobs = echo.logprobs_before(logprobs)
         return CompletionChoice(
             index=self.index,
-            text="".join(self.text),
-            logprobs=self.merged,
+            text=text,
+            logprobs=logprobs,
             # a stream that ended without a finish reason was aborted (e.g. on shutdown)
             finish_reason=self.finish_reason or "abort",
             stop_reason=self.stop_reason,
             prompt_logprobs=self.prompt_logprobs,
+        )
+
+
+class _Echo:
+    """The prompt part of each choice of one prompt (``echo``)."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        prompt: str | list[int],
+        prompt_token_ids: list[int],
+        prompt_logprobs: list[PositionLogprobs | None] | None,
+        num_logprobs: int | None,
+    ) -> None:
+        self.text = echo_text(state, prompt)
+        self.logprobs = (
+            None
+            if num_logprobs is None
+            else echo_logprobs(state, prompt_token_ids, prompt_logprobs, num_logprobs)
+        )
+
+    @property
+    def logprobs_text_length(self) -> int:
+        """Where the completion's text offsets start: after the prompt's token texts."""
+        return sum(len(t) for t in self.logprobs.tokens) if self.logprobs is not None else 0
+
+    def logprobs_before(self, completion: CompletionLogprobs) -> CompletionLogprobs:
+        """The prompt's logprobs followed by ``completion``'s (offsets from 0)."""
+        assert self.logprobs is not None
+        shift = self.logprobs_text_length
+        return CompletionLogprobs(
+            tokens=self.logprobs.tokens + completion.tokens,
+            token_logprobs=self.logprobs.token_logprobs + completion.token_logprobs,
+            top_logprobs=self.logprobs.top_logprobs + completion.top_logprobs,
+            text_offset=self.logprobs.text_offset + [o + shift for o in completion.text_offset],
         )
 
 
@@ -130,31 +173,48 @@ async def _prompt_batch(state: ServerState, body: CompletionRequest) -> list[str
 
 async def _collect(
     state: ServerState,
+    body: CompletionRequest,
+    prompts: list[str | list[int]],
     streams: list[AsyncIterator[RequestOutput]],
     request_id: str,
     model: str,
     n: int,
-    with_logprobs: bool,
 ) -> CompletionResponse:
+    with_logprobs = body.logprobs is not None
     choices = {
         p * n + i: _Choice(p * n + i, state, with_logprobs)
         for p in range(len(streams))
         for i in range(n)
     }
     usage = UsageCounter()
+    #: per prompt (``echo``): its token ids and, once sent, its prompt logprobs
+    seen: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(merge_streams(streams)) as merged:
         async for prompt_index, output in merged:
+            if body.echo_only:
+                output = without_generation(output)
             usage.add(prompt_index, output)
-            prompt_logprobs = state.prompt_logprobs(output)
+            if output.prompt_logprobs is not None or prompt_index not in seen:
+                seen[prompt_index] = output
+            # vLLM's prompt_logprobs field only when asked for (echo computes them too)
+            prompt_logprobs = (
+                state.prompt_logprobs(output) if body.prompt_logprobs is not None else None
+            )
             for completion in output.outputs:
                 choice = choices[prompt_index * n + completion.index]
                 choice.add(completion)
                 if prompt_logprobs is not None:
                     choice.prompt_logprobs = prompt_logprobs
+    echoes: dict[int, _Echo] = {}
+    if body.echo:
+        for p, output in seen.items():
+            echoes[p] = _Echo(
+                state, prompts[p], output.prompt_token_ids, output.prompt_logprobs, body.logprobs
+            )
     return CompletionResponse(
         id=request_id,
         model=model,
-        choices=[choices[i].result() for i in sorted(choices)],
+        choices=[choices[i].result(echoes.get(i // n)) for i in sorted(choices)],
         usage=usage.info(),
     )
 
@@ -162,6 +222,7 @@ async def _collect(
 async def _events(
     state: ServerState,
     body: CompletionRequest,
+    prompts: list[str | list[int]],
     streams: list[AsyncIterator[RequestOutput]],
     request_id: str,
     model: str,
@@ -171,6 +232,8 @@ async def _events(
     with_logprobs = body.logprobs is not None
     builders: dict[int, _LogprobBuilder] = {}
     finished: set[int] = set()
+    #: choices whose prompt has been sent (``echo``): it goes first, once
+    echoed: set[int] = set()
     usage = UsageCounter()
 
     encoder = ChunkEncoder("text_completion", request_id, created, model)
@@ -181,22 +244,41 @@ async def _events(
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for prompt_index, output in merged:
+                if body.echo_only:
+                    output = without_generation(output)
                 usage.add(prompt_index, output)
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
-                    if not (completion.text or completion.token_ids or completion.finished):
+                    echo = None
+                    if body.echo and index not in echoed:
+                        echoed.add(index)
+                        echo = _Echo(
+                            state,
+                            prompts[prompt_index],
+                            output.prompt_token_ids,
+                            output.prompt_logprobs,
+                            body.logprobs,
+                        )
+                    elif not (completion.text or completion.token_ids or completion.finished):
                         continue
                     logprobs = None
                     if with_logprobs:
                         builder = builders.setdefault(index, _LogprobBuilder(state))
                         logprobs = builder.build(completion)
+                    text = completion.text
+                    if echo is not None:
+                        text = echo.text + text
+                        if logprobs is not None and echo.logprobs is not None:
+                            logprobs = echo.logprobs_before(logprobs)
+                            assert with_logprobs
+                            builders[index].offset += echo.logprobs_text_length
                     if completion.finished:
                         finished.add(index)
                     choices.append(
                         completion_choice(
                             index,
-                            completion.text,
+                            text,
                             logprobs,
                             completion.finish_reason,
                             completion.stop_reason,
@@ -225,6 +307,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     model = state.check_model(body.model)
     params = body.to_sampling_params()
     prompts = await _prompt_batch(state, body)
+    originals = body.prompts()  # what echo repeats: text as sent, token ids decoded
     request_id = f"cmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0
@@ -232,6 +315,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         request,
         body.stream,
         lambda: state.open_streams(prompts, params, request_id, priority),
-        lambda streams: _events(state, body, streams, request_id, model, n),
-        lambda streams: _collect(state, streams, request_id, model, n, body.logprobs is not None),
+        lambda streams: _events(state, body, originals, streams, request_id, model, n),
+        lambda streams: _collect(state, body, originals, streams, request_id, model, n),
     )

@@ -136,8 +136,10 @@ class _SamplingRequest(_Request):
         max_tokens: int | None,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Build and validate :class:`SamplingParams`; invalid values raise a 400 ``APIError``."""
+        """Build and validate :class:`SamplingParams`; invalid values raise a 400 ``APIError``.
+        ``prompt_logprobs`` replaces the request's own field when given."""
         values: dict[str, Any] = {
             "n": self.n,
             "temperature": self.temperature,
@@ -154,7 +156,7 @@ class _SamplingRequest(_Request):
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "logprobs": logprobs,
-            "prompt_logprobs": self.prompt_logprobs,
+            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             "logit_bias": self._logit_bias_ids(),
             "skip_special_tokens": self.skip_special_tokens,
             "structured_outputs": structured_outputs,
@@ -230,20 +232,32 @@ class CompletionRequest(_SamplingRequest):
             )
         return batch
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the answer is the prompt alone (and, with
+        ``logprobs``, its logprobs), as a client scoring a text asks for."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
-        """Validate the fields this server does not implement, then build the params."""
+        """Validate the fields this server does not implement, then build the params.
+
+        With ``echo`` and ``logprobs``, the prompt's logprobs are computed too (at least as
+        many alternatives as ``logprobs``); with :attr:`echo_only` the engine still makes one
+        token, which the response leaves out."""
         self._check_stream_options()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
         if self.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of other than n is not supported", "best_of")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        prompt_logprobs = None
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         return self._sampling_params(
-            max_tokens=max_tokens,
+            max_tokens=1 if self.echo_only else max_tokens,
             logprobs=self.logprobs,
             structured_outputs=self._structured_outputs(),
+            prompt_logprobs=prompt_logprobs,
         )
 
 

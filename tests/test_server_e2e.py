@@ -81,6 +81,37 @@ def test_prompt_logprobs(server: ServerProcess) -> None:
         assert all(entry["logprob"] <= 0 for entry in position.values())
 
 
+def test_echo_logprobs_score_the_prompt_as_hf_transformers_does(
+    server: ServerProcess, tiny_llama_dir: Path
+) -> None:
+    """What an evaluation harness sends to score a text (``echo``, ``logprobs``,
+    ``max_tokens: 0``): each prompt token's logprob under the model, as HF computes it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "The capital of France is Paris"
+    response = server.client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = response.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 0
+    ids = AutoTokenizer.from_pretrained(tiny_llama_dir)(prompt).input_ids
+    assert len(choice.logprobs.tokens) == len(ids) == response.usage.prompt_tokens
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1].float()
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert choice.logprobs.token_logprobs[0] is None
+    torch.testing.assert_close(
+        torch.tensor(choice.logprobs.token_logprobs[1:]), expected, atol=1e-3, rtol=1e-3
+    )
+    greedy = logits.argmax(-1).tolist()
+    for position, top in enumerate(choice.logprobs.top_logprobs[1:]):
+        # the most likely token and the prompt's own (one entry when they are the same)
+        assert len(top) == (1 if greedy[position] == ids[position + 1] else 2)
+
+
 def test_chat_non_streaming_and_streaming_agree(server: ServerProcess) -> None:
     client = server.client()
     full = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0)

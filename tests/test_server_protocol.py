@@ -120,7 +120,6 @@ def test_chat_logprobs_and_top_logprobs() -> None:
         ({"repetition_penalty": float("nan")}, "repetition_penalty"),
         ({"top_p": float("nan")}, "top_p"),
         ({"presence_penalty": float("nan")}, "presence_penalty"),
-        ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -566,3 +566,68 @@ def test_metrics_survive_a_dead_engine(client: TestClient, engine: FakeAsyncLLM)
     assert response.status_code == 200
     assert "chassis:num_requests_running" not in response.text
     assert "chassis:prompt_tokens_total" in response.text
+
+
+# -- echo ---------------------------------------------------------------------------------------
+
+
+def test_completion_echo_puts_the_prompt_first(client: TestClient) -> None:
+    """Text as sent; with logprobs, one entry per prompt token (the fake's tokenizer: BOS,
+    then a byte each) before the completion's, offsets running on from 0."""
+    body = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True, "logprobs": 0}
+    ).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "hiab"
+    logprobs = choice["logprobs"]
+    bos = logprobs["tokens"][0]
+    assert logprobs["tokens"] == [bos, "h", "i", "a", "b"]
+    assert logprobs["token_logprobs"] == [None, -1.0, -1.0, -0.5, -0.5]
+    assert logprobs["top_logprobs"][:3] == [None, {"h": -1.0}, {"i": -1.0}]
+    assert logprobs["text_offset"] == [0, len(bos), len(bos) + 1, len(bos) + 2, len(bos) + 3]
+    assert choice["prompt_logprobs"] is None  # vLLM's field only when asked for
+    assert body["usage"]["completion_tokens"] == 2
+    plain = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True})
+    assert plain.json()["choices"][0]["text"] == "hiab"
+    assert plain.json()["choices"][0]["logprobs"] is None
+
+
+def test_completion_echo_with_max_tokens_0_is_the_prompt_alone(
+    client: TestClient, engine: FakeAsyncLLM
+) -> None:
+    ids = engine.tokenizer("hi", add_special_tokens=False).input_ids
+    for prompt in ("hi", ids):  # text, and token ids (decoded)
+        body = client.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1},
+        ).json()
+        choice = body["choices"][0]
+        assert choice["text"] == "hi"
+        assert choice["finish_reason"] == "length"
+        assert choice["logprobs"]["tokens"][-2:] == ["h", "i"]
+        assert body["usage"]["completion_tokens"] == 0
+    without_echo = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+    assert_error(without_echo, 400, "max_tokens")
+
+
+def test_completion_echo_streams_the_prompt_in_each_choices_first_chunk(
+    client: TestClient,
+) -> None:
+    response = client.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 3, "n": 2, "echo": True, "logprobs": 0, "stream": True},
+    )
+    texts: dict[int, str] = {}
+    offsets: dict[int, list[int]] = {}
+    for event in sse_events(response.text):
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if choice["logprobs"]:
+                offsets.setdefault(choice["index"], []).extend(choice["logprobs"]["text_offset"])
+    whole = client.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 3, "n": 2, "echo": True, "logprobs": 0},
+    ).json()
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert texts[0].startswith("hi") and texts[1].startswith("hi")
+    assert offsets == {c["index"]: c["logprobs"]["text_offset"] for c in whole["choices"]}
