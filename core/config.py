@@ -32,6 +32,9 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None
+    #: where default sampling values come from (core/generation_defaults.py): "auto" = the
+    #: model's generation_config.json, "none" (or vLLM's "vllm") = none, or a folder
+    generation_config: str = "auto"
     #: run on token ids only: load no tokenizer, take token-id prompts, return ids with empty
     #: text (vLLM's flag; for models without tokenizer files, e.g. dummy-weight benchmarks)
     skip_tokenizer_init: bool = False
@@ -120,6 +123,11 @@ class EngineConfig:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0; got {self.max_logprobs}")
+        if not self.generation_config.strip():
+            raise ValueError(
+                "--generation-config must be 'auto', 'none' or a folder holding "
+                "generation_config.json"
+            )
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty (omit it to use MODEL)")
         if self.chat_template is not None:

@@ -11,6 +11,7 @@ from chassis.core.chat import render_chat
 from chassis.core.config import EngineConfig
 from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
+from chassis.core.generation_defaults import generation_defaults
 from chassis.core.input_processor import InputProcessor
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import RequestOutput
@@ -47,8 +48,18 @@ class LLM:
             self.input_processor = InputProcessor(
                 self.tokenizer, self.config, eos_token_ids(self.tokenizer, self.config.model)
             )
+        #: the model's recommended sampling values (``generation_config``), the defaults of
+        #: :meth:`get_default_sampling_params` (read first: a bad file fails before loading)
+        self.sampling_defaults = generation_defaults(
+            self.config.generation_config, self.config.model
+        )
         self.engine = EngineCore(self.config)
         self._shut_down = False
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params :meth:`generate` and :meth:`chat` use when given none: the engine's
+        defaults with the model's recommended values (``generation_config``, as in vLLM)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def get_tokenizer(self) -> Any:
         """The tokenizer (``None`` with ``skip_tokenizer_init``)."""
@@ -77,7 +88,7 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompt_list)
             if isinstance(sampling_params, SamplingParams)

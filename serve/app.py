@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import chassis
+from chassis.core.generation_defaults import generation_defaults
 from chassis.serve import errors
 from chassis.serve.chat_parsing import ChatParsers
 from chassis.serve.errors import install_exception_handlers
@@ -148,8 +149,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     The app's state is ``app.state.chassis`` (:class:`ServerState`). When the lifespan ends
     (uvicorn's shutdown, or a ``TestClient`` leaving its ``with`` block) the server stops
     accepting requests, aborts in-flight ones and, if ``settings.shutdown_engine_on_exit``,
-    shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template`` and for
-    unknown parser names.
+    shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template``, for
+    unknown parser names and for a ``--generation-config`` that cannot be read.
     """
     settings = settings or ServerSettings()
     state = ServerState(
@@ -158,6 +159,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         renderer=ChatRenderer(engine.tokenizer, getattr(engine.config, "chat_template", None)),
         metrics=ServerMetrics(engine.model_name, engine.stats),
         parsers=ChatParsers.from_settings(settings),
+        sampling_defaults=generation_defaults(
+            getattr(engine.config, "generation_config", "auto"),
+            getattr(engine.config, "model", None),
+        ),
     )
 
     @contextlib.asynccontextmanager

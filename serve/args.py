@@ -111,6 +111,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help="chat template: a file path or an inline Jinja string (default: the tokenizer's)",
     )
     g.add_argument(
+        "--generation-config",
+        help=_help(
+            "default sampling values: 'auto' = the model's generation_config.json, 'none' "
+            "(or 'vllm') = the engine's own, or a folder holding generation_config.json",
+            "generation_config",
+        ),
+    )
+    g.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
         default=None,

@@ -281,7 +281,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = _state(request)
     state.check_accepting()
     model = state.check_model(body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(state.sampling_defaults)
     prompt_text, prompt_ids = await _prompt(state, body)
     parsing = state.parsers.for_request(
         body, state.tokenizer, prompt_text, params.structured_outputs

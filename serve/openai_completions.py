@@ -305,7 +305,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = _state(request)
     state.check_accepting()
     model = state.check_model(body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(state.sampling_defaults)
     prompts = await _prompt_batch(state, body)
     originals = body.prompts()  # what echo repeats: text as sent, token ids decoded
     request_id = f"cmpl-{uuid.uuid4().hex}"

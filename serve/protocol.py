@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
@@ -137,9 +138,11 @@ class _SamplingRequest(_Request):
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
         prompt_logprobs: int | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
         """Build and validate :class:`SamplingParams`; invalid values raise a 400 ``APIError``.
-        ``prompt_logprobs`` replaces the request's own field when given."""
+        ``prompt_logprobs`` replaces the request's own field when given; ``defaults`` (the
+        model's recommended sampling values) fill the fields the request leaves unset."""
         values: dict[str, Any] = {
             "n": self.n,
             "temperature": self.temperature,
@@ -163,6 +166,8 @@ class _SamplingRequest(_Request):
         }
         # None means "not given": SamplingParams' own defaults apply.
         kwargs = {k: v for k, v in values.items() if v is not None}
+        for key, value in (defaults or {}).items():
+            kwargs.setdefault(key, value)
         kwargs["max_tokens"] = max_tokens
         try:
             return SamplingParams(**kwargs)
@@ -238,8 +243,9 @@ class CompletionRequest(_SamplingRequest):
         ``logprobs``, its logprobs), as a client scoring a text asks for."""
         return bool(self.echo) and self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Validate the fields this server does not implement, then build the params.
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Validate the fields this server does not implement, then build the params
+        (``defaults``: the sampling values a field left unset takes).
 
         With ``echo`` and ``logprobs``, the prompt's logprobs are computed too (at least as
         many alternatives as ``logprobs``); with :attr:`echo_only` the engine still makes one
@@ -258,6 +264,7 @@ class CompletionRequest(_SamplingRequest):
             logprobs=self.logprobs,
             structured_outputs=self._structured_outputs(),
             prompt_logprobs=prompt_logprobs,
+            defaults=defaults,
         )
 
 
@@ -350,8 +357,9 @@ class ChatCompletionRequest(_SamplingRequest):
     #: with ``--reasoning-parser``: false drops the reasoning from the response
     include_reasoning: bool | None = True
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Validate the fields this server does not implement, then build the params.
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Validate the fields this server does not implement, then build the params
+        (``defaults``: the sampling values a field left unset takes).
 
         ``max_tokens`` ``None`` (neither ``max_completion_tokens`` nor ``max_tokens`` given)
         means "up to the context length", as OpenAI's chat API does.
@@ -386,7 +394,10 @@ class ChatCompletionRequest(_SamplingRequest):
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(
-            max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            structured_outputs=constraint,
+            defaults=defaults,
         )
 
     @property

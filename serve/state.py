@@ -56,6 +56,9 @@ class ServerState:
     metrics: ServerMetrics
     #: the reasoning and tool-call parsers of ``--reasoning-parser`` / ``--tool-call-parser``
     parsers: ChatParsers = field(default_factory=ChatParsers)
+    #: sampling values a request leaves unset take from here (the model's
+    #: generation_config.json, core/generation_defaults.py)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     #: engine request ids currently generating (aborted on shutdown)
     inflight: set[str] = field(default_factory=set)
     shutting_down: bool = False
