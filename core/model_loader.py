@@ -52,6 +52,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None, revision: str | Non
 
     - ``None`` (or ``"SmolLM2-135M-Instruct"``): the embedded default model, converted once.
     - an existing local directory: itself (it must contain ``config.json``).
+    - a ``.gguf`` file: converted once into a cached HF checkpoint (core/gguf_checkpoint.py).
     - otherwise a Hugging Face hub id, downloaded (or found in the HF cache) at ``revision``.
 
     Raises ``ValueError`` with what to do when none of these works.
@@ -63,8 +64,15 @@ def resolve_model_path(model: str | os.PathLike[str] | None, revision: str | Non
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json; is it an HF checkpoint?")
         return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from chassis.core.gguf_checkpoint import gguf_model_dir
+
+        return gguf_model_dir(path)
     if path.exists():
-        raise ValueError(f"model {str(model)!r} is a file; name a checkpoint directory or hub id")
+        raise ValueError(
+            f"model {str(model)!r} is a file; name a checkpoint directory, a .gguf file or a "
+            "hub id"
+        )
     return _download(str(model), revision)
 
 
@@ -188,7 +196,11 @@ def build_model(
     from chassis.core.model_interface import ModelBuildContext
 
     model_cls = model_class(hf_config)
-    build_ctx = ModelBuildContext(attention_backend=attention_backend_cls, dtype=dtype)
+    build_ctx = ModelBuildContext(
+        attention_backend=attention_backend_cls,
+        dtype=dtype,
+        max_model_len=engine_config.max_model_len,
+    )
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, build_ctx)
     model.eval()

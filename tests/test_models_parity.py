@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -320,7 +321,7 @@ def test_concurrent_conversions_convert_once(
     monkeypatch.setenv("CHASSIS_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def slow_convert(gguf_path: Path, target: Path) -> None:
+    def slow_convert(gguf_path: Path, target: Path, *_: Any) -> None:
         calls.append(target)
         time.sleep(0.3)  # long enough for the other threads to reach the lock
         target.mkdir()
@@ -365,3 +366,63 @@ def test_a_misread_gguf_eos_token_is_replaced_by_the_files_id(smol_tokenizer_dir
     assert AutoTokenizer.from_pretrained(tmp_path).eos_token == "<|im_end|>"
     gguf_checkpoint.align_special_tokens(tokenizer, SimpleNamespace(eos_token_id=10**9))
     assert tokenizer.eos_token_id == 2
+
+
+# -- a user's GGUF file ------------------------------------------------------------------------
+
+
+def test_a_gguf_file_converts_once_per_version_of_the_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CHASSIS_CACHE_DIR", str(tmp_path / "cache"))
+    conversions = []
+
+    def fake_convert(gguf_path: Path, target: Path, require_chat_template: bool) -> None:
+        conversions.append((gguf_path, require_chat_template))
+        target.mkdir()
+        (target / gguf_checkpoint._COMPLETE_MARKER).write_text("test\n")
+
+    monkeypatch.setattr(gguf_checkpoint, "_convert", fake_convert)
+    model = tmp_path / "My-Model.Q4_K_M.gguf"
+    model.write_bytes(b"GGUF v1")
+    first = resolve_model_path(str(model))
+    assert first.parent == tmp_path / "cache" / "models"
+    assert first.name.startswith("gguf-My-Model.Q4_K_M-")
+    assert resolve_model_path(str(model)) == first and len(conversions) == 1
+    model.write_bytes(b"GGUF v2, a replaced file")
+    assert resolve_model_path(str(model)) != first and len(conversions) == 2
+    assert conversions[0] == (model.resolve(), False)  # base models have no chat template
+
+
+def test_unusable_files_are_clear_errors(tmp_path: Path) -> None:
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"a \.gguf file or a hub id"):
+        resolve_model_path(str(other))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="cannot convert the GGUF file"):
+        resolve_model_path(str(broken))
+
+
+def test_a_user_gguf_file_converts_like_the_embedded_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, smollm2_dir: Path
+) -> None:
+    """The embedded model's GGUF file, named as a user's model (a real conversion, ~15 s):
+    the same checkpoint as the embedded one."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("CHASSIS_CACHE_DIR", str(tmp_path / "cache"))
+    user_file = tmp_path / "smollm2.gguf"
+    user_file.symlink_to(gguf_checkpoint.embedded_gguf_path())
+    converted = resolve_model_path(str(user_file))
+    assert converted.name.startswith("gguf-SmolLM2-135M-Instruct.Q4_1-")  # the link resolved
+    config = json.loads((converted / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config == json.loads((smollm2_dir / "config.json").read_text())
+    ours = load_file(str(converted / "model.safetensors"))
+    embedded = load_file(str(smollm2_dir / "model.safetensors"))
+    assert ours.keys() == embedded.keys()
+    assert all(torch.equal(ours[k], embedded[k]) for k in ours)
+    tokenizer = load_tokenizer(str(converted))
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
