@@ -113,6 +113,7 @@ class InputProcessor:
             if not_ints:
                 raise ValueError(f"prompt token ids must be integers; got {not_ints[:10]}")
             prompt_token_ids = [int(t) for t in prompt]
+        prompt_token_ids = self._truncate(prompt_token_ids, params)
         params = self._validate(prompt_token_ids, params)
         if arrival_time is None:
             arrival_time = time.time()
@@ -134,6 +135,16 @@ class InputProcessor:
             seed = None if params.seed is None else (params.seed + i) % _SEED_SPAN
             children.append(make(child_request_id(i, request_id), params.clone(n=1, seed=seed)))
         return children
+
+    def _truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all of it when unset);
+        ``-1`` keeps what leaves room for ``max_tokens`` (or one token) in the context."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        if keep == -1:
+            keep = max(1, self.max_model_len - (params.max_tokens or 1))
+        return prompt_token_ids[-keep:]
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check the prompt and params against the model; return params with max_tokens set."""

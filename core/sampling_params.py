@@ -25,7 +25,16 @@ _REAL_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
-_INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
+_INT_FIELDS = (
+    "n",
+    "top_k",
+    "min_tokens",
+    "max_tokens",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
 
 
 def is_integer(value: object) -> bool:
@@ -62,6 +71,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: constrain the output to a JSON schema, any JSON object, a regex or a list of choices
     #: (vLLM's ``StructuredOutputsParams``; a ``dict`` of its fields is accepted too)
     structured_outputs: StructuredOutputsParams | None = None
+    #: keep only the prompt's last ``k`` tokens (left truncation, as vLLM does); ``-1``: as
+    #: many of its last tokens as leave room for ``max_tokens`` in the context (for one
+    #: token when ``max_tokens`` is unset)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # vLLM declares these Optional: None means none
@@ -140,6 +153,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(
                 "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.truncate_prompt_tokens is not None and not (
+            self.truncate_prompt_tokens == -1 or 1 <= self.truncate_prompt_tokens <= _INT64_MAX
+        ):
+            raise bad(
+                "truncate_prompt_tokens",
+                f"must be -1 (fit the context) or >= 1, got {self.truncate_prompt_tokens}",
             )
         for field, value in (
             ("logprobs", self.logprobs),

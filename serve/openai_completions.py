@@ -125,12 +125,14 @@ class _Echo:
     def __init__(
         self,
         state: ServerState,
-        prompt: str | list[int],
+        prompt: str | list[int] | None,
         prompt_token_ids: list[int],
         prompt_logprobs: list[PositionLogprobs | None] | None,
         num_logprobs: int | None,
     ) -> None:
-        self.text = echo_text(state, prompt)
+        """``prompt``: as the client sent it; ``None`` to echo the engine's token ids (a
+        truncated prompt)."""
+        self.text = echo_text(state, prompt_token_ids if prompt is None else prompt)
         self.logprobs = (
             None
             if num_logprobs is None
@@ -174,7 +176,7 @@ async def _prompt_batch(state: ServerState, body: CompletionRequest) -> list[str
 async def _collect(
     state: ServerState,
     body: CompletionRequest,
-    prompts: list[str | list[int]],
+    prompts: list[str | list[int]] | None,
     streams: list[AsyncIterator[RequestOutput]],
     request_id: str,
     model: str,
@@ -209,7 +211,11 @@ async def _collect(
     if body.echo:
         for p, output in seen.items():
             echoes[p] = _Echo(
-                state, prompts[p], output.prompt_token_ids, output.prompt_logprobs, body.logprobs
+                state,
+                None if prompts is None else prompts[p],
+                output.prompt_token_ids,
+                output.prompt_logprobs,
+                body.logprobs,
             )
     return CompletionResponse(
         id=request_id,
@@ -222,7 +228,7 @@ async def _collect(
 async def _events(
     state: ServerState,
     body: CompletionRequest,
-    prompts: list[str | list[int]],
+    prompts: list[str | list[int]] | None,
     streams: list[AsyncIterator[RequestOutput]],
     request_id: str,
     model: str,
@@ -255,7 +261,7 @@ async def _events(
                         echoed.add(index)
                         echo = _Echo(
                             state,
-                            prompts[prompt_index],
+                            None if prompts is None else prompts[prompt_index],
                             output.prompt_token_ids,
                             output.prompt_logprobs,
                             body.logprobs,
@@ -307,7 +313,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     model = state.check_model(body.model)
     params = body.to_sampling_params(state.sampling_defaults)
     prompts = await _prompt_batch(state, body)
-    originals = body.prompts()  # what echo repeats: text as sent, token ids decoded
+    # What echo repeats: the prompts as sent, or with truncation the engine's (decoded) ids.
+    originals = body.prompts() if body.truncate_prompt_tokens is None else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0

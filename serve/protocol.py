@@ -89,6 +89,8 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    #: keep the prompt's last k tokens (-1: as many as leave room for max_tokens)
+    truncate_prompt_tokens: int | None = None
     #: scheduling priority for the ``priority`` scheduler (lower runs first); a 64-bit integer
     priority: int | None = Field(0, ge=-(2**63), le=2**63 - 1)
     # -- structured outputs (serve/structured_request.py): at most one of them --------------
@@ -163,6 +165,7 @@ class _SamplingRequest(_Request):
             "logit_bias": self._logit_bias_ids(),
             "skip_special_tokens": self.skip_special_tokens,
             "structured_outputs": structured_outputs,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         # None means "not given": SamplingParams' own defaults apply.
         kwargs = {k: v for k, v in values.items() if v is not None}
@@ -481,6 +484,9 @@ class ChatResponseMessage(BaseModel):
     #: the model's reasoning, split off by ``--reasoning-parser`` (vLLM's field name); left
     #: out of the JSON when there is none
     reasoning: str | None = None
+    #: the same text as ``reasoning``, always (the name DeepSeek's API, LangChain, Open WebUI
+    #: and older vLLM read); set from ``reasoning`` when serialized
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
@@ -488,6 +494,9 @@ class ChatResponseMessage(BaseModel):
         data = handler(self)
         if data.get("reasoning") is None:
             data.pop("reasoning", None)
+            data.pop("reasoning_content", None)
+        else:
+            data["reasoning_content"] = data["reasoning"]
         return data
 
 
@@ -516,13 +525,18 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     reasoning: str | None = None
-    #: completed calls: ``{"index", "id", "type": "function", "function": {"name",
-    #: "arguments"}}``
+    #: the same text as ``reasoning``, always (see :class:`ChatResponseMessage`)
+    reasoning_content: str | None = None
+    #: calls, whole or in pieces: a call's first item ``{"index", "id", "type": "function",
+    #: "function": {"name", "arguments"}}``, then ``{"index", "function": {"arguments"}}``
+    #: items carrying the next pieces of its arguments
     tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+        data = handler(self)
+        data["reasoning_content"] = data.get("reasoning")
+        return {k: v for k, v in data.items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

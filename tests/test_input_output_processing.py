@@ -145,6 +145,23 @@ def test_max_tokens_defaults_to_the_rest_of_the_context(processor):
     assert req.sampling_params.max_tokens == 64 - 10
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(processor):
+    prompt = list(range(100, 200))  # longer than the context (64)
+    (req,) = processor.process(prompt, SamplingParams(max_tokens=4, truncate_prompt_tokens=10), "r")
+    assert req.prompt_token_ids == prompt[-10:]
+    (fit,) = processor.process(prompt, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), "f")
+    assert fit.prompt_token_ids == prompt[-60:]  # room left for the 4 tokens
+    (rest,) = processor.process(
+        prompt, SamplingParams(max_tokens=None, truncate_prompt_tokens=-1), "x"
+    )
+    assert rest.prompt_token_ids == prompt[-63:] and rest.sampling_params.max_tokens == 1
+    (short,) = processor.process([5, 6], SamplingParams(truncate_prompt_tokens=10), "s")
+    assert short.prompt_token_ids == [5, 6]
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
 def test_context_length_errors(processor):
     with pytest.raises(ValueError) as e:
         processor.process(list(range(100, 160)), SamplingParams(max_tokens=10), "r")

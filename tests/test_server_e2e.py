@@ -112,6 +112,37 @@ def test_echo_logprobs_score_the_prompt_as_hf_transformers_does(
         assert len(top) == (1 if greedy[position] == ids[position + 1] else 2)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess) -> None:
+    client = server.client()
+    prompt = "one two three four five six seven eight nine ten " * 40  # past the context
+    response = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=0,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    assert response.usage.prompt_tokens == 5
+    tokens = httpx.post(
+        server.base + "/tokenize", json={"prompt": prompt}, headers=server.headers
+    ).json()["tokens"]
+    detok = httpx.post(
+        server.base + "/detokenize", json={"tokens": tokens[-5:]}, headers=server.headers
+    )
+    assert response.choices[0].text == detok.json()["prompt"]  # the kept end, echoed
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    assert chat.usage.prompt_tokens == MAX_MODEL_LEN - 2  # fitted to leave room for 2 tokens
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
+        )
+
+
 def test_chat_non_streaming_and_streaming_agree(server: ServerProcess) -> None:
     client = server.client()
     full = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0)
