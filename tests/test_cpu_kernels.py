@@ -156,17 +156,22 @@ def test_decode_attention_rejects_block_ids_outside_the_cache(kernels):
     assert out.shape == (1, 2, 16) and torch.isfinite(out).all()
 
 
-def _attention_reference(query, cache, table, lens, scale):
-    """float32 softmax attention of each query row over its context, read through the table."""
+def _attention_reference(query, cache, table, lens, scale, window=0, cap=0.0):
+    """float32 softmax attention of each query row over its context, read through the table
+    (only its last ``window`` positions if ``window``; scores ``cap * tanh(s / cap)`` if
+    ``cap``)."""
     out = torch.empty(query.shape, dtype=torch.float32)
     block_size, kv_heads = cache.shape[2], cache.shape[3]
     group = query.shape[1] // kv_heads
     for b in range(query.shape[0]):
-        pos = torch.arange(int(lens[b]))
+        length = int(lens[b])
+        pos = torch.arange(max(0, length - window) if window else 0, length)
         blocks = table[b, pos // block_size].long()
         k = cache[blocks, 0, pos % block_size].float().repeat_interleave(group, dim=1)
         v = cache[blocks, 1, pos % block_size].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", query[b].float(), k) * scale
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
         out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
     return out
 
@@ -195,6 +200,35 @@ def test_decode_attention_matches_float32_softmax(kernels, dtype, head_dim, head
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 128, 24])  # 24: the portable (scalar) path
+@pytest.mark.parametrize(("window", "cap"), [(5, 0.0), (0, 1.5), (20, 0.7), (1, 0.0)])
+def test_decode_attention_window_and_soft_cap(kernels, dtype, head_dim, window, cap):
+    """Windows that start mid-chunk, past a row's start and (1) at the row itself; caps that
+    bind. Positions before a row's window hold NaN: the kernel must not read them."""
+    torch.manual_seed(1)
+    block_size, lens = 16, [1, 15, 16, 17, 33, 100, 7, 21]
+    heads, kv_heads = 6, 2
+    blocks_per_row = -(-max(lens) // block_size)
+    cache = torch.randn(len(lens) * blocks_per_row + 3, 2, block_size, kv_heads, head_dim)
+    cache = cache.to(dtype)
+    table = torch.randperm(cache.shape[0])[: len(lens) * blocks_per_row]
+    table = table.view(len(lens), blocks_per_row).to(torch.int32)
+    query = torch.randn(len(lens), heads, head_dim).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    expected = _attention_reference(query, cache, table, seq_lens, scale, window, cap)
+    if window:
+        for b, length in enumerate(lens):
+            pos = torch.arange(max(0, length - window))
+            cache[table[b, pos // block_size].long(), :, pos % block_size] = float("nan")
+    actual = kernels.ops.decode_attention(query, cache, table, seq_lens, scale, window, cap)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(actual.float(), expected, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match=">= 0"):
+        kernels.ops.decode_attention(query, cache, table, seq_lens, scale, -1, cap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_stores_rows_at_their_slots(kernels, dtype):
     torch.manual_seed(0)
     num_blocks, block_size, kv_heads, dim = 5, 4, 2, 8
@@ -217,7 +251,10 @@ def test_write_kv_stores_rows_at_their_slots(kernels, dtype):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
-def test_prefill_attention_matches_float32_softmax(kernels, head_dim, heads, kv_heads):
+@pytest.mark.parametrize(
+    ("window", "cap"), [(0, 0.0), (5, 0.0), (0, 1.5), (40, 0.7), (1, 0.0)], ids=str
+)
+def test_prefill_attention_matches_float32_softmax(kernels, head_dim, heads, kv_heads, window, cap):
     if not kernels.ops.prefill_attention_supported(torch.bfloat16, head_dim, heads // kv_heads):
         pytest.skip("tiled prefill attention needs AVX512-BF16")
     torch.manual_seed(0)
@@ -243,14 +280,22 @@ def test_prefill_attention_matches_float32_softmax(kernels, head_dim, heads, kv_
 
     seq_lens = i32([p + q for p, q in chunks])
     query_lens = i32([q for _, q in chunks])
+    options = () if window == 0 and cap == 0.0 else (window, cap)  # the defaults: off
+    reference_cache = cache.clone()
+    if window:  # no row of a chunk sees what lies before its first row's window: NaN there
+        for i, (prefix, _) in enumerate(chunks):
+            pos = torch.arange(max(0, prefix - window + 1))
+            cache[table[i, pos // block_size].long(), :, pos % block_size] = float("nan")
     kernels.ops.prefill_attention(
-        query, cache, table, seq_lens, i32(starts), query_lens, scale, out
+        query, cache, table, seq_lens, i32(starts), query_lens, scale, out, *options
     )
     for i, (prefix, q_len) in enumerate(chunks):
-        # every token of the chunk as its own row over its causal context
+        # every token of the chunk as its own row over its causal context (or window)
         tokens = slice(starts[i], starts[i] + q_len)
         lens = torch.arange(prefix + 1, prefix + q_len + 1, dtype=torch.int32)
-        expected = _attention_reference(query[tokens], cache, table[[i] * q_len], lens, scale)
+        expected = _attention_reference(
+            query[tokens], reference_cache, table[[i] * q_len], lens, scale, window, cap
+        )
         torch.testing.assert_close(out[tokens].float(), expected, rtol=2e-2, atol=2e-2)
     assert (out[:3] == 7.0).all()  # tokens outside the chunks untouched
 

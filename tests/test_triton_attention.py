@@ -33,6 +33,13 @@ in_interpreter = pytest.mark.skipif(
 MIXED = [(5, 7), (0, 40), (13, 1), (0, 1), (60, 10), (16, 16), (33, 1)]
 DECODES = [(0, 1), (3, 1), (17, 1), (70, 1), (8, 1)]
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+#: for a window of 8: prefills shorter and longer than it, chunks over a prefix that starts
+#: inside it (3) and before it (12, 100: whole 64-position tiles before it are skipped),
+#: decodes at its edge (context 8), one past it (9) and far past it (71: decode tiles skipped)
+WINDOWED = [(0, 5), (0, 20), (3, 4), (12, 6), (7, 1), (8, 1), (70, 1), (100, 5)]
+#: (sliding_window, logits_soft_cap): a window of 1 is the token itself; 1000 exceeds every
+#: context (full attention); a cap of 0.5 squeezes every score into (-0.5, 0.5)
+WINDOW_CAP = [(8, None), (None, 2.0), (8, 2.0), (1, None), (1000, 0.5)]
 
 
 def _interpreter_runs_the_kernels(version: str) -> bool:
@@ -52,17 +59,22 @@ def test_kernels_under_interpreter() -> None:
     assert "skipped" in output, output[-2000:]
 
 
-def _backend(num_heads: int, num_kv_heads: int, head_dim: int):
+def _backend(num_heads: int, num_kv_heads: int, head_dim: int, **options):
     from chassis.builtin_plugins.attention.triton_paged import TritonPagedAttention
 
-    return TritonPagedAttention(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
+    return TritonPagedAttention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, **options)
 
 
-def _assert_matches_dense(out: torch.Tensor, batch, scale: float) -> None:
+def _assert_matches_dense(
+    out: torch.Tensor,
+    batch,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> None:
     n = batch.metadata.num_actual_tokens
-    torch.testing.assert_close(
-        out[:n].float(), dense_attention(batch, scale), atol=ATOL[out.dtype], rtol=0
-    )
+    expected = dense_attention(batch, scale, sliding_window, logits_soft_cap)
+    torch.testing.assert_close(out[:n].float(), expected, atol=ATOL[out.dtype], rtol=0)
 
 
 @in_interpreter
@@ -260,6 +272,63 @@ def test_engine_with_triton_paged_matches_torch_paged(tiny_qwen3_dir, async_sche
 
 
 @in_interpreter
+@pytest.mark.parametrize(("sliding_window", "soft_cap"), WINDOW_CAP)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_and_soft_cap_match_dense(
+    sliding_window: int | None, soft_cap: float | None, dtype: torch.dtype
+) -> None:
+    """Keys before the window (NaN-free but never to be weighted) and the capped scores, over
+    a mixed batch with GQA; slots no request owns hold NaN, so a skipped tile read shows."""
+    batch = make_batch(
+        WINDOWED,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=dtype,
+        num_pad_tokens=2,
+        seed=3,
+    )
+    options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap)
+    backend = _backend(4, 2, 16, **options)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    torch.testing.assert_close(batch.kv_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+    _assert_matches_dense(out, batch, backend.scale, sliding_window, soft_cap)
+    if sliding_window == 8 or soft_cap is not None:  # the options change the answer
+        n = batch.metadata.num_actual_tokens
+        assert not torch.allclose(out[:n].float(), dense_attention(batch, backend.scale), atol=0.1)
+
+
+@in_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize(("tile_n", "block_m"), [(16, 16), (32, 32)], ids=["t16", "t32"])
+def test_window_skips_tiles_and_splits_what_is_left(
+    num_splits: int, tile_n: int, block_m: int
+) -> None:
+    """Small tiles put whole tiles before the window of most query blocks (the loop starts
+    past them) and the split-KV path divides only the tiles left; every config agrees with
+    the dense reference, also with a soft cap."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        WINDOWED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    out = torch.empty_like(batch.query)
+    config = kernels.LaunchConfig(block_m, block_m // 2, tile_n, num_splits, 4, 2)
+    kernels.paged_attention(
+        batch.query,
+        batch.kv_cache,
+        out,
+        config=config,
+        sliding_window=9,
+        logits_soft_cap=1.5,
+        **batch.kernel_args(0.25),
+    )
+    _assert_matches_dense(out, batch, 0.25, 9, 1.5)
+
+
+@in_interpreter
 def test_empty_step_launches_nothing() -> None:
     batch = make_batch(
         [(3, 1)], num_heads=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
@@ -397,7 +466,22 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
         (2, 128, 16, 32, 1, False, 4, False),  # decode with strides not divisible by 16
         (2, 128, 64, 64, 1, False, 8, False),  # prefill likewise
     ]
-    for group, head_dim, block_m, tile_n, splits, fp32, warps, aligned in variants:
+    options = [dict(sliding_window=False, soft_cap=False)] * len(variants)
+    # Gemma-2-like layers (GQA 2, head_dim 256; window and cap, or the cap alone) and a
+    # Mistral-like windowed decode with the KV split
+    variants += [
+        (2, 256, 16, 32, 1, False, 4, True),
+        (2, 256, 16, 32, 4, False, 4, True),
+        (2, 256, 64, 64, 1, False, 8, True),
+        (2, 256, 64, 64, 1, True, 8, True),
+        (4, 128, 16, 32, 4, False, 4, True),
+    ]
+    options += [dict(sliding_window=True, soft_cap=True)] * 4
+    options += [dict(sliding_window=True, soft_cap=False)]
+    variants.append((2, 256, 64, 64, 1, False, 8, True))
+    options.append(dict(sliding_window=False, soft_cap=True))
+    for variant, option in zip(variants, options, strict=True):
+        group, head_dim, block_m, tile_n, splits, fp32, warps, aligned = variant
         compile_attention_variant(
             target,
             group=group,
@@ -408,6 +492,7 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
             fp32=fp32,
             num_warps=warps,
             aligned=aligned,
+            **option,
         )
     scratch = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
     compile_kernel(

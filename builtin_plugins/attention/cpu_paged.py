@@ -18,11 +18,23 @@ because
   context (nothing cached to gather);
 - without the kernels (``CHASSIS_CPU_KERNELS=0``, no compiler) decodes are one SDPA call over
   whole gathered blocks, and every prefill chunk goes to SDPA.
+
+A sliding window and a logit soft cap (``sliding_window``, ``logits_soft_cap``) run on every
+path: the compiled kernels take both as arguments (a row's loop starts at its window, so a
+windowed layer reads about the window, not the context, and the cap is a vectorized tanh on
+the scores); the SDPA paths add the window to their masks, over only the K/V rows a chunk's
+window reaches, and with a cap, which SDPA cannot apply, compute
+``softmax(cap * tanh(s / cap)) . v`` explicitly in float32. The plan stays shared by layers
+whatever their options: what depends on the window (the SDPA masks) is memoized in it keyed
+by the window, so layers with different windows (Gemma's local and global layers) share a
+step's plan without seeing each other's masks. A layer with neither option does exactly
+what it did before they existed. The KV cache still holds every position of a windowed
+layer's context.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +59,26 @@ class _Prefill:
     k_rows: torch.Tensor | None
     #: [query_len, seq_len] bool, True = may attend; None when causal over the chunk itself
     mask: torch.Tensor | None
+    seq_len: int = 0
+    #: layers with a window or a cap, built on first use per window (None: causal only):
+    #: (first context position the chunk's window reaches, [query_len, seq_len - that] mask)
+    masks: dict[int | None, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    def window_mask(self, window: int | None, device: torch.device) -> tuple[int, torch.Tensor]:
+        """``(k_lo, mask)``: the chunk's rows attend to context positions ``k_lo ..`` where
+        ``mask [query_len, seq_len - k_lo]`` is True (causal, and within ``window``)."""
+        cached = self.masks.get(window)
+        if cached is None:
+            query_len = self.token_slice.stop - self.token_slice.start
+            prefix = self.seq_len - query_len
+            k_lo = 0 if window is None else max(0, prefix - window + 1)
+            q_pos = torch.arange(prefix, self.seq_len, device=device)[:, None]
+            k_pos = torch.arange(k_lo, self.seq_len, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            cached = self.masks[window] = (k_lo, mask)
+        return cached
 
 
 @dataclass
@@ -66,6 +98,8 @@ class _Rows:
     #: bool mask (True where a decode may attend)
     k_blocks: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    #: the same mask for layers with a sliding window, per window
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -148,7 +182,7 @@ def _make_plan(
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             k_rows = _context_rows(metadata.block_table[i], seq_len, block_size)
-        prefills.append(_Prefill(slice(starts[i], starts[i + 1]), k_rows, mask))
+        prefills.append(_Prefill(slice(starts[i], starts[i + 1]), k_rows, mask, seq_len))
     rows_plan = None
     if row_req:
         reqs, toks, lens = (np.concatenate(x) for x in (row_req, row_tok, row_len))
@@ -184,10 +218,34 @@ def _make_plan(
 class CpuPagedAttention(AttentionBackend):
     """Paged attention for the CPU: per-step plans shared by all layers, one decode call."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
-        super().__init__(num_heads, head_dim, num_kv_heads, scale)
+    #: on every path (see the module docstring)
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_dim,
+            num_kv_heads,
+            scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
         #: the compiled ops (``torch.ops.chassis_cpu``) or None for the torch fallback
         self.kernels: Any | None = cpu_kernels.load()
+        #: neither option: every call is exactly the one made before the options existed
+        self._plain = sliding_window is None and logits_soft_cap is None
+        #: the kernels' encoding of the options (0: off)
+        self._options = (sliding_window or 0, logits_soft_cap or 0.0)
 
     def forward(
         self,
@@ -233,30 +291,34 @@ class CpuPagedAttention(AttentionBackend):
                 t.query_lens,
                 self.scale,
                 output,
+                *(() if self._plain else self._options),
             )
-        group = self.num_heads // self.num_kv_heads
-        for prefill in plan.prefills:
-            q = query[prefill.token_slice].transpose(0, 1)[None]  # [1, H, Q, D]
+        if not self._plain:
+            self._prefills_with_options(query, key, value, flat, block_size, plan, output)
+        else:
+            group = self.num_heads // self.num_kv_heads
+            for prefill in plan.prefills:
+                q = query[prefill.token_slice].transpose(0, 1)[None]  # [1, H, Q, D]
 
-            def heads(kv: torch.Tensor) -> torch.Tensor:  # [L, KV, D] -> [1, H, L, D]
-                # Heads repeated, 4-D: what SDPA's fused CPU kernel takes (with enable_gqa or
-                # 3-D inputs it falls back to the unfused math path, ~2x slower).
-                return kv.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None]
+                def heads(kv: torch.Tensor) -> torch.Tensor:  # [L, KV, D] -> [1, H, L, D]
+                    # Heads repeated, 4-D: what SDPA's fused CPU kernel takes (with enable_gqa or
+                    # 3-D inputs it falls back to the unfused math path, ~2x slower).
+                    return kv.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None]
 
-            if prefill.k_rows is None:
-                k, v = key[prefill.token_slice], value[prefill.token_slice]
-            else:
-                k = flat.index_select(0, prefill.k_rows)
-                v = flat.index_select(0, prefill.k_rows + block_size)
-            out = F.scaled_dot_product_attention(
-                q,
-                heads(k),
-                heads(v),
-                attn_mask=prefill.mask,
-                is_causal=prefill.mask is None,
-                scale=self.scale,
-            )
-            output[prefill.token_slice] = out[0].transpose(0, 1)
+                if prefill.k_rows is None:
+                    k, v = key[prefill.token_slice], value[prefill.token_slice]
+                else:
+                    k = flat.index_select(0, prefill.k_rows)
+                    v = flat.index_select(0, prefill.k_rows + block_size)
+                out = F.scaled_dot_product_attention(
+                    q,
+                    heads(k),
+                    heads(v),
+                    attn_mask=prefill.mask,
+                    is_causal=prefill.mask is None,
+                    scale=self.scale,
+                )
+                output[prefill.token_slice] = out[0].transpose(0, 1)
         if plan.rows is not None:
             tokens = plan.rows.tokens
             if tokens is None:
@@ -276,10 +338,46 @@ class CpuPagedAttention(AttentionBackend):
         """The rows' attention, ``[n, H, D]``, in one call."""
         q = query[: plan.count] if plan.tokens is None else query[plan.tokens]
         if self.kernels is not None and kv_cache.dtype == query.dtype:
+            if self._plain:
+                return self.kernels.decode_attention(
+                    q, kv_cache, plan.block_table, plan.seq_lens, self.scale
+                )
             return self.kernels.decode_attention(
-                q, kv_cache, plan.block_table, plan.seq_lens, self.scale
+                q, kv_cache, plan.block_table, plan.seq_lens, self.scale, *self._options
             )
         return self._decode_sdpa(q, kv_cache, plan)
+
+    def _prefills_with_options(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        flat: torch.Tensor,
+        block_size: int,
+        plan: _Plan,
+        output: torch.Tensor,
+    ) -> None:
+        """The SDPA prefill chunks of a layer with a window or a cap: each over the context
+        rows its window reaches, with the window in the mask; capped ones explicitly."""
+        group = self.num_heads // self.num_kv_heads
+        for prefill in plan.prefills:
+            k_lo, mask = prefill.window_mask(self.sliding_window, query.device)
+            if prefill.k_rows is None:
+                k, v = key[prefill.token_slice][k_lo:], value[prefill.token_slice][k_lo:]
+            else:
+                rows = prefill.k_rows[k_lo:]
+                k, v = flat.index_select(0, rows), flat.index_select(0, rows + block_size)
+            q = query[prefill.token_slice].transpose(0, 1)  # [H, Q, D]
+            # [L, KV, D] -> [H, L, D]
+            k = k.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+            v = v.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+            if self.logits_soft_cap is None:
+                out = F.scaled_dot_product_attention(
+                    q[None], k[None], v[None], attn_mask=mask, scale=self.scale
+                )[0]
+            else:
+                out = _capped_attention(q, k, v, mask, self.scale, self.logits_soft_cap)
+            output[prefill.token_slice] = out.transpose(0, 1)
 
     def _decode_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Rows) -> torch.Tensor:
         """Torch fallback: whole context blocks gathered, the GQA group as the query length.
@@ -300,18 +398,71 @@ class CpuPagedAttention(AttentionBackend):
             plan.k_blocks = (torch.where(used, plan.block_table.long(), 0) * 2).reshape(-1)
             pos = torch.arange(num_blocks * block_size, device=q.device)
             plan.mask = (pos[None, :] < lens)[:, None, None, :]
+        mask = plan.mask
+        window = self.sliding_window
+        if window is not None:
+            mask = plan.window_masks.get(window)
+            if mask is None:
+                pos = torch.arange(plan.mask.shape[-1], device=q.device)
+                lens = plan.seq_lens[:, None].long()
+                in_window = (pos[None, :] >= lens - window)[:, None, None, :]
+                mask = plan.window_masks[window] = plan.mask & in_window
         planes = kv_cache.view(-1, *kv_cache.shape[2:])  # [num_blocks * 2, bs, KV, D]
-        length = plan.mask.shape[-1]
+        length = mask.shape[-1]
 
         def context(ids: torch.Tensor) -> torch.Tensor:  # -> [n, KV, L, D] (a strided view)
             gathered = planes.index_select(0, ids).to(q.dtype)
             return gathered.view(batch, length, kv_heads, dim).transpose(1, 2)
 
+        if self.logits_soft_cap is not None:
+            out = _capped_attention(
+                q.reshape(batch, kv_heads, -1, dim),
+                context(plan.k_blocks),
+                context(plan.k_blocks + 1),
+                mask,
+                self.scale,
+                self.logits_soft_cap,
+            )
+            return out.reshape(batch, self.num_heads, dim)
         out = F.scaled_dot_product_attention(
             q.reshape(batch, kv_heads, -1, dim),
             context(plan.k_blocks),
             context(plan.k_blocks + 1),
-            attn_mask=plan.mask,
+            attn_mask=mask,
             scale=self.scale,
         )
         return out.reshape(batch, self.num_heads, dim)
+
+
+#: float32 score elements per piece of :func:`_capped_attention` (64 MiB)
+_CAPPED_PIECE = 1 << 24
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """``softmax(cap * tanh(q.k * scale / cap)) . v`` in float32, in q's dtype.
+
+    ``q [..., Q, D]``, ``k``/``v [..., L, D]`` (same leading dims), ``mask`` broadcastable to
+    ``[..., Q, L]`` (True = may attend; every row sees at least one position). Query rows go
+    in pieces so the scores of a long chunk never take more than :data:`_CAPPED_PIECE`
+    elements at once.
+    """
+    num_q, length = q.shape[-2], k.shape[-2]
+    per_row = max(1, q[..., :1, :1].numel() * length)
+    step = max(1, _CAPPED_PIECE // per_row)
+    kt, vf = k.float().transpose(-1, -2), v.float()
+    pieces = []
+    for lo in range(0, num_q, step):
+        rows = q[..., lo : lo + step, :].float()
+        piece_mask = mask if mask.shape[-2] == 1 else mask[..., lo : lo + step, :]
+        scores = torch.tanh((rows @ kt) * (scale / cap)) * cap
+        scores = scores.masked_fill(~piece_mask, float("-inf"))
+        pieces.append(torch.softmax(scores, dim=-1) @ vf)
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
+    return out.to(q.dtype)

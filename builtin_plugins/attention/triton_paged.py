@@ -7,6 +7,12 @@ accumulation; decode-like steps on a GPU with idle multiprocessors also split ea
 KV range and merge the parts in a second small kernel. See
 :mod:`chassis.builtin_plugins.attention.triton_paged_kernels`.
 
+A sliding window and a logit soft cap are compile-time variants of the same kernel: the
+window masks keys before each query's window and skips the KV tiles wholly before a query
+block's (a windowed layer reads about the window, not the context); the cap applies
+``cap * tanh(s / cap)`` to the scores in the kernel. The KV cache still holds every position
+of a windowed layer's context.
+
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
 is for tests; otherwise they raise ``ValueError``.
 """
@@ -37,6 +43,9 @@ class TritonPagedAttention(AttentionBackend):
     )
     #: no host reads; tiles and split count only change speed (see the class docstring)
     graph_capture_safe: ClassVar[bool] = True
+    #: both are constexpr-gated in the kernel (the window also skips KV tiles before it)
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
 
     def forward(
         self,
@@ -75,5 +84,7 @@ class TritonPagedAttention(AttentionBackend):
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             scale=self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )
         return out

@@ -147,7 +147,15 @@ def write_kv_cache(
 # a variant per value class: == 1, divisible by 16, other), so an eager step of a new shape
 # never compiles mid-run: the request count, the block table's row stride (its width follows
 # the longest sequence) and the split count. One kernel per tile shape and SPLIT_KV remains.
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits"])
+#
+# A sliding window (SLIDING_WINDOW) hides keys more than ``sliding_window - 1`` positions
+# before each row's own and lets a block start its KV loop at the first tile its earliest row
+# can see: a windowed layer reads about ``window + BLOCK_Q`` positions per block whatever the
+# context length. A soft cap (SOFT_CAP) replaces the scaled score ``s`` by
+# ``cap * tanh(s / cap)``; tanh is written with exp2 (see the kernel), which the compiler and
+# the interpreter both have. Both are constexpr switches: the kernel without them is the
+# plain one, unchanged.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits", "sliding_window"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -170,6 +178,9 @@ def _paged_attention_kernel(
     stride_c_head,
     stride_bt,
     num_splits,
+    sliding_window,
+    cap_in_log2,
+    cap_out_log2,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -181,6 +192,8 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ONE_BLOCK_PER_REQ: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -234,12 +247,19 @@ def _paged_attention_kernel(
     # keys this block needs: 0 .. kv_end - 1 (the block's last query token sees kv_end - 1)
     kv_end = tl.minimum(seq_len, prefix_len + first_q + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    if SLIDING_WINDOW:
+        # the block's first row sees nothing before kv_start, and later rows even less: the
+        # tiles wholly before it are skipped (and the KV split divides only what is left)
+        kv_start = tl.maximum(prefix_len + first_q - sliding_window + 1, 0)
+        first_tile = kv_start // TILE_N
+    else:
+        first_tile = 0
     if SPLIT_KV:
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * tiles_per_split
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+        tile_lo = first_tile + split * tiles_per_split
         tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
     else:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -267,8 +287,17 @@ def _paged_attention_kernel(
             scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
         else:
             scores = tl.dot(q, k_t)
-        scores = scores * scale_log2
+        if SOFT_CAP:
+            # cap * tanh(s / cap) in the log2 domain: tanh(x) = 1 - 2 / (exp(2x) + 1), which
+            # saturates to +-1 without NaN (exp2 overflows to inf or underflows to 0);
+            # cap_in_log2 = 2 * scale * log2(e) / cap, cap_out_log2 = cap * log2(e)
+            tanh = 1.0 - 2.0 / (tl.exp2(scores * cap_in_log2) + 1.0)
+            scores = tanh * cap_out_log2
+        else:
+            scores = scores * scale_log2
         visible = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -379,6 +408,7 @@ def choose_launch_config(
     max_seq_len: int,
     device: torch.device,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> LaunchConfig:
     """Pick tiles from the step's Python-int shape facts (never from device tensors).
 
@@ -387,7 +417,9 @@ def choose_launch_config(
     :data:`MAX_KV_SPLITS` programs whose partial results a second kernel combines. The split
     count only changes speed, never the result: each program derives its KV range from the
     request's actual ``seq_len``, so a CUDA graph captured with one ``max_seq_len`` replays
-    correctly with others. ``num_splits`` forces a split count (tests).
+    correctly with others. With ``sliding_window`` a block reads at most about the window's
+    positions, which bounds the useful split count instead of ``max_seq_len``. ``num_splits``
+    forces a split count (tests).
     """
     group = num_heads // num_kv_heads
     rows = max(1, max_query_len) * group
@@ -401,7 +433,10 @@ def choose_launch_config(
         if decode_like and device.type == "cuda":
             programs = max(1, num_reqs) * num_kv_heads  # one query block per request
             target = 2 * _multiprocessor_count(device)
-            max_useful = max(1, math.ceil(max_seq_len / (tile_n * _MIN_TILES_PER_SPLIT)))
+            kv_len = max_seq_len
+            if sliding_window is not None:  # + a tile: the window's start is not tile-aligned
+                kv_len = min(kv_len, sliding_window + tile_n)
+            max_useful = max(1, math.ceil(kv_len / (tile_n * _MIN_TILES_PER_SPLIT)))
             num_splits = max(1, min(MAX_KV_SPLITS, math.ceil(target / programs), max_useful))
     elif not 1 <= num_splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_KV_SPLITS}; got {num_splits}")
@@ -421,6 +456,8 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     num_splits: int | None = None,
     config: LaunchConfig | None = None,
 ) -> LaunchConfig:
@@ -435,6 +472,9 @@ def paged_attention(
     :param block_table: ``[>= num_reqs, max_blocks]`` int32 physical block ids
     :param max_query_len: bound on query lengths (picks tiles; any upper bound is correct)
     :param max_seq_len: bound on ``seq_lens`` (sizes the KV split; any value is correct)
+    :param sliding_window: each query sees only the last ``sliding_window`` positions, its own
+        included (``None``: all); KV tiles wholly before a query block's window are not read
+    :param logits_soft_cap: scaled scores ``s`` become ``cap * tanh(s / cap)`` (``None``: off)
     :param num_splits: force the KV split count (tests); ``None`` chooses
     :param config: launch with these tiles instead of :func:`choose_launch_config`'s (tuning
         sweeps; any valid config gives the same result): ``block_m`` a power of two and a
@@ -443,6 +483,10 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
     if num_heads % num_kv_heads:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
@@ -464,6 +508,7 @@ def paged_attention(
             max_seq_len=max_seq_len,
             device=query.device,
             num_splits=num_splits,
+            sliding_window=sliding_window,
         )
     else:
         _check_config(config, num_heads // num_kv_heads)
@@ -486,6 +531,8 @@ def paged_attention(
     one_block_per_req = max_query_len <= config.block_q
     num_q_blocks = num_reqs if one_block_per_req else num_tokens // config.block_q + num_reqs
     grid = (num_q_blocks, num_kv_heads, splits)
+    # unused by the kernel without the option (constexpr-gated); 0 and 1.0 keep the types fixed
+    cap = logits_soft_cap or 1.0
     kernel[grid](
         query,
         kv_cache[:, 0],
@@ -508,6 +555,9 @@ def paged_attention(
         kv_cache.stride(3),
         block_table.stride(0),
         splits,
+        sliding_window or 0,
+        2.0 * scale * _LOG2E / cap,
+        cap * _LOG2E,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -519,6 +569,8 @@ def paged_attention(
         SPLIT_KV=splits > 1,
         DOT_FP32=_dot_in_fp32(query),
         ONE_BLOCK_PER_REQ=one_block_per_req,
+        SLIDING_WINDOW=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

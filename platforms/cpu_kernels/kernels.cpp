@@ -85,6 +85,17 @@ inline vf exp_nonpositive(vf x) {
   y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
   return _mm512_mask_blend_ps(tiny, y, _mm512_setzero_ps());
 }
+// cap * tanh(s / cap) for 16 lanes: tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) in
+// (0, 1], so it saturates to 1 without overflow; the sign of x is put back afterwards.
+inline vf soft_cap16(vf s, float cap) {
+  const vf x = _mm512_div_ps(s, _mm512_set1_ps(cap));
+  const vf one = _mm512_set1_ps(1.0f);
+  const vf e = exp_nonpositive(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.0f)));
+  const vf t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)),
+                       _mm512_set1_ps(cap));
+}
 // Round 16 floats to T (nearest-even, as c10's conversions do) and store them / return them
 // as floats. bfloat16 rounding is done on the integer bits so denormals match c10 exactly.
 inline __m512i bf16_round_bits(vf v) {
@@ -341,10 +352,12 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
 }
 
 // Single-token (decode) attention over a paged cache [num_blocks, 2, block_size, KV, D].
-// query [B, H, D] (H = KV * group); request b attends to its first seq_lens[b] positions,
-// found through block_table[b]. Float32 scores, softmax and accumulator (online softmax, 16
-// positions at a time); the output is rounded to the query dtype once. A bfloat16 cache on a
-// CPU with AVX512-BF16 multiplies in bfloat16 with float32 sums (`decode_item_bf16`).
+// query [B, H, D] (H = KV * group); request b attends to its first seq_lens[b] positions
+// (with a sliding window, only the last `window` of them: the loop starts there), found
+// through block_table[b]. Float32 scores (soft-capped when `cap` is set), softmax and
+// accumulator (online softmax, 16 positions at a time); the output is rounded to the query
+// dtype once. A bfloat16 cache on a CPU with AVX512-BF16 multiplies in bfloat16 with float32
+// sums (`decode_item_bf16`).
 
 // f(std::integral_constant<int, dim / Lanes>{}) for a head dim of 32, 64, 128 or 256: the
 // vectorized attention kernels are specialised on how many Lanes-wide registers a head spans.
@@ -359,11 +372,28 @@ void dispatch_head_dim(int64_t dim, F&& f) {
 }
 
 // Geometry of one decode_attention call, shared by the SIMD and the scalar paths.
+// `window` > 0: a query at position p sees only positions p - window + 1 .. p (a sliding
+// window); `cap` > 0: scaled scores s become cap * tanh(s / cap) (logit soft-capping). Both 0
+// (the defaults): plain causal attention, the same instructions as without the options.
 struct DecodeShape {
   int64_t batch, kv_heads, group, dim, block_size;
   int64_t blk_stride, kv_stride, pos_stride, table_stride, q_b, q_h, o_b, o_h;
   float scale;
+  int64_t window = 0;
+  float cap = 0.0f;
 };
+
+// First position a row with context length `len` (its own position len - 1) attends to.
+inline int64_t window_start(const DecodeShape& sh, int64_t len) {
+  return sh.window > 0 ? std::max<int64_t>(0, len - sh.window) : 0;
+}
+
+// What a work item costs, roughly: the positions it reads.
+inline int64_t attended(const DecodeShape& sh, int64_t len) {
+  return sh.window > 0 ? std::min(len, sh.window) : len;
+}
+
+inline float soft_cap1(float s, float cap) { return cap * std::tanh(s / cap); }
 
 #ifdef __AVX512F__
 // rows[p] = the cache row (K of kv head 0) of position start + p, p < n: one division per
@@ -427,7 +457,7 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
   std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.0f);
   vf part[16][16];  // [group][position]
   float weights[16][16], corrections[16];
-  for (int64_t start = 0; start < len; start += 16) {
+  for (int64_t start = window_start(sh, len); start < len; start += 16) {
     const int64_t n = std::min<int64_t>(16, len - start);
     const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const T* rows[16];
@@ -454,7 +484,8 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
         for (int64_t p = n; p < 16; ++p) part[g][p] = _mm512_setzero_ps();
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = h * G + g;
-        const vf sc = hsum16(part[g]);
+        vf sc = hsum16(part[g]);
+        if (sh.cap > 0) sc = soft_cap16(sc, sh.cap);
         const float new_max = std::max(m[r], _mm512_mask_reduce_max_ps(lanes, sc));
         const vf e = _mm512_maskz_mov_ps(
             lanes, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
@@ -545,7 +576,7 @@ void decode_item_bf16(const DecodeShape& sh, const c10::BFloat16* q_in,
   alignas(64) uint32_t weights[16][8];      // [group][position pair]: two bf16 weights each
   alignas(64) __m512i pairs[8][2 * C2];     // V rows 2j and 2j+1 interleaved per element
   float corrections[16];
-  for (int64_t start = 0; start < len; start += 16) {
+  for (int64_t start = window_start(sh, len); start < len; start += 16) {
     const int64_t n = std::min<int64_t>(16, len - start);
     const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const c10::BFloat16* rows[16];
@@ -574,7 +605,8 @@ void decode_item_bf16(const DecodeShape& sh, const c10::BFloat16* q_in,
         for (int64_t p = n; p < 16; ++p) part[g][p] = _mm512_setzero_ps();
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = h * G + g;
-        const vf sc = _mm512_mul_ps(hsum16(part[g]), scale);
+        vf sc = _mm512_mul_ps(hsum16(part[g]), scale);
+        if (sh.cap > 0) sc = soft_cap16(sc, sh.cap);
         const float new_max = std::max(m[r], _mm512_mask_reduce_max_ps(lanes, sc));
         const vf e = _mm512_maskz_mov_ps(
             lanes, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
@@ -652,7 +684,9 @@ void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_
   alignas(64) uint32_t weight_pairs[8][16];
   static constexpr int slot_of[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
   alignas(64) __m512i pairs[8][2 * C2];   // V rows 2j, 2j+1 interleaved per element
-  for (int64_t start = 0; start <= last; start += 16) {
+  // with a window, the tile's first row sees nothing before first_pos - window + 1
+  const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, first_pos - sh.window + 1) : 0;
+  for (int64_t start = lo; start <= last; start += 16) {
     const int64_t n = std::min<int64_t>(16, last + 1 - start);
     const c10::BFloat16* rows[16];
     chunk_rows(sh, cache, table, start, n, rows);
@@ -678,15 +712,22 @@ void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_
         }
         for (int i = 0; i < 4; ++i)
           scores[g][p + i] = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), scale);
+        if (sh.cap > 0)
+          for (int i = 0; i < 4; ++i) scores[g][p + i] = soft_cap16(scores[g][p + i], sh.cap);
       }
       for (int64_t p = (n + 3) / 4 * 4; p < 16; ++p) scores[g][p] = _mm512_setzero_ps();
     }
-    // row r sees position start + p iff start + p <= first_pos + r
+    // row r sees position start + p iff start + p <= first_pos + r (and, with a window,
+    // start + p > first_pos + r - window)
     __mmask16 visible[16];
     for (int64_t p = 0; p < 16; ++p)
       visible[p] = p < n ? _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(
                                                              static_cast<int>(start + p - first_pos)))
                          : static_cast<__mmask16>(0);
+    if (sh.window > 0)
+      for (int64_t p = 0; p < n; ++p)
+        visible[p] &= _mm512_cmplt_epi32_mask(
+            lane, _mm512_set1_epi32(static_cast<int>(start + p - first_pos + sh.window)));
     // V rows side by side in pairs, shared by every row and group of the tile
     const int64_t npairs = (n + 1) / 2;
     interleave_v_pairs<C2>(rows, npairs, sh.kv_stride, h * D, pairs);
@@ -697,11 +738,18 @@ void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_
         top = _mm512_max_ps(top, _mm512_mask_mov_ps(minus_inf, visible[p], scores[g][p]));
       const vf old_max = _mm512_loadu_ps(m + g * 16);
       const vf new_max = _mm512_max_ps(old_max, top);
-      const vf c = exp_nonpositive(_mm512_sub_ps(old_max, new_max));  // 0 on the first chunk
+      // With a window, a row may see nothing in this chunk nor before it (its window starts
+      // later than the tile's first row's): its max stays -inf, and 0 stands in for it here
+      // so that its correction is exp(-inf) = 0 rather than exp(NaN).
+      const vf base = sh.window > 0 ? _mm512_mask_blend_ps(
+                                          _mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ),
+                                          new_max, _mm512_setzero_ps())
+                                    : new_max;
+      const vf c = exp_nonpositive(_mm512_sub_ps(old_max, base));  // 0 on the first chunk
       vf sum = _mm512_setzero_ps();
       for (int64_t p = 0; p < 16; ++p) {
         const vf e = _mm512_maskz_mov_ps(
-            visible[p], exp_nonpositive(_mm512_sub_ps(scores[g][p], new_max)));
+            visible[p], exp_nonpositive(_mm512_sub_ps(scores[g][p], base)));
         rounded[p] = (__m256i)_mm512_cvtneps_pbh(e);
         sum = _mm512_add_ps(
             sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded[p]), 16)));
@@ -765,13 +813,14 @@ void decode_item_scalar(const DecodeShape& sh, const T* q_in, const T* cache,
     for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(q_in[g * sh.q_h + d]) * sh.scale;
     m[g] = -std::numeric_limits<float>::infinity();
   }
-  for (int64_t pos = 0; pos < len; ++pos) {
+  for (int64_t pos = window_start(sh, len); pos < len; ++pos) {
     const T* k = cache + static_cast<int64_t>(table[pos / sh.block_size]) * sh.blk_stride +
                  (pos % sh.block_size) * sh.pos_stride;
     for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[d]);
     std::vector<float> w(G);
     for (int64_t g = 0; g < G; ++g) {
-      const float s = dot(q.data() + g * D, row.data(), D);
+      const float dot_s = dot(q.data() + g * D, row.data(), D);
+      const float s = sh.cap > 0 ? soft_cap1(dot_s, sh.cap) : dot_s;
       const float new_max = std::max(m[g], s);
       const float correction = std::exp(m[g] - new_max);
       w[g] = std::exp(s - new_max);
@@ -792,12 +841,13 @@ void decode_item_scalar(const DecodeShape& sh, const T* q_in, const T* cache,
 template <typename T>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           double scale, at::Tensor& out) {
+                           double scale, int64_t window, double cap, at::Tensor& out) {
   const DecodeShape sh{query.size(0),       kv_cache.size(3),    query.size(1) / kv_cache.size(3),
                        query.size(2),       kv_cache.size(2),    kv_cache.stride(0),
                        kv_cache.stride(1),  kv_cache.stride(2),  block_table.stride(0),
                        query.stride(0),     query.stride(1),     out.stride(0),
-                       out.stride(1),       static_cast<float>(scale)};
+                       out.stride(1),       static_cast<float>(scale),
+                       window,              static_cast<float>(cap)};
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const T* cache = kv_cache.data_ptr<T>();
@@ -816,7 +866,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
   std::vector<int64_t> order(items);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return lens[x * per_item / sh.kv_heads] > lens[y * per_item / sh.kv_heads];
+    return attended(sh, lens[x * per_item / sh.kv_heads]) >
+           attended(sh, lens[y * per_item / sh.kv_heads]);
   });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
@@ -857,9 +908,13 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
   });
 }
 
+// Options, 0 = off: each row sees only its last `sliding_window` positions; scaled scores s
+// become soft_cap * tanh(s / soft_cap).
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale) {
+                            double scale, int64_t sliding_window, double soft_cap) {
+  TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0,
+              "sliding_window and soft_cap must be >= 0 (0: off)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [B, H, D], D contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
               "kv_cache must be contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
@@ -891,7 +946,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   }
   at::Tensor out = at::empty(query.sizes(), query.options());
   CHASSIS_DISPATCH(query.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(query, kv_cache, block_table, seq_lens, scale, out);
+    decode_attention_impl<scalar_t>(query, kv_cache, block_table, seq_lens, scale,
+                                    sliding_window, soft_cap, out);
   });
   return out;
 }
@@ -908,10 +964,13 @@ bool prefill_attention_supported(at::ScalarType dtype, int64_t head_dim, int64_t
 // Chunk i is the query_lens[i] tokens of `query` [T, H, D] from token_starts[i]; its token j
 // is at position seq_lens[i] - query_lens[i] + j and attends positions 0 .. that, read
 // through block_table[i]. Writes those tokens' rows of `out` [T, H, D] (others untouched).
+// Options as in decode_attention (0 = off): a sliding window, a logit soft cap.
 void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& block_table, const at::Tensor& seq_lens,
                        const at::Tensor& token_starts, const at::Tensor& query_lens,
-                       double scale, at::Tensor out) {
+                       double scale, at::Tensor out, int64_t sliding_window, double soft_cap) {
+  TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0,
+              "sliding_window and soft_cap must be >= 0 (0: off)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [T, H, D] with contiguous heads");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 &&
@@ -981,21 +1040,28 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                        query.stride(1),
                        out.stride(0),
                        out.stride(1),
-                       static_cast<float>(scale)};
-  // items: (chunk, tile of 16 rows, kv head); a tile's cost grows with its last position,
-  // so threads take them from a shared counter, latest tiles first
+                       static_cast<float>(scale),
+                       sliding_window,
+                       static_cast<float>(soft_cap)};
+  // items: (chunk, tile of 16 rows, kv head); a tile's cost grows with the positions it
+  // reads (up to its last row's; with a window at most the window and the tile), so threads
+  // take them from a shared counter, costliest first
   struct Item {
-    int64_t chunk, tile, head, last;
+    int64_t chunk, tile, head, cost;
   };
   std::vector<Item> items;
   for (int64_t i = 0; i < chunks; ++i) {
     const int64_t q_len = ql[i], prefix = lens[i] - q_len;
     for (int64_t t = 0; t * 16 < q_len; ++t)
-      for (int64_t h = 0; h < sh.kv_heads; ++h)
-        items.push_back({i, t, h, prefix + std::min<int64_t>(q_len, 16 * (t + 1)) - 1});
+      for (int64_t h = 0; h < sh.kv_heads; ++h) {
+        const int64_t first = prefix + 16 * t;
+        const int64_t last = prefix + std::min<int64_t>(q_len, 16 * (t + 1)) - 1;
+        const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, first - sh.window + 1) : 0;
+        items.push_back({i, t, h, last - lo + 1});
+      }
   }
   std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.last > b.last; });
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const auto* q = reinterpret_cast<const c10::BFloat16*>(query.data_ptr());
   auto* o = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
   const auto* cache = reinterpret_cast<const c10::BFloat16*>(kv_cache.data_ptr());
@@ -1075,11 +1141,12 @@ TORCH_LIBRARY(chassis_cpu, m) {
       "Tensor sin_cache) -> ()");
   m.def(
       "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, int sliding_window=0, float soft_cap=0.0) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   m.def(
       "prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor token_starts, Tensor query_lens, float scale, Tensor(a!) out) -> ()");
+      "Tensor token_starts, Tensor query_lens, float scale, Tensor(a!) out, "
+      "int sliding_window=0, float soft_cap=0.0) -> ()");
   m.def("prefill_attention_supported(ScalarType dtype, int head_dim, int group) -> bool",
         &prefill_attention_supported);
 }

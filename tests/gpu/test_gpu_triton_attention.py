@@ -1,9 +1,10 @@
 """``triton_paged`` compiled on a real GPU at model shapes (run by tests/gpu/run_gpu_checks.sh).
 
 Shapes: Qwen3-0.6B (16 q heads, 8 kv heads, head_dim 128), SmolLM2 (9/3, 64) and Qwen2-0.5B
-(14/2, 64), cache blocks of 16. Checks against the dense float32 reference and the
-``torch_paged`` backend, the split-KV decode path, CUDA-graph replay with new metadata, the
-absence of device->host syncs, and cache offsets past 2**31 elements.
+(14/2, 64), cache blocks of 16; Gemma-2-2B (8/4, 256) for sliding windows and logit soft caps.
+Checks against the dense float32 reference and the ``torch_paged`` backend, the split-KV
+decode path, CUDA-graph replay with new metadata, the absence of device->host syncs, and
+cache offsets past 2**31 elements.
 """
 
 from __future__ import annotations
@@ -44,12 +45,78 @@ def _backend(num_heads: int, num_kv_heads: int, head_dim: int):
     return TritonPagedAttention(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
 
 
-def _check(out: torch.Tensor, batch, scale: float) -> None:
+def _check(
+    out: torch.Tensor,
+    batch,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> None:
     n = batch.metadata.num_actual_tokens
     tol = TOL[out.dtype]
-    torch.testing.assert_close(
-        out[:n].float().cpu(), dense_attention(batch, scale), atol=tol, rtol=tol
+    expected = dense_attention(batch, scale, sliding_window, logits_soft_cap)
+    torch.testing.assert_close(out[:n].float().cpu(), expected, atol=tol, rtol=tol)
+
+
+GEMMA2 = (8, 4, 256)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "sliding_window", "soft_cap"),
+    [
+        (GEMMA2, torch.bfloat16, 256, 50.0),  # Gemma 2's cap, a window shorter than MIXED's
+        (GEMMA2, torch.bfloat16, None, 1.0),  # a cap that binds, full attention
+        (GEMMA2, torch.float32, 100, 1.0),
+        (QWEN3, torch.bfloat16, 300, None),  # Mistral-like: a window alone
+        (QWEN3, torch.float16, 4096, None),  # a window past every context
+        ((9, 3, 64), torch.bfloat16, 17, 5.0),  # a window that is not a tile multiple
+    ],
+    ids=str,
+)
+def test_sliding_window_and_soft_cap_match_dense(
+    shape, dtype: torch.dtype, sliding_window: int | None, soft_cap: float | None
+) -> None:
+    """Mixed batch at model shapes: tiles before each query block's window are skipped, the
+    rest masked; scores capped in the kernel. Slots no request owns hold NaN."""
+    num_heads, num_kv_heads, head_dim = shape
+    batch = make_batch(
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        num_pad_tokens=5,
     )
+    from chassis.builtin_plugins.attention.triton_paged import TritonPagedAttention
+
+    backend = TritonPagedAttention(
+        num_heads,
+        head_dim,
+        num_kv_heads,
+        head_dim**-0.5,
+        sliding_window=sliding_window,
+        logits_soft_cap=soft_cap,
+    )
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    _check(out, batch, backend.scale, sliding_window, soft_cap)
+
+
+def test_windowed_decode_splits_what_the_window_leaves() -> None:
+    """Split-KV decodes with a window divide the window's tiles, not the context's; the split
+    and unsplit results agree, and with the cap too."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch([(4000, 1), (1000, 1), (17, 1), (600, 1)], **QWEN3_BF16)
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    args = {**batch.kernel_args(128**-0.5), "sliding_window": 512, "logits_soft_cap": 20.0}
+    split_out, single_out = torch.empty_like(batch.query), torch.empty_like(batch.query)
+    config = kernels.paged_attention(batch.query, batch.kv_cache, split_out, **args)
+    assert config.num_splits > 1, config
+    kernels.paged_attention(batch.query, batch.kv_cache, single_out, num_splits=1, **args)
+    _check(split_out, batch, 128**-0.5, 512, 20.0)
+    torch.testing.assert_close(split_out, single_out, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize(
