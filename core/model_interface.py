@@ -20,6 +20,10 @@ class ModelBuildContext:
     #: the selected backend; each attention layer instantiates it once
     attention_backend: type[AttentionBackend]
     dtype: torch.dtype
+    #: the longest sequence (prompt + output) the engine serves (``--max-model-len``); ``None``
+    #: when not known, and models then assume their config's own maximum. Models may use it
+    #: to skip a sliding window no sequence outgrows, or to pick RoPE scaling (LongRoPE).
+    max_model_len: int | None = None
 
 
 class CausalLM(nn.Module, ABC):

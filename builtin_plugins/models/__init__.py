@@ -19,3 +19,7 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("MixtralForCausalLM", f"{_PKG}.mixtral:MixtralForCausalLM")
     registry.register("Qwen2MoeForCausalLM", f"{_PKG}.qwen2_moe:Qwen2MoeForCausalLM")
     registry.register("Qwen3MoeForCausalLM", f"{_PKG}.qwen3_moe:Qwen3MoeForCausalLM")
+    registry.register("GemmaForCausalLM", f"{_PKG}.gemma:GemmaForCausalLM")
+    registry.register("Gemma2ForCausalLM", f"{_PKG}.gemma2:Gemma2ForCausalLM")
+    registry.register("Gemma3ForCausalLM", f"{_PKG}.gemma3:Gemma3ForCausalLM")
+    registry.register("Phi3ForCausalLM", f"{_PKG}.phi3:Phi3ForCausalLM")

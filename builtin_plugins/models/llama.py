@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window) for paged attention.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) for paged attention.
 
-The building blocks here are shared by the Qwen2 and Qwen3 models, which differ only in the
-options of :class:`DecoderSpec` (QKV bias, per-head q/k norm). Q/K/V and gate/up projections
+The building blocks here are shared by the Qwen2, Qwen3 and Phi-3 models, which differ only in
+the options of :class:`DecoderSpec` (QKV bias, per-head q/k norm, sliding-window layers) and,
+for Phi-3, in how the checkpoint names its projections. Q/K/V and gate/up projections
 are merged into one matmul each; :meth:`LlamaForCausalLM.load_weights` copies the separate HF
 checkpoint tensors into row slices of the merged weights.
 """
@@ -9,7 +10,6 @@ checkpoint tensors into row slices of the merged weights.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +25,6 @@ from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
 from chassis.core.layers.vocab_parallel import VocabParallelEmbedding, gather_logits, vocab_shard
 from chassis.core.model_interface import CausalLM, ModelBuildContext
-
-logger = logging.getLogger(__name__)
 
 #: checkpoint projection name -> (merged parameter module name, shard key)
 _MERGED_SHARDS = {
@@ -65,10 +63,20 @@ class DecoderSpec:
     mlp_bias: bool = False
     #: RMSNorm over each head of q and k before RoPE (Qwen3)
     qk_norm: bool = False
+    #: the attention window of the sliding layers: each query sees the last
+    #: ``sliding_window`` positions, its own included; ``None``: all layers see everything
+    sliding_window: int | None = None
+    #: the layers that slide (``None``: every layer, when ``sliding_window`` is set)
+    sliding_layers: frozenset[int] | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> DecoderSpec:
-        """Read a Llama-style config; ``overrides`` set the per-architecture options."""
+        """Read a Llama-style config; ``overrides`` set the per-architecture options.
+
+        ``sliding_window`` is read as Mistral, Mixtral and Phi-3 define it (every layer, when
+        set; see :func:`config_sliding_window`); architectures that slide only some layers
+        pass ``sliding_layers`` (:func:`qwen_sliding_layers`).
+        """
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -86,9 +94,20 @@ class DecoderSpec:
             "qkv_bias": attention_bias,
             "o_bias": attention_bias,
             "mlp_bias": bool(getattr(cfg, "mlp_bias", False)),
+            "sliding_window": config_sliding_window(cfg),
         }
         fields.update(overrides)
         return cls(**fields)
+
+    def attention_window(self, layer_idx: int, max_model_len: int | None = None) -> int | None:
+        """The sliding window of decoder layer ``layer_idx``, or ``None`` for full attention
+        (also when the window is at least ``max_model_len``: no sequence outgrows it)."""
+        if self.sliding_layers is not None and layer_idx not in self.sliding_layers:
+            return None
+        window = self.sliding_window
+        if window is not None and max_model_len is not None and window >= max_model_len:
+            return None
+        return window
 
     def tensor_parallel_share(self) -> DecoderSpec:
         """This rank's share of the layer: its attention heads and MLP columns (the whole
@@ -215,7 +234,13 @@ class LlamaDecoderLayer(nn.Module):
         mlp: nn.Module,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, rotary_emb, layer_idx, build_ctx)
+        self.self_attn = LlamaAttention(
+            spec,
+            rotary_emb,
+            layer_idx,
+            build_ctx,
+            sliding_window=spec.attention_window(layer_idx, build_ctx.max_model_len),
+        )
         #: ``[T, hidden] -> [T, hidden]``, already summed over a tensor-parallel group
         self.mlp = mlp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -255,7 +280,9 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
-        rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope)
+        rotary_emb = RotaryEmbedding(
+            spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
+        )
         make_mlp = make_mlp or (lambda _layer_idx: LlamaMLP(spec))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(spec, rotary_emb, i, build_ctx, make_mlp(i))
@@ -293,7 +320,6 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__(hf_config, build_ctx)
-        _warn_if_sliding_window(hf_config)
         #: the whole layer's shapes (checkpoint tensors), and this rank's share of them
         self.full_spec = self.decoder_spec(hf_config)
         self.spec = self.full_spec.tensor_parallel_share()
@@ -428,14 +454,40 @@ def _shards_needed(param_name: str) -> set[str]:
     return {""}
 
 
-def _warn_if_sliding_window(hf_config: Any) -> None:
-    window = getattr(hf_config, "sliding_window", None)
-    # Qwen configs switch the window off with use_sliding_window=False; Mistral has no switch.
-    if window and getattr(hf_config, "use_sliding_window", None) is not False:
-        logger.warning(
-            "the checkpoint asks for sliding-window attention (window %s); chassis attends "
-            "to the full context, so sequences longer than the window differ from the "
-            "reference. Set --max-model-len <= %s for exact behaviour.",
-            window,
-            window,
-        )
+def config_sliding_window(cfg: Any) -> int | None:
+    """The config's attention window, or ``None`` when no layer slides.
+
+    ``None`` when ``sliding_window`` is missing, null or 0, when the config switches it off
+    with ``use_sliding_window: false`` (Qwen; transformers 5 already nulls it then, 4.x
+    configs did not), and when the window is at least ``max_position_embeddings``: no
+    position can then see past it, so full attention is the same and needs no backend
+    support for windows.
+    """
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", None) is False:
+        return None
+    window = int(window)
+    max_position = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(max_position, int) and window >= max_position:
+        return None
+    return window
+
+
+def qwen_sliding_layers(cfg: Any, is_sliding: Callable[[int], bool]) -> frozenset[int]:
+    """The layers that slide in a Qwen-style config (for ``DecoderSpec.sliding_layers``).
+
+    ``layer_types`` decides when the config has it (``"sliding_attention"`` entries;
+    transformers 5 fills it in from ``max_window_layers``), else ``is_sliding(layer_idx)``,
+    the architecture's rule for configs without it. Whether any layer slides at all is
+    :func:`config_sliding_window`'s answer (``use_sliding_window``).
+    """
+    num_layers = int(cfg.num_hidden_layers)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ValueError(
+                f"config layer_types has {len(layer_types)} entries for {num_layers} layers "
+                "(num_hidden_layers); fix config.json"
+            )
+        return frozenset(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    return frozenset(i for i in range(num_layers) if is_sliding(i))

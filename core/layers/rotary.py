@@ -1,7 +1,20 @@
-"""Rotary position embedding (RoPE) as Llama and Qwen use it, with Llama-3 frequency scaling.
+"""Rotary position embedding (RoPE) as Llama, Qwen and Phi-3 use it.
 
 Rotation is the "rotate half" (GPT-NeoX) layout of HF transformers: dimension ``i`` pairs with
-``i + head_dim / 2``. cos/sin for every position are computed once, in float32.
+``i + rotary_dim / 2``. With a ``partial_rotary_factor`` below 1 (Phi-4-mini) only the first
+``rotary_dim = head_dim * factor`` dimensions of each head rotate; the rest pass through.
+cos/sin for every position are computed once, in float32.
+
+Frequency scaling: ``linear``, ``llama3`` (Llama 3.1) and ``longrope`` (Phi-3/3.5/4-mini).
+LongRoPE divides each frequency by a per-dimension factor and multiplies cos and sin by an
+attention factor. HF transformers uses ``short_factor`` while a sequence fits in
+``original_max_position_embeddings`` and ``long_factor`` for *all* its positions once it is
+longer (its ``generate`` recomputes the whole cache when a sequence crosses that length). A
+paged cache cannot rotate cached keys again, so here one set serves every sequence, chosen
+by the longest context served (``context_len``, i.e. ``--max-model-len``): the short factors
+when it fits in the original length, which is then exactly HF's result for every sequence;
+else the long factors, exactly HF's result for every sequence longer than the original length
+and a difference for shorter ones. vLLM makes the same choice.
 """
 
 from __future__ import annotations
@@ -16,7 +29,10 @@ from chassis.core.layers.kernels import kernels_for
 from chassis.core.layers.norm import RMSNorm
 
 #: rope types this module implements (HF ``rope_parameters["rope_type"]``)
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+#: rope types whose ``original_max_position_embeddings`` a top-level config field overrides
+#: (as HF's ``standardize_rope_params`` does: Phi-3 keeps the pretraining length there)
+_ORIGINAL_MAX_TYPES = ("llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -24,7 +40,11 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
     transformers 5.x keeps them in ``config.rope_parameters``; 4.x kept ``config.rope_theta``
     and an optional ``config.rope_scaling`` dict (whose type key was once ``"type"``). Both are
-    read, so a config from either version works.
+    read, so a config from either version works. A top-level ``partial_rotary_factor`` is
+    moved in (Phi-4-mini's 4.x config), Phi-3's old type name ``"su"`` reads as
+    ``"longrope"``, and for the scaled types a top-level ``original_max_position_embeddings``
+    takes precedence, as in HF. ``longrope`` without ``factor`` gets
+    ``max_position_embeddings / original_max_position_embeddings`` (HF's default).
     """
     params: dict[str, Any] = {}
     legacy_scaling = getattr(hf_config, "rope_scaling", None)
@@ -36,13 +56,28 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] == "su":
+        params["rope_type"] = "longrope"
+    partial = getattr(hf_config, "partial_rotary_factor", None)
+    if params.get("partial_rotary_factor") is None and partial is not None:
+        params["partial_rotary_factor"] = partial
+    original_max = getattr(hf_config, "original_max_position_embeddings", None)
+    if params["rope_type"] in _ORIGINAL_MAX_TYPES and isinstance(original_max, int):
+        params["original_max_position_embeddings"] = original_max
+    if params["rope_type"] == "longrope":
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+        if params.get("factor") is None:
+            params["factor"] = hf_config.max_position_embeddings / float(
+                params["original_max_position_embeddings"]
+            )
     return params
 
 
-def _inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """Per-pair inverse frequencies ``[head_dim / 2]`` (float32), after any scaling."""
+def _inverse_frequencies(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Per-pair inverse frequencies ``[rotary_dim / 2]`` (float32), after any scaling
+    (``longrope``: :func:`_longrope_inverse_frequencies`)."""
     base = float(params["rope_theta"])
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (base**exponents)
     rope_type = params["rope_type"]
     if rope_type == "default":
@@ -70,30 +105,91 @@ def _inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     )
 
 
+def longrope_attention_factor(params: dict[str, Any]) -> float:
+    """The factor LongRoPE multiplies cos and sin by: the config's ``attention_factor``, else
+    ``sqrt(1 + log(factor) / log(original_max_position_embeddings))`` (1 when ``factor`` <= 1),
+    as in HF transformers."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(
+        1 + math.log(factor) / math.log(int(params["original_max_position_embeddings"]))
+    )
+
+
+def _longrope_inverse_frequencies(
+    rotary_dim: int, params: dict[str, Any], context_len: int
+) -> torch.Tensor:
+    """LongRoPE's ``[rotary_dim / 2]`` inverse frequencies for sequences up to
+    ``context_len``: ``short_factor`` within ``original_max_position_embeddings``, else
+    ``long_factor`` (why one set: the module docstring)."""
+    base = float(params["rope_theta"])
+    for key in ("short_factor", "long_factor"):  # both checked: a bad config fails at once
+        factors = params.get(key)
+        if not isinstance(factors, (list, tuple)) or len(factors) != rotary_dim // 2:
+            got = len(factors) if isinstance(factors, (list, tuple)) else factors
+            raise ValueError(
+                f"longrope {key} must be a list of {rotary_dim // 2} numbers (rotary_dim / 2); "
+                f"got {got!r}: does config.json match the model?"
+            )
+    use_long = context_len > int(params["original_max_position_embeddings"])
+    factors = params["long_factor" if use_long else "short_factor"]
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    # HF's order of operations, so that the float32 values are identical
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * base**exponents)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to flattened query/key tensors at given positions.
 
-    :param head_dim: size of each head; the whole head is rotated
+    :param head_dim: size of each head; its first ``rotary_dim`` dimensions are rotated
+        (``head_dim * params["partial_rotary_factor"]``, all of them by default)
     :param max_position: positions ``0 .. max_position - 1`` are precomputed
     :param params: from :func:`rope_parameters`
+    :param context_len: the longest sequence served (``--max-model-len``; default
+        ``max_position``); LongRoPE picks its factors by it (see the module docstring)
     """
 
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        *,
+        context_len: int | None = None,
+    ) -> None:
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head_dim; got {head_dim}")
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported by RotaryEmbedding")
+        partial = float(params.get("partial_rotary_factor") or 1.0)
+        rotary_dim = int(head_dim * partial)
+        if not 0 < partial <= 1 or rotary_dim % 2 or rotary_dim == 0:
+            raise ValueError(
+                f"rotary embedding needs an even, non-zero rotary_dim <= head_dim; head_dim "
+                f"{head_dim} with partial_rotary_factor {partial} gives {rotary_dim}"
+            )
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
         self.max_position = max_position
-        inv_freq = _inverse_frequencies(head_dim, params)
         # Computed in float32 on the CPU (as HF does), then moved to the current default
         # device. Explicit dtypes: the tables must not follow the model's default dtype.
         positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
-        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim / 2]
+        self.context_len = max_position if context_len is None else context_len
+        if params["rope_type"] == "longrope":
+            inv_freq = _longrope_inverse_frequencies(rotary_dim, params, self.context_len)
+            scaling = longrope_attention_factor(params)
+        else:
+            inv_freq = _inverse_frequencies(rotary_dim, params)
+            scaling = 1.0
+        freqs = torch.outer(positions, inv_freq)
+        # freqs: [max_position, rotary_dim / 2]; HF scales cos and sin in float32 (by 1 for
+        # the types without an attention factor, which changes nothing)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
         device = torch.empty(0).device
-        self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
+        self.register_buffer("cos_cache", cos.to(device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(device), persistent=False)
         self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
@@ -111,8 +207,11 @@ class RotaryEmbedding(nn.Module):
 
         Computed in the input dtype, as HF does. Platform kernels rotate the given tensors in
         place and return them; the torch path returns new tensors. Callers must not rely on
-        either: use the returned tensors and treat the inputs as consumed.
+        either: use the returned tensors and treat the inputs as consumed. Partial rotation
+        (``rotary_dim < head_dim``) always runs the torch code: the kernels rotate whole heads.
         """
+        if self.rotary_dim != self.head_dim:
+            return self.forward_reference(positions, query, key, qk_norms)
         kernels = kernels_for(query)
         if qk_norms is not None:
             q_norm, k_norm = qk_norms
@@ -153,6 +252,8 @@ class RotaryEmbedding(nn.Module):
             if memo is None or memo[0] is not positions or memo[1] != query.dtype:
                 memo = self._memo = (positions, query.dtype, *self._cos_sin(positions, query.dtype))
             cos, sin = memo[2], memo[3]
+        if self.rotary_dim != self.head_dim:
+            return _rotate_partial(query, cos, sin), _rotate_partial(key, cos, sin)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
     def _cos_sin(
@@ -164,13 +265,20 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_position={self.max_position}"
+        partial = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""
+        return f"head_dim={self.head_dim}{partial}, max_position={self.max_position}"
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # In the input dtype with tables cast to it, as HF transformers does.
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # The first 2 * cos.shape[-1] dimensions rotate among themselves; the rest pass through.
+    rotary_dim = 2 * cos.shape[-1]
+    return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
 
 
 def _fusable(q_norm: RMSNorm, k_norm: RMSNorm, query: torch.Tensor, key: torch.Tensor) -> bool:

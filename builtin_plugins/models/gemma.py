@@ -1,0 +1,370 @@
+"""Gemma decoder (Gemma 1, and through :class:`GemmaOptions` Gemma 2 and Gemma 3 text).
+
+It reuses the Llama pieces (merged QKV and gate/up projections, :class:`LlamaAttention`,
+tensor-parallel sharding and :meth:`LlamaForCausalLM.load_weights`) and changes what Gemma
+changes, as HF transformers defines it:
+
+- :class:`~chassis.core.layers.norm.GemmaRMSNorm` everywhere: ``(1 + weight)`` scale, all
+  in float32, cast once;
+- embeddings multiplied by ``sqrt(hidden_size)`` rounded to the model dtype;
+- a GeGLU MLP (``gelu`` with the tanh approximation, gated by ``up``);
+- ``head_dim`` from the config and an attention scale from the options.
+
+Gemma 2/3 add (:mod:`.gemma2`, :mod:`.gemma3`): four norms per layer ("sandwich" norms
+around attention and the MLP), sliding-window attention on the layers ``config.layer_types``
+marks ``sliding_attention``, attention and final logit soft caps, and (Gemma 3) a per-head
+q/k norm and RoPE parameters per layer type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from chassis.builtin_plugins.models.llama import (
+    DecoderSpec,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
+from chassis.core import parallel_state
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.activation import GELU_APPROXIMATIONS, GeluAndMul
+from chassis.core.layers.norm import GemmaRMSNorm
+from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
+from chassis.core.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
+from chassis.core.model_interface import CausalLM, ModelBuildContext
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+#: the ``config.layer_types`` values the Gemma decoder implements
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+@dataclass(frozen=True)
+class GemmaOptions:
+    """What a Gemma generation adds to :class:`DecoderSpec`, read from the HF config."""
+
+    #: ``F.gelu``'s ``approximate`` for the MLP gate ("tanh" for ``gelu_pytorch_tanh``)
+    gelu_approximate: str
+    #: multiplies ``q . k`` (Gemma: ``head_dim ** -0.5``; 2/3: ``query_pre_attn_scalar ** -0.5``)
+    attn_scale: float
+    #: each layer's attention kind, one of :data:`LAYER_TYPES`
+    layer_types: tuple[str, ...]
+    #: RoPE parameters (:func:`rope_parameters` form) of each layer type in ``layer_types``
+    rope_by_layer_type: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the window of the ``sliding_attention`` layers (positions a query sees, its own included)
+    sliding_window: int | None = None
+    #: ``cap * tanh(score / cap)`` on attention scores (Gemma 2's ``attn_logit_softcapping``)
+    attn_logit_softcap: float | None = None
+    #: ``cap * tanh(logit / cap)`` on the output logits (``final_logit_softcapping``)
+    final_logit_softcap: float | None = None
+    #: Gemma 2/3: a norm after attention and norms before and after the MLP
+    sandwich_norms: bool = False
+    #: Gemma 3: a :class:`GemmaRMSNorm` over each q and k head before RoPE
+    qk_norm: bool = False
+    #: the longest sequence served (``--max-model-len``, else ``max_position_embeddings``):
+    #: a window at least this long is full attention, which any backend runs
+    context_len: int | None = None
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"config.layer_types has {unknown}; the Gemma decoder implements "
+                f"{', '.join(LAYER_TYPES)}"
+            )
+        missing = sorted(set(self.layer_types) - set(self.rope_by_layer_type))
+        if missing:
+            raise ValueError(f"no RoPE parameters for the layer types {missing}")
+        if SLIDING_ATTENTION in self.layer_types and not (
+            isinstance(self.sliding_window, int) and self.sliding_window >= 1
+        ):
+            raise ValueError(
+                "config.layer_types has sliding_attention layers but config.sliding_window "
+                f"is {self.sliding_window!r}; it must be a positive integer"
+            )
+
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s attention window, ``None`` for full attention (also on a
+        sliding layer whose window no served sequence outgrows: a query at position ``p``
+        sees ``p - window + 1 .. p``, which is everything while ``p < window``)."""
+        if self.layer_types[layer_idx] != SLIDING_ATTENTION:
+            return None
+        if self.context_len is not None and self.sliding_window >= self.context_len:
+            return None
+        return self.sliding_window
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """``config.head_dim``, or ``hidden_size / num_attention_heads`` when it is absent."""
+    return int(
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def gelu_approximate(activation: str | None) -> str:
+    """``F.gelu``'s ``approximate`` for an HF activation name; a ``ValueError`` otherwise."""
+    if activation not in GELU_APPROXIMATIONS:
+        raise ValueError(
+            f"Gemma MLP activation {activation!r} is not supported; supported: "
+            f"{', '.join(GELU_APPROXIMATIONS)}"
+        )
+    return GELU_APPROXIMATIONS[activation]
+
+
+def layer_types_of(hf_config: Any, default: Sequence[str]) -> tuple[str, ...]:
+    """``config.layer_types`` (``default`` when the config has none), one per layer."""
+    layer_types = tuple(getattr(hf_config, "layer_types", None) or default)
+    num_layers = int(hf_config.num_hidden_layers)
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"config.layer_types has {len(layer_types)} entries for {num_layers} layers"
+        )
+    return layer_types
+
+
+def refuse_bidirectional(hf_config: Any) -> None:
+    """A ``ValueError`` for ``use_bidirectional_attention`` (embedding variants): this decoder
+    is causal."""
+    if getattr(hf_config, "use_bidirectional_attention", None):
+        raise ValueError(
+            "use_bidirectional_attention=True (a Gemma embedding model) is not supported: "
+            "chassis runs causal decoders only"
+        )
+
+
+class GemmaAttention(LlamaAttention):
+    """:class:`LlamaAttention` with Gemma's scale, this layer's window and soft cap, and
+    (Gemma 3) :class:`GemmaRMSNorm` q/k norms over each head."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        options: GemmaOptions,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        build_ctx: ModelBuildContext,
+    ) -> None:
+        super().__init__(
+            spec,
+            rotary_emb,
+            layer_idx,
+            build_ctx,
+            scale=options.attn_scale,
+            sliding_window=options.sliding_window_of(layer_idx),
+            logits_soft_cap=options.attn_logit_softcap,
+        )
+        # The parent's q/k norms would be Llama's RMSNorm; Gemma's are built here instead
+        # (``spec.qk_norm`` is False for Gemma, the option lives in GemmaOptions).
+        self.qk_norm = options.qk_norm
+        if options.qk_norm:
+            self.q_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        # GemmaRMSNorm is not fusable with the rotation: the rotary calls the norms first.
+        qk_norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k = self.rotary_emb(positions, q, k, qk_norms)
+        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
+        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
+
+
+class GemmaMLP(LlamaMLP):
+    """:class:`LlamaMLP` with ``gelu(gate) * up`` (GeGLU) instead of SwiGLU."""
+
+    def __init__(self, spec: DecoderSpec, gelu_approximate: str) -> None:
+        super().__init__(spec)
+        self.act_fn = GeluAndMul(gelu_approximate)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with the residual add fused into the norms.
+
+    Gemma: ``input_layernorm`` before attention, ``post_attention_layernorm`` before the MLP
+    (Llama's layout). Gemma 2/3 (``sandwich_norms``): ``post_attention_layernorm`` normalizes
+    the attention output before the residual add, ``pre_feedforward_layernorm`` is the norm
+    before the MLP and ``post_feedforward_layernorm`` normalizes the MLP output.
+    """
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        options: GemmaOptions,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        build_ctx: ModelBuildContext,
+    ) -> None:
+        super().__init__()
+        self.self_attn = GemmaAttention(spec, options, rotary_emb, layer_idx, build_ctx)
+        self.mlp = GemmaMLP(spec, options.gelu_approximate)
+        eps = spec.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
+        self.sandwich_norms = options.sandwich_norms
+        if options.sandwich_norms:
+            self.pre_feedforward_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
+            self.post_feedforward_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(block output, residual stream)``; their sum is the layer's output."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, ctx)
+        if not self.sandwich_norms:
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self.mlp(hidden_states), residual
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
+
+
+class GemmaModel(nn.Module):
+    """Scaled embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: DecoderSpec,
+        options: GemmaOptions,
+        build_ctx: ModelBuildContext,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
+        # HF multiplies by sqrt(hidden_size) as a tensor of the model dtype: in bfloat16
+        # sqrt(3072) = 55.43 becomes 55.5, and the checkpoints were trained with that.
+        self.embed_scale = float(
+            torch.tensor(spec.hidden_size**0.5, dtype=build_ctx.dtype, device="cpu")
+        )
+        # One rotary table per distinct set of RoPE parameters, shared by the layers using it.
+        rotaries: dict[str, RotaryEmbedding] = {}
+        for layer_type in dict.fromkeys(options.layer_types):
+            params = options.rope_by_layer_type[layer_type]
+            same = next(
+                (
+                    rotaries[other]
+                    for other in rotaries
+                    if options.rope_by_layer_type[other] == params
+                ),
+                None,
+            )
+            rotaries[layer_type] = same or RotaryEmbedding(spec.head_dim, spec.max_position, params)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(spec, options, rotaries[layer_type], i, build_ctx)
+            for i, layer_type in enumerate(options.layer_types)
+        )
+        self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) * self.embed_scale
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+        if residual is None:  # a model with no layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """``GemmaForCausalLM`` checkpoints (Gemma 1, CodeGemma); the base of Gemma 2 and 3.
+
+    Subclasses choose the generation's options by overriding :meth:`gemma_options`. Weight
+    loading and tensor parallelism are :class:`LlamaForCausalLM`'s (same checkpoint names,
+    same sharding; the Gemma norms, q/k norms included, are whole on every rank). The LM
+    head is tied to the embedding unless ``tie_word_embeddings`` is false.
+    """
+
+    supports_tensor_parallel = True
+
+    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
+        # LlamaForCausalLM.__init__ would build the Llama decoder: set up the same attributes
+        # (those load_weights and compute_logits read) around the Gemma decoder instead.
+        CausalLM.__init__(self, hf_config, build_ctx)
+        refuse_bidirectional(hf_config)
+        # --max-model-len when the engine says it, else the config's own limit
+        context_len = getattr(build_ctx, "max_model_len", None) or getattr(
+            hf_config, "max_position_embeddings", None
+        )
+        self.options = replace(self.gemma_options(hf_config), context_len=context_len)
+        #: the whole layer's shapes (checkpoint tensors), and this rank's share of them
+        self.full_spec = self.decoder_spec(hf_config)
+        self.spec = self.full_spec.tensor_parallel_share()
+        self.model = GemmaModel(hf_config, self.spec, self.options, build_ctx)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        # As in LlamaForCausalLM: a tied head shares the embedding (built on meta, no copy).
+        head_device = "meta" if self.tie_word_embeddings else None
+        self.vocab_size = int(hf_config.vocab_size)
+        _, vocab_rows = vocab_shard(self.vocab_size)
+        self.lm_head = nn.Linear(self.spec.hidden_size, vocab_rows, bias=False, device=head_device)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
+        """Shapes of a Gemma layer (``head_dim`` from the config; biases as
+        ``attention_bias`` says; the RoPE field holds the full-attention layers' parameters)."""
+        num_heads = int(hf_config.num_attention_heads)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return DecoderSpec(
+            hidden_size=int(hf_config.hidden_size),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
+            head_dim=head_dim_of(hf_config),
+            intermediate_size=int(hf_config.intermediate_size),
+            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
+            max_position=int(getattr(hf_config, "max_position_embeddings", 8192)),
+            rope=cls.gemma_options(hf_config).rope_by_layer_type.get(FULL_ATTENTION)
+            or rope_parameters(hf_config),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+        )
+
+    @classmethod
+    def gemma_options(cls, hf_config: Any) -> GemmaOptions:
+        """Gemma 1: ``hidden_act``, ``head_dim ** -0.5``, full attention everywhere."""
+        num_layers = int(hf_config.num_hidden_layers)
+        return GemmaOptions(
+            gelu_approximate=gelu_approximate(getattr(hf_config, "hidden_act", None)),
+            attn_scale=head_dim_of(hf_config) ** -0.5,
+            layer_types=(FULL_ATTENTION,) * num_layers,
+            rope_by_layer_type={FULL_ATTENTION: rope_parameters(hf_config)},
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """As :meth:`LlamaForCausalLM.compute_logits`, then the final soft cap if configured
+        (in float32; HF applies it in the model dtype, the same values in float32)."""
+        logits = super().compute_logits(hidden_states)
+        cap = self.options.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
