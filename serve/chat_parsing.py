@@ -11,14 +11,13 @@ calls).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chassis.serve.errors import bad_request
 from chassis.serve.forced_tool_calls import NamedToolCallParser, RequiredToolCallsParser
 from chassis.serve.reasoning_parser import ReasoningDelta
-from chassis.serve.tool_parser import ToolCall, ToolDelta
+from chassis.serve.tool_parser import ToolCall, ToolCallFragment, ToolDelta, join_fragments
 
 if TYPE_CHECKING:
     from chassis.core.structured_output import StructuredOutputsParams
@@ -30,27 +29,57 @@ if TYPE_CHECKING:
 
 @dataclass
 class ChoiceDelta:
-    """New reasoning, content and completed tool calls of one choice."""
+    """New reasoning, content and tool-call fragments of one choice.
+
+    ``fragments`` use the choice's call indices (0, 1, ... in the order the calls start, after
+    ``parallel_tool_calls``), each call's first fragment carries its name and id, and
+    consecutive fragments of one call are merged. A call reported whole is one fragment.
+    """
 
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    fragments: list[ToolCallFragment] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
+        return bool(self.reasoning or self.content or self.fragments)
 
     def __iadd__(self, other: ChoiceDelta) -> ChoiceDelta:
         self.reasoning += other.reasoning
         self.content += other.content
-        self.calls += other.calls
+        self.fragments = _merged(self.fragments + other.fragments)
         return self
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls, whole: for a delta that holds all of its calls' fragments (what
+        :meth:`ChoiceParser.parse` returns, or the sum of a choice's streamed deltas)."""
+        return join_fragments(self.fragments)
+
+
+def _merged(fragments: list[ToolCallFragment]) -> list[ToolCallFragment]:
+    """``fragments`` with each run of one call's fragments made one (the first's name and
+    id kept, the arguments joined)."""
+    out: list[ToolCallFragment] = []
+    for fragment in fragments:
+        if out and out[-1].index == fragment.index and not fragment.starts_call:
+            last = out[-1]
+            out[-1] = ToolCallFragment(
+                last.index, last.arguments + fragment.arguments, last.name, last.id
+            )
+        else:
+            out.append(fragment)
+    return out
 
 
 class ChoiceParser:
     """Parses one choice's message, piece by piece (:meth:`feed`, then :meth:`finish` once) or
     whole (:meth:`parse`). ``include_reasoning`` false drops the reasoning text;
     ``parallel_tool_calls`` false keeps only the first call (the rest are dropped, as vLLM
-    does: the model cannot be stopped from writing them)."""
+    does: the model cannot be stopped from writing them).
+
+    Calls come out as fragments (:class:`ChoiceDelta`): a tool parser's streamed fragments
+    renumbered in the choice, its whole calls as one fragment each; a call the model wrote
+    without an id gets one (:meth:`ToolParser.new_call_id`) on its first fragment."""
 
     def __init__(
         self,
@@ -63,8 +92,10 @@ class ChoiceParser:
         self._tools = tools
         self._include_reasoning = include_reasoning
         self._max_calls = None if parallel_tool_calls else 1
-        #: tool calls returned so far (the next call's index in the choice)
+        #: tool calls started so far (the next call's index in the choice)
         self.num_calls = 0
+        #: the choice index of each call the tool parser started (by its own index)
+        self._indices: dict[int, int] = {}
         #: the message had reasoning (even when ``include_reasoning`` drops it)
         self.saw_reasoning = False
 
@@ -99,13 +130,48 @@ class ChoiceParser:
         reasoning = split.reasoning if self._include_reasoning else ""
         if found is None or self._tools is None:
             return ChoiceDelta(reasoning, split.content)
-        found_calls = found.calls
-        if self._max_calls is not None:
-            found_calls = found_calls[: max(0, self._max_calls - self.num_calls)]
-        self.num_calls += len(found_calls)
-        tools = self._tools
-        calls = [c if c.id else dataclasses.replace(c, id=tools.new_call_id()) for c in found_calls]
-        return ChoiceDelta(reasoning, found.content, calls)
+        fragments: list[ToolCallFragment] = []
+        for fragment in found.fragments:
+            if fragment.starts_call:
+                if fragment.index in self._indices:
+                    raise ValueError(
+                        f"tool parser {type(self._tools).__name__} started call "
+                        f"{fragment.index} twice"
+                    )
+                index = self._start(fragment.index)
+                if index is not None:
+                    call_id = fragment.id or self._tools.new_call_id()
+                    fragments.append(
+                        ToolCallFragment(index, fragment.arguments, fragment.name, call_id)
+                    )
+                continue
+            if fragment.index not in self._indices:
+                raise ValueError(
+                    f"tool parser {type(self._tools).__name__} sent arguments of call "
+                    f"{fragment.index} before its start (the fragment with its name)"
+                )
+            index = self._indices[fragment.index]
+            if index >= 0:
+                fragments.append(ToolCallFragment(index, fragment.arguments))
+        for call in found.calls:  # a parser that reports whole calls
+            index = self._start(None)
+            if index is not None:
+                call_id = call.id or self._tools.new_call_id()
+                fragments.append(ToolCallFragment(index, call.arguments, call.name, call_id))
+        return ChoiceDelta(reasoning, found.content, _merged(fragments))
+
+    def _start(self, parser_index: int | None) -> int | None:
+        """The choice index of a call the tool parser starts (``parser_index``: its own
+        index, for streamed calls), or ``None`` when ``parallel_tool_calls`` drops it."""
+        if self._max_calls is not None and self.num_calls >= self._max_calls:
+            if parser_index is not None:
+                self._indices[parser_index] = -1  # dropped: so are its later fragments
+            return None
+        index = self.num_calls
+        self.num_calls += 1
+        if parser_index is not None:
+            self._indices[parser_index] = index
+        return index
 
 
 @dataclass(frozen=True)
@@ -241,11 +307,26 @@ def finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
     return reason
 
 
-def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """A call (its id set by :class:`ChoiceParser`) as OpenAI's ``tool_calls`` item;
-    ``index`` (streamed calls carry it) is the call's position in its choice."""
-    item: dict[str, Any] = {} if index is None else {"index": index}
-    item["id"] = call.id
-    item["type"] = "function"
-    item["function"] = {"name": call.name, "arguments": call.arguments}
-    return item
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """A whole call (its id set by :class:`ChoiceParser`) as an item of OpenAI's
+    ``message.tool_calls``."""
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def tool_call_delta_json(fragment: ToolCallFragment) -> dict[str, Any]:
+    """A fragment of a :class:`ChoiceDelta` as an item of a streamed ``delta.tool_calls``,
+    as OpenAI sends them: a call's first item carries ``index``, ``id``, ``type`` and
+    ``function.name`` with the first piece of ``function.arguments`` (maybe ``""``); later
+    items only ``index`` and the next piece of ``function.arguments``."""
+    if not fragment.starts_call:
+        return {"index": fragment.index, "function": {"arguments": fragment.arguments}}
+    return {
+        "index": fragment.index,
+        "id": fragment.id,
+        "type": "function",
+        "function": {"name": fragment.name, "arguments": fragment.arguments},
+    }

@@ -26,6 +26,7 @@ from chassis.serve.chat_parsing import (
     ChoiceParser,
     RequestParsing,
     finish_reason,
+    tool_call_delta_json,
     tool_call_json,
 )
 from chassis.serve.protocol import (
@@ -179,14 +180,14 @@ def _parsed_choice(
 ) -> dict[str, Any] | None:
     """The streamed choice of ``text``, new text of choice ``index``, after the parsers
     (flushed when ``finish`` is a finish reason); ``None`` when they hold all of it back and
-    there is no finish reason or logprobs to send."""
-    first_call = parser.num_calls
+    there is no finish reason or logprobs to send. Tool calls go out as the parsers report
+    them: a streaming parser's calls in pieces, others whole (:func:`tool_call_delta_json`)."""
     delta = parser.feed(text)
     if finish is not None:
         delta += parser.finish()
     if not (delta or finish is not None or logprobs):
         return None
-    calls = [tool_call_json(call, first_call + k) for k, call in enumerate(delta.calls)]
+    calls = [tool_call_delta_json(fragment) for fragment in delta.fragments]
     return chat_choice(
         index,
         content=delta.content or None,

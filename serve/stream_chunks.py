@@ -77,7 +77,9 @@ def chat_choice(
     tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A :class:`~chassis.serve.protocol.ChatStreamChoice`; the delta omits absent fields,
-    as :class:`~chassis.serve.protocol.DeltaMessage` does."""
+    as :class:`~chassis.serve.protocol.DeltaMessage` does, and carries ``reasoning`` under
+    ``reasoning_content`` too. ``tool_calls`` items are passed as they are (see
+    :func:`chassis.serve.chat_parsing.tool_call_delta_json`)."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
@@ -85,6 +87,7 @@ def chat_choice(
         delta["content"] = content
     if reasoning is not None:
         delta["reasoning"] = reasoning
+        delta["reasoning_content"] = reasoning  # the name other clients read, same text
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from itertools import pairwise
+from typing import Any
 
 from chassis.serve.reasoning_parser import ReasoningDelta, ReasoningParser
 from chassis.serve.tool_parser import ToolDelta, ToolParser
@@ -23,14 +24,17 @@ def split_ways(text: str, count: int = 30) -> list[list[str]]:
     return [[text], list(text), *(random_pieces(text, rng) for _ in range(count))]
 
 
-def run_tool_parser(cls: type[ToolParser], pieces: list[str]) -> ToolDelta:
-    """Everything a fresh ``cls`` returns for ``pieces``, then :meth:`finish`."""
-    parser = cls(None, [])
+def run_tool_parser(
+    cls: type[ToolParser], pieces: list[str], tools: list[dict[str, Any]] | None = None
+) -> ToolDelta:
+    """Everything a fresh ``cls`` returns for ``pieces``, then :meth:`finish`: the content
+    and the calls, whole (streamed calls' fragments joined)."""
+    parser = cls(None, tools or [])
     total = ToolDelta()
     for piece in pieces:
         total += parser.feed(piece)
     total += parser.finish()
-    return total
+    return ToolDelta(total.content, total.whole_calls())
 
 
 def run_reasoning_parser(

@@ -23,7 +23,7 @@ from chassis.builtin_plugins.parsers.think_tags import (
 from chassis.plugins.registries import get_registries
 from chassis.serve.chat_parsing import ChoiceParser
 from chassis.serve.reasoning_parser import ReasoningDelta, ReasoningParser
-from chassis.serve.tool_parser import ToolCall, ToolDelta
+from chassis.serve.tool_parser import ToolCall, ToolCallFragment, ToolDelta, join_fragments
 
 
 def test_held_prefix_len() -> None:
@@ -186,15 +186,22 @@ HERMES_CASES = [
         "Use <tool_call> tags. ",
         [call("a")],
     ),
-    # what a client could not decode stays text: NaN, a lone surrogate
+    # what a client could not decode: a call committed before it shows keeps the rest of
+    # its block as written (invalid JSON, as vLLM streams it); a lone surrogate is U+FFFD
     (
-        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
-        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
-        [],
+        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call> ok',
+        "ok",
+        [ToolCall("f", '{"x": NaN}}')],
     ),
     (
         '<tool_call>{"name": "f", "arguments": {"c": "\\ud83d"}}</tool_call>',
-        '<tool_call>{"name": "f", "arguments": {"c": "\\ud83d"}}</tool_call>',
+        "",
+        [call("f", c="\ufffd")],
+    ),
+    # ... and a call not committed yet stays text
+    (
+        '<tool_call>{"arguments": {"x": NaN}, "name": "f"}</tool_call>',
+        '<tool_call>{"arguments": {"x": NaN}, "name": "f"}</tool_call>',
         [],
     ),
     # an id the model wrote is kept
@@ -212,12 +219,72 @@ def test_hermes_calls(output: str, content: str, calls: list[ToolCall]) -> None:
         assert run_tool_parser(HermesToolParser, parts) == ToolDelta(content, calls), parts
 
 
-def test_hermes_reports_a_call_once_it_is_closed() -> None:
+def test_hermes_streams_a_call_once_its_head_is_written() -> None:
     parser = HermesToolParser(None, [])
     assert parser.feed("Sure. <tool") == ToolDelta(content="Sure.")
-    assert parser.feed('_call>{"name": "f", "arguments": {}}') == ToolDelta()
-    assert parser.feed("</tool_call>") == ToolDelta(calls=[call("f")])
+    assert parser.feed('_call>{"name": "f", "argum') == ToolDelta()  # not committed yet
+    assert parser.feed('ents": {"city": "Pa') == ToolDelta(
+        fragments=[ToolCallFragment(0, "", "f"), ToolCallFragment(0, '{"city": "Pa')]
+    )
+    assert parser.feed('ris"}}') == ToolDelta(fragments=[ToolCallFragment(0, 'ris"}')])
+    assert parser.feed("</tool_call>") == ToolDelta()
     assert parser.finish() == ToolDelta()
+
+
+def test_hermes_whole_calls_and_streamed_calls_share_the_indices() -> None:
+    text = TIME + WEATHER + '<tool_call>[{"name": "a"}]</tool_call>' + WEATHER
+    fragments = [f for part in split_ways(text)[1:2] for f in _fragments(part)]
+    assert [(f.index, f.name) for f in fragments if f.starts_call] == [
+        (0, "get_time"),
+        (1, "get_weather"),
+        (2, "a"),
+        (3, "get_weather"),
+    ]
+
+
+def _fragments(pieces: list[str]) -> list[ToolCallFragment]:
+    parser = HermesToolParser(None, [])
+    total = ToolDelta()
+    for piece in pieces:
+        total += parser.feed(piece)
+    total += parser.finish()
+    return total.fragments
+
+
+HERMES_MALFORMED = [
+    # (output, content, calls): once committed, a call is not taken back
+    # arguments cut short by the end of generation: as streamed
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, tr', "", [ToolCall("f", '{"a": [1, tr')]),
+    ('<tool_call>{"name": "f", "arguments": {"a": 12', "", [ToolCall("f", '{"a": 12')]),
+    ('<tool_call>{"name": "f", "arguments": {"s": "x\\u00', "", [ToolCall("f", '{"s": "x\\u00')]),
+    # not JSON any more: the rest of the block, as written
+    (
+        '<tool_call>{"name": "f", "arguments": {"a": 1,, "b": 2}}\n</tool_call>\nok',
+        "ok",
+        [ToolCall("f", '{"a": 1, , "b": 2}}\n')],
+    ),
+    (
+        '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call><tool_call>{"name": "g"}',
+        "",
+        [ToolCall("f", '{"a": 1'), call("g")],
+    ),
+    # the object's closing brace forgotten, or other keys after the arguments: dropped
+    ('<tool_call>{"name": "f", "arguments": {}</tool_call> ok', "ok", [call("f")]),
+    ('<tool_call>{"name": "f", "arguments": {}, "id": 3} x</tool_call>', "", [call("f")]),
+    # canonical JSON whatever the model's spacing and escapes
+    (
+        '<tool_call>{"name":"f","arguments":{ "a" :[1 ,2.50,-0],"s":"\\u00e9\\/\t"}}</tool_call>',
+        "",
+        [ToolCall("f", '{"a": [1, 2.5, 0], "s": "é/\\t"}')],
+    ),
+]
+
+
+@pytest.mark.parametrize(("output", "content", "calls"), HERMES_MALFORMED)
+def test_hermes_committed_calls(output: str, content: str, calls: list[ToolCall]) -> None:
+    assert HermesToolParser(None, []).parse(output) == ToolDelta(content, calls)
+    for parts in split_ways(output):
+        assert run_tool_parser(HermesToolParser, parts) == ToolDelta(content, calls), parts
 
 
 # -- both, per choice ----------------------------------------------------------------------
@@ -238,7 +305,8 @@ def test_calls_inside_the_reasoning_are_not_calls() -> None:
         deltas = [streamed.feed(p) for p in parts] + [streamed.finish()]
         assert "".join(d.reasoning for d in deltas) == parsed.reasoning
         assert "".join(d.content for d in deltas) == parsed.content
-        assert [(c.name, c.arguments) for d in deltas for c in d.calls] == [
+        fragments = [f for d in deltas for f in d.fragments]
+        assert [(c.name, c.arguments) for c in join_fragments(fragments)] == [
             (made.name, made.arguments)
         ]
 

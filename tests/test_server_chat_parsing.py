@@ -52,6 +52,30 @@ def chat(client: TestClient, **fields: Any) -> Any:
     return client.post("/v1/chat/completions", json={"messages": CHAT, **fields})
 
 
+def streamed_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls of one choice's streamed deltas, put together as an OpenAI client does,
+    after checking their shape: a call's first item has ``index``, ``id``, ``type`` and
+    ``function.name``; later items only ``index`` and ``function.arguments``."""
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        for item in delta.get("tool_calls") or []:
+            if item["index"] == len(calls):  # a new call
+                assert set(item) == {"index", "id", "type", "function"}, item
+                assert item["type"] == "function" and set(item["function"]) == {
+                    "name",
+                    "arguments",
+                }
+                calls.append({k: item[k] for k in ("id", "type")} | {"function": item["function"]})
+            else:
+                assert item == {"index": len(calls) - 1, "function": item["function"]}, item
+                assert set(item["function"]) == {"arguments"}
+                function = calls[-1]["function"]
+                calls[-1]["function"] = function | {
+                    "arguments": function["arguments"] + item["function"]["arguments"]
+                }
+    return calls
+
+
 def test_reasoning_and_a_tool_call_in_one_message(tool_client: TestClient) -> None:
     response = chat(tool_client, tools=TOOLS)
     assert response.status_code == 200, response.text
@@ -73,11 +97,13 @@ def test_streamed_deltas_add_up_to_the_message(tool_client: TestClient) -> None:
     assert deltas[0]["delta"] == {"role": "assistant", "content": ""}
     reasoning = "".join(d["delta"].get("reasoning", "") for d in deltas)
     content = "".join(d["delta"].get("content", "") for d in deltas)
-    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    calls = streamed_calls([d["delta"] for d in deltas])
     assert (reasoning, content) == (whole["reasoning"], whole["content"])
     [streamed_call] = calls
-    assert streamed_call["index"] == 0 and streamed_call["id"].startswith("call_")
+    assert streamed_call["id"].startswith("call_")
     assert streamed_call["function"] == whole["tool_calls"][0]["function"]
+    # the arguments stream as they are written, not all at the end
+    assert sum(1 for d in deltas for _ in d["delta"].get("tool_calls", [])) > 5
     # reasoning streams as it is written, not all at the end
     assert sum(1 for d in deltas if "reasoning" in d["delta"]) > 5
     assert deltas[-1]["finish_reason"] == "tool_calls"
@@ -87,10 +113,11 @@ def test_streamed_deltas_add_up_to_the_message(tool_client: TestClient) -> None:
 def test_several_choices_each_get_their_calls(tool_client: TestClient) -> None:
     body = chat(tool_client, tools=TOOLS, n=2, stream=True)
     events = sse_events(body.text)
-    calls: dict[int, list[Any]] = {0: [], 1: []}
+    deltas: dict[int, list[Any]] = {0: [], 1: []}
     for event in events:
         for choice in event["choices"]:
-            calls[choice["index"]] += choice["delta"].get("tool_calls", [])
+            deltas[choice["index"]].append(choice["delta"])
+    calls = {i: streamed_calls(deltas[i]) for i in (0, 1)}
     assert [len(calls[0]), len(calls[1])] == [1, 1]
     assert calls[0][0]["id"] != calls[1][0]["id"]
 
@@ -219,7 +246,7 @@ def test_forced_tool_choice_reads_the_calls_from_the_json(
         assert response.status_code == 200, response.text
         if stream:
             deltas = [e["choices"][0] for e in sse_events(response.text) if e["choices"]]
-            calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+            calls = streamed_calls([d["delta"] for d in deltas])
             content = "".join(d["delta"].get("content") or "" for d in deltas)
             finish = deltas[-1]["finish_reason"]
         else:
@@ -235,13 +262,34 @@ def test_forced_tool_choice_reads_the_calls_from_the_json(
         assert all(c["id"].startswith("call_") for c in calls)
 
 
-def test_forced_tool_choice_cut_short_is_content() -> None:
-    """JSON cut off by max_tokens is not a call: it comes back as written."""
-    for client in client_for('{"city": "Par', ServerSettings()):
-        response = chat(client, tools=TOOLS, tool_choice=NAMED)
-        [choice] = response.json()["choices"]
-        assert choice["message"]["content"] == '{"city": "Par'
-        assert not choice["message"].get("tool_calls")
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_choice_cut_short(stream: bool) -> None:
+    """JSON cut off by max_tokens after a call started: the call keeps the arguments written
+    so far (finish_reason length), streamed or not; before: the text comes back as written."""
+    cases = [
+        (NAMED, '{"city": "Par', "", [("get_weather", '{"city": "Par')]),
+        ("required", '[{"name": "get_weather", "parameters": {"ci', "", [("get_weather", '{"ci')]),
+        ("required", '[{"name": "get_wea', '[{"name": "get_wea', []),
+    ]
+    for tool_choice, script, content, calls in cases:
+        for client in client_for(script + "...", ServerSettings()):
+            # the fake engine writes a character per token: cut right after ``script``
+            response = chat(
+                client, tools=TOOLS, tool_choice=tool_choice, stream=stream, max_tokens=len(script)
+            )
+            if stream:
+                deltas = [e["choices"][0] for e in sse_events(response.text) if e["choices"]]
+                got_calls = streamed_calls([d["delta"] for d in deltas])
+                got_content = "".join(d["delta"].get("content") or "" for d in deltas)
+                finish = deltas[-1]["finish_reason"]
+            else:
+                [choice] = response.json()["choices"]
+                got_calls = choice["message"]["tool_calls"]
+                got_content = choice["message"]["content"] or ""
+                finish = choice["finish_reason"]
+            assert finish == "length"
+            assert got_content == content
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
 
 
 def test_the_reasoning_parser_alone() -> None:
@@ -321,7 +369,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
             if stream:
                 events = sse_events(response.text)
                 choices = [event["choices"][0] for event in events if event["choices"]]
-                calls = [c for choice in choices for c in choice["delta"].get("tool_calls", [])]
+                calls = streamed_calls([choice["delta"] for choice in choices])
                 assert choices[-1]["finish_reason"] == "tool_calls"
             else:
                 calls = response.json()["choices"][0]["message"]["tool_calls"]

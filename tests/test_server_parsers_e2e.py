@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -69,11 +70,13 @@ def test_the_output_is_reasoning_streamed_or_not(server: ServerProcess) -> None:
     [choice] = response.choices
     assert choice.finish_reason == "length"
     assert choice.message.reasoning == expected
+    assert choice.message.reasoning_content == expected  # the name other clients read
     assert choice.message.content is None and not choice.message.tool_calls
 
     chunks = list(client.chat.completions.create(temperature=0, stream=True, **kwargs))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == expected
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == expected
     assert not any(d.content for d in deltas) and not any(d.tool_calls for d in deltas)
 
 
@@ -106,11 +109,15 @@ def test_forced_tool_choice_makes_a_random_model_call_tools(
     for tool_choice, parallel in (("required", True), ("required", False), (named, True)):
         kwargs = {"model": "tiny", "messages": CHAT, "tools": FINITE_TOOLS, "max_tokens": 200}
         kwargs |= {"tool_choice": tool_choice, "parallel_tool_calls": parallel, "seed": 1}
-        if stream:
-            chunks = list(client.chat.completions.create(temperature=1.0, stream=True, **kwargs))
-            deltas = [c.choices[0].delta for c in chunks if c.choices]
-            calls = [call for d in deltas for call in d.tool_calls or []]
-            assert not "".join(d.content or "" for d in deltas)
+        if stream:  # the calls come in pieces: put together by the client's helper
+            from openai.lib.streaming.chat import ChatCompletionStreamState
+
+            state = ChatCompletionStreamState()
+            for chunk in client.chat.completions.create(temperature=1.0, stream=True, **kwargs):
+                state.handle_chunk(chunk)
+            message = state.get_final_completion().choices[0].message
+            calls = message.tool_calls
+            assert not message.content
         else:
             response = client.chat.completions.create(temperature=1.0, **kwargs)
             calls = response.choices[0].message.tool_calls
@@ -196,3 +203,56 @@ def test_constrained_logprobs_are_finite_numbers(server: ServerProcess) -> None:
     content = chat.choices[0].logprobs.content
     assert all(t.logprob >= -9999.0 for t in content)
     assert all(isinstance(top.logprob, float) for t in content for top in t.top_logprobs)
+
+
+#: the hermes call the model is made to write (``guided_choice`` allows only this text; a
+#: choice constraint leaves the reasoning parser out, so the tool parser reads all of it)
+HERMES_CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}'
+    "\n</tool_call>"
+)
+
+
+def test_tool_call_arguments_stream_in_openai_shape(server: ServerProcess) -> None:
+    """The call streams as OpenAI's do (a first delta with id, type and name, then pieces of
+    the arguments), and the official client's stream helper puts together exactly the
+    non-streamed message."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    client = server.client()
+    kwargs: dict[str, Any] = {"model": "tiny", "messages": CHAT, "tools": TOOLS}
+    kwargs |= {"max_tokens": 200, "temperature": 0, "extra_body": {"guided_choice": [HERMES_CALL]}}
+    response = client.chat.completions.create(**kwargs)
+    [choice] = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [whole] = choice.message.tool_calls
+    assert whole.function.name == "get_weather"
+    assert json.loads(whole.function.arguments) == {"city": "Paris", "days": [1, 2]}
+
+    state = ChatCompletionStreamState()
+    items = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        state.handle_chunk(chunk)
+        for c in chunk.choices:
+            items += c.delta.tool_calls or []
+    first, *rest = items
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    assert first.id.startswith("call_")
+    assert len(rest) > 3, "the arguments come in pieces"
+    assert all(i.index == 0 and i.id is None and i.function.name is None for i in rest)
+    [streamed] = state.get_final_completion().choices
+    assert streamed.finish_reason == "tool_calls" and not streamed.message.content
+    [call] = streamed.message.tool_calls
+    assert (call.function.name, call.function.arguments) == (
+        whole.function.name,
+        whole.function.arguments,
+    )
+
+    # the stream helper of the client, with its events
+    with client.chat.completions.stream(**kwargs) as stream:
+        pieces = [
+            e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"
+        ]
+        final = stream.get_final_completion()
+    assert "".join(pieces) == whole.function.arguments and len(pieces) > 3
+    assert final.choices[0].message.tool_calls[0].function.arguments == whole.function.arguments

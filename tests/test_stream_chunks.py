@@ -15,6 +15,7 @@ from chassis.serve.protocol import (
     ChatCompletionChunk,
     ChatLogprobToken,
     ChatLogprobTop,
+    ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
     CompletionLogprobs,
@@ -107,6 +108,22 @@ CHAT_CASES = [
         },
         None,
     ),
+    # a streamed call: its start, then a piece of its arguments
+    (
+        {
+            "index": 0,
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "g", "arguments": ""},
+                }
+            ],
+        },
+        None,
+    ),
+    ({"index": 0, "tool_calls": [{"index": 1, "function": {"arguments": '{"a": "\n'}}]}, None),
 ]
 DELTA_FIELDS = ("role", "content", "reasoning", "tool_calls")
 
@@ -126,6 +143,18 @@ def test_chat_chunk_matches_the_pydantic_model(fields: dict, usage: UsageInfo | 
         [chat_choice(**fields)], _as_dict(usage)
     )
     assert event == f"data: {reference}\n\n".encode()
+
+
+def test_reasoning_is_sent_as_reasoning_content_too() -> None:
+    [choice] = json.loads(
+        ChunkEncoder("chat.completion.chunk", "c", 1, "m").event(
+            [chat_choice(0, reasoning="hmm")], None
+        )[len(b"data: ") :]
+    )["choices"]
+    assert choice["delta"] == {"reasoning": "hmm", "reasoning_content": "hmm"}
+    message = ChatResponseMessage(content="x", reasoning="why").model_dump()
+    assert (message["reasoning"], message["reasoning_content"]) == ("why", "why")
+    assert "reasoning_content" not in ChatResponseMessage(content="x").model_dump()
 
 
 def test_several_choices_in_one_event() -> None:

@@ -20,17 +20,27 @@ from chassis.builtin_plugins.parsers.text_scan import (
     starts_with_after_tag,
 )
 from chassis.plugins.registry import Registry
-from chassis.serve.tool_parser import ToolDelta, ToolParser
+from chassis.serve.tool_parser import (
+    ToolCall,
+    ToolCallFragment,
+    ToolDelta,
+    ToolParser,
+    join_fragments,
+)
 
-Calls = list[tuple[str, dict[str, Any]]]
+Calls = list[tuple[str, dict[str, Any] | str]]
 
 
 def _result(delta: ToolDelta) -> tuple[str, Calls]:
-    """``delta`` as (content, [(name, decoded arguments)]); the arguments must be a JSON
-    object."""
-    calls = []
+    """``delta`` as (content, [(name, decoded arguments)]); arguments that are JSON must be
+    an object; those that are not (a committed call the model then broke) stay text."""
+    calls: Calls = []
     for call in delta.calls:
-        arguments = json.loads(call.arguments)
+        try:
+            arguments = json.loads(call.arguments)
+        except (ValueError, RecursionError):
+            calls.append((call.name, call.arguments))
+            continue
         assert isinstance(arguments, dict)
         calls.append((call.name, arguments))
     return delta.content, calls
@@ -87,17 +97,26 @@ LLAMA3_CASES: list[tuple[str, str, Calls]] = [
     (" \n ", " \n ", []),
     ("<|python_ta", "<|python_ta", []),
     ("<|python_tag|>", "<|python_tag|>", []),
+    # committed calls stay calls: what follows them that is not a call is content, as
+    # written; arguments cut short or malformed keep what was written
+    ('{"name": "a", "parameters": {}} and then some words', " and then some words", [("a", {})]),
+    ('{"name": "a", "parameters": {"city": "Par', "", [("a", '{"city": "Par')]),
+    ('{"name": "a", "parameters": {"x": tru}} ok', "", [("a", '{"x": tru}} ok')]),
+    ('{"name": "a", "parameters": {}};; {"name": "b"}', ';; {"name": "b"}', [("a", {})]),
+    ('{"name": "a", "parameters": {}} {"name": "b"}', ' {"name": "b"}', [("a", {})]),
+    (
+        '{"name": "a", "parameters": {}}; {"parameters": {}, "name": "b"}; {"name": "c"};',
+        "",
+        [("a", {}), ("b", {}), ("c", {})],
+    ),
     # invalid: the whole text comes back as content, unchanged
     *(
         (text, text, [])
         for text in [
-            '{"name": "a", "parameters": {}} and then some words',
-            '{"name": "a", "parameters": {"city": "Par',
             '{"foo": 1}',
+            '{"parameters": {}, "name": "a"} and then some words',
             '{"name": "a", "parameters": [1]}',
             '{"name": "a", "arguments": "not json"}',
-            '{"name": "a", "parameters": {}};; {"name": "b"}',
-            '{"name": "a", "parameters": {}} {"name": "b"}',
             '<|python_tag|>{"name": "", "parameters": {}}',
             "{not json at all",
         ]
@@ -150,6 +169,21 @@ MISTRAL_CASES: list[tuple[str, str, Calls]] = [
         "[TOOL_CALLS]",
         [("f", {})],
     ),
+    # committed calls stay calls: the text after them is read on; arguments cut short or
+    # malformed keep what was written, up to the next marker
+    ('[TOOL_CALLS][{"name": "f", "arguments": {}}, 3]', ", 3]", [("f", {})]),
+    ('[TOOL_CALLS]f[ARGS]{"x": ', "", [("f", '{"x": ')]),
+    (
+        'a[TOOL_CALLS]f[ARGS]{"x": 1; 2}[TOOL_CALLS]g[ARGS]{"y":2} b',
+        "a b",
+        [("f", '{"x": 1; 2}'), ("g", {"y": 2})],
+    ),
+    (
+        '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"arguments": {}, "name": "g"},'
+        ' {"name": "h", "parameters": {"b": [true]}, "id": "x"}] ok',
+        "ok",
+        [("f", {"a": 1}), ("g", {}), ("h", {"b": [True]})],
+    ),
     # content only
     ("Just [text] with [TOOL_CA", "Just [text] with [TOOL_CA", []),
     ("", "", []),
@@ -159,10 +193,8 @@ MISTRAL_CASES: list[tuple[str, str, Calls]] = [
         for text in [
             "[TOOL_CALLS]",
             "[TOOL_CALLS]  ",
-            '[TOOL_CALLS][{"name": "f", "arguments": {}}, 3]',
             '[TOOL_CALLS][{"name": "f", "argu',
             "[TOOL_CALLS][]",
-            '[TOOL_CALLS]f[ARGS]{"x": ',
             "[TOOL_CALLS]f[ARGS][1, 2]",
             "[TOOL_CALLS]f[ARGS]",
             "[TOOL_CALLS]not a name[ARGS]{}",
@@ -259,30 +291,50 @@ def test_llama3_json_streams_content_and_holds_calls() -> None:
     assert parser.finish() == ToolDelta()
 
     parser = Llama3JsonToolParser(None, [])
-    assert parser.feed('{"name": "f", "parameters": {}}') == ToolDelta()  # held to the end
-    assert [call.name for call in parser.finish().calls] == ["f"]
+    assert parser.feed('{"name": "f", "param') == ToolDelta()  # not committed yet
+    assert parser.feed('eters": {"a": [1,') == ToolDelta(
+        fragments=[ToolCallFragment(0, "", "f"), ToolCallFragment(0, '{"a": [1, ')]
+    )
+    assert parser.feed(' 2]};{"name": "g", "parameters": {}}') == ToolDelta(
+        fragments=[
+            ToolCallFragment(0, "2]}"),
+            ToolCallFragment(1, "", "g"),
+            ToolCallFragment(1, "{}"),
+        ]
+    )
+    assert parser.finish() == ToolDelta()
+
+    parser = Llama3JsonToolParser(None, [])  # arguments first: read whole, at the end
+    assert parser.feed('{"parameters": {}, "name": "f"}') == ToolDelta()
+    assert [call.name for call in parser.finish().whole_calls()] == ["f"]
 
 
-def test_mistral_streams_content_and_calls_when_complete() -> None:
+def test_mistral_streams_content_and_calls() -> None:
     parser = MistralToolParser(None, [])
     assert parser.feed("Hello [TOOL").content == "Hello "
     assert parser.feed("_CALLS]get_weather[AR") == ToolDelta()
-    assert parser.feed('GS]{"city": "Par') == ToolDelta()
-    first = parser.feed('is"}[TOOL_CALLS]get_time[ARGS]{"zone": ')
-    assert first.content == ""
-    assert [(c.name, json.loads(c.arguments)) for c in first.calls] == [
-        ("get_weather", {"city": "Paris"})
-    ]
-    second = parser.feed('"UTC"}')
-    assert [c.name for c in second.calls] == ["get_time"]
+    assert parser.feed('GS]{"city": "Par') == ToolDelta(
+        fragments=[ToolCallFragment(0, "", "get_weather"), ToolCallFragment(0, '{"city": "Par')]
+    )
+    assert parser.feed('is"}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": ') == ToolDelta(
+        fragments=[
+            ToolCallFragment(0, 'is"}'),
+            ToolCallFragment(1, "", "get_time", "a1b2c3d4e"),
+            ToolCallFragment(1, '{"zone": '),
+        ]
+    )
+    assert parser.feed('"UTC"}') == ToolDelta(fragments=[ToolCallFragment(1, '"UTC"}')])
     assert parser.finish() == ToolDelta()
 
 
-def test_mistral_array_reported_as_soon_as_it_parses() -> None:
+def test_mistral_array_calls_stream_one_after_another() -> None:
     parser = MistralToolParser(None, [])
-    assert parser.feed('[TOOL_CALLS][{"name": "f", "arguments": {}}') == ToolDelta()
-    delta = parser.feed("]")
-    assert [c.name for c in delta.calls] == ["f"]
+    assert parser.feed('[TOOL_CALLS][{"name": "f", "arguments": {"a"') == ToolDelta(
+        fragments=[ToolCallFragment(0, "", "f"), ToolCallFragment(0, '{"a"')]
+    )
+    delta = parser.feed(': 1}}, {"name": "g", "arguments": {}}]')
+    assert join_fragments(delta.fragments[1:]) == [ToolCall("g", "{}")]
+    assert delta.fragments[0] == ToolCallFragment(0, ": 1}")
 
 
 def test_mistral_gives_up_early_on_a_marker_that_cannot_start_a_call() -> None:
@@ -410,12 +462,7 @@ def test_random_messages_are_chunk_invariant(cls: type[ToolParser], make: Any) -
     ("cls", "text"),
     [
         (Llama3JsonToolParser, '{"name": "f", "parameters": ' + "[" * 5000),
-        (
-            Llama3JsonToolParser,
-            '{"name": "f", "parameters": {"a": "' + '\\"' * 10 + '"}}; ' + "{" * 5000,
-        ),
         (MistralToolParser, "[TOOL_CALLS]" + "[" * 5000),
-        (MistralToolParser, '[TOOL_CALLS]f[ARGS]{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
         (PythonicToolParser, "[f(a=" + "[" * 5000 + ")]"),
     ],
 )
@@ -424,6 +471,21 @@ def test_deep_nesting_is_content_not_an_error(cls: type[ToolParser], text: str) 
     message is then not a call, and comes back as written."""
     assert _run(cls, [text]) == (text, [])
     assert _run(cls, [text[:3000], text[3000:]]) == (text, [])
+
+
+def test_deep_nesting_after_a_committed_call() -> None:
+    """After a call streamed, deep nesting is no error either: text after the call, or the
+    rest of the arguments as written (they are too deep to re-write)."""
+    text = '{"name": "f", "parameters": {"a": 1}}; ' + "{" * 5000
+    assert _run(Llama3JsonToolParser, [text]) == ("; " + "{" * 5000, [("f", {"a": 1})])
+    assert _run(Llama3JsonToolParser, [text[:3000], text[3000:]]) == _run(
+        Llama3JsonToolParser, [text]
+    )
+    deep = '[TOOL_CALLS]f[ARGS]{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    content, [(name, arguments)] = _run(MistralToolParser, [deep])
+    assert (content, name) == ("", "f")
+    assert arguments == '{"a": ' + "[" * 5000 + "]" * 5000 + "}"  # as written: no spaces
+    assert _run(MistralToolParser, [deep[:3000], deep[3000:]]) == (content, [(name, arguments)])
 
 
 def test_mistral_ids_fit_its_templates_and_written_ids_are_kept() -> None:
@@ -454,9 +516,34 @@ def test_llama3_json_python_tag_before_each_call() -> None:
     [
         (PythonicToolParser, '[f(c="\\ud83d")]'),
         (PythonicToolParser, "[f(x=1e400)]"),
-        (Llama3JsonToolParser, '{"name": "f", "parameters": {"x": Infinity}}'),
-        (MistralToolParser, '[TOOL_CALLS]f[ARGS]{"c": "\\ud83d"}'),
+        (Llama3JsonToolParser, '{"parameters": {"x": Infinity}, "name": "f"}'),
+        (MistralToolParser, '[TOOL_CALLS][{"arguments": {"c": "\\ud83d"}, "name": "f"}]'),
     ],
 )
 def test_arguments_a_client_cannot_decode_stay_text(cls: type[ToolParser], text: str) -> None:
+    """Calls read whole (pythonic, or not written name first) are refused."""
     assert _parse_every_way(cls, text) == (text, [])
+
+
+@pytest.mark.parametrize(
+    ("cls", "text", "calls"),
+    [
+        (
+            Llama3JsonToolParser,
+            '{"name": "f", "parameters": {"x": Infinity}}',
+            [("f", '{"x": Infinity}}')],
+        ),
+        (
+            Llama3JsonToolParser,
+            '{"name": "f", "parameters": {"x": 1e400}}',
+            [("f", '{"x": 1e400}}')],
+        ),
+        (MistralToolParser, '[TOOL_CALLS]f[ARGS]{"c": "\\ud83d"}', [("f", {"c": "\ufffd"})]),
+    ],
+)
+def test_streamed_arguments_a_client_cannot_decode(
+    cls: type[ToolParser], text: str, calls: Calls
+) -> None:
+    """A streamed call is committed before such a value shows: its arguments keep the rest
+    as written (invalid JSON, as vLLM would stream it); a lone surrogate becomes U+FFFD."""
+    assert _parse_every_way(cls, text) == ("", calls)

@@ -16,6 +16,14 @@ ids made for calls without one are nine letters and digits, as Mistral's templat
 its JSON is complete. The array form may also be a single call object, not in a list. A marker
 not followed by a valid call (a malformed array, an array with a non-call, a bad name, JSON cut
 short by the end of generation) is content, as written, and the text after it is read on.
+
+Calls stream (:mod:`~chassis.builtin_plugins.parsers.call_stream`): committed once
+``name[ARGS]{`` or a call object's head (``{"name": "...", "arguments": {``, first in the
+array or alone) is written; their arguments are sent as they come, and the further calls of an
+array stream too. Arguments that stop being JSON get the rest of the text up to the next
+``[TOOL_CALLS]`` (or the end), as written; after a streamed call, text that does not continue
+the array is read as text after the calls. An ``"id"`` written after a streamed call's
+arguments comes too late to be used (the call already has one).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import secrets
 import string
 from typing import Any
 
+from chassis.builtin_plugins.parsers.call_stream import CallStream, match_call_head
 from chassis.builtin_plugins.parsers.json_calls import DECODER, tool_call_from_object
 from chassis.builtin_plugins.parsers.text_scan import (
     held_prefix_len,
@@ -43,12 +52,16 @@ CALL_ID = "[CALL_ID]"
 _HEADER = re.compile(r"\s*([\w.\-]+)(?:\[CALL_ID\]([\w\-]+))?")
 #: what the start of a header may look like before ``[ARGS]`` arrives (partial markers cut off)
 _HEADER_START = re.compile(r"\s*[\w.\-]*(?:\[CALL_ID\][\w\-]*)?")
+#: a v11 call's head, up to the "{" of its arguments
+_ARGS_HEAD = re.compile(r"\s*([\w.\-]+)(?:\[CALL_ID\]([\w\-]+))?\[ARGS\][ \t\n\r]*(?=\{)")
+_ARRAY_START = re.compile(r"[ \t\n\r]*\[")
 
 
 class _Mode(enum.Enum):
     TEXT = "text"
     AFTER_CALL = "after-call"  # text right after a call: its leading whitespace is dropped
     CALLS = "calls"  # the held text follows a marker
+    STREAMING = "streaming"  # in committed calls (self._call)
 
 
 #: what :func:`_read_calls` answers for a marker that is followed by no valid call
@@ -67,6 +80,9 @@ class MistralToolParser(ToolParser):
         self._held = ""
         #: some content has been returned (whitespace after a call then separates)
         self._has_content = False
+        self._call: CallStream | None = None
+        #: the next call's index in the message
+        self._num_calls = 0
 
     def new_call_id(self) -> str:
         """Nine letters and digits: Mistral's chat templates refuse other ids."""
@@ -79,12 +95,56 @@ class MistralToolParser(ToolParser):
         return out
 
     def finish(self) -> ToolDelta:
-        return self._scan(final=True)
+        out = ToolDelta()
+        if self._call is not None:
+            self._call.finish(out)
+            self._end_stream()
+        out += self._scan(final=True)
+        return out
+
+    def _end_stream(self) -> None:
+        """The streamed calls ended: what follows them is text after a call."""
+        if self._call is not None:
+            self._num_calls = self._call.next_index
+            self._held = self._call.rest + self._held
+            self._call = None
+        self._mode = _Mode.AFTER_CALL
+
+    def _commit(self, out: ToolDelta) -> bool:
+        """Start streaming the call after the marker if its head is written."""
+        head = _ARGS_HEAD.match(self._held)
+        form = "arguments"
+        if head is not None:
+            name, call_id, at = head.group(1), head.group(2), head.end()
+        else:
+            array = _ARRAY_START.match(self._held)
+            form = "array" if array else "object"
+            found = match_call_head(self._held, array.end() if array else 0)
+            if found is None:
+                return False
+            (name, at), call_id = found, None
+        self._call = CallStream(out, self._num_calls, name, call_id, form, (MARKER,))
+        held, self._held = self._held[at:], ""
+        self._mode = _Mode.STREAMING
+        self._stream(held, out)
+        return True
+
+    def _stream(self, text: str, out: ToolDelta) -> None:
+        if self._call is not None:
+            self._call.feed(text, out)
+            if self._call.ended:
+                self._end_stream()
 
     def _scan(self, *, final: bool) -> ToolDelta:
         """Everything the held text now settles; at the end (``final``) that is all of it."""
         out = ToolDelta()
         while True:
+            if self._mode is _Mode.STREAMING:
+                held, self._held = self._held, ""
+                self._stream(held, out)
+                if self._mode is _Mode.STREAMING:
+                    return out
+                continue
             if self._mode is _Mode.AFTER_CALL:
                 resumed = text_after_call(self._held, self._has_content or bool(out.content))
                 if resumed is None:
@@ -103,12 +163,16 @@ class MistralToolParser(ToolParser):
                 self._held = self._held[start + len(MARKER) :]
                 self._mode = _Mode.CALLS
                 continue
+            if self._commit(out):
+                continue
             found = _read_calls(self._held, final=final)
             if found is None:
                 return out  # the call is not complete yet
             calls, end = found
             if calls:
-                out.calls += calls
+                for call in calls:
+                    out.add_whole_call(self._num_calls, call)
+                    self._num_calls += 1
                 self._held = self._held[end:]
                 self._mode = _Mode.AFTER_CALL
             else:  # the marker starts no call: it is text, and what follows it is read on

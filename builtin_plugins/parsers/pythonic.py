@@ -10,6 +10,10 @@ number, ``True``/``False``/``None``, or lists, tuples and string-keyed dicts of 
 arguments become a JSON object. A message that starts with anything but ``[`` is plain content
 and streams as it comes; one that starts with ``[`` is held to the end and, if it is not
 wholly such a list, all of it, as written, is content. The text is parsed, never run.
+
+Calls are reported whole, not streamed: the arguments are Python literals converted to JSON,
+so no piece of the JSON is known before the call parses (and a list that later fails to parse
+must stay content).
 """
 
 from __future__ import annotations

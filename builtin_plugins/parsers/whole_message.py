@@ -1,6 +1,7 @@
-"""The shape shared by formats whose tool calls are the whole message (``llama3_json``,
-``pythonic``): a message that starts, after whitespace and an optional tag, with the format's
-opening character is held to the end and is either all calls or all content."""
+"""The shape of formats whose tool calls are the whole message and are read whole
+(``pythonic``): a message that starts, after whitespace and an optional tag, with the format's
+opening character is held to the end and is either all calls or all content. Such parsers
+report whole calls (``ToolDelta.calls``), so each call is streamed in one delta."""
 
 from __future__ import annotations
 
