@@ -115,6 +115,7 @@ class InputProcessor:
             prompt_token_ids = [int(t) for t in prompt]
         prompt_token_ids = self._truncate(prompt_token_ids, params)
         params = self._validate(prompt_token_ids, params)
+        params = self._token_restrictions(params)
         if arrival_time is None:
             arrival_time = time.time()
 
@@ -135,6 +136,32 @@ class InputProcessor:
             seed = None if params.seed is None else (params.seed + i) % _SEED_SPAN
             children.append(make(child_request_id(i, request_id), params.clone(n=1, seed=seed)))
         return children
+
+    def _token_restrictions(self, params: SamplingParams) -> SamplingParams:
+        """Check ``allowed_token_ids`` against the vocabulary and tokenize ``bad_words``
+        (each word alone and after a space, the two ways it can appear in text, as vLLM
+        does) into ``bad_words_token_ids``."""
+        if params.allowed_token_ids is not None:
+            outside = [t for t in params.allowed_token_ids if not t < self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"invalid sampling parameter allowed_token_ids: {outside[:10]} outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError(
+                "bad_words need a tokenizer, and this engine runs without one "
+                "(skip_tokenizer_init); block single tokens with logit_bias instead"
+            )
+        sequences = list(params.bad_words_token_ids or [])
+        for word in params.bad_words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return params.clone(bad_words_token_ids=sequences)
 
     def _truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last ``params.truncate_prompt_tokens`` tokens (all of it when unset);

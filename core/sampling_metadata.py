@@ -59,6 +59,12 @@ class SamplingMetadata:
     #: per row, token ids forbidden because the row has fewer than min_tokens outputs
     #: (its EOS and stop_token_ids); None when no row is under its minimum
     min_tokens_blocked: list[set[int] | None] | None = None
+    #: per row, the only token ids it may sample (``allowed_token_ids``); None for rows
+    #: without, and None when no row has them
+    allowed_token_ids: list[list[int] | None] | None = None
+    #: per row, token ids banned this step because they would complete a bad word (the last
+    #: token of a word whose earlier tokens end the output); None when no row bans any
+    bad_word_tokens: list[set[int] | None] | None = None
     #: largest ``logprobs`` asked by any row, None when no row asked
     max_num_logprobs: int | None = None
 
@@ -103,6 +109,7 @@ class SamplingRow:
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
             or len(self.output_token_ids) < params.min_tokens
+            or any(len(s) > 1 for s in params.bad_words_token_ids or ())
         )
 
 
@@ -141,7 +148,8 @@ def build_sampling_metadata(
     :param rows: the rows that sample this step, in logits order
     :param device: where the logits live; tensors are placed there
     :param vocab_size: the logits' last dimension
-    :raises ValueError: if a ``logit_bias`` token id is outside ``[0, vocab_size)``
+    :raises ValueError: if a ``logit_bias`` or ``allowed_token_ids`` token id is outside
+        ``[0, vocab_size)``
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -156,10 +164,13 @@ def build_sampling_metadata(
     generators: dict[int, torch.Generator] = {}
     logit_bias: list[dict[int, float] | None] = []
     blocked: list[set[int] | None] = []
+    allowed: list[list[int] | None] = []
+    bad_word_tokens: list[set[int] | None] = []
     max_num_logprobs: int | None = None
     num_greedy = 0
     max_top_k = 0  # -1 once a row uses top-p without top-k
     use_top_k = use_top_p = use_min_p = use_bias = use_blocked = False
+    use_allowed = use_bad_words = False
 
     for i, row in enumerate(rows):
         params = row.sampling_params
@@ -213,6 +224,19 @@ def build_sampling_metadata(
             use_blocked |= row_blocked is not None
         blocked.append(row_blocked)
 
+        row_allowed = params.allowed_token_ids
+        if row_allowed is not None:
+            if max(row_allowed) >= vocab_size:  # (SamplingParams refuses negative ids)
+                raise ValueError(
+                    "invalid sampling parameter allowed_token_ids: a token id is outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
+            use_allowed = True
+        allowed.append(row_allowed)
+        row_bad = _bad_word_tokens(params.bad_words_token_ids, row.output_token_ids, vocab_size)
+        use_bad_words |= row_bad is not None
+        bad_word_tokens.append(row_bad)
+
         if params.logprobs is not None and (
             max_num_logprobs is None or params.logprobs > max_num_logprobs
         ):
@@ -230,10 +254,27 @@ def build_sampling_metadata(
         generators=generators,
         logit_bias=logit_bias if use_bias else None,
         min_tokens_blocked=blocked if use_blocked else None,
+        allowed_token_ids=allowed if use_allowed else None,
+        bad_word_tokens=bad_word_tokens if use_bad_words else None,
         max_num_logprobs=max_num_logprobs,
     )
     _add_penalties(metadata, rows, repetition, presence, frequency, device)
     return metadata
+
+
+def _bad_word_tokens(
+    sequences: list[list[int]] | None, output: list[int], vocab_size: int
+) -> set[int] | None:
+    """The tokens that would complete one of ``sequences`` after ``output`` (a one-token
+    word is always banned), or None."""
+    if not sequences:
+        return None
+    banned = set()
+    for sequence in sequences:
+        *prefix, last = sequence
+        if last < vocab_size and (not prefix or output[-len(prefix) :] == prefix):
+            banned.add(last)
+    return banned or None
 
 
 def _add_penalties(

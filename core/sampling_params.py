@@ -75,6 +75,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: many of its last tokens as leave room for ``max_tokens`` in the context (for one
     #: token when ``max_tokens`` is unset)
     truncate_prompt_tokens: int | None = None
+    #: only these token ids may be sampled (vLLM's field); ``None``: any
+    allowed_token_ids: list[int] | None = None
+    #: words never generated (vLLM's field): the input processor tokenizes each, alone and
+    #: after a space, into :attr:`bad_words_token_ids`; a word's last token is blocked
+    #: whenever the output ends with the tokens before it
+    bad_words: list[str] | None = None
+    #: the token sequences of :attr:`bad_words` (set by the input processor; the engine core
+    #: reads only this)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         # vLLM declares these Optional: None means none
@@ -122,6 +131,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not isinstance(ids, list) or not all(is_integer(t) for t in ids):
             raise wrong("stop_token_ids", "a list of integers")
         self.stop_token_ids = [int(t) for t in ids]
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list) or not all(is_integer(t) for t in allowed):
+                raise wrong("allowed_token_ids", "a list of integers")
+            self.allowed_token_ids = [int(t) for t in allowed]
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, list) or not all(isinstance(w, str) for w in words)
+        ):
+            raise wrong("bad_words", "a list of strings")
+        sequences = self.bad_words_token_ids
+        if sequences is not None and (
+            not isinstance(sequences, list)
+            or not all(isinstance(s, list) and all(is_integer(t) for t in s) for s in sequences)
+        ):
+            raise wrong("bad_words_token_ids", "a list of lists of integers")
 
     def _validate(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -167,6 +192,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         ):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise bad(field, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must not be empty (omit it to allow any token)")
+            if any(not 0 <= t <= _INT64_MAX for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "token ids must be >= 0")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "words must be non-empty")
+        if self.bad_words_token_ids is not None and any(
+            not s or any(not 0 <= t <= _INT64_MAX for t in s) for s in self.bad_words_token_ids
+        ):
+            raise bad("bad_words_token_ids", "each must be a non-empty list of token ids >= 0")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
         if any(not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):

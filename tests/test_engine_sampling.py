@@ -112,6 +112,26 @@ def test_logit_bias_forces_a_token(llm):
     assert out.token_ids == [forced] * 6
 
 
+def test_allowed_token_ids_limit_the_output(llm):
+    expected = greedy(llm).token_ids
+    allowed = sorted(set(expected[1:4]) | {1234, 4321})
+    out = greedy(llm, allowed_token_ids=allowed)
+    assert set(out.token_ids) <= set(allowed)
+    assert out.token_ids != expected
+
+
+def test_bad_words_are_never_written(llm):
+    """The greedy output's second and third tokens as a two-token bad word: the output
+    takes another turn where it would have written them, and never contains them."""
+    expected = greedy(llm).token_ids
+    word = llm.get_tokenizer().decode(expected[1:3])
+    out = greedy(llm, bad_words=[word])
+    pairs = list(zip(out.token_ids, out.token_ids[1:], strict=False))
+    assert out.token_ids[:1] == expected[:1] and out.token_ids[:3] != expected[:3]
+    assert (expected[1], expected[2]) not in pairs
+    assert word.strip() not in out.text
+
+
 # -- stop conditions -------------------------------------------------------------------------
 
 

@@ -162,6 +162,19 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(processor):
             SamplingParams(truncate_prompt_tokens=bad)
 
 
+def test_bad_words_are_tokenized_alone_and_after_a_space(processor, smol_tokenizer):  # noqa: F811
+    (req,) = processor.process("Hi", SamplingParams(bad_words=[" Paris "]), "r")
+    encode = smol_tokenizer.encode
+    expected = [
+        encode("Paris", add_special_tokens=False),
+        encode(" Paris", add_special_tokens=False),
+    ]
+    assert req.sampling_params.bad_words_token_ids == expected
+    assert expected[0] != expected[1]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        processor.process("Hi", SamplingParams(allowed_token_ids=[1, 10**6]), "r")
+
+
 def test_context_length_errors(processor):
     with pytest.raises(ValueError) as e:
         processor.process(list(range(100, 160)), SamplingParams(max_tokens=10), "r")

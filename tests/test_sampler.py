@@ -546,3 +546,51 @@ def test_check_sampler_output_names_the_sampler_and_the_broken_promise() -> None
         with pytest.raises(TypeError, match=r"sampler _NamedSampler") as info:
             check_sampler_output(output, metadata, _NamedSampler())
         assert message in str(info.value)
+
+
+# --- allowed_token_ids and bad words --------------------------------------------------------
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows(sampler: DefaultSampler) -> None:
+    logits = random_logits(3, seed=5)
+    allowed = [3, 11, 40]
+    rows = [
+        row(SamplingParams(temperature=0.0, allowed_token_ids=allowed)),
+        row(SamplingParams(temperature=1.0, allowed_token_ids=allowed), seed=1),
+        row(SamplingParams(temperature=0.0)),
+    ]
+    out = run(sampler, logits, rows).sampled_token_ids.tolist()
+    assert out[0] == max(allowed, key=lambda t: logits[0, t].item())
+    assert out[1] in allowed
+    assert out[2] == int(logits[2].argmax())  # other rows untouched
+    draws = draw_many(sampler, random_logits(1, seed=6), SamplingParams(allowed_token_ids=allowed))
+    assert set(draws.tolist()) == set(allowed)
+
+
+def test_bad_words_block_the_token_that_would_complete_them(sampler: DefaultSampler) -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 9] = 5.0  # every row's favourite
+    logits[:, 8] = 4.0
+    words = [[4, 9], [30]]  # "4 9" (two tokens) and a one-token word
+    rows = [
+        row(SamplingParams(temperature=0.0, bad_words_token_ids=words), output=[1, 4]),
+        row(SamplingParams(temperature=0.0, bad_words_token_ids=words), output=[4, 1]),
+        row(SamplingParams(temperature=0.0, bad_words_token_ids=[[9]]), output=[]),
+    ]
+    meta = build_sampling_metadata(rows, "cpu", VOCAB)
+    assert meta.bad_word_tokens == [{9, 30}, {30}, {9}]
+    assert all(r.reads_output_history for r in rows[:2])
+    assert sampler(logits.clone(), meta).sampled_token_ids.tolist() == [8, 9, 8]
+    plain = build_sampling_metadata([row(SamplingParams())], "cpu", VOCAB)
+    assert plain.allowed_token_ids is None and plain.bad_word_tokens is None
+
+
+def test_token_restrictions_are_validated() -> None:
+    with pytest.raises(ValueError, match="allowed_token_ids: must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[-1])
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
+    with pytest.raises(ValueError, match="allowed_token_ids: a token id is outside"):
+        build_sampling_metadata([row(SamplingParams(allowed_token_ids=[VOCAB]))], "cpu", VOCAB)

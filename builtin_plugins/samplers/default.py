@@ -10,7 +10,11 @@ from chassis.builtin_plugins.samplers.filters import (
     apply_temperature,
     apply_top_k_top_p,
 )
-from chassis.builtin_plugins.samplers.logit_edits import apply_logit_bias, apply_min_tokens
+from chassis.builtin_plugins.samplers.logit_edits import (
+    apply_allowed_token_ids,
+    apply_logit_bias,
+    apply_min_tokens,
+)
 from chassis.builtin_plugins.samplers.logprobs import gather_logprobs
 from chassis.builtin_plugins.samplers.penalties import (
     apply_penalties,
@@ -26,8 +30,9 @@ from chassis.platforms import get_current_platform
 class DefaultSampler(Sampler):
     """Greedy and random sampling with every vLLM sampling parameter.
 
-    Order (as vLLM v1): logprobs of the raw logits (if asked) -> ``logit_bias`` ->
-    ``min_tokens`` blocking -> repetition/frequency/presence penalties -> greedy rows take the
+    Order (as vLLM v1): logprobs of the raw logits (if asked) -> ``allowed_token_ids`` ->
+    ``logit_bias`` -> ``min_tokens`` and bad-word blocking -> repetition/frequency/presence
+    penalties -> greedy rows take the
     argmax; random rows: temperature -> min-p -> top-k -> top-p -> softmax -> exponential
     race. See docs/sampling.md. ``logits`` is modified in place.
     """
@@ -58,11 +63,16 @@ class DefaultSampler(Sampler):
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Apply the edits that also change greedy choices: bias, min_tokens, penalties."""
+        """Apply the edits that also change greedy choices: allowed ids, bias, blocked
+        tokens (min_tokens, bad words), penalties."""
+        if metadata.allowed_token_ids is not None:
+            apply_allowed_token_ids(logits, metadata.allowed_token_ids)
         if metadata.logit_bias is not None:
             apply_logit_bias(logits, metadata.logit_bias)
         if metadata.min_tokens_blocked is not None:
             apply_min_tokens(logits, metadata.min_tokens_blocked)
+        if metadata.bad_word_tokens is not None:
+            apply_min_tokens(logits, metadata.bad_word_tokens)
         if not metadata.no_penalties:
             vocab_size = logits.shape[-1]
             if metadata.output_token_ids is None:

@@ -1,4 +1,5 @@
-"""Per-row edits of single logits: ``logit_bias`` and ``min_tokens`` blocking."""
+"""Per-row edits of single logits: ``logit_bias``, ``min_tokens`` and bad-word blocking,
+``allowed_token_ids``."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]
 def apply_min_tokens(logits: torch.Tensor, blocked: list[set[int] | None]) -> torch.Tensor:
     """Set ``logits[row, token]`` to ``-inf`` for every ``token in blocked[row]``, in place.
 
-    Used for rows that have not yet produced ``min_tokens`` tokens: their EOS and stop ids
-    must not be sampled. Returns ``logits``.
+    Used for rows that have not yet produced ``min_tokens`` tokens (their EOS and stop ids
+    must not be sampled) and for the tokens that would complete a bad word. Returns
+    ``logits``.
     """
     rows: list[int] = []
     ids: list[int] = []
@@ -50,4 +52,19 @@ def apply_min_tokens(logits: torch.Tensor, blocked: list[set[int] | None]) -> to
         )
         # A fill on the device, not a copy of a host scalar (which could synchronize).
         logits.index_put_(index, torch.full((), float("-inf"), device=device))
+    return logits
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: list[list[int] | None]) -> torch.Tensor:
+    """Set every logit of row ``r`` outside ``allowed[r]`` to ``-inf``, in place (rows with
+    ``None`` are left alone). Returns ``logits``."""
+    rows = [r for r, ids in enumerate(allowed) if ids is not None]
+    if not rows:
+        return logits
+    device = logits.device
+    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        keep[i, host_to_device(allowed[row], torch.int64, device)] = True
+    index = host_to_device(rows, torch.int64, device)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
     return logits
