@@ -17,23 +17,24 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
+from fixtures_models import allocate_block_tables, new_kv_caches
 from safetensors.torch import load_file, save_file
+from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, hf_logits
+from test_models_parity import Runner as ParityRunner
 from transformers import AutoModelForCausalLM
 
 from chassis import LLM, SamplingParams
 from chassis.builtin_plugins.attention.cpu_paged import CpuPagedAttention
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
-from chassis.core.attention import ForwardContext
+from chassis.builtin_plugins.models.gemma3 import Gemma3ForCausalLM
 from chassis.core.config import EngineConfig
 from chassis.core.gguf_checkpoint import embedded_model_dir
 from chassis.core.layers.activation import GeluAndMul
 from chassis.core.layers.norm import GemmaRMSNorm
+from chassis.core.model_interface import ModelBuildContext
 from chassis.core.model_loader import build_model, load_hf_config
 from chassis.core.tokenizer import load_tokenizer
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 64
 ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
@@ -115,8 +116,8 @@ def load_hf(model_dir: Path) -> Any:
     ).eval()
 
 
-class Runner:
-    """Our model over a paged cache, stepped with explicit (tokens, seq_len) per request."""
+class Runner(ParityRunner):
+    """:class:`test_models_parity.Runner` on another backend, dtype or ``--max-model-len``."""
 
     def __init__(
         self,
@@ -130,24 +131,6 @@ class Runner:
         self.model = build_model(config, self.hf_config, model_dir, backend, "cpu", dtype)
         self.kv_caches = new_kv_caches(self.hf_config, NUM_BLOCKS, BLOCK_SIZE, dtype)
         self.generator = torch.Generator().manual_seed(0)
-
-    def step(
-        self, tokens: list[list[int]], seq_lens: list[int], tables: list[list[int]]
-    ) -> torch.Tensor:
-        query_lens = [len(t) for t in tokens]
-        metadata = make_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
-        input_ids = torch.tensor([t for seq in tokens for t in seq])
-        positions = torch.tensor(
-            [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
-        )
-        with torch.no_grad():
-            hidden = self.model(input_ids, positions, ForwardContext(metadata, self.kv_caches))
-            return self.model.compute_logits(hidden)
-
-
-def hf_logits(hf_model: Any, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
 LONG = [1, 504, 3458, 282, 4649, 314, 17, 250, 9001, 48000, 3, 4, 5, 77, 812]
@@ -217,6 +200,13 @@ def test_a_window_no_sequence_outgrows_is_full_attention(gemma_dirs: dict[str, P
     which is the same and runs on any backend."""
     for max_model_len, window in [(5, None), (6, 5)]:
         model = Runner(gemma_dirs["gemma3"], max_model_len=max_model_len).model
+        assert model.model.layers[1].self_attn.attn.sliding_window == window
+    # without --max-model-len: the config's max_position_embeddings (256) bounds the window
+    hf_config = load_hf_config(gemma_dirs["gemma3"])
+    ctx = ModelBuildContext(attention_backend=TorchPagedAttention, dtype=torch.float32)
+    for sliding_window, window in [(256, None), (255, 255)]:
+        hf_config.sliding_window = sliding_window
+        model = Gemma3ForCausalLM(hf_config, ctx)
         assert model.model.layers[1].self_attn.attn.sliding_window == window
 
 
@@ -382,6 +372,7 @@ def test_unsupported_configs_are_refused(gemma_dirs: dict[str, Path]) -> None:
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"hidden_activation": "silu"}, "activation 'silu'"),
         ({"layer_types": ["sliding_attention", "chunked_attention"]}, "chunked_attention"),
+        ({"sliding_window": None}, "sliding_window is None; it must be a positive integer"),
     ]:
         hf_config = load_hf_config(gemma_dirs["gemma2"])
         for key, value in overrides.items():

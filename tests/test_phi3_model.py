@@ -216,6 +216,21 @@ def test_rope_parameters_of_a_transformers_4_phi3_config() -> None:
     assert rope_parameters(SimpleNamespace(rope_theta=1e4))["rope_type"] == "default"
 
 
+def test_partial_rotation_calls_the_qk_norm_modules() -> None:
+    """With ``qk_norms`` a partial rotation normalizes with the modules it is given (any
+    module, not only RMSNorm), then rotates the first ``rotary_dim`` dimensions."""
+    params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}
+    rope = RotaryEmbedding(16, 64, params)
+    norms = (torch.nn.LayerNorm(16), torch.nn.Tanh())
+    positions = torch.tensor([0, 3, 9])
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    with torch.no_grad():
+        q_rot, k_rot = rope(positions, q.clone(), k.clone(), norms)
+        expected = rope(positions, norms[0](q), norms[1](k))
+    torch.testing.assert_close(q_rot, expected[0])
+    torch.testing.assert_close(k_rot, expected[1])
+
+
 def test_bad_rotary_configs_are_refused() -> None:
     params = {**longrope(6), "original_max_position_embeddings": 8, "factor": 8.0}
     params["long_factor"] = params["long_factor"][:5]  # checked even when the short ones serve

@@ -194,6 +194,9 @@ def test_layer_windows_follow_each_architectures_rules() -> None:
     assert windows(LlamaForCausalLM, sliding_window=8) == [8] * 4
     assert windows(LlamaForCausalLM, sliding_window=None) == [None] * 4
     assert windows(LlamaForCausalLM) == [None] * 4  # Llama configs have none
+    # HF's Llama ignores a window in its config; Mistral's honours it
+    assert windows(LlamaForCausalLM, model_type="llama", sliding_window=8) == [None] * 4
+    assert windows(LlamaForCausalLM, model_type="mistral", sliding_window=8) == [8] * 4
     # a window at least as long as the model's positions is full attention
     assert windows(LlamaForCausalLM, sliding_window=512) == [None] * 4
     assert windows(LlamaForCausalLM, sliding_window=511) == [511] * 4

@@ -19,7 +19,7 @@ q/k norm and RoPE parameters per layer type.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,14 +30,14 @@ from chassis.builtin_plugins.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
+    config_sliding_window,
 )
-from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.activation import GELU_APPROXIMATIONS, GeluAndMul
 from chassis.core.layers.norm import GemmaRMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
-from chassis.core.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
-from chassis.core.model_interface import CausalLM, ModelBuildContext
+from chassis.core.layers.vocab_parallel import VocabParallelEmbedding
+from chassis.core.model_interface import ModelBuildContext
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -57,8 +57,6 @@ class GemmaOptions:
     layer_types: tuple[str, ...]
     #: RoPE parameters (:func:`rope_parameters` form) of each layer type in ``layer_types``
     rope_by_layer_type: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: the window of the ``sliding_attention`` layers (positions a query sees, its own included)
-    sliding_window: int | None = None
     #: ``cap * tanh(score / cap)`` on attention scores (Gemma 2's ``attn_logit_softcapping``)
     attn_logit_softcap: float | None = None
     #: ``cap * tanh(logit / cap)`` on the output logits (``final_logit_softcapping``)
@@ -67,9 +65,6 @@ class GemmaOptions:
     sandwich_norms: bool = False
     #: Gemma 3: a :class:`GemmaRMSNorm` over each q and k head before RoPE
     qk_norm: bool = False
-    #: the longest sequence served (``--max-model-len``, else ``max_position_embeddings``):
-    #: a window at least this long is full attention, which any backend runs
-    context_len: int | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -81,23 +76,6 @@ class GemmaOptions:
         missing = sorted(set(self.layer_types) - set(self.rope_by_layer_type))
         if missing:
             raise ValueError(f"no RoPE parameters for the layer types {missing}")
-        if SLIDING_ATTENTION in self.layer_types and not (
-            isinstance(self.sliding_window, int) and self.sliding_window >= 1
-        ):
-            raise ValueError(
-                "config.layer_types has sliding_attention layers but config.sliding_window "
-                f"is {self.sliding_window!r}; it must be a positive integer"
-            )
-
-    def sliding_window_of(self, layer_idx: int) -> int | None:
-        """Layer ``layer_idx``'s attention window, ``None`` for full attention (also on a
-        sliding layer whose window no served sequence outgrows: a query at position ``p``
-        sees ``p - window + 1 .. p``, which is everything while ``p < window``)."""
-        if self.layer_types[layer_idx] != SLIDING_ATTENTION:
-            return None
-        if self.context_len is not None and self.sliding_window >= self.context_len:
-            return None
-        return self.sliding_window
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -157,7 +135,7 @@ class GemmaAttention(LlamaAttention):
             layer_idx,
             build_ctx,
             scale=options.attn_scale,
-            sliding_window=options.sliding_window_of(layer_idx),
+            sliding_window=spec.attention_window(layer_idx, build_ctx.max_model_len),
             logits_soft_cap=options.attn_logit_softcap,
         )
         # The parent's q/k norms would be Llama's RMSNorm; Gemma's are built here instead
@@ -166,21 +144,6 @@ class GemmaAttention(LlamaAttention):
         if options.qk_norm:
             self.q_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        # GemmaRMSNorm is not fusable with the rotation: the rotary calls the norms first.
-        qk_norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        q, k = self.rotary_emb(positions, q, k, qk_norms)
-        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
-        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
 
 
 class GemmaMLP(LlamaMLP):
@@ -296,38 +259,35 @@ class GemmaForCausalLM(LlamaForCausalLM):
     Subclasses choose the generation's options by overriding :meth:`gemma_options`. Weight
     loading and tensor parallelism are :class:`LlamaForCausalLM`'s (same checkpoint names,
     same sharding; the Gemma norms, q/k norms included, are whole on every rank). The LM
-    head is tied to the embedding unless ``tie_word_embeddings`` is false.
+    head is tied to the embedding as ``tie_word_embeddings`` says (true in HF's Gemma
+    configs unless ``config.json`` sets it false).
     """
 
-    supports_tensor_parallel = True
-
-    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
-        # LlamaForCausalLM.__init__ would build the Llama decoder: set up the same attributes
-        # (those load_weights and compute_logits read) around the Gemma decoder instead.
-        CausalLM.__init__(self, hf_config, build_ctx)
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> GemmaModel:
+        """The Gemma decoder, with this generation's :meth:`gemma_options` (kept as
+        ``self.options``)."""
         refuse_bidirectional(hf_config)
-        # --max-model-len when the engine says it, else the config's own limit
-        context_len = getattr(build_ctx, "max_model_len", None) or getattr(
-            hf_config, "max_position_embeddings", None
-        )
-        self.options = replace(self.gemma_options(hf_config), context_len=context_len)
-        #: the whole layer's shapes (checkpoint tensors), and this rank's share of them
-        self.full_spec = self.decoder_spec(hf_config)
-        self.spec = self.full_spec.tensor_parallel_share()
-        self.model = GemmaModel(hf_config, self.spec, self.options, build_ctx)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        # As in LlamaForCausalLM: a tied head shares the embedding (built on meta, no copy).
-        head_device = "meta" if self.tie_word_embeddings else None
-        self.vocab_size = int(hf_config.vocab_size)
-        _, vocab_rows = vocab_shard(self.vocab_size)
-        self.lm_head = nn.Linear(self.spec.hidden_size, vocab_rows, bias=False, device=head_device)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.options = self.gemma_options(hf_config)
+        return GemmaModel(hf_config, self.spec, self.options, build_ctx)
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         """Shapes of a Gemma layer (``head_dim`` from the config; biases as
-        ``attention_bias`` says; the RoPE field holds the full-attention layers' parameters)."""
+        ``attention_bias`` says; the RoPE field holds the full-attention layers' parameters).
+        The layers :meth:`gemma_options` marks ``sliding_attention`` slide over
+        ``config.sliding_window`` positions, which must then be a positive integer; as for
+        Llama (:func:`config_sliding_window`), a window of at least
+        ``max_position_embeddings`` is full attention."""
+        options = cls.gemma_options(hf_config)
+        sliding_layers = frozenset(
+            i for i, kind in enumerate(options.layer_types) if kind == SLIDING_ATTENTION
+        )
+        window = getattr(hf_config, "sliding_window", None)
+        if sliding_layers and not (isinstance(window, int) and window >= 1):
+            raise ValueError(
+                "config.layer_types has sliding_attention layers but config.sliding_window "
+                f"is {window!r}; it must be a positive integer"
+            )
         num_heads = int(hf_config.num_attention_heads)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return DecoderSpec(
@@ -338,10 +298,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
             intermediate_size=int(hf_config.intermediate_size),
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
             max_position=int(getattr(hf_config, "max_position_embeddings", 8192)),
-            rope=cls.gemma_options(hf_config).rope_by_layer_type.get(FULL_ATTENTION)
-            or rope_parameters(hf_config),
+            rope=options.rope_by_layer_type[FULL_ATTENTION],
             qkv_bias=attention_bias,
             o_bias=attention_bias,
+            sliding_window=config_sliding_window(hf_config),
+            sliding_layers=sliding_layers,
         )
 
     @classmethod
@@ -354,11 +315,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
             layer_types=(FULL_ATTENTION,) * num_layers,
             rope_by_layer_type={FULL_ATTENTION: rope_parameters(hf_config)},
         )
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """As :meth:`LlamaForCausalLM.compute_logits`, then the final soft cap if configured

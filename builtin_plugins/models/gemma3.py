@@ -77,7 +77,6 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
             attn_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
             layer_types=layer_types_of(hf_config, default_types),
             rope_by_layer_type=rope_by_layer_type(hf_config),
-            sliding_window=getattr(hf_config, "sliding_window", None),
             final_logit_softcap=optional_float(getattr(hf_config, "final_logit_softcapping", None)),
             sandwich_norms=True,
             qk_norm=True,

@@ -2,7 +2,9 @@
 
 The building blocks here are shared by the Qwen2, Qwen3 and Phi-3 models, which differ only in
 the options of :class:`DecoderSpec` (QKV bias, per-head q/k norm, sliding-window layers) and,
-for Phi-3, in how the checkpoint names its projections. Q/K/V and gate/up projections
+for Phi-3, in how the checkpoint names its projections; by the mixture-of-experts models
+(their own MLPs, :meth:`LlamaForCausalLM.make_mlp`); and by Gemma (its own decoder layers,
+:meth:`LlamaForCausalLM.build_decoder`). Q/K/V and gate/up projections
 are merged into one matmul each; :meth:`LlamaForCausalLM.load_weights` copies the separate HF
 checkpoint tensors into row slices of the merged weights.
 """
@@ -306,7 +308,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """``LlamaForCausalLM`` / ``MistralForCausalLM`` checkpoints.
 
-    Subclasses change the architecture options by overriding :meth:`decoder_spec`.
+    Subclasses change the architecture options by overriding :meth:`decoder_spec`, the MLP of
+    some layers with :meth:`make_mlp`, or the whole decoder with :meth:`build_decoder`.
 
     Tensor parallel: every rank keeps ``1/N`` of the attention heads and of the MLP columns,
     ``1/N`` of the KV heads or, with fewer KV heads than ranks, one replicated KV head (the
@@ -323,7 +326,7 @@ class LlamaForCausalLM(CausalLM):
         #: the whole layer's shapes (checkpoint tensors), and this rank's share of them
         self.full_spec = self.decoder_spec(hf_config)
         self.spec = self.full_spec.tensor_parallel_share()
-        self.model = LlamaModel(hf_config, self.spec, build_ctx, self.make_mlp)
+        self.model = self.build_decoder(hf_config, build_ctx)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # The head is a module even when tied (then sharing the embedding matrix, built on the
         # meta device so no second matrix is allocated; parameter listings name it once, as
@@ -338,8 +341,22 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
-        """The decoder-layer options for this architecture (override in subclasses)."""
+        """The decoder-layer options for this architecture (override in subclasses).
+
+        HF's Llama has no sliding window: a ``sliding_window`` in a ``llama`` config is
+        ignored, as transformers ignores it; Mistral configs (``model_type`` ``mistral``,
+        served by this class too) keep theirs."""
+        if getattr(hf_config, "model_type", None) == "llama":
+            return DecoderSpec.from_config(hf_config, sliding_window=None)
         return DecoderSpec.from_config(hf_config)
+
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> nn.Module:
+        """HF's ``model.*`` submodule (a :class:`LlamaModel` by default; override for another
+        layer layout): ``forward(input_ids, positions, ctx)`` returns the final hidden states,
+        its parameters carry the checkpoint's names, and its ``embed_tokens`` is a
+        :class:`VocabParallelEmbedding` (a tied LM head shares its weight). Called from
+        ``__init__`` after ``self.spec`` and ``self.full_spec`` are set."""
+        return LlamaModel(hf_config, self.spec, build_ctx, self.make_mlp)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer ``layer_idx`` (override for sparse layers); it returns

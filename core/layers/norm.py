@@ -60,45 +60,29 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` over the last dimension.
 
     Unlike :class:`RMSNorm`, the learned ``weight`` is an offset from 1 (a checkpoint stores
     zeros for the identity) and the whole product is computed in float32 and cast to the
     input dtype once, at the end (HF transformers' ``GemmaRMSNorm``; 16-bit results differ
-    from :class:`RMSNorm`'s rounding order, so the two are not interchangeable).
-
-    ``forward(x)`` returns the normalized ``x``; ``forward(x, residual)`` returns
-    ``(norm(x + residual), x + residual)``, the sum taken in the input dtype, as
-    :class:`RMSNorm` does.
+    from :class:`RMSNorm`'s rounding order, so the two are not interchangeable). The calls
+    are :class:`RMSNorm`'s: ``forward(x)`` and ``forward(x, residual)``, the sum taken in the
+    input dtype. Always the torch code: the platforms' ``rms_norm`` kernels compute
+    :class:`RMSNorm`'s formula.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
-    @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
-
-    @overload
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # Torch only: the platform rms_norm kernels round in RMSNorm's order, not this one.
-        if residual is None:
-            return self._normalize(x)
-        x = x + residual
-        return self._normalize(x), x
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        # never the platform kernel: it would compute RMSNorm's formula
+        return self.forward_reference(x, residual)

@@ -197,7 +197,7 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,
         query: torch.Tensor,
         key: torch.Tensor,
-        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
+        qk_norms: tuple[nn.Module, nn.Module] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, Hq, D]`` and ``key [T, Hk, D]`` by ``positions [T]``.
 
@@ -210,9 +210,8 @@ class RotaryEmbedding(nn.Module):
         either: use the returned tensors and treat the inputs as consumed. Partial rotation
         (``rotary_dim < head_dim``) always runs the torch code: the kernels rotate whole heads.
         """
-        if self.rotary_dim != self.head_dim:
-            return self.forward_reference(positions, query, key, qk_norms)
-        kernels = kernels_for(query)
+        # the kernels rotate whole heads: partial rotation is the torch code's
+        kernels = kernels_for(query) if self.rotary_dim == self.head_dim else None
         if qk_norms is not None:
             q_norm, k_norm = qk_norms
             fused = getattr(kernels, "qk_norm_rotary_embedding_", None)
