@@ -8,6 +8,7 @@ The engine calls, in order: :func:`resolve_model_path`, :func:`load_hf_config`,
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from collections.abc import Iterator
@@ -70,8 +71,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None, revision: str | Non
         return gguf_model_dir(path)
     if path.exists():
         raise ValueError(
-            f"model {str(model)!r} is a file; name a checkpoint directory, a .gguf file or a "
-            "hub id"
+            f"model {str(model)!r} is a file; name a checkpoint directory, a .gguf file or a hub id"
         )
     return _download(str(model), revision)
 
@@ -119,10 +119,31 @@ def _download(repo_id: str, revision: str | None) -> Path:
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> Any:
-    """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``, no remote code)."""
+    """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``, no remote code),
+    or for a multimodal checkpoint its language model's (:func:`language_model_config`)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path))
+    return language_model_config(AutoConfig.from_pretrained(str(path)))
+
+
+def language_model_config(hf_config: Any) -> Any:
+    """The config the engine builds from and sizes by.
+
+    A multimodal checkpoint (its config has a ``text_config`` and no layer count of its
+    own) is served as text only: the result is a copy of its ``text_config`` carrying the
+    checkpoint's ``architectures`` (so the registry picks the class registered for the
+    multimodal architecture, which knows where the language model's weights are; an
+    unregistered one is the usual unknown-architecture error) and its declared dtype when
+    the text config declares none. Any other config is returned as it is.
+    """
+    text = getattr(hf_config, "text_config", None)
+    if text is None or hasattr(hf_config, "num_hidden_layers"):
+        return hf_config
+    text = copy.deepcopy(text)
+    text.architectures = list(getattr(hf_config, "architectures", None) or [])
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(hf_config, "dtype", None)
+    return text
 
 
 def checkpoint_dtype(hf_config: Any) -> torch.dtype:

@@ -404,3 +404,54 @@ def test_two_ranks_match_transformers(gemma_dirs: dict[str, Path], arch: str) ->
         model_dir, PROMPTS, MAX_TOKENS, attention_backend="torch_paged", tensor_parallel_size=2
     )
     assert got == expected
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_text(tmp_path: Path) -> None:
+    """gemma-3-4b-style checkpoint (``Gemma3ForConditionalGeneration``: a text config inside,
+    ``language_model.model.*`` tensors next to a vision tower): text prompts get HF's
+    multimodal model's greedy tokens, and the vision weights are not loaded."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = tiny_config("gemma3")
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=49000,
+        boi_token_index=49001,
+        eoi_token_index=49002,
+    )
+    torch.manual_seed(3)
+    hf = Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model_dir() / name, tmp_path / name)
+
+    engine_config = load_hf_config(tmp_path)
+    assert engine_config.architectures == ["Gemma3ForConditionalGeneration"]
+    assert engine_config.num_hidden_layers == 2 and engine_config.head_dim == 32
+
+    tokenizer = load_tokenizer(tmp_path)
+    expected = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            gen = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            expected.append(gen[0, ids.shape[1] :].tolist())
+    got = chassis_greedy(tmp_path, PROMPTS, MAX_TOKENS)
+    assert got == expected

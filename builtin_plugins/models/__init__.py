@@ -22,4 +22,8 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("GemmaForCausalLM", f"{_PKG}.gemma:GemmaForCausalLM")
     registry.register("Gemma2ForCausalLM", f"{_PKG}.gemma2:Gemma2ForCausalLM")
     registry.register("Gemma3ForCausalLM", f"{_PKG}.gemma3:Gemma3ForCausalLM")
+    # multimodal Gemma 3, served as text only
+    registry.register(
+        "Gemma3ForConditionalGeneration", f"{_PKG}.gemma3:Gemma3ForConditionalGeneration"
+    )
     registry.register("Phi3ForCausalLM", f"{_PKG}.phi3:Phi3ForCausalLM")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from chassis.builtin_plugins.models.gemma import (
     FULL_ATTENTION,
@@ -81,3 +84,47 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
             sandwich_norms=True,
             qk_norm=True,
         )
+
+
+#: checkpoint-name prefixes of a multimodal Gemma 3's language model -> ours (hub files name
+#: it ``language_model.model.*``; a model transformers 5 re-saves in memory layout,
+#: ``model.language_model.*``)
+_LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+#: the image side of a multimodal Gemma 3, which a text-only engine does not load
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Multimodal Gemma 3 checkpoints (gemma-3-4b/12b/27b) served as text only.
+
+    The engine builds it from the checkpoint's ``text_config``
+    (:func:`~chassis.core.model_loader.language_model_config`); its language model's tensors
+    are renamed to the text-only layout and the vision tower and projector are skipped, so
+    requests with text prompts get what the multimodal model answers to text alone. Images
+    are not supported.
+    """
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The language model's tensors, renamed, to :meth:`Gemma3ForCausalLM.load_weights`
+        (another tensor outside the vision side still raises there)."""
+        return super().load_weights(
+            (_language_model_name(name), tensor)
+            for name, tensor in weights
+            if not name.startswith(_VISION_PREFIXES)
+        )
+
+
+def _language_model_name(name: str) -> str:
+    for prefix, ours in _LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return name
