@@ -55,17 +55,35 @@ def echo_logprobs(
         if entries is None:
             out.top_logprobs.append(None)
         else:
-            ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)
-            kept = [kv for i, kv in enumerate(ranked) if i < num_logprobs or kv[0] == token_id]
             out.top_logprobs.append(
                 {
                     state.token_text(tid, lp.decoded_token): json_logprob(lp.logprob)
-                    for tid, lp in kept
+                    for tid, lp in _top(entries, token_id, num_logprobs).items()
                 }
             )
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+def _top(entries: PositionLogprobs, token_id: int, k: int) -> PositionLogprobs:
+    """A position's ``k`` most likely tokens and the prompt's own ``token_id``."""
+    ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)
+    return {tid: lp for i, (tid, lp) in enumerate(ranked) if i < k or tid == token_id}
+
+
+def with_prompt_logprobs_cut(output: RequestOutput, k: int) -> RequestOutput:
+    """``output`` with each prompt position's logprobs cut to its ``k`` most likely tokens
+    and the prompt's own. ``echo`` with ``logprobs`` has the engine compute as many
+    alternatives as the larger of ``logprobs`` and ``prompt_logprobs``; vLLM's
+    ``prompt_logprobs`` field still holds only what it asked for."""
+    if output.prompt_logprobs is None:
+        return output
+    cut = [
+        None if entries is None else _top(entries, token_id, k)
+        for entries, token_id in zip(output.prompt_logprobs, output.prompt_token_ids, strict=False)
+    ]
+    return dataclasses.replace(output, prompt_logprobs=cut)
 
 
 def without_generation(output: RequestOutput) -> RequestOutput:

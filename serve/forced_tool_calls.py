@@ -61,8 +61,7 @@ class _ConstrainedCalls(ToolParser):
             calls = None
         if not calls:
             return ToolDelta(content=held)
-        for index, call in enumerate(calls):
-            out.add_whole_call(index, call)
+        out.add_whole_calls(0, calls)
         return out
 
     def _head(self, text: str) -> tuple[str, int] | None:

@@ -21,7 +21,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from chassis.serve import errors
-from chassis.serve.completion_echo import echo_logprobs, echo_text, without_generation
+from chassis.serve.completion_echo import (
+    echo_logprobs,
+    echo_text,
+    with_prompt_logprobs_cut,
+    without_generation,
+)
 from chassis.serve.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -173,6 +178,17 @@ async def _prompt_batch(state: ServerState, body: CompletionRequest) -> list[str
     return await asyncio.to_thread(tokenize)
 
 
+def _remember_prompt(
+    firsts: dict[int, RequestOutput], prompt_index: int, output: RequestOutput
+) -> RequestOutput:
+    """Record ``output`` in ``firsts`` if it is prompt ``prompt_index``'s first or carries
+    the prompt logprobs (the engine sends them once, in one output, which may hold only
+    some of the prompt's choices); return the recorded one."""
+    if output.prompt_logprobs is not None or prompt_index not in firsts:
+        firsts[prompt_index] = output
+    return firsts[prompt_index]
+
+
 async def _collect(
     state: ServerState,
     body: CompletionRequest,
@@ -189,27 +205,19 @@ async def _collect(
         for i in range(n)
     }
     usage = UsageCounter()
-    #: per prompt (``echo``): its token ids and, once sent, its prompt logprobs
-    seen: dict[int, RequestOutput] = {}
+    #: per prompt: the output with its prompt logprobs, else its first
+    firsts: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(merge_streams(streams)) as merged:
         async for prompt_index, output in merged:
             if body.echo_only:
                 output = without_generation(output)
             usage.add(prompt_index, output)
-            if output.prompt_logprobs is not None or prompt_index not in seen:
-                seen[prompt_index] = output
-            # vLLM's prompt_logprobs field only when asked for (echo computes them too)
-            prompt_logprobs = (
-                state.prompt_logprobs(output) if body.prompt_logprobs is not None else None
-            )
+            _remember_prompt(firsts, prompt_index, output)
             for completion in output.outputs:
-                choice = choices[prompt_index * n + completion.index]
-                choice.add(completion)
-                if prompt_logprobs is not None:
-                    choice.prompt_logprobs = prompt_logprobs
+                choices[prompt_index * n + completion.index].add(completion)
     echoes: dict[int, _Echo] = {}
-    if body.echo:
-        for p, output in seen.items():
+    for p, output in firsts.items():
+        if body.echo:
             echoes[p] = _Echo(
                 state,
                 None if prompts is None else prompts[p],
@@ -217,6 +225,14 @@ async def _collect(
                 output.prompt_logprobs,
                 body.logprobs,
             )
+        # vLLM's prompt_logprobs field only when asked for, and only as many alternatives
+        # as asked for (echo may have the engine compute more)
+        if body.prompt_logprobs is not None:
+            prompt_logprobs = state.prompt_logprobs(
+                with_prompt_logprobs_cut(output, body.prompt_logprobs)
+            )
+            for i in range(n):
+                choices[p * n + i].prompt_logprobs = prompt_logprobs
     return CompletionResponse(
         id=request_id,
         model=model,
@@ -240,6 +256,8 @@ async def _events(
     finished: set[int] = set()
     #: choices whose prompt has been sent (``echo``): it goes first, once
     echoed: set[int] = set()
+    #: per prompt: the output with its prompt logprobs, else its first
+    firsts: dict[int, RequestOutput] = {}
     usage = UsageCounter()
 
     encoder = ChunkEncoder("text_completion", request_id, created, model)
@@ -253,6 +271,9 @@ async def _events(
                 if body.echo_only:
                     output = without_generation(output)
                 usage.add(prompt_index, output)
+                # A choice may first show up after its prompt's first output, which alone
+                # carries the prompt logprobs its echo needs.
+                first = _remember_prompt(firsts, prompt_index, output)
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
@@ -262,8 +283,8 @@ async def _events(
                         echo = _Echo(
                             state,
                             None if prompts is None else prompts[prompt_index],
-                            output.prompt_token_ids,
-                            output.prompt_logprobs,
+                            first.prompt_token_ids,
+                            first.prompt_logprobs,
                             body.logprobs,
                         )
                     elif not (completion.text or completion.token_ids or completion.finished):

@@ -259,9 +259,17 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of other than n is not supported", "best_of")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        if self.echo_only and self.min_tokens:
+            # the engine is asked for one token; say what the client sent, not that
+            raise bad_request(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens (0)", "min_tokens"
+            )
         prompt_logprobs = None
         if self.echo and self.logprobs is not None:
-            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
+            asked = self.prompt_logprobs
+            # a negative prompt_logprobs is passed on as sent, for SamplingParams to refuse
+            negative = asked is not None and asked < 0
+            prompt_logprobs = asked if negative else max(self.logprobs, asked or 0)
         return self._sampling_params(
             max_tokens=1 if self.echo_only else max_tokens,
             logprobs=self.logprobs,

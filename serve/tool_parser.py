@@ -87,6 +87,13 @@ class ToolDelta:
         calls that could not be streamed)."""
         self.fragments.append(ToolCallFragment(index, call.arguments, call.name, call.id))
 
+    def add_whole_calls(self, first_index: int, calls: list[ToolCall]) -> int:
+        """Add ``calls``, complete, as calls ``first_index``, ``first_index + 1``, ... (see
+        :meth:`add_whole_call`); return the index the message's next call gets."""
+        for offset, call in enumerate(calls):
+            self.add_whole_call(first_index + offset, call)
+        return first_index + len(calls)
+
     def whole_calls(self) -> list[ToolCall]:
         """The calls of this delta, complete: :attr:`calls`, or the :attr:`fragments` joined
         per call (for a delta that holds every fragment of its calls, e.g. :meth:`ToolParser.

@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -110,6 +111,30 @@ def test_echo_logprobs_score_the_prompt_as_hf_transformers_does(
     for position, top in enumerate(choice.logprobs.top_logprobs[1:]):
         # the most likely token and the prompt's own (one entry when they are the same)
         assert len(top) == (1 if greedy[position] == ids[position + 1] else 2)
+
+
+def test_streamed_echo_gives_every_choice_the_prompt_logprobs(server: ServerProcess) -> None:
+    """Found serving SmolLM2: with ``n: 2`` the engine's first output may hold only the
+    first choice (with the prompt logprobs); the second's echo then had ``null`` logprobs."""
+    client = server.client()
+    kwargs = dict(model="tiny", prompt="Hello big world", max_tokens=3, n=2, echo=True)
+    whole = client.completions.create(**kwargs, logprobs=1, temperature=0)
+    expected = whole.choices[0].logprobs.token_logprobs[: whole.usage.prompt_tokens]
+    assert expected[0] is None and None not in expected[1:]
+    for _ in range(3):  # the choices' first tokens may or may not come in one step
+        firsts: dict[int, Any] = {}
+        for chunk in client.completions.create(**kwargs, logprobs=1, stream=True, seed=1):
+            for choice in chunk.choices:
+                firsts.setdefault(choice.index, choice)
+        assert sorted(firsts) == [0, 1]
+        for choice in firsts.values():
+            assert choice.logprobs.token_logprobs[: len(expected)] == pytest.approx(expected)
+    # prompt_logprobs keeps to what it asked for, though echo has 3 computed
+    response = client.completions.create(**kwargs, logprobs=3, extra_body={"prompt_logprobs": 1})
+    for choice in response.choices:
+        prompt_logprobs = choice.model_extra["prompt_logprobs"]
+        assert all(len(position) <= 2 for position in prompt_logprobs[1:])
+        assert any(len(top) >= 3 for top in choice.logprobs.top_logprobs[1:4])
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess) -> None:

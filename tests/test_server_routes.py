@@ -631,3 +631,85 @@ def test_completion_echo_streams_the_prompt_in_each_choices_first_chunk(
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}
     assert texts[0].startswith("hi") and texts[1].startswith("hi")
     assert offsets == {c["index"]: c["logprobs"]["text_offset"] for c in whole["choices"]}
+
+
+class _StaggeredChoices(FakeAsyncLLM):
+    """Sends each prompt's first output as two, the real engine's way when the choices'
+    first tokens come in different steps: choice 0 with the prompt logprobs, then the other
+    choices without them."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        import dataclasses
+
+        first = True
+        async for output in super().generate(*args, **kwargs):
+            if first and len(output.outputs) > 1:
+                yield dataclasses.replace(output, outputs=output.outputs[:1], finished=False)
+                output = dataclasses.replace(
+                    output, outputs=output.outputs[1:], prompt_logprobs=None
+                )
+            first = False
+            yield output
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_completion_echo_logprobs_of_a_choice_that_starts_later(stream: bool) -> None:
+    """Found serving SmolLM2: streamed ``echo`` with ``n: 2`` and ``logprobs`` gave the
+    second choice ``null`` prompt logprobs (it showed up after the output that carries
+    them); the ``prompt_logprobs`` field of a choice that started later was missing too."""
+    with TestClient(build_app(_StaggeredChoices(), ServerSettings())) as client:
+        response = client.post(
+            "/v1/completions",
+            json={
+                "prompt": "hi",
+                "max_tokens": 2,
+                "n": 2,
+                "echo": True,
+                "logprobs": 0,
+                "prompt_logprobs": 0,
+                "stream": stream,
+            },
+        )
+    if stream:
+        first_chunks: dict[int, dict[str, Any]] = {}
+        for event in sse_events(response.text):
+            for choice in event["choices"]:
+                first_chunks.setdefault(choice["index"], choice)
+        choices = [first_chunks[0], first_chunks[1]]
+    else:
+        choices = response.json()["choices"]
+        assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"] is not None
+    for choice in choices:
+        assert choice["text"].startswith("hi")
+        assert choice["logprobs"]["token_logprobs"][1:3] == [-1.0, -1.0]  # "h", "i"
+
+
+def test_echo_prompt_logprobs_field_holds_what_it_asked_for() -> None:
+    """Found serving SmolLM2: ``echo`` with ``logprobs: 3`` and ``prompt_logprobs: 1`` gave
+    the ``prompt_logprobs`` field 3 alternatives (echo has the engine compute 3); a negative
+    ``prompt_logprobs`` was hidden by echo's and accepted."""
+    from chassis.core.outputs import Logprob, RequestOutput
+    from chassis.serve.completion_echo import with_prompt_logprobs_cut
+
+    def lp(rank: int) -> Logprob:
+        return Logprob(logprob=-float(rank), rank=rank, decoded_token=None)
+
+    output = RequestOutput(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[5, 6],
+        outputs=[],
+        finished=True,
+        prompt_logprobs=[None, {7: lp(1), 8: lp(2), 9: lp(3), 6: lp(40)}],
+    )
+    cut = with_prompt_logprobs_cut(output, 1)
+    assert cut.prompt_logprobs == [None, {7: lp(1), 6: lp(40)}]  # the top one and its own
+    assert with_prompt_logprobs_cut(output, 0).prompt_logprobs == [None, {6: lp(40)}]
+
+    with TestClient(build_app(FakeAsyncLLM(), ServerSettings())) as client:
+        body = {"prompt": "hi", "max_tokens": 1, "echo": True, "logprobs": 1}
+        response = client.post("/v1/completions", json={**body, "prompt_logprobs": -1})
+        assert_error(response, 400, "prompt_logprobs")
+        # max_tokens 0 is answered by one engine token: the error names what was sent
+        response = client.post("/v1/completions", json={**body, "max_tokens": 0, "min_tokens": 2})
+        assert "max_tokens (0)" in assert_error(response, 400, "min_tokens")["message"]

@@ -236,6 +236,18 @@ def test_whole_call_parsers_keep_reporting_whole_calls() -> None:
     assert parser.finish().calls == [ToolCall("f", '{"a": 1}'), ToolCall("g", "{}")]
 
 
+def test_add_whole_calls_numbers_on_from_the_first_index() -> None:
+    """The helper the built-ins share (review: each parser had its own loop for this)."""
+    delta = ToolDelta()
+    calls = [ToolCall("f", "{}"), ToolCall("g", '{"a": 1}', "id-g")]
+    assert delta.add_whole_calls(2, calls) == 4
+    assert delta.add_whole_calls(4, []) == 4
+    assert delta.fragments == [
+        ToolCallFragment(2, "{}", "f"),
+        ToolCallFragment(3, '{"a": 1}', "g", "id-g"),
+    ]
+
+
 # -- ChoiceParser --------------------------------------------------------------------------
 
 

@@ -36,7 +36,7 @@ from chassis.builtin_plugins.parsers.text_scan import (
     split_trailing_space,
     text_after_call,
 )
-from chassis.serve.tool_parser import ToolCall, ToolDelta, ToolParser
+from chassis.serve.tool_parser import ToolDelta, ToolParser
 
 
 class _Mode(enum.Enum):
@@ -112,18 +112,13 @@ class HermesToolParser(ToolParser):
         elif self._mode is _Mode.IN_CALL:
             calls = tool_calls_from_json(held)
             if calls is not None:
-                self._add_whole(out, calls)
+                self._num_calls = out.add_whole_calls(self._num_calls, calls)
             else:
                 out.content += self._gap + self.start_tag + held
         elif self._mode is _Mode.TEXT:
             out.content += held
         # AFTER_CALL: only whitespace after the last call, dropped; BLOCK_REST: dropped
         return out
-
-    def _add_whole(self, out: ToolDelta, calls: list[ToolCall]) -> None:
-        for call in calls:
-            out.add_whole_call(self._num_calls, call)
-            self._num_calls += 1
 
     def _commit(self, out: ToolDelta) -> bool:
         """Start streaming the open block's call if its head is written; whether it was."""
@@ -189,7 +184,7 @@ class HermesToolParser(ToolParser):
                 continue
             break
         if calls is not None:
-            self._add_whole(out, calls)
+            self._num_calls = out.add_whole_calls(self._num_calls, calls)
             self._mode = _Mode.AFTER_CALL
         else:  # not a call: the block is content, as written
             out.content += self._gap + self.start_tag + body + closing

@@ -84,23 +84,18 @@ class Llama3JsonToolParser(ToolParser):
             if calls is None:
                 out.content += held
             else:
-                self._add_whole(out, calls)
+                self._num_calls = out.add_whole_calls(self._num_calls, calls)
         elif self._mode is _Mode.AFTER_CALL:
             rest = _SEPARATOR.match(held)
             after = held[rest.end() :] if rest else held
             calls = self.calls_in(after) if rest and after.strip() else None
             if calls is not None:
-                self._add_whole(out, calls)
+                self._num_calls = out.add_whole_calls(self._num_calls, calls)
             elif not rest or after.strip():  # not just a trailing ";": text, as written
                 out.content += held
         elif self._mode is not _Mode.STREAMING:  # content, or undecided
             out.content += held
         return out
-
-    def _add_whole(self, out: ToolDelta, calls: list[ToolCall]) -> None:
-        for call in calls:
-            out.add_whole_call(self._num_calls, call)
-            self._num_calls += 1
 
     def _end_call(self) -> None:
         if self._call is not None:

@@ -170,9 +170,7 @@ class MistralToolParser(ToolParser):
                 return out  # the call is not complete yet
             calls, end = found
             if calls:
-                for call in calls:
-                    out.add_whole_call(self._num_calls, call)
-                    self._num_calls += 1
+                self._num_calls = out.add_whole_calls(self._num_calls, calls)
                 self._held = self._held[end:]
                 self._mode = _Mode.AFTER_CALL
             else:  # the marker starts no call: it is text, and what follows it is read on
