@@ -129,6 +129,8 @@ async def _collect(
     parsing: RequestParsing | None,
 ) -> ChatCompletionResponse:
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    token_ids: dict[int, list[int]] = {i: [] for i in range(n)}
+    prompt_token_ids: list[int] | None = None
     logprobs: dict[int, list[ChatLogprobToken]] = {i: [] for i in range(n)}
     finish: dict[int, tuple[str | None, int | str | None]] = {}
     top_n = body.top_logprobs or 0
@@ -137,9 +139,11 @@ async def _collect(
     async with contextlib.aclosing(stream):
         async for output in stream:
             usage.add(0, output)
+            prompt_token_ids = list(output.prompt_token_ids)
             prompt_logprobs = state.prompt_logprobs(output) or prompt_logprobs
             for completion in output.outputs:
                 texts[completion.index].append(completion.text)
+                token_ids[completion.index] += completion.token_ids
                 if body.logprobs:
                     logprobs[completion.index] += _logprobs(state, completion, top_n)
                 if completion.finish_reason is not None:
@@ -159,6 +163,7 @@ async def _collect(
                 logprobs=ChatChoiceLogprobs(content=logprobs[i]) if body.logprobs else None,
                 finish_reason=reason,
                 stop_reason=stop_reason,
+                token_ids=token_ids[i] if body.return_token_ids else None,
             )
         )
     return ChatCompletionResponse(
@@ -167,6 +172,7 @@ async def _collect(
         choices=choices,
         usage=usage.info(),
         prompt_logprobs=prompt_logprobs,
+        prompt_token_ids=prompt_token_ids if body.return_token_ids else None,
     )
 
 
@@ -218,15 +224,27 @@ async def _events(
 
     encoder = ChunkEncoder("chat.completion.chunk", request_id, created, model)
 
-    def chunk(choices: list[dict[str, Any]], with_usage: bool) -> bytes:
-        return encoder.event(choices, usage.as_dict() if with_usage else None)
+    def chunk(
+        choices: list[dict[str, Any]], with_usage: bool, prompt_ids: list[int] | None = None
+    ) -> bytes:
+        return encoder.event(choices, usage.as_dict() if with_usage else None, prompt_ids)
 
+    def ids(completion: CompletionOutput) -> list[int] | None:
+        return list(completion.token_ids) if body.return_token_ids else None
+
+    role_chunk = [chat_choice(i, role=ROLE, content="") for i in range(n)]
+    # With return_token_ids the role chunk carries the engine's prompt ids (after any
+    # truncate_prompt_tokens), so it waits for the first output.
+    role_sent = not body.return_token_ids
     try:
         async with contextlib.aclosing(stream):
-            first = [chat_choice(i, role=ROLE, content="") for i in range(n)]
-            yield chunk(first, body.continuous_usage)
+            if role_sent:
+                yield chunk(role_chunk, body.continuous_usage)
             async for output in stream:
                 usage.add(0, output)
+                if not role_sent:
+                    role_sent = True
+                    yield chunk(role_chunk, body.continuous_usage, list(output.prompt_token_ids))
                 choices = []
                 for completion in output.outputs:
                     if not (completion.text or completion.token_ids or completion.finished):
@@ -243,6 +261,7 @@ async def _events(
                             logprobs=logprobs,
                             finish_reason=completion.finish_reason,
                             stop_reason=completion.stop_reason,
+                            token_ids=ids(completion),
                         )
                     else:
                         choice = _parsed_choice(
@@ -253,11 +272,18 @@ async def _events(
                             completion.finish_reason,
                             completion.stop_reason,
                         )
+                        if choice is None and body.return_token_ids and completion.token_ids:
+                            # the text is held back by the parsers; the ids still go out
+                            choice = chat_choice(completion.index)
                         if choice is None:
                             continue  # all held back by the parsers
+                        if body.return_token_ids:
+                            choice["token_ids"] = ids(completion)
                     choices.append(choice)
                 if choices:
                     yield chunk(choices, body.continuous_usage)
+        if not role_sent:  # no output at all (aborted before the first)
+            yield chunk(role_chunk, body.continuous_usage)
         # A stream that ended without a finish reason was aborted (server shutdown).
         unfinished = sorted(set(range(n)) - finished)
         if unfinished:

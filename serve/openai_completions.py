@@ -87,6 +87,7 @@ class _Choice:
     def __init__(self, index: int, state: ServerState, with_logprobs: bool) -> None:
         self.index = index
         self.text: list[str] = []
+        self.token_ids: list[int] = []
         self.logprobs = _LogprobBuilder(state) if with_logprobs else None
         self.merged = CompletionLogprobs() if with_logprobs else None
         self.finish_reason: str | None = None
@@ -95,6 +96,7 @@ class _Choice:
 
     def add(self, completion: CompletionOutput) -> None:
         self.text.append(completion.text)
+        self.token_ids += completion.token_ids
         if self.logprobs is not None and self.merged is not None:
             part = self.logprobs.build(completion)
             self.merged.tokens += part.tokens
@@ -105,8 +107,11 @@ class _Choice:
             self.finish_reason = completion.finish_reason
             self.stop_reason = completion.stop_reason
 
-    def result(self, echo: _Echo | None = None) -> CompletionChoice:
-        """The choice; with ``echo``, its prompt (and the prompt's logprobs) first."""
+    def result(
+        self, echo: _Echo | None = None, prompt_token_ids: list[int] | None = None
+    ) -> CompletionChoice:
+        """The choice; with ``echo``, its prompt (and the prompt's logprobs) first; with
+        ``prompt_token_ids`` (``return_token_ids``), those and the generated ids."""
         text = "".join(self.text)
         logprobs = self.merged
         if echo is not None:
@@ -121,6 +126,8 @@ class _Choice:
             finish_reason=self.finish_reason or "abort",
             stop_reason=self.stop_reason,
             prompt_logprobs=self.prompt_logprobs,
+            prompt_token_ids=prompt_token_ids,
+            token_ids=None if prompt_token_ids is None else self.token_ids,
         )
 
 
@@ -233,10 +240,17 @@ async def _collect(
             )
             for i in range(n):
                 choices[p * n + i].prompt_logprobs = prompt_logprobs
+
+    def prompt_ids(choice_index: int) -> list[int] | None:
+        first = firsts.get(choice_index // n)
+        if not body.return_token_ids or first is None:
+            return None
+        return list(first.prompt_token_ids)
+
     return CompletionResponse(
         id=request_id,
         model=model,
-        choices=[choices[i].result(echoes.get(i // n)) for i in sorted(choices)],
+        choices=[choices[i].result(echoes.get(i // n), prompt_ids(i)) for i in sorted(choices)],
         usage=usage.info(),
     )
 
@@ -254,8 +268,8 @@ async def _events(
     with_logprobs = body.logprobs is not None
     builders: dict[int, _LogprobBuilder] = {}
     finished: set[int] = set()
-    #: choices whose prompt has been sent (``echo``): it goes first, once
-    echoed: set[int] = set()
+    #: choices that have sent a chunk: the first carries the echo and the prompt's ids
+    started: set[int] = set()
     #: per prompt: the output with its prompt logprobs, else its first
     firsts: dict[int, RequestOutput] = {}
     usage = UsageCounter()
@@ -278,8 +292,10 @@ async def _events(
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
                     echo = None
-                    if body.echo and index not in echoed:
-                        echoed.add(index)
+                    starting = index not in started
+                    if starting:
+                        started.add(index)
+                    if body.echo and starting:
                         echo = _Echo(
                             state,
                             None if prompts is None else prompts[prompt_index],
@@ -288,6 +304,8 @@ async def _events(
                             body.logprobs,
                         )
                     elif not (completion.text or completion.token_ids or completion.finished):
+                        if starting:
+                            started.discard(index)  # nothing sent yet
                         continue
                     logprobs = None
                     if with_logprobs:
@@ -302,6 +320,7 @@ async def _events(
                             builders[index].offset += echo.logprobs_text_length
                     if completion.finished:
                         finished.add(index)
+                    ids = body.return_token_ids
                     choices.append(
                         completion_choice(
                             index,
@@ -309,6 +328,10 @@ async def _events(
                             logprobs,
                             completion.finish_reason,
                             completion.stop_reason,
+                            prompt_token_ids=list(first.prompt_token_ids)
+                            if ids and starting
+                            else None,
+                            token_ids=list(completion.token_ids) if ids else None,
                         )
                     )
                 if choices:

@@ -89,6 +89,13 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    #: only these token ids may be sampled
+    allowed_token_ids: list[int] | None = None
+    #: words the output never contains (each tokenized alone and after a space)
+    bad_words: list[str] | None = None
+    #: the response also carries the prompt's token ids and each choice's generated ids
+    #: (vLLM's field; streamed: the prompt's in the first chunk, the new ids in every one)
+    return_token_ids: bool | None = None
     #: keep the prompt's last k tokens (-1: as many as leave room for max_tokens)
     truncate_prompt_tokens: int | None = None
     #: scheduling priority for the ``priority`` scheduler (lower runs first); a 64-bit integer
@@ -166,6 +173,8 @@ class _SamplingRequest(_Request):
             "skip_special_tokens": self.skip_special_tokens,
             "structured_outputs": structured_outputs,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         # None means "not given": SamplingParams' own defaults apply.
         kwargs = {k: v for k, v in values.items() if v is not None}
@@ -307,6 +316,15 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+def _without_absent(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``data`` without those of ``keys`` whose value is ``None`` (fields sent only when a
+    request asked for them)."""
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -316,6 +334,14 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     #: vLLM extension (non-streaming responses, when ``prompt_logprobs`` was asked for)
     prompt_logprobs: PromptLogprobs | None = None
+    #: vLLM extension (``return_token_ids``): the prompt's ids and this choice's generated
+    #: ids; left out of the JSON otherwise
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_token_ids(self, handler: Any) -> dict[str, Any]:
+        return _without_absent(handler(self), "prompt_token_ids", "token_ids")
 
 
 def _now() -> int:
@@ -514,6 +540,12 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: vLLM extension (``return_token_ids``): the generated ids; left out otherwise
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_token_ids(self, handler: Any) -> dict[str, Any]:
+        return _without_absent(handler(self), "token_ids")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -525,6 +557,12 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
     #: vLLM extension (when ``prompt_logprobs`` was asked for)
     prompt_logprobs: PromptLogprobs | None = None
+    #: vLLM extension (``return_token_ids``): the rendered prompt's ids; left out otherwise
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_token_ids(self, handler: Any) -> dict[str, Any]:
+        return _without_absent(handler(self), "prompt_token_ids")
 
 
 class DeltaMessage(BaseModel):
@@ -553,6 +591,12 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: ``return_token_ids``: the ids generated since the previous chunk; left out otherwise
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_token_ids(self, handler: Any) -> dict[str, Any]:
+        return _without_absent(handler(self), "token_ids")
 
 
 class ChatCompletionChunk(BaseModel):
@@ -562,6 +606,12 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    #: ``return_token_ids``: the prompt's ids, in the first chunk only; left out otherwise
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_token_ids(self, handler: Any) -> dict[str, Any]:
+        return _without_absent(handler(self), "prompt_token_ids")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -236,8 +236,8 @@ class UsageCounter:
         self.completion_tokens = 0
 
     def add(self, prompt_index: int, output: RequestOutput) -> None:
-        if prompt_index not in self.prompt_tokens:
-            self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        # the engine's prompt (after truncate_prompt_tokens) replaces a count set earlier
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
         self.cached_tokens[prompt_index] = max(
             self.cached_tokens.get(prompt_index, 0), output.num_cached_tokens or 0
         )

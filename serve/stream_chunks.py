@@ -37,13 +37,21 @@ class ChunkEncoder:
     def __init__(self, object_type: str, response_id: str, created: int, model: str) -> None:
         self._head = {"id": response_id, "object": object_type, "created": created, "model": model}
 
-    def event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
+    def event(
+        self,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> bytes:
         """One event: the response's constant fields, ``choices`` and ``usage`` (or null):
         a :class:`~chassis.serve.protocol.UsageInfo` as a dict
-        (``UsageCounter.as_dict()``)."""
+        (``UsageCounter.as_dict()``); ``prompt_token_ids`` (a chat response's first chunk,
+        with ``return_token_ids``) when given."""
         chunk = dict(self._head)
         chunk["choices"] = choices
         chunk["usage"] = usage
+        if prompt_token_ids is not None:
+            chunk["prompt_token_ids"] = prompt_token_ids
         return b"data: " + _encode(chunk) + b"\n\n"
 
 
@@ -53,10 +61,13 @@ def completion_choice(
     logprobs: BaseModel | None = None,
     finish_reason: str | None = None,
     stop_reason: int | str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """A streamed :class:`~chassis.serve.protocol.CompletionChoice` (no prompt logprobs:
-    those only go in non-streamed responses)."""
-    return {
+    those only go in non-streamed responses); the token ids only when given
+    (``return_token_ids``)."""
+    choice = {
         "index": index,
         "text": text,
         "logprobs": _model(logprobs),
@@ -64,6 +75,11 @@ def completion_choice(
         "stop_reason": stop_reason,
         "prompt_logprobs": None,
     }
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def chat_choice(
@@ -75,6 +91,7 @@ def chat_choice(
     stop_reason: int | str | None = None,
     reasoning: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """A :class:`~chassis.serve.protocol.ChatStreamChoice`; the delta omits absent fields,
     as :class:`~chassis.serve.protocol.DeltaMessage` does, and carries ``reasoning`` under
@@ -90,10 +107,13 @@ def chat_choice(
         delta["reasoning_content"] = reasoning  # the name other clients read, same text
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
-    return {
+    choice = {
         "index": index,
         "delta": delta,
         "logprobs": _model(logprobs),
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
+    if token_ids is not None:  # return_token_ids: the ids new in this chunk
+        choice["token_ids"] = token_ids
+    return choice

@@ -168,6 +168,52 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess) -> 
         )
 
 
+def test_token_ids_and_restrictions_through_the_openai_client(
+    server: ServerProcess, tiny_llama_dir: Path
+) -> None:
+    """vLLM's extras as a client sends them (extra_body): return_token_ids with a truncated
+    prompt (the ids and the usage are the kept ones), allowed_token_ids and bad_words."""
+    client = server.client()
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "a b c d e f g h i j k l m n o p " * 4}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={
+            "truncate_prompt_tokens": 20,
+            "return_token_ids": True,
+            "allowed_token_ids": [300, 301, 302],
+        },
+    )
+    chunks = list(stream)
+    assert len(chunks[0].model_extra["prompt_token_ids"]) == 20
+    assert chunks[-1].usage.prompt_tokens == 20
+    ids = [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids") or []]
+    assert len(ids) == 4 and set(ids) <= {300, 301, 302}
+
+    # bad_words: a one-token word of the greedy output (as the tokenizer writes it) is gone
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    kwargs = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8}
+    plain = client.completions.create(
+        temperature=0, extra_body={"return_token_ids": True}, **kwargs
+    )
+    ids = plain.choices[0].model_extra["token_ids"]
+    assert tokenizer.decode(ids) == plain.choices[0].text
+    single = next(
+        t for t in ids if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]
+    )
+    avoided = client.completions.create(
+        temperature=0,
+        extra_body={"return_token_ids": True, "bad_words": [tokenizer.decode([single])]},
+        **kwargs,
+    )
+    assert single not in avoided.choices[0].model_extra["token_ids"]
+
+
 def test_chat_non_streaming_and_streaming_agree(server: ServerProcess) -> None:
     client = server.client()
     full = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0)

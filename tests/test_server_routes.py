@@ -713,3 +713,45 @@ def test_echo_prompt_logprobs_field_holds_what_it_asked_for() -> None:
         # max_tokens 0 is answered by one engine token: the error names what was sent
         response = client.post("/v1/completions", json={**body, "max_tokens": 0, "min_tokens": 2})
         assert "max_tokens (0)" in assert_error(response, 400, "min_tokens")["message"]
+
+
+# -- return_token_ids ---------------------------------------------------------------------------
+
+
+def test_return_token_ids_in_completions(client: TestClient, engine: FakeAsyncLLM) -> None:
+    tok = engine.tokenizer
+    body = {"prompt": "hi", "max_tokens": 3, "n": 2, "return_token_ids": True}
+    whole = client.post("/v1/completions", json=body).json()
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == tok("hi").input_ids
+        assert tok.decode(choice["token_ids"]) == choice["text"]
+    events = sse_events(client.post("/v1/completions", json={**body, "stream": True}).text)
+    streamed: dict[int, list[int]] = {}
+    for event in events:
+        for choice in event["choices"]:
+            if choice["index"] not in streamed:  # a choice's first chunk
+                assert choice["prompt_token_ids"] == tok("hi").input_ids
+            else:
+                assert "prompt_token_ids" not in choice
+            streamed.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert streamed == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    plain = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()
+    assert "token_ids" not in plain["choices"][0]
+    assert "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_return_token_ids_in_chat(client: TestClient, engine: FakeAsyncLLM) -> None:
+    body = {"messages": CHAT, "max_tokens": 3, "return_token_ids": True}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    prompt_ids = whole["prompt_token_ids"]
+    assert len(prompt_ids) == whole["usage"]["prompt_tokens"]
+    choice = whole["choices"][0]
+    assert engine.tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    events = sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    assert events[0]["prompt_token_ids"] == prompt_ids  # the role chunk
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    streamed = [t for e in events[1:] for c in e["choices"] for t in c["token_ids"]]
+    assert streamed == choice["token_ids"]
+    plain = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]

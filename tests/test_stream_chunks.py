@@ -60,6 +60,9 @@ COMPLETION_CASES = [
     ({"index": 1, "text": ' "quoted"\n\t', "finish_reason": "stop", "stop_reason": 42}, USAGE),
     ({"index": 0, "text": "x", "finish_reason": "stop", "stop_reason": "</s>"}, None),
     ({"index": 0, "text": " Paris\u00e9", "logprobs": COMPLETION_LOGPROBS}, USAGE),
+    # return_token_ids: the prompt's ids in a choice's first chunk, the new ids in each
+    ({"index": 0, "text": "ab", "prompt_token_ids": [1, 2], "token_ids": [5, 6]}, None),
+    ({"index": 1, "text": "", "finish_reason": "stop", "token_ids": []}, USAGE),
 ]
 
 
@@ -124,6 +127,7 @@ CHAT_CASES = [
         None,
     ),
     ({"index": 0, "tool_calls": [{"index": 1, "function": {"arguments": '{"a": "\n'}}]}, None),
+    ({"index": 0, "content": "hi", "token_ids": [7, 8]}, None),  # return_token_ids
 ]
 DELTA_FIELDS = ("role", "content", "reasoning", "tool_calls")
 
@@ -143,6 +147,22 @@ def test_chat_chunk_matches_the_pydantic_model(fields: dict, usage: UsageInfo | 
         [chat_choice(**fields)], _as_dict(usage)
     )
     assert event == f"data: {reference}\n\n".encode()
+
+
+def test_a_chat_chunk_with_the_prompts_token_ids_matches_the_pydantic_model() -> None:
+    reference = ChatCompletionChunk(
+        id="c",
+        created=3,
+        model="m",
+        choices=[ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))],
+        prompt_token_ids=[1, 2, 3],
+    ).model_dump_json()
+    event = ChunkEncoder("chat.completion.chunk", "c", 3, "m").event(
+        [chat_choice(0, role="assistant", content="")], None, prompt_token_ids=[1, 2, 3]
+    )
+    assert event == f"data: {reference}\n\n".encode()
+    plain = ChatCompletionChunk(id="c", created=3, model="m", choices=[]).model_dump()
+    assert "prompt_token_ids" not in plain
 
 
 def test_reasoning_is_sent_as_reasoning_content_too() -> None:
