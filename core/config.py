@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chassis.core.speculative import SpeculativeConfig
 
 #: What ``chassis serve`` serves when no model is named (see docs/models.md).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -76,6 +79,9 @@ class EngineConfig:
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
+    #: speculative decoding (vLLM's ``--speculative-config``, a dict of its keys; see
+    #: :class:`~chassis.core.speculative.SpeculativeConfig`); None: off
+    speculative_config: dict[str, Any] | None = None
 
     # -- plugins ---------------------------------------------------------------------------
     #: values of flags added through ``chassis_add_cli_args``
@@ -121,6 +127,17 @@ class EngineConfig:
                 "--torch-compile and --enforce-eager contradict each other (--enforce-eager "
                 "means no graph capture and no compilation); drop one"
             )
+        if self.speculative_config is not None:
+            self.speculative.validate()  # type: ignore[union-attr]
+            if self.async_scheduling:
+                raise ValueError(
+                    "--speculative-config and --async-scheduling cannot be combined yet: a "
+                    "step's accepted tokens must be known before the next one is planned"
+                )
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "--speculative-config is not supported with --tensor-parallel-size > 1 yet"
+                )
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0; got {self.max_logprobs}")
         if not self.generation_config.strip():
@@ -134,6 +151,15 @@ class EngineConfig:
             from chassis.core.tokenizer import load_chat_template
 
             load_chat_template(self.chat_template)  # a mistyped path fails here, not after loading
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """:attr:`speculative_config` parsed (``ValueError`` when invalid); None when off."""
+        if self.speculative_config is None:
+            return None
+        from chassis.core.speculative import SpeculativeConfig
+
+        return SpeculativeConfig.from_value(self.speculative_config)
 
     def _validate_cuda_graph_sizes(self, sizes: list[int]) -> None:
         if not sizes:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 from chassis.core.request import TokenLogprobs
 from chassis.core.sampler_interface import SampledLogprobs
 from chassis.core.scheduler_interface import ModelRunnerOutput
+from chassis.core.speculative import accepted_tokens
 
 if TYPE_CHECKING:
     from chassis.core.input_batch import InputBatch, RequestState
@@ -74,6 +75,8 @@ class _Step:
     logprobs: SampledLogprobs | None
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
     event: DeviceEvent
+    #: request id -> the draft tokens its rows verify (speculative decoding)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     output: ModelRunnerOutput | None = None
 
 
@@ -145,12 +148,16 @@ class InFlightSteps:
         states: list[RequestState],
         result: SamplerOutput | None,
         prompt_logprobs: dict[str, list[TokenLogprobs | None]],
+        drafts: dict[str, list[int]] | None = None,
     ) -> PendingRunnerOutput:
         """Register a step the device is computing.
 
         ``result`` holds the ids (and logprobs) sampled for the requests at
         ``sample_positions`` of ``request_ids``, whose batch rows are ``sample_rows`` and
-        runner states ``states``; it is ``None`` when no row sampled.
+        runner states ``states``; it is ``None`` when no row sampled. A request with
+        ``drafts`` (speculative decoding) has one sampling row after its last token and one
+        after each draft, consecutive; its tokens are the drafts the model chose and the
+        model's next one (:func:`~chassis.core.speculative.accepted_tokens`).
         """
         if result is None:
             self._last = None
@@ -179,8 +186,9 @@ class InFlightSteps:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             event=self.platform.record_event(),
+            drafts=drafts or {},
         )
-        self.batch.num_unresolved[sample_rows] += 1
+        self.batch.num_unresolved[np.unique(sample_rows)] += 1
         self._steps.append(step)
         return PendingRunnerOutput(lambda: self._resolve_through(step))
 
@@ -206,14 +214,23 @@ class InFlightSteps:
         batch = self.batch
         token_ids = step.token_ids.tolist()
         sampled: list[list[int]] = [[] for _ in step.request_ids]
+        first_row: dict[int, int] = {}  # request index -> its first sampling row
         for j, i in enumerate(step.sample_positions):
-            token_id = int(token_ids[j])
-            sampled[i] = [token_id]
-            row = batch.row_of.get(step.request_ids[i])
+            sampled[i].append(int(token_ids[j]))
+            first_row.setdefault(i, j)
+        for i, j in first_row.items():
+            request_id = step.request_ids[i]
+            drafts = step.drafts.get(request_id)
+            if drafts:
+                sampled[i] = accepted_tokens(sampled[i], drafts)
+            row = batch.row_of.get(request_id)
             # The same incarnation of the request (not one re-added after a preemption).
             if row is not None and batch.states[row] is step.states[j]:
                 batch.num_unresolved[row] -= 1
-                batch.append_token(row, token_id)
+                for token_id in sampled[i]:
+                    batch.append_token(row, token_id)
+                if drafts:  # the rejected drafts' positions are not computed after all
+                    batch.num_computed_tokens[row] -= len(drafts) + 1 - len(sampled[i])
         logprobs: list[TokenLogprobs | None] | None = None
         if step.logprobs is not None:
             logprobs = [None] * len(step.request_ids)

@@ -243,13 +243,24 @@ class ModelRunner:
         query_start_loc = np.concatenate(([0], cu)).astype(np.int32)
         total = int(cu[-1])
 
+        # Speculative decoding: a request's drafts follow its known tokens for this step only
+        # (verified below; the accepted ones become its tokens when the step resolves).
+        num_drafts = np.zeros(len(rows), dtype=np.int64)
+        for i, r in enumerate(rows):
+            drafts = out.spec_token_ids.get(batch.request_ids[r])
+            if drafts:
+                num_drafts[i] = len(drafts)
+                known = batch.num_tokens[r]
+                batch.token_ids[r, known : known + len(drafts)] = drafts
+
         # Flatten: which request each token belongs to, and its position in the sequence.
         req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
         positions = starts[req_of_token] + (np.arange(total) - query_start_loc[:-1][req_of_token])
         token_rows = rows[req_of_token]
         input_ids: np.ndarray | torch.Tensor = batch.token_ids[token_rows, positions]
-        # Tokens past the known ones were sampled by a step whose ids are still on the device.
-        pending = positions >= batch.num_tokens[token_rows]
+        # Tokens past the known ones (and this step's drafts) were sampled by a step whose ids
+        # are still on the device.
+        pending = positions >= batch.num_tokens[token_rows] + num_drafts[req_of_token]
         if pending.any():
             pending_index = np.nonzero(pending)[0]
             input_ids = self.in_flight.input_ids(
@@ -286,23 +297,30 @@ class ModelRunner:
                 input_ids = self._to_device(input_ids)
             hidden = self.forward(input_ids, self._to_device(positions), ctx)
 
-        # Rows whose every token, known or in flight, is now computed sample their next one.
+        # Rows whose every token, known or in flight, is now computed sample their next one;
+        # a request with drafts samples after its last token and after each draft.
         samples = seq_lens >= batch.num_tokens[rows] + batch.num_unresolved[rows]
         sample_idx = np.nonzero(samples)[0]
         request_ids = [batch.request_ids[r] for r in rows]
+        # Per logits row: the index (into rows) of its request, and its token's flat position
+        # (a request with d drafts has d + 1 consecutive rows, ending at its last token).
+        counts = 1 + num_drafts[sample_idx]
+        row_of_sample = np.repeat(sample_idx, counts)
+        offsets = np.arange(len(row_of_sample)) - np.repeat(np.cumsum(counts) - counts, counts)
+        sample_token = cu[row_of_sample] - np.repeat(counts, counts) + offsets
 
         prompt_logprobs = self.prompt_logprobs.collect(
             self.model, hidden, request_ids, starts, num_scheduled, query_start_loc
         )
 
-        sample_rows = rows[sample_idx]
+        sample_rows = rows[row_of_sample]
         states = [batch.states[r] for r in sample_rows]
         result = None
         if states:
-            if len(sample_idx) == total:
-                sample_hidden = hidden  # one token per request, each sampling: every row
+            if len(sample_token) == total:
+                sample_hidden = hidden  # every token samples, in order: every row
             else:
-                sample_hidden = hidden[self._to_device(cu[sample_idx] - 1)]
+                sample_hidden = hidden[self._to_device(sample_token)]
             logits = self.model.compute_logits(sample_hidden).float()
             unresolved = batch.num_unresolved[sample_rows]
             if unresolved.any() and any(
@@ -331,7 +349,13 @@ class ModelRunner:
 
         batch.num_computed_tokens[rows] = seq_lens
         return self.in_flight.launch(
-            request_ids, sample_idx.tolist(), sample_rows, states, result, prompt_logprobs
+            request_ids,
+            row_of_sample.tolist(),
+            sample_rows,
+            states,
+            result,
+            prompt_logprobs,
+            out.spec_token_ids,
         )
 
     def _mask_disallowed_tokens(

@@ -75,6 +75,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    #: speculative decoding, since start: draft tokens verified, and those accepted
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -135,6 +138,8 @@ class Request:
         self.first_scheduled_time_sent = False
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
+        #: draft tokens the plan in flight verifies (speculative decoding), else empty
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -72,6 +72,10 @@ class SchedulerOutput:
     #: with ``np.packbits`` (structured outputs; set by the engine core after ``schedule()``,
     #: not by schedulers); the runner masks the other tokens' logits of a row that samples
     allowed_token_masks: dict[str, bytes] = field(default_factory=dict)
+    #: request id -> draft tokens to verify this step (speculative decoding): the request's
+    #: ``num_scheduled_tokens`` are its last token plus these; the runner returns the drafts
+    #: the model agreed with plus one token of its own (``core/speculative.py``)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -11,6 +11,7 @@ platform's ``check_and_update_config``, as the hookspec promises).
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import MISSING, fields
 from typing import Any
@@ -210,6 +211,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "docs/scheduling.md",
     )
     g.add_argument(
+        "--speculative-config",
+        type=_json_object_arg,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(greedy requests only; see docs/scheduling.md)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -234,6 +243,17 @@ def _add_plugin_args(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(**{_PLUGIN_DESTS: [], _PLUGIN_ERROR: str(exc)})
         return
     parser.set_defaults(**{_PLUGIN_DESTS: dests, _PLUGIN_ERROR: None})
+
+
+def _json_object_arg(text: str) -> dict[str, Any]:
+    """A flag value that is a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 #: flag dest -> EngineConfig field (where they differ)

@@ -6,8 +6,9 @@ in one process, as in tests, do not collide):
 * read from the engine at scrape time (``engine.stats()``, the scheduler's latest snapshot):
   ``chassis:num_requests_running``, ``chassis:num_requests_waiting``,
   ``chassis:kv_cache_usage_perc`` (gauges) and ``chassis:prefix_cache_queries_total``,
-  ``chassis:prefix_cache_hits_total``, ``chassis:num_preemptions_total`` (counters: the
-  engine's cumulative counts);
+  ``chassis:prefix_cache_hits_total``, ``chassis:num_preemptions_total``,
+  ``chassis:spec_decode_num_draft_tokens_total``, ``chassis:spec_decode_num_accepted_tokens_total``
+  (counters: the engine's cumulative counts);
 * observed by the server per request, from its own clock: ``chassis:prompt_tokens_total``,
   ``chassis:generation_tokens_total``, ``chassis:request_success_total{finished_reason}``
   (one per finished completion, so ``n=2`` counts two), and the histograms
@@ -99,6 +100,16 @@ class _EngineStatsCollector(Collector):
         )
         yield counter(
             "num_preemptions", "Requests preempted for lack of KV blocks.", get("num_preemptions")
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens",
+            "Draft tokens verified by speculative decoding.",
+            get("spec_num_draft_tokens"),
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens speculative decoding accepted.",
+            get("spec_num_accepted_tokens"),
         )
 
 

@@ -74,6 +74,8 @@ class _StepPlan:
     preempted_ids: set[str] = field(default_factory=set)
     #: ids the runner must drop
     finished_request_ids: set[str] = field(default_factory=set)
+    #: request id -> draft tokens it verifies this step (speculative decoding)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, request_id: str, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
         self.num_scheduled_tokens[request_id] = num_tokens
@@ -89,6 +91,7 @@ class _StepPlan:
         self.token_budget += self.num_scheduled_tokens.pop(request_id, 0)
         self.new_request_ids.discard(request_id)
         self.new_block_ids.pop(request_id, None)
+        self.spec_token_ids.pop(request_id, None)
 
 
 class ContinuousBatchingScheduler(Scheduler):
@@ -124,6 +127,10 @@ class ContinuousBatchingScheduler(Scheduler):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        #: speculative decoding (None: off) and its counters since start
+        self.speculative = config.speculative
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         self._arrival_index: dict[str, int] = {}
         self._next_arrival_index = 0
         # ids the runner holds in its persistent batch (sent as NewRequestData, not yet dropped)
@@ -230,6 +237,8 @@ class ContinuousBatchingScheduler(Scheduler):
             if planned is not None and planned.get(request_id) is not request:
                 continue  # the id now names a newer request than the one planned
             sampled = runner_output.sampled_token_ids[i]
+            if request.spec_token_ids:
+                self._settle_drafts(request, sampled)
             if sampled and request.num_computed_tokens < request.num_tokens:
                 raise ValueError(
                     f"the model runner sampled a token for request {request_id!r} although "
@@ -293,6 +302,8 @@ class ContinuousBatchingScheduler(Scheduler):
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )
 
     # -- planning --------------------------------------------------------------------------
@@ -315,10 +326,16 @@ class ContinuousBatchingScheduler(Scheduler):
                 if not self.config.enable_chunked_prefill:
                     continue
                 num_new = plan.token_budget
+            drafts = self._drafts(request, plan.token_budget) if num_new == 1 else []
             while True:
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
+                if block_ids is None and drafts:
+                    drafts = []  # no room to verify drafts: decode plainly
+                    continue
                 if block_ids is not None:
-                    plan.add(request.request_id, num_new, block_ids, is_new=False)
+                    plan.add(request.request_id, num_new + len(drafts), block_ids, is_new=False)
+                    if drafts:
+                        plan.spec_token_ids[request.request_id] = drafts
                     break
                 victim = self.select_victim(self._victim_candidates(self.running))
                 self._preempt(victim, plan)
@@ -389,12 +406,52 @@ class ContinuousBatchingScheduler(Scheduler):
                     )
                 )
             output.num_scheduled_tokens[request_id] = num_tokens
+            request.spec_token_ids = plan.spec_token_ids.get(request_id, [])
+            if request.spec_token_ids:
+                output.spec_token_ids[request_id] = request.spec_token_ids
             planned[request_id] = request
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 # This step samples the request's next token: unknown until update_from_output.
                 request.num_output_placeholders += 1
         return output
+
+    def _drafts(self, request: Request, token_budget: int) -> list[int]:
+        """Draft tokens for a decoding request (speculative decoding; ``[]`` when off, not
+        eligible, or nothing to propose). They never take the request past ``max_tokens`` or
+        the context, and fit the step's token budget with the decode itself."""
+        spec = self.speculative
+        if spec is None or request.num_output_placeholders:
+            return []
+        from chassis.core.speculative import can_speculate, propose_ngram
+
+        params = request.sampling_params
+        if not can_speculate(params, len(request.output_token_ids)):
+            return []
+        room = min(spec.num_speculative_tokens, token_budget - 1)
+        room = min(room, self.max_len - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
+        if room < 1:
+            return []
+        return propose_ngram(
+            request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+
+    def _settle_drafts(self, request: Request, sampled: list[int]) -> None:
+        """Take back the K/V positions of the drafts the model did not agree with: the
+        step computed the last token and every draft; ``sampled`` is the accepted drafts
+        plus the model's own next token."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        accepted = len(sampled) - 1
+        if not 0 <= accepted <= len(drafts) or sampled[:accepted] != drafts[:accepted]:
+            raise RuntimeError(
+                f"request {request.request_id!r}: the runner returned {sampled} for the drafts "
+                f"{drafts}; it must return the drafts it accepted plus one token"
+            )
+        request.num_computed_tokens -= len(drafts) - accepted
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += accepted
 
     def _victim_candidates(self, running: list[Request]) -> list[Request]:
         """``running`` without the requests whose tokens in flight finish them (async

@@ -1,0 +1,188 @@
+"""Speculative decoding with n-gram drafts (core/speculative.py): the proposer, the accept
+rule, the config, and the engine giving exactly the tokens plain decoding gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fixtures_models import *  # noqa: F403
+
+from chassis import LLM, SamplingParams
+from chassis.core.config import EngineConfig
+from chassis.core.speculative import (
+    SpeculativeConfig,
+    accepted_tokens,
+    can_speculate,
+    propose_ngram,
+)
+from chassis.serve.args import engine_config_from_args
+from chassis.serve.cli import build_parser
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+# -- the pieces ---------------------------------------------------------------------------------
+
+
+def test_the_longest_ngram_and_its_latest_occurrence_win() -> None:
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 7, 5, 2, 3]
+    # "2 3" occurs at 1 and 5; "5 2 3" nowhere earlier: the latest "2 3" (at 5) gives 8, 7, 5
+    assert propose_ngram(tokens, 3, 2, 3) == [8, 7, 5]
+    assert propose_ngram([4, 1, 2, 3, 6, 0, 2, 3, 6, 7, 1, 2, 3], 2, 2, 3) == [6, 0]  # "1 2 3"
+    assert propose_ngram(tokens, 10, 2, 3) == [8, 7, 5, 2, 3]  # up to the end
+    assert propose_ngram([1, 2, 3, 4], 3, 2, 3) == []  # nothing repeats
+    assert propose_ngram([5, 5], 3, 2, 3) == []  # too short to repeat an n-gram of 2
+    assert propose_ngram([5, 5, 5], 2, 1, 1) == [5]  # "5" last seen at 1: what followed is 5
+    assert propose_ngram(tokens, 0, 2, 3) == []
+
+
+def test_drafts_are_kept_while_the_model_chose_them() -> None:
+    assert accepted_tokens([7, 8, 9, 4], [7, 8, 9]) == [7, 8, 9, 4]  # all, plus the bonus
+    assert accepted_tokens([7, 5, 9, 4], [7, 8, 9]) == [7, 5]  # stops at the first miss
+    assert accepted_tokens([6, 8, 9, 4], [7, 8, 9]) == [6]
+    assert accepted_tokens([3], []) == [3]
+
+
+def test_only_plain_greedy_requests_are_drafted() -> None:
+    assert can_speculate(SamplingParams(temperature=0.0), 0)
+    for params in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.1),
+        SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[3]),
+        SamplingParams(temperature=0.0, bad_words_token_ids=[[3]]),
+        SamplingParams(temperature=0.0, structured_outputs={"choice": ["a"]}),
+    ):
+        assert not can_speculate(params, 0)
+    assert not can_speculate(SamplingParams(temperature=0.0, min_tokens=3), 2)
+    assert can_speculate(SamplingParams(temperature=0.0, min_tokens=3), 3)
+
+
+def test_config_errors_name_what_to_change() -> None:
+    assert EngineConfig(speculative_config=SPEC).speculative == SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_max=3
+    )
+    with pytest.raises(ValueError, match="method 'eagle' is not implemented"):
+        EngineConfig(speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match=r"unknown keys \['draft_model'\]"):
+        EngineConfig(speculative_config={"draft_model": "x"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(speculative_config={"prompt_lookup_min": 5, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="--async-scheduling"):
+        EngineConfig(speculative_config=SPEC, async_scheduling=True)
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"num_speculative_tokens": 2}']
+    )
+    assert engine_config_from_args(args).speculative.num_speculative_tokens == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "[1]"])
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+#: prompts whose greedy continuations (tiny random model) repeat earlier n-grams, and some
+#: that do not
+PROMPTS = [
+    "one two three four one two three four one two three",
+    "a b c a b c a b c a b c a b",
+    "The capital of France is",
+    "x y x y x y x y x y x y x y x y x y",
+]
+
+
+def make_llm(model_dir: Path, **engine) -> LLM:
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=128,
+        block_size=4,
+        **engine,
+    )
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir: Path) -> LLM:
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def speculative(tiny_llama_dir: Path) -> LLM:
+    return make_llm(tiny_llama_dir, speculative_config=SPEC)
+
+
+def greedy_ids(llm: LLM, prompts: list[str], **params) -> list[list[int]]:
+    sampling = SamplingParams(
+        **{"temperature": 0.0, "max_tokens": 48, "ignore_eos": True, **params}
+    )
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sampling)]
+
+
+def test_the_same_tokens_as_plain_decoding(plain: LLM, speculative: LLM) -> None:
+    before = speculative.engine.scheduler.stats()
+    expected = greedy_ids(plain, PROMPTS)
+    assert greedy_ids(speculative, PROMPTS) == expected
+    assert greedy_ids(speculative, PROMPTS) == expected  # again, over the prefix cache
+    stats = speculative.engine.scheduler.stats()
+    drafted = stats.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    assert drafted > 0 and 0 < accepted <= drafted  # drafts were made, some kept, some not
+    assert accepted < drafted
+    kv = speculative.engine.kv_cache_manager
+    assert not speculative.engine.has_unfinished() and kv.num_free_blocks == 128
+
+
+def test_limits_and_stops_cut_the_accepted_tokens(plain: LLM, speculative: LLM) -> None:
+    """max_tokens is never overshot by a step's drafts; a stop token in the middle of the
+    accepted ones ends the output there."""
+    for max_tokens in (1, 2, 7):
+        assert greedy_ids(speculative, PROMPTS, max_tokens=max_tokens) == greedy_ids(
+            plain, PROMPTS, max_tokens=max_tokens
+        )
+    reference = greedy_ids(plain, PROMPTS[:1])[0]
+    stop = reference[9]
+    got = greedy_ids(speculative, PROMPTS[:1], stop_token_ids=[stop])[0]
+    assert got == reference[: reference.index(stop) + 1]
+
+
+def test_other_requests_in_the_same_steps_are_unchanged(plain: LLM, speculative: LLM) -> None:
+    """Seeded random sampling and logprobs requests share steps with drafted ones and give
+    what they give alone."""
+    random = SamplingParams(temperature=0.9, seed=5, max_tokens=24)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    mixed = speculative.generate(PROMPTS + PROMPTS[:2], [greedy] * 4 + [random, with_logprobs])
+    alone = plain.generate(PROMPTS + PROMPTS[:2], [greedy] * 4 + [random, with_logprobs])
+    for got, want in zip(mixed, alone, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert mixed[-1].outputs[0].logprobs == alone[-1].outputs[0].logprobs
+
+
+def test_chunked_prefill_and_a_small_token_budget(plain: LLM, tiny_llama_dir: Path) -> None:
+    """A budget of 6 tokens: prompts arrive in chunks, and drafts shrink to what is left of
+    the budget next to the other requests' tokens."""
+    small = make_llm(tiny_llama_dir, speculative_config=SPEC, max_num_batched_tokens=6)
+    try:
+        assert greedy_ids(small, PROMPTS) == greedy_ids(plain, PROMPTS)
+    finally:
+        small.shutdown()
+
+
+def test_a_real_model_copying_text_accepts_most_drafts() -> None:
+    """SmolLM2 asked to repeat a text: the same answer, most drafts accepted."""
+    text = (
+        "All that glitters is not gold. Actions speak louder than words. "
+        "Where there is a will, there is a way."
+    )
+    messages = [[{"role": "user", "content": f"Repeat exactly:\n\n{text}"}]]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    answers = []
+    for spec in (None, SPEC):
+        llm = LLM(max_model_len=512, num_kv_blocks=64, speculative_config=spec)
+        answers.append(llm.chat(messages, params)[0].outputs[0].token_ids)
+        stats = llm.engine.scheduler.stats()
+    assert answers[0] == answers[1]
+    assert stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens / 2
