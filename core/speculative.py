@@ -13,10 +13,16 @@ weight once whatever the rows, so on the CPU a forward over 8 tokens per request
 what one over 1 does (``chassis bench kernels``: the linear layers' time at 8 rows equals
 their time at 1).
 
-This version verifies greedily: only requests that decode greedily and use nothing that
-makes a position's choice depend on more than the logits (logprobs, penalties, bias,
-``min_tokens`` still blocking, allowed ids, bad words, structured outputs) get drafts; the
-others decode as usual in the same steps. See docs/scheduling.md.
+Verification samples a token after every position, as the request would sample there, and
+keeps a draft only when the sampled token *is* the draft. Each token of the output is then
+drawn from the model's distribution given the tokens actually output before it, so greedy
+requests get exactly the plain output and random ones an output with exactly the plain
+distribution (exact match accepts fewer drafts than rejection sampling would; it needs no
+probabilities from the sampler, so any sampler plugin works). Requests whose choice at a
+position depends on more than that position's logits and the global random stream get no
+drafts and decode as usual in the same steps: a seed (its stream is replayed per output
+token), logprobs, penalties, bias, ``min_tokens`` still blocking, allowed ids, bad words,
+structured outputs. See docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -90,10 +96,11 @@ class SpeculativeConfig:
 
 
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether a request's next tokens may be drafted and verified greedily: its choice at
-    each position is the argmax of the model's logits and nothing else."""
+    """Whether a request's next tokens may be drafted and verified: its choice at each
+    position depends on that position's logits (and, sampling, the global random stream)
+    only."""
     return (
-        params.temperature < SAMPLING_EPS
+        (params.seed is None or params.temperature < SAMPLING_EPS)
         and params.logprobs is None
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0

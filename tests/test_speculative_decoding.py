@@ -3,6 +3,7 @@ rule, the config, and the engine giving exactly the tokens plain decoding gives.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,12 @@ def test_drafts_are_kept_while_the_model_chose_them() -> None:
     assert accepted_tokens([3], []) == [3]
 
 
-def test_only_plain_greedy_requests_are_drafted() -> None:
+def test_requests_whose_choices_depend_on_more_than_the_logits_get_no_drafts() -> None:
     assert can_speculate(SamplingParams(temperature=0.0), 0)
+    assert can_speculate(SamplingParams(temperature=0.7, top_p=0.9), 0)
+    assert can_speculate(SamplingParams(temperature=0.0, seed=3), 0)  # greedy: no draws
     for params in (
-        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, seed=3),  # its stream is replayed per output token
         SamplingParams(temperature=0.0, logprobs=1),
         SamplingParams(temperature=0.0, repetition_penalty=1.1),
         SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
@@ -94,14 +97,8 @@ PROMPTS = [
 
 
 def make_llm(model_dir: Path, **engine) -> LLM:
-    return LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        **engine,
-    )
+    settings = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "block_size": 4}
+    return LLM(str(model_dir), **{**settings, **engine})
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +146,8 @@ def test_limits_and_stops_cut_the_accepted_tokens(plain: LLM, speculative: LLM) 
 
 
 def test_other_requests_in_the_same_steps_are_unchanged(plain: LLM, speculative: LLM) -> None:
-    """Seeded random sampling and logprobs requests share steps with drafted ones and give
-    what they give alone."""
+    """Seeded random sampling and logprobs requests (never drafted) share steps with drafted
+    ones and give what they give alone."""
     random = SamplingParams(temperature=0.9, seed=5, max_tokens=24)
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -159,6 +156,33 @@ def test_other_requests_in_the_same_steps_are_unchanged(plain: LLM, speculative:
     for got, want in zip(mixed, alone, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert mixed[-1].outputs[0].logprobs == alone[-1].outputs[0].logprobs
+
+
+def test_random_sampling_keeps_its_distribution(tiny_llama_dir: Path) -> None:
+    """Unseeded random requests are drafted and verified by exact match with what they
+    sample: the first three tokens of 400 samples (top-k 2) are distributed as without
+    drafts (total variation distance under 0.15; 0.04 when written), and drafts were kept."""
+    prompt = "x y x y x y x y x y x y x y x y x y"
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=6, n=400, ignore_eos=True)
+    counts = []
+    for spec in (None, SPEC):
+        llm = make_llm(
+            tiny_llama_dir,
+            speculative_config=spec,
+            num_kv_blocks=2000,
+            max_num_seqs=400,
+            max_num_batched_tokens=4096,
+        )
+        try:
+            outputs = llm.generate([prompt], params)[0].outputs
+            stats = llm.engine.scheduler.stats()
+        finally:
+            llm.shutdown()
+        counts.append(Counter(tuple(c.token_ids[:3]) for c in outputs))
+    assert stats.spec_num_accepted_tokens > 50
+    plain, drafted = counts
+    distance = sum(abs(plain[k] - drafted[k]) for k in plain.keys() | drafted.keys()) / 800
+    assert distance < 0.15, (plain.most_common(5), drafted.most_common(5))
 
 
 def test_chunked_prefill_and_a_small_token_budget(plain: LLM, tiny_llama_dir: Path) -> None:

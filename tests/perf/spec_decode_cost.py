@@ -1,6 +1,6 @@
 """What n-gram speculative decoding gains on this host (docs/scheduling.md).
 
-Not a test. On the embedded SmolLM2, greedy::
+Not a test. On the embedded SmolLM2::
 
     python tests/perf/spec_decode_cost.py [DTYPE]
 
@@ -9,8 +9,9 @@ Not a test. On the embedded SmolLM2, greedy::
 prints output tokens per second without and with ``--speculative-config
 '{"num_speculative_tokens": 4}'`` on two workloads: chat requests that copy text (ask to
 repeat a passage: the drafts are mostly right) and chat requests that write new text
-(questions: few drafts, mostly wrong), each at 1 and 4 requests at a time; plus the share of
-drafts accepted. Both engines run in this process, alternated, each measured twice after a
+(questions: few drafts, mostly wrong), each at 1 and 4 requests at a time, greedy, and the
+copying requests sampled at temperature 0.7 (identical outputs are then not expected); plus
+the share of drafts accepted. Both engines run in this process, alternated, each measured twice after a
 warm-up (the better of the two counts). It also counts the outputs that are identical:
 SmolLM2 runs in bfloat16 here, whose CPU kernels round differently for different numbers of
 rows, so a near-tie can go another way when a step verifies drafts (plain decoding changes
@@ -38,13 +39,17 @@ NEW = [
     "Describe the water cycle for a child.",
 ]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=96)
+#: sampled (unseeded), for the acceptance of drafts checked by exact match with a sample
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=96)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 
-def run(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], float]:
+def run(
+    llm: LLM, prompts: list[str], params: SamplingParams = PARAMS
+) -> tuple[list[list[int]], float]:
     messages = [[{"role": "user", "content": p}] for p in prompts]
     start = time.perf_counter()
-    outputs = llm.chat(messages, PARAMS)
+    outputs = llm.chat(messages, params)
     elapsed = time.perf_counter() - start
     return [o.outputs[0].token_ids for o in outputs], elapsed
 
@@ -54,21 +59,23 @@ def main(dtype: str = "auto") -> None:
         "plain": LLM(max_model_len=1024, dtype=dtype),
         "ngram-4": LLM(max_model_len=1024, dtype=dtype, speculative_config=SPEC),
     }
+    copies = [COPY[0].replace("exactly", f"exactly ({i})") for i in range(4)]
     workloads = {
-        "copy x1": COPY,
-        "copy x4": [COPY[0].replace("exactly", f"exactly ({i})") for i in range(4)],
-        "new x1": NEW[:1],
-        "new x4": NEW,
+        "copy x1": (COPY, PARAMS),
+        "copy x4": (copies, PARAMS),
+        "new x1": (NEW[:1], PARAMS),
+        "new x4": (NEW, PARAMS),
+        "copy x4, sampled": (copies, SAMPLED),
     }
-    for label, prompts in workloads.items():
+    for label, (prompts, params) in workloads.items():
         results: dict[str, list[float]] = {name: [] for name in engines}
         tokens: dict[str, list[list[int]]] = {}
         stats_before = {n: e.engine.scheduler.stats() for n, e in engines.items()}
         for llm in engines.values():
-            run(llm, prompts)  # warm-up
+            run(llm, prompts, params)  # warm-up
         for _ in range(2):
             for name, llm in engines.items():
-                ids, elapsed = run(llm, prompts)
+                ids, elapsed = run(llm, prompts, params)
                 tokens[name] = ids
                 results[name].append(sum(len(t) for t in ids) / elapsed)
         same = sum(a == b for a, b in zip(tokens["plain"], tokens["ngram-4"], strict=True))
