@@ -279,3 +279,25 @@ def new_kv_caches(
         torch.zeros(shape, dtype=dtype, device=device)
         for _ in range(int(hf_config.num_hidden_layers))
     ]
+
+
+def hf_greedy_tokens(
+    model: Any, tokenizer: Any, prompts: Sequence[str], max_tokens: int
+) -> list[list[int]]:
+    """HF ``generate``'s greedy continuation of each prompt (tokenized with special tokens),
+    exactly ``max_tokens`` new token ids each (EOS does not stop it): the reference the
+    parity tests compare chassis' greedy tokens with."""
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_models import allocate_block_tables, new_kv_caches
+from fixtures_models import allocate_block_tables, hf_greedy_tokens, new_kv_caches
 from safetensors.torch import load_file, save_file
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, hf_logits
 from test_models_parity import Runner as ParityRunner
@@ -243,22 +243,7 @@ MAX_TOKENS = 10
 
 
 def hf_greedy(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    tokenizer = load_tokenizer(model_dir)
-    model = load_hf(model_dir)
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
+    return hf_greedy_tokens(load_hf(model_dir), load_tokenizer(model_dir), prompts, max_tokens)
 
 
 def chassis_greedy(model_dir: Path, prompts: list[str], max_tokens: int, **engine: Any):
@@ -439,19 +424,6 @@ def test_a_multimodal_gemma3_checkpoint_serves_text(tmp_path: Path) -> None:
     assert engine_config.architectures == ["Gemma3ForConditionalGeneration"]
     assert engine_config.num_hidden_layers == 2 and engine_config.head_dim == 32
 
-    tokenizer = load_tokenizer(tmp_path)
-    expected = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            gen = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            expected.append(gen[0, ids.shape[1] :].tolist())
+    expected = hf_greedy_tokens(hf, load_tokenizer(tmp_path), PROMPTS, MAX_TOKENS)
     got = chassis_greedy(tmp_path, PROMPTS, MAX_TOKENS)
     assert got == expected

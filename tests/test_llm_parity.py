@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures_models import hf_greedy_tokens
 from transformers import AutoModelForCausalLM
 
 from chassis import LLM, SamplingParams
@@ -21,22 +22,8 @@ MAX_TOKENS = 12
 
 
 def hf_greedy(model_dir, prompts, max_tokens, dtype=torch.float32) -> list[list[int]]:
-    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
+    return hf_greedy_tokens(model, load_tokenizer(model_dir), prompts, max_tokens)
 
 
 def chassis_greedy(model_dir, prompts, max_tokens, **engine) -> list[list[int]]:
