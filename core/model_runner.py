@@ -246,7 +246,7 @@ class ModelRunner:
         # Speculative decoding: a request's drafts follow its known tokens for this step only
         # (verified below; the accepted ones become its tokens when the step resolves).
         num_drafts = np.zeros(len(rows), dtype=np.int64)
-        for i, r in enumerate(rows):
+        for i, r in enumerate(rows if out.spec_token_ids else ()):
             drafts = out.spec_token_ids.get(batch.request_ids[r])
             if drafts:
                 num_drafts[i] = len(drafts)
@@ -380,7 +380,8 @@ class ModelRunner:
         Shows peak activation memory before the KV cache is sized, and warms up kernels. A
         budget longer than ``max_model_len`` is split into several requests (as a real step
         would be), and logits are computed for as many rows as a step can sample
-        (``max_num_seqs``), so that both peaks are seen.
+        (``max_num_seqs``, times ``1 + num_speculative_tokens`` with speculative decoding), so
+        that both peaks are seen.
         """
         num_tokens = max(1, num_tokens)
         max_len = self.config.max_model_len
@@ -421,5 +422,10 @@ class ModelRunner:
             np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
         ).to(self.device)
         hidden = self.forward(input_ids, positions, ctx)
-        self.model.compute_logits(hidden[: min(self.config.max_num_seqs, num_tokens)])
+        # Speculative decoding samples after each draft too: up to 1 + k rows per request.
+        spec = self.config.speculative
+        rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        self.model.compute_logits(
+            hidden[: min(self.config.max_num_seqs * rows_per_seq, num_tokens)]
+        )
         del dummy_cache

@@ -71,11 +71,20 @@ class SpeculativeConfig:
             raise ValueError(
                 f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}"
             )
+        high = value.get("prompt_lookup_max")
+        if (
+            "prompt_lookup_min" not in value
+            and isinstance(high, int)
+            and high < cls.prompt_lookup_min
+        ):
+            # only a maximum below the default minimum: look up n-grams of that one length
+            value = {**value, "prompt_lookup_min": high}
         config = cls(**value)
         config.validate()
         return config
 
     def validate(self) -> None:
+        """``ValueError`` naming the key to change when a value is not allowed."""
         if self.method not in METHODS:
             raise ValueError(
                 f"--speculative-config method {self.method!r} is not implemented; "
@@ -88,7 +97,9 @@ class SpeculativeConfig:
                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+        # (bool is an int subclass: JSON ``true`` would read as 1)
+        integers = all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high))
+        if not (integers and 1 <= low <= high):
             raise ValueError(
                 "--speculative-config needs integers 1 <= prompt_lookup_min <= "
                 f"prompt_lookup_max, got {low!r} and {high!r}"

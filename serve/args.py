@@ -91,7 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="hub id or local HF directory; omit for the embedded default model",
+        help="hub id, local HF directory or .gguf file; omit for the embedded default model",
     )
     g.add_argument(
         "--model", dest="model_flag", default=None, metavar="MODEL", help="same as MODEL"
@@ -216,7 +216,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         metavar="JSON",
         help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(greedy requests only; see docs/scheduling.md)",
+        "(greedy and unseeded sampled requests without logprobs, penalties or structured "
+        "outputs; see docs/scheduling.md)",
     )
     g.add_argument(
         "--tensor-parallel-size",

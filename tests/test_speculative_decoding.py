@@ -11,6 +11,7 @@ from fixtures_models import *  # noqa: F403
 
 from chassis import LLM, SamplingParams
 from chassis.core.config import EngineConfig
+from chassis.core.request import EngineCoreRequest
 from chassis.core.speculative import (
     SpeculativeConfig,
     accepted_tokens,
@@ -72,8 +73,13 @@ def test_config_errors_name_what_to_change() -> None:
         EngineConfig(speculative_config={"draft_model": "x"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    assert EngineConfig(speculative_config={"prompt_lookup_max": 1}).speculative == (
+        SpeculativeConfig(prompt_lookup_max=1, prompt_lookup_min=1)
+    )
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_config={"prompt_lookup_min": 5, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):  # JSON true is not 1
+        EngineConfig(speculative_config={"prompt_lookup_min": True})
     with pytest.raises(ValueError, match="--async-scheduling"):
         EngineConfig(speculative_config=SPEC, async_scheduling=True)
     args = build_parser().parse_args(
@@ -205,8 +211,118 @@ def test_a_real_model_copying_text_accepts_most_drafts() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=48)
     answers = []
     for spec in (None, SPEC):
-        llm = LLM(max_model_len=512, num_kv_blocks=64, speculative_config=spec)
+        # float32: in 16-bit dtypes a verify step may resolve a near-tie differently
+        llm = LLM(dtype="float32", max_model_len=512, num_kv_blocks=64, speculative_config=spec)
         answers.append(llm.chat(messages, params)[0].outputs[0].token_ids)
         stats = llm.engine.scheduler.stats()
     assert answers[0] == answers[1]
     assert stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens / 2
+
+
+def test_a_request_preempted_in_the_step_it_drafts(plain: LLM, tiny_llama_dir: Path) -> None:
+    """Priority scheduling, 16 blocks: an urgent request arrives in the step where a running
+    one drafts and takes its blocks; the drafted plan is dropped, both outputs are the plain
+    ones and every block comes back."""
+    prompts = {"a": [11, 12, 13, 14] * 6, "b": [21, 22, 23] * 8}
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    llm = make_llm(
+        tiny_llama_dir,
+        speculative_config=SPEC,
+        scheduler="priority",
+        max_model_len=64,
+        num_kv_blocks=16,
+    )
+    try:
+        engine, scheduler = llm.engine, llm.engine.scheduler
+        engine.add_request(
+            EngineCoreRequest(
+                request_id="a", prompt_token_ids=prompts["a"], sampling_params=params, priority=1
+            )
+        )
+        got: dict[str, list[int]] = {"a": [], "b": []}
+        budget = engine.config.max_num_batched_tokens
+        seen = False  # "a" preempted in a step that drafted for it
+        while engine.has_unfinished() or scheduler.has_finished_requests():
+            a = scheduler.requests.get("a")
+            arrives = (
+                "b" not in scheduler.requests
+                and not got["b"]
+                and a is not None
+                and a.num_tokens >= 40  # "b" needs more blocks than are free
+                and bool(scheduler._drafts(a, budget))  # "a" drafts in this step
+            )
+            if arrives:
+                engine.add_request(
+                    EngineCoreRequest(
+                        request_id="b",
+                        prompt_token_ids=prompts["b"],
+                        sampling_params=params,
+                        priority=0,
+                    )
+                )
+            for output in engine.step().outputs:
+                got[output.request_id] += output.new_token_ids
+            if arrives:
+                seen = scheduler.num_preemptions == 1 and a in scheduler.waiting
+                assert not a.spec_token_ids
+        assert seen, "the drafting request was not preempted in that step"
+        for request_id, prompt in prompts.items():
+            want = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+            assert got[request_id] == want
+        assert engine.kv_cache_manager.num_free_blocks == 16
+        assert engine.executor.worker.runner.batch.num_reqs == 0
+    finally:
+        llm.shutdown()
+
+
+def test_an_abort_while_a_drafted_step_runs_frees_everything(tiny_llama_dir: Path) -> None:
+    """A request aborted between the plan that drafts for it and that plan's results: the
+    results are dropped, the other request goes on, no block or batch row is left behind."""
+    llm = make_llm(tiny_llama_dir, speculative_config=SPEC, num_kv_blocks=64)
+    try:
+        engine, scheduler = llm.engine, llm.engine.scheduler
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        for request_id in ("a", "b"):
+            engine.add_request(
+                EngineCoreRequest(
+                    request_id=request_id,
+                    prompt_token_ids=[11, 12, 13, 14] * 6,
+                    sampling_params=params,
+                )
+            )
+        aborted = False
+        num_b_tokens = 0
+        while engine.has_unfinished() or scheduler.has_finished_requests():
+            plan = scheduler.schedule()
+            pending = engine.executor.execute_model_async(plan)
+            if not aborted and "a" in plan.spec_token_ids:
+                engine.abort_requests(["a"])
+                aborted = True
+            if not plan.is_empty:
+                for output in scheduler.update_from_output(plan, pending.result()):
+                    assert output.request_id == "b" or not aborted
+                    num_b_tokens += len(output.new_token_ids) * (output.request_id == "b")
+        assert aborted and num_b_tokens == 40
+        assert engine.kv_cache_manager.num_free_blocks == 64
+        assert engine.executor.worker.runner.batch.num_reqs == 0
+    finally:
+        llm.shutdown()
+
+
+def test_memory_profiling_computes_logits_for_every_draft_row(tiny_llama_dir: Path) -> None:
+    """The start-up profile sizes the KV cache after a forward whose logits have as many rows
+    as a step can sample: with drafts, 1 + num_speculative_tokens per request."""
+    llm = make_llm(
+        tiny_llama_dir, speculative_config=SPEC, max_num_seqs=2, max_num_batched_tokens=64
+    )
+    try:
+        runner = llm.engine.executor.worker.runner
+        rows = []
+        compute_logits = runner.model.compute_logits
+        runner.model.compute_logits = lambda hidden: (
+            rows.append(len(hidden)) or compute_logits(hidden)
+        )
+        runner.profile_run(64)
+        assert rows == [2 * (1 + SPEC["num_speculative_tokens"])]
+    finally:
+        llm.shutdown()
