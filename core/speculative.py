@@ -127,7 +127,12 @@ def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
 def propose_ngram(token_ids: list[int], max_drafts: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``max_drafts`` tokens that followed the latest earlier occurrence of the last
     ``n`` tokens of ``token_ids``, for the largest ``n`` in ``[min_n, max_n]`` that has one
-    (``[]`` when none does)."""
+    (``[]`` when none does).
+
+    The latest occurrence followed by ``max_drafts`` tokens is preferred to a later one whose
+    continuation runs into the end of the text: in text that repeats with a short period
+    (one word over and over), the latest occurrence overlaps the suffix and would propose a
+    single token, where an earlier one proposes the next ``max_drafts`` of the pattern."""
     length = len(token_ids)
     if max_drafts < 1 or length <= min_n:
         return []
@@ -138,7 +143,8 @@ def propose_ngram(token_ids: list[int], max_drafts: int, min_n: int, max_n: int)
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
         matches = np.flatnonzero((windows == suffix).all(axis=1))
         if matches.size:
-            start = int(matches[-1]) + n
+            full = matches[matches + n + max_drafts <= length]
+            start = int(full[-1] if full.size else matches[-1]) + n
             return tokens[start : start + max_drafts].tolist()
     return []
 

@@ -34,8 +34,11 @@ def test_the_longest_ngram_and_its_latest_occurrence_win() -> None:
     assert propose_ngram(tokens, 10, 2, 3) == [8, 7, 5, 2, 3]  # up to the end
     assert propose_ngram([1, 2, 3, 4], 3, 2, 3) == []  # nothing repeats
     assert propose_ngram([5, 5], 3, 2, 3) == []  # too short to repeat an n-gram of 2
-    assert propose_ngram([5, 5, 5], 2, 1, 1) == [5]  # "5" last seen at 1: what followed is 5
+    assert propose_ngram([5, 5, 5], 2, 1, 1) == [5, 5]  # "5" at 0 is followed by two tokens
     assert propose_ngram(tokens, 0, 2, 3) == []
+    # a short period: the latest "7 7" overlaps the suffix; an earlier one gives all 4
+    assert propose_ngram([1, 7, 7, 7, 7, 7, 7], 4, 2, 2) == [7, 7, 7, 7]
+    assert propose_ngram([3, 4, 3, 4, 3, 4, 3, 4], 4, 2, 2) == [3, 4, 3, 4]
 
 
 def test_drafts_are_kept_while_the_model_chose_them() -> None:
