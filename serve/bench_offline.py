@@ -343,6 +343,7 @@ def _describe(args: Any, config: EngineConfig) -> dict[str, Any]:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         attention_backend=config.attention_backend,
+        speculative_config=config.speculative_config,
     )
     return described
 
