@@ -109,6 +109,23 @@ def chassis_greedy(directory, prompts: list[list[int]], **engine: object) -> lis
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def assert_greedy_matches_hf(directory, seed: int, **engine: object) -> None:
+    """Random prompts of :data:`PROMPT_LENS` tokens: the engine's greedy tokens on the GPU
+    equal HF's."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    expected = hf_greedy(directory, prompts, "cuda")
+    got = chassis_greedy(
+        directory,
+        prompts,
+        max_model_len=256,
+        max_num_batched_tokens=32,  # the 40-token prompt is prefilled in two chunks
+        gpu_memory_utilization=0.2,  # sized by determine_kv_cache_memory, not a fixed count
+        **engine,
+    )
+    assert got == expected, divergence_report(directory, prompts, expected, got)
+
+
 @pytest.mark.parametrize(
     "engine",
     [
@@ -126,18 +143,7 @@ def test_llm_matches_hf_greedy_on_the_gpu(tmp_path, engine):
 
     assert get_current_platform().device_type == "cuda"
     write_tiny_qwen3(tmp_path)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
-    expected = hf_greedy(tmp_path, prompts, "cuda")
-    got = chassis_greedy(
-        tmp_path,
-        prompts,
-        max_model_len=256,
-        max_num_batched_tokens=32,  # the 40-token prompt is prefilled in two chunks
-        gpu_memory_utilization=0.2,  # sized by determine_kv_cache_memory, not a fixed count
-        **engine,
-    )
-    assert got == expected, divergence_report(tmp_path, prompts, expected, got)
+    assert_greedy_matches_hf(tmp_path, seed=0, **engine)
     gc.collect()  # the engine's KV cache goes before the next test sizes its own
     torch.cuda.empty_cache()
 
@@ -216,17 +222,6 @@ def test_windowed_soft_capped_llm_matches_hf_greedy_on_the_gpu(tmp_path, engine)
     """triton_paged's SLIDING_WINDOW and SOFT_CAP variants inside the engine, eager and in
     decode graphs, on prompts longer than the window."""
     write_tiny_gemma2(tmp_path)
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
-    expected = hf_greedy(tmp_path, prompts, "cuda")
-    got = chassis_greedy(
-        tmp_path,
-        prompts,
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        gpu_memory_utilization=0.2,
-        **engine,
-    )
-    assert got == expected, divergence_report(tmp_path, prompts, expected, got)
+    assert_greedy_matches_hf(tmp_path, seed=2, **engine)
     gc.collect()
     torch.cuda.empty_cache()
