@@ -128,7 +128,7 @@ class EngineConfig:
                 "means no graph capture and no compilation); drop one"
             )
         if self.speculative_config is not None:
-            self.speculative.validate()  # type: ignore[union-attr]
+            _ = self.speculative  # parsed and validated (SpeculativeConfig.from_value)
             if self.async_scheduling:
                 raise ValueError(
                     "--speculative-config and --async-scheduling cannot be combined yet: a "

@@ -63,17 +63,12 @@ def embedded_gguf_path() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """The converted embedded checkpoint directory, converting the GGUF file on first use.
-
-    Safe when several processes call it at once: one converts under a file lock (into a
-    temporary directory, renamed into place when complete); the others wait and reuse it.
-    """
+    """The converted embedded checkpoint directory, converting the GGUF file on first use
+    (safe when several processes call it at once: :func:`_converted`)."""
     target = cache_root() / "models" / EMBEDDED_MODEL_NAME
-    if (target / _COMPLETE_MARKER).is_file():
+    if (target / _COMPLETE_MARKER).is_file():  # no need for the package once converted
         return target
-    gguf_path = embedded_gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return _converted(gguf_path, target, require_chat_template=True)
+    return _converted(embedded_gguf_path(), target, require_chat_template=True)
 
 
 def gguf_model_dir(gguf_path: Path) -> Path:

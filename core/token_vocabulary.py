@@ -31,7 +31,7 @@ from typing import Any
 
 from chassis.core.structured_output import TokenVocabulary
 
-__all__ = ["byte_level_alphabet", "vocabulary_from_tokenizer"]
+__all__ = ["byte_level_alphabet", "check_tokenizer", "vocabulary_from_tokenizer"]
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _METASPACE = "▁"
@@ -118,9 +118,9 @@ def _token_decoder(spec: dict[str, Any], vocab: dict[str, int]) -> Callable[[str
     if not decoders:  # no decoder: tell from the pre-tokenizer, then from the tokens
         pre = {part.get("type") for part in _components(spec.get("pre_tokenizer"))}
         alphabet = byte_level_alphabet()
-        in_alphabet = sum(all(c in alphabet for c in token) for token in vocab)
         if "ByteLevel" in pre or (
-            any("Ġ" in token for token in vocab) and in_alphabet >= 0.95 * len(vocab)
+            any("Ġ" in token for token in vocab)
+            and sum(all(c in alphabet for c in token) for token in vocab) >= 0.95 * len(vocab)
         ):
             return _byte_level_bytes
         if "Metaspace" in pre or any(_METASPACE in token for token in vocab):

@@ -139,7 +139,7 @@ async def _collect(
     async with contextlib.aclosing(stream):
         async for output in stream:
             usage.add(0, output)
-            prompt_token_ids = list(output.prompt_token_ids)
+            prompt_token_ids = output.prompt_token_ids  # the same every output: copied once
             prompt_logprobs = state.prompt_logprobs(output) or prompt_logprobs
             for completion in output.outputs:
                 texts[completion.index].append(completion.text)
@@ -172,7 +172,11 @@ async def _collect(
         choices=choices,
         usage=usage.info(),
         prompt_logprobs=prompt_logprobs,
-        prompt_token_ids=prompt_token_ids if body.return_token_ids else None,
+        prompt_token_ids=(
+            list(prompt_token_ids)
+            if body.return_token_ids and prompt_token_ids is not None
+            else None
+        ),
     )
 
 

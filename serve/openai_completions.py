@@ -98,11 +98,7 @@ class _Choice:
         self.text.append(completion.text)
         self.token_ids += completion.token_ids
         if self.logprobs is not None and self.merged is not None:
-            part = self.logprobs.build(completion)
-            self.merged.tokens += part.tokens
-            self.merged.token_logprobs += part.token_logprobs
-            self.merged.top_logprobs += part.top_logprobs
-            self.merged.text_offset += part.text_offset
+            _extend(self.merged, self.logprobs.build(completion))
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
             self.stop_reason = completion.stop_reason
@@ -131,6 +127,14 @@ class _Choice:
         )
 
 
+def _extend(into: CompletionLogprobs, part: CompletionLogprobs, shift: int = 0) -> None:
+    """Append ``part``'s entries to ``into``, their text offsets moved by ``shift``."""
+    into.tokens += part.tokens
+    into.token_logprobs += part.token_logprobs
+    into.top_logprobs += part.top_logprobs
+    into.text_offset += [o + shift for o in part.text_offset]
+
+
 class _Echo:
     """The prompt part of each choice of one prompt (``echo``)."""
 
@@ -150,22 +154,36 @@ class _Echo:
             if num_logprobs is None
             else echo_logprobs(state, prompt_token_ids, prompt_logprobs, num_logprobs)
         )
-
-    @property
-    def logprobs_text_length(self) -> int:
-        """Where the completion's text offsets start: after the prompt's token texts."""
-        return sum(len(t) for t in self.logprobs.tokens) if self.logprobs is not None else 0
+        #: where the completion's text offsets start: after the prompt's token texts
+        self.logprobs_text_length = (
+            0 if self.logprobs is None else sum(len(t) for t in self.logprobs.tokens)
+        )
 
     def logprobs_before(self, completion: CompletionLogprobs) -> CompletionLogprobs:
         """The prompt's logprobs followed by ``completion``'s (offsets from 0)."""
-        assert self.logprobs is not None
-        shift = self.logprobs_text_length
-        return CompletionLogprobs(
-            tokens=self.logprobs.tokens + completion.tokens,
-            token_logprobs=self.logprobs.token_logprobs + completion.token_logprobs,
-            top_logprobs=self.logprobs.top_logprobs + completion.top_logprobs,
-            text_offset=self.logprobs.text_offset + [o + shift for o in completion.text_offset],
-        )
+        out = CompletionLogprobs()
+        if self.logprobs is not None:
+            _extend(out, self.logprobs)
+        _extend(out, completion, self.logprobs_text_length)
+        return out
+
+
+def _echo(
+    state: ServerState,
+    body: CompletionRequest,
+    prompts: list[str | list[int]] | None,
+    prompt_index: int,
+    output: RequestOutput,
+) -> _Echo:
+    """The echo of prompt ``prompt_index`` (``prompts``: as sent, or ``None`` for the
+    engine's ids), from ``output``, the one :func:`_remember_prompt` recorded for it."""
+    return _Echo(
+        state,
+        None if prompts is None else prompts[prompt_index],
+        output.prompt_token_ids,
+        output.prompt_logprobs,
+        body.logprobs,
+    )
 
 
 async def _prompt_batch(state: ServerState, body: CompletionRequest) -> list[str | list[int]]:
@@ -225,13 +243,7 @@ async def _collect(
     echoes: dict[int, _Echo] = {}
     for p, output in firsts.items():
         if body.echo:
-            echoes[p] = _Echo(
-                state,
-                None if prompts is None else prompts[p],
-                output.prompt_token_ids,
-                output.prompt_logprobs,
-                body.logprobs,
-            )
+            echoes[p] = _echo(state, body, prompts, p, output)
         # vLLM's prompt_logprobs field only when asked for, and only as many alternatives
         # as asked for (echo may have the engine compute more)
         if body.prompt_logprobs is not None:
@@ -291,33 +303,24 @@ async def _events(
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
-                    echo = None
                     starting = index not in started
-                    if starting:
-                        started.add(index)
-                    if body.echo and starting:
-                        echo = _Echo(
-                            state,
-                            None if prompts is None else prompts[prompt_index],
-                            first.prompt_token_ids,
-                            first.prompt_logprobs,
-                            body.logprobs,
-                        )
-                    elif not (completion.text or completion.token_ids or completion.finished):
-                        if starting:
-                            started.discard(index)  # nothing sent yet
-                        continue
+                    echoing = body.echo and starting  # a choice's first chunk has the echo
+                    if not (
+                        echoing or completion.text or completion.token_ids or completion.finished
+                    ):
+                        continue  # nothing to send
+                    started.add(index)
+                    echo = _echo(state, body, prompts, prompt_index, first) if echoing else None
                     logprobs = None
                     if with_logprobs:
-                        builder = builders.setdefault(index, _LogprobBuilder(state))
+                        if index not in builders:
+                            builders[index] = _LogprobBuilder(state)
+                        builder = builders[index]
                         logprobs = builder.build(completion)
-                    text = completion.text
-                    if echo is not None:
-                        text = echo.text + text
-                        if logprobs is not None and echo.logprobs is not None:
+                        if echo is not None and echo.logprobs is not None:
                             logprobs = echo.logprobs_before(logprobs)
-                            assert with_logprobs
-                            builders[index].offset += echo.logprobs_text_length
+                            builder.offset += echo.logprobs_text_length
+                    text = completion.text if echo is None else echo.text + completion.text
                     if completion.finished:
                         finished.add(index)
                     ids = body.return_token_ids

@@ -36,10 +36,12 @@ from chassis.core.attention import AttentionMetadata, kv_cache_shape
 
 __all__ = [
     "TINY_ARCHITECTURES",
+    "TINY_CONFIG_FIELDS",
     "TINY_MOE_ARCHITECTURES",
     "allocate_block_tables",
     "make_attention_metadata",
     "new_kv_caches",
+    "save_tiny_checkpoint",
     "smollm2_dir",
     "tiny_llama_dir",
     "tiny_mixtral_dir",
@@ -55,6 +57,21 @@ TINY_MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
+#: the config fields every tiny model shares (other test modules build their configs on them)
+TINY_CONFIG_FIELDS: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
 
 def _tiny_config(arch: str, **overrides: Any) -> Any:
     from transformers import (
@@ -66,19 +83,7 @@ def _tiny_config(arch: str, **overrides: Any) -> Any:
         Qwen3MoeConfig,
     )
 
-    common: dict[str, Any] = {
-        "vocab_size": 49152,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.1,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 2,
-    }
+    common: dict[str, Any] = dict(TINY_CONFIG_FIELDS)
     if arch == "llama":
         common.update(
             tie_word_embeddings=False,
@@ -141,20 +146,37 @@ def write_tiny_checkpoint(arch: str, directory: Path, seed: int = 0, **overrides
     ``overrides`` replace config fields (e.g. ``attention_bias=True``). The SmolLM2 tokenizer
     is copied in (this converts the embedded model once if it is not cached yet).
     """
+    return save_tiny_checkpoint(_tiny_config(arch, **overrides), directory, seed)
+
+
+def save_tiny_checkpoint(
+    config: Any,
+    directory: Path,
+    seed: int = 0,
+    *,
+    norm_base: float = 1.0,
+    scale: float = 0.1,
+) -> Path:
+    """Save a random float32 HF model of ``config`` to ``directory`` with the SmolLM2
+    tokenizer.
+
+    Weights come from ``torch.manual_seed(seed)``. HF initializes biases to 0 and norm
+    weights to 1; every 1-D parameter is randomized to ``base + scale * randn`` (``base``:
+    ``norm_base`` for norms, 0 otherwise; Gemma's norms store an offset from 1, so its tests
+    pass ``norm_base=0``), so that a bias or norm weight loaded into the wrong place (or the
+    wrong shard) changes the logits.
+    """
     from transformers import AutoModelForCausalLM
 
     from chassis.core.gguf_checkpoint import embedded_model_dir
 
-    config = _tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # HF initializes biases to 0 and norm weights to 1; randomize them so a bias or norm
-    # weight loaded into the wrong place (or the wrong shard) changes the logits.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1:
-                base = 1.0 if "norm" in name else 0.0
-                param.copy_(base + 0.1 * torch.randn_like(param))
+                base = norm_base if "norm" in name else 0.0
+                param.copy_(base + scale * torch.randn_like(param))
     directory = Path(directory)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer_source = embedded_model_dir()

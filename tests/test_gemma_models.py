@@ -17,7 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_models import allocate_block_tables, hf_greedy_tokens, new_kv_caches
+from fixtures_models import (
+    TINY_CONFIG_FIELDS,
+    allocate_block_tables,
+    hf_greedy_tokens,
+    new_kv_caches,
+    save_tiny_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, hf_logits
 from test_models_parity import Runner as ParityRunner
@@ -43,18 +49,9 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
     from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
 
     common: dict[str, Any] = {
-        "vocab_size": 49152,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        **TINY_CONFIG_FIELDS,
         "head_dim": 32,
         "max_position_embeddings": 256,
-        "initializer_range": 0.1,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 2,
     }
     if arch == "gemma":
         common.update(hidden_act="gelu")  # the legacy name, which HF reads as the tanh form
@@ -86,19 +83,11 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
 
 
 def write_checkpoint(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> Path:
-    """A random float32 checkpoint with the SmolLM2 tokenizer; 1-D weights (the norms) are
-    randomized too, so a norm loaded into the wrong place changes the logits."""
+    """A random float32 checkpoint with the SmolLM2 tokenizer; 1-D weights (the norms, offsets
+    from 1 in Gemma) are randomized around 0, so a norm loaded into the wrong place changes
+    the logits."""
     config = tiny_config(arch, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.copy_(0.2 * torch.randn_like(param))
-    model.save_pretrained(directory, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(embedded_model_dir() / name, directory / name)
-    return directory
+    return save_tiny_checkpoint(config, directory, seed, norm_base=0.0, scale=0.2)
 
 
 @pytest.fixture(scope="module")

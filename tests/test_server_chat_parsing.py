@@ -76,6 +76,18 @@ def streamed_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return calls
 
 
+def calls_content_finish(response: Any, stream: bool) -> tuple[list[dict[str, Any]], str, str]:
+    """The calls, content and finish reason of a one-choice response, streamed or not."""
+    if stream:
+        deltas = [e["choices"][0] for e in sse_events(response.text) if e["choices"]]
+        calls = streamed_calls([d["delta"] for d in deltas])
+        content = "".join(d["delta"].get("content") or "" for d in deltas)
+        return calls, content, deltas[-1]["finish_reason"]
+    [choice] = response.json()["choices"]
+    message = choice["message"]
+    return message["tool_calls"], message["content"] or "", choice["finish_reason"]
+
+
 def test_reasoning_and_a_tool_call_in_one_message(tool_client: TestClient) -> None:
     response = chat(tool_client, tools=TOOLS)
     assert response.status_code == 200, response.text
@@ -244,16 +256,7 @@ def test_forced_tool_choice_reads_the_calls_from_the_json(
     for client in client_for(script, settings):
         response = chat(client, tools=TOOLS, tool_choice=tool_choice, stream=stream)
         assert response.status_code == 200, response.text
-        if stream:
-            deltas = [e["choices"][0] for e in sse_events(response.text) if e["choices"]]
-            calls = streamed_calls([d["delta"] for d in deltas])
-            content = "".join(d["delta"].get("content") or "" for d in deltas)
-            finish = deltas[-1]["finish_reason"]
-        else:
-            [choice] = response.json()["choices"]
-            calls = choice["message"]["tool_calls"]
-            content = choice["message"]["content"] or ""
-            finish = choice["finish_reason"]
+        calls, content, finish = calls_content_finish(response, stream)
         assert [
             (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
         ] == expected
@@ -277,16 +280,7 @@ def test_forced_tool_choice_cut_short(stream: bool) -> None:
             response = chat(
                 client, tools=TOOLS, tool_choice=tool_choice, stream=stream, max_tokens=len(script)
             )
-            if stream:
-                deltas = [e["choices"][0] for e in sse_events(response.text) if e["choices"]]
-                got_calls = streamed_calls([d["delta"] for d in deltas])
-                got_content = "".join(d["delta"].get("content") or "" for d in deltas)
-                finish = deltas[-1]["finish_reason"]
-            else:
-                [choice] = response.json()["choices"]
-                got_calls = choice["message"]["tool_calls"]
-                got_content = choice["message"]["content"] or ""
-                finish = choice["finish_reason"]
+            got_calls, got_content, finish = calls_content_finish(response, stream)
             assert finish == "length"
             assert got_content == content
             assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls

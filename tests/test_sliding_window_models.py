@@ -9,14 +9,13 @@ HF's ``generate``. The windowed layers need a backend that supports windows: the
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from fixtures_models import allocate_block_tables
+from fixtures_models import TINY_CONFIG_FIELDS, allocate_block_tables, save_tiny_checkpoint
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner, hf_logits, load_hf
 
@@ -27,39 +26,11 @@ from chassis.builtin_plugins.models.qwen2_moe import Qwen2MoeForCausalLM
 from chassis.builtin_plugins.models.qwen3 import Qwen3ForCausalLM
 from chassis.core.model_interface import ModelBuildContext
 
-TINY = {
-    "vocab_size": 49152,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.1,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 2,
-    "tie_word_embeddings": False,
-}
+#: the shared tiny fields, with an untied LM head
+TINY = {**TINY_CONFIG_FIELDS, "tie_word_embeddings": False}
 
-
-def write_checkpoint(config: Any, directory: Path, seed: int = 0) -> Path:
-    """Save a random float32 HF model of ``config`` (biases and norm weights randomized too,
-    so that a misplaced one shows) with the SmolLM2 tokenizer, as ``fixtures_models`` does."""
-    from transformers import AutoModelForCausalLM
-
-    from chassis.core.gguf_checkpoint import embedded_model_dir
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                param.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(param))
-    model.save_pretrained(directory, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(embedded_model_dir() / name, directory / name)
-    return directory
+#: a random float32 checkpoint with the SmolLM2 tokenizer, biases and norm weights randomized
+write_checkpoint = save_tiny_checkpoint
 
 
 def tiny_config(arch: str, window: int) -> Any:

@@ -5,7 +5,6 @@ and SmolLM2 vocabularies), matcher rules, and tokenizer byte mappings vs real de
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import random
 import time
@@ -32,10 +31,6 @@ from chassis.builtin_plugins.structured_output.token_masks import (
 )
 from chassis.core.structured_output import StructuredOutputsParams, TokenVocabulary
 from chassis.core.token_vocabulary import vocabulary_from_tokenizer
-
-HAS_JSON_SCHEMA = (
-    importlib.util.find_spec("chassis.builtin_plugins.structured_output.json_schema") is not None
-)
 
 # -- random IR trees vs the IR matcher -------------------------------------------------------
 
@@ -428,7 +423,6 @@ def test_registration_hook() -> None:
     assert ChassisStructuredOutputBackend.name == "chassis"
 
 
-@pytest.mark.skipif(not HAS_JSON_SCHEMA, reason="json_schema.py is not there yet")
 @pytest.mark.parametrize(
     "params",
     [
@@ -476,7 +470,7 @@ def test_greedy_walk_produces_json(params, smol_vocabulary, smol_tokenizer_embed
 def test_json_kinds_dispatch_to_the_json_schema_module(monkeypatch, tiny_backend) -> None:
     """The wiring only, with a stand-in module: ``json`` passes the parsed schema to
     ``schema_to_ir``, ``json_object`` calls ``any_json_object`` (the real module is tested by
-    its own tests and by the greedy walk below)."""
+    its own tests and by the greedy walk above)."""
     import sys
     import types
 

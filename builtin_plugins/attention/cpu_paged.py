@@ -242,10 +242,13 @@ class CpuPagedAttention(AttentionBackend):
         )
         #: the compiled ops (``torch.ops.chassis_cpu``) or None for the torch fallback
         self.kernels: Any | None = cpu_kernels.load()
-        #: neither option: every call is exactly the one made before the options existed
-        self._plain = sliding_window is None and logits_soft_cap is None
-        #: the kernels' encoding of the options (0: off)
-        self._options = (sliding_window or 0, logits_soft_cap or 0.0)
+        #: the kernels' trailing ``(window, cap)`` arguments (0: off); empty with neither
+        #: option, so that every call is exactly the one made before the options existed
+        self._kernel_options: tuple[int, float] | tuple[()] = (
+            ()
+            if sliding_window is None and logits_soft_cap is None
+            else (sliding_window or 0, logits_soft_cap or 0.0)
+        )
 
     def forward(
         self,
@@ -291,9 +294,9 @@ class CpuPagedAttention(AttentionBackend):
                 t.query_lens,
                 self.scale,
                 output,
-                *(() if self._plain else self._options),
+                *self._kernel_options,
             )
-        if not self._plain:
+        if self._kernel_options:
             self._prefills_with_options(query, key, value, flat, block_size, plan, output)
         else:
             group = self.num_heads // self.num_kv_heads
@@ -338,12 +341,8 @@ class CpuPagedAttention(AttentionBackend):
         """The rows' attention, ``[n, H, D]``, in one call."""
         q = query[: plan.count] if plan.tokens is None else query[plan.tokens]
         if self.kernels is not None and kv_cache.dtype == query.dtype:
-            if self._plain:
-                return self.kernels.decode_attention(
-                    q, kv_cache, plan.block_table, plan.seq_lens, self.scale
-                )
             return self.kernels.decode_attention(
-                q, kv_cache, plan.block_table, plan.seq_lens, self.scale, *self._options
+                q, kv_cache, plan.block_table, plan.seq_lens, self.scale, *self._kernel_options
             )
         return self._decode_sdpa(q, kv_cache, plan)
 

@@ -31,6 +31,7 @@ from chassis.builtin_plugins.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     config_sliding_window,
+    head_dim_of,
 )
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.activation import GELU_APPROXIMATIONS, GeluAndMul
@@ -76,14 +77,6 @@ class GemmaOptions:
         missing = sorted(set(self.layer_types) - set(self.rope_by_layer_type))
         if missing:
             raise ValueError(f"no RoPE parameters for the layer types {missing}")
-
-
-def head_dim_of(hf_config: Any) -> int:
-    """``config.head_dim``, or ``hidden_size / num_attention_heads`` when it is absent."""
-    return int(
-        getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads
-    )
 
 
 def gelu_approximate(activation: str | None) -> str:

@@ -88,7 +88,7 @@ class DecoderSpec:
             "hidden_size": int(cfg.hidden_size),
             "num_heads": num_heads,
             "num_kv_heads": int(getattr(cfg, "num_key_value_heads", None) or num_heads),
-            "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads),
+            "head_dim": head_dim_of(cfg),
             "intermediate_size": int(cfg.intermediate_size),
             "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
             "max_position": int(getattr(cfg, "max_position_embeddings", 2048)),
@@ -469,6 +469,14 @@ def _shards_needed(param_name: str) -> set[str]:
     if "gate_up_proj" in parts:
         return {"gate", "up"}
     return {""}
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """``config.head_dim``, or ``hidden_size / num_attention_heads`` when it is absent."""
+    return int(
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
 
 
 def config_sliding_window(cfg: Any) -> int | None:

@@ -51,6 +51,7 @@ from chassis.core.scheduler_interface import (
     Scheduler,
     SchedulerOutput,
 )
+from chassis.core.speculative import can_speculate, propose_ngram
 from chassis.core.stop_conditions import check_stop
 
 if TYPE_CHECKING:
@@ -423,8 +424,6 @@ class ContinuousBatchingScheduler(Scheduler):
         spec = self.speculative
         if spec is None or request.num_output_placeholders:
             return []
-        from chassis.core.speculative import can_speculate, propose_ngram
-
         params = request.sampling_params
         if not can_speculate(params, len(request.output_token_ids)):
             return []

@@ -25,6 +25,7 @@ __all__ = [
     "alt",
     "byte_range",
     "codepoint_ranges",
+    "complement",
     "literal",
     "optional",
     "seq",
@@ -122,8 +123,10 @@ def byte_range(lo: int, hi: int) -> ByteSet:
 
 # -- Unicode code points as UTF-8 byte sequences -------------------------------------------------
 
+#: the largest Unicode code point
+MAX_CODEPOINT = 0x10FFFF
 #: (first code point, last code point, encoded length) of each UTF-8 length class
-_UTF8_CLASSES = ((0x0, 0x7F, 1), (0x80, 0x7FF, 2), (0x800, 0xFFFF, 3), (0x10000, 0x10FFFF, 4))
+_UTF8_CLASSES = ((0x0, 0x7F, 1), (0x80, 0x7FF, 2), (0x800, 0xFFFF, 3), (0x10000, MAX_CODEPOINT, 4))
 _SURROGATES = (0xD800, 0xDFFF)
 
 
@@ -150,14 +153,20 @@ def codepoint_ranges(ranges: Iterable[tuple[int, int]]) -> Node:
 
 def unicode_char(excluded_ascii: Iterable[int] = ()) -> Node:
     """Any character (any valid UTF-8 sequence) except the ASCII code points listed."""
-    banned = sorted(set(excluded_ascii))
-    ranges, start = [], 0
-    for code in banned:
-        if code > start:
-            ranges.append((start, code - 1))
-        start = code + 1
-    ranges.append((start, 0x10FFFF))
-    return codepoint_ranges(ranges)
+    return codepoint_ranges(complement((code, code) for code in excluded_ascii))
+
+
+def complement(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The code points ``0..MAX_CODEPOINT`` outside the inclusive ``ranges`` (which may
+    overlap or be unsorted), as sorted inclusive ranges."""
+    out, start = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > start:
+            out.append((start, lo - 1))
+        start = max(start, hi + 1)
+    if start <= MAX_CODEPOINT:
+        out.append((start, MAX_CODEPOINT))
+    return out
 
 
 def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

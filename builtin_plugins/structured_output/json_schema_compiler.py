@@ -9,12 +9,15 @@ type to :mod:`json_schema_types`. See
 
 from __future__ import annotations
 
-import json
 from typing import Any
 from urllib.parse import unquote
 
 from chassis.builtin_plugins.structured_output import ir
-from chassis.builtin_plugins.structured_output.json_schema_merge import merge_schemas, normalize
+from chassis.builtin_plugins.structured_output.json_schema_merge import (
+    json_equal,
+    merge_schemas,
+    normalize,
+)
 from chassis.builtin_plugins.structured_output.json_schema_types import (
     array_ir,
     integer_ir,
@@ -264,7 +267,7 @@ class SchemaCompiler:
             raise ValueError(f"enum at {path} must be a non-empty array")
         if "const" in schema:
             const = schema["const"]
-            values = [v for v in values if _json_equal(v, const)] if values is not None else [const]
+            values = [v for v in values if json_equal(v, const)] if values is not None else [const]
         others = [k for k in schema if k in _VALIDATION and k not in ("enum", "const", "type")]
         if others:
             raise ValueError(unsupported(
@@ -332,11 +335,3 @@ def _json_type(value: Any, types: list[str]) -> bool:
     else:
         kind = {"object"}
     return bool(kind & set(types))
-
-
-def _json_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) != isinstance(b, bool):
-        return False
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) or (
-        isinstance(a, int | float) and isinstance(b, int | float) and a == b
-    )

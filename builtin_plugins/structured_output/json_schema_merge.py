@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["merge_schemas", "normalize"]
+__all__ = ["json_equal", "merge_schemas", "normalize"]
 
 _LOWER_BOUNDS = ("minimum", "minLength", "minItems", "minProperties")
 _UPPER_BOUNDS = ("maximum", "maxLength", "maxItems", "maxProperties")
@@ -51,7 +51,7 @@ def merge_schemas(a: dict[str, Any], b: dict[str, Any], path: str) -> dict[str, 
             continue
         if key not in out:
             out[key] = value
-        elif not _same(out[key], value):
+        elif not json_equal(out[key], value):
             out[key] = _merge_keyword(key, out[key], value, path)
     return out
 
@@ -81,7 +81,7 @@ def _merge_object_keywords(
 
 def _all_of(x: Any, y: Any) -> Any:
     """The sub-schema allowing what both ``x`` and ``y`` allow (``True``/``False`` folded)."""
-    if x is True or _same(x, y):
+    if x is True or json_equal(x, y):
         return y
     if y is True:
         return x
@@ -156,7 +156,8 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
-def _same(x: Any, y: Any) -> bool:
+def json_equal(x: Any, y: Any) -> bool:
+    """Whether ``x`` and ``y`` are the same JSON value (see :func:`_canonical`)."""
     return _canonical(x) == _canonical(y)
 
 

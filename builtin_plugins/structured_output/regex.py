@@ -32,8 +32,6 @@ __all__ = ["MAX_REPEAT", "regex_to_ir"]
 #: the largest repetition bound accepted (``{m,n}`` is expanded into copies)
 MAX_REPEAT = 1000
 
-MAX_CODEPOINT = 0x10FFFF
-
 _Ranges = list[tuple[int, int]]
 
 _DIGIT: _Ranges = [(0x30, 0x39)]
@@ -56,24 +54,13 @@ def regex_to_ir(pattern: str) -> ir.Node:
         raise ValueError(f"regex {pattern[:50]!r}...: groups nested too deeply") from None
 
 
-def _complement(ranges: _Ranges) -> _Ranges:
-    out, start = [], 0
-    for lo, hi in sorted(ranges):
-        if lo > start:
-            out.append((start, lo - 1))
-        start = max(start, hi + 1)
-    if start <= MAX_CODEPOINT:
-        out.append((start, MAX_CODEPOINT))
-    return out
-
-
 _CLASS_ESCAPES: dict[str, _Ranges] = {
     "d": _DIGIT,
     "w": _WORD,
     "s": _SPACE,
-    "D": _complement(_DIGIT),
-    "W": _complement(_WORD),
-    "S": _complement(_SPACE),
+    "D": ir.complement(_DIGIT),
+    "W": ir.complement(_WORD),
+    "S": ir.complement(_SPACE),
 }
 
 
@@ -150,7 +137,7 @@ class _Parser:
             return self.char_class()
         if c == ".":
             self.i += 1
-            return ir.codepoint_ranges([(0, 9), (11, MAX_CODEPOINT)])
+            return ir.unicode_char([0x0A])  # "." is any character but "\n"
         if c in "*+?" or (c == "{" and self.quantifier_match()):
             raise self.error(f"nothing to repeat before {c!r}")
         start = self.i
@@ -282,7 +269,7 @@ class _Parser:
                 ranges.append((value, value))
             else:
                 ranges.extend(value)
-        return ir.codepoint_ranges(_complement(ranges) if negate else ranges)
+        return ir.codepoint_ranges(ir.complement(ranges) if negate else ranges)
 
     def class_item(self) -> tuple[str, object]:
         if self.peek() == "\\":
@@ -310,7 +297,7 @@ class _Parser:
                 raise self.error(f"bad escape \\{c}{digits}", start)
             self.i += width
             code = int(digits, 16)
-            if code > MAX_CODEPOINT:
+            if code > ir.MAX_CODEPOINT:
                 raise self.error(f"bad escape \\{c}{digits}", start)
             return "char", code
         if c == "N":

@@ -11,11 +11,13 @@ of logits in the runner; (3) end to end, milliseconds per generated token of 8 c
 with and without ``json_object``, greedy, in one engine, alternated; (4) what a new
 constraint costs before its first token: the front-end's ``check``, the engine core's
 ``compile`` and its first mask (the engine core's thread waits for the last two), with the
-size of its NFA; measured first, before any check is cached in this process.
+size of its NFA; measured first, before any check is cached in this process; (5) how the
+NFA of a free-form JSON object grows with its nesting depth.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -72,6 +74,23 @@ def new_constraint_costs(backend_cls: type, vocabulary: object) -> None:
         )
 
 
+def free_form_depths() -> None:
+    """(5): the NFA of a free-form JSON object nested 1 to 6 levels deep (the limit is
+    ``MAX_NFA_STATES``; ``json_object`` uses ``ANY_JSON_DEPTH``)."""
+    from chassis.builtin_plugins.structured_output.automaton import (
+        MAX_NFA_STATES,
+        estimated_nfa_states,
+    )
+    from chassis.builtin_plugins.structured_output.json_schema import any_object
+
+    sizes = [estimated_nfa_states(any_object(depth)) for depth in range(1, 7)]
+    growth = ", ".join(f"{b / a:.1f}x" for a, b in itertools.pairwise(sizes))
+    print(
+        f"free-form JSON object, NFA states at depths 1-6: {sizes} (each level {growth}; "
+        f"limit {MAX_NFA_STATES})"
+    )
+
+
 def per_call(fn, repeat: int = 200) -> float:
     start = time.perf_counter()
     for _ in range(repeat):
@@ -85,6 +104,7 @@ def main() -> None:
     manager = StructuredOutputManager(llm.config)
     # 4. (first: nothing is checked or compiled yet) a new constraint's cost
     new_constraint_costs(type(manager.backend), manager.backend.vocabulary)
+    free_form_depths()
 
     schema_params = SamplingParams(
         temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA)
