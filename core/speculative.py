@@ -17,16 +17,25 @@ Verification samples a token after every position, as the request would sample t
 keeps a draft only when the sampled token *is* the draft. Each token of the output is then
 drawn from the model's distribution given the tokens actually output before it, so greedy
 requests get exactly the plain output and random ones an output with exactly the plain
-distribution (exact match accepts fewer drafts than rejection sampling would; it needs no
-probabilities from the sampler, so any sampler plugin works). Requests whose choice at a
+distribution. For n-gram drafts this *is* rejection sampling: the draft distribution q is
+one-hot on the draft x, so rejection sampling accepts x with probability
+min(1, p(x) / q(x)) = p(x) and otherwise draws from max(p - q, 0) normalized, which is p
+without x: exactly "sample y from p, keep x if y == x, else output y". It accepts as many
+drafts and needs no probabilities from the sampler, so any sampler plugin works (a draft
+model with a non-one-hot q would need the probabilities). Requests whose choice at a
 position depends on more than that position's logits and the global random stream get no
 drafts and decode as usual in the same steps: a seed (its stream is replayed per output
 token), logprobs, penalties, bias, ``min_tokens`` still blocking, allowed ids, bad words,
 structured outputs. See docs/scheduling.md.
+
+The scheduler proposes with an :class:`NgramIndex` per request, whose cost per step does
+not grow with the context; :func:`propose_ngram` is the plain reference it equals.
 """
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +141,10 @@ def propose_ngram(token_ids: list[int], max_drafts: int, min_n: int, max_n: int)
     The latest occurrence followed by ``max_drafts`` tokens is preferred to a later one whose
     continuation runs into the end of the text: in text that repeats with a short period
     (one word over and over), the latest occurrence overlaps the suffix and would propose a
-    single token, where an earlier one proposes the next ``max_drafts`` of the pattern."""
+    single token, where an earlier one proposes the next ``max_drafts`` of the pattern.
+
+    The reference: it scans the whole text, so its time grows with it; the scheduler uses
+    :class:`NgramIndex`, which gives the same drafts."""
     length = len(token_ids)
     if max_drafts < 1 or length <= min_n:
         return []
@@ -147,6 +159,99 @@ def propose_ngram(token_ids: list[int], max_drafts: int, min_n: int, max_n: int)
             start = int(full[-1] if full.size else matches[-1]) + n
             return tokens[start : start + max_drafts].tolist()
     return []
+
+
+class NgramIndex:
+    """The drafts :func:`propose_ngram` gives for one growing token stream, at a per-step
+    cost that does not grow with the stream.
+
+    Feed it the request's tokens as they become known (:meth:`extend`, or
+    :meth:`catch_up` from the request's prompt and output); only real tokens go in, never
+    drafts, so rejected drafts need no undo. ``propose(k)`` then equals
+    ``propose_ngram(tokens, k, min_n, max_n)`` for the tokens fed so far, exactly (same
+    longest ``n``, same preference for the latest occurrence followed by ``k`` tokens).
+
+    For each ``n`` in ``[min_n, max_n]`` it keeps the latest start of every n-gram that is
+    followed by at least one token, and for each start the previous start of the same
+    n-gram. A lookup is one dictionary hit per ``n``; the preferred occurrence is reached by
+    stepping back over at most ``k - 1`` later ones (starts are distinct, and those too close
+    to the end to be followed by ``k`` tokens lie in a window of ``k - 1``). Feeding a token
+    costs one dictionary update per ``n``. The memory is linear in the tokens (about 75 bytes
+    per token and ``n`` on random text; ``tests/perf/ngram_proposer_cost.py`` prints it), so
+    drop the index with the request.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"NgramIndex needs 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self._tokens: list[int] = []
+        # per n, longest first: (n, n-gram -> its latest followed start, start -> previous
+        # start of the same n-gram or -1)
+        self._tables: list[tuple[int, dict[tuple[int, ...], int], array]] = [
+            (n, {}, array("q")) for n in range(max_n, min_n - 1, -1)
+        ]
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens have been fed."""
+        return len(self._tokens)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append ``token_ids`` to the stream."""
+        tokens = self._tokens
+        old = len(tokens)
+        tokens.extend(token_ids)
+        new = len(tokens)
+        for n, latest, previous in self._tables:
+            # the n-grams starting at first .. stop - 1 are now followed by a token
+            first, stop = max(old - n, 0), new - n
+            if first >= stop:
+                continue
+            grams = zip(*(tokens[first + k : stop + k] for k in range(n)), strict=True)
+            for start, gram in enumerate(grams, first):
+                previous.append(latest.get(gram, -1))
+                latest[gram] = start
+
+    def catch_up(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
+        """Feed what is new of ``prompt_token_ids + output_token_ids`` (a request's tokens,
+        which only grow) without building that list.
+
+        ``ValueError`` when the index holds more tokens than that: it belongs to another
+        stream (make a new index)."""
+        seen, num_prompt = len(self._tokens), len(prompt_token_ids)
+        if seen > num_prompt + len(output_token_ids):
+            raise ValueError(
+                f"NgramIndex holds {seen} tokens, more than the request's "
+                f"{num_prompt + len(output_token_ids)}: it was fed another stream"
+            )
+        if seen < num_prompt:
+            self.extend(prompt_token_ids[seen:])
+            seen = num_prompt
+        if seen - num_prompt < len(output_token_ids):
+            self.extend(output_token_ids[seen - num_prompt :])
+
+    def propose(self, max_drafts: int) -> list[int]:
+        """``propose_ngram(tokens fed so far, max_drafts, min_n, max_n)``."""
+        tokens = self._tokens
+        length = len(tokens)
+        if max_drafts < 1 or length <= self.min_n:
+            return []
+        for n, latest, previous in self._tables:
+            if n > length - 1:
+                continue  # no n-gram this long is followed by a token yet
+            start = latest.get(tuple(tokens[length - n :]))
+            if start is None:
+                continue
+            # the latest start followed by max_drafts tokens, else the latest one
+            candidate = start
+            while candidate >= 0 and candidate + n + max_drafts > length:
+                candidate = previous[candidate]
+            if candidate >= 0:
+                start = candidate
+            return tokens[start + n : start + n + max_drafts]
+        return []
 
 
 def accepted_tokens(verified: list[int], drafts: list[int]) -> list[int]:

@@ -7,11 +7,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from fixtures_models import *  # noqa: F403
 
 from chassis import LLM, SamplingParams
+from chassis.builtin_plugins.samplers.default import DefaultSampler
 from chassis.core.config import EngineConfig
 from chassis.core.request import EngineCoreRequest
+from chassis.core.sampling_metadata import SamplingRow, build_sampling_metadata
 from chassis.core.speculative import (
     SpeculativeConfig,
     accepted_tokens,
@@ -46,6 +49,50 @@ def test_drafts_are_kept_while_the_model_chose_them() -> None:
     assert accepted_tokens([7, 5, 9, 4], [7, 8, 9]) == [7, 5]  # stops at the first miss
     assert accepted_tokens([6, 8, 9, 4], [7, 8, 9]) == [6]
     assert accepted_tokens([3], []) == [3]
+
+
+def test_verifying_by_exact_match_is_rejection_sampling_of_ngram_drafts() -> None:
+    """The runner samples a token after the last one and after each draft (independent rows
+    of the default sampler) and keeps drafts while they equal the sample before them. For a
+    draft x proposed with certainty (q one-hot, as n-gram drafts are), rejection sampling
+    accepts x with probability min(1, p(x) / q(x)) = p(x) and otherwise draws from
+    max(p - q, 0) normalized, i.e. p without x: the same law. 20,000 seeded trials of one
+    request with 2 drafts (temperature 0.8, top-k 4, vocabulary of 6)."""
+    vocab, trials = 6, 20000
+    params = SamplingParams(temperature=0.8, top_k=4)
+    # logits after the last token, after draft 0 and after draft 1
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3))
+    scaled = logits / params.temperature
+    scaled[scaled < scaled.topk(4, dim=-1).values[:, -1:]] = float("-inf")
+    p = scaled.softmax(dim=-1)
+    drafts = [int(p[0].argsort()[-2]), int(p[1].argmax())]  # a likely and the likeliest
+    rows = [SamplingRow(sampling_params=params, prompt_token_ids=[1], output_token_ids=[])]
+    metadata = build_sampling_metadata(rows * (3 * trials), "cpu", vocab)
+    torch.manual_seed(0)
+    sampled = DefaultSampler(EngineConfig())(logits.repeat(trials, 1), metadata)
+    outputs = [
+        accepted_tokens(s, drafts) for s in sampled.sampled_token_ids.view(trials, 3).tolist()
+    ]
+
+    def frequencies(tokens: list[int]) -> torch.Tensor:
+        return torch.bincount(torch.tensor(tokens), minlength=vocab).double() / len(tokens)
+
+    # acceptance: p(draft 0), then p(draft 1) after it
+    assert abs(sum(len(o) > 1 for o in outputs) / trials - p[0, drafts[0]]) < 0.015
+    assert (
+        abs(sum(len(o) == 3 for o in outputs) / trials - p[0, drafts[0]] * p[1, drafts[1]]) < 0.015
+    )
+    # a rejected draft 0 is followed by a token from rejection sampling's residual
+    one_hot = torch.nn.functional.one_hot(torch.tensor(drafts[0]), vocab)
+    residual = (p[0] - one_hot).clamp(min=0)
+    residual /= residual.sum()
+    without_draft = p[0] * (1 - one_hot)
+    assert torch.allclose(residual, without_draft / without_draft.sum())
+    rejected = frequencies([o[0] for o in outputs if len(o) == 1]).float()
+    assert (rejected - residual).abs().sum() / 2 < 0.03
+    # after an accepted draft 0, the next token (draft 1 or not) is distributed as p after it
+    second = frequencies([o[1] for o in outputs if len(o) > 1]).float()
+    assert (second - p[1]).abs().sum() / 2 < 0.03
 
 
 def test_requests_whose_choices_depend_on_more_than_the_logits_get_no_drafts() -> None:
@@ -139,6 +186,7 @@ def test_the_same_tokens_as_plain_decoding(plain: LLM, speculative: LLM) -> None
     assert accepted < drafted
     kv = speculative.engine.kv_cache_manager
     assert not speculative.engine.has_unfinished() and kv.num_free_blocks == 128
+    assert not speculative.engine.scheduler._ngram_indexes  # dropped with the requests
 
 
 def test_limits_and_stops_cut_the_accepted_tokens(plain: LLM, speculative: LLM) -> None:
@@ -268,6 +316,7 @@ def test_a_request_preempted_in_the_step_it_drafts(plain: LLM, tiny_llama_dir: P
             if arrives:
                 seen = scheduler.num_preemptions == 1 and a in scheduler.waiting
                 assert not a.spec_token_ids
+                assert "a" not in scheduler._ngram_indexes  # rebuilt when it drafts again
         assert seen, "the drafting request was not preempted in that step"
         for request_id, prompt in prompts.items():
             want = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
@@ -307,6 +356,7 @@ def test_an_abort_while_a_drafted_step_runs_frees_everything(tiny_llama_dir: Pat
                     num_b_tokens += len(output.new_token_ids) * (output.request_id == "b")
         assert aborted and num_b_tokens == 40
         assert engine.kv_cache_manager.num_free_blocks == 64
+        assert not scheduler._ngram_indexes
         assert engine.executor.worker.runner.batch.num_reqs == 0
     finally:
         llm.shutdown()

@@ -51,7 +51,7 @@ from chassis.core.scheduler_interface import (
     Scheduler,
     SchedulerOutput,
 )
-from chassis.core.speculative import can_speculate, propose_ngram
+from chassis.core.speculative import NgramIndex, can_speculate
 from chassis.core.stop_conditions import check_stop
 
 if TYPE_CHECKING:
@@ -132,6 +132,9 @@ class ContinuousBatchingScheduler(Scheduler):
         self.speculative = config.speculative
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        # request id -> the n-gram index of its tokens (built at its first drafting step,
+        # dropped when it finishes or is preempted)
+        self._ngram_indexes: dict[str, NgramIndex] = {}
         self._arrival_index: dict[str, int] = {}
         self._next_arrival_index = 0
         # ids the runner holds in its persistent batch (sent as NewRequestData, not yet dropped)
@@ -433,9 +436,14 @@ class ContinuousBatchingScheduler(Scheduler):
             room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
         if room < 1:
             return []
-        return propose_ngram(
-            request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max
-        )
+        index = self._ngram_indexes.get(request.request_id)
+        if index is None:
+            index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            self._ngram_indexes[request.request_id] = index
+        # only the tokens known since its last drafting step (never drafts: they are not yet
+        # tokens), so the cost per step does not grow with the context
+        index.catch_up(request.prompt_token_ids, request.output_token_ids)
+        return index.propose(room)
 
     def _settle_drafts(self, request: Request, sampled: list[int]) -> None:
         """Take back the K/V positions of the drafts the model did not agree with: the
@@ -488,6 +496,7 @@ class ContinuousBatchingScheduler(Scheduler):
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0  # tokens in flight for it are dropped
         victim.num_preemptions += 1
+        self._ngram_indexes.pop(victim.request_id, None)  # rebuilt if it drafts again
         self.num_preemptions += 1
         if victim.request_id in self._in_runner:
             self._in_runner.discard(victim.request_id)
@@ -500,6 +509,7 @@ class ContinuousBatchingScheduler(Scheduler):
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         del self._arrival_index[request.request_id]
+        self._ngram_indexes.pop(request.request_id, None)
         if request.request_id in self._in_runner:
             self._in_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)
