@@ -27,3 +27,5 @@ def chassis_register_models(registry: Any) -> None:
         "Gemma3ForConditionalGeneration", f"{_PKG}.gemma3:Gemma3ForConditionalGeneration"
     )
     registry.register("Phi3ForCausalLM", f"{_PKG}.phi3:Phi3ForCausalLM")
+    registry.register("Olmo2ForCausalLM", f"{_PKG}.olmo2:Olmo2ForCausalLM")
+    registry.register("GraniteForCausalLM", f"{_PKG}.granite:GraniteForCausalLM")
