@@ -2,7 +2,7 @@
 
 Public API (vLLM-compatible names)::
 
-    from chassis import LLM, SamplingParams
+    from chassis import LLM, LoRARequest, SamplingParams
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ __all__ = [
     "AsyncLLM",
     "CompletionOutput",
     "EngineConfig",
+    "LoRARequest",
     "Platform",
     "RequestOutput",
     "SamplingParams",
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from chassis.core.async_llm import AsyncLLM
     from chassis.core.config import EngineConfig
     from chassis.core.llm import LLM
+    from chassis.core.lora import LoRARequest
     from chassis.core.outputs import CompletionOutput, RequestOutput
     from chassis.core.sampling_params import SamplingParams
     from chassis.platforms.interface import Platform
@@ -39,6 +41,7 @@ _LAZY = {
     "LLM": "chassis.core.llm",
     "AsyncLLM": "chassis.core.async_llm",
     "EngineConfig": "chassis.core.config",
+    "LoRARequest": "chassis.core.lora",
     "RequestOutput": "chassis.core.outputs",
     "CompletionOutput": "chassis.core.outputs",
     "SamplingParams": "chassis.core.sampling_params",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from chassis.core.engine_client import EngineCoreClient
 from chassis.core.engine_setup import finalize_config
 from chassis.core.errors import EngineDeadError
 from chassis.core.input_processor import InputProcessor
+from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import RequestOutput, merge_delta_outputs
 from chassis.core.request import EngineCoreOutputs, SchedulerStats
@@ -62,6 +64,7 @@ class AsyncLLM:
         self._stats = SchedulerStats()
         self.client = EngineCoreClient(config, self._on_outputs, self._on_dead)
         self.engine_info = self.client.info
+        self.input_processor.lora_target_shapes = self.engine_info.lora_target_shapes
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> AsyncLLM:
@@ -102,8 +105,10 @@ class AsyncLLM:
         *,
         priority: int = 0,
         delta: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request (``n`` completions as ``outputs[i].index``).
+        """Stream the outputs of one request (``n`` completions as ``outputs[i].index``),
+        with the LoRA adapter ``lora_request`` (``None``: the base model).
 
         Bad input raises ``ValueError`` before anything is yielded; a dead engine raises
         :class:`EngineDeadError`. Closing the iterator early aborts the request.
@@ -116,15 +121,24 @@ class AsyncLLM:
         arrival = time.time()
         long_prompt = isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS
         # Checking a new structured-output constraint compiles it (up to ~0.1 s for a large
-        # schema): off the event loop too.
-        if long_prompt or sampling_params.structured_outputs is not None:
-            requests = await asyncio.to_thread(
-                self.input_processor.process, prompt, sampling_params, request_id, priority, arrival
-            )
+        # schema), and a LoRA adapter's first check reads its files: off the event loop too.
+        process = functools.partial(
+            self.input_processor.process,
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            arrival,
+            lora_request=lora_request,
+        )
+        if (
+            long_prompt
+            or sampling_params.structured_outputs is not None
+            or lora_request is not None
+        ):
+            requests = await asyncio.to_thread(process)
         else:
-            requests = self.input_processor.process(
-                prompt, sampling_params, request_id, priority, arrival
-            )
+            requests = process()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:

@@ -83,6 +83,16 @@ class EngineConfig:
     #: :class:`~chassis.core.speculative.SpeculativeConfig`); None: off
     speculative_config: dict[str, Any] | None = None
 
+    # -- LoRA adapters (docs/lora.md) ------------------------------------------------------
+    #: serve LoRA adapters: requests name one (``LoRARequest``; the API's ``model`` field)
+    enable_lora: bool = False
+    #: the most distinct adapters in one batch (device slots)
+    max_loras: int = 1
+    #: the largest adapter rank accepted (smaller ones are zero-padded to it)
+    max_lora_rank: int = 16
+    #: adapters kept read in host memory (None: ``max_loras``)
+    max_cpu_loras: int | None = None
+
     # -- plugins ---------------------------------------------------------------------------
     #: values of flags added through ``chassis_add_cli_args``
     plugin_args: dict[str, Any] = field(default_factory=dict)
@@ -138,6 +148,7 @@ class EngineConfig:
                 raise ValueError(
                     "--speculative-config is not supported with --tensor-parallel-size > 1 yet"
                 )
+        self._validate_lora()
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0; got {self.max_logprobs}")
         if not self.generation_config.strip():
@@ -151,6 +162,27 @@ class EngineConfig:
             from chassis.core.tokenizer import load_chat_template
 
             load_chat_template(self.chat_template)  # a mistyped path fails here, not after loading
+
+    def _validate_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be an integer >= 1; got {value!r}"
+                )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                f"({self.max_loras})"
+            )
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1 yet")
+        if self.torch_compile:
+            raise ValueError(
+                "--enable-lora is not supported with --torch-compile yet (drop one of them)"
+            )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

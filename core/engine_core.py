@@ -35,6 +35,9 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    #: with ``--enable-lora``: the modules adapters may change and their shapes, against
+    #: which the front-end checks adapters (``chassis.core.lora.adapter.check_adapter``)
+    lora_target_shapes: dict[str, tuple[int, int]] | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -95,6 +98,7 @@ class EngineCore:
             num_kv_blocks=num_blocks,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
+            lora_target_shapes=self.executor.lora_target_shapes(),
         )
         logger.info(
             "engine core ready: platform=%s attention=%s scheduler=%s KV cache %d blocks "

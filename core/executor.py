@@ -33,6 +33,11 @@ class Executor(ABC):
         """
         return PendingRunnerOutput.ready(self.execute_model(scheduler_output))
 
+    def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
+        """The modules LoRA adapters may change, ``{HF module: (in_features, out_features)}``,
+        or ``None`` without ``--enable-lora`` (default: ``None``)."""
+        return None
+
     def check_health(self) -> None:  # noqa: B027 - optional hook
         """Raise ``RuntimeError`` when the workers cannot run steps any more (called while the
         engine is idle, so a dead worker is reported before the next request). Default:
@@ -55,6 +60,10 @@ class InProcessExecutor(Executor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
+
+    def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
+        lora = self.worker.lora
+        return None if lora is None else dict(lora.target_shapes)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

@@ -26,6 +26,8 @@ class RequestState:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
+    #: the request's LoRA adapter id (0: the base model)
+    lora_int_id: int = 0
     #: what the sampler reads; shares the token lists, so appended tokens show up in it
     sampling_row: SamplingRow = field(init=False)
 

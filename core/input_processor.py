@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from chassis.core.lora.request import LoRARequest
 from chassis.core.request import EngineCoreRequest
 from chassis.core.sampling_params import is_integer
 
@@ -61,6 +62,10 @@ class InputProcessor:
         self._tokenizer_refusal: str | None = None
         #: ids in [0, vocab_size) are valid (added tokens included)
         self.vocab_size = len(tokenizer) if tokenizer is not None else int(vocab_size or 0)
+        #: with --enable-lora, the engine's adaptable modules (set once the engine is up)
+        self.lora_target_shapes: dict[str, tuple[int, int]] | None = None
+        #: adapters checked so far, by id
+        self._loras: dict[int, LoRARequest] = {}
 
     def _scheduler_uses_priority(self) -> bool:
         if self._uses_priority is None:
@@ -88,6 +93,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         *,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate one request and return what to send to the engine core.
 
@@ -96,7 +102,8 @@ class InputProcessor:
         with ``request_id``; for ``n > 1``, ``n`` requests with ids ``f"{i}_{request_id}"``,
         each ``n=1``; when ``params.seed`` is set, child ``i`` gets ``seed + i`` (modulo 2**64)
         so completions differ yet reproduce. ``add_special_tokens=False`` suits prompts
-        rendered by a chat template that already contains BOS.
+        rendered by a chat template that already contains BOS. ``lora_request`` names the
+        LoRA adapter to run with (:meth:`check_lora`).
         """
         if not is_integer(priority) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
@@ -116,6 +123,7 @@ class InputProcessor:
         prompt_token_ids = self._truncate(prompt_token_ids, params)
         params = self._validate(prompt_token_ids, params)
         params = self._token_restrictions(params)
+        self.check_lora(lora_request)
         if arrival_time is None:
             arrival_time = time.time()
 
@@ -127,6 +135,7 @@ class InputProcessor:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival_time,
                 priority=priority,
+                lora_request=lora_request,
             )
 
         if params.n == 1:
@@ -136,6 +145,34 @@ class InputProcessor:
             seed = None if params.seed is None else (params.seed + i) % _SEED_SPAN
             children.append(make(child_request_id(i, request_id), params.clone(n=1, seed=seed)))
         return children
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Refuse a LoRA adapter the engine cannot run: LoRA off, an id already given to
+        another adapter, or an adapter that does not fit the model (read from its headers
+        the first time an id is seen; :func:`~chassis.core.lora.adapter.check_adapter`)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest; got {lora_request!r}")
+        if not self.config.enable_lora:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} was asked for, but LoRA is off; "
+                "start the engine with --enable-lora (enable_lora=True)"
+            )
+        known = self._loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request:
+                raise ValueError(
+                    f"lora_int_id {lora_request.lora_int_id} already names adapter "
+                    f"{known.lora_name!r} ({known.lora_path}); give each adapter its own id"
+                )
+            return
+        if self.lora_target_shapes is None:
+            raise RuntimeError("the engine has not reported its LoRA target modules yet")
+        from chassis.core.lora.adapter import check_adapter
+
+        check_adapter(lora_request.lora_path, self.lora_target_shapes, self.config.max_lora_rank)
+        self._loras[lora_request.lora_int_id] = lora_request
 
     def _token_restrictions(self, params: SamplingParams) -> SamplingParams:
         """Check ``allowed_token_ids`` against the vocabulary and tokenize ``bad_words``

@@ -43,6 +43,15 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return digest.digest()
 
 
+def prefix_cache_seed(request: Request) -> BlockHash | None:
+    """What a request's first block hash chains from: ``None``, or for a request with a
+    LoRA adapter a key of the adapter, so that K/V computed with one adapter (or none) is
+    never reused for another."""
+    if request.lora_request is None:
+        return None
+    return hashlib.sha256(b"lora:%d" % request.lora_request.lora_int_id).digest()
+
+
 @dataclass
 class _RequestBlocks:
     """What the manager keeps per request."""
@@ -240,7 +249,7 @@ class KVCacheManager:
             tokens = request.all_token_ids
             size = self.block_size
             for i in range(len(hashes), num_blocks):
-                parent = hashes[-1] if hashes else None
+                parent = hashes[-1] if hashes else prefix_cache_seed(request)
                 hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
         return hashes
 

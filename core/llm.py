@@ -13,6 +13,7 @@ from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
 from chassis.core.generation_defaults import generation_defaults
 from chassis.core.input_processor import InputProcessor
+from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import RequestOutput
 from chassis.core.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class LLM:
             self.config.generation_config, self.config.model
         )
         self.engine = EngineCore(self.config)
+        self.input_processor.lora_target_shapes = self.engine.info.lora_target_shapes
         self._shut_down = False
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -79,10 +81,13 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of ``prompts``.
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
+        ``lora_request`` (with ``enable_lora=True``): the LoRA adapter of every prompt, or
+        one per prompt (``None``: the base model).
         """
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
@@ -101,6 +106,13 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompt_list)
+        )
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
         output_processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
         batch_tag = uuid.uuid4().hex[:8]
@@ -110,7 +122,12 @@ class LLM:
             request_id = f"{batch_tag}-{i}"
             arrival = time.time()
             requests = self.input_processor.process(
-                _prompt_input(prompt), params, request_id, priorities[i], arrival
+                _prompt_input(prompt),
+                params,
+                request_id,
+                priorities[i],
+                arrival,
+                lora_request=loras[i],
             )
             prepared.append((request_id, prompt, params, requests, arrival))
         for request_id, prompt, params, requests, arrival in prepared:
@@ -154,6 +171,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to each conversation, then :meth:`generate`.
 
@@ -162,8 +180,8 @@ class LLM:
         ``chat_template`` (a file path or inline Jinja) overrides the model's;
         ``continue_final_message`` continues the last assistant message instead of starting a
         new turn; ``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``
-        for Qwen3) reach the template. A message or conversation the template cannot take
-        raises ``ValueError``.
+        for Qwen3) reach the template; ``lora_request`` as in :meth:`generate`. A message or
+        conversation the template cannot take raises ``ValueError``.
         """
         if self.tokenizer is None:
             raise ValueError(
@@ -189,7 +207,7 @@ class LLM:
                     "prompt": text,
                 }
             )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

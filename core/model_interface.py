@@ -90,6 +90,20 @@ class CausalLM(nn.Module, ABC):
                 return reason
         return None
 
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[tuple[str, int, int]]:
+        """The HF projections the linear layer ``module_name`` holds, for LoRA adapters:
+        ``(HF module name, first output row, rows)`` each; empty when adapters may not
+        change the layer.
+
+        PEFT adapters name the checkpoint's modules, so a layer that merges several HF
+        projections (Q/K/V in one matmul) returns one entry per projection. The default: an
+        ``nn.Linear`` other than ``lm_head`` is one projection under its own name (right for
+        a model whose module names are the checkpoint's); anything else is not adaptable.
+        """
+        if not isinstance(module, nn.Linear) or module_name.split(".")[-1] == "lm_head":
+            return []
+        return [(module_name, 0, int(module.out_features))]
+
     @property
     def num_attention_layers(self) -> int:
         """How many KV caches the model needs (one per attention layer)."""

@@ -38,6 +38,7 @@ from chassis.core.structured_output_manager import unpack_masks
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
+    from chassis.core.lora.model import LoRAModel
     from chassis.core.model_interface import CausalLM
     from chassis.core.sampler_interface import Sampler
     from chassis.platforms.interface import Platform
@@ -51,6 +52,8 @@ class ModelRunner:
     ``platform`` and ``attention_backend`` (the class the model was built with) decide whether
     pure-decode steps replay captured graphs (see :mod:`chassis.core.cuda_graphs`); by default
     they are the current platform and ``config.attention_backend`` from the registry.
+    ``lora`` (with ``--enable-lora``) holds the model's LoRA slots; steps that run an adapter
+    run eager.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class ModelRunner:
         *,
         platform: Platform | None = None,
         attention_backend: type[AttentionBackend] | None = None,
+        lora: LoRAModel | None = None,
     ) -> None:
         assert config.max_model_len is not None  # set by finalize_config
         if platform is None:
@@ -79,6 +83,7 @@ class ModelRunner:
         self.platform = platform
         self.attention_backend = attention_backend
         self.model = model
+        self.lora = lora
         #: what runs the forward: the model itself, or its torch.compile'd form
         self.forward: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor] = (
             CompiledForward(model) if config.torch_compile else model
@@ -184,7 +189,10 @@ class ModelRunner:
                 sampling_params=params,
                 eos_token_ids=frozenset(new.eos_token_ids),
                 generator=generator,
+                lora_int_id=new.lora_request.lora_int_id if new.lora_request else 0,
             )
+            if new.lora_request is not None and self.lora is not None:
+                self.lora.add_request(new.lora_request)
             self.batch.add(state, new.block_ids, new.num_computed_tokens)
             if params.prompt_logprobs is not None and not new.output_token_ids:
                 self.prompt_logprobs.start(
@@ -275,8 +283,18 @@ class ModelRunner:
         block_table = np.ascontiguousarray(batch.block_table[rows, :max_blocks])
         seq_lens_i32 = seq_lens.astype(np.int32)
 
+        lora_active = False
+        if self.lora is not None:
+            lora_ids = np.array([batch.states[r].lora_int_id for r in rows], dtype=np.int64)
+            self.lora.prepare_step(lora_ids[req_of_token])
+            lora_active = self.lora.state.active
         graphs = self.graphs
-        if graphs is not None and total == len(rows) and graphs.size_for(total) is not None:
+        if (
+            graphs is not None
+            and not lora_active  # (graphs are captured without adapters)
+            and total == len(rows)
+            and graphs.size_for(total) is not None
+        ):
             # Pure decode (one token per request) within the captured sizes: replay.
             hidden = graphs.run(input_ids, positions, slot_mapping, seq_lens_i32, block_table)
         else:
@@ -421,7 +439,11 @@ class ModelRunner:
         positions = torch.from_numpy(
             np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
         ).to(self.device)
+        if self.lora is not None:
+            self.lora.prepare_profile(num_tokens)  # the adapter matmuls' memory too
         hidden = self.forward(input_ids, positions, ctx)
+        if self.lora is not None:
+            self.lora.state.active = False
         # Speculative decoding samples after each draft too: up to 1 + k rows per request.
         spec = self.config.speculative
         rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)

@@ -7,6 +7,7 @@ import time
 
 import msgspec
 
+from chassis.core.lora.request import LoRARequest
 from chassis.core.sampling_params import SamplingParams
 
 
@@ -33,6 +34,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     arrival_time: float = 0.0
     priority: int = 0
+    #: the LoRA adapter the request runs with (None: the base model)
+    lora_request: LoRARequest | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -113,6 +116,7 @@ class Request:
         eos_token_ids: list[int] | tuple[int, ...] = (),
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must contain at least one token")
@@ -122,6 +126,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        self.lora_request = lora_request
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         #: Tokens whose K/V are in the cache (prefix hits included).
@@ -150,7 +155,13 @@ class Request:
             req.eos_token_ids,
             req.arrival_time or None,
             req.priority,
+            req.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The id of the request's LoRA adapter; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

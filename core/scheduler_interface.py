@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 # At run time, not only for type checking: the tensor-parallel executor decodes
 # SchedulerOutput with msgspec, which resolves the field types.
+from chassis.core.lora.request import LoRARequest
 from chassis.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class NewRequestData:
     num_computed_tokens: int
     #: the request's EOS ids (the sampler blocks them until ``min_tokens``)
     eos_token_ids: frozenset[int] = frozenset()
+    #: the LoRA adapter the request runs with (None: the base model)
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 
 from chassis.core.config import EngineConfig
 from chassis.core.in_flight import PendingRunnerOutput
+from chassis.core.lora.model import LoRAModel
 from chassis.core.model_runner import ModelRunner
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
@@ -35,6 +36,17 @@ class Worker:
         backend_cls = registries.attention_backends.get(config.attention_backend)
         torch.manual_seed(config.seed)
         model = build_model(config, hf_config, config.model, backend_cls, self.device, self.dtype)
+        #: the model's LoRA slots (``--enable-lora``), wrapped before the platform swaps the
+        #: linear layers' kernels (it then swaps the wrapped ones)
+        self.lora: LoRAModel | None = None
+        if config.enable_lora:
+            self.lora = LoRAModel(
+                model,
+                max_loras=config.max_loras,
+                max_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras or config.max_loras,
+                max_num_tokens=config.max_num_batched_tokens,
+            )
         if not config.torch_compile:
             # Compiled forwards run the layers' torch code, not the platform's kernels, whose
             # weight formats prepare_model would set up.
@@ -47,6 +59,7 @@ class Worker:
             self.device,
             kv_dtype=self.dtype,
             pin_memory=self.platform.pin_memory_available(),
+            lora=self.lora,
         )
         logger.info(
             "model loaded on %s (%s) in %s with attention backend %s",

@@ -369,6 +369,24 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
+    #: merged module -> the checkpoint projections it holds, in row order (LoRA adapters
+    #: name those); a subclass whose checkpoint keeps them merged (Phi-3) empties it
+    lora_merged_projections: dict[str, tuple[str, ...]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[tuple[str, int, int]]:
+        """A merged Q/K/V or gate/up layer holds one slice per checkpoint projection (rows
+        as :meth:`load_weights` fills them); other linear layers as the default."""
+        slices = super().lora_slices(module_name, module)
+        prefix, _, leaf = module_name.rpartition(".")
+        projections = self.lora_merged_projections.get(leaf)
+        if not slices or not projections:
+            return slices
+        rows = self.spec.shard_rows(int(module.out_features))
+        return [(f"{prefix}.{name}", *rows[_MERGED_SHARDS[name][1]]) for name in projections]
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Project to the vocabulary in the model dtype; return float32 ``[n, vocab]`` (under
         tensor parallelism each rank projects to its vocabulary rows and the logits are

@@ -31,6 +31,9 @@ FUSED_PROJECTIONS = {
 class Phi3ForCausalLM(LlamaForCausalLM):
     """``Phi3ForCausalLM`` checkpoints (Phi-3-mini/medium, Phi-3.5-mini, Phi-4-mini)."""
 
+    #: the checkpoint's modules are the merged ones: LoRA adapters adapt them whole
+    lora_merged_projections: dict[str, tuple[str, ...]] = {}
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """As :meth:`LlamaForCausalLM.load_weights`, with each fused ``qkv_proj`` and

@@ -347,6 +347,16 @@ class ContinuousBatchingScheduler(Scheduler):
                     break
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        # Requests whose LoRA adapter cannot join the batch (--max-loras others run) step
+        # aside for the ones behind them, and go back in their place afterwards.
+        blocked: list[Request] = []
+        try:
+            self._admit_waiting(plan, blocked)
+        finally:
+            for request in blocked:
+                self._insert_waiting(request)
+
+    def _admit_waiting(self, plan: _StepPlan, blocked: list[Request]) -> None:
         kv = self.kv_cache_manager
         while (
             self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
@@ -354,6 +364,9 @@ class ContinuousBatchingScheduler(Scheduler):
             request = self.waiting[0]
             if request.request_id in plan.preempted_ids:
                 break
+            if not self._lora_fits(request):
+                blocked.append(self.waiting.pop(0))
+                continue
             hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > plan.token_budget:
@@ -381,6 +394,15 @@ class ContinuousBatchingScheduler(Scheduler):
             self.running.append(request)
             plan.add(request.request_id, num_new, block_ids, is_new=True)
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether ``request``'s LoRA adapter (if any) may run: one of the running requests
+        uses it, or they use fewer than ``--max-loras`` adapters."""
+        lora_id = request.lora_int_id
+        if not lora_id:
+            return True
+        running = {r.lora_int_id for r in self.running} - {0}
+        return lora_id in running or len(running) < self.config.max_loras
+
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=plan.finished_request_ids)
         planned: dict[str, Request] = {}
@@ -398,6 +420,7 @@ class ContinuousBatchingScheduler(Scheduler):
                         block_ids=self.kv_cache_manager.get_block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_ids=request.eos_token_ids,
+                        lora_request=request.lora_request,
                     )
                 )
                 self._in_runner.add(request_id)

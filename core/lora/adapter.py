@@ -1,0 +1,189 @@
+"""Reading LoRA adapters saved by PEFT, and checking them against the served model.
+
+A PEFT adapter folder holds ``adapter_config.json`` (``r``, ``lora_alpha``,
+``use_rslora``, ...) and ``adapter_model.safetensors`` with, per adapted linear layer,
+``base_model.model.<module>.lora_A.weight`` (``[r, in_features]``) and
+``...lora_B.weight`` (``[out_features, r]``). The layer computes
+``W x + scaling * B (A x)`` with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)``
+with rsLoRA).
+
+The engine tells the front-end which modules it can adapt and their shapes
+(:attr:`LoRAModel.target_shapes <chassis.core.lora.model.LoRAModel.target_shapes>`,
+``{module: (in_features, out_features)}``); :func:`check_adapter` reads only the
+safetensors header to refuse a bad adapter before a request reaches the engine, and
+:func:`load_adapter` reads the tensors when the engine first needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: the name prefix PEFT gives every tensor of a causal LM adapter
+_PEFT_PREFIX = "base_model.model."
+_CONFIG_FILE = "adapter_config.json"
+_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """The parts of ``adapter_config.json`` that decide the computation."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+
+    def scaling(self, rank: int) -> float:
+        """The factor of ``B (A x)`` for a module of ``rank`` (PEFT's rule)."""
+        return self.alpha / math.sqrt(rank) if self.use_rslora else self.alpha / rank
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter's tensors (float32, on the CPU), per adapted module (HF names):
+    ``(A [r, in], B * scaling [out, r])``."""
+
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def max_rank(self) -> int:
+        return max(a.shape[0] for a, _ in self.modules.values())
+
+
+def read_adapter_config(folder: str | Path) -> AdapterConfig:
+    """Parse ``adapter_config.json``; a ``ValueError`` for what chassis cannot apply."""
+    folder = Path(folder)
+    path = folder / _CONFIG_FILE
+    if not folder.is_dir():
+        raise ValueError(f"LoRA adapter folder {str(folder)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(
+            f"LoRA adapter folder {str(folder)!r} has no {_CONFIG_FILE} (is it a PEFT adapter?)"
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    peft_type = raw.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"{path}: peft_type {peft_type!r} is not supported (only 'LORA')")
+    refusals = {
+        "use_dora": "DoRA adapters are not supported",
+        "modules_to_save": "adapters that replace whole modules (modules_to_save) are not "
+        "supported",
+        "alpha_pattern": "per-module lora_alpha (alpha_pattern) is not supported",
+        "fan_in_fan_out": "fan_in_fan_out adapters (GPT-2-style Conv1D layers) are not supported",
+    }
+    for key, why in refusals.items():
+        if raw.get(key):
+            raise ValueError(f"{path}: {why}")
+    bias = raw.get("bias", "none")
+    if bias != "none":
+        raise ValueError(f"{path}: bias {bias!r} is not supported (only 'none')")
+    rank = raw.get("r")
+    alpha = raw.get("lora_alpha", rank)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{path}: 'r' must be an integer >= 1; got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise ValueError(f"{path}: 'lora_alpha' must be a number; got {alpha!r}")
+    return AdapterConfig(rank=rank, alpha=float(alpha), use_rslora=bool(raw.get("use_rslora")))
+
+
+def _module_of(key: str, path: Path) -> tuple[str, str]:
+    """``base_model.model.<module>.lora_A[.<adapter name>].weight`` -> (module, "A" or "B")."""
+    name = key.removeprefix(_PEFT_PREFIX)
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in ("lora_A", "lora_B"):
+            tail = parts[i + 1 :]
+            if tail and tail[-1] == "weight" and len(tail) <= 2:
+                return ".".join(parts[:i]), part[-1]
+        if part in ("lora_embedding_A", "lora_embedding_B"):
+            raise ValueError(
+                f"{path}: LoRA on embeddings ({name}) is not supported; adapt linear layers only"
+            )
+    raise ValueError(f"{path}: tensor {key!r} is not a LoRA A or B matrix")
+
+
+def _tensor_shapes(folder: Path) -> dict[str, dict[str, list[int]]]:
+    """``{module: {"A": shape, "B": shape}}`` from the safetensors header (no tensor data)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = folder / _WEIGHTS_FILE
+    if not path.is_file():
+        other = " (only safetensors adapters are read)" if any(folder.glob("*.bin")) else ""
+        raise ValueError(f"LoRA adapter folder {str(folder)!r} has no {_WEIGHTS_FILE}{other}")
+    shapes: dict[str, dict[str, list[int]]] = {}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not a dict
+                module, which = _module_of(key, path)
+                shapes.setdefault(module, {})[which] = list(handle.get_slice(key).get_shape())
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
+    if not shapes:
+        raise ValueError(f"{path} holds no LoRA tensors")
+    return shapes
+
+
+def check_adapter(
+    folder: str | Path, target_shapes: dict[str, tuple[int, int]], max_rank: int
+) -> AdapterConfig:
+    """Refuse an adapter the engine could not apply, reading only its headers.
+
+    Every module it adapts must be one of ``target_shapes`` (the model's adaptable linear
+    layers, ``{module: (in_features, out_features)}``), with ``A`` of shape ``[r, in]`` and
+    ``B`` of ``[out, r]``, and ``r <= max_rank`` (``--max-lora-rank``).
+    """
+    folder = Path(folder)
+    config = read_adapter_config(folder)
+    for module, pair in sorted(_tensor_shapes(folder).items()):
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{folder}: module {module!r} has lora_{''.join(pair)} only")
+        expected = target_shapes.get(module)
+        if expected is None:
+            raise ValueError(
+                f"{folder}: the adapter changes {module!r}, which this model cannot apply LoRA "
+                f"to (adaptable: the attention and MLP projections of each layer)"
+            )
+        in_features, out_features = expected
+        a_shape, b_shape = pair["A"], pair["B"]
+        rank = a_shape[0] if len(a_shape) == 2 else -1
+        if a_shape != [rank, in_features] or b_shape != [out_features, rank]:
+            raise ValueError(
+                f"{folder}: {module!r} has lora_A {a_shape} and lora_B {b_shape}; this model "
+                f"needs [r, {in_features}] and [{out_features}, r] (an adapter for another "
+                f"base model?)"
+            )
+        if rank > max_rank:
+            raise ValueError(
+                f"{folder}: {module!r} has rank {rank}, above --max-lora-rank {max_rank}; "
+                f"restart with --max-lora-rank {rank} or more"
+            )
+    return config
+
+
+def load_adapter(
+    folder: str | Path, target_shapes: dict[str, tuple[int, int]], max_rank: int
+) -> AdapterWeights:
+    """Check the adapter (:func:`check_adapter`) and read its tensors, ``B`` pre-scaled."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = check_adapter(folder, target_shapes, max_rank)
+    tensors = load_file(str(folder / _WEIGHTS_FILE))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, which = _module_of(key, folder)
+        pairs.setdefault(module, {})[which] = tensor.float()
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, pair in pairs.items():
+        a, b = pair["A"], pair["B"]
+        modules[module] = (a, b * config.scaling(a.shape[0]))
+    return AdapterWeights(modules)

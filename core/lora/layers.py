@@ -1,0 +1,119 @@
+"""``LoRALinear``: a linear layer plus the deltas of the adapters in the batch, per token.
+
+The layer keeps ``max_loras`` device *slots*; slot ``l`` holds one adapter's ``A`` and
+``B * scaling`` (zero-padded to ``max_rank``). A step's :class:`LoRAStepState` says, per
+token, which slot applies (a one-hot row; all zeros for a token without an adapter). Then
+
+    y = base(x) + sum_l mask[:, l] * B_l (A_l x)
+
+is computed for every slot at once, with two dense matmuls per output slice and no host
+synchronisation: ``h = x @ A_all^T`` (``[T, slots * rank]``), ``h *= mask``, ``y += h @ B^T``.
+A merged layer (Q/K/V, or gate/up) holds one ``A`` and one ``B`` per slice: each HF
+projection it merges is adapted on its own rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LoRAStepState:
+    """What every :class:`LoRALinear` of a model reads in a forward (shared, set per step).
+
+    :param token_mask: ``[max_tokens, max_loras]`` in the model dtype: row ``t`` is the
+        one-hot slot of token ``t``'s adapter (zeros: none); a forward of ``T`` tokens
+        reads the first ``T`` rows
+    :param active: whether any token of the step has an adapter; when not, the layers skip
+        the adapter matmuls altogether
+    """
+
+    token_mask: torch.Tensor
+    active: bool = False
+
+
+class LoRALinear(nn.Module):
+    """``base_layer`` (an ``nn.Linear``, or what a platform swapped it for) with LoRA slots.
+
+    :param base_layer: the wrapped layer; ``in_features`` / ``out_features`` describe it
+    :param slices: ``(first output row, rows)`` of each adaptable projection the layer holds
+        (one for a plain projection, three for a merged Q/K/V)
+    :param state: the step state shared by all wrappers of the model
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        slices: list[tuple[int, int]],
+        state: LoRAStepState,
+        max_loras: int,
+        max_rank: int,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.in_features = int(base_layer.in_features)
+        self.out_features = int(base_layer.out_features)
+        self.slices = list(slices)
+        self.state = state
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        weight = base_layer.weight
+        factory = {"dtype": weight.dtype, "device": weight.device}
+        num_slices = len(self.slices)
+        #: ``[slots, slices, rank, in]``: the A matrices of every slot and slice
+        self.register_buffer(
+            "lora_a", torch.zeros(max_loras, num_slices, max_rank, self.in_features, **factory)
+        )
+        # One B per slice, ``[rows, slots, rank]``: slices differ in rows (Q vs K/V).
+        for index, (_, rows) in enumerate(self.slices):
+            self.register_buffer(
+                f"lora_b_{index}", torch.zeros(rows, max_loras, max_rank, **factory)
+            )
+
+    def lora_b(self, index: int) -> torch.Tensor:
+        """The B buffer of slice ``index``: ``[rows, slots, rank]``."""
+        return getattr(self, f"lora_b_{index}")
+
+    def set_slot(
+        self, slot: int, index: int, a: torch.Tensor | None, b: torch.Tensor | None
+    ) -> None:
+        """Put an adapter's ``A [r, in]`` and pre-scaled ``B [rows, r]`` for slice ``index``
+        into ``slot`` (zero-padded to ``max_rank``); ``None`` clears the slice (an adapter
+        that leaves this projection as it is)."""
+        slot_a = self.lora_a[slot, index]
+        slot_b = self.lora_b(index)[:, slot]
+        slot_a.zero_()
+        slot_b.zero_()
+        if a is None or b is None:
+            return
+        rank = a.shape[0]
+        slot_a[:rank].copy_(a)
+        slot_b[:, :rank].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        if not self.state.active:
+            return out
+        num_tokens = x.shape[0]
+        slots, rank = self.max_loras, self.max_rank
+        # [T, slots, slices, rank]: every slot's A x, kept only for each token's own slot
+        h = F.linear(x, self.lora_a.view(-1, self.in_features))
+        h = h.view(num_tokens, slots, len(self.slices), rank)
+        h = h * self.state.token_mask[:num_tokens, :, None, None]
+        for index, (start, rows) in enumerate(self.slices):
+            delta = F.linear(
+                h[:, :, index].reshape(num_tokens, slots * rank),
+                self.lora_b(index).view(rows, slots * rank),
+            )
+            out[:, start : start + rows] += delta
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"slices={self.slices}, max_loras={self.max_loras}, max_rank={self.max_rank}"
+        )

@@ -1,0 +1,173 @@
+"""``LoRAModel``: a model's adaptable layers wrapped, and the batch's adapters in device slots.
+
+Built by the worker when ``--enable-lora`` is on, after the weights are loaded and before
+the platform prepares the model (a platform that swaps ``nn.Linear`` layers for its own
+kernels then swaps the wrapped base layers). Each step the runner calls
+:meth:`LoRAModel.prepare_step` with the adapter of every token; adapters not in a slot are
+loaded into one (a free slot, else the least recently used one that the step does not
+need), reading the adapter from disk unless it is among the last ``max_cpu_loras`` read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from chassis.core.lora.adapter import AdapterWeights, load_adapter
+from chassis.core.lora.layers import LoRALinear, LoRAStepState
+
+if TYPE_CHECKING:
+    from chassis.core.lora.request import LoRARequest
+    from chassis.core.model_interface import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAModel:
+    """Wraps every linear layer of ``model`` that :meth:`CausalLM.lora_slices` names.
+
+    :param max_loras: device slots: the most distinct adapters one step can run
+    :param max_rank: the largest adapter rank (smaller ones are zero-padded)
+    :param max_cpu_loras: adapters kept read in host memory (at least ``max_loras``)
+    :param max_num_tokens: the most tokens one forward runs (the token mask grows past it)
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int,
+        max_num_tokens: int,
+    ) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        weight = next(p for p in model.parameters() if p.device.type != "meta")
+        self.state = LoRAStepState(
+            torch.zeros(max_num_tokens, max_loras, dtype=weight.dtype, device=weight.device)
+        )
+        #: HF module name -> (wrapper, slice index)
+        self._targets: dict[str, tuple[LoRALinear, int]] = {}
+        #: HF module name -> (in_features, out_features): what adapters are checked against
+        self.target_shapes: dict[str, tuple[int, int]] = {}
+        self._wrap(model)
+        if not self._targets:
+            raise ValueError(
+                f"{type(model).__name__} has no linear layer a LoRA adapter can change; "
+                "drop --enable-lora"
+            )
+        #: the adapter id each slot holds (None: free), and when each slot was last used
+        self._slot_ids: list[int | None] = [None] * max_loras
+        self._slot_used = [0] * max_loras
+        self._step = 0
+        self._requests: dict[int, LoRARequest] = {}
+        self._read: OrderedDict[int, AdapterWeights] = OrderedDict()
+
+    def _wrap(self, model: CausalLM) -> None:
+        found = []
+        for parent_name, parent in model.named_modules():
+            for child_name, child in parent.named_children():
+                name = f"{parent_name}.{child_name}" if parent_name else child_name
+                slices = model.lora_slices(name, child)
+                if slices and child.weight.device.type != "meta":
+                    found.append((parent, child_name, child, slices))
+        for parent, child_name, child, slices in found:
+            wrapper = LoRALinear(
+                child, [(start, rows) for _, start, rows in slices], self.state,
+                self.max_loras, self.max_rank,
+            )  # fmt: skip
+            setattr(parent, child_name, wrapper)
+            for index, (hf_name, _, rows) in enumerate(slices):
+                self._targets[hf_name] = (wrapper, index)
+                self.target_shapes[hf_name] = (wrapper.in_features, rows)
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    def add_request(self, lora_request: LoRARequest) -> None:
+        """Remember where adapter ``lora_int_id`` is read from (a request that runs it
+        arrived); the front-end has checked it (:func:`~chassis.core.lora.adapter.check_adapter`)."""
+        self._requests[lora_request.lora_int_id] = lora_request
+
+    def _weights(self, lora_id: int) -> AdapterWeights:
+        weights = self._read.get(lora_id)
+        if weights is not None:
+            self._read.move_to_end(lora_id)
+            return weights
+        request = self._requests[lora_id]
+        weights = load_adapter(request.lora_path, self.target_shapes, self.max_rank)
+        logger.info(
+            "LoRA adapter %r (id %d) read from %s: %d modules, rank %d",
+            request.lora_name,
+            lora_id,
+            request.lora_path,
+            len(weights.modules),
+            weights.max_rank,
+        )
+        self._read[lora_id] = weights
+        while len(self._read) > self.max_cpu_loras:
+            self._read.popitem(last=False)
+        return weights
+
+    def _slot_for(self, lora_id: int, needed: set[int]) -> int:
+        """The slot holding ``lora_id``, loading it into a free or least recently used slot
+        that no adapter in ``needed`` (this step's) holds."""
+        if lora_id in self._slot_ids:
+            return self._slot_ids.index(lora_id)
+        candidates = [s for s, held in enumerate(self._slot_ids) if held not in needed]
+        slot = min(candidates, key=lambda s: (self._slot_ids[s] is not None, self._slot_used[s]))
+        weights = self._weights(lora_id)
+        for hf_name, (wrapper, index) in self._targets.items():
+            pair = weights.modules.get(hf_name)
+            wrapper.set_slot(slot, index, *(pair if pair is not None else (None, None)))
+        self._slot_ids[slot] = lora_id
+        return slot
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def prepare_step(self, token_lora_ids: np.ndarray) -> None:
+        """Set the step state for a forward whose token ``t`` runs adapter
+        ``token_lora_ids[t]`` (0: none). A ``RuntimeError`` when more than ``max_loras``
+        distinct adapters are asked for (the scheduler keeps a step within the limit)."""
+        self._step += 1
+        used = np.unique(token_lora_ids)
+        used = used[used > 0]
+        if not len(used):
+            self.state.active = False
+            return
+        if len(used) > self.max_loras:
+            raise RuntimeError(
+                f"a step runs {len(used)} LoRA adapters, more than --max-loras "
+                f"{self.max_loras}; the scheduler must keep a step within the limit"
+            )
+        needed = {int(i) for i in used}
+        slot_of = np.full(int(used.max()) + 1, -1, dtype=np.int64)
+        for lora_id in needed:
+            slot = self._slot_for(lora_id, needed)
+            slot_of[lora_id] = slot
+            self._slot_used[slot] = self._step
+        num_tokens = len(token_lora_ids)
+        mask = np.zeros((num_tokens, self.max_loras), dtype=np.float32)
+        slots = slot_of[token_lora_ids]
+        adapted = np.nonzero(slots >= 0)[0]
+        mask[adapted, slots[adapted]] = 1.0
+        self._ensure_rows(num_tokens)
+        self.state.token_mask[:num_tokens].copy_(torch.from_numpy(mask), non_blocking=True)
+        self.state.active = True
+
+    def prepare_profile(self, num_tokens: int) -> None:
+        """A step state that runs the adapter matmuls with no adapter applied (all-zero
+        mask), so that a profiling forward sees their memory."""
+        self._ensure_rows(num_tokens)
+        self.state.token_mask.zero_()
+        self.state.active = True
+
+    def _ensure_rows(self, num_tokens: int) -> None:
+        mask = self.state.token_mask
+        if mask.shape[0] < num_tokens:
+            self.state.token_mask = mask.new_zeros(num_tokens, mask.shape[1])

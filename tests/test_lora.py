@@ -1,0 +1,257 @@
+"""LoRA adapters: the layer against merged weights, the engine against HF with merged
+adapters (greedy, float32), batches mixing adapters, and what is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fixtures_lora import hf_greedy, hf_merged_model, write_peft_adapter
+from fixtures_models import *  # noqa: F403
+
+from chassis.core.llm import LLM
+from chassis.core.lora import LoRARequest
+from chassis.core.lora.adapter import check_adapter
+from chassis.core.lora.layers import LoRALinear, LoRAStepState
+from chassis.core.sampling_params import SamplingParams
+
+NEW_TOKENS = 12
+#: two prompts sharing a first block (prefix caching must keep adapters apart)
+PROMPTS = [
+    [1, 422, 3108, 314, 9216, 253, 1345, 2442, 88, 913, 402, 1033, 77, 5, 811, 64, 90],
+    [1, 422, 3108, 314, 9216, 253, 1345, 2442, 88, 913, 402, 1033, 77, 5, 811, 64, 3001, 12],
+]
+
+
+def _engine(model_dir: Path, **kwargs: object) -> LLM:
+    settings: dict[str, object] = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "num_kv_blocks": 64,
+        "block_size": 16,
+        "enable_lora": True,
+        "max_num_seqs": 8,
+    }
+    settings.update(kwargs)
+    return LLM(str(model_dir), **settings)
+
+
+def _greedy(llm: LLM, loras: list[LoRARequest | None], prompts: list[list[int]]) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, lora_request=loras)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+# -- the layer ---------------------------------------------------------------------------------
+
+
+def test_lora_linear_matches_merged_weights_per_token() -> None:
+    """Each token gets its own slot's delta (or none): equal to x @ (W + B A)^T."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 12, bias=True)
+    state = LoRAStepState(torch.zeros(8, 2))
+    layer = LoRALinear(base, [(0, 8), (8, 4)], state, max_loras=2, max_rank=4)
+    adapters = {}
+    for slot, rank in ((0, 2), (1, 4)):
+        a0, b0 = torch.randn(rank, 16), torch.randn(8, rank)
+        a1, b1 = torch.randn(rank, 16), torch.randn(4, rank)
+        layer.set_slot(slot, 0, a0, b0)
+        layer.set_slot(slot, 1, a1, b1)
+        adapters[slot] = torch.cat([b0 @ a0, b1 @ a1])
+    layer.set_slot(1, 1, None, None)  # slot 1 leaves the second slice alone
+    adapters[1][8:] = 0
+    x = torch.randn(5, 16)
+    token_slots = [0, -1, 1, 1, 0]
+    for t, slot in enumerate(token_slots):
+        if slot >= 0:
+            state.token_mask[t, slot] = 1.0
+    state.active = True
+    with torch.no_grad():
+        got = layer(x)
+        for t, slot in enumerate(token_slots):
+            weight = base.weight + (adapters[slot] if slot >= 0 else 0)
+            torch.testing.assert_close(got[t], x[t] @ weight.T + base.bias)
+        state.active = False
+        torch.testing.assert_close(layer(x), base(x))
+
+
+# -- the engine against HF -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_adapter_greedy_matches_hf_merged(
+    arch_dir: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    model_dir = request.getfixturevalue(arch_dir)
+    adapter = write_peft_adapter(tmp_path / "a", model_dir, rank=8, alpha=16)
+    lora = LoRARequest("a", 1, str(adapter))
+    llm = _engine(model_dir)
+    got = _greedy(llm, [lora, lora], PROMPTS)
+    reference = hf_merged_model(model_dir, adapter)
+    assert got == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+    base = hf_merged_model(model_dir, None)
+    # the adapter changes the output (else the test could not fail)
+    assert got[0] != hf_greedy(base, PROMPTS[0], NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def two_adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two different adapters for the tiny Llama and each one's HF greedy references."""
+    root = tmp_path_factory.mktemp("adapters")
+    first = write_peft_adapter(root / "first", tiny_llama_dir, rank=8, alpha=16, seed=1)
+    # rank 4, rsLoRA scaling, attention only: slots must zero what it does not touch
+    second = write_peft_adapter(
+        root / "second",
+        tiny_llama_dir,
+        rank=4,
+        alpha=8,
+        use_rslora=True,
+        targets=("q_proj", "v_proj", "o_proj"),
+        seed=2,
+    )
+    references = {
+        name: [hf_greedy(hf_merged_model(tiny_llama_dir, path), p, NEW_TOKENS) for p in PROMPTS]
+        for name, path in (("first", first), ("second", second), ("base", None))
+    }
+    return {
+        "first": LoRARequest("first", 1, str(first)),
+        "second": LoRARequest("second", 2, str(second)),
+        "references": references,
+    }
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_batch_mixing_adapters_and_base(
+    tiny_llama_dir: Path, two_adapters: dict, max_loras: int
+) -> None:
+    """Every request gets its own adapter's tokens, whether the adapters share a step
+    (max_loras=2) or take turns in one slot (max_loras=1)."""
+    refs = two_adapters["references"]
+    first, second = two_adapters["first"], two_adapters["second"]
+    assert len({tuple(refs[k][0]) for k in refs}) == 3  # all three differ
+    llm = _engine(tiny_llama_dir, max_loras=max_loras)
+    loras = [first, second, None, second, first, None]
+    prompts = [PROMPTS[i % 2] for i in range(len(loras))]
+    got = _greedy(llm, loras, prompts)
+    names = ["first", "second", "base", "second", "first", "base"]
+    assert got == [refs[name][i % 2] for i, name in enumerate(names)]
+    # again, now with the prefix cache holding every adapter's blocks
+    assert _greedy(llm, loras[::-1], prompts[::-1]) == got[::-1]
+
+
+def test_scheduler_keeps_steps_within_max_loras(tiny_llama_dir: Path, two_adapters: dict) -> None:
+    """With one slot, requests of the other adapter wait until the running ones finish."""
+    llm = _engine(tiny_llama_dir, max_loras=1)
+    first, second = two_adapters["first"], two_adapters["second"]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    from chassis.core.lora.model import LoRAModel
+
+    lora_model = llm.engine.executor.worker.lora
+    assert isinstance(lora_model, LoRAModel)
+    seen: list[set[int]] = []
+    original = lora_model.prepare_step
+
+    def record(token_lora_ids: np.ndarray) -> None:
+        seen.append(set(token_lora_ids.tolist()) - {0})
+        original(token_lora_ids)
+
+    lora_model.prepare_step = record  # type: ignore[method-assign]
+    llm.generate(PROMPTS * 2, params, lora_request=[first, second, None, second])
+    assert seen and all(len(ids) <= 1 for ids in seen)
+    assert {1, 2} <= set().union(*seen)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def test_refusals_before_anything_runs(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    adapter = write_peft_adapter(tmp_path / "ok", tiny_llama_dir, rank=8)
+    good = LoRARequest("ok", 1, str(adapter))
+    params = SamplingParams(max_tokens=2)
+    off = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="--enable-lora"):
+        off.generate(PROMPTS[0], params, lora_request=good)
+    llm = _engine(tiny_llama_dir, max_lora_rank=4)
+    with pytest.raises(ValueError, match="above --max-lora-rank 4"):
+        llm.generate(PROMPTS[0], params, lora_request=good)
+    with pytest.raises(ValueError, match="does not exist"):
+        llm.generate(PROMPTS[0], params, lora_request=LoRARequest("x", 2, str(tmp_path / "no")))
+    with pytest.raises(ValueError, match="1 prompts"):
+        llm.generate(PROMPTS[0], params, lora_request=[None, None])
+    small = write_peft_adapter(tmp_path / "small", tiny_llama_dir, rank=2)
+    assert llm.generate(PROMPTS[0], params, lora_request=LoRARequest("s", 3, str(small)))
+    with pytest.raises(ValueError, match="already names adapter 's'"):
+        llm.generate(PROMPTS[0], params, lora_request=LoRARequest("t", 3, str(adapter)))
+    # a bad request in a batch: nothing of the batch runs
+    with pytest.raises(ValueError):
+        llm.generate(PROMPTS, params, lora_request=[None, LoRARequest("x", 4, str(tmp_path))])
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, str(adapter))
+
+
+def test_check_adapter_refuses_what_cannot_be_applied(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    shapes = {"model.layers.0.self_attn.q_proj": (64, 64)}
+    adapter = write_peft_adapter(tmp_path / "a", tiny_llama_dir, targets=("q_proj",), rank=4)
+    with pytest.raises(ValueError, match="changes 'model.layers.1.self_attn.q_proj', which this model cannot"):
+        check_adapter(adapter, shapes, 16)
+    shapes["model.layers.1.self_attn.q_proj"] = (64, 32)
+    with pytest.raises(ValueError, match=r"needs \[r, 64\] and \[32, r\]"):
+        check_adapter(adapter, shapes, 16)
+    shapes["model.layers.1.self_attn.q_proj"] = (64, 64)
+    assert check_adapter(adapter, shapes, 16).rank == 4
+    for key, value, match in (
+        ("use_dora", True, "DoRA"),
+        ("bias", "all", "bias 'all'"),
+        ("modules_to_save", ["lm_head"], "modules_to_save"),
+        ("peft_type", "IA3", "peft_type 'IA3'"),
+    ):
+        config_path = adapter / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        saved = config.get(key)
+        config[key] = value
+        config_path.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=match):
+            check_adapter(adapter, shapes, 16)
+        config[key] = saved
+        config_path.write_text(json.dumps(config))
+    (adapter / "adapter_model.safetensors").unlink()
+    with pytest.raises(ValueError, match="has no adapter_model.safetensors"):
+        check_adapter(adapter, shapes, 16)
+
+
+def test_engine_settings_refused(tiny_llama_dir: Path) -> None:
+    from chassis.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--max-loras must be an integer >= 1"):
+        EngineConfig(max_loras=0)
+    with pytest.raises(ValueError, match="--max-cpu-loras"):
+        EngineConfig(max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="--torch-compile"):
+        EngineConfig(enable_lora=True, torch_compile=True)
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"async_scheduling": True},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+        {"enable_chunked_prefill": True, "max_num_batched_tokens": 8},
+    ],
+    ids=["async", "ngram", "chunked"],
+)
+def test_adapters_with_other_engine_modes(
+    tiny_llama_dir: Path, two_adapters: dict, settings: dict
+) -> None:
+    """Async scheduling, n-gram drafts (verified per token) and prefill chunks keep each
+    request's adapter tokens."""
+    refs = two_adapters["references"]
+    llm = _engine(tiny_llama_dir, max_loras=2, **settings)
+    loras = [two_adapters["first"], two_adapters["second"], None]
+    got = _greedy(llm, loras, [PROMPTS[0], PROMPTS[1], PROMPTS[0]])
+    assert got == [refs["first"][0], refs["second"][1], refs["base"][0]]
