@@ -3,7 +3,7 @@
 Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.errors`):
 
 =========================  ==================================================================
-``GET  /v1/models``        the served model
+``GET  /v1/models``        the served model, then its LoRA adapters
 ``POST /v1/completions``   :mod:`chassis.serve.openai_completions`
 ``POST /v1/chat/completions``  :mod:`chassis.serve.openai_chat`
 ``POST /tokenize``         ``prompt`` or chat ``messages`` -> token ids
@@ -11,6 +11,9 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``GET  /health``           200, or 503 when the engine is dead or the server shutting down
 ``GET  /metrics``          Prometheus text (:mod:`chassis.serve.metrics`)
 ``GET  /version``          ``{"version": chassis.__version__}``
+``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: with
+                           ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` only
+                           (:mod:`chassis.serve.lora_routes`)
 =========================  ==================================================================
 """
 
@@ -31,6 +34,7 @@ from chassis.core.generation_defaults import generation_defaults
 from chassis.serve import errors
 from chassis.serve.chat_parsing import ChatParsers
 from chassis.serve.errors import install_exception_handlers
+from chassis.serve.lora_routes import router as lora_router
 from chassis.serve.metrics import ServerMetrics
 from chassis.serve.openai_chat import router as chat_router
 from chassis.serve.openai_completions import router as completions_router
@@ -62,12 +66,24 @@ def _state(request: Request) -> ServerState:
 
 async def list_models(request: Request) -> JSONResponse:
     state = _state(request)
-    card = ModelCard(
-        id=state.model_name,
-        root=getattr(state.engine.config, "model", None),
-        max_model_len=state.max_model_len,
-    )
-    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+    cards = [
+        ModelCard(
+            id=state.model_name,
+            root=getattr(state.engine.config, "model", None),
+            max_model_len=state.max_model_len,
+        )
+    ]
+    # vLLM's adapter cards: root = the adapter's folder, parent = the base model
+    cards += [
+        ModelCard(
+            id=lora.lora_name,
+            root=lora.lora_path,
+            parent=state.model_name,
+            max_model_len=state.max_model_len,
+        )
+        for lora in state.loras
+    ]
+    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
@@ -142,6 +158,28 @@ def _lenient_content_type() -> dict[str, Any]:
     return {}
 
 
+def _add_static_loras(state: ServerState) -> None:
+    """Serve ``--lora-modules``, each checked against the model (``ValueError`` naming the
+    adapter when one is refused)."""
+    for module in state.settings.lora_modules:
+        base = module.base_model_name
+        if base is not None and base not in (
+            state.model_name,
+            getattr(state.engine.config, "model", None),
+        ):
+            logger.warning(
+                "--lora-modules %s: base_model_name %r is not the served model %r (ignored)",
+                module.name,
+                base,
+                state.model_name,
+            )
+        try:
+            lora = state.loras.add(module.name, module.path)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from None
+        logger.info("LoRA adapter %r (id %d): %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
+
+
 def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` (an ``AsyncLLM``; see :mod:`chassis.serve.state` for
     the part of its contract used) with ``settings`` (defaults: :class:`ServerSettings()`).
@@ -150,7 +188,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     (uvicorn's shutdown, or a ``TestClient`` leaving its ``with`` block) the server stops
     accepting requests, aborts in-flight ones and, if ``settings.shutdown_engine_on_exit``,
     shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template``, for
-    unknown parser names and for a ``--generation-config`` that cannot be read.
+    unknown parser names, for a ``--generation-config`` that cannot be read and for a
+    ``--lora-modules`` adapter the engine cannot run.
     """
     settings = settings or ServerSettings()
     state = ServerState(
@@ -164,6 +203,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             getattr(engine.config, "model", None),
         ),
     )
+
+    _add_static_loras(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -197,4 +238,11 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse)
+    if settings.allow_runtime_lora_updating:
+        logger.warning(
+            "LoRA adapters may be loaded and unloaded at run time "
+            "(/v1/load_lora_adapter): any client with the API key can make the server read "
+            "a folder of its choice; use this for local development only"
+        )
+        app.include_router(lora_router)
     return app

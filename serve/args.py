@@ -231,6 +231,30 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help=_help("largest logprobs a request may ask for", "max_logprobs"),
     )
 
+    g = parser.add_argument_group("LoRA adapters (see docs/lora.md)")
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters: a request names one as 'model' (chassis serve "
+        "--lora-modules) or passes a LoRARequest (LLM, AsyncLLM)",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        help=_help("the most distinct adapters in one batch (device slots)", "max_loras"),
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        help=_help("the largest adapter rank accepted", "max_lora_rank"),
+    )
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        help="adapters kept read in host memory (default: --max-loras)",
+    )
+
     if with_plugins:
         _add_plugin_args(parser)
 

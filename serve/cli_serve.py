@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from chassis.serve.args import add_engine_args, engine_config_from_args, parse_memory_size
+from chassis.serve.lora import check_lora_modules, parse_lora_modules
 from chassis.serve.settings import (
     DEFAULT_HOST,
     DEFAULT_MAX_HEADER_BYTES,
@@ -47,6 +48,28 @@ def _size(text: str) -> int:
         return parse_memory_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _LoRAModulesAction(argparse.Action):
+    """``--lora-modules ITEM [ITEM ...]``: each item parsed (:func:`parse_lora_modules`);
+    the flag may be repeated, its adapters add up."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        modules = list(getattr(namespace, self.dest, None) or [])
+        for item in values:
+            if not item.strip():
+                continue  # vLLM skips empty items
+            try:
+                modules += parse_lora_modules(item)
+            except ValueError as exc:
+                raise argparse.ArgumentError(self, str(exc)) from None
+        setattr(namespace, self.dest, modules)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +143,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disable-access-log", action="store_true", help="do not log one line per request"
     )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action=_LoRAModulesAction,
+        default=[],
+        metavar="ADAPTER",
+        help="LoRA adapters to serve (needs --enable-lora), each 'name=path' or vLLM's JSON "
+        '\'{"name": "...", "path": "...", "base_model_name": "..."}\'; a request selects one '
+        "by sending its name as 'model' (see docs/lora.md)",
+    )
     g = parser.add_argument_group("chat output parsing (see docs/serving.md)")
     g.add_argument(
         "--enable-auto-tool-choice",
@@ -174,6 +207,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=list(args.lora_modules),
     )
 
 
@@ -185,12 +219,18 @@ def run(args: argparse.Namespace) -> int:
     by that signal), 130 after Ctrl-C, 1 when the engine died or failed to start, 2 for
     invalid settings (the port included).
     """
+    from chassis.core.config import DEFAULT_MODEL
     from chassis.serve.chat_parsing import ChatParsers
 
     try:
         settings = settings_from_args(args)
         config = engine_config_from_args(args)
         ChatParsers.from_settings(settings)  # unknown parser names fail before the model loads
+        check_lora_modules(
+            settings.lora_modules,
+            enable_lora=config.enable_lora,
+            served_model_name=config.served_model_name or config.model or DEFAULT_MODEL,
+        )
     except (ValueError, ImportError) as exc:  # ImportError: a parser plugin that does not load
         logger.error("%s", exc)
         return 2

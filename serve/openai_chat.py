@@ -311,7 +311,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     """OpenAI's chat completions API."""
     state = _state(request)
     state.check_accepting()
-    model = state.check_model(body.model)
+    model, lora_request = state.resolve_model(body.model)
     params = body.to_sampling_params(state.sampling_defaults)
     prompt_text, prompt_ids = await _prompt(state, body)
     parsing = state.parsers.for_request(
@@ -332,7 +332,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await generation_response(
         request,
         body.stream,
-        lambda: state.open_stream(prompt_ids, params, request_id, priority),
+        lambda: state.open_stream(prompt_ids, params, request_id, priority, lora_request),
         lambda stream: _events(state, body, stream, request_id, model, n, len(prompt_ids), parsing),
         lambda stream: _collect(state, stream, body, request_id, model, n, parsing),
     )

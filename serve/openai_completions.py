@@ -357,7 +357,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     """OpenAI's completions API (see the module docstring for batches and indices)."""
     state = _state(request)
     state.check_accepting()
-    model = state.check_model(body.model)
+    model, lora_request = state.resolve_model(body.model)
     params = body.to_sampling_params(state.sampling_defaults)
     prompts = await _prompt_batch(state, body)
     # What echo repeats: the prompts as sent, or with truncation the engine's (decoded) ids.
@@ -368,7 +368,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return await generation_response(
         request,
         body.stream,
-        lambda: state.open_streams(prompts, params, request_id, priority),
+        lambda: state.open_streams(prompts, params, request_id, priority, lora_request),
         lambda streams: _events(state, body, originals, streams, request_id, model, n),
         lambda streams: _collect(state, body, originals, streams, request_id, model, n),
     )

@@ -634,6 +634,22 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's route): serve the adapter at ``lora_path`` as
+    ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's route): stop serving ``lora_name``
+    (``lora_int_id``, which vLLM accepts, is ignored)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(_Request):
     """``POST /tokenize``: exactly one of ``prompt`` (text) or ``messages`` (chat)."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chassis.serve.lora import LoRAModule, runtime_lora_updating_allowed
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 #: Largest request body accepted (413 beyond); chat histories of a 128k-token context fit.
@@ -45,6 +47,12 @@ class ServerSettings:
     tool_call_parser: str | None = None
     #: reasoning parser name (``chassis_register_reasoning_parsers``), e.g. ``"qwen3"``
     reasoning_parser: str | None = None
+    #: LoRA adapters served from the start (``--lora-modules``; the engine needs
+    #: ``enable_lora``); their ids are 1, 2, ... in this order
+    lora_modules: list[LoRAModule] = field(default_factory=list)
+    #: add ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (default: from
+    #: ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` or ``$CHASSIS_ALLOW_RUNTIME_LORA_UPDATING``)
+    allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating_allowed)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,6 +75,12 @@ class ServerSettings:
             raise ValueError(f"--timeout-keep-alive must be >= 0; got {self.timeout_keep_alive_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout_s}")
+        names = [module.name for module in self.lora_modules]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"--lora-modules names each adapter once; repeated: {', '.join(repeated)}"
+            )
         if self.allow_credentials and "*" in self.allowed_origins:
             raise ValueError(
                 "--allow-credentials cannot be combined with --allowed-origins '*'; "

@@ -9,6 +9,7 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     engine.model_name: str                 # the name clients must send as "model"
     engine.generate(prompt: str | list[int], sampling_params, request_id, *,
                     priority=0, delta=True) -> AsyncIterator[RequestOutput]
+        # and lora_request=LoRARequest, passed only for a request naming an adapter
         # ValueError (bad input) from the first __anext__, before anything is yielded;
         # EngineDeadError when the engine core is dead; closing or cancelling the iterator
         # aborts the request in the engine (frees its KV blocks); with n > 1 one
@@ -20,6 +21,8 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     engine.stats() -> SchedulerStats       # latest scheduler snapshot (for /metrics)
     engine.add_dead_callback(cb)           # cb() once, on the event loop, when the core dies
     await engine.shutdown()
+    engine.input_processor.check_lora(lora_request)  # only with LoRA adapters: ValueError
+                                           # for an adapter the engine cannot run
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 from chassis.serve import errors
 from chassis.serve.chat_parsing import ChatParsers
+from chassis.serve.lora import LoRAAdapters, engine_lora_check
 from chassis.serve.protocol import PromptLogprob, PromptLogprobs, UsageInfo
 from chassis.serve.streaming import prepend
 
 if TYPE_CHECKING:
+    from chassis.core.lora.request import LoRARequest
     from chassis.core.outputs import RequestOutput
     from chassis.core.sampling_params import SamplingParams
     from chassis.serve.metrics import ServerMetrics
@@ -59,11 +64,16 @@ class ServerState:
     #: sampling values a request leaves unset take from here (the model's
     #: generation_config.json, core/generation_defaults.py)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    #: the LoRA adapters requests may name as ``model`` (``--lora-modules``, loaded ones)
+    loras: LoRAAdapters = field(init=False)
     #: engine request ids currently generating (aborted on shutdown)
     inflight: set[str] = field(default_factory=set)
     shutting_down: bool = False
     #: in-flight ids the server aborted itself
     _aborted: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.loras = LoRAAdapters(self.model_name, engine_lora_check(self.engine))
 
     @property
     def model_name(self) -> str:
@@ -107,12 +117,25 @@ class ServerState:
     # -- checks -------------------------------------------------------------------------------
 
     def check_model(self, requested: str | None) -> str:
-        """The served name; a 404 for any other ``model`` (``None`` means the served one)."""
+        """The name to answer with: the served name for ``None``, else ``requested`` when it
+        is the served name or an adapter's; a 404 for any other name."""
+        return self.resolve_model(requested)[0]
+
+    def resolve_model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """:meth:`check_model`, with the adapter ``requested`` names (``None``: the base
+        model)."""
         if requested is None or requested == self.model_name:
-            return self.model_name
+            return self.model_name, None
+        lora = self.loras.get(requested)
+        if lora is not None:
+            return requested, lora
+        served = f"'{self.model_name}'"
+        names = [f"'{adapter.lora_name}'" for adapter in self.loras]
+        if names:
+            served += f" and the LoRA adapter{'s' if len(names) > 1 else ''} {', '.join(names)}"
         raise errors.APIError(
             404,
-            f"The model '{requested}' does not exist. This server serves '{self.model_name}' "
+            f"The model '{requested}' does not exist. This server serves {served} "
             "(see GET /v1/models).",
             param="model",
             code="model_not_found",
@@ -133,12 +156,17 @@ class ServerState:
         params: SamplingParams,
         request_id: str,
         priority: int,
+        lora_request: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker(params.n)
         self.inflight.add(request_id)
         failed = False  # refused (400) or engine death: not an abort by the client
+        # (the keyword only when set: an engine without LoRA support keeps working)
+        lora = {} if lora_request is None else {"lora_request": lora_request}
         try:
-            stream = self.engine.generate(prompt, params, request_id, priority=priority, delta=True)
+            stream = self.engine.generate(
+                prompt, params, request_id, priority=priority, delta=True, **lora
+            )
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     tracker.observe(output)
@@ -166,14 +194,16 @@ class ServerState:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Start one request and wait for its first output.
+        """Start one request (with the LoRA adapter ``lora_request``, ``None``: the base
+        model) and wait for its first output.
 
         Invalid input surfaces here (a 400 ``APIError``; a dead engine a 503) before any
         response byte is sent. The returned stream yields the first output again, then the
         rest; close it (``aclosing``) to abort the request.
         """
-        stream = self._tracked(prompt, params, request_id, priority)
+        stream = self._tracked(prompt, params, request_id, priority, lora_request)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -192,12 +222,15 @@ class ServerState:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """:meth:`open_stream` for a batch (ids ``{request_id}-{i}``); all or none."""
         if len(prompts) == 1:
-            return [await self.open_stream(prompts[0], params, request_id, priority)]
+            return [await self.open_stream(prompts[0], params, request_id, priority, lora_request)]
         tasks = [
-            asyncio.ensure_future(self.open_stream(p, params, f"{request_id}-{i}", priority))
+            asyncio.ensure_future(
+                self.open_stream(p, params, f"{request_id}-{i}", priority, lora_request)
+            )
             for i, p in enumerate(prompts)
         ]
         opened = False
