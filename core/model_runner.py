@@ -52,8 +52,8 @@ class ModelRunner:
     ``platform`` and ``attention_backend`` (the class the model was built with) decide whether
     pure-decode steps replay captured graphs (see :mod:`chassis.core.cuda_graphs`); by default
     they are the current platform and ``config.attention_backend`` from the registry.
-    ``lora`` (with ``--enable-lora``) holds the model's LoRA slots; steps that run an adapter
-    run eager.
+    ``lora`` (with ``--enable-lora``) holds the model's LoRA slots; decode graphs are captured
+    with its matmuls, so steps with and without adapters replay them.
     """
 
     def __init__(
@@ -159,7 +159,13 @@ class ModelRunner:
             max_blocks_per_req=self.max_blocks_per_req,
             pin_memory=self.pin_memory,
         )
+        if self.lora is not None:
+            # Captured with the adapter matmuls (an all-zero mask is the base model), so that
+            # decode steps replay whether or not their requests run adapters.
+            self.lora.prepare_profile(0)
         graphs.capture()
+        if self.lora is not None:
+            self.lora.state.active = False
         self.graphs = graphs
 
     # -- one step -------------------------------------------------------------------------
@@ -283,18 +289,11 @@ class ModelRunner:
         block_table = np.ascontiguousarray(batch.block_table[rows, :max_blocks])
         seq_lens_i32 = seq_lens.astype(np.int32)
 
-        lora_active = False
         if self.lora is not None:
             lora_ids = np.array([batch.states[r].lora_int_id for r in rows], dtype=np.int64)
             self.lora.prepare_step(lora_ids[req_of_token])
-            lora_active = self.lora.state.active
         graphs = self.graphs
-        if (
-            graphs is not None
-            and not lora_active  # (graphs are captured without adapters)
-            and total == len(rows)
-            and graphs.size_for(total) is not None
-        ):
+        if graphs is not None and total == len(rows) and graphs.size_for(total) is not None:
             # Pure decode (one token per request) within the captured sizes: replay.
             hidden = graphs.run(input_ids, positions, slot_mapping, seq_lens_i32, block_table)
         else:

@@ -255,3 +255,39 @@ def test_adapters_with_other_engine_modes(
     loras = [two_adapters["first"], two_adapters["second"], None]
     got = _greedy(llm, loras, [PROMPTS[0], PROMPTS[1], PROMPTS[0]])
     assert got == [refs["first"][0], refs["second"][1], refs["base"][0]]
+
+
+def test_token_mask_is_right_for_every_step_whatever_came_before() -> None:
+    """A captured decode graph always runs the adapter matmuls and reads the mask's first
+    rows: after ``prepare_step`` they must be each token's one-hot slot (zeros for the base
+    model) whatever earlier, longer steps left there."""
+    from chassis.core.lora.model import LoRAModel
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def lora_slices(self, name: str, module: torch.nn.Module) -> list[tuple[str, int, int]]:
+            return [(name, 0, 4)] if isinstance(module, torch.nn.Linear) else []
+
+    lora = LoRAModel(Tiny(), max_loras=2, max_rank=2, max_cpu_loras=2, max_num_tokens=8)
+    slot_of: dict[int, int] = {}
+
+    def load(lora_id: int, needed: set[int]) -> int:  # no files: record the slot only
+        slot = slot_of.setdefault(lora_id, len(slot_of) % 2)
+        lora._slot_ids[slot] = lora_id
+        return slot
+
+    lora._slot_for = load  # type: ignore[method-assign]
+    steps = [[1, 2, 1, 0, 2, 1, 1, 2], [0, 0], [0] * 8, [2, 0, 0], [0, 0, 0, 0, 0, 1], [0] * 8]
+    for ids in steps:
+        lora.prepare_step(np.array(ids))
+        expected = torch.zeros(len(ids), 2)
+        for t, lora_id in enumerate(ids):
+            if lora_id:
+                expected[t, slot_of[lora_id]] = 1.0
+        assert torch.equal(lora.state.token_mask[: len(ids)], expected), ids
+        assert lora.state.active == any(ids)
+    with pytest.raises(RuntimeError, match="more than the 8"):
+        lora.prepare_step(np.zeros(9, dtype=np.int64))

@@ -33,7 +33,7 @@ class LoRAModel:
     :param max_loras: device slots: the most distinct adapters one step can run
     :param max_rank: the largest adapter rank (smaller ones are zero-padded)
     :param max_cpu_loras: adapters kept read in host memory (at least ``max_loras``)
-    :param max_num_tokens: the most tokens one forward runs (the token mask grows past it)
+    :param max_num_tokens: the most tokens one forward runs (``--max-num-batched-tokens``)
     """
 
     def __init__(
@@ -135,9 +135,15 @@ class LoRAModel:
         ``token_lora_ids[t]`` (0: none). A ``RuntimeError`` when more than ``max_loras``
         distinct adapters are asked for (the scheduler keeps a step within the limit)."""
         self._step += 1
+        num_tokens = len(token_lora_ids)
+        self._check_rows(num_tokens)
         used = np.unique(token_lora_ids)
         used = used[used > 0]
         if not len(used):
+            if self.state.active:
+                # all rows zero for a captured graph, which always runs the adapter matmuls
+                # (this step's rows, and those a later, longer step will read)
+                self.state.token_mask.zero_()
             self.state.active = False
             return
         if len(used) > self.max_loras:
@@ -151,23 +157,25 @@ class LoRAModel:
             slot = self._slot_for(lora_id, needed)
             slot_of[lora_id] = slot
             self._slot_used[slot] = self._step
-        num_tokens = len(token_lora_ids)
         mask = np.zeros((num_tokens, self.max_loras), dtype=np.float32)
         slots = slot_of[token_lora_ids]
         adapted = np.nonzero(slots >= 0)[0]
         mask[adapted, slots[adapted]] = 1.0
-        self._ensure_rows(num_tokens)
         self.state.token_mask[:num_tokens].copy_(torch.from_numpy(mask), non_blocking=True)
         self.state.active = True
 
     def prepare_profile(self, num_tokens: int) -> None:
         """A step state that runs the adapter matmuls with no adapter applied (all-zero
-        mask), so that a profiling forward sees their memory."""
-        self._ensure_rows(num_tokens)
+        mask): for a profiling forward, which then sees their memory, and for capturing
+        decode graphs, which then run them at every replay."""
+        self._check_rows(num_tokens)
         self.state.token_mask.zero_()
         self.state.active = True
 
-    def _ensure_rows(self, num_tokens: int) -> None:
-        mask = self.state.token_mask
-        if mask.shape[0] < num_tokens:
-            self.state.token_mask = mask.new_zeros(num_tokens, mask.shape[1])
+    def _check_rows(self, num_tokens: int) -> None:
+        # The mask is never reallocated: captured graphs read it at its address.
+        if num_tokens > self.state.token_mask.shape[0]:
+            raise RuntimeError(
+                f"a forward of {num_tokens} tokens, more than the {self.state.token_mask.shape[0]} "
+                "the LoRA token mask was sized for (max_num_tokens)"
+            )

@@ -252,9 +252,9 @@ def write_random_lora(directory, model_dir, targets=("q_proj", "v_proj", "down_p
 
 
 def test_lora_batch_matches_hf_merged_on_the_gpu(tmp_path):
-    """A batch mixing an adapter and the base model, with decode graphs on (steps with the
-    adapter run eager, base-only steps replay): each request equals HF greedy on its own
-    weights (the adapter merged in)."""
+    """A batch mixing an adapter and the base model, with decode graphs on (captured with
+    the adapter matmuls: every decode step replays, with or without adapters): each request
+    equals HF greedy on its own weights (the adapter merged in)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
