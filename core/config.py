@@ -177,8 +177,6 @@ class EngineConfig:
             )
         if not self.enable_lora:
             return
-        if self.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1 yet")
         if self.torch_compile:
             raise ValueError(
                 "--enable-lora is not supported with --torch-compile yet (drop one of them)"

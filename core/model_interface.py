@@ -5,12 +5,26 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from chassis.core.attention import AttentionBackend, ForwardContext
+
+
+class LoRASlice(NamedTuple):
+    """One checkpoint projection inside a linear layer, as LoRA adapters see it."""
+
+    #: the projection's HF module name (what a PEFT adapter's tensors are named after)
+    hf_module: str
+    #: the rows of the layer's output that are this projection's (on this rank)
+    first_row: int
+    rows: int
+    #: the projection's whole shape in the checkpoint (what an adapter is checked against;
+    #: under tensor parallelism more than this rank's share)
+    in_features: int
+    out_features: int
 
 
 @dataclass(frozen=True)
@@ -90,19 +104,31 @@ class CausalLM(nn.Module, ABC):
                 return reason
         return None
 
-    def lora_slices(self, module_name: str, module: nn.Module) -> list[tuple[str, int, int]]:
-        """The HF projections the linear layer ``module_name`` holds, for LoRA adapters:
-        ``(HF module name, first output row, rows)`` each; empty when adapters may not
-        change the layer.
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
+        """The HF projections the linear layer ``module_name`` holds, for LoRA adapters (one
+        :class:`LoRASlice` each); empty when adapters may not change the layer.
 
         PEFT adapters name the checkpoint's modules, so a layer that merges several HF
-        projections (Q/K/V in one matmul) returns one entry per projection. The default: an
-        ``nn.Linear`` other than ``lm_head`` is one projection under its own name (right for
-        a model whose module names are the checkpoint's); anything else is not adaptable.
+        projections (Q/K/V in one matmul) returns one slice per projection. The default: an
+        ``nn.Linear`` other than ``lm_head`` is one projection under its own name, whole
+        (right for a model whose module names are the checkpoint's and that does not shard
+        itself); anything else is not adaptable.
         """
         if not isinstance(module, nn.Linear) or module_name.split(".")[-1] == "lm_head":
             return []
-        return [(module_name, 0, int(module.out_features))]
+        rows = int(module.out_features)
+        return [LoRASlice(module_name, 0, rows, int(module.in_features), rows)]
+
+    def lora_shard(
+        self, hf_module: str, lora_a: torch.Tensor, lora_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's ``A [r, in]`` and ``B [out, r]`` for the HF
+        projection ``hf_module`` (whole shapes, as in the adapter file). A model that shards
+        itself over a tensor-parallel group cuts them as it cuts that projection's weight
+        (the rows of B for a column-parallel one, the columns of A for a row-parallel one,
+        whose partial outputs the all-reduce then sums with the adapter's); the default
+        returns them whole."""
+        return lora_a, lora_b
 
     @property
     def num_attention_layers(self) -> int:

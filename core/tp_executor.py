@@ -112,6 +112,11 @@ class TensorParallelExecutor(Executor):
 
     # -- the Executor interface ---------------------------------------------------------------
 
+    def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
+        # whole shapes, the same on every rank: the driver's answer
+        lora = self.worker.lora
+        return None if lora is None else dict(lora.target_shapes)
+
     def determine_num_blocks(self) -> int:
         self._send(NUM_BLOCKS, None)
         own = self._on_driver(NUM_BLOCKS, self.worker.determine_num_blocks)

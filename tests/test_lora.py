@@ -4,6 +4,7 @@ adapters (greedy, float32), batches mixing adapters, and what is refused."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from chassis.core.llm import LLM
 from chassis.core.lora import LoRARequest
 from chassis.core.lora.adapter import check_adapter
 from chassis.core.lora.layers import LoRALinear, LoRAStepState
+from chassis.core.model_interface import LoRASlice
 from chassis.core.sampling_params import SamplingParams
 
 NEW_TOKENS = 12
@@ -196,7 +198,9 @@ def test_refusals_before_anything_runs(tiny_llama_dir: Path, tmp_path: Path) -> 
 def test_check_adapter_refuses_what_cannot_be_applied(tiny_llama_dir: Path, tmp_path: Path) -> None:
     shapes = {"model.layers.0.self_attn.q_proj": (64, 64)}
     adapter = write_peft_adapter(tmp_path / "a", tiny_llama_dir, targets=("q_proj",), rank=4)
-    with pytest.raises(ValueError, match="changes 'model.layers.1.self_attn.q_proj', which this model cannot"):
+    with pytest.raises(
+        ValueError, match=r"changes 'model\.layers\.1\.self_attn\.q_proj', which this model cannot"
+    ):
         check_adapter(adapter, shapes, 16)
     shapes["model.layers.1.self_attn.q_proj"] = (64, 32)
     with pytest.raises(ValueError, match=r"needs \[r, 64\] and \[32, r\]"):
@@ -219,7 +223,7 @@ def test_check_adapter_refuses_what_cannot_be_applied(tiny_llama_dir: Path, tmp_
         config[key] = saved
         config_path.write_text(json.dumps(config))
     (adapter / "adapter_model.safetensors").unlink()
-    with pytest.raises(ValueError, match="has no adapter_model.safetensors"):
+    with pytest.raises(ValueError, match=r"has no adapter_model\.safetensors"):
         check_adapter(adapter, shapes, 16)
 
 
@@ -232,8 +236,6 @@ def test_engine_settings_refused(tiny_llama_dir: Path) -> None:
         EngineConfig(max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="--torch-compile"):
         EngineConfig(enable_lora=True, torch_compile=True)
-    with pytest.raises(ValueError, match="--tensor-parallel-size"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(
@@ -268,8 +270,11 @@ def test_token_mask_is_right_for_every_step_whatever_came_before() -> None:
             super().__init__()
             self.proj = torch.nn.Linear(4, 4)
 
-        def lora_slices(self, name: str, module: torch.nn.Module) -> list[tuple[str, int, int]]:
-            return [(name, 0, 4)] if isinstance(module, torch.nn.Linear) else []
+        def lora_slices(self, name: str, module: torch.nn.Module) -> list[LoRASlice]:
+            return [LoRASlice(name, 0, 4, 4, 4)] if isinstance(module, torch.nn.Linear) else []
+
+        def lora_shard(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple:
+            return a, b
 
     lora = LoRAModel(Tiny(), max_loras=2, max_rank=2, max_cpu_loras=2, max_num_tokens=8)
     slot_of: dict[int, int] = {}
@@ -291,3 +296,21 @@ def test_token_mask_is_right_for_every_step_whatever_came_before() -> None:
         assert lora.state.active == any(ids)
     with pytest.raises(RuntimeError, match="more than the 8"):
         lora.prepare_step(np.zeros(9, dtype=np.int64))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_two_tensor_parallel_ranks_apply_their_share(
+    tiny_llama_dir: Path, two_adapters: dict
+) -> None:
+    """Each rank adds its part of every delta (B's rows for q/k/v/gate/up, A's columns for
+    o/down, summed by the all-reduce): the tokens are the single-device ones."""
+    refs = two_adapters["references"]
+    llm = _engine(tiny_llama_dir, max_loras=2, tensor_parallel_size=2)
+    try:
+        assert llm.engine.info.lora_target_shapes["model.layers.0.mlp.down_proj"] == (128, 64)
+        loras = [two_adapters["first"], two_adapters["second"], None]
+        got = _greedy(llm, loras, [PROMPTS[0], PROMPTS[1], PROMPTS[1]])
+        assert got == [refs["first"][0], refs["second"][1], refs["base"][1]]
+    finally:
+        llm.shutdown()

@@ -26,7 +26,7 @@ from chassis.core.layers.attention import Attention
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
 from chassis.core.layers.vocab_parallel import VocabParallelEmbedding, gather_logits, vocab_shard
-from chassis.core.model_interface import CausalLM, ModelBuildContext
+from chassis.core.model_interface import CausalLM, LoRASlice, ModelBuildContext
 
 #: checkpoint projection name -> (merged parameter module name, shard key)
 _MERGED_SHARDS = {
@@ -376,16 +376,43 @@ class LlamaForCausalLM(CausalLM):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def lora_slices(self, module_name: str, module: nn.Module) -> list[tuple[str, int, int]]:
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
         """A merged Q/K/V or gate/up layer holds one slice per checkpoint projection (rows
-        as :meth:`load_weights` fills them); other linear layers as the default."""
-        slices = super().lora_slices(module_name, module)
+        as :meth:`load_weights` fills them); whole shapes undo the tensor-parallel cut."""
+        if not super().lora_slices(module_name, module):
+            return []
+        assert isinstance(module, nn.Linear)
         prefix, _, leaf = module_name.rpartition(".")
-        projections = self.lora_merged_projections.get(leaf)
-        if not slices or not projections:
-            return slices
+        projections = self.lora_merged_projections.get(leaf) or (leaf,)
         rows = self.spec.shard_rows(int(module.out_features))
-        return [(f"{prefix}.{name}", *rows[_MERGED_SHARDS[name][1]]) for name in projections]
+        tp = parallel_state.tp_size()
+        slices = []
+        for name in projections:
+            merged = _MERGED_SHARDS.get(name)
+            first, size = rows[merged[1]] if merged else (0, int(module.out_features))
+            # the whole projection, from this rank's share and how it is cut
+            in_full, out_full = int(module.in_features), size
+            if name in _KV_PROJECTIONS:
+                out_full = self.full_spec.num_kv_heads * self.full_spec.head_dim
+            elif name in _COLUMN_PARALLEL:
+                out_full = size * tp
+            elif name in _ROW_PARALLEL:
+                in_full *= tp
+            slices.append(LoRASlice(f"{prefix}.{name}", first, size, in_full, out_full))
+        return slices
+
+    def lora_shard(
+        self, hf_module: str, lora_a: torch.Tensor, lora_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the projection's weight is cut (:meth:`_tensor_parallel_slice`): B's rows for
+        q/k/v/gate/up, A's columns for o/down."""
+        leaf = hf_module.rpartition(".")[2]
+        weight_name = f"{hf_module}.weight"
+        if leaf in _COLUMN_PARALLEL:
+            return lora_a, self._tensor_parallel_slice(weight_name, lora_b)
+        if leaf in _ROW_PARALLEL:
+            return self._tensor_parallel_slice(weight_name, lora_a), lora_b
+        return lora_a, lora_b
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Project to the vocabulary in the model dtype; return float32 ``[n, vocab]`` (under

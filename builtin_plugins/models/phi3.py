@@ -18,8 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaForCausalLM
+from chassis.core import parallel_state
+from chassis.core.model_interface import LoRASlice
 
 #: fused checkpoint projection -> the separate projections it stacks, in row order
 FUSED_PROJECTIONS = {
@@ -33,6 +36,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     #: the checkpoint's modules are the merged ones: LoRA adapters adapt them whole
     lora_merged_projections: dict[str, tuple[str, ...]] = {}
+
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
+        """As Llama's, refused under tensor parallelism: an adapter's fused Q/K/V (or
+        gate/up) B would have to be cut per part, which is not implemented."""
+        slices = super().lora_slices(module_name, module)
+        if slices and parallel_state.tp_size() > 1:
+            raise ValueError(
+                "LoRA adapters on Phi-3 are not supported with --tensor-parallel-size > 1 "
+                "(its fused projections)"
+            )
+        return slices
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

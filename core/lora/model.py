@@ -54,8 +54,10 @@ class LoRAModel:
         )
         #: HF module name -> (wrapper, slice index)
         self._targets: dict[str, tuple[LoRALinear, int]] = {}
-        #: HF module name -> (in_features, out_features): what adapters are checked against
+        #: HF module name -> (in_features, out_features), whole (not this rank's share): what
+        #: adapters are checked against
         self.target_shapes: dict[str, tuple[int, int]] = {}
+        self._shard = model.lora_shard
         self._wrap(model)
         if not self._targets:
             raise ValueError(
@@ -79,13 +81,13 @@ class LoRAModel:
                     found.append((parent, child_name, child, slices))
         for parent, child_name, child, slices in found:
             wrapper = LoRALinear(
-                child, [(start, rows) for _, start, rows in slices], self.state,
+                child, [(s.first_row, s.rows) for s in slices], self.state,
                 self.max_loras, self.max_rank,
             )  # fmt: skip
             setattr(parent, child_name, wrapper)
-            for index, (hf_name, _, rows) in enumerate(slices):
-                self._targets[hf_name] = (wrapper, index)
-                self.target_shapes[hf_name] = (wrapper.in_features, rows)
+            for index, piece in enumerate(slices):
+                self._targets[piece.hf_module] = (wrapper, index)
+                self.target_shapes[piece.hf_module] = (piece.in_features, piece.out_features)
 
     # -- adapters ---------------------------------------------------------------------------
 
@@ -124,7 +126,10 @@ class LoRAModel:
         weights = self._weights(lora_id)
         for hf_name, (wrapper, index) in self._targets.items():
             pair = weights.modules.get(hf_name)
-            wrapper.set_slot(slot, index, *(pair if pair is not None else (None, None)))
+            if pair is None:
+                wrapper.set_slot(slot, index, None, None)
+            else:  # this rank's part (all of it without tensor parallelism)
+                wrapper.set_slot(slot, index, *self._shard(hf_name, *pair))
         self._slot_ids[slot] = lora_id
         return slot
 
