@@ -15,10 +15,12 @@ __all__ = [
     "LLM",
     "PLUGIN_API_VERSION",
     "AsyncLLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineConfig",
     "LoRARequest",
     "Platform",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "__version__",
@@ -27,10 +29,12 @@ __all__ = [
 
 if TYPE_CHECKING:
     from chassis.core.async_llm import AsyncLLM
+    from chassis.core.beam_search import BeamSearchParams
     from chassis.core.config import EngineConfig
     from chassis.core.llm import LLM
     from chassis.core.lora import LoRARequest
     from chassis.core.outputs import CompletionOutput, RequestOutput
+    from chassis.core.pooling_params import PoolingParams
     from chassis.core.sampling_params import SamplingParams
     from chassis.platforms.interface import Platform
     from chassis.plugins import PLUGIN_API_VERSION
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "LLM": "chassis.core.llm",
     "AsyncLLM": "chassis.core.async_llm",
+    "BeamSearchParams": "chassis.core.beam_search",
+    "PoolingParams": "chassis.core.pooling_params",
     "EngineConfig": "chassis.core.config",
     "LoRARequest": "chassis.core.lora",
     "RequestOutput": "chassis.core.outputs",

@@ -16,6 +16,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+from chassis.core.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    check_prompt_fits,
+    engine_step,
+    run_beam_search_async,
+    sequence_text,
+    step_sampling_params,
+)
 from chassis.core.config import EngineConfig
 from chassis.core.engine_client import EngineCoreClient
 from chassis.core.engine_setup import finalize_config
@@ -24,6 +34,10 @@ from chassis.core.input_processor import InputProcessor
 from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import RequestOutput, merge_delta_outputs
+from chassis.core.pooling_config import apply_pooling_defaults
+from chassis.core.pooling_input import EmbeddingModelInfo, process_pooling
+from chassis.core.pooling_outputs import EmbeddingRequestOutput
+from chassis.core.pooling_params import PoolingParams
 from chassis.core.request import EngineCoreOutputs, SchedulerStats
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.tokenizer import eos_token_ids, load_tokenizer
@@ -42,6 +56,13 @@ class AsyncLLM:
         self.config = config
         assert config.tokenizer is not None and config.served_model_name is not None
         self.model_name: str = config.served_model_name
+        #: a pooling engine's pooling (None when it generates), and what encode() checks
+        self.pooler_config = apply_pooling_defaults(config)
+        self.embedding_info = (
+            EmbeddingModelInfo.from_hf_config(hf_config, self.model_name)
+            if self.pooler_config is not None
+            else None
+        )
         # None with skip_tokenizer_init: token-id prompts only, outputs with empty text.
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer)
         if self.tokenizer is None:
@@ -115,6 +136,11 @@ class AsyncLLM:
         """
         if self.dead_error is not None:
             raise self.dead_error
+        if self.pooler_config is not None:
+            raise ValueError(
+                "this server runs a pooling model (--runner pooling): it serves embeddings "
+                "(/v1/embeddings), not completions or chat"
+            )
         self._loop = asyncio.get_running_loop()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -175,6 +201,96 @@ class AsyncLLM:
                     return
                 if error is not None:
                     raise error
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort(request_id)
+
+    async def beam_search(
+        self,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> BeamSearchOutput:
+        """vLLM's beam search for one prompt (:mod:`chassis.core.beam_search`): each step's
+        beams are requests ``{request_id}-{step}-{beam}``, awaited concurrently. Sequences
+        and their text as :meth:`LLM.beam_search <chassis.core.llm.LLM.beam_search>` returns
+        them. Bad input raises ``ValueError`` before the first step; cancelling the call
+        aborts the step in flight."""
+        token_ids = (
+            self.input_processor.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        )
+        check_prompt_fits(len(token_ids), params.max_tokens, self.input_processor.max_model_len)
+        step_params = step_sampling_params(
+            params, self.input_processor.vocab_size, self.config.max_logprobs
+        )
+        lora = {} if lora_request is None else {"lora_request": lora_request}
+        step = engine_step(self.generate, step_params, request_id, **lora)
+        search = BeamSearch([token_ids], params, self.input_processor.eos_token_ids)
+        [output] = await run_beam_search_async(search, step)
+        for sequence in output.sequences:
+            sequence.text = sequence_text(
+                self.tokenizer, sequence, params.include_stop_str_in_output
+            )
+        return output
+
+    async def encode(
+        self,
+        prompt: str | list[int],
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Pool one prompt (vLLM's ``AsyncLLM.encode``): yields one finished
+        :class:`EmbeddingRequestOutput`. Needs an engine with ``runner="pooling"``.
+
+        Bad input (or a generating engine) raises ``ValueError`` before anything is sent to
+        the engine; a dead engine raises :class:`EngineDeadError`. Closing the iterator
+        before the output arrives aborts the request.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self.pooler_config is None:
+            raise ValueError(
+                "this engine generates: embeddings need a pooling model, served with "
+                "--runner pooling (runner='pooling')"
+            )
+        assert self.embedding_info is not None  # set for every pooling engine
+        self._loop = asyncio.get_running_loop()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        process = functools.partial(
+            process_pooling,
+            self.input_processor,
+            self.embedding_info,
+            prompt,
+            pooling_params,
+            request_id,
+            priority,
+            add_special_tokens=add_special_tokens,
+        )
+        long_prompt = isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS
+        request = await asyncio.to_thread(process) if long_prompt else process()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        with self._lock:
+            self.output_processor.add_pooling_request(
+                request_id, prompt if isinstance(prompt, str) else None, request.prompt_token_ids
+            )
+        finished = False
+        try:
+            self.client.add_request(request)
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = True
+            if not isinstance(item, EmbeddingRequestOutput) or not item.outputs.embedding:
+                raise RuntimeError(f"the engine refused pooling request {request_id!r}")
+            yield item
         finally:
             self._queues.pop(request_id, None)
             if not finished:

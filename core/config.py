@@ -13,6 +13,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: what an engine runs (vLLM's ``--runner``): "generate" samples tokens, "pooling" returns one
+#: vector per prompt (embeddings); "auto" is "generate" (every built-in model generates)
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass
@@ -41,6 +44,13 @@ class EngineConfig:
     #: run on token ids only: load no tokenizer, take token-id prompts, return ids with empty
     #: text (vLLM's flag; for models without tokenizer files, e.g. dummy-weight benchmarks)
     skip_tokenizer_init: bool = False
+    #: "generate" or "pooling" (embeddings: prefill only, one vector per prompt; see
+    #: docs/embeddings.md); an engine runs one kind of request and refuses the other
+    runner: str = "generate"
+    #: pooling engines: ``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}``, each
+    #: key optional; what is missing comes from the checkpoint's sentence-transformers files,
+    #: else last-token and normalized (``chassis.core.pooling_config``)
+    pooler_config: dict[str, Any] | None = None
 
     # -- KV cache --------------------------------------------------------------------------
     block_size: int = 16
@@ -149,6 +159,7 @@ class EngineConfig:
                     "--speculative-config is not supported with --tensor-parallel-size > 1 yet"
                 )
         self._validate_lora()
+        self._validate_runner()
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0; got {self.max_logprobs}")
         if not self.generation_config.strip():
@@ -181,6 +192,29 @@ class EngineConfig:
             raise ValueError(
                 "--enable-lora is not supported with --torch-compile yet (drop one of them)"
             )
+
+    def _validate_runner(self) -> None:
+        if self.runner == "auto":
+            self.runner = "generate"  # vLLM's auto picks generate for *ForCausalLM models
+        if self.runner not in RUNNERS:
+            raise ValueError(f"--runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        from chassis.core.pooling_config import check_pooler_config
+
+        check_pooler_config(self.pooler_config)
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("--pooler-config is for --runner pooling only")
+            return
+        # A pooling request finishes when its prompt is computed: nothing to overlap, draft
+        # or adapt yet (async scheduling would plan a decode for it).
+        for flag, on in (
+            ("--async-scheduling", self.async_scheduling),
+            ("--speculative-config", self.speculative_config is not None),
+            ("--enable-lora", self.enable_lora),
+            ("--tensor-parallel-size > 1", self.tensor_parallel_size > 1),
+        ):
+            if on:
+                raise ValueError(f"{flag} cannot be combined with --runner pooling yet")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

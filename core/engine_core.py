@@ -12,6 +12,7 @@ from chassis.core.config import EngineConfig
 from chassis.core.executor import make_executor
 from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.kv_cache_manager import KVCacheManager
+from chassis.core.pooling_config import apply_pooling_defaults
 from chassis.core.request import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -63,6 +64,8 @@ class EngineCore:
 
         load_general_plugins()
         self.config = config
+        #: a pooling engine's pooling (prefix caching turned off where it cannot serve it)
+        self.pooler_config = apply_pooling_defaults(config)
         platform = get_current_platform()
         self.executor = make_executor(config)
         try:
@@ -111,11 +114,17 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request. One whose structured-output constraint does not compile (the
-        front-end checks constraints first, so this is rare) finishes at the next step with
-        reason ``abort``, and the error is logged; the engine keeps serving."""
+        """Queue a request. One whose structured-output constraint does not compile, or of
+        the other kind than the engine runs (pooling or generate; the front-end checks both
+        first, so this is rare) finishes at the next step with reason ``abort``, and the
+        error is logged; the engine keeps serving."""
         engine_request = Request.from_engine_core_request(request)
         try:
+            if (request.pooling_params is not None) != (self.pooler_config is not None):
+                raise ValueError(
+                    f"a {'pooling' if request.pooling_params else 'generate'} request reached "
+                    f"an engine with runner={self.config.runner!r}"
+                )
             matcher = self.structured_outputs.matcher_for(engine_request)
         except ValueError as exc:
             logger.error("request %s refused: %s", request.request_id, exc)

@@ -7,6 +7,17 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from chassis.core.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamStep,
+    check_prompt_fits,
+    run_beam_search,
+    sequence_text,
+    step_logprobs,
+    step_sampling_params,
+)
 from chassis.core.chat import render_chat
 from chassis.core.config import EngineConfig
 from chassis.core.engine_core import EngineCore
@@ -15,11 +26,18 @@ from chassis.core.generation_defaults import generation_defaults
 from chassis.core.input_processor import InputProcessor
 from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
-from chassis.core.outputs import RequestOutput
+from chassis.core.outputs import PositionLogprobs, RequestOutput
+from chassis.core.pooling_config import PoolerConfig, apply_pooling_defaults
+from chassis.core.pooling_input import EmbeddingModelInfo, process_pooling
+from chassis.core.pooling_outputs import EmbeddingRequestOutput
+from chassis.core.pooling_params import PoolingParams
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
+
+#: vLLM's older ``task`` argument -> ``runner`` ("auto" keeps the runner as given)
+_TASK_RUNNERS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
 
 class LLM:
@@ -30,11 +48,25 @@ class LLM:
     ``enable_prefix_caching``, ``max_num_batched_tokens``, ``scheduler``, ...). With
     ``skip_tokenizer_init=True`` no tokenizer is loaded: prompts must be token ids and
     outputs carry token ids with empty text.
+
+    ``runner="pooling"`` (or vLLM's older ``task="embed"``) makes an embedding engine:
+    :meth:`embed` returns one vector per prompt, :meth:`generate` and :meth:`chat` are
+    refused (and :meth:`embed` is on a generating engine); ``pooler_config`` (a dict or
+    :class:`~chassis.core.pooling_config.PoolerConfig`; vLLM's ``override_pooler_config``
+    too) picks the pooling. See docs/embeddings.md.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.config = EngineConfig(model=model, **_pooling_kwargs(engine_kwargs))
         hf_config = finalize_config(self.config)
+        #: the engine's pooling (None for a generating engine), and what embed() checks
+        self.pooler_config = apply_pooling_defaults(self.config)
+        assert self.config.served_model_name is not None
+        self.embedding_info = (
+            EmbeddingModelInfo.from_hf_config(hf_config, self.config.served_model_name)
+            if self.pooler_config is not None
+            else None
+        )
         assert self.config.tokenizer is not None
         if self.config.skip_tokenizer_init:
             self.tokenizer = None
@@ -91,6 +123,11 @@ class LLM:
         """
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
+        if self.pooler_config is not None:
+            raise ValueError(
+                "this LLM runs a pooling model (runner='pooling'): use embed(); generate() "
+                "and chat() need an LLM created with runner='generate' (the default)"
+            )
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -160,6 +197,147 @@ class LLM:
             progress.close()
         return [results[request_id] for request_id in order]
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: one :class:`BeamSearchOutput` per prompt, its
+        ``sequences`` best first (the rules: :mod:`chassis.core.beam_search`).
+
+        Prompts and ``lora_request`` as in :meth:`generate`. Each step runs every live beam
+        of (up to ``concurrency_limit``) prompts as one batch of one-token requests. A
+        sequence's ``tokens`` and ``text`` include the prompt, as in vLLM. Bad input raises
+        ``ValueError`` before anything runs.
+        """
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        prompt_list = _as_prompt_list(prompts)
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompt_list)
+        )
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        step_params = step_sampling_params(
+            params, self.input_processor.vocab_size, self.config.max_logprobs
+        )
+        token_prompts = []
+        for prompt in prompt_list:
+            prompt_input = _prompt_input(prompt)
+            ids = (
+                self.input_processor.tokenize(prompt_input)
+                if isinstance(prompt_input, str)
+                else list(prompt_input)
+            )
+            check_prompt_fits(len(ids), params.max_tokens, self.input_processor.max_model_len)
+            token_prompts.append(ids)
+        chunk = concurrency_limit or max(1, len(token_prompts))
+        outputs: list[BeamSearchOutput] = []
+        for start in range(0, len(token_prompts), chunk):
+            part = range(start, min(start + chunk, len(token_prompts)))
+
+            def step(beams: list[BeamStep], part: range = part) -> list[PositionLogprobs | None]:
+                results = self.generate(
+                    [{"prompt_token_ids": beam.token_ids} for beam in beams],
+                    step_params,
+                    lora_request=[loras[part[beam.prompt_index]] for beam in beams],
+                )
+                return [step_logprobs(result) for result in results]
+
+            search = BeamSearch(
+                [token_prompts[i] for i in part], params, self.input_processor.eos_token_ids
+            )
+            progress = _progress(params.max_tokens, "beam search", "step") if use_tqdm else None
+            outputs += run_beam_search(search, step, progress.update if progress else None)
+            if progress is not None:
+                progress.close()
+        for output in outputs:
+            for sequence in output.sequences:
+                sequence.text = sequence_text(
+                    self.tokenizer, sequence, params.include_stop_str_in_output
+                )
+        return outputs
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (vLLM's ``LLM.embed``), in the order of ``prompts``.
+
+        Needs ``LLM(model, runner="pooling")``. A prompt is a string, a list of token ids, or
+        ``{"prompt_token_ids": [...]}``; ``pooling_params`` apply to every prompt or give one
+        per prompt (``dimensions`` for Matryoshka models, ``normalize``,
+        ``truncate_prompt_tokens``, which the keyword argument of that name sets for all).
+        Everything is validated before anything runs; bad input raises ``ValueError``.
+        """
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        if self.pooler_config is None:
+            raise ValueError(
+                "embed() needs a pooling engine: create the LLM with runner='pooling' (or "
+                "task='embed'); this one generates (use generate() or chat())"
+            )
+        assert self.embedding_info is not None  # set for every pooling engine
+        prompt_list = _as_prompt_list(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        params_list = (
+            [params] * len(prompt_list) if isinstance(params, PoolingParams) else list(params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(
+                f"got {len(params_list)} pooling params for {len(prompt_list)} prompts"
+            )
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list
+            ]
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        batch_tag = uuid.uuid4().hex[:8]
+        requests = [
+            process_pooling(
+                self.input_processor,
+                self.embedding_info,
+                _prompt_input(prompt),
+                p,
+                f"{batch_tag}-{i}",
+                priorities[i],
+            )
+            for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True))
+        ]
+        output_processor = OutputProcessor(self.tokenizer)
+        for prompt, request in zip(prompt_list, requests, strict=True):
+            output_processor.add_pooling_request(
+                request.request_id, _prompt_text(prompt), request.prompt_token_ids
+            )
+            self.engine.add_request(request)
+        results: dict[str, Any] = {}
+        progress = _progress(len(requests)) if use_tqdm else None
+        while self.engine.has_unfinished():
+            for output in output_processor.process_outputs(self.engine.step()).request_outputs:
+                results[output.request_id] = output
+                if progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        refused = [r for r in results.values() if not r.outputs.embedding]
+        if refused:
+            raise RuntimeError(f"the engine refused request {refused[0].request_id!r} (see log)")
+        return [results[request.request_id] for request in requests]
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -210,6 +388,32 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
+def _pooling_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``engine_kwargs`` with vLLM's older spellings mapped: ``task`` to ``runner``,
+    ``override_pooler_config`` to ``pooler_config``, a ``PoolerConfig`` to its dict."""
+    kwargs = dict(engine_kwargs)
+    task = kwargs.pop("task", None)
+    if task is not None:
+        if task not in _TASK_RUNNERS:
+            raise ValueError(
+                f"task={task!r} is not supported; use {', '.join(map(repr, _TASK_RUNNERS))} "
+                "(or runner='generate' / runner='pooling')"
+            )
+        runner = _TASK_RUNNERS[task]
+        given = kwargs.get("runner", "auto")
+        if runner is not None and given not in ("auto", runner):
+            raise ValueError(f"task={task!r} and runner={given!r} disagree; give one")
+        if runner is not None:
+            kwargs["runner"] = runner
+    if "override_pooler_config" in kwargs:
+        if kwargs.get("pooler_config") is not None:
+            raise ValueError("give pooler_config or override_pooler_config, not both")
+        kwargs["pooler_config"] = kwargs.pop("override_pooler_config")
+    if isinstance(kwargs.get("pooler_config"), PoolerConfig):
+        kwargs["pooler_config"] = kwargs["pooler_config"].as_dict()
+    return kwargs
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str | dict):
         return [prompts]
@@ -237,7 +441,7 @@ def _prompt_text(prompt: Prompt) -> str | None:
     return None
 
 
-def _progress(total: int) -> Any:
+def _progress(total: int, desc: str = "requests", unit: str = "req") -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="requests", unit="req")
+    return tqdm(total=total, desc=desc, unit=unit)

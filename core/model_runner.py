@@ -29,6 +29,8 @@ from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.model_loader import kv_head_count
+from chassis.core.pooler import Pooler
+from chassis.core.pooling_config import resolve_pooler_config
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
 from chassis.core.sampler_interface import check_sampler_output
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
@@ -107,6 +109,10 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         #: captured decode graphs; None while there are none (eager only)
         self.graphs: DecodeGraphs | None = None
+        #: a pooling engine's (``runner="pooling"``) pooler; None for a generating one
+        self.pooler: Pooler | None = None
+        if config.runner == "pooling":
+            self.pooler = Pooler(resolve_pooler_config(config), device)
 
     # -- KV cache -------------------------------------------------------------------------
 
@@ -144,6 +150,9 @@ class ModelRunner:
         )
 
     def _capture_graphs(self) -> None:
+        if self.pooler is not None:
+            logger.info("pooling runs prefills only: no decode graphs to capture")
+            return
         reason = eager_reason(self.config, self.platform, self.attention_backend, self.model)
         if reason is not None:
             logger.info("decode steps run eager: %s", reason)
@@ -208,6 +217,8 @@ class ModelRunner:
             row = self.batch.row_of[cached.request_id]
             self.batch.append_blocks(row, cached.new_block_ids)
             self.batch.num_computed_tokens[row] = cached.num_computed_tokens
+        if self.pooler is not None:
+            self.pooler.update(out)
 
     def _skip_draws(self, generator: torch.Generator, num_steps: int) -> None:
         """Advance ``generator`` past ``num_steps`` random sampling steps.
@@ -313,6 +324,18 @@ class ModelRunner:
             if isinstance(input_ids, np.ndarray):
                 input_ids = self._to_device(input_ids)
             hidden = self.forward(input_ids, self._to_device(positions), ctx)
+
+        if self.pooler is not None:  # prefill only: pool the states, sample nothing
+            batch.num_computed_tokens[rows] = seq_lens
+            request_ids = [batch.request_ids[r] for r in rows]
+            pooled = self.pooler.pool(hidden, request_ids, starts, num_scheduled, query_start_loc)
+            return PendingRunnerOutput.ready(
+                ModelRunnerOutput(
+                    request_ids=request_ids,
+                    sampled_token_ids=[[] for _ in request_ids],
+                    pooled=pooled,
+                )
+            )
 
         # Rows whose every token, known or in flight, is now computed sample their next one;
         # a request with drafts samples after its last token and after each draft.

@@ -21,6 +21,7 @@ from chassis.core.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from chassis.core.pooling_outputs import EmbeddingOutput, EmbeddingRequestOutput, decode_pooled
 from chassis.core.request import FinishReason
 
 if TYPE_CHECKING:
@@ -38,8 +39,9 @@ logger = logging.getLogger(__name__)
 class ProcessedOutputs:
     """The result of one ``OutputProcessor.process_outputs`` call."""
 
-    #: one per parent request that made progress, in the order first touched
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    #: one per parent request that made progress, in the order first touched (then one per
+    #: pooling request that finished)
+    request_outputs: list[RequestOutput | EmbeddingRequestOutput] = field(default_factory=list)
     #: child (engine-core) request ids finished by a stop string: abort them in the engine
     request_ids_to_abort: list[str] = field(default_factory=list)
 
@@ -185,6 +187,8 @@ class OutputProcessor:
         self._parents: dict[str, _ParentRequest] = {}
         #: child request id -> parent request id
         self._child_to_parent: dict[str, str] = {}
+        #: pooling requests (one engine request each) -> (prompt, prompt token ids)
+        self._pooling: dict[str, tuple[str | None, list[int]]] = {}
         self._token_text: dict[int, str] = {}
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -238,6 +242,31 @@ class OutputProcessor:
         for child_id in child_request_ids:
             self._child_to_parent[child_id] = request_id
 
+    def add_pooling_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int]
+    ) -> None:
+        """Start tracking a pooling request (its engine-core id is ``request_id``); its one
+        output, an :class:`EmbeddingRequestOutput`, comes when the engine finishes it. Raises
+        ``ValueError`` if the id is already tracked."""
+        if request_id in self._pooling or request_id in self._child_to_parent:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self._pooling[request_id] = (prompt, list(prompt_token_ids))
+
+    def _pooled_output(self, out: EngineCoreOutput) -> EmbeddingRequestOutput | None:
+        """The finished pooling request ``out`` reports (forgotten here), or ``None``."""
+        tracked = self._pooling.pop(out.request_id, None)
+        if tracked is None:
+            return None
+        prompt, prompt_token_ids = tracked
+        return EmbeddingRequestOutput(
+            request_id=out.request_id,
+            outputs=EmbeddingOutput(decode_pooled(out.pooled) if out.pooled else []),
+            prompt_token_ids=prompt_token_ids,
+            prompt=prompt,
+            num_cached_tokens=out.num_cached_tokens,
+            finish_reason=FinishReason(out.finish_reason).value,
+        )
+
     def _detokenizer(
         self, params: SamplingParams, final_only: bool
     ) -> IncrementalDetokenizer | _TokenIdsOnly:
@@ -252,27 +281,28 @@ class OutputProcessor:
         engine core). Unknown ids return ``[]``."""
         parent = self._parents.get(request_id)
         if parent is None:
-            return []
+            return [request_id] if self._pooling.pop(request_id, None) is not None else []
         self._remove(parent)
         return [cid for cid, c in parent.completions.items() if not c.finished]
 
     def fail_all(self, error: BaseException | str) -> list[str]:
         """Forget every request (the engine died); return the parent ids so the caller can
         fail each one with ``error``."""
-        request_ids = list(self._parents)
+        request_ids = list(self._parents) + list(self._pooling)
         if request_ids:
             logger.error("failing %d running requests: %s", len(request_ids), error)
         self._parents.clear()
         self._child_to_parent.clear()
+        self._pooling.clear()
         return request_ids
 
     def has_unfinished(self) -> bool:
-        """Whether any parent request is still tracked."""
-        return bool(self._parents)
+        """Whether any parent (or pooling) request is still tracked."""
+        return bool(self._parents) or bool(self._pooling)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._parents)
+        return len(self._parents) + len(self._pooling)
 
     def _remove(self, parent: _ParentRequest) -> None:
         del self._parents[parent.request_id]
@@ -285,7 +315,8 @@ class OutputProcessor:
         """Apply one batch of engine-core outputs.
 
         Returns one ``RequestOutput`` per parent that made progress (a ``final_only`` parent
-        only when it finished; finished parents are then forgotten) and the children a stop
+        only when it finished; finished parents are then forgotten), one
+        ``EmbeddingRequestOutput`` per pooling request that finished, and the children a stop
         string finished. Outputs for unknown or
         already finished children (aborted, or stopped here) are ignored. ``engine_error`` is
         not handled here: the caller checks it and calls ``fail_all``.
@@ -296,6 +327,10 @@ class OutputProcessor:
         for out in engine_core_outputs.outputs:
             parent_id = self._child_to_parent.get(out.request_id)
             if parent_id is None:
+                if self._pooling and out.finished:  # (a pooling request has no parent)
+                    pooled = self._pooled_output(out)
+                    if pooled is not None:
+                        result.request_outputs.append(pooled)
                 continue
             parent = self._parents[parent_id]
             completion = parent.completions[out.request_id]

@@ -8,6 +8,7 @@ import time
 import msgspec
 
 from chassis.core.lora.request import LoRARequest
+from chassis.core.pooling_params import PoolingParams
 from chassis.core.sampling_params import SamplingParams
 
 
@@ -36,6 +37,10 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     priority: int = 0
     #: the LoRA adapter the request runs with (None: the base model)
     lora_request: LoRARequest | None = None
+    #: set for a pooling request (an engine with ``runner="pooling"``): it finishes when its
+    #: prompt is computed and returns a vector (``EngineCoreOutput.pooled``); its
+    #: ``sampling_params`` are then unused
+    pooling_params: PoolingParams | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -63,6 +68,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Wall-clock time (``time.time()``) the request was first scheduled; sent once, with the
     #: request's first output.
     first_scheduled_time: float | None = None
+    #: A pooling request's vector (little-endian float32 bytes), with its only output.
+    pooled: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,6 +124,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must contain at least one token")
@@ -127,6 +135,8 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.lora_request = lora_request
+        #: set for a pooling request: prefill only, finished by its pooled vector
+        self.pooling_params = pooling_params
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         #: Tokens whose K/V are in the cache (prefix hits included).
@@ -156,6 +166,7 @@ class Request:
             req.arrival_time or None,
             req.priority,
             req.lora_request,
+            req.pooling_params,
         )
 
     @property

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 # At run time, not only for type checking: the tensor-parallel executor decodes
 # SchedulerOutput with msgspec, which resolves the field types.
 from chassis.core.lora.request import LoRARequest
+from chassis.core.pooling_params import PoolingParams
 from chassis.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()
     #: the LoRA adapter the request runs with (None: the base model)
     lora_request: LoRARequest | None = None
+    #: set for a pooling request (``runner="pooling"``): prefill only, pooled, not sampled
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -101,6 +104,9 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None] | None = None
     #: request id -> prompt logprobs, present once, when the request's prefill completes
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    #: pooling requests whose prompt this step completed: request id -> the pooled vector
+    #: (little-endian float32 bytes, ``chassis.core.pooling_outputs.POOLED_DTYPE``)
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 class Scheduler(ABC):

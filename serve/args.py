@@ -16,7 +16,7 @@ import re
 from dataclasses import MISSING, fields
 from typing import Any
 
-from chassis.core.config import DTYPES, LOAD_FORMATS, EngineConfig
+from chassis.core.config import DTYPES, LOAD_FORMATS, RUNNERS, EngineConfig
 
 #: where add_engine_args records the dests of plugin flags on the parser's defaults
 _PLUGIN_DESTS = "_chassis_plugin_arg_dests"
@@ -124,6 +124,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         action="store_true",
         default=None,
         help="load no tokenizer: prompts must be token ids, outputs carry ids and empty text",
+    )
+    g.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        help=_help("'pooling' serves embeddings (/v1/embeddings) instead of text", "runner"),
+    )
+    g.add_argument(
+        "--pooler-config",
+        type=_json_object_arg,
+        metavar="JSON",
+        help='with --runner pooling: \'{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": '
+        "true|false}' (default: the checkpoint's sentence-transformers files, else last "
+        "token, normalized); see docs/embeddings.md",
     )
 
     g = parser.add_argument_group("KV cache")

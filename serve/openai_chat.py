@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from chassis.serve import errors
+from chassis.serve.beam_search import beam_search_response
 from chassis.serve.chat_parsing import (
     ChoiceDelta,
     ChoiceParser,
@@ -329,6 +330,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0
+    if body.use_beam_search:  # vLLM's beam search (serve/beam_search.py)
+        return await beam_search_response(
+            request,
+            state,
+            body,
+            [prompt_ids],
+            params,
+            request_id,
+            lora_request,
+            lambda streams: _collect(state, streams[0], body, request_id, model, n, parsing),
+        )
     return await generation_response(
         request,
         body.stream,

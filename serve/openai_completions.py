@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from chassis.serve import errors
+from chassis.serve.beam_search import beam_search_response
 from chassis.serve.completion_echo import (
     echo_logprobs,
     echo_text,
@@ -365,6 +366,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     request_id = f"cmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0
+    if body.use_beam_search:  # vLLM's beam search (serve/beam_search.py)
+        return await beam_search_response(
+            request,
+            state,
+            body,
+            prompts,
+            params,
+            request_id,
+            lora_request,
+            lambda streams: _collect(state, body, originals, streams, request_id, model, n),
+        )
     return await generation_response(
         request,
         body.stream,

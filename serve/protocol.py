@@ -100,6 +100,10 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = None
     #: scheduling priority for the ``priority`` scheduler (lower runs first); a 64-bit integer
     priority: int | None = Field(0, ge=-(2**63), le=2**63 - 1)
+    #: vLLM's beam search (serve/beam_search.py): ``n`` beams, best first, never streamed
+    use_beam_search: bool | None = False
+    #: beam search ranks beams by ``cum_logprob / length ** length_penalty``
+    length_penalty: float | None = 1.0
     # -- structured outputs (serve/structured_request.py): at most one of them --------------
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

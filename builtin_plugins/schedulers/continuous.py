@@ -231,7 +231,10 @@ class ContinuousBatchingScheduler(Scheduler):
         requests no longer running (aborted meanwhile) are dropped. Raises ``ValueError`` if the
         runner sampled for a request whose scheduled tokens did not reach its last token.
         """
-        outputs: list[EngineCoreOutput] = []
+        # Pooling requests the step completed finish first (the loop below then skips them).
+        outputs = (
+            self._finish_pooled(scheduler_output, runner_output) if runner_output.pooled else []
+        )
         logprobs = runner_output.logprobs
         planned = self._planned.pop(id(scheduler_output), None)
         for i, request_id in enumerate(runner_output.request_ids):
@@ -285,6 +288,41 @@ class ContinuousBatchingScheduler(Scheduler):
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request)
+        return outputs
+
+    def _finish_pooled(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Finish (reason ``stop``, as vLLM) each pooling request the runner returned a vector
+        for, with that vector as its only output. Raises ``ValueError`` for a vector of a
+        request whose prompt is not computed yet."""
+        outputs: list[EngineCoreOutput] = []
+        planned = self._planned.get(id(scheduler_output))
+        for request_id, pooled in runner_output.pooled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if planned is not None and planned.get(request_id) is not request:
+                continue
+            if request.num_computed_tokens < request.num_tokens:
+                raise ValueError(
+                    f"the model runner pooled request {request_id!r} after "
+                    f"{request.num_computed_tokens} of its {request.num_tokens} tokens"
+                )
+            request.finish_reason = FinishReason.STOP
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    pooled=pooled,
+                    finish_reason=FinishReason.STOP,
+                    num_cached_tokens=request.num_cached_tokens,
+                    first_scheduled_time=None
+                    if request.first_scheduled_time_sent
+                    else request.first_scheduled_time,
+                )
+            )
+            self.running.remove(request)
+            self._finish(request)
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -421,6 +459,7 @@ class ContinuousBatchingScheduler(Scheduler):
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_ids=request.eos_token_ids,
                         lora_request=request.lora_request,
+                        pooling_params=request.pooling_params,
                     )
                 )
                 self._in_runner.add(request_id)

@@ -1,0 +1,196 @@
+"""How a pooling engine (``runner="pooling"``) turns a prompt's hidden states into one vector.
+
+The pooling type and whether vectors are L2-normalized come, in this order of precedence,
+from the user's ``pooler_config`` (``EngineConfig.pooler_config``, ``--pooler-config``), from
+the checkpoint's sentence-transformers files (``modules.json``, the ``Pooling`` module's
+``config.json`` and whether a ``Normalize`` module follows it), and otherwise from vLLM's
+default for decoder language models: the last token, normalized.
+
+Prefix caching needs the last-token pooler: a cached prefix has no hidden states in this
+request, which the mean and the first token (CLS) need. :func:`apply_pooling_defaults`
+therefore turns prefix caching off for the other types (vLLM turns off both prefix caching
+and chunked prefill; chassis keeps chunked prefill, the runner carries a running sum from
+chunk to chunk, see :mod:`chassis.core.pooler`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+#: the pooling types chassis implements (vLLM's names)
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+#: the keys ``pooler_config`` accepts
+POOLER_CONFIG_KEYS = ("pooling_type", "normalize")
+
+#: sentence-transformers ``Pooling`` config keys -> chassis' type (the ones implemented)
+_ST_MODES = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+}
+#: the same as the ``pooling_mode`` string some versions write; any other mode (max,
+#: mean_sqrt_len_tokens, weightedmean) is refused rather than ignored
+_ST_STRING_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+_ST_PREFIX = "sentence_transformers.models."
+#: modules that may sit in a sentence-transformers pipeline without changing the vector
+_ST_NEUTRAL_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """The resolved pooling of one engine: ``pooling_type`` (one of :data:`POOLING_TYPES`)
+    and ``normalize`` (L2-normalize each vector unless a request says otherwise)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Whether the pooler reads hidden states before the last token (prefix caching,
+        which skips computing a cached prefix, cannot serve it)."""
+        return self.pooling_type != "LAST"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pooling_type": self.pooling_type, "normalize": self.normalize}
+
+
+def check_pooler_config(value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``None`` or a dict of known keys and values
+    (``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}``, both optional)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"--pooler-config must be a JSON object such as "
+            f'{{"pooling_type": "MEAN", "normalize": true}}; got {value!r}'
+        )
+    unknown = sorted(set(value) - set(POOLER_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--pooler-config has unknown keys {unknown}; known: {', '.join(POOLER_CONFIG_KEYS)}"
+        )
+    pooling_type = value.get("pooling_type")
+    if pooling_type is not None and (
+        not isinstance(pooling_type, str) or pooling_type.upper() not in POOLING_TYPES
+    ):
+        raise ValueError(
+            f"--pooler-config pooling_type must be one of {', '.join(POOLING_TYPES)}; "
+            f"got {pooling_type!r}"
+        )
+    normalize = value.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise ValueError(f"--pooler-config normalize must be true or false; got {normalize!r}")
+
+
+def read_sentence_transformers_pooling(model_dir: str | Path) -> dict[str, Any] | None:
+    """The pooling a sentence-transformers checkpoint declares, as ``pooler_config`` keys;
+    ``None`` when ``model_dir`` has no ``modules.json``.
+
+    As vLLM: the ``Pooling`` module's ``config.json`` names the type and the vector is
+    normalized exactly when a ``Normalize`` module is listed. Raises ``ValueError`` for what
+    chassis cannot reproduce: max, sqrt-length and weighted means, several modes at once, and
+    modules that change the vector (``Dense`` projections and others).
+    """
+    directory = Path(model_dir)
+    modules_file = directory / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = _read_json(modules_file)
+    if not isinstance(modules, list):
+        raise ValueError(f"{modules_file}: expected a list of modules")
+    types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+    others = [t for t in types if t.removeprefix(_ST_PREFIX) not in _ST_NEUTRAL_MODULES]
+    if others:
+        raise ValueError(
+            f"{modules_file} lists modules chassis cannot run after the transformer: "
+            f"{', '.join(others)} (only Pooling and Normalize are supported)"
+        )
+    result: dict[str, Any] = {"normalize": _ST_PREFIX + "Normalize" in types}
+    pooling = next(
+        (m for m in modules if isinstance(m, dict) and m.get("type") == _ST_PREFIX + "Pooling"),
+        None,
+    )
+    if pooling is not None:
+        pooling_file = directory / str(pooling.get("path", "")) / "config.json"
+        result["pooling_type"] = _st_pooling_type(
+            _read_json(pooling_file) if pooling_file.is_file() else {}, pooling_file
+        )
+    logger.info("sentence-transformers pooling in %s: %s", directory, result)
+    return result
+
+
+def _st_pooling_type(pooling: Any, source: Path) -> str:
+    if not isinstance(pooling, dict):
+        raise ValueError(f"{source}: expected a JSON object")
+    mode = pooling.get("pooling_mode")  # a string in some sentence-transformers versions
+    if isinstance(mode, str):
+        chosen = [mode]
+        known = _ST_STRING_MODES
+    else:
+        chosen = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v is True]
+        known = _ST_MODES
+    unsupported = [m for m in chosen if m not in known]
+    if unsupported:
+        raise ValueError(
+            f"{source}: pooling {', '.join(unsupported)} is not supported; chassis pools "
+            "with the last token, the mean or the first token (CLS)"
+        )
+    if len(chosen) > 1:
+        raise ValueError(
+            f"{source}: several pooling modes at once ({', '.join(chosen)}, concatenated) are "
+            "not supported; pick one"
+        )
+    return known[chosen[0]] if chosen else "LAST"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+
+
+def resolve_pooler_config(config: EngineConfig) -> PoolerConfig:
+    """The pooling of ``config``'s engine: ``config.pooler_config``'s values first, then the
+    checkpoint's sentence-transformers files (``config.model`` must be a local directory),
+    then last-token pooling with normalization. Reads files only for missing values."""
+    check_pooler_config(config.pooler_config)
+    values: dict[str, Any] = {
+        k: v for k, v in (config.pooler_config or {}).items() if v is not None
+    }
+    if any(key not in values for key in POOLER_CONFIG_KEYS) and config.model is not None:
+        st = read_sentence_transformers_pooling(config.model) or {}
+        values = {**st, **values}
+    defaults = PoolerConfig()
+    return PoolerConfig(
+        pooling_type=str(values.get("pooling_type", defaults.pooling_type)).upper(),
+        normalize=bool(values.get("normalize", defaults.normalize)),
+    )
+
+
+def apply_pooling_defaults(config: EngineConfig) -> PoolerConfig | None:
+    """For a pooling engine: resolve its pooling into ``config.pooler_config`` (so every
+    process reads the same values without reading files again) and turn prefix caching off
+    when the pooler needs every token's hidden state. Returns the pooling, or ``None`` for a
+    generating engine (``config`` untouched). Idempotent."""
+    if config.runner != "pooling":
+        return None
+    pooler = resolve_pooler_config(config)
+    config.pooler_config = pooler.as_dict()
+    if pooler.needs_every_token and config.enable_prefix_caching:
+        logger.info(
+            "%s pooling reads every prompt token's hidden state, which a prefix-cache hit "
+            "skips: prefix caching is off (last-token pooling keeps it)",
+            pooler.pooling_type,
+        )
+        config.enable_prefix_caching = False
+    return pooler

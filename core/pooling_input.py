@@ -1,0 +1,134 @@
+"""Prompt -> validated pooling ``EngineCoreRequest`` (the front-end of ``runner="pooling"``).
+
+The checks a client can act on happen here, before anything reaches the engine: the prompt
+is tokenized (or its ids checked against the vocabulary), truncated when asked, must be
+non-empty and fit ``max_model_len`` (a pooling prompt may fill the whole context: nothing is
+generated after it), and ``dimensions`` must suit the model (Matryoshka).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from chassis.core.pooling_params import PoolingParams
+from chassis.core.request import EngineCoreRequest
+from chassis.core.sampling_params import SamplingParams, is_integer
+
+if TYPE_CHECKING:
+    from chassis.core.input_processor import InputProcessor
+
+
+@dataclass(frozen=True)
+class EmbeddingModelInfo:
+    """What the front-end knows of a pooling model's vectors."""
+
+    #: the name errors use (the served name)
+    model_name: str
+    #: the length of a vector before truncation
+    hidden_size: int
+    #: whether the model was trained for Matryoshka truncation (``dimensions``)
+    is_matryoshka: bool = False
+    #: the only truncations the model supports, when it lists them
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, model_name: str) -> EmbeddingModelInfo:
+        """Read ``hidden_size`` and, as vLLM does, ``matryoshka_dimensions`` (a list) or
+        ``is_matryoshka`` (a flag) from the model's ``config.json``."""
+        dims = getattr(hf_config, "matryoshka_dimensions", None)
+        return cls(
+            model_name=model_name,
+            hidden_size=int(hf_config.hidden_size),
+            is_matryoshka=bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
+            matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
+        )
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """Raise ``ValueError`` unless ``dimensions`` (a request's) suits the model."""
+        if dimensions is None:
+            return
+        if not self.is_matryoshka:
+            raise ValueError(
+                f'Model "{self.model_name}" does not support matryoshka representation, '
+                "changing output dimensions will lead to poor results (omit dimensions)."
+            )
+        if self.matryoshka_dimensions is not None and dimensions not in self.matryoshka_dimensions:
+            raise ValueError(
+                f'Model "{self.model_name}" only supports '
+                f"{list(self.matryoshka_dimensions)} matryoshka dimensions; got {dimensions}."
+            )
+        if dimensions > self.hidden_size:
+            raise ValueError(
+                f"dimensions {dimensions} exceeds the model's embedding size {self.hidden_size}"
+            )
+
+
+def process_pooling(
+    input_processor: InputProcessor,
+    info: EmbeddingModelInfo,
+    prompt: str | list[int],
+    params: PoolingParams,
+    request_id: str,
+    priority: int = 0,
+    arrival_time: float | None = None,
+    *,
+    add_special_tokens: bool = True,
+) -> EngineCoreRequest:
+    """Validate one pooling request and return what to send to the engine core.
+
+    ``prompt`` is text (tokenized with ``input_processor``'s tokenizer, special tokens
+    included unless ``add_special_tokens=False``) or token ids. Every rejection is a
+    ``ValueError`` whose message a client can act on.
+    """
+    if not isinstance(params, PoolingParams):
+        raise ValueError(f"pooling_params must be a PoolingParams; got {params!r}")
+    if not is_integer(priority) or not -(2**63) <= priority < 2**63:
+        raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+    if priority != 0:
+        _check_priority_scheduler(input_processor, int(priority))
+    info.check_dimensions(params.dimensions)
+    if isinstance(prompt, str):
+        ids = input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
+    else:
+        not_ints = [t for t in prompt if not is_integer(t)]
+        if not_ints:
+            raise ValueError(f"prompt token ids must be integers; got {not_ints[:10]}")
+        ids = [int(t) for t in prompt]
+    max_len = input_processor.max_model_len
+    keep = params.truncate_prompt_tokens
+    if keep is not None:
+        ids = ids[-(max_len if keep == -1 else keep) :]
+    if not ids:
+        raise ValueError("the input is empty: it must contain at least one token")
+    vocab = input_processor.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"input token ids out of the vocabulary [0, {vocab}): {bad[:10]}")
+    if len(ids) > max_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{len(ids)} tokens in the input for embedding generation. Please reduce the length "
+            "of the input (or set truncate_prompt_tokens)."
+        )
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=ids,
+        # not read for a pooling request (the request types stay one, vLLM's shape)
+        sampling_params=SamplingParams(max_tokens=1),
+        arrival_time=time.time() if arrival_time is None else arrival_time,
+        priority=int(priority),
+        pooling_params=params,
+    )
+
+
+def _check_priority_scheduler(input_processor: InputProcessor, priority: int) -> None:
+    from chassis.plugins.registries import get_registries
+
+    name = input_processor.config.scheduler
+    if not getattr(get_registries().schedulers.get(name), "uses_priority", False):
+        raise ValueError(
+            f"priority {priority} was given, but the {name!r} scheduler ignores priorities; "
+            "start the engine with --scheduler priority (scheduler='priority')"
+        )

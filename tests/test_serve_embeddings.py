@@ -1,0 +1,139 @@
+"""``POST /v1/embeddings``: a real ``chassis serve --runner pooling`` process on a tiny random
+Llama, driven by the official ``openai`` client; vectors checked against HF transformers
+(``AutoModel``'s last hidden state at the last token, L2-normalized)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from server_process import ServerProcess, running_server
+
+from chassis.core.pooler import finish_vector, pool_reference
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    # a token budget below the longest input: it is computed over several steps
+    extra = ["--runner", "pooling", "--max-num-batched-tokens", "32"]
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve"), extra_args=extra) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> Any:
+    """``reference(text or ids) -> (ids, vector)``: what HF computes for an input."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    def embed(item: str | list[int]) -> tuple[list[int], torch.Tensor]:
+        ids = tokenizer(item).input_ids if isinstance(item, str) else item
+        with torch.inference_mode():
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]
+        return ids, finish_vector(pool_reference(hidden, "LAST"), None, True)
+
+    return embed
+
+
+def _assert_close(got: list[float], expected: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=0)
+
+
+def test_openai_client_embeddings_match_hf(server: ServerProcess, reference: Any) -> None:
+    client = server.client()
+    long_ids = list(range(100, 200))  # three steps of the token budget
+    inputs: list[Any] = [
+        "Hello world",
+        ["The quick brown fox", "jumps over the lazy dog and keeps running"],
+        [5, 6, 7],
+        [long_ids, [8, 9]],
+    ]
+    for item in inputs:
+        # the openai client asks for base64 unless told otherwise, and decodes it
+        for encoding in ("float", None):
+            kwargs = {"encoding_format": encoding} if encoding else {}
+            response = client.embeddings.create(model="tiny", input=item, **kwargs)
+            batch = [item] if isinstance(item, str) or isinstance(item[0], int) else item
+            assert response.object == "list" and response.model == "tiny"
+            assert [d.index for d in response.data] == list(range(len(batch)))
+            num_tokens = 0
+            for data, one in zip(response.data, batch, strict=True):
+                assert data.object == "embedding"
+                ids, expected = reference(one)
+                num_tokens += len(ids)
+                assert len(data.embedding) == 64
+                _assert_close(data.embedding, expected)
+            assert response.usage.prompt_tokens == num_tokens
+            assert response.usage.total_tokens == num_tokens
+    server.wait_idle()
+
+
+def test_response_shape_and_base64(server: ServerProcess) -> None:
+    def post(body: dict[str, Any]) -> dict[str, Any]:
+        response = httpx.post(
+            server.base + "/v1/embeddings", json=body, headers=server.headers, timeout=30
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    floats = post({"model": "tiny", "input": ["a b c", "d"]})
+    assert set(floats) == {"id", "object", "created", "model", "data", "usage"}
+    assert floats["object"] == "list" and floats["model"] == "tiny"
+    assert set(floats["usage"]) == {"prompt_tokens", "total_tokens"}
+    assert [set(d) for d in floats["data"]] == [{"object", "index", "embedding"}] * 2
+    encoded = post({"input": ["a b c", "d"], "encoding_format": "base64"})
+    for as_float, as_b64 in zip(floats["data"], encoded["data"], strict=True):
+        vector = np.frombuffer(base64.b64decode(as_b64["embedding"]), dtype="<f4")
+        # (two runs of the same input: equal up to the order of float sums in the batch)
+        np.testing.assert_allclose(vector, as_float["embedding"], atol=1e-6, rtol=0)
+    # vLLM's extra fields: normalize, truncate_prompt_tokens
+    raw = post({"input": [1, 2, 3, 4, 5], "normalize": False, "truncate_prompt_tokens": 3})
+    assert raw["usage"]["prompt_tokens"] == 3
+    assert abs(np.linalg.norm(raw["data"][0]["embedding"]) - 1.0) > 1e-3
+
+
+def test_errors(server: ServerProcess) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="does not support matryoshka") as info:
+        client.embeddings.create(model="tiny", input="text", dimensions=16)
+    assert info.value.body["param"] == "dimensions"
+    with pytest.raises(openai.BadRequestError, match="must not be empty"):
+        client.embeddings.create(model="tiny", input=[])
+    with pytest.raises(openai.BadRequestError, match="must not contain empty"):
+        client.embeddings.create(model="tiny", input=["a", ""])
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
+        client.embeddings.create(model="tiny", input=[list(range(3, 300))])
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="other", input="text")
+    # a pooling server serves no text
+    with pytest.raises(openai.BadRequestError, match="pooling model"):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="pooling model"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}])
+    server.wait_idle()
+
+
+def test_a_generating_server_refuses_embeddings() -> None:
+    from fake_engine import FakeAsyncLLM
+    from fastapi.testclient import TestClient
+
+    from chassis.serve.app import build_app
+    from chassis.serve.settings import ServerSettings
+
+    with TestClient(build_app(FakeAsyncLLM(), ServerSettings())) as client:
+        response = client.post("/v1/embeddings", json={"input": "hello"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "--runner pooling" in error["message"] and error["param"] == "model"
