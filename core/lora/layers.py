@@ -6,10 +6,12 @@ token, which slot applies (a one-hot row; all zeros for a token without an adapt
 
     y = base(x) + sum_l mask[:, l] * B_l (A_l x)
 
-is computed for every slot at once, with two dense matmuls per output slice and no host
-synchronisation: ``h = x @ A_all^T`` (``[T, slots * rank]``), ``h *= mask``, ``y += h @ B^T``.
-A merged layer (Q/K/V, or gate/up) holds one ``A`` and one ``B`` per slice: each HF
-projection it merges is adapted on its own rows.
+is computed for every slot at once, with dense matmuls and no host synchronisation:
+``h = x @ A_all^T`` (``[T, slices * slots * rank]``, one matmul for every slice), ``h *= mask``,
+then per output slice ``y[:, rows] += h_slice @ B^T`` (an in-place ``addmm``). A merged layer
+(Q/K/V, or gate/up) holds one ``A`` and one ``B`` per slice: each HF projection it merges is
+adapted on its own rows. On the CPU these few small ops per layer are what an adapter costs
+(tests/perf/lora_cost.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 class LoRAStepState:
     """What every :class:`LoRALinear` of a model reads in a forward (shared, set per step).
 
-    :param token_mask: ``[max_tokens, max_loras]`` in the model dtype: row ``t`` is the
+    :param token_mask: ``[max_tokens, max_loras]`` float32: row ``t`` is the
         one-hot slot of token ``t``'s adapter (zeros: none); a forward of ``T`` tokens
         reads the first ``T`` rows
     :param active: whether any token of the step has an adapter; when not, the layers skip
@@ -61,12 +63,14 @@ class LoRALinear(nn.Module):
         self.state = state
         self.max_loras = max_loras
         self.max_rank = max_rank
-        weight = base_layer.weight
-        factory = {"dtype": weight.dtype, "device": weight.device}
+        # Adapters compute in float32 whatever the model's dtype: exact to the adapter file,
+        # and at these small shapes no slower (on the CPU twice as fast as bfloat16 matmuls).
+        factory = {"dtype": torch.float32, "device": base_layer.weight.device}
         num_slices = len(self.slices)
-        #: ``[slots, slices, rank, in]``: the A matrices of every slot and slice
+        #: ``[slices, slots, rank, in]``: the A matrices of every slice and slot (slice-major,
+        #: so that each slice's part of ``x A^T`` is a column range the B matmul reads as is)
         self.register_buffer(
-            "lora_a", torch.zeros(max_loras, num_slices, max_rank, self.in_features, **factory)
+            "lora_a", torch.zeros(num_slices, max_loras, max_rank, self.in_features, **factory)
         )
         # One B per slice, ``[rows, slots, rank]``: slices differ in rows (Q vs K/V).
         for index, (_, rows) in enumerate(self.slices):
@@ -84,7 +88,7 @@ class LoRALinear(nn.Module):
         """Put an adapter's ``A [r, in]`` and pre-scaled ``B [rows, r]`` for slice ``index``
         into ``slot`` (zero-padded to ``max_rank``); ``None`` clears the slice (an adapter
         that leaves this projection as it is)."""
-        slot_a = self.lora_a[slot, index]
+        slot_a = self.lora_a[index, slot]
         slot_b = self.lora_b(index)[:, slot]
         slot_a.zero_()
         slot_b.zero_()
@@ -99,17 +103,21 @@ class LoRALinear(nn.Module):
         if not self.state.active:
             return out
         num_tokens = x.shape[0]
-        slots, rank = self.max_loras, self.max_rank
-        # [T, slots, slices, rank]: every slot's A x, kept only for each token's own slot
-        h = F.linear(x, self.lora_a.view(-1, self.in_features))
-        h = h.view(num_tokens, slots, len(self.slices), rank)
-        h = h * self.state.token_mask[:num_tokens, :, None, None]
+        width = self.max_loras * self.max_rank
+        # [T, slices, slots, rank]: every slot's A x, kept only for each token's own slot
+        h = F.linear(x.float(), self.lora_a.view(-1, self.in_features))
+        h.view(num_tokens, len(self.slices), self.max_loras, self.max_rank).mul_(
+            self.state.token_mask[:num_tokens, None, :, None]
+        )
+        # float32 deltas of every slice, added to the output at once (rounded once to the
+        # model's dtype); a float32 model's output takes them directly
+        delta = out if out.dtype == torch.float32 else torch.zeros_like(out, dtype=torch.float32)
         for index, (start, rows) in enumerate(self.slices):
-            delta = F.linear(
-                h[:, :, index].reshape(num_tokens, slots * rank),
-                self.lora_b(index).view(rows, slots * rank),
+            delta[:, start : start + rows].addmm_(
+                h[:, index * width : (index + 1) * width], self.lora_b(index).view(rows, width).t()
             )
-            out[:, start : start + rows] += delta
+        if delta is not out:
+            out.add_(delta)
         return out
 
     def extra_repr(self) -> str:

@@ -50,7 +50,7 @@ class LoRAModel:
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         weight = next(p for p in model.parameters() if p.device.type != "meta")
         self.state = LoRAStepState(
-            torch.zeros(max_num_tokens, max_loras, dtype=weight.dtype, device=weight.device)
+            torch.zeros(max_num_tokens, max_loras, dtype=torch.float32, device=weight.device)
         )
         #: HF module name -> (wrapper, slice index)
         self._targets: dict[str, tuple[LoRALinear, int]] = {}
