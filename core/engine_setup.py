@@ -18,6 +18,7 @@ def finalize_config(config: EngineConfig) -> Any:
     is known to the registries. Errors are ``ValueError`` with the known alternatives.
     """
     from chassis.core.model_loader import load_hf_config, model_max_len, resolve_model_path
+    from chassis.core.quantized_weights import check_quantization
     from chassis.platforms import get_current_platform
     from chassis.plugins import apply_configure_hooks, get_plugin_manager, get_registries
 
@@ -33,6 +34,7 @@ def finalize_config(config: EngineConfig) -> Any:
         config.tokenizer = config.model
     hf_config = load_hf_config(config.model)
     config.check_against_model(model_max_len(hf_config))
+    check_quantization(hf_config)  # an unreadable quantized checkpoint fails before loading
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not any(a in registries.models for a in architectures):

@@ -210,8 +210,9 @@ def build_model(
 ) -> CausalLM:
     """Construct the registered model class for the checkpoint on ``device`` and fill it.
 
-    Weights come from ``model_path``'s ``*.safetensors`` files, or are random
-    (``--load-format dummy``, seeded by ``engine_config.seed``). Raises ``ValueError`` when
+    Weights come from ``model_path``'s ``*.safetensors`` files (FP8 ones dequantized,
+    :mod:`chassis.core.quantized_weights`), or are random (``--load-format dummy``, seeded by
+    ``engine_config.seed``). Raises ``ValueError`` when
     the architecture is not registered or a parameter was left unfilled.
     """
     from chassis.core.model_interface import ModelBuildContext
@@ -228,7 +229,11 @@ def build_model(
     if engine_config.load_format == "dummy":
         init_dummy_weights(model, engine_config.seed)
     else:
-        loaded = model.load_weights(iterate_safetensors(Path(model_path)))
+        from chassis.core.quantized_weights import dequantized_weights
+
+        loaded = model.load_weights(
+            dequantized_weights(iterate_safetensors(Path(model_path)), hf_config)
+        )
         missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (
