@@ -88,6 +88,11 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     #: speculative decoding, since start: draft tokens verified, and those accepted
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    #: with --enable-lora (``max_loras`` > 0): the adapters (names) of the running and the
+    #: waiting requests, sorted
+    max_loras: int = 0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):

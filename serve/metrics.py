@@ -111,6 +111,22 @@ class _EngineStatsCollector(Collector):
             "Draft tokens speculative decoding accepted.",
             get("spec_num_accepted_tokens"),
         )
+        if get("max_loras"):
+            # vLLM's lora_requests_info: the adapters in use as labels, the time as the value
+            info = GaugeMetricFamily(
+                PREFIX + "lora_requests_info",
+                "LoRA adapters of the running and waiting requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            info.add_metric(
+                [
+                    str(int(get("max_loras"))),
+                    ",".join(snapshot.waiting_lora_adapters),
+                    ",".join(snapshot.running_lora_adapters),
+                ],
+                time.time(),
+            )
+            yield info
 
 
 class ServerMetrics:

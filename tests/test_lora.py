@@ -314,3 +314,31 @@ def test_two_tensor_parallel_ranks_apply_their_share(
         assert got == [refs["first"][0], refs["second"][1], refs["base"][1]]
     finally:
         llm.shutdown()
+
+
+def test_stats_and_metrics_name_the_adapters_in_use(
+    tiny_llama_dir: Path, two_adapters: dict
+) -> None:
+    """With one slot, a step runs one adapter's requests while the other's wait: the
+    scheduler's snapshot and /metrics' lora_requests_info (vLLM's gauge) say which."""
+    from chassis.serve.metrics import ServerMetrics
+
+    llm = _engine(tiny_llama_dir, max_loras=1)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, lora in enumerate((two_adapters["first"], two_adapters["second"], None)):
+        for request in llm.input_processor.process(PROMPTS[0], params, f"r{i}", lora_request=lora):
+            llm.engine.add_request(request)
+    stats = llm.engine.step().stats
+    assert stats is not None
+    assert (stats.max_loras, stats.running_lora_adapters) == (1, ["first"])
+    assert stats.waiting_lora_adapters == ["second"]
+    text = ServerMetrics("m", stats=lambda: stats).render()[0].decode()
+    assert (
+        'chassis:lora_requests_info{max_lora="1",running_lora_adapters="first",'
+        'waiting_lora_adapters="second"}' in text
+    )
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert llm.engine.scheduler.stats().running_lora_adapters == []
+    plain = ServerMetrics("m2", stats=lambda: llm.engine.scheduler.stats()).render()[0].decode()
+    assert "lora_requests_info" in plain  # LoRA on: reported even when no adapter runs

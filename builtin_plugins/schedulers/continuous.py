@@ -337,7 +337,7 @@ class ContinuousBatchingScheduler(Scheduler):
     def stats(self) -> SchedulerStats:
         """Queue lengths, KV usage, prefix-cache counters (tokens) and preemptions so far."""
         kv = self.kv_cache_manager
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage,
@@ -347,6 +347,11 @@ class ContinuousBatchingScheduler(Scheduler):
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )
+        if self.config.enable_lora:
+            stats.max_loras = self.config.max_loras
+            stats.running_lora_adapters = _adapter_names(self.running)
+            stats.waiting_lora_adapters = _adapter_names(self.waiting)
+        return stats
 
     # -- planning --------------------------------------------------------------------------
 
@@ -575,3 +580,8 @@ class ContinuousBatchingScheduler(Scheduler):
         if request.request_id in self._in_runner:
             self._in_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)
+
+
+def _adapter_names(requests: list[Request]) -> list[str]:
+    """The LoRA adapters of ``requests``, by name, sorted, each once."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
