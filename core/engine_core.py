@@ -66,6 +66,14 @@ class EngineCore:
         self.config = config
         #: a pooling engine's pooling (prefix caching turned off where it cannot serve it)
         self.pooler_config = apply_pooling_defaults(config)
+        scheduler_cls = get_registries().schedulers.get(config.scheduler)
+        if self.pooler_config is not None and not scheduler_cls.supports_pooling:
+            # (checked before the model loads) its requests would run but never finish
+            raise ValueError(
+                f"scheduler {config.scheduler!r} does not finish pooling requests (its "
+                "supports_pooling is False): --runner pooling needs a scheduler built on "
+                "ContinuousBatchingScheduler, such as fcfs or priority"
+            )
         platform = get_current_platform()
         self.executor = make_executor(config)
         try:
@@ -79,7 +87,6 @@ class EngineCore:
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        scheduler_cls = get_registries().schedulers.get(config.scheduler)
         if config.async_scheduling and not scheduler_cls.supports_async_scheduling:
             raise ValueError(
                 f"scheduler {config.scheduler!r} does not support --async-scheduling "

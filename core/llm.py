@@ -292,9 +292,15 @@ class LLM:
         assert self.embedding_info is not None  # set for every pooling engine
         prompt_list = _as_prompt_list(prompts)
         params = pooling_params if pooling_params is not None else PoolingParams()
-        params_list = (
-            [params] * len(prompt_list) if isinstance(params, PoolingParams) else list(params)
-        )
+        if isinstance(params, PoolingParams):
+            params_list = [params] * len(prompt_list)
+        elif isinstance(params, Sequence):
+            params_list = list(params)
+        else:  # (a SamplingParams, say: a pooling request is not sampled)
+            raise ValueError(
+                "pooling_params must be a PoolingParams or a list of them (dimensions, "
+                f"normalize, truncate_prompt_tokens); got {type(params).__name__}"
+            )
         if len(params_list) != len(prompt_list):
             raise ValueError(
                 f"got {len(params_list)} pooling params for {len(prompt_list)} prompts"

@@ -71,9 +71,6 @@ class Pooler:
         self.device = device
         self._requests: dict[str, _PoolingRequest] = {}
 
-    def __len__(self) -> int:
-        return len(self._requests)
-
     def update(self, out: SchedulerOutput) -> None:
         """Apply a plan's diff: forget finished (or preempted) requests, start new ones.
 

@@ -107,6 +107,12 @@ def process_pooling(
     if bad:
         raise ValueError(f"input token ids out of the vocabulary [0, {vocab}): {bad[:10]}")
     if len(ids) > max_len:
+        if keep is not None:  # (it kept more than the context holds)
+            raise ValueError(
+                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                f"({max_len}): the input keeps {len(ids)} tokens. Please, select a smaller "
+                "truncation size (or -1 to keep the last max_model_len tokens)."
+            )
         raise ValueError(
             f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{len(ids)} tokens in the input for embedding generation. Please reduce the length "

@@ -133,6 +133,11 @@ class Scheduler(ABC):
     #: whether this scheduler orders requests by ``Request.priority``; a request with a
     #: non-zero priority is refused (``ValueError``, as vLLM) by a scheduler that would ignore it
     uses_priority: ClassVar[bool] = False
+    #: whether this scheduler finishes pooling requests (``runner="pooling"``): in
+    #: ``update_from_output``, each request in ``ModelRunnerOutput.pooled`` finishes (reason
+    #: ``stop``) with that vector as ``EngineCoreOutput.pooled``; a pooling engine refuses a
+    #: scheduler without it (its requests would never finish)
+    supports_pooling: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config

@@ -9,8 +9,8 @@ tokenizer's special tokens unless ``add_special_tokens`` is false. ``encoding_fo
 ``openai`` client asks for by default and decodes). ``dimensions`` truncates the vector
 (then normalizes it) only for models trained for it (Matryoshka: ``matryoshka_dimensions`` or
 ``is_matryoshka`` in ``config.json``); otherwise it is refused. Besides OpenAI's fields the
-request takes vLLM's ``truncate_prompt_tokens``, ``add_special_tokens``, ``normalize`` and
-``priority``.
+request takes vLLM's ``truncate_prompt_tokens``, ``add_special_tokens``, ``normalize`` (or
+its newer name ``use_activation``) and ``priority``.
 
 Beyond the engine contract of :mod:`chassis.serve.state`, this route uses::
 
@@ -69,6 +69,8 @@ class EmbeddingRequest(BaseModel):
     add_special_tokens: bool | None = True
     #: L2-normalize (None: the server's pooler config)
     normalize: bool | None = None
+    #: newer vLLM's name for ``normalize`` (an embedding's "activation" is its normalization)
+    use_activation: bool | None = None
     priority: int | None = Field(0, ge=-(2**63), le=2**63 - 1)
 
     @model_validator(mode="after")
@@ -103,10 +105,19 @@ class EmbeddingRequest(BaseModel):
 
     def pooling_params(self) -> PoolingParams:
         """The request's :class:`PoolingParams` (a 400 naming the field when invalid)."""
+        normalize = self.normalize
+        if self.use_activation is not None:
+            if normalize is not None and normalize != self.use_activation:
+                raise errors.bad_request(
+                    "normalize and use_activation (vLLM's newer name for it) disagree; "
+                    "send one of them",
+                    "use_activation",
+                )
+            normalize = self.use_activation
         try:
             return PoolingParams(
                 dimensions=self.dimensions,
-                normalize=self.normalize,
+                normalize=normalize,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except ValueError as exc:

@@ -352,6 +352,16 @@ def test_input_checks(tiny_llama_dir: Path) -> None:
         llm.embed([[10**6]])
     with pytest.raises(ValueError, match="got 1 pooling params for 2 prompts"):
         llm.embed(["a", "b"], [PoolingParams()])
+    # a pooling request is not sampled: a ValueError that says what embed() takes
+    with pytest.raises(ValueError, match="must be a PoolingParams or a list of them"):
+        llm.embed(["a"], SamplingParams(n=2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be a PoolingParams"):
+        llm.embed(["a"], [SamplingParams()])  # type: ignore[list-item]
+    # a truncation size above the context: fine while the kept input fits, and an input it
+    # leaves too long names truncate_prompt_tokens (not "set truncate_prompt_tokens")
+    assert len(llm.embed([[5, 6, 7]], truncate_prompt_tokens=1000)[0].prompt_token_ids) == 3
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(1000\) is greater"):
+        llm.embed([list(range(3, 60))], truncate_prompt_tokens=1000)
 
 
 def test_an_engine_runs_one_kind_of_request(tiny_llama_dir: Path) -> None:
@@ -382,6 +392,18 @@ def test_an_engine_runs_one_kind_of_request(tiny_llama_dir: Path) -> None:
     )
     outputs = generating.engine.step().outputs
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("pool", FinishReason.ABORT)]
+
+
+def test_a_scheduler_that_cannot_finish_pooling_requests_is_refused(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler plugin that ignores ``ModelRunnerOutput.pooled`` would never finish a
+    pooling request: the engine refuses it at start-up instead of hanging."""
+    from chassis.builtin_plugins.schedulers.fcfs import FcfsScheduler
+
+    monkeypatch.setattr(FcfsScheduler, "supports_pooling", False)
+    with pytest.raises(ValueError, match="'fcfs' does not finish pooling requests"):
+        _engine(tiny_llama_dir)
 
 
 @pytest.mark.parametrize(

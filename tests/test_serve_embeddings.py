@@ -102,6 +102,19 @@ def test_response_shape_and_base64(server: ServerProcess) -> None:
     raw = post({"input": [1, 2, 3, 4, 5], "normalize": False, "truncate_prompt_tokens": 3})
     assert raw["usage"]["prompt_tokens"] == 3
     assert abs(np.linalg.norm(raw["data"][0]["embedding"]) - 1.0) > 1e-3
+    # newer vLLM's name for normalize
+    renamed = post({"input": [3, 4, 5], "use_activation": False})
+    np.testing.assert_allclose(
+        renamed["data"][0]["embedding"], raw["data"][0]["embedding"], atol=1e-6, rtol=0
+    )
+    conflict = httpx.post(
+        server.base + "/v1/embeddings",
+        json={"input": "a", "normalize": True, "use_activation": False},
+        headers=server.headers,
+        timeout=30,
+    )
+    assert conflict.status_code == 400
+    assert conflict.json()["error"]["param"] == "use_activation"
 
 
 def test_errors(server: ServerProcess) -> None:

@@ -106,6 +106,7 @@ class ContinuousBatchingScheduler(Scheduler):
     """
 
     supports_async_scheduling = True
+    supports_pooling = True
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         super().__init__(config, kv_cache_manager)
