@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -64,8 +65,10 @@ class InputProcessor:
         self.vocab_size = len(tokenizer) if tokenizer is not None else int(vocab_size or 0)
         #: with --enable-lora, the engine's adaptable modules (set once the engine is up)
         self.lora_target_shapes: dict[str, tuple[int, int]] | None = None
-        #: adapters checked so far, by id
+        #: adapters checked so far, by id (check_lora runs in threads: AsyncLLM processes
+        #: requests with adapters off the event loop; the lock guards the id's first claim)
         self._loras: dict[int, LoRARequest] = {}
+        self._loras_lock = threading.Lock()
 
     def _scheduler_uses_priority(self) -> bool:
         if self._uses_priority is None:
@@ -148,8 +151,8 @@ class InputProcessor:
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """Refuse a LoRA adapter the engine cannot run: LoRA off, an id already given to
-        another adapter, or an adapter that does not fit the model (read from its headers
-        the first time an id is seen; :func:`~chassis.core.lora.adapter.check_adapter`)."""
+        another adapter, or an adapter that does not fit the model (read the first time an
+        id is seen; :func:`~chassis.core.lora.adapter.check_adapter`). Thread-safe."""
         if lora_request is None:
             return
         if not isinstance(lora_request, LoRARequest):
@@ -160,19 +163,23 @@ class InputProcessor:
                 "start the engine with --enable-lora (enable_lora=True)"
             )
         known = self._loras.get(lora_request.lora_int_id)
-        if known is not None:
-            if known != lora_request:
-                raise ValueError(
-                    f"lora_int_id {lora_request.lora_int_id} already names adapter "
-                    f"{known.lora_name!r} ({known.lora_path}); give each adapter its own id"
-                )
-            return
-        if self.lora_target_shapes is None:
-            raise RuntimeError("the engine has not reported its LoRA target modules yet")
-        from chassis.core.lora.adapter import check_adapter
+        if known is None:
+            if self.lora_target_shapes is None:
+                raise RuntimeError("the engine has not reported its LoRA target modules yet")
+            from chassis.core.lora.adapter import check_adapter
 
-        check_adapter(lora_request.lora_path, self.lora_target_shapes, self.config.max_lora_rank)
-        self._loras[lora_request.lora_int_id] = lora_request
+            check_adapter(
+                lora_request.lora_path, self.lora_target_shapes, self.config.max_lora_rank
+            )
+            # Another thread may have checked another adapter under this id meanwhile: the
+            # first to claim the id keeps it.
+            with self._loras_lock:
+                known = self._loras.setdefault(lora_request.lora_int_id, lora_request)
+        if known != lora_request:
+            raise ValueError(
+                f"lora_int_id {lora_request.lora_int_id} already names adapter "
+                f"{known.lora_name!r} ({known.lora_path}); give each adapter its own id"
+            )
 
     def _token_restrictions(self, params: SamplingParams) -> SamplingParams:
         """Check ``allowed_token_ids`` against the vocabulary and tokenize ``bad_words``

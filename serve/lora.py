@@ -130,9 +130,6 @@ class LoRAAdapters:
     def __iter__(self) -> Iterator[LoRARequest]:
         return iter(list(self._by_name.values()))
 
-    def __len__(self) -> int:
-        return len(self._by_name)
-
     def get(self, name: str) -> LoRARequest | None:
         """The adapter called ``name``, or ``None``."""
         return self._by_name.get(name)

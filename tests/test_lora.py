@@ -4,6 +4,7 @@ adapters (greedy, float32), batches mixing adapters, and what is refused."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -342,3 +343,178 @@ def test_stats_and_metrics_name_the_adapters_in_use(
     assert llm.engine.scheduler.stats().running_lora_adapters == []
     plain = ServerMetrics("m2", stats=lambda: llm.engine.scheduler.stats()).render()[0].decode()
     assert "lora_requests_info" in plain  # LoRA on: reported even when no adapter runs
+
+
+# -- review regressions --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_lora_shapes(tiny_llama_dir: Path) -> dict[str, tuple[int, int]]:
+    """The tiny Llama's adaptable modules, as the engine reports them."""
+    shapes = _engine(tiny_llama_dir).engine.info.lora_target_shapes
+    assert shapes is not None
+    return shapes
+
+
+def _rewrite_adapter(source: Path, directory: Path, change, **config: object) -> Path:
+    """A copy of ``source`` whose tensors go through ``change`` (a dict in, a dict out) and
+    whose config gets ``config`` (a value None removes the key)."""
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir()
+    tensors = change(load_file(str(source / "adapter_model.safetensors")))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    settings = json.loads((source / "adapter_config.json").read_text())
+    settings.update(config)
+    settings = {key: value for key, value in settings.items() if value is not None}
+    (directory / "adapter_config.json").write_text(json.dumps(settings))
+    return directory
+
+
+def _first_pair(tensors: dict[str, torch.Tensor]) -> tuple[str, str]:
+    key_a = sorted(k for k in tensors if ".lora_A." in k)[0]
+    return key_a, key_a.replace(".lora_A.", ".lora_B.")
+
+
+def test_adapters_that_would_break_the_engine_or_other_requests_are_refused(
+    tiny_llama_dir: Path, llama_lora_shapes: dict, tmp_path: Path
+) -> None:
+    """Rank 0 passed the checks and then killed the engine at its first step (a division by
+    zero in the scaling); NaN or infinity reached the base model's tokens in the same step
+    (every slot is computed for every token and masked after, and 0 * NaN is NaN). Both
+    are refused before a request reaches the engine, as is lora_bias."""
+    adapter = write_peft_adapter(tmp_path / "ok", tiny_llama_dir, rank=4, targets=("q_proj",))
+
+    def empty(tensors: dict) -> dict:
+        key_a, key_b = _first_pair(tensors)
+        return {key_a: torch.zeros(0, 64), key_b: torch.zeros(64, 0)}
+
+    def poisoned(value: float, matrix: int):
+        def change(tensors: dict) -> dict:
+            key = _first_pair(tensors)[matrix]
+            tensors[key] = tensors[key].clone()
+            tensors[key][0, 0] = value
+            return tensors
+
+        return change
+
+    rank0 = _rewrite_adapter(adapter, tmp_path / "rank0", empty)
+    with pytest.raises(ValueError, match="has rank 0"):
+        check_adapter(rank0, llama_lora_shapes, 16)
+    for name, change in (("nan", poisoned(float("nan"), 0)), ("inf", poisoned(-math.inf, 1))):
+        bad = _rewrite_adapter(adapter, tmp_path / name, change)
+        with pytest.raises(ValueError, match="NaN or infinite values"):
+            check_adapter(bad, llama_lora_shapes, 16)
+    bias = _rewrite_adapter(adapter, tmp_path / "bias", dict, lora_bias=True)
+    with pytest.raises(ValueError, match="lora_bias"):
+        check_adapter(bias, llama_lora_shapes, 16)
+    # through the engine: refused, and the engine keeps serving
+    llm = _engine(tiny_llama_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for lora_id, folder in enumerate((rank0, tmp_path / "nan"), start=1):
+        with pytest.raises(ValueError, match=f"{folder.name}"):
+            llm.generate(PROMPTS[0], params, lora_request=LoRARequest("x", lora_id, str(folder)))
+    assert llm.generate(PROMPTS[0], params, lora_request=LoRARequest("ok", 9, str(adapter)))
+
+
+def test_a_missing_lora_alpha_is_peft_s_default(
+    tiny_llama_dir: Path, llama_lora_shapes: dict, tmp_path: Path
+) -> None:
+    """PEFT's LoraConfig.lora_alpha is 8 when the config leaves it out (chassis took r,
+    a scaling of 1 instead of 8 / r)."""
+    adapter = write_peft_adapter(tmp_path / "a", tiny_llama_dir, rank=4, targets=("q_proj",))
+    bare = _rewrite_adapter(adapter, tmp_path / "bare", dict, lora_alpha=None)
+    config = check_adapter(bare, llama_lora_shapes, 16)
+    assert (config.alpha, config.scaling(4)) == (8.0, 2.0)
+
+
+def test_refusal_names_the_modules_this_model_can_adapt(
+    llama_lora_shapes: dict, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    adapter = write_peft_adapter(tmp_path / "a", tiny_llama_dir, rank=2, targets=("q_proj",))
+    shapes = {k: v for k, v in llama_lora_shapes.items() if not k.endswith("q_proj")}
+    with pytest.raises(ValueError, match=r"adaptable here: k_proj, v_proj, o_proj, gate_proj"):
+        check_adapter(adapter, shapes, 16)
+
+
+def test_check_lora_gives_an_id_to_one_adapter_across_threads(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AsyncLLM checks requests with adapters in worker threads: two adapters checked at
+    once under one id both passed (the id then ran whichever the engine read first); now
+    the first to claim the id keeps it and the other is refused."""
+    import threading
+
+    from chassis.core.lora import adapter as adapter_module
+
+    folders = [
+        write_peft_adapter(tmp_path / name, tiny_llama_dir, rank=2, targets=("q_proj",), seed=s)
+        for s, name in enumerate(("a", "b"))
+    ]
+    llm = _engine(tiny_llama_dir)
+    both_checked = threading.Barrier(2)
+    check = adapter_module.check_adapter
+
+    def check_then_wait(*args: object) -> object:
+        config = check(*args)
+        both_checked.wait(timeout=30)  # neither thread has claimed the id yet
+        return config
+
+    monkeypatch.setattr(adapter_module, "check_adapter", check_then_wait)
+    refusals: list[str] = []
+
+    def run(lora: LoRARequest) -> None:
+        try:
+            llm.input_processor.check_lora(lora)
+        except ValueError as exc:
+            refusals.append(str(exc))
+
+    threads = [
+        threading.Thread(target=run, args=(LoRARequest(path.name, 7, str(path)),))
+        for path in folders
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(refusals) == 1 and "lora_int_id 7 already names adapter" in refusals[0]
+
+
+def test_waiting_for_an_adapter_keeps_the_queue_order_in_linear_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests whose adapter cannot join step aside each step and keep their places; the
+    scheduler once rebuilt the running adapters' set for every waiting request (O(running x
+    waiting) per step: 40 ms for 128 x 2000 on this host) and re-inserted each one."""
+    from chassis.builtin_plugins.schedulers.fcfs import FcfsScheduler
+    from chassis.core.config import EngineConfig
+    from chassis.core.kv_cache_manager import KVCacheManager
+    from chassis.core.request import Request
+
+    config = EngineConfig(
+        block_size=16, max_num_seqs=512, max_num_batched_tokens=8192, max_model_len=64,
+        enable_lora=True, max_loras=1,
+    )  # fmt: skip
+    scheduler = FcfsScheduler(config, KVCacheManager(4096, 16))
+    first, second = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    params = SamplingParams(max_tokens=8)
+    for i in range(100):
+        scheduler.add_request(Request(f"a{i}", [1, 2, i + 3], params, lora_request=first))
+    scheduler.schedule()
+    for i in range(1000):  # the other adapter's, with a base-model request every tenth
+        lora = None if i % 10 == 0 else second
+        scheduler.add_request(Request(f"w{i}", [1, 2, i + 3], params, lora_request=lora))
+    reads = 0
+    lora_int_id = Request.lora_int_id
+
+    def counted(request: Request) -> int:
+        nonlocal reads
+        reads += 1
+        return lora_int_id.fget(request)
+
+    monkeypatch.setattr(Request, "lora_int_id", property(counted))
+    output = scheduler.schedule()
+    assert reads < 3 * (100 + 1000)
+    admitted = {new.request_id for new in output.new_requests}
+    assert admitted == {f"w{i}" for i in range(0, 1000, 10)}
+    assert [r.request_id for r in scheduler.waiting] == [f"w{i}" for i in range(1000) if i % 10]

@@ -38,6 +38,7 @@ Subclasses choose the policy by overriding :meth:`sort_key`, :meth:`select_victi
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -397,18 +398,23 @@ class ContinuousBatchingScheduler(Scheduler):
         try:
             self._admit_waiting(plan, blocked)
         finally:
-            for request in blocked:
-                self._insert_waiting(request)
+            if blocked:
+                # One merge of two sorted lists (an insort each costs O(queue) per request,
+                # every step, when many requests wait for their adapter's turn).
+                self.waiting[:] = list(heapq.merge(blocked, self.waiting, key=self.sort_key))
 
     def _admit_waiting(self, plan: _StepPlan, blocked: list[Request]) -> None:
         kv = self.kv_cache_manager
+        # the running requests' adapters, kept up to date below (not recomputed per waiting
+        # request: O(running) each, every step)
+        loras = self._running_loras()
         while (
             self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
             if request.request_id in plan.preempted_ids:
                 break
-            if not self._lora_fits(request):
+            if not self._lora_fits(request, loras):
                 blocked.append(self.waiting.pop(0))
                 continue
             hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
@@ -427,6 +433,7 @@ class ContinuousBatchingScheduler(Scheduler):
                 if not victims:
                     return
                 self._preempt(self.select_victim(victims), plan)
+                loras = self._running_loras()
                 block_ids = kv.allocate_slots(request, num_new, hit_block_ids, num_hit_tokens)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -436,16 +443,22 @@ class ContinuousBatchingScheduler(Scheduler):
                 request.first_scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens
             self.running.append(request)
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
             plan.add(request.request_id, num_new, block_ids, is_new=True)
 
-    def _lora_fits(self, request: Request) -> bool:
-        """Whether ``request``'s LoRA adapter (if any) may run: one of the running requests
-        uses it, or they use fewer than ``--max-loras`` adapters."""
+    def _running_loras(self) -> set[int]:
+        """The LoRA adapter ids of the running requests (none without ``--enable-lora``,
+        which is then not worth a pass over them)."""
+        if not self.config.enable_lora:
+            return set()
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
+        """Whether ``request``'s LoRA adapter (if any) may run beside ``running_loras``
+        (:meth:`_running_loras`): one of them, or they are fewer than ``--max-loras``."""
         lora_id = request.lora_int_id
-        if not lora_id:
-            return True
-        running = {r.lora_int_id for r in self.running} - {0}
-        return lora_id in running or len(running) < self.config.max_loras
+        return not lora_id or lora_id in running_loras or len(running_loras) < self.config.max_loras
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=plan.finished_request_ids)

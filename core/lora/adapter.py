@@ -9,9 +9,11 @@ with rsLoRA).
 
 The engine tells the front-end which modules it can adapt and their shapes
 (:attr:`LoRAModel.target_shapes <chassis.core.lora.model.LoRAModel.target_shapes>`,
-``{module: (in_features, out_features)}``); :func:`check_adapter` reads only the
-safetensors header to refuse a bad adapter before a request reaches the engine, and
-:func:`load_adapter` reads the tensors when the engine first needs them.
+``{module: (in_features, out_features)}``); :func:`check_adapter` refuses a bad adapter
+before a request reaches the engine (from the safetensors header, then the values: one
+adapter's NaN or infinity would reach every token of the steps it runs in, as the slots are
+computed densely), and :func:`load_adapter` reads the tensors when the engine first needs
+them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 #: the name prefix PEFT gives every tensor of a causal LM adapter
 _PEFT_PREFIX = "base_model.model."
 _CONFIG_FILE = "adapter_config.json"
+#: PEFT's ``LoraConfig.lora_alpha`` when ``adapter_config.json`` leaves it out
+_PEFT_DEFAULT_ALPHA = 8
 _WEIGHTS_FILE = "adapter_model.safetensors"
 
 
@@ -79,6 +83,7 @@ def read_adapter_config(folder: str | Path) -> AdapterConfig:
         "supported",
         "alpha_pattern": "per-module lora_alpha (alpha_pattern) is not supported",
         "fan_in_fan_out": "fan_in_fan_out adapters (GPT-2-style Conv1D layers) are not supported",
+        "lora_bias": "adapters with a bias on lora_B (lora_bias) are not supported",
     }
     for key, why in refusals.items():
         if raw.get(key):
@@ -87,7 +92,7 @@ def read_adapter_config(folder: str | Path) -> AdapterConfig:
     if bias != "none":
         raise ValueError(f"{path}: bias {bias!r} is not supported (only 'none')")
     rank = raw.get("r")
-    alpha = raw.get("lora_alpha", rank)
+    alpha = raw.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"{path}: 'r' must be an integer >= 1; got {rank!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
@@ -135,13 +140,31 @@ def _tensor_shapes(folder: Path) -> dict[str, dict[str, list[int]]]:
 def check_adapter(
     folder: str | Path, target_shapes: dict[str, tuple[int, int]], max_rank: int
 ) -> AdapterConfig:
-    """Refuse an adapter the engine could not apply, reading only its headers.
+    """Refuse an adapter the engine could not apply (the front-end's check).
 
     Every module it adapts must be one of ``target_shapes`` (the model's adaptable linear
     layers, ``{module: (in_features, out_features)}``), with ``A`` of shape ``[r, in]`` and
-    ``B`` of ``[out, r]``, and ``r <= max_rank`` (``--max-lora-rank``).
+    ``B`` of ``[out, r]``, ``1 <= r <= max_rank`` (``--max-lora-rank``), all read from the
+    headers; then every value must be finite (the tensors are read, one at a time).
     """
     folder = Path(folder)
+    config = _check_headers(folder, target_shapes, max_rank)
+    from safetensors import SafetensorError, safe_open
+
+    path = folder / _WEIGHTS_FILE
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not a dict
+                _check_finite(path, key, handle.get_tensor(key))
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
+    return config
+
+
+def _check_headers(
+    folder: Path, target_shapes: dict[str, tuple[int, int]], max_rank: int
+) -> AdapterConfig:
+    """:func:`check_adapter` up to the values: the config and the tensors' names and shapes."""
     config = read_adapter_config(folder)
     for module, pair in sorted(_tensor_shapes(folder).items()):
         if set(pair) != {"A", "B"}:
@@ -150,7 +173,7 @@ def check_adapter(
         if expected is None:
             raise ValueError(
                 f"{folder}: the adapter changes {module!r}, which this model cannot apply LoRA "
-                f"to (adaptable: the attention and MLP projections of each layer)"
+                f"to (adaptable here: {_adaptable_kinds(target_shapes)})"
             )
         in_features, out_features = expected
         a_shape, b_shape = pair["A"], pair["B"]
@@ -161,6 +184,8 @@ def check_adapter(
                 f"needs [r, {in_features}] and [{out_features}, r] (an adapter for another "
                 f"base model?)"
             )
+        if rank < 1:
+            raise ValueError(f"{folder}: {module!r} has rank 0 (empty lora_A and lora_B)")
         if rank > max_rank:
             raise ValueError(
                 f"{folder}: {module!r} has rank {rank}, above --max-lora-rank {max_rank}; "
@@ -169,19 +194,38 @@ def check_adapter(
     return config
 
 
+def _adaptable_kinds(target_shapes: dict[str, tuple[int, int]]) -> str:
+    """The last name parts of the adaptable modules (``q_proj, k_proj, ...``), each once."""
+    kinds = dict.fromkeys(name.rpartition(".")[2] for name in target_shapes)
+    return ", ".join(kinds) or "nothing"
+
+
+def _check_finite(path: Path, key: str, tensor: torch.Tensor) -> None:
+    """Refuse NaN and infinity: the layer computes every slot for every token and masks
+    afterwards, and ``0 * NaN`` is NaN, so they would reach the other requests of a step."""
+    if not bool(torch.isfinite(tensor.float()).all()):  # float(): no isfinite for float8
+        raise ValueError(
+            f"{path}: tensor {key!r} holds NaN or infinite values (a diverged training run?)"
+        )
+
+
 def load_adapter(
     folder: str | Path, target_shapes: dict[str, tuple[int, int]], max_rank: int
 ) -> AdapterWeights:
-    """Check the adapter (:func:`check_adapter`) and read its tensors, ``B`` pre-scaled."""
+    """Read the adapter's tensors, ``B`` pre-scaled, checked as :func:`check_adapter` does
+    (again: the folder may have changed since the front-end's check)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config = check_adapter(folder, target_shapes, max_rank)
-    tensors = load_file(str(folder / _WEIGHTS_FILE))
+    config = _check_headers(folder, target_shapes, max_rank)
+    path = folder / _WEIGHTS_FILE
+    tensors = load_file(str(path))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, which = _module_of(key, folder)
-        pairs.setdefault(module, {})[which] = tensor.float()
+        tensor = tensor.float()
+        _check_finite(path, key, tensor)
+        pairs.setdefault(module, {})[which] = tensor
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, pair in pairs.items():
         a, b = pair["A"], pair["B"]
