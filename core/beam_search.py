@@ -311,10 +311,16 @@ def step_sampling_params(
     if vocab_size is not None:
         num_logprobs = min(num_logprobs, vocab_size)
     if num_logprobs > limit:
+        # name the bound that binds: raising --max-logprobs past SamplingParams' cap is no help
+        bound = (
+            "--max-logprobs"
+            if max_logprobs < MAX_LOGPROBS
+            else "the most any request may ask for, whatever --max-logprobs"
+        )
         raise ValueError(
             f"invalid beam search parameter beam_width: {params.beam_width} needs the "
             f"{num_logprobs} most likely tokens of every step, and this engine returns at "
-            f"most {limit} (--max-logprobs); use a beam width of at most {limit // 2}"
+            f"most {limit} logprobs ({bound}); use a beam width of at most {limit // 2}"
         )
     return SamplingParams(
         n=1,

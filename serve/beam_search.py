@@ -19,11 +19,14 @@ engine as a one-token request, concurrently (the engine batches them). The route
 ``_collect`` builds the response from the one finished ``RequestOutput`` per prompt that
 :func:`beam_search_response` streams to it. A client that disconnects cancels the search
 (the step in flight is aborted); a server shutting down ends each search at its next step
-with the beams so far, finish reason ``"abort"``.
+with the beams so far, finish reason ``"abort"``. The server's metrics count a search as the
+one request the client sent (:func:`_record`), not as its many step requests.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
 
     from chassis.core.lora.request import LoRARequest
     from chassis.core.sampling_params import SamplingParams
+    from chassis.serve.metrics import ServerMetrics
     from chassis.serve.state import ServerState
 
 Streams = list[AsyncIterator[RequestOutput]]
@@ -64,15 +68,23 @@ async def beam_search_response(
     collect: Callable[[Streams], Awaitable[Any]],
 ) -> Response:
     """The response of a ``use_beam_search`` request: ``body`` (a completion or chat
-    request, read for ``stream``, ``length_penalty`` and ``priority``), its ``prompts``
-    (token ids; text only without a tokenizer, which is a 400), the ``params`` the route
-    built from it, and the route's ``collect``, which receives one stream per prompt (ids
-    ``{request_id}-{i}``)."""
+    request, read for ``stream``, ``echo``, ``prompt_logprobs``, ``length_penalty`` and
+    ``priority``), its ``prompts`` (token ids; text only without a tokenizer, which is a
+    400), the ``params`` the route built from it, and the route's ``collect``, which
+    receives one stream per prompt (ids ``{request_id}-{i}``)."""
     if body.stream:
         raise bad_request(
             "use_beam_search does not stream (the beams are only known at the end): send "
             "stream: false",
             "stream",
+        )
+    if params.prompt_logprobs is not None:
+        # completions' echo with logprobs asks for them too: name the field that was sent
+        echoed = getattr(body, "echo", False) and body.prompt_logprobs is None
+        raise bad_request(
+            "use_beam_search does not compute prompt logprobs (prompt_logprobs, or echo "
+            "with logprobs)",
+            "echo" if echoed else "prompt_logprobs",
         )
     priority = body.priority or 0
     searches = [
@@ -116,12 +128,6 @@ def _prepare(
             "use_beam_search cannot follow a structured-output constraint (response_format, "
             "structured_outputs, guided_*, or a tool_choice that forces calls)",
             "use_beam_search",
-        )
-    if params.prompt_logprobs is not None:
-        raise bad_request(
-            "use_beam_search does not compute prompt logprobs (prompt_logprobs, or echo "
-            "with logprobs)",
-            "prompt_logprobs",
         )
     if isinstance(prompt, str):
         raise bad_request(
@@ -203,8 +209,28 @@ async def _run(
         return await engine_steps(beams)
 
     beam_search = BeamSearch([search.token_ids], search.beam_params, search.eos_token_ids)
-    [output] = await run_beam_search_async(beam_search, step)
-    yield to_request_output(request_id, output, params, state.engine.tokenizer)
+    start = time.monotonic()
+    try:
+        [output] = await run_beam_search_async(beam_search, step)
+    except asyncio.CancelledError:  # the client went away: its choices count as aborted
+        for _ in range(search.beam_params.beam_width):
+            state.metrics.success("abort")
+        raise
+    result = to_request_output(request_id, output, params, state.engine.tokenizer)
+    _record(state.metrics, result, time.monotonic() - start)
+    yield result
+
+
+def _record(metrics: ServerMetrics, output: RequestOutput, seconds: float) -> None:
+    """Count a finished search in the server's metrics as the one request the client sent
+    (its step requests go around ``ServerState``'s tracking): the prompt once, the returned
+    choices' tokens and finish reasons, and its latency. No time to first token: nothing
+    reaches the client before the end."""
+    metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+    metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+    for completion in output.outputs:
+        metrics.success(completion.finish_reason or "abort")
+    metrics.e2e.observe(seconds)
 
 
 def to_request_output(

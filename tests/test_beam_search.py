@@ -17,6 +17,7 @@ What is checked, and against what:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import random
@@ -43,7 +44,7 @@ from chassis.core.beam_search import (
 from chassis.core.config import EngineConfig
 from chassis.core.outputs import Logprob
 from chassis.core.tokenizer import load_tokenizer
-from chassis.serve.app import build_app
+from chassis.serve.app import build_app, get_state
 from chassis.serve.beam_search import to_request_output
 from chassis.serve.settings import ServerSettings
 
@@ -253,8 +254,17 @@ def test_step_requests_ask_for_twice_the_beam_width_of_logprobs():
     assert step_sampling_params(BeamSearchParams(9, 9), 4, 20).logprobs == 4  # all of V
     with pytest.raises(ValueError, match="at most 10"):
         step_sampling_params(BeamSearchParams(11, 9), 1000, 20)
-    with pytest.raises(ValueError, match="at most 2"):
+    with pytest.raises(ValueError, match=r"at most 5 logprobs \(--max-logprobs\).* at most 2$"):
         step_sampling_params(BeamSearchParams(3, 9), 1000, 5)
+
+
+def test_the_logprob_limit_named_is_the_one_that_binds():
+    """Above 20 logprobs SamplingParams refuses whatever --max-logprobs says: the message
+    must not send the user to raise --max-logprobs (it once did)."""
+    with pytest.raises(ValueError, match="at most 20 logprobs") as raised:
+        step_sampling_params(BeamSearchParams(11, 9), 1000, 40)
+    assert "(--max-logprobs)" not in str(raised.value)
+    assert "whatever --max-logprobs" in str(raised.value)
 
 
 # -- the engine, against HF transformers --------------------------------------------------------
@@ -274,7 +284,14 @@ PROMPTS = ["Hello", "The capital of France is"]
 
 
 def hf_beams(model, tokenizer, prompt, k, max_tokens, length_penalty, eos):
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = tokenizer(prompt).input_ids
+    return hf_beam_ids(model, ids, k, max_tokens, length_penalty, eos)
+
+
+def hf_beam_ids(model, prompt_ids, k, max_tokens, length_penalty=1.0, eos=None):
+    """HF's ``generate(num_beams=k)`` from ``prompt_ids``: the generated ids of its ``k``
+    beams and their scores."""
+    ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = model.generate(
             ids,
@@ -350,12 +367,22 @@ def test_temperature_adds_the_sampled_token_as_a_candidate(llm):
 
 
 def test_steps_reuse_the_prefix_cache(llm):
+    """Each step request computes at most its last, partial block: every full block is
+    its parent's, cached. (Counted in tokens: queried minus found in the cache.)"""
     prompt = "A shared system prompt that is long enough to fill several KV cache blocks. " * 2
-    hits = llm.engine.kv_cache_manager.prefix_cache_hits
+    manager = llm.engine.kv_cache_manager
+    llm.generate(prompt, SamplingParams(max_tokens=1))  # the prompt itself, cached
+    queries, hits = manager.prefix_cache_queries, manager.prefix_cache_hits
     [output] = llm.beam_search(prompt, BeamSearchParams(3, 4, ignore_eos=True))
     assert len(output.sequences) == 3
-    # every step after the first finds the prompt's full blocks cached, for every beam
-    assert llm.engine.kv_cache_manager.prefix_cache_hits - hits >= 3 * 3
+    num_requests = 1 + 3 * 3  # one beam in the first step, three in each later one
+    num_prompt = output.sequences[0].num_prompt_tokens
+    queried = manager.prefix_cache_queries - queries
+    # every step request was looked up: the prompt, then 3 beams of prompt + s tokens
+    assert queried == num_prompt + sum(3 * (num_prompt + s) for s in range(1, 4))
+    computed = queried - (manager.prefix_cache_hits - hits)
+    assert num_prompt > 2 * manager.block_size
+    assert computed <= num_requests * manager.block_size
 
 
 def test_bad_input_is_refused_before_anything_runs(llm):
@@ -590,6 +617,8 @@ def test_chat_route(client, llm):
         ({"length_penalty": "Infinity"}, "length_penalty"),
         ({"response_format": {"type": "json_object"}}, "use_beam_search"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"echo": True, "logprobs": 1}, "echo"),  # was reported as prompt_logprobs
+        ({"echo": True, "logprobs": 1, "prompt_logprobs": 1}, "prompt_logprobs"),
         ({"max_tokens": 300}, None),
     ],
 )
@@ -650,3 +679,135 @@ def test_server_needs_only_the_engine_contract():
     # one request per live beam and step: 1, then 3 for each of the 3 later steps
     assert len(engine.requests) == 1 + 3 * 3
     assert all(params.max_tokens == 1 and params.logprobs == 6 for *_, params, _ in engine.requests)
+
+
+def metric(client: TestClient, name: str) -> float:
+    """The value of the ``chassis:`` series whose name and labels start with ``name``."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"chassis:{name}"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_count_a_search_as_the_one_request_sent(client):
+    """A search went around the server's request tracking, so /metrics never saw it: no
+    prompt or generation tokens, no finished request. It counts as the request the client
+    sent: its usage, one finish reason per choice, one latency."""
+    names = [
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        'request_success_total{finished_reason="length"',
+        "e2e_request_latency_seconds_count",
+        "time_to_first_token_seconds_count",
+    ]
+    before = {name: metric(client, name) for name in names}
+    body = {
+        "prompt": PROMPTS,
+        "use_beam_search": True,
+        "n": 3,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["completion_tokens"] == 2 * 3 * 4  # the returned choices' tokens
+    delta = {name: metric(client, name) - before[name] for name in names}
+    assert delta == {
+        "prompt_tokens_total": usage["prompt_tokens"],
+        "generation_tokens_total": usage["completion_tokens"],
+        'request_success_total{finished_reason="length"': 6,
+        "e2e_request_latency_seconds_count": 2,  # one per prompt, as for other requests
+        "time_to_first_token_seconds_count": 0,  # nothing reaches the client before the end
+    }
+
+
+def test_a_client_that_disconnects_stops_the_search(async_engine, monkeypatch):
+    """The client hangs up mid-search: the step in flight is aborted (every one of its
+    requests), no further step starts, and the choices count as aborted."""
+    from test_server_lifecycle import AsgiCall, wait_until
+
+    started: list[str] = []
+    live: set[str] = set()
+    generate = async_engine.generate
+
+    async def watched(prompt, params, request_id, **kwargs):
+        started.append(request_id)
+        live.add(request_id)
+        try:
+            async with contextlib.aclosing(generate(prompt, params, request_id, **kwargs)) as s:
+                async for output in s:
+                    yield output
+        finally:
+            live.discard(request_id)
+
+    monkeypatch.setattr(async_engine, "generate", watched)
+    body = {
+        "prompt": "Hello",
+        "use_beam_search": True,
+        "n": 4,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    async def scenario() -> None:
+        app = build_app(async_engine, ServerSettings(shutdown_engine_on_exit=False))
+        aborted = metric_of(app, 'request_success_total{finished_reason="abort"')
+        call = AsgiCall(app, "/v1/completions", body)
+        task = call.start()
+        await wait_until(lambda: len(started) >= 1 + 4 * 3, timeout=30)  # a few steps in
+        call.hang_up.set()
+        await asyncio.wait_for(task, 10)
+        assert not live  # every request of the step in flight was closed (aborted)
+        count = len(started)
+        await asyncio.sleep(0.3)
+        assert len(started) == count < 1 + 4 * 199  # and no step followed
+        assert metric_of(app, 'request_success_total{finished_reason="abort"') == aborted + 4
+        assert call.status is None or call.status == 499
+
+    asyncio.run(scenario())
+
+
+def metric_of(app, name: str) -> float:
+    text = get_state(app).metrics.render()[0].decode()
+    for line in text.splitlines():
+        if line.startswith(f"chassis:{name}"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# -- LoRA adapters ----------------------------------------------------------------------------
+
+
+def test_lora_adapters_reach_every_step(tiny_llama_dir, tmp_path):
+    """Each prompt's adapter (one per prompt, ``None``: the base model) is applied to every
+    step request: the beams are HF's beam search on the merged weights."""
+    from fixtures_lora import hf_merged_model, write_peft_adapter
+
+    from chassis.core.lora.request import LoRARequest
+
+    adapter = write_peft_adapter(tmp_path / "a", tiny_llama_dir, rank=8, alpha=16)
+    lora = LoRARequest("a", 1, str(adapter))
+    engine = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        enable_lora=True,
+    )
+    prompt = [1, 422, 3108, 314, 9216, 253, 1345, 2442, 88, 913, 402, 1033, 77, 5, 811, 64, 90]
+    params = BeamSearchParams(3, 6, ignore_eos=True)
+    with_adapter, without = engine.beam_search([prompt, prompt], params, lora_request=[lora, None])
+    for output, adapter_dir in ((with_adapter, adapter), (without, None)):
+        expected, _ = hf_beam_ids(hf_merged_model(tiny_llama_dir, adapter_dir), prompt, 3, 6)
+        assert [s.output_token_ids for s in output.sequences] == expected
+    assert [s.tokens for s in with_adapter.sequences] != [s.tokens for s in without.sequences]
+    # one prompt at a time: each still gets its own adapter (the index within a chunk maps
+    # back to the prompt's)
+    chunked = engine.beam_search(
+        [prompt, prompt], params, lora_request=[None, lora], concurrency_limit=1
+    )
+    assert [s.tokens for s in chunked[0].sequences] == [s.tokens for s in without.sequences]
+    assert [s.tokens for s in chunked[1].sequences] == [s.tokens for s in with_adapter.sequences]
