@@ -127,9 +127,11 @@ class AsyncLLM:
         priority: int = 0,
         delta: bool = True,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (``n`` completions as ``outputs[i].index``),
-        with the LoRA adapter ``lora_request`` (``None``: the base model).
+        with the LoRA adapter ``lora_request`` (``None``: the base model); ``cache_salt``
+        shares its prefix-cache entries only with requests of the same salt.
 
         Bad input raises ``ValueError`` before anything is yielded; a dead engine raises
         :class:`EngineDeadError`. Closing the iterator early aborts the request.
@@ -156,6 +158,7 @@ class AsyncLLM:
             priority,
             arrival,
             lora_request=lora_request,
+            cache_salt=cache_salt,
         )
         if (
             long_prompt

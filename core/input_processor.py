@@ -97,6 +97,7 @@ class InputProcessor:
         *,
         add_special_tokens: bool = True,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate one request and return what to send to the engine core.
 
@@ -106,7 +107,8 @@ class InputProcessor:
         each ``n=1``; when ``params.seed`` is set, child ``i`` gets ``seed + i`` (modulo 2**64)
         so completions differ yet reproduce. ``add_special_tokens=False`` suits prompts
         rendered by a chat template that already contains BOS. ``lora_request`` names the
-        LoRA adapter to run with (:meth:`check_lora`).
+        LoRA adapter to run with (:meth:`check_lora`); ``cache_salt`` (vLLM's) keeps the
+        request's prefix-cache entries to requests of the same salt.
         """
         if not is_integer(priority) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
@@ -127,6 +129,8 @@ class InputProcessor:
         params = self._validate(prompt_token_ids, params)
         params = self._token_restrictions(params)
         self.check_lora(lora_request)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string; got {cache_salt!r}")
         if arrival_time is None:
             arrival_time = time.time()
 
@@ -139,6 +143,7 @@ class InputProcessor:
                 arrival_time=arrival_time,
                 priority=priority,
                 lora_request=lora_request,
+                cache_salt=cache_salt,
             )
 
         if params.n == 1:

@@ -44,12 +44,18 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
 
 
 def prefix_cache_seed(request: Request) -> BlockHash | None:
-    """What a request's first block hash chains from: ``None``, or for a request with a
-    LoRA adapter a key of the adapter, so that K/V computed with one adapter (or none) is
-    never reused for another."""
-    if request.lora_request is None:
+    """What a request's first block hash chains from: ``None``, or a key of the request's
+    LoRA adapter and of its ``cache_salt``, so that K/V computed with one adapter (or none)
+    is never reused for another, and a salted request shares cached blocks only with
+    requests of the same salt."""
+    lora_id = request.lora_int_id
+    salt = request.cache_salt
+    if not lora_id and salt is None:
         return None
-    return hashlib.sha256(b"lora:%d" % request.lora_request.lora_int_id).digest()
+    digest = hashlib.sha256(b"lora:%d" % lora_id)
+    if salt is not None:
+        digest.update(b"\0salt:" + salt.encode())
+    return digest.digest()
 
 
 @dataclass

@@ -117,7 +117,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of ``prompts``.
 
-        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
+        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}`` /
+        ``{"prompt": "..."}``, which may also carry vLLM's ``"cache_salt"`` (the prompt's
+        prefix-cache entries are then shared only with prompts of the same salt).
         ``lora_request`` (with ``enable_lora=True``): the LoRA adapter of every prompt, or
         one per prompt (``None``: the base model).
         """
@@ -165,6 +167,7 @@ class LLM:
                 priorities[i],
                 arrival,
                 lora_request=loras[i],
+                cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
             )
             prepared.append((request_id, prompt, params, requests, arrival))
         for request_id, prompt, params, requests, arrival in prepared:

@@ -37,6 +37,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     priority: int = 0
     #: the LoRA adapter the request runs with (None: the base model)
     lora_request: LoRARequest | None = None
+    #: vLLM's ``cache_salt``: the request's prefix-cache entries are shared only with
+    #: requests of the same salt (None: with every request without one)
+    cache_salt: str | None = None
     #: set for a pooling request (an engine with ``runner="pooling"``): it finishes when its
     #: prompt is computed and returns a vector (``EngineCoreOutput.pooled``); its
     #: ``sampling_params`` are then unused
@@ -130,6 +133,7 @@ class Request:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must contain at least one token")
@@ -140,6 +144,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.lora_request = lora_request
+        self.cache_salt = cache_salt
         #: set for a pooling request: prefill only, finished by its pooled vector
         self.pooling_params = pooling_params
         self.output_token_ids: list[int] = []
@@ -172,6 +177,7 @@ class Request:
             req.priority,
             req.lora_request,
             req.pooling_params,
+            req.cache_salt,
         )
 
     @property

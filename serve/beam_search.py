@@ -91,6 +91,8 @@ async def beam_search_response(
         _prepare(state, prompt, params, body.length_penalty, lora_request, priority)
         for prompt in prompts
     ]
+    for search in searches:
+        search.cache_salt = body.cache_salt
     single = len(searches) == 1
 
     async def open_streams() -> Streams:
@@ -112,6 +114,8 @@ class _Search:
     eos_token_ids: list[int]
     lora_request: LoRARequest | None
     priority: int
+    #: vLLM's cache_salt, given to every step request
+    cache_salt: str | None = None
 
 
 def _prepare(
@@ -201,6 +205,8 @@ async def _run(
     )
     if search.priority:
         extra["priority"] = search.priority
+    if search.cache_salt is not None:
+        extra["cache_salt"] = search.cache_salt
     engine_steps = engine_step(state.engine.generate, search.step_params, request_id, **extra)
 
     async def step(beams: list[BeamStep]) -> list[PositionLogprobs | None]:

@@ -344,7 +344,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await generation_response(
         request,
         body.stream,
-        lambda: state.open_stream(prompt_ids, params, request_id, priority, lora_request),
+        lambda: state.open_stream(
+            prompt_ids, params, request_id, priority, lora_request, body.cache_salt
+        ),
         lambda stream: _events(state, body, stream, request_id, model, n, len(prompt_ids), parsing),
         lambda stream: _collect(state, stream, body, request_id, model, n, parsing),
     )

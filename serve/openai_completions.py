@@ -380,7 +380,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return await generation_response(
         request,
         body.stream,
-        lambda: state.open_streams(prompts, params, request_id, priority, lora_request),
+        lambda: state.open_streams(
+            prompts, params, request_id, priority, lora_request, body.cache_salt
+        ),
         lambda streams: _events(state, body, originals, streams, request_id, model, n),
         lambda streams: _collect(state, body, originals, streams, request_id, model, n),
     )

@@ -100,6 +100,9 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = None
     #: scheduling priority for the ``priority`` scheduler (lower runs first); a 64-bit integer
     priority: int | None = Field(0, ge=-(2**63), le=2**63 - 1)
+    #: vLLM's prefix-cache isolation: cached prompt blocks are shared only between requests
+    #: of the same salt (a non-empty string)
+    cache_salt: str | None = Field(None, min_length=1)
     #: vLLM's beam search (serve/beam_search.py): ``n`` beams, best first, never streamed
     use_beam_search: bool | None = False
     #: beam search ranks beams by ``cum_logprob / length ** length_penalty``

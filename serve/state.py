@@ -9,7 +9,8 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     engine.model_name: str                 # the name clients must send as "model"
     engine.generate(prompt: str | list[int], sampling_params, request_id, *,
                     priority=0, delta=True) -> AsyncIterator[RequestOutput]
-        # and lora_request=LoRARequest, passed only for a request naming an adapter
+        # and lora_request=LoRARequest, passed only for a request naming an adapter, and
+        # cache_salt=str, only for a request that sends one
         # ValueError (bad input) from the first __anext__, before anything is yielded;
         # EngineDeadError when the engine core is dead; closing or cancelling the iterator
         # aborts the request in the engine (frees its KV blocks); with n > 1 one
@@ -157,15 +158,20 @@ class ServerState:
         request_id: str,
         priority: int,
         lora_request: LoRARequest | None,
+        cache_salt: str | None,
     ) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker(params.n)
         self.inflight.add(request_id)
         failed = False  # refused (400) or engine death: not an abort by the client
-        # (the keyword only when set: an engine without LoRA support keeps working)
-        lora = {} if lora_request is None else {"lora_request": lora_request}
+        # (keywords only when set: an engine without LoRA or salts keeps working)
+        extras: dict[str, Any] = {}
+        if lora_request is not None:
+            extras["lora_request"] = lora_request
+        if cache_salt is not None:
+            extras["cache_salt"] = cache_salt
         try:
             stream = self.engine.generate(
-                prompt, params, request_id, priority=priority, delta=True, **lora
+                prompt, params, request_id, priority=priority, delta=True, **extras
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -195,15 +201,16 @@ class ServerState:
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Start one request (with the LoRA adapter ``lora_request``, ``None``: the base
-        model) and wait for its first output.
+        model, and the prefix-cache salt ``cache_salt``) and wait for its first output.
 
         Invalid input surfaces here (a 400 ``APIError``; a dead engine a 503) before any
         response byte is sent. The returned stream yields the first output again, then the
         rest; close it (``aclosing``) to abort the request.
         """
-        stream = self._tracked(prompt, params, request_id, priority, lora_request)
+        stream = self._tracked(prompt, params, request_id, priority, lora_request, cache_salt)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -223,13 +230,18 @@ class ServerState:
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """:meth:`open_stream` for a batch (ids ``{request_id}-{i}``); all or none."""
         if len(prompts) == 1:
-            return [await self.open_stream(prompts[0], params, request_id, priority, lora_request)]
+            return [
+                await self.open_stream(
+                    prompts[0], params, request_id, priority, lora_request, cache_salt
+                )
+            ]
         tasks = [
             asyncio.ensure_future(
-                self.open_stream(p, params, f"{request_id}-{i}", priority, lora_request)
+                self.open_stream(p, params, f"{request_id}-{i}", priority, lora_request, cache_salt)
             )
             for i, p in enumerate(prompts)
         ]

@@ -102,6 +102,8 @@ class FakeAsyncLLM:
         #: the text every completion writes (None: the letters)
         self.script = script
         self.requests: list[tuple[str, list[int], SamplingParams, int]] = []
+        #: the cache_salt of each generate call (None when not passed)
+        self.cache_salts: list[str | None] = []
         #: requests whose stream was closed or cancelled before it finished
         self.aborted: list[str] = []
         #: ids passed to abort()
@@ -227,9 +229,11 @@ class FakeAsyncLLM:
         *,
         priority: int = 0,
         delta: bool = True,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise self._dead
+        self.cache_salts.append(cache_salt)
         if isinstance(prompt, str):
             prompt_ids = list(self.tokenizer(prompt).input_ids)
         else:
