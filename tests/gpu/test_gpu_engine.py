@@ -300,3 +300,37 @@ def test_lora_batch_matches_hf_merged_on_the_gpu(tmp_path):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_embeddings_match_hf_on_the_gpu(tmp_path):
+    """A pooling engine (last token, normalized, prompts chunked by a small token budget)
+    against HF's last hidden state pooled the same way, float32 on the GPU."""
+    from transformers import AutoModel
+
+    from chassis.core.llm import LLM
+
+    write_tiny_qwen3(tmp_path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    model = AutoModel.from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            hidden = model(input_ids=torch.tensor([prompt], device="cuda")).last_hidden_state
+            expected.append(torch.nn.functional.normalize(hidden[0, -1], dim=-1).cpu())
+    llm = LLM(
+        str(tmp_path),
+        runner="pooling",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=32,  # the 40-token prompt is computed in two chunks
+        gpu_memory_utilization=0.2,
+    )
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+    for output, want in zip(outputs, expected, strict=True):
+        got = torch.tensor(output.outputs.embedding)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
