@@ -26,6 +26,31 @@ def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
 
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps, read as vLLM
+    reads it: ``None`` (no truncation) stays ``None``, ``-1`` is ``max_model_len``, and a
+    value above ``max_model_len`` is a ``ValueError`` (vLLM's message), whatever the
+    prompt's length. Generation and pooling share this rule."""
+    if truncate_prompt_tokens is None:
+        return None
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({max_model_len}). Please, select a smaller truncation size."
+        )
+    return keep
+
+
+def truncate_prompt(
+    token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int
+) -> list[int]:
+    """``token_ids``' last :func:`truncation_length` tokens (all of them when it is ``None``
+    or at least their number)."""
+    keep = truncation_length(truncate_prompt_tokens, max_model_len)
+    return token_ids if keep is None else token_ids[-keep:]
+
+
 class InputProcessor:
     """Tokenizes and validates prompts in the front-end, before anything reaches the engine.
 
@@ -213,14 +238,28 @@ class InputProcessor:
         return params.clone(bad_words_token_ids=sequences)
 
     def _truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all of it when unset);
-        ``-1`` keeps what leaves room for ``max_tokens`` (or one token) in the context."""
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all of it when unset;
+        ``-1``: the last ``max_model_len``, as in vLLM; above ``max_model_len``: a
+        ``ValueError``). A kept prompt that leaves no room for ``max_tokens`` (one token when
+        unset) is refused here, with the largest value that would leave room."""
         keep = params.truncate_prompt_tokens
-        if keep is None:
-            return prompt_token_ids
-        if keep == -1:
-            keep = max(1, self.max_model_len - (params.max_tokens or 1))
-        return prompt_token_ids[-keep:]
+        kept = truncate_prompt(prompt_token_ids, keep, self.max_model_len)
+        room = params.max_tokens or 1
+        if keep is not None and len(kept) + room > self.max_model_len:
+            # (-1 keeps a whole context: it fits a generation only for a shorter prompt)
+            limit = self.max_model_len - room
+            fix = (
+                f"set truncate_prompt_tokens to at most {limit} (max_model_len - max_tokens) or "
+                "reduce max_tokens"
+                if limit >= 1
+                else "reduce max_tokens"
+            )
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"truncate_prompt_tokens={keep} keeps {len(kept)} prompt tokens, which leave no "
+                f"room for {room} completion token(s). Please {fix}."
+            )
+        return kept
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check the prompt and params against the model; return params with max_tokens set."""

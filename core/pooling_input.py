@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from chassis.core.input_processor import truncate_prompt
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.request import EngineCoreRequest
 from chassis.core.sampling_params import SamplingParams, is_integer
@@ -97,22 +98,15 @@ def process_pooling(
             raise ValueError(f"prompt token ids must be integers; got {not_ints[:10]}")
         ids = [int(t) for t in prompt]
     max_len = input_processor.max_model_len
-    keep = params.truncate_prompt_tokens
-    if keep is not None:
-        ids = ids[-(max_len if keep == -1 else keep) :]
+    # -1: the last max_len; above max_len: refused whatever the input's length (vLLM's rule)
+    ids = truncate_prompt(ids, params.truncate_prompt_tokens, max_len)
     if not ids:
         raise ValueError("the input is empty: it must contain at least one token")
     vocab = input_processor.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"input token ids out of the vocabulary [0, {vocab}): {bad[:10]}")
-    if len(ids) > max_len:
-        if keep is not None:  # (it kept more than the context holds)
-            raise ValueError(
-                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
-                f"({max_len}): the input keeps {len(ids)} tokens. Please, select a smaller "
-                "truncation size (or -1 to keep the last max_model_len tokens)."
-            )
+    if len(ids) > max_len:  # (not truncated: a truncation keeps at most max_len)
         raise ValueError(
             f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{len(ids)} tokens in the input for embedding generation. Please reduce the length "

@@ -71,9 +71,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: constrain the output to a JSON schema, any JSON object, a regex or a list of choices
     #: (vLLM's ``StructuredOutputsParams``; a ``dict`` of its fields is accepted too)
     structured_outputs: StructuredOutputsParams | None = None
-    #: keep only the prompt's last ``k`` tokens (left truncation, as vLLM does); ``-1``: as
-    #: many of its last tokens as leave room for ``max_tokens`` in the context (for one
-    #: token when ``max_tokens`` is unset)
+    #: keep only the prompt's last ``k`` tokens (left truncation, as vLLM does); ``-1``: the
+    #: last ``max_model_len`` (vLLM's meaning); above ``max_model_len`` the input processor
+    #: refuses it (``ValueError``), as vLLM does
     truncate_prompt_tokens: int | None = None
     #: only these token ids may be sampled (vLLM's field); ``None``: any
     allowed_token_ids: list[int] | None = None

@@ -41,6 +41,7 @@ from chassis.core.beam_search import (
     run_beam_search_async,
     step_sampling_params,
 )
+from chassis.core.input_processor import truncate_prompt
 from chassis.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from chassis.serve.errors import APIError, bad_request, from_value_error
 from chassis.serve.streaming import generation_response
@@ -186,13 +187,12 @@ def _refusal(exc: ValueError) -> APIError:
 
 def _truncated(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
     """``truncate_prompt_tokens`` as the input processor applies it (the step requests see
-    the truncated prompt as theirs, so it is applied once, here)."""
-    keep = params.truncate_prompt_tokens
-    if keep is None:
-        return token_ids
-    if keep == -1:
-        keep = max(1, max_model_len - (params.max_tokens or 1))
-    return token_ids[-keep:]
+    the truncated prompt as theirs, so it is applied once, here): a 400 above
+    ``max_model_len``; ``-1`` keeps the last ``max_model_len``."""
+    try:
+        return truncate_prompt(token_ids, params.truncate_prompt_tokens, max_model_len)
+    except ValueError as exc:
+        raise bad_request(str(exc), "truncate_prompt_tokens") from None
 
 
 async def _run(

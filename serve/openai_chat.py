@@ -5,6 +5,12 @@ default: the template writes BOS) in a worker thread, then sent to the engine as
 A stream starts with one chunk per choice carrying ``role: "assistant"`` and empty content,
 then content deltas, the finish reason on each choice's last chunk, an optional usage chunk
 (``stream_options.include_usage``: empty ``choices``), and ``data: [DONE]``.
+
+``echo`` (vLLM's field): when the last message has the response's role (an assistant message
+continued with ``continue_final_message``), each choice's content starts with that message's
+content (text parts joined by newlines). As in vLLM, the echo is not parsed: it is put before
+the parsed content (after ``--reasoning-parser`` and the tool parser; reasoning and tool calls
+are left as they are), and streamed as its own chunk right after the role chunk.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from chassis.core.chat import content_text
 from chassis.serve import errors
 from chassis.serve.beam_search import beam_search_response
 from chassis.serve.chat_parsing import (
@@ -92,6 +99,16 @@ def _logprobs(
     return out
 
 
+def _echo(body: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before each choice's content: the last message's content when it
+    has the response's role (vLLM's rule), else nothing."""
+    last = body.messages[-1]
+    if not body.echo or last.role != ROLE:
+        return ""
+    # (the renderer has read this content already: a content it refuses never gets here)
+    return content_text(last.content, len(body.messages) - 1)
+
+
 async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
     """The rendered prompt's text (parsers read it) and token ids."""
     return await asyncio.to_thread(
@@ -150,6 +167,7 @@ async def _collect(
                 if completion.finish_reason is not None:
                     finish[completion.index] = (completion.finish_reason, completion.stop_reason)
     choices = []
+    echo = _echo(body)
     for i in range(n):
         reason, stop_reason = finish.get(i, ("abort", None))
         message = ChatResponseMessage(role=ROLE, content="".join(texts[i]))
@@ -157,6 +175,8 @@ async def _collect(
             parser = parsing.choice_parser()
             message = _parsed_message(parser.parse(message.content or ""), parser)
             reason = finish_reason(reason, parser)
+        if echo:  # before the parsed content, never parsed itself (as vLLM)
+            message.content = echo + (message.content or "")
         choices.append(
             ChatChoice(
                 index=i,
@@ -238,18 +258,33 @@ async def _events(
         return list(completion.token_ids) if body.return_token_ids else None
 
     role_chunk = [chat_choice(i, role=ROLE, content="") for i in range(n)]
+    echo = _echo(body)
+
+    def opening(prompt_ids: list[int] | None = None) -> list[bytes]:
+        """The role chunk, then (``echo``) the echoed content, unparsed, in its own chunk."""
+        events = [chunk(role_chunk, body.continuous_usage, prompt_ids)]
+        if echo:
+            echoed = [chat_choice(i, content=echo) for i in range(n)]
+            events.append(chunk(echoed, body.continuous_usage))
+        return events
+
     # With return_token_ids the role chunk carries the engine's prompt ids (after any
     # truncate_prompt_tokens), so it waits for the first output.
     role_sent = not body.return_token_ids
     try:
         async with contextlib.aclosing(stream):
             if role_sent:
-                yield chunk(role_chunk, body.continuous_usage)
+                for event in opening():
+                    yield event
             async for output in stream:
-                usage.add(0, output)
                 if not role_sent:
                     role_sent = True
-                    yield chunk(role_chunk, body.continuous_usage, list(output.prompt_token_ids))
+                    # the engine's prompt count, but none of this output's tokens yet: the
+                    # opening chunks come before them (their usage says 0 completion tokens)
+                    usage.prompt_tokens[0] = len(output.prompt_token_ids)
+                    for event in opening(list(output.prompt_token_ids)):
+                        yield event
+                usage.add(0, output)
                 choices = []
                 for completion in output.outputs:
                     if not (completion.text or completion.token_ids or completion.finished):
@@ -288,7 +323,8 @@ async def _events(
                 if choices:
                     yield chunk(choices, body.continuous_usage)
         if not role_sent:  # no output at all (aborted before the first)
-            yield chunk(role_chunk, body.continuous_usage)
+            for event in opening():
+                yield event
         # A stream that ended without a finish reason was aborted (server shutdown).
         unfinished = sorted(set(range(n)) - finished)
         if unfinished:
@@ -313,7 +349,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = _state(request)
     state.check_accepting()
     model, lora_request = state.resolve_model(body.model)
-    params = body.to_sampling_params(state.sampling_defaults)
+    params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
     prompt_text, prompt_ids = await _prompt(state, body)
     parsing = state.parsers.for_request(
         body, state.tokenizer, prompt_text, params.structured_outputs

@@ -359,7 +359,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = _state(request)
     state.check_accepting()
     model, lora_request = state.resolve_model(body.model)
-    params = body.to_sampling_params(state.sampling_defaults)
+    params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
     prompts = await _prompt_batch(state, body)
     # What echo repeats: the prompts as sent, or with truncation the engine's (decoded) ids.
     originals = body.prompts() if body.truncate_prompt_tokens is None else None

@@ -35,6 +35,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from chassis.core.input_processor import truncation_length
 from chassis.core.pooling_outputs import encode_pooled
 from chassis.core.pooling_params import PoolingParams
 from chassis.serve import errors
@@ -64,7 +65,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
     user: str | None = None
     # -- vLLM extra fields ------------------------------------------------------------------
-    #: keep each input's last k tokens (-1: the last max_model_len)
+    #: keep each input's last k tokens (-1: the last max_model_len; above it: a 400)
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool | None = True
     #: L2-normalize (None: the server's pooler config)
@@ -103,8 +104,10 @@ class EmbeddingRequest(BaseModel):
             )
         return batch
 
-    def pooling_params(self) -> PoolingParams:
-        """The request's :class:`PoolingParams` (a 400 naming the field when invalid)."""
+    def pooling_params(self, max_model_len: int | None = None) -> PoolingParams:
+        """The request's :class:`PoolingParams` (a 400 naming the field when invalid);
+        ``max_model_len`` (the served model's, when known) bounds ``truncate_prompt_tokens``
+        as vLLM does: a larger value is a 400 whatever the input's length."""
         normalize = self.normalize
         if self.use_activation is not None:
             if normalize is not None and normalize != self.use_activation:
@@ -115,7 +118,7 @@ class EmbeddingRequest(BaseModel):
                 )
             normalize = self.use_activation
         try:
-            return PoolingParams(
+            params = PoolingParams(
                 dimensions=self.dimensions,
                 normalize=normalize,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
@@ -127,6 +130,12 @@ class EmbeddingRequest(BaseModel):
                 None,
             )
             raise errors.bad_request(message, param) from None
+        if max_model_len is not None:
+            try:
+                truncation_length(params.truncate_prompt_tokens, max_model_len)
+            except ValueError as exc:
+                raise errors.bad_request(str(exc), "truncate_prompt_tokens") from None
+        return params
 
 
 class EmbeddingData(BaseModel):
@@ -254,7 +263,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
             "support embeddings; serve it with --runner pooling for /v1/embeddings",
             "model",
         )
-    params = body.pooling_params()
+    params = body.pooling_params(state.max_model_len)
     try:
         state.engine.embedding_info.check_dimensions(params.dimensions)
     except ValueError as exc:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from chassis.core.input_processor import truncation_length
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.structured_output import StructuredOutputsParams
 from chassis.serve import structured_request
@@ -96,7 +97,8 @@ class _SamplingRequest(_Request):
     #: the response also carries the prompt's token ids and each choice's generated ids
     #: (vLLM's field; streamed: the prompt's in the first chunk, the new ids in every one)
     return_token_ids: bool | None = None
-    #: keep the prompt's last k tokens (-1: as many as leave room for max_tokens)
+    #: keep the prompt's last k tokens (-1: the last max_model_len, as vLLM; above
+    #: max_model_len: a 400, as vLLM)
     truncate_prompt_tokens: int | None = None
     #: scheduling priority for the ``priority`` scheduler (lower runs first); a 64-bit integer
     priority: int | None = Field(0, ge=-(2**63), le=2**63 - 1)
@@ -155,10 +157,12 @@ class _SamplingRequest(_Request):
         structured_outputs: StructuredOutputsParams | None = None,
         prompt_logprobs: int | None = None,
         defaults: Mapping[str, Any] | None = None,
+        max_model_len: int | None = None,
     ) -> SamplingParams:
         """Build and validate :class:`SamplingParams`; invalid values raise a 400 ``APIError``.
         ``prompt_logprobs`` replaces the request's own field when given; ``defaults`` (the
-        model's recommended sampling values) fill the fields the request leaves unset."""
+        model's recommended sampling values) fill the fields the request leaves unset;
+        ``max_model_len`` (the served model's, when known) bounds ``truncate_prompt_tokens``."""
         values: dict[str, Any] = {
             "n": self.n,
             "temperature": self.temperature,
@@ -189,11 +193,19 @@ class _SamplingRequest(_Request):
             kwargs.setdefault(key, value)
         kwargs["max_tokens"] = max_tokens
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
         except ValueError as exc:
             raise from_value_error(exc) from None
         except TypeError as exc:  # msgspec type checks
             raise bad_request(str(exc)) from None
+        if max_model_len is not None:
+            # vLLM's rule, checked here too so the 400 names the field (the engine's input
+            # processor applies the same rule: core/input_processor.py)
+            try:
+                truncation_length(params.truncate_prompt_tokens, max_model_len)
+            except ValueError as exc:
+                raise bad_request(str(exc), "truncate_prompt_tokens") from None
+        return params
 
     @property
     def include_usage(self) -> bool:
@@ -262,9 +274,12 @@ class CompletionRequest(_SamplingRequest):
         ``logprobs``, its logprobs), as a client scoring a text asks for."""
         return bool(self.echo) and self.max_tokens == 0
 
-    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, defaults: Mapping[str, Any] | None = None, *, max_model_len: int | None = None
+    ) -> SamplingParams:
         """Validate the fields this server does not implement, then build the params
-        (``defaults``: the sampling values a field left unset takes).
+        (``defaults``: the sampling values a field left unset takes; ``max_model_len``: the
+        served model's, which bounds ``truncate_prompt_tokens``).
 
         With ``echo`` and ``logprobs``, the prompt's logprobs are computed too (at least as
         many alternatives as ``logprobs``); with :attr:`echo_only` the engine still makes one
@@ -292,6 +307,7 @@ class CompletionRequest(_SamplingRequest):
             structured_outputs=self._structured_outputs(),
             prompt_logprobs=prompt_logprobs,
             defaults=defaults,
+            max_model_len=max_model_len,
         )
 
 
@@ -400,10 +416,16 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     #: with ``--reasoning-parser``: false drops the reasoning from the response
     include_reasoning: bool | None = True
+    #: vLLM's: when the last message has the response's role (an assistant message being
+    #: continued), each choice's content starts with that message's content
+    echo: bool | None = False
 
-    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, defaults: Mapping[str, Any] | None = None, *, max_model_len: int | None = None
+    ) -> SamplingParams:
         """Validate the fields this server does not implement, then build the params
-        (``defaults``: the sampling values a field left unset takes).
+        (``defaults``: the sampling values a field left unset takes; ``max_model_len``: the
+        served model's, which bounds ``truncate_prompt_tokens``).
 
         ``max_tokens`` ``None`` (neither ``max_completion_tokens`` nor ``max_tokens`` given)
         means "up to the context length", as OpenAI's chat API does.
@@ -442,6 +464,7 @@ class ChatCompletionRequest(_SamplingRequest):
             logprobs=logprobs,
             structured_outputs=constraint,
             defaults=defaults,
+            max_model_len=max_model_len,
         )
 
     @property

@@ -357,11 +357,15 @@ def test_input_checks(tiny_llama_dir: Path) -> None:
         llm.embed(["a"], SamplingParams(n=2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must be a PoolingParams"):
         llm.embed(["a"], [SamplingParams()])  # type: ignore[list-item]
-    # a truncation size above the context: fine while the kept input fits, and an input it
-    # leaves too long names truncate_prompt_tokens (not "set truncate_prompt_tokens")
-    assert len(llm.embed([[5, 6, 7]], truncate_prompt_tokens=1000)[0].prompt_token_ids) == 3
-    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(1000\) is greater"):
-        llm.embed([list(range(3, 60))], truncate_prompt_tokens=1000)
+    # a truncation size above the context is refused whatever the input's length (vLLM's
+    # rule and message); the context length itself is allowed
+    for ids in ([5, 6, 7], list(range(3, 60))):
+        with pytest.raises(
+            ValueError,
+            match=r"^truncate_prompt_tokens value \(1000\) is greater than max_model_len \(32\)",
+        ):
+            llm.embed([ids], truncate_prompt_tokens=1000)
+    assert len(llm.embed([[5, 6, 7]], truncate_prompt_tokens=32)[0].prompt_token_ids) == 3
 
 
 def test_an_engine_runs_one_kind_of_request(tiny_llama_dir: Path) -> None:

@@ -149,17 +149,44 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(processor):
     prompt = list(range(100, 200))  # longer than the context (64)
     (req,) = processor.process(prompt, SamplingParams(max_tokens=4, truncate_prompt_tokens=10), "r")
     assert req.prompt_token_ids == prompt[-10:]
-    (fit,) = processor.process(prompt, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), "f")
-    assert fit.prompt_token_ids == prompt[-60:]  # room left for the 4 tokens
-    (rest,) = processor.process(
-        prompt, SamplingParams(max_tokens=None, truncate_prompt_tokens=-1), "x"
-    )
-    assert rest.prompt_token_ids == prompt[-63:] and rest.sampling_params.max_tokens == 1
+    (fit,) = processor.process(prompt, SamplingParams(max_tokens=4, truncate_prompt_tokens=60), "f")
+    assert fit.prompt_token_ids == prompt[-60:]  # the most that leaves room for the 4 tokens
     (short,) = processor.process([5, 6], SamplingParams(truncate_prompt_tokens=10), "s")
     assert short.prompt_token_ids == [5, 6]
     for bad in (0, -2):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_truncate_prompt_tokens_follows_vllm_rules(processor):
+    """vLLM's rules: -1 keeps the last max_model_len tokens (not "what leaves room for
+    max_tokens"), and a value above max_model_len is refused whatever the prompt's length."""
+    prompt = list(range(100, 200))
+    # -1 on a prompt that fits: nothing cut, max_tokens defaults to the rest of the context
+    (whole,) = processor.process(
+        prompt[:50], SamplingParams(max_tokens=None, truncate_prompt_tokens=-1), "w"
+    )
+    assert whole.prompt_token_ids == prompt[:50] and whole.sampling_params.max_tokens == 14
+    # -1 on a longer prompt keeps 64 tokens: no room for a completion, and the 400 says
+    # which value would leave room
+    for max_tokens, limit in ((4, 60), (None, 63)):
+        params = SamplingParams(max_tokens=max_tokens, truncate_prompt_tokens=-1)
+        with pytest.raises(ValueError, match=rf"keeps 64 prompt tokens.*at most {limit} "):
+            processor.process(prompt, params, "x")
+    with pytest.raises(ValueError, match=r"keeps 64 prompt tokens.*reduce max_tokens\.$"):
+        processor.process(prompt, SamplingParams(max_tokens=64, truncate_prompt_tokens=64), "x")
+    # above max_model_len: vLLM's message, also for a prompt shorter than the value
+    for tokens in ([5, 6], prompt):
+        with pytest.raises(
+            ValueError,
+            match=r"^truncate_prompt_tokens value \(65\) is greater than max_model_len \(64\)\. "
+            r"Please, select a smaller truncation size\.$",
+        ):
+            processor.process(tokens, SamplingParams(max_tokens=1, truncate_prompt_tokens=65), "x")
+    (edge,) = processor.process(
+        [5, 6], SamplingParams(max_tokens=1, truncate_prompt_tokens=64), "e"
+    )
+    assert edge.prompt_token_ids == [5, 6]  # max_model_len itself is allowed
 
 
 def test_bad_words_are_tokenized_alone_and_after_a_space(processor, smol_tokenizer):  # noqa: F811

@@ -155,13 +155,26 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess) -> 
         server.base + "/detokenize", json={"tokens": tokens[-5:]}, headers=server.headers
     )
     assert response.choices[0].text == detok.json()["prompt"]  # the kept end, echoed
+    messages = [{"role": "user", "content": prompt}]
     chat = client.chat.completions.create(
         model="tiny",
-        messages=[{"role": "user", "content": prompt}],
+        messages=messages,
         max_tokens=2,
-        extra_body={"truncate_prompt_tokens": -1},
+        extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN - 2},
     )
-    assert chat.usage.prompt_tokens == MAX_MODEL_LEN - 2  # fitted to leave room for 2 tokens
+    assert chat.usage.prompt_tokens == MAX_MODEL_LEN - 2  # the most that leaves room for 2
+    # -1 keeps the last max_model_len tokens (vLLM's meaning): no room left for a completion
+    with pytest.raises(openai.BadRequestError, match=r"-1 keeps 256 prompt tokens.*at most 254"):
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, extra_body={"truncate_prompt_tokens": -1}
+        )
+    # above max_model_len: a 400 whatever the prompt's length (vLLM's rule)
+    with pytest.raises(
+        openai.BadRequestError, match=r"value \(257\) is greater than max_model_len"
+    ):
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=1, extra_body={"truncate_prompt_tokens": 257}
+        )
     with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
         client.completions.create(
             model="tiny", prompt="x", max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
