@@ -16,6 +16,9 @@ def chassis_register_tool_parsers(registry: Any) -> None:
     registry.register("llama3_json", f"{_PKG}.llama3_json:Llama3JsonToolParser")
     registry.register("mistral", f"{_PKG}.mistral:MistralToolParser")
     registry.register("pythonic", f"{_PKG}.pythonic:PythonicToolParser")
+    registry.register("qwen3_coder", f"{_PKG}.qwen3_coder:Qwen3CoderToolParser")
+    registry.register("deepseek_v3", f"{_PKG}.deepseek_v3:DeepSeekV3ToolParser")
+    registry.register("glm45", f"{_PKG}.glm45:Glm45ToolParser")
 
 
 @hookimpl
