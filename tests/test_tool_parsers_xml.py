@@ -101,6 +101,13 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON a client can read")
 
 
+def _first_call(*arguments: str, name: str | None = None) -> ToolDelta:
+    """A feed's result that adds only to the message's first call: its start when ``name``
+    is given, then the ``arguments`` pieces."""
+    start = [ToolCallFragment(0, "", name)] if name is not None else []
+    return ToolDelta(fragments=start + [ToolCallFragment(0, piece) for piece in arguments])
+
+
 def _every_way(
     cls: type[ToolParser], text: str, tools: list[dict[str, Any]] | None = None, splits: int = 40
 ) -> tuple[str, Calls]:
@@ -290,21 +297,13 @@ def test_qwen3_coder_streams_a_call_once_its_function_is_written() -> None:
     parser = Qwen3CoderToolParser(None, TOOLS)
     assert parser.feed("Sure. <tool") == ToolDelta(content="Sure.")
     assert parser.feed("_call>\n<function=get_wea") == ToolDelta()  # not committed yet
-    assert parser.feed("ther>\n<parameter=ci") == ToolDelta(
-        fragments=[ToolCallFragment(0, "", "get_weather"), ToolCallFragment(0, "{")]
-    )
-    assert parser.feed("ty>\nPa") == ToolDelta(
-        fragments=[ToolCallFragment(0, '"city": '), ToolCallFragment(0, '"Pa')]
-    )
+    assert parser.feed("ther>\n<parameter=ci") == _first_call("{", name="get_weather")
+    assert parser.feed("ty>\nPa") == _first_call('"city": ', '"Pa')
     # a text value streams as it is written; its last newline may be the trimmed one
-    assert parser.feed('ris "1"\n') == ToolDelta(fragments=[ToolCallFragment(0, 'ris \\"1\\"')])
-    assert parser.feed("</parameter>\n<parameter=days>\n3") == ToolDelta(
-        fragments=[ToolCallFragment(0, '"'), ToolCallFragment(0, ', "days": ')]
-    )
+    assert parser.feed('ris "1"\n') == _first_call('ris \\"1\\"')
+    assert parser.feed("</parameter>\n<parameter=days>\n3") == _first_call('"', ', "days": ')
     # a typed value is sent when it is complete
-    assert parser.feed("0\n</parameter>\n</function>") == ToolDelta(
-        fragments=[ToolCallFragment(0, "30"), ToolCallFragment(0, "}")]
-    )
+    assert parser.feed("0\n</parameter>\n</function>") == _first_call("30", "}")
     assert parser.feed("\n</tool_call>") == ToolDelta()
     assert parser.finish() == ToolDelta()
 
@@ -427,19 +426,13 @@ def test_glm45(text: str, content: str, calls: Calls) -> None:
 def test_glm45_streams_a_call_once_its_name_is_written() -> None:
     parser = Glm45ToolParser(None, TOOLS)
     assert parser.feed("Sure.\n<tool_call>get_wea") == ToolDelta(content="Sure.")
-    assert parser.feed("ther\n<arg_key>ci") == ToolDelta(
-        fragments=[ToolCallFragment(0, "", "get_weather"), ToolCallFragment(0, "{")]
+    assert parser.feed("ther\n<arg_key>ci") == _first_call("{", name="get_weather")
+    assert parser.feed("ty</arg_key>\n<arg_value> Pa") == _first_call('"city": ', '"Pa')
+    assert parser.feed("ris  ") == _first_call("ris")
+    assert parser.feed("</arg_value><arg_key>days</arg_key><arg_value>1") == _first_call(
+        '"', ', "days": '
     )
-    assert parser.feed("ty</arg_key>\n<arg_value> Pa") == ToolDelta(
-        fragments=[ToolCallFragment(0, '"city": '), ToolCallFragment(0, '"Pa')]
-    )
-    assert parser.feed("ris  ") == ToolDelta(fragments=[ToolCallFragment(0, "ris")])
-    assert parser.feed("</arg_value><arg_key>days</arg_key><arg_value>1") == ToolDelta(
-        fragments=[ToolCallFragment(0, '"'), ToolCallFragment(0, ', "days": ')]
-    )
-    assert parser.feed("2</arg_value>\n</tool_call>") == ToolDelta(
-        fragments=[ToolCallFragment(0, "12"), ToolCallFragment(0, "}")]
-    )
+    assert parser.feed("2</arg_value>\n</tool_call>") == _first_call("12", "}")
     assert parser.finish() == ToolDelta()
 
 
@@ -532,12 +525,8 @@ def test_deepseek_v3_streams_a_call_once_its_arguments_start() -> None:
     assert parser.feed("Sure." + CALLS_BEGIN[:5]) == ToolDelta(content="Sure.")
     head = CALLS_BEGIN[5:] + CALL_BEGIN + "function" + SEP + "get_weather\n```json\n"
     assert parser.feed(head) == ToolDelta()  # not committed yet
-    assert parser.feed('{"city": "Pa') == ToolDelta(
-        fragments=[ToolCallFragment(0, "", "get_weather"), ToolCallFragment(0, '{"city": "Pa')]
-    )
-    assert parser.feed('ris"}\n```' + CALL_END) == ToolDelta(
-        fragments=[ToolCallFragment(0, 'ris"}')]
-    )
+    assert parser.feed('{"city": "Pa') == _first_call('{"city": "Pa', name="get_weather")
+    assert parser.feed('ris"}\n```' + CALL_END) == _first_call('ris"}')
     assert parser.feed(CALLS_END) == ToolDelta()
     assert parser.finish() == ToolDelta()
 

@@ -40,7 +40,6 @@ from chassis.builtin_plugins.parsers.tagged_blocks import (
     TEXT,
     TaggedBlockToolParser,
     first_marker,
-    partial_marker_len,
 )
 from chassis.serve.tool_parser import ToolDelta
 
@@ -161,15 +160,12 @@ class DeepSeekV3ToolParser(TaggedBlockToolParser):
 
     def _call_rest(self, final: bool) -> bool:
         """After complete arguments: drop the rest of the call, up to its end."""
-        found = first_marker(self.held, _CALL_ENDS)
-        if found is None:
-            keep = 0 if final else partial_marker_len(self.held, _CALL_ENDS)
-            self.held = self.held[len(self.held) - keep :]
+        marker = self.skip_to(_CALL_ENDS, final)
+        if marker is None:
             if final:
                 self.after_call()
-                return True
-            return False
-        at, marker = found
-        self.held = self.held[at + (len(CALL_END) if marker == CALL_END else 0) :]
+            return final
+        if marker == CALL_END:
+            self.held = self.held[len(CALL_END) :]
         self.mode = _SECTION
         return True

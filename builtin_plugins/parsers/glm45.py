@@ -37,15 +37,14 @@ from functools import partial
 from typing import Any, cast
 
 from chassis.builtin_plugins.parsers.tag_values import (
+    TagArguments,
     ValueStream,
     declared_type,
     glm45_value,
-    json_text,
     parameter_schemas,
 )
 from chassis.builtin_plugins.parsers.tagged_blocks import (
     TaggedBlockToolParser,
-    first_marker,
     partial_marker_len,
 )
 from chassis.builtin_plugins.parsers.text_scan import held_prefix_len
@@ -61,11 +60,14 @@ ARG_VALUE_END = "</arg_value>"
 #: what may follow the name on the tag's line
 _AFTER_NAME = (ARG_KEY, END, START)
 #: the name's line: a word, then a newline or (on the same line) a pair or the block's end
-_HEAD = re.compile(r"[ \t]*([^\s<>]+)[ \t\r]*(?:\n|(?=<arg_key>|</tool_call>|<tool_call>))")
+_HEAD = re.compile(
+    r"[ \t]*([^\s<>]+)[ \t\r]*(?:\n|(?=" + "|".join(map(re.escape, _AFTER_NAME)) + "))"
+)
 #: what the start of a name's line may look like before its end is written
 _HEAD_START = re.compile(r"[ \t]*[^\s<>]*[ \t\r]*")
 #: what a call's body is read for between its pairs (other text is dropped)
 _BODY_MARKERS = (ARG_KEY, END, START)
+#: where a value ends; its own end tag first
 _VALUE_ENDS = (ARG_VALUE_END, END)
 
 _NAME = "name"  # the block's first line: the function's name (committed to nothing yet)
@@ -85,11 +87,9 @@ class Glm45ToolParser(TaggedBlockToolParser):
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
         super().__init__(tokenizer, tools)
-        self._index = -1  # the committed call's index
-        self._schemas: dict[str, Any] | None = None  # its parameters' schemas
-        self._pairs = 0  # pairs it has so far
-        self._key = ""
-        self._value: ValueStream | None = None
+        #: the arguments of the call being read (set when it is committed)
+        self._arguments: TagArguments | None = None
+        self._key = ""  # the key read last, sent when its value starts
 
     def block_step(self, out: ToolDelta, final: bool) -> bool:
         if self.mode == _NAME:
@@ -112,25 +112,18 @@ class Glm45ToolParser(TaggedBlockToolParser):
             self.not_a_call(out)
             return True
         name = head.group(1)
-        self._index = self.start_call(out, name)
-        out.add_arguments(self._index, "{")
-        self._schemas = parameter_schemas(self.tools, name)
-        self._pairs = 0
+        index = self.start_call(out, name)
+        self._arguments = TagArguments(out, index, parameter_schemas(self.tools, name))
         self.held, self.mode = self.held[head.end() :], _BODY
         return True
 
     def _body(self, out: ToolDelta, final: bool) -> bool:
-        """Between pairs: the next key, or the call's end."""
-        found = first_marker(self.held, _BODY_MARKERS)
-        if found is None:
-            keep = 0 if final else partial_marker_len(self.held, _BODY_MARKERS)
-            self.held = self.held[len(self.held) - keep :]  # text that is no pair
+        """Between pairs: the next key, or the call's end; other text is dropped."""
+        marker = self.skip_to(_BODY_MARKERS, final)
+        if marker is None:
             if final:
                 self._close(out)
-                return True
-            return False
-        at, marker = found
-        self.held = self.held[at:]
+            return final
         if marker == ARG_KEY:
             self.held, self.mode = self.held[len(ARG_KEY) :], _KEY
             return True
@@ -147,8 +140,7 @@ class Glm45ToolParser(TaggedBlockToolParser):
         else:
             key = self.held[: len(self.held) - held_prefix_len(self.held, ARG_KEY_END)]
         if "<" in key or (close < 0 and final):
-            self.held = self.held[key.find("<") :] if "<" in key else ""
-            self.mode = _BODY
+            self.mode = _BODY  # a broken key: dropped
             return True
         if close < 0:
             return False
@@ -165,30 +157,24 @@ class Glm45ToolParser(TaggedBlockToolParser):
                 return False
             self.mode = _BODY
             return True
-        separator = ", " if self._pairs else ""
-        out.add_arguments(self._index, f'{separator}"{json_text(self._key)}": ')
-        self._pairs += 1
-        kind = declared_type(self._schemas, self._key)
+        arguments = self._call_arguments()
+        kind = declared_type(arguments.schemas, self._key)
         convert = partial(glm45_value, kind=kind)
-        self._value = ValueStream("space", kind == "string", convert)
+        arguments.start_value(out, self._key, ValueStream("space", kind == "string", convert))
         self.held, self.mode = body[len(ARG_VALUE) :], _VALUE
         return True
 
     def _read_value(self, out: ToolDelta, final: bool) -> bool:
         """A value, streamed up to its end."""
-        value = cast(ValueStream, self._value)  # set with the mode
-        found = first_marker(self.held, _VALUE_ENDS)
-        if found is None and not final:
-            cut = len(self.held) - partial_marker_len(self.held, _VALUE_ENDS)
-            out.add_arguments(self._index, value.feed(self.held[:cut]))
-            self.held = self.held[cut:]
-            return False
-        at, marker = found if found is not None else (len(self.held), "")
-        out.add_arguments(self._index, value.feed(self.held[:at]) + value.finish())
-        closing = len(ARG_VALUE_END) if marker == ARG_VALUE_END else 0
-        self.held, self.mode, self._value = self.held[at + closing :], _BODY, None
-        return True
+        self.held, ended = self._call_arguments().read_value(out, self.held, _VALUE_ENDS, final)
+        if ended:
+            self.mode = _BODY
+        return ended
 
     def _close(self, out: ToolDelta) -> None:
-        out.add_arguments(self._index, "}")
+        """The call ended: close its arguments and read on as text after a call."""
+        self._call_arguments().close(out)
         self.after_call()
+
+    def _call_arguments(self) -> TagArguments:
+        return cast(TagArguments, self._arguments)  # set with the call's name

@@ -17,10 +17,11 @@ each ``<parameter=KEY>`` in it an argument, whose value is the text up to ``</pa
 (or the next ``<parameter=``, ``</function>`` or ``</tool_call>``, when the model forgot the
 end tag), less one newline at each end. Values are converted as vLLM does, by the type the
 request's ``tools`` declare for the parameter (:func:`~chassis.builtin_plugins.parsers.
-tag_values.qwen3_coder_value`): undeclared parameters and string types stay text, ``null``
-is ``null``, integers, numbers, booleans, objects and arrays are read as such (a value that
-does not convert stays text). The arguments are the JSON object of the parameters in the
-order written (a repeated parameter is kept twice; JSON readers keep its last value).
+tag_values.qwen3_coder_value`): undeclared parameters, those without a type and string
+types stay text, ``null`` is ``null``, integers, numbers, booleans, objects and arrays are
+read as such (a value that does not convert stays text). The arguments are the JSON object
+of the parameters in the order written (a repeated parameter is kept twice; JSON readers
+keep its last value).
 
 Text around the blocks is content, as ``hermes`` keeps it
 (:mod:`~chassis.builtin_plugins.parsers.tagged_blocks`). A block that does not start with
@@ -43,18 +44,14 @@ from functools import partial
 from typing import Any, cast
 
 from chassis.builtin_plugins.parsers.tag_values import (
-    QWEN_STRING_TYPES,
+    TagArguments,
     ValueStream,
     declared_type,
-    json_text,
     parameter_schemas,
+    qwen3_coder_is_text,
     qwen3_coder_value,
 )
-from chassis.builtin_plugins.parsers.tagged_blocks import (
-    TaggedBlockToolParser,
-    first_marker,
-    partial_marker_len,
-)
+from chassis.builtin_plugins.parsers.tagged_blocks import TaggedBlockToolParser
 from chassis.serve.tool_parser import ToolDelta
 
 START = "<tool_call>"
@@ -64,18 +61,18 @@ FUNCTION_END = "</function>"
 PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
 
-#: where a parameter's value ends (vLLM's ends, and the block's end)
+#: where a parameter's value ends (vLLM's ends, and the block's end); its own end tag first
 _VALUE_ENDS = (PARAMETER_END, PARAMETER, FUNCTION_END, END)
 #: what a call's body is read for between its parameters (other text is dropped)
 _BODY_MARKERS = (PARAMETER, FUNCTION_END, END, START, FUNCTION)
-#: what the rest of a block after ``</function>`` is read for
+#: what the rest of a block after a call is read for
 _REST_MARKERS = (END, START, FUNCTION)
 
 _HEAD = "head"  # in a block, before a function's head (committed to nothing yet)
 _BODY = "body"  # in a committed call, between parameters
 _NAME = "name"  # after "<parameter=": its name
 _VALUE = "value"  # in a parameter's value
-_REST = "rest"  # after "</function>", up to the block's end: dropped
+_REST = "rest"  # after a call, up to the block's end or its next function: dropped
 
 
 class Qwen3CoderToolParser(TaggedBlockToolParser):
@@ -88,10 +85,8 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
         super().__init__(tokenizer, tools)
         #: the head being read opens the block (no call in it yet): if broken, it is text
         self._fresh_block = True
-        self._index = -1  # the committed call's index
-        self._schemas: dict[str, Any] | None = None  # its parameters' schemas
-        self._params = 0  # parameters it has so far
-        self._value: ValueStream | None = None
+        #: the arguments of the call being read (set when it is committed)
+        self._arguments: TagArguments | None = None
 
     def block_step(self, out: ToolDelta, final: bool) -> bool:
         if self.mode == _HEAD:
@@ -119,43 +114,32 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
         if broken or close < 0 or not name.strip():
             if self._fresh_block:
                 self.not_a_call(out)
-            else:  # a broken head after a call: the rest of the block
+            else:  # a broken head after a call: dropped with the rest of the block (its
+                # "<" first, so that it is not read as a function again)
                 self.held, self.mode = body[1:], _REST
             return True
-        self._index = self.start_call(out, name.strip())
-        out.add_arguments(self._index, "{")
-        self._schemas = parameter_schemas(self.tools, name.strip())
-        self._params = 0
+        name = name.strip()
+        index = self.start_call(out, name)
+        self._arguments = TagArguments(out, index, parameter_schemas(self.tools, name))
         self.held, self.mode = body[close + 1 :], _BODY
         return True
 
     def _body(self, out: ToolDelta, final: bool) -> bool:
-        """Between parameters: the next parameter, or the function's end."""
-        found = first_marker(self.held, _BODY_MARKERS)
-        if found is None:
+        """Between parameters: the next parameter, or the function's end; other text is
+        dropped."""
+        marker = self.skip_to(_BODY_MARKERS, final)
+        if marker is None:
             if final:
-                self._close(out)
-                self.held = ""
+                self._call_arguments().close(out)
                 self.after_call()
-                return True
-            keep = partial_marker_len(self.held, _BODY_MARKERS)
-            self.held = self.held[len(self.held) - keep :]  # text that is no parameter
-            return False
-        at, marker = found
-        self.held = self.held[at:]
+            return final
         if marker == PARAMETER:
             self.held, self.mode = self.held[len(PARAMETER) :], _NAME
             return True
-        self._close(out)
+        self._call_arguments().close(out)
         if marker == FUNCTION_END:
-            self.held, self.mode = self.held[len(FUNCTION_END) :], _REST
-        elif marker == END:
-            self.held = self.held[len(END) :]
-            self.after_call()
-        elif marker == START:  # a new block, its predecessor's end tag forgotten
-            self.after_call()
-        else:  # FUNCTION: the next call in this block, this one's end tag forgotten
-            self._fresh_block, self.mode = False, _HEAD
+            self.held = self.held[len(FUNCTION_END) :]
+        self.mode = _REST  # reads the block's end, a new block or the next function
         return True
 
     def _name(self, out: ToolDelta, final: bool) -> bool:
@@ -164,60 +148,45 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
         name = self.held[: close if close >= 0 else len(self.held)]
         if "<" in name or "\n" in name or (close < 0 and final):
             self.mode = _BODY  # a broken parameter: dropped
-            if final:
-                self.held = ""
             return True
         if close < 0:
             return False
-        separator = ", " if self._params else ""
-        out.add_arguments(self._index, f'{separator}"{json_text(name)}": ')
-        self._params += 1
-        declared = self._schemas is not None and name in self._schemas
-        kind = declared_type(self._schemas, name)
-        text = not declared or (kind or "string").strip().lower() in QWEN_STRING_TYPES
+        arguments = self._call_arguments()
+        declared = arguments.schemas is not None and name in arguments.schemas
+        kind = declared_type(arguments.schemas, name)
         convert = partial(qwen3_coder_value, kind=kind, declared=declared)
-        self._value = ValueStream("newline", text, convert, null_word=True)
+        value = ValueStream("newline", qwen3_coder_is_text(kind, declared), convert, null_word=True)
+        arguments.start_value(out, name, value)
         self.held, self.mode = self.held[close + 1 :], _VALUE
         return True
 
     def _read_value(self, out: ToolDelta, final: bool) -> bool:
         """A parameter's value, streamed up to its end."""
-        value = cast(ValueStream, self._value)  # set with the mode
-        found = first_marker(self.held, _VALUE_ENDS)
-        if found is None and not final:
-            cut = len(self.held) - partial_marker_len(self.held, _VALUE_ENDS)
-            out.add_arguments(self._index, value.feed(self.held[:cut]))
-            self.held = self.held[cut:]
-            return False
-        at, marker = found if found is not None else (len(self.held), "")
-        out.add_arguments(self._index, value.feed(self.held[:at]) + value.finish())
-        closing = len(PARAMETER_END) if marker == PARAMETER_END else 0
-        self.held, self.mode, self._value = self.held[at + closing :], _BODY, None
-        return True
+        arguments = self._call_arguments()
+        self.held, ended = arguments.read_value(out, self.held, _VALUE_ENDS, final)
+        if ended:
+            self.mode = _BODY
+        return ended
 
     def _rest(self, final: bool) -> bool:
-        """After ``</function>``: the block's end, or another function in it."""
-        found = first_marker(self.held, _REST_MARKERS)
-        if found is None:
-            keep = 0 if final else partial_marker_len(self.held, _REST_MARKERS)
-            self.held = self.held[len(self.held) - keep :]
+        """After a call: the block's end, or another function in it; other text is
+        dropped."""
+        marker = self.skip_to(_REST_MARKERS, final)
+        if marker is None:
             if final:
                 self.after_call()
-                return True
-            return False
-        at, marker = found
-        self.held = self.held[at:]
+            return final
         if marker == END:
             self.held = self.held[len(END) :]
             self.after_call()
-        elif marker == START:
+        elif marker == START:  # a new block, this one's end tag forgotten
             self.after_call()
-        else:
+        else:  # FUNCTION: the next call in this block
             self._fresh_block, self.mode = False, _HEAD
         return True
 
-    def _close(self, out: ToolDelta) -> None:
-        out.add_arguments(self._index, "}")
+    def _call_arguments(self) -> TagArguments:
+        return cast(TagArguments, self._arguments)  # set with the call's head
 
     def not_a_call(self, out: ToolDelta) -> None:
         super().not_a_call(out)

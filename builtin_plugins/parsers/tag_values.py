@@ -8,6 +8,7 @@ trimmed (the whitespace at its end) or read otherwise (Qwen3-Coder's ``null``) h
 other value is converted when it is complete (:func:`qwen3_coder_value`,
 :func:`glm45_value`) and sent whole. A converted value that has no JSON form (``NaN``, a set,
 bytes) is sent as the text it was written as, so the arguments are always valid JSON.
+:class:`TagArguments` writes a call's keys and values as one JSON object.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import json
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from chassis.builtin_plugins.parsers.json_calls import DECODER
+from chassis.builtin_plugins.parsers.tagged_blocks import first_marker, partial_marker_len
+from chassis.serve.tool_parser import ToolDelta
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 #: Qwen3-Coder's names for a string type (vLLM's list)
-QWEN_STRING_TYPES = frozenset({"string", "str", "text", "varchar", "char", "enum"})
+_QWEN_STRING_TYPES = frozenset({"string", "str", "text", "varchar", "char", "enum"})
 
 
 def json_text(text: str) -> str:
@@ -89,19 +92,30 @@ def _json_or_literal(text: str) -> Any:
         return _literal(text)
 
 
+def _qwen_type(kind: str | None) -> str:
+    """A declared type as Qwen3-Coder's conversion compares it (none: ``string``)."""
+    return (kind or "string").strip().lower()
+
+
+def qwen3_coder_is_text(kind: str | None, declared: bool) -> bool:
+    """Whether a Qwen3-Coder parameter's value stays text: its parameter is not declared
+    (``declared`` false), or its type ``kind`` is a string type or not given."""
+    return not declared or _qwen_type(kind) in _QWEN_STRING_TYPES
+
+
 def qwen3_coder_value(text: str, kind: str | None, declared: bool) -> Any:
     """A Qwen3-Coder parameter's value, converted as vLLM's ``qwen3_coder`` does: ``null``
     (any case) is ``None`` whatever the type; an undeclared parameter (``declared`` false) or
-    a string type stays text; integer types (``int*``, ``uint*``, ``long*``, ``short*``,
-    ``unsigned*``) by ``int()``; number types (``num*``, ``float*``) by ``float()``, integral
-    values as integers; booleans are ``true`` (any case) or else false; objects and arrays
-    are JSON, else a Python literal; other types a Python literal. A value that does not
-    convert stays text."""
+    a string type stays text (:func:`qwen3_coder_is_text`); integer types (``int*``,
+    ``uint*``, ``long*``, ``short*``, ``unsigned*``) by ``int()``; number types (``num*``,
+    ``float*``) by ``float()``, integral values as integers; booleans are ``true`` (any case)
+    or else false; objects and arrays are JSON, else a Python literal; other types a Python
+    literal. A value that does not convert stays text."""
     if text.lower() == "null":
         return None
-    kind = (kind or "string").strip().lower()
-    if not declared or kind in QWEN_STRING_TYPES:
+    if qwen3_coder_is_text(kind, declared):
         return text
+    kind = _qwen_type(kind)
     if kind.startswith(("int", "uint", "long", "short", "unsigned")):
         try:
             return int(text)
@@ -152,7 +166,7 @@ class ValueStream:
         self._null_word = null_word
         #: raw text read but not sent (all of it for a converted value)
         self._pending = ""
-        self._leading_done = False
+        self._start_trimmed = False  # the trim at the value's start is settled
         self._opened = False  # the string's opening quote was sent
 
     def feed(self, text: str) -> str:
@@ -161,7 +175,7 @@ class ValueStream:
         if not self._text:
             self._pending = pending
             return ""
-        if not self._leading_done:
+        if not self._start_trimmed:
             trimmed = self._trim_start(pending)
             # one newline is trimmed once a character is seen; whitespace until text is
             settled = bool(trimmed) if self._trim == "space" else bool(pending)
@@ -169,7 +183,7 @@ class ValueStream:
             if not settled:
                 self._pending = pending
                 return ""
-            self._leading_done = True
+            self._start_trimmed = True
         ready = pending[: len(pending) - self._trailing_len(pending)]
         prefix = ""
         if not self._opened:
@@ -183,7 +197,7 @@ class ValueStream:
     def finish(self) -> str:
         """The value ended: the rest of its JSON text."""
         pending, self._pending = self._pending, ""
-        if not self._leading_done:
+        if not self._start_trimmed:
             pending = self._trim_start(pending)
         value = pending[: len(pending) - self._trailing_len(pending)]
         if not self._text:
@@ -204,3 +218,50 @@ class ValueStream:
         if self._trim == "space":
             return len(text) - len(text.rstrip())
         return 1 if text.endswith("\n") else 0
+
+
+class TagArguments:
+    """One call's arguments, read as keys and raw values between tags, sent as a JSON object:
+    ``{`` when the call starts, ``"key": `` (after ``, `` from the second key on) when a value
+    starts (:meth:`start_value`), the value's JSON text as it is read (:meth:`read_value`),
+    and ``}`` when the call ends (:meth:`close`)."""
+
+    def __init__(self, out: ToolDelta, index: int, schemas: dict[str, Any] | None) -> None:
+        #: the call's index in the message (started in ``out`` already)
+        self.index = index
+        #: the schemas of its function's parameters (:func:`parameter_schemas`)
+        self.schemas = schemas
+        self._num_keys = 0
+        self._value: ValueStream | None = None
+        out.add_arguments(index, "{")
+
+    def start_value(self, out: ToolDelta, key: str, value: ValueStream) -> None:
+        """Send ``key``; ``value`` reads its value (:meth:`read_value`)."""
+        separator = ", " if self._num_keys else ""
+        out.add_arguments(self.index, f'{separator}"{json_text(key)}": ')
+        self._num_keys += 1
+        self._value = value
+
+    def read_value(
+        self, out: ToolDelta, held: str, ends: tuple[str, ...], final: bool
+    ) -> tuple[str, bool]:
+        """Send what ``held`` (the started value's raw text and what follows it) settles of
+        the value, up to the first of ``ends``: ``ends[0]`` is the value's own end tag, read
+        with it; the others end the value too but are left to be read. Return the text left
+        (while the value goes on: what may be the start of an end), and whether the value
+        ended (always when ``final``)."""
+        value = cast(ValueStream, self._value)  # set by start_value
+        found = first_marker(held, ends)
+        if found is None and not final:
+            cut = len(held) - partial_marker_len(held, ends)
+            out.add_arguments(self.index, value.feed(held[:cut]))
+            return held[cut:], False
+        at, marker = found if found is not None else (len(held), "")
+        out.add_arguments(self.index, value.feed(held[:at]) + value.finish())
+        self._value = None
+        closing = len(marker) if marker == ends[0] else 0
+        return held[at + closing :], True
+
+    def close(self, out: ToolDelta) -> None:
+        """The call ended: close its object."""
+        out.add_arguments(self.index, "}")

@@ -40,8 +40,9 @@ def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
 
 class TaggedBlockToolParser(ToolParser):
     """Subclasses set :attr:`start_tag` and :attr:`block_mode` and implement
-    :meth:`block_step`; they may read and set :attr:`mode` and :attr:`held`, start calls with
-    :meth:`start_call`, and end a block with :meth:`after_call` or :meth:`not_a_call`.
+    :meth:`block_step`; they may read and set :attr:`mode` and :attr:`held`, drop text with
+    :meth:`skip_to`, start calls with :meth:`start_call` (or :meth:`reserve_call`), and end a
+    block with :meth:`after_call` or :meth:`not_a_call`.
 
     Calls stream as fragments: each is started (:meth:`start_call`) when the subclass commits
     to it, then its arguments are added piece by piece.
@@ -111,6 +112,19 @@ class TaggedBlockToolParser(ToolParser):
         out.content += self._gap + self.start_tag
         self._gap = ""
         self.mode = TEXT
+
+    def skip_to(self, markers: tuple[str, ...], final: bool) -> str | None:
+        """Drop :attr:`held` up to the first of ``markers`` and return that marker (``held``
+        then starts with it); ``None`` when there is none: all of ``held`` is dropped but what
+        may be the start of one (all of it when ``final``)."""
+        found = first_marker(self.held, markers)
+        if found is None:
+            keep = 0 if final else partial_marker_len(self.held, markers)
+            self.held = self.held[len(self.held) - keep :]
+            return None
+        at, marker = found
+        self.held = self.held[at:]
+        return marker
 
     def _scan(self, out: ToolDelta, final: bool) -> None:
         while True:
