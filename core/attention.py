@@ -74,6 +74,9 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     #: whether the backend honours ``logits_soft_cap`` (Gemma 2)
     supports_logits_soft_cap: ClassVar[bool] = False
+    #: whether the backend honours ``sinks`` (gpt-oss): a model layer with attention sinks
+    #: refuses a backend without it
+    supports_attention_sinks: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -84,13 +87,20 @@ class AttentionBackend(ABC):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """``scale`` multiplies ``q . k``. ``sliding_window`` (``None``: the whole context)
         limits each query to the last ``sliding_window`` positions, its own included.
         ``logits_soft_cap`` (``None``: off) maps each scaled score ``s`` to
-        ``cap * tanh(s / cap)`` before the softmax. The attention layer passes the two
-        keywords only when set, so a backend whose ``__init__`` predates them keeps working
-        for the models that need neither."""
+        ``cap * tanh(s / cap)`` before the softmax. ``sinks`` (``None``: off), a
+        ``[num_heads]`` tensor of per-head logits (gpt-oss's attention sinks), joins every
+        query's softmax denominator: head ``h``'s weights become
+        ``exp(s_j) / (exp(sinks[h]) + sum_i exp(s_i))``, so the sink takes probability mass
+        but contributes no value; it is neither scaled nor soft-capped. The backend keeps a
+        reference to the tensor (the model's parameter, filled in place when the weights
+        load) and reads it at every call. The attention layer passes these keywords only
+        when set, so a backend whose ``__init__`` predates them keeps working for the models
+        that need none of them."""
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -99,12 +109,17 @@ class AttentionBackend(ABC):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(
+                f"sinks must be a [num_heads] = [{num_heads}] tensor, got {tuple(sinks.shape)}"
+            )
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks = sinks
 
     @abstractmethod
     def forward(
@@ -127,7 +142,7 @@ class AttentionBackend(ABC):
             ``p = seq_lens[i] - query_len_i + j`` and attends to context positions ``0 .. p``
             (causal over the cached prefix + chunk), or ``p - sliding_window + 1 .. p`` (not
             below 0) with a sliding window; scores are soft-capped when
-            ``logits_soft_cap`` is set.
+            ``logits_soft_cap`` is set, and ``sinks`` join each softmax's denominator.
         """
 
 

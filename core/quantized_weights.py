@@ -1,19 +1,22 @@
-"""FP8 checkpoints, read by dequantizing their weights as they load.
+"""FP8 and MXFP4 checkpoints, read by dequantizing their weights as they load.
 
-Two layouts are read (``quantization_config`` in ``config.json``):
+Three layouts are read (``quantization_config`` in ``config.json``):
 
 - ``quant_method: "fp8"`` (Qwen3-FP8, DeepSeek-V3 style): ``X.weight`` in ``float8_e4m3fn``
   with ``X.weight_scale_inv`` (float32), one scale per ``weight_block_size`` block
   (``[128, 128]``), or, without a block size, ``X.weight_scale`` per tensor or per row;
 - ``quant_method: "compressed-tensors"`` with ``format: "float-quantized"`` (llm-compressor's
-  FP8 models): ``X.weight`` in float8 with ``X.weight_scale`` per tensor or per row.
+  FP8 models): ``X.weight`` in float8 with ``X.weight_scale`` per tensor or per row;
+- ``quant_method: "mxfp4"`` (OpenAI's gpt-oss, whose experts are stored so): ``X_blocks``
+  and ``X_scales``, both uint8 (:func:`dequantize_mxfp4`), replaced by the tensor ``X`` of
+  the unquantized checkpoint.
 
-The weight is ``float8 value * scale`` (the scale broadcast over its block, row or tensor),
+An FP8 weight is ``float8 value * scale`` (the scale broadcast over its block, row or tensor),
 computed in float32; the model copies it into its dtype. Static activation scales
 (``X.input_scale``) are dropped: activations stay in the model's dtype. So an FP8 checkpoint
 runs as its dequantized 16-bit twin would: the same outputs, none of FP8's memory or speed
-(there are no FP8 kernels yet). Other quantization methods are refused by name
-(:func:`check_quantization`).
+(there are no FP8 kernels yet). Likewise an MXFP4 checkpoint runs as its bfloat16 twin (no
+MXFP4 kernels). Other quantization methods are refused by name (:func:`check_quantization`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,15 @@ from typing import Any
 import torch
 
 #: the methods :func:`dequantized_weights` reads
-SUPPORTED_METHODS = ("fp8", "compressed-tensors")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "mxfp4")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+#: FP4 (e2m1) codes 0..15 -> values: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES += tuple(-v for v in E2M1_VALUES)
+#: values per MXFP4 scale (one e8m0 byte per 32 values, 16 bytes of two codes each)
+MXFP4_BLOCK = 32
+_MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
 
 
 def quantization_config(hf_config: Any) -> dict[str, Any] | None:
@@ -48,7 +57,8 @@ def check_quantization(hf_config: Any) -> None:
     if method not in SUPPORTED_METHODS:
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which chassis does not read; "
-            f"supported: FP8 checkpoints ({', '.join(SUPPORTED_METHODS)}), dequantized at load"
+            f"supported: {', '.join(SUPPORTED_METHODS)} (FP8 and MXFP4 weights, dequantized "
+            "at load)"
         )
     if method == "compressed-tensors":
         fmt = config.get("format")
@@ -95,15 +105,81 @@ def _dequantize(
     )
 
 
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 tensor an MXFP4 pair stands for, in the unquantized checkpoint's layout.
+
+    ``blocks`` (uint8 ``[..., N, G, 16]``) holds a ``[..., N, K]`` matrix (``K = 32 G``)
+    quantized along ``K``: each byte two FP4 (e2m1, :data:`E2M1_VALUES`) codes, the low
+    nibble element ``2j`` and the high nibble element ``2j + 1`` of its 32-element group.
+    ``scales`` (uint8 ``[..., N, G]``) is one e8m0 exponent per group: the group's values
+    are multiplied by ``2 ** (scale - 127)``. The result is that matrix transposed to
+    ``[..., K, N]``, the layout of the bfloat16 tensor it replaces (gpt-oss's input-major
+    experts; transformers' ``convert_moe_packed_tensors`` gives the same). Every value is
+    exact in bfloat16 (a 2-bit significand times a power of two within its range).
+    ``ValueError`` for dtypes or shapes that do not fit, or a scale of 255 (NaN in e8m0).
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
+        )
+    half = MXFP4_BLOCK // 2
+    if blocks.dim() < 3 or blocks.shape[-1] != half or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} must be "
+            f"[..., N, G, {half}] and [..., N, G]"
+        )
+    if bool((scales == 255).any()):
+        raise ValueError("an MXFP4 scale is 255, which is NaN in e8m0: the checkpoint is corrupt")
+    *prefix, rows, groups, _ = blocks.shape
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    flat_blocks = blocks.reshape(-1, rows, groups, half)
+    flat_scales = scales.reshape(-1, rows, groups)
+    out = torch.empty(flat_blocks.shape[0], groups * MXFP4_BLOCK, rows, dtype=torch.bfloat16)
+    # one [N, K] matrix (an expert) at a time: the float32 temporaries stay that size
+    for i in range(flat_blocks.shape[0]):
+        codes = flat_blocks[i].long()
+        values = torch.stack((lut[codes & 0x0F], lut[codes >> 4]), dim=-1)  # [N, G, 16, 2]
+        exponents = flat_scales[i].to(torch.int32) - 127
+        values = torch.ldexp(values.reshape(rows, groups, MXFP4_BLOCK), exponents[..., None])
+        out[i] = values.reshape(rows, groups * MXFP4_BLOCK).t()
+    return out.reshape(*prefix, groups * MXFP4_BLOCK, rows)
+
+
+def _mxfp4_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``X_blocks`` and ``X_scales`` pairs replaced by ``X`` (:func:`dequantize_mxfp4`);
+    other tensors pass through."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # X -> the half of its pair that came
+    for name, tensor in weights:
+        suffix = next((s for s in (_MXFP4_BLOCKS, _MXFP4_SCALES) if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        base = name[: -len(suffix)]
+        pair = waiting.setdefault(base, {})
+        pair[suffix] = tensor
+        if len(pair) == 2:
+            del waiting[base]
+            yield base, dequantize_mxfp4(pair[_MXFP4_BLOCKS], pair[_MXFP4_SCALES])
+    if waiting:
+        halves = sorted(base + next(iter(pair)) for base, pair in waiting.items())
+        raise ValueError(f"MXFP4 tensors without their blocks or scales: {halves[:4]}")
+
+
 def dequantized_weights(
     weights: Iterable[tuple[str, torch.Tensor]], hf_config: Any
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with every float8 weight replaced by its dequantized float32 value and the
-    scales consumed; unquantized tensors pass through. ``ValueError`` for a float8 weight
-    without a scale, a scale without its weight, or shapes that do not fit."""
+    scales consumed (MXFP4 checkpoints: every blocks/scales pair by its bfloat16 value,
+    :func:`dequantize_mxfp4`); unquantized tensors pass through. ``ValueError`` for a
+    quantized weight without a scale, a scale without its weight, or shapes that do not fit."""
     config = quantization_config(hf_config)
     if config is None:
         yield from weights
+        return
+    if config.get("quant_method") == "mxfp4":
+        yield from _mxfp4_weights(weights)
         return
     block = config.get("weight_block_size")
     # A weight waits for its scale (or a scale for its weight): files list them in any order.

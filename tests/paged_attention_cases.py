@@ -138,10 +138,12 @@ def dense_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 causal attention of the batch's real tokens: ``[num_actual_tokens, Hq, D]``;
-    each query sees at most the last ``sliding_window`` positions (its own included), and
-    scores are ``cap * tanh(score / cap)`` with ``logits_soft_cap``."""
+    each query sees at most the last ``sliding_window`` positions (its own included),
+    scores are ``cap * tanh(score / cap)`` with ``logits_soft_cap``, and with ``sinks``
+    (``[Hq]`` logits) head ``h``'s softmax denominator gains ``exp(sinks[h])``."""
     outs = []
     start = 0
     for prefix_len, query_len, ctx_k, ctx_v in batch.contexts:
@@ -159,5 +161,12 @@ def dense_attention(
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:  # written out: exp(s - m) / (exp(sink - m) + sum exp(s - m))
+            sink = sinks.float().cpu()[:, None, None]  # [Hq, 1, 1]
+            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            weights = torch.exp(scores - top)
+            probs = weights / (weights.sum(-1, keepdim=True) + torch.exp(sink - top))
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(outs)

@@ -239,3 +239,61 @@ def test_window_and_cap_reach_the_kernels_only_when_set(monkeypatch):
         )
         layer.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
         assert ("decode_attention", 5 + extra) in calls
+
+
+#: (sliding_window, logits_soft_cap) combined with attention sinks
+SINK_OPTIONS = [(None, None), (8, None), (8, 2.0), (1, None)]
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize(("sliding_window", "soft_cap"), SINK_OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_match_dense_reference(path, sliding_window, soft_cap, dtype, monkeypatch):
+    """gpt-oss's per-head sink logits on every path (row kernel, tiled prefill kernel, the
+    portable kernel, SDPA beside the kernels and without them): prefills longer than the
+    window, chunks over cached prefixes, decodes past the window, GQA."""
+    sinks = (2 * torch.randn(6, generator=torch.Generator().manual_seed(3))).to(dtype)
+    options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap, sinks=sinks)
+    backend = _windowed_backend(path, monkeypatch, **options)
+    b = _windowed_batch(path, dtype, block_size=4, seed=9)
+    out = backend.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
+    n = b.metadata.num_actual_tokens
+    torch.testing.assert_close(b.kv_cache, b.expected_cache, equal_nan=True, rtol=0, atol=0)
+    expected = dense_attention(b, backend.scale, sliding_window, soft_cap, sinks)
+    torch.testing.assert_close(out[:n].float(), expected, **_tolerance(dtype))
+    without = dense_attention(b, backend.scale, sliding_window, soft_cap)
+    assert not torch.allclose(expected, without, atol=0.1)
+
+
+def test_sinks_reach_the_kernels_as_a_third_option(monkeypatch):
+    """A layer with sinks passes (window, cap, sinks) to the kernels, the parameter itself
+    (the kernels read it at each call, in float32)."""
+    backend = CpuPagedAttention(4, 32, 2, 0.2)
+    if backend.kernels is None:
+        pytest.skip("needs the compiled kernels")
+    sinks = torch.zeros(4)
+    layer = CpuPagedAttention(4, 32, 2, 0.2, sinks=sinks)
+    assert layer._kernel_options == (0, 0.0, sinks)
+    b = make_batch(
+        [(5, 1), (2, 1)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        dtype=torch.float32,
+    )
+    sinks.fill_(-1.5)  # filled after construction, as the model's weights are
+    out = layer.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
+    expected = dense_attention(b, 0.2, sinks=sinks)
+    torch.testing.assert_close(out[: b.metadata.num_actual_tokens], expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="sinks must be a float CPU tensor"):
+        backend.kernels.decode_attention(
+            b.query,
+            b.kv_cache,
+            b.metadata.block_table,
+            b.metadata.seq_lens,
+            0.2,
+            0,
+            0.0,
+            torch.zeros(3),
+        )

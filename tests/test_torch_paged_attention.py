@@ -204,3 +204,88 @@ def test_attention_layer_refuses_backend_without_sliding_window() -> None:
         Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, 3, FullOnly, sliding_window=4)
     layer = Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, 3, FullOnly)
     assert layer.backend.sliding_window is None
+
+
+#: (sliding_window, logits_soft_cap) combined with attention sinks
+SINK_OPTIONS = [(None, None), (7, None), (7, 2.0), (1, None)]
+
+
+@pytest.mark.parametrize(("sliding_window", "soft_cap"), SINK_OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_match_dense_attention(
+    sliding_window: int | None, soft_cap: float | None, dtype: torch.dtype
+) -> None:
+    """Per-head sink logits (gpt-oss) in every softmax denominator, over fresh prefills,
+    chunks over cached prefixes and decodes, with GQA, with and without a window and a cap;
+    the sinks are a bfloat16 parameter in the bfloat16 case (read as float32)."""
+    batch = make_batch(
+        WINDOW_BATCH,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=4,
+        dtype=dtype,
+        num_pad_tokens=2,
+        seed=6,
+        unwritten_fill=60.0,
+    )
+    sinks = (2 * torch.randn(NUM_HEADS, generator=torch.Generator().manual_seed(1))).to(dtype)
+    backend = TorchPagedAttention(
+        NUM_HEADS,
+        HEAD_DIM,
+        NUM_KV_HEADS,
+        SCALE,
+        sliding_window=sliding_window,
+        logits_soft_cap=soft_cap,
+        sinks=sinks,
+    )
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    n = batch.metadata.num_actual_tokens
+    expected = dense_attention(batch, SCALE, sliding_window, soft_cap, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:n].float(), expected, atol=tol, rtol=tol)
+    # the sinks take probability mass: the answer differs from attention without them
+    assert not torch.allclose(expected, dense_attention(batch, SCALE, sliding_window, soft_cap))
+
+
+def test_attention_sinks_are_read_at_every_call() -> None:
+    """The backend keeps the model's parameter, which the weights fill after construction;
+    a sink of -inf is no sink, a huge one takes all the mass (output 0)."""
+    batch = make_batch(
+        [(0, 6), (5, 1), (3, 3)],
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=4,
+        dtype=torch.float32,
+        unwritten_fill=60.0,
+    )
+    sinks = torch.nn.Parameter(torch.empty(NUM_HEADS), requires_grad=False)
+    backend = TorchPagedAttention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, sinks=sinks)
+    n = batch.metadata.num_actual_tokens
+
+    def run() -> torch.Tensor:
+        m = batch.metadata
+        return backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, m)[:n]
+
+    sinks.data.fill_(float("-inf"))
+    torch.testing.assert_close(run(), dense_attention(batch, SCALE), atol=1e-5, rtol=1e-5)
+    sinks.data.fill_(1e4)
+    assert run().abs().max() < 1e-6
+    sinks.data.copy_(torch.linspace(-2, 2, NUM_HEADS))
+    expected = dense_attention(batch, SCALE, sinks=sinks.data)
+    torch.testing.assert_close(run(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_layer_refuses_backend_without_sinks_and_bad_shapes() -> None:
+    class NoSinks(TorchPagedAttention):
+        supports_attention_sinks = False
+
+    sinks = torch.zeros(NUM_HEADS)
+    with pytest.raises(ValueError, match="NoSinks does not support attention sinks"):
+        Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, 0, NoSinks, sinks=sinks)
+    layer = Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, 0, TorchPagedAttention, sinks=sinks)
+    assert layer.backend.sinks is sinks and "sinks" in repr(layer)
+    assert Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, 0, NoSinks).backend.sinks is None
+    with pytest.raises(ValueError, match=r"sinks must be a \[num_heads\] = \[6\] tensor"):
+        TorchPagedAttention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, sinks=torch.zeros(2))

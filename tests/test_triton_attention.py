@@ -328,6 +328,74 @@ def test_window_skips_tiles_and_splits_what_is_left(
     _assert_matches_dense(out, batch, 0.25, 9, 1.5)
 
 
+#: (sliding_window, logits_soft_cap) combined with attention sinks
+SINK_OPTIONS = [(None, None), (8, None), (8, 2.0)]
+
+
+def _sinks(num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    return (2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(2))).to(dtype)
+
+
+@in_interpreter
+@pytest.mark.parametrize(("sliding_window", "soft_cap"), SINK_OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_match_dense(
+    sliding_window: int | None, soft_cap: float | None, dtype: torch.dtype
+) -> None:
+    """gpt-oss's per-head sink logits in every softmax denominator: the HAS_SINKS variant
+    over prefills, chunks over cached prefixes and decodes with GQA (the sinks a parameter
+    of the model dtype)."""
+    batch = make_batch(
+        WINDOWED,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=dtype,
+        num_pad_tokens=2,
+        seed=4,
+    )
+    sinks = _sinks(4, dtype)
+    options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap, sinks=sinks)
+    backend = _backend(4, 2, 16, **options)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    n = batch.metadata.num_actual_tokens
+    expected = dense_attention(batch, backend.scale, sliding_window, soft_cap, sinks)
+    torch.testing.assert_close(out[:n].float(), expected, atol=ATOL[dtype], rtol=0)
+    without = dense_attention(batch, backend.scale, sliding_window, soft_cap)
+    assert not torch.allclose(expected, without, atol=0.1)
+
+
+@in_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("specs", [DECODES, WINDOWED], ids=["decodes", "windowed"])
+def test_attention_sinks_count_once_over_kv_splits(num_splits: int, specs) -> None:
+    """With the KV range split, only split 0 carries the sink: every split count gives the
+    dense answer, with a window too (splits that see no key at all)."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        specs, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    sinks = _sinks(6, torch.float32)
+    for window in (None, 5):
+        out = torch.empty_like(batch.query)
+        config = kernels.paged_attention(
+            batch.query,
+            batch.kv_cache,
+            out,
+            num_splits=num_splits,
+            sliding_window=window,
+            sinks=sinks,
+            **batch.kernel_args(0.25),
+        )
+        assert config.num_splits == num_splits
+        n = batch.metadata.num_actual_tokens
+        expected = dense_attention(batch, 0.25, window, None, sinks)
+        torch.testing.assert_close(out[:n], expected, atol=1e-5, rtol=0)
+
+
 @in_interpreter
 def test_empty_step_launches_nothing() -> None:
     batch = make_batch(
@@ -450,6 +518,20 @@ def test_forward_validates_shapes_and_dtypes() -> None:
         )
 
 
+def test_sinks_of_the_wrong_shape_are_refused() -> None:
+    pytest.importorskip("triton")
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        [(3, 2)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    out = torch.empty_like(batch.query)
+    with pytest.raises(ValueError, match=r"sinks must be a float \[4\] tensor"):
+        kernels.paged_attention(
+            batch.query, batch.kv_cache, out, sinks=torch.zeros(2), **batch.kernel_args(0.25)
+        )
+
+
 @pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
 def test_kernels_compile_for_gpu_targets(target) -> None:
@@ -480,6 +562,20 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
     options += [dict(sliding_window=True, soft_cap=False)]
     variants.append((2, 256, 64, 64, 1, False, 8, True))
     options.append(dict(sliding_window=False, soft_cap=True))
+    # gpt-oss-like layers (GQA 8, head_dim 64, attention sinks; every other one windowed):
+    # decode, split-KV decode (only split 0 holds the sink), prefill, float32
+    variants += [
+        (8, 64, 16, 32, 1, False, 4, True),
+        (8, 64, 16, 32, 4, False, 4, True),
+        (8, 64, 64, 64, 1, False, 4, True),
+        (8, 64, 64, 64, 1, True, 4, True),
+    ]
+    options += [
+        dict(sliding_window=True, soft_cap=False, sinks=True),
+        dict(sliding_window=False, soft_cap=False, sinks=True),
+        dict(sliding_window=True, soft_cap=False, sinks=True),
+        dict(sliding_window=False, soft_cap=False, sinks=True),
+    ]
     for variant, option in zip(variants, options, strict=True):
         group, head_dim, block_m, tile_n, splits, fp32, warps, aligned = variant
         compile_attention_variant(

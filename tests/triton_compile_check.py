@@ -86,11 +86,13 @@ def compile_attention_variant(
     aligned: bool = True,
     sliding_window: bool = False,
     soft_cap: bool = False,
+    sinks: bool = False,
 ) -> Any:
     """Compile one ``_paged_attention_kernel`` variant, 8 kv heads of ``group`` query heads,
     as ``paged_attention`` launches it (16-row tiles are the decode variants: one query block
     per request). ``fp32``: a float32 model; otherwise bfloat16. ``sliding_window`` /
-    ``soft_cap``: the variants of layers with a window / a logit soft cap."""
+    ``soft_cap`` / ``sinks``: the variants of layers with a window / a logit soft cap /
+    attention sinks."""
     from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
 
     model_io = {n: "*fp32" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
@@ -111,6 +113,7 @@ def compile_attention_variant(
             ONE_BLOCK_PER_REQ=block_m == 16,
             SLIDING_WINDOW=sliding_window,
             SOFT_CAP=soft_cap,
+            HAS_SINKS=sinks,
         ),
         pointer_types={**_ATTENTION_POINTERS, **(model_io if fp32 else {})},
         float_args=("scale_log2", "cap_in_log2", "cap_out_log2"),

@@ -30,6 +30,11 @@ by the window, so layers with different windows (Gemma's local and global layers
 step's plan without seeing each other's masks. A layer with neither option does exactly
 what it did before they existed. The KV cache still holds every position of a windowed
 layer's context.
+
+Attention sinks (``sinks``, gpt-oss) run on every path too: the compiled kernels start each
+row's online softmax with the head's sink logit as its running maximum and a denominator of
+1 (a position of weight ``exp(sink)`` and no value), and the SDPA paths, which cannot apply
+them, compute the softmax explicitly in float32 with the sink in the denominator.
 """
 
 from __future__ import annotations
@@ -221,6 +226,7 @@ class CpuPagedAttention(AttentionBackend):
     #: on every path (see the module docstring)
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_attention_sinks = True
 
     def __init__(
         self,
@@ -231,6 +237,7 @@ class CpuPagedAttention(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__(
             num_heads,
@@ -239,16 +246,18 @@ class CpuPagedAttention(AttentionBackend):
             scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
         )
         #: the compiled ops (``torch.ops.chassis_cpu``) or None for the torch fallback
         self.kernels: Any | None = cpu_kernels.load()
-        #: the kernels' trailing ``(window, cap)`` arguments (0: off); empty with neither
-        #: option, so that every call is exactly the one made before the options existed
-        self._kernel_options: tuple[int, float] | tuple[()] = (
-            ()
-            if sliding_window is None and logits_soft_cap is None
-            else (sliding_window or 0, logits_soft_cap or 0.0)
-        )
+        #: the kernels' trailing ``(window, cap[, sinks])`` arguments (0 / absent: off); empty
+        #: with no option, so that every call is exactly the one made before options existed
+        self._kernel_options: tuple[Any, ...] = ()
+        if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
+            self._kernel_options = (sliding_window or 0, logits_soft_cap or 0.0)
+        if sinks is not None:
+            # the parameter itself: the kernels read its values (any float dtype) at each call
+            self._kernel_options += (sinks,)
 
     def forward(
         self,
@@ -356,8 +365,10 @@ class CpuPagedAttention(AttentionBackend):
         plan: _Plan,
         output: torch.Tensor,
     ) -> None:
-        """The SDPA prefill chunks of a layer with a window or a cap: each over the context
-        rows its window reaches, with the window in the mask; capped ones explicitly."""
+        """The SDPA prefill chunks of a layer with a window, a cap or sinks: each over the
+        context rows its window reaches, with the window in the mask; capped ones and ones
+        with sinks explicitly."""
+        sink = None if self.sinks is None else self.sinks.view(-1, 1, 1)  # [H, 1, 1]
         group = self.num_heads // self.num_kv_heads
         for prefill in plan.prefills:
             k_lo, mask = prefill.window_mask(self.sliding_window, query.device)
@@ -370,12 +381,12 @@ class CpuPagedAttention(AttentionBackend):
             # [L, KV, D] -> [H, L, D]
             k = k.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
             v = v.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-            if self.logits_soft_cap is None:
+            if self.logits_soft_cap is None and sink is None:
                 out = F.scaled_dot_product_attention(
                     q[None], k[None], v[None], attn_mask=mask, scale=self.scale
                 )[0]
             else:
-                out = _capped_attention(q, k, v, mask, self.scale, self.logits_soft_cap)
+                out = _explicit_attention(q, k, v, mask, self.scale, self.logits_soft_cap, sink)
             output[prefill.token_slice] = out.transpose(0, 1)
 
     def _decode_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Rows) -> torch.Tensor:
@@ -413,14 +424,15 @@ class CpuPagedAttention(AttentionBackend):
             gathered = planes.index_select(0, ids).to(q.dtype)
             return gathered.view(batch, length, kv_heads, dim).transpose(1, 2)
 
-        if self.logits_soft_cap is not None:
-            out = _capped_attention(
+        if self.logits_soft_cap is not None or self.sinks is not None:
+            out = _explicit_attention(
                 q.reshape(batch, kv_heads, -1, dim),
                 context(plan.k_blocks),
                 context(plan.k_blocks + 1),
                 mask,
                 self.scale,
                 self.logits_soft_cap,
+                None if self.sinks is None else self.sinks.view(kv_heads, -1, 1),
             )
             return out.reshape(batch, self.num_heads, dim)
         out = F.scaled_dot_product_attention(
@@ -433,35 +445,49 @@ class CpuPagedAttention(AttentionBackend):
         return out.reshape(batch, self.num_heads, dim)
 
 
-#: float32 score elements per piece of :func:`_capped_attention` (64 MiB)
-_CAPPED_PIECE = 1 << 24
+#: float32 score elements per piece of :func:`_explicit_attention` (64 MiB)
+_EXPLICIT_PIECE = 1 << 24
 
 
-def _capped_attention(
+def _explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    cap: float,
+    cap: float | None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``softmax(cap * tanh(q.k * scale / cap)) . v`` in float32, in q's dtype.
+    """Attention with what SDPA cannot apply, in float32, returned in q's dtype: scores
+    ``s = q.k * scale``, soft-capped to ``cap * tanh(s / cap)`` when ``cap`` is set, and a
+    softmax whose denominator gains ``exp(sink)`` when ``sink`` is given.
 
     ``q [..., Q, D]``, ``k``/``v [..., L, D]`` (same leading dims), ``mask`` broadcastable to
-    ``[..., Q, L]`` (True = may attend; every row sees at least one position). Query rows go
-    in pieces so the scores of a long chunk never take more than :data:`_CAPPED_PIECE`
-    elements at once.
+    ``[..., Q, L]`` (True = may attend; every row sees at least one position), ``sink``
+    broadcastable to ``[..., Q, 1]`` (the head's sink logit). Query rows go in pieces so the
+    scores of a long chunk never take more than :data:`_EXPLICIT_PIECE` elements at once.
     """
     num_q, length = q.shape[-2], k.shape[-2]
     per_row = max(1, q[..., :1, :1].numel() * length)
-    step = max(1, _CAPPED_PIECE // per_row)
+    step = max(1, _EXPLICIT_PIECE // per_row)
     kt, vf = k.float().transpose(-1, -2), v.float()
+    sink_f = None if sink is None else sink.float()
     pieces = []
     for lo in range(0, num_q, step):
         rows = q[..., lo : lo + step, :].float()
         piece_mask = mask if mask.shape[-2] == 1 else mask[..., lo : lo + step, :]
-        scores = torch.tanh((rows @ kt) * (scale / cap)) * cap
+        if cap is None:
+            scores = (rows @ kt) * scale
+        else:
+            scores = torch.tanh((rows @ kt) * (scale / cap)) * cap
         scores = scores.masked_fill(~piece_mask, float("-inf"))
-        pieces.append(torch.softmax(scores, dim=-1) @ vf)
+        if sink_f is None:
+            pieces.append(torch.softmax(scores, dim=-1) @ vf)
+            continue
+        piece_sink = sink_f if sink_f.shape[-2] == 1 else sink_f[..., lo : lo + step, :]
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), piece_sink)
+        weights = torch.exp(scores - top)
+        denominator = weights.sum(dim=-1, keepdim=True) + torch.exp(piece_sink - top)
+        pieces.append((weights @ vf) / denominator)
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
     return out.to(q.dtype)

@@ -18,12 +18,14 @@ class TorchPagedAttention(AttentionBackend):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Softmax is computed in float32 whatever the cache dtype; the output has the query's dtype.
-    A sliding window is a mask; a logit soft cap, which SDPA cannot apply, switches to the
-    explicit ``softmax(cap * tanh(q.k * scale / cap)) . v`` of :meth:`_attend`.
+    A sliding window is a mask; a logit soft cap or attention sinks, which SDPA cannot apply,
+    switch to the explicit float32 softmax of :meth:`_attend` (the sink logit of each head as
+    one more column of the softmax, dropped before ``p . v``).
     """
 
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_attention_sinks = True
 
     def forward(
         self,
@@ -73,7 +75,8 @@ class TorchPagedAttention(AttentionBackend):
         q = query.transpose(0, 1).float()  # [H, Q, D]
         k = kv[0].transpose(0, 1).float()  # [KV, L, D]
         v = kv[1].transpose(0, 1).float()
-        if query_len == seq_len and self.sliding_window is None and self.logits_soft_cap is None:
+        plain = self.sliding_window is None and self.logits_soft_cap is None and self.sinks is None
+        if query_len == seq_len and plain:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
             )
@@ -119,7 +122,7 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         """Masked attention, float32: ``q [..., H, Q, D]``, ``k``/``v [..., KV, L, D]``,
         ``mask`` broadcastable to ``[..., H, Q, L]`` (True = may attend)."""
-        if self.logits_soft_cap is None:
+        if self.logits_soft_cap is None and self.sinks is None:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
@@ -127,9 +130,17 @@ class TorchPagedAttention(AttentionBackend):
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
         cap = self.logits_soft_cap
-        scores = torch.tanh((q @ k.transpose(-1, -2)) * (self.scale / cap)) * cap
+        if cap is None:
+            scores = (q @ k.transpose(-1, -2)) * self.scale
+        else:
+            scores = torch.tanh((q @ k.transpose(-1, -2)) * (self.scale / cap)) * cap
         scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores, dim=-1) @ v
+        if self.sinks is None:
+            return torch.softmax(scores, dim=-1) @ v
+        # one more column per head holding its sink logit: it joins the denominator only
+        sink = self.sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+        return probs[..., :-1] @ v
 
 
 def write_kv_cache(

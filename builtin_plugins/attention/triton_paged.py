@@ -7,10 +7,11 @@ accumulation; decode-like steps on a GPU with idle multiprocessors also split ea
 KV range and merge the parts in a second small kernel. See
 :mod:`chassis.builtin_plugins.attention.triton_paged_kernels`.
 
-A sliding window and a logit soft cap are compile-time variants of the same kernel: the
-window masks keys before each query's window and skips the KV tiles wholly before a query
-block's (a windowed layer reads about the window, not the context); the cap applies
-``cap * tanh(s / cap)`` to the scores in the kernel. The KV cache still holds every position
+A sliding window, a logit soft cap and attention sinks are compile-time variants of the same
+kernel: the window masks keys before each query's window and skips the KV tiles wholly before
+a query block's (a windowed layer reads about the window, not the context); the cap applies
+``cap * tanh(s / cap)`` to the scores in the kernel; the sinks (gpt-oss) start each row's
+online softmax from its head's sink logit. The KV cache still holds every position
 of a windowed layer's context.
 
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
@@ -43,9 +44,10 @@ class TritonPagedAttention(AttentionBackend):
     )
     #: no host reads; tiles and split count only change speed (see the class docstring)
     graph_capture_safe: ClassVar[bool] = True
-    #: both are constexpr-gated in the kernel (the window also skips KV tiles before it)
+    #: all three are constexpr-gated in the kernel (the window also skips KV tiles before it)
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    supports_attention_sinks: ClassVar[bool] = True
 
     def forward(
         self,
@@ -86,5 +88,6 @@ class TritonPagedAttention(AttentionBackend):
             scale=self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
         )
         return out

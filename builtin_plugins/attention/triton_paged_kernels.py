@@ -153,8 +153,11 @@ def write_kv_cache(
 # can see: a windowed layer reads about ``window + BLOCK_Q`` positions per block whatever the
 # context length. A soft cap (SOFT_CAP) replaces the scaled score ``s`` by
 # ``cap * tanh(s / cap)``; tanh is written with exp2 (see the kernel), which the compiler and
-# the interpreter both have. Both are constexpr switches: the kernel without them is the
-# plain one, unchanged.
+# the interpreter both have. Attention sinks (HAS_SINKS, gpt-oss) start each row's online
+# softmax from its head's sink logit, as if it were a position already seen (running max =
+# the sink, sum = 1, no value); with the KV split only split 0 carries it, so the combine
+# counts it once. All three are constexpr switches: the kernel without them is the plain
+# one, unchanged.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits", "sliding_window"])
 def _paged_attention_kernel(
     q_ptr,
@@ -167,6 +170,7 @@ def _paged_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    sinks_ptr,
     num_reqs,
     scale_log2,
     stride_q_tok,
@@ -194,6 +198,7 @@ def _paged_attention_kernel(
     ONE_BLOCK_PER_REQ: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -264,6 +269,12 @@ def _paged_attention_kernel(
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # the head's sink logit in the log2 domain of the scores (1.44... = log2(e)); only
+        # split 0 counts it (without the split, the one program is split 0)
+        sink = tl.load(sinks_ptr + q_head).to(tl.float32) * 1.4426950408889634
+        row_max = tl.where(split == 0, sink, row_max)
+        row_sum = tl.where(split == 0, 1.0, row_sum)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cols = tl.arange(0, TILE_N)
@@ -458,6 +469,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: LaunchConfig | None = None,
 ) -> LaunchConfig:
@@ -475,6 +487,9 @@ def paged_attention(
     :param sliding_window: each query sees only the last ``sliding_window`` positions, its own
         included (``None``: all); KV tiles wholly before a query block's window are not read
     :param logits_soft_cap: scaled scores ``s`` become ``cap * tanh(s / cap)`` (``None``: off)
+    :param sinks: ``[num_heads]`` attention-sink logits on the query's device (any float
+        dtype, read as float32): head ``h``'s softmax denominator gains ``exp(sinks[h])``
+        (``None``: off)
     :param num_splits: force the KV split count (tests); ``None`` chooses
     :param config: launch with these tiles instead of :func:`choose_launch_config`'s (tuning
         sweeps; any valid config gives the same result): ``block_m`` a power of two and a
@@ -493,6 +508,15 @@ def paged_attention(
             f"({num_kv_heads}) of the cache"
         )
     _check_cache(kv_cache, num_kv_heads, head_dim)
+    if sinks is not None and (
+        tuple(sinks.shape) != (num_heads,)
+        or sinks.device != query.device
+        or not sinks.dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"sinks must be a float [{num_heads}] tensor on {query.device}; got "
+            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
     if kv_cache.dtype != query.dtype:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}")
     if out.shape != query.shape or out.stride(-1) != 1:
@@ -544,6 +568,7 @@ def paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        sinks if sinks is not None else out,  # unused without HAS_SINKS
         num_reqs,
         scale * _LOG2E,
         query.stride(0),
@@ -571,6 +596,7 @@ def paged_attention(
         ONE_BLOCK_PER_REQ=one_block_per_req,
         SLIDING_WINDOW=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

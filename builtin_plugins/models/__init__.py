@@ -29,3 +29,4 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("Phi3ForCausalLM", f"{_PKG}.phi3:Phi3ForCausalLM")
     registry.register("Olmo2ForCausalLM", f"{_PKG}.olmo2:Olmo2ForCausalLM")
     registry.register("GraniteForCausalLM", f"{_PKG}.granite:GraniteForCausalLM")
+    registry.register("GptOssForCausalLM", f"{_PKG}.gpt_oss:GptOssForCausalLM")

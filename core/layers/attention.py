@@ -25,11 +25,14 @@ class Attention(nn.Module):
         backend_cls: type[AttentionBackend],
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        """``sliding_window`` and ``logits_soft_cap`` (see :class:`AttentionBackend`) need a
-        backend that declares support for them; otherwise building the layer is a
-        ``ValueError`` naming the backend, rather than attention that silently differs from
-        the model's."""
+        """``sliding_window``, ``logits_soft_cap`` and ``sinks`` (see
+        :class:`AttentionBackend`) need a backend that declares support for them; otherwise
+        building the layer is a ``ValueError`` naming the backend, rather than attention that
+        silently differs from the model's. ``sinks`` is the model's ``[num_heads]``
+        parameter (this layer does not register it: the model owns it under its checkpoint
+        name); the backend reads it at every call, so it may be filled after construction."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -37,7 +40,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
-        options: dict[str, int | float] = {}
+        options: dict[str, int | float | torch.Tensor] = {}
         if sliding_window is not None:
             if not backend_cls.supports_sliding_window:
                 raise ValueError(
@@ -54,6 +57,15 @@ class Attention(nn.Module):
                     "choose another with --attention-backend"
                 )
             options["logits_soft_cap"] = logits_soft_cap
+        if sinks is not None:
+            if not backend_cls.supports_attention_sinks:
+                raise ValueError(
+                    f"attention backend {backend_cls.__name__} does not support attention "
+                    f"sinks, which this model's layer {layer_idx} uses; choose another with "
+                    "--attention-backend (torch_paged, cpu_paged and triton_paged support them)"
+                )
+            options["sinks"] = sinks
+        self.has_sinks = sinks is not None
         self.backend = backend_cls(num_heads, head_dim, num_kv_heads, scale, **options)
 
     def forward(
@@ -90,4 +102,5 @@ class Attention(nn.Module):
             f"head_dim={self.head_dim}, backend={type(self.backend).__name__}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
             + (f", soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
+            + (", sinks" if self.has_sinks else "")
         )

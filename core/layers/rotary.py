@@ -5,7 +5,9 @@ Rotation is the "rotate half" (GPT-NeoX) layout of HF transformers: dimension ``
 ``rotary_dim = head_dim * factor`` dimensions of each head rotate; the rest pass through.
 cos/sin for every position are computed once, in float32.
 
-Frequency scaling: ``linear``, ``llama3`` (Llama 3.1) and ``longrope`` (Phi-3/3.5/4-mini).
+Frequency scaling: ``linear``, ``llama3`` (Llama 3.1), ``longrope`` (Phi-3/3.5/4-mini) and
+``yarn`` (gpt-oss; :func:`_yarn_inverse_frequencies`, cos and sin multiplied by
+:func:`yarn_attention_factor`, both as HF computes them, for every position alike).
 LongRoPE divides each frequency by a per-dimension factor and multiplies cos and sin by an
 attention factor. HF transformers uses ``short_factor`` while a sequence fits in
 ``original_max_position_embeddings`` and ``long_factor`` for *all* its positions once it is
@@ -29,7 +31,7 @@ from chassis.core.layers.kernels import kernels_for
 from chassis.core.layers.norm import RMSNorm
 
 #: rope types this module implements (HF ``rope_parameters["rope_type"]``)
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 #: rope types whose ``original_max_position_embeddings`` a top-level config field overrides
 #: (as HF's ``standardize_rope_params`` does: Phi-3 keeps the pretraining length there)
 _ORIGINAL_MAX_TYPES = ("llama3", "yarn", "longrope")
@@ -43,8 +45,9 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     read, so a config from either version works. A top-level ``partial_rotary_factor`` is
     moved in (Phi-4-mini's 4.x config), Phi-3's old type name ``"su"`` reads as
     ``"longrope"``, and for the scaled types a top-level ``original_max_position_embeddings``
-    takes precedence, as in HF. ``longrope`` without ``factor`` gets
-    ``max_position_embeddings / original_max_position_embeddings`` (HF's default).
+    takes precedence, as in HF. ``longrope`` and ``yarn`` without ``factor`` get
+    ``max_position_embeddings / original_max_position_embeddings`` (HF's default; the
+    original length defaults to ``max_position_embeddings``).
     """
     params: dict[str, Any] = {}
     legacy_scaling = getattr(hf_config, "rope_scaling", None)
@@ -64,7 +67,7 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     original_max = getattr(hf_config, "original_max_position_embeddings", None)
     if params["rope_type"] in _ORIGINAL_MAX_TYPES and isinstance(original_max, int):
         params["original_max_position_embeddings"] = original_max
-    if params["rope_type"] == "longrope":
+    if params["rope_type"] in ("longrope", "yarn"):
         params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
         if params.get("factor") is None:
             params["factor"] = hf_config.max_position_embeddings / float(
@@ -117,6 +120,60 @@ def longrope_attention_factor(params: dict[str, Any]) -> float:
     return math.sqrt(
         1 + math.log(factor) / math.log(int(params["original_max_position_embeddings"]))
     )
+
+
+def _yarn_inverse_frequencies(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN's ``[rotary_dim / 2]`` inverse frequencies (HF's ``_compute_yarn_parameters``,
+    in its order of operations so that the float32 values are identical).
+
+    Each frequency blends the original (extrapolation) and the one divided by ``factor``
+    (interpolation) with a linear ramp over the dimensions between the correction range
+    that ``beta_fast`` and ``beta_slow`` (rotations over ``original_max_position_embeddings``
+    positions) give; ``truncate`` (default true) rounds that range outwards to whole
+    dimensions.
+    """
+    base = float(params["rope_theta"])
+    factor = float(params["factor"])
+    original_max = int(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(num_rotations: float) -> float:
+        # the dimension whose wavelength makes num_rotations turns over original_max positions
+        return (rotary_dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    pos_freqs = base**exponents
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    extrapolation_factor = 1 - torch.clamp(ramp, 0, 1)
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def yarn_attention_factor(params: dict[str, Any]) -> float:
+    """The factor YaRN multiplies cos and sin by: the config's ``attention_factor``, else
+    ``0.1 * ln(factor) + 1`` (1 when ``factor`` <= 1), or with both ``mscale`` and
+    ``mscale_all_dim`` set (DeepSeek) the ratio of that formula with each as the log's
+    coefficient, as in HF transformers."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+
+    def mscale(coefficient: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * coefficient * math.log(factor) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(float(params["mscale"])) / mscale(float(params["mscale_all_dim"]))
+    return mscale()
 
 
 def _longrope_inverse_frequencies(
@@ -178,6 +235,9 @@ class RotaryEmbedding(nn.Module):
         if params["rope_type"] == "longrope":
             inv_freq = _longrope_inverse_frequencies(rotary_dim, params, self.context_len)
             scaling = longrope_attention_factor(params)
+        elif params["rope_type"] == "yarn":
+            inv_freq = _yarn_inverse_frequencies(rotary_dim, params)
+            scaling = yarn_attention_factor(params)
         else:
             inv_freq = _inverse_frequencies(rotary_dim, params)
             scaling = 1.0

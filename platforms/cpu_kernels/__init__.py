@@ -2,8 +2,8 @@
 
 ``kernels.cpp`` defines torch ops under ``torch.ops.chassis_cpu`` (RMSNorm with the residual
 add, SiLU-and-mul, rotate-half RoPE in place, paged attention over single query rows, tiled
-causal attention of prefill chunks, both with an optional sliding window and logit soft cap,
-K/V stores into the paged cache), and
+causal attention of prefill chunks, both with an optional sliding window, logit soft cap
+and attention sinks, K/V stores into the paged cache), and
 ``bf16_linear.cpp`` a bfloat16 linear layer on AVX512-BF16 dot products. :func:`load`
 compiles them once per (sources, torch version, compiler, CPU) with the system C++ compiler
 against the installed torch (one compiler process per file, ~15 s on two cores), caches the

@@ -375,13 +375,24 @@ void dispatch_head_dim(int64_t dim, F&& f) {
 // `window` > 0: a query at position p sees only positions p - window + 1 .. p (a sliding
 // window); `cap` > 0: scaled scores s become cap * tanh(s / cap) (logit soft-capping). Both 0
 // (the defaults): plain causal attention, the same instructions as without the options.
+// `sinks` (float32 [query heads], or null: off): attention sinks (gpt-oss), one logit per
+// query head that joins its softmax denominator and has no value. Each row's online softmax
+// starts from it, as if it were a position already seen: running max = the sink logit,
+// denominator = 1, accumulator = 0.
 struct DecodeShape {
   int64_t batch, kv_heads, group, dim, block_size;
   int64_t blk_stride, kv_stride, pos_stride, table_stride, q_b, q_h, o_b, o_h;
   float scale;
   int64_t window = 0;
   float cap = 0.0f;
+  const float* sinks = nullptr;
 };
+
+// The online softmax's starting running max and denominator of query head `head`.
+inline float start_max(const DecodeShape& sh, int64_t head) {
+  return sh.sinks != nullptr ? sh.sinks[head] : -std::numeric_limits<float>::infinity();
+}
+inline float start_sum(const DecodeShape& sh) { return sh.sinks != nullptr ? 1.0f : 0.0f; }
 
 // First position a row with context length `len` (its own position len - 1) attends to.
 inline int64_t window_start(const DecodeShape& sh, int64_t len) {
@@ -451,8 +462,8 @@ void decode_item_simd(const DecodeShape& sh, const T* q_in, const T* cache, cons
   for (int64_t row = h0 * G; row < h1 * G; ++row) {
     const T* qr = q_in + row * sh.q_h;
     for (int64_t d = 0; d < D; ++d) q[row * D + d] = static_cast<float>(qr[d]) * sh.scale;
-    m[row] = -std::numeric_limits<float>::infinity();
-    l[row] = 0;
+    m[row] = start_max(sh, row);
+    l[row] = start_sum(sh);
   }
   std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.0f);
   vf part[16][16];  // [group][position]
@@ -567,8 +578,8 @@ void decode_item_bf16(const DecodeShape& sh, const c10::BFloat16* q_in,
   constexpr int D = 32 * C2;
   const int64_t G = sh.group;
   for (int64_t row = h0 * G; row < h1 * G; ++row) {
-    m[row] = -std::numeric_limits<float>::infinity();
-    l[row] = 0;
+    m[row] = start_max(sh, row);
+    l[row] = start_sum(sh);
   }
   std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.0f);
   const vf scale = _mm512_set1_ps(sh.scale);
@@ -674,7 +685,11 @@ void prefill_tile_bf16(const DecodeShape& sh, const c10::BFloat16* query, int64_
   float* l = m + G * 16;           // [G][16] running denominators
   float* corr = l + G * 16;        // [G][16] this chunk's rescale factors
   float* acc = corr + G * 16;      // [G][R][D] in the interleaved lane order
-  for (int64_t i = 0; i < G * 16; ++i) m[i] = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < 16; ++r) {
+      m[g * 16 + r] = start_max(sh, h * G + g);
+      l[g * 16 + r] = start_sum(sh);
+    }
   const vf scale = _mm512_set1_ps(sh.scale);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   vf scores[16][16];                      // [group][position], lanes = rows
@@ -806,12 +821,12 @@ constexpr bool kPrefillTiles = false;
 // Portable path: one position at a time.
 template <typename T>
 void decode_item_scalar(const DecodeShape& sh, const T* q_in, const T* cache,
-                        const int32_t* table, int64_t len, T* out) {
+                        const int32_t* table, int64_t len, T* out, int64_t head0) {
   const int64_t G = sh.group, D = sh.dim;
-  std::vector<float> q(G * D), acc(G * D, 0.0f), row(D), m(G), l(G, 0.0f);
+  std::vector<float> q(G * D), acc(G * D, 0.0f), row(D), m(G), l(G, start_sum(sh));
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(q_in[g * sh.q_h + d]) * sh.scale;
-    m[g] = -std::numeric_limits<float>::infinity();
+    m[g] = start_max(sh, head0 + g);
   }
   for (int64_t pos = window_start(sh, len); pos < len; ++pos) {
     const T* k = cache + static_cast<int64_t>(table[pos / sh.block_size]) * sh.blk_stride +
@@ -841,13 +856,15 @@ void decode_item_scalar(const DecodeShape& sh, const T* q_in, const T* cache,
 template <typename T>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           double scale, int64_t window, double cap, at::Tensor& out) {
+                           double scale, int64_t window, double cap, const float* sinks,
+                           at::Tensor& out) {
   const DecodeShape sh{query.size(0),       kv_cache.size(3),    query.size(1) / kv_cache.size(3),
                        query.size(2),       kv_cache.size(2),    kv_cache.stride(0),
                        kv_cache.stride(1),  kv_cache.stride(2),  block_table.stride(0),
                        query.stride(0),     query.stride(1),     out.stride(0),
                        out.stride(1),       static_cast<float>(scale),
-                       window,              static_cast<float>(cap)};
+                       window,              static_cast<float>(cap),
+                       sinks};
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const T* cache = kv_cache.data_ptr<T>();
@@ -903,16 +920,27 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache,
 #endif
       for (int64_t h = h0; h < h1; ++h)
         decode_item_scalar<T>(sh, qb + h * sh.group * sh.q_h, cache + h * sh.dim, t, lens[b],
-                              ob + h * sh.group * sh.o_h);
+                              ob + h * sh.group * sh.o_h, h * sh.group);
     }
   });
 }
 
+// `sinks` (optional [H], any float dtype): each query head's attention-sink logit (see
+// DecodeShape), as float32 for the kernels; an undefined tensor when absent.
+at::Tensor float_sinks(const c10::optional<at::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads &&
+                  at::isFloatingType(sinks->scalar_type()) && sinks->device().is_cpu(),
+              "sinks must be a float CPU tensor [num_heads] = [", num_heads, "]");
+  return sinks->to(at::kFloat).contiguous();
+}
+
 // Options, 0 = off: each row sees only its last `sliding_window` positions; scaled scores s
-// become soft_cap * tanh(s / soft_cap).
+// become soft_cap * tanh(s / soft_cap); `sinks` [H] join each head's softmax denominator.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale, int64_t sliding_window, double soft_cap) {
+                            double scale, int64_t sliding_window, double soft_cap,
+                            const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0,
               "sliding_window and soft_cap must be >= 0 (0: off)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [B, H, D], D contiguous");
@@ -944,10 +972,12 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                   " is not a block of this cache (", num_blocks, " blocks)");
     }
   }
+  const at::Tensor sink_values = float_sinks(sinks, query.size(1));
+  const float* sink_ptr = sink_values.defined() ? sink_values.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty(query.sizes(), query.options());
   CHASSIS_DISPATCH(query.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(query, kv_cache, block_table, seq_lens, scale,
-                                    sliding_window, soft_cap, out);
+                                    sliding_window, soft_cap, sink_ptr, out);
   });
   return out;
 }
@@ -964,11 +994,13 @@ bool prefill_attention_supported(at::ScalarType dtype, int64_t head_dim, int64_t
 // Chunk i is the query_lens[i] tokens of `query` [T, H, D] from token_starts[i]; its token j
 // is at position seq_lens[i] - query_lens[i] + j and attends positions 0 .. that, read
 // through block_table[i]. Writes those tokens' rows of `out` [T, H, D] (others untouched).
-// Options as in decode_attention (0 = off): a sliding window, a logit soft cap.
+// Options as in decode_attention (0 / absent = off): a sliding window, a logit soft cap,
+// attention sinks.
 void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& block_table, const at::Tensor& seq_lens,
                        const at::Tensor& token_starts, const at::Tensor& query_lens,
-                       double scale, at::Tensor out, int64_t sliding_window, double soft_cap) {
+                       double scale, at::Tensor out, int64_t sliding_window, double soft_cap,
+                       const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0,
               "sliding_window and soft_cap must be >= 0 (0: off)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
@@ -1026,6 +1058,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                   spans[i].first, ", ", spans[i].second, ") and [", spans[i - 1].first, ", ",
                   spans[i - 1].second, ")");
   }
+  const at::Tensor sink_values = float_sinks(sinks, query.size(1));
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   const DecodeShape sh{0,
                        kv_cache.size(3),
@@ -1042,7 +1075,8 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                        out.stride(1),
                        static_cast<float>(scale),
                        sliding_window,
-                       static_cast<float>(soft_cap)};
+                       static_cast<float>(soft_cap),
+                       sink_values.defined() ? sink_values.data_ptr<float>() : nullptr};
   // items: (chunk, tile of 16 rows, kv head); a tile's cost grows with the positions it
   // reads (up to its last row's; with a window at most the window and the tile), so threads
   // take them from a shared counter, costliest first
@@ -1141,12 +1175,12 @@ TORCH_LIBRARY(chassis_cpu, m) {
       "Tensor sin_cache) -> ()");
   m.def(
       "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "float scale, int sliding_window=0, float soft_cap=0.0) -> Tensor");
+      "float scale, int sliding_window=0, float soft_cap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   m.def(
       "prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor token_starts, Tensor query_lens, float scale, Tensor(a!) out, "
-      "int sliding_window=0, float soft_cap=0.0) -> ()");
+      "int sliding_window=0, float soft_cap=0.0, Tensor? sinks=None) -> ()");
   m.def("prefill_attention_supported(ScalarType dtype, int head_dim, int group) -> bool",
         &prefill_attention_supported);
 }

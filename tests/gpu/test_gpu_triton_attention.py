@@ -1,7 +1,8 @@
 """``triton_paged`` compiled on a real GPU at model shapes (run by tests/gpu/run_gpu_checks.sh).
 
 Shapes: Qwen3-0.6B (16 q heads, 8 kv heads, head_dim 128), SmolLM2 (9/3, 64) and Qwen2-0.5B
-(14/2, 64), cache blocks of 16; Gemma-2-2B (8/4, 256) for sliding windows and logit soft caps.
+(14/2, 64), cache blocks of 16; Gemma-2-2B (8/4, 256) for sliding windows and logit soft caps;
+gpt-oss-20b (64/8, 64) for attention sinks.
 Checks against the dense float32 reference and the ``torch_paged`` backend, the split-KV
 decode path, CUDA-graph replay with new metadata, the absence of device->host syncs, and
 cache offsets past 2**31 elements.
@@ -117,6 +118,57 @@ def test_windowed_decode_splits_what_the_window_leaves() -> None:
     kernels.paged_attention(batch.query, batch.kv_cache, single_out, num_splits=1, **args)
     _check(split_out, batch, 128**-0.5, 512, 20.0)
     torch.testing.assert_close(split_out, single_out, atol=1e-2, rtol=1e-2)
+
+
+#: gpt-oss-20b's attention: 64 q heads over 8 kv heads of 64, windows of 128 on half the layers
+GPT_OSS = (64, 8, 64)
+
+
+@pytest.mark.parametrize("sliding_window", [128, None])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_sinks_match_dense(sliding_window: int | None, dtype: torch.dtype) -> None:
+    """The HAS_SINKS variant at gpt-oss's shape (the sinks a parameter of the model dtype),
+    over the mixed batch, and split-KV decodes against unsplit ones (only split 0 carries
+    the sink)."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+    from chassis.builtin_plugins.attention.triton_paged import TritonPagedAttention
+
+    num_heads, num_kv_heads, head_dim = GPT_OSS
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    sinks = (2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(0))).to(dtype)
+    sinks = sinks.cuda()
+    batch = make_batch(MIXED, **shape, block_size=16, dtype=dtype, device="cuda", num_pad_tokens=5)
+    backend = TritonPagedAttention(
+        num_heads,
+        head_dim,
+        num_kv_heads,
+        head_dim**-0.5,
+        sliding_window=sliding_window,
+        sinks=sinks,
+    )
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    n, tol = batch.metadata.num_actual_tokens, TOL[dtype]
+    expected = dense_attention(batch, backend.scale, sliding_window, None, sinks)
+    torch.testing.assert_close(out[:n].float().cpu(), expected, atol=tol, rtol=tol)
+
+    decodes = make_batch(
+        [(4000, 1), (1000, 1), (17, 1)], **shape, block_size=16, dtype=dtype, device="cuda"
+    )
+    kernels.write_kv_cache(
+        decodes.key, decodes.value, decodes.kv_cache, decodes.metadata.slot_mapping
+    )
+    args = {**decodes.kernel_args(head_dim**-0.5), "sliding_window": sliding_window}
+    split_out, single_out = torch.empty_like(decodes.query), torch.empty_like(decodes.query)
+    config = kernels.paged_attention(
+        decodes.query, decodes.kv_cache, split_out, num_splits=4, sinks=sinks, **args
+    )
+    assert config.num_splits == 4
+    kernels.paged_attention(
+        decodes.query, decodes.kv_cache, single_out, num_splits=1, sinks=sinks, **args
+    )
+    expected = dense_attention(decodes, head_dim**-0.5, sliding_window, None, sinks)
+    torch.testing.assert_close(split_out.float().cpu(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(split_out, single_out, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(

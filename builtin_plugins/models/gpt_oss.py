@@ -1,0 +1,406 @@
+"""gpt-oss (OpenAI gpt-oss-20b / gpt-oss-120b): attention sinks, alternating windows, and
+mixture-of-experts blocks with biases and a clamped SwiGLU.
+
+As HF transformers' ``GptOss`` code defines it, a layer is Llama's pre-norm layout::
+
+    h = h + attn(input_layernorm(h))
+    h = h + moe(post_attention_layernorm(h))
+
+with these differences:
+
+- **attention**: biases on q, k, v and o; a learned logit per query head (``sinks``) joins
+  every softmax denominator (it takes probability mass and contributes no value; the
+  attention backend applies it, so it needs one with ``supports_attention_sinks``); the
+  layers ``layer_types`` marks ``sliding_attention`` (by default every other one, from the
+  first) see the last ``sliding_window`` (128) positions; RoPE is YaRN-scaled
+  (``core/layers/rotary.py``).
+- **router**: a linear layer with a bias; each token takes the ``num_experts_per_tok``
+  largest logits and a softmax over just those.
+- **experts**: ``gate_up = x @ W_gu + b_gu`` with gate and up *interleaved* in the
+  checkpoint (columns ``0::2`` gate, ``1::2`` up), then
+  ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+  ``h = (up + 1) * gate * sigmoid(alpha * gate)``, and ``h @ W_d + b_d``
+  (``alpha = swiglu_alpha`` 1.702, ``limit = swiglu_limit`` 7). The checkpoint stores
+  ``gate_up_proj [E, hidden, 2I]`` and ``down_proj [E, I, hidden]`` (input-major); they are
+  loaded de-interleaved and transposed into :class:`GptOssExperts`' ``w13 [E, 2I, hidden]``
+  (each expert's gate rows, then its up rows) and ``w2 [E, hidden, I]``. The released
+  checkpoints store the experts in MXFP4, dequantized at load
+  (``core/quantized_weights.py``).
+- **norms**: RMSNorm with the scale applied in float32 before the cast back (HF keeps the
+  norms in float32), :class:`GptOssRMSNorm`.
+
+The experts run a torch path (tokens sorted by expert, one matmul pair per expert used),
+which reads the expert counts on the host: decode steps are not captured as device graphs
+(:meth:`GptOssExperts.graph_capture_blocker`). The platform ``fused_moe`` kernels compute
+the plain SwiGLU without biases and are not used here.
+
+Tensor parallel: attention heads (and their sinks) split as Llama's; every rank holds all
+experts with ``1/N`` of their intermediate columns (gate/up rows and biases, down columns;
+the down bias is added by rank 0 only) and the router whole; the block all-reduces once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chassis.builtin_plugins.models.llama import (
+    DecoderSpec,
+    LlamaForCausalLM,
+    qwen_sliding_layers,
+)
+from chassis.core import parallel_state
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.attention import Attention
+from chassis.core.layers.norm import RMSNorm
+from chassis.core.layers.rotary import RotaryEmbedding
+from chassis.core.layers.vocab_parallel import VocabParallelEmbedding
+from chassis.core.model_interface import ModelBuildContext
+
+#: ``<block>.experts.<tensor>`` in a checkpoint: the experts' stacked weights and biases
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<block>.+\.mlp)\.experts\.(?P<tensor>gate_up_proj|gate_up_proj_bias|down_proj|"
+    r"down_proj_bias)$"
+)
+
+
+class GptOssRMSNorm(RMSNorm):
+    """RMSNorm as HF's ``GptOssRMSNorm``: ``(weight * x * rsqrt(mean(x^2) + eps))`` all in
+    float32, cast to the input dtype once (HF keeps these weights in float32; the
+    checkpoint's values are the same). Float32 results equal :class:`RMSNorm`'s; 16-bit
+    ones round once instead of twice. Always the torch code (the platforms' ``rms_norm``
+    kernels round as :class:`RMSNorm` does)."""
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_reference(x, residual)
+
+
+class GptOssAttention(nn.Module):
+    """Merged QKV projection with biases, RoPE, paged attention with this layer's sinks (and
+    window), output projection with a bias.
+
+    ``sinks`` (``[num_heads]``, this rank's heads) is the checkpoint's
+    ``self_attn.sinks``; the attention backend reads it at every call.
+    """
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        build_ctx: ModelBuildContext,
+    ) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads), requires_grad=False)
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(
+            spec.num_heads,
+            spec.head_dim,
+            spec.num_kv_heads,
+            spec.head_dim**-0.5,
+            layer_idx,
+            build_ctx.attention_backend,
+            sliding_window=spec.attention_window(layer_idx, build_ctx.max_model_len),
+            sinks=self.sinks,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
+        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of ``gate_up [T, 2I]`` (gate columns, then up columns) -> ``[T, I]``:
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``,
+    in the input dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class GptOssExperts(nn.Module):
+    """The experts of one gpt-oss block: ``forward(x [T, H], weights [T, k], ids [T, k])``
+    returns ``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` (``[T, H]``, this rank's partial
+    sum under tensor parallelism: the caller all-reduces).
+
+    ``expert_e(x) = clamped_swiglu(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]``. Each expert's
+    output is computed in the model dtype (as HF does), the weighted sum over a token's
+    experts in float32, rounded once. Tokens are sorted by expert and each expert that any
+    token chose runs once over its rows; the counts are read on the host.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        alpha: float,
+        limit: float,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.alpha = alpha
+        self.limit = limit
+        #: the checkpoint's intermediate size, and this rank's share of it
+        self.full_intermediate_size = intermediate_size
+        self.shard_start, inter = parallel_state.shard(intermediate_size, "intermediate_size")
+        self.intermediate_size = inter
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+        self.w13 = param(num_experts, 2 * inter, hidden_size)
+        self.b13 = param(num_experts, 2 * inter)
+        self.w2 = param(num_experts, hidden_size, inter)
+        self.b2 = param(num_experts, hidden_size)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` over the rows of ``x``, in ``x``'s dtype."""
+        hidden = clamped_swiglu(F.linear(x, self.w13[e], self.b13[e]), self.alpha, self.limit)
+        return F.linear(hidden, self.w2[e], self.b2[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host read
+        sorted_x = x[order // top_k]
+        sorted_y = torch.empty_like(sorted_x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                sorted_y[start : start + count] = self.expert(e, sorted_x[start : start + count])
+                start += count
+        y = torch.empty_like(sorted_y)
+        y[order] = sorted_y  # back to [token, slot] order
+        weighted = y.view(num_tokens, top_k, -1).float() * weights.float().unsqueeze(-1)
+        return weighted.sum(dim=1).to(x.dtype)
+
+    def graph_capture_blocker(self) -> str | None:
+        """The torch path reads the experts' token counts on the host (see
+        :meth:`chassis.core.model_interface.CausalLM.graph_capture_blocker`)."""
+        return (
+            "gpt-oss's experts (biases, clamped SwiGLU) run a torch path that reads expert "
+            "counts on the host"
+        )
+
+    @torch.no_grad()
+    def load(self, tensor_name: str, tensor: torch.Tensor) -> str:
+        """Copy one checkpoint tensor in (this rank's share of it): ``gate_up_proj``
+        ``[E, H, 2I]`` and ``gate_up_proj_bias [E, 2I]`` (gate and up interleaved),
+        ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``. Returns the parameter filled;
+        a wrong shape is a ``ValueError``."""
+        num_experts, hidden = self.num_experts, self.w13.shape[2]
+        full, start, size = self.full_intermediate_size, self.shard_start, self.intermediate_size
+        expected = {
+            "gate_up_proj": (num_experts, hidden, 2 * full),
+            "gate_up_proj_bias": (num_experts, 2 * full),
+            "down_proj": (num_experts, full, hidden),
+            "down_proj_bias": (num_experts, hidden),
+        }[tensor_name]
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"experts.{tensor_name} has shape {tuple(tensor.shape)}, expected {expected} "
+                "(does config.json match the weights?)"
+            )
+        if tensor_name.startswith("gate_up_proj"):
+            # [..., 2I] interleaved (gate 0::2, up 1::2) -> this rank's gate, then its up
+            gate = tensor[..., 0::2][..., start : start + size]
+            up = tensor[..., 1::2][..., start : start + size]
+            merged = torch.cat([gate, up], dim=-1)
+            if tensor_name == "gate_up_proj":
+                self.w13.data.copy_(merged.transpose(1, 2))
+                return "w13"
+            self.b13.data.copy_(merged)
+            return "b13"
+        if tensor_name == "down_proj":
+            self.w2.data.copy_(tensor[:, start : start + size].transpose(1, 2))
+            return "w2"
+        # every rank's partial sums add up: the bias joins only one of them
+        self.b2.data.copy_(tensor if parallel_state.tp_rank() == 0 else torch.zeros_like(tensor))
+        return "b2"
+
+
+class GptOssMoE(nn.Module):
+    """``router`` (linear with a bias) and ``experts`` (HF's ``mlp.*`` names).
+
+    ``forward(x [T, H]) -> [T, H]``, summed over the tensor-parallel group. Routing as HF:
+    the ``top_k`` largest logits (``torch.topk``), softmax over them in float32, rounded to
+    the model dtype.
+    """
+
+    def __init__(self, hf_config: Any, hidden_size: int) -> None:
+        super().__init__()
+        num_experts = int(hf_config.num_local_experts)
+        self.top_k = int(hf_config.num_experts_per_tok)
+        if not 0 < self.top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.top_k} must be in [1, {num_experts}] "
+                "(num_local_experts)"
+            )
+        self.router = nn.Linear(hidden_size, num_experts, bias=True)
+        self.experts = GptOssExperts(
+            num_experts,
+            hidden_size,
+            int(hf_config.intermediate_size),
+            float(getattr(hf_config, "swiglu_alpha", 1.702)),
+            float(getattr(hf_config, "swiglu_limit", 7.0)),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        top_logits, ids = torch.topk(logits, self.top_k, dim=-1)
+        weights = torch.softmax(top_logits.float(), dim=-1).to(x.dtype)
+        # Each rank holds some intermediate columns of every expert: partial sums add up.
+        return parallel_state.all_reduce(self.experts(x, weights, ids))
+
+
+class GptOssDecoderLayer(nn.Module):
+    """Pre-norm attention and MoE blocks; the residual add is fused into the norms."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: DecoderSpec,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+        build_ctx: ModelBuildContext,
+    ) -> None:
+        super().__init__()
+        self.self_attn = GptOssAttention(spec, rotary_emb, layer_idx, build_ctx)
+        self.mlp = GptOssMoE(hf_config, spec.hidden_size)
+        self.input_layernorm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(moe output, residual stream)``; their sum is the layer's output."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, ctx)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class GptOssModel(nn.Module):
+    """Embedding, gpt-oss decoder layers and final norm (HF's ``model.*`` submodule)."""
+
+    def __init__(self, hf_config: Any, spec: DecoderSpec, build_ctx: ModelBuildContext) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
+        rotary_emb = RotaryEmbedding(
+            spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
+        )
+        self.layers = nn.ModuleList(
+            GptOssDecoderLayer(hf_config, spec, rotary_emb, i, build_ctx)
+            for i in range(int(hf_config.num_hidden_layers))
+        )
+        self.norm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+        if residual is None:  # a model with no layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """``GptOssForCausalLM`` checkpoints (openai/gpt-oss-20b, openai/gpt-oss-120b), bf16 or
+    MXFP4 experts.
+
+    Attention projections, embeddings and LM head load as :class:`LlamaForCausalLM`'s
+    (q/k/v merged, tensor-parallel cuts); ``self_attn.sinks`` is cut by query head like
+    ``q_proj``; the experts' stacked tensors go to :meth:`GptOssExperts.load`.
+    """
+
+    @classmethod
+    def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
+        """Attention biases per ``attention_bias`` (gpt-oss: on), the window on the layers
+        ``layer_types`` marks ``sliding_attention`` (without it: every other layer, from the
+        first, as HF's default)."""
+        bias = bool(getattr(hf_config, "attention_bias", True))
+        return DecoderSpec.from_config(
+            hf_config,
+            qkv_bias=bias,
+            o_bias=bias,
+            sliding_layers=qwen_sliding_layers(hf_config, lambda i: i % 2 == 0),
+        )
+
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> GptOssModel:
+        return GptOssModel(hf_config, self.spec, build_ctx)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As :meth:`LlamaForCausalLM.load_weights`, plus each block's
+        ``experts.{gate_up_proj,down_proj}[_bias]`` into :class:`GptOssExperts`."""
+        modules = dict(self.named_modules())
+        experts_filled: set[str] = set()
+
+        def other_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                match = _EXPERT_TENSOR.match(name)
+                if match is None:
+                    yield name, tensor
+                    continue
+                experts = modules.get(f"{match['block']}.experts")
+                if not isinstance(experts, GptOssExperts):
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has no counterpart in "
+                        f"{type(self).__name__}; is the checkpoint's architecture right?"
+                    )
+                param = experts.load(match["tensor"], tensor)
+                experts_filled.add(f"{match['block']}.experts.{param}")
+
+        return super().load_weights(other_tensors()) | experts_filled
+
+    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """As :class:`LlamaForCausalLM`'s, and ``self_attn.sinks`` cut by query head."""
+        if parallel_state.tp_size() > 1 and name.endswith(".self_attn.sinks"):
+            start, count = parallel_state.shard(tensor.shape[0], "num_attention_heads")
+            return tensor[start : start + count]
+        return super()._tensor_parallel_slice(name, tensor)
