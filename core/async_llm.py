@@ -229,8 +229,7 @@ class AsyncLLM:
         step_params = step_sampling_params(
             params, self.input_processor.vocab_size, self.config.max_logprobs
         )
-        lora = {} if lora_request is None else {"lora_request": lora_request}
-        step = engine_step(self.generate, step_params, request_id, **lora)
+        step = engine_step(self.generate, step_params, request_id, lora_request=lora_request)
         search = BeamSearch([token_ids], params, self.input_processor.eos_token_ids)
         [output] = await run_beam_search_async(search, step)
         for sequence in output.sequences:

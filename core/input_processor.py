@@ -135,21 +135,8 @@ class InputProcessor:
         LoRA adapter to run with (:meth:`check_lora`); ``cache_salt`` (vLLM's) keeps the
         request's prefix-cache entries to requests of the same salt.
         """
-        if not is_integer(priority) or not -(2**63) <= priority < 2**63:
-            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
-        priority = int(priority)  # numpy integers too
-        if priority != 0 and not self._scheduler_uses_priority():
-            raise ValueError(
-                f"priority {priority} was given, but the {self.config.scheduler!r} scheduler ignores "
-                "priorities; start the engine with --scheduler priority (scheduler='priority')"
-            )
-        if isinstance(prompt, str):
-            prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
-        else:
-            not_ints = [t for t in prompt if not is_integer(t)]
-            if not_ints:
-                raise ValueError(f"prompt token ids must be integers; got {not_ints[:10]}")
-            prompt_token_ids = [int(t) for t in prompt]
+        priority = self.check_priority(priority)
+        prompt_token_ids = self.token_ids(prompt, add_special_tokens=add_special_tokens)
         prompt_token_ids = self._truncate(prompt_token_ids, params)
         params = self._validate(prompt_token_ids, params)
         params = self._token_restrictions(params)
@@ -178,6 +165,30 @@ class InputProcessor:
             seed = None if params.seed is None else (params.seed + i) % _SEED_SPAN
             children.append(make(child_request_id(i, request_id), params.clone(n=1, seed=seed)))
         return children
+
+    def check_priority(self, priority: int) -> int:
+        """``priority`` as an ``int``; a ``ValueError`` unless it is a 64-bit integer, and for
+        a non-zero one unless the engine's scheduler uses priorities."""
+        if not is_integer(priority) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        priority = int(priority)  # numpy integers too
+        if priority != 0 and not self._scheduler_uses_priority():
+            raise ValueError(
+                f"priority {priority} was given, but the {self.config.scheduler!r} scheduler ignores "
+                "priorities; start the engine with --scheduler priority (scheduler='priority')"
+            )
+        return priority
+
+    def token_ids(self, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids: text tokenized (:meth:`tokenize`), or ids converted to
+        ``int`` (a ``ValueError`` for one that is not an integer; the vocabulary is checked
+        later)."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        not_ints = [t for t in prompt if not is_integer(t)]
+        if not_ints:
+            raise ValueError(f"prompt token ids must be integers; got {not_ints[:10]}")
+        return [int(t) for t in prompt]
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """Refuse a LoRA adapter the engine cannot run: LoRA off, an id already given to

@@ -133,25 +133,14 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = (
-            [sampling_params] * len(prompt_list)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
+        params_list = _per_prompt(
+            sampling_params,
+            isinstance(sampling_params, SamplingParams),
+            len(prompt_list),
+            "sampling params",
         )
-        if len(params_list) != len(prompt_list):
-            raise ValueError(
-                f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
-            )
-        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
-        loras = (
-            list(lora_request)
-            if isinstance(lora_request, Sequence)
-            else [lora_request] * len(prompt_list)
-        )
-        if len(loras) != len(prompt_list):
-            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
+        priorities = _priorities(priority, len(prompt_list))
+        loras = _loras(lora_request, len(prompt_list))
         output_processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
         batch_tag = uuid.uuid4().hex[:8]
@@ -211,7 +200,8 @@ class LLM:
         """vLLM's ``LLM.beam_search``: one :class:`BeamSearchOutput` per prompt, its
         ``sequences`` best first (the rules: :mod:`chassis.core.beam_search`).
 
-        Prompts and ``lora_request`` as in :meth:`generate`. Each step runs every live beam
+        Prompts (a dict's ``"cache_salt"`` too, given to every step request) and
+        ``lora_request`` as in :meth:`generate`. Each step runs every live beam
         of (up to ``concurrency_limit``) prompts as one batch of one-token requests. A
         sequence's ``tokens`` and ``text`` include the prompt, as in vLLM. Bad input raises
         ``ValueError`` before anything runs.
@@ -219,18 +209,13 @@ class LLM:
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
         prompt_list = _as_prompt_list(prompts)
-        loras = (
-            list(lora_request)
-            if isinstance(lora_request, Sequence)
-            else [lora_request] * len(prompt_list)
-        )
-        if len(loras) != len(prompt_list):
-            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
+        loras = _loras(lora_request, len(prompt_list))
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
         step_params = step_sampling_params(
             params, self.input_processor.vocab_size, self.config.max_logprobs
         )
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
         token_prompts = []
         for prompt in prompt_list:
             prompt_input = _prompt_input(prompt)
@@ -248,7 +233,7 @@ class LLM:
 
             def step(beams: list[BeamStep], part: range = part) -> list[PositionLogprobs | None]:
                 results = self.generate(
-                    [{"prompt_token_ids": beam.token_ids} for beam in beams],
+                    [_salted(beam.token_ids, salts[part[beam.prompt_index]]) for beam in beams],
                     step_params,
                     lora_request=[loras[part[beam.prompt_index]] for beam in beams],
                 )
@@ -295,26 +280,20 @@ class LLM:
         assert self.embedding_info is not None  # set for every pooling engine
         prompt_list = _as_prompt_list(prompts)
         params = pooling_params if pooling_params is not None else PoolingParams()
-        if isinstance(params, PoolingParams):
-            params_list = [params] * len(prompt_list)
-        elif isinstance(params, Sequence):
-            params_list = list(params)
-        else:  # (a SamplingParams, say: a pooling request is not sampled)
+        if not isinstance(params, PoolingParams | Sequence):
+            # (a SamplingParams, say: a pooling request is not sampled)
             raise ValueError(
                 "pooling_params must be a PoolingParams or a list of them (dimensions, "
                 f"normalize, truncate_prompt_tokens); got {type(params).__name__}"
             )
-        if len(params_list) != len(prompt_list):
-            raise ValueError(
-                f"got {len(params_list)} pooling params for {len(prompt_list)} prompts"
-            )
+        params_list = _per_prompt(
+            params, isinstance(params, PoolingParams), len(prompt_list), "pooling params"
+        )
         if truncate_prompt_tokens is not None:
             params_list = [
                 p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list
             ]
-        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        priorities = _priorities(priority, len(prompt_list))
         batch_tag = uuid.uuid4().hex[:8]
         requests = [
             process_pooling(
@@ -423,6 +402,32 @@ def _pooling_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _per_prompt(value: Any, is_one: bool, num_prompts: int, what: str) -> list[Any]:
+    """One ``value`` per prompt: ``value`` repeated when ``is_one`` (it applies to every
+    prompt), else its items, which must be ``num_prompts`` (a ``ValueError`` naming
+    ``what``)."""
+    values = [value] * num_prompts if is_one else list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {what} for {num_prompts} prompts")
+    return values
+
+
+def _priorities(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """Each prompt's priority (0 for every prompt when ``None``)."""
+    return _per_prompt(
+        0 if priority is None else priority, priority is None, num_prompts, "priorities"
+    )
+
+
+def _loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """Each prompt's LoRA adapter: ``lora_request`` for all, or one per prompt."""
+    return _per_prompt(
+        lora_request, not isinstance(lora_request, Sequence), num_prompts, "LoRA requests"
+    )
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str | dict):
         return [prompts]
@@ -430,6 +435,14 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]  # a single list of token ids
     return prompts
+
+
+def _salted(token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
+    """A token-id prompt dict, with its ``cache_salt`` when there is one."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from chassis.core.input_processor import truncate_prompt
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.request import EngineCoreRequest
-from chassis.core.sampling_params import SamplingParams, is_integer
+from chassis.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from chassis.core.input_processor import InputProcessor
@@ -85,18 +85,9 @@ def process_pooling(
     """
     if not isinstance(params, PoolingParams):
         raise ValueError(f"pooling_params must be a PoolingParams; got {params!r}")
-    if not is_integer(priority) or not -(2**63) <= priority < 2**63:
-        raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
-    if priority != 0:
-        _check_priority_scheduler(input_processor, int(priority))
+    priority = input_processor.check_priority(priority)
     info.check_dimensions(params.dimensions)
-    if isinstance(prompt, str):
-        ids = input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
-    else:
-        not_ints = [t for t in prompt if not is_integer(t)]
-        if not_ints:
-            raise ValueError(f"prompt token ids must be integers; got {not_ints[:10]}")
-        ids = [int(t) for t in prompt]
+    ids = input_processor.token_ids(prompt, add_special_tokens=add_special_tokens)
     max_len = input_processor.max_model_len
     # -1: the last max_len; above max_len: refused whatever the input's length (vLLM's rule)
     ids = truncate_prompt(ids, params.truncate_prompt_tokens, max_len)
@@ -118,17 +109,6 @@ def process_pooling(
         # not read for a pooling request (the request types stay one, vLLM's shape)
         sampling_params=SamplingParams(max_tokens=1),
         arrival_time=time.time() if arrival_time is None else arrival_time,
-        priority=int(priority),
+        priority=priority,
         pooling_params=params,
     )
-
-
-def _check_priority_scheduler(input_processor: InputProcessor, priority: int) -> None:
-    from chassis.plugins.registries import get_registries
-
-    name = input_processor.config.scheduler
-    if not getattr(get_registries().schedulers.get(name), "uses_priority", False):
-        raise ValueError(
-            f"priority {priority} was given, but the {name!r} scheduler ignores priorities; "
-            "start the engine with --scheduler priority (scheduler='priority')"
-        )

@@ -175,10 +175,7 @@ def _add_static_loras(state: ServerState) -> None:
                 base,
                 state.model_name,
             )
-        try:
-            lora = state.loras.add(module.name, module.path)
-        except ValueError as exc:
-            raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from None
+        lora = state.loras.add_module(module)
         logger.info("LoRA adapter %r (id %d): %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
 
 

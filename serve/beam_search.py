@@ -44,7 +44,8 @@ from chassis.core.beam_search import (
 from chassis.core.input_processor import truncate_prompt
 from chassis.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from chassis.serve.errors import APIError, bad_request, from_value_error
-from chassis.serve.streaming import generation_response
+from chassis.serve.state import optional_generate_kwargs
+from chassis.serve.streaming import generation_response, never_streamed
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -69,10 +70,10 @@ async def beam_search_response(
     collect: Callable[[Streams], Awaitable[Any]],
 ) -> Response:
     """The response of a ``use_beam_search`` request: ``body`` (a completion or chat
-    request, read for ``stream``, ``echo``, ``prompt_logprobs``, ``length_penalty`` and
-    ``priority``), its ``prompts`` (token ids; text only without a tokenizer, which is a
-    400), the ``params`` the route built from it, and the route's ``collect``, which
-    receives one stream per prompt (ids ``{request_id}-{i}``)."""
+    request, read for ``stream``, ``echo``, ``prompt_logprobs``, ``length_penalty``,
+    ``priority`` and ``cache_salt``), its ``prompts`` (token ids; text only without a
+    tokenizer, which is a 400), the ``params`` the route built from it, and the route's
+    ``collect``, which receives one stream per prompt (ids ``{request_id}-{i}``)."""
     if body.stream:
         raise bad_request(
             "use_beam_search does not stream (the beams are only known at the end): send "
@@ -87,22 +88,26 @@ async def beam_search_response(
             "with logprobs)",
             "echo" if echoed else "prompt_logprobs",
         )
-    priority = body.priority or 0
-    searches = [
-        _prepare(state, prompt, params, body.length_penalty, lora_request, priority)
-        for prompt in prompts
-    ]
-    for search in searches:
-        search.cache_salt = body.cache_salt
+    searches = [_prepare(state, prompt, params, body.length_penalty) for prompt in prompts]
+    # every step request's keywords (only those set, as the other routes pass them)
+    generate_kwargs = optional_generate_kwargs(lora_request, body.cache_salt)
+    if body.priority:
+        generate_kwargs["priority"] = body.priority
     single = len(searches) == 1
 
     async def open_streams() -> Streams:
         return [
-            _run(state, search, params, request_id if single else f"{request_id}-{i}")
+            _run(
+                state,
+                search,
+                params,
+                request_id if single else f"{request_id}-{i}",
+                generate_kwargs,
+            )
             for i, search in enumerate(searches)
         ]
 
-    return await generation_response(request, False, open_streams, _never_streamed, collect)
+    return await generation_response(request, False, open_streams, never_streamed, collect)
 
 
 @dataclass
@@ -113,10 +118,6 @@ class _Search:
     beam_params: BeamSearchParams
     step_params: SamplingParams
     eos_token_ids: list[int]
-    lora_request: LoRARequest | None
-    priority: int
-    #: vLLM's cache_salt, given to every step request
-    cache_salt: str | None = None
 
 
 def _prepare(
@@ -124,8 +125,6 @@ def _prepare(
     prompt: str | list[int],
     params: SamplingParams,
     length_penalty: float | None,
-    lora_request: LoRARequest | None,
-    priority: int,
 ) -> _Search:
     """Validate one prompt's search (a 400 ``APIError`` for what cannot run)."""
     if params.structured_outputs is not None:
@@ -160,7 +159,7 @@ def _prepare(
         check_prompt_fits(len(token_ids), max_tokens, max_model_len)
     except ValueError as exc:
         raise _refusal(exc) from None
-    return _Search(token_ids, beam_params, step_params, eos_token_ids, lora_request, priority)
+    return _Search(token_ids, beam_params, step_params, eos_token_ids)
 
 
 def _eos_and_vocabulary(engine: Any) -> tuple[list[int], int | None]:
@@ -196,18 +195,17 @@ def _truncated(token_ids: list[int], params: SamplingParams, max_model_len: int)
 
 
 async def _run(
-    state: ServerState, search: _Search, params: SamplingParams, request_id: str
+    state: ServerState,
+    search: _Search,
+    params: SamplingParams,
+    request_id: str,
+    generate_kwargs: dict[str, Any],
 ) -> AsyncIterator[RequestOutput]:
-    """One prompt's search; yields its one finished output."""
-    # (keywords only when set, as the other routes pass them)
-    extra: dict[str, Any] = (
-        {} if search.lora_request is None else {"lora_request": search.lora_request}
+    """One prompt's search, its step requests sent with ``generate_kwargs``; yields its one
+    finished output."""
+    engine_steps = engine_step(
+        state.engine.generate, search.step_params, request_id, **generate_kwargs
     )
-    if search.priority:
-        extra["priority"] = search.priority
-    if search.cache_salt is not None:
-        extra["cache_salt"] = search.cache_salt
-    engine_steps = engine_step(state.engine.generate, search.step_params, request_id, **extra)
 
     async def step(beams: list[BeamStep]) -> list[PositionLogprobs | None]:
         if state.shutting_down:  # end with the beams so far, as other requests end
@@ -290,7 +288,3 @@ def _cut(
         {tid: lp for tid, lp in position.items() if tid == chosen or lp.rank <= num}
         for position, chosen in zip(positions, token_ids, strict=True)
     ]
-
-
-def _never_streamed(_: object) -> AsyncIterator[str | bytes]:
-    raise RuntimeError("beam search responses are never streamed")

@@ -163,6 +163,14 @@ class LoRAAdapters:
         self._by_name[name] = request
         return request
 
+    def add_module(self, module: LoRAModule) -> LoRARequest:
+        """:meth:`add` for a ``--lora-modules`` item: a ``ValueError`` naming the item when
+        it is refused."""
+        try:
+            return self.add(module.name, module.path)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from None
+
     async def load(self, name: str, path: str) -> LoRARequest:
         """:meth:`add` at run time: the check runs in a worker thread, one load at a time."""
         async with self._lock:
@@ -198,7 +206,4 @@ def check_lora_modules(
 
     adapters = LoRAAdapters(served_model_name, lambda lora: read_adapter_config(lora.lora_path))
     for module in modules:
-        try:
-            adapters.add(module.name, module.path)
-        except ValueError as exc:
-            raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from None
+        adapters.add_module(module)

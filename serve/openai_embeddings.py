@@ -29,17 +29,17 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chassis.core.input_processor import truncation_length
 from chassis.core.pooling_outputs import encode_pooled
 from chassis.core.pooling_params import PoolingParams
 from chassis.serve import errors
-from chassis.serve.streaming import ClientDisconnected, cancel_on_disconnect
+from chassis.serve.streaming import generation_response, never_streamed
 
 if TYPE_CHECKING:
     from chassis.core.pooling_outputs import EmbeddingRequestOutput
@@ -230,7 +230,7 @@ async def _embed_all(
 
 def _response(
     body: EmbeddingRequest, outputs: list[EmbeddingRequestOutput], request_id: str, model: str
-) -> dict[str, Any]:
+) -> EmbeddingResponse:
     as_base64 = body.encoding_format == "base64"
     data = [
         EmbeddingData(
@@ -242,13 +242,12 @@ def _response(
         for i, out in enumerate(outputs)
     ]
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    response = EmbeddingResponse(
+    return EmbeddingResponse(
         id=request_id,
         model=model,
         data=data,
         usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
     )
-    return response.model_dump(mode="json")
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse)
@@ -269,15 +268,12 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     except ValueError as exc:
         raise errors.bad_request(str(exc), "dimensions") from None
     request_id = f"embd-{uuid.uuid4().hex}"
-    try:
-        prompts = await _tokenized(state, body)
-        outputs = await cancel_on_disconnect(
-            request, _embed_all(state, prompts, params, request_id, body.priority or 0)
-        )
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening; the requests were aborted
-    except errors.APIError:
-        raise
-    except Exception as exc:
-        raise errors.to_api_error(exc) from exc
-    return JSONResponse(_response(body, outputs, request_id, model))
+
+    async def inputs() -> list[str | list[int]]:
+        return await _tokenized(state, body)
+
+    async def collect(prompts: list[str | list[int]]) -> EmbeddingResponse:
+        outputs = await _embed_all(state, prompts, params, request_id, body.priority or 0)
+        return _response(body, outputs, request_id, model)
+
+    return await generation_response(request, False, inputs, never_streamed, collect)

@@ -52,6 +52,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def optional_generate_kwargs(
+    lora_request: LoRARequest | None, cache_salt: str | None
+) -> dict[str, Any]:
+    """The ``engine.generate`` keywords beyond the contract's first ones, only those that are
+    set: an engine without LoRA adapters or cache salts keeps serving requests that use
+    neither."""
+    kwargs: dict[str, Any] = {}
+    if lora_request is not None:
+        kwargs["lora_request"] = lora_request
+    if cache_salt is not None:
+        kwargs["cache_salt"] = cache_salt
+    return kwargs
+
+
 @dataclass
 class ServerState:
     """Shared by all routes of one app (``app.state.chassis``)."""
@@ -163,12 +177,7 @@ class ServerState:
         tracker = self.metrics.tracker(params.n)
         self.inflight.add(request_id)
         failed = False  # refused (400) or engine death: not an abort by the client
-        # (keywords only when set: an engine without LoRA or salts keeps working)
-        extras: dict[str, Any] = {}
-        if lora_request is not None:
-            extras["lora_request"] = lora_request
-        if cache_salt is not None:
-            extras["cache_salt"] = cache_salt
+        extras = optional_generate_kwargs(lora_request, cache_salt)
         try:
             stream = self.engine.generate(
                 prompt, params, request_id, priority=priority, delta=True, **extras

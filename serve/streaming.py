@@ -142,7 +142,9 @@ async def generation_response(
     events: Callable[[S], AsyncIterator[str | bytes]],
     collect: Callable[[S], Awaitable[Any]],
 ) -> Response:
-    """The shared shape of a generation route (completions, chat completions).
+    """The shared shape of a generation route (completions, chat completions), and of the
+    routes that never stream (beam search, embeddings: ``stream=False``, ``events``
+    :func:`never_streamed`).
 
     Streaming: open the engine streams, then answer with SSE ``events``. Otherwise: open and
     ``collect`` them into one pydantic body while watching the client. A client that leaves
@@ -170,3 +172,8 @@ async def generation_response(
     except Exception as exc:
         raise errors.to_api_error(exc) from exc
     return JSONResponse(body.model_dump(mode="json"))
+
+
+def never_streamed(_: object) -> AsyncIterator[str | bytes]:
+    """The ``events`` of a :func:`generation_response` that is never asked to stream."""
+    raise RuntimeError("this response is never streamed")

@@ -7,28 +7,17 @@ letter; its tokenizer is a real byte-level fast tokenizer (one token per byte).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fake_engine import FakeAsyncLLM
 from fastapi.testclient import TestClient
+from fixtures_server import *  # noqa: F403
 
 from chassis.serve.app import build_app
 from chassis.serve.settings import ServerSettings
 
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture
-def engine() -> FakeAsyncLLM:
-    return FakeAsyncLLM()
-
-
-@pytest.fixture
-def client(engine: FakeAsyncLLM) -> Iterator[TestClient]:
-    with TestClient(build_app(engine, ServerSettings())) as c:
-        yield c
 
 
 def sse_events(text: str) -> list[Any]:

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from fake_engine import FakeAsyncLLM
 from fastapi.testclient import TestClient
+from fixtures_server import *  # noqa: F403
 from test_server_chat_parsing import BOTH, CALL, THOUGHT, TOOLS, streamed_calls
 from test_server_routes import assert_error, sse_events
 
 from chassis.serve.app import build_app
 from chassis.serve.errors import APIError
 from chassis.serve.openai_embeddings import EmbeddingRequest
-from chassis.serve.settings import ServerSettings
 
 PREFIX = "The answer: "
 #: an assistant message the model continues (vLLM's way to prefill a response)
@@ -31,17 +31,6 @@ ECHO = {
     "continue_final_message": True,
     "echo": True,
 }
-
-
-@pytest.fixture
-def engine() -> FakeAsyncLLM:
-    return FakeAsyncLLM()
-
-
-@pytest.fixture
-def client(engine: FakeAsyncLLM) -> Iterator[TestClient]:
-    with TestClient(build_app(engine, ServerSettings())) as c:
-        yield c
 
 
 def chat(client: TestClient, **fields: Any) -> Any:
