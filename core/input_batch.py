@@ -55,6 +55,8 @@ class InputBatch:
         self.num_unresolved = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        #: each row's LoRA adapter id (0: the base model)
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)
         self.request_ids: list[str] = []
         self.states: list[RequestState] = []
         self.row_of: dict[str, int] = {}
@@ -80,6 +82,7 @@ class InputBatch:
         self.num_computed_tokens[row] = num_computed_tokens
         self.num_unresolved[row] = 0
         self.num_blocks[row] = 0
+        self.lora_ids[row] = state.lora_int_id
         self.request_ids.append(state.request_id)
         self.states.append(state)
         self.row_of[state.request_id] = row
@@ -121,6 +124,7 @@ class InputBatch:
             nb = int(self.num_blocks[last])
             self.block_table[row, :nb] = self.block_table[last, :nb]
             self.num_blocks[row] = nb
+            self.lora_ids[row] = self.lora_ids[last]
             self.request_ids[row] = moved_id
             self.states[row] = self.states[last]
             self.row_of[moved_id] = row

@@ -301,8 +301,7 @@ class ModelRunner:
         seq_lens_i32 = seq_lens.astype(np.int32)
 
         if self.lora is not None:
-            lora_ids = np.array([batch.states[r].lora_int_id for r in rows], dtype=np.int64)
-            self.lora.prepare_step(lora_ids[req_of_token])
+            self.lora.prepare_step(batch.lora_ids[token_rows])
         graphs = self.graphs
         if graphs is not None and total == len(rows) and graphs.size_for(total) is not None:
             # Pure decode (one token per request) within the captured sizes: replay.

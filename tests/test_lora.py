@@ -518,3 +518,16 @@ def test_waiting_for_an_adapter_keeps_the_queue_order_in_linear_time(
     admitted = {new.request_id for new in output.new_requests}
     assert admitted == {f"w{i}" for i in range(0, 1000, 10)}
     assert [r.request_id for r in scheduler.waiting] == [f"w{i}" for i in range(1000) if i % 10]
+
+
+def test_the_batch_keeps_each_rows_adapter_when_rows_move() -> None:
+    """Removing a request moves the last row into its place, adapter id included."""
+    from chassis.core.input_batch import InputBatch, RequestState
+
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4)
+    for i, lora_id in enumerate((1, 0, 2)):
+        state = RequestState(f"r{i}", [1, 2], [], SamplingParams(), frozenset(), None, lora_id)
+        batch.add(state, [i], 0)
+    batch.remove("r0")
+    assert batch.request_ids == ["r2", "r1"]
+    assert batch.lora_ids[:2].tolist() == [2, 0]
