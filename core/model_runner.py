@@ -174,7 +174,7 @@ class ModelRunner:
             self.lora.prepare_profile(0)
         graphs.capture()
         if self.lora is not None:
-            self.lora.state.active = False
+            self.lora.deactivate()
         self.graphs = graphs
 
     # -- one step -------------------------------------------------------------------------
@@ -464,7 +464,7 @@ class ModelRunner:
             self.lora.prepare_profile(num_tokens)  # the adapter matmuls' memory too
         hidden = self.forward(input_ids, positions, ctx)
         if self.lora is not None:
-            self.lora.state.active = False
+            self.lora.deactivate()
         # Speculative decoding samples after each draft too: up to 1 + k rows per request.
         spec = self.config.speculative
         rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)

@@ -177,6 +177,11 @@ class LoRAModel:
         self.state.token_mask.zero_()
         self.state.active = True
 
+    def deactivate(self) -> None:
+        """After :meth:`prepare_profile`: the next forwards run no adapter matmuls until a
+        step asks for adapters (the mask is all zeros already)."""
+        self.state.active = False
+
     def _check_rows(self, num_tokens: int) -> None:
         # The mask is never reallocated: captured graphs read it at its address.
         if num_tokens > self.state.token_mask.shape[0]:
