@@ -21,7 +21,7 @@ MXFP4 kernels). Other quantization methods are refused by name (:func:`check_qua
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -145,26 +145,74 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return out.reshape(*prefix, groups * MXFP4_BLOCK, rows)
 
 
+def _joined_pairs(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    half_of: Callable[[str, torch.Tensor], tuple[str, str] | None],
+    join: Callable[[str, dict[str, torch.Tensor]], torch.Tensor],
+) -> Generator[tuple[str, torch.Tensor], None, dict[str, dict[str, torch.Tensor]]]:
+    """``weights`` with each pair of halves (a float8 weight and its scale, MXFP4 blocks and
+    scales) replaced by ``(pair name, join(pair name, {half: tensor}))`` when its second half
+    comes: files list the halves in any order. ``half_of(name, tensor)`` is ``(pair name,
+    half)``, or ``None`` for a tensor that passes through. Returns the halves whose partner
+    never came, ``{pair name: {half: tensor}}``."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        half = half_of(name, tensor)
+        if half is None:
+            yield name, tensor
+            continue
+        pair_name, which = half
+        pair = waiting.setdefault(pair_name, {})
+        pair[which] = tensor
+        if len(pair) == 2:
+            del waiting[pair_name]
+            yield pair_name, join(pair_name, pair)
+    return waiting
+
+
 def _mxfp4_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``X_blocks`` and ``X_scales`` pairs replaced by ``X`` (:func:`dequantize_mxfp4`);
     other tensors pass through."""
-    waiting: dict[str, dict[str, torch.Tensor]] = {}  # X -> the half of its pair that came
-    for name, tensor in weights:
+
+    def half_of(name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
         suffix = next((s for s in (_MXFP4_BLOCKS, _MXFP4_SCALES) if name.endswith(s)), None)
-        if suffix is None:
-            yield name, tensor
-            continue
-        base = name[: -len(suffix)]
-        pair = waiting.setdefault(base, {})
-        pair[suffix] = tensor
-        if len(pair) == 2:
-            del waiting[base]
-            yield base, dequantize_mxfp4(pair[_MXFP4_BLOCKS], pair[_MXFP4_SCALES])
+        return None if suffix is None else (name[: -len(suffix)], suffix)
+
+    waiting = yield from _joined_pairs(
+        weights,
+        half_of,
+        lambda _name, pair: dequantize_mxfp4(pair[_MXFP4_BLOCKS], pair[_MXFP4_SCALES]),
+    )
     if waiting:
         halves = sorted(base + next(iter(pair)) for base, pair in waiting.items())
         raise ValueError(f"MXFP4 tensors without their blocks or scales: {halves[:4]}")
+
+
+def _fp8_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], block: list[int] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each float8 ``X.weight`` with its ``X.weight_scale_inv`` or ``X.weight_scale``
+    replaced by ``X.weight`` dequantized (:func:`_dequantize`, in ``block`` blocks); static
+    activation scales (``X.input_scale``) dropped; other tensors pass through."""
+
+    def half_of(name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
+        scale_suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+        if scale_suffix is not None:
+            return name[: -len(scale_suffix)] + ".weight", "scale"
+        return (name, "weight") if tensor.dtype in _FP8_DTYPES else None
+
+    # activations are not quantized here: their static scales have no use
+    kept = ((name, t) for name, t in weights if not name.endswith(".input_scale"))
+    waiting = yield from _joined_pairs(
+        kept, half_of, lambda name, pair: _dequantize(name, pair["weight"], pair["scale"], block)
+    )
+    lone_weights = sorted(name for name, pair in waiting.items() if "weight" in pair)
+    if lone_weights:
+        raise ValueError(f"float8 weights without a scale in the checkpoint: {lone_weights[:4]}")
+    if waiting:
+        raise ValueError(f"scales without a float8 weight: {sorted(waiting)[:4]}")
 
 
 def dequantized_weights(
@@ -177,37 +225,7 @@ def dequantized_weights(
     config = quantization_config(hf_config)
     if config is None:
         yield from weights
-        return
-    if config.get("quant_method") == "mxfp4":
+    elif config.get("quant_method") == "mxfp4":
         yield from _mxfp4_weights(weights)
-        return
-    block = config.get("weight_block_size")
-    # A weight waits for its scale (or a scale for its weight): files list them in any order.
-    waiting_weights: dict[str, torch.Tensor] = {}
-    waiting_scales: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
-        if name.endswith(".input_scale"):
-            continue  # static activation scale: activations are not quantized here
-        scale_suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
-        if scale_suffix is not None:
-            weight_name = name[: -len(scale_suffix)] + ".weight"
-            weight = waiting_weights.pop(weight_name, None)
-            if weight is None:
-                waiting_scales[weight_name] = tensor
-            else:
-                yield weight_name, _dequantize(weight_name, weight, tensor, block)
-            continue
-        if tensor.dtype in _FP8_DTYPES:
-            scale = waiting_scales.pop(name, None)
-            if scale is None:
-                waiting_weights[name] = tensor
-            else:
-                yield name, _dequantize(name, tensor, scale, block)
-            continue
-        yield name, tensor
-    if waiting_weights:
-        raise ValueError(
-            f"float8 weights without a scale in the checkpoint: {sorted(waiting_weights)[:4]}"
-        )
-    if waiting_scales:
-        raise ValueError(f"scales without a float8 weight: {sorted(waiting_scales)[:4]}")
+    else:
+        yield from _fp8_weights(weights, config.get("weight_block_size"))

@@ -207,6 +207,19 @@ def test_layers_with_different_windows_share_one_step_plan(path, dtype, monkeypa
     assert all(plan is plans[0] for plan in plans)
 
 
+def _two_decodes():
+    """Two float32 decodes (contexts 6 and 3) of 4 heads of 32 over 2 KV heads: the row
+    kernel's vectorized path."""
+    return make_batch(
+        [(5, 1), (2, 1)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        dtype=torch.float32,
+    )
+
+
 def test_window_and_cap_reach_the_kernels_only_when_set(monkeypatch):
     """A layer without the options makes the kernel calls it made before they existed."""
     backend = CpuPagedAttention(4, 32, 2, 0.2)
@@ -229,14 +242,7 @@ def test_window_and_cap_reach_the_kernels_only_when_set(monkeypatch):
         calls.clear()
         layer = CpuPagedAttention(4, 32, 2, 0.2, **options)
         layer.kernels = Recording(layer.kernels)
-        b = make_batch(
-            [(5, 1), (2, 1)],
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-            block_size=4,
-            dtype=torch.float32,
-        )
+        b = _two_decodes()
         layer.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
         assert ("decode_attention", 5 + extra) in calls
 
@@ -274,14 +280,7 @@ def test_sinks_reach_the_kernels_as_a_third_option(monkeypatch):
     sinks = torch.zeros(4)
     layer = CpuPagedAttention(4, 32, 2, 0.2, sinks=sinks)
     assert layer._kernel_options == (0, 0.0, sinks)
-    b = make_batch(
-        [(5, 1), (2, 1)],
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        block_size=4,
-        dtype=torch.float32,
-    )
+    b = _two_decodes()
     sinks.fill_(-1.5)  # filled after construction, as the model's weights are
     out = layer.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
     expected = dense_attention(b, 0.2, sinks=sinks)

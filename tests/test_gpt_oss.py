@@ -22,6 +22,7 @@ import pytest
 import torch
 from fixtures_models import *  # noqa: F403
 from safetensors.torch import load_file, save_file
+from test_gemma_models import copy_without
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
 from test_models_parity import PROMPTS as TOKEN_PROMPTS
 from test_models_parity import Runner, check_parity, hf_logits, load_hf
@@ -226,11 +227,7 @@ def test_builds_under_a_non_cpu_default_device() -> None:
 
 
 def test_missing_sinks_are_reported(gpt_oss_dir: Path, tmp_path: Path) -> None:
-    broken = tmp_path / "broken"
-    shutil.copytree(gpt_oss_dir, broken)
-    tensors = load_file(broken / "model.safetensors")
-    del tensors["model.layers.1.self_attn.sinks"]
-    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    broken = copy_without(gpt_oss_dir, tmp_path, "model.layers.1.self_attn.sinks")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.sinks"):
         Runner(broken)
 

@@ -147,6 +147,41 @@ def test_rejects_heads_not_multiple_of_kv_heads() -> None:
 WINDOW_BATCH = [(0, 5), (0, 19), (6, 1), (7, 1), (30, 1), (9, 4), (22, 6), (0, 1), (3, 12)]
 
 
+def _window_batch(dtype: torch.dtype, seed: int):
+    """:data:`WINDOW_BATCH` over blocks of 4, with GQA and 2 padding tokens."""
+    return make_batch(
+        WINDOW_BATCH,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=4,
+        dtype=dtype,
+        num_pad_tokens=2,
+        seed=seed,
+        # SDPA's masks add -inf, which leaves NaN in place: the reference backend gathers
+        # whole blocks, so unowned slots hold a large finite value (weight on it would show)
+        unwritten_fill=60.0,
+    )
+
+
+def _check_options_against_dense(batch, dtype: torch.dtype, **options) -> torch.Tensor:
+    """The backend with ``options`` (``sliding_window``, ``logits_soft_cap``, ``sinks``) over
+    ``batch`` gives :func:`dense_attention`'s answer, which is returned."""
+    backend = TorchPagedAttention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, **options)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    n = batch.metadata.num_actual_tokens
+    expected = dense_attention(
+        batch,
+        SCALE,
+        options.get("sliding_window"),
+        options.get("logits_soft_cap"),
+        options.get("sinks"),
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:n].float(), expected, atol=tol, rtol=tol)
+    return expected
+
+
 @pytest.mark.parametrize(
     ("sliding_window", "soft_cap"), [(7, None), (None, 2.0), (7, 2.0), (1, None), (100, 0.5)]
 )
@@ -156,32 +191,9 @@ def test_sliding_window_and_soft_cap_match_dense_attention(
 ) -> None:
     """A window of 1 attends to the token itself only; a window longer than every context is
     full attention. The cap of 0.5 squeezes every score into (-0.5, 0.5)."""
-    batch = make_batch(
-        WINDOW_BATCH,
-        num_heads=NUM_HEADS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        block_size=4,
-        dtype=dtype,
-        num_pad_tokens=2,
-        seed=4,
-        # SDPA's masks add -inf, which leaves NaN in place: the reference backend gathers
-        # whole blocks, so unowned slots hold a large finite value (weight on it would show)
-        unwritten_fill=60.0,
-    )
-    backend = TorchPagedAttention(
-        NUM_HEADS,
-        HEAD_DIM,
-        NUM_KV_HEADS,
-        SCALE,
-        sliding_window=sliding_window,
-        logits_soft_cap=soft_cap,
-    )
-    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
-    n = batch.metadata.num_actual_tokens
-    expected = dense_attention(batch, SCALE, sliding_window, soft_cap)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out[:n].float(), expected, atol=tol, rtol=tol)
+    batch = _window_batch(dtype, seed=4)
+    options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap)
+    expected = _check_options_against_dense(batch, dtype, **options)
     full = dense_attention(batch, SCALE)
     if sliding_window == 7 or soft_cap is not None:  # the options change the answer
         assert not torch.allclose(expected, full, atol=1e-3)
@@ -218,32 +230,10 @@ def test_attention_sinks_match_dense_attention(
     """Per-head sink logits (gpt-oss) in every softmax denominator, over fresh prefills,
     chunks over cached prefixes and decodes, with GQA, with and without a window and a cap;
     the sinks are a bfloat16 parameter in the bfloat16 case (read as float32)."""
-    batch = make_batch(
-        WINDOW_BATCH,
-        num_heads=NUM_HEADS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        block_size=4,
-        dtype=dtype,
-        num_pad_tokens=2,
-        seed=6,
-        unwritten_fill=60.0,
-    )
+    batch = _window_batch(dtype, seed=6)
     sinks = (2 * torch.randn(NUM_HEADS, generator=torch.Generator().manual_seed(1))).to(dtype)
-    backend = TorchPagedAttention(
-        NUM_HEADS,
-        HEAD_DIM,
-        NUM_KV_HEADS,
-        SCALE,
-        sliding_window=sliding_window,
-        logits_soft_cap=soft_cap,
-        sinks=sinks,
-    )
-    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
-    n = batch.metadata.num_actual_tokens
-    expected = dense_attention(batch, SCALE, sliding_window, soft_cap, sinks)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out[:n].float(), expected, atol=tol, rtol=tol)
+    options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap, sinks=sinks)
+    expected = _check_options_against_dense(batch, dtype, **options)
     # the sinks take probability mass: the answer differs from attention without them
     assert not torch.allclose(expected, dense_attention(batch, SCALE, sliding_window, soft_cap))
 

@@ -71,10 +71,28 @@ def _assert_matches_dense(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
-) -> None:
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out`` is :func:`dense_attention`'s answer with these options, which is returned."""
     n = batch.metadata.num_actual_tokens
-    expected = dense_attention(batch, scale, sliding_window, logits_soft_cap)
+    expected = dense_attention(batch, scale, sliding_window, logits_soft_cap, sinks)
     torch.testing.assert_close(out[:n].float(), expected, atol=ATOL[out.dtype], rtol=0)
+    return expected
+
+
+def _windowed_batch(dtype: torch.dtype, seed: int):
+    """:data:`WINDOWED` over blocks of 4 with GQA (4 heads of 16 over 2 KV heads) and 2
+    padding tokens."""
+    return make_batch(
+        WINDOWED,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=dtype,
+        num_pad_tokens=2,
+        seed=seed,
+    )
 
 
 @in_interpreter
@@ -279,16 +297,7 @@ def test_sliding_window_and_soft_cap_match_dense(
 ) -> None:
     """Keys before the window (NaN-free but never to be weighted) and the capped scores, over
     a mixed batch with GQA; slots no request owns hold NaN, so a skipped tile read shows."""
-    batch = make_batch(
-        WINDOWED,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        block_size=4,
-        dtype=dtype,
-        num_pad_tokens=2,
-        seed=3,
-    )
+    batch = _windowed_batch(dtype, seed=3)
     options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap)
     backend = _backend(4, 2, 16, **options)
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
@@ -345,23 +354,12 @@ def test_attention_sinks_match_dense(
     """gpt-oss's per-head sink logits in every softmax denominator: the HAS_SINKS variant
     over prefills, chunks over cached prefixes and decodes with GQA (the sinks a parameter
     of the model dtype)."""
-    batch = make_batch(
-        WINDOWED,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        block_size=4,
-        dtype=dtype,
-        num_pad_tokens=2,
-        seed=4,
-    )
+    batch = _windowed_batch(dtype, seed=4)
     sinks = _sinks(4, dtype)
     options = dict(sliding_window=sliding_window, logits_soft_cap=soft_cap, sinks=sinks)
     backend = _backend(4, 2, 16, **options)
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
-    n = batch.metadata.num_actual_tokens
-    expected = dense_attention(batch, backend.scale, sliding_window, soft_cap, sinks)
-    torch.testing.assert_close(out[:n].float(), expected, atol=ATOL[dtype], rtol=0)
+    expected = _assert_matches_dense(out, batch, backend.scale, sliding_window, soft_cap, sinks)
     without = dense_attention(batch, backend.scale, sliding_window, soft_cap)
     assert not torch.allclose(expected, without, atol=0.1)
 
@@ -391,9 +389,7 @@ def test_attention_sinks_count_once_over_kv_splits(num_splits: int, specs) -> No
             **batch.kernel_args(0.25),
         )
         assert config.num_splits == num_splits
-        n = batch.metadata.num_actual_tokens
-        expected = dense_attention(batch, 0.25, window, None, sinks)
-        torch.testing.assert_close(out[:n], expected, atol=1e-5, rtol=0)
+        _assert_matches_dense(out, batch, 0.25, window, None, sinks)
 
 
 @in_interpreter

@@ -55,12 +55,7 @@ from chassis.builtin_plugins.models.llama import (
     qwen_sliding_layers,
 )
 from chassis.core import parallel_state
-from chassis.core.attention import ForwardContext
-from chassis.core.layers.attention import Attention
 from chassis.core.layers.norm import RMSNorm
-from chassis.core.layers.rotary import RotaryEmbedding
-from chassis.core.layers.vocab_parallel import VocabParallelEmbedding
-from chassis.core.model_interface import ModelBuildContext
 
 #: ``<block>.experts.<tensor>`` in a checkpoint: the experts' stacked weights and biases
 _EXPERT_TENSOR = re.compile(
@@ -85,58 +80,6 @@ class GptOssRMSNorm(RMSNorm):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.forward_reference(x, residual)
-
-
-class GptOssAttention(nn.Module):
-    """Merged QKV projection with biases, RoPE, paged attention with this layer's sinks (and
-    window), output projection with a bias.
-
-    ``sinks`` (``[num_heads]``, this rank's heads) is the checkpoint's
-    ``self_attn.sinks``; the attention backend reads it at every call.
-    """
-
-    def __init__(
-        self,
-        spec: DecoderSpec,
-        rotary_emb: RotaryEmbedding,
-        layer_idx: int,
-        build_ctx: ModelBuildContext,
-    ) -> None:
-        super().__init__()
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
-        self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(
-            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.sinks = nn.Parameter(torch.empty(spec.num_heads), requires_grad=False)
-        self.rotary_emb = rotary_emb  # shared by all layers
-        self.attn = Attention(
-            spec.num_heads,
-            spec.head_dim,
-            spec.num_kv_heads,
-            spec.head_dim**-0.5,
-            layer_idx,
-            build_ctx.attention_backend,
-            sliding_window=spec.attention_window(layer_idx, build_ctx.max_model_len),
-            sinks=self.sinks,
-        )
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
-        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -286,93 +229,35 @@ class GptOssMoE(nn.Module):
         return parallel_state.all_reduce(self.experts(x, weights, ids))
 
 
-class GptOssDecoderLayer(nn.Module):
-    """Pre-norm attention and MoE blocks; the residual add is fused into the norms."""
-
-    def __init__(
-        self,
-        hf_config: Any,
-        spec: DecoderSpec,
-        rotary_emb: RotaryEmbedding,
-        layer_idx: int,
-        build_ctx: ModelBuildContext,
-    ) -> None:
-        super().__init__()
-        self.self_attn = GptOssAttention(spec, rotary_emb, layer_idx, build_ctx)
-        self.mlp = GptOssMoE(hf_config, spec.hidden_size)
-        self.input_layernorm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(moe output, residual stream)``; their sum is the layer's output."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class GptOssModel(nn.Module):
-    """Embedding, gpt-oss decoder layers and final norm (HF's ``model.*`` submodule)."""
-
-    def __init__(self, hf_config: Any, spec: DecoderSpec, build_ctx: ModelBuildContext) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
-        rotary_emb = RotaryEmbedding(
-            spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
-        )
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(hf_config, spec, rotary_emb, i, build_ctx)
-            for i in range(int(hf_config.num_hidden_layers))
-        )
-        self.norm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        if residual is None:  # a model with no layers
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
 class GptOssForCausalLM(LlamaForCausalLM):
     """``GptOssForCausalLM`` checkpoints (openai/gpt-oss-20b, openai/gpt-oss-120b), bf16 or
     MXFP4 experts.
 
-    Attention projections, embeddings and LM head load as :class:`LlamaForCausalLM`'s
-    (q/k/v merged, tensor-parallel cuts); ``self_attn.sinks`` is cut by query head like
-    ``q_proj``; the experts' stacked tensors go to :meth:`GptOssExperts.load`.
+    The decoder is Llama's (:class:`LlamaForCausalLM`) with attention sinks
+    (``DecoderSpec.attention_sinks``), :class:`GptOssRMSNorm` norms and a :class:`GptOssMoE`
+    block as every layer's MLP. Attention projections, sinks, embeddings and LM head load as
+    :class:`LlamaForCausalLM`'s (q/k/v merged, tensor-parallel cuts: the sinks by query
+    head); the experts' stacked tensors go to :meth:`GptOssExperts.load`.
     """
+
+    norm_class = GptOssRMSNorm
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
-        """Attention biases per ``attention_bias`` (gpt-oss: on), the window on the layers
-        ``layer_types`` marks ``sliding_attention`` (without it: every other layer, from the
-        first, as HF's default)."""
+        """Attention biases per ``attention_bias`` (gpt-oss: on), sinks, the window on the
+        layers ``layer_types`` marks ``sliding_attention`` (without it: every other layer,
+        from the first, as HF's default)."""
         bias = bool(getattr(hf_config, "attention_bias", True))
         return DecoderSpec.from_config(
             hf_config,
             qkv_bias=bias,
             o_bias=bias,
             sliding_layers=qwen_sliding_layers(hf_config, lambda i: i % 2 == 0),
+            attention_sinks=True,
         )
 
-    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> GptOssModel:
-        return GptOssModel(hf_config, self.spec, build_ctx)
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        return GptOssMoE(self.hf_config, self.spec.hidden_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -397,10 +282,3 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 experts_filled.add(f"{match['block']}.experts.{param}")
 
         return super().load_weights(other_tensors()) | experts_filled
-
-    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """As :class:`LlamaForCausalLM`'s, and ``self_attn.sinks`` cut by query head."""
-        if parallel_state.tp_size() > 1 and name.endswith(".self_attn.sinks"):
-            start, count = parallel_state.shard(tensor.shape[0], "num_attention_heads")
-            return tensor[start : start + count]
-        return super()._tensor_parallel_slice(name, tensor)

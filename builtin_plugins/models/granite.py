@@ -14,19 +14,22 @@ Everything else (layers, merged projections, checkpoint names, tensor-parallel s
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaForCausalLM
+from chassis.builtin_plugins.models.llama import (
+    DecoderSpec,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding
-from chassis.core.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
+from chassis.core.layers.vocab_parallel import gather_logits
 from chassis.core.model_interface import ModelBuildContext
 
 
@@ -62,7 +65,7 @@ class GraniteMultipliers:
         return multipliers
 
 
-class GraniteDecoderLayer(nn.Module):
+class GraniteDecoderLayer(LlamaDecoderLayer):
     """Llama's pre-norm layer (residual add fused into the norms) with the attention scale
     and the residual multiplier of :class:`GraniteMultipliers`."""
 
@@ -75,14 +78,9 @@ class GraniteDecoderLayer(nn.Module):
         build_ctx: ModelBuildContext,
         mlp: nn.Module,
     ) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(
-            spec, rotary_emb, layer_idx, build_ctx, scale=multipliers.attention
+        super().__init__(
+            spec, rotary_emb, layer_idx, build_ctx, mlp, attention_scale=multipliers.attention
         )
-        #: ``[T, hidden] -> [T, hidden]``, already summed over a tensor-parallel group
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.residual_multiplier = multipliers.residual
 
     def forward(
@@ -103,43 +101,6 @@ class GraniteDecoderLayer(nn.Module):
         return self.mlp(hidden_states) * self.residual_multiplier, residual
 
 
-class GraniteModel(nn.Module):
-    """Scaled embedding, Granite decoder layers and final norm (HF's ``model.*``)."""
-
-    def __init__(
-        self,
-        hf_config: Any,
-        spec: DecoderSpec,
-        multipliers: GraniteMultipliers,
-        build_ctx: ModelBuildContext,
-        make_mlp: Callable[[int], nn.Module],
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
-        self.embedding_multiplier = multipliers.embedding
-        rotary_emb = RotaryEmbedding(
-            spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
-        )
-        self.layers = nn.ModuleList(
-            GraniteDecoderLayer(spec, multipliers, rotary_emb, i, build_ctx, make_mlp(i))
-            for i in range(int(hf_config.num_hidden_layers))
-        )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        # in the model dtype, as HF multiplies (the embedding is whole on every rank here)
-        hidden_states = self.embed_tokens(input_ids) * self.embedding_multiplier
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        if residual is None:  # a model with no layers
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
 class GraniteForCausalLM(LlamaForCausalLM):
     """``GraniteForCausalLM`` checkpoints (granite-3.0/3.1/3.2/3.3 2b and 8b, base and
     instruct).
@@ -152,9 +113,28 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         return DecoderSpec.from_config(hf_config, sliding_window=None)
 
-    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> GraniteModel:
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> LlamaModel:
+        """Llama's decoder with the scaled embedding and :meth:`make_layer`'s layers."""
         self.multipliers = GraniteMultipliers.from_config(hf_config)
-        return GraniteModel(hf_config, self.spec, self.multipliers, build_ctx, self.make_mlp)
+        return LlamaModel(
+            hf_config,
+            self.spec,
+            build_ctx,
+            self.make_layer,
+            embedding_multiplier=self.multipliers.embedding,
+        )
+
+    def make_layer(
+        self, layer_idx: int, rotary_emb: RotaryEmbedding, build_ctx: ModelBuildContext
+    ) -> GraniteDecoderLayer:
+        return GraniteDecoderLayer(
+            self.spec,
+            self.multipliers,
+            rotary_emb,
+            layer_idx,
+            build_ctx,
+            self.make_mlp(layer_idx),
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """As :meth:`LlamaForCausalLM.compute_logits`, divided by ``logits_scaling`` in the

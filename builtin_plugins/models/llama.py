@@ -3,7 +3,9 @@
 The building blocks here are shared by the Qwen2, Qwen3 and Phi-3 models, which differ only in
 the options of :class:`DecoderSpec` (QKV bias, per-head q/k norm, sliding-window layers) and,
 for Phi-3, in how the checkpoint names its projections; by the mixture-of-experts models
-(their own MLPs, :meth:`LlamaForCausalLM.make_mlp`); and by Gemma (its own decoder layers,
+(their own MLPs, :meth:`LlamaForCausalLM.make_mlp`; gpt-oss also has attention sinks and its
+own norm class, :attr:`LlamaForCausalLM.norm_class`); by OLMo 2 and Granite (their own decoder
+layers, :meth:`LlamaForCausalLM.make_layer`); and by Gemma (its own decoder,
 :meth:`LlamaForCausalLM.build_decoder`). Q/K/V and gate/up projections
 are merged into one matmul each; :meth:`LlamaForCausalLM.load_weights` copies the separate HF
 checkpoint tensors into row slices of the merged weights.
@@ -70,6 +72,9 @@ class DecoderSpec:
     sliding_window: int | None = None
     #: the layers that slide (``None``: every layer, when ``sliding_window`` is set)
     sliding_layers: frozenset[int] | None = None
+    #: a learned logit per query head (``self_attn.sinks``) joins every softmax denominator
+    #: (gpt-oss; needs a backend with ``supports_attention_sinks``)
+    attention_sinks: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> DecoderSpec:
@@ -146,6 +151,8 @@ class LlamaAttention(nn.Module):
     ``scale`` multiplies ``q . k`` (default ``head_dim ** -0.5``); ``sliding_window`` and
     ``logits_soft_cap`` are this layer's attention options (see
     :class:`~chassis.core.layers.attention.Attention`), for the architectures that use them.
+    With ``spec.attention_sinks`` the layer owns ``sinks`` (``[num_heads]``, this rank's
+    heads; the checkpoint's ``self_attn.sinks``), which the backend reads at every call.
     """
 
     def __init__(
@@ -169,6 +176,9 @@ class LlamaAttention(nn.Module):
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.sinks: nn.Parameter | None = None
+        if spec.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(spec.num_heads), requires_grad=False)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -183,6 +193,7 @@ class LlamaAttention(nn.Module):
             build_ctx.attention_backend,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            sinks=self.sinks,
         )
 
     def forward(
@@ -225,7 +236,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks; the residual add is fused into the norms."""
+    """Pre-norm attention and MLP blocks; the residual add is fused into the norms.
+
+    ``norm_class`` is both norms' class (an :class:`RMSNorm` that rounds as the
+    architecture's checkpoints expect); ``attention_scale`` multiplies ``q . k`` (default
+    ``head_dim ** -0.5``).
+    """
 
     def __init__(
         self,
@@ -234,6 +250,9 @@ class LlamaDecoderLayer(nn.Module):
         layer_idx: int,
         build_ctx: ModelBuildContext,
         mlp: nn.Module,
+        *,
+        norm_class: type[RMSNorm] = RMSNorm,
+        attention_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
@@ -241,12 +260,13 @@ class LlamaDecoderLayer(nn.Module):
             rotary_emb,
             layer_idx,
             build_ctx,
+            scale=attention_scale,
             sliding_window=spec.attention_window(layer_idx, build_ctx.max_model_len),
         )
         #: ``[T, hidden] -> [T, hidden]``, already summed over a tensor-parallel group
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = norm_class(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = norm_class(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(
         self,
@@ -266,11 +286,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+#: builds decoder layer ``layer_idx`` around the rotary table all layers share
+MakeLayer = Callable[[int, RotaryEmbedding, ModelBuildContext], nn.Module]
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.*`` submodule).
 
-    ``make_mlp(layer_idx)`` builds each layer's MLP (a SwiGLU :class:`LlamaMLP` by default;
-    mixture-of-experts models return their sparse block for some layers).
+    ``make_layer(layer_idx, rotary_emb, build_ctx)`` builds each decoder layer
+    (:meth:`LlamaForCausalLM.make_layer`), which :meth:`forward` calls as a
+    :class:`LlamaDecoderLayer`: ``layer(positions, hidden_states, residual, ctx)`` returns
+    ``(block output, residual stream)``, ``residual`` being ``None`` for the first layer.
+    ``norm_class`` is the final norm's class; ``embedding_multiplier`` (Granite) scales the
+    token embeddings.
     """
 
     def __init__(
@@ -278,24 +306,29 @@ class LlamaModel(nn.Module):
         hf_config: Any,
         spec: DecoderSpec,
         build_ctx: ModelBuildContext,
-        make_mlp: Callable[[int], nn.Module] | None = None,
+        make_layer: MakeLayer,
+        *,
+        norm_class: type[RMSNorm] = RMSNorm,
+        embedding_multiplier: float | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
+        self.embedding_multiplier = embedding_multiplier
         rotary_emb = RotaryEmbedding(
             spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
         )
-        make_mlp = make_mlp or (lambda _layer_idx: LlamaMLP(spec))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, rotary_emb, i, build_ctx, make_mlp(i))
-            for i in range(int(hf_config.num_hidden_layers))
+            make_layer(i, rotary_emb, build_ctx) for i in range(int(hf_config.num_hidden_layers))
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = norm_class(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            # in the model dtype, as HF multiplies (the embedding is whole on every rank here)
+            hidden_states = hidden_states * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, ctx)
@@ -309,7 +342,8 @@ class LlamaForCausalLM(CausalLM):
     """``LlamaForCausalLM`` / ``MistralForCausalLM`` checkpoints.
 
     Subclasses change the architecture options by overriding :meth:`decoder_spec`, the MLP of
-    some layers with :meth:`make_mlp`, or the whole decoder with :meth:`build_decoder`.
+    some layers with :meth:`make_mlp`, the norms with :attr:`norm_class`, the decoder layers
+    with :meth:`make_layer`, or the whole decoder with :meth:`build_decoder`.
 
     Tensor parallel: every rank keeps ``1/N`` of the attention heads and of the MLP columns,
     ``1/N`` of the KV heads or, with fewer KV heads than ranks, one replicated KV head (the
@@ -320,6 +354,9 @@ class LlamaForCausalLM(CausalLM):
     """
 
     supports_tensor_parallel = True
+    #: the class of every norm (each layer's and the final one) that :meth:`build_decoder`
+    #: and :meth:`make_layer` build
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__(hf_config, build_ctx)
@@ -351,12 +388,31 @@ class LlamaForCausalLM(CausalLM):
         return DecoderSpec.from_config(hf_config)
 
     def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> nn.Module:
-        """HF's ``model.*`` submodule (a :class:`LlamaModel` by default; override for another
-        layer layout): ``forward(input_ids, positions, ctx)`` returns the final hidden states,
-        its parameters carry the checkpoint's names, and its ``embed_tokens`` is a
-        :class:`VocabParallelEmbedding` (a tied LM head shares its weight). Called from
-        ``__init__`` after ``self.spec`` and ``self.full_spec`` are set."""
-        return LlamaModel(hf_config, self.spec, build_ctx, self.make_mlp)
+        """HF's ``model.*`` submodule (a :class:`LlamaModel` of :meth:`make_layer`'s layers by
+        default; override for another layout): ``forward(input_ids, positions, ctx)`` returns
+        the final hidden states, its parameters carry the checkpoint's names, and its
+        ``embed_tokens`` is a :class:`VocabParallelEmbedding` (a tied LM head shares its
+        weight). Called from ``__init__`` after ``self.spec`` and ``self.full_spec`` are
+        set."""
+        return LlamaModel(
+            hf_config, self.spec, build_ctx, self.make_layer, norm_class=self.norm_class
+        )
+
+    def make_layer(
+        self, layer_idx: int, rotary_emb: RotaryEmbedding, build_ctx: ModelBuildContext
+    ) -> nn.Module:
+        """Decoder layer ``layer_idx`` of :meth:`build_decoder`'s :class:`LlamaModel`, which
+        calls it as a :class:`LlamaDecoderLayer` (by default one of :attr:`norm_class` around
+        :meth:`make_mlp`'s MLP; override for another layer). Called from ``__init__`` after
+        ``self.spec`` and ``self.full_spec`` are set."""
+        return LlamaDecoderLayer(
+            self.spec,
+            rotary_emb,
+            layer_idx,
+            build_ctx,
+            self.make_mlp(layer_idx),
+            norm_class=self.norm_class,
+        )
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer ``layer_idx`` (override for sparse layers); it returns
@@ -464,9 +520,13 @@ class LlamaForCausalLM(CausalLM):
     def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole checkpoint tensor: rows of the column-parallel
         projections (q, k, v, gate, up: weights and biases), columns of the row-parallel ones
-        (o, down), whose biases only rank 0 adds. Other tensors are whole."""
+        (o, down), whose biases only rank 0 adds, and the attention sinks of this rank's query
+        heads. Other tensors are whole."""
         if parallel_state.tp_size() == 1:
             return tensor
+        if name.endswith(".self_attn.sinks"):
+            start, count = parallel_state.shard(tensor.shape[0], "num_attention_heads")
+            return tensor[start : start + count]
         leaf = name.split(".")[-2] if "." in name else ""
         if name in _VOCAB_ROWS:
             if tensor.shape[0] != self.vocab_size:  # as the unsplit shapes would refuse it

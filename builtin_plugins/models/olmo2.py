@@ -20,18 +20,21 @@ up (:meth:`Olmo2Attention.normalize_qk`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaForCausalLM
+from chassis.builtin_plugins.models.llama import (
+    DecoderSpec,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+)
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding
-from chassis.core.layers.vocab_parallel import VocabParallelEmbedding
 from chassis.core.model_interface import ModelBuildContext
 
 #: the projection norms, each sharded as the projection it normalizes
@@ -144,26 +147,9 @@ class Olmo2DecoderLayer(nn.Module):
         return hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
 
 
-class Olmo2Model(nn.Module):
-    """Embedding, OLMo 2 decoder layers and final norm (HF's ``model.*`` submodule)."""
-
-    def __init__(
-        self,
-        hf_config: Any,
-        spec: DecoderSpec,
-        build_ctx: ModelBuildContext,
-        make_mlp: Callable[[int], nn.Module],
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
-        rotary_emb = RotaryEmbedding(
-            spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
-        )
-        self.layers = nn.ModuleList(
-            Olmo2DecoderLayer(spec, rotary_emb, i, build_ctx, make_mlp(i))
-            for i in range(int(hf_config.num_hidden_layers))
-        )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+class Olmo2Model(LlamaModel):
+    """:class:`LlamaModel` of :class:`Olmo2DecoderLayer` s, which pass the residual stream
+    itself from layer to layer (no residual add for the final norm to fuse)."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -190,7 +176,14 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         return DecoderSpec.from_config(hf_config, sliding_window=None)
 
     def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> Olmo2Model:
-        return Olmo2Model(hf_config, self.spec, build_ctx, self.make_mlp)
+        return Olmo2Model(hf_config, self.spec, build_ctx, self.make_layer)
+
+    def make_layer(
+        self, layer_idx: int, rotary_emb: RotaryEmbedding, build_ctx: ModelBuildContext
+    ) -> Olmo2DecoderLayer:
+        return Olmo2DecoderLayer(
+            self.spec, rotary_emb, layer_idx, build_ctx, self.make_mlp(layer_idx)
+        )
 
     def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """As :class:`LlamaForCausalLM`'s, and a ``q_norm``/``k_norm`` weight split as the
