@@ -205,13 +205,11 @@ class EngineConfig:
             if self.pooler_config is not None:
                 raise ValueError("--pooler-config is for --runner pooling only")
             return
-        # A pooling request finishes when its prompt is computed: nothing to overlap, draft
-        # or adapt yet (async scheduling would plan a decode for it).
+        # A pooling request finishes when its prompt is computed: nothing to draft, nor
+        # adapters yet. (Async scheduling and tensor parallelism do run: docs/embeddings.md.)
         for flag, on in (
-            ("--async-scheduling", self.async_scheduling),
             ("--speculative-config", self.speculative_config is not None),
             ("--enable-lora", self.enable_lora),
-            ("--tensor-parallel-size > 1", self.tensor_parallel_size > 1),
         ):
             if on:
                 raise ValueError(f"{flag} cannot be combined with --runner pooling yet")

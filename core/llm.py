@@ -31,6 +31,7 @@ from chassis.core.pooling_config import PoolerConfig, apply_pooling_defaults
 from chassis.core.pooling_input import EmbeddingModelInfo, process_pooling
 from chassis.core.pooling_outputs import EmbeddingRequestOutput
 from chassis.core.pooling_params import PoolingParams
+from chassis.core.pooling_score import ScoringRequestOutput, distinct, score_outputs, score_pairs
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
 
@@ -326,6 +327,44 @@ class LLM:
             raise RuntimeError(f"the engine refused request {refused[0].request_id!r} (see log)")
         return [results[request.request_id] for request in requests]
 
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for embedding models: the cosine similarity of each pair's
+        embeddings (``outputs.score``), one output per pair in order.
+
+        Pairs are 1:1, 1:N (``data_1`` one prompt, scored against every ``data_2`` prompt)
+        or N:N (position by position); prompts as in :meth:`embed`, each distinct one
+        embedded once with ``pooling_params`` (and ``truncate_prompt_tokens``). Needs
+        ``runner="pooling"``; cross-encoder (classification-head reranker) models are not
+        supported. Bad input raises ``ValueError`` before anything runs.
+        """
+        if self.pooler_config is None:
+            raise ValueError(
+                "score() needs an embedding model run with runner='pooling' (bi-encoder "
+                "scoring: the cosine of the two texts' embeddings); this LLM generates. "
+                "Cross-encoder (classification-head reranker) models are not supported"
+            )
+        firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = score_pairs(len(firsts), len(seconds))
+        prompts = firsts + seconds
+        keys = [_score_key(p) for p in prompts]
+        unique, where = distinct(prompts, keys)
+        embeddings = self.embed(
+            unique, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm
+        )
+        offset = len(firsts)
+        return score_outputs(
+            [(embeddings[where[i]], embeddings[where[offset + j]]) for i, j in pairs]
+        )
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -435,6 +474,12 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]  # a single list of token ids
     return prompts
+
+
+def _score_key(prompt: Prompt) -> tuple[str, Any]:
+    """What makes two prompts the same input (score embeds each distinct one once)."""
+    value = _prompt_input(prompt)
+    return ("text", value) if isinstance(value, str) else ("ids", tuple(value))
 
 
 def _salted(token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:

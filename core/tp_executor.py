@@ -9,7 +9,10 @@ msgspec-encoded :class:`SchedulerOutput`) to every rank and runs it itself; all 
 same forward (each with its shard of the weights and of the KV heads, summing partial results
 with all-reduces), and rank 0's sampled ids are broadcast so every rank's batch continues from
 the same tokens. The driver returns its own result, after checking that every rank appended
-the same ids (else the ranks' batches differ). docs/architecture.md has the failure handling.
+the same ids to the same rows and finished the same pooling requests (else the ranks'
+batches differ; :func:`step_summary`). A pooling engine's ranks all compute the full hidden
+states and pool them alike (keeping the same per-request state); only the driver's vectors
+are returned. docs/architecture.md has the failure handling.
 
 Graph capture and ``torch.compile`` are not used with more than one rank (not validated with
 collectives yet); async scheduling runs, without overlap.
@@ -130,14 +133,15 @@ class TensorParallelExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._send(EXECUTE, scheduler_output)
         output = self._on_driver(EXECUTE, lambda: self.worker.execute_model(scheduler_output))
-        for rank, sampled in enumerate(self._collect(EXECUTE), start=1):
+        own = step_summary(output)
+        for rank, summary in enumerate(self._collect(EXECUTE), start=1):
             # Every rank continues from rank 0's sampled ids (broadcast), so a difference
             # means the ranks' batches are laid out differently: outputs would be wrong.
-            if sampled != output.sampled_token_ids:
+            if summary != own:
                 self._broken = f"rank {rank}'s batch differs from rank 0's"
                 raise RuntimeError(
-                    f"tensor-parallel rank {rank} returned {sampled} where rank 0 returned "
-                    f"{output.sampled_token_ids}: the ranks' batches differ"
+                    f"tensor-parallel rank {rank} returned {summary} where rank 0 returned "
+                    f"{own}: the ranks' batches differ"
                 )
         return output
 
@@ -255,6 +259,14 @@ class TensorParallelExecutor(Executor):
             if not ok:
                 return rank, _rank_error(rank, result)
         return None
+
+
+def step_summary(output: ModelRunnerOutput) -> list[Any]:
+    """What every rank's step must agree on, as a rank sends it to the driver: the step's
+    requests in batch-row order, the ids each sampled, and the pooling requests it finished
+    (sorted). A pooling step samples nothing, so its rows and finished requests are what show
+    a rank whose batch or pooler state went out of step."""
+    return [list(output.request_ids), output.sampled_token_ids, sorted(output.pooled)]
 
 
 def _check_model_splits(config: EngineConfig) -> None:

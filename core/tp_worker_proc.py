@@ -98,7 +98,9 @@ def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
                     worker.initialize_cache(msgspec.msgpack.decode(payload))
                     result = None
                 elif method == EXECUTE:
-                    result = worker.execute_model(_plan_decoder.decode(payload)).sampled_token_ids
+                    from chassis.core.tp_executor import step_summary
+
+                    result = step_summary(worker.execute_model(_plan_decoder.decode(payload)))
                 else:
                     raise ValueError(f"unknown command {method!r}")
             except Exception as exc:

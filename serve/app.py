@@ -7,6 +7,8 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /v1/completions``   :mod:`chassis.serve.openai_completions`
 ``POST /v1/chat/completions``  :mod:`chassis.serve.openai_chat`
 ``POST /v1/embeddings``    :mod:`chassis.serve.openai_embeddings` (``--runner pooling``)
+``POST /score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``:
+                           :mod:`chassis.serve.openai_score` (``--runner pooling``)
 ``POST /tokenize``         ``prompt`` or chat ``messages`` -> token ids
 ``POST /detokenize``       token ids -> text
 ``GET  /health``           200, or 503 when the engine is dead or the server shutting down
@@ -40,6 +42,7 @@ from chassis.serve.metrics import ServerMetrics
 from chassis.serve.openai_chat import router as chat_router
 from chassis.serve.openai_completions import router as completions_router
 from chassis.serve.openai_embeddings import router as embeddings_router
+from chassis.serve.openai_score import router as score_router
 from chassis.serve.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -231,6 +234,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(completions_router)
     app.include_router(chat_router)
     app.include_router(embeddings_router)
+    app.include_router(score_router)
     app.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse)
     app.add_api_route(
         "/detokenize", detokenize, methods=["POST"], response_model=DetokenizeResponse

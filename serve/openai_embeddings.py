@@ -163,7 +163,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.chassis
 
 
-async def _tokenized(state: ServerState, body: EmbeddingRequest) -> list[str | list[int]]:
+async def tokenized_inputs(state: ServerState, body: EmbeddingRequest) -> list[str | list[int]]:
     """The inputs with text tokenized (in a worker thread). Without a tokenizer
     (``--skip-tokenizer-init``) text goes on as is and the engine refuses it with a 400."""
     inputs = body.inputs()
@@ -206,7 +206,7 @@ async def _embed_one(
     raise RuntimeError(f"pooling request {request_id!r} ended without an output")
 
 
-async def _embed_all(
+async def embed_all(
     state: ServerState,
     prompts: list[str | list[int]],
     params: PoolingParams,
@@ -270,10 +270,10 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     request_id = f"embd-{uuid.uuid4().hex}"
 
     async def inputs() -> list[str | list[int]]:
-        return await _tokenized(state, body)
+        return await tokenized_inputs(state, body)
 
     async def collect(prompts: list[str | list[int]]) -> EmbeddingResponse:
-        outputs = await _embed_all(state, prompts, params, request_id, body.priority or 0)
+        outputs = await embed_all(state, prompts, params, request_id, body.priority or 0)
         return _response(body, outputs, request_id, model)
 
     return await generation_response(request, False, inputs, never_streamed, collect)

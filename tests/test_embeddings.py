@@ -9,6 +9,7 @@ makes it run over several steps (chunked prefill).
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -413,7 +414,7 @@ def test_a_scheduler_that_cannot_finish_pooling_requests_is_refused(
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"runner": "pooling", "async_scheduling": True}, "--async-scheduling cannot"),
+        ({"runner": "pooling", "enable_lora": True}, "--enable-lora cannot"),
         ({"runner": "embed"}, "--runner must be one of"),
         ({"runner": "generate", "pooler_config": {"pooling_type": "MEAN"}}, "for --runner pooling"),
         ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "pooling_type must be"),
@@ -425,3 +426,96 @@ def test_a_scheduler_that_cannot_finish_pooling_requests_is_refused(
 def test_settings_refused(tiny_llama_dir: Path, settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_llama_dir), **settings)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_two_ranks_pool_as_one(tiny_llama_dir: Path, pooling_type: str) -> None:
+    """Tensor parallelism: every rank computes the full hidden states and pools them alike
+    (chunked prompts keep the same running state on each rank); the driver's vectors equal
+    a single rank's."""
+    prompts = _random_prompts([100, 3, 50, 1, 25, 70], seed=1)
+    params = [PoolingParams(normalize=i % 2 == 0) for i in range(len(prompts))]
+    pooler_config = {"pooling_type": pooling_type}
+    one = _engine(tiny_llama_dir, pooler_config=pooler_config)
+    expected = [o.outputs.embedding for o in one.embed(prompts, params)]
+    one.shutdown()
+    two = _engine(tiny_llama_dir, pooler_config=pooler_config, tensor_parallel_size=2)
+    try:
+        got = [o.outputs.embedding for o in two.embed(prompts, params)]
+        # a second batch on the same ranks: their pooler states were left in step
+        again = [o.outputs.embedding for o in two.embed(prompts[::-1], params[::-1])]
+    finally:
+        two.shutdown()
+    for vectors in (got, again[::-1]):
+        for g, e in zip(vectors, expected, strict=True):
+            torch.testing.assert_close(torch.tensor(g), torch.tensor(e), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_async_scheduling_pools_as_sync(tiny_llama_dir: Path, pooling_type: str) -> None:
+    """Async scheduling plans step N+1 before step N's vectors are collected. A pooling
+    request is planned nothing after the step that completes its prompt (its one in-flight
+    output finishes it: ``SamplingParams(max_tokens=1)``), its vector comes with that step's
+    collection, and the vectors equal a synchronous engine's."""
+    prompts = _random_prompts([100, 3, 50, 1, 25, 70], seed=2)
+    params = [PoolingParams(normalize=i % 2 == 0) for i in range(len(prompts))]
+    pooler_config = {"pooling_type": pooling_type}
+    expected = _engine(tiny_llama_dir, pooler_config=pooler_config).embed(prompts, params)
+    llm = _engine(tiny_llama_dir, pooler_config=pooler_config, async_scheduling=True)
+    engine = llm.engine
+    scheduled: dict[str, int] = {}
+    launch = engine.executor.execute_model_async
+
+    def recording_launch(plan: Any) -> Any:
+        for request_id, n in plan.num_scheduled_tokens.items():
+            scheduled[request_id] = scheduled.get(request_id, 0) + n
+        return launch(plan)
+
+    engine.executor.execute_model_async = recording_launch  # type: ignore[method-assign]
+    got = llm.embed(prompts, params)
+    # every token once (no preemption here), and no step planned past a prompt
+    assert sorted(scheduled.values()) == sorted(len(p) for p in prompts)
+    assert engine.scheduler.num_preemptions == 0
+    for g, e in zip(got, expected, strict=True):
+        assert g.prompt_token_ids == e.prompt_token_ids
+        torch.testing.assert_close(
+            torch.tensor(g.outputs.embedding), torch.tensor(e.outputs.embedding), atol=1e-5, rtol=0
+        )
+    assert not engine.has_unfinished()
+    assert engine.kv_cache_manager.num_free_blocks == engine.info.num_kv_blocks
+
+
+def test_async_scheduling_preempted_mean_request(tiny_llama_dir: Path, hf_model: Any) -> None:
+    """Async scheduling with a prompt preempted half-way (by recompute): its running sum
+    starts again, and both vectors still match HF."""
+    llm = _engine(
+        tiny_llama_dir,
+        max_model_len=64,
+        num_kv_blocks=4,  # one 64-token sequence
+        max_num_batched_tokens=16,
+        scheduler="priority",
+        pooler_config={"pooling_type": "MEAN"},
+        async_scheduling=True,
+    )
+    low, high = _random_prompts([60, 60], seed=5)
+    engine = llm.engine
+
+    def request(ids: list[int], request_id: str, priority: int) -> EngineCoreRequest:
+        return process_pooling(
+            llm.input_processor, llm.embedding_info, ids, PoolingParams(), request_id, priority
+        )
+
+    engine.add_request(request(low, "low", 5))
+    results = {}
+    for _ in range(3):  # 48 of its 60 tokens planned: it holds 3 of the 4 blocks
+        results.update({o.request_id: o for o in engine.step().outputs})
+    engine.add_request(request(high, "high", 0))
+    while engine.has_unfinished():
+        results.update({o.request_id: o for o in engine.step().outputs})
+    assert engine.scheduler.num_preemptions == 1
+    for request_id, ids in (("low", low), ("high", high)):
+        assert results[request_id].finish_reason == FinishReason.STOP
+        got = torch.tensor(decode_pooled(results[request_id].pooled))
+        torch.testing.assert_close(got, _reference(hf_model, ids, "MEAN"), atol=TOLERANCE, rtol=0)
