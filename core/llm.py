@@ -352,17 +352,24 @@ class LLM:
                 "scoring: the cosine of the two texts' embeddings); this LLM generates. "
                 "Cross-encoder (classification-head reranker) models are not supported"
             )
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            # (texts are embedded once each, so per-prompt params would not line up)
+            raise ValueError(
+                "score() takes one PoolingParams for every text (or None); got "
+                f"{type(pooling_params).__name__}"
+            )
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
         prompts = firsts + seconds
-        keys = [_score_key(p) for p in prompts]
+        keys = [_score_key(p, i) for i, p in enumerate(prompts)]
         unique, where = distinct(prompts, keys)
         embeddings = self.embed(
             unique, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm
         )
         offset = len(firsts)
         return score_outputs(
-            [(embeddings[where[i]], embeddings[where[offset + j]]) for i, j in pairs]
+            [(embeddings[where[i]], embeddings[where[offset + j]]) for i, j in pairs],
+            getattr(self.tokenizer, "pad_token_id", None),
         )
 
     def chat(
@@ -476,10 +483,16 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _score_key(prompt: Prompt) -> tuple[str, Any]:
-    """What makes two prompts the same input (score embeds each distinct one once)."""
+def _score_key(prompt: Prompt, position: int) -> tuple[str, Any]:
+    """What makes two prompts the same input (score embeds each distinct one once). A prompt
+    that is neither text nor token ids keys by its ``position`` (never merged), so that
+    ``embed`` refuses it with its own ``ValueError``."""
     value = _prompt_input(prompt)
-    return ("text", value) if isinstance(value, str) else ("ids", tuple(value))
+    if isinstance(value, str):
+        return ("text", value)
+    if isinstance(value, list) and all(isinstance(t, int) for t in value):
+        return ("ids", tuple(value))
+    return ("position", position)
 
 
 def _salted(token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:

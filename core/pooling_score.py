@@ -32,8 +32,8 @@ class ScoringRequestOutput:
     """The result of scoring one pair, as vLLM's ``ScoringRequestOutput``.
 
     ``request_id`` joins the two embedding requests' ids with ``_``; ``prompt_token_ids`` is
-    the first text's tokens followed by the second's (what vLLM reports, and what the
-    server's usage counts).
+    the first text's tokens, the tokenizer's pad token when it has one, then the second's
+    (what vLLM reports, and what the server's usage counts).
     """
 
     request_id: str
@@ -76,19 +76,23 @@ def distinct(items: Sequence[T], key: Sequence[Hashable]) -> tuple[list[T], list
 
 def score_outputs(
     pairs: Sequence[tuple[EmbeddingRequestOutput, EmbeddingRequestOutput]],
+    pad_token_id: int | None = None,
 ) -> list[ScoringRequestOutput]:
     """Each pair's cosine similarity (float32, as ``torch.nn.functional.cosine_similarity``:
-    norms below 1e-8 are taken as 1e-8), in the order of ``pairs``."""
+    norms below 1e-8 are taken as 1e-8), in the order of ``pairs``. ``pad_token_id`` (the
+    tokenizer's, when it has one) goes between each pair's two texts' tokens in
+    ``prompt_token_ids``, as vLLM joins them, so token counts match vLLM's."""
     if not pairs:
         return []
     first = torch.tensor([a.outputs.embedding for a, _ in pairs], dtype=torch.float32)
     second = torch.tensor([b.outputs.embedding for _, b in pairs], dtype=torch.float32)
     scores = torch.nn.functional.cosine_similarity(first, second, dim=-1).tolist()
+    padding = [] if pad_token_id is None else [pad_token_id]
     return [
         ScoringRequestOutput(
             request_id=f"{a.request_id}_{b.request_id}",
             outputs=ScoringOutput(score=score),
-            prompt_token_ids=list(a.prompt_token_ids) + list(b.prompt_token_ids),
+            prompt_token_ids=list(a.prompt_token_ids) + padding + list(b.prompt_token_ids),
         )
         for (a, b), score in zip(pairs, scores, strict=True)
     ]

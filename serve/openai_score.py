@@ -9,12 +9,13 @@ models are not supported.
 * ``POST /score``, ``/v1/score``: ``text_1`` and ``text_2`` (a string or a list of strings),
   paired 1:1, 1:N or N:N; ``data`` holds one score per pair, in order.
 * ``POST /rerank``, ``/v1/rerank``, ``/v2/rerank`` (Jina/Cohere style): ``query`` against each
-  of ``documents``; ``results`` best first, the first ``top_n`` (0 or absent: all), each with
-  its document's ``index`` and, unless ``return_documents`` is false, its text.
+  of ``documents``; ``results`` best first, the first ``top_n`` (absent, 0 or negative: all,
+  as vLLM), each with its document's ``index`` and, unless ``return_documents`` is false, its
+  text.
 
 Both take vLLM's ``truncate_prompt_tokens`` and ``priority``. ``usage`` counts each pair's
-tokens (first text then second, as vLLM does): a query scored against N documents counts N
-times, though it is computed once.
+tokens (first text, the tokenizer's pad token if it has one, then second, as vLLM does): a
+query scored against N documents counts N times, though it is computed once.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ class RerankRequest(_PairRequest):
 
     query: str
     documents: list[str]
-    #: how many results to return, best first (0 or None: all)
-    top_n: int | None = Field(None, ge=0)
+    #: how many results to return, best first (None, 0 or negative: all, as vLLM)
+    top_n: int | None = None
     #: include each document's text in its result (vLLM always does)
     return_documents: bool | None = True
 
@@ -193,7 +194,8 @@ async def _scores(
         embeddings = await embed_all(state, prompts, params, request_id, body.priority or 0)
         offset = len(firsts)
         scored = score_outputs(
-            [(embeddings[where[i]], embeddings[where[offset + j]]) for i, j in pairs]
+            [(embeddings[where[i]], embeddings[where[offset + j]]) for i, j in pairs],
+            getattr(state.tokenizer, "pad_token_id", None),
         )
         return answer(scored, request_id, model)
 
@@ -249,7 +251,7 @@ async def do_rerank(body: RerankRequest, request: Request) -> Response:
         ]
         # best first; equal scores keep the documents' order (a stable sort)
         results.sort(key=lambda r: r.relevance_score, reverse=True)
-        if body.top_n:
+        if body.top_n is not None and body.top_n > 0:
             results = results[: body.top_n]
         num_tokens = sum(len(out.prompt_token_ids) for out in scored)
         return RerankResponse(

@@ -20,7 +20,12 @@ from server_process import ServerProcess, running_server
 from chassis.core.llm import LLM
 from chassis.core.pooler import finish_vector, pool_reference
 from chassis.core.pooling_params import PoolingParams
-from chassis.core.pooling_score import ScoringOutput, ScoringRequestOutput, score_pairs
+from chassis.core.pooling_score import (
+    ScoringOutput,
+    ScoringRequestOutput,
+    score_outputs,
+    score_pairs,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -102,8 +107,10 @@ def test_llm_score_one_to_n_matches_hf(llm: LLM, reference: Any) -> None:
         assert type(output.outputs.score) is float
         expected = _cosine(reference, QUERY, document)
         assert abs(output.outputs.score - expected) < TOLERANCE
+        # vLLM's join: the pad token between the two texts (the SmolLM2 tokenizer has one)
+        assert tokenizer.pad_token_id is not None
         assert output.prompt_token_ids == (
-            tokenizer(QUERY).input_ids + tokenizer(document).input_ids
+            [*tokenizer(QUERY).input_ids, tokenizer.pad_token_id, *tokenizer(document).input_ids]
         )
     assert len({o.request_id for o in outputs}) == len(outputs)
 
@@ -121,6 +128,28 @@ def test_llm_score_one_to_one_and_n_to_n(llm: LLM, reference: Any) -> None:
         llm.score(["a", "b"], ["c", "d", "e"])
     with pytest.raises(ValueError, match="empty"):
         llm.score("a", [])
+    # ids that are not all integers: embed's ValueError (the de-duplication key used to
+    # hash the nested list first: an unhashable-type TypeError)
+    with pytest.raises(ValueError, match="integer"):
+        llm.score("a", ["b", [1, [2]]])  # type: ignore[list-item]
+    # one PoolingParams for all texts (per-prompt params cannot follow the de-duplication)
+    with pytest.raises(ValueError, match="one PoolingParams"):
+        llm.score("a", ["b", "c"], pooling_params=[PoolingParams()] * 3)  # type: ignore[arg-type]
+
+
+def test_score_outputs_put_the_pad_token_between_the_texts() -> None:
+    from chassis.core.pooling_outputs import EmbeddingOutput, EmbeddingRequestOutput
+
+    def out(request_id: str, ids: list[int], vector: list[float]) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), ids)
+
+    a, b = out("a", [1, 2], [1.0, 0.0]), out("b", [3], [1.0, 1.0])
+    [with_pad] = score_outputs([(a, b)], pad_token_id=0)
+    assert with_pad.prompt_token_ids == [1, 2, 0, 3] and with_pad.request_id == "a_b"
+    assert abs(with_pad.outputs.score - 2**-0.5) < 1e-6
+    [without] = score_outputs([(a, b)])
+    assert without.prompt_token_ids == [1, 2, 3]
+    assert score_outputs([]) == []
 
 
 def test_each_distinct_text_is_embedded_once(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,7 +175,8 @@ def test_truncation_and_pooling_params_reach_the_embeddings(
     llm = _llm(tiny_llama_dir, pooler_config={"pooling_type": "MEAN", "normalize": False})
     first, second = list(range(20, 40)), list(range(60, 90))
     [output] = llm.score(first, second, truncate_prompt_tokens=8)
-    assert output.prompt_token_ids == first[-8:] + second[-8:]
+    pad = llm.get_tokenizer().pad_token_id
+    assert output.prompt_token_ids == [*first[-8:], pad, *second[-8:]]
     expected = _cosine(reference, first[-8:], second[-8:], "MEAN")
     assert abs(output.outputs.score - expected) < TOLERANCE
     [again] = llm.score(first, second, pooling_params=PoolingParams(truncate_prompt_tokens=8))
@@ -196,8 +226,8 @@ def test_score_routes_match_hf(server: ServerProcess, reference: Any) -> None:
         for data, document in zip(body["data"], DOCUMENTS, strict=True):
             assert set(data) == {"index", "object", "score"} and data["object"] == "score"
             assert abs(data["score"] - _cosine(reference, QUERY, document)) < TOLERANCE
-        # each pair's tokens (the query counted per pair, as vLLM counts)
-        tokens = _num_tokens(reference, *DOCUMENTS) + 3 * _num_tokens(reference, QUERY)
+        # each pair's tokens and pad token (the query counted per pair, as vLLM counts)
+        tokens = _num_tokens(reference, *DOCUMENTS) + 3 * (_num_tokens(reference, QUERY) + 1)
         assert body["usage"] == {
             "prompt_tokens": tokens,
             "total_tokens": tokens,
@@ -217,7 +247,7 @@ def test_score_routes_match_hf(server: ServerProcess, reference: Any) -> None:
         "/v1/score",
         {"text_1": "a b c d e f", "text_2": "g h i j", "truncate_prompt_tokens": 2},
     )
-    assert cut["usage"]["prompt_tokens"] == 4
+    assert cut["usage"]["prompt_tokens"] == 5  # 2 + the pad token + 2
     server.wait_idle()
 
 
@@ -233,7 +263,7 @@ def test_rerank_routes(server: ServerProcess, reference: Any) -> None:
             assert set(result) == {"index", "document", "relevance_score"}
             assert result["document"] == {"text": DOCUMENTS[result["index"]]}
             assert abs(result["relevance_score"] - expected[result["index"]]) < TOLERANCE
-        tokens = _num_tokens(reference, *DOCUMENTS) + 3 * _num_tokens(reference, QUERY)
+        tokens = _num_tokens(reference, *DOCUMENTS) + 3 * (_num_tokens(reference, QUERY) + 1)
         assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     top = _ok(
         server,
@@ -242,8 +272,8 @@ def test_rerank_routes(server: ServerProcess, reference: Any) -> None:
     )
     assert [r["index"] for r in top["results"]] == order[:2]
     assert all(r["document"] is None for r in top["results"])
-    # top_n 0 (vLLM's default) and above the number of documents: all of them
-    for top_n in (0, 10):
+    # top_n 0 (vLLM's default), negative and above the number of documents: all of them
+    for top_n in (0, -1, 10):
         every = _ok(server, "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": top_n})
         assert [r["index"] for r in every["results"]] == order
     server.wait_idle()
