@@ -188,7 +188,8 @@ class InFlightSteps:
             event=self.platform.record_event(),
             drafts=drafts or {},
         )
-        self.batch.num_unresolved[np.unique(sample_rows)] += 1
+        # (a request with drafts has several sampling rows, yet one step in flight)
+        self.batch.num_unresolved[np.unique(sample_rows) if drafts else sample_rows] += 1
         self._steps.append(step)
         return PendingRunnerOutput(lambda: self._resolve_through(step))
 

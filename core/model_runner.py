@@ -269,14 +269,17 @@ class ModelRunner:
         total = int(cu[-1])
 
         # Speculative decoding: a request's drafts follow its known tokens for this step only
-        # (verified below; the accepted ones become its tokens when the step resolves).
-        num_drafts = np.zeros(len(rows), dtype=np.int64)
-        for i, r in enumerate(rows if out.spec_token_ids else ()):
-            drafts = out.spec_token_ids.get(batch.request_ids[r])
-            if drafts:
-                num_drafts[i] = len(drafts)
-                known = batch.num_tokens[r]
-                batch.token_ids[r, known : known + len(drafts)] = drafts
+        # (verified below; the accepted ones become its tokens when the step resolves). None
+        # on a step without drafts, which then skips the per-token arithmetic for them.
+        num_drafts: np.ndarray | None = None
+        if out.spec_token_ids:
+            num_drafts = np.zeros(len(rows), dtype=np.int64)
+            for i, r in enumerate(rows):
+                drafts = out.spec_token_ids.get(batch.request_ids[r])
+                if drafts:
+                    num_drafts[i] = len(drafts)
+                    known = batch.num_tokens[r]
+                    batch.token_ids[r, known : known + len(drafts)] = drafts
 
         # Flatten: which request each token belongs to, and its position in the sequence.
         req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
@@ -285,7 +288,10 @@ class ModelRunner:
         input_ids: np.ndarray | torch.Tensor = batch.token_ids[token_rows, positions]
         # Tokens past the known ones (and this step's drafts) were sampled by a step whose ids
         # are still on the device.
-        pending = positions >= batch.num_tokens[token_rows] + num_drafts[req_of_token]
+        known_tokens = batch.num_tokens[token_rows]
+        if num_drafts is not None:
+            known_tokens += num_drafts[req_of_token]
+        pending = positions >= known_tokens
         if pending.any():
             pending_index = np.nonzero(pending)[0]
             input_ids = self.in_flight.input_ids(
@@ -343,10 +349,14 @@ class ModelRunner:
         request_ids = [batch.request_ids[r] for r in rows]
         # Per logits row: the index (into rows) of its request, and its token's flat position
         # (a request with d drafts has d + 1 consecutive rows, ending at its last token).
-        counts = 1 + num_drafts[sample_idx]
-        row_of_sample = np.repeat(sample_idx, counts)
-        offsets = np.arange(len(row_of_sample)) - np.repeat(np.cumsum(counts) - counts, counts)
-        sample_token = cu[row_of_sample] - np.repeat(counts, counts) + offsets
+        if num_drafts is None:  # one row per sampling request: its last token
+            row_of_sample = sample_idx
+            sample_token = cu[sample_idx] - 1
+        else:
+            counts = 1 + num_drafts[sample_idx]
+            row_of_sample = np.repeat(sample_idx, counts)
+            offsets = np.arange(len(row_of_sample)) - np.repeat(np.cumsum(counts) - counts, counts)
+            sample_token = cu[row_of_sample] - np.repeat(counts, counts) + offsets
 
         prompt_logprobs = self.prompt_logprobs.collect(
             self.model, hidden, request_ids, starts, num_scheduled, query_start_loc

@@ -64,6 +64,9 @@ def rendezvous(ipc_dir: str) -> str:
 def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
     from chassis.core.engine_core_proc import set_process_name
 
+    # (not at module level: tp_executor imports this module; once here, not every step)
+    from chassis.core.tp_executor import step_summary
+
     set_process_name(f"chassis-tp{rank}")
     # Ctrl-C in a terminal reaches the whole process group: the driver stops this rank in
     # order (SHUTDOWN); dying mid-collective would fail the driver's step instead.
@@ -98,8 +101,6 @@ def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
                     worker.initialize_cache(msgspec.msgpack.decode(payload))
                     result = None
                 elif method == EXECUTE:
-                    from chassis.core.tp_executor import step_summary
-
                     result = step_summary(worker.execute_model(_plan_decoder.decode(payload)))
                 else:
                     raise ValueError(f"unknown command {method!r}")

@@ -176,14 +176,10 @@ def _attention_reference(query, cache, table, lens, scale, window=0, cap=0.0):
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
-def test_decode_attention_matches_float32_softmax(kernels, dtype, head_dim, heads, kv_heads):
-    # lengths that end mid-chunk (odd, so the bf16 path's position pairs end half-empty),
-    # span several blocks, and batches past 2 x threads (whole requests per work item)
-    torch.manual_seed(0)
-    block_size, lens = 16, [1, 15, 16, 17, 33, 100, 7]
+def _decode_batch(lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype):
+    """``(query, cache, table, seq_lens, scale, block_size)``: one decode query per length
+    over a random cache of 16-token blocks, each row's blocks a random permutation (3 spare)."""
+    block_size = 16
     blocks_per_row = -(-max(lens) // block_size)
     cache = torch.randn(len(lens) * blocks_per_row + 3, 2, block_size, kv_heads, head_dim)
     cache = cache.to(dtype)
@@ -191,7 +187,18 @@ def test_decode_attention_matches_float32_softmax(kernels, dtype, head_dim, head
     table = table.view(len(lens), blocks_per_row).to(torch.int32)
     query = torch.randn(len(lens), heads, head_dim).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    scale = head_dim**-0.5
+    return query, cache, table, seq_lens, head_dim**-0.5, block_size
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
+def test_decode_attention_matches_float32_softmax(kernels, dtype, head_dim, heads, kv_heads):
+    # lengths that end mid-chunk (odd, so the bf16 path's position pairs end half-empty),
+    # span several blocks, and batches past 2 x threads (whole requests per work item)
+    torch.manual_seed(0)
+    lens = [1, 15, 16, 17, 33, 100, 7]
+    query, cache, table, seq_lens, scale, _ = _decode_batch(lens, heads, kv_heads, head_dim, dtype)
     actual = kernels.ops.decode_attention(query, cache, table, seq_lens, scale)
     expected = _attention_reference(query, cache, table, seq_lens, scale)
     # bfloat16: the softmax weights are rounded to bfloat16 before p.v (as GPU kernels do)
@@ -206,16 +213,10 @@ def test_decode_attention_window_and_soft_cap(kernels, dtype, head_dim, window, 
     """Windows that start mid-chunk, past a row's start and (1) at the row itself; caps that
     bind. Positions before a row's window hold NaN: the kernel must not read them."""
     torch.manual_seed(1)
-    block_size, lens = 16, [1, 15, 16, 17, 33, 100, 7, 21]
-    heads, kv_heads = 6, 2
-    blocks_per_row = -(-max(lens) // block_size)
-    cache = torch.randn(len(lens) * blocks_per_row + 3, 2, block_size, kv_heads, head_dim)
-    cache = cache.to(dtype)
-    table = torch.randperm(cache.shape[0])[: len(lens) * blocks_per_row]
-    table = table.view(len(lens), blocks_per_row).to(torch.int32)
-    query = torch.randn(len(lens), heads, head_dim).to(dtype)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    scale = head_dim**-0.5
+    lens, heads, kv_heads = [1, 15, 16, 17, 33, 100, 7, 21], 6, 2
+    query, cache, table, seq_lens, scale, block_size = _decode_batch(
+        lens, heads, kv_heads, head_dim, dtype
+    )
     expected = _attention_reference(query, cache, table, seq_lens, scale, window, cap)
     if window:
         for b, length in enumerate(lens):

@@ -291,17 +291,21 @@ def test_last_token_pooling_reuses_the_prefix_cache(tiny_llama_dir: Path, hf_mod
     _assert_matches(hf_model, [again], "LAST")
 
 
-def test_preempted_mean_request_starts_its_sum_again(tiny_llama_dir: Path, hf_model: Any) -> None:
-    """A low-priority prompt preempted half-way (by recompute) pools all its tokens once."""
+def _check_preempted_mean_request(
+    model_dir: Path, hf_model: Any, seed: int, **engine_kwargs: Any
+) -> None:
+    """A low-priority 60-token MEAN prompt preempted (by recompute) after three 16-token steps
+    by a high-priority one: one preemption, and both vectors equal HF's."""
     llm = _engine(
-        tiny_llama_dir,
+        model_dir,
         max_model_len=64,
         num_kv_blocks=4,  # one 64-token sequence
         max_num_batched_tokens=16,
         scheduler="priority",
         pooler_config={"pooling_type": "MEAN"},
+        **engine_kwargs,
     )
-    low, high = _random_prompts([60, 60], seed=4)
+    low, high = _random_prompts([60, 60], seed=seed)
     engine = llm.engine
 
     def request(ids: list[int], request_id: str, priority: int) -> EngineCoreRequest:
@@ -311,7 +315,7 @@ def test_preempted_mean_request_starts_its_sum_again(tiny_llama_dir: Path, hf_mo
 
     engine.add_request(request(low, "low", 5))
     results = {}
-    for _ in range(3):  # 48 of its 60 tokens computed: it holds 3 of the 4 blocks
+    for _ in range(3):  # 48 of its 60 tokens computed (planned, when async): 3 of the 4 blocks
         results.update({o.request_id: o for o in engine.step().outputs})
     engine.add_request(request(high, "high", 0))
     while engine.has_unfinished():
@@ -321,6 +325,11 @@ def test_preempted_mean_request_starts_its_sum_again(tiny_llama_dir: Path, hf_mo
         assert results[request_id].finish_reason == FinishReason.STOP
         got = torch.tensor(decode_pooled(results[request_id].pooled))
         torch.testing.assert_close(got, _reference(hf_model, ids, "MEAN"), atol=TOLERANCE, rtol=0)
+
+
+def test_preempted_mean_request_starts_its_sum_again(tiny_llama_dir: Path, hf_model: Any) -> None:
+    """A low-priority prompt preempted half-way (by recompute) pools all its tokens once."""
+    _check_preempted_mean_request(tiny_llama_dir, hf_model, seed=4)
 
 
 def test_pooled_bytes_round_trip() -> None:
@@ -490,32 +499,4 @@ def test_async_scheduling_pools_as_sync(tiny_llama_dir: Path, pooling_type: str)
 def test_async_scheduling_preempted_mean_request(tiny_llama_dir: Path, hf_model: Any) -> None:
     """Async scheduling with a prompt preempted half-way (by recompute): its running sum
     starts again, and both vectors still match HF."""
-    llm = _engine(
-        tiny_llama_dir,
-        max_model_len=64,
-        num_kv_blocks=4,  # one 64-token sequence
-        max_num_batched_tokens=16,
-        scheduler="priority",
-        pooler_config={"pooling_type": "MEAN"},
-        async_scheduling=True,
-    )
-    low, high = _random_prompts([60, 60], seed=5)
-    engine = llm.engine
-
-    def request(ids: list[int], request_id: str, priority: int) -> EngineCoreRequest:
-        return process_pooling(
-            llm.input_processor, llm.embedding_info, ids, PoolingParams(), request_id, priority
-        )
-
-    engine.add_request(request(low, "low", 5))
-    results = {}
-    for _ in range(3):  # 48 of its 60 tokens planned: it holds 3 of the 4 blocks
-        results.update({o.request_id: o for o in engine.step().outputs})
-    engine.add_request(request(high, "high", 0))
-    while engine.has_unfinished():
-        results.update({o.request_id: o for o in engine.step().outputs})
-    assert engine.scheduler.num_preemptions == 1
-    for request_id, ids in (("low", low), ("high", high)):
-        assert results[request_id].finish_reason == FinishReason.STOP
-        got = torch.tensor(decode_pooled(results[request_id].pooled))
-        torch.testing.assert_close(got, _reference(hf_model, ids, "MEAN"), atol=TOLERANCE, rtol=0)
+    _check_preempted_mean_request(tiny_llama_dir, hf_model, seed=5, async_scheduling=True)

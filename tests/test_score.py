@@ -8,14 +8,14 @@ pooled as the engine pools, in float32).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from server_process import ServerProcess, running_server
+from fixtures_pooling_server import *  # noqa: F403
+from server_process import ServerProcess
 
 from chassis.core.llm import LLM
 from chassis.core.pooler import finish_vector, pool_reference
@@ -190,15 +190,6 @@ def test_a_generating_llm_refuses_score(tiny_llama_dir: Path) -> None:
 
 
 # -- the server -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    extra = ["--runner", "pooling", "--max-num-batched-tokens", "32"]
-    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve"), extra_args=extra) as s:
-        yield s
 
 
 def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:

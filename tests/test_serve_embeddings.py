@@ -5,7 +5,6 @@ Llama, driven by the official ``openai`` client; vectors checked against HF tran
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +12,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from server_process import ServerProcess, running_server
+from fixtures_pooling_server import *  # noqa: F403
+from server_process import ServerProcess
 
 from chassis.core.pooler import finish_vector, pool_reference
 
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    # a token budget below the longest input: it is computed over several steps
-    extra = ["--runner", "pooling", "--max-num-batched-tokens", "32"]
-    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve"), extra_args=extra) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from torch import nn
 from chassis.builtin_plugins.models.llama import (
     DecoderSpec,
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     config_sliding_window,
@@ -147,13 +148,14 @@ class GemmaMLP(LlamaMLP):
         self.act_fn = GeluAndMul(gelu_approximate)
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(LlamaDecoderLayer):
     """Pre-norm attention and MLP blocks with the residual add fused into the norms.
 
     Gemma: ``input_layernorm`` before attention, ``post_attention_layernorm`` before the MLP
-    (Llama's layout). Gemma 2/3 (``sandwich_norms``): ``post_attention_layernorm`` normalizes
-    the attention output before the residual add, ``pre_feedforward_layernorm`` is the norm
-    before the MLP and ``post_feedforward_layernorm`` normalizes the MLP output.
+    (Llama's layout and :meth:`LlamaDecoderLayer.forward`). Gemma 2/3 (``sandwich_norms``):
+    ``post_attention_layernorm`` normalizes the attention output before the residual add,
+    ``pre_feedforward_layernorm`` is the norm before the MLP and
+    ``post_feedforward_layernorm`` normalizes the MLP output.
     """
 
     def __init__(
@@ -164,12 +166,18 @@ class GemmaDecoderLayer(nn.Module):
         layer_idx: int,
         build_ctx: ModelBuildContext,
     ) -> None:
-        super().__init__()
-        self.self_attn = GemmaAttention(spec, options, rotary_emb, layer_idx, build_ctx)
-        self.mlp = GemmaMLP(spec, options.gelu_approximate)
+        # attention first, then the MLP: the order their parameters are created in
+        self_attn = GemmaAttention(spec, options, rotary_emb, layer_idx, build_ctx)
+        super().__init__(
+            spec,
+            rotary_emb,
+            layer_idx,
+            build_ctx,
+            GemmaMLP(spec, options.gelu_approximate),
+            norm_class=GemmaRMSNorm,
+            self_attn=self_attn,
+        )
         eps = spec.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
         self.sandwich_norms = options.sandwich_norms
         if options.sandwich_norms:
             self.pre_feedforward_layernorm = GemmaRMSNorm(spec.hidden_size, eps)
@@ -183,15 +191,9 @@ class GemmaDecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(block output, residual stream)``; their sum is the layer's output."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, ctx)
         if not self.sandwich_norms:
-            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-            return self.mlp(hidden_states), residual
+            return super().forward(positions, hidden_states, residual, ctx)
+        hidden_states, residual = self.attend(positions, hidden_states, residual, ctx)
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual

@@ -91,12 +91,8 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(scaled mlp output, residual stream)``; their sum is the layer's output."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, ctx) * self.residual_multiplier
+        hidden_states, residual = self.attend(positions, hidden_states, residual, ctx)
+        hidden_states = hidden_states * self.residual_multiplier
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states) * self.residual_multiplier, residual
 

@@ -240,7 +240,9 @@ class LlamaDecoderLayer(nn.Module):
 
     ``norm_class`` is both norms' class (an :class:`RMSNorm` that rounds as the
     architecture's checkpoints expect); ``attention_scale`` multiplies ``q . k`` (default
-    ``head_dim ** -0.5``).
+    ``head_dim ** -0.5``); ``self_attn`` replaces the default :class:`LlamaAttention` (then
+    ``attention_scale`` is unused). Subclasses that change what follows attention reuse
+    :meth:`attend`.
     """
 
     def __init__(
@@ -253,16 +255,20 @@ class LlamaDecoderLayer(nn.Module):
         *,
         norm_class: type[RMSNorm] = RMSNorm,
         attention_scale: float | None = None,
+        self_attn: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(
-            spec,
-            rotary_emb,
-            layer_idx,
-            build_ctx,
-            scale=attention_scale,
-            sliding_window=spec.attention_window(layer_idx, build_ctx.max_model_len),
-        )
+        if self_attn is None:
+            self_attn = LlamaAttention(
+                spec,
+                rotary_emb,
+                layer_idx,
+                build_ctx,
+                scale=attention_scale,
+                sliding_window=spec.attention_window(layer_idx, build_ctx.max_model_len),
+            )
+        #: ``(positions, [T, hidden], ctx) -> [T, hidden]``, summed over a tensor-parallel group
+        self.self_attn = self_attn
         #: ``[T, hidden] -> [T, hidden]``, already summed over a tensor-parallel group
         self.mlp = mlp
         self.input_layernorm = norm_class(spec.hidden_size, spec.rms_norm_eps)
@@ -276,14 +282,26 @@ class LlamaDecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(mlp output, residual stream)``; their sum is the layer's output."""
+        hidden_states, residual = self.attend(positions, hidden_states, residual, ctx)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's first half: ``(attention output, residual stream)`` after the input
+        norm (with the previous layer's residual add fused in; ``residual`` is ``None`` for
+        the first layer)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return self.self_attn(positions, hidden_states, ctx), residual
 
 
 #: builds decoder layer ``layer_idx`` around the rotary table all layers share

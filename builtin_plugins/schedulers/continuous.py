@@ -491,9 +491,11 @@ class ContinuousBatchingScheduler(Scheduler):
                     )
                 )
             output.num_scheduled_tokens[request_id] = num_tokens
-            request.spec_token_ids = plan.spec_token_ids.get(request_id, [])
-            if request.spec_token_ids:
-                output.spec_token_ids[request_id] = request.spec_token_ids
+            drafts = plan.spec_token_ids.get(request_id)
+            if drafts:
+                request.spec_token_ids = output.spec_token_ids[request_id] = drafts
+            elif request.spec_token_ids:  # (no new list per request and step when empty)
+                request.spec_token_ids = []
             planned[request_id] = request
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
