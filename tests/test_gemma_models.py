@@ -166,7 +166,7 @@ def test_options_read_from_the_configs(gemma_dirs: dict[str, Path]) -> None:
     gemma = Runner(gemma_dirs["gemma"]).model
     assert gemma.options.gelu_approximate == "tanh"
     assert gemma.options.attn_scale == 32**-0.5
-    assert gemma.model.embed_scale == 8.0
+    assert gemma.model.embedding_multiplier == 8.0
     assert gemma.lm_head.weight is gemma.model.embed_tokens.weight
     gemma2 = Runner(gemma_dirs["gemma2"]).model
     attn = [layer.self_attn.attn for layer in gemma2.model.layers]

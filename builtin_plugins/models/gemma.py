@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from chassis.builtin_plugins.models.llama import (
     DecoderSpec,
@@ -31,14 +30,13 @@ from chassis.builtin_plugins.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
-    config_sliding_window,
+    LlamaModel,
     head_dim_of,
 )
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.activation import GELU_APPROXIMATIONS, GeluAndMul
 from chassis.core.layers.norm import GemmaRMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
-from chassis.core.layers.vocab_parallel import VocabParallelEmbedding
 from chassis.core.model_interface import ModelBuildContext
 
 FULL_ATTENTION = "full_attention"
@@ -199,55 +197,6 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
-class GemmaModel(nn.Module):
-    """Scaled embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
-
-    def __init__(
-        self,
-        hf_config: Any,
-        spec: DecoderSpec,
-        options: GemmaOptions,
-        build_ctx: ModelBuildContext,
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
-        # HF multiplies by sqrt(hidden_size) as a tensor of the model dtype: in bfloat16
-        # sqrt(3072) = 55.43 becomes 55.5, and the checkpoints were trained with that.
-        self.embed_scale = float(
-            torch.tensor(spec.hidden_size**0.5, dtype=build_ctx.dtype, device="cpu")
-        )
-        # One rotary table per distinct set of RoPE parameters, shared by the layers using it.
-        rotaries: dict[str, RotaryEmbedding] = {}
-        for layer_type in dict.fromkeys(options.layer_types):
-            params = options.rope_by_layer_type[layer_type]
-            same = next(
-                (
-                    rotaries[other]
-                    for other in rotaries
-                    if options.rope_by_layer_type[other] == params
-                ),
-                None,
-            )
-            rotaries[layer_type] = same or RotaryEmbedding(spec.head_dim, spec.max_position, params)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(spec, options, rotaries[layer_type], i, build_ctx)
-            for i, layer_type in enumerate(options.layer_types)
-        )
-        self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.embed_scale
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        if residual is None:  # a model with no layers
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
 class GemmaForCausalLM(LlamaForCausalLM):
     """``GemmaForCausalLM`` checkpoints (Gemma 1, CodeGemma); the base of Gemma 2 and 3.
 
@@ -258,12 +207,35 @@ class GemmaForCausalLM(LlamaForCausalLM):
     configs unless ``config.json`` sets it false).
     """
 
-    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> GemmaModel:
-        """The Gemma decoder, with this generation's :meth:`gemma_options` (kept as
-        ``self.options``)."""
+    norm_class = GemmaRMSNorm
+
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> LlamaModel:
+        """Llama's decoder of :class:`GemmaDecoderLayer` layers, with this generation's
+        :meth:`gemma_options` (kept as ``self.options``): embeddings scaled by
+        ``sqrt(hidden_size)``, a RoPE table per layer type."""
         refuse_bidirectional(hf_config)
         self.options = self.gemma_options(hf_config)
-        return GemmaModel(hf_config, self.spec, self.options, build_ctx)
+        # HF multiplies by sqrt(hidden_size) as a tensor of the model dtype: in bfloat16
+        # sqrt(3072) = 55.43 becomes 55.5, and the checkpoints were trained with that.
+        embed_scale = float(
+            torch.tensor(self.spec.hidden_size**0.5, dtype=build_ctx.dtype, device="cpu")
+        )
+        rope = self.options.rope_by_layer_type
+        return LlamaModel(
+            hf_config,
+            self.spec,
+            build_ctx,
+            self.make_layer,
+            norm_class=GemmaRMSNorm,
+            embedding_multiplier=embed_scale,
+            rope_per_layer=[rope[kind] for kind in self.options.layer_types],
+        )
+
+    def make_layer(
+        self, layer_idx: int, rotary_emb: RotaryEmbedding, build_ctx: ModelBuildContext
+    ) -> GemmaDecoderLayer:
+        """A :class:`GemmaDecoderLayer` with this generation's options."""
+        return GemmaDecoderLayer(self.spec, self.options, rotary_emb, layer_idx, build_ctx)
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -283,20 +255,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 "config.layer_types has sliding_attention layers but config.sliding_window "
                 f"is {window!r}; it must be a positive integer"
             )
-        num_heads = int(hf_config.num_attention_heads)
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        return DecoderSpec(
-            hidden_size=int(hf_config.hidden_size),
-            num_heads=num_heads,
-            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
-            head_dim=head_dim_of(hf_config),
-            intermediate_size=int(hf_config.intermediate_size),
-            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
-            max_position=int(getattr(hf_config, "max_position_embeddings", 8192)),
+        return DecoderSpec.from_config(
+            hf_config,
+            activation=None,  # Gemma's GeGLU, checked by gemma_options
             rope=options.rope_by_layer_type[FULL_ATTENTION],
-            qkv_bias=attention_bias,
-            o_bias=attention_bias,
-            sliding_window=config_sliding_window(hf_config),
             sliding_layers=sliding_layers,
         )
 

@@ -14,7 +14,7 @@ checkpoint tensors into row slices of the merged weights.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,16 +77,21 @@ class DecoderSpec:
     attention_sinks: bool = False
 
     @classmethod
-    def from_config(cls, cfg: Any, **overrides: Any) -> DecoderSpec:
+    def from_config(
+        cls, cfg: Any, *, activation: str | None = "silu", **overrides: Any
+    ) -> DecoderSpec:
         """Read a Llama-style config; ``overrides`` set the per-architecture options.
 
+        ``activation`` is the MLP activation the architecture implements, which the config's
+        ``hidden_act`` must name (a ``ValueError`` otherwise); ``None`` skips the check, for
+        an architecture that reads and checks its activation itself (Gemma).
         ``sliding_window`` is read as Mistral, Mixtral and Phi-3 define it (every layer, when
         set; see :func:`config_sliding_window`); architectures that slide only some layers
         pass ``sliding_layers`` (:func:`qwen_sliding_layers`).
         """
         act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if activation is not None and act != activation:
+            raise ValueError(f"hidden_act {act!r} is not supported (only {activation!r})")
         num_heads = int(cfg.num_attention_heads)
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         fields: dict[str, Any] = {
@@ -315,8 +320,10 @@ class LlamaModel(nn.Module):
     (:meth:`LlamaForCausalLM.make_layer`), which :meth:`forward` calls as a
     :class:`LlamaDecoderLayer`: ``layer(positions, hidden_states, residual, ctx)`` returns
     ``(block output, residual stream)``, ``residual`` being ``None`` for the first layer.
-    ``norm_class`` is the final norm's class; ``embedding_multiplier`` (Granite) scales the
-    token embeddings.
+    ``norm_class`` is the final norm's class; ``embedding_multiplier`` (Granite, Gemma) scales
+    the token embeddings. ``rope_per_layer`` gives each layer's RoPE parameters when they
+    differ by layer (Gemma 3's local and global layers); by default every layer uses
+    ``spec.rope``. Layers with equal parameters share one rotary table.
     """
 
     def __init__(
@@ -328,16 +335,29 @@ class LlamaModel(nn.Module):
         *,
         norm_class: type[RMSNorm] = RMSNorm,
         embedding_multiplier: float | None = None,
+        rope_per_layer: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
         self.embedding_multiplier = embedding_multiplier
-        rotary_emb = RotaryEmbedding(
-            spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
-        )
-        self.layers = nn.ModuleList(
-            make_layer(i, rotary_emb, build_ctx) for i in range(int(hf_config.num_hidden_layers))
-        )
+        num_layers = int(hf_config.num_hidden_layers)
+        if rope_per_layer is None:
+            rope_per_layer = [spec.rope] * num_layers
+        elif len(rope_per_layer) != num_layers:
+            raise ValueError(
+                f"rope_per_layer has {len(rope_per_layer)} entries for {num_layers} layers"
+            )
+        rotaries: list[tuple[dict[str, Any], RotaryEmbedding]] = []
+        layers = []
+        for i, params in enumerate(rope_per_layer):
+            rotary_emb = next((table for p, table in rotaries if p == params), None)
+            if rotary_emb is None:
+                rotary_emb = RotaryEmbedding(
+                    spec.head_dim, spec.max_position, params, context_len=build_ctx.max_model_len
+                )
+                rotaries.append((params, rotary_emb))
+            layers.append(make_layer(i, rotary_emb, build_ctx))
+        self.layers = nn.ModuleList(layers)
         self.norm = norm_class(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(
@@ -382,12 +402,18 @@ class LlamaForCausalLM(CausalLM):
         self.full_spec = self.decoder_spec(hf_config)
         self.spec = self.full_spec.tensor_parallel_share()
         self.model = self.build_decoder(hf_config, build_ctx)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.build_head(hf_config)
+
+    def build_head(self, hf_config: Any) -> None:
+        """Build the head over the final hidden states: ``lm_head`` (a subclass with another
+        head, such as a sequence classifier's ``score``, overrides this) and set
+        ``tie_word_embeddings``. Called from ``__init__`` after :meth:`build_decoder`."""
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # The head is a module even when tied (then sharing the embedding matrix, built on the
         # meta device so no second matrix is allocated; parameter listings name it once, as
         # model.embed_tokens.weight) so that a platform's prepare_model can swap it too.
         head_device = "meta" if self.tie_word_embeddings else None
-        self.vocab_size = int(hf_config.vocab_size)
         # this rank's vocabulary rows (all of them without tensor parallelism)
         _, vocab_rows = vocab_shard(self.vocab_size)
         self.lm_head = nn.Linear(self.spec.hidden_size, vocab_rows, bias=False, device=head_device)
@@ -572,6 +598,35 @@ class LlamaForCausalLM(CausalLM):
             start, length = parallel_state.shard(tensor.shape[1], name)
             return tensor[:, start : start + length]
         return tensor
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """``LlamaForSequenceClassification`` checkpoints (and, as a base listed first, the
+    Qwen2/Qwen3 ones): the decoder with HF's ``score`` head, a bias-free linear layer from the
+    hidden size to ``num_labels``, instead of the LM head.
+
+    :meth:`forward` returns every token's class logits ``[num_tokens, num_labels]`` (HF
+    projects every token too, then picks the last non-padding one); a pooling engine
+    (``runner="pooling"``, which vLLM's ``auto`` and chassis pick for these checkpoints) pools
+    them into each prompt's logits (:mod:`chassis.core.pooling_classify`). The head is whole
+    on every tensor-parallel rank (the hidden states are).
+    """
+
+    def build_head(self, hf_config: Any) -> None:
+        # no LM head: an lm_head.weight in the checkpoint is an error, not skipped
+        self.tie_word_embeddings = False
+        self.num_labels = int(hf_config.num_labels)
+        self.score = nn.Linear(self.spec.hidden_size, self.num_labels, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.score(self.model(input_ids, positions, ctx))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The class logits of :meth:`forward`'s rows as float32 (forward already applied
+        the head; a pooling engine never samples, this serves its memory profile)."""
+        return hidden_states.float()
 
 
 def _merged_target(name: str) -> tuple[str, str | None]:
