@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from chassis.serve.settings import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServerSettings,
 )
+from chassis.serve.tls import check_tls
 
 if TYPE_CHECKING:
     import socket
@@ -143,6 +145,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disable-access-log", action="store_true", help="do not log one line per request"
     )
+    g.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
+    g.add_argument(
+        "--ssl-keyfile", help="the certificate's PEM private key (if not in --ssl-certfile)"
+    )
+    g.add_argument(
+        "--ssl-ca-certs", help="PEM CA certificates that client certificates are checked against"
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="client certificates: 0 not asked (default), 1 optional, 2 required",
+    )
+    g.add_argument(
+        "--uds",
+        metavar="PATH",
+        help="listen on this Unix domain socket instead of --host/--port",
+    )
     g.add_argument(
         "--lora-modules",
         nargs="+",
@@ -208,6 +229,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         lora_modules=list(args.lora_modules),
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        uds=args.uds,
     )
 
 
@@ -226,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         config = engine_config_from_args(args)
         ChatParsers.from_settings(settings)  # unknown parser names fail before the model loads
+        check_tls(settings)  # and so do unreadable certificates
         check_lora_modules(
             settings.lora_modules,
             enable_lora=config.enable_lora,
@@ -240,20 +267,27 @@ def run(args: argparse.Namespace) -> int:
             settings.tool_call_parser,
         )
 
-    from chassis.serve.server import bind_sockets
+    from chassis.serve.server import bind_sockets, bind_unix_socket, listen_address
 
     # Take the port first: a port in use fails now, not after loading the model.
     try:
-        sockets = bind_sockets(settings.host, settings.port)
+        if settings.uds is not None:
+            sockets = [bind_unix_socket(settings.uds)]
+        else:
+            sockets = bind_sockets(settings.host, settings.port)
     except OSError as exc:
-        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+        logger.error("cannot listen on %s: %s", listen_address(settings), exc)
         return 2
-    settings.port = sockets[0].getsockname()[1]  # the real one when --port 0
+    if settings.uds is None:
+        settings.port = sockets[0].getsockname()[1]  # the real one when --port 0
     try:
         return _serve(config, settings, sockets)
     finally:
         for sock in sockets:
             sock.close()
+        if settings.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(settings.uds)
 
 
 def _serve(config: EngineConfig, settings: ServerSettings, sockets: list[socket.socket]) -> int:
@@ -263,14 +297,13 @@ def _serve(config: EngineConfig, settings: ServerSettings, sockets: list[socket.
     from chassis.core.errors import EngineDeadError
     from chassis.core.heap import freeze_startup_heap
     from chassis.serve.app import build_app
-    from chassis.serve.server import run_server
+    from chassis.serve.server import listen_address, run_server
 
     if settings.api_key is None:
         logger.warning(
-            "no API key set (--api-key or $%s): any client that can reach %s:%d may use it",
+            "no API key set (--api-key or $%s): any client that can reach %s may use it",
             API_KEY_ENV,
-            settings.host,
-            settings.port,
+            listen_address(settings),
         )
     try:
         engine = AsyncLLM.from_engine_config(config)

@@ -16,9 +16,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
+import os
 import signal
 import socket
+import stat
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -36,18 +40,30 @@ if TYPE_CHECKING:
 logger = logging.getLogger("chassis.serve")
 
 
-def format_url(host: str, port: int) -> str:
-    """``http://host:port`` with IPv6 hosts bracketed."""
+def format_url(host: str, port: int, scheme: str = "http") -> str:
+    """``scheme://host:port`` with IPv6 hosts bracketed."""
     shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}"
+    return f"{scheme}://{shown}:{port}"
+
+
+def listen_address(settings: ServerSettings, port: int | None = None) -> str:
+    """Where the server listens, as logged: ``unix:PATH`` with ``--uds``, else
+    ``http(s)://host:port`` (``port`` overrides ``settings.port``, e.g. the one bound)."""
+    if settings.uds is not None:
+        return f"unix:{settings.uds}"
+    scheme = "https" if settings.ssl_certfile is not None else "http"
+    return format_url(settings.host, settings.port if port is None else port, scheme)
 
 
 class ChassisServer(uvicorn.Server):
     """A uvicorn server that aborts in-flight requests on a signal and logs when it is ready."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, settings: ServerSettings
+    ) -> None:
         super().__init__(config)
         self.state = state
+        self.settings = settings
         self.engine_died = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_task: asyncio.Task[None] | None = None
@@ -66,7 +82,15 @@ class ChassisServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started:
             port = self.bound_port or self.config.port
-            logger.info("ready on %s", format_url(self.config.host, port))
+            logger.info("ready on %s", listen_address(self.settings, port))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets=sockets)
+        # Here, not after serve(): uvicorn re-raises the signal that stopped it as serve()
+        # returns, which ends the process before its callers' cleanup.
+        if self.settings.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.settings.uds)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.state.shutting_down:
@@ -107,6 +131,10 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
         log_level=settings.uvicorn_log_level,
         access_log=settings.access_log,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_ca_certs=settings.ssl_ca_certs,
+        ssl_cert_reqs=settings.ssl_cert_reqs,
         # the CLI has configured logging already; keep uvicorn from replacing it
         log_config=None,
         **http_config(settings.max_header_bytes),
@@ -152,6 +180,35 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening Unix domain socket at ``path`` (``--uds``), with the permissions the
+    process umask gives (uvicorn's own ``--uds`` opens it to every local user; here only
+    who may write the file may connect). A socket file no server answers on (left by a
+    killed server) is replaced.
+
+    :raises OSError: a server answers on ``path``, or it is another kind of file, or the
+        directory cannot be written.
+    """
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                os.unlink(path)  # stale: its server is gone
+            else:
+                raise OSError(errno.EADDRINUSE, f"a server is listening on {path}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def serve_app(
     app: FastAPI, settings: ServerSettings, sockets: list[socket.socket] | None = None
 ) -> int:
@@ -159,7 +216,7 @@ async def serve_app(
     death, on ``sockets`` (from :func:`bind_sockets`) or else on sockets bound now; return
     the exit status (0, or 1 when the engine died)."""
     state: ServerState = app.state.chassis
-    server = ChassisServer(uvicorn_config(app, settings), state)
+    server = ChassisServer(uvicorn_config(app, settings), state, settings)
     state.engine.add_dead_callback(server.on_engine_dead)
     await server.serve(sockets=sockets)
     return 1 if server.engine_died or state.engine.errored else 0

@@ -50,6 +50,17 @@ class ServerSettings:
     #: LoRA adapters served from the start (``--lora-modules``; the engine needs
     #: ``enable_lora``); their ids are 1, 2, ... in this order
     lora_modules: list[LoRAModule] = field(default_factory=list)
+    #: serve HTTPS with this PEM certificate chain and private key (``--ssl-certfile``,
+    #: ``--ssl-keyfile``; the key may be in the certificate file); ``None``: plain HTTP
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    #: PEM CA certificates that client certificates are verified against (``--ssl-ca-certs``)
+    ssl_ca_certs: str | None = None
+    #: whether clients present a certificate (``--ssl-cert-reqs``, :mod:`ssl`'s values):
+    #: 0 ``CERT_NONE`` (default), 1 ``CERT_OPTIONAL``, 2 ``CERT_REQUIRED``
+    ssl_cert_reqs: int = 0
+    #: listen on this Unix domain socket instead of ``host:port`` (``--uds``)
+    uds: str | None = None
     #: add ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (default: from
     #: ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` or ``$CHASSIS_ALLOW_RUNTIME_LORA_UPDATING``)
     allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating_allowed)
@@ -75,6 +86,22 @@ class ServerSettings:
             raise ValueError(f"--timeout-keep-alive must be >= 0; got {self.timeout_keep_alive_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout_s}")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate it signs)")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(
+                f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required); "
+                f"got {self.ssl_cert_reqs}"
+            )
+        if self.ssl_certfile is None and (self.ssl_ca_certs is not None or self.ssl_cert_reqs):
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (HTTPS)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError(
+                "--ssl-cert-reqs asks for client certificates: give --ssl-ca-certs to verify "
+                "them against"
+            )
+        if self.uds is not None and not self.uds:
+            raise ValueError("--uds must be a socket path")
         names = [module.name for module in self.lora_modules]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

@@ -36,10 +36,19 @@ class ServerProcess:
     """One running ``chassis serve`` process serving ``model`` at ``base`` (``http://host:port``)."""
 
     def __init__(
-        self, proc: subprocess.Popen[bytes], base: str, log: Path, model: str, api_key: str
+        self,
+        proc: subprocess.Popen[bytes],
+        base: str,
+        log: Path,
+        model: str,
+        api_key: str,
+        listen: str | None = None,
     ) -> None:
         self.proc = proc
         self.base = base
+        #: where the server says it is ready (``base`` unless it listens elsewhere, e.g. a
+        #: Unix socket)
+        self.listen = listen or base
         self.log = log
         self.model = model
         self.api_key = api_key
@@ -144,7 +153,7 @@ class ServerProcess:
         assert self.proc.returncode in (0, -signal.SIGTERM), (
             f"exit status {self.proc.returncode}:\n{output}"
         )
-        assert f"ready on {self.base}" in output
+        assert f"ready on {self.listen}" in output
         assert "received SIGTERM" in output
         assert "Traceback" not in output, output
         return output
@@ -174,12 +183,18 @@ def start_server(
     num_kv_blocks: int | None = 64,
     api_key: str = API_KEY,
     startup_timeout: float = 180.0,
+    scheme: str = "http",
+    health_client: httpx.Client | None = None,
+    listen: str | None = None,
 ) -> ServerProcess:
     """Start ``chassis serve model_dir`` (float32, eager, no access log) and wait until healthy.
 
     ``extra_args`` are appended to the command line. The output goes to
     ``log_dir/serve.log``; a server that exits or is not healthy in ``startup_timeout``
-    seconds fails the test with that output.
+    seconds fails the test with that output. A server reached otherwise than plain HTTP on
+    its port (HTTPS, a Unix socket) needs ``scheme``, the ``health_client`` that polls
+    ``/health`` and, when it listens elsewhere than ``scheme://127.0.0.1:port``, ``listen``
+    (as its "ready on" line says).
     """
     port = free_port()
     log = Path(log_dir) / "serve.log"
@@ -209,13 +224,15 @@ def start_server(
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log, served_model_name, api_key)
+    base = f"{scheme}://127.0.0.1:{port}"
+    server = ServerProcess(proc, base, log, served_model_name, api_key, listen)
+    get = health_client.get if health_client is not None else httpx.get
     deadline = time.monotonic() + startup_timeout
     while True:
         if proc.poll() is not None:
             raise AssertionError(f"chassis serve exited early:\n{server.output()}")
         try:
-            if httpx.get(server.base + "/health", timeout=2).status_code == 200:
+            if get(server.base + "/health", timeout=2).status_code == 200:
                 return server
         except httpx.TransportError:
             pass

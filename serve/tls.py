@@ -1,0 +1,41 @@
+"""HTTPS for ``chassis serve``: the TLS settings are checked before the model loads.
+
+uvicorn builds its own :class:`ssl.SSLContext` from the same files when it starts serving,
+which is after the engine start-up (minutes for a large model); :func:`check_tls` builds one
+first, so a missing file, a key that does not match its certificate or an unreadable CA
+bundle fails at once with the flag named.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chassis.serve.settings import ServerSettings
+
+
+def check_tls(settings: ServerSettings) -> ssl.SSLContext | None:
+    """The server-side context ``settings`` describe (``None`` for plain HTTP).
+
+    :raises ValueError: a certificate, key or CA file cannot be read or does not fit.
+    """
+    if settings.ssl_certfile is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(
+            f"--ssl-certfile {settings.ssl_certfile!r} / --ssl-keyfile "
+            f"{settings.ssl_keyfile!r}: cannot load the certificate and its key ({exc})"
+        ) from None
+    if settings.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(settings.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"--ssl-ca-certs {settings.ssl_ca_certs!r}: cannot load the CA certificates ({exc})"
+            ) from None
+    context.verify_mode = ssl.VerifyMode(settings.ssl_cert_reqs)
+    return context
