@@ -214,6 +214,21 @@ def test_experts_block_graph_capture_and_check_shapes(gpt_oss_dir: Path) -> None
         model.load_weights([("model.layers.0.mlp.experts.down_proj", torch.zeros(4, 64, 96))])
 
 
+def test_experts_allow_graph_capture_with_a_platform_kernel(
+    gpt_oss_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the platform's kernels offer ``fused_moe_clamped_swiglu`` (CUDA/ROCm's
+    TritonLayerKernels) the experts block nothing; the kernel against the torch path is
+    tests/test_triton_moe_bias.py, on a GPU tests/gpu/test_gpu_triton_moe_gpt_oss.py."""
+    from chassis.core.layers.triton_ops import TritonLayerKernels
+
+    model = Runner(gpt_oss_dir).model
+    monkeypatch.setattr(
+        "chassis.builtin_plugins.models.gpt_oss.kernels_for", lambda x: TritonLayerKernels()
+    )
+    assert model.graph_capture_blocker() is None
+
+
 def test_builds_under_a_non_cpu_default_device() -> None:
     """What ``build_model`` does on a GPU: every parameter and buffer (sinks, expert
     biases, the YaRN tables computed on the CPU) follows the default device."""

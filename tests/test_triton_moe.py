@@ -248,6 +248,10 @@ def test_the_layer_runs_the_platform_kernel(dtype: torch.dtype, monkeypatch) -> 
 
 # -- compiled for the GPUs, without one -----------------------------------------------------------
 
+#: the first kernel's epilogue switches of the plain SiLU-and-mul path (gpt-oss's variant:
+#: tests/test_triton_moe_bias.py)
+PLAIN = dict(CLAMPED_SWIGLU=False, ALPHA=0.0, LIMIT=0.0)
+
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
@@ -259,11 +263,13 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
     # decode (16-row blocks) and prefill (64-row blocks, 8 warps) configurations, bfloat16,
     # with routing weights in bfloat16 (Qwen) and in float32 (Mixtral)
     for block_m, block_n, warps, weights in ((16, 32, 4, "*bf16"), (64, 64, 8, "*fp32")):
-        tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, DOT_FP32=False)
+        tiles = dict(
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, DOT_FP32=False, HAS_BIAS=False
+        )
         compile_kernel(
             triton_moe._gate_up_kernel,
             target,
-            dict(TOP_K=8, **tiles),
+            dict(TOP_K=8, **PLAIN, **tiles),
             pointer_types=ints,
             num_warps=warps,
         )
@@ -276,13 +282,16 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
         )
     # float32 models: IEEE float32 dots; routing weights in the model dtype
     fp32 = {n: "*fp32" for n in ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "out_ptr")}
-    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, DOT_FP32=True)
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, DOT_FP32=True, HAS_BIAS=False)
     compile_kernel(
-        triton_moe._gate_up_kernel, target, dict(TOP_K=2, **tiles), pointer_types={**ints, **fp32}
+        triton_moe._gate_up_kernel,
+        target,
+        dict(TOP_K=2, **PLAIN, **tiles),
+        pointer_types={**ints, **fp32, "b13_ptr": "*fp32"},
     )
     compile_kernel(
         triton_moe._down_kernel,
         target,
         tiles,
-        pointer_types={**ints, **fp32, "weights_ptr": "*fp32"},
+        pointer_types={**ints, **fp32, "b2_ptr": "*fp32", "weights_ptr": "*fp32"},
     )

@@ -29,10 +29,13 @@ with these differences:
 - **norms**: RMSNorm with the scale applied in float32 before the cast back (HF keeps the
   norms in float32), :class:`GptOssRMSNorm`.
 
-The experts run a torch path (tokens sorted by expert, one matmul pair per expert used),
-which reads the expert counts on the host: decode steps are not captured as device graphs
-(:meth:`GptOssExperts.graph_capture_blocker`). The platform ``fused_moe`` kernels compute
-the plain SwiGLU without biases and are not used here.
+The experts run the platform's ``fused_moe_clamped_swiglu`` kernel when it offers one for
+their weights (CUDA/ROCm: the Triton fused MoE, ``core/layers/triton_moe.py``), which reads
+nothing back to the host, so decode steps are captured as device graphs. Otherwise (the CPU,
+``CHASSIS_LAYER_KERNELS=0``, ``torch.compile``) they run :func:`experts_reference`, the torch
+path the kernel is tested against (tokens sorted by expert, one matmul pair per expert
+used), which reads the expert counts on the host: then decode steps stay eager
+(:meth:`GptOssExperts.graph_capture_blocker`).
 
 Tensor parallel: attention heads (and their sinks) split as Llama's; every rank holds all
 experts with ``1/N`` of their intermediate columns (gate/up rows and biases, down columns;
@@ -55,6 +58,7 @@ from chassis.builtin_plugins.models.llama import (
     qwen_sliding_layers,
 )
 from chassis.core import parallel_state
+from chassis.core.layers.kernels import kernels_for
 from chassis.core.layers.norm import RMSNorm
 
 #: ``<block>.experts.<tensor>`` in a checkpoint: the experts' stacked weights and biases
@@ -92,15 +96,55 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def experts_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """gpt-oss's experts in torch: ``sum_j weights[:, j] * expert_{ids[:, j]}(x)``, ``[T, H]``
+    in ``x``'s dtype, with ``expert_e(x) = clamped_swiglu(x @ w13[e].T + b13[e]) @ w2[e].T +
+    b2[e]``.
+
+    Each expert's output is computed in the model dtype (as HF does), the weighted sum over a
+    token's experts in float32, rounded once. Tokens are sorted by expert and each expert
+    that any token chose runs once over its rows; the counts are read on the host. The
+    reference of the platforms' ``fused_moe_clamped_swiglu`` kernels (same arguments).
+    """
+    num_tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host read
+    sorted_x = x[order // top_k]
+    sorted_y = torch.empty(sorted_x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = sorted_x[start : start + count]
+            hidden = clamped_swiglu(F.linear(rows, w13[e], b13[e]), alpha, limit)
+            sorted_y[start : start + count] = F.linear(hidden, w2[e], b2[e])
+            start += count
+    y = torch.empty_like(sorted_y)
+    y[order] = sorted_y  # back to [token, slot] order
+    weighted = y.view(num_tokens, top_k, w2.shape[1]).float() * weights.float().unsqueeze(-1)
+    return weighted.sum(dim=1).to(x.dtype)
+
+
 class GptOssExperts(nn.Module):
     """The experts of one gpt-oss block: ``forward(x [T, H], weights [T, k], ids [T, k])``
     returns ``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` (``[T, H]``, this rank's partial
     sum under tensor parallelism: the caller all-reduces).
 
-    ``expert_e(x) = clamped_swiglu(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]``. Each expert's
-    output is computed in the model dtype (as HF does), the weighted sum over a token's
-    experts in float32, rounded once. Tokens are sorted by expert and each expert that any
-    token chose runs once over its rows; the counts are read on the host.
+    ``expert_e(x) = clamped_swiglu(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]``. Runs the
+    platform's ``fused_moe_clamped_swiglu`` kernel when the platform offers one for the
+    weights (no host read: decode steps can be captured as graphs), else
+    :meth:`forward_reference` (:func:`experts_reference`, which reads the expert counts on
+    the host). Rounding as :func:`experts_reference` says.
     """
 
     def __init__(
@@ -128,34 +172,36 @@ class GptOssExperts(nn.Module):
         self.w2 = param(num_experts, hidden_size, inter)
         self.b2 = param(num_experts, hidden_size)
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` over the rows of ``x``, in ``x``'s dtype."""
-        hidden = clamped_swiglu(F.linear(x, self.w13[e], self.b13[e]), self.alpha, self.limit)
-        return F.linear(hidden, self.w2[e], self.b2[e])
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host read
-        sorted_x = x[order // top_k]
-        sorted_y = torch.empty_like(sorted_x)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                sorted_y[start : start + count] = self.expert(e, sorted_x[start : start + count])
-                start += count
-        y = torch.empty_like(sorted_y)
-        y[order] = sorted_y  # back to [token, slot] order
-        weighted = y.view(num_tokens, top_k, -1).float() * weights.float().unsqueeze(-1)
-        return weighted.sum(dim=1).to(x.dtype)
+        fused = self._kernel()
+        if fused is not None:
+            args = (self.w13, self.b13, self.w2, self.b2, weights, ids, self.alpha, self.limit)
+            return fused(x, *args)
+        return self.forward_reference(x, weights, ids)
+
+    def forward_reference(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The torch path (:func:`experts_reference`), whatever the platform offers."""
+        return experts_reference(
+            x, self.w13, self.b13, self.w2, self.b2, weights, ids, self.alpha, self.limit
+        )
+
+    def _kernel(self) -> Any:
+        """The platform's ``fused_moe_clamped_swiglu`` for these weights, or ``None``."""
+        kernels = kernels_for(self.w13)
+        return getattr(kernels, "fused_moe_clamped_swiglu", None) if kernels is not None else None
 
     def graph_capture_blocker(self) -> str | None:
-        """The torch path reads the experts' token counts on the host (see
+        """``None`` when the platform's kernel runs the experts; else why a forward cannot
+        be captured: the torch path reads the experts' token counts on the host (see
         :meth:`chassis.core.model_interface.CausalLM.graph_capture_blocker`)."""
+        if self._kernel() is not None:
+            return None
         return (
             "gpt-oss's experts (biases, clamped SwiGLU) run a torch path that reads expert "
-            "counts on the host"
+            "counts on the host (the platform offers no fused_moe_clamped_swiglu kernel for "
+            f"{self.w13.dtype} on {self.w13.device.type})"
         )
 
     @torch.no_grad()

@@ -36,6 +36,12 @@ class LayerKernels(Protocol):
     same arguments); :class:`~chassis.core.layers.moe.FusedMoE` runs it when present, else
     its torch code. It should read nothing back to the host, so that decode steps with it can
     be captured in CUDA graphs.
+
+    Optional too: ``fused_moe_clamped_swiglu(x, w13, b13, w2, b2, topk_weights, topk_ids,
+    alpha, limit) -> [T, H]``, gpt-oss's experts (a bias on each matmul, the clamped SwiGLU;
+    reference :func:`chassis.builtin_plugins.models.gpt_oss.experts_reference`, same
+    arguments); :class:`~chassis.builtin_plugins.models.gpt_oss.GptOssExperts` runs it when
+    present, else its torch code. No host read either.
     """
 
     def handles(self, x: torch.Tensor) -> bool:

@@ -22,6 +22,11 @@ intermediate can land one rounding step apart (which the down matmul carries on)
 products are summed in slot order, the reference's in expert-id order (float32, last bits).
 float32 inputs use IEEE float32 dots (no TF32), as torch's matmul does by default.
 
+:func:`fused_moe_clamped_swiglu` runs the same kernels for gpt-oss's experts: a bias on each
+matmul (added to the float32 sum before it rounds, as ``F.linear`` does) and the clamped
+SwiGLU in the first epilogue instead of SiLU-and-mul (constexpr switches: with them off the
+kernels are the plain ones).
+
 On the CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` set
 before ``triton`` is first imported), which the tests use; there bfloat16 dot operands are
 upcast to float32, since the interpreter multiplies bfloat16 as raw bits.
@@ -29,6 +34,7 @@ upcast to float32, since the interpreter multiplies bfloat16 as raw bits.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -39,7 +45,7 @@ from chassis.core.layers.kernels import KERNEL_DTYPES
 from chassis.core.layers.moe import _check_shapes
 from chassis.core.layers.triton_ops import check_launchable
 
-__all__ = ["MoeAlignment", "fused_moe", "max_blocks", "moe_align"]
+__all__ = ["MoeAlignment", "fused_moe", "fused_moe_clamped_swiglu", "max_blocks", "moe_align"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +142,7 @@ def _block_and_tile(num_blocks, num_tiles_n, GROUP_M: tl.constexpr):
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
+    b13_ptr,
     h_ptr,
     sorted_pairs_ptr,
     block_experts_ptr,
@@ -146,6 +153,7 @@ def _gate_up_kernel(
     stride_x,
     stride_w_expert,
     stride_w_row,
+    stride_b_expert,
     stride_h,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -153,9 +161,17 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED_SWIGLU: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     """``h[r, n] = silu(gate) * up`` for the rows of one block and ``BLOCK_N`` columns of the
-    intermediate dim: ``gate = x[token(r)] . w13[e, n]``, ``up = x[token(r)] . w13[e, I + n]``."""
+    intermediate dim: ``gate = x[token(r)] . w13[e, n]``, ``up = x[token(r)] . w13[e, I + n]``.
+
+    ``HAS_BIAS``: ``b13[e, n]`` and ``b13[e, I + n]`` join gate and up before they round.
+    ``CLAMPED_SWIGLU`` (gpt-oss): ``h = (clamp(up, -LIMIT, LIMIT) + 1) * g * sigmoid(ALPHA * g)``
+    with ``g = min(gate, LIMIT)`` instead. Both off: the plain path (``b13_ptr`` unread)."""
     block, tile_n = _block_and_tile(num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:  # past the last group
@@ -195,10 +211,23 @@ def _gate_up_kernel(
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     dtype = h_ptr.dtype.element_ty
-    # rounded where the reference's F.linear, F.silu and the product each round
+    if HAS_BIAS:  # F.linear adds the bias to the float32 sum and rounds once
+        b_ptrs = b13_ptr + expert.to(tl.int64) * stride_b_expert + cols
+        acc_gate += tl.load(b_ptrs, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptrs + inter, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+    # rounded where the reference's F.linear, its activation's ops and the product each round
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    if CLAMPED_SWIGLU:
+        # the clamps are exact; alpha * g, the sigmoid, g * sigmoid and up + 1 each round
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        scaled = (gate * ALPHA).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+        act = (gate * sig).to(dtype).to(tl.float32)
+        up = (up + 1.0).to(dtype).to(tl.float32)
+    else:
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     h_ptrs = h_ptr + rows[:, None] * stride_h + cols[None, :]
     tl.store(h_ptrs, act * up, mask=row_valid[:, None] & col_valid[None, :])
 
@@ -207,6 +236,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr,
     w2_ptr,
+    b2_ptr,
     out_ptr,
     sorted_pairs_ptr,
     block_experts_ptr,
@@ -218,15 +248,18 @@ def _down_kernel(
     stride_h,
     stride_w_expert,
     stride_w_row,
+    stride_b_expert,
     stride_out,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     """``out[pair(r), n] = weight(pair(r)) * (h[r] . w2[e, n])`` (float32) for the rows of
-    one block and ``BLOCK_N`` columns of the hidden dim."""
+    one block and ``BLOCK_N`` columns of the hidden dim; ``HAS_BIAS``: ``+ b2[e, n]`` before
+    the product rounds (``b2_ptr`` unread without it)."""
     block, tile_n = _block_and_tile(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:  # past the last group
@@ -256,6 +289,11 @@ def _down_kernel(
             acc = tl.dot(a, w, acc)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b = tl.load(
+            b2_ptr + expert.to(tl.int64) * stride_b_expert + cols, mask=col_valid, other=0.0
+        )
+        acc += b.to(tl.float32)[None, :]
     # the expert's output in the model dtype, as the reference's F.linear rounds it; then
     # weighted in float32
     y = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
@@ -323,6 +361,22 @@ def _check_operands(
         raise ValueError("w13 and w2 must be contiguous in their last dimension")
 
 
+def _check_biases(x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    if b13.shape != (num_experts, two_inter) or b2.shape != (num_experts, hidden):
+        raise ValueError(
+            f"b13 {tuple(b13.shape)} and b2 {tuple(b2.shape)} must be "
+            f"[{num_experts}, {two_inter}] and [{num_experts}, {hidden}] (w13 is "
+            f"{tuple(w13.shape)})"
+        )
+    if b13.dtype != x.dtype or b2.dtype != x.dtype:
+        raise ValueError(f"b13 and b2 must be {x.dtype} as x is; got {b13.dtype}, {b2.dtype}")
+    if b13.device != x.device or b2.device != x.device:
+        raise ValueError(f"b13 and b2 must be on {x.device}, got {b13.device}, {b2.device}")
+    if b13.stride(-1) != 1 or b2.stride(-1) != 1:
+        raise ValueError("b13 and b2 must be contiguous in their last dimension")
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -341,16 +395,69 @@ def fused_moe(
     ``I``) and ``T * k * H`` float32.
     """
     _check_operands(x, w13, w2, topk_weights, topk_ids)
+    return _launch(x, w13, w2, topk_weights, topk_ids, None, None)
+
+
+def fused_moe_clamped_swiglu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """gpt-oss's experts: :func:`fused_moe` with a bias on each matmul and the clamped
+    SwiGLU; ``[T, H]`` in ``x.dtype``. Reference: the torch path of
+    :class:`chassis.builtin_plugins.models.gpt_oss.GptOssExperts`
+    (:func:`~chassis.builtin_plugins.models.gpt_oss.experts_reference`, same arguments).
+
+    ``expert_e(x) = act(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]`` with
+    ``act(gate, up) = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``,
+    ``g = min(gate, limit)``; ``b13 [E, 2I]`` (gate biases, then up biases, as ``w13``'s
+    rows), ``b2 [E, H]``, in ``x.dtype``. Each matmul plus bias rounds once to the model
+    dtype (as ``F.linear`` does), and so do ``alpha * g``, the sigmoid, ``g * sigmoid``,
+    ``up + 1`` and the product, as the reference's ops round; the weighted sum over a token's
+    experts is float32, rounded once. ``alpha`` and ``limit`` are compile-time constants of
+    the kernel (one compilation per model). No host read, as :func:`fused_moe`.
+    """
+    _check_operands(x, w13, w2, topk_weights, topk_ids)
+    _check_biases(x, w13, b13, b2)
+    alpha, limit = float(alpha), float(limit)
+    if not (math.isfinite(alpha) and math.isfinite(limit)):
+        raise ValueError(f"alpha ({alpha}) and limit ({limit}) must be finite")
+    return _launch(x, w13, w2, topk_weights, topk_ids, (b13, b2), (alpha, limit))
+
+
+def _launch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None,
+    swiglu: tuple[float, float] | None,
+) -> torch.Tensor:
+    """Both entry points, their operands checked: align, the two grouped GEMMs, the sum."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     if num_tokens == 0 or inter == 0:
+        if biases is not None and num_tokens and top_k:
+            # no intermediate columns: each expert gives its down bias
+            b2 = biases[1].float()[topk_ids.long()]
+            return (b2 * topk_weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)
         return torch.zeros_like(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1)
     dot_fp32 = _dot_in_fp32(x)
+    # without biases the kernels never read these pointers: any tensor stands in
+    b13, b2 = biases if biases is not None else (w13, w2)
+    alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
 
     up_cfg = _launch_config(num_pairs, num_experts, inter, hidden)
     down_cfg = _launch_config(num_pairs, num_experts, hidden, inter)
@@ -364,6 +471,7 @@ def fused_moe(
     check_launchable(_gate_up_kernel, x)[grid](
         x,
         w13,
+        b13,
         h,
         sorted_pairs,
         block_experts,
@@ -374,6 +482,7 @@ def fused_moe(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
+        b13.stride(0),
         h.stride(0),
         TOP_K=top_k,
         BLOCK_M=block_m,
@@ -381,12 +490,17 @@ def fused_moe(
         BLOCK_K=up_cfg.block_k,
         GROUP_M=_GROUP_M,
         DOT_FP32=dot_fp32,
+        HAS_BIAS=biases is not None,
+        CLAMPED_SWIGLU=swiglu is not None,
+        ALPHA=alpha,
+        LIMIT=limit,
         num_warps=up_cfg.num_warps,
     )
     grid = (num_blocks * triton.cdiv(hidden, down_cfg.block_n),)
     check_launchable(_down_kernel, x)[grid](
         h,
         w2,
+        b2,
         out,
         sorted_pairs,
         block_experts,
@@ -398,12 +512,14 @@ def fused_moe(
         h.stride(0),
         w2.stride(0),
         w2.stride(1),
+        b2.stride(0),
         out.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=down_cfg.block_n,
         BLOCK_K=down_cfg.block_k,
         GROUP_M=_GROUP_M,
         DOT_FP32=dot_fp32,
+        HAS_BIAS=biases is not None,
         num_warps=down_cfg.num_warps,
     )
     # the k weighted rows of each token, summed in float32 and rounded once

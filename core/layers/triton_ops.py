@@ -552,3 +552,19 @@ class TritonLayerKernels:
         from chassis.core.layers.triton_moe import fused_moe
 
         return fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+    def fused_moe_clamped_swiglu(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        b13: torch.Tensor,
+        w2: torch.Tensor,
+        b2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        alpha: float,
+        limit: float,
+    ) -> torch.Tensor:
+        from chassis.core.layers.triton_moe import fused_moe_clamped_swiglu
+
+        return fused_moe_clamped_swiglu(x, w13, b13, w2, b2, topk_weights, topk_ids, alpha, limit)

@@ -20,8 +20,11 @@
 #               (CHASSIS_LAYER_KERNELS=0)                    -> latency_torch_ops.txt/.json
 #   compile     pytest -m gpu_compile, then (b) chassis only with --torch-compile
 #                                                -> pytest_compile.txt, latency_compile.txt/.json
-#   moe         pytest -m gpu_moe: the Triton fused MoE and a MoE engine with graphs
+#   moe         pytest -m gpu_moe: the Triton fused MoE (plain, and gpt-oss's biases and clamped
+#               SwiGLU at gpt-oss-20b's shape) and MoE engines (Qwen3-MoE, gpt-oss) with graphs
 #                                                            -> pytest_moe.txt, junit_moe.xml
+#   gpt_oss     (only when named in STEPS) the gpt-oss part of moe alone
+#                                                    -> pytest_gpt_oss.txt, junit_gpt_oss.xml
 #   attn        tests/gpu/bench_triton_attention.py          -> bench.txt
 #   tune        (only when named in STEPS) tests/gpu/tune_triton_attention.py -> tune.txt
 # STEPS="throughput serve" runs a subset. HF_NUM_PROMPTS (default 32): HF runs only the first
@@ -234,8 +237,15 @@ fi
 if wanted moe; then
     # the mixture-of-experts path (session 8): kept out of the first step, whose budget the
     # fused-MoE kernels' compilations would eat into
-    step pytest_moe 150 "$PY" -m pytest -m gpu_moe tests/gpu -q -rfEs \
+    step pytest_moe 240 "$PY" -m pytest -m gpu_moe tests/gpu -q -rfEs \
         -p no:cacheprovider --junitxml="$OUT/junit_moe.xml"
+fi
+
+# Only when named (STEPS="gpt_oss"): gpt-oss's fused experts and a tiny gpt-oss engine with
+# decode graphs (tests/gpu/test_gpu_triton_moe_gpt_oss.py, also part of the moe step)
+if wanted gpt_oss && ! wanted moe; then
+    step pytest_gpt_oss 150 "$PY" -m pytest tests/gpu/test_gpu_triton_moe_gpt_oss.py -q -rfEs \
+        -p no:cacheprovider --junitxml="$OUT/junit_gpt_oss.xml"
 fi
 
 # Kernel timings last: they matter least for issue 5.
