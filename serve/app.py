@@ -6,6 +6,7 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``GET  /v1/models``        the served model, then its LoRA adapters
 ``POST /v1/completions``   :mod:`chassis.serve.openai_completions`
 ``POST /v1/chat/completions``  :mod:`chassis.serve.openai_chat`
+``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``: :mod:`chassis.serve.openai_responses`
 ``POST /v1/embeddings``    :mod:`chassis.serve.openai_embeddings` (``--runner pooling``)
 ``POST /score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``:
                            :mod:`chassis.serve.openai_score` (``--runner pooling``)
@@ -42,6 +43,7 @@ from chassis.serve.metrics import ServerMetrics
 from chassis.serve.openai_chat import router as chat_router
 from chassis.serve.openai_completions import router as completions_router
 from chassis.serve.openai_embeddings import router as embeddings_router
+from chassis.serve.openai_responses import router as responses_router
 from chassis.serve.openai_score import router as score_router
 from chassis.serve.protocol import (
     DetokenizeRequest,
@@ -233,6 +235,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     app.include_router(completions_router)
     app.include_router(chat_router)
+    app.include_router(responses_router)
     app.include_router(embeddings_router)
     app.include_router(score_router)
     app.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse)

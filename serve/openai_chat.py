@@ -58,6 +58,7 @@ from chassis.serve.streaming import (
 
 if TYPE_CHECKING:
     from chassis.core.outputs import CompletionOutput, RequestOutput
+    from chassis.core.sampling_params import SamplingParams
 
 router = APIRouter()
 
@@ -343,12 +344,13 @@ async def _events(
     yield SSE_DONE
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    """OpenAI's chat completions API."""
-    state = _state(request)
-    state.check_accepting()
-    model, lora_request = state.resolve_model(body.model)
+async def prepare_chat(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[SamplingParams, list[int], RequestParsing | None]:
+    """What a chat request runs as: its sampling params (400s for invalid fields), its
+    rendered prompt's token ids, and how its output is parsed (``None``: all content), the
+    params adjusted to the parsing (special tokens kept for a tool parser that reads them,
+    a JSON constraint applied after the reasoning). Shared with ``/v1/responses``."""
     params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
     prompt_text, prompt_ids = await _prompt(state, body)
     parsing = state.parsers.for_request(
@@ -363,6 +365,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 params.structured_outputs, after_reasoning=True
             )
         )
+    return params, prompt_ids, parsing
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    """OpenAI's chat completions API."""
+    state = _state(request)
+    state.check_accepting()
+    model, lora_request = state.resolve_model(body.model)
+    params, prompt_ids, parsing = await prepare_chat(state, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     n = params.n
     priority = body.priority or 0

@@ -1,0 +1,91 @@
+"""The in-memory store of ``/v1/responses`` (``store: true``, the default): what
+``GET /v1/responses/{id}`` returns and what ``previous_response_id`` continues.
+
+Bounded, least recently used first out: a server that runs for days keeps at most
+``max_responses`` (:data:`DEFAULT_MAX_STORED_RESPONSES`, or ``$CHASSIS_RESPONSES_STORE_SIZE``)
+responses, and a conversation continued now and then stays. Nothing survives a restart, and
+several server processes do not share it (as vLLM's store).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+#: Responses kept when ``$CHASSIS_RESPONSES_STORE_SIZE`` is not set.
+DEFAULT_MAX_STORED_RESPONSES = 1024
+STORE_SIZE_ENV = "CHASSIS_RESPONSES_STORE_SIZE"
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """One stored response: its JSON (``response``) and the conversation it ends
+    (``conversation``: the input items of every turn, then this turn's output items; the
+    ``instructions`` are not part of it, as OpenAI does not carry them over)."""
+
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+
+
+class ResponseStore:
+    """Responses by id, at most ``max_responses`` of them (the least recently stored or
+    read goes first). Used from the event loop only: no locking."""
+
+    def __init__(self, max_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+        if max_responses < 1:
+            raise ValueError(f"the responses store needs room for 1 or more; got {max_responses}")
+        self.max_responses = max_responses
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        """Keep ``stored`` under ``response_id``, dropping the least recently used beyond
+        the bound."""
+        self._items[response_id] = stored
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.max_responses:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        """The response stored under ``response_id`` (now the most recently used), or
+        ``None``."""
+        stored = self._items.get(response_id)
+        if stored is not None:
+            self._items.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        """Forget ``response_id``; whether it was stored."""
+        return self._items.pop(response_id, None) is not None
+
+
+def store_size_from_env() -> int:
+    """``$CHASSIS_RESPONSES_STORE_SIZE``, else :data:`DEFAULT_MAX_STORED_RESPONSES`;
+    ``ValueError`` for a value that is not a positive integer."""
+    raw = os.environ.get(STORE_SIZE_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_MAX_STORED_RESPONSES
+    try:
+        size = int(raw)
+    except ValueError:
+        raise ValueError(f"${STORE_SIZE_ENV} must be a positive integer; got {raw!r}") from None
+    if size < 1:
+        raise ValueError(f"${STORE_SIZE_ENV} must be a positive integer; got {raw!r}")
+    return size
+
+
+def response_store(app: FastAPI) -> ResponseStore:
+    """The app's store, made on first use (``app.state.responses_store``; a test or an
+    embedding application may set its own there first)."""
+    store = getattr(app.state, "responses_store", None)
+    if store is None:
+        store = ResponseStore(store_size_from_env())
+        app.state.responses_store = store
+    return store
