@@ -14,7 +14,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 #: what an engine runs (vLLM's ``--runner``): "generate" samples tokens, "pooling" returns one
-#: vector per prompt (embeddings); "auto" is "generate" (every built-in model generates)
+#: vector per prompt (embeddings, class logits); "auto" (vLLM's default) is resolved from the
+#: checkpoint when the model is read: "pooling" for ``*ForSequenceClassification``, else
+#: "generate"
 RUNNERS = ("auto", "generate", "pooling")
 
 
@@ -44,9 +46,11 @@ class EngineConfig:
     #: run on token ids only: load no tokenizer, take token-id prompts, return ids with empty
     #: text (vLLM's flag; for models without tokenizer files, e.g. dummy-weight benchmarks)
     skip_tokenizer_init: bool = False
-    #: "generate" or "pooling" (embeddings: prefill only, one vector per prompt; see
-    #: docs/embeddings.md); an engine runs one kind of request and refuses the other
-    runner: str = "generate"
+    #: "generate" or "pooling" (embeddings and classification: prefill only, one vector per
+    #: prompt; see docs/embeddings.md), or "auto": picked from the architecture once the
+    #: model is read (until then it acts as "generate"); an engine runs one kind of request
+    #: and refuses the other
+    runner: str = "auto"
     #: pooling engines: ``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}``, each
     #: key optional; what is missing comes from the checkpoint's sentence-transformers files,
     #: else last-token and normalized (``chassis.core.pooling_config``)
@@ -194,15 +198,15 @@ class EngineConfig:
             )
 
     def _validate_runner(self) -> None:
-        if self.runner == "auto":
-            self.runner = "generate"  # vLLM's auto picks generate for *ForCausalLM models
+        # "auto" stays until the architecture is known (core.engine_setup resolves it, then
+        # validates again)
         if self.runner not in RUNNERS:
             raise ValueError(f"--runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         from chassis.core.pooling_config import check_pooler_config
 
         check_pooler_config(self.pooler_config)
         if self.runner != "pooling":
-            if self.pooler_config is not None:
+            if self.pooler_config is not None and self.runner == "generate":
                 raise ValueError("--pooler-config is for --runner pooling only")
             return
         # A pooling request finishes when its prompt is computed: nothing to draft, nor

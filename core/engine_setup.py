@@ -18,6 +18,7 @@ def finalize_config(config: EngineConfig) -> Any:
     is known to the registries. Errors are ``ValueError`` with the known alternatives.
     """
     from chassis.core.model_loader import load_hf_config, model_max_len, resolve_model_path
+    from chassis.core.pooling_classify import resolve_runner
     from chassis.core.quantized_weights import check_quantization
     from chassis.platforms import get_current_platform
     from chassis.plugins import apply_configure_hooks, get_plugin_manager, get_registries
@@ -42,6 +43,9 @@ def finalize_config(config: EngineConfig) -> Any:
             f"model architecture(s) {architectures or '(none in config.json)'} not supported; "
             f"registered architectures: {', '.join(registries.models.names())}"
         )
+    # vLLM's --runner auto: sequence classifiers pool, the others generate
+    config.runner = resolve_runner(config.runner, architectures)
+    config.validate()  # again: what a pooling (or generating) engine refuses
     if config.attention_backend is None:
         config.attention_backend = platform.default_attention_backend(config)
     # Unknown names fail here, in the front-end, with the list of known ones.

@@ -23,22 +23,43 @@ from chassis.core.config import EngineConfig
 from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
 from chassis.core.generation_defaults import generation_defaults
-from chassis.core.input_processor import InputProcessor
+from chassis.core.input_processor import InputProcessor, truncation_length
 from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import PositionLogprobs, RequestOutput
+from chassis.core.pooling_classify import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    apply_activation,
+    cross_encoder_token_ids,
+)
 from chassis.core.pooling_config import PoolerConfig, apply_pooling_defaults
 from chassis.core.pooling_input import EmbeddingModelInfo, process_pooling
 from chassis.core.pooling_outputs import EmbeddingRequestOutput
 from chassis.core.pooling_params import PoolingParams
-from chassis.core.pooling_score import ScoringRequestOutput, distinct, score_outputs, score_pairs
+from chassis.core.pooling_score import (
+    ScoringOutput,
+    ScoringRequestOutput,
+    distinct,
+    score_outputs,
+    score_pairs,
+)
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
 
 #: vLLM's older ``task`` argument -> ``runner`` ("auto" keeps the runner as given)
-_TASK_RUNNERS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+_TASK_RUNNERS = {
+    "auto": None,
+    "generate": "generate",
+    "embed": "pooling",
+    "embedding": "pooling",
+    "classify": "pooling",
+    "score": "pooling",
+}
+#: vLLM's older tasks that need a sequence-classification checkpoint
+_CLASSIFIER_TASKS = ("classify", "score")
 
 
 class LLM:
@@ -54,7 +75,10 @@ class LLM:
     :meth:`embed` returns one vector per prompt, :meth:`generate` and :meth:`chat` are
     refused (and :meth:`embed` is on a generating engine); ``pooler_config`` (a dict or
     :class:`~chassis.core.pooling_config.PoolerConfig`; vLLM's ``override_pooler_config``
-    too) picks the pooling. See docs/embeddings.md.
+    too) picks the pooling. A ``*ForSequenceClassification`` checkpoint runs as a pooling
+    engine by itself (the default ``runner="auto"``; vLLM's older ``task="classify"`` or
+    ``"score"`` too): :meth:`classify` and, with one label, cross-encoder :meth:`score`.
+    See docs/embeddings.md.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
@@ -68,6 +92,14 @@ class LLM:
             if self.pooler_config is not None
             else None
         )
+        task = engine_kwargs.get("task")
+        if task in _CLASSIFIER_TASKS and (
+            self.embedding_info is None or self.embedding_info.classifier is None
+        ):
+            raise ValueError(
+                f"task={task!r} is not supported for this model: it needs a "
+                "*ForSequenceClassification checkpoint (use task='embed' for embeddings)"
+            )
         assert self.config.tokenizer is not None
         if self.config.skip_tokenizer_init:
             self.tokenizer = None
@@ -128,8 +160,9 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         if self.pooler_config is not None:
             raise ValueError(
-                "this LLM runs a pooling model (runner='pooling'): use embed(); generate() "
-                "and chat() need an LLM created with runner='generate' (the default)"
+                "this LLM runs a pooling model (runner='pooling'): use embed() (or classify() "
+                "and score() for a classification model); generate() and chat() need a "
+                "generating model (runner='generate', or 'auto' for a *ForCausalLM checkpoint)"
             )
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -271,13 +304,40 @@ class LLM:
         ``truncate_prompt_tokens``, which the keyword argument of that name sets for all).
         Everything is validated before anything runs; bad input raises ``ValueError``.
         """
-        if self._shut_down:
-            raise RuntimeError("this LLM was shut down; create a new one")
         if self.pooler_config is None:
             raise ValueError(
                 "embed() needs a pooling engine: create the LLM with runner='pooling' (or "
                 "task='embed'); this one generates (use generate() or chat())"
             )
+        assert self.embedding_info is not None  # set for every pooling engine
+        if self.embedding_info.classifier is not None:
+            raise ValueError(
+                "embed() needs an embedding model; this LLM runs a sequence-classification "
+                "model: use classify() (class probabilities) or, for a one-label "
+                "cross-encoder, score()"
+            )
+        return self._pool(
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            priority=priority,
+        )
+
+    def _pool(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+        normalize: bool | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Run every prompt through the pooling engine; its pooled vectors in order
+        (``normalize``, when given, overrides every prompt's params)."""
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
         assert self.embedding_info is not None  # set for every pooling engine
         prompt_list = _as_prompt_list(prompts)
         params = pooling_params if pooling_params is not None else PoolingParams()
@@ -294,6 +354,8 @@ class LLM:
             params_list = [
                 p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list
             ]
+        if normalize is not None:
+            params_list = [p.clone(normalize=normalize) for p in params_list]
         priorities = _priorities(priority, len(prompt_list))
         batch_tag = uuid.uuid4().hex[:8]
         requests = [
@@ -337,20 +399,24 @@ class LLM:
         use_tqdm: bool = False,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` for embedding models: the cosine similarity of each pair's
-        embeddings (``outputs.score``), one output per pair in order.
+        """vLLM's ``LLM.score``: one output per pair in order, ``outputs.score`` its score.
 
-        Pairs are 1:1, 1:N (``data_1`` one prompt, scored against every ``data_2`` prompt)
-        or N:N (position by position); prompts as in :meth:`embed`, each distinct one
-        embedded once with ``pooling_params`` (and ``truncate_prompt_tokens``). Needs
-        ``runner="pooling"``; cross-encoder (classification-head reranker) models are not
-        supported. Bad input raises ``ValueError`` before anything runs.
+        Embedding models (bi-encoder): the cosine similarity of each pair's embeddings, each
+        distinct prompt embedded once with ``pooling_params`` (and
+        ``truncate_prompt_tokens``). Sequence classifiers with one label (cross-encoders,
+        rerankers): each pair read as one sequence (the tokenizer's pair encoding of two
+        texts, see :func:`~chassis.core.pooling_classify.cross_encoder_token_ids`; token ids
+        are concatenated), its logit through the model's score activation (sigmoid unless
+        the checkpoint names another; ``PoolingParams(use_activation=False)``: the raw
+        logit). Pairs are 1:1, 1:N (``data_1`` one prompt, scored against every ``data_2``
+        prompt) or N:N (position by position); prompts as in :meth:`embed`. Needs
+        ``runner="pooling"``. Bad input raises ``ValueError`` before anything runs.
         """
         if self.pooler_config is None:
             raise ValueError(
-                "score() needs an embedding model run with runner='pooling' (bi-encoder "
-                "scoring: the cosine of the two texts' embeddings); this LLM generates. "
-                "Cross-encoder (classification-head reranker) models are not supported"
+                "score() needs a pooling engine (runner='pooling') running an embedding model "
+                "(bi-encoder scoring: the cosine of the two texts' embeddings) or a one-label "
+                "sequence-classification model (a cross-encoder); this LLM generates"
             )
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             # (texts are embedded once each, so per-prompt params would not line up)
@@ -360,6 +426,14 @@ class LLM:
             )
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
+        assert self.embedding_info is not None  # set for every pooling engine
+        if self.embedding_info.classifier is not None:
+            return self._cross_encoder_score(
+                [(firsts[i], seconds[j]) for i, j in pairs],
+                pooling_params,
+                truncate_prompt_tokens,
+                use_tqdm,
+            )
         prompts = firsts + seconds
         keys = [_score_key(p, i) for i, p in enumerate(prompts)]
         unique, where = distinct(prompts, keys)
@@ -371,6 +445,107 @@ class LLM:
             [(embeddings[where[i]], embeddings[where[offset + j]]) for i, j in pairs],
             getattr(self.tokenizer, "pad_token_id", None),
         )
+
+    def _cross_encoder_score(
+        self,
+        pairs: list[tuple[Prompt, Prompt]],
+        pooling_params: PoolingParams | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> list[ScoringRequestOutput]:
+        """Score each pair as one sequence through a one-label classifier (see
+        :meth:`score`)."""
+        info = self.embedding_info
+        assert info is not None and info.classifier is not None and self.pooler_config
+        info.classifier.check_cross_encoder(info.model_name)
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = params.clone(truncate_prompt_tokens=truncate_prompt_tokens)
+        keep = truncation_length(params.truncate_prompt_tokens, self.input_processor.max_model_len)
+        sequences = [
+            cross_encoder_token_ids(self.tokenizer, _prompt_input(a), _prompt_input(b), keep)
+            for a, b in pairs
+        ]
+        outputs = self._pool(sequences, params, use_tqdm=use_tqdm, normalize=False)
+        use = self.pooler_config.use_activation
+        if params.use_activation is not None:
+            use = params.use_activation
+        activation = info.classifier.score_activation if use else "identity"
+        return [
+            ScoringRequestOutput(
+                request_id=out.request_id,
+                outputs=ScoringOutput(score=apply_activation(out.outputs.embedding, activation)[0]),
+                prompt_token_ids=list(out.prompt_token_ids),
+            )
+            for out in outputs
+        ]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (vLLM's ``LLM.classify``), in the order of
+        ``prompts``: ``outputs.probs`` (``num_classes`` of them) are the
+        ``*ForSequenceClassification`` model's logits through its activation (softmax;
+        sigmoid for one label or multi-label models; none for regression), or the raw logits
+        with ``PoolingParams(use_activation=False)`` or ``pooler_config={"use_activation":
+        False}``. Prompts, ``pooling_params`` (one or one per prompt),
+        ``truncate_prompt_tokens`` and ``priority`` as in :meth:`embed`. The labels' names
+        are :attr:`classification_labels`. Bad input raises ``ValueError`` before anything
+        runs.
+        """
+        info = self.embedding_info
+        if self.pooler_config is None or info is None or info.classifier is None:
+            raise ValueError(
+                "classify() needs a sequence-classification model (a *ForSequenceClassification "
+                "checkpoint, run with runner='pooling' or 'auto'); this LLM runs "
+                + ("an embedding model: use embed()" if info is not None else "a generating one")
+            )
+        prompt_list = _as_prompt_list(prompts)
+        outputs = self._pool(
+            prompt_list,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            priority=priority,
+            normalize=False,
+        )
+        params_list = _per_prompt(
+            pooling_params or PoolingParams(),
+            not isinstance(pooling_params, Sequence),
+            len(prompt_list),
+            "pooling params",
+        )
+        results = []
+        for out, params in zip(outputs, params_list, strict=True):
+            use = self.pooler_config.use_activation
+            if params.use_activation is not None:
+                use = params.use_activation
+            activation = info.classifier.activation if use else "identity"
+            results.append(
+                ClassificationRequestOutput(
+                    request_id=out.request_id,
+                    outputs=ClassificationOutput(
+                        apply_activation(out.outputs.embedding, activation)
+                    ),
+                    prompt_token_ids=list(out.prompt_token_ids),
+                )
+            )
+        return results
+
+    @property
+    def classification_labels(self) -> list[str] | None:
+        """A sequence classifier's class labels (``id2label``, in order); ``None`` for
+        other models."""
+        info = self.embedding_info
+        if info is None or info.classifier is None:
+            return None
+        return list(info.classifier.labels)
 
     def chat(
         self,

@@ -28,8 +28,10 @@ logger = logging.getLogger(__name__)
 
 #: the pooling types chassis implements (vLLM's names)
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-#: the keys ``pooler_config`` accepts
-POOLER_CONFIG_KEYS = ("pooling_type", "normalize")
+#: the keys ``pooler_config`` accepts (``use_activation``: classification models only)
+POOLER_CONFIG_KEYS = ("pooling_type", "normalize", "use_activation")
+#: vLLM's older names of ``pooler_config`` keys
+_KEY_ALIASES = {"activation": "use_activation", "softmax": "use_activation"}
 
 #: sentence-transformers ``Pooling`` config keys -> chassis' type (the ones implemented)
 _ST_MODES = {
@@ -47,11 +49,15 @@ _ST_NEUTRAL_MODULES = ("Transformer", "Pooling", "Normalize")
 
 @dataclass(frozen=True)
 class PoolerConfig:
-    """The resolved pooling of one engine: ``pooling_type`` (one of :data:`POOLING_TYPES`)
-    and ``normalize`` (L2-normalize each vector unless a request says otherwise)."""
+    """The resolved pooling of one engine: ``pooling_type`` (one of :data:`POOLING_TYPES`),
+    ``normalize`` (L2-normalize each vector unless a request says otherwise; off for
+    sequence classifiers, whose vectors are class logits) and ``use_activation`` (a
+    classifier's outputs go through its activation, softmax by default, unless a request says
+    otherwise; see :mod:`chassis.core.pooling_classify`)."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
+    use_activation: bool = True
 
     @property
     def needs_every_token(self) -> bool:
@@ -60,12 +66,17 @@ class PoolerConfig:
         return self.pooling_type != "LAST"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"pooling_type": self.pooling_type, "normalize": self.normalize}
+        return {
+            "pooling_type": self.pooling_type,
+            "normalize": self.normalize,
+            "use_activation": self.use_activation,
+        }
 
 
 def check_pooler_config(value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` is ``None`` or a dict of known keys and values
-    (``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}``, both optional)."""
+    (``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool, "use_activation": bool}``,
+    each optional; vLLM's older ``activation`` and ``softmax`` name the last)."""
     if value is None:
         return
     if not isinstance(value, dict):
@@ -73,7 +84,7 @@ def check_pooler_config(value: Any) -> None:
             f"--pooler-config must be a JSON object such as "
             f'{{"pooling_type": "MEAN", "normalize": true}}; got {value!r}'
         )
-    unknown = sorted(set(value) - set(POOLER_CONFIG_KEYS))
+    unknown = sorted(set(value) - set(POOLER_CONFIG_KEYS) - set(_KEY_ALIASES))
     if unknown:
         raise ValueError(
             f"--pooler-config has unknown keys {unknown}; known: {', '.join(POOLER_CONFIG_KEYS)}"
@@ -86,9 +97,15 @@ def check_pooler_config(value: Any) -> None:
             f"--pooler-config pooling_type must be one of {', '.join(POOLING_TYPES)}; "
             f"got {pooling_type!r}"
         )
-    normalize = value.get("normalize")
-    if normalize is not None and not isinstance(normalize, bool):
-        raise ValueError(f"--pooler-config normalize must be true or false; got {normalize!r}")
+    for key in ("normalize", "use_activation", *_KEY_ALIASES):
+        flag = value.get(key)
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"--pooler-config {key} must be true or false; got {flag!r}")
+    given = {value[k] for k in ("use_activation", *_KEY_ALIASES) if value.get(k) is not None}
+    if len(given) > 1:
+        raise ValueError(
+            "--pooler-config use_activation and its older names (activation, softmax) disagree"
+        )
 
 
 def read_sentence_transformers_pooling(model_dir: str | Path) -> dict[str, Any] | None:
@@ -162,19 +179,38 @@ def _read_json(path: Path) -> Any:
 def resolve_pooler_config(config: EngineConfig) -> PoolerConfig:
     """The pooling of ``config``'s engine: ``config.pooler_config``'s values first, then the
     checkpoint's sentence-transformers files (``config.model`` must be a local directory),
-    then last-token pooling with normalization. Reads files only for missing values."""
+    then last-token pooling with normalization (without it for a sequence classifier: its
+    vectors are class logits) and the activation on. Reads files only for missing values."""
     check_pooler_config(config.pooler_config)
-    values: dict[str, Any] = {
-        k: v for k, v in (config.pooler_config or {}).items() if v is not None
-    }
-    if any(key not in values for key in POOLER_CONFIG_KEYS) and config.model is not None:
+    values: dict[str, Any] = {}
+    for key, value in (config.pooler_config or {}).items():
+        if value is not None:
+            values[_KEY_ALIASES.get(key, key)] = value
+    missing = any(key not in values for key in ("pooling_type", "normalize"))
+    if missing and config.model is not None:
         st = read_sentence_transformers_pooling(config.model) or {}
+        if _is_classifier_dir(config.model):
+            st["normalize"] = False  # class logits (a user's pooler_config still wins)
         values = {**st, **values}
     defaults = PoolerConfig()
     return PoolerConfig(
         pooling_type=str(values.get("pooling_type", defaults.pooling_type)).upper(),
         normalize=bool(values.get("normalize", defaults.normalize)),
+        use_activation=bool(values.get("use_activation", defaults.use_activation)),
     )
+
+
+def _is_classifier_dir(model_dir: str | Path) -> bool:
+    """Whether the checkpoint in ``model_dir`` is a sequence classifier (``config.json``'s
+    ``architectures``); ``False`` when there is no readable ``config.json``."""
+    from chassis.core.pooling_classify import is_classification_architecture
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False
+    config = _read_json(path)
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return is_classification_architecture(architectures or [])
 
 
 def apply_pooling_defaults(config: EngineConfig) -> PoolerConfig | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from chassis.core.input_processor import truncate_prompt
+from chassis.core.pooling_classify import ClassifierInfo
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.request import EngineCoreRequest
 from chassis.core.sampling_params import SamplingParams
@@ -33,23 +34,35 @@ class EmbeddingModelInfo:
     is_matryoshka: bool = False
     #: the only truncations the model supports, when it lists them
     matryoshka_dimensions: tuple[int, ...] | None = None
+    #: set for a sequence classifier (its vectors are ``num_labels`` class logits)
+    classifier: ClassifierInfo | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, model_name: str) -> EmbeddingModelInfo:
         """Read ``hidden_size`` and, as vLLM does, ``matryoshka_dimensions`` (a list) or
-        ``is_matryoshka`` (a flag) from the model's ``config.json``."""
+        ``is_matryoshka`` (a flag) from the model's ``config.json``; for a
+        ``*ForSequenceClassification`` checkpoint, its classes
+        (:class:`~chassis.core.pooling_classify.ClassifierInfo`), whose number is then the
+        vectors' length."""
         dims = getattr(hf_config, "matryoshka_dimensions", None)
+        classifier = ClassifierInfo.from_hf_config(hf_config)
         return cls(
             model_name=model_name,
-            hidden_size=int(hf_config.hidden_size),
+            hidden_size=int(hf_config.hidden_size) if classifier is None else classifier.num_labels,
             is_matryoshka=bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
             matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
+            classifier=classifier,
         )
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """Raise ``ValueError`` unless ``dimensions`` (a request's) suits the model."""
         if dimensions is None:
             return
+        if self.classifier is not None:
+            raise ValueError(
+                f'Model "{self.model_name}" is a classification model: its outputs are class '
+                "logits, dimensions does not apply (omit it)."
+            )
         if not self.is_matryoshka:
             raise ValueError(
                 f'Model "{self.model_name}" does not support matryoshka representation, '

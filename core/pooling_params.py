@@ -17,12 +17,16 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``normalize``: L2-normalize the vector; ``None`` = the engine's pooler config (normalized
     unless the checkpoint's sentence-transformers pipeline has no ``Normalize`` module).
     ``truncate_prompt_tokens``: keep the prompt's last ``k`` tokens; ``-1`` = the last
-    ``max_model_len``. Invalid values raise ``ValueError`` naming the field.
+    ``max_model_len``. ``use_activation`` (classification models): pass the class logits
+    through the model's activation (softmax, or sigmoid for one label); ``None`` = the
+    engine's pooler config (on unless turned off). Invalid values raise ``ValueError`` naming
+    the field.
     """
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -34,8 +38,10 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 if not is_integer(value):
                     raise bad(name, f"must be an integer, got {value!r}")
                 setattr(self, name, int(value))
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise bad("normalize", f"must be true or false, got {self.normalize!r}")
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise bad(name, f"must be true or false, got {value!r}")
         if self.dimensions is not None and not 1 <= self.dimensions <= _INT64_MAX:
             raise bad("dimensions", f"must be >= 1, got {self.dimensions}")
         truncate = self.truncate_prompt_tokens

@@ -10,6 +10,7 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /v1/embeddings``    :mod:`chassis.serve.openai_embeddings` (``--runner pooling``)
 ``POST /score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``:
                            :mod:`chassis.serve.openai_score` (``--runner pooling``)
+``POST /classify``, ``/pooling``: :mod:`chassis.serve.openai_classify` (pooling engines)
 ``POST /tokenize``         ``prompt`` or chat ``messages`` -> token ids
 ``POST /detokenize``       token ids -> text
 ``GET  /health``           200, or 503 when the engine is dead or the server shutting down
@@ -41,6 +42,7 @@ from chassis.serve.errors import install_exception_handlers
 from chassis.serve.lora_routes import router as lora_router
 from chassis.serve.metrics import ServerMetrics
 from chassis.serve.openai_chat import router as chat_router
+from chassis.serve.openai_classify import router as classify_router
 from chassis.serve.openai_completions import router as completions_router
 from chassis.serve.openai_embeddings import router as embeddings_router
 from chassis.serve.openai_responses import router as responses_router
@@ -238,6 +240,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(responses_router)
     app.include_router(embeddings_router)
     app.include_router(score_router)
+    app.include_router(classify_router)
     app.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse)
     app.add_api_route(
         "/detokenize", detokenize, methods=["POST"], response_model=DetokenizeResponse

@@ -262,6 +262,13 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
             "support embeddings; serve it with --runner pooling for /v1/embeddings",
             "model",
         )
+    if getattr(state.engine.embedding_info, "classifier", None) is not None:
+        raise errors.bad_request(
+            f"The model '{state.model_name}' is a sequence-classification model and does not "
+            "support embeddings; use /classify (or /score and /rerank for a one-label "
+            "cross-encoder, /pooling for its raw outputs)",
+            "model",
+        )
     params = body.pooling_params(state.max_model_len)
     try:
         state.engine.embedding_info.check_dimensions(params.dimensions)

@@ -1,10 +1,13 @@
-"""vLLM's score and rerank routes for embedding models (bi-encoder scoring).
+"""vLLM's score and rerank routes, for embedding models and cross-encoders.
 
-A score is the cosine similarity of two texts' embeddings (:mod:`chassis.core.pooling_score`);
-each distinct text of a request is embedded once through the embeddings path
-(:mod:`chassis.serve.openai_embeddings`), so the routes need ``chassis serve MODEL --runner
-pooling`` and answer 400 on a generating server. Cross-encoder (classification-head reranker)
-models are not supported.
+Embedding models (bi-encoder scoring): a score is the cosine similarity of two texts'
+embeddings (:mod:`chassis.core.pooling_score`); each distinct text of a request is embedded
+once through the embeddings path (:mod:`chassis.serve.openai_embeddings`). Sequence
+classifiers with one label (cross-encoders, rerankers): each pair is read as one sequence
+(the tokenizer's pair encoding, :func:`~chassis.core.pooling_classify.cross_encoder_token_ids`)
+and its logit goes through the model's score activation (sigmoid unless the checkpoint names
+another; ``use_activation: false``: the raw logit); a classifier with more labels is a 400.
+The routes need a pooling server and answer 400 on a generating one.
 
 * ``POST /score``, ``/v1/score``: ``text_1`` and ``text_2`` (a string or a list of strings),
   paired 1:1, 1:N or N:N; ``data`` holds one score per pair, in order.
@@ -13,13 +16,16 @@ models are not supported.
   as vLLM), each with its document's ``index`` and, unless ``return_documents`` is false, its
   text.
 
-Both take vLLM's ``truncate_prompt_tokens`` and ``priority``. ``usage`` counts each pair's
-tokens (first text, the tokenizer's pad token if it has one, then second, as vLLM does): a
-query scored against N documents counts N times, though it is computed once.
+Both take vLLM's ``truncate_prompt_tokens`` (for a cross-encoder: the pair's tokens, cut by
+the tokenizer's pair truncation), ``priority`` and ``use_activation`` (cross-encoders only).
+``usage`` counts each pair's tokens (bi-encoders: first text, the tokenizer's pad token if
+it has one, then second, as vLLM does: a query scored against N documents counts N times,
+though it is computed once; cross-encoders: the pair's sequence).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -30,7 +36,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chassis.core.pooling_score import ScoringRequestOutput, distinct, score_outputs, score_pairs
+from chassis.core.input_processor import truncation_length
+from chassis.core.pooling_classify import apply_activation, cross_encoder_token_ids
+from chassis.core.pooling_score import (
+    ScoringOutput,
+    ScoringRequestOutput,
+    distinct,
+    score_outputs,
+    score_pairs,
+)
 from chassis.serve import errors
 from chassis.serve.openai_embeddings import (
     MAX_EMBEDDING_INPUTS,
@@ -41,6 +55,7 @@ from chassis.serve.openai_embeddings import (
 from chassis.serve.streaming import generation_response, never_streamed
 
 if TYPE_CHECKING:
+    from chassis.core.pooling_classify import ClassifierInfo
     from chassis.serve.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -60,6 +75,9 @@ class _PairRequest(BaseModel):
     #: keep each text's last k tokens (-1: the last max_model_len; above it: a 400)
     truncate_prompt_tokens: int | None = None
     priority: int | None = Field(0, ge=-(2**63), le=2**63 - 1)
+    #: a cross-encoder's score activation (None: the server's pooler config, on by default);
+    #: ignored for embedding models
+    use_activation: bool | None = None
 
     @model_validator(mode="after")
     def _warn_unknown_fields(self) -> _PairRequest:
@@ -150,7 +168,8 @@ def _check_pooling_server(state: ServerState, what: str) -> None:
         raise errors.bad_request(
             f"The model '{state.model_name}' is served for text generation and does not "
             f"support {what}; serve an embedding model with --runner pooling (scores are the "
-            "cosine of the texts' embeddings; cross-encoder reranker models are not supported)",
+            "cosine of the texts' embeddings) or a one-label *ForSequenceClassification "
+            "cross-encoder",
             "model",
         )
 
@@ -174,6 +193,11 @@ async def _scores(
         pairs = score_pairs(len(firsts), len(seconds))
     except ValueError as exc:
         raise errors.bad_request(str(exc), "text_1" if not firsts else "text_2") from None
+    classifier = getattr(state.engine.embedding_info, "classifier", None)
+    if classifier is not None:
+        return await _cross_encoder_scores(
+            request, state, body, [(firsts[i], seconds[j]) for i, j in pairs], prefix, answer
+        )
     unique, where = distinct(firsts + seconds, firsts + seconds)
     if len(unique) > MAX_EMBEDDING_INPUTS:
         raise errors.bad_request(
@@ -202,6 +226,60 @@ async def _scores(
     return await generation_response(request, False, inputs, never_streamed, collect)
 
 
+async def _cross_encoder_scores(
+    request: Request,
+    state: ServerState,
+    body: _PairRequest,
+    pairs: list[tuple[str, str]],
+    prefix: str,
+    answer: Answer,
+) -> Response:
+    """Score each pair as one sequence through the served one-label classifier and answer
+    ``answer(scored pairs, request_id, model)``."""
+    model = state.check_model(body.model)
+    classifier: ClassifierInfo = state.engine.embedding_info.classifier
+    try:
+        classifier.check_cross_encoder(state.model_name)
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), "model") from None
+    if len(pairs) > MAX_EMBEDDING_INPUTS:
+        raise errors.bad_request(
+            f"{len(pairs)} pairs in one request; at most {MAX_EMBEDDING_INPUTS} are accepted: "
+            "split the request",
+            None,
+        )
+    checked = EmbeddingRequest(input="-", truncate_prompt_tokens=body.truncate_prompt_tokens)
+    params = checked.pooling_params(state.max_model_len).clone(normalize=False)
+    keep = None
+    if state.max_model_len is not None:
+        keep = truncation_length(params.truncate_prompt_tokens, state.max_model_len)
+    use = state.engine.pooler_config.use_activation
+    if body.use_activation is not None:
+        use = body.use_activation
+    activation = classifier.score_activation if use else "identity"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+
+    async def inputs() -> list[str | list[int]]:
+        def tokenize() -> list[str | list[int]]:
+            return [cross_encoder_token_ids(state.tokenizer, a, b, keep) for a, b in pairs]
+
+        return await asyncio.to_thread(tokenize)
+
+    async def collect(prompts: list[str | list[int]]) -> BaseModel:
+        outputs = await embed_all(state, prompts, params, request_id, body.priority or 0)
+        scored = [
+            ScoringRequestOutput(
+                request_id=out.request_id,
+                outputs=ScoringOutput(apply_activation(out.outputs.embedding, activation)[0]),
+                prompt_token_ids=list(out.prompt_token_ids),
+            )
+            for out in outputs
+        ]
+        return answer(scored, request_id, model)
+
+    return await generation_response(request, False, inputs, never_streamed, collect)
+
+
 def _as_list(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
@@ -209,7 +287,7 @@ def _as_list(value: str | list[str]) -> list[str]:
 @router.post("/score", response_model=ScoreResponse)
 @router.post("/v1/score", response_model=ScoreResponse)
 async def create_score(body: ScoreRequest, request: Request) -> Response:
-    """vLLM's score API for embedding models (see the module docstring)."""
+    """vLLM's score API (see the module docstring)."""
     firsts, seconds = _as_list(body.text_1), _as_list(body.text_2)
     _check_texts(firsts, "text_1")
     _check_texts(seconds, "text_2")
@@ -232,7 +310,7 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
 @router.post("/v1/rerank", response_model=RerankResponse)
 @router.post("/v2/rerank", response_model=RerankResponse)
 async def do_rerank(body: RerankRequest, request: Request) -> Response:
-    """Jina/Cohere-style rerank for embedding models (see the module docstring)."""
+    """Jina/Cohere-style rerank (see the module docstring)."""
     if not body.documents:
         raise errors.bad_request("documents must not be empty", "documents")
     _check_texts([body.query], "query")

@@ -16,6 +16,16 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("MistralForCausalLM", f"{_PKG}.llama:LlamaForCausalLM")
     registry.register("Qwen2ForCausalLM", f"{_PKG}.qwen2:Qwen2ForCausalLM")
     registry.register("Qwen3ForCausalLM", f"{_PKG}.qwen3:Qwen3ForCausalLM")
+    # sequence classifiers (and cross-encoder rerankers): pooling engines only
+    registry.register(
+        "LlamaForSequenceClassification", f"{_PKG}.llama:LlamaForSequenceClassification"
+    )
+    registry.register(
+        "Qwen2ForSequenceClassification", f"{_PKG}.qwen2:Qwen2ForSequenceClassification"
+    )
+    registry.register(
+        "Qwen3ForSequenceClassification", f"{_PKG}.qwen3:Qwen3ForSequenceClassification"
+    )
     registry.register("MixtralForCausalLM", f"{_PKG}.mixtral:MixtralForCausalLM")
     registry.register("Qwen2MoeForCausalLM", f"{_PKG}.qwen2_moe:Qwen2MoeForCausalLM")
     registry.register("Qwen3MoeForCausalLM", f"{_PKG}.qwen3_moe:Qwen3MoeForCausalLM")

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaForCausalLM, qwen_sliding_layers
+from chassis.builtin_plugins.models.llama import (
+    DecoderSpec,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    qwen_sliding_layers,
+)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -19,6 +24,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         return DecoderSpec.from_config(
             hf_config, qkv_bias=True, o_bias=False, sliding_layers=qwen2_sliding_layers(hf_config)
         )
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification, Qwen2ForCausalLM):
+    """``Qwen2ForSequenceClassification`` checkpoints: Qwen2's decoder with the ``score``
+    head (see :class:`LlamaForSequenceClassification`)."""
 
 
 def qwen2_sliding_layers(hf_config: Any) -> frozenset[int]:

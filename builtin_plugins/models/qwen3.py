@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaForCausalLM
+from chassis.builtin_plugins.models.llama import (
+    DecoderSpec,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
 from chassis.builtin_plugins.models.qwen2 import qwen2_sliding_layers
 
 
@@ -20,3 +24,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         return DecoderSpec.from_config(
             hf_config, qk_norm=True, sliding_layers=qwen2_sliding_layers(hf_config)
         )
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification, Qwen3ForCausalLM):
+    """``Qwen3ForSequenceClassification`` checkpoints: Qwen3's decoder with the ``score``
+    head (see :class:`~chassis.builtin_plugins.models.llama.LlamaForSequenceClassification`)."""
