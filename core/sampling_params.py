@@ -68,8 +68,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
-    #: constrain the output to a JSON schema, any JSON object, a regex or a list of choices
-    #: (vLLM's ``StructuredOutputsParams``; a ``dict`` of its fields is accepted too)
+    #: constrain the output to a JSON schema, any JSON object, a regex, a list of choices, a
+    #: grammar or a structural tag (vLLM's ``StructuredOutputsParams``; a ``dict`` of its
+    #: fields is accepted too)
     structured_outputs: StructuredOutputsParams | None = None
     #: keep only the prompt's last ``k`` tokens (left truncation, as vLLM does); ``-1``: the
     #: last ``max_model_len`` (vLLM's meaning); above ``max_model_len`` the input processor

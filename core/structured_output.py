@@ -1,8 +1,8 @@
 """Structured outputs: what a request asks its output to match, and the backend interface.
 
 A request's :class:`StructuredOutputsParams` (``SamplingParams.structured_outputs``) names
-one constraint: a JSON schema, any JSON object, a regular expression, or one of a list of
-strings. A :class:`StructuredOutputBackend` (registered with
+one constraint: a JSON schema, any JSON object, a regular expression, one of a list of
+strings, a grammar (GBNF), or a structural tag. A :class:`StructuredOutputBackend` (registered with
 ``chassis_register_structured_output_backends``, chosen with ``--structured-output-backend``)
 compiles it into a :class:`Grammar` over the tokenizer's vocabulary; every request gets its
 own :class:`GrammarMatcher`, which says before each step which tokens may come next
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 #: the fields of :class:`StructuredOutputsParams` that name a constraint
-CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice")
+CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
@@ -43,7 +43,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     - ``json_object``: ``True`` for any JSON object (OpenAI's ``response_format``
       ``{"type": "json_object"}``);
     - ``regex``: a regular expression the whole output must match;
-    - ``choice``: the output is exactly one of these strings.
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a GBNF grammar (llama.cpp / xgrammar EBNF) whose ``root`` rule the output
+      must match;
+    - ``structural_tag``: vLLM's older ``response_format`` of type ``structural_tag``
+      (``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``), as a ``dict``
+      or its JSON text (kept as text).
 
     A malformed value raises ``ValueError`` naming the field. Whether a backend supports the
     constraint (every JSON-schema keyword, every regex feature) is the backend's
@@ -54,6 +59,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
     #: constrain only the answer after the model's reasoning, with the engine's
     #: ``reasoning_parser`` (its tags must be single tokens); the chat route sets it for JSON
     #: constraints when the server has a reasoning parser (docs/structured_outputs.md)
@@ -65,6 +72,15 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
                 msgspec.structs.force_setattr(self, "json", json.dumps(self.json))
             except (RecursionError, ValueError) as exc:
                 raise ValueError(f"structured_outputs.json cannot be serialized: {exc}") from None
+        if isinstance(self.structural_tag, dict):
+            try:
+                msgspec.structs.force_setattr(
+                    self, "structural_tag", json.dumps(self.structural_tag)
+                )
+            except (RecursionError, ValueError) as exc:
+                raise ValueError(
+                    f"structured_outputs.structural_tag cannot be serialized: {exc}"
+                ) from None
         set_fields = [
             name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)
         ]
@@ -87,8 +103,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         for flag in ("json_object", "after_reasoning"):
             if getattr(self, flag) is not False and getattr(self, flag) is not True:
                 raise ValueError(f"structured_outputs.{flag} must be true or false")
-        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
-            raise ValueError("structured_outputs.regex must be a non-empty string")
+        for field in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{field} must be a non-empty string")
         if self.choice is not None and (
             not isinstance(self.choice, list)
             or not self.choice
@@ -100,7 +118,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
 
     @property
     def kind(self) -> str:
-        """The field that is set: ``"json"``, ``"json_object"``, ``"regex"`` or ``"choice"``."""
+        """The field that is set: one of :data:`CONSTRAINT_FIELDS`."""
         return next(name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False))
 
     def cache_key(self) -> tuple[Any, ...]:

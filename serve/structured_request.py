@@ -1,7 +1,8 @@
 """The request fields that ask for structured output, turned into one constraint.
 
-OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
-and its older ``guided_json`` / ``guided_regex`` / ``guided_choice``, and, on chat, a
+OpenAI's ``response_format`` (``json_object``, ``json_schema``, and vLLM's older
+``structural_tag``), vLLM's ``structured_outputs`` and its older ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and, on chat, a
 ``tool_choice`` of ``"required"`` or a named function (the output is then the calls' JSON).
 At most one of them may be given; each mistake is a 400 naming the field.
 """
@@ -36,11 +37,6 @@ def from_request_fields(
     for name, value in guided.items():
         if value is None:
             continue
-        if name == "guided_grammar":
-            raise bad_request(
-                "guided_grammar is not supported: use a JSON schema, a regex or choices",
-                name,
-            )
         key = name.removeprefix("guided_")
         asked.append((name, _params(name, {key: value})))
     if len(asked) > 1:
@@ -120,8 +116,11 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
                 "response_format",
             )
         return _params("response_format", {"json": schema})
+    if kind == "structural_tag":  # vLLM's older shape: structures and triggers
+        return _params("response_format", {"structural_tag": response_format})
     raise bad_request(
-        f"response_format type must be 'text', 'json_object' or 'json_schema'; got {kind!r}",
+        "response_format type must be 'text', 'json_object', 'json_schema' or "
+        f"'structural_tag'; got {kind!r}",
         "response_format",
     )
 

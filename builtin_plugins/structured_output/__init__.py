@@ -1,8 +1,9 @@
 """The built-in structured-output backend ``"chassis"`` (``--structured-output-backend
 chassis``), registered through ``chassis.general_plugins``.
 
-Constraints (JSON schema, any JSON object, regex, choice) compile to a byte-level regular
-expression (:mod:`.ir`), then to a lazily built DFA (:mod:`.automaton`) whose states give the
+Constraints (JSON schema, any JSON object, regex, choice, GBNF grammar with its recursion
+unrolled (:mod:`.grammar`), structural tag) compile to a byte-level regular expression
+(:mod:`.ir`), then to a lazily built DFA (:mod:`.automaton`) whose states give the
 allowed-token masks (:mod:`.token_masks`); :mod:`.backend` ties them to the engine's
 :class:`~chassis.core.structured_output.StructuredOutputBackend` interface.
 """

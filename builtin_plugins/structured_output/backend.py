@@ -1,7 +1,7 @@
 """chassis's own structured-output backend: constraints as byte DFAs, masks with numpy.
 
-Every constraint becomes an IR tree (:mod:`.regex`, :mod:`.json_schema`, or an alternation
-of literal choices), then an :class:`~.automaton.Automaton` whose states the matcher
+Every constraint becomes an IR tree (:mod:`.regex`, :mod:`.json_schema`, :mod:`.grammar`,
+:mod:`.grammar_structural_tag`, or an alternation of literal choices), then an :class:`~.automaton.Automaton` whose states the matcher
 follows; :class:`~.token_masks.TokenMasks` turns a state into the allowed-token mask. No
 dependency beyond numpy, and no tokenizer-specific code (the vocabulary is bytes).
 """
@@ -63,6 +63,16 @@ def _constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
         return regex_to_ir(params.regex)
     if kind == "choice":
         return ir.alt(*(ir.literal(choice) for choice in params.choice))
+    if kind == "grammar":
+        from chassis.builtin_plugins.structured_output.grammar import grammar_to_ir
+
+        return grammar_to_ir(params.grammar)
+    if kind == "structural_tag":
+        from chassis.builtin_plugins.structured_output.grammar_structural_tag import (
+            structural_tag_to_ir,
+        )
+
+        return structural_tag_to_ir(params.structural_tag)
     # imported here: the JSON-schema compiler is only needed by JSON constraints
     from chassis.builtin_plugins.structured_output import json_schema
 
@@ -126,8 +136,9 @@ class ChassisGrammar(Grammar):
 
 
 class ChassisStructuredOutputBackend(StructuredOutputBackend):
-    """Compiles JSON schemas, JSON objects, regexes and choices into byte DFAs; keeps the
-    ``cache_size`` most recently used grammars (by ``params.cache_key()``)."""
+    """Compiles JSON schemas, JSON objects, regexes, choices, grammars and structural tags
+    into byte DFAs; keeps the ``cache_size`` most recently used grammars (by
+    ``params.cache_key()``)."""
 
     name = "chassis"
 

@@ -1,0 +1,268 @@
+"""Context-free grammars (GBNF / xgrammar EBNF) compiled to the structured-output byte IR.
+
+:func:`grammar_to_ir` parses the grammar (:mod:`.grammar_parser` says what syntax is
+accepted) and expands it from its ``root`` rule into one regular expression. A regular
+expression cannot nest without bound, so recursion is unrolled, as the JSON-schema compiler
+unrolls ``$ref``:
+
+- a rule may be nested inside itself at most ``depth`` times (it is on the expansion stack
+  at most ``depth`` times); past that, the recursive alternative matches nothing, so an
+  alternative without the recursion ends it. ``expr ::= expr "+" term | term`` (left
+  recursion too) then allows ``depth - 1`` additions, ``list ::= item ("," list)?``
+  ``depth`` items, and ``"(" expr ")"`` ``depth - 1`` levels of parentheses;
+- ``depth`` starts at :data:`MAX_RECURSION_DEPTH` and is lowered (to 1 at least, which
+  forbids nesting a rule in itself) until the automaton fits in
+  :data:`~.automaton.MAX_NFA_STATES`; a grammar too large even then is refused;
+- loops written with ``*`` and ``+`` are not recursion and stay unbounded.
+
+Refused with ``ValueError``: syntax errors, undefined rules and a missing ``root``
+(:func:`~.grammar_parser.parse_grammar`, naming line and column); a grammar whose ``root``
+can never finish (every way through it recurses forever), naming the rules at fault; and
+grammars too large to enforce (an automaton over the limit, or rules that reference each
+other in chains hundreds of rules deep, past Python's stack).
+
+Characters are Unicode code points: a literal is its UTF-8 bytes, ``[...]``, ``[^...]`` and
+``.`` match one whole character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from chassis.builtin_plugins.structured_output import ir
+from chassis.builtin_plugins.structured_output.automaton import (
+    MAX_NFA_STATES,
+    estimated_nfa_states,
+)
+from chassis.builtin_plugins.structured_output.grammar_parser import (
+    ROOT,
+    AnyChar,
+    CharClass,
+    Choice,
+    Expr,
+    Literal,
+    Repetition,
+    Rule,
+    RuleRef,
+    Sequence,
+    parse_grammar,
+)
+from chassis.builtin_plugins.structured_output.json_syntax import (
+    NOTHING,
+    either,
+    join,
+    repeat,
+)
+
+__all__ = ["MAX_RECURSION_DEPTH", "check_grammar", "grammar_to_ir"]
+
+#: how many times a rule may be nested in itself at most (lowered for large grammars)
+MAX_RECURSION_DEPTH = 10
+#: the most (rule, counts) expansions one compilation makes; beyond it the grammar is
+#: treated as too large at that depth (in a group of ``n`` mutually recursive rules there
+#: can be up to ``depth ** n`` different counts)
+MAX_EXPANSIONS = 10_000
+
+_ANY_CHAR = ir.unicode_char()
+#: how many times each rule of a recursive group is on the expansion stack, sorted by name
+_Counts = tuple[tuple[str, int], ...]
+
+
+class _TooLarge(Exception):
+    """This depth makes the expansion too large."""
+
+
+def check_grammar(text: str) -> None:
+    """Raise ``ValueError`` (saying why, and where for syntax errors) if
+    :func:`grammar_to_ir` cannot compile ``text``."""
+    grammar_to_ir(text)
+
+
+def grammar_to_ir(text: str) -> ir.Node:
+    """The texts the grammar ``text`` derives from its ``root`` rule, with recursion
+    unrolled (see the module docstring)."""
+    rules = parse_grammar(text)
+    stuck = _unproductive(rules)
+    if ROOT in stuck:
+        reachable = [name for name in _reachable(_edges(rules), ROOT) if name in stuck]
+        raise ValueError(
+            "the grammar matches no text: every way through rule 'root' recurses forever "
+            f"(rules that can never finish: {', '.join(reachable)}); give each recursion an "
+            "alternative that does not recurse"
+        )
+    components = _components(rules)
+    node, states, cut = _attempt(rules, components, MAX_RECURSION_DEPTH)
+    if node is None or states > MAX_NFA_STATES:
+        if not cut and node is not None:  # no recursion to lower: too large as it is
+            raise _too_large(states, recursive=False)
+        # the largest depth that fits (the size grows with the depth)
+        low, high, best = 1, MAX_RECURSION_DEPTH - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            node, states, _ = _attempt(rules, components, middle)
+            if node is not None and states <= MAX_NFA_STATES:
+                best, low = node, middle + 1
+            else:
+                high = middle - 1
+        if best is None:
+            raise _too_large(states, recursive=True)
+        node = best
+    if node == NOTHING:
+        raise ValueError("the grammar matches no text (e.g. an empty character class)")
+    return node
+
+
+def _too_large(states: int, *, recursive: bool) -> ValueError:
+    why = {
+        0: f"expanding it takes more than {MAX_EXPANSIONS} rule expansions",
+        -1: "its rules nest too deeply to expand",
+    }.get(states, f"its automaton would need about {states} states, more than {MAX_NFA_STATES}")
+    unrolled = " even with no rule nested in itself" if recursive else ""
+    return ValueError(
+        f"the grammar is too large to enforce: {why}{unrolled}; use fewer or smaller bounded "
+        "repetitions ({m,n}), fewer alternatives, or less recursion"
+    )
+
+
+def _attempt(
+    rules: dict[str, Rule], components: dict[str, frozenset[str]], depth: int
+) -> tuple[ir.Node | None, int, bool]:
+    """(IR, estimated NFA states, whether the depth cut any recursion) at ``depth``; the IR
+    is ``None`` when the expansion itself is too large (states 0: too many expansions, -1:
+    nested too deeply for Python's stack)."""
+    compiler = _Compiler(rules, components, depth)
+    try:
+        node = compiler.rule(ROOT, ())
+        return node, estimated_nfa_states(node), compiler.cut
+    except _TooLarge:
+        return None, 0, True
+    except RecursionError:  # rules (or the IR) nested deeper than Python's stack
+        return None, -1, True
+
+
+class _Compiler:
+    """Expands rules into IR at one recursion ``depth``.
+
+    Rules that can reach each other form a recursive group (a strongly connected component
+    of the rule graph). A rule's expansion depends only on how many times each rule of its
+    group is already on the expansion stack (rules outside the group cannot lead back into
+    it), so every expansion is memoized by ``(rule, those counts)`` and the IR shares the
+    sub-trees.
+    """
+
+    def __init__(
+        self, rules: dict[str, Rule], components: dict[str, frozenset[str]], depth: int
+    ) -> None:
+        self.rules = rules
+        self.components = components
+        self.depth = depth
+        self.memo: dict[tuple[str, _Counts], ir.Node] = {}
+        self.cut = False
+
+    def rule(self, name: str, counts: _Counts) -> ir.Node:
+        """Rule ``name`` when the rules of its group are on the stack ``counts`` times."""
+        key = (name, counts)
+        node = self.memo.get(key)
+        if node is not None:
+            return node
+        on_stack = dict(counts)
+        if on_stack.get(name, 0) >= self.depth:
+            self.cut = True
+            return NOTHING
+        if len(self.memo) >= MAX_EXPANSIONS:
+            raise _TooLarge
+        on_stack[name] = on_stack.get(name, 0) + 1
+        node = self.expr(self.rules[name].body, tuple(sorted(on_stack.items())))
+        self.memo[key] = node
+        return node
+
+    def expr(self, expr: Expr, counts: _Counts) -> ir.Node:
+        """``expr`` in a rule body, with the rules of that rule's group on the stack
+        ``counts`` times."""
+        if isinstance(expr, Literal):
+            return ir.literal(expr.text)
+        if isinstance(expr, CharClass):
+            ranges: Iterable[tuple[int, int]] = expr.ranges
+            return ir.codepoint_ranges(ir.complement(ranges) if expr.negated else ranges)
+        if isinstance(expr, AnyChar):
+            return _ANY_CHAR
+        if isinstance(expr, RuleRef):
+            group = self.components[expr.name]
+            return self.rule(expr.name, tuple(item for item in counts if item[0] in group))
+        if isinstance(expr, Sequence):
+            return join(*(self.expr(item, counts) for item in expr.items))
+        if isinstance(expr, Choice):
+            return either(*(self.expr(option, counts) for option in expr.options))
+        if isinstance(expr, Repetition):
+            return repeat(self.expr(expr.item, counts), expr.min, expr.max)
+        raise TypeError(f"not a grammar expression: {expr!r}")
+
+
+# -- rule graph ----------------------------------------------------------------------------
+
+
+def _children(expr: Expr) -> tuple[Expr, ...]:
+    if isinstance(expr, Sequence):
+        return expr.items
+    if isinstance(expr, Choice):
+        return expr.options
+    if isinstance(expr, Repetition):
+        return (expr.item,)
+    return ()
+
+
+def _referenced(expr: Expr) -> list[str]:
+    if isinstance(expr, RuleRef):
+        return [expr.name]
+    return [name for child in _children(expr) for name in _referenced(child)]
+
+
+def _reachable(edges: dict[str, set[str]], start: str) -> list[str]:
+    """The rules reachable from ``start`` (itself included), in discovery order."""
+    seen = {start: None}
+    stack = [start]
+    while stack:
+        for name in edges[stack.pop()]:
+            if name not in seen:
+                seen[name] = None
+                stack.append(name)
+    return list(seen)
+
+
+def _edges(rules: dict[str, Rule]) -> dict[str, set[str]]:
+    """The rules each rule references."""
+    return {name: set(_referenced(rule.body)) for name, rule in rules.items()}
+
+
+def _components(rules: dict[str, Rule]) -> dict[str, frozenset[str]]:
+    """Each rule's strongly connected component: the rules it reaches that reach it back."""
+    edges = _edges(rules)
+    reach = {name: set(_reachable(edges, name)) for name in rules}
+    return {
+        name: frozenset(other for other in reach[name] if name in reach[other]) for name in rules
+    }
+
+
+def _unproductive(rules: dict[str, Rule]) -> set[str]:
+    """The rules that derive no finite text (every alternative recurses forever)."""
+    productive: set[str] = set()
+
+    def finishes(expr: Expr) -> bool:
+        if isinstance(expr, RuleRef):
+            return expr.name in productive
+        if isinstance(expr, Sequence):
+            return all(finishes(item) for item in expr.items)
+        if isinstance(expr, Choice):
+            return any(finishes(option) for option in expr.options)
+        if isinstance(expr, Repetition):
+            return expr.min == 0 or finishes(expr.item)
+        return True
+
+    changed = True
+    while changed:
+        changed = False
+        for name, rule in rules.items():
+            if name not in productive and finishes(rule.body):
+                productive.add(name)
+                changed = True
+    return set(rules) - productive
