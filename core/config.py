@@ -18,6 +18,8 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 #: checkpoint when the model is read: "pooling" for ``*ForSequenceClassification``, else
 #: "generate"
 RUNNERS = ("auto", "generate", "pooling")
+#: ``distributed_executor_backend`` values (vLLM's names)
+EXECUTOR_BACKENDS = ("mp", "ray", "uni", None)
 
 
 @dataclass
@@ -92,6 +94,11 @@ class EngineConfig:
     #: that stops may compute one token that is thrown away (see docs/scheduling.md)
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
+    #: how the ranks run (vLLM's flag): "mp" = the engine's own process for one rank, worker
+    #: processes on this host beside it for more (``core/tp_executor.py``); "ray" = one Ray
+    #: actor per rank, on one node or several (``core/ray_executor.py``, needs the ``ray``
+    #: extra); "uni" = the engine's own process, one rank only; None = "mp" (vLLM's auto)
+    distributed_executor_backend: str | None = "mp"
     max_logprobs: int = 20
     #: speculative decoding (vLLM's ``--speculative-config``, a dict of its keys; see
     #: :class:`~chassis.core.speculative.SpeculativeConfig`); None: off
@@ -144,6 +151,7 @@ class EngineConfig:
             raise ValueError(
                 f"--tensor-parallel-size must be >= 1; got {self.tensor_parallel_size}"
             )
+        self._validate_executor_backend()
         if self.cuda_graph_sizes is not None:
             self._validate_cuda_graph_sizes(self.cuda_graph_sizes)
         if self.torch_compile and self.enforce_eager:
@@ -178,6 +186,26 @@ class EngineConfig:
 
             load_chat_template(self.chat_template)  # a mistyped path fails here, not after loading
 
+    def _validate_executor_backend(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"--distributed-executor-backend must be mp, ray or uni; got {backend!r}"
+            )
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--distributed-executor-backend uni runs one rank; use mp or ray for "
+                f"--tensor-parallel-size {self.tensor_parallel_size}"
+            )
+        if backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError(
+                    "--distributed-executor-backend ray needs Ray, which is not installed: "
+                    "pip install 'chassis-llm[ray]'"
+                )
+
     def _validate_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
@@ -189,12 +217,6 @@ class EngineConfig:
             raise ValueError(
                 f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
                 f"({self.max_loras})"
-            )
-        if not self.enable_lora:
-            return
-        if self.torch_compile:
-            raise ValueError(
-                "--enable-lora is not supported with --torch-compile yet (drop one of them)"
             )
 
     def _validate_runner(self) -> None:

@@ -12,6 +12,7 @@ from chassis.core.config import EngineConfig
 from chassis.core.executor import make_executor
 from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.kv_cache_manager import KVCacheManager
+from chassis.core.lora.request import LoRARequest
 from chassis.core.pooling_config import apply_pooling_defaults
 from chassis.core.request import (
     EngineCoreOutput,
@@ -99,6 +100,11 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(config)
         #: outputs of requests refused after they reached the engine, sent with the next step
         self._refused: list[EngineCoreOutput] = []
+        #: LoRA: the adapter id of every accepted request with one, and each adapter's count
+        #: of such requests; an adapter stays pinned in the workers' host memory while its
+        #: count is above zero (``Executor.pin_lora``), so no step reads its folder
+        self._lora_of: dict[str, int] = {}
+        self._lora_refs: dict[int, int] = {}
         assert config.max_model_len is not None and config.attention_backend is not None
         self.info = EngineInfo(
             platform=platform.name,
@@ -121,11 +127,14 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request. One whose structured-output constraint does not compile, or of
+        """Queue a request. One whose structured-output constraint does not compile, of
         the other kind than the engine runs (pooling or generate; the front-end checks both
-        first, so this is rare) finishes at the next step with reason ``abort``, and the
-        error is logged; the engine keeps serving."""
+        first, so this is rare), or whose LoRA adapter the workers cannot read any more (its
+        folder deleted or changed since the front-end's check, and not held in host memory)
+        finishes at the next step with reason ``abort``, and the error is logged; the engine
+        keeps serving."""
         engine_request = Request.from_engine_core_request(request)
+        lora = request.lora_request if self.config.enable_lora else None
         try:
             if (request.pooling_params is not None) != (self.pooler_config is not None):
                 raise ValueError(
@@ -133,13 +142,19 @@ class EngineCore:
                     f"an engine with runner={self.config.runner!r}"
                 )
             matcher = self.structured_outputs.matcher_for(engine_request)
+            if lora is not None:  # last: nothing above needs undoing once it is pinned
+                self._pin_lora(request.request_id, lora)
         except ValueError as exc:
             logger.error("request %s refused: %s", request.request_id, exc)
             self._refused.append(
                 EngineCoreOutput(request_id=request.request_id, finish_reason=FinishReason.ABORT)
             )
             return
-        self.scheduler.add_request(engine_request)
+        try:
+            self.scheduler.add_request(engine_request)
+        except BaseException:
+            self._unpin_lora(request.request_id)
+            raise
         if matcher is not None:  # only once the scheduler has the request
             params = request.sampling_params.structured_outputs
             assert params is not None
@@ -151,6 +166,30 @@ class EngineCore:
         request_ids = list(request_ids)
         self.scheduler.abort(request_ids)
         self.structured_outputs.finish(request_ids)
+        for request_id in request_ids:
+            self._unpin_lora(request_id)
+
+    def _pin_lora(self, request_id: str, lora: LoRARequest) -> None:
+        """Count ``request_id`` as a user of ``lora``, pinning it in the workers on its first
+        (``ValueError`` when its folder cannot be read: the request is refused alone)."""
+        lora_id = lora.lora_int_id
+        count = self._lora_refs.get(lora_id, 0)
+        if count == 0:
+            self.executor.pin_lora(lora)
+        self._lora_refs[lora_id] = count + 1
+        self._lora_of[request_id] = lora_id
+
+    def _unpin_lora(self, request_id: str) -> None:
+        """``request_id`` finished: unpin its adapter after its last request (a request
+        without one, or already counted out, is ignored)."""
+        lora_id = self._lora_of.pop(request_id, None)
+        if lora_id is None:
+            return
+        count = self._lora_refs.pop(lora_id) - 1
+        if count:
+            self._lora_refs[lora_id] = count
+        else:
+            self.executor.unpin_lora(lora_id)
 
     def has_unfinished(self) -> bool:
         """Whether a request is waiting or running, or a launched step awaits collection."""
@@ -191,6 +230,10 @@ class EngineCore:
         """The outputs of a launched plan, once its results are in."""
         outputs = self.scheduler.update_from_output(plan, result.result())
         self.structured_outputs.update(outputs)
+        if self._lora_of:
+            for out in outputs:
+                if out.finished:
+                    self._unpin_lora(out.request_id)
         return outputs
 
     def check_health(self) -> None:

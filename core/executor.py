@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 
 from chassis.core.config import EngineConfig
 from chassis.core.in_flight import PendingRunnerOutput
+from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 
 
@@ -38,6 +39,16 @@ class Executor(ABC):
         or ``None`` without ``--enable-lora`` (default: ``None``)."""
         return None
 
+    def pin_lora(self, lora_request: LoRARequest) -> None:  # noqa: B027 - optional hook
+        """Hold the adapter in every worker's host memory until :meth:`unpin_lora`, reading
+        its folder now unless a worker holds it already; a ``ValueError`` with the reason
+        when it cannot be read (then no worker pins it). The engine core pins the adapter of
+        every request it accepts, before the scheduler sees the request, so that no step
+        reads a folder (docs/lora.md). Default: nothing (steps read folders when needed)."""
+
+    def unpin_lora(self, lora_id: int) -> None:  # noqa: B027 - optional hook
+        """Undo one :meth:`pin_lora` of adapter ``lora_id`` (default: nothing)."""
+
     def check_health(self) -> None:  # noqa: B027 - optional hook
         """Raise ``RuntimeError`` when the workers cannot run steps any more (called while the
         engine is idle, so a dead worker is reported before the next request). Default:
@@ -65,6 +76,14 @@ class InProcessExecutor(Executor):
         lora = self.worker.lora
         return None if lora is None else dict(lora.target_shapes)
 
+    def pin_lora(self, lora_request: LoRARequest) -> None:
+        if self.worker.lora is not None:
+            self.worker.lora.pin(lora_request)
+
+    def unpin_lora(self, lora_id: int) -> None:
+        if self.worker.lora is not None:
+            self.worker.lora.unpin(lora_id)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
@@ -73,10 +92,17 @@ class InProcessExecutor(Executor):
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """The executor ``config`` asks for: in-process for one device, the tensor-parallel
-    executor (``chassis.core.tp_executor``) for ``tensor_parallel_size`` above 1."""
+    """The executor ``config`` asks for: Ray actors (``chassis.core.ray_executor``) with
+    ``distributed_executor_backend="ray"``; else in-process for one device, the
+    tensor-parallel executor (``chassis.core.tp_executor``) for ``tensor_parallel_size``
+    above 1."""
     from chassis.core import parallel_state
 
+    if config.distributed_executor_backend == "ray":
+        from chassis.core.ray_executor import RayExecutor
+
+        # the ranks are actors: this process joins no group, other engines may run beside it
+        return RayExecutor(config)
     if parallel_state.tp_size() > 1:
         gc.collect()  # an engine nobody references any more leaves its group when collected
         if parallel_state.tp_size() > 1:

@@ -86,6 +86,8 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.model = model
         self.lora = lora
+        if lora is not None and config.torch_compile:
+            lora.keep_active()  # one compiled variant, with the adapter matmuls
         #: what runs the forward: the model itself, or its torch.compile'd form
         self.forward: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor] = (
             CompiledForward(model) if config.torch_compile else model

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import weakref
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -40,16 +41,20 @@ import zmq
 from chassis.core import parallel_state
 from chassis.core.config import EngineConfig
 from chassis.core.executor import Executor
+from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 from chassis.core.tp_worker_proc import (
     EXECUTE,
     INIT,
     INIT_CACHE,
     NUM_BLOCKS,
+    PIN_LORA,
     SHUTDOWN,
+    UNPIN_LORA,
     command_address,
     rendezvous,
     reply_address,
+    try_pin_lora,
 )
 from chassis.core.worker import Worker
 
@@ -80,7 +85,109 @@ def start_rank(config: EngineConfig, rank: int, init_method: str) -> Worker:
     return Worker(config, device_index=device)
 
 
-class TensorParallelExecutor(Executor):
+def run_command(worker: Worker, method: str, payload: Any) -> Any:
+    """Run one command of the step protocol on a rank's ``worker`` and return its whole
+    result (``execute``: the :class:`ModelRunnerOutput`; ranks other than 0 send back only
+    its :func:`step_summary`). ``ValueError`` for an unknown command."""
+    if method == NUM_BLOCKS:
+        return worker.determine_num_blocks()
+    if method == INIT_CACHE:
+        worker.initialize_cache(payload)
+        return None
+    if method == EXECUTE:
+        return worker.execute_model(payload)
+    if method == PIN_LORA:
+        return try_pin_lora(worker, payload)
+    if method == UNPIN_LORA:
+        if worker.lora is not None:
+            worker.lora.unpin(payload)
+        return None
+    raise ValueError(f"unknown command {method!r}")
+
+
+class RankGroupExecutor(Executor):
+    """What every executor of a group of ranks does the same way, whatever carries its
+    commands (worker processes here, Ray actors in ``chassis.core.ray_executor``): the
+    settings check before any rank starts, and the step protocol. A subclass sets
+    :attr:`size`, :attr:`_broken` and :attr:`_lora_shapes` and implements
+    :meth:`_run_on_all`."""
+
+    #: the number of ranks
+    size: int
+    #: why the group cannot run any more (a rank failed or died), once it cannot
+    _broken: str | None = None
+    #: rank 0's LoRA target shapes (the same on every rank); None without ``--enable-lora``
+    _lora_shapes: dict[str, tuple[int, int]] | None = None
+
+    @staticmethod
+    def _group_config(config: EngineConfig) -> EngineConfig:
+        """``config`` as a group runs it: ``ValueError`` for ``--torch-compile`` and for a
+        model that cannot be sharded over ``tensor_parallel_size`` ranks (checked before any
+        rank starts); device graphs off."""
+        if config.torch_compile:
+            raise ValueError("--torch-compile cannot be combined with --tensor-parallel-size > 1")
+        if not config.enforce_eager:
+            logger.info("tensor parallel: device graphs are off (not validated with collectives)")
+            config = dataclasses.replace(config, enforce_eager=True)
+        _check_model_splits(config)
+        return config
+
+    @abstractmethod
+    def _run_on_all(self, method: str, payload: Any) -> list[Any]:
+        """Run ``method`` on every rank; rank 0's whole result, then every other rank's reply
+        by rank (``execute``: its :func:`step_summary`). A rank's failure raises and sets
+        :attr:`_broken`; a broken group raises (:meth:`_refuse_if_broken`)."""
+
+    def _refuse_if_broken(self) -> None:
+        """``RuntimeError`` when the group cannot run any more."""
+        if self._broken is not None:
+            raise RuntimeError(
+                f"the tensor-parallel group cannot run any more ({self._broken}); restart "
+                "the engine"
+            )
+
+    # -- the Executor interface ---------------------------------------------------------------
+
+    def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
+        # whole shapes, the same on every rank: the driver's answer
+        return None if self._lora_shapes is None else dict(self._lora_shapes)
+
+    def pin_lora(self, lora_request: LoRARequest) -> None:
+        if self._lora_shapes is None:
+            return
+        failures = self._run_on_all(PIN_LORA, lora_request)
+        reason = next((f for f in failures if f is not None), None)
+        if reason is not None:  # every rank or none: unpin where it was pinned
+            self.unpin_lora(lora_request.lora_int_id)
+            raise ValueError(reason)
+
+    def unpin_lora(self, lora_id: int) -> None:
+        if self._lora_shapes is None:
+            return
+        self._run_on_all(UNPIN_LORA, lora_id)
+
+    def determine_num_blocks(self) -> int:
+        return min(self._run_on_all(NUM_BLOCKS, None))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._run_on_all(INIT_CACHE, num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output, *summaries = self._run_on_all(EXECUTE, scheduler_output)
+        own = step_summary(output)
+        for rank, summary in enumerate(summaries, start=1):
+            # Every rank continues from rank 0's sampled ids (broadcast), so a difference
+            # means the ranks' batches are laid out differently: outputs would be wrong.
+            if summary != own:
+                self._broken = f"rank {rank}'s batch differs from rank 0's"
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} returned {summary} where rank 0 returned "
+                    f"{own}: the ranks' batches differ"
+                )
+        return output
+
+
+class TensorParallelExecutor(RankGroupExecutor):
     """The driver of N ranks (see the module docstring). Raises ``ValueError`` for settings the
     group cannot run (more ranks than devices, heads that do not split evenly, a model that
     cannot be sharded) after stopping every rank it started."""
@@ -88,16 +195,10 @@ class TensorParallelExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         from chassis.platforms import get_current_platform
 
-        if config.torch_compile:
-            raise ValueError("--torch-compile cannot be combined with --tensor-parallel-size > 1")
-        if not config.enforce_eager:
-            logger.info("tensor parallel: device graphs are off (not validated with collectives)")
-            config = dataclasses.replace(config, enforce_eager=True)
         self.size = config.tensor_parallel_size
         get_current_platform().tensor_parallel_devices(self.size)  # enough devices?
-        _check_model_splits(config)  # before any process starts
-        #: why the group cannot run any more (a rank failed or died), once it cannot
-        self._broken: str | None = None
+        config = self._group_config(config)  # before any process starts
+        self._broken = None
         self._ranks = _Ranks(self.size)
         # Stop the ranks when the engine is dropped without shutdown() (an LLM going away).
         self._finalizer = weakref.finalize(self, self._ranks.stop)
@@ -111,39 +212,14 @@ class TensorParallelExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        lora = self.worker.lora
+        self._lora_shapes = None if lora is None else dict(lora.target_shapes)
         logger.info("tensor parallel: %d ranks ready", self.size)
 
-    # -- the Executor interface ---------------------------------------------------------------
-
-    def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
-        # whole shapes, the same on every rank: the driver's answer
-        lora = self.worker.lora
-        return None if lora is None else dict(lora.target_shapes)
-
-    def determine_num_blocks(self) -> int:
-        self._send(NUM_BLOCKS, None)
-        own = self._on_driver(NUM_BLOCKS, self.worker.determine_num_blocks)
-        return min([own, *self._collect(NUM_BLOCKS)])
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._send(INIT_CACHE, num_blocks)
-        self._on_driver(INIT_CACHE, lambda: self.worker.initialize_cache(num_blocks))
-        self._collect(INIT_CACHE)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(EXECUTE, scheduler_output)
-        output = self._on_driver(EXECUTE, lambda: self.worker.execute_model(scheduler_output))
-        own = step_summary(output)
-        for rank, summary in enumerate(self._collect(EXECUTE), start=1):
-            # Every rank continues from rank 0's sampled ids (broadcast), so a difference
-            # means the ranks' batches are laid out differently: outputs would be wrong.
-            if summary != own:
-                self._broken = f"rank {rank}'s batch differs from rank 0's"
-                raise RuntimeError(
-                    f"tensor-parallel rank {rank} returned {summary} where rank 0 returned "
-                    f"{own}: the ranks' batches differ"
-                )
-        return output
+    def _run_on_all(self, method: str, payload: Any) -> list[Any]:
+        self._send(method, payload)
+        own = self._on_driver(method, lambda: run_command(self.worker, method, payload))
+        return [own, *self._collect(method)]
 
     def check_health(self) -> None:
         if self._broken is None:
@@ -176,11 +252,7 @@ class TensorParallelExecutor(Executor):
     def _send(self, method: str, payload: Any) -> None:
         """Send a command to every other rank. A rank not connected yet (starting) is waited
         for; one that exited raises ``RuntimeError`` (zmq would block on it forever)."""
-        if self._broken is not None:
-            raise RuntimeError(
-                f"the tensor-parallel group cannot run any more ({self._broken}); restart "
-                "the engine"
-            )
+        self._refuse_if_broken()
         frame = _encoder.encode([method, payload])
         for rank, (sock, proc) in enumerate(
             zip(self._ranks.commands, self._ranks.procs, strict=True), start=1

@@ -26,16 +26,19 @@ from typing import Any
 import msgspec
 import zmq
 
+from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import SchedulerOutput
 
 logger = logging.getLogger("chassis.tp_worker")
 
-INIT, NUM_BLOCKS, INIT_CACHE, EXECUTE, SHUTDOWN = (
+INIT, NUM_BLOCKS, INIT_CACHE, EXECUTE, SHUTDOWN, PIN_LORA, UNPIN_LORA = (
     "init",
     "num_blocks",
     "init_cache",
     "execute",
     "shutdown",
+    "pin_lora",
+    "unpin_lora",
 )
 #: the first reply to ``init``: the rank is alive and joins the group now
 JOINING = "joining"
@@ -44,6 +47,17 @@ _IDLE_CHECK_MS = 1000
 _encoder = msgspec.msgpack.Encoder()
 _command_decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
 _plan_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+
+
+def try_pin_lora(worker: Any, lora_request: LoRARequest) -> str | None:
+    """Pin the adapter in ``worker``'s host memory; the reason it cannot be read, or None."""
+    if worker.lora is None:
+        return None
+    try:
+        worker.lora.pin(lora_request)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def command_address(ipc_dir: str, rank: int) -> str:
@@ -102,6 +116,13 @@ def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
                     result = None
                 elif method == EXECUTE:
                     result = step_summary(worker.execute_model(_plan_decoder.decode(payload)))
+                elif method == PIN_LORA:
+                    # an adapter this rank cannot read fails that request, not the rank
+                    result = try_pin_lora(worker, msgspec.msgpack.decode(payload, type=LoRARequest))
+                elif method == UNPIN_LORA:
+                    if worker.lora is not None:
+                        worker.lora.unpin(msgspec.msgpack.decode(payload, type=int))
+                    result = None
                 else:
                     raise ValueError(f"unknown command {method!r}")
             except Exception as exc:

@@ -76,6 +76,10 @@ class CpuPlatform(Platform):
             )
         return [0] * size
 
+    def ray_resources(self) -> dict[str, float]:
+        """A core per rank, as :meth:`tensor_parallel_devices` asks of one host."""
+        return {"CPU": 1.0}
+
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
 

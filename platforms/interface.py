@@ -100,6 +100,12 @@ class Platform(ABC):
             )
         return list(range(size))
 
+    def ray_resources(self) -> dict[str, float]:
+        """The Ray resources one rank reserves (one placement-group bundle) under
+        ``--distributed-executor-backend ray``; Ray then makes only that device visible to the
+        rank's actor. Default: one ``GPU`` (Ray's name for CUDA, ROCm and Intel GPUs)."""
+        return {"GPU": 1.0}
+
     def synchronize(self) -> None:  # noqa: B027 (optional; no-op default)
         """Wait for all queued work on the current device (default: nothing queued)."""
 

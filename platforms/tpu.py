@@ -37,6 +37,10 @@ class TpuPlatform(Platform):
     def device_count(self) -> int:
         return torch_facts.tpu_device_count()
 
+    def ray_resources(self) -> dict[str, float]:
+        """One TPU chip per rank (Ray's ``TPU`` resource)."""
+        return {"TPU": 1.0}
+
     def device(self, index: int = 0) -> torch.device:
         import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]
 

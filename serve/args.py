@@ -253,6 +253,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "--lora-modules) or passes a LoRARequest (LLM, AsyncLLM)",
     )
     g.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "ray", "uni"),
+        help="how the ranks run: mp = worker processes on this host, ray = Ray actors on one "
+        "node or several (pip install 'chassis-llm[ray]'), uni = this process, one rank "
+        "(default: mp); see docs/architecture.md",
+    )
+    g.add_argument(
         "--max-loras",
         type=int,
         help=_help("the most distinct adapters in one batch (device slots)", "max_loras"),

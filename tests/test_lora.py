@@ -235,8 +235,7 @@ def test_engine_settings_refused(tiny_llama_dir: Path) -> None:
         EngineConfig(max_loras=0)
     with pytest.raises(ValueError, match="--max-cpu-loras"):
         EngineConfig(max_loras=2, max_cpu_loras=1)
-    with pytest.raises(ValueError, match="--torch-compile"):
-        EngineConfig(enable_lora=True, torch_compile=True)
+    EngineConfig(enable_lora=True, torch_compile=True)  # (tests/test_lora_robustness.py)
 
 
 @pytest.mark.parametrize(

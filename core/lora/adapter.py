@@ -213,13 +213,18 @@ def load_adapter(
     folder: str | Path, target_shapes: dict[str, tuple[int, int]], max_rank: int
 ) -> AdapterWeights:
     """Read the adapter's tensors, ``B`` pre-scaled, checked as :func:`check_adapter` does
-    (again: the folder may have changed since the front-end's check)."""
+    (again: the folder may have changed since the front-end's check). Every failure to read
+    it (a folder deleted, made unreadable or truncated since) is a ``ValueError``."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config = _check_headers(folder, target_shapes, max_rank)
     path = folder / _WEIGHTS_FILE
-    tensors = load_file(str(path))
+    try:
+        config = _check_headers(folder, target_shapes, max_rank)
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"LoRA adapter {str(folder)!r} cannot be read: {exc}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, which = _module_of(key, folder)

@@ -5,7 +5,15 @@ the platform prepares the model (a platform that swaps ``nn.Linear`` layers for 
 kernels then swaps the wrapped base layers). Each step the runner calls
 :meth:`LoRAModel.prepare_step` with the adapter of every token; adapters not in a slot are
 loaded into one (a free slot, else the least recently used one that the step does not
-need), reading the adapter from disk unless it is among the last ``max_cpu_loras`` read.
+need) from host memory.
+
+Host memory holds every *pinned* adapter (:meth:`LoRAModel.pin`: the engine core pins the
+adapter of each request it accepts, before the request can be scheduled, and unpins it when
+the request's last one finishes) and the last ``max_cpu_loras`` unpinned ones. Reading a
+folder is where an adapter can fail (deleted, unreadable, corrupted since the front-end
+checked it): :meth:`~LoRAModel.pin` raises ``ValueError`` then, and the engine core refuses
+that request alone. A step reads a folder only for an adapter nobody pinned (a runner
+driven without the engine core).
 """
 
 from __future__ import annotations
@@ -68,8 +76,15 @@ class LoRAModel:
         self._slot_ids: list[int | None] = [None] * max_loras
         self._slot_used = [0] * max_loras
         self._step = 0
+        #: whether the adapter matmuls run in every forward (:meth:`keep_active`)
+        self._always_active = False
+        #: whether a step may have left one-hot rows in the mask
+        self._mask_dirty = False
         self._requests: dict[int, LoRARequest] = {}
+        #: unpinned adapters read from disk, least recently used first (``max_cpu_loras``)
         self._read: OrderedDict[int, AdapterWeights] = OrderedDict()
+        #: pinned adapters (kept in host memory whatever their number) and their pin counts
+        self._pinned: dict[int, tuple[AdapterWeights, int]] = {}
 
     def _wrap(self, model: CausalLM) -> None:
         found = []
@@ -96,21 +111,71 @@ class LoRAModel:
         arrived); the front-end has checked it (:func:`~chassis.core.lora.adapter.check_adapter`)."""
         self._requests[lora_request.lora_int_id] = lora_request
 
-    def _weights(self, lora_id: int) -> AdapterWeights:
-        weights = self._read.get(lora_id)
-        if weights is not None:
-            self._read.move_to_end(lora_id)
-            return weights
-        request = self._requests[lora_id]
+    def pin(self, lora_request: LoRARequest) -> None:
+        """Hold adapter ``lora_int_id`` in host memory until as many :meth:`unpin` calls, so
+        that no step needs to read its folder; read the folder now unless it is held already.
+
+        A ``ValueError`` with the reason when the folder cannot be read or no longer holds
+        an adapter that fits the model; nothing changes then (a later pin reads it again).
+        """
+        lora_id = lora_request.lora_int_id
+        held = self._pinned.get(lora_id)
+        if held is not None and self._requests.get(lora_id) == lora_request:
+            self._pinned[lora_id] = (held[0], held[1] + 1)
+            return
+        if held is not None:
+            raise ValueError(
+                f"LoRA adapter id {lora_id} is pinned for {self._requests[lora_id].lora_path}; "
+                f"{lora_request.lora_path} cannot take it (give each adapter its own id)"
+            )
+        weights = self._read.pop(lora_id, None)
+        if weights is None or self._requests.get(lora_id) != lora_request:
+            weights = self._load(lora_request)
+        self._requests[lora_id] = lora_request
+        self._pinned[lora_id] = (weights, 1)
+
+    def unpin(self, lora_id: int) -> None:
+        """Undo one :meth:`pin`; after the last, the adapter joins the ``max_cpu_loras`` most
+        recently used unpinned ones (an unknown id is ignored)."""
+        held = self._pinned.pop(lora_id, None)
+        if held is None:
+            return
+        weights, count = held
+        if count > 1:
+            self._pinned[lora_id] = (weights, count - 1)
+            return
+        self._read[lora_id] = weights
+        while len(self._read) > self.max_cpu_loras:
+            self._read.popitem(last=False)
+
+    @property
+    def pinned_ids(self) -> list[int]:
+        """The adapters held by :meth:`pin`, in no particular order."""
+        return list(self._pinned)
+
+    def _load(self, request: LoRARequest) -> AdapterWeights:
+        """Read ``request``'s folder (``ValueError`` when it cannot be applied)."""
         weights = load_adapter(request.lora_path, self.target_shapes, self.max_rank)
         logger.info(
             "LoRA adapter %r (id %d) read from %s: %d modules, rank %d",
             request.lora_name,
-            lora_id,
+            request.lora_int_id,
             request.lora_path,
             len(weights.modules),
             weights.max_rank,
         )
+        return weights
+
+    def _weights(self, lora_id: int) -> AdapterWeights:
+        held = self._pinned.get(lora_id)
+        if held is not None:
+            return held[0]
+        weights = self._read.get(lora_id)
+        if weights is not None:
+            self._read.move_to_end(lora_id)
+            return weights
+        # Not pinned: a runner driven without the engine core; a failure here fails the step.
+        weights = self._load(self._requests[lora_id])
         self._read[lora_id] = weights
         while len(self._read) > self.max_cpu_loras:
             self._read.popitem(last=False)
@@ -145,11 +210,12 @@ class LoRAModel:
         used = np.unique(token_lora_ids)
         used = used[used > 0]
         if not len(used):
-            if self.state.active:
-                # all rows zero for a captured graph, which always runs the adapter matmuls
-                # (this step's rows, and those a later, longer step will read)
+            if self._mask_dirty:
+                # all rows zero for a captured graph or a compiled forward, which run the
+                # adapter matmuls anyway (this step's rows, and those a later, longer step reads)
                 self.state.token_mask.zero_()
-            self.state.active = False
+                self._mask_dirty = False
+            self.state.active = self._always_active
             return
         if len(used) > self.max_loras:
             raise RuntimeError(
@@ -168,6 +234,7 @@ class LoRAModel:
         mask[adapted, slots[adapted]] = 1.0
         self.state.token_mask[:num_tokens].copy_(torch.from_numpy(mask), non_blocking=True)
         self.state.active = True
+        self._mask_dirty = True
 
     def prepare_profile(self, num_tokens: int) -> None:
         """A step state that runs the adapter matmuls with no adapter applied (all-zero
@@ -175,12 +242,24 @@ class LoRAModel:
         decode graphs, which then run them at every replay."""
         self._check_rows(num_tokens)
         self.state.token_mask.zero_()
+        self._mask_dirty = False
         self.state.active = True
 
     def deactivate(self) -> None:
         """After :meth:`prepare_profile`: the next forwards run no adapter matmuls until a
-        step asks for adapters (the mask is all zeros already)."""
-        self.state.active = False
+        step asks for adapters (the mask is all zeros already), unless :meth:`keep_active`."""
+        self.state.active = self._always_active
+
+    def keep_active(self) -> None:
+        """Run the adapter matmuls in every forward from now on, also in steps without
+        adapters (over all-zero mask rows). For ``--torch-compile``: the wrappers' skip is a
+        Python branch, so a compiled forward would otherwise exist in two variants, and the
+        first step of the other kind would compile anew while serving."""
+        self._always_active = True
+        self.state.active = True
+        # Its row count is fixed: else torch would tie it to a forward's token count when
+        # they are equal (duck sizing) and compile again for any other count.
+        torch._dynamo.mark_static(self.state.token_mask)
 
     def _check_rows(self, num_tokens: int) -> None:
         # The mask is never reallocated: captured graphs read it at its address.

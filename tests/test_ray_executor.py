@@ -1,0 +1,206 @@
+"""``--distributed-executor-backend ray``: two ranks in Ray actors on the CPU (gloo), on a
+Ray instance of two CPUs this module starts (and stops). The bar is the single-rank engine's
+and HF's greedy tokens; a rank whose actor dies mid-generation is an error, never a hang.
+Skipped without Ray (``pip install 'chassis-llm[ray]'``); the error tests run without it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+from test_llm_parity import MAX_TOKENS, PROMPTS, hf_greedy
+
+from chassis import LLM, SamplingParams
+from chassis.core.config import EngineConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+needs_two_cores = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="each rank takes a core"
+)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A Ray instance of two CPUs for this module; the executors find it connected."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+def ray_llm(model_dir, tensor_parallel_size: int = 2) -> LLM:
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=tensor_parallel_size,
+        distributed_executor_backend="ray",
+    )
+
+
+def greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def actor_pids(llm: LLM) -> list[int]:
+    ray = sys.modules["ray"]
+    return ray.get([actor.pid.remote() for actor in llm.engine.executor.actors])
+
+
+def wait_for_exit(pids: list[int], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+@needs_two_cores
+def test_two_ray_ranks_match_one_rank_and_hf_and_report_a_dead_rank(
+    ray_cluster, tiny_llama_dir
+) -> None:
+    expected = hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS)
+    one = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=64)
+    assert greedy(one, PROMPTS, MAX_TOKENS) == expected
+    one.shutdown()
+    llm = ray_llm(tiny_llama_dir)
+    pids = actor_pids(llm)
+    assert len(pids) == 2 and os.getpid() not in pids  # every rank is an actor
+    assert greedy(llm, PROMPTS, MAX_TOKENS) == expected
+    llm.engine.check_health()  # idle, both ranks alive
+    # an actor that dies while the engine is idle is reported before the next request
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    with pytest.raises(RuntimeError, match=r"rank 1 exited .* during 'idle'"):
+        while time.monotonic() < deadline:
+            llm.engine.check_health()
+            time.sleep(0.05)
+    llm.shutdown()
+    wait_for_exit(pids)  # the actors are killed, the bundles given back
+    assert ray_cluster.available_resources().get("CPU") == 2.0
+
+
+@needs_two_cores
+def test_an_actor_killed_mid_generation_fails_the_call(ray_cluster, tiny_llama_dir) -> None:
+    llm = ray_llm(tiny_llama_dir)
+    pids = actor_pids(llm)
+    executor = llm.engine.executor
+    execute, steps = executor.execute_model, []
+
+    def execute_then_kill(scheduler_output):
+        steps.append(1)
+        if len(steps) == 3:  # mid-generation: rank 1's process dies before this step
+            os.kill(pids[1], signal.SIGKILL)
+        return execute(scheduler_output)
+
+    executor.execute_model = execute_then_kill
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 exited \(its Ray actor died"):
+        llm.generate(PROMPTS[:2], params)
+    assert time.monotonic() - started < 60
+    with pytest.raises(RuntimeError, match="cannot run any more"):
+        llm.generate(PROMPTS[:1], params)
+    llm.engine.check_health()  # broken already: reported above, nothing more to find
+    llm.shutdown()
+    wait_for_exit(pids)
+
+
+def test_the_flag_reaches_the_config() -> None:
+    import argparse
+
+    from chassis.serve.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, with_plugins=False)
+    for backend in ("mp", "uni"):
+        args = parser.parse_args(["m", "--distributed-executor-backend", backend])
+        assert engine_config_from_args(args).distributed_executor_backend == backend
+    assert engine_config_from_args(parser.parse_args(["m"])).distributed_executor_backend == "mp"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parser.parse_args(["m", "--distributed-executor-backend", "spark"])
+
+
+def test_unknown_and_contradictory_backends_are_refused() -> None:
+    with pytest.raises(ValueError, match="must be mp, ray or uni; got 'spark'"):
+        EngineConfig(distributed_executor_backend="spark")
+    with pytest.raises(ValueError, match="uni runs one rank; use mp or ray"):
+        EngineConfig(distributed_executor_backend="uni", tensor_parallel_size=2)
+    assert EngineConfig(distributed_executor_backend=None, tensor_parallel_size=2)  # vLLM's auto
+
+
+def test_ray_without_ray_installed_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray finds
+    with pytest.raises(ValueError, match=r"pip install 'chassis-llm\[ray\]'"):
+        EngineConfig(distributed_executor_backend="ray", tensor_parallel_size=2)
+    from chassis.core.ray_executor import import_ray
+
+    with pytest.raises(ValueError, match=r"pip install 'chassis-llm\[ray\]'"):
+        import_ray()
+
+
+def test_a_cluster_without_the_resources_is_refused_at_once(ray_cluster, tiny_llama_dir) -> None:
+    # (4 ranks: the tiny model's 4 heads and 2 KV heads split; the module's Ray has 2 CPUs)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"needs 4 CPU .*; the Ray cluster has 2"):
+        ray_llm(tiny_llama_dir, tensor_parallel_size=4)
+    assert time.monotonic() - started < 30
+    assert ray_cluster.available_resources().get("CPU") == 2.0
+
+
+@needs_two_cores
+def test_lora_adapters_on_ray_ranks(ray_cluster, tiny_llama_dir, tmp_path) -> None:
+    """Each rank applies its share of the adapter: the one-rank engine's tokens. Adapters are
+    pinned on every rank or none; one that cannot be read is refused and the group serves on."""
+    from fixtures_lora import write_peft_adapter
+
+    from chassis.core.lora import LoRARequest
+
+    adapter = LoRARequest("a", 1, str(write_peft_adapter(tmp_path / "a", tiny_llama_dir, seed=1)))
+    settings = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, enable_lora=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    one = LLM(str(tiny_llama_dir), **settings)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, lora_request=adapter)]
+    base = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    assert expected != base
+    one.shutdown()
+    llm = LLM(
+        str(tiny_llama_dir), **settings, tensor_parallel_size=2, distributed_executor_backend="ray"
+    )
+    try:
+        assert llm.engine.info.lora_target_shapes["model.layers.0.mlp.down_proj"] == (128, 64)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=adapter)]
+        assert got == expected
+        with pytest.raises(ValueError):
+            llm.engine.executor.pin_lora(LoRARequest("gone", 2, str(tmp_path / "missing")))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == base
+    finally:
+        llm.shutdown()
+
+
+@needs_two_cores
+def test_a_ranks_start_up_error_is_a_value_error(ray_cluster, tmp_path) -> None:
+    """A checkpoint one vocabulary row short of config.json fails every rank's load: the
+    ranks' ValueError, after every actor is stopped."""
+    import json
+
+    import fixtures_models
+
+    model_dir = fixtures_models.write_tiny_checkpoint("llama", tmp_path / "m", vocab_size=49153)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["vocab_size"] = 49154
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"tensor-parallel rank \d: ValueError: .*49153 rows"):
+        ray_llm(model_dir)
+    deadline = time.monotonic() + 15
+    while ray_cluster.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_cluster.available_resources().get("CPU") == 2.0  # the bundles are given back
