@@ -290,8 +290,10 @@ class RequestParsing:
 
     @property
     def needs_special_tokens(self) -> bool:
-        """The tool parser reads special tokens, so the text must keep them."""
-        return bool(self.tool_cls and self.tool_cls.needs_special_tokens)
+        """A parser reads special tokens, so the text must keep them."""
+        return bool(self.tool_cls and self.tool_cls.needs_special_tokens) or bool(
+            self.reasoning_cls and self.reasoning_cls.needs_special_tokens
+        )
 
     def choice_parser(self) -> ChoiceParser:
         reasoning = self.reasoning_cls(self.tokenizer, self.prompt) if self.reasoning_cls else None

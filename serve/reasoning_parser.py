@@ -48,6 +48,11 @@ class ReasoningParser(ABC):
     (DeepSeek-R1 and Qwen3 thinking templates end the prompt with ``<think>``).
     """
 
+    #: The format's markers are special tokens, which the detokenizer drops by default; when
+    #: true, the server asks for the text with special tokens (``skip_special_tokens=False``),
+    #: as for a tool parser's :attr:`~chassis.serve.tool_parser.ToolParser.needs_special_tokens`.
+    needs_special_tokens: bool = False
+
     def __init__(self, tokenizer: Any, prompt: str) -> None:
         self.tokenizer = tokenizer
         self.prompt = prompt

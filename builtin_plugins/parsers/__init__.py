@@ -19,9 +19,11 @@ def chassis_register_tool_parsers(registry: Any) -> None:
     registry.register("qwen3_coder", f"{_PKG}.qwen3_coder:Qwen3CoderToolParser")
     registry.register("deepseek_v3", f"{_PKG}.deepseek_v3:DeepSeekV3ToolParser")
     registry.register("glm45", f"{_PKG}.glm45:Glm45ToolParser")
+    registry.register("openai", f"{_PKG}.harmony_tools:HarmonyToolParser")
 
 
 @hookimpl
 def chassis_register_reasoning_parsers(registry: Any) -> None:
     registry.register("qwen3", f"{_PKG}.think_tags:Qwen3ReasoningParser")
     registry.register("deepseek_r1", f"{_PKG}.think_tags:DeepSeekR1ReasoningParser")
+    registry.register("openai_gptoss", f"{_PKG}.harmony_reasoning:HarmonyReasoningParser")
