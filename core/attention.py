@@ -49,6 +49,54 @@ def kv_cache_shape(
     return (num_blocks, 2, block_size, num_kv_heads, head_dim)
 
 
+#: the 8-bit ``--kv-cache-dtype`` names and the torch dtypes their caches are allocated in
+FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache tensors are allocated in: ``model_dtype`` for ``"auto"``, else
+    the 8-bit float of :data:`FP8_KV_CACHE_DTYPES`. Unknown names are a ``ValueError``."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype must be one of auto, {', '.join(FP8_KV_CACHE_DTYPES)}; "
+            f"got {kv_cache_dtype!r}"
+        )
+    return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def check_kv_cache_dtype(
+    backend_name: str, backend: type[AttentionBackend], kv_cache_dtype: str
+) -> None:
+    """``ValueError`` when ``backend`` cannot store a ``kv_cache_dtype`` (a flag value) cache,
+    naming the backends registered that can."""
+    if kv_cache_dtype == "auto":
+        return
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
+    if dtype in backend.supported_kv_cache_dtypes:
+        return
+    from chassis.plugins import get_registries
+
+    registry = get_registries().attention_backends
+    able = []
+    for name in registry.names():
+        try:  # (an error message: a plugin backend that fails to import is just not listed)
+            if dtype in registry.get(name).supported_kv_cache_dtypes:
+                able.append(name)
+        except Exception:
+            continue
+    raise ValueError(
+        f"attention backend {backend_name!r} does not support --kv-cache-dtype "
+        f"{kv_cache_dtype}; backends that do: {', '.join(able) or '(none registered)'} "
+        "(choose one with --attention-backend, or use --kv-cache-dtype auto)"
+    )
+
+
 class AttentionBackend(ABC):
     """Paged attention for one layer. One instance per attention layer.
 
@@ -77,6 +125,13 @@ class AttentionBackend(ABC):
     #: whether the backend honours ``sinks`` (gpt-oss): a model layer with attention sinks
     #: refuses a backend without it
     supports_attention_sinks: ClassVar[bool] = False
+    #: 8-bit cache dtypes (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) the backend can
+    #: store K/V in besides the compute dtype, which every backend supports
+    #: (``--kv-cache-dtype``). A backend listing one must, when ``kv_cache.dtype`` is it,
+    #: store ``clamp(k / k_scale)`` (and ``v / v_scale``) saturated to the dtype's finite
+    #: range and read back ``stored * k_scale``; ``k_scale``/``v_scale`` are float attributes
+    #: of the instance (1.0 unless set), fixed once the engine runs
+    supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
     def __init__(
         self,
@@ -120,6 +175,10 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
+        #: per-tensor dequantization scales of an 8-bit KV cache (see
+        #: ``supported_kv_cache_dtypes``); 1.0 = no calibration (vLLM's default)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @abstractmethod
     def forward(

@@ -12,6 +12,9 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: ``--kv-cache-dtype`` values (vLLM's names): "auto" stores K/V in the model's dtype; "fp8"
+#: (= "fp8_e4m3") and "fp8_e5m2" store them in 8-bit floats (see docs/performance.md)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 #: what an engine runs (vLLM's ``--runner``): "generate" samples tokens, "pooling" returns one
 #: vector per prompt (embeddings, class logits); "auto" (vLLM's default) is resolved from the
@@ -66,6 +69,11 @@ class EngineConfig:
     #: exact number of KV blocks (tests and experiments; overrides memory sizing)
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    #: what the KV cache stores (vLLM's flag): "auto" = the model's dtype; "fp8" / "fp8_e4m3"
+    #: / "fp8_e5m2" = 8-bit floats (half a 16-bit cache's bytes per token, so twice the
+    #: tokens in the same memory), quantized with per-tensor scales of 1.0 on write and
+    #: dequantized on read; needs a backend that supports it (docs/performance.md)
+    kv_cache_dtype: str = "auto"
 
     # -- scheduling ------------------------------------------------------------------------
     max_num_seqs: int = 128
@@ -128,6 +136,11 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two >= 1; got {self.block_size}")

@@ -23,7 +23,13 @@ import numpy as np
 import torch
 
 from chassis.core import parallel_state
-from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_shape
+from chassis.core.attention import (
+    AttentionMetadata,
+    ForwardContext,
+    check_kv_cache_dtype,
+    kv_cache_shape,
+    resolve_kv_cache_dtype,
+)
 from chassis.core.compiled_model import CompiledForward
 from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
@@ -94,7 +100,15 @@ class ModelRunner:
         )
         self.sampler = sampler
         self.device = device
-        self.kv_dtype = kv_dtype
+        # ``kv_dtype`` is the model's dtype; ``--kv-cache-dtype fp8`` stores 8-bit floats
+        # instead, which the backend must support (the platform checked it; a plugin
+        # platform may not have)
+        check_kv_cache_dtype(
+            config.attention_backend or attention_backend.__name__,
+            attention_backend,
+            config.kv_cache_dtype,
+        )
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, kv_dtype)
         self.pin_memory = pin_memory
         hf = model.hf_config
         self.vocab_size = int(hf.vocab_size)
@@ -119,7 +133,8 @@ class ModelRunner:
     # -- KV cache -------------------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers (K and V)."""
+        """Bytes one block takes across all layers (K and V), in the cache's dtype (an 8-bit
+        cache's blocks take half a 16-bit one's, so twice as many fit the same memory)."""
         per_layer = math.prod(kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim))
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return per_layer * elem * self.model.num_attention_layers
@@ -135,6 +150,14 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.model.num_attention_layers)
         ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens) in %s, %.1f MiB",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
+            num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+        )
         if isinstance(self.forward, CompiledForward):
             self._compile_forward()
         self._capture_graphs()

@@ -119,7 +119,9 @@ class CpuPlatform(Platform):
         return torch.bfloat16 if has_fast_bf16() else torch.float32
 
     def default_attention_backend(self, config: EngineConfig) -> str:
-        return "cpu_paged"
+        """``cpu_paged``, or ``torch_paged`` for a KV-cache dtype ``cpu_paged``'s compiled
+        kernels do not read (``--kv-cache-dtype fp8``): asked of the backends, not assumed."""
+        return self.first_backend_for(config, ("cpu_paged", "torch_paged"))
 
     def host_reads_are_free(self) -> bool:
         return True

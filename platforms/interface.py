@@ -155,6 +155,23 @@ class Platform(ABC):
     def default_attention_backend(self, config: EngineConfig) -> str:
         """Name (in the attention-backend registry) of the backend to use without a flag."""
 
+    @staticmethod
+    def first_backend_for(config: EngineConfig, candidates: tuple[str, ...]) -> str:
+        """The first of ``candidates`` (attention-backend names, best first) whose class
+        supports ``config.kv_cache_dtype`` (its ``supported_kv_cache_dtypes``); the first
+        candidate when none does (the config check then names the backends that do)."""
+        if config.kv_cache_dtype == "auto":
+            return candidates[0]
+        from chassis.core.attention import resolve_kv_cache_dtype
+        from chassis.plugins import get_registries
+
+        dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, torch.float32)
+        registry = get_registries().attention_backends
+        for name in candidates:
+            if dtype in registry.get(name).supported_kv_cache_dtypes:
+                return name
+        return candidates[0]
+
     def supports_graph_capture(self) -> bool:
         """Whether decode steps can be captured and replayed as device graphs.
 
@@ -229,11 +246,19 @@ class Platform(ABC):
         """
         return False
 
-    def check_and_update_config(self, config: EngineConfig) -> None:  # noqa: B027
+    def check_and_update_config(self, config: EngineConfig) -> None:
         """Validate ``config`` for this device and fill device-dependent fields in place.
 
-        Raise ``ValueError`` with an actionable message for what this device cannot do.
+        Raise ``ValueError`` with an actionable message for what this device cannot do. The
+        default checks that the attention backend supports ``--kv-cache-dtype``; an override
+        should call it.
         """
+        if config.attention_backend is not None and config.kv_cache_dtype != "auto":
+            from chassis.core.attention import check_kv_cache_dtype
+            from chassis.plugins import get_registries
+
+            backend = get_registries().attention_backends.get(config.attention_backend)
+            check_kv_cache_dtype(config.attention_backend, backend, config.kv_cache_dtype)
 
     # -- reporting ----------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import MISSING, fields
 from typing import Any
 
-from chassis.core.config import DTYPES, LOAD_FORMATS, RUNNERS, EngineConfig
+from chassis.core.config import DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, RUNNERS, EngineConfig
 
 #: where add_engine_args records the dests of plugin flags on the parser's defaults
 _PLUGIN_DESTS = "_chassis_plugin_arg_dests"
@@ -141,6 +141,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
 
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, help=_help("tokens per KV block", "block_size"))
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help=_help(
+            "what the KV cache stores: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 "
+            "= 8-bit floats, twice the tokens in the same memory (docs/performance.md)",
+            "kv_cache_dtype",
+        ),
+    )
     g.add_argument(
         "--kv-cache-memory",
         type=_memory_size_arg,

@@ -4,6 +4,10 @@ It is the definition of correct that faster backends are tested against, and the
 platform's default. The code favours being obviously right; it is fast only where that stays
 simple: all single-token decodes of a step share one padded gather and one SDPA call, and
 only prefill chunks (query length > 1) are handled one request at a time.
+
+An 8-bit KV cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``) is the reference too: K/V are
+divided by the layer's ``k_scale``/``v_scale``, saturated to the dtype's finite range and
+rounded to nearest on write (:func:`quantize_kv`), and multiplied back in float32 on read.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from chassis.core.attention import AttentionBackend, AttentionMetadata
+
+#: the 8-bit cache dtypes this backend (and :func:`quantize_kv`) handles
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -26,6 +33,7 @@ class TorchPagedAttention(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_attention_sinks = True
+    supported_kv_cache_dtypes = FP8_DTYPES
 
     def forward(
         self,
@@ -36,7 +44,14 @@ class TorchPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
-        write_kv_cache(kv_cache, key[:num_tokens], value[:num_tokens], metadata.slot_mapping)
+        write_kv_cache(
+            kv_cache,
+            key[:num_tokens],
+            value[:num_tokens],
+            metadata.slot_mapping,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
 
         output = torch.zeros_like(query)
         starts = metadata.query_start_loc_cpu.tolist()
@@ -73,8 +88,8 @@ class TorchPagedAttention(AttentionBackend):
         # [n, 2, block_size, KV, D] -> [2, n * block_size, KV, D] -> first seq_len tokens
         kv = kv_cache[block_ids[:num_blocks].long()].transpose(0, 1).flatten(1, 2)[:, :seq_len]
         q = query.transpose(0, 1).float()  # [H, Q, D]
-        k = kv[0].transpose(0, 1).float()  # [KV, L, D]
-        v = kv[1].transpose(0, 1).float()
+        k = self._dequantized(kv[0].transpose(0, 1), self.k_scale)  # [KV, L, D]
+        v = self._dequantized(kv[1].transpose(0, 1), self.v_scale)
         plain = self.sliding_window is None and self.logits_soft_cap is None and self.sinks is None
         if query_len == seq_len and plain:
             out = F.scaled_dot_product_attention(
@@ -107,8 +122,8 @@ class TorchPagedAttention(AttentionBackend):
         # [B, n, 2, block_size, KV, D] -> [2, B, n * block_size, KV, D]
         kv = kv_cache[block_ids].permute(2, 0, 1, 3, 4, 5).flatten(2, 3)[:, :, :max_len]
         q = query.unsqueeze(2).float()  # [B, H, 1, D]
-        k = kv[0].transpose(1, 2).float()  # [B, KV, L, D]
-        v = kv[1].transpose(1, 2).float()
+        k = self._dequantized(kv[0].transpose(1, 2), self.k_scale)  # [B, KV, L, D]
+        v = self._dequantized(kv[1].transpose(1, 2), self.v_scale)
         lens = torch.tensor(seq_lens, device=query.device)
         k_pos = torch.arange(max_len, device=query.device)[None, :]
         mask = k_pos < lens[:, None]  # [B, L]; the query sits at position lens - 1
@@ -116,6 +131,13 @@ class TorchPagedAttention(AttentionBackend):
             mask &= k_pos >= lens[:, None] - self.sliding_window
         out = self._attend(q, k, v, mask[:, None, None, :])
         return out.squeeze(2).to(query.dtype)
+
+    @staticmethod
+    def _dequantized(stored: torch.Tensor, scale: float) -> torch.Tensor:
+        """Cache values in float32; an 8-bit cache's times its per-tensor ``scale``."""
+        if stored.dtype in FP8_DTYPES and scale != 1.0:
+            return stored.float() * scale
+        return stored.float()
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
@@ -144,14 +166,35 @@ class TorchPagedAttention(AttentionBackend):
 
 
 def write_kv_cache(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store ``key``/``value [T, KV, D]`` at ``slot_mapping [>= T]``; slots ``< 0`` are skipped."""
+    """Store ``key``/``value [T, KV, D]`` at ``slot_mapping [>= T]``; slots ``< 0`` are skipped.
+
+    An 8-bit ``kv_cache`` gets ``quantize_kv(key, dtype, k_scale)`` (and ``v_scale`` for V);
+    other caches the values cast to their dtype (the scales unused).
+    """
     block_size = kv_cache.shape[2]
     slots = slot_mapping[: key.shape[0]].long()
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = quantize_kv(key, kv_cache.dtype, k_scale)
+    kv_cache[blocks, 1, offsets] = quantize_kv(value, kv_cache.dtype, v_scale)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as stored in a ``dtype`` cache: for an 8-bit float dtype ``x / scale`` in float32,
+    saturated to the dtype's largest finite magnitude (448 for e4m3fn, 57344 for e5m2; the
+    plain cast would give NaN or inf) and rounded to nearest even; for others ``x`` cast."""
+    if dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    scaled = x.float() if scale == 1.0 else x.float() / scale
+    return scaled.clamp(-limit, limit).to(dtype)

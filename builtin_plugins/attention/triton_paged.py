@@ -14,6 +14,10 @@ a query block's (a windowed layer reads about the window, not the context); the 
 online softmax from its head's sink logit. The KV cache still holds every position
 of a windowed layer's context.
 
+An 8-bit KV cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``) is one more compile-time variant:
+the write kernel quantizes (``k / k_scale``, saturated, rounded to nearest even) and the
+attention kernel widens each loaded tile to the compute dtype; no host read either way.
+
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
 is for tests; otherwise they raise ``ValueError``.
 """
@@ -48,6 +52,8 @@ class TritonPagedAttention(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     supports_attention_sinks: ClassVar[bool] = True
+    #: quantized on write, widened in the kernel on read (see the module docstring)
+    supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = kernels.FP8_KV_DTYPES
 
     def forward(
         self,
@@ -73,7 +79,14 @@ class TritonPagedAttention(AttentionBackend):
                 f"triton_paged computes in {', '.join(map(str, self.supported_dtypes))}; "
                 f"got {query.dtype}"
             )
-        kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        kernels.write_kv_cache(
+            key,
+            value,
+            kv_cache,
+            metadata.slot_mapping,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         kernels.paged_attention(
             query,
@@ -89,5 +102,7 @@ class TritonPagedAttention(AttentionBackend):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
             sinks=self.sinks,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out

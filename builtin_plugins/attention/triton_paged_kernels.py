@@ -10,6 +10,15 @@ Written for Triton 3.6 (the GPU image) and 3.9 (this repository's CPU machines),
 long-standing ``tl`` APIs. Loaded values are cast to float32 before any elementwise arithmetic:
 besides being the numerically right thing, Triton's CPU interpreter computes bfloat16
 arithmetic on the raw bits, so this is also what keeps the interpreter usable for tests.
+
+An 8-bit cache (``torch.float8_e4m3fn`` / ``float8_e5m2``, ``--kv-cache-dtype fp8``) is a
+compile-time variant of both kernels (they branch on the cache pointer's element type): the
+write divides K/V by their per-tensor scales in float32, saturates to the format's finite
+range and rounds to nearest even; attention casts each loaded K/V tile to the compute dtype
+(exact: every fp8 value is a bfloat16/float16 value), folds ``k_scale`` into the score scale
+and multiplies the output by ``v_scale``. Triton's
+interpreter handles the fp8 types too, so the CPU tests run the same code. NVIDIA GPUs need
+sm_89 or later (Ada, Hopper) for Triton's e4m3 conversions.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ MAX_KV_SPLITS = 16
 _MIN_TILES_PER_SPLIT = 4
 #: the combine kernel's split lanes: one compiled variant for every split count
 _SPLITS_PAD = triton.next_power_of_2(MAX_KV_SPLITS)
+#: the 8-bit KV-cache dtypes the kernels store and read (see the module docstring)
+FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,6 +56,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale,
+    v_scale,
     stride_k_tok,
     stride_k_head,
     stride_v_tok,
@@ -58,7 +71,12 @@ def _write_kv_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """One program per token: copy its K and V (all kv heads) to cache slot ``slot_mapping[t]``."""
+    """One program per token: copy its K and V (all kv heads) to cache slot ``slot_mapping[t]``.
+
+    An 8-bit cache (the pointer's element type, so a compile-time branch) gets ``k / k_scale``
+    (``v / v_scale``) saturated to the format's largest finite value and rounded to nearest
+    even: the plain cast would give NaN or inf beyond the range."""
+    cache_ty = k_cache_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token: nothing to write
@@ -77,21 +95,36 @@ def _write_kv_kernel(
     k = tl.load(
         key_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask
     )
+    if cache_ty.is_fp8():
+        fp8_max = 448.0 if cache_ty == tl.float8e4nv else 57344.0  # e4m3fn, e5m2
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -fp8_max), fp8_max)
+        k = k.to(cache_ty, fp_downcast_rounding="rtne")
     tl.store(k_cache_ptr + cache_off, k, mask=mask)
     v = tl.load(
         value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask
     )
+    if cache_ty.is_fp8():
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -fp8_max), fp8_max)
+        v = v.to(cache_ty, fp_downcast_rounding="rtne")
     tl.store(v_cache_ptr + cache_off, v, mask=mask)
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store ``key``/``value [T, num_kv_heads, head_dim]`` into ``kv_cache`` at ``slot_mapping``.
 
     ``slot_mapping [T]`` holds ``block * block_size + offset`` per token, ``-1`` for padding
     tokens, which are skipped. ``kv_cache`` has the shape of
     :func:`chassis.core.attention.kv_cache_shape` and its dtype; K/V are cast to it on store.
+    An 8-bit cache (:data:`FP8_KV_DTYPES`) stores ``key / k_scale`` and ``value / v_scale``
+    saturated to its finite range, rounded to nearest even (as ``torch_paged.quantize_kv``).
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
@@ -112,6 +145,8 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -185,6 +220,7 @@ def _paged_attention_kernel(
     sliding_window,
     cap_in_log2,
     cap_out_log2,
+    v_scale,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -294,6 +330,12 @@ def _paged_attention_kernel(
             mask=k_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
+        if k_cache_ptr.dtype.element_ty.is_fp8():
+            # 8-bit cache (a compile-time branch on the pointer type): widen the tiles to the
+            # compute dtype (exact); k_scale is folded into the score scale on the host,
+            # v_scale multiplies the result below
+            k_t = k_t.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_FP32:
             scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
         else:
@@ -324,6 +366,8 @@ def _paged_attention_kernel(
             acc = tl.dot(p.to(v.dtype), v, acc)
         row_max = new_max
 
+    if k_cache_ptr.dtype.element_ty.is_fp8():
+        acc = acc * v_scale  # the cache holds v / v_scale; linear, so splits combine as before
     if SPLIT_KV:
         # partial results [T, NUM_HEADS, num_splits(, DIM_PAD)], combined by _combine_kernel;
         # an empty split still writes (max -inf, sum 0) so the combine needs no other signal
@@ -472,11 +516,14 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: LaunchConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> LaunchConfig:
     """Causal paged attention of a mixed prefill/decode batch into ``out``; returns the config.
 
     :param query: ``[T, num_heads, head_dim]`` (last dim contiguous)
-    :param kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, same dtype
+    :param kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, the query's
+        dtype or an 8-bit one (:data:`FP8_KV_DTYPES`) holding ``k / k_scale``, ``v / v_scale``
     :param out: ``[T, num_heads, head_dim]``; rows of tokens outside the ``num_reqs``
         requests (padding) are unspecified afterwards
     :param query_start_loc: ``[>= num_reqs + 1]`` int32 cumulative query lengths
@@ -491,6 +538,8 @@ def paged_attention(
         dtype, read as float32): head ``h``'s softmax denominator gains ``exp(sinks[h])``
         (``None``: off)
     :param num_splits: force the KV split count (tests); ``None`` chooses
+    :param k_scale: an 8-bit cache's K dequantization scale (ignored for other caches)
+    :param v_scale: the same for V
     :param config: launch with these tiles instead of :func:`choose_launch_config`'s (tuning
         sweeps; any valid config gives the same result): ``block_m`` a power of two and a
         multiple of the GQA group with ``block_q == block_m // group``, ``tile_n`` a power of
@@ -517,8 +566,14 @@ def paged_attention(
             f"sinks must be a float [{num_heads}] tensor on {query.device}; got "
             f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
         )
-    if kv_cache.dtype != query.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}")
+    kv_fp8 = kv_cache.dtype in FP8_KV_DTYPES
+    if kv_cache.dtype != query.dtype and not kv_fp8:
+        raise ValueError(
+            f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype} (and not one of "
+            f"the 8-bit cache dtypes {', '.join(map(str, FP8_KV_DTYPES))})"
+        )
+    if not kv_fp8:
+        k_scale = v_scale = 1.0  # (a 16/32-bit cache holds K/V as they are)
     if out.shape != query.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dim")
     if config is None:
@@ -557,6 +612,7 @@ def paged_attention(
     grid = (num_q_blocks, num_kv_heads, splits)
     # unused by the kernel without the option (constexpr-gated); 0 and 1.0 keep the types fixed
     cap = logits_soft_cap or 1.0
+    scale = scale * k_scale  # q . (k_scale * stored k) = k_scale * (q . stored k)
     kernel[grid](
         query,
         kv_cache[:, 0],
@@ -583,6 +639,7 @@ def paged_attention(
         sliding_window or 0,
         2.0 * scale * _LOG2E / cap,
         cap * _LOG2E,
+        float(v_scale),
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,

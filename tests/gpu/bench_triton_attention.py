@@ -2,7 +2,8 @@
 
 Not a test: run by tests/gpu/run_gpu_checks.sh after the GPU tests, to record numbers that
 later tuning compares against. Each line: case, microseconds per call (median of
-``triton.testing.do_bench``), and for decode the KV bytes read per second.
+``triton.testing.do_bench``), and for decode the KV bytes read per second (also with an fp8
+KV cache, ``--kv-cache-dtype fp8``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ def main() -> None:
             ref_us = do_bench(lambda a=args: torch_backend.forward(*a)) * 1e3
             line += f"   torch_paged {ref_us:8.1f} us"
         print(line, flush=True)
+    # --kv-cache-dtype fp8: the same decodes reading half the bytes (e4m3 cache, bf16 compute)
+    for batch, ctx in [(1, 8192), (64, 1024), (256, 1024), (64, 4096)]:
+        (q, k, v, cache, meta), kv_bytes = step([ctx] * batch, 1)
+        args = (q, k, v, cache.to(torch.float8_e4m3fn), meta)
+        us = do_bench(lambda a=args: triton_backend.forward(*a)) * 1e3
+        print(
+            f"decode  B={batch:<4} ctx={ctx:<5} triton fp8 cache {us:8.1f} us  "
+            f"{kv_bytes / 2 / us / 1e3:7.1f} GB/s",
+            flush=True,
+        )
     for reqs, prefix, q_len in [(1, 0, 2048), (4, 512, 512), (16, 0, 256)]:
         args, _ = step([prefix] * reqs, q_len)
         us = do_bench(lambda a=args: triton_backend.forward(*a)) * 1e3

@@ -5,6 +5,8 @@
 # Steps, in order, each under its own timeout and all under one overall budget (BUDGET_S,
 # default 540 s: a step that would start with under 30 s left is skipped):
 #   pytest      pytest -m gpu tests/gpu (not gpu_compile, not gpu_moe) -> pytest.txt, junit.xml
+#               (attention: test_gpu_triton_attention.py, and the fp8 KV cache's kernels and
+#               engine in test_gpu_fp8_kv_cache.py)
 #   throughput  (a)+(c) nano-vllm workload on the Qwen3-0.6B preset, chassis and HF
 #                                                            -> throughput.txt/.json
 #   latency     (b)+(c) batch 1, 128-token prompt, 256 new tokens, chassis and HF; then
@@ -25,7 +27,8 @@
 #                                                            -> pytest_moe.txt, junit_moe.xml
 #   gpt_oss     (only when named in STEPS) the gpt-oss part of moe alone
 #                                                    -> pytest_gpt_oss.txt, junit_gpt_oss.xml
-#   attn        tests/gpu/bench_triton_attention.py          -> bench.txt
+#   attn        tests/gpu/bench_triton_attention.py (decodes with bf16 and fp8 KV caches)
+#                                                            -> bench.txt
 #   tune        (only when named in STEPS) tests/gpu/tune_triton_attention.py -> tune.txt
 # STEPS="throughput serve" runs a subset. HF_NUM_PROMPTS (default 32): HF runs only the first
 # N of the 256 throughput requests, and the throughput ratio compares chassis and HF on those
