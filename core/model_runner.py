@@ -46,6 +46,7 @@ from chassis.core.structured_output_manager import unpack_masks
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
+    from chassis.core.draft_model import DraftModelProposer
     from chassis.core.lora.model import LoRAModel
     from chassis.core.model_interface import CausalLM
     from chassis.core.sampler_interface import Sampler
@@ -61,7 +62,8 @@ class ModelRunner:
     pure-decode steps replay captured graphs (see :mod:`chassis.core.cuda_graphs`); by default
     they are the current platform and ``config.attention_backend`` from the registry.
     ``lora`` (with ``--enable-lora``) holds the model's LoRA slots; decode graphs are captured
-    with its matmuls, so steps with and without adapters replay them.
+    with its matmuls, so steps with and without adapters replay them. ``drafter`` (speculative
+    decoding with a draft model) proposes each step's drafts for the next one.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class ModelRunner:
         platform: Platform | None = None,
         attention_backend: type[AttentionBackend] | None = None,
         lora: LoRAModel | None = None,
+        drafter: DraftModelProposer | None = None,
     ) -> None:
         assert config.max_model_len is not None  # set by finalize_config
         if platform is None:
@@ -92,6 +95,8 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.model = model
         self.lora = lora
+        #: the draft model (``--speculative-config`` method ``draft_model``); None: none
+        self.drafter = drafter
         if lora is not None and config.torch_compile:
             lora.keep_active()  # one compiled variant, with the adapter matmuls
         #: what runs the forward: the model itself, or its torch.compile'd form
@@ -134,10 +139,12 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes across all layers (K and V), in the cache's dtype (an 8-bit
-        cache's blocks take half a 16-bit one's, so twice as many fit the same memory)."""
+        cache's blocks take half a 16-bit one's, so twice as many fit the same memory), the
+        draft model's layers included (they share the block ids)."""
         per_layer = math.prod(kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim))
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return per_layer * elem * self.model.num_attention_layers
+        draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
+        return per_layer * elem * self.model.num_attention_layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV caches, then capture the decode graphs where they can be used.
@@ -158,6 +165,8 @@ class ModelRunner:
             str(self.kv_dtype).removeprefix("torch."),
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
         )
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)  # same block ids as the target's
         if isinstance(self.forward, CompiledForward):
             self._compile_forward()
         self._capture_graphs()
@@ -422,7 +431,7 @@ class ModelRunner:
                 )
 
         batch.num_computed_tokens[rows] = seq_lens
-        return self.in_flight.launch(
+        pending = self.in_flight.launch(
             request_ids,
             row_of_sample.tolist(),
             sample_rows,
@@ -431,6 +440,21 @@ class ModelRunner:
             prompt_logprobs,
             out.spec_token_ids,
         )
+        if self.drafter is not None:
+            return self._propose_drafts(pending, rows, starts)
+        return pending
+
+    def _propose_drafts(
+        self, pending: PendingRunnerOutput, rows: np.ndarray, starts: np.ndarray
+    ) -> PendingRunnerOutput:
+        """Draft-model speculative decoding: wait for the step (async scheduling is refused
+        with it), then let the draft model run over the step's kept tokens and propose the
+        next drafts (``ModelRunnerOutput.draft_token_ids``; :mod:`chassis.core.draft_model`)."""
+        assert self.drafter is not None
+        output = pending.result()
+        sampled = np.array([bool(t) for t in output.sampled_token_ids], dtype=bool)
+        output.draft_token_ids = self.drafter.propose(self.batch, rows, starts, sampled)
+        return PendingRunnerOutput.ready(output)
 
     def _mask_disallowed_tokens(
         self, logits: torch.Tensor, states: list[RequestState], masks: dict[str, bytes]
@@ -507,3 +531,5 @@ class ModelRunner:
             hidden[: min(self.config.max_num_seqs * rows_per_seq, num_tokens)]
         )
         del dummy_cache
+        if self.drafter is not None:
+            self.drafter.profile_run(num_tokens)

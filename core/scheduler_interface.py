@@ -107,6 +107,10 @@ class ModelRunnerOutput:
     #: pooling requests whose prompt this step completed: request id -> the pooled vector
     #: (little-endian float32 bytes, ``chassis.core.pooling_outputs.POOLED_DTYPE``)
     pooled: dict[str, bytes] = field(default_factory=dict)
+    #: request id -> the drafts a draft model proposes for its next step (speculative
+    #: decoding with ``method: "draft_model"``; ``core/draft_model.py``); the scheduler may
+    #: plan them as that step's ``SchedulerOutput.spec_token_ids``
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler(ABC):

@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram drafts (vLLM's ``--speculative-config`` method ``ngram``).
+"""Speculative decoding (vLLM's ``--speculative-config``): methods ``ngram`` and ``draft_model``.
 
 A decoding request often repeats text it has seen: code being edited, a quoted document, a
 list whose items share a pattern. Prompt lookup guesses the next tokens by finding the
@@ -30,6 +30,13 @@ structured outputs. See docs/scheduling.md.
 
 The scheduler proposes with an :class:`NgramIndex` per request, whose cost per step does
 not grow with the context; :func:`propose_ngram` is the plain reference it equals.
+
+With ``method: "draft_model"`` (``"model": PATH``) a small model sharing the target's
+vocabulary proposes instead (:mod:`chassis.core.draft_model`): after each step the runner
+lets it write ``num_speculative_tokens`` greedy tokens per request, and the scheduler plans
+them as the next step's drafts. Greedy (argmax) drafts are a one-hot q too, so the same
+exact-match verification keeps the output distribution exact: any draft source only changes
+how many drafts are accepted, never which tokens come out or with what probability.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from chassis.core.sampling_metadata import SAMPLING_EPS
 from chassis.core.sampling_params import SamplingParams
 
 #: the methods this engine implements
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 #: most draft tokens per step and request (the verify forward grows with them)
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -56,13 +63,21 @@ class SpeculativeConfig:
 
     ``num_speculative_tokens``: most drafts per request and step; the n-gram to look up has
     ``prompt_lookup_max`` tokens down to ``prompt_lookup_min`` (the longest that occurs
-    earlier wins).
+    earlier wins). ``model``: the draft model's checkpoint (a folder or hub id) for method
+    ``draft_model``; a ``model`` without a ``method`` means ``draft_model`` (as vLLM infers
+    it from a model path).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Whether drafts come from a draft model (the runner proposes them)."""
+        return self.method == "draft_model"
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
@@ -74,12 +89,20 @@ class SpeculativeConfig:
                 "--speculative-config must be a JSON object such as "
                 '\'{"method": "ngram", "num_speculative_tokens": 4}\''
             )
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "model",
+        }
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(
                 f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}"
             )
+        if "method" not in value and value.get("model") is not None:
+            value = {**value, "method": "draft_model"}  # vLLM infers it from the path
         high = value.get("prompt_lookup_max")
         if (
             "prompt_lookup_min" not in value
@@ -98,6 +121,17 @@ class SpeculativeConfig:
             raise ValueError(
                 f"--speculative-config method {self.method!r} is not implemented; "
                 f"known: {', '.join(METHODS)}"
+            )
+        if self.uses_draft_model:
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise ValueError(
+                    "--speculative-config method 'draft_model' needs \"model\": the draft "
+                    "model's folder or hub id (a small model with the target's vocabulary)"
+                )
+        elif self.model is not None:
+            raise ValueError(
+                f"--speculative-config \"model\" is for method 'draft_model'; method "
+                f"{self.method!r} takes no model (drop one of them)"
             )
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:

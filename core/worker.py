@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chassis.core.attention import resolve_kv_cache_dtype
 from chassis.core.config import EngineConfig
 from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.lora.model import LoRAModel
 from chassis.core.model_runner import ModelRunner
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from chassis.core.attention import AttentionBackend
+    from chassis.core.draft_model import DraftModelProposer
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,7 @@ class Worker:
             # weight formats prepare_model would set up.
             self.platform.prepare_model(model)
         sampler = registries.samplers.get(config.sampler)(config)
+        drafter = self._load_drafter(hf_config, backend_cls)
         self.runner = ModelRunner(
             config,
             model,
@@ -60,6 +67,7 @@ class Worker:
             kv_dtype=self.dtype,
             pin_memory=self.platform.pin_memory_available(),
             lora=self.lora,
+            drafter=drafter,
         )
         logger.info(
             "model loaded on %s (%s) in %s with attention backend %s",
@@ -67,6 +75,28 @@ class Worker:
             self.platform.name,
             str(self.dtype).removeprefix("torch."),
             config.attention_backend,
+        )
+
+    def _load_drafter(
+        self, hf_config: Any, backend_cls: type[AttentionBackend]
+    ) -> DraftModelProposer | None:
+        """The draft model of ``--speculative-config`` method ``draft_model`` beside the
+        target (same device, dtype and attention backend); None without one."""
+        spec = self.config.speculative
+        if spec is None or not spec.uses_draft_model:
+            return None
+        from chassis.core.draft_model import DraftModelProposer, load_draft_model
+
+        draft = load_draft_model(self.config, hf_config, backend_cls, self.device, self.dtype)
+        # the platform's kernels (the draft runs eager, even with --torch-compile)
+        self.platform.prepare_model(draft)
+        return DraftModelProposer(
+            self.config,
+            draft,
+            self.device,
+            # the target's cache dtype (``--kv-cache-dtype``), resolved as the runner does
+            resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype),
+            pin_memory=self.platform.pin_memory_available(),
         )
 
     def determine_num_blocks(self) -> int:

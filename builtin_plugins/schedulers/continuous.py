@@ -137,6 +137,11 @@ class ContinuousBatchingScheduler(Scheduler):
         # request id -> the n-gram index of its tokens (built at its first drafting step,
         # dropped when it finishes or is preempted)
         self._ngram_indexes: dict[str, NgramIndex] = {}
+        #: whether drafts come from a draft model (the runner proposes them after each step)
+        self._draft_model = self.speculative is not None and self.speculative.uses_draft_model
+        # request id -> the drafts the draft model proposed after its last sampling step
+        # (ModelRunnerOutput.draft_token_ids), dropped when it finishes or is preempted
+        self._draft_proposals: dict[str, list[int]] = {}
         self._arrival_index: dict[str, int] = {}
         self._next_arrival_index = 0
         # ids the runner holds in its persistent batch (sent as NewRequestData, not yet dropped)
@@ -266,6 +271,12 @@ class ContinuousBatchingScheduler(Scheduler):
                 new_token_ids.append(token_id)
                 if check_stop(request, self.max_len):
                     break
+            if sampled and self._draft_model:
+                proposal = runner_output.draft_token_ids.get(request_id)
+                if proposal and request.finish_reason is None:
+                    self._draft_proposals[request_id] = proposal
+                else:
+                    self._draft_proposals.pop(request_id, None)
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             if not new_token_ids and prompt_logprobs is None:
                 continue
@@ -376,10 +387,15 @@ class ContinuousBatchingScheduler(Scheduler):
                     continue
                 num_new = plan.token_budget
             drafts = self._drafts(request, plan.token_budget) if num_new == 1 else []
+            lookahead = self._lookahead(
+                request, request.num_computed_tokens + num_new + len(drafts)
+            )
             while True:
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
-                if block_ids is None and drafts:
-                    drafts = []  # no room to verify drafts: decode plainly
+                block_ids = self.kv_cache_manager.allocate_slots(
+                    request, num_new + len(drafts) + lookahead
+                )
+                if block_ids is None and (drafts or lookahead):
+                    drafts, lookahead = [], 0  # no room to verify or draft: decode plainly
                     continue
                 if block_ids is not None:
                     plan.add(request.request_id, num_new + len(drafts), block_ids, is_new=False)
@@ -423,7 +439,12 @@ class ContinuousBatchingScheduler(Scheduler):
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = plan.token_budget
-            block_ids = kv.allocate_slots(request, num_new, hit_block_ids, num_hit_tokens)
+            lookahead = self._lookahead(request, num_hit_tokens + num_new)
+            block_ids = kv.allocate_slots(
+                request, num_new + lookahead, hit_block_ids, num_hit_tokens
+            )
+            if block_ids is None and lookahead:  # no room to draft: admit it without
+                block_ids = kv.allocate_slots(request, num_new, hit_block_ids, num_hit_tokens)
             while block_ids is None:
                 victims = [
                     r
@@ -506,7 +527,9 @@ class ContinuousBatchingScheduler(Scheduler):
     def _drafts(self, request: Request, token_budget: int) -> list[int]:
         """Draft tokens for a decoding request (speculative decoding; ``[]`` when off, not
         eligible, or nothing to propose). They never take the request past ``max_tokens`` or
-        the context, and fit the step's token budget with the decode itself."""
+        the context, and fit the step's token budget with the decode itself. N-gram drafts
+        come from the request's :class:`NgramIndex`; a draft model's are what the runner
+        proposed after the request's last sampling step (``draft_token_ids``)."""
         spec = self.speculative
         if spec is None or request.num_output_placeholders:
             return []
@@ -519,6 +542,8 @@ class ContinuousBatchingScheduler(Scheduler):
             room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
         if room < 1:
             return []
+        if self._draft_model:
+            return self._draft_proposals.get(request.request_id, [])[:room]
         index = self._ngram_indexes.get(request.request_id)
         if index is None:
             index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -527,6 +552,26 @@ class ContinuousBatchingScheduler(Scheduler):
         # tokens), so the cost per step does not grow with the context
         index.catch_up(request.prompt_token_ids, request.output_token_ids)
         return index.propose(room)
+
+    def _lookahead(self, request: Request, num_tokens_after: int) -> int:
+        """KV slots to reserve beyond a step that leaves ``num_tokens_after`` tokens of
+        ``request`` computed (draft model only): the draft model writes the K/V of the next
+        step's drafts at the positions right after the newest token, up to
+        ``num_speculative_tokens`` of them (``core/draft_model.py``). 0 when the step does
+        not make the request sample, it may not speculate, or nothing would be drafted."""
+        spec = self.speculative
+        if not self._draft_model or spec is None or num_tokens_after < request.num_tokens:
+            return 0
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if not can_speculate(params, num_output + 1):
+            return 0
+        room = min(spec.num_speculative_tokens, self.max_len - num_tokens_after)
+        if params.max_tokens is not None:
+            # the step's token is output number num_output + 1; a verify step after it
+            # needs one more output to be allowed after its drafts
+            room = min(room, params.max_tokens - num_output - 2)
+        return max(room, 0)
 
     def _settle_drafts(self, request: Request, sampled: list[int]) -> None:
         """Take back the K/V positions of the drafts the model did not agree with: the
@@ -580,6 +625,7 @@ class ContinuousBatchingScheduler(Scheduler):
         victim.num_output_placeholders = 0  # tokens in flight for it are dropped
         victim.num_preemptions += 1
         self._ngram_indexes.pop(victim.request_id, None)  # rebuilt if it drafts again
+        self._draft_proposals.pop(victim.request_id, None)  # proposed again once it samples
         self.num_preemptions += 1
         if victim.request_id in self._in_runner:
             self._in_runner.discard(victim.request_id)
@@ -593,6 +639,7 @@ class ContinuousBatchingScheduler(Scheduler):
         del self.requests[request.request_id]
         del self._arrival_index[request.request_id]
         self._ngram_indexes.pop(request.request_id, None)
+        self._draft_proposals.pop(request.request_id, None)
         if request.request_id in self._in_runner:
             self._in_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)

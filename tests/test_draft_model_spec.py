@@ -1,0 +1,435 @@
+"""Speculative decoding with a draft model (core/draft_model.py, ``--speculative-config``
+``{"model": ..., "num_speculative_tokens": k}``): the output is plain decoding's whatever the
+draft proposes, a perfect draft cuts the steps by about k + 1, and preemption, aborts and
+prefix caching keep every block accounted for.
+
+Drafts: the target itself (every draft accepted), the target with slightly perturbed
+weights (some accepted, some not) and a model of another seed (almost none accepted)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures_models import *  # noqa: F403
+from fixtures_models import hf_greedy_tokens, write_tiny_checkpoint
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from chassis import LLM, SamplingParams
+from chassis.core.config import EngineConfig
+from chassis.core.request import EngineCoreRequest
+from chassis.core.tokenizer import load_tokenizer
+from chassis.serve.args import engine_config_from_args
+from chassis.serve.cli import build_parser
+
+K = 4
+
+#: prompts of different lengths (a few tokens to a few dozen), some repeating themselves
+PROMPTS = [
+    "Hello there",
+    "one two three four one two three four one two three",
+    "The capital of France is",
+    "Write a long story about a dragon who learns to bake bread in a small village by the "
+    "sea, and the friends she makes along the way.",
+]
+
+
+@pytest.fixture(scope="module")
+def other_seed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama like the target but of another seed: its drafts are almost all wrong."""
+    return write_tiny_checkpoint("llama", tmp_path_factory.mktemp("draft_seed1"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's weights plus noise of 0.003 (theirs are ~0.1): about half its drafts
+    are accepted, so verify steps keep some drafts and reject others."""
+    directory = tmp_path_factory.mktemp("draft_perturbed")
+    for path in tiny_llama_dir.iterdir():
+        shutil.copy(path, directory / path.name)
+    weights = load_file(tiny_llama_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    noisy = {k: v + 0.003 * torch.randn(v.shape, generator=generator) for k, v in weights.items()}
+    save_file(noisy, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def make_llm(model_dir: Path, draft: Path | None = None, **engine) -> LLM:
+    settings = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "block_size": 4}
+    if draft is not None:
+        settings["speculative_config"] = {"model": str(draft), "num_speculative_tokens": K}
+    return LLM(str(model_dir), **{**settings, **engine})
+
+
+def greedy(max_tokens: int = 24, **params) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+
+
+def token_ids(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def count_steps(llm: LLM) -> list[int]:
+    """A one-element list counting the engine's steps from now on."""
+    count = [0]
+    step = llm.engine.step
+
+    def counted():
+        count[0] += 1
+        return step()
+
+    llm.engine.step = counted
+    return count
+
+
+def assert_all_freed(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    if engine.scheduler.has_finished_requests():
+        engine.step()  # lets the runner drop the last finished requests
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    assert not engine.scheduler._draft_proposals  # dropped with their requests
+    assert engine.executor.worker.runner.batch.num_reqs == 0
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir: Path) -> LLM:
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def expected(plain: LLM, tiny_llama_dir: Path) -> list[list[int]]:
+    """Plain greedy decoding's tokens, checked against HF's."""
+    tokens = token_ids(plain, PROMPTS, greedy())
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    assert tokens == hf_greedy_tokens(hf, load_tokenizer(tiny_llama_dir), PROMPTS, 24)
+    return tokens
+
+
+# -- greedy parity ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["perturbed", "other_seed", "target"])
+def test_greedy_output_is_plain_decoding(
+    draft: str, tiny_llama_dir: Path, expected: list[list[int]], request: pytest.FixtureRequest
+) -> None:
+    """Prompts of 4 to 40 tokens with chunked prefill (a budget of 16 tokens, so prompts
+    arrive in chunks and drafts shrink to what the budget leaves), prefix caching on: the
+    same tokens as plain decoding and HF, twice (the second time over cached prefixes,
+    whose blocks carry the draft's K/V too)."""
+    draft_dir = tiny_llama_dir if draft == "target" else request.getfixturevalue(f"{draft}_dir")
+    llm = make_llm(tiny_llama_dir, draft_dir, max_num_batched_tokens=16)
+    try:
+        assert token_ids(llm, PROMPTS, greedy()) == expected
+        assert token_ids(llm, PROMPTS, greedy()) == expected
+        stats = llm.engine.scheduler.stats()
+        assert llm.engine.kv_cache_manager.prefix_cache_hits > 0
+        drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        assert drafted > 0
+        if draft == "perturbed":
+            assert 0 < accepted < drafted  # verify steps both keep and reject drafts
+        if draft == "target":
+            assert accepted == drafted
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_the_drafts_are_the_draft_models_own_greedy_continuation(
+    tiny_llama_dir: Path, perturbed_dir: Path
+) -> None:
+    """After every step, each request's proposal is what the draft model alone writes
+    greedily after the request's tokens: its K/V (filled chunk by chunk, kept across
+    rejected drafts, shared through the prefix cache) are right. Two requests sharing a
+    prefix, a 12-token budget (chunked prompts)."""
+    llm = make_llm(tiny_llama_dir, perturbed_dir, max_num_batched_tokens=12)
+    reference = make_llm(perturbed_dir)
+    try:
+        engine, scheduler = llm.engine, llm.engine.scheduler
+        prompt = list(range(100, 130))
+        prompts = {"a": prompt, "b": [*prompt[:20], 7, 8, 9]}  # "b" arrives later
+
+        def add(request_id: str) -> None:
+            engine.add_request(
+                EngineCoreRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompts[request_id],
+                    sampling_params=greedy(20),
+                )
+            )
+
+        add("a")
+        checked = 0
+        prompts_added = {"a"}
+        while engine.has_unfinished():
+            plan = scheduler.schedule()
+            result = engine.executor.execute_model_async(plan).result()
+            scheduler.update_from_output(plan, result)
+            if "a" in result.draft_token_ids and "b" not in prompts_added:
+                add("b")  # over a's cached first 20 tokens
+                prompts_added.add("b")
+            for request_id, drafts in result.draft_token_ids.items():
+                request = scheduler.requests.get(request_id)
+                if request is None:
+                    continue  # finished by this step
+                tokens = request.prompt_token_ids + request.output_token_ids
+                own = reference.generate({"prompt_token_ids": tokens}, greedy(len(drafts)))
+                assert drafts == own[0].outputs[0].token_ids
+                checked += 1
+        assert checked >= 6
+        assert engine.kv_cache_manager.prefix_cache_hits == 20
+        assert (
+            0 < scheduler.stats().spec_num_accepted_tokens < scheduler.stats().spec_num_draft_tokens
+        )
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+        reference.shutdown()
+
+
+def test_target_as_draft_accepts_everything_in_k_plus_1_fewer_steps(
+    tiny_llama_dir: Path, plain: LLM, expected: list[list[int]]
+) -> None:
+    """The target drafting for itself: every draft is accepted (float32), so each step after
+    the prefill yields k + 1 tokens, and the steps drop from 1 + (n - 1) to
+    1 + ceil((n - 1) / (k + 1))."""
+    max_tokens = 41
+    prompt = PROMPTS[2]
+    llm = make_llm(tiny_llama_dir, tiny_llama_dir)
+    try:
+        plain_steps, draft_steps = count_steps(plain), count_steps(llm)
+        want = token_ids(plain, [prompt], greedy(max_tokens))
+        assert token_ids(llm, [prompt], greedy(max_tokens)) == want
+        assert want[0][:24] == expected[2]
+        stats = llm.engine.scheduler.stats()
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        assert plain_steps[0] == max_tokens
+        assert draft_steps[0] == 1 + math.ceil((max_tokens - 1) / (K + 1))
+        # every token after the prefill's is an accepted draft or a verify step's own
+        assert stats.spec_num_accepted_tokens + draft_steps[0] - 1 == max_tokens - 1
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_max_tokens_and_stop_tokens_cut_the_drafts(
+    tiny_llama_dir: Path, perturbed_dir: Path, plain: LLM, expected: list[list[int]]
+) -> None:
+    llm = make_llm(tiny_llama_dir, perturbed_dir)
+    try:
+        for max_tokens in (1, 2, 6):
+            assert token_ids(llm, PROMPTS, greedy(max_tokens)) == [e[:max_tokens] for e in expected]
+        stop = expected[1][9]
+        got = token_ids(llm, PROMPTS[1:2], greedy(stop_token_ids=[stop]))[0]
+        assert got == expected[1][: expected[1].index(stop) + 1]
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("draft", ["target", "perturbed"])
+def test_the_context_limit_cuts_the_drafts(
+    draft: str, tiny_llama_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """--max-model-len 48 and no max_tokens: requests run into the context limit, which
+    neither drafts nor the draft's lookahead slots may pass; the outputs are plain
+    decoding's, ending at 48 tokens."""
+    draft_dir = tiny_llama_dir if draft == "target" else request.getfixturevalue(f"{draft}_dir")
+    prompts = [{"prompt_token_ids": list(range(200, 200 + n))} for n in (20, 37, 45, 47)]
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    plain = make_llm(tiny_llama_dir, max_model_len=48)
+    llm = make_llm(tiny_llama_dir, draft_dir, max_model_len=48)
+    try:
+        want = token_ids(plain, prompts, params)
+        assert [len(w) for w in want] == [28, 11, 3, 1]  # up to the 48 tokens of context
+        assert token_ids(llm, prompts, params) == want
+        assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 0
+        assert_all_freed(llm)
+    finally:
+        plain.shutdown()
+        llm.shutdown()
+
+
+# -- random sampling -----------------------------------------------------------------------------
+
+
+def test_unseeded_random_sampling_runs_and_stops(tiny_llama_dir: Path) -> None:
+    """Sampled requests (no seed) draft and verify by exact match: they run, keep some
+    drafts, stop at max_tokens and at a stop token (only at their end)."""
+    llm = make_llm(tiny_llama_dir, tiny_llama_dir)
+    try:
+        params = SamplingParams(temperature=1.0, top_k=3, max_tokens=20, ignore_eos=True, n=4)
+        outputs = [c for o in llm.generate(PROMPTS, params) for c in o.outputs]
+        assert all(len(c.token_ids) == 20 for c in outputs)
+        stats = llm.engine.scheduler.stats()
+        assert stats.spec_num_accepted_tokens > 0
+        # a token the samples often write, as a stop token
+        counts: dict[int, int] = {}
+        for c in outputs:
+            for t in c.token_ids:
+                counts[t] = counts.get(t, 0) + 1
+        stop = max(counts, key=counts.__getitem__)
+        params = SamplingParams(
+            temperature=1.0, top_k=3, max_tokens=20, ignore_eos=True, n=4, stop_token_ids=[stop]
+        )
+        stopped = 0
+        for c in (c for o in llm.generate(PROMPTS, params) for c in o.outputs):
+            assert stop not in c.token_ids[:-1]
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == stop
+                stopped += 1
+            else:
+                assert len(c.token_ids) == 20
+        assert stopped > 0
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+
+
+# -- preemption and aborts -----------------------------------------------------------------------
+
+
+def test_preemption_with_a_tiny_kv_cache(
+    tiny_llama_dir: Path, perturbed_dir: Path, plain: LLM
+) -> None:
+    """24 blocks of 4 tokens for four requests of up to 40 + 30 tokens: requests are
+    preempted (their draft lookahead too) and resumed; outputs are plain decoding's and
+    every block comes back."""
+    params = greedy(30)
+    want = token_ids(plain, PROMPTS, params)
+    llm = make_llm(tiny_llama_dir, perturbed_dir, num_kv_blocks=24, max_model_len=96)
+    try:
+        assert token_ids(llm, PROMPTS, params) == want
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 0
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_an_abort_between_a_drafted_plan_and_its_results(
+    tiny_llama_dir: Path, perturbed_dir: Path
+) -> None:
+    """A request aborted while the step that verifies its drafts runs: its results and
+    proposals are dropped, the other request goes on, nothing is left behind."""
+    llm = make_llm(tiny_llama_dir, perturbed_dir, num_kv_blocks=64)
+    try:
+        engine, scheduler = llm.engine, llm.engine.scheduler
+        params = greedy(40)
+        for request_id in ("a", "b"):
+            engine.add_request(
+                EngineCoreRequest(
+                    request_id=request_id,
+                    prompt_token_ids=[11, 12, 13, 14] * 6,
+                    sampling_params=params,
+                )
+            )
+        aborted = False
+        num_b_tokens = 0
+        while engine.has_unfinished() or scheduler.has_finished_requests():
+            plan = scheduler.schedule()
+            pending = engine.executor.execute_model_async(plan)
+            if not aborted and "a" in plan.spec_token_ids:
+                engine.abort_requests(["a"])
+                aborted = True
+            if not plan.is_empty:
+                for output in scheduler.update_from_output(plan, pending.result()):
+                    assert output.request_id == "b" or not aborted
+                    num_b_tokens += len(output.new_token_ids) * (output.request_id == "b")
+        assert aborted and num_b_tokens == 40
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_lora_requests_get_drafts_from_the_base_draft(
+    tiny_llama_dir: Path, perturbed_dir: Path, tmp_path: Path
+) -> None:
+    """With --enable-lora the draft runs without adapters (its K/V do not depend on them);
+    an adapter's requests verify its drafts with the adapter and give what they give
+    without drafts, next to base requests in the same steps."""
+    from fixtures_lora import write_peft_adapter
+
+    from chassis.core.lora import LoRARequest
+
+    adapter = LoRARequest("a", 1, str(write_peft_adapter(tmp_path / "a", tiny_llama_dir)))
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[3], PROMPTS[3]]
+    loras = [adapter, None, adapter, None]
+    outputs = []
+    for draft in (None, perturbed_dir):
+        llm = make_llm(tiny_llama_dir, draft, enable_lora=True, max_loras=1)
+        try:
+            results = llm.generate(prompts, greedy(), lora_request=loras)
+            outputs.append([o.outputs[0].token_ids for o in results])
+            if draft is not None:
+                assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 0
+                assert_all_freed(llm)
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
+    assert outputs[0][0] != outputs[0][1]  # the adapter changes the output
+
+
+# -- memory and configuration --------------------------------------------------------------------
+
+
+def test_a_kv_block_holds_the_drafts_layers_too(
+    tiny_llama_dir: Path, plain: LLM, expected: list[list[int]], tmp_path: Path
+) -> None:
+    """The draft's caches use the target's block ids: one tensor per draft layer with the
+    target's block count, and a block's bytes (what the block count is sized by) are the
+    target's plus the draft's. A draft of another architecture and shape (a 1-layer Qwen3,
+    head_dim 32 where the target has 16) drafts for the target all the same."""
+    draft_dir = write_tiny_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=1)
+    llm = make_llm(tiny_llama_dir, draft_dir)
+    try:
+        runner = llm.engine.executor.worker.runner
+        target_bytes = plain.engine.executor.worker.runner.kv_cache_bytes_per_block()
+        draft_bytes = 1 * 2 * 4 * 2 * 32 * 4  # layers, K and V, block size, KV heads, dim, fp32
+        assert runner.drafter.kv_cache_bytes_per_block() == draft_bytes
+        assert runner.kv_cache_bytes_per_block() == target_bytes + draft_bytes
+        assert [c.shape for c in runner.drafter.kv_caches] == [(128, 2, 4, 2, 32)]
+        assert token_ids(llm, PROMPTS, greedy()) == expected
+        assert llm.engine.scheduler.stats().spec_num_draft_tokens > 0
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+    # sized from memory: the blocks that fit the budget at the larger block size
+    budget = 100 * (target_bytes + draft_bytes) + 17
+    llm = make_llm(tiny_llama_dir, draft_dir, num_kv_blocks=None, kv_cache_memory=budget)
+    try:
+        assert llm.engine.info.num_kv_blocks == 100
+    finally:
+        llm.shutdown()
+
+
+def test_configuration_errors(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    spec = {"model": str(tiny_llama_dir)}
+    assert EngineConfig(speculative_config=spec).speculative.method == "draft_model"
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"model": "m", "num_speculative_tokens": 3}']
+    )
+    parsed = engine_config_from_args(args).speculative
+    assert (parsed.method, parsed.model, parsed.num_speculative_tokens) == ("draft_model", "m", 3)
+    with pytest.raises(ValueError, match="method 'eagle' is not implemented"):
+        EngineConfig(speculative_config={"method": "eagle", "model": "m"})
+    with pytest.raises(ValueError, match='needs "model"'):
+        EngineConfig(speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="takes no model"):
+        EngineConfig(speculative_config={"method": "ngram", "model": "m"})
+    with pytest.raises(ValueError, match="--async-scheduling"):
+        EngineConfig(speculative_config=spec, async_scheduling=True)
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        EngineConfig(speculative_config=spec, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--runner pooling"):
+        EngineConfig(speculative_config=spec, runner="pooling")
+    small_vocab = write_tiny_checkpoint("llama", tmp_path / "vocab", vocab_size=1000)
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens and the target 49152"):
+        make_llm(tiny_llama_dir, small_vocab)
+    short = write_tiny_checkpoint("llama", tmp_path / "short", max_position_embeddings=128)
+    with pytest.raises(ValueError, match="shorter than --max-model-len 256"):
+        make_llm(tiny_llama_dir, short)
