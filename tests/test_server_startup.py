@@ -38,7 +38,7 @@ def test_a_port_in_use_fails_before_the_model_loads(tmp_path: Path) -> None:
         # The model does not exist either: binding first means the port is what fails.
         result = _serve(str(tmp_path / "no-such-model"), "--port", str(port))
     assert result.returncode == 2, result.stderr
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert f"cannot listen on http://127.0.0.1:{port}" in result.stderr
     assert "no-such-model" not in result.stderr
     assert "Traceback" not in result.stderr
 
