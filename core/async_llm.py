@@ -14,7 +14,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from chassis.core.beam_search import (
     BeamSearch,
@@ -40,6 +40,13 @@ from chassis.core.pooling_outputs import EmbeddingRequestOutput
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.request import EngineCoreOutputs, SchedulerStats
 from chassis.core.sampling_params import SamplingParams
+from chassis.core.stat_logger import IterationStats, StatLoggerBase, StatLoggerInfo
+from chassis.core.stat_logger_manager import (
+    StatLoggerFactory,
+    StatLoggerManager,
+    default_stat_loggers,
+    resolve_stat_loggers,
+)
 from chassis.core.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,7 +58,16 @@ _THREAD_TOKENIZE_CHARS = 4096
 class AsyncLLM:
     """Submit prompts, stream ``RequestOutput``s; the engine core runs in a child process."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, stat_loggers: Sequence[StatLoggerFactory] = ()
+    ) -> None:
+        """Start the engine core for ``config`` (blocking until it is ready).
+
+        Stat loggers: those ``config.stat_loggers`` names (unset: ``["logging"]``), then
+        ``stat_loggers`` (classes, or callables taking a
+        :class:`~chassis.core.stat_logger.StatLoggerInfo`). An unknown name raises
+        ``ValueError`` before the engine core starts.
+        """
         hf_config = finalize_config(config)
         self.config = config
         assert config.tokenizer is not None and config.served_model_name is not None
@@ -83,8 +99,21 @@ class AsyncLLM:
         self._dead_callbacks: list[Callable[[], None]] = []
         self.dead_error: EngineDeadError | None = None
         self._stats = SchedulerStats()
+        names = default_stat_loggers() if config.stat_loggers is None else config.stat_loggers
+        factories = resolve_stat_loggers(names)
+        factories += [(getattr(f, "__qualname__", repr(f)), f) for f in stat_loggers]
+        self._stat_loggers: StatLoggerManager | None = None
         self.client = EngineCoreClient(config, self._on_outputs, self._on_dead)
         self.engine_info = self.client.info
+        try:
+            self._stat_loggers = StatLoggerManager(
+                factories,
+                StatLoggerInfo(self.model_name, config, self.engine_info),
+                config.stat_log_interval,
+            )
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.input_processor.lora_target_shapes = self.engine_info.lora_target_shapes
 
     @classmethod
@@ -101,6 +130,11 @@ class AsyncLLM:
     def stats(self) -> SchedulerStats:
         """The latest scheduler snapshot the engine core sent."""
         return self._stats
+
+    @property
+    def stat_loggers(self) -> list[StatLoggerBase]:
+        """The running stat loggers (those not disabled), in the order they were named."""
+        return [] if self._stat_loggers is None else self._stat_loggers.loggers
 
     async def check_health(self) -> None:
         """Raise :class:`EngineDeadError` if the engine core is not running."""
@@ -246,9 +280,11 @@ class AsyncLLM:
         *,
         priority: int = 0,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EmbeddingRequestOutput]:
         """Pool one prompt (vLLM's ``AsyncLLM.encode``): yields one finished
         :class:`EmbeddingRequestOutput`. Needs an engine with ``runner="pooling"``.
+        ``lora_request``: the LoRA adapter to pool with (``None``: the base model).
 
         Bad input (or a generating engine) raises ``ValueError`` before anything is sent to
         the engine; a dead engine raises :class:`EngineDeadError`. Closing the iterator
@@ -274,9 +310,14 @@ class AsyncLLM:
             request_id,
             priority,
             add_special_tokens=add_special_tokens,
+            lora_request=lora_request,
         )
         long_prompt = isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS
-        request = await asyncio.to_thread(process) if long_prompt else process()
+        # (an adapter's first check reads its files: off the event loop, as in generate)
+        if long_prompt or lora_request is not None:
+            request = await asyncio.to_thread(process)
+        else:
+            request = process()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
@@ -317,10 +358,15 @@ class AsyncLLM:
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.stats is not None:
             self._stats = outputs.stats
+        loggers = self._stat_loggers
         if not outputs.outputs:
+            if loggers is not None:
+                loggers.record(self._stats, IterationStats(timestamp=time.time()))
             return
         with self._lock:
             processed = self.output_processor.process_outputs(outputs)
+        if loggers is not None:  # before delivery: a caller sees its output after the count
+            loggers.record(self._stats, processed.iteration_stats)
         if processed.request_ids_to_abort:
             self.client.abort(processed.request_ids_to_abort)
         loop = self._loop
@@ -359,6 +405,8 @@ class AsyncLLM:
 
     def shutdown_sync(self) -> None:
         self.client.shutdown()
+        if self._stat_loggers is not None:
+            self._stat_loggers.shutdown()
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self.client.shutdown)
+        await asyncio.to_thread(self.shutdown_sync)

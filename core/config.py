@@ -48,6 +48,12 @@ class EngineConfig:
     #: where default sampling values come from (core/generation_defaults.py): "auto" = the
     #: model's generation_config.json, "none" (or vLLM's "vllm") = none, or a folder
     generation_config: str = "auto"
+    #: sampling defaults set over the ``generation_config`` ones (vLLM's
+    #: ``--override-generation-config``, e.g. ``{"temperature": 0.5}``); also with "none"
+    override_generation_config: dict[str, Any] | None = None
+    #: keys set on the checkpoint's HF config before anything reads it (vLLM's
+    #: ``--hf-overrides``; nested dicts merge into sub-configs, ``core/model_loader.py``)
+    hf_overrides: dict[str, Any] | None = None
     #: run on token ids only: load no tokenizer, take token-id prompts, return ids with empty
     #: text (vLLM's flag; for models without tokenizer files, e.g. dummy-weight benchmarks)
     skip_tokenizer_init: bool = False
@@ -85,6 +91,10 @@ class EngineConfig:
     sampler: str = "default"
     #: structured-output backend by name (``chassis_register_structured_output_backends``)
     structured_output_backend: str = "chassis"
+    #: custom logits processors, in the order they run: registered names
+    #: (``chassis_register_logits_processors``) or qualified ``"package.module:Class"``
+    #: (vLLM's ``--logits-processors``; docs/plugins.md); none by default
+    logits_processors: list[str] = field(default_factory=list)
     #: the reasoning format (``--reasoning-parser``), so that structured outputs constrain
     #: only what follows the reasoning when the format's tags are single tokens
     reasoning_parser: str | None = None
@@ -121,6 +131,15 @@ class EngineConfig:
     max_lora_rank: int = 16
     #: adapters kept read in host memory (None: ``max_loras``)
     max_cpu_loras: int | None = None
+
+    # -- statistics (docs/serving.md) ------------------------------------------------------
+    #: stat loggers of the front-end, in order: registered names
+    #: (``chassis_register_stat_loggers``) or ``"package.module:Class"``; None = the
+    #: front-end's default: ``["logging"]`` for ``chassis serve`` (``AsyncLLM``), none for
+    #: the offline ``LLM``; ``[]`` = none
+    stat_loggers: list[str] | None = None
+    #: seconds between two calls of every stat logger's ``log`` (vLLM logs every 10 s)
+    stat_log_interval: float = 10.0
 
     # -- plugins ---------------------------------------------------------------------------
     #: values of flags added through ``chassis_add_cli_args``
@@ -184,9 +203,24 @@ class EngineConfig:
                     "--speculative-config is not supported with --tensor-parallel-size > 1 yet"
                 )
         self._validate_lora()
+        self._validate_logits_processors()
         self._validate_runner()
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0; got {self.max_logprobs}")
+        self._validate_stat_logging()
+        for flag, value in (
+            ("--hf-overrides", self.hf_overrides),
+            ("--override-generation-config", self.override_generation_config),
+        ):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(
+                    f"{flag} must be a JSON object (a dict of keys to values); "
+                    f"got {type(value).__name__} {value!r}"
+                )
+        if self.override_generation_config:
+            from chassis.core.generation_defaults import check_generation_overrides
+
+            check_generation_overrides(self.override_generation_config)
         if not self.generation_config.strip():
             raise ValueError(
                 "--generation-config must be 'auto', 'none' or a folder holding "
@@ -232,6 +266,29 @@ class EngineConfig:
                 f"({self.max_loras})"
             )
 
+    def _validate_logits_processors(self) -> None:
+        names = self.logits_processors
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                "--logits-processors takes processor names or 'package.module:Class', "
+                f"comma-separated; got {names!r}"
+            )
+
+    def _validate_stat_logging(self) -> None:
+        names = self.stat_loggers
+        if names is not None and (
+            not isinstance(names, list) or not all(isinstance(n, str) and n for n in names)
+        ):
+            raise ValueError(
+                "--stat-loggers takes logger names or 'package.module:Class', "
+                f"comma-separated; got {names!r}"
+            )
+        interval = self.stat_log_interval
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+            raise ValueError(
+                f"--stat-log-interval must be a number of seconds > 0; got {interval!r}"
+            )
+
     def _validate_runner(self) -> None:
         # "auto" stays until the architecture is known (core.engine_setup resolves it, then
         # validates again)
@@ -244,11 +301,11 @@ class EngineConfig:
             if self.pooler_config is not None and self.runner == "generate":
                 raise ValueError("--pooler-config is for --runner pooling only")
             return
-        # A pooling request finishes when its prompt is computed: nothing to draft, nor
-        # adapters yet. (Async scheduling and tensor parallelism do run: docs/embeddings.md.)
+        # A pooling request finishes when its prompt is computed: nothing to draft. (LoRA
+        # adapters, async scheduling and tensor parallelism do run: docs/embeddings.md.)
         for flag, on in (
             ("--speculative-config", self.speculative_config is not None),
-            ("--enable-lora", self.enable_lora),
+            ("--logits-processors", bool(self.logits_processors)),
         ):
             if on:
                 raise ValueError(f"{flag} cannot be combined with --runner pooling yet")

@@ -17,7 +17,7 @@ def finalize_config(config: EngineConfig) -> Any:
     ``attention_backend`` are set, and every name (scheduler, sampler, backend, architecture)
     is known to the registries. Errors are ``ValueError`` with the known alternatives.
     """
-    from chassis.core.model_loader import load_hf_config, model_max_len, resolve_model_path
+    from chassis.core.model_loader import engine_hf_config, model_max_len, resolve_model_path
     from chassis.core.pooling_classify import resolve_runner
     from chassis.core.quantized_weights import check_quantization
     from chassis.platforms import get_current_platform
@@ -33,7 +33,7 @@ def finalize_config(config: EngineConfig) -> Any:
     config.model = str(resolve_model_path(config.model, config.revision))
     if config.tokenizer is None:
         config.tokenizer = config.model
-    hf_config = load_hf_config(config.model)
+    hf_config = engine_hf_config(config)  # with --hf-overrides
     config.check_against_model(model_max_len(hf_config))
     check_quantization(hf_config)  # an unreadable quantized checkpoint fails before loading
 
@@ -51,7 +51,11 @@ def finalize_config(config: EngineConfig) -> Any:
     # Unknown names fail here, in the front-end, with the list of known ones.
     registries.attention_backends.get(config.attention_backend)
     registries.schedulers.get(config.scheduler)
-    registries.samplers.get(config.sampler)
+    sampler_cls = registries.samplers.get(config.sampler)
+    if config.logits_processors:
+        from chassis.core.logits_processor import check_logits_processors
+
+        check_logits_processors(config.logits_processors, sampler_cls, config.sampler)
     registries.structured_output_backends.get(config.structured_output_backend)
     if config.reasoning_parser is not None:
         registries.reasoning_parsers.get(config.reasoning_parser)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from chassis.core.logits_processor import AddedRequest, BatchUpdateBuilder
 from chassis.core.sampling_metadata import SamplingRow
 from chassis.core.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class RequestState:
     generator: torch.Generator | None
     #: the request's LoRA adapter id (0: the base model)
     lora_int_id: int = 0
+    #: a custom logits processor that reads generated tokens acts on this request
+    processors_read_output: bool = False
     #: what the sampler reads; shares the token lists, so appended tokens show up in it
     sampling_row: SamplingRow = field(init=False)
 
@@ -38,6 +41,7 @@ class RequestState:
             output_token_ids=self.output_token_ids,
             generator=self.generator,
             eos_token_ids=self.eos_token_ids,
+            processors_read_output=self.processors_read_output,
         )
 
 
@@ -60,6 +64,9 @@ class InputBatch:
         self.request_ids: list[str] = []
         self.states: list[RequestState] = []
         self.row_of: dict[str, int] = {}
+        #: records adds, removals and moves for custom logits processors (the runner sets it
+        #: when ``--logits-processors`` names some); None: nobody listens
+        self.updates: BatchUpdateBuilder | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -87,6 +94,12 @@ class InputBatch:
         self.states.append(state)
         self.row_of[state.request_id] = row
         self.append_blocks(row, block_ids)
+        if self.updates is not None:
+            self.updates.add(
+                AddedRequest(
+                    row, state.sampling_params, state.prompt_token_ids, state.output_token_ids
+                )
+            )
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
@@ -130,3 +143,5 @@ class InputBatch:
             self.row_of[moved_id] = row
         self.request_ids.pop()
         self.states.pop()
+        if self.updates is not None:
+            self.updates.remove(row, last if row != last else None)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from chassis.core.config import EngineConfig
+    from chassis.core.logits_processor import LogitsProcessor
     from chassis.core.sampling_params import SamplingParams
 
 _SEED_SPAN = 2**64
@@ -94,6 +95,8 @@ class InputProcessor:
         #: requests with adapters off the event loop; the lock guards the id's first claim)
         self._loras: dict[int, LoRARequest] = {}
         self._loras_lock = threading.Lock()
+        #: the classes ``--logits-processors`` names, resolved on first need
+        self._logits_processor_classes: list[type[LogitsProcessor]] | None = None
 
     def _scheduler_uses_priority(self) -> bool:
         if self._uses_priority is None:
@@ -140,6 +143,8 @@ class InputProcessor:
         prompt_token_ids = self._truncate(prompt_token_ids, params)
         params = self._validate(prompt_token_ids, params)
         params = self._token_restrictions(params)
+        if self.config.logits_processors:
+            params = self._check_logits_processor_args(params)
         self.check_lora(lora_request)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string; got {cache_salt!r}")
@@ -323,6 +328,16 @@ class InputProcessor:
         if params.structured_outputs is not None:
             self._check_structured_outputs(params)
         return params
+
+    def _check_logits_processor_args(self, params: SamplingParams) -> SamplingParams:
+        """Each ``--logits-processors`` class checks the request (``validate_params``)."""
+        from chassis.core.logits_processor import admit_params, resolve_logits_processors
+
+        if self._logits_processor_classes is None:
+            self._logits_processor_classes = resolve_logits_processors(
+                self.config.logits_processors
+            )
+        return admit_params(self._logits_processor_classes, params)
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """The engine's backend can compile the constraint (its ``check``; no tokenizer)."""

@@ -45,6 +45,8 @@ from chassis.core.pooling_score import (
     score_pairs,
 )
 from chassis.core.sampling_params import SamplingParams
+from chassis.core.stat_logger import StatLoggerInfo
+from chassis.core.stat_logger_manager import StatLoggerManager, resolve_stat_loggers
 from chassis.core.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
@@ -117,16 +119,31 @@ class LLM:
         #: the model's recommended sampling values (``generation_config``), the defaults of
         #: :meth:`get_default_sampling_params` (read first: a bad file fails before loading)
         self.sampling_defaults = generation_defaults(
-            self.config.generation_config, self.config.model
+            self.config.generation_config,
+            self.config.model,
+            self.config.override_generation_config,
         )
+        # Stat loggers only when asked for (stat_loggers=[...]): batch jobs log no stats by
+        # default, as vLLM's LLM. Names are resolved before the model loads (fail fast).
+        stat_logger_factories = resolve_stat_loggers(self.config.stat_loggers or [])
         self.engine = EngineCore(self.config)
         self.input_processor.lora_target_shapes = self.engine.info.lora_target_shapes
         self._shut_down = False
+        self._stat_loggers = StatLoggerManager(
+            stat_logger_factories,
+            StatLoggerInfo(self.config.served_model_name, self.config, self.engine.info),
+            self.config.stat_log_interval,
+        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The params :meth:`generate` and :meth:`chat` use when given none: the engine's
         defaults with the model's recommended values (``generation_config``, as in vLLM)."""
         return SamplingParams(**self.sampling_defaults)
+
+    @property
+    def stat_loggers(self) -> list[Any]:
+        """The running stat loggers (``stat_loggers=[...]``; none by default)."""
+        return self._stat_loggers.loggers
 
     def get_tokenizer(self) -> Any:
         """The tokenizer (``None`` with ``skip_tokenizer_init``)."""
@@ -138,6 +155,7 @@ class LLM:
         ``RuntimeError`` says so."""
         self._shut_down = True
         self.engine.shutdown()
+        self._stat_loggers.shutdown()
 
     def generate(
         self,
@@ -211,7 +229,10 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         progress = _progress(len(order)) if use_tqdm else None
         while self.engine.has_unfinished():
-            processed = output_processor.process_outputs(self.engine.step())
+            step = self.engine.step()
+            processed = output_processor.process_outputs(step)
+            if step.stats is not None:
+                self._stat_loggers.record(step.stats, processed.iteration_stats)
             if processed.request_ids_to_abort:
                 self.engine.abort_requests(processed.request_ids_to_abort)
             for output in processed.request_outputs:
@@ -295,6 +316,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One vector per prompt (vLLM's ``LLM.embed``), in the order of ``prompts``.
 
@@ -302,6 +324,8 @@ class LLM:
         ``{"prompt_token_ids": [...]}``; ``pooling_params`` apply to every prompt or give one
         per prompt (``dimensions`` for Matryoshka models, ``normalize``,
         ``truncate_prompt_tokens``, which the keyword argument of that name sets for all).
+        ``lora_request`` (with ``enable_lora=True``): the LoRA adapter of every prompt, or one
+        per prompt (``None``: the base model), as in :meth:`generate`.
         Everything is validated before anything runs; bad input raises ``ValueError``.
         """
         if self.pooler_config is None:
@@ -322,6 +346,7 @@ class LLM:
             truncate_prompt_tokens=truncate_prompt_tokens,
             use_tqdm=use_tqdm,
             priority=priority,
+            lora_request=lora_request,
         )
 
     def _pool(
@@ -333,9 +358,11 @@ class LLM:
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
         normalize: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        """Run every prompt through the pooling engine; its pooled vectors in order
-        (``normalize``, when given, overrides every prompt's params)."""
+        """Run every prompt through the pooling engine (with its LoRA adapter, one or one per
+        prompt); its pooled vectors in order (``normalize``, when given, overrides every
+        prompt's params)."""
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
         assert self.embedding_info is not None  # set for every pooling engine
@@ -357,6 +384,7 @@ class LLM:
         if normalize is not None:
             params_list = [p.clone(normalize=normalize) for p in params_list]
         priorities = _priorities(priority, len(prompt_list))
+        loras = _loras(lora_request, len(prompt_list))
         batch_tag = uuid.uuid4().hex[:8]
         requests = [
             process_pooling(
@@ -366,6 +394,7 @@ class LLM:
                 p,
                 f"{batch_tag}-{i}",
                 priorities[i],
+                lora_request=loras[i],
             )
             for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
@@ -378,7 +407,11 @@ class LLM:
         results: dict[str, Any] = {}
         progress = _progress(len(requests)) if use_tqdm else None
         while self.engine.has_unfinished():
-            for output in output_processor.process_outputs(self.engine.step()).request_outputs:
+            step = self.engine.step()
+            processed = output_processor.process_outputs(step)
+            if step.stats is not None:
+                self._stat_loggers.record(step.stats, processed.iteration_stats)
+            for output in processed.request_outputs:
                 results[output.request_id] = output
                 if progress is not None:
                     progress.update(1)
@@ -398,6 +431,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: one output per pair in order, ``outputs.score`` its score.
 
@@ -409,7 +443,9 @@ class LLM:
         are concatenated), its logit through the model's score activation (sigmoid unless
         the checkpoint names another; ``PoolingParams(use_activation=False)``: the raw
         logit). Pairs are 1:1, 1:N (``data_1`` one prompt, scored against every ``data_2``
-        prompt) or N:N (position by position); prompts as in :meth:`embed`. Needs
+        prompt) or N:N (position by position); prompts as in :meth:`embed`. ``lora_request``
+        (with ``enable_lora=True``): the LoRA adapter of every pair, or one per pair (both
+        of a pair's texts are embedded with it; ``None``: the base model). Needs
         ``runner="pooling"``. Bad input raises ``ValueError`` before anything runs.
         """
         if self.pooler_config is None:
@@ -426,6 +462,12 @@ class LLM:
             )
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
+        if isinstance(lora_request, Sequence) and len(lora_request) != len(pairs):
+            raise ValueError(
+                f"score() takes one LoRA request for every pair or one per pair; got "
+                f"{len(lora_request)} for {len(pairs)} pairs"
+            )
+        loras = _loras(lora_request, len(pairs))
         assert self.embedding_info is not None  # set for every pooling engine
         if self.embedding_info.classifier is not None:
             return self._cross_encoder_score(
@@ -433,16 +475,26 @@ class LLM:
                 pooling_params,
                 truncate_prompt_tokens,
                 use_tqdm,
+                loras,
             )
-        prompts = firsts + seconds
-        keys = [_score_key(p, i) for i, p in enumerate(prompts)]
-        unique, where = distinct(prompts, keys)
+        # each pair's two texts, with the pair's adapter; a text is embedded once per adapter
+        prompts = [firsts[i] for i, _ in pairs] + [seconds[j] for _, j in pairs]
+        prompt_loras = loras + loras
+        keys = [
+            (_score_key(p, k), lora.lora_int_id if lora is not None else 0)
+            for k, (p, lora) in enumerate(zip(prompts, prompt_loras, strict=True))
+        ]
+        unique, where = distinct(list(zip(prompts, prompt_loras, strict=True)), keys)
         embeddings = self.embed(
-            unique, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm
+            [prompt for prompt, _ in unique],
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            lora_request=[lora for _, lora in unique],
         )
-        offset = len(firsts)
+        offset = len(pairs)
         return score_outputs(
-            [(embeddings[where[i]], embeddings[where[offset + j]]) for i, j in pairs],
+            [(embeddings[where[k]], embeddings[where[offset + k]]) for k in range(len(pairs))],
             getattr(self.tokenizer, "pad_token_id", None),
         )
 
@@ -452,9 +504,10 @@ class LLM:
         pooling_params: PoolingParams | None,
         truncate_prompt_tokens: int | None,
         use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[ScoringRequestOutput]:
-        """Score each pair as one sequence through a one-label classifier (see
-        :meth:`score`)."""
+        """Score each pair as one sequence through a one-label classifier, with its LoRA
+        adapter (see :meth:`score`)."""
         info = self.embedding_info
         assert info is not None and info.classifier is not None and self.pooler_config
         info.classifier.check_cross_encoder(info.model_name)
@@ -466,7 +519,9 @@ class LLM:
             cross_encoder_token_ids(self.tokenizer, _prompt_input(a), _prompt_input(b), keep)
             for a, b in pairs
         ]
-        outputs = self._pool(sequences, params, use_tqdm=use_tqdm, normalize=False)
+        outputs = self._pool(
+            sequences, params, use_tqdm=use_tqdm, normalize=False, lora_request=loras
+        )
         use = self.pooler_config.use_activation
         if params.use_activation is not None:
             use = params.use_activation
@@ -488,6 +543,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Each prompt's class probabilities (vLLM's ``LLM.classify``), in the order of
         ``prompts``: ``outputs.probs`` (``num_classes`` of them) are the
@@ -495,9 +551,10 @@ class LLM:
         sigmoid for one label or multi-label models; none for regression), or the raw logits
         with ``PoolingParams(use_activation=False)`` or ``pooler_config={"use_activation":
         False}``. Prompts, ``pooling_params`` (one or one per prompt),
-        ``truncate_prompt_tokens`` and ``priority`` as in :meth:`embed`. The labels' names
-        are :attr:`classification_labels`. Bad input raises ``ValueError`` before anything
-        runs.
+        ``truncate_prompt_tokens``, ``priority`` and ``lora_request`` (adapters of the decoder's
+        projections; the ``score`` head is the base model's) as in :meth:`embed`. The labels'
+        names are :attr:`classification_labels`. Bad input raises ``ValueError`` before
+        anything runs.
         """
         info = self.embedding_info
         if self.pooler_config is None or info is None or info.classifier is None:
@@ -514,6 +571,7 @@ class LLM:
             use_tqdm=use_tqdm,
             priority=priority,
             normalize=False,
+            lora_request=lora_request,
         )
         params_list = _per_prompt(
             pooling_params or PoolingParams(),

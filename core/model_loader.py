@@ -11,7 +11,7 @@ import contextlib
 import copy
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,12 +118,85 @@ def _download(repo_id: str, revision: str | None) -> Path:
     return path
 
 
-def load_hf_config(path: str | os.PathLike[str]) -> Any:
-    """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``, no remote code),
-    or for a multimodal checkpoint its language model's (:func:`language_model_config`)."""
+def load_hf_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Any:
+    """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``, no remote code)
+    with ``overrides`` applied (:func:`apply_hf_overrides`), or for a multimodal checkpoint
+    its language model's (:func:`language_model_config`)."""
     from transformers import AutoConfig
 
-    return language_model_config(AutoConfig.from_pretrained(str(path)))
+    hf_config = AutoConfig.from_pretrained(str(path))
+    if overrides:
+        apply_hf_overrides(hf_config, overrides)
+    return language_model_config(hf_config)
+
+
+def engine_hf_config(config: EngineConfig) -> Any:
+    """The HF config the engine of ``config`` runs: ``config.model``'s with
+    ``config.hf_overrides``. Every reader of the target model's config (the front-end, the
+    engine core, each tensor-parallel rank) goes through here, so they all see one config."""
+    assert config.model is not None
+    return load_hf_config(config.model, config.hf_overrides)
+
+
+def apply_hf_overrides(hf_config: Any, overrides: Mapping[str, Any]) -> None:
+    """Apply ``--hf-overrides`` to ``hf_config`` in place, as vLLM does.
+
+    A key whose value is not a dict is set on the config (``PretrainedConfig.update``: a
+    key the config does not have yet becomes a new attribute). A dict value merges into
+    the config's sub-config of that name (``text_config``, ...) key by key, recursively;
+    any other dict-valued key (``rope_scaling``, ``rope_parameters``, ...) is replaced
+    whole. When a RoPE override leaves out ``rope_theta``, the checkpoint's is kept
+    (transformers 5 folds ``rope_scaling`` and ``rope_theta`` into one dict, which a
+    4.x-style ``rope_scaling`` override would otherwise wipe).
+    """
+    from transformers import PretrainedConfig
+
+    if not isinstance(overrides, Mapping):
+        raise ValueError(
+            f"--hf-overrides must be a JSON object of config keys; got {type(overrides).__name__}"
+        )
+    overrides = copy.deepcopy(dict(overrides))  # the config keeps them: not the caller's
+    # (config, its rope_theta before) for the config and each sub-config overridden
+    thetas = [(hf_config, _rope_theta(hf_config))]
+    flat = {k: v for k, v in overrides.items() if not isinstance(v, Mapping)}
+    if flat:
+        hf_config.update(flat)
+    for key, value in overrides.items():
+        if not isinstance(value, Mapping):
+            continue
+        current = getattr(hf_config, key, None)
+        if isinstance(current, PretrainedConfig):
+            thetas.append((current, _rope_theta(current)))
+            _merge_nested(current, value)
+        else:
+            setattr(hf_config, key, value)
+    for config, theta in thetas:
+        params = getattr(config, "rope_parameters", None)
+        if theta is not None and isinstance(params, dict) and params.get("rope_theta") is None:
+            params["rope_theta"] = theta
+    logger.debug("HF config overridden (--hf-overrides): %s", overrides)
+
+
+def _rope_theta(hf_config: Any) -> float | None:
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return params["rope_theta"]
+    return getattr(hf_config, "rope_theta", None)
+
+
+def _merge_nested(target: Any, updates: Mapping[str, Any]) -> None:
+    """Merge ``updates`` into a sub-config or dict: dict values into the dicts or objects
+    already there, everything else set."""
+    for key, value in updates.items():
+        current = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+        if isinstance(value, Mapping) and (
+            isinstance(current, dict) or hasattr(current, "__dict__")
+        ):
+            _merge_nested(current, value)
+        elif isinstance(target, dict):
+            target[key] = value
+        else:
+            setattr(target, key, value)
 
 
 def language_model_config(hf_config: Any) -> Any:

@@ -34,6 +34,7 @@ from chassis.core.compiled_model import CompiledForward
 from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
 from chassis.core.input_batch import InputBatch, RequestState
+from chassis.core.logits_processor import BatchUpdateBuilder, LogitsProcessors, LogitsRows
 from chassis.core.model_loader import kv_head_count
 from chassis.core.pooler import Pooler
 from chassis.core.pooling_config import resolve_pooler_config
@@ -125,6 +126,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / self.block_size)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        #: custom logits processors (``--logits-processors``), told of every batch change
+        self.logits_processors = LogitsProcessors.build(config, device, pin_memory)
+        if self.logits_processors is not None:
+            self.batch.updates = BatchUpdateBuilder()
         self.in_flight = InFlightSteps(self.batch, platform, pin_memory)
         self.kv_caches: list[torch.Tensor] = []
         self.prompt_logprobs = PromptLogprobsCollector()
@@ -239,6 +244,8 @@ class ModelRunner:
                 eos_token_ids=frozenset(new.eos_token_ids),
                 generator=generator,
                 lora_int_id=new.lora_request.lora_int_id if new.lora_request else 0,
+                processors_read_output=self.logits_processors is not None
+                and self.logits_processors.request_flags(params)[1],
             )
             if new.lora_request is not None and self.lora is not None:
                 self.lora.add_request(new.lora_request)
@@ -287,6 +294,8 @@ class ModelRunner:
         (:mod:`chassis.core.in_flight`).
         """
         self.update_states(out)
+        if self.logits_processors is not None:
+            self.logits_processors.update_state(self.batch.updates.build(self.batch.num_reqs))
         if out.is_empty:
             return PendingRunnerOutput.ready(ModelRunnerOutput())
         batch = self.batch
@@ -418,6 +427,12 @@ class ModelRunner:
             metadata_s = build_sampling_metadata(
                 [s.sampling_row for s in states], self.device, self.vocab_size
             )
+            if self.logits_processors is not None:
+                metadata_s.logits_processors = self.logits_processors.bind(
+                    LogitsRows.of_step(
+                        sample_rows, batch.request_ids, out.spec_token_ids, self._to_device
+                    )
+                )
             result = self.sampler(logits[:, : self.vocab_size], metadata_s)
             check_sampler_output(result, metadata_s, self.sampler)  # plugins: fail by name
             if parallel_state.tp_size() > 1:

@@ -23,6 +23,7 @@ from chassis.core.outputs import (
 )
 from chassis.core.pooling_outputs import EmbeddingOutput, EmbeddingRequestOutput, decode_pooled
 from chassis.core.request import FinishReason
+from chassis.core.stat_logger import FinishedRequestStats, IterationStats
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -44,6 +45,8 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput | EmbeddingRequestOutput] = field(default_factory=list)
     #: child (engine-core) request ids finished by a stop string: abort them in the engine
     request_ids_to_abort: list[str] = field(default_factory=list)
+    #: what the step produced, for the stat loggers (``chassis.core.stat_logger``)
+    iteration_stats: IterationStats = field(default_factory=IterationStats)
 
 
 class _TokenIdsOnly:
@@ -322,7 +325,7 @@ class OutputProcessor:
         not handled here: the caller checks it and calls ``fail_all``.
         """
         now = time.time()
-        result = ProcessedOutputs()
+        result = ProcessedOutputs(iteration_stats=IterationStats(timestamp=now))
         touched: dict[str, _ParentRequest] = {}
         for out in engine_core_outputs.outputs:
             parent_id = self._child_to_parent.get(out.request_id)
@@ -331,12 +334,13 @@ class OutputProcessor:
                     pooled = self._pooled_output(out)
                     if pooled is not None:
                         result.request_outputs.append(pooled)
+                        _count_pooled(result.iteration_stats, pooled)
                 continue
             parent = self._parents[parent_id]
             completion = parent.completions[out.request_id]
             if completion.finished:
                 continue
-            if self._apply(parent, completion, out, now):
+            if self._apply(parent, completion, out, now, result.iteration_stats):
                 result.request_ids_to_abort.append(out.request_id)
             if not parent.final_only or parent.finished:
                 touched[parent_id] = parent
@@ -344,6 +348,7 @@ class OutputProcessor:
             finished = parent.finished
             if finished:
                 parent.metrics.finished_time = now
+                result.iteration_stats.finished_requests.append(_finished_stats(parent))
             result.request_outputs.append(parent.make_output())
             if finished:
                 self._remove(parent)
@@ -355,8 +360,10 @@ class OutputProcessor:
         completion: _Completion,
         out: EngineCoreOutput,
         now: float,
+        stats: IterationStats,
     ) -> bool:
-        """Fold one engine output into a completion; True if the engine must abort it."""
+        """Fold one engine output into a completion (counted in ``stats``); True if the
+        engine must abort it."""
         if out.num_cached_tokens:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.first_scheduled_time is not None and parent.metrics.first_scheduled_time is None:
@@ -379,8 +386,12 @@ class OutputProcessor:
                 completion.cumulative_logprob += tl.logprobs[0]
         if num_new:
             metrics = parent.metrics
+            stats.num_generation_tokens += num_new
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
+                # the prompt counts once its prefill is done (vLLM's prompt throughput)
+                stats.num_prompt_tokens += len(parent.prompt_token_ids)
+                stats.time_to_first_tokens.append(now - metrics.arrival_time)
             metrics.last_token_time = now
             metrics.num_generation_tokens += num_new
         completion.has_progress = True
@@ -416,3 +427,39 @@ class OutputProcessor:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
+
+
+def _finished_stats(parent: _ParentRequest) -> FinishedRequestStats:
+    """The stat loggers' record of a parent request that just finished."""
+    m = parent.metrics
+    first = next(iter(parent.completions.values()))
+    return FinishedRequestStats(
+        request_id=parent.request_id,
+        finish_reason=first.finish_reason or FinishReason.ABORT.value,
+        num_prompt_tokens=len(parent.prompt_token_ids),
+        num_generation_tokens=m.num_generation_tokens,
+        num_cached_tokens=parent.num_cached_tokens,
+        time_to_first_token=(
+            None if m.first_token_time is None else m.first_token_time - m.arrival_time
+        ),
+        e2e_latency=None if m.finished_time is None else m.finished_time - m.arrival_time,
+        queue_time=(
+            None
+            if m.first_scheduled_time is None
+            else max(0.0, m.first_scheduled_time - m.arrival_time)
+        ),
+    )
+
+
+def _count_pooled(stats: IterationStats, pooled: EmbeddingRequestOutput) -> None:
+    """A pooling request computed its prompt and finished in this step."""
+    stats.num_prompt_tokens += len(pooled.prompt_token_ids)
+    stats.finished_requests.append(
+        FinishedRequestStats(
+            request_id=pooled.request_id,
+            finish_reason=pooled.finish_reason,
+            num_prompt_tokens=len(pooled.prompt_token_ids),
+            num_generation_tokens=0,
+            num_cached_tokens=pooled.num_cached_tokens,
+        )
+    )

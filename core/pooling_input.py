@@ -20,6 +20,7 @@ from chassis.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from chassis.core.input_processor import InputProcessor
+    from chassis.core.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,16 @@ def process_pooling(
     arrival_time: float | None = None,
     *,
     add_special_tokens: bool = True,
+    lora_request: LoRARequest | None = None,
 ) -> EngineCoreRequest:
     """Validate one pooling request and return what to send to the engine core.
 
     ``prompt`` is text (tokenized with ``input_processor``'s tokenizer, special tokens
-    included unless ``add_special_tokens=False``) or token ids. Every rejection is a
-    ``ValueError`` whose message a client can act on.
+    included unless ``add_special_tokens=False``) or token ids. ``lora_request`` names the
+    LoRA adapter to pool with (``None``: the base model), checked as for generation
+    (:meth:`~chassis.core.input_processor.InputProcessor.check_lora`: LoRA on, the id not
+    given to another adapter, the adapter fits the model; its first check reads its files).
+    Every rejection is a ``ValueError`` whose message a client can act on.
     """
     if not isinstance(params, PoolingParams):
         raise ValueError(f"pooling_params must be a PoolingParams; got {params!r}")
@@ -116,6 +121,7 @@ def process_pooling(
             f"{len(ids)} tokens in the input for embedding generation. Please reduce the length "
             "of the input (or set truncate_prompt_tokens)."
         )
+    input_processor.check_lora(lora_request)
     return EngineCoreRequest(
         request_id=request_id,
         prompt_token_ids=ids,
@@ -124,4 +130,6 @@ def process_pooling(
         arrival_time=time.time() if arrival_time is None else arrival_time,
         priority=priority,
         pooling_params=params,
+        # its prefix-cache entries chain from the adapter's id, as a generate request's do
+        lora_request=lora_request,
     )

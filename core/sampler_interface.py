@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -41,6 +41,11 @@ class Sampler(ABC):
     has a penalty) is complete also under async scheduling: the runner waits for tokens still
     in flight before it builds the metadata of such rows.
     """
+
+    #: whether the sampler runs ``metadata.logits_processors`` (custom logits processors,
+    #: ``--logits-processors``) at the points docs/sampling.md names; an engine with
+    #: processors refuses a sampler without it
+    supports_logits_processors: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

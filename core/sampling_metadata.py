@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from chassis.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from chassis.core.logits_processor import StepLogitsProcessors
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing by them would
 #: overflow, and the distribution is one-hot for every practical purpose.
@@ -67,6 +71,11 @@ class SamplingMetadata:
     bad_word_tokens: list[set[int] | None] | None = None
     #: largest ``logprobs`` asked by any row, None when no row asked
     max_num_logprobs: int | None = None
+    #: the engine's custom logits processors bound to this step's rows (``--logits-processors``;
+    #: None without any): a sampler with ``supports_logits_processors`` calls
+    #: ``apply_non_argmax_invariant`` before the penalties and ``apply_argmax_invariant``
+    #: after temperature and min-p
+    logits_processors: StepLogitsProcessors | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -98,14 +107,18 @@ class SamplingRow:
     #: the model's end-of-sequence ids (blocked while under ``min_tokens`` unless
     #: ``ignore_eos``)
     eos_token_ids: frozenset[int] = frozenset()
+    #: a custom logits processor that reads generated tokens acts on this row
+    #: (``LogitsProcessor.reads_output_tokens``)
+    processors_read_output: bool = False
 
     @property
     def reads_output_history(self) -> bool:
-        """Whether sampling this row reads its generated tokens: a penalty, or EOS and stop
-        ids still blocked by ``min_tokens``."""
+        """Whether sampling this row reads its generated tokens: a penalty, EOS and stop
+        ids still blocked by ``min_tokens``, or a logits processor that reads them."""
         params = self.sampling_params
         return (
-            params.repetition_penalty != 1.0
+            self.processors_read_output
+            or params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
             or len(self.output_token_ids) < params.min_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
+from typing import Any
 
 import msgspec
 
@@ -85,6 +86,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: the token sequences of :attr:`bad_words` (set by the input processor; the engine core
     #: reads only this)
     bad_words_token_ids: list[list[int]] | None = None
+    #: arguments for custom logits processors and other plugins (vLLM's field; the API's
+    #: ``vllm_xargs``): a dict with string keys of JSON-like values, read by the processors
+    #: that ``--logits-processors`` selects, each of which validates its own keys
+    extra_args: dict[str, Any] | None = None
+    #: False: this request gets no speculative drafts (set by the input processor when a
+    #: logits processor that cannot verify drafts acts on it)
+    allow_drafts: bool = True
 
     def __post_init__(self) -> None:
         # vLLM declares these Optional: None means none
@@ -142,6 +150,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             not isinstance(words, list) or not all(isinstance(w, str) for w in words)
         ):
             raise wrong("bad_words", "a list of strings")
+        extra = self.extra_args
+        if extra is not None and (
+            not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)
+        ):
+            raise wrong("extra_args", "a dict with string keys")
+        if not isinstance(self.allow_drafts, bool):
+            raise wrong("allow_drafts", "a bool")
         sequences = self.bad_words_token_ids
         if sequences is not None and (
             not isinstance(sequences, list)

@@ -154,7 +154,8 @@ def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     position depends on that position's logits (and, sampling, the global random stream)
     only."""
     return (
-        (params.seed is None or params.temperature < SAMPLING_EPS)
+        params.allow_drafts  # False: a logits processor that cannot verify drafts acts on it
+        and (params.seed is None or params.temperature < SAMPLING_EPS)
         and params.logprobs is None
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0

@@ -82,7 +82,7 @@ class StructuredOutputManager:
         return self._backend
 
     def _build_backend(self) -> StructuredOutputBackend:
-        from chassis.core.model_loader import load_hf_config
+        from chassis.core.model_loader import engine_hf_config
         from chassis.core.token_vocabulary import vocabulary_from_tokenizer
         from chassis.core.tokenizer import eos_token_ids, load_tokenizer
         from chassis.plugins import get_registries
@@ -92,7 +92,7 @@ class StructuredOutputManager:
         assert self.config.tokenizer is not None and self.config.model is not None
         tokenizer = load_tokenizer(self.config.tokenizer)  # as the front-end loads it
         # Every mask covers the model's logits, which may be wider than the tokenizer.
-        vocab_size = int(load_hf_config(self.config.model).vocab_size)
+        vocab_size = int(engine_hf_config(self.config).vocab_size)
         vocabulary = vocabulary_from_tokenizer(
             tokenizer, vocab_size, eos_token_ids(tokenizer, self.config.model)
         )

@@ -344,11 +344,11 @@ def step_summary(output: ModelRunnerOutput) -> list[Any]:
 def _check_model_splits(config: EngineConfig) -> None:
     """The model's class shards itself, its attention heads divide by the group's size, and
     its KV heads split over the group or replicate (``parallel_state.kv_head_split``)."""
-    from chassis.core.model_loader import kv_head_count, load_hf_config, model_class
+    from chassis.core.model_loader import engine_hf_config, kv_head_count, model_class
     from chassis.core.parallel_state import kv_head_split
 
     assert config.model is not None
-    hf_config = load_hf_config(config.model)
+    hf_config = engine_hf_config(config)
     cls = model_class(hf_config)
     if not cls.supports_tensor_parallel:
         raise ValueError(

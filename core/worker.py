@@ -25,7 +25,7 @@ class Worker:
     """Loads the model on the current platform's device and runs steps on it."""
 
     def __init__(self, config: EngineConfig, device_index: int = 0) -> None:
-        from chassis.core.model_loader import build_model, load_hf_config, resolve_dtype
+        from chassis.core.model_loader import build_model, engine_hf_config, resolve_dtype
         from chassis.platforms import get_current_platform
         from chassis.plugins import get_registries
 
@@ -37,7 +37,7 @@ class Worker:
         registries = get_registries()
 
         assert config.model is not None and config.attention_backend is not None
-        hf_config = load_hf_config(config.model)
+        hf_config = engine_hf_config(config)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.platform)
         backend_cls = registries.attention_backends.get(config.attention_backend)
         torch.manual_seed(config.seed)

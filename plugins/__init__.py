@@ -26,7 +26,7 @@ from chassis.plugins.registry import (
 
 #: Version of the plugin contract. Minor bumps add hooks or keyword arguments; a major bump
 #: (never silently) removes or changes one.
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 
 __all__ = [
     "GENERAL_GROUP",

@@ -173,6 +173,26 @@ def chassis_register_structured_output_backends(registry: Registry[Any]) -> None
 
 
 @hookspec
+def chassis_register_logits_processors(registry: Registry[Any]) -> None:
+    """Add logits processors (selected with ``--logits-processors a,b``; none by default).
+
+    :param registry: maps a processor name (built-in: ``"no_repeat_ngram"``) to a
+        :class:`chassis.core.logits_processor.LogitsProcessor` subclass or a lazy
+        ``"module:Class"`` string. ``--logits-processors`` also accepts a qualified
+        ``"package.module:Class"`` that no plugin registered (vLLM's form). Each model runner
+        builds one instance of every selected class with ``(config, device, pin_memory)``,
+        calls its ``update_state(batch_update)`` before every step and its
+        ``apply(logits, rows)`` on the rows that sample; the front-end calls the classmethod
+        ``validate_params(params)`` on every request (a ``ValueError`` is the client's 400).
+        Per-request arguments travel in ``SamplingParams.extra_args`` (the API's
+        ``vllm_xargs``). The class documents the full contract.
+    :return: nothing.
+
+    1:N.
+    """
+
+
+@hookspec
 def chassis_add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add a plugin's own flags to ``chassis serve`` (and the other engine commands).
 
@@ -198,4 +218,45 @@ def chassis_configure(config: EngineConfig) -> None:
     :return: nothing.
 
     1:N, called in plugin registration order.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# The front-end: statistics and HTTP routes (API-server process)
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def chassis_register_stat_loggers(registry: Registry[Any]) -> None:
+    """Add stat loggers (selected with ``--stat-loggers a,b``; default ``logging``).
+
+    :param registry: maps a logger name (built-in: ``"logging"``, vLLM's periodic throughput
+        line) to a :class:`chassis.core.stat_logger.StatLoggerBase` subclass or a lazy
+        ``"module:Class"`` string. The front-end process (the API server's ``AsyncLLM``, the
+        offline ``LLM`` when ``stat_loggers`` names some) builds one instance per selected
+        name with a :class:`chassis.core.stat_logger.StatLoggerInfo`, calls its ``record``
+        with every engine step's scheduler and iteration stats, its ``log`` every
+        ``--stat-log-interval`` seconds and its ``shutdown`` at the end. A logger that
+        raises is logged once and disabled; the engine keeps serving.
+    :return: nothing.
+
+    1:N.
+    """
+
+
+@hookspec
+def chassis_register_routes(registry: Registry[Any]) -> None:
+    """Add HTTP routes to the OpenAI-compatible server (``chassis serve``).
+
+    :param registry: maps a router name (usually the plugin's name) to a
+        :class:`fastapi.APIRouter` instance or a lazy ``"module:attribute"`` string naming
+        one. Every registered router is included in the app after the built-in routes, so
+        its routes get the same API-key check (every path but ``/health``), the same
+        OpenAI-shaped error responses and the same request-size bounds. A route handler
+        reaches the engine through :func:`chassis.serve.plugin_routes.get_engine`
+        (``get_engine(request)``). A route whose path the server already serves (a built-in
+        one, or another plugin's) stops start-up with an error naming the plugin.
+    :return: nothing.
+
+    1:N.
     """

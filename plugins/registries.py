@@ -20,6 +20,10 @@ class Registries:
     tool_parsers: Registry[Any]
     reasoning_parsers: Registry[Any]
     structured_output_backends: Registry[Any]
+    logits_processors: Registry[Any]
+    stat_loggers: Registry[Any]
+    #: name -> ``fastapi.APIRouter`` instance (not a class: every router is included)
+    routes: Registry[Any]
 
     def items(self) -> list[tuple[str, Registry[Any]]]:
         """``(field name, registry)`` pairs, e.g. ``("schedulers", Registry(...))``."""
@@ -35,6 +39,8 @@ _BASES = {
     "tool_parsers": "chassis.serve.tool_parser:ToolParser",
     "reasoning_parsers": "chassis.serve.reasoning_parser:ReasoningParser",
     "structured_output_backends": "chassis.core.structured_output:StructuredOutputBackend",
+    "logits_processors": "chassis.core.logits_processor:LogitsProcessor",
+    "stat_loggers": "chassis.core.stat_logger:StatLoggerBase",
 }
 
 #: registry field -> (hook that fills it, human-readable kind)
@@ -49,6 +55,9 @@ _HOOKS = {
         "chassis_register_structured_output_backends",
         "structured-output backend",
     ),
+    "logits_processors": ("chassis_register_logits_processors", "logits processor"),
+    "stat_loggers": ("chassis_register_stat_loggers", "stat logger"),
+    "routes": ("chassis_register_routes", "HTTP router"),
 }
 
 

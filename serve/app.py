@@ -19,6 +19,7 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: with
                            ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` only
                            (:mod:`chassis.serve.lora_routes`)
+plugins' routes            ``chassis_register_routes`` (:mod:`chassis.serve.plugin_routes`)
 =========================  ==================================================================
 """
 
@@ -47,6 +48,7 @@ from chassis.serve.openai_completions import router as completions_router
 from chassis.serve.openai_embeddings import router as embeddings_router
 from chassis.serve.openai_responses import router as responses_router
 from chassis.serve.openai_score import router as score_router
+from chassis.serve.plugin_routes import include_plugin_routes
 from chassis.serve.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -57,6 +59,7 @@ from chassis.serve.protocol import (
     VersionResponse,
 )
 from chassis.serve.renderer import ChatRenderer
+from chassis.serve.root_path import RootPathMiddleware
 from chassis.serve.security import install_security
 from chassis.serve.settings import ServerSettings
 from chassis.serve.state import ServerState
@@ -167,6 +170,14 @@ def _lenient_content_type() -> dict[str, Any]:
     return {}
 
 
+def _docs_urls(settings: ServerSettings) -> dict[str, Any]:
+    """FastAPI's schema and docs pages (``/openapi.json``, ``/docs``, ``/redoc``, served by
+    default as vLLM does), or none with ``--disable-fastapi-docs``."""
+    if settings.disable_fastapi_docs:
+        return {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    return {}
+
+
 def _add_static_loras(state: ServerState) -> None:
     """Serve ``--lora-modules``, each checked against the model (``ValueError`` naming the
     adapter when one is refused)."""
@@ -195,7 +206,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     accepting requests, aborts in-flight ones and, if ``settings.shutdown_engine_on_exit``,
     shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template``, for
     unknown parser names, for a ``--generation-config`` that cannot be read and for a
-    ``--lora-modules`` adapter the engine cannot run.
+    ``--lora-modules`` adapter the engine cannot run, and for a plugin route that cannot
+    be added (its path is taken; the message names the plugin).
     """
     settings = settings or ServerSettings()
     state = ServerState(
@@ -207,6 +219,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         sampling_defaults=generation_defaults(
             getattr(engine.config, "generation_config", "auto"),
             getattr(engine.config, "model", None),
+            getattr(engine.config, "override_generation_config", None),
         ),
     )
 
@@ -228,11 +241,14 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         version=chassis.__version__,
         description="OpenAI-compatible API of a chassis engine",
         lifespan=lifespan,
+        **_docs_urls(settings),
         **_lenient_content_type(),
     )
     app.state.chassis = state
     install_exception_handlers(app)
     install_security(app, settings)
+    if settings.root_path:  # outermost: the API-key check sees the prefix too
+        app.add_middleware(RootPathMiddleware, root_path=settings.root_path)
 
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     app.include_router(completions_router)
@@ -255,4 +271,6 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             "a folder of its choice; use this for local development only"
         )
         app.include_router(lora_router)
+    # Last, so a plugin path that is already served is caught (an error naming the plugin).
+    include_plugin_routes(app)
     return app

@@ -120,6 +120,23 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         ),
     )
     g.add_argument(
+        "--override-generation-config",
+        type=_json_object_arg,
+        metavar="JSON",
+        help="sampling defaults set over --generation-config's (also with 'none'), vLLM's "
+        "flag: '{\"temperature\": 0.5}'; keys: temperature, top_p, top_k, min_p, "
+        "repetition_penalty (a request's own values still win)",
+    )
+    g.add_argument(
+        "--hf-overrides",
+        type=_json_object_arg,
+        metavar="JSON",
+        help="set keys of the model's HF config before it is read, vLLM's flag: "
+        "'{\"max_position_embeddings\": 4096}'; a nested object merges into the sub-config "
+        "of that name (text_config, ...), any other object value replaces the key whole "
+        "(see docs/serving.md)",
+    )
+    g.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
         default=None,
@@ -202,6 +219,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "--attention-backend", help="attention backend plugin by name (default: the platform's)"
     )
     g.add_argument(
+        "--logits-processors",
+        nargs="+",
+        action=_NameListAction,
+        metavar="NAME",
+        help="custom logits processors, in the order they run: registered names "
+        "(chassis plugins) or 'package.module:Class', comma- or space-separated; "
+        "requests pass their arguments as vllm_xargs (default: none; docs/plugins.md)",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         default=None,
@@ -248,6 +274,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help=_help("devices to shard the model over", "tensor_parallel_size"),
     )
     g.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "ray", "uni"),
+        help="how the ranks run: mp = worker processes on this host, ray = Ray actors on one "
+        "node or several (pip install 'chassis-llm[ray]'), uni = this process, one rank "
+        "(default: mp); see docs/architecture.md",
+    )
+    g.add_argument(
         "--max-logprobs",
         type=int,
         help=_help("largest logprobs a request may ask for", "max_logprobs"),
@@ -260,13 +293,6 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         default=None,
         help="serve LoRA adapters: a request names one as 'model' (chassis serve "
         "--lora-modules) or passes a LoRARequest (LLM, AsyncLLM)",
-    )
-    g.add_argument(
-        "--distributed-executor-backend",
-        choices=("mp", "ray", "uni"),
-        help="how the ranks run: mp = worker processes on this host, ray = Ray actors on one "
-        "node or several (pip install 'chassis-llm[ray]'), uni = this process, one rank "
-        "(default: mp); see docs/architecture.md",
     )
     g.add_argument(
         "--max-loras",
@@ -284,8 +310,36 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help="adapters kept read in host memory (default: --max-loras)",
     )
 
+    g = parser.add_argument_group("statistics (see docs/serving.md)")
+    g.add_argument(
+        "--stat-loggers",
+        type=_stat_logger_names,
+        metavar="NAMES",
+        help="stat loggers of the front-end, comma-separated: registered names (chassis "
+        "plugins) or 'package.module:Class'; '' = none (default: logging, the periodic "
+        "throughput line)",
+    )
+    g.add_argument(
+        "--disable-log-stats",
+        dest="stat_loggers",
+        action="store_const",
+        const=[],
+        help="run no stat logger (vLLM's flag; same as --stat-loggers '')",
+    )
+    g.add_argument(
+        "--stat-log-interval",
+        type=float,
+        metavar="SECONDS",
+        help=_help("seconds between two periodic stat logs", "stat_log_interval"),
+    )
+
     if with_plugins:
         _add_plugin_args(parser)
+
+
+def _stat_logger_names(text: str) -> list[str]:
+    """``--stat-loggers logging,my_plugin`` -> ``["logging", "my_plugin"]``; ``""`` -> ``[]``."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _add_plugin_args(parser: argparse.ArgumentParser) -> None:
@@ -297,6 +351,20 @@ def _add_plugin_args(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(**{_PLUGIN_DESTS: [], _PLUGIN_ERROR: str(exc)})
         return
     parser.set_defaults(**{_PLUGIN_DESTS: dests, _PLUGIN_ERROR: None})
+
+
+class _NameListAction(argparse.Action):
+    """``--flag a,b c`` -> ``["a", "b", "c"]`` (empty items dropped)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        names = [n.strip() for v in values for n in str(v).split(",") if n.strip()]
+        setattr(namespace, self.dest, names)
 
 
 def _json_object_arg(text: str) -> dict[str, Any]:

@@ -165,6 +165,53 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="listen on this Unix domain socket instead of --host/--port",
     )
     g.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="the path prefix a reverse proxy serves this server under, e.g. /llm: routes "
+        "answer with and without it, the OpenAPI schema and /docs name it (default: none)",
+    )
+    g.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no /docs, /redoc nor /openapi.json",
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob entries name their token 'token_id:ID' instead of its text (for tokens "
+        "that are no valid UTF-8 alone); a request's return_tokens_as_token_ids wins",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log one line per generation request: its id, prompt, sampling params and LoRA "
+        "adapter (default: off)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_const",
+        const=False,
+        help="vLLM's older flag; the default (same as --no-enable-log-requests)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests: log at most N characters of a prompt and N of its "
+        "token ids (default: all)",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in completions "
+        "and chat (default: on, unlike vLLM; --no-enable-prompt-tokens-details sends null)",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         action=_LoRAModulesAction,
@@ -234,6 +281,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
         uds=args.uds,
+        root_path=args.root_path,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

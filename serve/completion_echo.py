@@ -35,8 +35,11 @@ def echo_logprobs(
     prompt_token_ids: list[int],
     prompt_logprobs: list[PositionLogprobs | None] | None,
     num_logprobs: int,
+    *,
+    as_ids: bool = False,
 ) -> CompletionLogprobs:
-    """The legacy logprobs of the prompt's tokens, text offsets from 0.
+    """The legacy logprobs of the prompt's tokens, text offsets from 0 (``as_ids``: tokens
+    named ``"token_id:ID"``, ``--return-tokens-as-token-ids``).
 
     ``top_logprobs`` of a position holds its ``num_logprobs`` most likely tokens and the
     prompt's own token (so ``num_logprobs + 1`` entries when the prompt's token is not among
@@ -49,7 +52,7 @@ def echo_logprobs(
         if prompt_logprobs is not None and position < len(prompt_logprobs):
             entries = prompt_logprobs[position]
         own = entries.get(token_id) if entries else None
-        text = state.token_text(token_id, own.decoded_token if own else None)
+        text = state.token_text(token_id, own.decoded_token if own else None, as_id=as_ids)
         out.tokens.append(text)
         out.token_logprobs.append(json_logprob(own.logprob) if own else None)
         if entries is None:
@@ -57,7 +60,7 @@ def echo_logprobs(
         else:
             out.top_logprobs.append(
                 {
-                    state.token_text(tid, lp.decoded_token): json_logprob(lp.logprob)
+                    state.token_text(tid, lp.decoded_token, as_id=as_ids): json_logprob(lp.logprob)
                     for tid, lp in _top(entries, token_id, num_logprobs).items()
                 }
             )

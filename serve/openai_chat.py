@@ -48,7 +48,8 @@ from chassis.serve.protocol import (
     ChatResponseMessage,
     json_logprob,
 )
-from chassis.serve.state import ServerState, UsageCounter
+from chassis.serve.request_log import log_request
+from chassis.serve.state import ServerState
 from chassis.serve.stream_chunks import ChunkEncoder, chat_choice
 from chassis.serve.streaming import (
     SSE_DONE,
@@ -70,27 +71,30 @@ def _state(request: Request) -> ServerState:
 
 
 def _logprobs(
-    state: ServerState, completion: CompletionOutput, top_n: int
+    state: ServerState, completion: CompletionOutput, top_n: int, as_ids: bool = False
 ) -> list[ChatLogprobToken]:
-    """OpenAI chat logprobs for the tokens of one delta."""
+    """OpenAI chat logprobs for the tokens of one delta. With ``as_ids``
+    (``--return-tokens-as-token-ids``) each ``token`` is ``"token_id:ID"``; ``bytes`` stay
+    the token's own text's."""
     out = []
     for token_id, position in zip(completion.token_ids, completion.logprobs or [], strict=False):
         sampled = position.get(token_id)
-        text = state.token_text(token_id, sampled.decoded_token if sampled else None)
+        decoded = sampled.decoded_token if sampled else None
+        text = state.token_text(token_id, decoded)
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
         top = []
         for tid, lp in ranked:
             top_text = state.token_text(tid, lp.decoded_token)
             top.append(
                 ChatLogprobTop(
-                    token=top_text,
+                    token=state.token_text(tid, lp.decoded_token, as_id=as_ids),
                     logprob=json_logprob(lp.logprob),
                     bytes=list(top_text.encode("utf-8")),
                 )
             )
         out.append(
             ChatLogprobToken(
-                token=text,
+                token=state.token_text(token_id, decoded, as_id=as_ids),
                 # a sampled token outside the returned set has no known logprob
                 logprob=json_logprob(sampled.logprob if sampled else MIN_LOGPROB),
                 bytes=list(text.encode("utf-8")),
@@ -153,7 +157,8 @@ async def _collect(
     logprobs: dict[int, list[ChatLogprobToken]] = {i: [] for i in range(n)}
     finish: dict[int, tuple[str | None, int | str | None]] = {}
     top_n = body.top_logprobs or 0
-    usage = UsageCounter()
+    as_ids = state.tokens_as_ids(body.return_tokens_as_token_ids)
+    usage = state.usage_counter()
     prompt_logprobs = None
     async with contextlib.aclosing(stream):
         async for output in stream:
@@ -164,7 +169,7 @@ async def _collect(
                 texts[completion.index].append(completion.text)
                 token_ids[completion.index] += completion.token_ids
                 if body.logprobs:
-                    logprobs[completion.index] += _logprobs(state, completion, top_n)
+                    logprobs[completion.index] += _logprobs(state, completion, top_n, as_ids)
                 if completion.finish_reason is not None:
                     finish[completion.index] = (completion.finish_reason, completion.stop_reason)
     choices = []
@@ -244,8 +249,9 @@ async def _events(
     created = int(time.time())
     parsers = {i: parsing.choice_parser() for i in range(n)} if parsing else None
     top_n = body.top_logprobs or 0
+    as_ids = state.tokens_as_ids(body.return_tokens_as_token_ids)
     finished: set[int] = set()
-    usage = UsageCounter()
+    usage = state.usage_counter()
     usage.prompt_tokens[0] = num_prompt_tokens  # known before the first output (role chunk)
 
     encoder = ChunkEncoder("chat.completion.chunk", request_id, created, model)
@@ -292,7 +298,9 @@ async def _events(
                         continue
                     logprobs = None
                     if body.logprobs:
-                        logprobs = ChatChoiceLogprobs(content=_logprobs(state, completion, top_n))
+                        logprobs = ChatChoiceLogprobs(
+                            content=_logprobs(state, completion, top_n, as_ids)
+                        )
                     if completion.finished:
                         finished.add(completion.index)
                     if parsers is None:
@@ -376,6 +384,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model, lora_request = state.resolve_model(body.model)
     params, prompt_ids, parsing = await prepare_chat(state, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    log_request(state.settings, request_id, None, prompt_ids, params, lora_request, state.tokenizer)
     n = params.n
     priority = body.priority or 0
     if body.use_beam_search:  # vLLM's beam search (serve/beam_search.py)

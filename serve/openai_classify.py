@@ -12,7 +12,8 @@
 
 Both take vLLM's ``truncate_prompt_tokens``, ``add_special_tokens`` and ``priority``; inputs
 are validated and batched as on ``/v1/embeddings`` (:mod:`chassis.serve.openai_embeddings`),
-and a generating server answers 400. Uses the engine contract described there, plus
+and a generating server answers 400; ``model`` names the base model or a LoRA adapter, as
+there. Uses the engine contract described there, plus
 ``engine.embedding_info.classifier`` (:class:`~chassis.core.pooling_classify.ClassifierInfo`
 or ``None``) and ``engine.pooler_config.use_activation``.
 """
@@ -37,6 +38,7 @@ from chassis.serve.openai_embeddings import EmbeddingRequest, embed_all, tokeniz
 from chassis.serve.streaming import generation_response, never_streamed
 
 if TYPE_CHECKING:
+    from chassis.core.lora.request import LoRARequest
     from chassis.core.pooling_classify import ClassifierInfo
     from chassis.core.pooling_outputs import EmbeddingRequestOutput
     from chassis.serve.state import ServerState
@@ -174,15 +176,19 @@ async def _run(
     params: PoolingParams,
     request_id: str,
     answer: Any,
+    lora_request: LoRARequest | None,
 ) -> Response:
-    """Tokenize ``body``'s inputs, pool them all with ``params`` and answer
-    ``answer(outputs)`` (a pydantic body)."""
+    """Tokenize ``body``'s inputs, pool them all with ``params`` (and the LoRA adapter
+    ``lora_request``, ``None``: the base model) and answer ``answer(outputs)`` (a pydantic
+    body)."""
 
     async def inputs() -> list[str | list[int]]:
         return await tokenized_inputs(state, body)
 
     async def collect(prompts: list[str | list[int]]) -> BaseModel:
-        outputs = await embed_all(state, prompts, params, request_id, body.priority or 0)
+        outputs = await embed_all(
+            state, prompts, params, request_id, body.priority or 0, lora_request
+        )
         return answer(outputs)
 
     return await generation_response(request, False, inputs, never_streamed, collect)
@@ -193,7 +199,7 @@ async def create_classify(body: ClassificationRequest, request: Request) -> Resp
     """vLLM's classification API (see the module docstring)."""
     state = _state(request)
     state.check_accepting()
-    model = state.check_model(body.model)
+    model, lora_request = state.resolve_model(body.model)
     _check_pooling_server(state, "/classify")
     classifier = _classifier(state)
     if classifier is None:
@@ -219,7 +225,7 @@ async def create_classify(body: ClassificationRequest, request: Request) -> Resp
             )
         return ClassificationResponse(id=request_id, model=model, data=data, usage=_usage(outputs))
 
-    return await _run(request, state, body, params, request_id, answer)
+    return await _run(request, state, body, params, request_id, answer, lora_request)
 
 
 @router.post("/pooling", response_model=PoolingResponse)
@@ -227,7 +233,7 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
     """vLLM's pooling API (see the module docstring)."""
     state = _state(request)
     state.check_accepting()
-    model = state.check_model(body.model)
+    model, lora_request = state.resolve_model(body.model)
     _check_pooling_server(state, "/pooling")
     classifier = _classifier(state)
     activation = "identity"
@@ -257,4 +263,4 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
             data.append(PoolingData(index=i, data=value))
         return PoolingResponse(id=request_id, model=model, data=data, usage=_usage(outputs))
 
-    return await _run(request, state, body, params, request_id, answer)
+    return await _run(request, state, body, params, request_id, answer, lora_request)

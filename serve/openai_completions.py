@@ -36,7 +36,8 @@ from chassis.serve.protocol import (
     PromptLogprobs,
     json_logprob,
 )
-from chassis.serve.state import ServerState, UsageCounter
+from chassis.serve.request_log import log_request
+from chassis.serve.state import ServerState
 from chassis.serve.stream_chunks import ChunkEncoder, completion_choice
 from chassis.serve.streaming import (
     SSE_DONE,
@@ -46,7 +47,9 @@ from chassis.serve.streaming import (
 )
 
 if TYPE_CHECKING:
+    from chassis.core.lora.request import LoRARequest
     from chassis.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+    from chassis.core.sampling_params import SamplingParams
 
 router = APIRouter()
 
@@ -58,8 +61,10 @@ def _state(request: Request) -> ServerState:
 class _LogprobBuilder:
     """Builds OpenAI's legacy completion logprobs for one choice, delta by delta."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, as_ids: bool = False) -> None:
         self.state = state
+        #: name tokens "token_id:ID" (--return-tokens-as-token-ids)
+        self.as_ids = as_ids
         self.offset = 0
 
     def build(self, completion: CompletionOutput) -> CompletionLogprobs:
@@ -68,12 +73,16 @@ class _LogprobBuilder:
             completion.token_ids, completion.logprobs or [], strict=False
         ):
             sampled = position.get(token_id)
-            text = self.state.token_text(token_id, sampled.decoded_token if sampled else None)
+            text = self.state.token_text(
+                token_id, sampled.decoded_token if sampled else None, as_id=self.as_ids
+            )
             out.tokens.append(text)
             out.token_logprobs.append(json_logprob(sampled.logprob) if sampled else None)
             out.top_logprobs.append(
                 {
-                    self.state.token_text(tid, lp.decoded_token): json_logprob(lp.logprob)
+                    self.state.token_text(tid, lp.decoded_token, as_id=self.as_ids): json_logprob(
+                        lp.logprob
+                    )
                     for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
                 }
             )
@@ -85,11 +94,13 @@ class _LogprobBuilder:
 class _Choice:
     """What is accumulated for one choice of a non-streaming response."""
 
-    def __init__(self, index: int, state: ServerState, with_logprobs: bool) -> None:
+    def __init__(
+        self, index: int, state: ServerState, with_logprobs: bool, as_ids: bool = False
+    ) -> None:
         self.index = index
         self.text: list[str] = []
         self.token_ids: list[int] = []
-        self.logprobs = _LogprobBuilder(state) if with_logprobs else None
+        self.logprobs = _LogprobBuilder(state, as_ids) if with_logprobs else None
         self.merged = CompletionLogprobs() if with_logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -146,6 +157,7 @@ class _Echo:
         prompt_token_ids: list[int],
         prompt_logprobs: list[PositionLogprobs | None] | None,
         num_logprobs: int | None,
+        as_ids: bool = False,
     ) -> None:
         """``prompt``: as the client sent it; ``None`` to echo the engine's token ids (a
         truncated prompt)."""
@@ -153,7 +165,9 @@ class _Echo:
         self.logprobs = (
             None
             if num_logprobs is None
-            else echo_logprobs(state, prompt_token_ids, prompt_logprobs, num_logprobs)
+            else echo_logprobs(
+                state, prompt_token_ids, prompt_logprobs, num_logprobs, as_ids=as_ids
+            )
         )
         #: where the completion's text offsets start: after the prompt's token texts
         self.logprobs_text_length = (
@@ -184,6 +198,7 @@ def _echo(
         output.prompt_token_ids,
         output.prompt_logprobs,
         body.logprobs,
+        state.tokens_as_ids(body.return_tokens_as_token_ids),
     )
 
 
@@ -225,12 +240,13 @@ async def _collect(
     n: int,
 ) -> CompletionResponse:
     with_logprobs = body.logprobs is not None
+    as_ids = state.tokens_as_ids(body.return_tokens_as_token_ids)
     choices = {
-        p * n + i: _Choice(p * n + i, state, with_logprobs)
+        p * n + i: _Choice(p * n + i, state, with_logprobs, as_ids)
         for p in range(len(streams))
         for i in range(n)
     }
-    usage = UsageCounter()
+    usage = state.usage_counter()
     #: per prompt: the output with its prompt logprobs, else its first
     firsts: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(merge_streams(streams)) as merged:
@@ -285,7 +301,7 @@ async def _events(
     started: set[int] = set()
     #: per prompt: the output with its prompt logprobs, else its first
     firsts: dict[int, RequestOutput] = {}
-    usage = UsageCounter()
+    usage = state.usage_counter()
 
     encoder = ChunkEncoder("text_completion", request_id, created, model)
 
@@ -315,7 +331,9 @@ async def _events(
                     logprobs = None
                     if with_logprobs:
                         if index not in builders:
-                            builders[index] = _LogprobBuilder(state)
+                            builders[index] = _LogprobBuilder(
+                                state, state.tokens_as_ids(body.return_tokens_as_token_ids)
+                            )
                         builder = builders[index]
                         logprobs = builder.build(completion)
                         if echo is not None and echo.logprobs is not None:
@@ -353,6 +371,26 @@ async def _events(
     yield SSE_DONE
 
 
+def _log_requests(
+    state: ServerState,
+    body: CompletionRequest,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    request_id: str,
+    lora_request: LoRARequest | None,
+) -> None:
+    """``--enable-log-requests``: one line per engine request (``{id}-{i}`` in a batch, as
+    :meth:`ServerState.open_streams` names them)."""
+    if not state.settings.enable_log_requests:
+        return
+    sent = body.prompts()
+    for i, prompt in enumerate(prompts):
+        engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        text = sent[i] if isinstance(sent[i], str) else None
+        ids = prompt if isinstance(prompt, list) else None
+        log_request(state.settings, engine_id, text, ids, params, lora_request, state.tokenizer)
+
+
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     """OpenAI's completions API (see the module docstring for batches and indices)."""
@@ -364,6 +402,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     # What echo repeats: the prompts as sent, or with truncation the engine's (decoded) ids.
     originals = body.prompts() if body.truncate_prompt_tokens is None else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    _log_requests(state, body, prompts, params, request_id, lora_request)
     n = params.n
     priority = body.priority or 0
     if body.use_beam_search:  # vLLM's beam search (serve/beam_search.py)

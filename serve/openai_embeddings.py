@@ -12,13 +12,17 @@ tokenizer's special tokens unless ``add_special_tokens`` is false. ``encoding_fo
 request takes vLLM's ``truncate_prompt_tokens``, ``add_special_tokens``, ``normalize`` (or
 its newer name ``use_activation``) and ``priority``.
 
+``model`` selects the base model or a LoRA adapter by name (``--lora-modules``, adapters
+loaded at run time), as on the generation routes; any other name is a 404.
+
 Beyond the engine contract of :mod:`chassis.serve.state`, this route uses::
 
     engine.pooler_config      # None for a generating engine (the route then answers 400)
     engine.embedding_info     # EmbeddingModelInfo: check_dimensions(dimensions) -> ValueError
     engine.encode(prompt, pooling_params, request_id, *, priority=0)
         # -> AsyncIterator[EmbeddingRequestOutput], one finished output; ValueError for bad
-        # input; closing it early aborts the request
+        # input; closing it early aborts the request; and lora_request=LoRARequest, passed
+        # only for a request naming an adapter
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from chassis.serve import errors
 from chassis.serve.streaming import generation_response, never_streamed
 
 if TYPE_CHECKING:
+    from chassis.core.lora.request import LoRARequest
     from chassis.core.pooling_outputs import EmbeddingRequestOutput
     from chassis.serve.state import ServerState
 
@@ -188,10 +193,13 @@ async def _embed_one(
     params: PoolingParams,
     request_id: str,
     priority: int,
+    lora_request: LoRARequest | None,
 ) -> EmbeddingRequestOutput:
     state.inflight.add(request_id)  # aborted (with the others) when the server shuts down
+    # (the keyword only with an adapter: an engine without LoRA keeps serving the base model)
+    extras = {} if lora_request is None else {"lora_request": lora_request}
     try:
-        stream = state.engine.encode(prompt, params, request_id, priority=priority)
+        stream = state.engine.encode(prompt, params, request_id, priority=priority, **extras)
         async with contextlib.aclosing(stream):
             async for output in stream:
                 return output
@@ -212,12 +220,16 @@ async def embed_all(
     params: PoolingParams,
     request_id: str,
     priority: int,
+    lora_request: LoRARequest | None = None,
 ) -> list[EmbeddingRequestOutput]:
-    """Every prompt's output, in order; when one fails the others are aborted."""
+    """Every prompt's output (pooled with the LoRA adapter ``lora_request``; ``None``: the
+    base model), in order; when one fails the others are aborted."""
     if len(prompts) == 1:
-        return [await _embed_one(state, prompts[0], params, request_id, priority)]
+        return [await _embed_one(state, prompts[0], params, request_id, priority, lora_request)]
     tasks = [
-        asyncio.ensure_future(_embed_one(state, p, params, f"{request_id}-{i}", priority))
+        asyncio.ensure_future(
+            _embed_one(state, p, params, f"{request_id}-{i}", priority, lora_request)
+        )
         for i, p in enumerate(prompts)
     ]
     try:
@@ -255,7 +267,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     """OpenAI's embeddings API (see the module docstring)."""
     state = _state(request)
     state.check_accepting()
-    model = state.check_model(body.model)
+    model, lora_request = state.resolve_model(body.model)
     if getattr(state.engine, "pooler_config", None) is None:
         raise errors.bad_request(
             f"The model '{state.model_name}' is served for text generation and does not "
@@ -280,7 +292,9 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
         return await tokenized_inputs(state, body)
 
     async def collect(prompts: list[str | list[int]]) -> EmbeddingResponse:
-        outputs = await embed_all(state, prompts, params, request_id, body.priority or 0)
+        outputs = await embed_all(
+            state, prompts, params, request_id, body.priority or 0, lora_request
+        )
         return _response(body, outputs, request_id, model)
 
     return await generation_response(request, False, inputs, never_streamed, collect)

@@ -31,6 +31,7 @@ from chassis.serve import errors
 from chassis.serve.chat_parsing import ChoiceDelta, ChoiceParser, RequestParsing
 from chassis.serve.openai_chat import prepare_chat
 from chassis.serve.protocol import ChatMessage
+from chassis.serve.request_log import log_request
 from chassis.serve.responses_input import chat_messages, input_items
 from chassis.serve.responses_output import (
     new_id,
@@ -216,6 +217,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     conversation, messages = _conversation(store, body)
     params, prompt_ids, parsing = await prepare_chat(state, body.chat_request(messages))
     response_id = new_id("resp")
+    log_request(
+        state.settings, response_id, None, prompt_ids, params, lora_request, state.tokenizer
+    )
     turn = _Turn(state, store, body, response_id, model, params, conversation)
     return await generation_response(
         request,

@@ -7,7 +7,9 @@ classifiers with one label (cross-encoders, rerankers): each pair is read as one
 (the tokenizer's pair encoding, :func:`~chassis.core.pooling_classify.cross_encoder_token_ids`)
 and its logit goes through the model's score activation (sigmoid unless the checkpoint names
 another; ``use_activation: false``: the raw logit); a classifier with more labels is a 400.
-The routes need a pooling server and answer 400 on a generating one.
+The routes need a pooling server and answer 400 on a generating one. ``model`` names the
+base model or a LoRA adapter (every text or pair is then computed with it), as on the
+generation routes; any other name is a 404.
 
 * ``POST /score``, ``/v1/score``: ``text_1`` and ``text_2`` (a string or a list of strings),
   paired 1:1, 1:N or N:N; ``data`` holds one score per pair, in order.
@@ -55,6 +57,7 @@ from chassis.serve.openai_embeddings import (
 from chassis.serve.streaming import generation_response, never_streamed
 
 if TYPE_CHECKING:
+    from chassis.core.lora.request import LoRARequest
     from chassis.core.pooling_classify import ClassifierInfo
     from chassis.serve.state import ServerState
 
@@ -187,7 +190,7 @@ async def _scores(
     (``score`` or ``rerank``) starts the request id."""
     state = _state(request)
     state.check_accepting()
-    model = state.check_model(body.model)
+    model, lora_request = state.resolve_model(body.model)
     _check_pooling_server(state, prefix)
     try:
         pairs = score_pairs(len(firsts), len(seconds))
@@ -196,7 +199,13 @@ async def _scores(
     classifier = getattr(state.engine.embedding_info, "classifier", None)
     if classifier is not None:
         return await _cross_encoder_scores(
-            request, state, body, [(firsts[i], seconds[j]) for i, j in pairs], prefix, answer
+            request,
+            state,
+            body,
+            [(firsts[i], seconds[j]) for i, j in pairs],
+            prefix,
+            answer,
+            (model, lora_request),
         )
     unique, where = distinct(firsts + seconds, firsts + seconds)
     if len(unique) > MAX_EMBEDDING_INPUTS:
@@ -215,7 +224,9 @@ async def _scores(
         return await tokenized_inputs(state, embed_body)
 
     async def collect(prompts: list[str | list[int]]) -> BaseModel:
-        embeddings = await embed_all(state, prompts, params, request_id, body.priority or 0)
+        embeddings = await embed_all(
+            state, prompts, params, request_id, body.priority or 0, lora_request
+        )
         offset = len(firsts)
         scored = score_outputs(
             [(embeddings[where[i]], embeddings[where[offset + j]]) for i, j in pairs],
@@ -233,10 +244,12 @@ async def _cross_encoder_scores(
     pairs: list[tuple[str, str]],
     prefix: str,
     answer: Answer,
+    resolved: tuple[str, LoRARequest | None],
 ) -> Response:
-    """Score each pair as one sequence through the served one-label classifier and answer
+    """Score each pair as one sequence through the served one-label classifier (with the
+    LoRA adapter of ``resolved``, ``(model name, adapter or None)``) and answer
     ``answer(scored pairs, request_id, model)``."""
-    model = state.check_model(body.model)
+    model, lora_request = resolved
     classifier: ClassifierInfo = state.engine.embedding_info.classifier
     try:
         classifier.check_cross_encoder(state.model_name)
@@ -266,7 +279,9 @@ async def _cross_encoder_scores(
         return await asyncio.to_thread(tokenize)
 
     async def collect(prompts: list[str | list[int]]) -> BaseModel:
-        outputs = await embed_all(state, prompts, params, request_id, body.priority or 0)
+        outputs = await embed_all(
+            state, prompts, params, request_id, body.priority or 0, lora_request
+        )
         scored = [
             ScoringRequestOutput(
                 request_id=out.request_id,

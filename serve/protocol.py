@@ -97,6 +97,9 @@ class _SamplingRequest(_Request):
     #: the response also carries the prompt's token ids and each choice's generated ids
     #: (vLLM's field; streamed: the prompt's in the first chunk, the new ids in every one)
     return_token_ids: bool | None = None
+    #: logprob entries name their token ``"token_id:ID"`` (vLLM's field; None: the
+    #: server's ``--return-tokens-as-token-ids``)
+    return_tokens_as_token_ids: bool | None = None
     #: keep the prompt's last k tokens (-1: the last max_model_len, as vLLM; above
     #: max_model_len: a 400, as vLLM)
     truncate_prompt_tokens: int | None = None
@@ -105,6 +108,9 @@ class _SamplingRequest(_Request):
     #: vLLM's prefix-cache isolation: cached prompt blocks are shared only between requests
     #: of the same salt (a non-empty string)
     cache_salt: str | None = Field(None, min_length=1)
+    #: vLLM's custom arguments: ``SamplingParams.extra_args``, read by the engine's custom
+    #: logits processors (``--logits-processors``), which validate them (a 400 otherwise)
+    vllm_xargs: dict[str, Any] | None = None
     #: vLLM's beam search (serve/beam_search.py): ``n`` beams, best first, never streamed
     use_beam_search: bool | None = False
     #: beam search ranks beams by ``cum_logprob / length ** length_penalty``
@@ -186,6 +192,7 @@ class _SamplingRequest(_Request):
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
+            "extra_args": self.vllm_xargs,
         }
         # None means "not given": SamplingParams' own defaults apply.
         kwargs = {k: v for k, v in values.items() if v is not None}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import get_route_path
 
 from chassis.serve.errors import APIError
 
@@ -71,7 +72,9 @@ class APIKeyMiddleware:
         return ok and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or self.authorized(scope):
+        # the path without --root-path's prefix, which a proxy may or may not strip
+        path = get_route_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] != "http" or path in self.open_paths or self.authorized(scope):
             await self.app(scope, receive, send)
             return
         error = APIError(

@@ -64,6 +64,24 @@ class ServerSettings:
     #: add ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (default: from
     #: ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` or ``$CHASSIS_ALLOW_RUNTIME_LORA_UPDATING``)
     allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating_allowed)
+    #: the path prefix a reverse proxy serves the app under (``--root-path``, ASGI's
+    #: ``root_path``): routes answer with and without it, the OpenAPI schema and the docs
+    #: pages name it; "" = none
+    root_path: str = ""
+    #: serve no ``/docs``, ``/redoc`` nor ``/openapi.json`` (``--disable-fastapi-docs``)
+    disable_fastapi_docs: bool = False
+    #: logprob entries name their token ``"token_id:ID"`` instead of its text
+    #: (``--return-tokens-as-token-ids``; a request's ``return_tokens_as_token_ids`` wins)
+    return_tokens_as_token_ids: bool = False
+    #: log one INFO line per generation request: id, prompt, sampling params, LoRA adapter
+    #: (``--enable-log-requests``, :mod:`chassis.serve.request_log`)
+    enable_log_requests: bool = False
+    #: the logged prompt's most characters and most token ids (``--max-log-len``); None: all
+    max_log_len: int | None = None
+    #: usage carries ``prompt_tokens_details.cached_tokens`` (prefix-cache hits) in
+    #: completions and chat (``--[no-]enable-prompt-tokens-details``; on by default, unlike
+    #: vLLM: OpenAI always sends it)
+    enable_prompt_tokens_details: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -102,6 +120,13 @@ class ServerSettings:
             )
         if self.uds is not None and not self.uds:
             raise ValueError("--uds must be a socket path")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(
+                f"--root-path must start with '/' and not end with one (e.g. /llm); "
+                f"got {self.root_path!r}"
+            )
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0; got {self.max_log_len}")
         names = [module.name for module in self.lora_modules]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

@@ -102,11 +102,26 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def token_text(self, token_id: int, decoded: str | None = None) -> str:
-        """The text of one token for logprobs (the engine's decoding when it sent one)."""
+    def token_text(self, token_id: int, decoded: str | None = None, *, as_id: bool = False) -> str:
+        """The text of one token for logprobs (the engine's decoding when it sent one); with
+        ``as_id``, vLLM's ``"token_id:ID"`` instead (``--return-tokens-as-token-ids``)."""
+        if as_id:
+            return f"token_id:{token_id}"
         if decoded is not None:
             return decoded
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """Whether a request's logprobs name tokens by id: its own
+        ``return_tokens_as_token_ids``, else the server's flag."""
+        if requested is not None:
+            return requested
+        return self.settings.return_tokens_as_token_ids
+
+    def usage_counter(self) -> UsageCounter:
+        """A request's :class:`UsageCounter`, reporting cached prompt tokens as the server
+        is set to (``--enable-prompt-tokens-details``)."""
+        return UsageCounter(prompt_tokens_details=self.settings.enable_prompt_tokens_details)
 
     def prompt_logprobs(self, output: RequestOutput) -> PromptLogprobs | None:
         """vLLM's ``prompt_logprobs`` of an output, or ``None`` when it has none."""
@@ -282,9 +297,14 @@ class ServerState:
 
 
 class UsageCounter:
-    """Token counts of one API request: prompts (counted once per prompt) and completions."""
+    """Token counts of one API request: prompts (counted once per prompt) and completions.
 
-    def __init__(self) -> None:
+    ``prompt_tokens_details`` off: the usage's ``prompt_tokens_details`` is null (vLLM's
+    default), else it holds the prefix-cache hits, ``cached_tokens``.
+    """
+
+    def __init__(self, *, prompt_tokens_details: bool = True) -> None:
+        self.with_details = prompt_tokens_details
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
@@ -307,7 +327,9 @@ class UsageCounter:
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}
+            if self.with_details
+            else None,
         }
 
 

@@ -130,7 +130,7 @@ def test_env_shows_an_out_of_tree_platform(capsys: pytest.CaptureFixture[str]) -
 def test_plugins_json_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plugins", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["plugin_api_version"] == "1.0"
+    assert report["plugin_api_version"] == "1.1"
     assert report["allow_list"] is None
     by_name = {(p["group"], p["name"]): p for p in report["plugins"]}
     cpu = by_name[("chassis.platform_plugins", "cpu")]

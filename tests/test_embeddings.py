@@ -423,7 +423,6 @@ def test_a_scheduler_that_cannot_finish_pooling_requests_is_refused(
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"runner": "pooling", "enable_lora": True}, "--enable-lora cannot"),
         ({"runner": "embed"}, "--runner must be one of"),
         ({"runner": "generate", "pooler_config": {"pooling_type": "MEAN"}}, "for --runner pooling"),
         ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "pooling_type must be"),

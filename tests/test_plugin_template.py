@@ -9,12 +9,14 @@ process would discover the entry points.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,14 +253,18 @@ def test_plugins_lists_the_installed_template(venv: Venv) -> None:
     assert general_ep["hooks"] == [
         "chassis_add_cli_args",
         "chassis_configure",
+        "chassis_register_routes",
         "chassis_register_samplers",
         "chassis_register_schedulers",
+        "chassis_register_stat_loggers",
         "chassis_register_tool_parsers",
     ]
     assert general_ep["registered"] == {
         "samplers": ["template_greedy"],
         "schedulers": ["template_sjf"],
         "tool_parsers": ["template_json_fence"],
+        "stat_loggers": ["template_counter"],
+        "routes": ["template"],
     }
     assert report["registries"]["schedulers"]["template_sjf"] == "template"
     assert report["registries"]["samplers"]["template_greedy"] == "template"
@@ -351,6 +357,60 @@ def test_template_sampler_changes_what_the_engine_generates(venv: Venv) -> None:
     assert tokens["random"] != tokens["greedy"]  # the built-in sampler does sample
     # chassis_configure ran in the engine's config finalization
     assert tokens["plugin_args"] == {"template_greeting": "hello from chassis-plugin-template"}
+
+
+def test_template_route_serves_what_its_stat_logger_counted(venv: Venv) -> None:
+    """``chassis serve`` with the installed template: its stat logger counts a completion,
+    its route ``GET /template/stats`` (behind the API key) answers the counts, and the
+    built-in ``logging`` stat logger writes its periodic line."""
+    import fixtures_models
+    import httpx
+    from server_process import API_KEY, ServerProcess, free_port
+
+    model_dir = fixtures_models.write_tiny_checkpoint("llama", venv.root / "tiny_llama_srv")
+    port = free_port()
+    log = venv.root / "serve.log"
+    cmd = [str(venv.python), "-m", "chassis.serve.cli", "serve", str(model_dir)]
+    cmd += ["--port", str(port), "--served-model-name", "tiny", "--max-model-len", "128"]
+    cmd += ["--num-kv-blocks", "32", "--dtype", "float32", "--enforce-eager"]
+    cmd += ["--stat-loggers", "logging,template_counter", "--stat-log-interval", "0.5"]
+    env = {k: v for k, v in os.environ.items() if k not in CONTROL_ENV}
+    env["CHASSIS_API_KEY"] = API_KEY
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=venv.root,
+            start_new_session=True,
+        )  # fmt: skip
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log, "tiny", API_KEY)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, server.output()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(server.base + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.25)
+        body = {"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 6, "ignore_eos": True}
+        completion = httpx.post(
+            server.base + "/v1/completions", json=body, headers=server.headers, timeout=60
+        ).json()
+        assert completion["usage"]["completion_tokens"] == 6, completion
+        assert httpx.get(server.base + "/template/stats", timeout=10).status_code == 401
+        stats = httpx.get(server.base + "/template/stats", headers=server.headers, timeout=10)
+        assert stats.status_code == 200, stats.text
+        counted = stats.json()
+        assert counted["model"] == "tiny" and counted["running"] == 0
+        assert counted["stat_logger"]["num_prompt_tokens"] == 5
+        assert counted["stat_logger"]["num_generation_tokens"] == 6
+        assert counted["stat_logger"]["finish_reasons"] == {"length": 1}
+        deadline = time.monotonic() + 10
+        while "Avg generation throughput" not in server.output():
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.2)
+    finally:
+        output = server.stop()
+    assert "template_counter: 1 requests finished, 6 tokens generated" in output
 
 
 def test_template_own_tests_pass(venv: Venv) -> None:

@@ -623,6 +623,14 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
     ) -> torch.Tensor:
         return self.score(self.model(input_ids, positions, ctx))
 
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
+        """The decoder's projections, not the ``score`` head: PEFT trains a classifier's
+        head as a whole module (``modules_to_save``), never as a LoRA pair, and adapters
+        with ``modules_to_save`` are refused (docs/lora.md)."""
+        if module_name == "score":
+            return []
+        return super().lora_slices(module_name, module)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The class logits of :meth:`forward`'s rows as float32 (forward already applied
         the head; a pooling engine never samples, this serves its memory profile)."""

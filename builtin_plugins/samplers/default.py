@@ -31,16 +31,19 @@ class DefaultSampler(Sampler):
     """Greedy and random sampling with every vLLM sampling parameter.
 
     Order (as vLLM v1): logprobs of the raw logits (if asked) -> ``allowed_token_ids`` ->
-    ``logit_bias`` -> ``min_tokens`` and bad-word blocking -> repetition/frequency/presence
-    penalties -> greedy rows take the
-    argmax; random rows: temperature -> min-p -> top-k -> top-p -> softmax -> exponential
-    race. See docs/sampling.md. ``logits`` is modified in place.
+    ``logit_bias`` -> ``min_tokens`` and bad-word blocking -> custom logits processors that
+    are not argmax-invariant -> repetition/frequency/presence penalties -> greedy rows take
+    the argmax; random rows: temperature -> min-p -> argmax-invariant custom logits
+    processors -> top-k -> top-p -> softmax -> exponential race. See docs/sampling.md.
+    ``logits`` is modified in place.
     """
 
     #: top-p without top-k ranks this many candidates first where host reads are free (on
     #: the CPU a full sort of a 49,152-token vocabulary for 32 rows takes ~56 ms, the top
     #: 1,024 ~8 ms); the nucleus of a language model's distribution is rarely larger
     NUCLEUS_CANDIDATES = 1024
+    #: runs custom logits processors (``metadata.logits_processors``) where vLLM V1 does
+    supports_logits_processors = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -64,7 +67,7 @@ class DefaultSampler(Sampler):
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Apply the edits that also change greedy choices: allowed ids, bias, blocked
-        tokens (min_tokens, bad words), penalties."""
+        tokens (min_tokens, bad words), custom logits processors, penalties."""
         if metadata.allowed_token_ids is not None:
             apply_allowed_token_ids(logits, metadata.allowed_token_ids)
         if metadata.logit_bias is not None:
@@ -73,6 +76,8 @@ class DefaultSampler(Sampler):
             apply_min_tokens(logits, metadata.min_tokens_blocked)
         if metadata.bad_word_tokens is not None:
             apply_min_tokens(logits, metadata.bad_word_tokens)
+        if metadata.logits_processors is not None:  # custom ones that may change the argmax
+            logits = metadata.logits_processors.apply_non_argmax_invariant(logits)
         if not metadata.no_penalties:
             vocab_size = logits.shape[-1]
             if metadata.output_token_ids is None:
@@ -110,6 +115,8 @@ class DefaultSampler(Sampler):
         apply_temperature(logits, metadata.temperature)
         if metadata.min_p is not None:
             apply_min_p(logits, metadata.min_p)
+        if metadata.logits_processors is not None:  # greedy rows already chose above
+            logits = metadata.logits_processors.apply_argmax_invariant(logits)
         apply_top_k_top_p(
             logits,
             metadata.top_k,

@@ -79,8 +79,10 @@ def read_adapter_config(folder: str | Path) -> AdapterConfig:
         raise ValueError(f"{path}: peft_type {peft_type!r} is not supported (only 'LORA')")
     refusals = {
         "use_dora": "DoRA adapters are not supported",
-        "modules_to_save": "adapters that replace whole modules (modules_to_save) are not "
-        "supported",
+        "modules_to_save": "adapters that replace whole modules (modules_to_save: "
+        f"{raw.get('modules_to_save')!r}) are not supported, such as a PEFT SEQ_CLS "
+        "adapter's trained classifier head ('score'): only LoRA pairs (lora_A, lora_B) on the "
+        "model's linear layers are applied, the head is always the base model's",
         "alpha_pattern": "per-module lora_alpha (alpha_pattern) is not supported",
         "fan_in_fan_out": "fan_in_fan_out adapters (GPT-2-style Conv1D layers) are not supported",
         "lora_bias": "adapters with a bias on lora_B (lora_bias) are not supported",

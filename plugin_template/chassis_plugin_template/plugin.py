@@ -1,5 +1,5 @@
-"""The general plugin: registers a scheduler, a sampler and a tool-call parser, adds a flag,
-adjusts the config.
+"""The general plugin: registers a scheduler, a sampler, a tool-call parser, a stat logger
+and an HTTP route, adds a flag, adjusts the config.
 
 Every hook here is a module-level function decorated with ``@hookimpl`` and named after a
 hookspec in ``chassis.plugins.hookspecs``; a hookimpl may take any subset of the hookspec's
@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 SCHEDULER_NAME = "template_sjf"
 SAMPLER_NAME = "template_greedy"
 TOOL_PARSER_NAME = "template_json_fence"
+STAT_LOGGER_NAME = "template_counter"
+ROUTER_NAME = "template"
 #: ``config.plugin_args`` key of ``--template-greeting`` (the flag's argparse ``dest``)
 GREETING_KEY = "template_greeting"
 #: fallback for callers without a command line (the offline ``LLM`` class)
@@ -53,6 +55,21 @@ def chassis_register_tool_parsers(registry: Registry[Any]) -> None:
     """Register ``template_json_fence`` (calls in Markdown JSON blocks); select it with
     ``chassis serve --enable-auto-tool-choice --tool-call-parser template_json_fence``."""
     registry.register(TOOL_PARSER_NAME, "chassis_plugin_template.tool_parser:JsonFenceToolParser")
+
+
+@hookimpl
+def chassis_register_stat_loggers(registry: Registry[Any]) -> None:
+    """Register ``template_counter`` (counts tokens and finished requests); select it with
+    ``chassis serve --stat-loggers logging,template_counter``."""
+    registry.register(STAT_LOGGER_NAME, "chassis_plugin_template.stats:TemplateCounterStatLogger")
+
+
+@hookimpl
+def chassis_register_routes(registry: Registry[Any]) -> None:
+    """Add ``GET /template/stats`` to ``chassis serve`` (the router in ``routes.py``)."""
+    # Lazy too: FastAPI and the route module load only in the API server, when it builds
+    # its app, not in the engine core or the workers that also load this plugin.
+    registry.register(ROUTER_NAME, "chassis_plugin_template.routes:router")
 
 
 @hookimpl

@@ -106,6 +106,8 @@ def test_installed_entry_points_load_through_chassis() -> None:
     assert registries.schedulers.owner("template_sjf") == "template"
     assert registries.samplers.owner("template_greedy") == "template"
     assert registries.tool_parsers.owner("template_json_fence") == "template"
+    assert registries.stat_loggers.owner("template_counter") == "template"
+    assert registries.routes.owner("template") == "template"
     manager.load_platform_plugins()
     assert manager.hooks_of("template_platform") == ["chassis_platform"]
 
@@ -162,3 +164,46 @@ def test_tool_parser_finds_calls_in_json_fences(text: str, content: str, names: 
     deltas = [parser.feed(char) for char in text] + [parser.finish()]
     assert "".join(d.content for d in deltas) == whole.content
     assert [call for d in deltas for call in d.calls] == whole.calls
+
+
+def test_stat_logger_counts_steps_tokens_and_finished_requests() -> None:
+    from chassis_plugin_template.stats import TemplateCounterStatLogger
+
+    from chassis.core.stat_logger import (
+        FinishedRequestStats,
+        IterationStats,
+        SchedulerStats,
+        StatLoggerBase,
+        StatLoggerInfo,
+    )
+
+    registry: Registry[object] = Registry("stat logger")
+    plugin.chassis_register_stat_loggers(registry)
+    cls = registry.get("template_counter")
+    assert cls is TemplateCounterStatLogger and issubclass(cls, StatLoggerBase)
+    counter = cls(StatLoggerInfo("m", EngineConfig()))
+    counter.record(SchedulerStats(num_running=2), IterationStats(num_prompt_tokens=7))
+    finished = FinishedRequestStats("r", "length", num_prompt_tokens=7, num_generation_tokens=3)
+    counter.record(
+        SchedulerStats(num_running=1),
+        IterationStats(num_generation_tokens=3, finished_requests=[finished]),
+    )
+    counter.log()
+    assert counter.snapshot() == {
+        "num_steps": 2,
+        "num_prompt_tokens": 7,
+        "num_generation_tokens": 3,
+        "num_finished_requests": 1,
+        "finish_reasons": {"length": 1},
+        "max_running": 2,
+    }
+
+
+def test_route_is_registered_under_its_own_prefix() -> None:
+    from fastapi import APIRouter
+
+    registry: Registry[object] = Registry("HTTP router")
+    plugin.chassis_register_routes(registry)
+    router = registry.get("template")
+    assert isinstance(router, APIRouter)
+    assert [(r.path, sorted(r.methods)) for r in router.routes] == [("/template/stats", ["GET"])]
