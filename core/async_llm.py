@@ -174,8 +174,9 @@ class AsyncLLM:
             raise self.dead_error
         if self.pooler_config is not None:
             raise ValueError(
-                "this server runs a pooling model (--runner pooling): it serves embeddings "
-                "(/v1/embeddings), not completions or chat"
+                "this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
+                "/pooling, /classify, /score and /rerank, not text generation (completions, "
+                "chat or responses)"
             )
         self._loop = asyncio.get_running_loop()
         if request_id in self._queues:

@@ -55,6 +55,8 @@ FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+#: the 8-bit cache dtypes themselves (what backends list in ``supported_kv_cache_dtypes``)
+FP8_KV_DTYPES: tuple[torch.dtype, ...] = tuple(dict.fromkeys(FP8_KV_CACHE_DTYPES.values()))
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

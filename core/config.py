@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -284,9 +285,15 @@ class EngineConfig:
                 f"comma-separated; got {names!r}"
             )
         interval = self.stat_log_interval
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+        # finite: the timer waits that long (NaN would make it log in a busy loop, infinity
+        # overflows the wait)
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not 0 < interval < math.inf
+        ):
             raise ValueError(
-                f"--stat-log-interval must be a number of seconds > 0; got {interval!r}"
+                f"--stat-log-interval must be a finite number of seconds > 0; got {interval!r}"
             )
 
     def _validate_runner(self) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_shape
 from chassis.core.model_loader import kv_head_count
+from chassis.core.model_runner import dummy_prefill
 from chassis.core.speculative import can_speculate
 
 if TYPE_CHECKING:
@@ -155,44 +156,19 @@ class DraftModelProposer:
         most ``max_model_len``) without a KV cache write, and logits for ``max_num_seqs``
         rows: the draft's activation peak, for the memory profile."""
         num_tokens = max(1, num_tokens)
-        max_len = self.max_model_len
-        lengths = [max_len] * (num_tokens // max_len) + (
-            [num_tokens % max_len] if num_tokens % max_len else []
+        input_ids, positions, ctx = dummy_prefill(
+            num_tokens,
+            self.max_model_len,
+            self.block_size,
+            self.model.num_attention_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_dtype,
+            self.device,
+            self._to_device,
         )
-        dummy_cache = [
-            torch.zeros(
-                kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim),
-                dtype=self.kv_dtype,
-                device=self.device,
-            )
-            for _ in range(self.model.num_attention_layers)
-        ]
-        starts = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-        seq_lens = np.array(lengths, dtype=np.int32)
-        metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=len(lengths),
-            query_start_loc=self._to_device(starts),
-            seq_lens=self._to_device(seq_lens),
-            block_table=torch.zeros(
-                (len(lengths), math.ceil(max(lengths) / self.block_size)),
-                dtype=torch.int32,
-                device=self.device,
-            ),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            max_query_len=max(lengths),
-            max_seq_len=max(lengths),
-            query_start_loc_cpu=torch.from_numpy(starts),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-        )
-        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
-        hidden = self.model(
-            torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
-            self._to_device(positions),
-            ForwardContext(attn_metadata=metadata, kv_caches=dummy_cache),
-        )
+        hidden = self.model(input_ids, positions, ctx)
         self.model.compute_logits(hidden[: min(self.max_num_seqs, num_tokens)])
-        del dummy_cache
 
     # -- proposing ------------------------------------------------------------------------
 

@@ -129,11 +129,17 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.input_processor.lora_target_shapes = self.engine.info.lora_target_shapes
         self._shut_down = False
-        self._stat_loggers = StatLoggerManager(
-            stat_logger_factories,
-            StatLoggerInfo(self.config.served_model_name, self.config, self.engine.info),
-            self.config.stat_log_interval,
-        )
+        try:
+            self._stat_loggers = StatLoggerManager(
+                stat_logger_factories,
+                StatLoggerInfo(self.config.served_model_name, self.config, self.engine.info),
+                self.config.stat_log_interval,
+            )
+        except BaseException:
+            # a logger that cannot start fails the constructor: the caller gets no LLM to
+            # shut down, so the engine (and its tensor-parallel workers) stops here
+            self.engine.shutdown()
+            raise
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The params :meth:`generate` and :meth:`chat` use when given none: the engine's
@@ -226,8 +232,17 @@ class LLM:
                 self.engine.add_request(request)
             order.append(request_id)
 
-        results: dict[str, RequestOutput] = {}
-        progress = _progress(len(order)) if use_tqdm else None
+        results = self._run_engine(output_processor, len(order), use_tqdm)
+        return [results[request_id] for request_id in order]
+
+    def _run_engine(
+        self, output_processor: OutputProcessor, num_requests: int, use_tqdm: bool
+    ) -> dict[str, Any]:
+        """Step the engine until it has nothing left; every request's final output by id
+        (a progress bar over ``num_requests`` with ``use_tqdm``). Each step's stats go to
+        the stat loggers, and the requests a stop string finished are aborted in the engine."""
+        results: dict[str, Any] = {}
+        progress = _progress(num_requests) if use_tqdm else None
         while self.engine.has_unfinished():
             step = self.engine.step()
             processed = output_processor.process_outputs(step)
@@ -236,13 +251,13 @@ class LLM:
             if processed.request_ids_to_abort:
                 self.engine.abort_requests(processed.request_ids_to_abort)
             for output in processed.request_outputs:
-                if output.finished:
+                if output.finished:  # (a pooling request's only output is final)
                     results[output.request_id] = output
                     if progress is not None:
                         progress.update(1)
         if progress is not None:
             progress.close()
-        return [results[request_id] for request_id in order]
+        return results
 
     def beam_search(
         self,
@@ -404,19 +419,7 @@ class LLM:
                 request.request_id, _prompt_text(prompt), request.prompt_token_ids
             )
             self.engine.add_request(request)
-        results: dict[str, Any] = {}
-        progress = _progress(len(requests)) if use_tqdm else None
-        while self.engine.has_unfinished():
-            step = self.engine.step()
-            processed = output_processor.process_outputs(step)
-            if step.stats is not None:
-                self._stat_loggers.record(step.stats, processed.iteration_stats)
-            for output in processed.request_outputs:
-                results[output.request_id] = output
-                if progress is not None:
-                    progress.update(1)
-        if progress is not None:
-            progress.close()
+        results = self._run_engine(output_processor, len(requests), use_tqdm)
         refused = [r for r in results.values() if not r.outputs.embedding]
         if refused:
             raise RuntimeError(f"the engine refused request {refused[0].request_id!r} (see log)")
@@ -522,10 +525,9 @@ class LLM:
         outputs = self._pool(
             sequences, params, use_tqdm=use_tqdm, normalize=False, lora_request=loras
         )
-        use = self.pooler_config.use_activation
-        if params.use_activation is not None:
-            use = params.use_activation
-        activation = info.classifier.score_activation if use else "identity"
+        activation = (
+            info.classifier.score_activation if self._use_activation(params) else "identity"
+        )
         return [
             ScoringRequestOutput(
                 request_id=out.request_id,
@@ -581,10 +583,7 @@ class LLM:
         )
         results = []
         for out, params in zip(outputs, params_list, strict=True):
-            use = self.pooler_config.use_activation
-            if params.use_activation is not None:
-                use = params.use_activation
-            activation = info.classifier.activation if use else "identity"
+            activation = info.classifier.activation if self._use_activation(params) else "identity"
             results.append(
                 ClassificationRequestOutput(
                     request_id=out.request_id,
@@ -595,6 +594,14 @@ class LLM:
                 )
             )
         return results
+
+    def _use_activation(self, params: PoolingParams) -> bool:
+        """Whether a classifier's output goes through its activation: the request's
+        ``use_activation``, else the engine's ``pooler_config``."""
+        assert self.pooler_config is not None
+        if params.use_activation is not None:
+            return params.use_activation
+        return self.pooler_config.use_activation
 
     @property
     def classification_labels(self) -> list[str] | None:

@@ -145,9 +145,11 @@ def apply_hf_overrides(hf_config: Any, overrides: Mapping[str, Any]) -> None:
     key the config does not have yet becomes a new attribute). A dict value merges into
     the config's sub-config of that name (``text_config``, ...) key by key, recursively;
     any other dict-valued key (``rope_scaling``, ``rope_parameters``, ...) is replaced
-    whole. When a RoPE override leaves out ``rope_theta``, the checkpoint's is kept
-    (transformers 5 folds ``rope_scaling`` and ``rope_theta`` into one dict, which a
-    4.x-style ``rope_scaling`` override would otherwise wipe).
+    whole. transformers 5 folds ``rope_scaling`` and ``rope_theta`` into one dict,
+    ``rope_parameters``, which is what the engine reads: a ``rope_theta`` override (of the
+    config or of a sub-config) is written there too, and when a RoPE override leaves out
+    ``rope_theta``, the checkpoint's is kept (a 4.x-style ``rope_scaling`` override would
+    otherwise wipe it).
     """
     from transformers import PretrainedConfig
 
@@ -156,8 +158,9 @@ def apply_hf_overrides(hf_config: Any, overrides: Mapping[str, Any]) -> None:
             f"--hf-overrides must be a JSON object of config keys; got {type(overrides).__name__}"
         )
     overrides = copy.deepcopy(dict(overrides))  # the config keeps them: not the caller's
-    # (config, its rope_theta before) for the config and each sub-config overridden
-    thetas = [(hf_config, _rope_theta(hf_config))]
+    # (config, its rope_theta before, its overrides) for the config and each sub-config
+    # overridden
+    thetas = [(hf_config, _rope_theta(hf_config), overrides)]
     flat = {k: v for k, v in overrides.items() if not isinstance(v, Mapping)}
     if flat:
         hf_config.update(flat)
@@ -166,13 +169,18 @@ def apply_hf_overrides(hf_config: Any, overrides: Mapping[str, Any]) -> None:
             continue
         current = getattr(hf_config, key, None)
         if isinstance(current, PretrainedConfig):
-            thetas.append((current, _rope_theta(current)))
+            thetas.append((current, _rope_theta(current), value))
             _merge_nested(current, value)
         else:
             setattr(hf_config, key, value)
-    for config, theta in thetas:
+    for config, theta, level in thetas:
         params = getattr(config, "rope_parameters", None)
-        if theta is not None and isinstance(params, dict) and params.get("rope_theta") is None:
+        if not isinstance(params, dict):
+            continue
+        new_theta = level.get("rope_theta")
+        if new_theta is not None and not isinstance(new_theta, Mapping):
+            params["rope_theta"] = new_theta  # (set as an attribute only, it would be unread)
+        elif theta is not None and params.get("rope_theta") is None:
             params["rope_theta"] = theta
     logger.debug("HF config overridden (--hf-overrides): %s", overrides)
 

@@ -497,43 +497,17 @@ class ModelRunner:
         that both peaks are seen.
         """
         num_tokens = max(1, num_tokens)
-        max_len = self.config.max_model_len
-        lengths = [max_len] * (num_tokens // max_len) + (
-            [num_tokens % max_len] if num_tokens % max_len else []
+        input_ids, positions, ctx = dummy_prefill(
+            num_tokens,
+            self.config.max_model_len,
+            self.block_size,
+            self.model.num_attention_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_dtype,
+            self.device,
+            self._to_device,
         )
-        dummy_cache = [
-            torch.zeros(
-                kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim),
-                dtype=self.kv_dtype,
-                device=self.device,
-            )
-            for _ in range(self.model.num_attention_layers)
-        ]
-        # Prefills whose K/V are not cached (slot -1); every block id is 0, the one block of
-        # the dummy cache, so backends that read context through the block table stay in it.
-        starts = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-        seq_lens = np.array(lengths, dtype=np.int32)
-        metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=len(lengths),
-            query_start_loc=self._to_device(starts),
-            seq_lens=self._to_device(seq_lens),
-            block_table=torch.zeros(
-                (len(lengths), math.ceil(max(lengths) / self.block_size)),
-                dtype=torch.int32,
-                device=self.device,
-            ),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            max_query_len=max(lengths),
-            max_seq_len=max(lengths),
-            query_start_loc_cpu=torch.from_numpy(starts),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-        )
-        ctx = ForwardContext(attn_metadata=metadata, kv_caches=dummy_cache)
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.from_numpy(
-            np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
-        ).to(self.device)
         if self.lora is not None:
             self.lora.prepare_profile(num_tokens)  # the adapter matmuls' memory too
         hidden = self.forward(input_ids, positions, ctx)
@@ -545,6 +519,55 @@ class ModelRunner:
         self.model.compute_logits(
             hidden[: min(self.config.max_num_seqs * rows_per_seq, num_tokens)]
         )
-        del dummy_cache
+        del ctx  # the dummy caches
         if self.drafter is not None:
             self.drafter.profile_run(num_tokens)
+
+
+def dummy_prefill(
+    num_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    """``(input_ids, positions, ctx)`` of a memory-profiling forward over ``num_tokens``
+    dummy tokens, split into prefills of at most ``max_model_len`` (as a real step would
+    be), for a model of ``num_layers`` attention layers.
+
+    Their K/V are not cached (slot -1): ``ctx`` holds one-block dummy caches, and every
+    block id is 0, that block, so backends that read context through the block table stay
+    in it. ``to_device`` copies a host array to ``device``.
+    """
+    lengths = [max_model_len] * (num_tokens // max_model_len) + (
+        [num_tokens % max_model_len] if num_tokens % max_model_len else []
+    )
+    dummy_cache = [
+        torch.zeros(
+            kv_cache_shape(1, block_size, num_kv_heads, head_dim), dtype=kv_dtype, device=device
+        )
+        for _ in range(num_layers)
+    ]
+    starts = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    seq_lens = np.array(lengths, dtype=np.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        num_reqs=len(lengths),
+        query_start_loc=to_device(starts),
+        seq_lens=to_device(seq_lens),
+        block_table=torch.zeros(
+            (len(lengths), math.ceil(max(lengths) / block_size)), dtype=torch.int32, device=device
+        ),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        max_query_len=max(lengths),
+        max_seq_len=max(lengths),
+        query_start_loc_cpu=torch.from_numpy(starts),
+        seq_lens_cpu=torch.from_numpy(seq_lens),
+    )
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    positions = to_device(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths]))
+    return input_ids, positions, ForwardContext(attn_metadata=metadata, kv_caches=dummy_cache)

@@ -34,14 +34,13 @@ import logging
 import os
 import socket
 import threading
-import traceback
 import weakref
 from typing import Any
 
 from chassis.core import parallel_state
 from chassis.core.config import EngineConfig
-from chassis.core.tp_executor import RankGroupExecutor, _rank_error, run_command, step_summary
-from chassis.core.tp_worker_proc import EXECUTE
+from chassis.core.tp_executor import RankGroupExecutor, _rank_error, run_command
+from chassis.core.tp_worker_proc import failure_detail
 
 logger = logging.getLogger(__name__)
 
@@ -132,28 +131,19 @@ class RankActor:
             lora = self.worker.lora
             return True, None if lora is None else dict(lora.target_shapes)
         except Exception as exc:
-            return False, _failure(rank, "start", exc)
+            return False, failure_detail(rank, "start", exc)
 
     def run(self, method: str, payload: Any) -> tuple[bool, Any]:
         """Run one command (``chassis.core.tp_executor.run_command``); ranks other than 0
         answer ``execute`` with the step's summary."""
         try:
-            result = run_command(self.worker, method, payload)
-            if method == EXECUTE and self.rank:
-                result = step_summary(result)
-            return True, result
+            return True, run_command(self.worker, method, payload, self.rank)
         except Exception as exc:
-            return False, _failure(self.rank, method, exc)
+            return False, failure_detail(self.rank, method, exc)
 
     def ping(self) -> bool:
         """True (the actor answers)."""
         return True
-
-
-def _failure(rank: int, method: str, exc: Exception) -> str:
-    """Log a rank's failure; the one-line ``Type: message`` the driver raises."""
-    logger.error("tensor-parallel rank %d: %s failed", rank, method, exc_info=True)
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
 def _interface_of(ip: str) -> str | None:

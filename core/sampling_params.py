@@ -151,10 +151,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         ):
             raise wrong("bad_words", "a list of strings")
         extra = self.extra_args
-        if extra is not None and (
-            not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)
-        ):
-            raise wrong("extra_args", "a dict with string keys")
+        if extra is not None:
+            if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+                raise wrong("extra_args", "a dict with string keys")
+            try:
+                # they travel to the engine core (and tensor-parallel workers) as msgpack:
+                # an integer beyond 64 bits or a non-JSON object would fail there, not here
+                msgspec.msgpack.encode(extra)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise wrong(
+                    "extra_args", f"JSON-like values with integers within 64 bits ({exc})"
+                ) from None
         if not isinstance(self.allow_drafts, bool):
             raise wrong("allow_drafts", "a bool")
         sequences = self.bad_words_token_ids

@@ -80,7 +80,8 @@ class IterationStats:
     num_generation_tokens: int = 0
     #: arrival -> first token, one entry per request that got its first token now
     time_to_first_tokens: list[float] = field(default_factory=list)
-    #: requests finished in this step (aborted requests are not reported)
+    #: requests finished in this step (those the client aborted are not reported; those the
+    #: engine refused are, with finish reason ``"abort"``)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 

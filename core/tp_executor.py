@@ -85,17 +85,21 @@ def start_rank(config: EngineConfig, rank: int, init_method: str) -> Worker:
     return Worker(config, device_index=device)
 
 
-def run_command(worker: Worker, method: str, payload: Any) -> Any:
-    """Run one command of the step protocol on a rank's ``worker`` and return its whole
-    result (``execute``: the :class:`ModelRunnerOutput`; ranks other than 0 send back only
-    its :func:`step_summary`). ``ValueError`` for an unknown command."""
+def run_command(worker: Worker, method: str, payload: Any, rank: int = 0) -> Any:
+    """Run one command of the step protocol (``payload`` decoded) on rank ``rank``'s
+    ``worker`` and return that rank's reply: the command's result, except that ranks other
+    than 0 answer ``execute`` with the step's :func:`step_summary` instead of the whole
+    :class:`ModelRunnerOutput`. ``ValueError`` for an unknown command. Every carrier runs
+    commands through here: rank 0 in the driver, worker processes
+    (``chassis.core.tp_worker_proc``), Ray actors (``chassis.core.ray_executor``)."""
     if method == NUM_BLOCKS:
         return worker.determine_num_blocks()
     if method == INIT_CACHE:
         worker.initialize_cache(payload)
         return None
     if method == EXECUTE:
-        return worker.execute_model(payload)
+        output = worker.execute_model(payload)
+        return step_summary(output) if rank else output
     if method == PIN_LORA:
         return try_pin_lora(worker, payload)
     if method == UNPIN_LORA:

@@ -5,7 +5,9 @@ IPC_DIR RANK DRIVER_PID LOG_LEVEL``, started by
 It connects to the driver's sockets in ``IPC_DIR`` and waits for ``init`` (the engine config).
 It answers ``joining``, joins the tensor-parallel group, loads its share of the model and
 answers again; then it runs every command the driver sends (``num_blocks``, ``init_cache``,
-``execute``, ``shutdown``) in order, replying to each with ``[rank, ok, result-or-error]``.
+``execute``, ``pin_lora``, ``unpin_lora``: :func:`chassis.core.tp_executor.run_command`, as
+every carrier of the step protocol does; and ``shutdown``) in order, replying to each with
+``[rank, ok, result-or-error]``.
 Frames are msgspec msgpack.
 
 It exits on ``shutdown``; after reporting any failure (so that the driver's collectives with
@@ -50,7 +52,8 @@ _plan_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
 
 def try_pin_lora(worker: Any, lora_request: LoRARequest) -> str | None:
-    """Pin the adapter in ``worker``'s host memory; the reason it cannot be read, or None."""
+    """Pin the adapter in ``worker``'s host memory; the reason it cannot be read, or None
+    (an adapter a rank cannot read fails the request that names it, not the rank)."""
     if worker.lora is None:
         return None
     try:
@@ -58,6 +61,24 @@ def try_pin_lora(worker: Any, lora_request: LoRARequest) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def failure_detail(rank: int, method: str, exc: BaseException) -> str:
+    """Log rank ``rank``'s failure of command ``method`` with its traceback; return the
+    one-line ``Type: message`` the rank reports (the driver raises it, ``ValueError`` for a
+    ``ValueError``: ``chassis.core.tp_executor._rank_error``)."""
+    logger.error("tensor-parallel rank %d: %s failed", rank, method, exc_info=exc)
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def _decode_payload(method: str, payload: msgspec.Raw) -> Any:
+    """A command's msgpack payload as ``tp_executor.run_command`` takes it (typed where
+    plain msgpack would lose the type)."""
+    if method == EXECUTE:
+        return _plan_decoder.decode(payload)
+    if method == PIN_LORA:
+        return msgspec.msgpack.decode(payload, type=LoRARequest)
+    return msgspec.msgpack.decode(payload)
 
 
 def command_address(ipc_dir: str, rank: int) -> str:
@@ -79,7 +100,7 @@ def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
     from chassis.core.engine_core_proc import set_process_name
 
     # (not at module level: tp_executor imports this module; once here, not every step)
-    from chassis.core.tp_executor import step_summary
+    from chassis.core.tp_executor import run_command
 
     set_process_name(f"chassis-tp{rank}")
     # Ctrl-C in a terminal reaches the whole process group: the driver stops this rank in
@@ -109,25 +130,10 @@ def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
                     replies.send(_encoder.encode([rank, True, JOINING]))
                     worker = _start(msgspec.msgpack.decode(payload), ipc_dir, rank)
                     result: Any = None
-                elif method == NUM_BLOCKS:
-                    result = worker.determine_num_blocks()
-                elif method == INIT_CACHE:
-                    worker.initialize_cache(msgspec.msgpack.decode(payload))
-                    result = None
-                elif method == EXECUTE:
-                    result = step_summary(worker.execute_model(_plan_decoder.decode(payload)))
-                elif method == PIN_LORA:
-                    # an adapter this rank cannot read fails that request, not the rank
-                    result = try_pin_lora(worker, msgspec.msgpack.decode(payload, type=LoRARequest))
-                elif method == UNPIN_LORA:
-                    if worker.lora is not None:
-                        worker.lora.unpin(msgspec.msgpack.decode(payload, type=int))
-                    result = None
                 else:
-                    raise ValueError(f"unknown command {method!r}")
+                    result = run_command(worker, method, _decode_payload(method, payload), rank)
             except Exception as exc:
-                logger.error("tensor-parallel rank %d: %s failed", rank, method, exc_info=True)
-                detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                detail = failure_detail(rank, method, exc)
                 replies.send(_encoder.encode([rank, False, detail]))
                 return 1  # leaving fails the driver's collectives with this rank at once
             replies.send(_encoder.encode([rank, True, result]))

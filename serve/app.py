@@ -59,6 +59,7 @@ from chassis.serve.protocol import (
     VersionResponse,
 )
 from chassis.serve.renderer import ChatRenderer
+from chassis.serve.responses_store import ResponseStore, store_size_from_env
 from chassis.serve.root_path import RootPathMiddleware
 from chassis.serve.security import install_security
 from chassis.serve.settings import ServerSettings
@@ -206,8 +207,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     accepting requests, aborts in-flight ones and, if ``settings.shutdown_engine_on_exit``,
     shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template``, for
     unknown parser names, for a ``--generation-config`` that cannot be read and for a
-    ``--lora-modules`` adapter the engine cannot run, and for a plugin route that cannot
-    be added (its path is taken; the message names the plugin).
+    ``--lora-modules`` adapter the engine cannot run, for a plugin route that cannot be
+    added (its path is taken; the message names the plugin), and for an invalid
+    ``$CHASSIS_RESPONSES_STORE_SIZE``.
     """
     settings = settings or ServerSettings()
     state = ServerState(
@@ -245,6 +247,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         **_lenient_content_type(),
     )
     app.state.chassis = state
+    # made now: a bad $CHASSIS_RESPONSES_STORE_SIZE stops start-up (on first use it would
+    # answer every /v1/responses request with a 400 blaming the client)
+    app.state.responses_store = ResponseStore(store_size_from_env())
     install_exception_handlers(app)
     install_security(app, settings)
     if settings.root_path:  # outermost: the API-key check sees the prefix too

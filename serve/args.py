@@ -313,7 +313,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     g = parser.add_argument_group("statistics (see docs/serving.md)")
     g.add_argument(
         "--stat-loggers",
-        type=_stat_logger_names,
+        type=_comma_separated,
         metavar="NAMES",
         help="stat loggers of the front-end, comma-separated: registered names (chassis "
         "plugins) or 'package.module:Class'; '' = none (default: logging, the periodic "
@@ -337,7 +337,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         _add_plugin_args(parser)
 
 
-def _stat_logger_names(text: str) -> list[str]:
+def _comma_separated(text: str) -> list[str]:
     """``--stat-loggers logging,my_plugin`` -> ``["logging", "my_plugin"]``; ``""`` -> ``[]``."""
     return [name.strip() for name in text.split(",") if name.strip()]
 
@@ -363,8 +363,7 @@ class _NameListAction(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        names = [n.strip() for v in values for n in str(v).split(",") if n.strip()]
-        setattr(namespace, self.dest, names)
+        setattr(namespace, self.dest, [n for v in values for n in _comma_separated(str(v))])
 
 
 def _json_object_arg(text: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from chassis.serve.args import add_engine_args, engine_config_from_args, parse_memory_size
 from chassis.serve.lora import check_lora_modules, parse_lora_modules
+from chassis.serve.responses_store import store_size_from_env
 from chassis.serve.settings import (
     DEFAULT_HOST,
     DEFAULT_MAX_HEADER_BYTES,
@@ -306,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         ChatParsers.from_settings(settings)  # unknown parser names fail before the model loads
         check_tls(settings)  # and so do unreadable certificates
+        store_size_from_env()  # and a bad $CHASSIS_RESPONSES_STORE_SIZE
         check_lora_modules(
             settings.lora_modules,
             enable_lora=config.enable_lora,

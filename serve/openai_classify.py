@@ -142,14 +142,25 @@ def _classifier(state: ServerState) -> ClassifierInfo | None:
     return getattr(info, "classifier", None)
 
 
-def _activation(state: ServerState, classifier: ClassifierInfo, flag: bool | None) -> str:
-    """The activation to apply: the model's unless the request or the server turns it off."""
+def activation_for(state: ServerState, activation: str, flag: bool | None) -> str:
+    """``activation`` (a classifier's, or its score activation) unless the request's
+    ``use_activation`` (``flag``; ``None``: the server's pooler config) turns it off."""
     use = state.engine.pooler_config.use_activation if flag is None else flag
-    return classifier.activation if use else "identity"
+    return activation if use else "identity"
+
+
+def classifier_params(
+    truncate_prompt_tokens: int | None, max_model_len: int | None
+) -> PoolingParams:
+    """A classifier request's params (also a cross-encoder's): its truncation, checked as on
+    ``/v1/embeddings`` (a 400 naming ``truncate_prompt_tokens``), never normalized (the
+    outputs are class logits)."""
+    checked = EmbeddingRequest(input="-", truncate_prompt_tokens=truncate_prompt_tokens)
+    return checked.pooling_params(max_model_len).clone(normalize=False)
 
 
 def _classifier_params(body: _PoolingRouteRequest, max_model_len: int | None) -> PoolingParams:
-    """A classifier's request params: its truncation, never normalized (class logits)."""
+    """:func:`classifier_params` of ``body``; a 400 for the embedding-only fields."""
     if body.normalize is not None:
         raise errors.bad_request(
             "normalize applies to embedding models; this model is a classifier (use "
@@ -160,8 +171,7 @@ def _classifier_params(body: _PoolingRouteRequest, max_model_len: int | None) ->
         raise errors.bad_request(
             "dimensions applies to embedding models; this model is a classifier", "dimensions"
         )
-    plain = EmbeddingRequest(input=body.input, truncate_prompt_tokens=body.truncate_prompt_tokens)
-    return plain.pooling_params(max_model_len).clone(normalize=False)
+    return classifier_params(body.truncate_prompt_tokens, max_model_len)
 
 
 def _usage(outputs: list[EmbeddingRequestOutput]) -> PoolingUsage:
@@ -209,7 +219,7 @@ async def create_classify(body: ClassificationRequest, request: Request) -> Resp
             "/v1/embeddings or /pooling)",
             "model",
         )
-    activation = _activation(state, classifier, body.activation_flag())
+    activation = activation_for(state, classifier.activation, body.activation_flag())
     params = _classifier_params(body, state.max_model_len)
     request_id = f"classify-{uuid.uuid4().hex}"
 
@@ -244,7 +254,7 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
         except ValueError as exc:
             raise errors.bad_request(str(exc), "dimensions") from None
     else:
-        activation = _activation(state, classifier, body.activation_flag())
+        activation = activation_for(state, classifier.activation, body.activation_flag())
         params = _classifier_params(body, state.max_model_len)
     request_id = f"pool-{uuid.uuid4().hex}"
     as_base64 = body.encoding_format == "base64"

@@ -190,13 +190,19 @@ def _conversation(
     """The conversation's items before the output (previous turns, then ``input``), and
     the chat messages to render (``instructions`` first)."""
     new = input_items(body.input)
-    messages = chat_messages(new)  # first alone: its 400s name the input item
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         history = previous.conversation
+    earlier_calls = [
+        item["call_id"]
+        for item in history
+        if item.get("type") == "function_call" and isinstance(item.get("call_id"), str)
+    ]
+    messages = chat_messages(new, earlier_calls=earlier_calls)  # alone: 400s name input.i
+    if history:
         # one pass over both: calls in input join the assistant turn that ends the history
         messages = chat_messages(history + new)
     if body.instructions:

@@ -48,6 +48,7 @@ from chassis.core.pooling_score import (
     score_pairs,
 )
 from chassis.serve import errors
+from chassis.serve.openai_classify import activation_for, classifier_params
 from chassis.serve.openai_embeddings import (
     MAX_EMBEDDING_INPUTS,
     EmbeddingRequest,
@@ -261,15 +262,11 @@ async def _cross_encoder_scores(
             "split the request",
             None,
         )
-    checked = EmbeddingRequest(input="-", truncate_prompt_tokens=body.truncate_prompt_tokens)
-    params = checked.pooling_params(state.max_model_len).clone(normalize=False)
+    params = classifier_params(body.truncate_prompt_tokens, state.max_model_len)
     keep = None
     if state.max_model_len is not None:
         keep = truncation_length(params.truncate_prompt_tokens, state.max_model_len)
-    use = state.engine.pooler_config.use_activation
-    if body.use_activation is not None:
-        use = body.use_activation
-    activation = classifier.score_activation if use else "identity"
+    activation = activation_for(state, classifier.score_activation, body.use_activation)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
 
     async def inputs() -> list[str | list[int]]:

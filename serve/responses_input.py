@@ -21,7 +21,7 @@ Every mistake is a 400 naming the item (``input.3.content``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from chassis.serve.errors import bad_request
@@ -38,10 +38,15 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(value)
 
 
-def chat_messages(items: list[dict[str, Any]], where: str = "input") -> list[ChatMessage]:
+def chat_messages(
+    items: list[dict[str, Any]], where: str = "input", earlier_calls: Collection[str] = ()
+) -> list[ChatMessage]:
     """The chat messages of a conversation of Responses items; ``where`` prefixes the
-    ``param`` of a 400 (item ``i`` is ``{where}.{i}``)."""
+    ``param`` of a 400 (item ``i`` is ``{where}.{i}``). A ``function_call_output`` must answer
+    a call made before it, in ``items`` or among ``earlier_calls`` (call ids of turns before
+    them), as OpenAI requires."""
     messages: list[ChatMessage] = []
+    calls = set(earlier_calls)
     reasoning: str | None = None  # waits for the assistant turn it belongs to
     joinable = False  # the last message is an assistant turn later calls may join
     for i, item in enumerate(items):
@@ -51,7 +56,7 @@ def chat_messages(items: list[dict[str, Any]], where: str = "input") -> list[Cha
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise bad_request(
                     f"{at}.role must be 'user', 'system', 'developer' or 'assistant'; got {role!r}",
                     f"{at}.role",
@@ -71,6 +76,7 @@ def chat_messages(items: list[dict[str, Any]], where: str = "input") -> list[Cha
                     "arguments": _string(item, "arguments", at, empty=True),
                 },
             }
+            calls.add(call["id"])
             if joinable:
                 messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
             else:
@@ -84,6 +90,12 @@ def chat_messages(items: list[dict[str, Any]], where: str = "input") -> list[Cha
             output = item.get("output")
             content = output if isinstance(output, str) else _text(output, at, "output")
             call_id = _string(item, "call_id", at)
+            if call_id not in calls:
+                raise bad_request(
+                    f"{at}.call_id {call_id!r} answers no function_call before it (send the "
+                    "call as an input item, or continue with previous_response_id)",
+                    f"{at}.call_id",
+                )
             messages.append(ChatMessage(role="tool", content=content, tool_call_id=call_id))
             joinable = False
         elif kind == "reasoning":
@@ -141,7 +153,9 @@ def _string(item: Mapping[str, Any], key: str, at: str, *, empty: bool = False) 
 def _reasoning_text(item: Mapping[str, Any]) -> str:
     """The text of a reasoning item: its ``reasoning_text`` parts, else its summary."""
     for key in ("content", "summary"):
-        parts = item.get(key) or []
+        parts = item.get(key)
+        if not isinstance(parts, list):  # absent, or not parts: no text of its own
+            continue
         texts = [
             p["text"] for p in parts if isinstance(p, Mapping) and isinstance(p.get("text"), str)
         ]

@@ -82,6 +82,12 @@ class ResponsesRequest(_SamplingRequest):
                 raise bad_request(why, name)
         if self.n not in (None, 1):
             raise bad_request("/v1/responses makes one output: n must be 1", "n")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            # here, not in the chat request, whose 400 would name max_tokens
+            raise bad_request(
+                f"max_output_tokens must be at least 1; got {self.max_output_tokens}",
+                "max_output_tokens",
+            )
         if self.background:
             raise bad_request(
                 "background responses are not supported: send the request without "
@@ -150,13 +156,14 @@ class ResponsesRequest(_SamplingRequest):
         choice = self.tool_choice
         if choice is None or isinstance(choice, str):
             return choice  # "none", "auto", "required" (others: the chat route's 400)
-        if choice.get("type") != "function":
+        name = choice.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str) or not name:
             raise bad_request(
                 f"tool_choice: only 'none', 'auto', 'required' or "
                 f"{{'type': 'function', 'name': ...}} are supported; got {choice!r}",
                 "tool_choice",
             )
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        return {"type": "function", "function": {"name": name}}
 
     def chat_response_format(self) -> dict[str, Any] | None:
         """``text.format`` as the chat route's ``response_format``."""
@@ -167,6 +174,12 @@ class ResponsesRequest(_SamplingRequest):
             raise bad_request("text.format must be an object", "text.format")
         if fmt.get("type") != "json_schema":
             return fmt  # text, json_object (others: a 400 from the chat route)
+        missing = [key for key in ("name", "schema") if key not in fmt]
+        if missing:  # OpenAI requires both
+            raise bad_request(
+                f"text.format of type 'json_schema' needs {' and '.join(missing)}",
+                "text.format",
+            )
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
 
@@ -209,8 +222,10 @@ def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _renamed(exc: APIError, param: str) -> APIError:
-    """``exc`` naming ``param`` (the Responses field) instead of the chat field."""
-    message = exc.message.replace("response_format", param)
+    """``exc`` naming ``param`` (the Responses field) instead of the chat field; the
+    chat shape's ``json_schema`` level is flat in ``text.format``."""
+    message = exc.message.replace("response_format.json_schema.", f"{param}.")
+    message = message.replace("response_format", param)
     return APIError(exc.status, message, param=param, code=exc.code, type=exc.type)
 
 

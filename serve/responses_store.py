@@ -82,8 +82,9 @@ def store_size_from_env() -> int:
 
 
 def response_store(app: FastAPI) -> ResponseStore:
-    """The app's store, made on first use (``app.state.responses_store``; a test or an
-    embedding application may set its own there first)."""
+    """The app's store, ``app.state.responses_store`` (made by
+    :func:`~chassis.serve.app.build_app`, which an embedding application or a test may
+    replace; made here on first use for an app built otherwise)."""
     store = getattr(app.state, "responses_store", None)
     if store is None:
         store = ResponseStore(store_size_from_env())

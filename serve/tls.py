@@ -26,6 +26,14 @@ def check_tls(settings: ServerSettings) -> ssl.SSLContext | None:
     try:
         context.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
     except (OSError, ssl.SSLError) as exc:
+        if settings.ssl_keyfile is None:
+            # without a key file the key must be in the certificate file; OpenSSL's own
+            # error for a missing key ("PEM lib") does not say so
+            raise ValueError(
+                f"--ssl-certfile {settings.ssl_certfile!r}: cannot load the certificate and "
+                f"its private key ({exc}); pass the key with --ssl-keyfile, or put it in the "
+                "certificate file"
+            ) from None
         raise ValueError(
             f"--ssl-certfile {settings.ssl_certfile!r} / --ssl-keyfile "
             f"{settings.ssl_keyfile!r}: cannot load the certificate and its key ({exc})"

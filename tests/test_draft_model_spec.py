@@ -16,6 +16,7 @@ import pytest
 import torch
 from fixtures_models import *  # noqa: F403
 from fixtures_models import hf_greedy_tokens, write_tiny_checkpoint
+from fixtures_speculative import abort_during_a_drafted_step
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -318,29 +319,7 @@ def test_an_abort_between_a_drafted_plan_and_its_results(
     proposals are dropped, the other request goes on, nothing is left behind."""
     llm = make_llm(tiny_llama_dir, perturbed_dir, num_kv_blocks=64)
     try:
-        engine, scheduler = llm.engine, llm.engine.scheduler
-        params = greedy(40)
-        for request_id in ("a", "b"):
-            engine.add_request(
-                EngineCoreRequest(
-                    request_id=request_id,
-                    prompt_token_ids=[11, 12, 13, 14] * 6,
-                    sampling_params=params,
-                )
-            )
-        aborted = False
-        num_b_tokens = 0
-        while engine.has_unfinished() or scheduler.has_finished_requests():
-            plan = scheduler.schedule()
-            pending = engine.executor.execute_model_async(plan)
-            if not aborted and "a" in plan.spec_token_ids:
-                engine.abort_requests(["a"])
-                aborted = True
-            if not plan.is_empty:
-                for output in scheduler.update_from_output(plan, pending.result()):
-                    assert output.request_id == "b" or not aborted
-                    num_b_tokens += len(output.new_token_ids) * (output.request_id == "b")
-        assert aborted and num_b_tokens == 40
+        assert abort_during_a_drafted_step(llm, greedy(40)) == 40
         assert_all_freed(llm)
     finally:
         llm.shutdown()

@@ -160,6 +160,10 @@ def test_extra_args_must_be_a_dict_with_string_keys():
         SamplingParams(extra_args=[1])
     with pytest.raises(ValueError, match="extra_args"):
         SamplingParams(extra_args={1: 2})
+    # values must reach the engine core as msgpack (else a 500 in the front-end)
+    for value in (2**64, {"nested": [-(2**63) - 1]}, object()):
+        with pytest.raises(ValueError, match="extra_args: must be JSON-like values"):
+            SamplingParams(extra_args={"no_repeat_ngram_size": value})
 
 
 # -- batch updates -----------------------------------------------------------------------------
@@ -452,7 +456,11 @@ def test_invalid_vllm_xargs_are_a_400(client, route):
         if route == "/v1/completions"
         else {"messages": [{"role": "user", "content": "hi"}]}
     )
-    for xargs in ({"no_repeat_ngram_size": -3}, {"no_repeat_ngram_size": "two"}):
+    for xargs in (
+        {"no_repeat_ngram_size": -3},
+        {"no_repeat_ngram_size": "two"},
+        {"no_repeat_ngram_size": 10**20},  # valid JSON that msgpack cannot carry
+    ):
         response = client.post(route, json={**body, "max_tokens": 2, "vllm_xargs": xargs})
         assert response.status_code == 400
         error = response.json()["error"]

@@ -65,8 +65,7 @@ def _run(llm: LLM, loras: list[LoRARequest | None]) -> list[tuple[str | None, li
 # -- offline --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir: Path) -> LLM:
+def _make_llm(tiny_llama_dir: Path, **engine: object) -> LLM:
     """One slot and one adapter kept in host memory: an adapter not run last is read again."""
     return LLM(
         str(tiny_llama_dir),
@@ -78,7 +77,15 @@ def llm(tiny_llama_dir: Path) -> LLM:
         max_loras=1,
         max_cpu_loras=1,
         max_lora_rank=8,
+        **engine,
     )
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> Iterator[LLM]:
+    engine = _make_llm(tiny_llama_dir)
+    yield engine
+    engine.shutdown()
 
 
 def _lora_model(llm: LLM):
@@ -186,18 +193,7 @@ def test_tensor_parallel_ranks_refuse_a_deleted_adapter_together(
     """Every rank pins the adapter or none does: a folder deleted before a request fails that
     request on both ranks, and the group keeps serving."""
     expected = adapter_sources["expected"]
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=64,
-        num_kv_blocks=32,
-        block_size=4,
-        enable_lora=True,
-        max_loras=1,
-        max_cpu_loras=1,
-        max_lora_rank=8,
-        tensor_parallel_size=2,
-    )
+    llm = _make_llm(tiny_llama_dir, tensor_parallel_size=2)
     try:
         a = LoRARequest("a", 1, str(_copy(adapter_sources, "a", tmp_path)))
         b = LoRARequest("b", 2, str(_copy(adapter_sources, "b", tmp_path)))

@@ -105,6 +105,20 @@ def test_a_rope_override_keeps_the_checkpoints_theta(tiny_llama_dir: Path) -> No
     assert config.rope_parameters["rope_theta"] == plain.rope_parameters["rope_theta"]
 
 
+def test_a_rope_theta_override_reaches_the_rope_tables(tiny_llama_dir: Path) -> None:
+    """transformers 5 keeps the theta in ``rope_parameters``, which the engine reads: a
+    ``rope_theta`` override (of the config, or of a sub-config) is written there too."""
+    from transformers import LlavaConfig
+
+    from chassis.core.layers.rotary import rope_parameters
+
+    config = load_hf_config(tiny_llama_dir, {"rope_theta": 20000.0})
+    assert rope_parameters(config)["rope_theta"] == 20000.0
+    llava = LlavaConfig()
+    apply_hf_overrides(llava, {"text_config": {"rope_theta": 30000.0}})
+    assert rope_parameters(llava.text_config)["rope_theta"] == 30000.0
+
+
 def test_hf_overrides_must_be_an_object() -> None:
     with pytest.raises(ValueError, match="--hf-overrides must be a JSON object"):
         EngineConfig(hf_overrides=[1, 2])  # type: ignore[arg-type]

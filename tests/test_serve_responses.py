@@ -393,6 +393,14 @@ def test_the_store_drops_the_least_recently_used() -> None:
         ResponseStore(0)
 
 
+def test_a_bad_store_size_stops_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHASSIS_RESPONSES_STORE_SIZE", "0")
+    with pytest.raises(ValueError, match="CHASSIS_RESPONSES_STORE_SIZE"):
+        build_app(FakeAsyncLLM(), ServerSettings())
+    monkeypatch.setenv("CHASSIS_RESPONSES_STORE_SIZE", "3")
+    assert build_app(FakeAsyncLLM(), ServerSettings()).state.responses_store.max_responses == 3
+
+
 def test_the_app_store_is_bounded(server: Server) -> None:
     server.http.app.state.responses_store = ResponseStore(max_responses=1)
     first = server.client.responses.create(model=MODEL, input="a")
@@ -423,10 +431,19 @@ def test_the_app_store_is_bounded(server: Server) -> None:
             "input.0.content.0.type",
         ),
         ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
+        ({"input": [{"role": ["user"], "content": "x"}]}, "input.0.role"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
         ({"temperature": -1}, "temperature"),
         ({"max_output_tokens": 10_000}, None),
+        # OpenAI's requirements: a json_schema format names its schema, an output answers a call
+        ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]},
+            "input.0.call_id",
+        ),
     ],
 )
 def test_what_is_not_supported_is_a_400_naming_the_field(
@@ -439,6 +456,34 @@ def test_what_is_not_supported_is_a_400_naming_the_field(
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
     assert server.engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        # Responses' tool_choice is flat: no mention of the chat shape's 'function' level
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "'name': ...}"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}},
+            "text.format.schema ",
+        ),
+    ],
+)
+def test_400s_describe_the_responses_shapes(
+    server: Server, fields: dict[str, Any], expected: str
+) -> None:
+    response = server.http.post("/v1/responses", json={"model": MODEL, "input": "Hi", **fields})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert expected in message and "json_schema.schema" not in message
+    assert "'function': {" not in message
+
+
+def test_a_reasoning_item_without_text_parts_gives_no_reasoning(server: Server) -> None:
+    items = [{"type": "reasoning", "content": 5, "summary": "x"}, {"role": "user", "content": "Hi"}]
+    response = server.http.post("/v1/responses", json={"model": MODEL, "input": items})
+    assert response.status_code == 200, response.text
+    assert server.last_prompt == server.chat_prompt([{"role": "user", "content": "Hi"}])
 
 
 def test_the_client_raises_bad_request(server: Server) -> None:

@@ -172,7 +172,9 @@ def test_an_unknown_parser_fails_before_the_model_loads(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 2, result.stderr
-    assert "unknown reasoning parser 'nope'; known: deepseek_r1, qwen3" in result.stderr
+    assert (
+        "unknown reasoning parser 'nope'; known: deepseek_r1, openai_gptoss, qwen3" in result.stderr
+    )
     assert "Traceback" not in result.stderr and "no-model" not in result.stderr
 
 

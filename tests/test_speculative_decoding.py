@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_models import *  # noqa: F403
+from fixtures_speculative import abort_during_a_drafted_step
 
 from chassis import LLM, SamplingParams
 from chassis.builtin_plugins.samplers.default import DefaultSampler
@@ -332,32 +333,11 @@ def test_an_abort_while_a_drafted_step_runs_frees_everything(tiny_llama_dir: Pat
     results are dropped, the other request goes on, no block or batch row is left behind."""
     llm = make_llm(tiny_llama_dir, speculative_config=SPEC, num_kv_blocks=64)
     try:
-        engine, scheduler = llm.engine, llm.engine.scheduler
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        for request_id in ("a", "b"):
-            engine.add_request(
-                EngineCoreRequest(
-                    request_id=request_id,
-                    prompt_token_ids=[11, 12, 13, 14] * 6,
-                    sampling_params=params,
-                )
-            )
-        aborted = False
-        num_b_tokens = 0
-        while engine.has_unfinished() or scheduler.has_finished_requests():
-            plan = scheduler.schedule()
-            pending = engine.executor.execute_model_async(plan)
-            if not aborted and "a" in plan.spec_token_ids:
-                engine.abort_requests(["a"])
-                aborted = True
-            if not plan.is_empty:
-                for output in scheduler.update_from_output(plan, pending.result()):
-                    assert output.request_id == "b" or not aborted
-                    num_b_tokens += len(output.new_token_ids) * (output.request_id == "b")
-        assert aborted and num_b_tokens == 40
-        assert engine.kv_cache_manager.num_free_blocks == 64
-        assert not scheduler._ngram_indexes
-        assert engine.executor.worker.runner.batch.num_reqs == 0
+        assert abort_during_a_drafted_step(llm, params) == 40
+        assert llm.engine.kv_cache_manager.num_free_blocks == 64
+        assert not llm.engine.scheduler._ngram_indexes
+        assert llm.engine.executor.worker.runner.batch.num_reqs == 0
     finally:
         llm.shutdown()
 

@@ -83,6 +83,16 @@ class FailingLogger(StatLoggerBase):
             raise RuntimeError("broken stat logger")
 
 
+class UnbuildableLogger(StatLoggerBase):
+    """Cannot start (importable as ``test_stat_loggers:UnbuildableLogger``)."""
+
+    def __init__(self, info: StatLoggerInfo) -> None:
+        raise OSError("no route to the metrics backend")
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        pass  # pragma: no cover
+
+
 # -- the built-in logging line -----------------------------------------------------------------
 
 LINE = re.compile(
@@ -176,8 +186,9 @@ def test_flags_and_config() -> None:
     assert engine_config_from_args(parser.parse_args(["--disable-log-stats"])).stat_loggers == []
     assert engine_config_from_args(parser.parse_args(["--stat-loggers", ""])).stat_loggers == []
     assert engine_config_from_args(parser.parse_args([])).stat_loggers is None
-    with pytest.raises(ValueError, match="--stat-log-interval must be"):
-        EngineConfig(stat_log_interval=0)
+    for bad in (0, float("nan"), float("inf")):  # NaN: a busy timer; inf: it would crash
+        with pytest.raises(ValueError, match="--stat-log-interval must be"):
+            EngineConfig(stat_log_interval=bad)
 
 
 def test_a_failing_logger_is_logged_once_and_disabled(caplog) -> None:
@@ -198,15 +209,8 @@ def test_a_failing_logger_is_logged_once_and_disabled(caplog) -> None:
 
 
 def test_a_logger_that_cannot_start_is_a_startup_error() -> None:
-    class Unbuildable(StatLoggerBase):
-        def __init__(self, info: StatLoggerInfo) -> None:
-            raise OSError("no route to the metrics backend")
-
-        def record(self, scheduler_stats, iteration_stats) -> None:  # pragma: no cover
-            pass
-
     with pytest.raises(ValueError, match=r"'unbuildable' failed to start.*no route"):
-        StatLoggerManager([("unbuildable", Unbuildable)], INFO, interval_s=1)
+        StatLoggerManager([("unbuildable", UnbuildableLogger)], INFO, interval_s=1)
 
 
 def test_the_timer_calls_log_periodically() -> None:
@@ -324,3 +328,22 @@ def test_offline_llm_records_when_asked(tiny_llama_dir) -> None:
     assert totals["prompt"] == 6 and totals["generation"] == 10
     assert [r for r, _ in totals["finished"]] == sorted(o.request_id for o in outputs)
     assert recorder.calls[-1] == "shutdown"
+
+
+def test_offline_llm_stops_its_engine_when_a_logger_cannot_start(tiny_llama_dir, monkeypatch):
+    """The constructor raises, so nobody could shut the engine down later: it does."""
+    from chassis import LLM
+    from chassis.core.engine_core import EngineCore
+
+    stopped = []
+    shutdown = EngineCore.shutdown
+    monkeypatch.setattr(EngineCore, "shutdown", lambda self: stopped.append(shutdown(self)))
+    with pytest.raises(ValueError, match=r"failed to start.*no route"):
+        LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=64,
+            num_kv_blocks=16,
+            stat_loggers=["test_stat_loggers:UnbuildableLogger"],
+        )
+    assert len(stopped) == 1

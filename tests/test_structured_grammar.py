@@ -266,6 +266,20 @@ def test_grammars_too_large_are_refused_or_unrolled_less() -> None:
     assert not accepts(wide, nested(MAX_RECURSION_DEPTH))  # allowed if unrolled fully
 
 
+@pytest.mark.timeout(120)  # a hang guard, not a speed figure (each case took 3-20 s before)
+def test_big_or_tangled_grammars_compile() -> None:
+    """A grammar is request input, compiled with the GIL held: huge rule bodies, long rule
+    chains and tangled recursion compile (or are refused) instead of running away; their cost
+    used to grow quadratically with size and exponentially with recursion."""
+    many_refs = "root ::= " + "\n".join(["a"] * 200_000) + '\na ::= "x"\n'
+    assert parse_grammar(many_refs)["root"].body.items[-1] == RuleRef("a", 200_000, 1)
+    chain = "root ::= r0\n" + "\n".join(f"r{i} ::= r{i + 1}" for i in range(6000))
+    with pytest.raises(ValueError, match="nest too deeply"):
+        grammar_to_ir(chain + '\nr6000 ::= "a"')
+    tangled = 'root ::= (b a)*\na ::= root c\nc ::= ("b"* "c"?)* | "b"* root "c"?\nb ::= a root | b'
+    assert grammar_to_ir(tangled) != grammar_to_ir('root ::= "a"')
+
+
 # -- structural tags -----------------------------------------------------------------------
 
 INT = {"type": "integer"}

@@ -15,10 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chassis.core.attention import AttentionBackend, AttentionMetadata
-
-#: the 8-bit cache dtypes this backend (and :func:`quantize_kv`) handles
-FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+from chassis.core.attention import FP8_KV_DTYPES, AttentionBackend, AttentionMetadata
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -33,7 +30,7 @@ class TorchPagedAttention(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_attention_sinks = True
-    supported_kv_cache_dtypes = FP8_DTYPES
+    supported_kv_cache_dtypes = FP8_KV_DTYPES  # both, via quantize_kv
 
     def forward(
         self,
@@ -135,7 +132,7 @@ class TorchPagedAttention(AttentionBackend):
     @staticmethod
     def _dequantized(stored: torch.Tensor, scale: float) -> torch.Tensor:
         """Cache values in float32; an 8-bit cache's times its per-tensor ``scale``."""
-        if stored.dtype in FP8_DTYPES and scale != 1.0:
+        if stored.dtype in FP8_KV_DTYPES and scale != 1.0:
             return stored.float() * scale
         return stored.float()
 
@@ -193,7 +190,7 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torc
     """``x`` as stored in a ``dtype`` cache: for an 8-bit float dtype ``x / scale`` in float32,
     saturated to the dtype's largest finite magnitude (448 for e4m3fn, 57344 for e5m2; the
     plain cast would give NaN or inf) and rounded to nearest even; for others ``x`` cast."""
-    if dtype not in FP8_DTYPES:
+    if dtype not in FP8_KV_DTYPES:
         return x.to(dtype)
     limit = torch.finfo(dtype).max
     scaled = x.float() if scale == 1.0 else x.float() / scale

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from chassis.core.attention import FP8_KV_DTYPES  # the kernels store and read both
 from chassis.core.layers.triton_ops import check_launchable
 
 _LOG2E = 1.4426950408889634
@@ -40,8 +41,6 @@ MAX_KV_SPLITS = 16
 _MIN_TILES_PER_SPLIT = 4
 #: the combine kernel's split lanes: one compiled variant for every split count
 _SPLITS_PAD = triton.next_power_of_2(MAX_KV_SPLITS)
-#: the 8-bit KV-cache dtypes the kernels store and read (see the module docstring)
-FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # ---------------------------------------------------------------------------------------------

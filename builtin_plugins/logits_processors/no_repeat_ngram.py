@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chassis.builtin_plugins.samplers.logit_edits import apply_min_tokens
 from chassis.core.logits_processor import BatchUpdate, LogitsProcessor, LogitsRows
-from chassis.core.sampling_metadata import host_to_device
 from chassis.core.sampling_params import is_integer
 
 if TYPE_CHECKING:
@@ -134,22 +134,12 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
         if not self._requests:
             return logits
         vocab_size = logits.shape[-1]
-        row_index: list[int] = []
-        token_index: list[int] = []
+        banned: list[set[int] | None] = [None] * rows.num_rows
         for i, batch_row in enumerate(rows.batch_rows.tolist()):
             state = self._requests.get(batch_row)
             if state is None:
                 continue
             state.catch_up()
-            banned = [t for t in state.banned(rows.draft_prefix(i)) if t < vocab_size]
-            row_index.extend([i] * len(banned))
-            token_index.extend(banned)
-        if row_index:
-            device = logits.device
-            index = (
-                host_to_device(row_index, torch.int64, device),
-                host_to_device(token_index, torch.int64, device),
-            )
-            # a fill on the device, not a copy of a host scalar (which could synchronize)
-            logits.index_put_(index, torch.full((), float("-inf"), device=device))
-        return logits
+            banned[i] = {t for t in state.banned(rows.draft_prefix(i)) if t < vocab_size}
+        # the sampler's blocking of min_tokens and bad words: one fill on the device
+        return apply_min_tokens(logits, banned)

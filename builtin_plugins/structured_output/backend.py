@@ -1,9 +1,10 @@
 """chassis's own structured-output backend: constraints as byte DFAs, masks with numpy.
 
 Every constraint becomes an IR tree (:mod:`.regex`, :mod:`.json_schema`, :mod:`.grammar`,
-:mod:`.grammar_structural_tag`, or an alternation of literal choices), then an :class:`~.automaton.Automaton` whose states the matcher
-follows; :class:`~.token_masks.TokenMasks` turns a state into the allowed-token mask. No
-dependency beyond numpy, and no tokenizer-specific code (the vocabulary is bytes).
+:mod:`.grammar_structural_tag`, or an alternation of literal choices), then an
+:class:`~.automaton.Automaton` whose states the matcher follows;
+:class:`~.token_masks.TokenMasks` turns a state into the allowed-token mask. No dependency
+beyond numpy, and no tokenizer-specific code (the vocabulary is bytes).
 """
 
 from __future__ import annotations

@@ -47,14 +47,9 @@ from chassis.builtin_plugins.structured_output.grammar_parser import (
     Sequence,
     parse_grammar,
 )
-from chassis.builtin_plugins.structured_output.json_syntax import (
-    NOTHING,
-    either,
-    join,
-    repeat,
-)
+from chassis.builtin_plugins.structured_output.json_syntax import NOTHING, join, repeat
 
-__all__ = ["MAX_RECURSION_DEPTH", "check_grammar", "grammar_to_ir"]
+__all__ = ["MAX_RECURSION_DEPTH", "grammar_to_ir"]
 
 #: how many times a rule may be nested in itself at most (lowered for large grammars)
 MAX_RECURSION_DEPTH = 10
@@ -72,17 +67,12 @@ class _TooLarge(Exception):
     """This depth makes the expansion too large."""
 
 
-def check_grammar(text: str) -> None:
-    """Raise ``ValueError`` (saying why, and where for syntax errors) if
-    :func:`grammar_to_ir` cannot compile ``text``."""
-    grammar_to_ir(text)
-
-
 def grammar_to_ir(text: str) -> ir.Node:
     """The texts the grammar ``text`` derives from its ``root`` rule, with recursion
     unrolled (see the module docstring)."""
     rules = parse_grammar(text)
-    stuck = _unproductive(rules)
+    groups = _recursive_groups(rules)
+    stuck = _unproductive(rules, groups)
     if ROOT in stuck:
         reachable = [name for name in _reachable(_edges(rules), ROOT) if name in stuck]
         raise ValueError(
@@ -90,7 +80,7 @@ def grammar_to_ir(text: str) -> ir.Node:
             f"(rules that can never finish: {', '.join(reachable)}); give each recursion an "
             "alternative that does not recurse"
         )
-    components = _components(rules)
+    components = {name: group for group in groups for name in group}
     node, states, cut = _attempt(rules, components, MAX_RECURSION_DEPTH)
     if node is None or states > MAX_NFA_STATES:
         if not cut and node is not None:  # no recursion to lower: too large as it is
@@ -192,10 +182,30 @@ class _Compiler:
         if isinstance(expr, Sequence):
             return join(*(self.expr(item, counts) for item in expr.items))
         if isinstance(expr, Choice):
-            return either(*(self.expr(option, counts) for option in expr.options))
+            return _either([self.expr(option, counts) for option in expr.options])
         if isinstance(expr, Repetition):
             return repeat(self.expr(expr.item, counts), expr.min, expr.max)
         raise TypeError(f"not a grammar expression: {expr!r}")
+
+
+def _either(options: list[ir.Node]) -> ir.Node:
+    """:func:`~.json_syntax.either` (flattened, without options that match nothing or
+    repeat), with duplicates found by identity, and by value only for leaves. Expansions
+    share their sub-trees (memoized rules), so comparing two of them structurally, as
+    ``ir.alt`` does, takes time exponential in their nesting: seconds for a few recursive
+    rules."""
+    kept: list[ir.Node] = []
+    seen: set[object] = set()
+    for option in options:
+        for node in option.options if isinstance(option, ir.Alt) else (option,):
+            key = node if isinstance(node, ir.Bytes | ir.ByteSet) else id(node)
+            if node == NOTHING or key in seen:
+                continue
+            seen.add(key)
+            kept.append(node)
+    if not kept:
+        return NOTHING
+    return kept[0] if len(kept) == 1 else ir.Alt(tuple(kept))
 
 
 # -- rule graph ----------------------------------------------------------------------------
@@ -234,17 +244,57 @@ def _edges(rules: dict[str, Rule]) -> dict[str, set[str]]:
     return {name: set(_referenced(rule.body)) for name, rule in rules.items()}
 
 
-def _components(rules: dict[str, Rule]) -> dict[str, frozenset[str]]:
-    """Each rule's strongly connected component: the rules it reaches that reach it back."""
+def _recursive_groups(rules: dict[str, Rule]) -> list[frozenset[str]]:
+    """The strongly connected components of the rule graph (each rule with the rules it
+    reaches that reach it back), every group after the groups it references.
+
+    Tarjan's algorithm, iterative (a chain of thousands of rules is deeper than Python's
+    stack) and linear in the rules and references: a grammar is request input, so nothing
+    here may be quadratic in its size.
+    """
     edges = _edges(rules)
-    reach = {name: set(_reachable(edges, name)) for name in rules}
-    return {
-        name: frozenset(other for other in reach[name] if name in reach[other]) for name in rules
-    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[frozenset[str]] = []
+    for root in rules:
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(edges[root]))]
+        while work:
+            name, targets = work[-1]
+            for target in targets:
+                if target not in index:  # descend; this rule's loop resumes after it
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(edges[target])))
+                    break
+                if target in on_stack:
+                    low[name] = min(low[name], index[target])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[name])
+                if low[name] == index[name]:  # the root of its group: pop the group
+                    members = []
+                    while not members or members[-1] != name:
+                        members.append(stack.pop())
+                        on_stack.discard(members[-1])
+                    groups.append(frozenset(members))
+    return groups
 
 
-def _unproductive(rules: dict[str, Rule]) -> set[str]:
-    """The rules that derive no finite text (every alternative recurses forever)."""
+def _unproductive(rules: dict[str, Rule], groups: list[frozenset[str]]) -> set[str]:
+    """The rules that derive no finite text (every alternative recurses forever), given the
+    rules' :func:`_recursive_groups`. A group's rules depend only on its own and earlier
+    groups, so each rule is checked once, plus once more whenever a rule of its group that
+    it references turns out to finish."""
     productive: set[str] = set()
 
     def finishes(expr: Expr) -> bool:
@@ -258,11 +308,16 @@ def _unproductive(rules: dict[str, Rule]) -> set[str]:
             return expr.min == 0 or finishes(expr.item)
         return True
 
-    changed = True
-    while changed:
-        changed = False
-        for name, rule in rules.items():
-            if name not in productive and finishes(rule.body):
-                productive.add(name)
-                changed = True
+    referrers: dict[str, set[str]] = {}
+    for name, targets in _edges(rules).items():
+        for target in targets:
+            referrers.setdefault(target, set()).add(name)
+    for group in groups:
+        queue = list(group)
+        while queue:
+            name = queue.pop()
+            if name in productive or not finishes(rules[name].body):
+                continue
+            productive.add(name)
+            queue.extend(r for r in referrers.get(name, ()) if r in group and r not in productive)
     return set(rules) - productive

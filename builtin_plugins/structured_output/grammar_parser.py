@@ -22,6 +22,7 @@ lookahead assertions ``(= ...)``; references to undefined rules; a grammar witho
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 __all__ = [
@@ -162,14 +163,17 @@ class _Parser:
     def __init__(self, text: str) -> None:
         self.text = text
         self.pos = 0
+        # the offset of every newline: every rule reference records its line and column,
+        # so finding them must not rescan the text (quadratic in a long grammar)
+        self.newlines = [at for at, char in enumerate(text) if char == "\n"]
 
     # -- errors and positions -------------------------------------------------------------
 
     def where(self, pos: int | None = None) -> tuple[int, int]:
         pos = self.pos if pos is None else pos
-        line = self.text.count("\n", 0, pos) + 1
-        column = pos - (self.text.rfind("\n", 0, pos) + 1) + 1
-        return line, column
+        line = bisect.bisect_left(self.newlines, pos)  # newlines before pos
+        column = pos - (self.newlines[line - 1] + 1 if line else 0) + 1
+        return line + 1, column
 
     def error(self, message: str, pos: int | None = None) -> ValueError:
         line, column = self.where(pos)

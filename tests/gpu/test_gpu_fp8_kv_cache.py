@@ -73,6 +73,15 @@ def test_write_kernel_rounds_as_torch(fp8: torch.dtype, scales: tuple[float, flo
     assert not got.float().isnan().any()
 
 
+def _triton_attention(batch, cache, scale: float, **options) -> torch.Tensor:
+    """``triton_paged_kernels.paged_attention`` of ``batch``'s queries over ``cache``."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    out = torch.empty_like(batch.query)
+    kernels.paged_attention(batch.query, cache, out, **batch.kernel_args(scale), **options)
+    return out
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 @pytest.mark.parametrize("num_splits", [None, 8])
 def test_attention_reads_the_cache_as_torch_paged(fp8: torch.dtype, num_splits) -> None:
@@ -82,42 +91,30 @@ def test_attention_reads_the_cache_as_torch_paged(fp8: torch.dtype, num_splits) 
     batch = make_batch(MIXED, **QWEN3_BF16, unwritten_fill=60.0)
     n = batch.metadata.num_actual_tokens
     scale = 128**-0.5
-    scales = (1.5, 0.75)
-    cache = _fp8_cache(batch.kv_cache, fp8, *scales)
+    k_scale, v_scale = 1.5, 0.75
+    fp8_options = dict(num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+    cache = _fp8_cache(batch.kv_cache, fp8, k_scale, v_scale)
     ref_backend = TorchPagedAttention(16, 128, 8, scale)
-    ref_backend.k_scale, ref_backend.v_scale = scales
+    ref_backend.k_scale, ref_backend.v_scale = k_scale, v_scale
     # the read path alone: the kernel attends over the cache torch_paged wrote
     ref = ref_backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata)
-    out = torch.empty_like(batch.query)
-    kernels.paged_attention(
-        batch.query,
-        cache,
-        out,
-        **batch.kernel_args(scale),
-        num_splits=num_splits,
-        k_scale=1.5,
-        v_scale=0.75,
-    )
+    out = _triton_attention(batch, cache, scale, **fp8_options)
     torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=1e-2, rtol=1e-2)
     # written by the kernel too, and within fp8 rounding of a bfloat16 cache (see
     # tests/test_fp8_kv_cache.py)
-    cache = _fp8_cache(batch.kv_cache, fp8, *scales)
+    cache = _fp8_cache(batch.kv_cache, fp8, k_scale, v_scale)
     kernels.write_kv_cache(
-        batch.key, batch.value, cache, batch.metadata.slot_mapping, k_scale=1.5, v_scale=0.75
-    )
-    kernels.paged_attention(
-        batch.query,
+        batch.key,
+        batch.value,
         cache,
-        out,
-        **batch.kernel_args(scale),
-        num_splits=num_splits,
-        k_scale=1.5,
-        v_scale=0.75,
+        batch.metadata.slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
-    bf16_out = torch.empty_like(batch.query)
+    out = _triton_attention(batch, cache, scale, **fp8_options)
     bf16_cache = batch.kv_cache.clone()
     kernels.write_kv_cache(batch.key, batch.value, bf16_cache, batch.metadata.slot_mapping)
-    kernels.paged_attention(batch.query, bf16_cache, bf16_out, **batch.kernel_args(scale))
+    bf16_out = _triton_attention(batch, bf16_cache, scale)
     rel = (out[:n].float() - bf16_out[:n].float()).norm() / bf16_out[:n].float().norm()
     assert rel < (0.05 if fp8 == torch.float8_e4m3fn else 0.1), rel
 
