@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from chassis.core.attention import AttentionMetadata, ForwardContext, kv_cache_shape
+from chassis.core.attention import ForwardContext, kv_cache_shape
 from chassis.core.model_loader import kv_head_count
-from chassis.core.model_runner import dummy_prefill
+from chassis.core.model_runner import dummy_prefill, host_to_device, step_attention_metadata
 from chassis.core.speculative import can_speculate
 
 if TYPE_CHECKING:
@@ -272,17 +272,13 @@ class DraftModelProposer:
         seq_lens = (starts + query_lens).astype(np.int32)
         max_blocks = math.ceil(int(seq_lens.max()) / block_size)
         block_table = np.ascontiguousarray(batch.block_table[rows, :max_blocks])
-        metadata = AttentionMetadata(
-            num_actual_tokens=total,
-            num_reqs=len(rows),
-            query_start_loc=self._to_device(query_start_loc),
-            seq_lens=self._to_device(seq_lens),
-            block_table=self._to_device(block_table),
-            slot_mapping=self._to_device(slot_mapping),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=torch.from_numpy(query_start_loc),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
+        metadata = step_attention_metadata(
+            query_start_loc,
+            seq_lens,
+            block_table,
+            slot_mapping,
+            int(query_lens.max()),
+            self._to_device,
         )
         ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
         return self.model(self._to_device(input_ids), self._to_device(positions), ctx)
@@ -292,9 +288,4 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden)[:, : self.vocab_size].argmax(dim=-1).tolist()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if tensor.device == self.device:
-            return tensor
-        if self.pin_memory:
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
+        return host_to_device(array, self.device, self.pin_memory)

@@ -290,23 +290,12 @@ def resolve_logits_processor(name: str) -> type[LogitsProcessor]:
         :class:`LogitsProcessor`
     """
     from chassis.plugins import get_registries
-    from chassis.plugins.registry import _import_object
+    from chassis.plugins.registry import import_subclass
 
     registry = get_registries().logits_processors
     if name in registry or ":" not in name:
         return registry.get(name)  # UnknownNameError (a ValueError) lists the known names
-    try:
-        obj = _import_object(name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"logits processor {name!r} cannot be imported: {type(exc).__name__}: {exc}"
-        ) from exc
-    if not (isinstance(obj, type) and issubclass(obj, LogitsProcessor)):
-        raise ValueError(
-            f"logits processor {name!r} is {obj!r}, not a subclass of "
-            "chassis.core.logits_processor.LogitsProcessor"
-        )
-    return obj
+    return import_subclass(name, LogitsProcessor, "logits processor")
 
 
 def resolve_logits_processors(names: Sequence[str]) -> list[type[LogitsProcessor]]:

@@ -55,6 +55,10 @@ class CausalLM(nn.Module, ABC):
     #: runner sizes the KV cache so). ``--tensor-parallel-size`` above 1 is refused for models
     #: that do not.
     supports_tensor_parallel: bool = False
+    #: The model is a sequence classifier: its forward returns class logits per token (a
+    #: ``score`` head, not an LM head), which only a pooling engine runs; ``--runner auto``
+    #: picks ``"pooling"`` for it (:mod:`chassis.core.pooling_classify`).
+    is_sequence_classifier: bool = False
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__()

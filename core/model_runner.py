@@ -274,12 +274,7 @@ class ModelRunner:
             noise.uniform_(generator=generator)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if tensor.device == self.device:
-            return tensor
-        if self.pin_memory:
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
+        return host_to_device(array, self.device, self.pin_memory)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids."""
@@ -356,17 +351,13 @@ class ModelRunner:
             # Pure decode (one token per request) within the captured sizes: replay.
             hidden = graphs.run(input_ids, positions, slot_mapping, seq_lens_i32, block_table)
         else:
-            metadata = AttentionMetadata(
-                num_actual_tokens=total,
-                num_reqs=len(rows),
-                query_start_loc=self._to_device(query_start_loc),
-                seq_lens=self._to_device(seq_lens_i32),
-                block_table=self._to_device(block_table),
-                slot_mapping=self._to_device(slot_mapping),
-                max_query_len=int(num_scheduled.max()),
-                max_seq_len=int(seq_lens.max()),
-                query_start_loc_cpu=torch.from_numpy(query_start_loc),
-                seq_lens_cpu=torch.from_numpy(seq_lens_i32),
+            metadata = step_attention_metadata(
+                query_start_loc,
+                seq_lens_i32,
+                block_table,
+                slot_mapping,
+                int(num_scheduled.max()),
+                self._to_device,
             )
             ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
             if isinstance(input_ids, np.ndarray):
@@ -522,6 +513,44 @@ class ModelRunner:
         del ctx  # the dummy caches
         if self.drafter is not None:
             self.drafter.profile_run(num_tokens)
+
+
+def host_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """``array`` as a tensor on ``device``: the host array itself on the CPU, else a
+    non-blocking copy (from pinned memory when ``pin_memory``)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if tensor.device == device:
+        return tensor
+    if pin_memory:
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def step_attention_metadata(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    slot_mapping: np.ndarray,
+    max_query_len: int,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> AttentionMetadata:
+    """The attention metadata of a forward from its host arrays: ``query_start_loc``
+    (int32, ``[R + 1]``), ``seq_lens`` (int32, ``[R]``), the rows' ``block_table``, the
+    tokens' ``slot_mapping`` (int64) and the longest query; ``to_device`` copies each to the
+    device, and the host ``query_start_loc`` and ``seq_lens`` stay for backends that plan on
+    the host."""
+    return AttentionMetadata(
+        num_actual_tokens=len(slot_mapping),
+        num_reqs=len(seq_lens),
+        query_start_loc=to_device(query_start_loc),
+        seq_lens=to_device(seq_lens),
+        block_table=to_device(block_table),
+        slot_mapping=to_device(slot_mapping),
+        max_query_len=max_query_len,
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=torch.from_numpy(query_start_loc),
+        seq_lens_cpu=torch.from_numpy(seq_lens),
+    )
 
 
 def dummy_prefill(

@@ -1,8 +1,9 @@
 """Sequence-classification models on a pooling engine: vLLM's ``classify`` task and
 cross-encoder scoring.
 
-A ``*ForSequenceClassification`` checkpoint (its head: ``score``, a bias-free linear layer
-from the hidden size to ``num_labels``) runs under ``runner="pooling"``: the model projects
+A sequence classifier (a registered model class with ``is_sequence_classifier``, such as the
+``*ForSequenceClassification`` ones: its head is ``score``, a bias-free linear layer from the
+hidden size to ``num_labels``) runs under ``runner="pooling"``: the model projects
 every token's final hidden state to the classes and the engine pools them (the last token,
 as HF does for an unpadded prompt), so each request's pooled vector is its class logits.
 The front-end then applies the activation (:func:`apply_activation`) and names the labels.
@@ -20,16 +21,22 @@ from typing import Any
 
 import torch
 
-#: what an architecture's name ends with when its checkpoint is a sequence classifier
-CLASSIFICATION_SUFFIX = "ForSequenceClassification"
 #: the activations a classifier's outputs may go through
 ACTIVATIONS = ("softmax", "sigmoid", "identity")
 
 
 def is_classification_architecture(architectures: Sequence[str]) -> bool:
     """Whether a checkpoint of ``architectures`` (``config.json``'s list) is a sequence
-    classifier, which only a pooling engine runs."""
-    return any(str(a).endswith(CLASSIFICATION_SUFFIX) for a in architectures)
+    classifier, which only a pooling engine runs: asked of the model class the registry holds
+    for the first registered architecture (its ``is_sequence_classifier``); ``False`` when
+    none is registered."""
+    from chassis.plugins.registries import get_registries
+
+    registry = get_registries().models
+    for arch in architectures:
+        if arch in registry:
+            return bool(getattr(registry.get(arch), "is_sequence_classifier", False))
+    return False
 
 
 def resolve_runner(runner: str, architectures: Sequence[str]) -> str:

@@ -9,7 +9,6 @@ serialises every call, so a logger never sees two calls at once.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -57,33 +56,18 @@ def resolve_stat_loggers(names: Sequence[str]) -> list[tuple[str, StatLoggerFact
         :class:`~chassis.core.stat_logger.StatLoggerBase`; a name given twice.
     """
     from chassis.plugins import get_registries
+    from chassis.plugins.registry import import_subclass
 
     resolved: list[tuple[str, StatLoggerFactory]] = []
     for name in names:
         if any(name == seen for seen, _ in resolved):
             raise ValueError(f"--stat-loggers names {name!r} twice")
         if ":" in name:
-            cls = _import_class(name)
+            cls = import_subclass(name, StatLoggerBase, "stat logger")
         else:
             cls = get_registries().stat_loggers.get(name)  # UnknownNameError lists the known
         resolved.append((name, cls))
     return resolved
-
-
-def _import_class(target: str) -> Any:
-    module_name, _, attr = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"stat logger {target!r} cannot be imported: {type(exc).__name__}: {exc}"
-        ) from exc
-    if not (isinstance(cls, type) and issubclass(cls, StatLoggerBase)):
-        raise ValueError(
-            f"stat logger {target!r} is {cls!r}, not a subclass of "
-            "chassis.core.stat_logger.StatLoggerBase"
-        )
-    return cls
 
 
 class StatLoggerManager:

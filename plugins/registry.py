@@ -109,3 +109,23 @@ class Registry(Generic[T]):
 def _import_object(target: str) -> object:
     module_name, _, attr = target.partition(":")
     return getattr(importlib.import_module(module_name), attr)
+
+
+def import_subclass(target: str, base: type, kind: str) -> type:
+    """The class a qualified ``"package.module:Class"`` names (vLLM's form for selecting a
+    plugin class that no hook registered), which must subclass ``base``; ``kind`` names it in
+    errors (``"logits processor"``).
+
+    :raises ValueError: the target does not import, or is not a subclass of ``base``
+    """
+    try:
+        obj = _import_object(target)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"{kind} {target!r} cannot be imported: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise ValueError(
+            f"{kind} {target!r} is {obj!r}, not a subclass of {base.__module__}.{base.__qualname__}"
+        )
+    return obj

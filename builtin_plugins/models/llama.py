@@ -612,6 +612,8 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
     on every tensor-parallel rank (the hidden states are).
     """
 
+    is_sequence_classifier = True
+
     def build_head(self, hf_config: Any) -> None:
         # no LM head: an lm_head.weight in the checkpoint is an error, not skipped
         self.tie_word_embeddings = False
