@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 from abc import ABC, abstractmethod
 
+import torch
+
 from chassis.core.config import EngineConfig
 from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.lora.request import LoRARequest
@@ -25,6 +27,16 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on all workers; return the driver worker's output."""
+
+    @abstractmethod
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the workers hold the model's weights in (``--dtype`` resolved)."""
+
+    def local_device(self) -> torch.device | None:
+        """The device of this process that holds the model (rank 0's with tensor
+        parallelism), or ``None`` when every rank runs in another process and this one holds
+        no device (default: ``None``)."""
+        return None
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         """Launch one step and return before its results are on the host.
@@ -71,6 +83,12 @@ class InProcessExecutor(Executor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
+
+    def model_dtype(self) -> torch.dtype:
+        return self.worker.dtype
+
+    def local_device(self) -> torch.device | None:
+        return self.worker.device
 
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         lora = self.worker.lora

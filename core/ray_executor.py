@@ -37,6 +37,8 @@ import threading
 import weakref
 from typing import Any
 
+import torch
+
 from chassis.core import parallel_state
 from chassis.core.config import EngineConfig
 from chassis.core.tp_executor import RankGroupExecutor, _rank_error, run_command
@@ -103,8 +105,8 @@ class RankActor:
         self, config: EngineConfig, rank: int, init_method: str, multi_node: bool
     ) -> tuple[bool, Any]:
         """Join the group as ``rank`` (returning once every rank has joined) and load this
-        rank's share of the model on the one device Ray made visible. Result: rank 0's LoRA
-        target shapes (None without ``--enable-lora``)."""
+        rank's share of the model on the one device Ray made visible. Result: this rank's
+        LoRA target shapes (None without ``--enable-lora``) and the dtype of its weights."""
         try:
             from chassis.core.worker import Worker
             from chassis.platforms import get_current_platform
@@ -129,7 +131,8 @@ class RankActor:
             parallel_state.init_tensor_parallel(rank, size, platform.dist_backend, init_method)
             self.worker = Worker(config, device_index=platform.tensor_parallel_devices(1)[0])
             lora = self.worker.lora
-            return True, None if lora is None else dict(lora.target_shapes)
+            shapes = None if lora is None else dict(lora.target_shapes)
+            return True, (shapes, self.worker.dtype)
         except Exception as exc:
             return False, failure_detail(rank, "start", exc)
 
@@ -194,7 +197,7 @@ class RayExecutor(RankGroupExecutor):
                 actor.start.remote(config, rank, f"tcp://{host}:{port}", multi_node)
                 for rank, actor in enumerate(self.actors)
             ]
-            self._lora_shapes = self._gather("start", starts)[0]
+            self._lora_shapes, self._dtype = self._gather("start", starts)[0]
         except BaseException:
             self.shutdown()
             raise
@@ -205,6 +208,11 @@ class RayExecutor(RankGroupExecutor):
     def _run_on_all(self, method: str, payload: Any) -> list[Any]:
         self._refuse_if_broken()
         return self._gather(method, [actor.run.remote(method, payload) for actor in self.actors])
+
+    def model_dtype(self) -> torch.dtype:
+        return self._dtype
+
+    # local_device: None (the base's answer); every rank, rank 0 included, is an actor
 
     def check_health(self) -> None:
         if self._broken is not None:

@@ -225,6 +225,12 @@ class TensorParallelExecutor(RankGroupExecutor):
         own = self._on_driver(method, lambda: run_command(self.worker, method, payload))
         return [own, *self._collect(method)]
 
+    def model_dtype(self) -> torch.dtype:
+        return self.worker.dtype
+
+    def local_device(self) -> torch.device | None:
+        return self.worker.device  # rank 0 runs in this process
+
     def check_health(self) -> None:
         if self._broken is None:
             self._raise_if_a_rank_exited("idle")

@@ -178,10 +178,24 @@ def _prepare(config: EngineConfig) -> tuple[Any, set[int], int]:
     return hf_config, set(tokenizer.all_special_ids), pad
 
 
-def _engine_dtype_device(llm: Any) -> tuple[torch.dtype, torch.device]:
-    """The engine's dtype and device; the caller then drops its last reference to ``llm``."""
-    worker = llm.engine.executor.worker
-    return worker.dtype, worker.device
+def _check_backend(args: Any, config: EngineConfig) -> None:
+    """Refuse, before anything runs, an HF comparison that cannot be made: HF runs in this
+    process on the device the engine used here, and with Ray every rank (rank 0 included) is
+    an actor, so this process holds no device and the cluster's devices are Ray's."""
+    if args.backend == "hf" and config.distributed_executor_backend == "ray":
+        raise ValueError(
+            "--backend hf runs HF on the engine's device in this process, but with "
+            "--distributed-executor-backend ray every rank runs in a Ray actor and this process "
+            "holds no device; compare with HF without Ray (--tensor-parallel-size N runs rank 0 "
+            "here), or drop --backend hf"
+        )
+
+
+def _engine_dtype_device(llm: Any) -> tuple[torch.dtype, torch.device | None]:
+    """The engine's dtype and the device of this process it ran on (``None`` when its ranks
+    are Ray actors); the caller then drops its last reference to ``llm``."""
+    executor = llm.engine.executor
+    return executor.model_dtype(), executor.local_device()
 
 
 def _release_memory(device: torch.device) -> None:
@@ -199,6 +213,7 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
     (fresh ids, so no prefix-cache hits), and the ratio compares those two runs
     (``report["ratio_basis"]``). Otherwise it compares the full runs.
     """
+    _check_backend(args, config)
     hf_config, special, pad = _prepare(config)
     workload = random_workload(
         args.num_prompts,
@@ -233,6 +248,7 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
             )
             print(same.line() + f"  (the shapes of the first {num_hf}, which HF runs)")
             report["results"].append(_as_dict(same))
+        assert device is not None  # _check_backend refused engines without one
         del llm
         _release_memory(device)
         model = load_hf_model(config, dtype).to(device)
@@ -252,6 +268,7 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
 
 def latency(args: Any, config: EngineConfig) -> dict[str, Any]:
     """Batch-``args.batch_size`` end-to-end latency of one generation, averaged over iterations."""
+    _check_backend(args, config)
     hf_config, special, pad = _prepare(config)
     input_len, output_len = int(args.input_len), int(args.output_len)
     workload = random_workload(
@@ -294,6 +311,7 @@ def latency(args: Any, config: EngineConfig) -> dict[str, Any]:
     dtype, device = _engine_dtype_device(llm)
     report["dtype"] = str(dtype).removeprefix("torch.")
     if args.backend == "hf":
+        assert device is not None  # _check_backend refused engines without one
         del llm
         _release_memory(device)
         model = load_hf_model(config, dtype).to(device)

@@ -104,6 +104,17 @@ def test_latency(model_dir, tmp_path, backend):
         assert report["ratio"] > 0
 
 
+@pytest.mark.parametrize("kind", ["throughput", "latency"])
+def test_hf_comparison_with_ray_ranks_is_refused_before_anything_runs(model_dir, kind):
+    # HF runs on the engine's device in this process; Ray's ranks are all actors
+    proc = run_bench(
+        kind, str(model_dir), *COMMON, "--backend", "hf", "--distributed-executor-backend", "ray"
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--backend hf" in proc.stderr and "--distributed-executor-backend ray" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_bad_settings_end_with_a_message_and_status_2():
     proc = run_bench("latency", "--model-preset", "nope")
     assert proc.returncode == 2

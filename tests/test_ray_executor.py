@@ -13,6 +13,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from test_llm_parity import MAX_TOKENS, PROMPTS, hf_greedy
 
 from chassis import LLM, SamplingParams
@@ -73,6 +74,9 @@ def test_two_ray_ranks_match_one_rank_and_hf_and_report_a_dead_rank(
     llm = ray_llm(tiny_llama_dir)
     pids = actor_pids(llm)
     assert len(pids) == 2 and os.getpid() not in pids  # every rank is an actor
+    # what `chassis bench` asks the executor: the actors' dtype, and no device here
+    assert llm.engine.executor.model_dtype() == torch.float32
+    assert llm.engine.executor.local_device() is None
     assert greedy(llm, PROMPTS, MAX_TOKENS) == expected
     llm.engine.check_health()  # idle, both ranks alive
     # an actor that dies while the engine is idle is reported before the next request
@@ -111,6 +115,23 @@ def test_an_actor_killed_mid_generation_fails_the_call(ray_cluster, tiny_llama_d
     llm.engine.check_health()  # broken already: reported above, nothing more to find
     llm.shutdown()
     wait_for_exit(pids)
+
+
+@needs_two_cores
+def test_throughput_bench_runs_on_ray_ranks(ray_cluster, tiny_llama_dir, capsys) -> None:
+    from chassis.serve.args import engine_config_from_args
+    from chassis.serve.bench_offline import throughput
+    from chassis.serve.cli import build_parser
+
+    argv = ["bench", "throughput", str(tiny_llama_dir), "--dtype", "float32"]
+    argv += ["--max-model-len", "128", "--num-kv-blocks", "64", "--tensor-parallel-size", "2"]
+    argv += ["--distributed-executor-backend", "ray", "--num-prompts", "2"]
+    argv += ["--input-len", "4", "--output-len", "4"]
+    args = build_parser().parse_args(argv)
+    report = throughput(args, engine_config_from_args(args))
+    assert report["dtype"] == "float32"
+    assert [r["backend"] for r in report["results"]] == ["chassis"]
+    assert report["results"][0]["output_tokens"] == 2 * 4
 
 
 def test_the_flag_reaches_the_config() -> None:
