@@ -151,6 +151,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--ssl-keyfile", help="the certificate's PEM private key (if not in --ssl-certfile)"
     )
     g.add_argument(
+        "--ssl-keyfile-password",
+        help="the password of an encrypted private key (visible to other users in the process "
+        "list, as uvicorn's and vLLM's flag of the same name)",
+    )
+    g.add_argument(
         "--ssl-ca-certs", help="PEM CA certificates that client certificates are checked against"
     )
     g.add_argument(
@@ -279,6 +284,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         lora_modules=list(args.lora_modules),
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
+        ssl_keyfile_password=args.ssl_keyfile_password,
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
         uds=args.uds,

@@ -133,6 +133,7 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
         access_log=settings.access_log,
         ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile,
+        ssl_keyfile_password=settings.ssl_keyfile_password,
         ssl_ca_certs=settings.ssl_ca_certs,
         ssl_cert_reqs=settings.ssl_cert_reqs,
         # the CLI has configured logging already; keep uvicorn from replacing it

@@ -54,6 +54,9 @@ class ServerSettings:
     #: ``--ssl-keyfile``; the key may be in the certificate file); ``None``: plain HTTP
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    #: the password of an encrypted private key (``--ssl-keyfile-password``); ``None``: the
+    #: key is not encrypted (an encrypted one is then refused at start-up, never prompted for)
+    ssl_keyfile_password: str | None = field(default=None, repr=False)
     #: PEM CA certificates that client certificates are verified against (``--ssl-ca-certs``)
     ssl_ca_certs: str | None = None
     #: whether clients present a certificate (``--ssl-cert-reqs``, :mod:`ssl`'s values):
@@ -106,6 +109,8 @@ class ServerSettings:
             raise ValueError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout_s}")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:
             raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate it signs)")
+        if self.ssl_keyfile_password is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-keyfile-password needs --ssl-certfile (HTTPS)")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(
                 f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required); "

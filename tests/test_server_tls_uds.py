@@ -40,16 +40,24 @@ def _signed(name: str, subject: str, ca: Path, cwd: Path, extension: str) -> Non
              cwd=cwd)  # fmt: skip
 
 
+#: the password of ``server-encrypted.key``
+KEY_PASSWORD = "s3cret pass"
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA (ca.pem/ca.key), a server certificate for 127.0.0.1 (server.pem/server.key) and
-    a client certificate (client.pem/client.key) it signed."""
+    """A CA (ca.pem/ca.key), a server certificate for 127.0.0.1 (server.pem/server.key, the
+    key also encrypted with :data:`KEY_PASSWORD` in server-encrypted.key) and a client
+    certificate (client.pem/client.key) it signed."""
     d = tmp_path_factory.mktemp("certs")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
              "ca.pem", "-days", "2", "-subj", "/CN=chassis test CA", cwd=d)  # fmt: skip
     _signed("server", "/CN=127.0.0.1", Path("ca"), d,
             "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")  # fmt: skip
     _signed("client", "/CN=chassis client", Path("ca"), d, "extendedKeyUsage=clientAuth\n")
+    # the server's key again, encrypted with a password (--ssl-keyfile-password)
+    _openssl("pkey", "-in", "server.key", "-aes256", "-passout", f"pass:{KEY_PASSWORD}",
+             "-out", "server-encrypted.key", cwd=d)  # fmt: skip
     return d
 
 
@@ -61,6 +69,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [
         ({"ssl_keyfile": "k.pem"}, "--ssl-keyfile needs --ssl-certfile"),
         ({"ssl_ca_certs": "ca.pem"}, "need --ssl-certfile"),
+        ({"ssl_keyfile_password": "pw"}, "--ssl-keyfile-password needs --ssl-certfile"),
         ({"ssl_certfile": "c.pem", "ssl_cert_reqs": 2}, "give --ssl-ca-certs"),
         ({"ssl_certfile": "c.pem", "ssl_cert_reqs": 3}, "--ssl-cert-reqs must be"),
         ({"uds": ""}, "--uds must be a socket path"),
@@ -99,6 +108,42 @@ def test_check_tls_loads_the_files_or_names_the_flag(certs: Path, tmp_path: Path
                 ssl_ca_certs=str(tmp_path / "junk.pem"),
             )
         )
+
+
+def test_an_encrypted_key_loads_with_its_password_only(certs: Path) -> None:
+    """Never a terminal prompt: without the password start-up fails naming the flag."""
+    encrypted = {
+        "ssl_certfile": str(certs / "server.pem"),
+        "ssl_keyfile": str(certs / "server-encrypted.key"),
+    }
+    assert (certs / "server-encrypted.key").read_text().startswith("-----BEGIN ENCRYPTED")
+    context = check_tls(ServerSettings(**encrypted, ssl_keyfile_password=KEY_PASSWORD))
+    assert context is not None
+    with pytest.raises(ValueError, match="is encrypted; give its password with --ssl-keyfile-pa"):
+        check_tls(ServerSettings(**encrypted))
+    with pytest.raises(ValueError, match=r"cannot load .*is --ssl-keyfile-password right\?"):
+        check_tls(ServerSettings(**encrypted, ssl_keyfile_password="wrong"))
+    # a key that is not encrypted ignores a password, as OpenSSL does
+    plain = {"ssl_certfile": str(certs / "server.pem"), "ssl_keyfile": str(certs / "server.key")}
+    assert check_tls(ServerSettings(**plain, ssl_keyfile_password="unused")) is not None
+    assert KEY_PASSWORD not in repr(ServerSettings(**encrypted, ssl_keyfile_password=KEY_PASSWORD))
+
+
+def test_the_password_flag_reaches_uvicorn(certs: Path) -> None:
+    from chassis.serve.cli import build_parser
+    from chassis.serve.cli_serve import settings_from_args
+    from chassis.serve.server import uvicorn_config
+
+    args = build_parser().parse_args(
+        ["serve", "m", "--ssl-certfile", str(certs / "server.pem"), "--ssl-keyfile",
+         str(certs / "server-encrypted.key"), "--ssl-keyfile-password", KEY_PASSWORD]
+    )  # fmt: skip
+    settings = settings_from_args(args)
+    assert settings.ssl_keyfile_password == KEY_PASSWORD
+    config = uvicorn_config(None, settings)  # type: ignore[arg-type]
+    assert config.ssl_keyfile_password == KEY_PASSWORD
+    config.load()  # uvicorn builds its own context from the encrypted key
+    assert config.ssl is not None
 
 
 def test_listen_address() -> None:
@@ -148,8 +193,9 @@ def test_https_with_client_certificates(
     certs: Path,
     tmp_path: Path,
 ) -> None:
-    """mTLS: a client with a certificate the CA signed completes; plain HTTP and a client
-    without a certificate are refused at the TLS layer."""
+    """mTLS, the server's key encrypted (``--ssl-keyfile-password``): a client with a
+    certificate the CA signed completes; plain HTTP and a client without a certificate are
+    refused at the TLS layer."""
     import openai
 
     def client(cert: bool) -> httpx.Client:
@@ -158,7 +204,8 @@ def test_https_with_client_certificates(
                             **kwargs)  # fmt: skip
 
     tls_args = ["--ssl-certfile", str(certs / "server.pem"), "--ssl-keyfile",
-                str(certs / "server.key"), "--ssl-ca-certs", str(certs / "ca.pem"),
+                str(certs / "server-encrypted.key"), "--ssl-keyfile-password", KEY_PASSWORD,
+                "--ssl-ca-certs", str(certs / "ca.pem"),
                 "--ssl-cert-reqs", "2"]  # fmt: skip
     with client(cert=True) as http:
         server = start_server(
