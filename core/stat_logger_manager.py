@@ -3,16 +3,21 @@
 The front-end (``AsyncLLM``, or the offline ``LLM``) resolves the names before it starts the
 engine (an unknown name fails fast), builds the loggers once the engine is ready, then
 calls :meth:`StatLoggerManager.record` per step and :meth:`StatLoggerManager.shutdown` at the
-end; a daemon timer thread calls :meth:`StatLoggerManager.log` every interval. One lock
-serialises every call, so a logger never sees two calls at once.
+end; a daemon timer thread calls :meth:`StatLoggerManager.log` every interval. A logger
+never sees two calls at once (one lock per logger serialises them), and ``record`` on the
+output path never waits for a logger's ``log``: a step's stats are queued per logger, and
+whichever thread holds that logger's lock delivers the queue, in step order. So a slow
+``log`` (a vendor's exporter on the network) delays only that logger's view of later steps,
+never the outputs.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from chassis.core.stat_logger import (
@@ -35,6 +40,10 @@ class _Entry:
     name: str
     logger: StatLoggerBase
     disabled: bool = False
+    #: held while one of the logger's methods runs
+    calls: threading.Lock = field(default_factory=threading.Lock)
+    #: steps not yet passed to ``record`` (deque: append and popleft are thread-safe)
+    pending: deque[tuple[SchedulerStats, IterationStats]] = field(default_factory=deque)
 
 
 def default_stat_loggers() -> list[str]:
@@ -86,7 +95,6 @@ class StatLoggerManager:
             that cannot start is a start-up error, like a plugin that does not load.
         """
         self.interval_s = interval_s
-        self._lock = threading.Lock()
         self._entries: list[_Entry] = []
         for name, factory in factories:
             try:
@@ -97,8 +105,8 @@ class StatLoggerManager:
                     f"stat logger {name!r} failed to start: {type(exc).__name__}: {exc}"
                 ) from exc
             self._entries.append(_Entry(name, built))
-        with self._lock:
-            for entry in self._entries:
+        for entry in self._entries:
+            with entry.calls:
                 self._call(entry, "log_engine_initialized")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -114,20 +122,23 @@ class StatLoggerManager:
         return [e.logger for e in self._entries if not e.disabled]
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        """Pass one step's stats to every enabled logger."""
-        if not self._entries:
-            return
-        with self._lock:
-            for entry in self._entries:
-                if not entry.disabled:
-                    self._call(entry, "record", scheduler_stats, iteration_stats)
+        """Pass one step's stats to every enabled logger, without waiting for one that is
+        busy in another call (its ``log``): that logger gets them, in order, as soon as the
+        call returns."""
+        for entry in self._entries:
+            if not entry.disabled:
+                entry.pending.append((scheduler_stats, iteration_stats))
+                self._deliver(entry, wait=False)
 
     def log(self) -> None:
-        """Call every enabled logger's ``log`` (the timer does this every interval)."""
-        with self._lock:
-            for entry in self._entries:
+        """Call every enabled logger's ``log`` (the timer does this every interval), after
+        its ``record`` of every step recorded so far."""
+        for entry in self._entries:
+            with entry.calls:
+                self._record_pending(entry)
                 if not entry.disabled:
                     self._call(entry, "log")
+            self._deliver(entry, wait=False)  # steps recorded while it logged
 
     def shutdown(self) -> None:
         """Stop the timer and call every enabled logger's ``shutdown`` (once; idempotent)."""
@@ -137,11 +148,35 @@ class StatLoggerManager:
         self._shutdown_entries()
 
     def _shutdown_entries(self) -> None:
-        with self._lock:
-            for entry in self._entries:
+        for entry in self._entries:
+            with entry.calls:
+                self._record_pending(entry)
                 if not entry.disabled:
                     self._call(entry, "shutdown")
                     entry.disabled = True
+                entry.pending.clear()
+
+    def _deliver(self, entry: _Entry, wait: bool) -> None:
+        """Pass ``entry``'s queued steps to its ``record`` unless (``wait`` false) another
+        thread is in one of its calls; that thread delivers them when its call returns."""
+        while entry.pending:
+            if not entry.calls.acquire(blocking=wait):
+                # The holder checks the queue after releasing the lock; a step queued after
+                # that check finds the lock free here.
+                return
+            try:
+                self._record_pending(entry)
+            finally:
+                entry.calls.release()
+
+    def _record_pending(self, entry: _Entry) -> None:
+        # the caller holds entry.calls
+        while entry.pending:
+            scheduler_stats, iteration_stats = entry.pending.popleft()
+            if entry.disabled:
+                entry.pending.clear()
+                return
+            self._call(entry, "record", scheduler_stats, iteration_stats)
 
     def _run_timer(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import logging
 import re
+import threading
 import time
 from typing import Any
 
@@ -206,6 +207,52 @@ def test_a_failing_logger_is_logged_once_and_disabled(caplog) -> None:
     assert manager.loggers == []  # all shut down now
     assert len(recording.steps) == 4
     assert recording.calls == ["initialized", "log", "shutdown"]
+
+
+class SlowLogLogger(RecordingLogger):
+    """``log`` blocks until the test sets ``release``; ``record`` notes whether a ``log``
+    was running (a logger must never see two calls at once)."""
+
+    def __init__(self, info: StatLoggerInfo) -> None:
+        super().__init__(info)
+        self.logging = threading.Event()
+        self.release = threading.Event()
+        self.overlaps = 0
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.overlaps += self.logging.is_set()
+        super().record(scheduler_stats, iteration_stats)
+
+    def log(self) -> None:
+        self.logging.set()
+        assert self.release.wait(timeout=60)
+        super().log()
+        self.logging.clear()
+
+
+@pytest.mark.timeout(60)
+def test_record_does_not_wait_for_a_blocked_log() -> None:
+    manager = StatLoggerManager(
+        [("slow", SlowLogLogger), ("recording", RecordingLogger)], INFO, interval_s=3600
+    )
+    slow, other = manager.loggers
+    manager.record(SchedulerStats(), IterationStats(num_generation_tokens=1))
+    log_thread = threading.Thread(target=manager.log)
+    log_thread.start()
+    assert slow.logging.wait(timeout=30)  # slow.log() is running, and blocked
+    # the output path: returns although slow.log() holds on; the other logger gets the steps
+    for n in (2, 3):
+        manager.record(SchedulerStats(), IterationStats(num_generation_tokens=n))
+    assert [it.num_generation_tokens for _, it in other.steps] == [1, 2, 3]
+    assert [it.num_generation_tokens for _, it in slow.steps] == [1]  # queued, not concurrent
+    slow.release.set()
+    log_thread.join(timeout=30)
+    assert not log_thread.is_alive()
+    # delivered in step order as soon as log() returned, never during it
+    assert [it.num_generation_tokens for _, it in slow.steps] == [1, 2, 3]
+    assert slow.overlaps == 0 and slow.calls == ["initialized", "log"]
+    manager.shutdown()
+    assert slow.calls[-1] == "shutdown" and other.calls == ["initialized", "log", "shutdown"]
 
 
 def test_a_logger_that_cannot_start_is_a_startup_error() -> None:
