@@ -132,6 +132,16 @@ class CudaPlatform(TorchCudaLikePlatform):
     name = "cuda"
     dist_backend = "nccl"
 
+    def fp8_kv_cache_dtypes(self) -> tuple[torch.dtype, ...]:
+        """e5m2 on every GPU; e4m3 only when every visible device is sm_89 or later (Ada,
+        Hopper, Blackwell): Triton's ``fp8e4nv`` type, which the ``triton_paged`` kernels
+        convert to and from, does not exist below compute capability 8.9, whereas ``fp8e5``
+        converts in software there."""
+        capabilities = [torch_facts.cuda_capability(i) for i in range(self.device_count())]
+        if capabilities and all(c >= (8, 9) for c in capabilities):
+            return (torch.float8_e4m3fn, torch.float8_e5m2)
+        return (torch.float8_e5m2,)
+
     @classmethod
     def is_available(cls) -> bool:
         return torch_facts.hip_version() is None and torch_facts.cuda_device_count() > 0

@@ -172,6 +172,17 @@ class Platform(ABC):
                 return name
         return candidates[0]
 
+    def fp8_kv_cache_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The 8-bit KV cache formats (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) this
+        platform's devices can store and read, whatever the attention backend:
+        ``--kv-cache-dtype`` values of other formats are refused at engine setup
+        (:meth:`check_and_update_config`), before any kernel compiles. Default: both, which
+        torch code converts on any device; a platform whose kernels depend on the hardware
+        (Triton's fp8 conversions on GPUs) answers from the devices it sees."""
+        from chassis.core.attention import FP8_KV_DTYPES
+
+        return FP8_KV_DTYPES
+
     def supports_graph_capture(self) -> bool:
         """Whether decode steps can be captured and replayed as device graphs.
 
@@ -250,15 +261,32 @@ class Platform(ABC):
         """Validate ``config`` for this device and fill device-dependent fields in place.
 
         Raise ``ValueError`` with an actionable message for what this device cannot do. The
-        default checks that the attention backend supports ``--kv-cache-dtype``; an override
+        default checks that the device stores ``--kv-cache-dtype``
+        (:meth:`fp8_kv_cache_dtypes`) and that the attention backend does; an override
         should call it.
         """
+        if config.kv_cache_dtype != "auto":
+            self._check_fp8_kv_cache(config.kv_cache_dtype)
         if config.attention_backend is not None and config.kv_cache_dtype != "auto":
             from chassis.core.attention import check_kv_cache_dtype
             from chassis.plugins import get_registries
 
             backend = get_registries().attention_backends.get(config.attention_backend)
             check_kv_cache_dtype(config.attention_backend, backend, config.kv_cache_dtype)
+
+    def _check_fp8_kv_cache(self, kv_cache_dtype: str) -> None:
+        from chassis.core.attention import FP8_KV_CACHE_DTYPES, resolve_kv_cache_dtype
+
+        dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
+        supported = self.fp8_kv_cache_dtypes()
+        if dtype in supported:
+            return
+        choices = ["auto"] + [n for n, d in FP8_KV_CACHE_DTYPES.items() if d in supported]
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype} ({str(dtype).removeprefix('torch.')}) is not "
+            f"supported on this {self.name} device ({self.device_name(0)}); choices here: "
+            f"{', '.join(choices)} (docs/performance.md, 'FP8 KV cache')"
+        )
 
     # -- reporting ----------------------------------------------------------------------------
 

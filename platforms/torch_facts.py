@@ -25,6 +25,19 @@ def cuda_device_count() -> int:
         return 0
 
 
+def cuda_capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device ``index`` (``(8, 9)`` for sm_89); initializes
+    CUDA in this process."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+def rocm_arch(index: int) -> str:
+    """The GCN architecture of ROCm device ``index`` without its feature flags
+    (``"gfx942"`` of ``"gfx942:sramecc+:xnack-"``); initializes HIP in this process."""
+    return str(torch.cuda.get_device_properties(index).gcnArchName).split(":")[0]
+
+
 def xpu_built() -> bool:
     """Whether this torch build was compiled with XPU (Intel GPU) support."""
     xpu = getattr(torch, "xpu", None)

@@ -339,6 +339,25 @@ def test_cpu_paged_refuses_an_fp8_cache(tiny_llama_dir) -> None:
 
 
 @not_in_interpreter
+def test_a_format_the_device_cannot_store_is_refused_at_setup(tiny_llama_dir, monkeypatch) -> None:
+    """The engine asks the platform (``Platform.fp8_kv_cache_dtypes``) before anything runs;
+    here the CPU platform answers as an sm_80 GPU would (e5m2 only)."""
+    from chassis.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "fp8_kv_cache_dtypes", lambda self: (torch.float8_e5m2,))
+    monkeypatch.setattr(CpuPlatform, "device_name", lambda self, index=0: "Test GPU 80")
+    for flag in ("fp8", "fp8_e4m3"):
+        with pytest.raises(ValueError) as refused:
+            _llm(tiny_llama_dir, kv_cache_dtype=flag, num_kv_blocks=64)
+        message = str(refused.value)
+        assert f"--kv-cache-dtype {flag} (float8_e4m3fn) is not supported" in message
+        assert "Test GPU 80" in message and "choices here: auto, fp8_e5m2" in message
+    llm = _llm(tiny_llama_dir, kv_cache_dtype="fp8_e5m2", num_kv_blocks=64)
+    runner = llm.engine.executor.worker.runner
+    assert {c.dtype for c in runner.kv_caches} == {torch.float8_e5m2}
+
+
+@not_in_interpreter
 def test_prefix_caching_chunked_prefill_and_speculation_keep_tokens(tiny_llama_dir) -> None:
     """With an fp8 cache every path reads the same quantized K/V, so chunked prefill (16-token
     steps), prefix-cache hits (a second run) and n-gram speculation change no greedy token."""

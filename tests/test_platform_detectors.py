@@ -27,6 +27,70 @@ def set_facts(monkeypatch: pytest.MonkeyPatch, **values: object) -> None:
 # -- CUDA -----------------------------------------------------------------------------------
 
 
+def _capabilities(monkeypatch: pytest.MonkeyPatch, fact: str, values: list) -> None:
+    monkeypatch.setattr(facts, "cuda_device_count", lambda: len(values))
+    monkeypatch.setattr(facts, fact, lambda index: values[index])
+
+
+@pytest.mark.parametrize(
+    ("capabilities", "formats"),
+    [
+        ([(9, 0)], (torch.float8_e4m3fn, torch.float8_e5m2)),  # H100/H200
+        ([(8, 9), (12, 0)], (torch.float8_e4m3fn, torch.float8_e5m2)),  # L4, Blackwell
+        ([(8, 0)], (torch.float8_e5m2,)),  # A100: no e4m3 in Triton below sm_89
+        ([(9, 0), (8, 6)], (torch.float8_e5m2,)),  # every visible device must have it
+        ([(7, 5)], (torch.float8_e5m2,)),
+    ],
+)
+def test_cuda_fp8_kv_formats_follow_the_compute_capability(
+    monkeypatch: pytest.MonkeyPatch, capabilities: list, formats: tuple
+) -> None:
+    _capabilities(monkeypatch, "cuda_capability", capabilities)
+    assert CudaPlatform().fp8_kv_cache_dtypes() == formats
+
+
+def test_an_fp8_kv_format_the_gpu_lacks_is_refused_naming_device_and_choices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from chassis.core.config import EngineConfig
+
+    _capabilities(monkeypatch, "cuda_capability", [(8, 0)])
+    monkeypatch.setattr(CudaPlatform, "device_name", lambda self, index=0: "NVIDIA A100")
+    platform = CudaPlatform()
+    for flag in ("fp8", "fp8_e4m3"):
+        config = EngineConfig(kv_cache_dtype=flag, attention_backend="triton_paged")
+        with pytest.raises(ValueError) as refused:
+            platform.check_and_update_config(config)
+        assert f"--kv-cache-dtype {flag} (float8_e4m3fn)" in str(refused.value)
+        assert "cuda device (NVIDIA A100)" in str(refused.value)
+        assert "choices here: auto, fp8_e5m2" in str(refused.value)
+    platform.check_and_update_config(
+        EngineConfig(kv_cache_dtype="fp8_e5m2", attention_backend="triton_paged")
+    )
+    platform.check_and_update_config(EngineConfig(attention_backend="triton_paged"))  # auto
+
+
+@pytest.mark.parametrize(
+    ("archs", "formats"),
+    [
+        (["gfx942"], (torch.float8_e4m3fn, torch.float8_e5m2)),  # MI300
+        (["gfx950"], (torch.float8_e4m3fn, torch.float8_e5m2)),  # MI350
+        (["gfx90a"], (torch.float8_e5m2,)),  # MI200: Triton gives it fp8e5 only
+        (["gfx1100"], (torch.float8_e5m2,)),
+        (["gfx942", "gfx90a"], (torch.float8_e5m2,)),
+    ],
+)
+def test_rocm_fp8_kv_formats_follow_the_architecture(
+    monkeypatch: pytest.MonkeyPatch, archs: list, formats: tuple
+) -> None:
+    _capabilities(monkeypatch, "rocm_arch", archs)
+    assert RocmPlatform().fp8_kv_cache_dtypes() == formats
+
+
+def test_platforms_without_device_kernels_store_both_fp8_formats() -> None:
+    assert CpuPlatform().fp8_kv_cache_dtypes() == (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def test_cuda_needs_a_cuda_build_with_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     set_facts(monkeypatch, hip_version=None, cuda_version="12.8", cuda_device_count=2)
     assert CudaPlatform.is_available()
