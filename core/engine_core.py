@@ -105,6 +105,9 @@ class EngineCore:
         #: count is above zero (``Executor.pin_lora``), so no step reads its folder
         self._lora_of: dict[str, int] = {}
         self._lora_refs: dict[int, int] = {}
+        #: the folder each adapter id was first accepted with; the id keeps it for the
+        #: engine's lifetime, as device slots and prefix-cache entries are keyed by the id
+        self._lora_paths: dict[int, str] = {}
         assert config.max_model_len is not None and config.attention_backend is not None
         self.info = EngineInfo(
             platform=platform.name,
@@ -171,11 +174,22 @@ class EngineCore:
 
     def _pin_lora(self, request_id: str, lora: LoRARequest) -> None:
         """Count ``request_id`` as a user of ``lora``, pinning it in the workers on its first
-        (``ValueError`` when its folder cannot be read: the request is refused alone)."""
+        (``ValueError`` when its folder cannot be read, or when the id was accepted with
+        another folder before: the request is refused alone)."""
         lora_id = lora.lora_int_id
+        bound = self._lora_paths.get(lora_id)
+        if bound is not None and bound != lora.lora_path:
+            # the front-end refuses this first; a request that skipped it (an embedder of
+            # EngineCore) must not run the adapter already pinned or cached under the id
+            raise ValueError(
+                f"LoRA adapter id {lora_id} belongs to the adapter in {bound}; adapter "
+                f"{lora.lora_name!r} in {lora.lora_path} cannot take it: give each adapter "
+                "its own id"
+            )
         count = self._lora_refs.get(lora_id, 0)
         if count == 0:
             self.executor.pin_lora(lora)
+        self._lora_paths[lora_id] = lora.lora_path
         self._lora_refs[lora_id] = count + 1
         self._lora_of[request_id] = lora_id
 

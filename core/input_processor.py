@@ -197,8 +197,9 @@ class InputProcessor:
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """Refuse a LoRA adapter the engine cannot run: LoRA off, an id already given to
-        another adapter, or an adapter that does not fit the model (read the first time an
-        id is seen; :func:`~chassis.core.lora.adapter.check_adapter`). Thread-safe."""
+        another adapter (another name or folder, for as long as this front-end lives), or an
+        adapter that does not fit the model (read the first time an id is seen;
+        :func:`~chassis.core.lora.adapter.check_adapter`). Thread-safe."""
         if lora_request is None:
             return
         if not isinstance(lora_request, LoRARequest):
@@ -222,9 +223,12 @@ class InputProcessor:
             with self._loras_lock:
                 known = self._loras.setdefault(lora_request.lora_int_id, lora_request)
         if known != lora_request:
+            # the engine keys device slots and prefix-cache entries by the id: the id stays
+            # the first adapter's for the engine's lifetime (docs/lora.md)
             raise ValueError(
                 f"lora_int_id {lora_request.lora_int_id} already names adapter "
-                f"{known.lora_name!r} ({known.lora_path}); give each adapter its own id"
+                f"{known.lora_name!r} ({known.lora_path}); adapter {lora_request.lora_name!r} "
+                f"({lora_request.lora_path}) cannot take it: give each adapter its own id"
             )
 
     def _token_restrictions(self, params: SamplingParams) -> SamplingParams:

@@ -483,8 +483,10 @@ class LLM:
         # each pair's two texts, with the pair's adapter; a text is embedded once per adapter
         prompts = [firsts[i] for i, _ in pairs] + [seconds[j] for _, j in pairs]
         prompt_loras = loras + loras
+        # keyed by the whole adapter, not its id: two adapters under one id are both checked
+        # (and refused), never merged into one embedding
         keys = [
-            (_score_key(p, k), lora.lora_int_id if lora is not None else 0)
+            (_score_key(p, k), lora)
             for k, (p, lora) in enumerate(zip(prompts, prompt_loras, strict=True))
         ]
         unique, where = distinct(list(zip(prompts, prompt_loras, strict=True)), keys)

@@ -196,6 +196,35 @@ def test_refusals_before_anything_runs(tiny_llama_dir: Path, tmp_path: Path) -> 
         LoRARequest("zero", 0, str(adapter))
 
 
+def test_an_id_reused_for_another_folder_is_refused_naming_both(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """An id keeps its first adapter for the engine's lifetime (slots and prefix cache are
+    keyed by it): the front-end refuses another folder under it, naming both folders, and so
+    does the engine core for a request that skipped that check, pinned or not."""
+    first = write_peft_adapter(tmp_path / "first", tiny_llama_dir, rank=4, seed=1)
+    other = write_peft_adapter(tmp_path / "other", tiny_llama_dir, rank=4, seed=2)
+    lora_a, lora_b = LoRARequest("a", 1, str(first)), LoRARequest("b", 1, str(other))
+    llm = _engine(tiny_llama_dir)
+    expected_a = _greedy(llm, [lora_a], PROMPTS[:1])
+    with pytest.raises(ValueError) as refused:
+        _greedy(llm, [lora_b], PROMPTS[:1])
+    assert str(first) in str(refused.value) and str(other) in str(refused.value)
+    assert "already names adapter 'a'" in str(refused.value)
+    # without the front-end's check: the engine core refuses the request alone
+    monkeypatch.setattr(llm.input_processor, "check_lora", lambda lora_request: None)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    together = llm.generate(PROMPTS[:1] * 2, params, lora_request=[lora_a, lora_b])  # a pinned
+    assert list(together[0].outputs[0].token_ids) == expected_a[0]
+    assert together[1].outputs[0].finish_reason == "abort"
+    assert together[1].outputs[0].token_ids == []
+    alone = llm.generate(PROMPTS[:1], params, lora_request=lora_b)  # a unpinned, still in a slot
+    assert alone[0].outputs[0].finish_reason == "abort"
+    refusals = [r.getMessage() for r in caplog.records if "cannot take it" in r.getMessage()]
+    assert len(refusals) == 2 and all(str(first) in m and str(other) in m for m in refusals)
+    assert _greedy(llm, [lora_a], PROMPTS[:1]) == expected_a  # the id still runs its adapter
+
+
 def test_check_adapter_refuses_what_cannot_be_applied(tiny_llama_dir: Path, tmp_path: Path) -> None:
     shapes = {"model.layers.0.self_attn.q_proj": (64, 64)}
     adapter = write_peft_adapter(tmp_path / "a", tiny_llama_dir, targets=("q_proj",), rank=4)

@@ -192,6 +192,11 @@ def test_adapters_are_checked_before_anything_runs(
         embedder.embed(PROMPTS[:1], lora_request=LoRARequest("x", 9, str(tmp_path / "none")))
     with pytest.raises(ValueError, match="already names adapter"):
         embedder.embed(PROMPTS[:1], lora_request=LoRARequest("x", 1, str(adapters["b"])))
+    # score embeds each distinct text once per adapter: another folder under id 1 is still
+    # checked (and refused), not merged with adapter a's embedding of the same text
+    impostor = LoRARequest("x", 1, str(adapters["b"]))
+    with pytest.raises(ValueError, match="already names adapter 'a'"):
+        embedder.score(PROMPTS[0], [PROMPTS[1]] * 2, lora_request=[_lora(adapters, "a"), impostor])
     with pytest.raises(ValueError, match="got 1 LoRA requests for 2 prompts"):
         embedder.embed(PROMPTS[:2], lora_request=[None])
 
