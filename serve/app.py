@@ -6,7 +6,7 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``GET  /v1/models``        the served model, then its LoRA adapters
 ``POST /v1/completions``   :mod:`chassis.serve.openai_completions`
 ``POST /v1/chat/completions``  :mod:`chassis.serve.openai_chat`
-``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``: :mod:`chassis.serve.openai_responses`
+``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``.../cancel``: :mod:`chassis.serve.openai_responses`
 ``POST /v1/embeddings``    :mod:`chassis.serve.openai_embeddings` (``--runner pooling``)
 ``POST /score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``:
                            :mod:`chassis.serve.openai_score` (``--runner pooling``)
@@ -59,6 +59,7 @@ from chassis.serve.protocol import (
     VersionResponse,
 )
 from chassis.serve.renderer import ChatRenderer
+from chassis.serve.responses_background import BackgroundResponses, background_responses
 from chassis.serve.responses_store import ResponseStore, store_size_from_env
 from chassis.serve.root_path import RootPathMiddleware
 from chassis.serve.security import install_security
@@ -232,6 +233,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         yield
         state.shutting_down = True
         await state.abort_all()
+        # background responses end cancelled (their engine requests aborted just above)
+        await background_responses(app).close()
         if settings.shutdown_engine_on_exit:
             try:
                 await engine.shutdown()
@@ -250,6 +253,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     # made now: a bad $CHASSIS_RESPONSES_STORE_SIZE stops start-up (on first use it would
     # answer every /v1/responses request with a 400 blaming the client)
     app.state.responses_store = ResponseStore(store_size_from_env())
+    app.state.responses_background = BackgroundResponses()
     install_exception_handlers(app)
     install_security(app, settings)
     if settings.root_path:  # outermost: the API-key check sees the prefix too

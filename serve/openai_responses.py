@@ -13,18 +13,26 @@ params and parsers. The generated message becomes output items
 
 With ``store`` (the default) the finished response and its conversation are kept in the
 server's bounded in-memory store (:mod:`chassis.serve.responses_store`) for
-``GET /v1/responses/{id}`` and ``previous_response_id``; an unknown id is a 404.
+``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
+(:mod:`chassis.serve.responses_items`) and ``previous_response_id``; an unknown id is a 404.
+
+With ``background: true`` the response is made by a task of the server
+(:mod:`chassis.serve.responses_background`): the request answers at once (``queued``), ``GET``
+shows its progress, ``POST /v1/responses/{id}/cancel`` aborts it, and one created with
+``stream: true`` can be followed again from any sequence number
+(``GET /v1/responses/{id}?stream=true&starting_after=N``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from chassis.serve import errors
@@ -32,7 +40,13 @@ from chassis.serve.chat_parsing import ChoiceDelta, ChoiceParser, RequestParsing
 from chassis.serve.openai_chat import prepare_chat
 from chassis.serve.protocol import ChatMessage
 from chassis.serve.request_log import log_request
+from chassis.serve.responses_background import (
+    BackgroundResponses,
+    BackgroundRun,
+    background_responses,
+)
 from chassis.serve.responses_input import chat_messages, input_items
+from chassis.serve.responses_items import DEFAULT_LIMIT, check_include, page, with_ids
 from chassis.serve.responses_output import (
     new_id,
     output_items,
@@ -44,7 +58,7 @@ from chassis.serve.responses_protocol import OutputItem, ResponseObject, Respons
 from chassis.serve.responses_store import ResponseStore, StoredResponse, response_store
 from chassis.serve.responses_stream import ResponseEvents
 from chassis.serve.state import ServerState, UsageCounter
-from chassis.serve.streaming import generation_response
+from chassis.serve.streaming import ClosingStreamingResponse, generation_response
 
 if TYPE_CHECKING:
     from chassis.core.outputs import RequestOutput
@@ -79,8 +93,12 @@ class _Turn:
     params: SamplingParams
     #: the items before this response's output (previous turns, then ``input``)
     conversation: list[dict[str, Any]]
+    #: the stream events, kept for a background response created with ``stream: true``
+    events: list[str] | None = None
     #: when the request arrived (the same in every event of a stream)
     created_at: int = field(default_factory=lambda: int(time.time()))
+    #: the final response, once made
+    final: ResponseObject | None = None
 
     def in_progress(self) -> ResponseObject:
         """The response with its echo fields and no output yet."""
@@ -103,6 +121,7 @@ class _Turn:
             tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
             tools=list(body.tools or []),
             user=body.user,
+            background=bool(body.background),
         )
 
     def finish(
@@ -118,11 +137,21 @@ class _Turn:
                 "usage": response_usage(usage, self.state.tokenizer, reasoning_text(items)),
             }
         )
-        if self.body.store is not False:
-            output = [item.model_dump(mode="json") for item in items]
-            stored = StoredResponse(response.model_dump(mode="json"), self.conversation + output)
-            self.store.put(self.response_id, stored)
+        self.keep(response)
         return response
+
+    def keep(self, response: ResponseObject) -> None:
+        """Make ``response`` the final one, stored when ``store``."""
+        self.final = response
+        if self.body.store is not False:
+            output = [item.model_dump(mode="json") for item in response.output]
+            stored = StoredResponse(
+                response.model_dump(mode="json"),
+                self.conversation + output,
+                num_input_items=len(self.conversation),
+                events=self.events,
+            )
+            self.store.put(self.response_id, stored)
 
 
 def _parsed(parser: ChoiceParser | None, text: str) -> ChoiceDelta:
@@ -151,11 +180,25 @@ async def _events(
     turn: _Turn, stream: AsyncIterator[RequestOutput], parsing: RequestParsing | None
 ) -> AsyncIterator[str]:
     writer = ResponseEvents(turn.in_progress())
-    parser = parsing.choice_parser() if parsing is not None else None
-    usage = UsageCounter()
-    finish: str | None = None
     for event in writer.start():
         yield event
+    output = _output_events(turn, writer, stream, parsing, UsageCounter())
+    async with contextlib.aclosing(output) as events:
+        async for event in events:
+            yield event
+
+
+async def _output_events(
+    turn: _Turn,
+    writer: ResponseEvents,
+    stream: AsyncIterator[RequestOutput],
+    parsing: RequestParsing | None,
+    usage: UsageCounter,
+) -> AsyncIterator[str]:
+    """The events after ``response.in_progress``: the output items, then the final response
+    (made by ``turn.finish``); a failure ends them with ``error`` and ``response.failed``."""
+    parser = parsing.choice_parser() if parsing is not None else None
+    finish: str | None = None
     try:
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -184,14 +227,91 @@ async def _events(
             yield event
 
 
+async def _run_background(
+    turn: _Turn,
+    run: BackgroundRun,
+    writer: ResponseEvents,
+    open_stream: Callable[[], Awaitable[AsyncIterator[RequestOutput]]],
+    parsing: RequestParsing | None,
+) -> None:
+    """Make a background response: its events go to ``run``, its final response (also a
+    failed or cancelled one) to the store."""
+    usage = UsageCounter()
+    try:
+        if run.cancel_requested:  # cancelled before this task first ran
+            raise asyncio.CancelledError
+        stream = await open_stream()
+        run.status = "in_progress"
+        run.add_event(writer.in_progress())
+        output = _output_events(turn, writer, stream, parsing, usage)
+        async with contextlib.aclosing(output) as events:
+            async for event in events:
+                run.add_event(event)
+        if writer.failed_response is not None:
+            turn.keep(writer.failed_response)
+    except asyncio.CancelledError:
+        # POST .../cancel or shutdown: closing the engine stream aborted the engine request;
+        # the response keeps what was made, its last item incomplete
+        if turn.final is not None:
+            return
+        if writer.items:
+            for event in writer.finish("cancelled"):
+                run.add_event(event)
+        run.add_event(writer.end(turn.finish(None, writer.items, usage)))
+    except Exception as exc:  # the engine refused the request (a 400), or is dead
+        error = errors.to_api_error(exc)
+        kind = "invalid_prompt" if error.status == 400 else "server_error"
+        for event in writer.failed(error.message, error.code or error.status, error.param, kind):
+            run.add_event(event)
+        assert writer.failed_response is not None
+        turn.keep(writer.failed_response)
+
+
+def _start_background(
+    request: Request,
+    turn: _Turn,
+    open_stream: Callable[[], Awaitable[AsyncIterator[RequestOutput]]],
+    parsing: RequestParsing | None,
+) -> Response:
+    """Start a background response; answer with it (``queued``), or follow its events when
+    the request streams."""
+    writer = ResponseEvents(turn.in_progress())
+
+    def snapshot() -> ResponseObject:
+        output = [item.model_copy(deep=True) for item in writer.items]
+        return turn.in_progress().model_copy(update={"status": run.status, "output": output})
+
+    run = BackgroundRun(turn.response_id, snapshot, turn.events, turn.conversation)
+    run.add_event(writer.created("queued"))
+    run.add_event(writer.queued())
+    background_responses(request.app).start(
+        run, lambda run: _run_background(turn, run, writer, open_stream, parsing)
+    )
+    if turn.events is not None:
+        return _sse(run.follow())
+    return JSONResponse(snapshot().model_dump(mode="json"))
+
+
+def _sse(events: AsyncIterator[str]) -> Response:
+    return ClosingStreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
 def _conversation(
-    store: ResponseStore, body: ResponsesRequest
+    store: ResponseStore, runs: BackgroundResponses, body: ResponsesRequest
 ) -> tuple[list[dict[str, Any]], list[ChatMessage]]:
-    """The conversation's items before the output (previous turns, then ``input``), and
-    the chat messages to render (``instructions`` first)."""
-    new = input_items(body.input)
+    """The conversation's items before the output (previous turns, then ``input``, each
+    with an ``id``), and the chat messages to render (``instructions`` first)."""
+    new = with_ids(input_items(body.input))
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
+        if runs.get(body.previous_response_id) is not None:
+            raise errors.bad_request(
+                f"response '{body.previous_response_id}' is still in progress: continue it "
+                "once it has finished",
+                "previous_response_id",
+            )
         previous = store.get(body.previous_response_id)
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
@@ -220,19 +340,26 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     model, lora_request = state.resolve_model(body.model)
     body.check()
     store = response_store(request.app)
-    conversation, messages = _conversation(store, body)
+    conversation, messages = _conversation(store, background_responses(request.app), body)
     params, prompt_ids, parsing = await prepare_chat(state, body.chat_request(messages))
     response_id = new_id("resp")
     log_request(
         state.settings, response_id, None, prompt_ids, params, lora_request, state.tokenizer
     )
-    turn = _Turn(state, store, body, response_id, model, params, conversation)
+    events: list[str] | None = [] if body.background and body.stream else None
+    turn = _Turn(state, store, body, response_id, model, params, conversation, events)
+
+    def open_stream() -> Awaitable[AsyncIterator[RequestOutput]]:
+        return state.open_stream(
+            prompt_ids, params, response_id, body.priority or 0, lora_request, body.cache_salt
+        )
+
+    if body.background:
+        return _start_background(request, turn, open_stream, parsing)
     return await generation_response(
         request,
         bool(body.stream),
-        lambda: state.open_stream(
-            prompt_ids, params, response_id, body.priority or 0, lora_request, body.cache_salt
-        ),
+        open_stream,
         lambda stream: _events(turn, stream, parsing),
         lambda stream: _collect(turn, stream, parsing),
     )
@@ -240,23 +367,114 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject)
 async def retrieve_response(
-    response_id: str, request: Request, stream: bool = False
-) -> JSONResponse:
-    """A stored response, as it was returned; a 404 for an unknown (or dropped) id, a 400
-    for ``?stream=true`` (replaying a finished response's events is not supported)."""
-    if stream:
+    response_id: str,
+    request: Request,
+    stream: bool = False,
+    starting_after: int | None = None,
+    include_obfuscation: bool | None = None,
+) -> Response:
+    """A response: a stored one as it was returned, a running background one as it stands;
+    a 404 for an unknown (or dropped) id. With ``?stream=true``, the events of a background
+    response created with ``stream: true`` after sequence number ``starting_after`` (all
+    when absent), then the rest as they come; a 400 for any other response.
+    ``include_obfuscation`` is accepted and has no effect (no obfuscation is added)."""
+    run = background_responses(request.app).get(response_id)
+    stored = response_store(request.app).get(response_id) if run is None else None
+    if run is None and stored is None:
+        raise _not_found(response_id, "response_id")
+    if not stream:
+        if starting_after is not None:
+            raise errors.bad_request("starting_after needs stream=true", "starting_after")
+        if run is not None:
+            return JSONResponse(run.snapshot().model_dump(mode="json"))
+        assert stored is not None
+        return JSONResponse(stored.response)
+    after = -1 if starting_after is None else starting_after
+    if after < -1:
         raise errors.bad_request(
-            "a stored response cannot be streamed again: retrieve it without stream", "stream"
+            f"starting_after must be a sequence number (0 or more); got {after}",
+            "starting_after",
         )
-    stored = response_store(request.app).get(response_id)
+    if run is not None and run.events is not None:
+        return _sse(run.follow(after))
+    if stored is not None and stored.events is not None:
+        return _sse(_replay(stored.events[after + 1 :]))
+    raise errors.bad_request(
+        "only a background response created with stream: true can be streamed again: "
+        "retrieve this one without stream",
+        "stream",
+    )
+
+
+async def _replay(events: list[str]) -> AsyncIterator[str]:
+    for event in events:
+        yield event
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    after: str | None = None,
+    before: str | None = None,
+    limit: int = DEFAULT_LIMIT,
+    order: str = "desc",
+    include: list[str] | None = Query(None),
+) -> JSONResponse:
+    """The input items of a response (stored or running) as OpenAI's list object, a page
+    at a time (:func:`~chassis.serve.responses_items.page`); a 404 for an unknown id, 400s
+    for bad parameters."""
+    check_include(include)
+    run = background_responses(request.app).get(response_id)
+    if run is not None:
+        items = run.input_items
+    else:
+        stored = response_store(request.app).get(response_id)
+        if stored is None:
+            raise _not_found(response_id, "response_id")
+        items = stored.input_items
+    listing = page(items, after=after, before=before, limit=limit, order=order)  # type: ignore[arg-type]
+    return JSONResponse(listing)
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject)
+async def cancel_response(response_id: str, request: Request) -> JSONResponse:
+    """Cancel a background response: its engine request is aborted (its KV blocks freed)
+    and it ends ``cancelled`` with the output made so far. Cancelling a cancelled response
+    returns it again; a response that was not made in the background, or has finished
+    otherwise, is a 400; an unknown id a 404."""
+    store = response_store(request.app)
+    run = background_responses(request.app).get(response_id)
+    if run is not None:
+        await background_responses(request.app).cancel(response_id)
+        stored = store.get(response_id)
+        if stored is not None:
+            return JSONResponse(stored.response)
+        return JSONResponse(run.snapshot().model_dump(mode="json"))  # dropped at once
+    stored = store.get(response_id)
     if stored is None:
         raise _not_found(response_id, "response_id")
+    status = stored.response.get("status")
+    if not stored.response.get("background"):
+        raise errors.bad_request(
+            "only a background response can be cancelled: this one was not created with "
+            "background: true",
+            "response_id",
+        )
+    if status != "cancelled":
+        raise errors.bad_request(
+            f"the response has already finished (status {status!r}): only a queued or "
+            "in-progress background response can be cancelled",
+            "response_id",
+        )
     return JSONResponse(stored.response)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
-    """Forget a stored response (OpenAI's deletion object); a 404 for an unknown id."""
+    """Forget a stored response (OpenAI's deletion object), cancelling it first when it is a
+    running background response; a 404 for an unknown id."""
+    await background_responses(request.app).cancel(response_id)
     if not response_store(request.app).delete(response_id):
         raise _not_found(response_id, "response_id")
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -59,8 +59,9 @@ class ResponsesRequest(_SamplingRequest):
     metadata: dict[str, str] | None = None
     store: bool | None = True
     previous_response_id: str | None = None
-    # -- OpenAI fields accepted only with the values this server implements ---------------
+    #: run in the server after the request returns (:mod:`chassis.serve.responses_background`)
     background: bool | None = None
+    # -- OpenAI fields accepted only with the values this server implements ---------------
     truncation: str | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
@@ -88,10 +89,11 @@ class ResponsesRequest(_SamplingRequest):
                 f"max_output_tokens must be at least 1; got {self.max_output_tokens}",
                 "max_output_tokens",
             )
-        if self.background:
+        if self.background and self.store is False:
+            # as OpenAI: a background response is only reachable through the store
             raise bad_request(
-                "background responses are not supported: send the request without "
-                "background (or stream it)",
+                "background responses must be stored: send store: true (the default) "
+                "with background: true",
                 "background",
             )
         if self.truncation not in (None, "disabled"):
@@ -304,13 +306,14 @@ class ResponseUsage(BaseModel):
 class ResponseObject(BaseModel):
     """The response (``object: "response"``), also the ``response`` of the lifecycle stream
     events. ``status``: ``completed``; ``incomplete`` when ``max_output_tokens`` (or the
-    context length) ended it; ``in_progress`` in the first events; ``failed`` when the engine
-    failed mid-stream; ``cancelled`` when the server aborted it (shutdown)."""
+    context length) ended it; ``queued`` (a background response before the engine's first
+    output) and ``in_progress`` while it is made; ``failed`` when the engine failed;
+    ``cancelled`` when the server aborted it (shutdown) or it was cancelled."""
 
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=_now)
-    status: Literal["completed", "incomplete", "in_progress", "failed", "cancelled"]
+    status: Literal["completed", "incomplete", "queued", "in_progress", "failed", "cancelled"]
     incomplete_details: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     model: str

@@ -3,7 +3,10 @@
 
 Bounded, least recently used first out: a server that runs for days keeps at most
 ``max_responses`` (:data:`DEFAULT_MAX_STORED_RESPONSES`, or ``$CHASSIS_RESPONSES_STORE_SIZE``)
-responses, and a conversation continued now and then stays. Nothing survives a restart, and
+responses, and a conversation continued now and then stays (a background response enters
+it when it finishes: while it runs it is in :mod:`chassis.serve.responses_background`, never
+dropped). A stored background response that streamed keeps its event log (an event per
+output delta) until it is dropped. Nothing survives a restart, and
 several server processes do not share it (as vLLM's store).
 """
 
@@ -26,10 +29,23 @@ STORE_SIZE_ENV = "CHASSIS_RESPONSES_STORE_SIZE"
 class StoredResponse:
     """One stored response: its JSON (``response``) and the conversation it ends
     (``conversation``: the input items of every turn, then this turn's output items; the
-    ``instructions`` are not part of it, as OpenAI does not carry them over)."""
+    ``instructions`` are not part of it, as OpenAI does not carry them over).
+
+    ``num_input_items``: how many of the conversation's items were the model's input
+    (``None``: all); ``events``: the stream events of a background response created with
+    ``stream: true`` (kept for ``GET ...?stream=true``), else ``None``."""
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
+    num_input_items: int | None = None
+    events: list[str] | None = None
+
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        """The items the model was given (``GET /v1/responses/{id}/input_items``)."""
+        if self.num_input_items is None:
+            return self.conversation
+        return self.conversation[: self.num_input_items]
 
 
 class ResponseStore:

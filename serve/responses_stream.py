@@ -4,7 +4,9 @@ the ``openai`` SDK (``responses.create(stream=True)``, ``responses.stream(...)``
 Each event is ``event: {type}`` plus ``data: {json}`` whose JSON has ``type`` and an
 increasing ``sequence_number``; there is no ``[DONE]``. The order::
 
-    response.created, response.in_progress              (the response, status in_progress)
+    response.created, response.in_progress              (the response, status in_progress;
+                                                         a background one is created queued,
+                                                         then response.queued)
     per output item, in order:
       response.output_item.added                        (the item, status in_progress)
       message:   response.content_part.added, response.output_text.delta ...,
@@ -59,6 +61,8 @@ class ResponseEvents:
         self._pending = ""
         #: the tool parser's call index -> the call's output index
         self._calls: dict[int, int] = {}
+        #: the response of :meth:`failed`, once it was called
+        self.failed_response: ResponseObject | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
         """One SSE event of type ``kind``."""
@@ -68,11 +72,21 @@ class ResponseEvents:
 
     def start(self) -> list[str]:
         """``response.created`` and ``response.in_progress``."""
-        response = self._response.model_dump(mode="json")
-        return [
-            self.event("response.created", response=response),
-            self.event("response.in_progress", response=response),
-        ]
+        return [self.created(), self.in_progress()]
+
+    def created(self, status: str = "in_progress") -> str:
+        """``response.created`` (the response with ``status``)."""
+        response = self._response.model_copy(update={"status": status})
+        return self.event("response.created", response=response.model_dump(mode="json"))
+
+    def queued(self) -> str:
+        """``response.queued``: a background response waits for the engine."""
+        response = self._response.model_copy(update={"status": "queued"})
+        return self.event("response.queued", response=response.model_dump(mode="json"))
+
+    def in_progress(self) -> str:
+        """``response.in_progress``."""
+        return self.event("response.in_progress", response=self._response.model_dump(mode="json"))
 
     def feed(self, delta: ChoiceDelta) -> list[str]:
         """The events of the next parsed piece of the message."""
@@ -119,16 +133,24 @@ class ResponseEvents:
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
         return self.event(kind, response=response.model_dump(mode="json"))
 
-    def failed(self, message: str, code: str | int | None, param: str | None) -> list[str]:
+    def failed(
+        self,
+        message: str,
+        code: str | int | None,
+        param: str | None,
+        response_code: str = "server_error",
+    ) -> list[str]:
         """``error`` (the error's ``message``, ``code`` and ``param``) then
-        ``response.failed`` (the items made so far, and the error)."""
+        ``response.failed`` (the items made so far, and the error: ``response_code``, one of
+        OpenAI's response error codes, and ``message``)."""
         response = self._response.model_copy(
             update={
                 "status": "failed",
                 "output": list(self.items),
-                "error": {"code": "server_error", "message": message},
+                "error": {"code": response_code, "message": message},
             }
         )
+        self.failed_response = response
         return [
             self.event(
                 "error", code=None if code is None else str(code), message=message, param=param

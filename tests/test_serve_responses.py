@@ -415,7 +415,7 @@ def test_the_app_store_is_bounded(server: Server) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.0.name"),
@@ -488,7 +488,7 @@ def test_a_reasoning_item_without_text_parts_gives_no_reasoning(server: Server) 
 
 def test_the_client_raises_bad_request(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        server.client.responses.create(model=MODEL, input="Hi", background=True)
+        server.client.responses.create(model=MODEL, input="Hi", background=True, store=False)
     assert info.value.body["param"] == "background"
     with pytest.raises(openai.NotFoundError):
         server.client.responses.create(model="other-model", input="Hi")
@@ -559,6 +559,48 @@ def test_greedy_text_equals_the_chat_routes_on_a_real_model(real_server: ServerP
     turns.append({"role": "user", "content": "And of Spain?"})
     ids = httpx_tokenize(real_server, turns)
     assert follow.usage.input_tokens == len(ids)
+
+
+def test_cancel_aborts_the_engine_request_on_a_real_model(real_server: ServerProcess) -> None:
+    client = real_server.client()
+    generated_before = real_server.metric("chassis:generation_tokens_total")
+    response = client.responses.create(
+        model="tiny",
+        input="Count to a thousand.",
+        max_output_tokens=200,
+        background=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert response.status in ("queued", "in_progress")
+    cancelled = client.responses.cancel(response.id)
+    assert cancelled.status == "cancelled"
+    # the engine dropped the request and freed its KV blocks, long before 200 tokens
+    metrics = real_server.wait_idle()
+    generated = metrics["chassis:generation_tokens_total"] - generated_before
+    assert generated < 200, f"{generated} tokens generated: the request was not aborted"
+    assert client.responses.retrieve(response.id).status == "cancelled"
+    assert client.responses.cancel(response.id).status == "cancelled"
+
+
+def test_a_background_stream_resumes_after_a_disconnect(real_server: ServerProcess) -> None:
+    client = real_server.client()
+    fields = {"model": "tiny", "input": "Hello", "max_output_tokens": 24, "temperature": 0}
+    first: list[Any] = []
+    with client.responses.create(**fields, background=True, stream=True) as stream:
+        for event in stream:
+            first.append(event)
+            if len(first) == 4:
+                break  # the connection closes; the response goes on in the server
+    response_id = first[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=3))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.status in ("completed", "incomplete") and final.background is True
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    plain = client.responses.create(**fields)
+    assert "".join(deltas) == final.output_text == plain.output_text
+    real_server.wait_idle()
 
 
 def httpx_tokenize(server: ServerProcess, messages: list[dict[str, Any]]) -> list[int]:

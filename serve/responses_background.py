@@ -1,0 +1,145 @@
+"""Background responses (``background: true``): generation that outlives its HTTP request.
+
+A background response runs as an ``asyncio`` task of the server (:class:`BackgroundRun`);
+``POST /v1/responses`` answers at once with the response ``queued``. It is ``in_progress``
+from the engine's first output, and ends ``completed``, ``incomplete``, ``failed`` or
+``cancelled`` in the responses store (:mod:`chassis.serve.responses_store`), which requires
+``store``. While it runs it lives here, not in the store: the store's bound never drops a
+running response, and ``GET /v1/responses/{id}`` shows it with the output made so far.
+
+Every event of the run (:mod:`chassis.serve.responses_stream`'s, with their
+``sequence_number``) is kept in :attr:`BackgroundRun.events` when the request streamed, so
+that a client may follow it (``stream: true``) and resume it from any sequence number after
+a disconnect. Following never cancels the run; ``POST /v1/responses/{id}/cancel`` does
+(:meth:`BackgroundResponses.cancel`: the task is cancelled, which closes the engine stream
+and so aborts the engine request and frees its KV blocks). On server shutdown every run is
+cancelled the same way (:meth:`BackgroundResponses.close`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from chassis.serve.responses_protocol import ResponseObject
+
+
+@dataclass(eq=False)
+class BackgroundRun:
+    """One running background response.
+
+    ``snapshot`` makes the response as it stands (status, output so far); ``events`` is the
+    log of its stream events (``None``: not kept, the request did not stream); an event's
+    ``sequence_number`` is its index there.
+    """
+
+    response_id: str
+    snapshot: Callable[[], ResponseObject]
+    events: list[str] | None
+    #: the items the model is given (``GET /v1/responses/{id}/input_items``)
+    input_items: list[dict[str, Any]]
+    #: ``queued`` until the engine's first output, then ``in_progress``
+    status: str = "queued"
+    done: bool = False
+    task: asyncio.Task[None] | None = None
+    #: :meth:`BackgroundResponses.cancel` was called (the work checks it when it starts: a
+    #: task cancelled before its first step would run none of its clean-up)
+    cancel_requested: bool = False
+    started: bool = False
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add_event(self, event: str) -> None:
+        """Log ``event`` (when events are kept) and wake the followers."""
+        if self.events is not None:
+            self.events.append(event)
+        self._notify()
+
+    def finished(self) -> None:
+        """The run ended (its last event, if any, is logged)."""
+        self.done = True
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, starting_after: int = -1) -> AsyncIterator[str]:
+        """The logged events whose sequence number is above ``starting_after``, then each new
+        one as it comes, until the run ends. Needs ``events``."""
+        assert self.events is not None
+        index = starting_after + 1  # sequence numbers are the log's indices
+        while True:
+            while index < len(self.events):
+                yield self.events[index]
+                index += 1
+            if self.done:
+                return
+            await self._changed.wait()
+
+
+class BackgroundResponses:
+    """The running background responses of one app, by response id."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, BackgroundRun] = {}
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def get(self, response_id: str) -> BackgroundRun | None:
+        """The run of ``response_id`` while it runs, else ``None``."""
+        return self._runs.get(response_id)
+
+    def start(self, run: BackgroundRun, work: Callable[[BackgroundRun], Awaitable[None]]) -> None:
+        """Run ``work(run)`` as a task; the run is listed until ``work`` returns (it must
+        store the final response itself, and handle its own cancellation: a
+        ``CancelledError``, or ``run.cancel_requested`` when it starts)."""
+
+        async def main() -> None:
+            run.started = True
+            try:
+                await work(run)
+            finally:
+                self._runs.pop(run.response_id, None)
+                run.finished()
+
+        self._runs[run.response_id] = run
+        # the set of runs holds the task: the loop keeps only a weak reference
+        run.task = asyncio.ensure_future(main())
+
+    async def cancel(self, response_id: str) -> bool:
+        """Cancel the run of ``response_id`` and wait until it has ended (its engine request
+        aborted, its final response stored); whether it was running."""
+        run = self._runs.get(response_id)
+        if run is None or run.task is None:
+            return False
+        await self._cancel([run])
+        return True
+
+    async def close(self) -> None:
+        """Cancel every run and wait for them (server shutdown)."""
+        await self._cancel(list(self._runs.values()))
+
+    @staticmethod
+    async def _cancel(runs: list[BackgroundRun]) -> None:
+        tasks = [run.task for run in runs if run.task is not None]
+        for run in runs:
+            run.cancel_requested = True
+            if run.started and run.task is not None:
+                run.task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+def background_responses(app: FastAPI) -> BackgroundResponses:
+    """The app's runs, ``app.state.responses_background`` (made on first use)."""
+    runs = getattr(app.state, "responses_background", None)
+    if runs is None:
+        runs = BackgroundResponses()
+        app.state.responses_background = runs
+    return runs

@@ -1,0 +1,278 @@
+"""Background responses (``background: true``), their cancellation and the resumable stream
+of ``/v1/responses``, driven by the official ``openai`` client over the fake engine
+(tests/fake_engine.py: ``hold()`` pauses a request after its first output, which keeps a
+background response in progress for as long as a test needs). The real-model checks (a
+cancel that frees the engine's KV blocks, a stream resumed after a disconnect) are in
+tests/test_serve_responses.py, beside its running server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fake_engine import FakeAsyncLLM
+from fastapi.testclient import TestClient
+from test_serve_responses import MODEL, Server, serve
+
+from chassis.serve.app import build_app
+from chassis.serve.responses_background import BackgroundResponses, BackgroundRun
+from chassis.serve.responses_protocol import ResponseObject
+from chassis.serve.settings import ServerSettings
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.timeout(120)  # a hang guard: the waits below poll without limit
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    yield from serve("Hello there!")
+
+
+def wait_for(check: Callable[[], Any]) -> Any:
+    """Poll ``check`` until it returns something true (the module's timeout guards it)."""
+    while not (value := check()):
+        time.sleep(0.01)
+    return value
+
+
+def finished(server: Server, response_id: str) -> Any:
+    """The response once it is no longer queued or in progress."""
+    return wait_for(
+        lambda: (
+            (r := server.client.responses.retrieve(response_id)).status
+            not in ("queued", "in_progress")
+            and r
+        )
+    )
+
+
+def test_a_background_response_returns_at_once_and_ends_like_a_plain_one(server: Server) -> None:
+    server.engine.hold()
+    queued = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    # made on: in progress, with the output so far (the fake engine holds after one step)
+    running = wait_for(
+        lambda: (r := server.client.responses.retrieve(queued.id)).output_text == "H" and r
+    )
+    assert running.status == "in_progress" and running.output[0].status == "in_progress"
+    server.engine.release()
+    done = finished(server, queued.id)
+    plain = server.client.responses.create(model=MODEL, input="Hi")
+    assert done.status == "completed" and done.output_text == plain.output_text == "Hello there!"
+    assert done.usage.output_tokens == plain.usage.output_tokens
+    assert done.background is True and plain.background is False
+    # the engine was sent the same prompt both times
+    assert server.engine.requests[0][1] == server.engine.requests[1][1]
+    # a finished background response continues a conversation like any other
+    follow = server.client.responses.create(model=MODEL, input="More", previous_response_id=done.id)
+    assert follow.status == "completed"
+
+
+def test_cancel_aborts_the_engine_request(server: Server) -> None:
+    server.engine.hold()
+    response = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    wait_for(lambda: server.client.responses.retrieve(response.id).output_text == "H")
+    assert server.engine.running == {response.id}
+
+    cancelled = server.client.responses.cancel(response.id)
+    assert cancelled.status == "cancelled" and cancelled.output_text == "H"
+    assert cancelled.output[-1].status == "incomplete"
+    # the engine stream was closed: the request is gone from the engine, not just relabelled
+    assert server.engine.running == set() and server.engine.aborted == [response.id]
+    assert server.engine.finished == []
+    server.engine.release()
+    # idempotent, and the stored response stays cancelled
+    again = server.client.responses.cancel(response.id)
+    assert again.model_dump() == cancelled.model_dump()
+    assert server.client.responses.retrieve(response.id).status == "cancelled"
+
+
+def test_a_run_cancelled_before_its_task_starts_still_ends() -> None:
+    # a task cancelled before its first step would run none of its code: the run is told
+    # through cancel_requested instead, and its work ends it (storing the cancelled response)
+    async def main() -> list[str]:
+        runs = BackgroundResponses()
+        seen: list[str] = []
+
+        async def work(run: BackgroundRun) -> None:
+            seen.append("cancel requested" if run.cancel_requested else "ran")
+
+        run = BackgroundRun(
+            "r", lambda: ResponseObject(id="r", status="queued", model="m"), None, []
+        )
+        runs.start(run, work)
+        assert await runs.cancel("r") and not await runs.cancel("r")
+        assert run.done and len(runs) == 0
+        return seen
+
+    assert asyncio.run(main()) == ["cancel requested"]
+
+
+def test_cancelling_what_is_not_a_running_background_response(server: Server) -> None:
+    plain = server.client.responses.create(model=MODEL, input="Hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.responses.cancel(plain.id)
+    assert "background" in info.value.body["message"]
+    done = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    finished(server, done.id)
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.responses.cancel(done.id)
+    assert "completed" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.cancel("resp_unknown")
+    response = server.http.post("/v1/responses/resp_unknown/cancel")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "response_not_found"
+
+
+def test_background_needs_store(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.responses.create(model=MODEL, input="Hi", background=True, store=False)
+    assert info.value.body["param"] == "background"
+    assert server.engine.requests == []
+
+
+def test_a_running_response_cannot_be_continued_yet(server: Server) -> None:
+    server.engine.hold()
+    response = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.responses.create(model=MODEL, input="More", previous_response_id=response.id)
+    assert info.value.body["param"] == "previous_response_id"
+    server.engine.release()
+    finished(server, response.id)
+
+
+def test_delete_cancels_a_running_response(server: Server) -> None:
+    server.engine.hold()
+    response = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    wait_for(lambda: server.engine.running)
+    server.client.responses.delete(response.id)
+    assert server.engine.running == set() and server.engine.aborted == [response.id]
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.retrieve(response.id)
+
+
+def test_shutdown_cancels_background_responses() -> None:
+    engine = FakeAsyncLLM(script="Hello there!")
+    engine.hold()
+    app = build_app(engine, ServerSettings())
+    with TestClient(app) as http:
+        response = http.post(
+            "/v1/responses", json={"model": MODEL, "input": "Hi", "background": True}
+        ).json()
+        wait_for(lambda: engine.running)
+    # the lifespan's end aborted the engine request and stored the response cancelled
+    assert engine.running == set() and engine.finished == []
+    stored = app.state.responses_store.get(response["id"])
+    assert stored is not None and stored.response["status"] == "cancelled"
+    assert len(app.state.responses_background) == 0
+
+
+def test_an_engine_failure_fails_the_background_response(server: Server) -> None:
+    server.engine.die_after_steps = 3
+    response = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    failed = finished(server, response.id)
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert failed.output_text == "He"
+
+
+def test_what_the_engine_refuses_fails_the_background_response(server: Server) -> None:
+    # the engine checks the context length: a plain request gets a 400, a background one
+    # has already been answered, so it fails
+    response = server.client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=10_000, background=True
+    )
+    failed = finished(server, response.id)
+    assert failed.status == "failed" and failed.error.code == "invalid_prompt"
+    assert "context length" in failed.error.message and failed.output == []
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+
+def test_a_streamed_background_response_resumes_from_any_sequence_number(server: Server) -> None:
+    events = list(
+        server.client.responses.create(model=MODEL, input="Hi", background=True, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[0].response.status == "queued" and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.output_text == "Hello there!" and final.background is True
+    response_id = final.id
+    assert server.client.responses.retrieve(response_id).output_text == "Hello there!"
+
+    for after in (0, 4, len(events) - 2, len(events) - 1):
+        resumed = list(
+            server.client.responses.retrieve(response_id, stream=True, starting_after=after)
+        )
+        assert [e.model_dump() for e in resumed] == [e.model_dump() for e in events[after + 1 :]]
+    whole = list(server.client.responses.retrieve(response_id, stream=True))
+    assert len(whole) == len(events)
+
+
+def test_what_cannot_be_streamed_again(server: Server) -> None:
+    plain = server.client.responses.create(model=MODEL, input="Hi")
+    background = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    finished(server, background.id)
+    for response_id in (plain.id, background.id):  # neither was created with stream
+        response = server.http.get(f"/v1/responses/{response_id}", params={"stream": "true"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+    streamed = list(
+        server.client.responses.create(model=MODEL, input="Hi", background=True, stream=True)
+    )
+    response_id = streamed[-1].response.id
+    for params, param in [
+        ({"stream": "true", "starting_after": "-2"}, "starting_after"),
+        ({"stream": "true", "starting_after": "x"}, "starting_after"),
+        ({"starting_after": "1"}, "starting_after"),
+    ]:
+        response = server.http.get(f"/v1/responses/{response_id}", params=params)
+        assert response.status_code == 400, response.text
+        # (a value that is no integer is named as the server's validation names it:
+        # query.starting_after)
+        assert response.json()["error"]["param"].endswith(param)
+    past_the_end = server.http.get(
+        f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": "999"}
+    )
+    assert past_the_end.status_code == 200 and past_the_end.text == ""
+    missing = server.http.get("/v1/responses/resp_unknown", params={"stream": "true"})
+    assert missing.status_code == 404
+
+
+def test_followers_get_the_events_as_they_come() -> None:
+    async def main() -> None:
+        run = BackgroundRun("r", lambda: ResponseObject(id="r", status="queued", model="m"), [], [])
+        runs = BackgroundResponses()
+        gate = asyncio.Event()
+
+        async def work(run: BackgroundRun) -> None:
+            run.add_event("a")
+            await gate.wait()
+            run.add_event("b")
+            run.add_event("c")
+
+        runs.start(run, work)
+        seen: list[str] = []
+
+        async def follow(after: int) -> None:
+            async for event in run.follow(after):
+                seen.append(event)
+
+        early = asyncio.ensure_future(follow(-1))
+        late = asyncio.ensure_future(follow(1))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert seen == ["a"] and runs.get("r") is run
+        gate.set()
+        await asyncio.gather(early, late)
+        assert sorted(seen) == ["a", "b", "c", "c"]
+        assert run.done and runs.get("r") is None
+
+    asyncio.run(main())
