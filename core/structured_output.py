@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 
 __all__ = [
+    "ConstraintBudgetExceeded",
     "Grammar",
     "GrammarMatcher",
     "StructuredOutputBackend",
@@ -148,9 +149,17 @@ class TokenVocabulary:
         return len(self.token_bytes)
 
 
+class ConstraintBudgetExceeded(ValueError):
+    """Raised by a :class:`GrammarMatcher` whose constraint needs more work than the backend
+    allows one request (the built-in backend's work budget). The engine core fails that
+    request alone, as the client's fault (HTTP 400), with this message. Any other exception
+    from a matcher fails the request too, as the engine's fault (HTTP 500)."""
+
+
 class GrammarMatcher(ABC):
     """One request's position in a :class:`Grammar`. Used by the engine core only, from one
-    thread."""
+    thread. A method that raises fails only this matcher's request (see
+    :class:`ConstraintBudgetExceeded`)."""
 
     @abstractmethod
     def allowed_tokens(self) -> np.ndarray:

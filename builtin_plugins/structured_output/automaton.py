@@ -15,6 +15,11 @@ table per state).
 
 State :data:`DEAD` (``0``) is the empty set: no output continues from it, and its row maps
 every byte back to it. :data:`UNKNOWN` marks the entries of rows not filled yet.
+
+A DFA state stands for up to the whole NFA, so one new state can cost work in proportion to
+the NFA's size, and a walk can meet many such states. That work is counted in NFA states
+touched (see :class:`WorkMeter`) and charged to :attr:`Automaton.meter` when one is set:
+past its budget, :class:`WorkBudgetExceeded` is raised. States built until then stay valid.
 """
 
 from __future__ import annotations
@@ -26,8 +31,17 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from chassis.builtin_plugins.structured_output import ir
+from chassis.core.structured_output import ConstraintBudgetExceeded
 
-__all__ = ["DEAD", "MAX_NFA_STATES", "UNKNOWN", "Automaton", "estimated_nfa_states"]
+__all__ = [
+    "DEAD",
+    "MAX_NFA_STATES",
+    "UNKNOWN",
+    "Automaton",
+    "WorkBudgetExceeded",
+    "WorkMeter",
+    "estimated_nfa_states",
+]
 
 #: the dead DFA state: nothing more can match
 DEAD = 0
@@ -38,6 +52,40 @@ UNKNOWN = -1
 MAX_NFA_STATES = 200_000
 
 _Ranges = tuple[tuple[int, int], ...]
+
+
+class WorkBudgetExceeded(ConstraintBudgetExceeded):
+    """Building DFA states for one constraint took more work than its :class:`WorkMeter`
+    allows."""
+
+
+class WorkMeter:
+    """A budget of determinization work, in NFA states touched: each state visited while
+    computing an epsilon closure, each NFA state in the sets merged into a new DFA state, and
+    each NFA byte edge read while filling a row of the transition table. Deterministic (the
+    same constraint, vocabulary and cache contents cost the same), and roughly proportional
+    to time.
+
+    :meth:`charge` raises :class:`WorkBudgetExceeded` once :attr:`used` passes ``budget``.
+    A single charge is at most the NFA's size, so the work done is at most ``budget`` plus
+    one NFA's worth. ``budget=None`` counts without a limit.
+    """
+
+    def __init__(self, budget: int | None) -> None:
+        self.budget = budget
+        self.used = 0
+
+    def charge(self, units: int) -> None:
+        self.used += units
+        if self.budget is not None and self.used > self.budget:
+            raise WorkBudgetExceeded(
+                f"building this constraint's automaton took more than its work budget of "
+                f"{self.budget} NFA states touched (it is too tangled to enforce: simplify "
+                "nested alternatives and bounded repetitions, or raise "
+                "CHASSIS_STRUCTURED_OUTPUT_WORK_BUDGET)"
+            )
+
+
 _SINGLE_BYTES: list[_Ranges] = [((b, b),) for b in range(256)]
 
 
@@ -280,6 +328,9 @@ class Automaton:
         self._filled = np.zeros(64, dtype=bool)
         self._filled[DEAD] = True
         self.nfa_size = nfa.size
+        #: where determinization work is charged (``None``: free); set by the caller around
+        #: the calls it wants to bound (the engine core: one request's matcher)
+        self.meter: WorkMeter | None = None
         self.start = self._intern(self._closure(nfa_start)) if live[nfa_start] else DEAD
 
     @classmethod
@@ -379,6 +430,8 @@ class Automaton:
                 if t not in seen:
                     seen.add(t)
                     stack.append(t)
+        if self.meter is not None:
+            self.meter.charge(len(seen))
         result = frozenset(important)
         self._closures[nfa_state] = result
         return result
@@ -410,7 +463,10 @@ class Automaton:
             if len(key) == 1:
                 nfa_states = self._closure(key[0])
             else:
-                nfa_states = frozenset().union(*(self._closure(t) for t in key))
+                closures = [self._closure(t) for t in key]
+                if self.meter is not None:
+                    self.meter.charge(sum(map(len, closures)))
+                nfa_states = frozenset().union(*closures)
             state = self._targets_cache[key] = self._intern(nfa_states)
         return state
 
@@ -423,6 +479,8 @@ class Automaton:
             for s in self._sets[state]
             for i in range(offsets[s], offsets[s + 1])
         ]
+        if self.meter is not None:
+            self.meter.charge(len(self._sets[state]) + len(edges))
         cuts = {0, 256}
         for ranges, _ in edges:
             for lo, hi in ranges:
