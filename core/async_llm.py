@@ -29,7 +29,7 @@ from chassis.core.beam_search import (
 from chassis.core.config import EngineConfig
 from chassis.core.engine_client import EngineCoreClient
 from chassis.core.engine_setup import finalize_config
-from chassis.core.errors import EngineDeadError
+from chassis.core.errors import EngineDeadError, RequestFailedError
 from chassis.core.input_processor import InputProcessor
 from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
@@ -168,7 +168,10 @@ class AsyncLLM:
         shares its prefix-cache entries only with requests of the same salt.
 
         Bad input raises ``ValueError`` before anything is yielded; a dead engine raises
-        :class:`EngineDeadError`. Closing the iterator early aborts the request.
+        :class:`EngineDeadError`; a request the engine core failed alone (its
+        structured-output constraint over its work budget, its matcher raising) raises
+        :class:`RequestFailedError` with the engine's message, instead of that output (its
+        other completions are aborted). Closing the iterator early aborts the request.
         """
         if self.dead_error is not None:
             raise self.dead_error
@@ -223,6 +226,7 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                _raise_if_failed(item)
                 # A consumer that fell behind gets what has queued up as one output: fewer,
                 # larger stream events instead of a backlog of one-token ones. An abort or
                 # engine death queued behind them is raised after they are yielded.
@@ -232,6 +236,7 @@ class AsyncLLM:
                     if isinstance(following, BaseException):
                         error = following
                         break
+                    _raise_if_failed(following)
                     item = merge_delta_outputs(item, following) if delta else following
                 finished = item.finished
                 yield item
@@ -411,3 +416,11 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.shutdown_sync)
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    """Raise :class:`RequestFailedError` if the engine core failed a completion of
+    ``output``."""
+    for completion in output.outputs:
+        if completion.error is not None:
+            raise RequestFailedError(completion.error)

@@ -20,6 +20,7 @@ from chassis.core.request import (
     EngineCoreRequest,
     FinishReason,
     Request,
+    RequestError,
 )
 from chassis.core.scheduler_interface import SchedulerOutput
 from chassis.core.structured_output_manager import StructuredOutputManager
@@ -134,23 +135,31 @@ class EngineCore:
         the other kind than the engine runs (pooling or generate; the front-end checks both
         first, so this is rare), or whose LoRA adapter the workers cannot read any more (its
         folder deleted or changed since the front-end's check, and not held in host memory)
-        finishes at the next step with reason ``abort``, and the error is logged; the engine
-        keeps serving."""
+        finishes at the next step with reason ``abort``, and the error is logged (a
+        constraint's refusal also goes to the client, as ``EngineCoreOutput.error``); the
+        engine keeps serving."""
         engine_request = Request.from_engine_core_request(request)
         lora = request.lora_request if self.config.enable_lora else None
+        error = None  # what the client is told (a constraint's refusal)
         try:
             if (request.pooling_params is not None) != (self.pooler_config is not None):
                 raise ValueError(
                     f"a {'pooling' if request.pooling_params else 'generate'} request reached "
                     f"an engine with runner={self.config.runner!r}"
                 )
-            matcher = self.structured_outputs.matcher_for(engine_request)
+            try:
+                matcher = self.structured_outputs.matcher_for(engine_request)
+            except ValueError as exc:
+                error = RequestError(message=str(exc), client_error=True)
+                raise
             if lora is not None:  # last: nothing above needs undoing once it is pinned
                 self._pin_lora(request.request_id, lora)
         except ValueError as exc:
             logger.error("request %s refused: %s", request.request_id, exc)
             self._refused.append(
-                EngineCoreOutput(request_id=request.request_id, finish_reason=FinishReason.ABORT)
+                EngineCoreOutput(
+                    request_id=request.request_id, finish_reason=FinishReason.ABORT, error=error
+                )
             )
             return
         try:
@@ -227,6 +236,9 @@ class EngineCore:
             scheduler_output.allowed_token_masks = self.structured_outputs.masks_for(
                 scheduler_output
             )
+            # A request whose mask could not be computed leaves the plan before it runs (as
+            # an abort arriving while a plan is in flight: the runner's result is dropped).
+            outputs += self._fail_constrained([])
         pending = self.executor.execute_model_async(scheduler_output)
         to_collect = None if scheduler_output.is_empty else (scheduler_output, pending)
         if self.config.async_scheduling:
@@ -244,11 +256,36 @@ class EngineCore:
         """The outputs of a launched plan, once its results are in."""
         outputs = self.scheduler.update_from_output(plan, result.result())
         self.structured_outputs.update(outputs)
+        outputs += self._fail_constrained(outputs)
         if self._lora_of:
             for out in outputs:
                 if out.finished:
                     self._unpin_lora(out.request_id)
         return outputs
+
+    def _fail_constrained(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Finish, with reason ``abort`` and their error, the requests whose structured-output
+        matcher raised (``StructuredOutputManager.take_failures``); the other requests go on.
+        A failed request's output among ``outputs`` (this step's) is changed in place;
+        returns the outputs to add for the others."""
+        failures = self.structured_outputs.take_failures()
+        if not failures:
+            return []
+        self.scheduler.abort(failures)  # (ids it has finished already are ignored)
+        by_id = {out.request_id: out for out in outputs}
+        added = []
+        for request_id, error in failures.items():
+            self._unpin_lora(request_id)
+            out = by_id.get(request_id)
+            if out is None:
+                added.append(
+                    EngineCoreOutput(
+                        request_id=request_id, finish_reason=FinishReason.ABORT, error=error
+                    )
+                )
+            else:
+                out.finish_reason, out.stop_reason, out.error = FinishReason.ABORT, None, error
+        return added
 
     def check_health(self) -> None:
         """Raise if the engine cannot run steps any more (a tensor-parallel rank died)."""

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chassis.core.request import RequestError
+
 
 class EngineDeadError(RuntimeError):
     """The engine core process died or hit a fatal error; no request can complete.
@@ -12,3 +17,14 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The engine refuses new work for now (queue full or shutting down); HTTP 503."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine core ended this request alone because of a fault in it (its
+    structured-output constraint exceeded its work budget, or its matcher raised); other
+    requests were not affected. ``error`` says why; the API server maps it to HTTP 400 when
+    ``error.client_error``, else 500, with ``error.message``."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error

@@ -30,7 +30,12 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
-    from chassis.core.request import EngineCoreOutput, EngineCoreOutputs, TokenLogprobs
+    from chassis.core.request import (
+        EngineCoreOutput,
+        EngineCoreOutputs,
+        RequestError,
+        TokenLogprobs,
+    )
     from chassis.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -84,6 +89,7 @@ class _Completion:
         self.cumulative_logprob: float | None = 0.0 if want_logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: RequestError | None = None
         # Delta mode: what has not been yielded yet.
         self.pending_text = ""
         self.num_tokens_sent = 0
@@ -105,6 +111,7 @@ class _Completion:
             logprobs=None if self.logprobs is None else self.logprobs[start:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )
         self.pending_text = ""
         self.num_tokens_sent += len(token_ids)
@@ -120,6 +127,7 @@ class _Completion:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )
 
 
@@ -403,6 +411,7 @@ class OutputProcessor:
         elif out.finished:
             completion.finish_reason = FinishReason(out.finish_reason).value
             completion.stop_reason = out.stop_reason
+            completion.error = out.error
         return must_abort
 
     def _position_logprobs(self, tl: TokenLogprobs) -> PositionLogprobs:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chassis.core.request import RequestError
 
 #: token id -> logprob of that token (the sampled one plus the top alternatives)
 PositionLogprobs = dict[int, "Logprob"]
@@ -33,6 +37,10 @@ class CompletionOutput:
     finish_reason: str | None = None
     #: the stop string or stop token id that ended it, if any
     stop_reason: int | str | None = None
+    #: why the engine ended it early (finish reason ``"abort"``), when it failed alone
+    #: (``chassis.core.request.RequestError``: its ``message``, and whether the request
+    #: was at fault); ``AsyncLLM.generate`` raises it as ``RequestFailedError``
+    error: RequestError | None = None
 
     @property
     def finished(self) -> bool:

@@ -55,6 +55,17 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     rank: int
 
 
+class RequestError(msgspec.Struct, kw_only=True, frozen=True):
+    """Why the engine core ended one request early because of a fault in it (the other
+    requests go on). Sent with its last output, whose finish reason is ``abort``."""
+
+    message: str
+    #: whether the request itself is at fault (its structured-output constraint needs more
+    #: work than the budget allows: HTTP 400), rather than the engine failing to serve it
+    #: (a matcher raising an unexpected error: HTTP 500)
+    client_error: bool = False
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one request produced in one engine step."""
 
@@ -73,6 +84,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     #: A pooling request's vector (little-endian float32 bytes), with its only output.
     pooled: bytes | None = None
+    #: set (with ``finish_reason`` ``abort``) when the engine failed this request alone
+    error: RequestError | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,11 @@ the answer after it.
 
 The backend is built on the first constrained request (loading the tokenizer then, so an
 engine that never sees one pays nothing).
+
+A matcher that raises while computing a mask or advancing (``ConstraintBudgetExceeded``
+when a constraint needs more work than the backend's budget, or any bug) fails
+only its own request: the manager forgets it and reports it in :meth:`take_failures`, and
+the engine core finishes it with reason ``abort`` and that error.
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from chassis.core.reasoning_gate import Phase, ReasoningGate, ReasoningTags
-from chassis.core.structured_output import GrammarMatcher, StructuredOutputBackend
+from chassis.core.request import RequestError
+from chassis.core.structured_output import (
+    ConstraintBudgetExceeded,
+    GrammarMatcher,
+    StructuredOutputBackend,
+)
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
@@ -64,6 +74,8 @@ class StructuredOutputManager:
         self._reasoning_tags: ReasoningTags | None = None
         self._packed_reasoning_mask: bytes | None = None
         self._requests: dict[str, _Constrained] = {}
+        #: requests whose matcher raised, not reported yet (see :meth:`take_failures`)
+        self._failures: dict[str, RequestError] = {}
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -111,7 +123,20 @@ class StructuredOutputManager:
         own ``check``) or the backend cannot be built.
         """
         params = request.sampling_params.structured_outputs
-        return None if params is None else self.backend.compile(params).matcher()
+        if params is None:
+            return None
+        backend = self.backend
+        try:
+            return backend.compile(params).matcher()
+        except ValueError:
+            raise
+        except Exception as exc:  # a backend bug: refuse this request, keep serving
+            logger.exception(
+                "structured output: compiling request %s's constraint failed", request.request_id
+            )
+            raise ValueError(
+                f"structured output: compiling the constraint failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def track(
         self,
@@ -135,7 +160,8 @@ class StructuredOutputManager:
         """Request id -> packed allowed-token mask, for every constrained request in ``plan``
         outside its reasoning (the runner applies a mask only to a row that samples this
         step). Before the first token of a format that may open with a reasoning tag, that
-        tag is allowed too."""
+        tag is allowed too. A request whose matcher raises gets no mask and is failed
+        (:meth:`take_failures`): the engine core must take it out of the plan."""
         masks = {}
         for request_id in plan.num_scheduled_tokens:
             constrained = self._requests.get(request_id)
@@ -144,7 +170,11 @@ class StructuredOutputManager:
             if constrained.gate.phase is Phase.REASONING:
                 masks[request_id] = self._reasoning_mask()
                 continue
-            allowed = constrained.matcher.allowed_tokens()
+            try:
+                allowed = constrained.matcher.allowed_tokens()
+            except Exception as exc:
+                self._fail(request_id, exc, "computing its allowed tokens")
+                continue
             start = constrained.gate.start_token_id
             if start is not None and start < allowed.shape[0]:
                 allowed = allowed.copy()  # the matcher's array is shared: never modify it
@@ -193,27 +223,58 @@ class StructuredOutputManager:
             constrained = self._requests.get(output.request_id)
             if constrained is None:
                 continue
-            for token_id in output.new_token_ids:
-                if not constrained.gate.follow(token_id):
-                    continue  # reasoning, or a tag
-                if not constrained.matcher.accept_token(token_id):
-                    # Only a token the mask allowed can be sampled; if one is refused the
-                    # grammar and its masks disagree. Keep serving; say so once per request.
-                    logger.error(
-                        "structured output: request %s sampled token %d, which its grammar "
-                        "does not accept; the rest of its output is not constrained",
-                        output.request_id,
-                        token_id,
-                    )
-                    del self._requests[output.request_id]
-                    break
+            try:
+                self._follow(output, constrained)
+            except Exception as exc:
+                self._fail(output.request_id, exc, "following its tokens")
+                continue
             if output.finished:
                 self._requests.pop(output.request_id, None)
+
+    def _follow(self, output: EngineCoreOutput, constrained: _Constrained) -> None:
+        """Move one request's matcher past its new tokens (forgetting the request if its
+        grammar refuses one)."""
+        for token_id in output.new_token_ids:
+            if not constrained.gate.follow(token_id):
+                continue  # reasoning, or a tag
+            if not constrained.matcher.accept_token(token_id):
+                # Only a token the mask allowed can be sampled; if one is refused the
+                # grammar and its masks disagree. Keep serving; say so once per request.
+                logger.error(
+                    "structured output: request %s sampled token %d, which its grammar "
+                    "does not accept; the rest of its output is not constrained",
+                    output.request_id,
+                    token_id,
+                )
+                del self._requests[output.request_id]
+                return
+
+    def _fail(self, request_id: str, exc: Exception, doing: str) -> None:
+        """Forget ``request_id``, whose matcher raised ``exc`` while ``doing``; keep the
+        error for :meth:`take_failures`. Exceeding the work budget is the request's fault
+        (its constraint); anything else is the backend's, logged with its traceback."""
+        self._requests.pop(request_id, None)
+        if isinstance(exc, ConstraintBudgetExceeded):
+            logger.error("structured output: request %s failed: %s", request_id, exc)
+            error = RequestError(message=f"structured output: {exc}", client_error=True)
+        else:
+            logger.exception("structured output: request %s failed %s", request_id, doing)
+            error = RequestError(
+                message=f"structured output: {doing} failed: {type(exc).__name__}: {exc}"
+            )
+        self._failures[request_id] = error
+
+    def take_failures(self) -> dict[str, RequestError]:
+        """Requests whose matcher raised since the last call (request id -> error); each is
+        reported once and no longer tracked."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def finish(self, request_ids: Iterable[str]) -> None:
         """Forget aborted requests."""
         for request_id in request_ids:
             self._requests.pop(request_id, None)
+            self._failures.pop(request_id, None)
 
     @property
     def num_tracked(self) -> int:

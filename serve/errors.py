@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chassis.core.errors import EngineDeadError, EngineOverloadedError
+from chassis.core.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI, Request
@@ -113,6 +113,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return engine_dead(exc)
     if isinstance(exc, EngineOverloadedError):
         return overloaded(exc)
+    if isinstance(exc, RequestFailedError):
+        # the engine ended this request alone: its own fault (400) or the engine's (500)
+        status = 400 if exc.error.client_error else 500
+        return APIError(status, exc.error.message, code="request_failed")
     if isinstance(exc, ValueError):
         return from_value_error(exc)
     # A bug in the server: log the traceback here, send the client no internals.

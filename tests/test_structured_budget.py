@@ -1,0 +1,285 @@
+"""A structured-output constraint cannot stall the engine core: each request's matcher has a
+work budget (DFA states it makes the automaton build, in NFA states touched), and a request
+whose constraint exceeds it, or whose matcher raises, fails alone, with its message, while
+the other requests of the same steps finish as they would have alone."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from chassis import LLM, SamplingParams
+from chassis.builtin_plugins.structured_output.backend import (
+    DEFAULT_WORK_BUDGET,
+    WORK_BUDGET_ENV,
+    ChassisGrammarMatcher,
+    ChassisStructuredOutputBackend,
+    work_budget_from_env,
+)
+from chassis.core.structured_output import ConstraintBudgetExceeded, StructuredOutputsParams
+from chassis.core.token_vocabulary import vocabulary_from_tokenizer
+
+#: nested, nullable bounded repetitions: the empty string reaches every copy, so each DFA
+#: state stands for most of the ~97,000-state NFA and the first mask alone needs tens of
+#: millions of units (about a minute of the engine core's time without a budget)
+TANGLED = """
+root ::= (block ","?){0,40}
+block ::= (group ";"?){0,12}
+group ::= (x | y){0,8}
+x ::= [a-z]{0,4} | "ab" | "abc"
+y ::= "a" | "b" x?
+"""
+#: the same shape, small enough to build in full for a reference mask
+SMALL_TANGLED = TANGLED.replace("{0,40}", "{0,3}").replace("{0,12}", "{0,3}")
+#: a literal first (cheap masks), then the tangled part: fails after a few tokens
+LATE_TANGLED = TANGLED.replace("root ::=", 'root ::= "The answer follows in order" part\npart ::=')
+#: a budget far above what the 4-rule grammars' cheap states need, far below their cost
+SMALL_BUDGET = 20_000
+
+
+@pytest.fixture(scope="module")
+def vocabulary(smol_tokenizer):
+    return vocabulary_from_tokenizer(smol_tokenizer, 49152, [smol_tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def encode(smol_tokenizer):
+    return lambda text: smol_tokenizer.encode(text, add_special_tokens=False)
+
+
+def grammar(text: str) -> StructuredOutputsParams:
+    return StructuredOutputsParams(grammar=text)
+
+
+# -- the budget in the backend -------------------------------------------------------------
+
+
+def test_a_tangled_grammar_exceeds_its_budget_after_bounded_work(vocabulary) -> None:
+    backend = ChassisStructuredOutputBackend(vocabulary, work_budget=SMALL_BUDGET)
+    compiled = backend.compile(grammar(TANGLED))
+    matcher = compiled.matcher()
+    with pytest.raises(ConstraintBudgetExceeded, match=f"work budget of {SMALL_BUDGET} "):
+        matcher.allowed_tokens()
+    # at most one charge past the budget, and one charge is at most the NFA's size
+    assert SMALL_BUDGET < matcher.meter.used <= SMALL_BUDGET + compiled.automaton.nfa_size
+    with pytest.raises(ConstraintBudgetExceeded):  # the next call is refused as well
+        matcher.allowed_tokens()
+    assert compiled.automaton.meter is None  # the meter is set only during a call
+
+
+def test_states_built_before_the_budget_ran_out_stay_correct(vocabulary, encode) -> None:
+    """A matcher stopped half-way leaves the automaton consistent: a matcher without a
+    budget on the same grammar then gives the mask a fresh, unbounded backend gives."""
+    backend = ChassisStructuredOutputBackend(vocabulary, work_budget=2_000)
+    compiled = backend.compile(grammar(SMALL_TANGLED))
+    with pytest.raises(ConstraintBudgetExceeded):
+        compiled.matcher().allowed_tokens()
+    resumed = ChassisGrammarMatcher(compiled, None)
+    reference = ChassisStructuredOutputBackend(vocabulary, work_budget=None)
+    fresh = reference.compile(grammar(SMALL_TANGLED)).matcher()
+    np.testing.assert_array_equal(resumed.allowed_tokens(), fresh.allowed_tokens())
+    text = "ab;abc,b"
+    for token_id in encode(text):
+        assert resumed.accept_token(token_id) and fresh.accept_token(token_id)
+        np.testing.assert_array_equal(resumed.allowed_tokens(), fresh.allowed_tokens())
+    assert resumed.meter.used > 0 and resumed.meter.budget is None
+
+
+def test_ordinary_constraints_use_a_small_part_of_the_default_budget(vocabulary, encode) -> None:
+    backend = ChassisStructuredOutputBackend(vocabulary)
+    assert backend.work_budget == DEFAULT_WORK_BUDGET
+    matcher = backend.compile(StructuredOutputsParams(json_object=True)).matcher()
+    text = '{"a": [1, {"b": null}], "c": "d"}'
+    for token_id in encode(text):
+        matcher.allowed_tokens()
+        assert matcher.accept_token(token_id)
+    assert 0 < matcher.meter.used < DEFAULT_WORK_BUDGET // 100
+
+
+def test_the_budget_comes_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(WORK_BUDGET_ENV, raising=False)
+    assert work_budget_from_env() == DEFAULT_WORK_BUDGET
+    monkeypatch.setenv(WORK_BUDGET_ENV, "1234")
+    assert work_budget_from_env() == 1234
+    monkeypatch.setenv(WORK_BUDGET_ENV, "0")
+    assert work_budget_from_env() is None
+    for bad in ("-1", "1e6", "lots"):
+        monkeypatch.setenv(WORK_BUDGET_ENV, bad)
+        with pytest.raises(ValueError, match=WORK_BUDGET_ENV):
+            work_budget_from_env()
+
+
+# -- in the engine: the request fails alone ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def budget_llm(tiny_llama_dir):
+    """An engine whose backend (built on the first constrained request) has a small budget."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(WORK_BUDGET_ENV, str(SMALL_BUDGET))
+        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=256)
+        llm.engine.structured_outputs.backend  # noqa: B018 (built now, with the variable set)
+    yield llm
+    llm.shutdown()
+
+
+FREE = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = ["Hello there", "The capital of France is"]
+
+
+def test_a_request_over_budget_fails_alone_in_a_shared_batch(budget_llm: LLM) -> None:
+    alone = [o.outputs[0].token_ids for o in budget_llm.generate(PROMPTS, FREE)]
+    params = [
+        FREE,
+        SamplingParams(max_tokens=10, structured_outputs=grammar(TANGLED)),
+        FREE,
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=grammar(LATE_TANGLED)),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    outputs = budget_llm.generate(prompts, params)
+    for failed in (outputs[1].outputs[0], outputs[3].outputs[0]):
+        assert failed.finish_reason == "abort"
+        assert failed.error is not None and failed.error.client_error
+        assert f"work budget of {SMALL_BUDGET}" in failed.error.message
+    assert outputs[1].outputs[0].token_ids == []  # its first mask is over budget
+    # the late one wrote (part of) its literal first
+    assert "The answer follows in order".startswith(outputs[3].outputs[0].text)
+    assert outputs[3].outputs[0].token_ids
+    assert [outputs[0].outputs[0].token_ids, outputs[2].outputs[0].token_ids] == alone
+    assert all(o.outputs[0].finish_reason == "length" for o in (outputs[0], outputs[2]))
+    assert budget_llm.engine.structured_outputs.num_tracked == 0
+    assert not budget_llm.engine.has_unfinished()
+
+
+class Failing(ChassisGrammarMatcher):
+    """A real matcher that raises on its ``after``-th call of ``method``."""
+
+    def __init__(self, inner: ChassisGrammarMatcher, method: str, after: int) -> None:
+        self.__dict__.update(inner.__dict__)
+        self.method, self.calls_left = method, after
+
+    def _count(self, method: str) -> None:
+        if method == self.method:
+            self.calls_left -= 1
+            if self.calls_left == 0:
+                raise RuntimeError(f"boom in {method}")
+
+    def allowed_tokens(self) -> np.ndarray:
+        self._count("allowed_tokens")
+        return super().allowed_tokens()
+
+    def accept_token(self, token_id: int) -> bool:
+        self._count("accept_token")
+        return super().accept_token(token_id)
+
+
+@pytest.mark.parametrize(
+    ("method", "doing"),
+    [("allowed_tokens", "computing its allowed tokens"), ("accept_token", "following its tokens")],
+)
+def test_a_matcher_that_raises_mid_generation_fails_only_its_request(
+    budget_llm: LLM, method: str, doing: str
+) -> None:
+    core = budget_llm.engine
+    alone = budget_llm.generate(PROMPTS[:1], FREE)[0].outputs[0].token_ids
+    constrained = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=30, structured_outputs=grammar("root ::= [a-z]{30}")
+    )
+    [victim] = budget_llm.input_processor.process(PROMPTS[1], constrained, f"victim-{method}")
+    [other] = budget_llm.input_processor.process(PROMPTS[0], FREE, f"other-{method}")
+    core.add_request(victim)
+    core.add_request(other)
+    tracked = core.structured_outputs._requests[victim.request_id]
+    tracked.matcher = Failing(tracked.matcher, method, after=3)
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step().outputs
+    victim_outputs = [o for o in outputs if o.request_id == victim.request_id]
+    [last] = [o for o in victim_outputs if o.finished]
+    assert last is victim_outputs[-1] and last.finish_reason == "abort"
+    assert last.error is not None and not last.error.client_error
+    assert (
+        last.error.message == f"structured output: {doing} failed: RuntimeError: boom in {method}"
+    )
+    assert 1 <= sum(len(o.new_token_ids) for o in victim_outputs) <= 3
+    other_tokens = [t for o in outputs if o.request_id == other.request_id for t in o.new_token_ids]
+    assert other_tokens == alone
+    assert core.structured_outputs.num_tracked == 0
+    # the engine keeps serving constrained requests
+    [ok] = budget_llm.generate(["Hi"], constrained)
+    assert ok.outputs[0].error is None and ok.outputs[0].finish_reason in ("stop", "length")
+    assert re.fullmatch("[a-z]{1,30}", ok.outputs[0].text)
+
+
+# -- through the server, to an OpenAI client -----------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_the_error_reaches_an_openai_client(tiny_llama_dir, tmp_path, monkeypatch) -> None:
+    import openai
+    from server_process import running_server
+
+    monkeypatch.setenv(WORK_BUDGET_ENV, str(SMALL_BUDGET))
+    with running_server(tiny_llama_dir, tmp_path) as server:
+        client = server.client()
+        free: dict = {}
+
+        def unconstrained() -> None:
+            free["response"] = client.completions.create(
+                model="tiny",
+                prompt="Hello there",
+                max_tokens=40,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
+
+        thread = threading.Thread(target=unconstrained)
+        thread.start()
+        # over budget at the first token: a 400 before any byte of a response
+        with pytest.raises(openai.BadRequestError, match=f"work budget of {SMALL_BUDGET}") as err:
+            client.completions.create(
+                model="tiny",
+                prompt="Hi",
+                max_tokens=10,
+                extra_body={"structured_outputs": {"grammar": TANGLED}},
+            )
+        assert err.value.code == "request_failed"
+        # over budget after some tokens, streaming: an error event ends the stream
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=40,
+            temperature=0.0,
+            stream=True,
+            extra_body={"structured_outputs": {"grammar": LATE_TANGLED}},
+        )
+        text = ""
+        with pytest.raises(openai.APIError, match=f"work budget of {SMALL_BUDGET}"):
+            for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+        assert text and "The answer follows in order".startswith(text)
+        thread.join(timeout=120)
+        response = free["response"]
+        assert response.choices[0].finish_reason == "length"
+        assert response.usage.completion_tokens == 40
+        assert client.models.list().data  # still serving
+
+
+def test_a_failed_request_is_a_400_or_a_500_with_the_engine_s_message() -> None:
+    from chassis.core.errors import RequestFailedError
+    from chassis.core.request import RequestError
+    from chassis.serve.errors import stream_error_json, to_api_error
+
+    for client_error, status in ((True, 400), (False, 500)):
+        failure = RequestFailedError(RequestError(message="why", client_error=client_error))
+        api_error = to_api_error(failure)
+        assert (api_error.status, api_error.message, api_error.code) == (
+            status,
+            "why",
+            "request_failed",
+        )
+        assert '"message": "why"' in stream_error_json(failure)
