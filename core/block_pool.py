@@ -14,6 +14,13 @@ Life of a block:
 
 The free list is in LRU order: blocks are appended when their last reference goes and taken
 from the front, so the blocks freed longest ago are evicted first.
+
+The null block. A pool built with ``reserve_null_block=True`` keeps block
+:data:`NULL_BLOCK_ID` out of circulation: it is never handed out, freed or cached, so nothing
+ever writes it and it keeps the zeros the caches are allocated with. A block table puts it
+where a request's block was released because no layer reads those positions any more (a
+sliding window, ``KVCacheManager``); a kernel that still reads such a slot, and masks it,
+reads finite zeros.
 """
 
 from __future__ import annotations
@@ -24,22 +31,38 @@ from collections.abc import Iterable
 #: An opaque, content-derived key of a full block (see ``kv_cache_manager.hash_block_tokens``).
 BlockHash = bytes
 
+#: The block id a block table holds where its request's block was released (see the module
+#: docstring); only reserved in pools built with ``reserve_null_block=True``.
+NULL_BLOCK_ID = 0
+
 
 class BlockPool:
     """A fixed set of ``num_blocks`` KV blocks with reference counts and a prefix-cache map.
 
-    Not thread-safe: the engine core loop is its only user.
+    With ``reserve_null_block`` block :data:`NULL_BLOCK_ID` is kept out of circulation (the
+    module docstring), so ``num_blocks - 1`` blocks are usable. Not thread-safe: the engine
+    core loop is its only user.
     """
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"a block pool needs at least 1 block; got num_blocks={num_blocks}")
+    def __init__(self, num_blocks: int, reserve_null_block: bool = False) -> None:
+        num_reserved = 1 if reserve_null_block else 0
+        if num_blocks < 1 + num_reserved:
+            raise ValueError(
+                f"a block pool needs at least {1 + num_reserved} block(s)"
+                f"{' (one is the null block)' if num_reserved else ''}; got num_blocks={num_blocks}"
+            )
         self.num_blocks = num_blocks
+        #: blocks that can ever be handed out (``num_blocks`` less the null block)
+        self.num_usable_blocks = num_blocks - num_reserved
         self._ref_counts = [0] * num_blocks
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         # block id -> None, oldest-freed first (an ordered set with O(1) removal)
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_reserved, num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        #: whether NULL_BLOCK_ID is reserved (then touching, freeing or caching it is an error)
+        self.has_null_block = reserve_null_block
+        if reserve_null_block:
+            self._ref_counts[NULL_BLOCK_ID] = 1  # never reaches 0: never in the free list
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -50,13 +73,13 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks with at least one reference."""
-        return self.num_blocks - len(self._free)
+        """Blocks with at least one reference (the null block not counted)."""
+        return self.num_usable_blocks - len(self._free)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, in ``[0, 1]``."""
-        return self.num_used_blocks / self.num_blocks
+        """Fraction of the usable blocks in use, in ``[0, 1]``."""
+        return self.num_used_blocks / self.num_usable_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -104,6 +127,7 @@ class BlockPool:
         :attr:`num_free_blocks`).
         """
         for block_id in block_ids:
+            self._check_not_null(block_id)
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
@@ -117,6 +141,7 @@ class BlockPool:
         Raises ``ValueError`` on a block that is already free.
         """
         for block_id in block_ids:
+            self._check_not_null(block_id)
             if self._ref_counts[block_id] <= 0:
                 raise ValueError(f"KV block {block_id} is freed more often than it was taken")
             self._ref_counts[block_id] -= 1
@@ -136,6 +161,7 @@ class BlockPool:
         hash already held by another block keeps that block (the duplicate stays private to its
         owner and is reused as an ordinary block once freed).
         """
+        self._check_not_null(block_id)
         if self._ref_counts[block_id] == 0:
             raise ValueError(f"KV block {block_id} is free; only blocks in use can be cached")
         if self._hashes[block_id] is not None or block_hash in self._cached:
@@ -154,6 +180,13 @@ class BlockPool:
         self._cached.clear()
         self._hashes = [None] * self.num_blocks
         return num
+
+    def _check_not_null(self, block_id: int) -> None:
+        if self.has_null_block and block_id == NULL_BLOCK_ID:
+            raise ValueError(
+                f"KV block {NULL_BLOCK_ID} is the reserved null block: it is never taken, "
+                "freed or cached"
+            )
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._hashes[block_id]

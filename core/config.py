@@ -76,6 +76,10 @@ class EngineConfig:
     #: exact number of KV blocks (tests and experiments; overrides memory sizing)
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    #: when every attention layer has a sliding window (Mistral v0.1, Phi-3-mini, ...),
+    #: release each request's blocks that its window has left (docs/models.md, "Sliding
+    #: window"); False keeps every position, as full attention does (the reference path)
+    sliding_window_kv_release: bool = True
     #: what the KV cache stores (vLLM's flag): "auto" = the model's dtype; "fp8" / "fp8_e4m3"
     #: / "fp8_e5m2" = 8-bit floats (half a 16-bit cache's bytes per token, so twice the
     #: tokens in the same memory), quantized with per-tensor scales of 1.0 on write and

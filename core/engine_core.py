@@ -35,15 +35,23 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     attention_backend: str
     scheduler: str
     sampler: str
+    #: KV blocks requests can hold (a reserved null block not counted)
     num_kv_blocks: int
     block_size: int
     max_model_len: int
     #: with ``--enable-lora``: the modules adapters may change and their shapes, against
     #: which the front-end checks adapters (``chassis.core.lora.adapter.check_adapter``)
     lora_target_shapes: dict[str, tuple[int, int]] | None = None
+    #: the sliding window (tokens) behind which the KV cache manager releases each request's
+    #: blocks (every attention layer has one); None: requests keep every position
+    kv_cache_window: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:
+        """Token positions the KV blocks hold at once (``num_kv_blocks * block_size``, the
+        usable blocks, the null block not counted). With :attr:`kv_cache_window` a request
+        keeps only about its window's positions in them, so the requests' total length may
+        exceed it."""
         return self.num_kv_blocks * self.block_size
 
 
@@ -84,10 +92,12 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        kv_window = self.executor.kv_cache_window()
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=kv_window,
         )
         if config.async_scheduling and not scheduler_cls.supports_async_scheduling:
             raise ValueError(
@@ -115,19 +125,25 @@ class EngineCore:
             attention_backend=config.attention_backend,
             scheduler=config.scheduler,
             sampler=config.sampler,
-            num_kv_blocks=num_blocks,
+            num_kv_blocks=self.kv_cache_manager.num_usable_blocks,
             block_size=config.block_size,
+            kv_cache_window=kv_window,
             max_model_len=config.max_model_len,
             lora_target_shapes=self.executor.lora_target_shapes(),
         )
         logger.info(
             "engine core ready: platform=%s attention=%s scheduler=%s KV cache %d blocks "
-            "(%d tokens)",
+            "(%d tokens)%s",
             platform.name,
             config.attention_backend,
             config.scheduler,
-            num_blocks,
+            self.info.num_kv_blocks,
             self.info.kv_capacity_tokens,
+            ""
+            if kv_window is None
+            else f"; every layer's sliding window is {kv_window} tokens, so each request "
+            f"holds only its last ~{kv_window} tokens' blocks and the total over requests "
+            "may exceed this",
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

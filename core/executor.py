@@ -46,6 +46,12 @@ class Executor(ABC):
         """
         return PendingRunnerOutput.ready(self.execute_model(scheduler_output))
 
+    def kv_cache_window(self) -> int | None:
+        """The sliding window that bounds what every attention layer reads, for the KV cache
+        manager to release blocks behind it (``Worker.kv_cache_window``); ``None`` (the
+        default): keep every position."""
+        return None
+
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         """The modules LoRA adapters may change, ``{HF module: (in_features, out_features)}``,
         or ``None`` without ``--enable-lora`` (default: ``None``)."""
@@ -89,6 +95,9 @@ class InProcessExecutor(Executor):
 
     def local_device(self) -> torch.device | None:
         return self.worker.device
+
+    def kv_cache_window(self) -> int | None:
+        return self.worker.kv_cache_window()
 
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         lora = self.worker.lora

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from chassis.core.block_pool import NULL_BLOCK_ID
 from chassis.core.logits_processor import AddedRequest, BatchUpdateBuilder
 from chassis.core.sampling_metadata import SamplingRow
 from chassis.core.sampling_params import SamplingParams
@@ -113,6 +114,12 @@ class InputBatch:
             )
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
+
+    def null_leading_blocks(self, row: int, num_null_blocks: int) -> None:
+        """Point the row's first ``num_null_blocks`` block-table entries at the null block
+        (blocks the scheduler released: no layer's window reads them any more)."""
+        if num_null_blocks:
+            self.block_table[row, :num_null_blocks] = NULL_BLOCK_ID
 
     def append_token(self, row: int, token_id: int) -> None:
         n = int(self.num_tokens[row])

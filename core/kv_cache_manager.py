@@ -16,6 +16,18 @@ request's next ``allocate_slots`` and on ``free``. Registering a block only afte
 yet, even if its owner is preempted in the step that scheduled it. The cost is that two
 requests with the same prefix scheduled in the *same* step do not share it.
 
+Sliding window. Built with ``sliding_window=W`` (every attention layer of the model, and of
+a draft model, sees at most the last ``W`` positions, its own included), the manager releases
+the blocks a request's window has left: a step that computes from position ``c`` on (and every
+later step) reads no key before ``c - W + 1``, so in :meth:`allocate_slots` every leading
+block wholly before that position goes back to the pool (registered in the prefix cache first,
+so it stays a hit until evicted, like any free cached block) and its block-table entry becomes
+the pool's reserved null block :data:`~chassis.core.block_pool.NULL_BLOCK_ID`. A request then
+holds about ``(W + tokens of its step) / block_size`` blocks whatever its length. Prefix-cache
+hits need only the blocks the window of the first computed position reads: the hit is the
+longest cached prefix whose last ``W - 1`` positions (and the blocks holding them) are cached,
+with null entries before them.
+
 Units: every count is in tokens unless its name says blocks.
 """
 
@@ -27,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from chassis.core.block_pool import BlockHash, BlockPool
+from chassis.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool
 
 if TYPE_CHECKING:
     from chassis.core.request import Request
@@ -67,6 +79,8 @@ class _RequestBlocks:
     block_hashes: list[BlockHash] = field(default_factory=list)
     #: leading blocks already registered in (or hit from) the prefix cache
     num_cached_blocks: int = 0
+    #: leading block-table entries that are the null block (released: out of the window)
+    num_null_blocks: int = 0
 
 
 class KVCacheManager:
@@ -76,17 +90,31 @@ class KVCacheManager:
     :param block_size: tokens per block.
     :param enable_prefix_caching: share full blocks between requests with equal prefixes.
         When off, nothing is hashed and :meth:`get_computed_blocks` never hits.
+    :param sliding_window: ``None``, or the window ``W`` that bounds what *every* attention
+        layer reads (the module docstring): blocks before a request's window are released and
+        the pool reserves block :data:`~chassis.core.block_pool.NULL_BLOCK_ID` for their
+        block-table entries (``num_blocks - 1`` usable blocks).
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
-        self.block_pool = BlockPool(num_blocks)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None; got {sliding_window}")
+        self.block_pool = BlockPool(num_blocks, reserve_null_block=sliding_window is not None)
+        #: blocks of the KV cache tensors (the null block included when reserved)
         self.num_blocks = num_blocks
+        #: blocks requests can hold (``num_blocks`` less the null block)
+        self.num_usable_blocks = self.block_pool.num_usable_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         #: tokens looked up in the prefix cache (each call of get_computed_blocks counts)
         self.prefix_cache_queries = 0
         #: of those, tokens found
@@ -106,9 +134,21 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (empty if it holds no blocks)."""
+        """A copy of the request's block table (empty if it holds no blocks); released entries
+        are :data:`~chassis.core.block_pool.NULL_BLOCK_ID`."""
         state = self._requests.get(request_id)
         return list(state.block_ids) if state else []
+
+    def num_null_blocks(self, request_id: str) -> int:
+        """How many leading entries of the request's block table are the null block (blocks
+        released because its sliding window left them; 0 without a window)."""
+        state = self._requests.get(request_id)
+        return state.num_null_blocks if state else 0
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds a reference to (its block table less the null entries)."""
+        state = self._requests.get(request_id)
+        return len(state.block_ids) - state.num_null_blocks if state else 0
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -128,6 +168,11 @@ class KVCacheManager:
 
         A request that asks for ``prompt_logprobs`` never hits (and is not counted): its
         prompt logprobs need the logits of every prompt position, so it computes them all.
+
+        With a sliding window the prefix need not be cached from its start: a hit of ``k``
+        blocks needs only the blocks holding positions ``k * block_size - W + 1 ..`` (what
+        the first computed position's window reads); ``block_ids`` has the null block before
+        them, and the longest such ``k`` is returned.
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
@@ -142,16 +187,39 @@ class KVCacheManager:
         num_tokens = request.num_tokens
         max_hit_blocks = (num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, state, max_hit_blocks)
-        hit_blocks: list[int] = []
-        for block_hash in hashes[:max_hit_blocks]:
-            block_id = self.block_pool.get_cached_block(block_hash)
-            if block_id is None:
-                break
-            hit_blocks.append(block_id)
+        if self.sliding_window is None:
+            hit_blocks: list[int] = []
+            for block_hash in hashes[:max_hit_blocks]:
+                block_id = self.block_pool.get_cached_block(block_hash)
+                if block_id is None:
+                    break
+                hit_blocks.append(block_id)
+        else:
+            hit_blocks = self._window_hit(hashes[:max_hit_blocks])
         num_hit_tokens = len(hit_blocks) * self.block_size
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
         return hit_blocks, num_hit_tokens
+
+    def _window_hit(self, hashes: list[BlockHash]) -> list[int]:
+        """The longest window-valid hit over ``hashes`` (see :meth:`get_computed_blocks`):
+        block ids with the null block before the blocks the window needs."""
+        assert self.sliding_window is not None
+        size = self.block_size
+        found = [self.block_pool.get_cached_block(h) for h in hashes]
+        # run_start[i]: the first block of the run of cached blocks that ends at block i
+        run_start = [0] * len(found)
+        for i, block_id in enumerate(found):
+            if block_id is not None:
+                run_start[i] = run_start[i - 1] if i and found[i - 1] is not None else i
+        # a hit of k blocks needs blocks first..k-1 cached, first holding the first key the
+        # next query (position k * size) reads: k * size - W + 1
+        for k in range(len(found), 0, -1):
+            first = max(0, k * size - self.sliding_window + 1) // size
+            if found[k - 1] is not None and run_start[k - 1] <= first:
+                needed = [b for b in found[first:k] if b is not None]
+                return [NULL_BLOCK_ID] * first + needed
+        return []
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (contents of blocks in use are untouched); returns how many
@@ -179,9 +247,14 @@ class KVCacheManager:
         Also registers in the prefix cache every full block that ``request.num_computed_tokens``
         (plus the hits) now covers.
 
+        With a sliding window, first releases the blocks that the window of position
+        ``request.num_computed_tokens`` (this step's first) has left: they count as free for
+        this call, and they stay released even when it returns ``None`` (no step reads them
+        again); :meth:`num_null_blocks` says how many leading entries are then the null block.
+
         Returns the block ids newly taken from the free list (possibly empty), in block-table
         order after the existing ones; or ``None`` if there are not enough free blocks, in which
-        case nothing changed.
+        case nothing else changed.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
@@ -190,7 +263,10 @@ class KVCacheManager:
         if new_computed_blocks or num_new_computed_tokens:  # prefix-cache hits: check them
             self._check_hits(request, state, new_computed_blocks, num_new_computed_tokens)
             # Hits sitting in the free list leave it when touched, so they count against it.
+            # (the null block, where a window needs none, is never free)
             num_free_hits = sum(1 for b in new_computed_blocks if self.block_pool.ref_count(b) == 0)
+        elif state is not None and self.sliding_window is not None:
+            self._release_out_of_window(request, state)
         num_held = len(state.block_ids) if state else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
@@ -201,9 +277,15 @@ class KVCacheManager:
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks()
         if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
+            num_null = 0
+            while num_null < len(new_computed_blocks) and (
+                new_computed_blocks[num_null] == NULL_BLOCK_ID and self.sliding_window is not None
+            ):
+                num_null += 1
+            self.block_pool.touch(new_computed_blocks[num_null:])
             state.block_ids.extend(new_computed_blocks)
             state.num_cached_blocks = len(new_computed_blocks)
+            state.num_null_blocks = num_null
         new_blocks = self.block_pool.get_new_blocks(num_to_take) if num_to_take else []
         state.block_ids.extend(new_blocks)
         self._cache_computed_blocks(request, state, num_computed)
@@ -242,7 +324,22 @@ class KVCacheManager:
         if state is None:
             return
         self._cache_computed_blocks(request, state, request.num_computed_tokens)
-        self.block_pool.free_blocks(reversed(state.block_ids))
+        self.block_pool.free_blocks(reversed(state.block_ids[state.num_null_blocks :]))
+
+    def _release_out_of_window(self, request: Request, state: _RequestBlocks) -> None:
+        """Release the leading blocks wholly before the window of position
+        ``request.num_computed_tokens`` (registered in the prefix cache first) and put the
+        null block in their entries."""
+        assert self.sliding_window is not None
+        first_key = request.num_computed_tokens - self.sliding_window + 1
+        num_out = min(max(first_key, 0) // self.block_size, len(state.block_ids))
+        if num_out <= state.num_null_blocks:
+            return  # (most steps: the window has not left another block)
+        self._cache_computed_blocks(request, state, request.num_computed_tokens)
+        released = state.block_ids[state.num_null_blocks : num_out]
+        state.block_ids[state.num_null_blocks : num_out] = [NULL_BLOCK_ID] * len(released)
+        state.num_null_blocks = num_out
+        self.block_pool.free_blocks(released)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -275,6 +372,6 @@ class KVCacheManager:
         if num_full <= state.num_cached_blocks:
             return
         hashes = self._block_hashes(request, state, num_full)
-        for i in range(state.num_cached_blocks, num_full):
+        for i in range(max(state.num_cached_blocks, state.num_null_blocks), num_full):
             self.block_pool.cache_block(state.block_ids[i], hashes[i])
         state.num_cached_blocks = num_full

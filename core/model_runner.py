@@ -34,6 +34,7 @@ from chassis.core.compiled_model import CompiledForward
 from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
 from chassis.core.input_batch import InputBatch, RequestState
+from chassis.core.layers.attention import Attention
 from chassis.core.logits_processor import BatchUpdateBuilder, LogitsProcessors, LogitsRows
 from chassis.core.model_loader import kv_head_count
 from chassis.core.pooler import Pooler
@@ -151,6 +152,22 @@ class ModelRunner:
         draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
         return per_layer * elem * self.model.num_attention_layers + draft
 
+    def kv_cache_window(self) -> int | None:
+        """The window that bounds what every attention layer reads: the largest
+        ``sliding_window`` when every layer of the model, and of the draft model, has one;
+        ``None`` when any layer attends to the whole context (or the model has no attention
+        layer). The KV cache manager releases the blocks a request's window has left."""
+        models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
+        windows: list[int | None] = []
+        for model in models:
+            layers = [m for m in model.modules() if isinstance(m, Attention)]
+            if len(layers) != model.num_attention_layers:
+                return None  # attention this function cannot see: keep every position
+            windows.extend(layer.sliding_window for layer in layers)
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV caches, then capture the decode graphs where they can be used.
 
@@ -257,6 +274,7 @@ class ModelRunner:
         for cached in out.cached_requests:
             row = self.batch.row_of[cached.request_id]
             self.batch.append_blocks(row, cached.new_block_ids)
+            self.batch.null_leading_blocks(row, cached.num_null_blocks)
             self.batch.num_computed_tokens[row] = cached.num_computed_tokens
         if self.pooler is not None:
             self.pooler.update(out)

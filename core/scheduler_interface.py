@@ -62,6 +62,10 @@ class CachedRequestData:
     new_block_ids: list[int]
     #: tokens whose K/V are cached *before* this step (this step computes the next ones)
     num_computed_tokens: int
+    #: how many leading entries of its block table are now the null block
+    #: (``chassis.core.block_pool.NULL_BLOCK_ID``): blocks released because no layer's
+    #: sliding window reads them any more (``KVCacheManager``); 0 when none
+    num_null_blocks: int = 0
 
 
 @dataclass

@@ -122,6 +122,8 @@ class RankGroupExecutor(Executor):
     _broken: str | None = None
     #: rank 0's LoRA target shapes (the same on every rank); None without ``--enable-lora``
     _lora_shapes: dict[str, tuple[int, int]] | None = None
+    #: rank 0's ``Worker.kv_cache_window`` (the same on every rank: windows are not sharded)
+    _kv_window: int | None = None
 
     @staticmethod
     def _group_config(config: EngineConfig) -> EngineConfig:
@@ -151,6 +153,9 @@ class RankGroupExecutor(Executor):
             )
 
     # -- the Executor interface ---------------------------------------------------------------
+
+    def kv_cache_window(self) -> int | None:
+        return self._kv_window
 
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         # whole shapes, the same on every rank: the driver's answer
@@ -218,6 +223,7 @@ class TensorParallelExecutor(RankGroupExecutor):
             raise
         lora = self.worker.lora
         self._lora_shapes = None if lora is None else dict(lora.target_shapes)
+        self._kv_window = self.worker.kv_cache_window()
         logger.info("tensor parallel: %d ranks ready", self.size)
 
     def _run_on_all(self, method: str, payload: Any) -> list[Any]:

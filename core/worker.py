@@ -126,6 +126,14 @@ class Worker:
             )
         return num_blocks
 
+    def kv_cache_window(self) -> int | None:
+        """The sliding window whose left-behind blocks the KV cache manager releases
+        (``ModelRunner.kv_cache_window``), or ``None``: every layer needs every position, or
+        ``--no-sliding-window-kv-release``."""
+        if not self.config.sliding_window_kv_release:
+            return None
+        return self.runner.kv_cache_window()
+
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 

@@ -188,6 +188,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         default=None,
         help=_help("reuse KV blocks of shared prompt prefixes", "enable_prefix_caching"),
     )
+    g.add_argument(
+        "--sliding-window-kv-release",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_help(
+            "when every attention layer has a sliding window, free each request's KV blocks "
+            "its window has left",
+            "sliding_window_kv_release",
+        ),
+    )
 
     g = parser.add_argument_group("scheduling")
     g.add_argument(

@@ -28,8 +28,9 @@ window reaches, and with a cap, which SDPA cannot apply, compute
 whatever their options: what depends on the window (the SDPA masks) is memoized in it keyed
 by the window, so layers with different windows (Gemma's local and global layers) share a
 step's plan without seeing each other's masks. A layer with neither option does exactly
-what it did before they existed. The KV cache still holds every position of a windowed
-layer's context.
+what it did before they existed. Block-table entries before a window may be the null block
+(the KV cache manager released those blocks when every layer has a window): the kernels
+start past them, the SDPA paths mask them (the null block holds zeros).
 
 Attention sinks (``sinks``, gpt-oss) run on every path too: the compiled kernels start each
 row's online softmax with the head's sink logit as its running maximum and a denominator of

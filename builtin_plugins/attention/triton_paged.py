@@ -11,8 +11,9 @@ A sliding window, a logit soft cap and attention sinks are compile-time variants
 kernel: the window masks keys before each query's window and skips the KV tiles wholly before
 a query block's (a windowed layer reads about the window, not the context); the cap applies
 ``cap * tanh(s / cap)`` to the scores in the kernel; the sinks (gpt-oss) start each row's
-online softmax from its head's sink logit. The KV cache still holds every position
-of a windowed layer's context.
+online softmax from its head's sink logit. Block-table entries wholly before a window may
+be the null block (released by the KV cache manager when every layer has a window); a tile
+that straddles the window's start reads it and masks it (it holds zeros).
 
 An 8-bit KV cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``) is one more compile-time variant:
 the write kernel quantizes (``k / k_scale``, saturated, rounded to nearest even) and the

@@ -116,11 +116,13 @@ class ContinuousBatchingScheduler(Scheduler):
                 f"the KV cache manager's block size ({kv_cache_manager.block_size}) differs "
                 f"from --block-size ({config.block_size})"
             )
-        capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
+        # (conservative with a sliding window, whose requests hold only about the window)
+        num_blocks = kv_cache_manager.num_usable_blocks
+        capacity = num_blocks * kv_cache_manager.block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(
                 f"--max-model-len {config.max_model_len} does not fit in the KV cache "
-                f"({kv_cache_manager.num_blocks} blocks of {kv_cache_manager.block_size} = "
+                f"({num_blocks} blocks of {kv_cache_manager.block_size} = "
                 f"{capacity} tokens): give the KV cache more memory or lower --max-model-len"
             )
         #: the context limit applied by stop conditions: max_model_len, or, when unset, what
@@ -509,6 +511,7 @@ class ContinuousBatchingScheduler(Scheduler):
                         request_id=request_id,
                         new_block_ids=plan.new_block_ids[request_id],
                         num_computed_tokens=request.num_computed_tokens,
+                        num_null_blocks=self.kv_cache_manager.num_null_blocks(request_id),
                     )
                 )
             output.num_scheduled_tokens[request_id] = num_tokens
