@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(f"linear: {args.layers} layers of [{2 * inter}x{h}] and [{h}x{inter}] bf16 weights")
+    if chassis is None:
+        print("  chassis_cpu::linear: not built for this CPU (it needs AVX512-BF16)")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {h: randn(rows, h), inter: randn(rows, inter)}
         variants: dict[str, Callable[[], object]] = {
