@@ -218,6 +218,21 @@ def test_outputs_equal_transformers_and_the_reference_with_fewer_blocks(
     assert most_released <= held_bound(16) < most_kept
 
 
+def test_the_default_cpu_backend_reads_null_blocks_correctly(
+    mistral_dir: Path, expected: list[list[int]]
+) -> None:
+    # cpu_paged's kernels start at the window; its SDPA paths gather and mask the null block
+    from chassis.builtin_plugins.attention.cpu_paged import CpuPagedAttention
+
+    if not CpuPagedAttention.supports_sliding_window:
+        pytest.skip("cpu_paged does not support sliding windows")
+    tokens, most_held = run(
+        make_llm(mistral_dir, release=True, attention_backend="cpu_paged"), PROMPTS
+    )
+    assert tokens == expected
+    assert most_held <= held_bound(16)
+
+
 def test_the_engine_reports_the_window_only_when_releasing(mistral_dir: Path) -> None:
     on, off = make_llm(mistral_dir, release=True), make_llm(mistral_dir, release=False)
     assert on.engine.info.kv_cache_window == on.engine.kv_cache_manager.sliding_window == WINDOW
