@@ -3,7 +3,8 @@
 Triton kernels run on the CPU only under Triton's interpreter, which must be switched on
 (``TRITON_INTERPRET=1``) before ``triton`` is first imported; in a whole-suite run something
 has usually imported it already. So :func:`test_kernels_under_interpreter` re-runs this file in
-a child pytest with the variable set, and the kernel tests run only there. To see them one by
+a child pytest with the variable set (one child shared with the other Triton test files, see
+``tests/triton_compile_check.py``), and the kernel tests run only there. To see them one by
 one: ``TRITON_INTERPRET=1 python -m pytest tests/test_triton_attention.py``.
 
 Shapes are tiny: the interpreter executes every program of the grid in numpy.
@@ -17,9 +18,11 @@ import pytest
 import torch
 from paged_attention_cases import dense_attention, make_batch
 from triton_compile_check import (
+    SHARED_CHILD_TIMEOUT,
     TARGETS,
     compile_attention_variant,
     compile_kernel,
+    interpreter_runs,
     run_under_interpreter,
 )
 
@@ -42,20 +45,13 @@ WINDOWED = [(0, 5), (0, 20), (3, 4), (12, 6), (7, 1), (8, 1), (70, 1), (100, 5)]
 WINDOW_CAP = [(8, None), (None, 2.0), (8, 2.0), (1, None), (1000, 0.5)]
 
 
-def _interpreter_runs_the_kernels(version: str) -> bool:
-    """Triton 3.6's interpreter (the version torch 2.11 pins) hands the attention kernel a
-    loaded scalar as a 1-element array and fails on it; 3.7.1, 3.8.0 and 3.9.0 run it
-    (checked 2026-11-30). Compiled for a GPU, 3.6 builds the kernel (the compile test)."""
-    major, minor = (int(part) for part in version.split(".")[:2])
-    return (major, minor) >= (3, 7)
-
-
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-def test_kernels_under_interpreter() -> None:
+@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+def test_kernels_under_interpreter(request: pytest.FixtureRequest) -> None:
     triton = pytest.importorskip("triton")
-    if not _interpreter_runs_the_kernels(triton.__version__):
+    if not interpreter_runs(__file__):
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run this kernel (< 3.7)")
-    output = run_under_interpreter(__file__)
+    output = run_under_interpreter(__file__, request=request)
     assert "skipped" in output, output[-2000:]
 
 

@@ -13,7 +13,12 @@ import os
 import pytest
 import torch
 from test_triton_ops import bfloat16_rounds_to_nearest  # noqa: F401  (a fixture)
-from triton_compile_check import TARGETS, compile_kernel, run_under_interpreter
+from triton_compile_check import (
+    SHARED_CHILD_TIMEOUT,
+    TARGETS,
+    compile_kernel,
+    run_under_interpreter,
+)
 
 from chassis.core.layers.moe import FusedMoE, fused_experts_ref, select_experts
 
@@ -47,9 +52,10 @@ def _experts(
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-def test_moe_under_interpreter() -> None:
+@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+def test_moe_under_interpreter(request: pytest.FixtureRequest) -> None:
     pytest.importorskip("triton")
-    run_under_interpreter(__file__, timeout=300)
+    run_under_interpreter(__file__, request=request)
 
 
 # -- moe_align (plain torch, in-process) --------------------------------------------------------

@@ -15,7 +15,12 @@ import os
 import pytest
 import torch
 from test_triton_ops import bfloat16_rounds_to_nearest  # noqa: F401  (a fixture)
-from triton_compile_check import TARGETS, compile_kernel, run_under_interpreter
+from triton_compile_check import (
+    SHARED_CHILD_TIMEOUT,
+    TARGETS,
+    compile_kernel,
+    run_under_interpreter,
+)
 
 from chassis.builtin_plugins.models.gpt_oss import GptOssExperts, experts_reference
 from chassis.core.layers.moe import select_experts
@@ -75,9 +80,10 @@ def _both(args: tuple[torch.Tensor, ...], alpha: float = ALPHA, limit: float = L
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-def test_under_interpreter() -> None:
+@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+def test_under_interpreter(request: pytest.FixtureRequest) -> None:
     pytest.importorskip("triton")
-    run_under_interpreter(__file__, timeout=300)
+    run_under_interpreter(__file__, request=request)
 
 
 # -- the kernels (interpreter) ------------------------------------------------------------------

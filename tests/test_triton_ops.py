@@ -10,7 +10,12 @@ import os
 
 import pytest
 import torch
-from triton_compile_check import TARGETS, compile_kernel, run_under_interpreter
+from triton_compile_check import (
+    SHARED_CHILD_TIMEOUT,
+    TARGETS,
+    compile_kernel,
+    run_under_interpreter,
+)
 
 from chassis.core.layers import fused_ops
 
@@ -38,9 +43,10 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-def test_ops_under_interpreter() -> None:
+@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+def test_ops_under_interpreter(request: pytest.FixtureRequest) -> None:
     pytest.importorskip("triton")
-    run_under_interpreter(__file__)
+    run_under_interpreter(__file__, request=request)
 
 
 # -- Triton kernels (interpreter) ---------------------------------------------------------------

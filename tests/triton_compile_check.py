@@ -122,10 +122,17 @@ def compile_attention_variant(
     )
 
 
-def run_under_interpreter(test_file: str, timeout: float = 500) -> str:
+def run_under_interpreter(test_file: str, timeout: float = 500, request: Any = None) -> str:
     """Run the tests of ``test_file`` in a child pytest with ``TRITON_INTERPRET=1`` (set
     before Triton is first imported, which the parent process has done) and return its
-    output; fails the calling test when the child fails or passes nothing."""
+    output; fails the calling test when the child fails or passes nothing.
+
+    With the calling test's ``request``, a file of :data:`SHARED_CHILD_FILES` runs in one
+    child together with the other such files of this session (see
+    :func:`_run_shared_child`), and the returned text is that file's part of the result.
+    """
+    if request is not None and Path(test_file).name in SHARED_CHILD_FILES:
+        return _run_shared_child(test_file, request)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", test_file, "-q", "-x", "-p", "no:cacheprovider"],
         env={**os.environ, "TRITON_INTERPRET": "1"},
@@ -137,3 +144,98 @@ def run_under_interpreter(test_file: str, timeout: float = 500) -> str:
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout, proc.stdout[-2000:]
     return proc.stdout
+
+
+#: Test files whose interpreter tests share one child pytest: each child imports torch, Triton
+#: and the package again, several seconds on a 2-core machine, so a whole-suite run starts
+#: one instead of one per file.
+SHARED_CHILD_FILES = (
+    "test_triton_attention.py",
+    "test_triton_moe.py",
+    "test_triton_moe_bias.py",
+    "test_triton_ops.py",
+)
+#: the oldest Triton (major, minor) whose interpreter runs a file's kernels, where it is not
+#: every version: Triton 3.6's interpreter hands the attention kernel a loaded scalar as a
+#: 1-element array and fails on it; 3.7.1, 3.8.0 and 3.9.0 run it (checked 2026-11-30).
+#: Compiled for a GPU, 3.6 builds the kernel (the compile tests).
+_OLDEST_INTERPRETER = {"test_triton_attention.py": (3, 7)}
+#: the shared child's results, keyed by the tuple of files it ran
+_SHARED_RESULTS: dict[tuple[str, ...], tuple[dict[str, dict[str, list[str]]], str]] = {}
+#: a hang guard for the shared child (the parent test's own timeout mark must exceed it)
+SHARED_CHILD_TIMEOUT = 1500
+
+
+def interpreter_runs(test_file: str) -> bool:
+    """Whether the installed Triton's interpreter runs the kernels of ``test_file``."""
+    import triton
+
+    oldest = _OLDEST_INTERPRETER.get(Path(test_file).name, (0, 0))
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) >= oldest
+
+
+def _run_shared_child(test_file: str, request: Any) -> str:
+    """One child pytest for every :data:`SHARED_CHILD_FILES` file this session collected
+    (and whose kernels the interpreter runs), started by the first of their parent tests;
+    ``test_file``'s tests must have passed there (at least one) and failed nowhere.
+
+    Returns ``"N passed, M skipped"`` for ``test_file`` (pytest's words: no skip count when
+    none was skipped)."""
+    here = Path(test_file).resolve()
+    collected = {Path(item.path).resolve() for item in request.session.items}
+    files = {here} | {
+        path for path in collected if path.name in SHARED_CHILD_FILES and path.parent == here.parent
+    }
+    key = tuple(sorted(str(path) for path in files if interpreter_runs(str(path))))
+    if key not in _SHARED_RESULTS:
+        try:
+            _SHARED_RESULTS[key] = _run_child_with_report(list(key))
+        except (AssertionError, subprocess.TimeoutExpired) as broken:
+            # kept, so that the other files' parent tests fail at once instead of rerunning it
+            _SHARED_RESULTS[key] = ({}, f"the shared interpreter child broke: {broken}")
+    outcomes, output = _SHARED_RESULTS[key]
+    mine = outcomes.get(here.name, {})
+    passed, failed, skipped = (mine.get(kind, []) for kind in ("passed", "failed", "skipped"))
+    summary = f"{len(passed)} passed" + (f", {len(skipped)} skipped" if skipped else "")
+    assert not failed and passed, "\n\n".join([summary, *failed, output[-4000:]])
+    return summary
+
+
+def _run_child_with_report(files: list[str]) -> tuple[dict[str, dict[str, list[str]]], str]:
+    """Run ``files`` in one ``TRITON_INTERPRET=1`` child pytest; returns each file's test
+    names by outcome (``failed`` holds the failure texts) and the child's output."""
+    import tempfile
+    import xml.etree.ElementTree as ET
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        proc = subprocess.run(
+            [
+                *(sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider"),
+                *(f"--junitxml={report}", "-o", "junit_family=xunit1"),
+            ],
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=SHARED_CHILD_TIMEOUT,
+        )
+        output = proc.stdout + proc.stderr
+        # 0: all passed; 1: some failed (reported per file below); else the run itself broke
+        assert proc.returncode in (0, 1) and report.exists(), output[-6000:]
+        outcomes: dict[str, dict[str, list[str]]] = {}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            by_kind = outcomes.setdefault(Path(case.get("file", "")).name, {})
+            name = case.get("name", "")
+            problems = [child for child in case if child.tag in ("failure", "error")]
+            if problems:
+                texts = [
+                    f"{name}: {child.get('message', '')}\n{child.text or ''}" for child in problems
+                ]
+                by_kind.setdefault("failed", []).extend(texts)
+            elif any(child.tag == "skipped" for child in case):
+                by_kind.setdefault("skipped", []).append(name)
+            else:
+                by_kind.setdefault("passed", []).append(name)
+    return outcomes, output
