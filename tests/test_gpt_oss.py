@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from fixtures_models import *  # noqa: F403
+from hf_gpt_oss_swiglu import hf_reads_swiglu_config, make_hf_read_swiglu_config
 from safetensors.torch import load_file, save_file
 from test_gemma_models import copy_without
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
@@ -97,6 +98,13 @@ def write_tiny_gpt_oss(directory: Path, seed: int = 0, **overrides: Any) -> Path
     return Path(directory)
 
 
+@pytest.fixture(autouse=True)
+def _hf_reads_swiglu_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF as the reference at the tiny model's ``swiglu_limit`` of 1.5, also where
+    transformers (5.17) fixes the limit at 7 (tests/hf_gpt_oss_swiglu.py)."""
+    make_hf_read_swiglu_config(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gpt_oss(tmp_path_factory.mktemp("tiny_gpt_oss"))
@@ -123,6 +131,27 @@ def test_logits_match_transformers(gpt_oss_dir: Path) -> None:
 def test_greedy_tokens_match_transformers(gpt_oss_dir: Path, engine: dict[str, Any]) -> None:
     expected = hf_greedy(gpt_oss_dir, PROMPTS, MAX_TOKENS)
     assert chassis_greedy(gpt_oss_dir, PROMPTS, MAX_TOKENS, **engine) == expected
+
+
+def test_the_hf_reference_clamps_at_the_configured_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where transformers fixes the SwiGLU constants at 1.702 and 7 (5.17; mimicked here on
+    whatever is installed), the helper makes HF's experts take the config's ``swiglu_limit``
+    (alpha where the config has none: HF's 1.702), so the parity tests compare the same model."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as HfExperts
+
+    reading_init = HfExperts.__init__
+
+    def fixing_init(self: Any, config: Any) -> None:
+        reading_init(self, config)
+        self.alpha, self.limit = 1.702, 7.0
+
+    monkeypatch.setattr(HfExperts, "__init__", fixing_init)
+    assert not hf_reads_swiglu_config()
+    assert make_hf_read_swiglu_config(monkeypatch)
+    assert hf_reads_swiglu_config()
+    experts = HfExperts(tiny_gpt_oss_config())
+    assert experts.limit == 1.5 and experts.alpha == 1.702
+    assert not make_hf_read_swiglu_config(monkeypatch)  # nothing left to patch
 
 
 def test_what_makes_gpt_oss_changes_the_logits(gpt_oss_dir: Path) -> None:

@@ -18,6 +18,7 @@ import random
 
 import pytest
 import torch
+from hf_gpt_oss_swiglu import make_hf_read_swiglu_config
 from test_gpu_engine import NEW_TOKENS, PROMPT_LENS, TINY_QWEN3, VOCAB, divergence_report, hf_greedy
 
 from chassis.builtin_plugins.models.gpt_oss import GptOssExperts, experts_reference
@@ -204,10 +205,12 @@ def _engine_greedy(directory, prompts: list[list[int]], **engine) -> list[list[i
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_tiny_gpt_oss_decodes_in_graphs_as_eager_and_hf(tmp_path) -> None:
+def test_tiny_gpt_oss_decodes_in_graphs_as_eager_and_hf(tmp_path, monkeypatch) -> None:
     """The experts run the fused kernel in both engines (prompts longer than the window of
     8, chunked prefills mixed with decodes); graph replay gives the eager tokens, and both
-    give HF's."""
+    give HF's (at the checkpoint's ``swiglu_limit``, also on a transformers that fixes it at
+    7: tests/hf_gpt_oss_swiglu.py)."""
+    make_hf_read_swiglu_config(monkeypatch)
     write_tiny_gpt_oss(tmp_path)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
