@@ -7,5 +7,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from fixtures_models import *  # noqa: F403
+from fixtures_pooling_server import pooling_server  # noqa: F401  (one server for the run)
 from fixtures_threads import *  # noqa: F403
 from fixtures_tokenizer import *  # noqa: F403
