@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from fixtures_models import hf_greedy_tokens
@@ -22,8 +24,25 @@ MAX_TOKENS = 12
 
 
 def hf_greedy(model_dir, prompts, max_tokens, dtype=torch.float32) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-    return hf_greedy_tokens(model, load_tokenizer(model_dir), prompts, max_tokens)
+    """HF transformers' greedy tokens for ``prompts`` (a fresh list each call).
+
+    Computed once per checkpoint (its files as written), prompts, length and dtype in a run:
+    the answer is deterministic, and several tests compare different engine settings with the
+    same one (tests/test_tensor_parallel.py too)."""
+    files = tuple(
+        (path.name, path.stat().st_size, path.stat().st_mtime_ns)
+        for path in sorted(Path(model_dir).iterdir())
+        if path.is_file()
+    )
+    key = (str(model_dir), files, repr(prompts), max_tokens, str(dtype))
+    if key not in _HF_GREEDY:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        _HF_GREEDY[key] = hf_greedy_tokens(model, load_tokenizer(model_dir), prompts, max_tokens)
+    return [list(tokens) for tokens in _HF_GREEDY[key]]
+
+
+#: :func:`hf_greedy`'s answers so far
+_HF_GREEDY: dict[tuple, list[list[int]]] = {}
 
 
 def chassis_greedy(model_dir, prompts, max_tokens, **engine) -> list[list[int]]:
