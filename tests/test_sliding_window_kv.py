@@ -326,3 +326,28 @@ def test_two_ranks_null_the_same_block_table_entries(
     llm.shutdown()
     assert tokens == expected
     assert most_held <= held_bound(16)
+
+
+def test_lora_requests_keep_outputs_and_their_own_cache_entries(
+    mistral_dir: Path, tmp_path: Path
+) -> None:
+    from fixtures_lora import hf_greedy as hf_greedy_ids
+    from fixtures_lora import hf_merged_model, write_peft_adapter
+
+    from chassis.core.lora import LoRARequest
+
+    adapter = write_peft_adapter(tmp_path / "a", mistral_dir, rank=8, alpha=16)
+    lora = LoRARequest("a", 1, str(adapter))
+    prompts = [list(range(300, 340)), [*range(300, 330), 7, 8]]  # a shared prefix
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = make_llm(mistral_dir, release=True, enable_lora=True)
+    # each prompt with the adapter, then without: hits never cross adapters
+    got = [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate(prompts * 2, params, lora_request=[lora, lora, None, None])
+    ]
+    merged = hf_merged_model(mistral_dir, adapter)
+    base = hf_merged_model(mistral_dir, None)
+    assert got[:2] == [hf_greedy_ids(merged, p, 10) for p in prompts]
+    assert got[2:] == [hf_greedy_ids(base, p, 10) for p in prompts]
+    assert llm.engine.kv_cache_manager.prefix_cache_hits > 0
