@@ -58,6 +58,16 @@ def test_moe_under_interpreter(request: pytest.FixtureRequest) -> None:
     run_under_interpreter(__file__, request=request)
 
 
+@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
+def test_triton_36_skips_the_interpreter_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6's interpreter (the H200 image's) cannot loop over a runtime scalar, so the
+    parent skips with the reason instead of failing on every kernel (the GPU compiles)."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    with pytest.raises(pytest.skip.Exception, match=r"Triton 3\.6\.0's interpreter .*< 3\.7"):
+        run_under_interpreter(__file__)
+
+
 # -- moe_align (plain torch, in-process) --------------------------------------------------------
 
 
