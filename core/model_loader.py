@@ -291,7 +291,7 @@ def build_model(
 ) -> CausalLM:
     """Construct the registered model class for the checkpoint on ``device`` and fill it.
 
-    Weights come from ``model_path``'s ``*.safetensors`` files (FP8 ones dequantized,
+    Weights come from ``model_path``'s ``*.safetensors`` files (quantized ones dequantized,
     :mod:`chassis.core.quantized_weights`), or are random (``--load-format dummy``, seeded by
     ``engine_config.seed``). Raises ``ValueError`` when
     the architecture is not registered or a parameter was left unfilled.
@@ -312,8 +312,9 @@ def build_model(
     else:
         from chassis.core.quantized_weights import dequantized_weights
 
+        parameter_names = {name for name, _ in model.named_parameters()}
         loaded = model.load_weights(
-            dequantized_weights(iterate_safetensors(Path(model_path)), hf_config)
+            dequantized_weights(iterate_safetensors(Path(model_path)), hf_config, parameter_names)
         )
         missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
         if missing:

@@ -1,6 +1,7 @@
-"""FP8 and MXFP4 checkpoints, read by dequantizing their weights as they load.
+"""Quantized checkpoints (FP8, MXFP4, AWQ, GPTQ), read by dequantizing their weights as they
+load.
 
-Three layouts are read (``quantization_config`` in ``config.json``):
+Five layouts are read (``quantization_config`` in ``config.json``):
 
 - ``quant_method: "fp8"`` (Qwen3-FP8, DeepSeek-V3 style): ``X.weight`` in ``float8_e4m3fn``
   with ``X.weight_scale_inv`` (float32), one scale per ``weight_block_size`` block
@@ -9,25 +10,36 @@ Three layouts are read (``quantization_config`` in ``config.json``):
   FP8 models): ``X.weight`` in float8 with ``X.weight_scale`` per tensor or per row;
 - ``quant_method: "mxfp4"`` (OpenAI's gpt-oss, whose experts are stored so): ``X_blocks``
   and ``X_scales``, both uint8 (:func:`dequantize_mxfp4`), replaced by the tensor ``X`` of
-  the unquantized checkpoint.
+  the unquantized checkpoint;
+- ``quant_method: "awq"`` (AutoAWQ's GEMM layout) and ``"gptq"`` (AutoGPTQ, GPTQModel):
+  integer codes packed into int32 tensors with per-group zero points and scales, replaced by
+  ``X.weight`` (:mod:`chassis.core.packed_int_weights`, which says how they are packed).
 
 An FP8 weight is ``float8 value * scale`` (the scale broadcast over its block, row or tensor),
 computed in float32; the model copies it into its dtype. Static activation scales
 (``X.input_scale``) are dropped: activations stay in the model's dtype. So an FP8 checkpoint
 runs as its dequantized 16-bit twin would: the same outputs, none of FP8's memory or speed
 (there are no FP8 kernels yet). Likewise an MXFP4 checkpoint runs as its bfloat16 twin (no
-MXFP4 kernels). Other quantization methods are refused by name (:func:`check_quantization`).
+MXFP4 kernels), and an AWQ or GPTQ checkpoint as its 16-bit twin (no int4 kernels). Other
+quantization methods are refused by name (:func:`check_quantization`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from chassis.core.packed_int_weights import (
+    PACKED_INT_METHODS,
+    packed_int_format,
+    packed_int_weights,
+    without_phantom_biases,
+)
+
 #: the methods :func:`dequantized_weights` reads
-SUPPORTED_METHODS = ("fp8", "compressed-tensors", "mxfp4")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "mxfp4", *PACKED_INT_METHODS)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 #: FP4 (e2m1) codes 0..15 -> values: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0
@@ -57,9 +69,12 @@ def check_quantization(hf_config: Any) -> None:
     if method not in SUPPORTED_METHODS:
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which chassis does not read; "
-            f"supported: {', '.join(SUPPORTED_METHODS)} (FP8 and MXFP4 weights, dequantized "
-            "at load)"
+            f"supported: {', '.join(SUPPORTED_METHODS)} (FP8, MXFP4, AWQ and GPTQ weights, "
+            "dequantized at load)"
         )
+    if method in PACKED_INT_METHODS:
+        packed_int_format(config)  # refuses the bit widths and layouts it does not read
+        return
     if method == "compressed-tensors":
         fmt = config.get("format")
         groups = config.get("config_groups") or {}
@@ -216,16 +231,27 @@ def _fp8_weights(
 
 
 def dequantized_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], hf_config: Any
+    weights: Iterable[tuple[str, torch.Tensor]],
+    hf_config: Any,
+    parameter_names: Collection[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with every float8 weight replaced by its dequantized float32 value and the
     scales consumed (MXFP4 checkpoints: every blocks/scales pair by its bfloat16 value,
-    :func:`dequantize_mxfp4`); unquantized tensors pass through. ``ValueError`` for a
-    quantized weight without a scale, a scale without its weight, or shapes that do not fit."""
+    :func:`dequantize_mxfp4`; AWQ and GPTQ checkpoints: every module's packed tensors by its
+    float32 weight, :func:`~chassis.core.packed_int_weights.packed_int_weights`); unquantized
+    tensors pass through. Given the model's ``parameter_names``, the zero biases older GPTQ
+    tools add to bias-free layers are left out
+    (:func:`~chassis.core.packed_int_weights.without_phantom_biases`). ``ValueError`` for a
+    quantized weight without a scale, a scale without its weight, or shapes that do not
+    fit."""
     config = quantization_config(hf_config)
     if config is None:
         yield from weights
     elif config.get("quant_method") == "mxfp4":
         yield from _mxfp4_weights(weights)
+    elif config.get("quant_method") in PACKED_INT_METHODS:
+        if parameter_names is not None:
+            weights = without_phantom_biases(weights, parameter_names)
+        yield from packed_int_weights(weights, packed_int_format(config))
     else:
         yield from _fp8_weights(weights, config.get("weight_block_size"))

@@ -107,12 +107,12 @@ def test_fp8_checkpoint_runs_as_its_dequantized_twin(
 def test_other_quantization_methods_are_refused_before_loading(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    model_dir = tmp_path / "awq"
+    model_dir = tmp_path / "bnb"
     shutil.copytree(tiny_llama_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized with 'awq'"):
+    with pytest.raises(ValueError, match="quantized with 'bitsandbytes'"):
         LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=16)
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",

@@ -1,0 +1,298 @@
+"""AWQ and GPTQ checkpoints (integer weights packed into int32), dequantized as they load.
+
+Both store a linear layer ``X`` (``[out, in]`` unquantized) as unsigned ``bits``-bit codes
+``q`` with, per group of ``group_size`` input rows and per output column, a zero point ``z``
+and a float16 scale ``s``; the weight is ``(q - z) * s``. Their tensors differ:
+
+- GPTQ (AutoGPTQ, GPTQModel; ``quant_method: "gptq"``): ``X.qweight`` int32
+  ``[in * bits / 32, out]``, each int32 holding ``32 / bits`` consecutive *input* rows, the
+  first in the lowest bits; ``X.qzeros`` int32 ``[groups, out * bits / 32]``, packed the same
+  way along the output columns; ``X.scales`` ``[groups, out]``; ``X.g_idx`` int32 ``[in]``, the
+  group of each input row. With ``desc_act`` (act-order) the groups are not runs of rows and
+  ``g_idx`` is read; without it row ``k`` is in group ``k // group_size`` (a stored ``g_idx``
+  must say the same). The ``"gptq"`` (v1) checkpoint format stores each zero point minus one
+  (``z = stored + 1``), ``"gptq_v2"`` stores it as it is. ``group_size: -1`` is one group.
+- AWQ (AutoAWQ's GEMM version; ``quant_method: "awq"``): ``X.qweight`` int32
+  ``[in, out / 8]``, each int32 holding 8 consecutive *output* columns in the interleaved
+  order ``0, 2, 4, 6, 1, 3, 5, 7`` (nibble ``i`` holds column :data:`AWQ_PACK_ORDER` ``[i]``);
+  ``X.qzeros`` int32 ``[groups, out / 8]`` in the same order; ``X.scales`` ``[groups, out]``;
+  row ``k`` is in group ``k // group_size``.
+
+Each module's tensors are replaced by ``X.weight`` in float32, which holds ``(q - z) * s``
+exactly (a small integer times a float16); the model copies it into its dtype and slices it
+for tensor parallelism as it would the unquantized weight. Other tensors (biases, modules
+left unquantized such as ``lm_head`` or ``modules_to_not_convert``) pass through, but for
+the zero biases older GPTQ tools added to bias-free layers (:func:`without_phantom_biases`).
+So such a checkpoint runs as its dequantized 16-bit twin: none of int4's memory or speed (no
+int4 kernels yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: the ``quant_method`` values :func:`packed_int_weights` reads
+PACKED_INT_METHODS = ("awq", "gptq")
+#: GPTQ code widths read: ones that divide 32 (3-bit codes straddle int32s and are refused)
+GPTQ_BITS = (2, 4, 8)
+#: GPTQ checkpoint formats read -> what is added to a stored zero point
+GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
+#: nibble ``i`` of an AWQ int32 holds column ``AWQ_PACK_ORDER[i]`` of its 8
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: input rows dequantized at a time (a multiple of every codes-per-int32 count)
+ROWS_PER_STEP = 1024
+#: checkpoint projections chassis's models load into one merged parameter (its name)
+MERGED_PROJECTIONS = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+_AWQ_VERSIONS = ("gemm",)
+_AWQ_BACKENDS = (None, "autoawq")
+_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclass(frozen=True)
+class PackedIntFormat:
+    """How a checkpoint's packed integer weights read (from :func:`packed_int_format`)."""
+
+    method: str  #: "awq" or "gptq"
+    bits: int
+    group_size: int  #: input rows per group; -1: all of them
+    zero_offset: int = 0  #: added to each stored zero point (1 for GPTQ's v1 format)
+    act_order: bool = False  #: GPTQ ``desc_act``: groups come from ``g_idx``
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The tensor suffixes that make up one module (``g_idx`` only with act-order)."""
+        return _PARTS if self.act_order else _PARTS[:3]
+
+
+def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"quantization_config.{key} must be an integer; got {value!r}")
+    return value
+
+
+def packed_int_format(config: dict[str, Any]) -> PackedIntFormat:
+    """The format of an AWQ or GPTQ ``quantization_config``; ``ValueError`` naming what is not
+    read: other bit widths, AWQ versions other than GEMM (GEMV, Marlin, ExLlama, IPEX) or
+    without zero points, GPTQ checkpoint formats other than ``gptq``/``gptq_v2`` (Marlin,
+    BitBLAS, ...), a bad group size."""
+    method = config.get("quant_method")
+    group_size = _int(config, "group_size", -1 if method == "gptq" else None)
+    if group_size != -1 and group_size <= 0:
+        raise ValueError(f"quantization_config.group_size must be positive or -1; got {group_size}")
+    bits = _int(config, "bits")
+    if method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        if version not in _AWQ_VERSIONS:
+            raise ValueError(
+                f"AWQ version {version!r} is not supported (only 'gemm', AutoAWQ's default "
+                "layout, is read)"
+            )
+        backend = config.get("backend")
+        if backend not in _AWQ_BACKENDS:
+            raise ValueError(f"AWQ backend {backend!r} is not supported (only 'autoawq')")
+        if bits != 4:
+            raise ValueError(f"AWQ with {bits}-bit weights is not supported (only 4-bit)")
+        if config.get("zero_point", True) is not True:
+            raise ValueError("AWQ without zero points (zero_point: false) is not supported")
+        return PackedIntFormat("awq", bits, group_size)
+    if method == "gptq":
+        if bits not in GPTQ_BITS:
+            raise ValueError(
+                f"GPTQ with {bits}-bit weights is not supported (only "
+                f"{', '.join(map(str, GPTQ_BITS))}-bit)"
+            )
+        if config.get("is_marlin_format"):
+            raise ValueError("GPTQ checkpoints in Marlin format are not supported")
+        fmt = config.get("checkpoint_format") or "gptq"
+        if fmt not in GPTQ_FORMATS:
+            raise ValueError(
+                f"GPTQ checkpoint format {fmt!r} is not supported (only "
+                f"{', '.join(map(repr, GPTQ_FORMATS))})"
+            )
+        return PackedIntFormat(
+            "gptq", bits, group_size, GPTQ_FORMATS[fmt], bool(config.get("desc_act", False))
+        )
+    raise ValueError(f"{method!r} is not a packed integer method ({PACKED_INT_METHODS})")
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The unsigned ``bits``-bit codes of an int32 tensor, ``32 / bits`` per element laid out
+    along ``dim`` (the lowest bits first): ``[..., n, ...]`` -> ``[..., n * 32 / bits, ...]``,
+    as int32."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"packed integer weights must be int32, got {packed.dtype}")
+    per_int = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    dim = dim % packed.dim()
+    view = [1] * (packed.dim() + 1)
+    view[dim + 1] = per_int
+    # an arithmetic shift of a negative int32 fills with ones: the mask keeps only the code
+    codes = (packed.unsqueeze(dim + 1) >> shifts.reshape(view)) & ((1 << bits) - 1)
+    return codes.flatten(dim, dim + 1)
+
+
+def _check_shape(name: str, part: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ValueError(
+            f"{name}: {part} has shape {tuple(tensor.shape)}, expected {expected} (does "
+            "quantization_config match the weights?)"
+        )
+
+
+def _groups(in_features: int, group_size: int) -> int:
+    return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+def _row_groups(in_features: int, group_size: int) -> torch.Tensor:
+    """The group of each input row when groups are consecutive runs of rows."""
+    rows = torch.arange(in_features)
+    return torch.zeros_like(rows) if group_size == -1 else rows // group_size
+
+
+def _assemble(
+    codes_of: Callable[[int, int], torch.Tensor],
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+) -> torch.Tensor:
+    """The ``[out, in]`` float32 weight ``(q - z) * s``, from ``codes_of(start, end)`` (the
+    codes of input rows ``start..end - 1``, ``[end - start, out]``), zero points and scales
+    ``[groups, out]`` and the group of each input row (``g_idx``)."""
+    in_features, out_features = g_idx.numel(), scales.shape[1]
+    weight = torch.empty(out_features, in_features, dtype=torch.float32)
+    scales = scales.float()
+    # a slice of rows at a time keeps the int32/float32 temporaries to that slice
+    for start in range(0, in_features, ROWS_PER_STEP):
+        end = min(start + ROWS_PER_STEP, in_features)
+        groups = g_idx[start:end]
+        values = (codes_of(start, end) - zeros[groups]).float() * scales[groups]
+        weight[:, start:end] = values.t()
+    return weight
+
+
+def dequantize_gptq(
+    name: str,
+    parts: dict[str, torch.Tensor],
+    fmt: PackedIntFormat,
+) -> torch.Tensor:
+    """The ``[out, in]`` float32 weight of a GPTQ module's ``qweight``, ``qzeros``,
+    ``scales`` and (act-order only) ``g_idx``; ``ValueError`` for shapes or a ``g_idx`` that
+    do not fit ``fmt``."""
+    per_int = 32 // fmt.bits
+    qweight, scales = parts["qweight"], parts["scales"]
+    in_features, out_features = qweight.shape[0] * per_int, qweight.shape[1]
+    groups = _groups(in_features, fmt.group_size)
+    _check_shape(name, "scales", scales, (groups, out_features))
+    _check_shape(name, "qzeros", parts["qzeros"], (groups, out_features // per_int))
+    zeros = unpack_int32(parts["qzeros"], fmt.bits, 1) + fmt.zero_offset  # [groups, out]
+    if fmt.act_order:
+        g_idx = parts["g_idx"].long()
+        _check_shape(name, "g_idx", g_idx, (in_features,))
+        if bool(((g_idx < 0) | (g_idx >= groups)).any()):
+            raise ValueError(f"{name}: g_idx names groups outside 0..{groups - 1}")
+    else:
+        g_idx = _row_groups(in_features, fmt.group_size)
+    return _assemble(
+        lambda start, end: unpack_int32(qweight[start // per_int : end // per_int], fmt.bits, 0),
+        zeros,
+        scales,
+        g_idx,
+    )
+
+
+def dequantize_awq(
+    name: str,
+    parts: dict[str, torch.Tensor],
+    fmt: PackedIntFormat,
+) -> torch.Tensor:
+    """The ``[out, in]`` float32 weight of an AWQ (GEMM) module's ``qweight``, ``qzeros`` and
+    ``scales``; ``ValueError`` for shapes that do not fit ``fmt``."""
+    per_int = 32 // fmt.bits
+    qweight, scales = parts["qweight"], parts["scales"]
+    in_features, out_features = qweight.shape[0], qweight.shape[1] * per_int
+    groups = _groups(in_features, fmt.group_size)
+    _check_shape(name, "scales", scales, (groups, out_features))
+    _check_shape(name, "qzeros", parts["qzeros"], (groups, qweight.shape[1]))
+    # column j of each run of 8 sits in the nibble i with AWQ_PACK_ORDER[i] == j
+    nibble_of_column = torch.tensor([AWQ_PACK_ORDER.index(j) for j in range(per_int)])
+    columns = (torch.arange(out_features) // per_int) * per_int
+    columns += nibble_of_column.repeat(out_features // per_int)
+    zeros = unpack_int32(parts["qzeros"], fmt.bits, 1)[:, columns]  # [groups, out]
+    return _assemble(
+        lambda start, end: unpack_int32(qweight[start:end], fmt.bits, 1)[:, columns],
+        zeros,
+        scales,
+        _row_groups(in_features, fmt.group_size),
+    )
+
+
+def _check_row_groups(name: str, g_idx: torch.Tensor, fmt: PackedIntFormat) -> None:
+    """A ``g_idx`` stored without act-order must be the consecutive grouping it implies."""
+    if not torch.equal(g_idx.long(), _row_groups(g_idx.numel(), fmt.group_size)):
+        raise ValueError(
+            f"{name}: g_idx reorders the input rows but quantization_config.desc_act is "
+            "false; the checkpoint's config does not match its weights"
+        )
+
+
+def packed_int_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedIntFormat
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with each module's packed tensors (``X.qweight``, ``X.qzeros``,
+    ``X.scales``, and with act-order ``X.g_idx``, in any order) replaced by ``X.weight``
+    dequantized, once its last part comes; other tensors pass through. ``ValueError`` for a
+    module missing a part (when the weights end) or whose shapes do not fit ``fmt``."""
+    dequantize = dequantize_gptq if fmt.method == "gptq" else dequantize_awq
+    needed = set(fmt.parts)
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        base, _, suffix = name.rpartition(".")
+        if suffix == "g_idx" and not fmt.act_order:
+            _check_row_groups(name, tensor, fmt)
+            continue
+        if suffix not in needed or not base:
+            yield name, tensor
+            continue
+        parts = waiting.setdefault(base, {})
+        parts[suffix] = tensor
+        if set(parts) == needed:
+            del waiting[base]
+            yield base + ".weight", dequantize(base, parts, fmt)
+    if waiting:
+        lacking = sorted(
+            f"{base} (no {', '.join(sorted(needed - set(p)))})" for base, p in waiting.items()
+        )
+        raise ValueError(f"{fmt.method.upper()} modules missing packed tensors: {lacking[:4]}")
+
+
+def without_phantom_biases(
+    weights: Iterable[tuple[str, torch.Tensor]], parameter_names: Collection[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` less the all-zero biases the model has no parameter for.
+
+    Older GPTQ tools (GPTQ-for-LLaMa, early AutoGPTQ) gave every quantized layer a bias,
+    zeros where the architecture has none (Llama's projections, Qwen2's ``o_proj`` and MLP),
+    and many Hub checkpoints carry them. A zero ``P.X.bias`` is left out when the model has
+    neither ``P.X.bias`` nor the bias of the merged projection ``X`` loads into
+    (:data:`MERGED_PROJECTIONS`): it adds nothing, and the model has no place for it. Any
+    other bias passes through.
+    """
+    names = set(parameter_names)
+    for name, tensor in weights:
+        if name.endswith(".bias") and name.count(".") >= 2 and not bool(tensor.any()):
+            prefix, module, _ = name.rsplit(".", 2)
+            merged = f"{prefix}.{MERGED_PROJECTIONS.get(module, module)}.bias"
+            if name not in names and merged not in names:
+                continue
+        yield name, tensor
