@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -398,72 +399,76 @@ def _connect(base: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=10)
 
 
-def test_an_endless_chunked_trailer_is_cut_off_and_h2c_upgrades_refused() -> None:
+@pytest.fixture(scope="module")
+def plain_server() -> Iterator[str]:
+    """One server (no engine death, nothing held) for the tests that only send it bad HTTP
+    and check it still answers afterwards; yields its base URL."""
     proc, base = _start_server()
     try:
-        # A chunked body whose trailer never ends: httptools would buffer it without limit.
-        with _connect(base) as sock:
-            sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                b"\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n0\r\nX-Trailer: "
-            )
-            sent = 0
-            with contextlib.suppress(OSError):
-                while sent < 4_000_000:
-                    sock.sendall(b"a" * 8192)
-                    sent += 8192
-                    time.sleep(0.001)
-            assert sent < 1_000_000, "the server kept reading an endless trailer"
-        # What curl --http2 sends over plain HTTP: the body would be lost, so a clear 400.
-        body = b'{"prompt": "x", "max_tokens": 1}'
-        with _connect(base) as sock:
-            sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, "
-                b"HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA"
-                b"\r\nContent-Type: application/json\r\nContent-Length: "
-                + str(len(body)).encode()
-                + b"\r\n\r\n"
-                + body
-            )
-            response = b""
-            with contextlib.suppress(OSError):
-                while chunk := sock.recv(65536):
-                    response += chunk
-        head, _, payload = response.partition(b"\r\n\r\n")
-        if HttpToolsProtocol is not None:
-            assert head.startswith(b"HTTP/1.1 400"), response
-            assert json.loads(payload)["error"]["code"] == "upgrade_not_supported"
-        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        yield base
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
 
 
-def test_oversized_headers_are_refused_by_the_real_server() -> None:
-    proc, base = _start_server()
+def test_an_endless_chunked_trailer_is_cut_off_and_h2c_upgrades_refused(plain_server: str) -> None:
+    base = plain_server
+    # A chunked body whose trailer never ends: httptools would buffer it without limit.
+    with _connect(base) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n0\r\nX-Trailer: "
+        )
+        sent = 0
+        with contextlib.suppress(OSError):
+            while sent < 4_000_000:
+                sock.sendall(b"a" * 8192)
+                sent += 8192
+                time.sleep(0.001)
+        assert sent < 1_000_000, "the server kept reading an endless trailer"
+    # What curl --http2 sends over plain HTTP: the body would be lost, so a clear 400.
+    body = b'{"prompt": "x", "max_tokens": 1}'
+    with _connect(base) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, "
+            b"HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA"
+            b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        response = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                response += chunk
+    head, _, payload = response.partition(b"\r\n\r\n")
+    if HttpToolsProtocol is not None:
+        assert head.startswith(b"HTTP/1.1 400"), response
+        assert json.loads(payload)["error"]["code"] == "upgrade_not_supported"
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def test_oversized_headers_are_refused_by_the_real_server(plain_server: str) -> None:
+    base = plain_server
+    ok = httpx.get(base + "/health", headers={"X-Pad": "a" * 1000}, timeout=10)
+    assert ok.status_code == 200
+    # over the 64 KiB default of --max-header-size: 100 kB arrives whole and the app
+    # refuses it in OpenAI's shape
+    big = httpx.get(base + "/health", headers={"X-Pad": "a" * 100_000}, timeout=10)
+    assert big.status_code == 431
+    assert big.json()["error"]["code"] == "request_headers_too_large"
+    # 1 MB overflows the bound on an unfinished head first: the server answers and
+    # closes, often before the client has finished sending (connection reset)
     try:
-        ok = httpx.get(base + "/health", headers={"X-Pad": "a" * 1000}, timeout=10)
-        assert ok.status_code == 200
-        # over the 64 KiB default of --max-header-size: 100 kB arrives whole and the app
-        # refuses it in OpenAI's shape
-        big = httpx.get(base + "/health", headers={"X-Pad": "a" * 100_000}, timeout=10)
-        assert big.status_code == 431
-        assert big.json()["error"]["code"] == "request_headers_too_large"
-        # 1 MB overflows the bound on an unfinished head first: the server answers and
-        # closes, often before the client has finished sending (connection reset)
-        try:
-            huge = httpx.get(base + "/health", headers={"X-Pad": "a" * 1_000_000}, timeout=10)
-            assert huge.status_code in (400, 431)
-        except httpx.TransportError:
-            pass
-        # a head that never ends: refused once ~64 KiB of it has arrived, not buffered forever
-        status_line, body = _send_endless_head(base)
-        if HttpToolsProtocol is not None:
-            assert status_line.startswith(b"HTTP/1.1 431"), status_line
-            assert json.loads(body)["error"]["code"] == "request_headers_too_large"
-        else:  # h11's own bound
-            assert status_line.startswith(b"HTTP/1.1 400"), status_line
-        assert httpx.get(base + "/health", timeout=10).status_code == 200
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        huge = httpx.get(base + "/health", headers={"X-Pad": "a" * 1_000_000}, timeout=10)
+        assert huge.status_code in (400, 431)
+    except httpx.TransportError:
+        pass
+    # a head that never ends: refused once ~64 KiB of it has arrived, not buffered forever
+    status_line, body = _send_endless_head(base)
+    if HttpToolsProtocol is not None:
+        assert status_line.startswith(b"HTTP/1.1 431"), status_line
+        assert json.loads(body)["error"]["code"] == "request_headers_too_large"
+    else:  # h11's own bound
+        assert status_line.startswith(b"HTTP/1.1 400"), status_line
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
