@@ -68,14 +68,37 @@ def test_two_ranks_match_hf(tiny_dirs, arch: str) -> None:
     wait_for_no_workers()
 
 
-def test_seeded_sampling_matches_one_rank(tiny_llama_dir) -> None:
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
-    outputs = {}
-    for size in (1, 2):
-        llm = small_llm(tiny_llama_dir, size)
-        outputs[size] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
-        llm.shutdown()
-    assert outputs[1] == outputs[2]
+def test_sampling_on_two_ranks(tiny_llama_dir) -> None:
+    """Three checks on one two-rank engine (each rank start costs seconds): seeded sampling
+    equals one rank's; unseeded sampling keeps the ranks in step; so do random numbers the
+    caller draws between calls. Afterwards rank 0's share of the cores is given back."""
+    import torch
+
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    one = small_llm(tiny_llama_dir, 1)
+    one_rank = [o.outputs[0].token_ids for o in one.generate(PROMPTS[:3], seeded)]
+    one.shutdown()
+    threads = torch.get_num_threads()
+    llm = small_llm(tiny_llama_dir, 2)
+
+    # seeded sampling matches one rank
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], seeded)] == one_rank
+
+    # The driver checks every step that all ranks sampled the same ids (a RuntimeError if not):
+    # random sampling without a seed relies on the ranks' generators staying in step.
+    params = SamplingParams(
+        temperature=1.0, top_k=50, n=2, max_tokens=16, ignore_eos=True, logprobs=2
+    )
+    outputs = llm.generate(PROMPTS, params)
+    assert all(len(c.token_ids) == 16 and len(c.logprobs) == 16 for o in outputs for c in o.outputs)
+
+    # the caller's random numbers do not desync the ranks
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    llm.generate(PROMPTS[:2], params)
+    torch.rand(3)  # rank 0 shares this process's default generator
+    assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(PROMPTS[:2], params))
+    llm.shutdown()
+    assert torch.get_num_threads() == threads  # rank 0's share of the cores is given back
     wait_for_no_workers()
 
 
@@ -184,18 +207,6 @@ def test_a_size_below_one_is_refused() -> None:
         EngineConfig(tensor_parallel_size=0)
 
 
-def test_unseeded_sampling_agrees_across_ranks(tiny_llama_dir) -> None:
-    # The driver checks every step that all ranks sampled the same ids (a RuntimeError if not):
-    # random sampling without a seed relies on the ranks' generators staying in step.
-    llm = small_llm(tiny_llama_dir, 2)
-    params = SamplingParams(
-        temperature=1.0, top_k=50, n=2, max_tokens=16, ignore_eos=True, logprobs=2
-    )
-    outputs = llm.generate(PROMPTS, params)
-    assert all(len(c.token_ids) == 16 and len(c.logprobs) == 16 for o in outputs for c in o.outputs)
-    llm.shutdown()
-
-
 def test_requests_finishing_at_different_steps_keep_the_ranks_in_step(tiny_qwen3_dir) -> None:
     # Removing finished requests moves rows in the batch: every rank must move them alike,
     # whatever the hash seed of its process.
@@ -208,19 +219,6 @@ def test_requests_finishing_at_different_steps_keep_the_ranks_in_step(tiny_qwen3
         outputs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.shutdown()
     assert outputs[1] == outputs[2]
-
-
-def test_the_callers_random_numbers_do_not_desync_the_ranks(tiny_llama_dir) -> None:
-    import torch
-
-    threads = torch.get_num_threads()
-    llm = small_llm(tiny_llama_dir, 2)
-    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    llm.generate(PROMPTS[:2], params)
-    torch.rand(3)  # rank 0 shares this process's default generator
-    assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(PROMPTS[:2], params))
-    llm.shutdown()
-    assert torch.get_num_threads() == threads  # rank 0's share of the cores is given back
 
 
 FAILING_RANK = """\
