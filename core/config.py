@@ -117,6 +117,10 @@ class EngineConfig:
     #: that stops may compute one token that is thrown away (see docs/scheduling.md)
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
+    #: mixture-of-experts layers place whole experts on the tensor-parallel ranks (vLLM's
+    #: flag): each rank holds a contiguous range of about E/N experts instead of 1/N of every
+    #: expert's columns; a no-op with one rank and for dense models (see docs/models.md)
+    enable_expert_parallel: bool = False
     #: how the ranks run (vLLM's flag): "mp" = the engine's own process for one rank, worker
     #: processes on this host beside it for more (``core/tp_executor.py``); "ray" = one Ray
     #: actor per rank, on one node or several (``core/ray_executor.py``, needs the ``ray``

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 from abc import ABC, abstractmethod
 
 import torch
@@ -11,6 +12,8 @@ from chassis.core.config import EngineConfig
 from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Executor(ABC):
@@ -137,6 +140,9 @@ def make_executor(config: EngineConfig) -> Executor:
                 "a tensor-parallel engine is running in this process; call its shutdown() "
                 "before building another engine"
             )
+    if config.enable_expert_parallel and config.tensor_parallel_size == 1:
+        # as vLLM: with one rank every expert is on it, so there is nothing to place
+        logger.info("--enable-expert-parallel has no effect with --tensor-parallel-size 1")
     if config.tensor_parallel_size > 1:
         from chassis.core.tp_executor import TensorParallelExecutor
 

@@ -90,6 +90,13 @@ class CausalLM(nn.Module, ABC):
         loader checks every parameter is among the returned names.
         """
 
+    def needs_checkpoint_tensor(self, name: str) -> bool:
+        """Whether the loader should read checkpoint tensor ``name`` (HF name) and pass it to
+        :meth:`load_weights`. The default reads everything; a model whose rank holds only
+        some tensors whole (the experts it holds under expert parallelism) says no to the
+        others, so that they are never read from disk."""
+        return True
+
     def graph_capture_blocker(self) -> str | None:
         """Why this model's forward cannot be captured as a device graph, or ``None``.
 

@@ -314,7 +314,11 @@ def build_model(
 
         parameter_names = {name for name, _ in model.named_parameters()}
         loaded = model.load_weights(
-            dequantized_weights(iterate_safetensors(Path(model_path)), hf_config, parameter_names)
+            dequantized_weights(
+                iterate_safetensors(Path(model_path), wanted=model.needs_checkpoint_tensor),
+                hf_config,
+                parameter_names,
+            )
         )
         missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
         if missing:

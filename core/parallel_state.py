@@ -7,6 +7,10 @@ engine-core process), joined in one ``torch.distributed`` group over the platfor
 parallel``) reads :func:`tp_rank` and :func:`tp_size` when it is built, keeps its share of the
 attention heads and MLP columns, and sums the partial outputs with :func:`all_reduce`. In a
 process that joined no group every call here is the single-device case: rank 0 of size 1.
+
+With ``--enable-expert-parallel`` the mixture-of-experts layers place whole experts on the
+ranks instead (:func:`expert_split`, :func:`shard_experts`); everything else stays
+tensor-parallel, and the experts' partial outputs are summed by the same all-reduce.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class TensorParallelGroup:
 
     rank: int = 0
     size: int = 1
+    #: the MoE layers hold whole experts per rank (``--enable-expert-parallel``)
+    expert_parallel: bool = False
 
 
 _GROUP = TensorParallelGroup()
@@ -39,12 +45,15 @@ def tp_size() -> int:
     return _GROUP.size
 
 
-def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str) -> None:
+def init_tensor_parallel(
+    rank: int, size: int, backend: str, init_method: str, *, expert_parallel: bool = False
+) -> None:
     """Join the group of ``size`` processes as ``rank`` (every rank calls this at the same
     time; it returns once all have joined). ``init_method`` is a ``torch.distributed``
     rendezvous address, e.g. ``file:///tmp/dir/rendezvous``. All ranks run on this host, so
     the collectives' sockets listen on the loopback interface unless ``GLOO_SOCKET_IFNAME`` /
-    ``NCCL_SOCKET_IFNAME`` say otherwise."""
+    ``NCCL_SOCKET_IFNAME`` say otherwise. ``expert_parallel``: the MoE layers built
+    afterwards hold whole experts per rank (meaningless, and ignored, for ``size`` 1)."""
     global _GROUP
     if size > 1:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -58,7 +67,7 @@ def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str) -
             # exits, which fails the others' collectives at once.
             timeout=datetime.timedelta(minutes=30),
         )
-    _GROUP = TensorParallelGroup(rank, size)
+    _GROUP = TensorParallelGroup(rank, size, expert_parallel and size > 1)
 
 
 def destroy_tensor_parallel() -> None:
@@ -135,3 +144,28 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(_GROUP.size)]
     torch.distributed.all_gather(parts, tensor)
     return torch.cat(parts, dim=-1)
+
+
+def expert_parallel() -> bool:
+    """Whether this rank's MoE layers hold whole experts (``--enable-expert-parallel`` with
+    more than one rank) rather than a share of every expert's columns."""
+    return _GROUP.expert_parallel
+
+
+def expert_split(num_experts: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s ``(first expert, number of experts)`` of ``num_experts`` placed over
+    ``size`` ranks in contiguous ranges, as vLLM's default (linear) placement: each rank gets
+    ``num_experts // size`` experts and the first ``num_experts % size`` ranks one more. A
+    rank may get none when there are fewer experts than ranks."""
+    if num_experts < 0 or not 0 <= rank < size:
+        raise ValueError(f"no expert split of {num_experts} experts for rank {rank} of {size}")
+    base, extra = divmod(num_experts, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def shard_experts(num_experts: int) -> tuple[int, int]:
+    """This rank's ``(first expert, number of experts)``: :func:`expert_split` under expert
+    parallelism, else every expert (``(0, num_experts)``)."""
+    if not _GROUP.expert_parallel:
+        return 0, num_experts
+    return expert_split(num_experts, _GROUP.size, _GROUP.rank)

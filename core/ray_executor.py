@@ -129,7 +129,13 @@ class RankActor:
                 for name in unset:
                     os.environ[name] = interface
             size = config.tensor_parallel_size
-            parallel_state.init_tensor_parallel(rank, size, platform.dist_backend, init_method)
+            parallel_state.init_tensor_parallel(
+                rank,
+                size,
+                platform.dist_backend,
+                init_method,
+                expert_parallel=config.enable_expert_parallel,
+            )
             self.worker = Worker(config, device_index=platform.tensor_parallel_devices(1)[0])
             lora = self.worker.lora
             shapes = None if lora is None else dict(lora.target_shapes)

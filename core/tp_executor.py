@@ -81,7 +81,13 @@ def start_rank(config: EngineConfig, rank: int, init_method: str) -> Worker:
     size = config.tensor_parallel_size
     device = platform.tensor_parallel_devices(size)[rank]
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
-    parallel_state.init_tensor_parallel(rank, size, platform.dist_backend, init_method)
+    parallel_state.init_tensor_parallel(
+        rank,
+        size,
+        platform.dist_backend,
+        init_method,
+        expert_parallel=config.enable_expert_parallel,
+    )
     return Worker(config, device_index=device)
 
 

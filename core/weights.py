@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,11 +21,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iterate_safetensors(
-    model_dir: Path, progress: bool | None = None
+    model_dir: Path,
+    progress: bool | None = None,
+    wanted: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of every file, as CPU tensors.
 
     :param progress: show a tqdm bar over tensors; ``None`` shows it when stderr is a tty
+    :param wanted: when given, only the tensors whose name it accepts are read and yielded
+        (the others are never read from the file)
     """
     from safetensors import safe_open
     from tqdm.auto import tqdm
@@ -40,5 +44,6 @@ def iterate_safetensors(
                 bar.total = (bar.total or 0) + len(names)
                 bar.refresh()
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    if wanted is None or wanted(name):
+                        yield name, f.get_tensor(name)
                     bar.update(1)

@@ -284,6 +284,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help=_help("devices to shard the model over", "tensor_parallel_size"),
     )
     g.add_argument(
+        "--enable-expert-parallel",
+        "-ep",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_help(
+            "with --tensor-parallel-size N, place whole experts of the mixture-of-experts "
+            "layers on each rank (E/N each) instead of 1/N of every expert; see docs/models.md",
+            "enable_expert_parallel",
+        ),
+    )
+    g.add_argument(
         "--distributed-executor-backend",
         choices=("mp", "ray", "uni"),
         help="how the ranks run: mp = worker processes on this host, ray = Ray actors on one "

@@ -40,6 +40,11 @@ used), which reads the expert counts on the host: then decode steps stay eager
 Tensor parallel: attention heads (and their sinks) split as Llama's; every rank holds all
 experts with ``1/N`` of their intermediate columns (gate/up rows and biases, down columns;
 the down bias is added by rank 0 only) and the router whole; the block all-reduces once.
+With expert parallelism (``--enable-expert-parallel``) each rank holds whole experts, a
+contiguous range (:func:`chassis.core.parallel_state.expert_split`), with their biases: a
+token's down bias then comes from the rank of the expert it chose, so every rank adds the
+biases of its own experts. The checkpoint stacks all experts in one tensor, so each rank
+reads the stack and keeps its rows.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from chassis.builtin_plugins.models.llama import (
 )
 from chassis.core import parallel_state
 from chassis.core.layers.kernels import kernels_for
+from chassis.core.layers.moe import localize_expert_ids
 from chassis.core.layers.norm import RMSNorm
 
 #: ``<block>.experts.<tensor>`` in a checkpoint: the experts' stacked weights and biases
@@ -114,15 +120,18 @@ def experts_reference(
     Each expert's output is computed in the model dtype (as HF does), the weighted sum over a
     token's experts in float32, rounded once. Tokens are sorted by expert and each expert
     that any token chose runs once over its rows; the counts are read on the host. The
-    reference of the platforms' ``fused_moe_clamped_swiglu`` kernels (same arguments).
+    reference of the platforms' ``fused_moe_clamped_swiglu`` kernels (same arguments). An id
+    of ``-1`` (the expert is on another rank) leaves its pair out, bias included.
     """
     num_tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host read
+    # host read; the pairs of id -1 sort first and stay zero
+    left_out, *counts = torch.bincount(flat_ids + 1, minlength=w13.shape[0] + 1).tolist()
     sorted_x = x[order // top_k]
     sorted_y = torch.empty(sorted_x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
+    sorted_y[:left_out] = 0
+    start = left_out
     for e, count in enumerate(counts):
         if count:
             rows = sorted_x[start : start + count]
@@ -138,7 +147,10 @@ def experts_reference(
 class GptOssExperts(nn.Module):
     """The experts of one gpt-oss block: ``forward(x [T, H], weights [T, k], ids [T, k])``
     returns ``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` (``[T, H]``, this rank's partial
-    sum under tensor parallelism: the caller all-reduces).
+    sum under tensor or expert parallelism: the caller all-reduces). ``ids`` are global
+    expert ids; under expert parallelism this rank holds the experts
+    ``[expert_start, expert_start + num_local_experts)`` whole and leaves out the pairs
+    routed to the others.
 
     ``expert_e(x) = clamped_swiglu(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]``. Runs the
     platform's ``fused_moe_clamped_swiglu`` kernel when the platform offers one for the
@@ -159,20 +171,29 @@ class GptOssExperts(nn.Module):
         self.num_experts = num_experts
         self.alpha = alpha
         self.limit = limit
-        #: the checkpoint's intermediate size, and this rank's share of it
+        #: the checkpoint's intermediate size, and this rank's share of it (all of it under
+        #: expert parallelism)
         self.full_intermediate_size = intermediate_size
-        self.shard_start, inter = parallel_state.shard(intermediate_size, "intermediate_size")
+        #: the experts this rank holds: global ids ``[expert_start, expert_start + n)``
+        self.expert_start, local = parallel_state.shard_experts(num_experts)
+        self.num_local_experts = local
+        if parallel_state.expert_parallel():
+            self.shard_start, inter = 0, intermediate_size
+        else:
+            self.shard_start, inter = parallel_state.shard(intermediate_size, "intermediate_size")
         self.intermediate_size = inter
 
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
-        self.w13 = param(num_experts, 2 * inter, hidden_size)
-        self.b13 = param(num_experts, 2 * inter)
-        self.w2 = param(num_experts, hidden_size, inter)
-        self.b2 = param(num_experts, hidden_size)
+        self.w13 = param(local, 2 * inter, hidden_size)
+        self.b13 = param(local, 2 * inter)
+        self.w2 = param(local, hidden_size, inter)
+        self.b2 = param(local, hidden_size)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.num_local_experts != self.num_experts:
+            ids = localize_expert_ids(ids, self.expert_start, self.num_local_experts)
         fused = self._kernel()
         if fused is not None:
             args = (self.w13, self.b13, self.w2, self.b2, weights, ids, self.alpha, self.limit)
@@ -182,7 +203,8 @@ class GptOssExperts(nn.Module):
     def forward_reference(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        """The torch path (:func:`experts_reference`), whatever the platform offers."""
+        """The torch path (:func:`experts_reference`), whatever the platform offers; ``ids``
+        are this rank's local ids (``-1``: another rank's expert)."""
         return experts_reference(
             x, self.w13, self.b13, self.w2, self.b2, weights, ids, self.alpha, self.limit
         )
@@ -208,8 +230,9 @@ class GptOssExperts(nn.Module):
     def load(self, tensor_name: str, tensor: torch.Tensor) -> str:
         """Copy one checkpoint tensor in (this rank's share of it): ``gate_up_proj``
         ``[E, H, 2I]`` and ``gate_up_proj_bias [E, 2I]`` (gate and up interleaved),
-        ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``. Returns the parameter filled;
-        a wrong shape is a ``ValueError``."""
+        ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``: the rows of the experts this
+        rank holds, and of those this rank's intermediate columns. Returns the parameter
+        filled; a wrong shape is a ``ValueError``."""
         num_experts, hidden = self.num_experts, self.w13.shape[2]
         full, start, size = self.full_intermediate_size, self.shard_start, self.intermediate_size
         expected = {
@@ -223,6 +246,7 @@ class GptOssExperts(nn.Module):
                 f"experts.{tensor_name} has shape {tuple(tensor.shape)}, expected {expected} "
                 "(does config.json match the weights?)"
             )
+        tensor = tensor[self.expert_start : self.expert_start + self.num_local_experts]
         if tensor_name.startswith("gate_up_proj"):
             # [..., 2I] interleaved (gate 0::2, up 1::2) -> this rank's gate, then its up
             gate = tensor[..., 0::2][..., start : start + size]
@@ -236,8 +260,10 @@ class GptOssExperts(nn.Module):
         if tensor_name == "down_proj":
             self.w2.data.copy_(tensor[:, start : start + size].transpose(1, 2))
             return "w2"
-        # every rank's partial sums add up: the bias joins only one of them
-        self.b2.data.copy_(tensor if parallel_state.tp_rank() == 0 else torch.zeros_like(tensor))
+        # every rank's partial sums add up: the bias joins only one of them (under expert
+        # parallelism, the one of the rank that holds the expert, so every rank keeps its own)
+        keep = parallel_state.expert_parallel() or parallel_state.tp_rank() == 0
+        self.b2.data.copy_(tensor if keep else torch.zeros_like(tensor))
         return "b2"
 
 

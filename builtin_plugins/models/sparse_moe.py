@@ -7,7 +7,12 @@ architecture with :meth:`SparseMoeForCausalLM.moe_spec` and, where the checkpoin
 differ, :attr:`SparseMoeForCausalLM.checkpoint_renames`.
 
 Tensor parallel: every rank holds all experts, each with ``1/N`` of its intermediate
-columns (like the dense MLP), and the router whole; the block all-reduces once.
+columns (like the dense MLP), and the router whole; the block all-reduces once. With expert
+parallelism (``--enable-expert-parallel``) each rank holds whole experts instead, a
+contiguous range (:func:`chassis.core.parallel_state.expert_split`), and reads only their
+checkpoint tensors (:meth:`SparseMoeForCausalLM.needs_checkpoint_tensor`); the router stays
+whole and Qwen2-MoE's shared expert stays split by columns, as vLLM keeps it, so one
+all-reduce still sums everything.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from chassis.core.layers.moe import FusedMoE
 _EXPERT_TENSOR = re.compile(
     r"^(?P<block>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$"
 )
+#: any tensor of one expert (a weight, or an FP8 scale beside it), after renames
+_ANY_EXPERT_TENSOR = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<expert>\d+)\.")
 #: a checkpoint's expert projection name -> FusedMoE's (Qwen's names, then Mixtral's)
 _EXPERT_PROJECTIONS = {
     "gate_proj": "gate",
@@ -120,6 +127,19 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
         """The sparse-block options of this architecture (subclasses implement it)."""
         raise NotImplementedError
 
+    def needs_checkpoint_tensor(self, name: str) -> bool:
+        """Every tensor but those of experts another rank holds (expert parallelism)."""
+        for old, new in self.checkpoint_renames:
+            name = name.replace(old, new)
+        match = _ANY_EXPERT_TENSOR.match(name)
+        if match is None:
+            return True
+        try:
+            experts = self.get_submodule(f"{match['block']}.experts")
+        except AttributeError:
+            return True  # no such block: loading it raises the error that names it
+        return not isinstance(experts, FusedMoE) or _held_or_unknown(experts, match["expert"])
+
     def make_mlp(self, layer_idx: int) -> nn.Module:
         moe = self.moe_spec(self.hf_config)
         if moe.is_sparse(layer_idx):
@@ -130,8 +150,9 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """As :meth:`LlamaForCausalLM.load_weights`, plus each expert's
         ``experts.<e>.{gate_proj,up_proj,down_proj}`` (or Mixtral's ``w1``/``w3``/``w2``)
-        copied into its block's stacked ``w13``/``w2``; those count as filled once every
-        expert's three matrices arrived."""
+        copied into its block's stacked ``w13``/``w2``; those count as filled once the three
+        matrices of every expert this rank holds arrived (another rank's experts, when
+        given, are passed over)."""
         modules = dict(self.named_modules())
         expert_shards: dict[str, set[str]] = {}
 
@@ -150,16 +171,27 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
                         f"checkpoint tensor {name!r} has no counterpart in "
                         f"{type(self).__name__}; is the checkpoint's architecture right?"
                     )
+                if not _held_or_unknown(experts, match["expert"]):
+                    continue  # another rank's (expert parallelism)
                 key = experts.load_expert_weight(int(match["expert"]), projection, tensor)
                 expert_shards.setdefault(match["block"], set()).add(key)
 
         filled = super().load_weights(dense_tensors())
-        for block, shards in expert_shards.items():
-            experts = modules[f"{block}.experts"]
-            assert isinstance(experts, FusedMoE)
-            if shards >= experts.shards_needed():
-                filled |= {f"{block}.experts.w13", f"{block}.experts.w2"}
+        # every block, also one that got nothing: a rank may hold no expert (fewer experts
+        # than ranks), and its empty stacks are then complete
+        for name, experts in modules.items():
+            if isinstance(experts, FusedMoE):
+                block = name.removesuffix(".experts")
+                if expert_shards.get(block, set()) >= experts.shards_needed():
+                    filled |= {f"{name}.w13", f"{name}.w2"}
         return filled
+
+
+def _held_or_unknown(experts: FusedMoE, expert: str) -> bool:
+    """Whether expert ``expert`` (a checkpoint's index) is this rank's to load, or no expert
+    at all (then loading it raises the error that names it)."""
+    index = int(expert)
+    return experts.holds_expert(index) or not 0 <= index < experts.num_experts
 
 
 def qwen_moe_spec(hf_config: Any, shared_expert: bool) -> MoeSpec:

@@ -35,7 +35,8 @@ class LayerKernels(Protocol):
     a mixture-of-experts layer (reference :func:`chassis.core.layers.moe.fused_experts_ref`,
     same arguments); :class:`~chassis.core.layers.moe.FusedMoE` runs it when present, else
     its torch code. It should read nothing back to the host, so that decode steps with it can
-    be captured in CUDA graphs.
+    be captured in CUDA graphs. An expert id of ``-1`` (expert parallelism: the expert is on
+    another rank) must leave its pair out of the sum; the same holds for the next kernel.
 
     Optional too: ``fused_moe_clamped_swiglu(x, w13, b13, w2, b2, topk_weights, topk_ids,
     alpha, limit) -> [T, H]``, gpt-oss's experts (a bias on each matmul, the clamped SwiGLU;

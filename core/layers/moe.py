@@ -17,6 +17,9 @@ Three implementations compute it:
 - a platform's ``fused_moe`` kernel (optional in :class:`~chassis.core.layers.kernels.
   LayerKernels`), which the layer runs when the platform offers one for the tensor.
 
+Expert ids of ``-1`` in ``topk_ids`` name a (token, slot) pair whose expert is on another
+rank (expert parallelism): every implementation leaves it out of the sum.
+
 Rounding: each expert's output is computed in the model dtype (as HF does); the weighted sum
 over a token's ``k`` experts is taken in float32 and rounded once. HF adds the experts'
 contributions into a model-dtype buffer instead, so 16-bit results may be a rounding step
@@ -34,7 +37,13 @@ from torch import nn
 from chassis.core import parallel_state
 from chassis.core.layers.kernels import kernels_for
 
-__all__ = ["FusedMoE", "fused_experts_grouped", "fused_experts_ref", "select_experts"]
+__all__ = [
+    "FusedMoE",
+    "fused_experts_grouped",
+    "fused_experts_ref",
+    "localize_expert_ids",
+    "select_experts",
+]
 
 
 def select_experts(
@@ -52,6 +61,14 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def localize_expert_ids(topk_ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """``topk_ids`` (global expert ids) as this rank's local ids: ``id - first`` for the
+    experts ``[first, first + count)`` it holds, ``-1`` (left out of the sum) for the others.
+    No host read."""
+    local = topk_ids - first
+    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
 
 
 def _check_shapes(
@@ -91,7 +108,8 @@ def fused_experts_ref(
     """The reference: ``[T, H]`` in ``x.dtype`` (see the module docstring for the formula).
 
     ``x [T, H]``; ``w13 [E, 2I, H]``; ``w2 [E, H, I]``; ``topk_weights [T, k]`` of any float
-    dtype; ``topk_ids [T, k]`` integer expert ids in ``[0, E)``.
+    dtype; ``topk_ids [T, k]`` integer expert ids in ``[0, E)``, or ``-1`` for a pair left
+    out (its expert is on another rank).
     """
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -116,11 +134,13 @@ def fused_experts_grouped(
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    # One host read per call: which experts run and on how many rows.
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    # One host read per call: which experts run and on how many rows. The pairs of id -1
+    # (experts on other ranks) sort first and stay zero.
+    left_out, *counts = torch.bincount(flat_ids + 1, minlength=w13.shape[0] + 1).tolist()
     sorted_x = x[order // top_k]
     sorted_y = torch.empty_like(sorted_x)
-    start = 0
+    sorted_y[:left_out] = 0
+    start = left_out
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
@@ -136,8 +156,12 @@ class FusedMoE(nn.Module):
     """The experts of one sparse MoE block, with their routing.
 
     ``forward(x [T, H], router_logits [T, E]) -> [T, H]``. Under tensor parallelism every
-    rank holds each expert's share of the intermediate dimension, so the output is this rank's
-    partial sum: the caller all-reduces it (once, together with any shared expert).
+    rank holds each expert's share of the intermediate dimension; under expert parallelism
+    (:func:`~chassis.core.parallel_state.expert_parallel`) it holds the whole of its
+    experts ``[expert_start, expert_start + num_local_experts)`` (vLLM's contiguous
+    placement, :func:`~chassis.core.parallel_state.expert_split`) and leaves out the
+    (token, slot) pairs routed elsewhere. Either way the output is this rank's partial sum:
+    the caller all-reduces it (once, together with any shared expert).
 
     ``renormalize``: divide the top-k probabilities by their sum (Mixtral; Qwen's
     ``norm_topk_prob``). ``intermediate_size_field`` names the config field of
@@ -164,23 +188,36 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.round_weights_to_model_dtype = round_weights_to_model_dtype
-        #: the whole checkpoint's intermediate size, and this rank's share of it
+        #: the whole checkpoint's intermediate size, and this rank's share of it (all of it
+        #: under expert parallelism)
         self.full_intermediate_size = intermediate_size
-        self.shard_start, self.intermediate_size = parallel_state.shard(
-            intermediate_size, intermediate_size_field
-        )
+        #: the experts this rank holds: global ids ``[expert_start, expert_start + n)``
+        self.expert_start, self.num_local_experts = parallel_state.shard_experts(num_experts)
+        if parallel_state.expert_parallel():
+            self.shard_start, self.intermediate_size = 0, intermediate_size
+        else:
+            self.shard_start, self.intermediate_size = parallel_state.shard(
+                intermediate_size, intermediate_size_field
+            )
+        local = self.num_local_experts
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * self.intermediate_size, hidden_size),
-            requires_grad=False,
+            torch.empty(local, 2 * self.intermediate_size, hidden_size), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False
+            torch.empty(local, hidden_size, self.intermediate_size), requires_grad=False
         )
+
+    def holds_expert(self, expert: int) -> bool:
+        """Whether global expert ``expert`` is on this rank (every one without expert
+        parallelism)."""
+        return self.expert_start <= expert < self.expert_start + self.num_local_experts
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.round_weights_to_model_dtype:
             weights = weights.to(x.dtype)
+        if self.num_local_experts != self.num_experts:
+            ids = localize_expert_ids(ids, self.expert_start, self.num_local_experts)
         fused = self._kernel()
         if fused is not None:
             return fused(x, self.w13, self.w2, weights, ids)
@@ -207,21 +244,29 @@ class FusedMoE(nn.Module):
     def load_expert_weight(self, expert: int, projection: str, tensor: torch.Tensor) -> str:
         """Copy one expert's whole checkpoint matrix in (this rank's slice of it).
 
-        ``projection`` is ``"gate"`` or ``"up"`` (``[I, H]``) or ``"down"`` (``[H, I]``).
-        Returns the shard key that was filled (``"<expert>.<projection>"``); a wrong expert
-        index, projection or shape is a ``ValueError``.
+        ``expert`` is the global id; it must be one this rank holds (:meth:`holds_expert`:
+        the loader does not read the others). ``projection`` is ``"gate"`` or ``"up"``
+        (``[I, H]``) or ``"down"`` (``[H, I]``). Returns the shard key that was filled
+        (``"<expert>.<projection>"``); a wrong expert index, projection or shape is a
+        ``ValueError``.
         """
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range [0, {self.num_experts})")
+        if not self.holds_expert(expert):
+            raise ValueError(
+                f"expert {expert} is not on this rank (it holds experts "
+                f"[{self.expert_start}, {self.expert_start + self.num_local_experts}))"
+            )
+        local = expert - self.expert_start
         start, size = self.shard_start, self.intermediate_size
         if projection in ("gate", "up"):
             expected = (self.full_intermediate_size, self.w13.shape[2])
             offset = 0 if projection == "gate" else size
-            target = self.w13.data[expert, offset : offset + size]
+            target = self.w13.data[local, offset : offset + size]
             source = tensor[start : start + size] if tuple(tensor.shape) == expected else None
         elif projection == "down":
             expected = (self.w2.shape[1], self.full_intermediate_size)
-            target = self.w2.data[expert]
+            target = self.w2.data[local]
             source = tensor[:, start : start + size] if tuple(tensor.shape) == expected else None
         else:
             raise ValueError(f"unknown expert projection {projection!r}")
@@ -235,4 +280,5 @@ class FusedMoE(nn.Module):
 
     def shards_needed(self) -> set[str]:
         """Every shard key :meth:`load_expert_weight` must fill before the layer is loaded."""
-        return {f"{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up", "down")}
+        experts = range(self.expert_start, self.expert_start + self.num_local_experts)
+        return {f"{e}.{p}" for e in experts for p in ("gate", "up", "down")}

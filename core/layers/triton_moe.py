@@ -389,9 +389,10 @@ def fused_moe(
     module docstring).
 
     ``x [T, H]``; ``w13 [E, 2I, H]`` (gate rows, then up rows); ``w2 [E, H, I]``;
-    ``topk_weights [T, k]`` (any float dtype); ``topk_ids [T, k]`` in ``[0, E)``. No host
+    ``topk_weights [T, k]`` (any float dtype); ``topk_ids [T, k]`` in ``[0, E)``, or ``-1``
+    for a pair left out (its expert is on another rank: expert parallelism). No host
     read: a call can be captured in a CUDA graph and replayed with new values in the same
-    tensors. Scratch: ``h`` in the model dtype (up to ``T*k + E*(block_m - 1)`` rows of
+    tensors. Scratch: ``h`` in the model dtype (up to ``T*k + (E+1)*(block_m - 1)`` rows of
     ``I``) and ``T * k * H`` float32.
     """
     _check_operands(x, w13, w2, topk_weights, topk_ids)
@@ -444,10 +445,14 @@ def _launch(
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
+    if num_experts == 0:  # a rank that holds no expert (fewer experts than ranks)
+        return torch.zeros_like(x)
     if num_tokens == 0 or inter == 0:
         if biases is not None and num_tokens and top_k:
             # no intermediate columns: each expert gives its down bias
-            b2 = biases[1].float()[topk_ids.long()]
+            ids = topk_ids.long()
+            held = (ids >= 0).unsqueeze(-1)  # -1: another rank's expert gives nothing here
+            b2 = torch.where(held, biases[1].float()[ids.clamp(min=0)], 0.0)
             return (b2 * topk_weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)
         return torch.zeros_like(x)
     if x.stride(-1) != 1:
@@ -462,10 +467,14 @@ def _launch(
     up_cfg = _launch_config(num_pairs, num_experts, inter, hidden)
     down_cfg = _launch_config(num_pairs, num_experts, hidden, inter)
     block_m = up_cfg.block_m
-    sorted_pairs, block_experts, _ = moe_align(topk_ids, num_experts, block_m)
+    # pairs of id -1 (their expert is on another rank) form a last group, E, whose blocks
+    # are marked -1 like those past the last group: no kernel writes their rows, which stay 0
+    ids = torch.where(topk_ids < 0, num_experts, topk_ids)
+    sorted_pairs, block_experts, _ = moe_align(ids, num_experts + 1, block_m)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
     num_blocks = block_experts.shape[0]
     h = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
 
     grid = (num_blocks * triton.cdiv(inter, up_cfg.block_n),)
     check_launchable(_gate_up_kernel, x)[grid](
