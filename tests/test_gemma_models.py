@@ -27,11 +27,12 @@ from fixtures_models import (
 from safetensors.torch import load_file, save_file
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, hf_logits
 from test_models_parity import Runner as ParityRunner
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from chassis import LLM, SamplingParams
 from chassis.builtin_plugins.attention.cpu_paged import CpuPagedAttention
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
+from chassis.builtin_plugins.models.gemma import GemmaForCausalLM
 from chassis.builtin_plugins.models.gemma3 import Gemma3ForCausalLM
 from chassis.core.config import EngineConfig
 from chassis.core.gguf_checkpoint import embedded_model_dir
@@ -99,9 +100,14 @@ def gemma_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def load_hf(model_dir: Path) -> Any:
-    # eager: HF's SDPA path cannot soft-cap (Gemma 2 refuses it anyway)
+    """HF's model of ``model_dir`` in float32, eager attention (HF's SDPA path cannot soft-cap;
+    Gemma 2 refuses it anyway). Gemma 1's legacy ``gelu`` as the tanh form, as transformers
+    5.24 and chassis read it (5.17, the H200 image's, would run the exact form)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type == "gemma" and config.hidden_act == "gelu":
+        config.hidden_act = "gelu_pytorch_tanh"
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
+        model_dir, config=config, dtype=torch.float32, attn_implementation="eager"
     ).eval()
 
 
@@ -165,6 +171,14 @@ def test_logits_match_transformers(gemma_dirs: dict[str, Path], arch: str) -> No
 def test_options_read_from_the_configs(gemma_dirs: dict[str, Path]) -> None:
     gemma = Runner(gemma_dirs["gemma"]).model
     assert gemma.options.gelu_approximate == "tanh"
+    # the legacy name means tanh whatever transformers left in the config; others as named
+    hf_config = load_hf_config(gemma_dirs["gemma"])
+    for hidden_act, approximate in [("gelu", "tanh"), ("gelu_pytorch_tanh", "tanh")]:
+        hf_config.hidden_act = hidden_act
+        assert GemmaForCausalLM.gemma_options(hf_config).gelu_approximate == approximate
+    hf_config.hidden_act = "relu"
+    with pytest.raises(ValueError, match="'relu' is not supported"):
+        GemmaForCausalLM.gemma_options(hf_config)
     assert gemma.options.attn_scale == 32**-0.5
     assert gemma.model.embedding_multiplier == 8.0
     assert gemma.lm_head.weight is gemma.model.embed_tokens.weight

@@ -78,6 +78,13 @@ class GemmaOptions:
             raise ValueError(f"no RoPE parameters for the layer types {missing}")
 
 
+#: Gemma 1's released configs name its activation ``gelu``, a legacy value for the tanh form
+#: the models were trained with. transformers 5.24 rewrites it in ``GemmaConfig`` (so the
+#: config chassis reads says ``gelu_pytorch_tanh``); 5.17, the H200 image's, keeps ``gelu``
+#: and runs the exact form. Gemma 1 reads it as tanh under either.
+GEMMA1_LEGACY_ACTIVATIONS = {"gelu": "gelu_pytorch_tanh"}
+
+
 def gelu_approximate(activation: str | None) -> str:
     """``F.gelu``'s ``approximate`` for an HF activation name; a ``ValueError`` otherwise."""
     if activation not in GELU_APPROXIMATIONS:
@@ -264,10 +271,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def gemma_options(cls, hf_config: Any) -> GemmaOptions:
-        """Gemma 1: ``hidden_act``, ``head_dim ** -0.5``, full attention everywhere."""
+        """Gemma 1: ``hidden_act`` (the legacy ``gelu`` as the tanh form:
+        :data:`GEMMA1_LEGACY_ACTIVATIONS`), ``head_dim ** -0.5``, full attention everywhere."""
         num_layers = int(hf_config.num_hidden_layers)
+        activation = getattr(hf_config, "hidden_act", None)
+        activation = GEMMA1_LEGACY_ACTIVATIONS.get(activation, activation)
         return GemmaOptions(
-            gelu_approximate=gelu_approximate(getattr(hf_config, "hidden_act", None)),
+            gelu_approximate=gelu_approximate(activation),
             attn_scale=head_dim_of(hf_config) ** -0.5,
             layer_types=(FULL_ATTENTION,) * num_layers,
             rope_by_layer_type={FULL_ATTENTION: rope_parameters(hf_config)},
