@@ -68,10 +68,11 @@ def test_two_ranks_match_hf(tiny_dirs, arch: str) -> None:
     wait_for_no_workers()
 
 
-def test_sampling_on_two_ranks(tiny_llama_dir) -> None:
+def test_sampling_on_two_ranks_and_one_engine_at_a_time(tiny_llama_dir) -> None:
     """Three checks on one two-rank engine (each rank start costs seconds): seeded sampling
     equals one rank's; unseeded sampling keeps the ranks in step; so do random numbers the
-    caller draws between calls. Afterwards rank 0's share of the cores is given back."""
+    caller draws between calls. While it runs, no second engine starts; once it is shut down,
+    rank 0's share of the cores is given back and a second one starts."""
     import torch
 
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
@@ -97,8 +98,18 @@ def test_sampling_on_two_ranks(tiny_llama_dir) -> None:
     llm.generate(PROMPTS[:2], params)
     torch.rand(3)  # rank 0 shares this process's default generator
     assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(PROMPTS[:2], params))
+
+    # a second engine needs the first shut down
+    with pytest.raises(ValueError, match="call its shutdown"):
+        small_llm(tiny_llama_dir, 2)
+    with pytest.raises(ValueError, match="call its shutdown"):  # a single-device one too
+        small_llm(tiny_llama_dir, 1)
     llm.shutdown()
     assert torch.get_num_threads() == threads  # rank 0's share of the cores is given back
+    second = small_llm(tiny_llama_dir, 2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+    assert len(second.generate(PROMPTS[:1], params)[0].outputs[0].token_ids) == 4
+    second.shutdown()
     wait_for_no_workers()
 
 
@@ -162,20 +173,6 @@ def test_a_worker_that_dies_fails_the_step_not_the_caller_forever(tiny_llama_dir
     llm.shutdown()
     with pytest.raises(RuntimeError, match="was shut down"):
         llm.generate(PROMPTS[:1], params)
-    wait_for_no_workers()
-
-
-def test_a_second_engine_needs_the_first_shut_down(tiny_llama_dir) -> None:
-    first = small_llm(tiny_llama_dir, 2)
-    with pytest.raises(ValueError, match="call its shutdown"):
-        small_llm(tiny_llama_dir, 2)
-    with pytest.raises(ValueError, match="call its shutdown"):  # a single-device one too
-        small_llm(tiny_llama_dir, 1)
-    first.shutdown()
-    second = small_llm(tiny_llama_dir, 2)
-    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
-    assert len(second.generate(PROMPTS[:1], params)[0].outputs[0].token_ids) == 4
-    second.shutdown()
     wait_for_no_workers()
 
 
