@@ -78,7 +78,10 @@ def test_classify_inputs_truncation_and_pooler_config(
     ids = llama_llm.get_tokenizer()(PROMPTS[0]).input_ids
     by_ids = llama_llm.classify([ids, {"prompt_token_ids": ids}])
     by_text = llama_llm.classify(PROMPTS[0])
-    assert by_ids[0].outputs.probs == by_text[0].outputs.probs == by_ids[1].outputs.probs
+    # a batch of two and a batch of one may round differently (torch 2.11's CPU matmuls do,
+    # in the 7th digit)
+    for output in (by_ids[1], by_text[0]):
+        assert output.outputs.probs == pytest.approx(by_ids[0].outputs.probs, rel=1e-5, abs=1e-9)
     # truncation keeps the last tokens, as for embeddings
     cut = llama_llm.classify(PROMPTS[0], truncate_prompt_tokens=4)[0]
     assert cut.prompt_token_ids == ids[-4:]
@@ -94,7 +97,9 @@ def test_classify_inputs_truncation_and_pooler_config(
         llama_llm.classify("x", PoolingParams(dimensions=2))
     # the engine-wide switch (vLLM's pooler_config use_activation; older name: activation)
     raw = _llm(tiny_llama_cls_dir, pooler_config={"activation": False})
-    assert raw.classify(PROMPTS[0])[0].outputs.probs == mixed[1].outputs.probs
+    assert raw.classify(PROMPTS[0])[0].outputs.probs == pytest.approx(
+        mixed[1].outputs.probs, rel=1e-5, abs=1e-9
+    )
 
 
 def test_cross_encoder_score_matches_hf(tiny_qwen3_cls_dir: Path) -> None:
