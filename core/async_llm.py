@@ -169,7 +169,8 @@ class AsyncLLM:
 
         Bad input raises ``ValueError`` before anything is yielded; a dead engine raises
         :class:`EngineDeadError`; a request the engine core failed alone (its
-        structured-output constraint over its work budget, its matcher raising) raises
+        structured-output constraint over its work budget, its matcher raising, its LoRA
+        adapter refused: reused id, or a folder that cannot be loaded any more) raises
         :class:`RequestFailedError` with the engine's message, instead of that output (its
         other completions are aborted). Closing the iterator early aborts the request.
         """
@@ -293,8 +294,10 @@ class AsyncLLM:
         ``lora_request``: the LoRA adapter to pool with (``None``: the base model).
 
         Bad input (or a generating engine) raises ``ValueError`` before anything is sent to
-        the engine; a dead engine raises :class:`EngineDeadError`. Closing the iterator
-        before the output arrives aborts the request.
+        the engine; a dead engine raises :class:`EngineDeadError`; a request the engine core
+        refused (its LoRA adapter cannot be loaded any more, say) raises
+        :class:`RequestFailedError` with the engine's message. Closing the iterator before
+        the output arrives aborts the request.
         """
         if self.dead_error is not None:
             raise self.dead_error
@@ -337,6 +340,8 @@ class AsyncLLM:
             if isinstance(item, BaseException):
                 raise item
             finished = True
+            if isinstance(item, EmbeddingRequestOutput) and item.error is not None:
+                raise RequestFailedError(item.error)
             if not isinstance(item, EmbeddingRequestOutput) or not item.outputs.embedding:
                 raise RuntimeError(f"the engine refused pooling request {request_id!r}")
             yield item

@@ -147,31 +147,34 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request. One whose structured-output constraint does not compile, of
-        the other kind than the engine runs (pooling or generate; the front-end checks both
-        first, so this is rare), or whose LoRA adapter the workers cannot read any more (its
-        folder deleted or changed since the front-end's check, and not held in host memory)
-        finishes at the next step with reason ``abort``, and the error is logged (a
-        constraint's refusal also goes to the client, as ``EngineCoreOutput.error``); the
-        engine keeps serving."""
+        """Queue a request. One the engine core cannot serve finishes at the next step with
+        reason ``abort`` and ``EngineCoreOutput.error`` saying why (the error is logged too;
+        the engine keeps serving): its structured-output constraint does not compile, it is
+        of the other kind than the engine runs (pooling or generate; the front-end checks
+        both first, so this is rare), its LoRA adapter id was accepted before with another
+        folder (these three are the request's fault), or the workers cannot read its
+        adapter any more (its folder deleted or changed since the front-end's check, and not
+        held in host memory: the engine's)."""
         engine_request = Request.from_engine_core_request(request)
         lora = request.lora_request if self.config.enable_lora else None
-        error = None  # what the client is told (a constraint's refusal)
-        try:
-            if (request.pooling_params is not None) != (self.pooler_config is not None):
-                raise ValueError(
-                    f"a {'pooling' if request.pooling_params else 'generate'} request reached "
-                    f"an engine with runner={self.config.runner!r}"
-                )
+        error: RequestError | None = None
+        matcher = None
+        if (request.pooling_params is not None) != (self.pooler_config is not None):
+            error = RequestError(
+                message=f"a {'pooling' if request.pooling_params else 'generate'} request "
+                f"reached an engine with runner={self.config.runner!r}",
+                client_error=True,
+            )
+        else:
             try:
                 matcher = self.structured_outputs.matcher_for(engine_request)
             except ValueError as exc:
                 error = RequestError(message=str(exc), client_error=True)
-                raise
-            if lora is not None:  # last: nothing above needs undoing once it is pinned
-                self._pin_lora(request.request_id, lora)
-        except ValueError as exc:
-            logger.error("request %s refused: %s", request.request_id, exc)
+        if error is None and lora is not None:
+            # last: nothing above needs undoing once it is pinned
+            error = self._pin_lora(request.request_id, lora)
+        if error is not None:
+            logger.error("request %s refused: %s", request.request_id, error.message)
             self._refused.append(
                 EngineCoreOutput(
                     request_id=request.request_id, finish_reason=FinishReason.ABORT, error=error
@@ -197,26 +200,35 @@ class EngineCore:
         for request_id in request_ids:
             self._unpin_lora(request_id)
 
-    def _pin_lora(self, request_id: str, lora: LoRARequest) -> None:
-        """Count ``request_id`` as a user of ``lora``, pinning it in the workers on its first
-        (``ValueError`` when its folder cannot be read, or when the id was accepted with
-        another folder before: the request is refused alone)."""
+    def _pin_lora(self, request_id: str, lora: LoRARequest) -> RequestError | None:
+        """Count ``request_id`` as a user of ``lora``, pinning it in the workers on its first;
+        or, leaving nothing pinned, return why the request is refused: the id was accepted
+        before with another folder (the request's fault), or the workers cannot read its
+        folder (the engine's: the front-end read it when it checked the request)."""
         lora_id = lora.lora_int_id
         bound = self._lora_paths.get(lora_id)
         if bound is not None and bound != lora.lora_path:
             # the front-end refuses this first; a request that skipped it (an embedder of
             # EngineCore) must not run the adapter already pinned or cached under the id
-            raise ValueError(
-                f"LoRA adapter id {lora_id} belongs to the adapter in {bound}; adapter "
+            return RequestError(
+                message=f"LoRA adapter id {lora_id} belongs to the adapter in {bound}; adapter "
                 f"{lora.lora_name!r} in {lora.lora_path} cannot take it: give each adapter "
-                "its own id"
+                "its own id",
+                client_error=True,
             )
         count = self._lora_refs.get(lora_id, 0)
         if count == 0:
-            self.executor.pin_lora(lora)
+            try:
+                self.executor.pin_lora(lora)
+            except ValueError as exc:
+                return RequestError(
+                    message=f"LoRA adapter {lora.lora_name!r} (id {lora_id}) cannot be loaded "
+                    f"from {lora.lora_path}: {exc}"
+                )
         self._lora_paths[lora_id] = lora.lora_path
         self._lora_refs[lora_id] = count + 1
         self._lora_of[request_id] = lora_id
+        return None
 
     def _unpin_lora(self, request_id: str) -> None:
         """``request_id`` finished: unpin its adapter after its last request (a request

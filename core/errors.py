@@ -21,8 +21,9 @@ class EngineOverloadedError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine core ended this request alone because of a fault in it (its
-    structured-output constraint exceeded its work budget, or its matcher raised); other
-    requests were not affected. ``error`` says why; the API server maps it to HTTP 400 when
+    structured-output constraint exceeded its work budget, or its matcher raised; its LoRA
+    adapter id was taken by another folder, or its adapter cannot be loaded any more);
+    other requests were not affected. ``error`` says why; the API server maps it to HTTP 400 when
     ``error.client_error``, else 500, with ``error.message``."""
 
     def __init__(self, error: RequestError) -> None:

@@ -22,6 +22,7 @@ from chassis.core.chat import render_chat
 from chassis.core.config import EngineConfig
 from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
+from chassis.core.errors import RequestFailedError
 from chassis.core.generation_defaults import generation_defaults
 from chassis.core.input_processor import InputProcessor, truncation_length
 from chassis.core.lora.request import LoRARequest
@@ -341,7 +342,10 @@ class LLM:
         ``truncate_prompt_tokens``, which the keyword argument of that name sets for all).
         ``lora_request`` (with ``enable_lora=True``): the LoRA adapter of every prompt, or one
         per prompt (``None``: the base model), as in :meth:`generate`.
-        Everything is validated before anything runs; bad input raises ``ValueError``.
+        Everything is validated before anything runs; bad input raises ``ValueError``. A
+        prompt the engine core refuses (its LoRA adapter cannot be loaded any more, say)
+        raises :class:`~chassis.core.errors.RequestFailedError` with its reason once the
+        batch has run.
         """
         if self.pooler_config is None:
             raise ValueError(
@@ -422,6 +426,8 @@ class LLM:
         results = self._run_engine(output_processor, len(requests), use_tqdm)
         refused = [r for r in results.values() if not r.outputs.embedding]
         if refused:
+            if refused[0].error is not None:  # the engine core said why
+                raise RequestFailedError(refused[0].error)
             raise RuntimeError(f"the engine refused request {refused[0].request_id!r} (see log)")
         return [results[request.request_id] for request in requests]
 

@@ -276,6 +276,7 @@ class OutputProcessor:
             prompt=prompt,
             num_cached_tokens=out.num_cached_tokens,
             finish_reason=FinishReason(out.finish_reason).value,
+            error=out.error,
         )
 
     def _detokenizer(

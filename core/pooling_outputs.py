@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from chassis.core.request import RequestError
 
 #: how the engine core sends a pooled vector: raw little-endian float32 bytes
 POOLED_DTYPE = np.dtype("<f4")
@@ -27,7 +31,8 @@ class EmbeddingRequestOutput:
     """The result of one pooling request, as vLLM's ``EmbeddingRequestOutput``.
 
     ``finished`` is ``True`` once the vector is there; an engine that refused the request
-    leaves ``outputs.embedding`` empty and ``finish_reason`` ``"abort"``.
+    leaves ``outputs.embedding`` empty and ``finish_reason`` ``"abort"``, with ``error``
+    saying why when the engine core refused it (its LoRA adapter cannot be loaded, say).
     """
 
     request_id: str
@@ -37,6 +42,8 @@ class EmbeddingRequestOutput:
     prompt: str | None = None
     num_cached_tokens: int = 0
     finish_reason: str = "stop"
+    #: why the engine core refused the request (``EngineCoreOutput.error``), if it did
+    error: RequestError | None = None
 
 
 def decode_pooled(data: bytes) -> list[float]:

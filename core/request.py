@@ -61,8 +61,10 @@ class RequestError(msgspec.Struct, kw_only=True, frozen=True):
 
     message: str
     #: whether the request itself is at fault (its structured-output constraint needs more
-    #: work than the budget allows: HTTP 400), rather than the engine failing to serve it
-    #: (a matcher raising an unexpected error: HTTP 500)
+    #: work than the budget allows, or does not compile; its LoRA adapter id belongs to
+    #: another folder: HTTP 400), rather than the engine failing to serve it (a matcher
+    #: raising an unexpected error; an adapter folder the front-end checked that can no
+    #: longer be loaded: HTTP 500)
     client_error: bool = False
 
 

@@ -220,6 +220,13 @@ def test_an_id_reused_for_another_folder_is_refused_naming_both(
     assert together[1].outputs[0].token_ids == []
     alone = llm.generate(PROMPTS[:1], params, lora_request=lora_b)  # a unpinned, still in a slot
     assert alone[0].outputs[0].finish_reason == "abort"
+    # the caller is told why, as the request's fault (a 400 through the server)
+    for refused_output in (together[1].outputs[0], alone[0].outputs[0]):
+        error = refused_output.error
+        assert error is not None and error.client_error
+        assert "cannot take it" in error.message
+        assert str(first) in error.message and str(other) in error.message
+    assert together[0].outputs[0].error is None
     refusals = [r.getMessage() for r in caplog.records if "cannot take it" in r.getMessage()]
     assert len(refusals) == 2 and all(str(first) in m and str(other) in m for m in refusals)
     assert _greedy(llm, [lora_a], PROMPTS[:1]) == expected_a  # the id still runs its adapter

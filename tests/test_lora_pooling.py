@@ -25,6 +25,7 @@ from fixtures_lora import hf_merged_model, write_peft_adapter
 from fixtures_models import *  # noqa: F403
 from server_process import ServerProcess, running_server
 
+from chassis.core.errors import RequestFailedError
 from chassis.core.llm import LLM
 from chassis.core.lora import LoRARequest
 from chassis.core.pooling_params import PoolingParams
@@ -143,6 +144,32 @@ def test_mixed_batch_embeds_each_prompt_with_its_adapter(
             )
             for other in {None, "a", "b"} - {name}:
                 assert (got - _embedding(references[other], prompt)).abs().max() > 1e-2
+
+
+def test_a_request_the_engine_core_refuses_carries_its_error(
+    embedder: LLM, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An id given to another folder, past the front-end's check: the engine core refuses
+    that request alone and says why (the request's fault); ``embed`` raises it, and the
+    engine serves the adapter on."""
+    first = _lora(adapters, "a")
+    assert first is not None
+    ok = embedder.embed(PROMPTS[1:2], lora_request=first)[0]
+    monkeypatch.setattr(embedder.input_processor, "check_lora", lambda lora_request: None)
+    other = LoRARequest("other", first.lora_int_id, str(adapters["b"]))
+    with pytest.raises(RequestFailedError, match="cannot take it") as failed:
+        embedder.embed(PROMPTS[:2], lora_request=[other, first])
+    assert failed.value.error.client_error
+    assert str(adapters["a"]) in str(failed.value) and str(adapters["b"]) in str(failed.value)
+    # the id still runs its own adapter
+    monkeypatch.undo()
+    again = embedder.embed(PROMPTS[1:2], lora_request=first)[0]
+    torch.testing.assert_close(
+        torch.tensor(again.outputs.embedding),
+        torch.tensor(ok.outputs.embedding),
+        atol=TOLERANCE,
+        rtol=0,
+    )
 
 
 def test_prefix_cache_entries_stay_with_their_adapter(

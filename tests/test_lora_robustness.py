@@ -3,7 +3,8 @@
 
 An adapter is read when the engine core accepts a request for it and does not hold it in
 host memory; a folder deleted, truncated or unreadable by then fails that request alone
-(finish reason ``abort``), offline and through the server, while the other requests of the
+(finish reason ``abort`` and an error naming the adapter and the cause offline, a 500 with
+code ``request_failed`` through the server), while the other requests of the
 same steps run as before, the engine stays up, and the adapter runs again once its folder
 is back. The compiled forward with adapters generates the eager engine's greedy tokens.
 """
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 from fixtures_lora import hf_greedy, hf_merged_model, write_peft_adapter
@@ -124,7 +126,8 @@ def test_an_adapter_broken_after_its_check_fails_only_its_requests(
         weights.chmod(0)
     # One step holds requests of a (refused), b and the base model.
     with caplog.at_level(logging.ERROR, logger="chassis.core.engine_core"):
-        got = _run(llm, [a, b, None, a])
+        outputs = llm.generate([PROMPT] * 4, GREEDY, lora_request=[a, b, None, a])
+    got = [(o.outputs[0].finish_reason, list(o.outputs[0].token_ids)) for o in outputs]
     assert got == [
         ("abort", []),
         ("length", expected["b"]),
@@ -133,6 +136,21 @@ def test_an_adapter_broken_after_its_check_fails_only_its_requests(
     ]
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refusals) == 2 and all(a.lora_path in message for message in refusals)
+    # the caller is told which adapter and why, as the engine's fault (a 500 in the server)
+    causes = {
+        "deleted": ["does not exist"],
+        "truncated": ["is not a readable safetensors file"],
+        "garbage": ["is not a readable safetensors file"],
+        "unreadable": ["is not a readable safetensors file", "cannot be read"],
+    }[breakage]
+    for index in (0, 3):
+        error = outputs[index].outputs[0].error
+        assert error is not None and not error.client_error
+        assert error.message.startswith(
+            f"LoRA adapter 'a' (id {a.lora_int_id}) cannot be loaded from {a.lora_path}: "
+        )
+        assert any(cause in error.message for cause in causes)
+    assert all(outputs[index].outputs[0].error is None for index in (1, 2))
     assert _lora_model(llm).pinned_ids == []  # every pin was given back
 
     # The folder comes back: the adapter runs again (read anew), beside the others.
@@ -247,7 +265,17 @@ def test_the_server_fails_only_the_request_of_a_deleted_adapter(
     assert _complete(process, "a") == ("length", expected["a"])
     assert _complete(process, "b") == ("length", expected["b"])  # a leaves host memory
     shutil.rmtree(root / "a")
-    assert _complete(process, "a") == ("abort", [])
+    with pytest.raises(openai.InternalServerError) as failed:
+        _complete(process, "a")
+    assert failed.value.status_code == 500
+    assert failed.value.code == "request_failed"
+    assert "LoRA adapter 'a'" in failed.value.message and "does not exist" in failed.value.message
+    with pytest.raises(openai.APIError, match="does not exist"):  # streamed: the error event
+        list(
+            process.client().completions.create(
+                model="a", prompt=PROMPT, max_tokens=NEW_TOKENS, stream=True
+            )
+        )
     assert _complete(process, "b") == ("length", expected["b"])
     assert _complete(process, "tiny") == ("length", expected["base"])
     assert httpx.get(process.base + "/health", headers=process.headers).status_code == 200
