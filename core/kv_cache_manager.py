@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 from chassis.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool
 
 if TYPE_CHECKING:
+    from chassis.core.config import EngineConfig
     from chassis.core.request import Request
 
 
@@ -68,6 +69,30 @@ def prefix_cache_seed(request: Request) -> BlockHash | None:
     if salt is not None:
         digest.update(b"\0salt:" + salt.encode())
     return digest.digest()
+
+
+def max_tokens_per_step(config: EngineConfig) -> int:
+    """The most KV slots one request is given in one ``allocate_slots`` call by the built-in
+    schedulers: the step's tokens (drafts included) are at most ``max_num_batched_tokens``,
+    and a draft model's lookahead adds up to ``num_speculative_tokens`` slots."""
+    spec = config.speculative
+    lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+    return config.max_num_batched_tokens + lookahead
+
+
+def max_blocks_per_request(
+    max_model_len: int, block_size: int, sliding_window: int | None, step_tokens: int
+) -> int:
+    """The most blocks one request of at most ``max_model_len`` tokens holds, given at most
+    ``step_tokens`` slots per ``allocate_slots`` call: every block of its longest context,
+    or, with ``sliding_window=W`` (release on), those of positions ``c - W + 1`` to
+    ``c + n - 1`` for a step of ``n`` tokens from ``c``: ``W + n - 1`` positions, which
+    cover at most ``ceil((W + n + block_size - 2) / block_size)`` blocks (when the first of
+    them is the last of its block). The reserved null block is not counted."""
+    whole = -(-max_model_len // block_size)
+    if sliding_window is None:
+        return whole
+    return min(whole, -(-(sliding_window + step_tokens + block_size - 2) // block_size))
 
 
 @dataclass

@@ -10,6 +10,7 @@ import torch
 from chassis.core.attention import resolve_kv_cache_dtype
 from chassis.core.config import EngineConfig
 from chassis.core.in_flight import PendingRunnerOutput
+from chassis.core.kv_cache_manager import max_blocks_per_request, max_tokens_per_step
 from chassis.core.lora.model import LoRAModel
 from chassis.core.model_runner import ModelRunner
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
@@ -116,13 +117,26 @@ class Worker:
                 num_blocks = config.max_num_seqs * -(-config.max_model_len // config.block_size)
             else:
                 num_blocks = max(budget, 0) // bytes_per_block
-        needed = -(-config.max_model_len // config.block_size)
-        if num_blocks < needed:
+        # One request of --max-model-len must fit: all its blocks, or, when the KV cache
+        # manager releases what a sliding window left, the most it holds at once (plus the
+        # reserved null block).
+        window = self.kv_cache_window()
+        needed = max_blocks_per_request(
+            config.max_model_len, config.block_size, window, max_tokens_per_step(config)
+        )
+        usable = num_blocks - (0 if window is None else 1)
+        if usable < needed:
+            what = (
+                f"one sequence of --max-model-len {config.max_model_len} needs"
+                if window is None
+                else f"one request of --max-model-len {config.max_model_len} holds at once "
+                f"({needed} blocks: its sliding window of {window} tokens and a step of up to "
+                f"{max_tokens_per_step(config)}, beside the null block)"
+            )
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks ({num_blocks * config.block_size} "
-                f"tokens), fewer than one sequence of --max-model-len {config.max_model_len} "
-                f"needs; raise --kv-cache-memory / --gpu-memory-utilization or lower "
-                f"--max-model-len"
+                f"tokens), fewer than {what}; raise --kv-cache-memory / "
+                f"--gpu-memory-utilization or lower --max-model-len"
             )
         return num_blocks
 

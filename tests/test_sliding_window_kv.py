@@ -21,7 +21,7 @@ from test_sliding_window_models import tiny_config
 
 from chassis import LLM, SamplingParams
 from chassis.core.block_pool import NULL_BLOCK_ID, BlockPool
-from chassis.core.kv_cache_manager import KVCacheManager
+from chassis.core.kv_cache_manager import KVCacheManager, max_blocks_per_request
 from chassis.core.request import Request
 
 WINDOW = 6
@@ -79,6 +79,34 @@ def test_blocks_behind_the_window_are_released_as_the_request_advances() -> None
     assert kv.num_free_blocks == 6
     kv.free(request)
     assert kv.num_free_blocks == 8
+
+
+def test_max_blocks_per_request_is_what_the_manager_holds_at_worst() -> None:
+    """The bound the start-up checks use is exact: steps of ``n`` tokens from every
+    alignment never hold more, and some alignment holds that many."""
+    for window in range(1, 10):
+        for block_size in range(1, 6):
+            for n in range(1, 8):
+                worst = 0
+                for first in range(1, n + 1):  # the first chunk sets the alignment
+                    kv = KVCacheManager(
+                        num_blocks=64,
+                        block_size=block_size,
+                        enable_prefix_caching=False,
+                        sliding_window=window,
+                    )
+                    request = make_request("a", list(range(60)))
+                    size = first
+                    while request.num_computed_tokens < 60:
+                        size = min(size, 60 - request.num_computed_tokens)
+                        assert step(kv, request, size) is not None
+                        worst = max(worst, kv.num_held_blocks("a"))
+                        size = n
+                bound = max_blocks_per_request(10**6, block_size, window, n)
+                assert worst == bound, (window, block_size, n)
+    # a short max_model_len caps it; without a window it is the whole length
+    assert max_blocks_per_request(8, 4, 6, 16) == 2
+    assert max_blocks_per_request(256, 4, None, 16) == 64
 
 
 def test_a_window_of_one_position_keeps_only_the_current_block() -> None:
@@ -239,6 +267,24 @@ def test_the_engine_reports_the_window_only_when_releasing(mistral_dir: Path) ->
     assert on.engine.info.num_kv_blocks == 127  # one block is the null block
     assert off.engine.info.kv_cache_window is None
     assert off.engine.info.num_kv_blocks == 128
+
+
+def test_max_model_len_needs_only_what_a_windowed_request_holds(
+    mistral_dir: Path, expected: list[list[int]]
+) -> None:
+    """--max-model-len 256 (64 blocks kept whole) starts with release on in 7 blocks: a
+    request holds at most ceil((6 + 16 + 4 - 2) / 4) = 6 of them, plus the null block; one
+    fewer is refused, and so are 7 with release off. The five prompts then run one or two
+    at a time and still give HF's tokens."""
+    with pytest.raises(ValueError, match="fewer than one request of --max-model-len 256"):
+        make_llm(mistral_dir, release=True, num_kv_blocks=6)
+    with pytest.raises(ValueError, match="fewer than one sequence of --max-model-len 256"):
+        make_llm(mistral_dir, release=False, num_kv_blocks=7)
+    llm = make_llm(mistral_dir, release=True, num_kv_blocks=7, enable_prefix_caching=False)
+    assert llm.engine.info.num_kv_blocks == 6
+    tokens, most_held = run(llm, PROMPTS)
+    assert tokens == expected
+    assert most_held <= 6
 
 
 def test_models_with_full_attention_layers_keep_every_position(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from chassis.core.kv_cache_manager import max_blocks_per_request, max_tokens_per_step
 from chassis.core.request import EngineCoreOutput, FinishReason, RequestStatus, SchedulerStats
 from chassis.core.scheduler_interface import (
     CachedRequestData,
@@ -116,15 +117,24 @@ class ContinuousBatchingScheduler(Scheduler):
                 f"the KV cache manager's block size ({kv_cache_manager.block_size}) differs "
                 f"from --block-size ({config.block_size})"
             )
-        # (conservative with a sliding window, whose requests hold only about the window)
+        # One request of max_model_len must fit alone: its whole context, or, when the
+        # manager releases what a sliding window left, the most blocks it holds at once.
         num_blocks = kv_cache_manager.num_usable_blocks
         capacity = num_blocks * kv_cache_manager.block_size
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            raise ValueError(
-                f"--max-model-len {config.max_model_len} does not fit in the KV cache "
-                f"({num_blocks} blocks of {kv_cache_manager.block_size} = "
-                f"{capacity} tokens): give the KV cache more memory or lower --max-model-len"
+        if config.max_model_len is not None:
+            needed = max_blocks_per_request(
+                config.max_model_len,
+                kv_cache_manager.block_size,
+                kv_cache_manager.sliding_window,
+                max_tokens_per_step(config),
             )
+            if needed > num_blocks:
+                raise ValueError(
+                    f"--max-model-len {config.max_model_len} does not fit in the KV cache "
+                    f"({num_blocks} blocks of {kv_cache_manager.block_size} = {capacity} "
+                    f"tokens; one request holds up to {needed} blocks): give the KV cache "
+                    "more memory or lower --max-model-len"
+                )
         #: the context limit applied by stop conditions: max_model_len, or, when unset, what
         #: the whole KV cache holds (a longer request could never run)
         self.max_len = config.max_model_len if config.max_model_len is not None else capacity
