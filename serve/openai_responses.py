@@ -222,9 +222,16 @@ async def _output_events(
         yield writer.end(turn.finish(finish, writer.items, usage))
     except Exception as exc:
         # Headers are sent: the failure becomes events (e.g. the engine died).
-        error = errors.to_api_error(exc)
-        for event in writer.failed(error.message, error.code or error.status, error.param):
+        for event in _failed(writer, exc):
             yield event
+
+
+def _failed(writer: ResponseEvents, exc: Exception) -> list[str]:
+    """The ``error`` and ``response.failed`` events of ``exc``; the response's error code is
+    ``invalid_prompt`` when the request was at fault (a 400), else ``server_error``."""
+    error = errors.to_api_error(exc)
+    kind = "invalid_prompt" if error.status == 400 else "server_error"
+    return writer.failed(error.message, error.code or error.status, error.param, kind)
 
 
 async def _run_background(
@@ -259,9 +266,7 @@ async def _run_background(
                 run.add_event(event)
         run.add_event(writer.end(turn.finish(None, writer.items, usage)))
     except Exception as exc:  # the engine refused the request (a 400), or is dead
-        error = errors.to_api_error(exc)
-        kind = "invalid_prompt" if error.status == 400 else "server_error"
-        for event in writer.failed(error.message, error.code or error.status, error.param, kind):
+        for event in _failed(writer, exc):
             run.add_event(event)
         assert writer.failed_response is not None
         turn.keep(writer.failed_response)

@@ -505,6 +505,32 @@ def test_an_engine_failure_mid_stream_is_an_error_event(server: Server) -> None:
     assert failed.output_text == "He"  # what was streamed before the failure
 
 
+def test_a_request_the_engine_fails_mid_stream_is_invalid_prompt_or_server_error(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the engine core ends one request alone (RequestFailedError after its first output): the
+    # response's error code says whose fault, as a background response's does
+    from chassis.core.errors import RequestFailedError
+    from chassis.core.request import RequestError
+
+    generate = server.engine.generate
+    client_error = [True]
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        async for output in generate(*args, **kwargs):
+            yield output
+            raise RequestFailedError(RequestError(message="why", client_error=client_error[0]))
+
+    monkeypatch.setattr(server.engine, "generate", failing)
+    for client_error[0], code in ((True, "invalid_prompt"), (False, "server_error")):
+        events = list(server.client.responses.create(model=MODEL, input="Hi", stream=True))
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-2].code == "request_failed" and events[-2].message == "why"
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.code == code
+        assert failed.error.message == "why" and failed.output_text == "H"
+
+
 # -- a real model --------------------------------------------------------------------------------
 
 
