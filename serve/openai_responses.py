@@ -283,6 +283,8 @@ def _start_background(
     writer = ResponseEvents(turn.in_progress())
 
     def snapshot() -> ResponseObject:
+        if turn.final is not None:  # ended (stored, though the store may drop it at once)
+            return turn.final
         output = [item.model_copy(deep=True) for item in writer.items]
         return turn.in_progress().model_copy(update={"status": run.status, "output": output})
 
@@ -455,7 +457,7 @@ async def cancel_response(response_id: str, request: Request) -> JSONResponse:
         stored = store.get(response_id)
         if stored is not None:
             return JSONResponse(stored.response)
-        return JSONResponse(run.snapshot().model_dump(mode="json"))  # dropped at once
+        return JSONResponse(run.snapshot().model_dump(mode="json"))  # the store dropped it
     stored = store.get(response_id)
     if stored is None:
         raise _not_found(response_id, "response_id")

@@ -92,6 +92,22 @@ def test_cancel_aborts_the_engine_request(server: Server) -> None:
     assert server.client.responses.retrieve(response.id).status == "cancelled"
 
 
+def test_cancel_answers_the_cancelled_response_even_when_the_store_dropped_it(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the store may drop the cancelled response before the cancel call reads it back (a full
+    # store, another response finishing meanwhile): the answer is still the final response
+    server.engine.hold()
+    response = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    wait_for(lambda: server.client.responses.retrieve(response.id).output_text == "H")
+    store = server.http.app.state.responses_store  # type: ignore[attr-defined]
+    monkeypatch.setattr(store, "put", lambda response_id, stored: None)
+    cancelled = server.client.responses.cancel(response.id)
+    assert cancelled.status == "cancelled" and cancelled.output_text == "H"
+    assert cancelled.output[-1].status == "incomplete"
+    server.engine.release()
+
+
 def test_a_run_cancelled_before_its_task_starts_still_ends() -> None:
     # a task cancelled before its first step would run none of its code: the run is told
     # through cancel_requested instead, and its work ends it (storing the cancelled response)
