@@ -305,6 +305,21 @@ def _sse(events: AsyncIterator[str]) -> Response:
     )
 
 
+def _check_unique_ids(history: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
+    """A 400 (as OpenAI) for an input item whose id is already an item of the conversation:
+    the ``input_items`` listing pages by item id."""
+    seen = {item.get("id") for item in history}
+    for item in new:
+        if item["id"] in seen:
+            raise errors.bad_request(
+                f"duplicate item id {item['id']!r}: an item of the conversation (an earlier "
+                "input, or the previous response's output) already has it; send only the new "
+                "items with previous_response_id, and one id per item",
+                "input",
+            )
+        seen.add(item["id"])
+
+
 def _conversation(
     store: ResponseStore, runs: BackgroundResponses, body: ResponsesRequest
 ) -> tuple[list[dict[str, Any]], list[ChatMessage]]:
@@ -323,6 +338,7 @@ def _conversation(
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         history = previous.conversation
+    _check_unique_ids(history, new)
     earlier_calls = [
         item["call_id"]
         for item in history

@@ -56,6 +56,21 @@ def test_the_input_items_of_a_response(server: Server) -> None:
     assert server.client.responses.input_items.list(first.id).data == [message]
 
 
+def test_an_item_id_is_one_item_of_the_conversation(server: Server) -> None:
+    # as OpenAI: an item id that is already in the conversation is a 400 (a listing's cursor
+    # is an item id; with two items under one the SDK's auto-pagination would loop)
+    first = server.client.responses.create(model=MODEL, input="Hi")
+    again = first.output[0].model_dump(exclude_none=True)
+    for items, previous in (
+        ([again, {"role": "user", "content": "More"}], first.id),
+        ([{"role": "user", "content": "A", "id": "msg_x"}] * 2, None),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            server.client.responses.create(model=MODEL, input=items, previous_response_id=previous)
+        assert info.value.body["param"] == "input" and "duplicate" in info.value.body["message"]
+    assert len(server.engine.requests) == 1
+
+
 def test_function_call_items_are_listed(server: Server) -> None:
     items = [
         {"role": "user", "content": "Weather?"},
