@@ -229,15 +229,18 @@ class AsyncLLM:
                     raise item
                 _raise_if_failed(item)
                 # A consumer that fell behind gets what has queued up as one output: fewer,
-                # larger stream events instead of a backlog of one-token ones. An abort or
-                # engine death queued behind them is raised after they are yielded.
+                # larger stream events instead of a backlog of one-token ones. An abort,
+                # engine death or failure of this request queued behind them is raised after
+                # they are yielded.
                 error: BaseException | None = None
                 while not item.finished and not queue.empty():
                     following = queue.get_nowait()
                     if isinstance(following, BaseException):
                         error = following
                         break
-                    _raise_if_failed(following)
+                    error = _failure(following)
+                    if error is not None:
+                        break
                     item = merge_delta_outputs(item, following) if delta else following
                 finished = item.finished
                 yield item
@@ -423,9 +426,17 @@ class AsyncLLM:
         await asyncio.to_thread(self.shutdown_sync)
 
 
-def _raise_if_failed(output: RequestOutput) -> None:
-    """Raise :class:`RequestFailedError` if the engine core failed a completion of
-    ``output``."""
+def _failure(output: RequestOutput) -> RequestFailedError | None:
+    """The :class:`RequestFailedError` of ``output`` if the engine core failed a completion
+    of it, else ``None``."""
     for completion in output.outputs:
         if completion.error is not None:
-            raise RequestFailedError(completion.error)
+            return RequestFailedError(completion.error)
+    return None
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    """Raise :func:`_failure` of ``output``, if any."""
+    failure = _failure(output)
+    if failure is not None:
+        raise failure

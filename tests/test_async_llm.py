@@ -6,12 +6,14 @@ import asyncio
 import os
 import signal
 import threading
+from dataclasses import replace
 
 import pytest
 
 from chassis.core.async_llm import AsyncLLM
 from chassis.core.config import EngineConfig
-from chassis.core.errors import EngineDeadError
+from chassis.core.errors import EngineDeadError, RequestFailedError
+from chassis.core.request import RequestError
 from chassis.core.sampling_params import SamplingParams
 
 
@@ -110,6 +112,37 @@ def test_outputs_queued_before_an_abort_are_still_delivered(engine):
     assert queued >= 3
     (merged,) = received
     assert len(merged.outputs[0].token_ids) == queued and not merged.finished
+
+
+def test_outputs_queued_before_a_request_failure_are_still_delivered(engine):
+    """A failure of the request alone (the engine core's output with an ``error``) behind
+    queued deltas ends the stream as an abort does: the merged tokens first, then
+    ``RequestFailedError``."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = engine.generate("Hello there", params, "queued-failure", delta=True)
+        first = await stream.__anext__()
+        queue = engine._queues["queued-failure"]
+        for _ in range(1000):  # let a few steps' outputs queue up
+            if queue.qsize() >= 3:
+                break
+            await asyncio.sleep(0.005)
+        queued = [t for out in list(queue._queue) for t in out.outputs[0].token_ids]
+        error = RequestError(message="why", client_error=True)
+        (c,) = first.outputs
+        failed = [replace(c, text="", token_ids=[], finish_reason="abort", error=error)]
+        queue.put_nowait(replace(first, outputs=failed, finished=True))  # no await before
+        received = []
+        with pytest.raises(RequestFailedError, match="why"):
+            async for out in stream:
+                received.append(out)
+        return queued, received
+
+    queued, received = asyncio.run(main())
+    assert len(queued) >= 3
+    (merged,) = received
+    assert merged.outputs[0].token_ids == queued and not merged.finished
 
 
 def test_concurrent_requests_and_n(engine):
