@@ -8,7 +8,9 @@ never sees two calls at once (one lock per logger serialises them), and ``record
 output path never waits for a logger's ``log``: a step's stats are queued per logger, and
 whichever thread holds that logger's lock delivers the queue, in step order. So a slow
 ``log`` (a vendor's exporter on the network) delays only that logger's view of later steps,
-never the outputs.
+never the outputs. A logger's queue holds at most :data:`MAX_PENDING_STEPS` steps: a ``log``
+that stays busy longer makes that logger miss the oldest ones (a warning says how many), so
+a hung exporter cannot grow the queue without bound.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ DEFAULT_STAT_LOGGERS = ("logging",)
 
 StatLoggerFactory = Callable[[StatLoggerInfo], StatLoggerBase]
 
+#: steps queued at most for one logger while it is busy in ``log``; past it the oldest are
+#: dropped (that logger misses them), so a ``log`` that hangs cannot exhaust memory
+MAX_PENDING_STEPS = 10_000
+
 
 @dataclass
 class _Entry:
@@ -44,6 +50,10 @@ class _Entry:
     calls: threading.Lock = field(default_factory=threading.Lock)
     #: steps not yet passed to ``record`` (deque: append and popleft are thread-safe)
     pending: deque[tuple[SchedulerStats, IterationStats]] = field(default_factory=deque)
+    #: steps dropped from a full ``pending`` (by the recording thread), and how many of
+    #: them a warning has reported (by the thread holding ``calls``)
+    dropped: int = 0
+    reported: int = 0
 
 
 def default_stat_loggers() -> list[str]:
@@ -124,9 +134,11 @@ class StatLoggerManager:
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """Pass one step's stats to every enabled logger, without waiting for one that is
         busy in another call (its ``log``): that logger gets them, in order, as soon as the
-        call returns."""
+        call returns (all but the oldest if more than :data:`MAX_PENDING_STEPS` queued up)."""
         for entry in self._entries:
             if not entry.disabled:
+                if len(entry.pending) >= MAX_PENDING_STEPS:
+                    self._drop_oldest(entry)
                 entry.pending.append((scheduler_stats, iteration_stats))
                 self._deliver(entry, wait=False)
 
@@ -169,8 +181,31 @@ class StatLoggerManager:
             finally:
                 entry.calls.release()
 
+    def _drop_oldest(self, entry: _Entry) -> None:
+        """Drop ``entry``'s oldest queued step (its queue is full: its ``log`` is busy)."""
+        try:
+            entry.pending.popleft()
+        except IndexError:  # the holder delivered them meanwhile
+            return
+        entry.dropped += 1
+        if entry.dropped == entry.reported + 1:
+            logger.warning(
+                "stat logger %r: its log() has been busy for %d steps; dropping its oldest "
+                "queued steps until it returns (it will miss them)",
+                entry.name,
+                MAX_PENDING_STEPS,
+            )
+
     def _record_pending(self, entry: _Entry) -> None:
         # the caller holds entry.calls
+        dropped = entry.dropped
+        if dropped > entry.reported:
+            logger.warning(
+                "stat logger %r missed %d steps while its log() was busy",
+                entry.name,
+                dropped - entry.reported,
+            )
+            entry.reported = dropped
         while entry.pending:
             scheduler_stats, iteration_stats = entry.pending.popleft()
             if entry.disabled:

@@ -19,6 +19,7 @@ from chassis.builtin_plugins.stat_loggers.logging_logger import (
     STATS_LOGGER_NAME,
     LoggingStatLogger,
 )
+from chassis.core import stat_logger_manager
 from chassis.core.async_llm import AsyncLLM
 from chassis.core.config import EngineConfig
 from chassis.core.sampling_params import SamplingParams
@@ -253,6 +254,32 @@ def test_record_does_not_wait_for_a_blocked_log() -> None:
     assert slow.overlaps == 0 and slow.calls == ["initialized", "log"]
     manager.shutdown()
     assert slow.calls[-1] == "shutdown" and other.calls == ["initialized", "log", "shutdown"]
+
+
+@pytest.mark.timeout(60)
+def test_a_blocked_log_keeps_only_the_newest_steps_queued(monkeypatch, caplog) -> None:
+    """A logger stuck in log() must not grow its queue without bound: past the cap it misses
+    the oldest steps (with a warning saying how many) and gets the newest, in order."""
+    monkeypatch.setattr(stat_logger_manager, "MAX_PENDING_STEPS", 4)
+    manager = StatLoggerManager(
+        [("slow", SlowLogLogger), ("recording", RecordingLogger)], INFO, interval_s=3600
+    )
+    slow, other = manager.loggers
+    log_thread = threading.Thread(target=manager.log)
+    log_thread.start()
+    assert slow.logging.wait(timeout=30)
+    with caplog.at_level(logging.WARNING, logger="chassis.core.stat_logger_manager"):
+        for n in range(1, 11):
+            manager.record(SchedulerStats(), IterationStats(num_generation_tokens=n))
+        assert len(manager._entries[0].pending) == 4
+        assert [it.num_generation_tokens for _, it in other.steps] == list(range(1, 11))
+        slow.release.set()
+        log_thread.join(timeout=30)
+        assert not log_thread.is_alive()
+    assert [it.num_generation_tokens for _, it in slow.steps] == [7, 8, 9, 10]
+    warnings = [r.getMessage() for r in caplog.records if "'slow'" in r.getMessage()]
+    assert len(warnings) == 2 and "missed 6 steps" in warnings[1], warnings
+    manager.shutdown()
 
 
 def test_a_logger_that_cannot_start_is_a_startup_error() -> None:
