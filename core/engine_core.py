@@ -23,7 +23,10 @@ from chassis.core.request import (
     RequestError,
 )
 from chassis.core.scheduler_interface import SchedulerOutput
-from chassis.core.structured_output_manager import StructuredOutputManager
+from chassis.core.structured_output_manager import (
+    StructuredOutputManager,
+    StructuredOutputsUnavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +155,10 @@ class EngineCore:
         the engine keeps serving): its structured-output constraint does not compile, it is
         of the other kind than the engine runs (pooling or generate; the front-end checks
         both first, so this is rare), its LoRA adapter id was accepted before with another
-        folder (these three are the request's fault), or the workers cannot read its
-        adapter any more (its folder deleted or changed since the front-end's check, and not
-        held in host memory: the engine's)."""
+        folder (these three are the request's fault), or the engine's: the structured-output
+        backend cannot be built or fails to compile with an unexpected error, or the workers
+        cannot read its adapter any more (its folder deleted or changed since the front-end's
+        check, and not held in host memory)."""
         engine_request = Request.from_engine_core_request(request)
         lora = request.lora_request if self.config.enable_lora else None
         error: RequestError | None = None
@@ -168,8 +172,9 @@ class EngineCore:
         else:
             try:
                 matcher = self.structured_outputs.matcher_for(engine_request)
-            except ValueError as exc:
-                error = RequestError(message=str(exc), client_error=True)
+            except ValueError as exc:  # the constraint's fault, unless the backend's
+                client_error = not isinstance(exc, StructuredOutputsUnavailable)
+                error = RequestError(message=str(exc), client_error=client_error)
         if error is None and lora is not None:
             # last: nothing above needs undoing once it is pinned
             error = self._pin_lora(request.request_id, lora)

@@ -43,6 +43,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class StructuredOutputsUnavailable(ValueError):
+    """:meth:`StructuredOutputManager.matcher_for`'s error when the engine, not the request,
+    is at fault: the backend cannot be built (no tokenizer, a bad
+    ``CHASSIS_STRUCTURED_OUTPUT_WORK_BUDGET``, ...) or its ``compile`` raised something other
+    than ``ValueError`` (a bug). The engine core reports it as the engine's fault (HTTP 500);
+    a plain ``ValueError`` from ``compile`` is the constraint's (HTTP 400)."""
+
+
 def pack_mask(allowed: np.ndarray) -> bytes:
     """A ``bool [vocab]`` mask as bytes, 8 tokens per byte (``np.packbits`` order)."""
     return np.packbits(allowed).tobytes()
@@ -81,16 +89,16 @@ class StructuredOutputManager:
     def backend(self) -> StructuredOutputBackend:
         """The configured backend, built with the tokenizer's vocabulary on first use (a
         one-time cost on the engine core's thread: loading the tokenizer and mapping its
-        vocabulary). A failure is kept and raised again, as ``ValueError``, for every later
-        request."""
+        vocabulary). A failure is kept and raised again, as
+        :class:`StructuredOutputsUnavailable`, for every later request."""
         if self._backend_error is not None:
-            raise ValueError(self._backend_error)
+            raise StructuredOutputsUnavailable(self._backend_error)
         if self._backend is None:
             try:
                 self._backend = self._build_backend()
             except Exception as exc:
                 self._backend_error = f"structured outputs are unavailable: {exc}"
-                raise ValueError(self._backend_error) from exc
+                raise StructuredOutputsUnavailable(self._backend_error) from exc
         return self._backend
 
     def _build_backend(self) -> StructuredOutputBackend:
@@ -120,7 +128,8 @@ class StructuredOutputManager:
 
         Raises ``ValueError`` when its constraint cannot be compiled (the front-end checks
         constraints before they reach the engine, so that is a backend disagreeing with its
-        own ``check``) or the backend cannot be built.
+        own ``check``), and :class:`StructuredOutputsUnavailable` (a ``ValueError`` too) when
+        the backend cannot be built or ``compile`` fails with another exception.
         """
         params = request.sampling_params.structured_outputs
         if params is None:
@@ -134,7 +143,7 @@ class StructuredOutputManager:
             logger.exception(
                 "structured output: compiling request %s's constraint failed", request.request_id
             )
-            raise ValueError(
+            raise StructuredOutputsUnavailable(
                 f"structured output: compiling the constraint failed: {type(exc).__name__}: {exc}"
             ) from exc
 

@@ -154,6 +154,35 @@ def test_a_request_over_budget_fails_alone_in_a_shared_batch(budget_llm: LLM) ->
     assert not budget_llm.engine.has_unfinished()
 
 
+def test_a_backend_that_cannot_compile_is_the_engine_s_fault(
+    budget_llm: LLM, tiny_llama_dir, monkeypatch
+) -> None:
+    """A constraint the backend refuses (``ValueError``) is the request's fault; a backend
+    that cannot be built (a bad budget variable) or whose compile raises anything else is
+    the engine's (HTTP 500), not the client's."""
+    backend = budget_llm.engine.structured_outputs.backend
+
+    def broken_compile(params: StructuredOutputsParams) -> None:
+        raise RuntimeError("compiler bug")
+
+    monkeypatch.setattr(backend, "compile", broken_compile)
+    constrained = SamplingParams(max_tokens=5, structured_outputs=grammar("root ::= [a-z]{5}"))
+    [bug] = budget_llm.generate(["Hi"], constrained)[0].outputs
+    assert bug.finish_reason == "abort" and bug.error is not None
+    assert not bug.error.client_error and "RuntimeError: compiler bug" in bug.error.message
+    monkeypatch.undo()
+
+    monkeypatch.setenv(WORK_BUDGET_ENV, "lots")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    try:
+        for _ in range(2):  # the failure is remembered
+            [out] = llm.generate(["Hi"], constrained)[0].outputs
+            assert out.finish_reason == "abort" and out.error is not None
+            assert not out.error.client_error and WORK_BUDGET_ENV in out.error.message
+    finally:
+        llm.shutdown()
+
+
 class Failing(ChassisGrammarMatcher):
     """A real matcher that raises on its ``after``-th call of ``method``."""
 
