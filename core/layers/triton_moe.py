@@ -123,6 +123,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
 # the grouped GEMMs
 # ---------------------------------------------------------------------------------------------
 
+#: the expert id ``_launch`` gives the blocks of pairs left out (id ``-1`` in ``topk_ids``:
+#: expert parallelism): no GEMM runs for them and the down kernel writes their rows' zeros
+_LEFT_OUT = -2
+
 
 @triton.jit
 def _block_and_tile(num_blocks, num_tiles_n, GROUP_M: tl.constexpr):
@@ -174,7 +178,7 @@ def _gate_up_kernel(
     with ``g = min(gate, LIMIT)`` instead. Both off: the plain path (``b13_ptr`` unread)."""
     block, tile_n = _block_and_tile(num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + block)
-    if expert < 0:  # past the last group
+    if expert < 0:  # past the last group, or _LEFT_OUT (the down kernel zeroes those rows)
         return
     rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
@@ -262,13 +266,18 @@ def _down_kernel(
     the product rounds (``b2_ptr`` unread without it)."""
     block, tile_n = _block_and_tile(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + block)
-    if expert < 0:  # past the last group
+    if expert == -1:  # past the last group
         return
     rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
     row_valid = pairs < num_pairs
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    out_mask = row_valid[:, None] & col_valid[None, :]
+    if expert < 0:  # _LEFT_OUT: the pairs' expert is on another rank; they add nothing
+        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=out_mask)
+        return
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None] * stride_h + ks[None, :]
     w_ptrs = (
@@ -298,8 +307,7 @@ def _down_kernel(
     # weighted in float32
     y = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weights_ptr + pairs, mask=row_valid, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out_ptrs, y * weight[:, None], mask=row_valid[:, None] & col_valid[None, :])
+    tl.store(out_ptrs, y * weight[:, None], mask=out_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,13 +476,15 @@ def _launch(
     down_cfg = _launch_config(num_pairs, num_experts, hidden, inter)
     block_m = up_cfg.block_m
     # pairs of id -1 (their expert is on another rank) form a last group, E, whose blocks
-    # are marked -1 like those past the last group: no kernel writes their rows, which stay 0
+    # are marked _LEFT_OUT: the gate/up kernel passes over them (as over the blocks past the
+    # last group, -1) and the down kernel writes zeros in their rows, so every row of `out`
+    # is written once and it needs no zeroing pass of its own (a pass over T * k * H floats)
     ids = torch.where(topk_ids < 0, num_experts, topk_ids)
     sorted_pairs, block_experts, _ = moe_align(ids, num_experts + 1, block_m)
-    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
+    block_experts = torch.where(block_experts == num_experts, _LEFT_OUT, block_experts)
     num_blocks = block_experts.shape[0]
     h = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
 
     grid = (num_blocks * triton.cdiv(inter, up_cfg.block_n),)
     check_launchable(_gate_up_kernel, x)[grid](
