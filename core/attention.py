@@ -204,6 +204,10 @@ class AttentionBackend(ABC):
             (causal over the cached prefix + chunk), or ``p - sliding_window + 1 .. p`` (not
             below 0) with a sliding window; scores are soft-capped when
             ``logits_soft_cap`` is set, and ``sinks`` join each softmax's denominator.
+            With a sliding window, block-table entries wholly before the window of a
+            request's first query may be the null block (block 0, never written: a kernel
+            that reads it and masks it out reads zeros), their blocks released
+            (``chassis.core.block_pool.NULL_BLOCK_ID``).
         """
 
 
