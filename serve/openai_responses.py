@@ -422,6 +422,13 @@ async def retrieve_response(
         return _sse(run.follow(after))
     if stored is not None and stored.events is not None:
         return _sse(_replay(stored.events[after + 1 :]))
+    if stored is not None and stored.events_dropped:
+        raise errors.bad_request(
+            "the stream events of this response are no longer kept (the server keeps a "
+            "bounded number, the least recently used responses' going first): retrieve it "
+            "without stream",
+            "stream",
+        )
     raise errors.bad_request(
         "only a background response created with stream: true can be streamed again: "
         "retrieve this one without stream",

@@ -6,7 +6,10 @@ Bounded, least recently used first out: a server that runs for days keeps at mos
 responses, and a conversation continued now and then stays (a background response enters
 it when it finishes: while it runs it is in :mod:`chassis.serve.responses_background`, never
 dropped). A stored background response that streamed keeps its event log (an event per
-output delta) until it is dropped. Nothing survives a restart, and
+output delta, a few hundred bytes each) for ``GET ...?stream=true``; the store keeps at most
+``max_events`` (:data:`DEFAULT_MAX_STORED_EVENTS`) such events in all, dropping the least
+recently used responses' logs first (the responses themselves stay). Nothing survives a
+restart, and
 several server processes do not share it (as vLLM's store).
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +26,9 @@ if TYPE_CHECKING:
 #: Responses kept when ``$CHASSIS_RESPONSES_STORE_SIZE`` is not set.
 DEFAULT_MAX_STORED_RESPONSES = 1024
 STORE_SIZE_ENV = "CHASSIS_RESPONSES_STORE_SIZE"
+#: Stream events kept in all by the store's responses (a few hundred megabytes); without a
+#: bound, 1024 stored responses of thousands of tokens each would hold gigabytes.
+DEFAULT_MAX_STORED_EVENTS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -33,12 +39,14 @@ class StoredResponse:
 
     ``num_input_items``: how many of the conversation's items were the model's input
     (``None``: all); ``events``: the stream events of a background response created with
-    ``stream: true`` (kept for ``GET ...?stream=true``), else ``None``."""
+    ``stream: true`` (kept for ``GET ...?stream=true``), else ``None``; ``events_dropped``:
+    it had such events, and the store's bound on events dropped them."""
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
     num_input_items: int | None = None
     events: list[str] | None = None
+    events_dropped: bool = False
 
     @property
     def input_items(self) -> list[dict[str, Any]]:
@@ -50,24 +58,44 @@ class StoredResponse:
 
 class ResponseStore:
     """Responses by id, at most ``max_responses`` of them (the least recently stored or
-    read goes first). Used from the event loop only: no locking."""
+    read goes first), and at most ``max_events`` stream events in all (the least recently
+    used responses' event logs go first). Used from the event loop only: no locking."""
 
-    def __init__(self, max_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+    def __init__(
+        self,
+        max_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+        max_events: int = DEFAULT_MAX_STORED_EVENTS,
+    ) -> None:
         if max_responses < 1:
             raise ValueError(f"the responses store needs room for 1 or more; got {max_responses}")
         self.max_responses = max_responses
+        self.max_events = max_events
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def num_events(self) -> int:
+        """The stream events the stored responses hold. Counted, not tracked: a background
+        response is stored just before its last events are logged (the log is shared)."""
+        return sum(len(stored.events) for stored in self._items.values() if stored.events)
+
     def put(self, response_id: str, stored: StoredResponse) -> None:
         """Keep ``stored`` under ``response_id``, dropping the least recently used beyond
-        the bound."""
+        the bounds (whole responses beyond ``max_responses``, then event logs beyond
+        ``max_events``)."""
         self._items[response_id] = stored
         self._items.move_to_end(response_id)
         while len(self._items) > self.max_responses:
             self._items.popitem(last=False)
+        excess = self.num_events - self.max_events
+        for key, kept in list(self._items.items()):  # least recently used first
+            if excess <= 0:
+                break
+            if kept.events:
+                excess -= len(kept.events)
+                self._items[key] = replace(kept, events=None, events_dropped=True)
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The response stored under ``response_id`` (now the most recently used), or

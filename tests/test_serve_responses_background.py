@@ -21,6 +21,7 @@ from test_serve_responses import MODEL, Server, serve
 from chassis.serve.app import build_app
 from chassis.serve.responses_background import BackgroundResponses, BackgroundRun
 from chassis.serve.responses_protocol import ResponseObject
+from chassis.serve.responses_store import ResponseStore
 from chassis.serve.settings import ServerSettings
 
 openai = pytest.importorskip("openai")
@@ -260,6 +261,38 @@ def test_what_cannot_be_streamed_again(server: Server) -> None:
     assert past_the_end.status_code == 200 and past_the_end.text == ""
     missing = server.http.get("/v1/responses/resp_unknown", params={"stream": "true"})
     assert missing.status_code == 404
+
+
+def test_the_store_bounds_the_stream_events_it_keeps(server: Server) -> None:
+    # every delta is an event (a few hundred bytes): the store keeps at most max_events of them
+    # in all, dropping the least recently used responses' logs first (the responses stay)
+    store = ResponseStore(max_events=40)
+    server.http.app.state.responses_store = store  # type: ignore[attr-defined]
+
+    def streamed() -> tuple[str, int]:
+        events = list(
+            server.client.responses.create(model=MODEL, input="Hi", background=True, stream=True)
+        )
+        return events[-1].response.id, len(events)
+
+    first, count = streamed()
+    assert 20 < count <= 40 and store.num_events == count
+    second, _ = streamed()  # 2 * count > 40: the first one's log goes
+    assert store.num_events == count and store.get(first).events_dropped  # type: ignore[union-attr]
+    response = server.http.get(f"/v1/responses/{first}", params={"stream": "true"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+    assert "no longer kept" in response.json()["error"]["message"]
+    assert server.client.responses.retrieve(first).output_text == "Hello there!"
+    assert len(list(server.client.responses.retrieve(second, stream=True))) == count
+    # reading the first one made it the most recent: the second one's log is next to go
+    server.client.responses.retrieve(first)
+    third, _ = streamed()
+    assert store.get(second).events is None and store.get(third).events is not None  # type: ignore[union-attr]
+    assert server.client.responses.delete(third) is None and store.num_events == 0
+    # a log longer than the whole bound is not kept at all
+    store.max_events = 5
+    alone, _ = streamed()
+    assert store.num_events == 0 and store.get(alone).events_dropped  # type: ignore[union-attr]
 
 
 def test_followers_get_the_events_as_they_come() -> None:
