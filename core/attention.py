@@ -134,6 +134,11 @@ class AttentionBackend(ABC):
     #: range and read back ``stored * k_scale``; ``k_scale``/``v_scale`` are float attributes
     #: of the instance (1.0 unless set), fixed once the engine runs
     supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+    #: whether which of those formats work depends on the device (kernels that convert with
+    #: the compiler's or the hardware's 8-bit types, as Triton's do): then engine setup also
+    #: asks the platform (``Platform.fp8_kv_cache_dtypes``). False for a backend whose
+    #: conversions are torch code, which runs on any device
+    fp8_kv_cache_needs_device_support: ClassVar[bool] = True
 
     def __init__(
         self,

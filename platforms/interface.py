@@ -174,9 +174,11 @@ class Platform(ABC):
 
     def fp8_kv_cache_dtypes(self) -> tuple[torch.dtype, ...]:
         """The 8-bit KV cache formats (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) this
-        platform's devices can store and read, whatever the attention backend:
+        platform's devices can store and read with device-dependent kernels (an attention
+        backend with ``fp8_kv_cache_needs_device_support``, such as ``triton_paged``):
         ``--kv-cache-dtype`` values of other formats are refused at engine setup
-        (:meth:`check_and_update_config`), before any kernel compiles. Default: both, which
+        (:meth:`check_and_update_config`), before any kernel compiles; a backend converting
+        with torch code (``torch_paged``) stores both anywhere. Default: both, which
         torch code converts on any device; a platform whose kernels depend on the hardware
         (Triton's fp8 conversions on GPUs) answers from the devices it sees."""
         from chassis.core.attention import FP8_KV_DTYPES
@@ -261,17 +263,18 @@ class Platform(ABC):
         """Validate ``config`` for this device and fill device-dependent fields in place.
 
         Raise ``ValueError`` with an actionable message for what this device cannot do. The
-        default checks that the device stores ``--kv-cache-dtype``
-        (:meth:`fp8_kv_cache_dtypes`) and that the attention backend does; an override
-        should call it.
+        default checks that the attention backend stores ``--kv-cache-dtype`` and, for a
+        backend whose 8-bit conversions depend on the device
+        (``fp8_kv_cache_needs_device_support``, as Triton's do), that the device does
+        (:meth:`fp8_kv_cache_dtypes`); an override should call it.
         """
-        if config.kv_cache_dtype != "auto":
-            self._check_fp8_kv_cache(config.kv_cache_dtype)
         if config.attention_backend is not None and config.kv_cache_dtype != "auto":
             from chassis.core.attention import check_kv_cache_dtype
             from chassis.plugins import get_registries
 
             backend = get_registries().attention_backends.get(config.attention_backend)
+            if backend.fp8_kv_cache_needs_device_support:
+                self._check_fp8_kv_cache(config.kv_cache_dtype)
             check_kv_cache_dtype(config.attention_backend, backend, config.kv_cache_dtype)
 
     def _check_fp8_kv_cache(self, kv_cache_dtype: str) -> None:

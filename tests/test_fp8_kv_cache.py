@@ -340,12 +340,20 @@ def test_cpu_paged_refuses_an_fp8_cache(tiny_llama_dir) -> None:
 
 @not_in_interpreter
 def test_a_format_the_device_cannot_store_is_refused_at_setup(tiny_llama_dir, monkeypatch) -> None:
-    """The engine asks the platform (``Platform.fp8_kv_cache_dtypes``) before anything runs;
-    here the CPU platform answers as an sm_80 GPU would (e5m2 only)."""
+    """The engine asks the platform (``Platform.fp8_kv_cache_dtypes``) before anything runs,
+    for a backend whose conversions depend on the device; here the CPU platform answers as an
+    sm_80 GPU would (e5m2 only), and ``torch_paged`` stands in for such a backend. Its own
+    conversions are torch code, which runs anywhere: as it is, it stores e4m3 there too."""
+    from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
     from chassis.platforms.cpu import CpuPlatform
 
     monkeypatch.setattr(CpuPlatform, "fp8_kv_cache_dtypes", lambda self: (torch.float8_e5m2,))
     monkeypatch.setattr(CpuPlatform, "device_name", lambda self, index=0: "Test GPU 80")
+    llm = _llm(tiny_llama_dir, kv_cache_dtype="fp8", num_kv_blocks=64)
+    runner = llm.engine.executor.worker.runner
+    assert {c.dtype for c in runner.kv_caches} == {torch.float8_e4m3fn}
+    llm.shutdown()
+    monkeypatch.setattr(TorchPagedAttention, "fp8_kv_cache_needs_device_support", True)
     for flag in ("fp8", "fp8_e4m3"):
         with pytest.raises(ValueError) as refused:
             _llm(tiny_llama_dir, kv_cache_dtype=flag, num_kv_blocks=64)

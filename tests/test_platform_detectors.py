@@ -68,6 +68,10 @@ def test_an_fp8_kv_format_the_gpu_lacks_is_refused_naming_device_and_choices(
         EngineConfig(kv_cache_dtype="fp8_e5m2", attention_backend="triton_paged")
     )
     platform.check_and_update_config(EngineConfig(attention_backend="triton_paged"))  # auto
+    # torch_paged converts with torch code, on any GPU: e4m3 is not the device's business
+    platform.check_and_update_config(
+        EngineConfig(kv_cache_dtype="fp8", attention_backend="torch_paged")
+    )
 
 
 @pytest.mark.parametrize(

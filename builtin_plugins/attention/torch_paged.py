@@ -31,6 +31,7 @@ class TorchPagedAttention(AttentionBackend):
     supports_logits_soft_cap = True
     supports_attention_sinks = True
     supported_kv_cache_dtypes = FP8_KV_DTYPES  # both, via quantize_kv
+    fp8_kv_cache_needs_device_support = False  # torch's conversions run anywhere
 
     def forward(
         self,
