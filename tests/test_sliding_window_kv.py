@@ -167,6 +167,86 @@ def test_a_hit_is_cut_where_the_window_needs_a_missing_block() -> None:
     assert num_hit == 8 and NULL_BLOCK_ID not in hits
 
 
+def test_random_schedules_read_only_their_own_keys_and_count_references() -> None:
+    """Requests over shared prefixes, hits, chunks, decodes and preemptions in random
+    schedules (fixed seeds): every key a step's window reads sits in a block the request
+    holds and was written by a request with the same tokens up to it (a released block
+    reused by another request would show), no step writes or reads the null block, and
+    each block's reference count is the number of requests holding it."""
+    import random
+
+    for seed in range(100):
+        rng = random.Random(seed)
+        size, window, num_blocks = rng.randint(1, 4), rng.randint(1, 12), rng.randint(6, 30)
+        kv = KVCacheManager(
+            num_blocks, size, enable_prefix_caching=rng.random() < 0.9, sliding_window=window
+        )
+        # (block, offset) -> the tokens up to and including the position written there
+        written: dict[tuple[int, int], tuple[int, ...]] = {}
+        prefixes = [[rng.randint(0, 5) for _ in range(rng.randint(0, 20))] for _ in range(3)]
+        waiting: list[Request] = []
+        running: list[Request] = []
+        for n in range(150):
+            if rng.random() < 0.3 and len(waiting) + len(running) < 6:
+                prompt = rng.choice(prefixes) + [rng.randint(0, 5) for _ in range(4)]
+                params = SamplingParams(max_tokens=rng.randint(1, 20))
+                waiting.append(Request(f"r{n}", prompt, params))
+            budget = rng.randint(1, 12)
+            scheduled: list[tuple[Request, int]] = []
+            for request in list(running):
+                if request not in running:
+                    continue  # preempted below for an earlier one
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                while num_new > 0:
+                    if kv.allocate_slots(request, num_new) is not None:
+                        scheduled.append((request, num_new))
+                        budget -= num_new
+                        break
+                    victim = running.pop()  # the last admitted, possibly itself
+                    kv.free(victim)
+                    victim.num_computed_tokens = 0
+                    waiting.insert(0, victim)
+                    scheduled = [(r, m) for r, m in scheduled if r is not victim]
+                    if victim is request:
+                        break
+            while waiting and budget > 0:
+                request = waiting[0]
+                hits, num_hit = kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_hit, budget)
+                if kv.allocate_slots(request, num_new, hits, num_hit) is None:
+                    break
+                request.num_computed_tokens = num_hit
+                running.append(waiting.pop(0))
+                scheduled.append((request, num_new))
+                budget -= num_new
+            for request, num_new in scheduled:  # the step: write, then read each window
+                start = request.num_computed_tokens
+                table = kv.get_block_ids(request.request_id)
+                tokens = request.all_token_ids
+                for q in range(start, start + num_new):
+                    written[table[q // size], q % size] = tuple(tokens[: q + 1])
+                    for key in range(max(0, q - window + 1), q + 1):
+                        assert table[key // size] != NULL_BLOCK_ID, (seed, q, key)
+                        assert written.get((table[key // size], key % size)) == tuple(
+                            tokens[: key + 1]
+                        ), (seed, request.request_id, q, key)
+                request.num_computed_tokens = start + num_new
+            for request, _ in scheduled:
+                if request.num_computed_tokens == request.num_tokens:
+                    if len(request.output_token_ids) == request.sampling_params.max_tokens:
+                        kv.free(request)
+                        running.remove(request)
+                    else:
+                        request.output_token_ids.append(rng.randint(0, 5))
+            holders: dict[int, int] = defaultdict(int)
+            for request in running:
+                for block in kv.get_block_ids(request.request_id):
+                    if block != NULL_BLOCK_ID:
+                        holders[block] += 1
+            for block in range(1, num_blocks):
+                assert kv.block_pool.ref_count(block) == holders[block], (seed, block)
+
+
 def _hash(kv: KVCacheManager, tokens: list[int], num_blocks: int) -> bytes:
     from chassis.core.kv_cache_manager import hash_block_tokens
 
