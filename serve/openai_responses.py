@@ -450,11 +450,13 @@ async def list_input_items(
     limit: int = DEFAULT_LIMIT,
     order: str = "desc",
     include: list[str] | None = Query(None),
+    # the openai SDK sends lists as include[]=a&include[]=b
+    include_brackets: list[str] | None = Query(None, alias="include[]"),
 ) -> JSONResponse:
     """The input items of a response (stored or running) as OpenAI's list object, a page
     at a time (:func:`~chassis.serve.responses_items.page`); a 404 for an unknown id, 400s
-    for bad parameters."""
-    check_include(include)
+    for bad parameters. ``include`` may come as ``include=`` or ``include[]=``."""
+    check_include([*(include or []), *(include_brackets or [])])
     run = background_responses(request.app).get(response_id)
     if run is not None:
         items = run.input_items

@@ -124,6 +124,12 @@ def test_input_items_errors(server: Server) -> None:
         response.id, include=["message.input_image.image_url", "file_search_call.results"]
     )
     assert len(accepted.data) == 1
+    # the SDK sends include as include[]=... (OpenAI's array format)
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.responses.input_items.list(
+            response.id, include=["message.output_text.logprobs"]
+        )
+    assert info.value.body["param"] == "include"
     for limit in (1, 100):
         assert server.http.get(url, params={"limit": limit}).status_code == 200
 
