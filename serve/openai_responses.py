@@ -506,7 +506,8 @@ async def cancel_response(response_id: str, request: Request) -> JSONResponse:
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
     """Forget a stored response (OpenAI's deletion object), cancelling it first when it is a
     running background response; a 404 for an unknown id."""
-    await background_responses(request.app).cancel(response_id)
-    if not response_store(request.app).delete(response_id):
+    was_running = await background_responses(request.app).cancel(response_id)
+    # (a cancelled response the store dropped at once was still there to delete)
+    if not response_store(request.app).delete(response_id) and not was_running:
         raise _not_found(response_id, "response_id")
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -174,6 +174,23 @@ def test_delete_cancels_a_running_response(server: Server) -> None:
         server.client.responses.retrieve(response.id)
 
 
+def test_delete_of_a_running_response_succeeds_when_the_store_dropped_it(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the cancelled response may leave the store before DELETE removes it (a full store):
+    # the response existed, so the deletion is no 404
+    server.engine.hold()
+    response = server.client.responses.create(model=MODEL, input="Hi", background=True)
+    wait_for(lambda: server.engine.running)
+    store = server.http.app.state.responses_store  # type: ignore[attr-defined]
+    monkeypatch.setattr(store, "put", lambda response_id, stored: None)
+    deleted = server.http.delete(f"/v1/responses/{response.id}")
+    assert deleted.status_code == 200, deleted.text
+    assert deleted.json() == {"id": response.id, "object": "response.deleted", "deleted": True}
+    assert server.engine.running == set() and server.engine.aborted == [response.id]
+    server.engine.release()
+
+
 def test_shutdown_cancels_background_responses() -> None:
     engine = FakeAsyncLLM(script="Hello there!")
     engine.hold()
