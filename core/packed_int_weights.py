@@ -76,6 +76,8 @@ class PackedIntFormat:
 
 def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
     value = config.get(key, default)
+    if value is None:
+        raise ValueError(f"quantization_config.{key} is missing")
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"quantization_config.{key} must be an integer; got {value!r}")
     return value
@@ -85,9 +87,11 @@ def packed_int_format(config: dict[str, Any]) -> PackedIntFormat:
     """The format of an AWQ or GPTQ ``quantization_config``; ``ValueError`` naming what is not
     read: other bit widths, AWQ versions other than GEMM (GEMV, Marlin, ExLlama, IPEX) or
     without zero points, GPTQ checkpoint formats other than ``gptq``/``gptq_v2`` (Marlin,
-    BitBLAS, ...), a bad group size."""
+    BitBLAS, ...), a missing or bad group size."""
     method = config.get("quant_method")
-    group_size = _int(config, "group_size", -1 if method == "gptq" else None)
+    # no default: AutoGPTQ, GPTQModel and transformers default to 128 when quantizing, not to
+    # one group, so a config without it is refused by name (as vLLM does) rather than guessed
+    group_size = _int(config, "group_size")
     if group_size != -1 and group_size <= 0:
         raise ValueError(f"quantization_config.group_size must be positive or -1; got {group_size}")
     bits = _int(config, "bits")

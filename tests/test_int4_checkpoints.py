@@ -297,6 +297,7 @@ REFUSED = [
     ),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, "Marlin"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size"),
+    ({"quant_method": "gptq", "bits": 4}, "group_size"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "exllama"}, "'exllama'"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128, "version": "gemm"}, "8-bit"),
