@@ -415,7 +415,7 @@ async def retrieve_response(
     after = -1 if starting_after is None else starting_after
     if after < -1:
         raise errors.bad_request(
-            f"starting_after must be a sequence number (0 or more); got {after}",
+            f"starting_after must be a sequence number (0 or more), or -1 for every event; got {after}",
             "starting_after",
         )
     if run is not None and run.events is not None:

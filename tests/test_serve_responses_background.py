@@ -272,6 +272,16 @@ def test_what_cannot_be_streamed_again(server: Server) -> None:
         # (a value that is no integer is named as the server's validation names it:
         # query.starting_after)
         assert response.json()["error"]["param"].endswith(param)
+    # -1 (what the message offers) is every event, as no starting_after
+    every = server.http.get(f"/v1/responses/{response_id}", params={"stream": "true"})
+    minus_one = server.http.get(
+        f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": "-1"}
+    )
+    assert minus_one.status_code == 200 and minus_one.text == every.text != ""
+    below = server.http.get(
+        f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": "-2"}
+    )
+    assert "-1 for every event" in below.json()["error"]["message"]
     past_the_end = server.http.get(
         f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": "999"}
     )
