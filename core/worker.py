@@ -133,10 +133,15 @@ class Worker:
                 f"({needed} blocks: its sliding window of {window} tokens and a step of up to "
                 f"{max_tokens_per_step(config)}, beside the null block)"
             )
+            # name the setting that sized the cache: --num-kv-blocks overrides the memory ones
+            raise_what = (
+                "--num-kv-blocks"
+                if config.num_kv_blocks is not None
+                else "--kv-cache-memory / --gpu-memory-utilization"
+            )
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks ({num_blocks * config.block_size} "
-                f"tokens), fewer than {what}; raise --kv-cache-memory / "
-                f"--gpu-memory-utilization or lower --max-model-len"
+                f"tokens), fewer than {what}; raise {raise_what} or lower --max-model-len"
             )
         return num_blocks
 
