@@ -180,6 +180,9 @@ _OLDEST_INTERPRETER = {
 _SHARED_RESULTS: dict[tuple[str, ...], tuple[dict[str, dict[str, list[str]]], str]] = {}
 #: a hang guard for the shared child (the parent test's own timeout mark must exceed it)
 SHARED_CHILD_TIMEOUT = 1500
+#: the key of a shared child's results that no one file can be named for (every file's
+#: parent test fails on a failure there)
+UNATTRIBUTED = ""
 
 
 def interpreter_runs(test_file: str) -> bool:
@@ -207,12 +210,27 @@ def _run_shared_child(test_file: str, request: Any) -> str:
     if key not in _SHARED_RESULTS:
         try:
             _SHARED_RESULTS[key] = _run_child_with_report(list(key))
-        except (AssertionError, subprocess.TimeoutExpired) as broken:
+        except subprocess.TimeoutExpired as hung:
+            # what it printed so far (-v: the test it hung in is the last one named)
+            partial = hung.stdout or ""
+            if isinstance(partial, bytes):
+                partial = partial.decode(errors="replace")
+            _SHARED_RESULTS[key] = ({}, f"the shared interpreter child broke: {hung}\n{partial}")
+        except AssertionError as broken:
             # kept, so that the other files' parent tests fail at once instead of rerunning it
             _SHARED_RESULTS[key] = ({}, f"the shared interpreter child broke: {broken}")
     outcomes, output = _SHARED_RESULTS[key]
-    mine = outcomes.get(here.name, {})
+    return file_result(outcomes, here.name, output)
+
+
+def file_result(outcomes: dict[str, dict[str, list[str]]], name: str, output: str) -> str:
+    """``"N passed, M skipped"`` for the file ``name`` of a shared child's ``outcomes``
+    (:func:`_run_child_with_report`); an ``AssertionError`` with the failures and the end of
+    ``output`` when a test of that file failed, a failure no file could be named for
+    (:data:`UNATTRIBUTED`) was reported, or the file passed nothing."""
+    mine = outcomes.get(name, {})
     passed, failed, skipped = (mine.get(kind, []) for kind in ("passed", "failed", "skipped"))
+    failed = [*failed, *outcomes.get(UNATTRIBUTED, {}).get("failed", [])]
     summary = f"{len(passed)} passed" + (f", {len(skipped)} skipped" if skipped else "")
     assert not failed and passed, "\n\n".join([summary, *failed, output[-4000:]])
     return summary
@@ -220,7 +238,12 @@ def _run_shared_child(test_file: str, request: Any) -> str:
 
 def _run_child_with_report(files: list[str]) -> tuple[dict[str, dict[str, list[str]]], str]:
     """Run ``files`` in one ``TRITON_INTERPRET=1`` child pytest; returns each file's test
-    names by outcome (``failed`` holds the failure texts) and the child's output."""
+    names by outcome (``failed`` holds the failure texts) and the child's output.
+
+    A test belongs to the file its node id names (the report's ``classname``), not the one
+    that defines its function (the report's ``file``: a test imported from a helper module
+    would be another file's). A result no file of ``files`` can be named for is kept under
+    :data:`UNATTRIBUTED`, which every file's result includes (:func:`file_result`)."""
     import tempfile
     import xml.etree.ElementTree as ET
 
@@ -228,8 +251,10 @@ def _run_child_with_report(files: list[str]) -> tuple[dict[str, dict[str, list[s
         report = Path(tmp) / "report.xml"
         proc = subprocess.run(
             [
-                *(sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider"),
+                *(sys.executable, "-m", "pytest", *files, "-v", "-p", "no:cacheprovider"),
                 *(f"--junitxml={report}", "-o", "junit_family=xunit1"),
+                # a file that cannot be imported fails its own parent, not the others
+                "--continue-on-collection-errors",
             ],
             env={**os.environ, "TRITON_INTERPRET": "1"},
             cwd=Path(__file__).resolve().parents[1],
@@ -240,10 +265,15 @@ def _run_child_with_report(files: list[str]) -> tuple[dict[str, dict[str, list[s
         output = proc.stdout + proc.stderr
         # 0: all passed; 1: some failed (reported per file below); else the run itself broke
         assert proc.returncode in (0, 1) and report.exists(), output[-6000:]
+        stems = {Path(file).stem: Path(file).name for file in files}
         outcomes: dict[str, dict[str, list[str]]] = {}
         for case in ET.parse(report).getroot().iter("testcase"):
-            by_kind = outcomes.setdefault(Path(case.get("file", "")).name, {})
             name = case.get("name", "")
+            # "tests.test_triton_moe[.Class]" for a test; "" (name: the module) for a
+            # collection error
+            module_parts = (case.get("classname") or name).split(".")
+            owners = [stems[part] for part in module_parts if part in stems]
+            by_kind = outcomes.setdefault(owners[0] if len(owners) == 1 else UNATTRIBUTED, {})
             problems = [child for child in case if child.tag in ("failure", "error")]
             if problems:
                 texts = [

@@ -1,0 +1,68 @@
+"""The shared ``TRITON_INTERPRET=1`` child of tests/triton_compile_check.py: each file's parent
+test gets its own file's results, whatever else the child ran (tiny stand-in test files here,
+no Triton kernels)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import triton_compile_check
+from triton_compile_check import UNATTRIBUTED, _run_child_with_report, file_result
+
+
+def _write(directory: Path, name: str, source: str) -> str:
+    path = directory / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def test_a_failure_counts_for_the_file_that_collected_it(tmp_path: Path) -> None:
+    """A test function imported from a helper module is the importing file's test (the JUnit
+    report's ``file`` names the helper, which no parent reads); a file that cannot be
+    imported fails its own parent only."""
+    _write(tmp_path, "shared_checks.py", "def test_imported():\n    assert False, 'boom'\n")
+    first = _write(
+        tmp_path, "test_first.py", "from shared_checks import test_imported\ndef test_ok(): pass\n"
+    )
+    second = _write(tmp_path, "test_second.py", "def test_ok(): pass\ndef test_ok_too(): pass\n")
+    broken = _write(tmp_path, "test_broken.py", "import no_such_module_here\n")
+    outcomes, output = _run_child_with_report([first, second, broken])
+    with pytest.raises(AssertionError, match="boom"):
+        file_result(outcomes, "test_first.py", output)
+    assert file_result(outcomes, "test_second.py", output) == "2 passed"
+    with pytest.raises(AssertionError, match="no_such_module_here"):
+        file_result(outcomes, "test_broken.py", output)
+
+
+def test_a_failure_no_file_can_be_named_for_fails_every_file() -> None:
+    outcomes = {
+        "test_a.py": {"passed": ["test_x"]},
+        "test_b.py": {"passed": ["test_y"], "skipped": ["test_z"]},
+    }
+    assert file_result(outcomes, "test_b.py", "") == "1 passed, 1 skipped"
+    outcomes[UNATTRIBUTED] = {"failed": ["somewhere: it broke"]}
+    for name in ("test_a.py", "test_b.py"):
+        with pytest.raises(AssertionError, match="somewhere: it broke"):
+            file_result(outcomes, name, "")
+    with pytest.raises(AssertionError, match="0 passed"):  # nothing passed is a failure too
+        file_result({}, "test_a.py", "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_hung_child_names_the_test_it_hung_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hangs = _write(
+        tmp_path,
+        "test_hangs.py",
+        "import time\ndef test_quick(): pass\ndef test_sleeps(): time.sleep(600)\n",
+    )
+    monkeypatch.setattr(triton_compile_check, "SHARED_CHILD_TIMEOUT", 20)
+    monkeypatch.setattr(triton_compile_check, "_SHARED_RESULTS", {})
+    request = SimpleNamespace(session=SimpleNamespace(items=[]))
+    with pytest.raises(AssertionError, match=r"(?s)timed out after 20 seconds.*test_sleeps"):
+        triton_compile_check._run_shared_child(hangs, request)
