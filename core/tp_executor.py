@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -43,6 +44,7 @@ from chassis.core.config import EngineConfig
 from chassis.core.executor import Executor
 from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+from chassis.core.tp_join import wait_for_every_rank
 from chassis.core.tp_worker_proc import (
     EXECUTE,
     INIT,
@@ -72,20 +74,24 @@ _encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, Any])
 
 
-def start_rank(config: EngineConfig, rank: int, init_method: str) -> Worker:
-    """In the process of ``rank``: join the group, then load this rank's share of the model on
-    its device (the cores split evenly when ranks share a host)."""
+def start_rank(config: EngineConfig, rank: int, ipc_dir: str, watch: Callable[[], None]) -> Worker:
+    """In the process of ``rank``: join the group whose directory is ``ipc_dir``, then load
+    this rank's share of the model on its device (the cores split evenly when ranks share a
+    host). Every rank first waits for the others in Python, calling ``watch`` (which raises
+    to stop waiting: :func:`chassis.core.tp_join.wait_for_every_rank`), so that a rank that
+    fails before joining cannot leave another blocked in ``init_process_group``."""
     from chassis.platforms import get_current_platform
 
     platform = get_current_platform()
     size = config.tensor_parallel_size
     device = platform.tensor_parallel_devices(size)[rank]
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+    wait_for_every_rank(ipc_dir, rank, size, watch)
     parallel_state.init_tensor_parallel(
         rank,
         size,
         platform.dist_backend,
-        init_method,
+        rendezvous(ipc_dir),
         expert_parallel=config.enable_expert_parallel,
     )
     return Worker(config, device_index=device)
@@ -220,8 +226,10 @@ class TensorParallelExecutor(RankGroupExecutor):
         try:
             self._send(INIT, config.to_dict())
             self._collect(INIT)  # every rank started and joins the group now
+            # (a rank that exits before joining ends rank 0's wait for the group)
+            watch = functools.partial(self._raise_if_a_rank_exited, INIT)
             self.worker = self._on_driver(
-                INIT, lambda: start_rank(config, 0, rendezvous(self._ranks.ipc_dir))
+                INIT, lambda: start_rank(config, 0, self._ranks.ipc_dir, watch)
             )
             self._collect(INIT)
         except BaseException:

@@ -17,12 +17,14 @@ pid changes: checked every second while idle, and before it starts).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -128,7 +130,14 @@ def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
                     return 0
                 if method == INIT:
                     replies.send(_encoder.encode([rank, True, JOINING]))
-                    worker = _start(msgspec.msgpack.decode(payload), ipc_dir, rank)
+                    watch = functools.partial(_watch_while_joining, commands, driver_pid)
+                    try:
+                        worker = _start(msgspec.msgpack.decode(payload), ipc_dir, rank, watch)
+                    except _DriverGone:
+                        return _orphaned(ipc_dir, rank)
+                    except _ShutdownWhileJoining:
+                        replies.send(_encoder.encode([rank, True, None]))
+                        return 0
                     result: Any = None
                 else:
                     result = run_command(worker, method, _decode_payload(method, payload), rank)
@@ -153,13 +162,35 @@ def _orphaned(ipc_dir: str, rank: int) -> int:
     return 1
 
 
-def _start(config_dict: dict[str, Any], ipc_dir: str, rank: int) -> Any:
-    """Join the group and load this rank's share of the model."""
+class _ShutdownWhileJoining(Exception):
+    """The driver sent ``shutdown`` while this rank waited for the group to form (the driver
+    failed before joining): leave quietly."""
+
+
+class _DriverGone(Exception):
+    """The driver process died while this rank waited for the group to form."""
+
+
+def _watch_while_joining(commands: zmq.Socket[bytes], driver_pid: int) -> None:
+    """What this rank checks while it waits for the others to join (the driver sends nothing
+    but ``shutdown`` then): raise :class:`_ShutdownWhileJoining` or :class:`_DriverGone`."""
+    if os.getppid() != driver_pid:
+        raise _DriverGone
+    if commands.poll(0):
+        method, _ = _command_decoder.decode(commands.recv())
+        if method == SHUTDOWN:
+            raise _ShutdownWhileJoining
+        raise RuntimeError(f"{method!r} arrived before the group formed")
+
+
+def _start(config_dict: dict[str, Any], ipc_dir: str, rank: int, watch: Callable[[], None]) -> Any:
+    """Join the group (``watch``-ing the driver while waiting for it) and load this rank's
+    share of the model."""
     from chassis.core.config import EngineConfig
     from chassis.core.tp_executor import start_rank
 
     config = EngineConfig.from_dict(config_dict)
-    return start_rank(config, rank, rendezvous(ipc_dir))
+    return start_rank(config, rank, ipc_dir, watch)
 
 
 if __name__ == "__main__":

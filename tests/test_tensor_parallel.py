@@ -253,6 +253,52 @@ def test_a_rank_that_fails_reports_its_own_error_at_once(
     wait_for_no_workers()
 
 
+RANK_FAILING_AT_START_UP = """\
+import chassis.core.config as config_module
+
+
+def from_dict(cls, values):
+    raise ImportError("injected: cannot import name 'missing' (a module mid-edit)")
+
+
+config_module.EngineConfig.from_dict = classmethod(from_dict)
+"""
+
+
+@pytest.mark.timeout(120)  # a hang guard: before the start-up barrier this hung for 30 min
+def test_a_rank_that_fails_before_joining_the_group_fails_the_engine(
+    tiny_llama_dir, tmp_path, monkeypatch
+) -> None:
+    # Rank 1 fails before it joins the group (as when a module it imports is broken), while
+    # rank 0 waits for it: rank 0 must not enter gloo's uninterruptible rendezvous alone.
+    (tmp_path / "sitecustomize.py").write_text(RANK_FAILING_AT_START_UP)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with pytest.raises(RuntimeError, match="rank 1: ImportError: injected") as failed:
+        small_llm(tiny_llama_dir, 2)
+    assert "rank 1 exited with code 1 during 'init'" in str(failed.value.__cause__)
+    wait_for_no_workers()
+
+
+@pytest.mark.timeout(120)
+def test_a_driver_that_fails_before_joining_stops_the_waiting_rank(
+    tiny_llama_dir, monkeypatch
+) -> None:
+    from chassis.core import tp_executor
+
+    join = tp_executor.wait_for_every_rank
+
+    def rank_0_fails(ipc_dir, rank, size, watch, *args):
+        if rank == 0:  # (this process is rank 0; rank 1's process runs the real one)
+            raise ImportError("injected failure of rank 0 before joining")
+        join(ipc_dir, rank, size, watch, *args)
+
+    monkeypatch.setattr(tp_executor, "wait_for_every_rank", rank_0_fails)
+    with pytest.raises(ImportError, match="injected failure of rank 0"):
+        small_llm(tiny_llama_dir, 2)
+    wait_for_no_workers()
+    assert parallel_state.tp_size() == 1  # rank 0 left no group behind
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch: str) -> None:
     """The embedding and the LM head (tied for Qwen2) are split by vocabulary rows; 49,153
