@@ -66,3 +66,19 @@ def test_a_hung_child_names_the_test_it_hung_in(
     request = SimpleNamespace(session=SimpleNamespace(items=[]))
     with pytest.raises(AssertionError, match=r"(?s)timed out after 20 seconds.*test_sleeps"):
         triton_compile_check._run_shared_child(hangs, request)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_test_past_its_timeout_fails_only_its_file(tmp_path: Path) -> None:
+    """The project's pytest-timeout method, ``thread``, ends the whole run at a test's
+    timeout (no report: every file's parent would fail); the child stops that test alone
+    (the ``signal`` method) and the others' results stand. A hang the signal cannot reach
+    (a C call) still ends at SHARED_CHILD_TIMEOUT."""
+    _write(tmp_path, "pytest.ini", "[pytest]\ntimeout = 3\ntimeout_method = thread\n")
+    hangs = _write(tmp_path, "test_hangs.py", "import time\ndef test_sleeps(): time.sleep(600)\n")
+    fine = _write(tmp_path, "test_fine.py", "def test_ok(): pass\n")
+    outcomes, output = _run_child_with_report([hangs, fine])
+    with pytest.raises(AssertionError, match="Timeout"):
+        file_result(outcomes, "test_hangs.py", output)
+    assert file_result(outcomes, "test_fine.py", output) == "1 passed"

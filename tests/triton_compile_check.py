@@ -255,6 +255,10 @@ def _run_child_with_report(files: list[str]) -> tuple[dict[str, dict[str, list[s
                 *(f"--junitxml={report}", "-o", "junit_family=xunit1"),
                 # a file that cannot be imported fails its own parent, not the others
                 "--continue-on-collection-errors",
+                # a test past its timeout fails alone (the project's thread method would end
+                # the run, every parent failing); a C call the signal cannot stop still ends
+                # at SHARED_CHILD_TIMEOUT
+                *("-o", "timeout_method=signal"),
             ],
             env={**os.environ, "TRITON_INTERPRET": "1"},
             cwd=Path(__file__).resolve().parents[1],
