@@ -476,9 +476,10 @@ async def cancel_response(response_id: str, request: Request) -> JSONResponse:
     returns it again; a response that was not made in the background, or has finished
     otherwise, is a 400; an unknown id a 404."""
     store = response_store(request.app)
-    run = background_responses(request.app).get(response_id)
+    runs = background_responses(request.app)
+    run = runs.get(response_id)
     if run is not None:
-        await background_responses(request.app).cancel(response_id)
+        await runs.cancel(response_id)
         stored = store.get(response_id)
         if stored is not None:
             return JSONResponse(stored.response)
