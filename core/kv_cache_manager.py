@@ -302,11 +302,15 @@ class KVCacheManager:
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks()
         if new_computed_blocks:
+            # a window hit's leading entries are the null block (without a window, block
+            # NULL_BLOCK_ID is an ordinary block)
             num_null = 0
-            while num_null < len(new_computed_blocks) and (
-                new_computed_blocks[num_null] == NULL_BLOCK_ID and self.sliding_window is not None
-            ):
-                num_null += 1
+            if self.sliding_window is not None:
+                while (
+                    num_null < len(new_computed_blocks)
+                    and new_computed_blocks[num_null] == NULL_BLOCK_ID
+                ):
+                    num_null += 1
             self.block_pool.touch(new_computed_blocks[num_null:])
             state.block_ids.extend(new_computed_blocks)
             state.num_cached_blocks = len(new_computed_blocks)
