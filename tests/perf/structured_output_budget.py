@@ -13,7 +13,9 @@ budgets of 1e5, 1e6 and the default, and the time per unit.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 from chassis.builtin_plugins.structured_output.backend import (
     DEFAULT_WORK_BUDGET,
@@ -25,15 +27,9 @@ from chassis.core.structured_output import StructuredOutputsParams as Params
 from chassis.core.token_vocabulary import vocabulary_from_tokenizer
 from chassis.core.tokenizer import load_tokenizer
 
-#: four rules of nested, nullable bounded repetitions: the empty string reaches every copy,
-#: so each DFA state stands for most of the ~97,000-state NFA
-TANGLED = """
-root ::= (block ","?){0,40}
-block ::= (group ";"?){0,12}
-group ::= (x | y){0,8}
-x ::= [a-z]{0,4} | "ab" | "abc"
-y ::= "a" | "b" x?
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+#: four rules of nested, nullable bounded repetitions (the test's grammar, defined there)
+from test_structured_budget import TANGLED
 
 SAMPLE_JSON = (
     '{"name": "Tom", "age": 3, "tags": ["a", {"x": [1, 2.5e3, null, true]}], "pet": "cat"}'
