@@ -76,17 +76,19 @@ class ResponseEvents:
 
     def created(self, status: str = "in_progress") -> str:
         """``response.created`` (the response with ``status``)."""
-        response = self._response.model_copy(update={"status": status})
-        return self.event("response.created", response=response.model_dump(mode="json"))
+        return self._lifecycle("response.created", status)
 
     def queued(self) -> str:
         """``response.queued``: a background response waits for the engine."""
-        response = self._response.model_copy(update={"status": "queued"})
-        return self.event("response.queued", response=response.model_dump(mode="json"))
+        return self._lifecycle("response.queued", "queued")
 
     def in_progress(self) -> str:
         """``response.in_progress``."""
-        return self.event("response.in_progress", response=self._response.model_dump(mode="json"))
+        return self._lifecycle("response.in_progress", "in_progress")
+
+    def _lifecycle(self, kind: str, status: str) -> str:
+        response = self._response.model_copy(update={"status": status})
+        return self.event(kind, response=response.model_dump(mode="json"))
 
     def feed(self, delta: ChoiceDelta) -> list[str]:
         """The events of the next parsed piece of the message."""
