@@ -330,10 +330,6 @@ def test_the_default_cpu_backend_reads_null_blocks_correctly(
     mistral_dir: Path, expected: list[list[int]]
 ) -> None:
     # cpu_paged's kernels start at the window; its SDPA paths gather and mask the null block
-    from chassis.builtin_plugins.attention.cpu_paged import CpuPagedAttention
-
-    if not CpuPagedAttention.supports_sliding_window:
-        pytest.skip("cpu_paged does not support sliding windows")
     tokens, most_held = run(
         make_llm(mistral_dir, release=True, attention_backend="cpu_paged"), PROMPTS
     )
