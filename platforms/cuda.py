@@ -59,6 +59,14 @@ class TorchCudaLikePlatform(Platform):
     def memory_total(self, index: int = 0) -> int:
         return torch.cuda.mem_get_info(index)[1]
 
+    def _fp8_kv_formats(self, has_e4m3: Callable[[int], bool]) -> tuple[torch.dtype, ...]:
+        """Both 8-bit formats when ``has_e4m3(i)`` for every visible device ``i`` (and there
+        is one), else e5m2 alone: Triton converts e5m2 on every GPU of both vendors."""
+        devices = range(self.device_count())
+        if devices and all(has_e4m3(i) for i in devices):
+            return (torch.float8_e4m3fn, torch.float8_e5m2)
+        return (torch.float8_e5m2,)
+
     def memory_available(self, index: int = 0) -> int:
         return torch.cuda.mem_get_info(index)[0]
 
@@ -137,10 +145,7 @@ class CudaPlatform(TorchCudaLikePlatform):
         Hopper, Blackwell): Triton's ``fp8e4nv`` type, which the ``triton_paged`` kernels
         convert to and from, does not exist below compute capability 8.9, whereas ``fp8e5``
         converts in software there."""
-        capabilities = [torch_facts.cuda_capability(i) for i in range(self.device_count())]
-        if capabilities and all(c >= (8, 9) for c in capabilities):
-            return (torch.float8_e4m3fn, torch.float8_e5m2)
-        return (torch.float8_e5m2,)
+        return self._fp8_kv_formats(lambda i: torch_facts.cuda_capability(i) >= (8, 9))
 
     @classmethod
     def is_available(cls) -> bool:

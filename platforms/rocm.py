@@ -26,10 +26,7 @@ class RocmPlatform(TorchCudaLikePlatform):
         e4m3 (``torch.float8_e4m3fn``, OCP) only when every visible device is gfx940-942 or
         gfx950, the architectures for which Triton offers ``fp8e4nv``. The FNUZ formats
         (``float8_e4m3fnuz``) are not ``--kv-cache-dtype`` choices."""
-        archs = [torch_facts.rocm_arch(i) for i in range(self.device_count())]
-        if archs and all(a in _E4M3_ARCHS for a in archs):
-            return (torch.float8_e4m3fn, torch.float8_e5m2)
-        return (torch.float8_e5m2,)
+        return self._fp8_kv_formats(lambda i: torch_facts.rocm_arch(i) in _E4M3_ARCHS)
 
     @classmethod
     def is_available(cls) -> bool:
