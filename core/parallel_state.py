@@ -9,7 +9,7 @@ attention heads and MLP columns, and sums the partial outputs with :func:`all_re
 process that joined no group every call here is the single-device case: rank 0 of size 1.
 
 With ``--enable-expert-parallel`` the mixture-of-experts layers place whole experts on the
-ranks instead (:func:`expert_split`, :func:`shard_experts`); everything else stays
+ranks instead (:func:`expert_split`, :func:`shard_experts`, :func:`shard_expert_columns`); everything else stays
 tensor-parallel, and the experts' partial outputs are summed by the same all-reduce.
 """
 
@@ -169,3 +169,12 @@ def shard_experts(num_experts: int) -> tuple[int, int]:
     if not _GROUP.expert_parallel:
         return 0, num_experts
     return expert_split(num_experts, _GROUP.size, _GROUP.rank)
+
+
+def shard_expert_columns(intermediate_size: int, what: str) -> tuple[int, int]:
+    """This rank's ``(start, length)`` of each held expert's ``intermediate_size`` columns:
+    all of them under expert parallelism (the rank holds whole experts), else :func:`shard`'s
+    share (``what`` names the config field in its error)."""
+    if _GROUP.expert_parallel:
+        return 0, intermediate_size
+    return shard(intermediate_size, what)

@@ -177,10 +177,9 @@ class GptOssExperts(nn.Module):
         #: the experts this rank holds: global ids ``[expert_start, expert_start + n)``
         self.expert_start, local = parallel_state.shard_experts(num_experts)
         self.num_local_experts = local
-        if parallel_state.expert_parallel():
-            self.shard_start, inter = 0, intermediate_size
-        else:
-            self.shard_start, inter = parallel_state.shard(intermediate_size, "intermediate_size")
+        self.shard_start, inter = parallel_state.shard_expert_columns(
+            intermediate_size, "intermediate_size"
+        )
         self.intermediate_size = inter
 
         def param(*shape: int) -> nn.Parameter:

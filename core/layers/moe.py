@@ -193,12 +193,9 @@ class FusedMoE(nn.Module):
         self.full_intermediate_size = intermediate_size
         #: the experts this rank holds: global ids ``[expert_start, expert_start + n)``
         self.expert_start, self.num_local_experts = parallel_state.shard_experts(num_experts)
-        if parallel_state.expert_parallel():
-            self.shard_start, self.intermediate_size = 0, intermediate_size
-        else:
-            self.shard_start, self.intermediate_size = parallel_state.shard(
-                intermediate_size, intermediate_size_field
-            )
+        self.shard_start, self.intermediate_size = parallel_state.shard_expert_columns(
+            intermediate_size, intermediate_size_field
+        )
         local = self.num_local_experts
         self.w13 = nn.Parameter(
             torch.empty(local, 2 * self.intermediate_size, hidden_size), requires_grad=False
