@@ -20,14 +20,13 @@ import torch
 from fixtures_lora import hf_greedy
 from fixtures_models import *  # noqa: F403
 from safetensors.torch import load_file, save_file
+from test_fp8_checkpoints import NEW_TOKENS, PROMPTS, _is_quantized
 
 from chassis import LLM, SamplingParams
 from chassis.core import packed_int_weights
 from chassis.core.packed_int_weights import without_phantom_biases
 from chassis.core.quantized_weights import check_quantization, dequantized_weights
 
-PROMPTS = [[1, 422, 3108, 314, 9216, 253, 1345], [1, 88, 913, 402, 1033, 77, 5, 811, 64, 90]]
-NEW_TOKENS = 10
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the output column held by each nibble of an AWQ int32
 
 
@@ -130,10 +129,6 @@ def _packed_module(weight: torch.Tensor, scheme: Scheme, generator: torch.Genera
             "g_idx": g_idx.to(torch.int32),
         }
     return parts, dequantized
-
-
-def _is_quantized(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() == 2 and ".layers." in name and name.endswith("_proj.weight")
 
 
 def write_int_twins(
