@@ -110,6 +110,23 @@ def test_check_tls_loads_the_files_or_names_the_flag(certs: Path, tmp_path: Path
         )
 
 
+def test_certfile_without_keyfile_names_the_missing_key(certs: Path, tmp_path: Path) -> None:
+    """OpenSSL's "PEM lib" error said nothing about the key; the message names --ssl-keyfile
+    (a certificate file holding the key too still works, as with uvicorn)."""
+    with pytest.raises(ValueError, match=r"--ssl-certfile .*pass the key with --ssl-keyfile"):
+        check_tls(ServerSettings(ssl_certfile=str(certs / "server.pem")))
+    # a certificate file that holds the key needs no --ssl-keyfile
+    both = tmp_path / "both.pem"
+    both.write_text((certs / "server.pem").read_text() + (certs / "server.key").read_text())
+    assert check_tls(ServerSettings(ssl_certfile=str(both))) is not None
+    context = check_tls(
+        ServerSettings(
+            ssl_certfile=str(certs / "server.pem"), ssl_keyfile=str(certs / "server.key")
+        )
+    )
+    assert context is not None
+
+
 def test_an_encrypted_key_loads_with_its_password_only(certs: Path) -> None:
     """Never a terminal prompt: without the password start-up fails naming the flag."""
     encrypted = {
