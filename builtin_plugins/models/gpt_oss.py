@@ -64,7 +64,7 @@ from chassis.builtin_plugins.models.llama import (
 )
 from chassis.core import parallel_state
 from chassis.core.layers.kernels import kernels_for
-from chassis.core.layers.moe import localize_expert_ids
+from chassis.core.layers.moe import localize_expert_ids, run_experts_grouped
 from chassis.core.layers.norm import RMSNorm
 
 #: ``<block>.experts.<tensor>`` in a checkpoint: the experts' stacked weights and biases
@@ -123,25 +123,12 @@ def experts_reference(
     reference of the platforms' ``fused_moe_clamped_swiglu`` kernels (same arguments). An id
     of ``-1`` (the expert is on another rank) leaves its pair out, bias included.
     """
-    num_tokens, top_k = ids.shape
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    # host read; the pairs of id -1 sort first and stay zero
-    left_out, *counts = torch.bincount(flat_ids + 1, minlength=w13.shape[0] + 1).tolist()
-    sorted_x = x[order // top_k]
-    sorted_y = torch.empty(sorted_x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
-    sorted_y[:left_out] = 0
-    start = left_out
-    for e, count in enumerate(counts):
-        if count:
-            rows = sorted_x[start : start + count]
-            hidden = clamped_swiglu(F.linear(rows, w13[e], b13[e]), alpha, limit)
-            sorted_y[start : start + count] = F.linear(hidden, w2[e], b2[e])
-            start += count
-    y = torch.empty_like(sorted_y)
-    y[order] = sorted_y  # back to [token, slot] order
-    weighted = y.view(num_tokens, top_k, w2.shape[1]).float() * weights.float().unsqueeze(-1)
-    return weighted.sum(dim=1).to(x.dtype)
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        hidden = clamped_swiglu(F.linear(rows, w13[e], b13[e]), alpha, limit)
+        return F.linear(hidden, w2[e], b2[e])
+
+    return run_experts_grouped(x, weights, ids, w13.shape[0], expert)
 
 
 class GptOssExperts(nn.Module):

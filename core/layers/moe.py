@@ -28,6 +28,7 @@ apart from HF's; float32 results agree to float32 precision.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "fused_experts_grouped",
     "fused_experts_ref",
     "localize_expert_ids",
+    "run_experts_grouped",
     "select_experts",
 ]
 
@@ -131,24 +133,40 @@ def fused_experts_grouped(
 ) -> torch.Tensor:
     """What :func:`fused_experts_ref` computes, with tokens sorted by expert first."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    return run_experts_grouped(
+        x, topk_weights, topk_ids, w13.shape[0], lambda e, rows: _expert(rows, w13[e], w2[e])
+    )
+
+
+def run_experts_grouped(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``sum_j topk_weights[:, j] * expert(topk_ids[:, j], x)``, ``[T, H]`` in ``x``'s dtype:
+    the (token, slot) pairs sorted by expert, ``expert(e, rows)`` run once per expert that
+    any pair chose (in ``x``'s dtype, ``[n, H] -> [n, H]``), the weighted sum over a token's
+    slots in float32, rounded once. Ids of ``-1`` (experts on other ranks) add nothing. One
+    host read per call: which experts run and on how many rows."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    # One host read per call: which experts run and on how many rows. The pairs of id -1
-    # (experts on other ranks) sort first and stay zero.
-    left_out, *counts = torch.bincount(flat_ids + 1, minlength=w13.shape[0] + 1).tolist()
+    # the pairs of id -1 sort first and stay zero
+    left_out, *counts = torch.bincount(flat_ids + 1, minlength=num_experts + 1).tolist()
     sorted_x = x[order // top_k]
     sorted_y = torch.empty_like(sorted_x)
     sorted_y[:left_out] = 0
     start = left_out
-    for expert, count in enumerate(counts):
+    for e, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            sorted_y[rows] = _expert(sorted_x[rows], w13[expert], w2[expert])
+            sorted_y[rows] = expert(e, sorted_x[rows])
             start += count
     y = torch.empty_like(sorted_y)
     y[order] = sorted_y  # back to [token, slot] order
-    weighted = y.view(num_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
+    weighted = y.view(num_tokens, top_k, x.shape[1]).float() * topk_weights.float().unsqueeze(-1)
     return weighted.sum(dim=1).to(x.dtype)
 
 
