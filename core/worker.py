@@ -121,8 +121,9 @@ class Worker:
         # manager releases what a sliding window left, the most it holds at once (plus the
         # reserved null block).
         window = self.kv_cache_window()
+        step_tokens = max_tokens_per_step(config)
         needed = max_blocks_per_request(
-            config.max_model_len, config.block_size, window, max_tokens_per_step(config)
+            config.max_model_len, config.block_size, window, step_tokens
         )
         usable = num_blocks - (0 if window is None else 1)
         if usable < needed:
@@ -131,7 +132,7 @@ class Worker:
                 if window is None
                 else f"one request of --max-model-len {config.max_model_len} holds at once "
                 f"({needed} blocks: its sliding window of {window} tokens and a step of up to "
-                f"{max_tokens_per_step(config)}, beside the null block)"
+                f"{step_tokens}, beside the null block)"
             )
             # name the setting that sized the cache: --num-kv-blocks overrides the memory ones
             raise_what = (
