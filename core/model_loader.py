@@ -121,13 +121,26 @@ def _download(repo_id: str, revision: str | None) -> Path:
 def load_hf_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Any:
     """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``, no remote code)
     with ``overrides`` applied (:func:`apply_hf_overrides`), or for a multimodal checkpoint
-    its language model's (:func:`language_model_config`)."""
+    its language model's (:func:`language_model_config`). A checkpoint directory whose
+    ``config.json`` has no ``quantization_config`` but an older AWQ/GPTQ export's
+    ``quantize_config.json`` or ``quant_config.json`` gets that file's as its
+    ``quantization_config`` (:func:`~chassis.core.int_quant_config.checkpoint_int_config`,
+    which also refuses sources that contradict each other)."""
     from transformers import AutoConfig
+
+    from chassis.core.int_quant_config import checkpoint_int_config
+    from chassis.core.quantized_weights import quantization_config
 
     hf_config = AutoConfig.from_pretrained(str(path))
     if overrides:
         apply_hf_overrides(hf_config, overrides)
-    return language_model_config(hf_config)
+    hf_config = language_model_config(hf_config)
+    if Path(path).is_dir():
+        stated = quantization_config(hf_config)
+        found = checkpoint_int_config(path, stated)
+        if stated is None and found is not None:
+            hf_config.quantization_config = found
+    return hf_config
 
 
 def engine_hf_config(config: EngineConfig) -> Any:

@@ -9,8 +9,10 @@ and a float16 scale ``s``; the weight is ``(q - z) * s``. Their tensors differ:
   first in the lowest bits; ``X.qzeros`` int32 ``[groups, out * bits / 32]``, packed the same
   way along the output columns; ``X.scales`` ``[groups, out]``; ``X.g_idx`` int32 ``[in]``, the
   group of each input row. With ``desc_act`` (act-order) the groups are not runs of rows and
-  ``g_idx`` is read; without it row ``k`` is in group ``k // group_size`` (a stored ``g_idx``
-  must say the same). The ``"gptq"`` (v1) checkpoint format stores each zero point minus one
+  ``g_idx`` is required. Without it row ``k`` is in group ``k // group_size`` unless a
+  ``g_idx`` is stored: one is then honoured whatever it says, as AutoGPTQ's and GPTQModel's
+  own dequantization do (it is what the codes were quantized with; vLLM's GPTQ kernels
+  ignore it when ``desc_act`` is false, which computes other weights when it reorders). The ``"gptq"`` (v1) checkpoint format stores each zero point minus one
   (``z = stored + 1``), ``"gptq_v2"`` stores it as it is. ``group_size: -1`` is one group.
 - AWQ (AutoAWQ's GEMM version; ``quant_method: "awq"``): ``X.qweight`` int32
   ``[in, out / 8]``, each int32 holding 8 consecutive *output* columns in the interleaved
@@ -29,11 +31,16 @@ int4 kernels yet).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from chassis.core.int_quant_config import normalized_int_config
+
+logger = logging.getLogger(__name__)
 
 #: the ``quant_method`` values :func:`packed_int_weights` reads
 PACKED_INT_METHODS = ("awq", "gptq")
@@ -66,11 +73,12 @@ class PackedIntFormat:
     bits: int
     group_size: int  #: input rows per group; -1: all of them
     zero_offset: int = 0  #: added to each stored zero point (1 for GPTQ's v1 format)
-    act_order: bool = False  #: GPTQ ``desc_act``: groups come from ``g_idx``
+    act_order: bool = False  #: GPTQ ``desc_act``: groups come from ``g_idx``, required
 
     @property
     def parts(self) -> tuple[str, ...]:
-        """The tensor suffixes that make up one module (``g_idx`` only with act-order)."""
+        """The tensor suffixes a module needs (``g_idx`` only with act-order; GPTQ without
+        it reads a ``g_idx`` stored before the others, :func:`packed_int_weights`)."""
         return _PARTS if self.act_order else _PARTS[:3]
 
 
@@ -84,10 +92,12 @@ def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
 
 
 def packed_int_format(config: dict[str, Any]) -> PackedIntFormat:
-    """The format of an AWQ or GPTQ ``quantization_config``; ``ValueError`` naming what is not
-    read: other bit widths, AWQ versions other than GEMM (GEMV, Marlin, ExLlama, IPEX) or
+    """The format of an AWQ or GPTQ ``quantization_config`` (AutoAWQ's ``w_bit`` and
+    ``q_group_size`` read as ``bits`` and ``group_size``); ``ValueError`` naming what is not
+    read: contradicting spellings, other bit widths, AWQ versions other than GEMM (GEMV, Marlin, ExLlama, IPEX) or
     without zero points, GPTQ checkpoint formats other than ``gptq``/``gptq_v2`` (Marlin,
     BitBLAS, ...), a missing or bad group size."""
+    config = normalized_int_config(config, "quantization_config")  # AutoAWQ's w_bit, ...
     method = config.get("quant_method")
     # no default: AutoGPTQ, GPTQModel and transformers default to 128 when quantizing, not to
     # one group, so a config without it is refused by name (as vLLM does) rather than guessed
@@ -191,8 +201,8 @@ def dequantize_gptq(
     fmt: PackedIntFormat,
 ) -> torch.Tensor:
     """The ``[out, in]`` float32 weight of a GPTQ module's ``qweight``, ``qzeros``,
-    ``scales`` and (act-order only) ``g_idx``; ``ValueError`` for shapes or a ``g_idx`` that
-    do not fit ``fmt``."""
+    ``scales`` and ``g_idx`` (required with act-order; without it, the consecutive grouping
+    when absent); ``ValueError`` for shapes or a ``g_idx`` that do not fit ``fmt``."""
     per_int = 32 // fmt.bits
     qweight, scales = parts["qweight"], parts["scales"]
     in_features, out_features = qweight.shape[0] * per_int, qweight.shape[1]
@@ -200,7 +210,7 @@ def dequantize_gptq(
     _check_shape(name, "scales", scales, (groups, out_features))
     _check_shape(name, "qzeros", parts["qzeros"], (groups, out_features // per_int))
     zeros = unpack_int32(parts["qzeros"], fmt.bits, 1) + fmt.zero_offset  # [groups, out]
-    if fmt.act_order:
+    if "g_idx" in parts:
         g_idx = parts["g_idx"].long()
         _check_shape(name, "g_idx", g_idx, (in_features,))
         if bool(((g_idx < 0) | (g_idx >= groups)).any()):
@@ -241,13 +251,25 @@ def dequantize_awq(
     )
 
 
-def _check_row_groups(name: str, g_idx: torch.Tensor, fmt: PackedIntFormat) -> None:
-    """A ``g_idx`` stored without act-order must be the consecutive grouping it implies."""
-    if not torch.equal(g_idx.long(), _row_groups(g_idx.numel(), fmt.group_size)):
-        raise ValueError(
-            f"{name}: g_idx reorders the input rows but quantization_config.desc_act is "
-            "false; the checkpoint's config does not match its weights"
-        )
+def _is_row_groups(g_idx: torch.Tensor, fmt: PackedIntFormat) -> bool:
+    """Whether ``g_idx`` is the consecutive grouping (row ``k`` in group ``k // size``)."""
+    return torch.equal(g_idx.long(), _row_groups(g_idx.numel(), fmt.group_size))
+
+
+def _check_late_g_idx(name: str, g_idx: torch.Tensor, fmt: PackedIntFormat) -> None:
+    """A ``g_idx`` that comes after its GPTQ module was dequantized (without act-order), or
+    an AWQ module's (AWQ reads none), must be the consecutive grouping the module is
+    dequantized with."""
+    if _is_row_groups(g_idx, fmt):
+        return
+    if fmt.method == "awq":
+        raise ValueError(f"{name} reorders the input rows, which AWQ checkpoints never do")
+    raise ValueError(
+        f"{name} reorders the input rows (quantization_config.desc_act is false) but "
+        "comes after the module's other packed tensors, which were dequantized with "
+        "consecutive groups; set desc_act: true in the checkpoint's config, or keep each "
+        "module's tensors in one file"
+    )
 
 
 def packed_int_weights(
@@ -255,23 +277,42 @@ def packed_int_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with each module's packed tensors (``X.qweight``, ``X.qzeros``,
     ``X.scales``, and with act-order ``X.g_idx``, in any order) replaced by ``X.weight``
-    dequantized, once its last part comes; other tensors pass through. ``ValueError`` for a
-    module missing a part (when the weights end) or whose shapes do not fit ``fmt``."""
+    dequantized, once its last part comes; other tensors pass through.
+
+    GPTQ without act-order: a module's ``X.g_idx`` is honoured when it comes before the
+    module's last other part (safetensors files list names sorted, so ``g_idx`` comes first
+    within a file), with a warning when it reorders rows; one coming later must be the
+    consecutive grouping. AWQ has no ``g_idx``: a stored one must be consecutive and is
+    dropped. ``ValueError`` for a module missing a part (when the weights end), whose shapes
+    do not fit ``fmt``, or for a late or AWQ ``g_idx`` that reorders rows."""
     dequantize = dequantize_gptq if fmt.method == "gptq" else dequantize_awq
     needed = set(fmt.parts)
+    # GPTQ without act-order takes a g_idx that comes early; AWQ checks and drops one
+    optional_g_idx = fmt.method == "gptq" and not fmt.act_order
     waiting: dict[str, dict[str, torch.Tensor]] = {}
+    done: set[str] = set()  # modules dequantized, for a g_idx coming after them
+    warned = False
     for name, tensor in weights:
         base, _, suffix = name.rpartition(".")
-        if suffix == "g_idx" and not fmt.act_order:
-            _check_row_groups(name, tensor, fmt)
+        if suffix == "g_idx" and not fmt.act_order and (not optional_g_idx or base in done):
+            _check_late_g_idx(name, tensor, fmt)
             continue
-        if suffix not in needed or not base:
+        if (suffix not in needed and not (optional_g_idx and suffix == "g_idx")) or not base:
             yield name, tensor
             continue
         parts = waiting.setdefault(base, {})
         parts[suffix] = tensor
-        if set(parts) == needed:
+        if needed <= set(parts):
             del waiting[base]
+            if optional_g_idx:
+                done.add(base)
+                if not warned and "g_idx" in parts and not _is_row_groups(parts["g_idx"], fmt):
+                    warned = True
+                    logger.warning(
+                        "%s.g_idx reorders the input rows although desc_act is false: "
+                        "honouring it (the weights were quantized in that order)",
+                        base,
+                    )
             yield base + ".weight", dequantize(base, parts, fmt)
     if waiting:
         lacking = sorted(

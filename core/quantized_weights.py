@@ -1,7 +1,9 @@
 """Quantized checkpoints (FP8, MXFP4, AWQ, GPTQ), read by dequantizing their weights as they
 load.
 
-Five layouts are read (``quantization_config`` in ``config.json``):
+Five layouts are read (``quantization_config`` in ``config.json``, or for AWQ and GPTQ an
+older export's ``quantize_config.json`` / ``quant_config.json``,
+:mod:`chassis.core.int_quant_config`):
 
 - ``quant_method: "fp8"`` (Qwen3-FP8, DeepSeek-V3 style): ``X.weight`` in ``float8_e4m3fn``
   with ``X.weight_scale_inv`` (float32), one scale per ``weight_block_size`` block

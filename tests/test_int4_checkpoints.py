@@ -356,7 +356,7 @@ def test_packed_tensors_that_do_not_fit_are_refused() -> None:
     bad_groups = dict(parts, g_idx=parts["g_idx"] + 5)
     with pytest.raises(ValueError, match="g_idx names groups"):
         list(dequantized_weights([(f"m.{k}", v) for k, v in bad_groups.items()], config))
-    # without desc_act a stored g_idx must be the consecutive grouping
+    # without desc_act a g_idx coming after its module's other tensors must be consecutive
     plain = _hf_config(Scheme("gptq").config())
     with pytest.raises(ValueError, match="desc_act is false"):
         list(dequantized_weights([(f"m.{k}", v) for k, v in parts.items()], plain))
