@@ -158,6 +158,28 @@ def _parsed(parser: ChoiceParser | None, text: str) -> ChoiceDelta:
     return parser.parse(text) if parser is not None else ChoiceDelta(content=text)
 
 
+class _Parse:
+    """A streamed choice's parsing: its :class:`ChoiceParser` (``None``: all text is
+    content) and whether what the parser holds back (a possible tag's prefix) was flushed,
+    which may happen once: when the choice finished, when the engine stream ended without a
+    finish reason, or when a background response is cancelled."""
+
+    def __init__(self, parsing: RequestParsing | None) -> None:
+        self._parser = parsing.choice_parser() if parsing is not None else None
+        self._flushed = False
+
+    def feed(self, text: str) -> ChoiceDelta:
+        """The classified part of ``text``, the next piece of the message."""
+        return ChoiceDelta(content=text) if self._parser is None else self._parser.feed(text)
+
+    def flush(self) -> ChoiceDelta:
+        """What the parser still holds back (empty after the first call)."""
+        if self._parser is None or self._flushed:
+            return ChoiceDelta()
+        self._flushed = True
+        return self._parser.finish()
+
+
 async def _collect(
     turn: _Turn, stream: AsyncIterator[RequestOutput], parsing: RequestParsing | None
 ) -> ResponseObject:
@@ -182,7 +204,7 @@ async def _events(
     writer = ResponseEvents(turn.in_progress())
     for event in writer.start():
         yield event
-    output = _output_events(turn, writer, stream, parsing, UsageCounter())
+    output = _output_events(turn, writer, stream, _Parse(parsing), UsageCounter())
     async with contextlib.aclosing(output) as events:
         async for event in events:
             yield event
@@ -192,30 +214,26 @@ async def _output_events(
     turn: _Turn,
     writer: ResponseEvents,
     stream: AsyncIterator[RequestOutput],
-    parsing: RequestParsing | None,
+    parse: _Parse,
     usage: UsageCounter,
 ) -> AsyncIterator[str]:
     """The events after ``response.in_progress``: the output items, then the final response
     (made by ``turn.finish``); a failure ends them with ``error`` and ``response.failed``."""
-    parser = parsing.choice_parser() if parsing is not None else None
     finish: str | None = None
     try:
         async with contextlib.aclosing(stream):
             async for output in stream:
                 usage.add(0, output)
                 for completion in output.outputs:
-                    if parser is None:
-                        delta = ChoiceDelta(content=completion.text)
-                    else:
-                        delta = parser.feed(completion.text)
-                        if completion.finished:
-                            delta += parser.finish()
+                    delta = parse.feed(completion.text)
+                    if completion.finished:
+                        delta += parse.flush()
                     finish = completion.finish_reason or finish
                     for event in writer.feed(delta):
                         yield event
-        if finish is None and parser is not None:  # aborted: what the parsers held
-            for event in writer.feed(parser.finish()):
-                yield event
+        # aborted (no finish reason): what the parsers held
+        for event in writer.feed(parse.flush()):
+            yield event
         status, _ = response_status(finish)
         for event in writer.finish(status):
             yield event
@@ -244,13 +262,14 @@ async def _run_background(
     """Make a background response: its events go to ``run``, its final response (also a
     failed or cancelled one) to the store."""
     usage = UsageCounter()
+    parse = _Parse(parsing)
     try:
         if run.cancel_requested:  # cancelled before this task first ran
             raise asyncio.CancelledError
         stream = await open_stream()
         run.status = "in_progress"
         run.add_event(writer.in_progress())
-        output = _output_events(turn, writer, stream, parsing, usage)
+        output = _output_events(turn, writer, stream, parse, usage)
         async with contextlib.aclosing(output) as events:
             async for event in events:
                 run.add_event(event)
@@ -258,10 +277,14 @@ async def _run_background(
             turn.keep(writer.failed_response)
     except asyncio.CancelledError:
         # POST .../cancel or shutdown: closing the engine stream aborted the engine request;
-        # the response keeps what was made, its last item incomplete
+        # the response keeps what was made, its last item incomplete, including the text
+        # the parsers held back (a possible tag's prefix: generated text, classified as a
+        # whole-message parse of the same text would classify it)
         if turn.final is not None:
             return
-        if writer.items:
+        for event in writer.feed(parse.flush()):
+            run.add_event(event)
+        if writer.has_output:
             for event in writer.finish("cancelled"):
                 run.add_event(event)
         run.add_event(writer.end(turn.finish(None, writer.items, usage)))

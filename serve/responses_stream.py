@@ -90,6 +90,11 @@ class ResponseEvents:
         response = self._response.model_copy(update={"status": status})
         return self.event(kind, response=response.model_dump(mode="json"))
 
+    @property
+    def has_output(self) -> bool:
+        """Whether any output was fed: an item, or content held back as whitespace."""
+        return bool(self.items or self._pending)
+
     def feed(self, delta: ChoiceDelta) -> list[str]:
         """The events of the next parsed piece of the message."""
         events: list[str] = []

@@ -71,7 +71,8 @@ class FakeAsyncLLM:
     """Fulfils the AsyncLLM contract used by chassis.serve with deterministic outputs.
 
     ``token_delay`` seconds pass between steps; ``gate`` (an ``asyncio.Event`` created
-    lazily in the running loop by :meth:`hold`) pauses every request after its first step.
+    lazily in the running loop by :meth:`hold`) pauses every request after its first step (or
+    its first ``after`` steps).
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class FakeAsyncLLM:
         self._dead: EngineDeadError | None = None
         self._dead_callbacks: list[Callable[[], None]] = []
         self._held = False
+        self._hold_after = 1
         self._release: asyncio.Event | None = None
         self.shutdown_calls = 0
         #: kill the engine when this many steps have run in total (None: never)
@@ -122,9 +124,10 @@ class FakeAsyncLLM:
 
     # -- test controls --------------------------------------------------------------------
 
-    def hold(self) -> None:
-        """Pause every request after its first output until :meth:`release`."""
+    def hold(self, after: int = 1) -> None:
+        """Pause every request after its first ``after`` outputs until :meth:`release`."""
         self._held = True
+        self._hold_after = after
 
     def release(self) -> None:
         self._held = False
@@ -253,7 +256,7 @@ class FakeAsyncLLM:
                 if self._dead is not None:
                     raise self._dead
                 if step > 0:
-                    if self._held:
+                    if self._held and step >= self._hold_after:
                         if self._release is None:
                             self._release = asyncio.Event()
                         self._release.clear()

@@ -73,6 +73,9 @@ REASONING_CASES = [
     (Qwen3ReasoningParser, QWEN_PROMPT, "  <thi", "", "<thi"),
     (Qwen3ReasoningParser, QWEN_PROMPT, "<think>a </thin b</think>c", "a </thin b", "c"),
     (Qwen3ReasoningParser, QWEN_PROMPT, "<think></think>", "", ""),
+    # cut inside the end tag: the whitespace before the tag's start is the reasoning's own
+    (Qwen3ReasoningParser, QWEN_PROMPT, "<think>a \n</thi", "a \n</thi", ""),
+    (Qwen3ReasoningParser, QWEN_PROMPT, "<think>a \n", "a", ""),
     (Qwen3ReasoningParser, QWEN_PROMPT, "", "", ""),
     # the prompt opened the block: no opening tag in the output
     (Qwen3ReasoningParser, QWEN_PROMPT + "<think>\n", "hmm\n</think>\nOK", "hmm", "OK"),

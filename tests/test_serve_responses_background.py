@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fake_engine import FakeAsyncLLM
 from fastapi.testclient import TestClient
-from test_serve_responses import MODEL, Server, serve
+from test_serve_responses import CALL, MODEL, PARSERS, THOUGHT, WEATHER, Server, serve
 
 from chassis.serve.app import build_app
 from chassis.serve.responses_background import BackgroundResponses, BackgroundRun
@@ -91,6 +91,52 @@ def test_cancel_aborts_the_engine_request(server: Server) -> None:
     again = server.client.responses.cancel(response.id)
     assert again.model_dump() == cancelled.model_dump()
     assert server.client.responses.retrieve(response.id).status == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("cut", "reasoning", "message"),
+    [
+        # cut inside the end tag of the reasoning: "</thi" was held back as its prefix
+        (THOUGHT.index("</think>") + 5, "The user wants the weather.\n</thi", None),
+        # cut inside a tool call's start tag: "<tool_c" was held back as its prefix
+        (
+            len(THOUGHT) + len("Checking.\n<tool_c"),
+            "The user wants the weather.",
+            "Checking.\n<tool_c",
+        ),
+    ],
+)
+def test_a_cancelled_response_keeps_what_the_parsers_held_back(
+    cut: int, reasoning: str | None, message: str | None
+) -> None:
+    # the parsers hold back a possible tag's prefix until more text shows what it is; on
+    # cancel that text was still generated, and the stored response shows it as a parse of
+    # the whole text so far would (the same split as a plain response of that text)
+    script = THOUGHT + "Checking.\n" + CALL
+    for server in serve(script, PARSERS):
+        server.engine.hold(after=cut)
+        created = server.client.responses.create(
+            model=MODEL, input="Weather?", tools=[WEATHER], background=True, stream=True
+        )
+        events = iter(created)
+        # (the fake engine counts its steps; it holds after the cut)
+        wait_for(lambda engine=server.engine: engine._steps >= cut and engine.running)
+        cancelled = server.client.responses.cancel(next(events).response.id)
+        server.engine.release()
+        assert cancelled.status == "cancelled"
+        texts = {item.type: item.content[0].text for item in cancelled.output}
+        assert texts.get("reasoning") == reasoning and texts.get("message") == message
+        assert cancelled.output[-1].status == "incomplete"
+        # the stored response says the same, and the followers got the held text as deltas
+        stored = server.client.responses.retrieve(cancelled.id)
+        assert stored.model_dump() == cancelled.model_dump()
+        rest = list(events)
+        assert rest[-1].type == "response.incomplete"
+        assert rest[-1].response.model_dump() == cancelled.model_dump()
+        for kind, text in (("reasoning", reasoning), ("output", message)):
+            deltas = [e.delta for e in rest if e.type == f"response.{kind}_text.delta"]
+            assert "".join(deltas) == (text or "")
+        assert server.engine.aborted == [cancelled.id]
 
 
 def test_cancel_answers_the_cancelled_response_even_when_the_store_dropped_it(

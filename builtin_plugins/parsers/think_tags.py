@@ -101,7 +101,11 @@ class ThinkTagReasoningParser(ReasoningParser):
         if mode is _Mode.UNDECIDED:
             mode = _Mode.REASONING if self._default_reasoning else _Mode.CONTENT
             held = held.lstrip()
-        if mode in (_Mode.REASONING, _Mode.REASONING_LEAD):
+        if mode is _Mode.REASONING:
+            # held: whitespace, then maybe the start of "</think>" that never came; the
+            # whitespace is the reasoning's own unless nothing follows it
+            return ReasoningDelta(reasoning=held.rstrip())
+        if mode is _Mode.REASONING_LEAD:
             return ReasoningDelta(reasoning=held.strip())
         return ReasoningDelta(content=held.lstrip() if mode is _Mode.CONTENT_LEAD else held)
 
