@@ -220,6 +220,19 @@ class AttentionBackend(ABC):
 class ForwardContext:
     """Passed to ``CausalLM.forward``: what attention layers read during one step."""
 
+    #: the step's metadata: every layer's when the KV cache has one group of layers
+    #: (``group_metadata`` is None), else group 0's (read :meth:`metadata_for`)
     attn_metadata: AttentionMetadata
     #: one cache tensor per attention layer, indexed by layer number
     kv_caches: list[torch.Tensor]
+    #: with several KV cache groups: one metadata per group (its own ``block_table`` and
+    #: ``slot_mapping``; ``query_start_loc`` and ``seq_lens`` are the same for all)
+    group_metadata: list[AttentionMetadata] | None = None
+    #: with ``group_metadata``: the group of each attention layer, indexed by layer number
+    layer_group: list[int] | None = None
+
+    def metadata_for(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata attention layer ``layer_idx`` reads: its KV cache group's."""
+        if self.group_metadata is None or self.layer_group is None:
+            return self.attn_metadata
+        return self.group_metadata[self.layer_group[layer_idx]]

@@ -22,7 +22,7 @@ import bisect
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -105,19 +105,24 @@ def eager_reason(
 
 
 class _StaticInputs:
-    """The buffers every graph reads; rows ``0 .. size-1`` are graph ``size``'s inputs."""
+    """The buffers every graph reads; rows ``0 .. size-1`` are graph ``size``'s inputs.
+    ``slot_mappings`` and ``block_tables`` hold one buffer per KV cache group."""
 
-    def __init__(self, max_size: int, max_blocks_per_req: int, device: torch.device) -> None:
+    def __init__(
+        self, max_size: int, max_blocks_per_req: int, device: torch.device, num_groups: int = 1
+    ) -> None:
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(max_size, **i64)
         self.positions = torch.zeros(max_size, **i64)
         # The capture-time contents are the padding's: no KV write, one context token.
-        self.slot_mapping = torch.full((max_size,), -1, **i64)
+        self.slot_mappings = [torch.full((max_size,), -1, **i64) for _ in range(num_groups)]
         self.seq_lens = torch.ones(max_size, **i32)
         # One query token per request: constant, written once.
         self.query_start_loc = torch.arange(max_size + 1, **i32)
-        self.block_table = torch.zeros(max_size, max_blocks_per_req, **i32)
+        self.block_tables = [
+            torch.zeros(max_size, max_blocks_per_req, **i32) for _ in range(num_groups)
+        ]
 
 
 class DecodeGraphs:
@@ -127,6 +132,8 @@ class DecodeGraphs:
     the caches, the weights and the static buffers); :meth:`capture` must run once before
     :meth:`run`. ``replays`` counts replays per capture size. ``model`` is the model, or
     anything called like it (the ``torch.compile``'d forward of ``--torch-compile``).
+    ``layer_group`` (the runner's): the KV cache group of each attention layer, whose
+    metadata buffer it reads; None: one group.
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class DecodeGraphs:
         max_model_len: int,
         max_blocks_per_req: int,
         pin_memory: bool = False,
+        layer_group: list[int] | None = None,
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"capture sizes must be sorted, unique and >= 1; got {sizes}")
@@ -151,7 +159,9 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.pin_memory = pin_memory
         max_size = self.sizes[-1]
-        self._inputs = _StaticInputs(max_size, max_blocks_per_req, device)
+        self.layer_group = layer_group
+        num_groups = 1 if layer_group is None else max(layer_group) + 1
+        self._inputs = _StaticInputs(max_size, max_blocks_per_req, device, num_groups)
         # Host staging for the padded slots, and the host copies of seq_lens and
         # query_start_loc that the metadata carries (kept equal to the device buffers).
         self._slots_host = np.full(max_size, -1, dtype=np.int64)
@@ -190,19 +200,29 @@ class DecodeGraphs:
         bound on every replay's ``seq_lens``.
         """
         inputs = self._inputs
-        metadata = AttentionMetadata(
-            num_actual_tokens=size,
-            num_reqs=size,
-            query_start_loc=inputs.query_start_loc[: size + 1],
-            seq_lens=inputs.seq_lens[:size],
-            block_table=inputs.block_table[:size],
-            slot_mapping=inputs.slot_mapping[:size],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            query_start_loc_cpu=self._query_start_loc_cpu[: size + 1],
-            seq_lens_cpu=self._seq_lens_cpu[:size],
+        metadata = [
+            AttentionMetadata(
+                num_actual_tokens=size,
+                num_reqs=size,
+                query_start_loc=inputs.query_start_loc[: size + 1],
+                seq_lens=inputs.seq_lens[:size],
+                block_table=block_table[:size],
+                slot_mapping=slot_mapping[:size],
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                query_start_loc_cpu=self._query_start_loc_cpu[: size + 1],
+                seq_lens_cpu=self._seq_lens_cpu[:size],
+            )
+            for block_table, slot_mapping in zip(
+                inputs.block_tables, inputs.slot_mappings, strict=True
+            )
+        ]
+        ctx = ForwardContext(
+            attn_metadata=metadata[0],
+            kv_caches=self.kv_caches,
+            group_metadata=metadata if self.layer_group is not None else None,
+            layer_group=self.layer_group,
         )
-        ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
         return self.model(inputs.input_ids[:size], inputs.positions[:size], ctx)
 
     @torch.inference_mode()
@@ -244,18 +264,19 @@ class DecodeGraphs:
         self,
         input_ids: np.ndarray | torch.Tensor,
         positions: np.ndarray,
-        slot_mapping: np.ndarray,
+        slot_mapping: np.ndarray | Sequence[np.ndarray],
         seq_lens: np.ndarray,
-        block_table: np.ndarray,
+        block_table: np.ndarray | Sequence[np.ndarray],
     ) -> torch.Tensor:
         """Replay the graph for ``n = len(input_ids)`` one-token requests; return ``[n, hidden]``.
 
         :param input_ids: ``[n]`` the step's tokens, one per request: host values, or a device
             tensor (tokens an unresolved step sampled, under async scheduling)
         :param positions: ``[n]`` their positions
-        :param slot_mapping: ``[n]`` their KV cache slots
+        :param slot_mapping: ``[n]`` their KV cache slots (a list: one per KV cache group)
         :param seq_lens: ``[n]`` context lengths including the new token (<= max_model_len)
-        :param block_table: ``[n, w]`` int32 block ids, ``w`` <= max blocks per request
+        :param block_table: ``[n, w]`` int32 block ids, ``w`` <= max blocks per request (a
+            list: one per KV cache group)
         :return: a view of the graph's static output, valid until the next replay
         :raises ValueError: ``n`` is 0 or larger than :attr:`max_size`
         """
@@ -267,18 +288,29 @@ class DecodeGraphs:
         ids = input_ids if isinstance(input_ids, torch.Tensor) else self._host(input_ids)
         inputs.input_ids[:n].copy_(ids, non_blocking=True)
         inputs.positions[:n].copy_(self._host(positions), non_blocking=True)
+        slot_mappings = [slot_mapping] if isinstance(slot_mapping, np.ndarray) else slot_mapping
+        tables = [block_table] if isinstance(block_table, np.ndarray) else block_table
+        if len(slot_mappings) != len(inputs.slot_mappings) or len(tables) != len(slot_mappings):
+            raise ValueError(
+                f"slot mappings and block tables for {len(slot_mappings)} and {len(tables)} "
+                f"KV cache groups; the graphs were captured for {len(inputs.slot_mappings)}"
+            )
         # Padding rows: slot -1 (write nothing), a one-token context (read almost nothing).
+        # (one staging array serves every group: a copy from pageable memory has read it
+        # when copy_ returns, and _host pins a copy of it)
         slots = self._slots_host[:size]
-        slots[:n] = slot_mapping
         slots[n:] = -1
-        inputs.slot_mapping[:size].copy_(self._host(slots), non_blocking=True)
+        for slots_in, buffer in zip(slot_mappings, inputs.slot_mappings, strict=True):
+            slots[:n] = slots_in
+            buffer[:size].copy_(self._host(slots), non_blocking=True)
         lens = self._seq_lens_host[:size]  # also the metadata's seq_lens_cpu
         lens[:n] = seq_lens
         lens[n:] = 1
         inputs.seq_lens[:size].copy_(self._host(lens), non_blocking=True)
         # Padding rows keep stale block ids: valid ids, of which only entry 0 is read.
-        width = block_table.shape[1]
-        inputs.block_table[:n, :width].copy_(self._host(block_table), non_blocking=True)
+        for table, buffer in zip(tables, inputs.block_tables, strict=True):
+            width = table.shape[1]
+            buffer[:n, :width].copy_(self._host(table), non_blocking=True)
         self._graphs[size].replay()
         self.replays[size] += 1
         return self._outputs[size][:n]

@@ -1,12 +1,17 @@
 """The model runner's persistent batch: per-request rows updated incrementally each step.
 
 Rows live in preallocated host arrays (token ids, block tables, progress). A step only adds
-new requests, appends new blocks and sampled tokens, and removes finished ones by moving the
-last row into the hole, so nothing is rebuilt from scratch.
+new requests, appends new blocks and sampled tokens, nulls the block-table entries a sliding
+window released since the last step, and removes finished ones by moving the last row into
+the hole, so nothing is rebuilt from scratch.
+
+Block tables: one per KV cache group (``KVCacheManager.num_groups``), each
+``[max_num_reqs, max_blocks_per_req]``; block-id arguments are lists with one list per group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,9 +52,20 @@ class RequestState:
 
 
 class InputBatch:
-    """Rows ``0 .. num_reqs-1`` hold the requests currently in the runner."""
+    """Rows ``0 .. num_reqs-1`` hold the requests currently in the runner.
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    ``num_kv_groups``: how many block tables each row has (one per KV cache group).
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        num_kv_groups: int = 1,
+    ) -> None:
+        if num_kv_groups < 1:
+            raise ValueError(f"num_kv_groups must be >= 1; got {num_kv_groups}")
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -58,8 +74,15 @@ class InputBatch:
         #: tokens sampled by steps whose ids have not reached the host yet (async scheduling);
         #: ``token_ids`` holds the ``num_tokens`` known ones
         self.num_unresolved = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        #: one block table per KV cache group
+        self.block_tables = [
+            np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+            for _ in range(num_kv_groups)
+        ]
+        #: ``[group, row]``: entries in use in each block table
+        self.group_num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
+        #: ``[group, row]``: leading entries already pointed at the null block
+        self.group_num_null = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         #: each row's LoRA adapter id (0: the base model)
         self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)
         self.request_ids: list[str] = []
@@ -73,7 +96,29 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.request_ids)
 
-    def add(self, state: RequestState, block_ids: list[int], num_computed_tokens: int) -> None:
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.block_tables)
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """Group 0's block table (the only one with one KV cache group)."""
+        return self.block_tables[0]
+
+    @property
+    def num_blocks(self) -> np.ndarray:
+        """Group 0's entries in use per row (a view: writes go through)."""
+        return self.group_num_blocks[0]
+
+    def add(
+        self,
+        state: RequestState,
+        block_ids: Sequence[Sequence[int]],
+        num_computed_tokens: int,
+        num_null_blocks: Sequence[int] = (),
+    ) -> None:
+        """Put a request in the next row: ``block_ids`` is its block table per KV cache
+        group, whose first ``num_null_blocks[g]`` entries are the null block (empty: none)."""
         if state.request_id in self.row_of:
             raise ValueError(f"request {state.request_id!r} is already in the batch")
         if self.num_reqs >= self.max_num_reqs:
@@ -89,12 +134,15 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = num_computed_tokens
         self.num_unresolved[row] = 0
-        self.num_blocks[row] = 0
+        self.group_num_blocks[:, row] = 0
+        self.group_num_null[:, row] = 0
         self.lora_ids[row] = state.lora_int_id
         self.request_ids.append(state.request_id)
         self.states.append(state)
         self.row_of[state.request_id] = row
         self.append_blocks(row, block_ids)
+        for group, num_null in enumerate(num_null_blocks):
+            self.group_num_null[group, row] = num_null  # (add wrote those entries already)
         if self.updates is not None:
             self.updates.add(
                 AddedRequest(
@@ -102,24 +150,37 @@ class InputBatch:
                 )
             )
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        if not block_ids:
-            return
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        if end > self.block_table.shape[1]:
+    def append_blocks(self, row: int, block_ids: Sequence[Sequence[int]]) -> None:
+        """Append ``block_ids[g]`` to the row's block table of group ``g``."""
+        if len(block_ids) > self.num_kv_groups:
             raise ValueError(
-                f"request {self.request_ids[row]!r} needs {end} blocks, more than "
-                f"{self.block_table.shape[1]} (max_model_len / block_size)"
+                f"block ids for {len(block_ids)} KV cache groups; the batch has "
+                f"{self.num_kv_groups}"
             )
-        self.block_table[row, start:end] = block_ids
-        self.num_blocks[row] = end
+        for group, ids in enumerate(block_ids):
+            if not ids:
+                continue
+            table = self.block_tables[group]
+            start = int(self.group_num_blocks[group, row])
+            end = start + len(ids)
+            if end > table.shape[1]:
+                raise ValueError(
+                    f"request {self.request_ids[row]!r} needs {end} blocks, more than "
+                    f"{table.shape[1]} (max_model_len / block_size)"
+                )
+            table[row, start:end] = ids
+            self.group_num_blocks[group, row] = end
 
-    def null_leading_blocks(self, row: int, num_null_blocks: int) -> None:
-        """Point the row's first ``num_null_blocks`` block-table entries at the null block
-        (blocks the scheduler released: no layer's window reads them any more)."""
-        if num_null_blocks:
-            self.block_table[row, :num_null_blocks] = NULL_BLOCK_ID
+    def null_leading_blocks(self, row: int, num_null_blocks: Sequence[int]) -> None:
+        """Point the row's first ``num_null_blocks[g]`` entries of group ``g``'s block table at
+        the null block (blocks the scheduler released: no layer of the group's window reads
+        them any more). Only the entries past those already nulled are written, so a step
+        costs what its window released, not the request's length."""
+        for group, num_null in enumerate(num_null_blocks):
+            done = int(self.group_num_null[group, row])
+            if num_null > done:
+                self.block_tables[group][row, done:num_null] = NULL_BLOCK_ID
+                self.group_num_null[group, row] = num_null
 
     def append_token(self, row: int, token_id: int) -> None:
         n = int(self.num_tokens[row])
@@ -141,9 +202,11 @@ class InputBatch:
             self.num_tokens[row] = self.num_tokens[last]
             self.num_computed_tokens[row] = self.num_computed_tokens[last]
             self.num_unresolved[row] = self.num_unresolved[last]
-            nb = int(self.num_blocks[last])
-            self.block_table[row, :nb] = self.block_table[last, :nb]
-            self.num_blocks[row] = nb
+            for group, table in enumerate(self.block_tables):
+                nb = int(self.group_num_blocks[group, last])
+                table[row, :nb] = table[last, :nb]
+            self.group_num_blocks[:, row] = self.group_num_blocks[:, last]
+            self.group_num_null[:, row] = self.group_num_null[:, last]
             self.lora_ids[row] = self.lora_ids[last]
             self.request_ids[row] = moved_id
             self.states[row] = self.states[last]

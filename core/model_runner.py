@@ -126,12 +126,19 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / self.block_size)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        #: the KV cache group of each attention layer, by layer number; None: one group,
+        #: every layer reads the same block table (the only layout built so far)
+        self.layer_group: list[int] | None = None
+        self.batch = InputBatch(
+            config.max_num_seqs, config.max_model_len, self.max_blocks_per_req, num_kv_groups=1
+        )
         #: custom logits processors (``--logits-processors``), told of every batch change
         self.logits_processors = LogitsProcessors.build(config, device, pin_memory)
         if self.logits_processors is not None:
             self.batch.updates = BatchUpdateBuilder()
         self.in_flight = InFlightSteps(self.batch, platform, pin_memory)
+        if drafter is not None:  # probabilistic drafts need the sampler's distributions
+            drafter.use_sampler(sampler, has_logits_processors=self.logits_processors is not None)
         self.kv_caches: list[torch.Tensor] = []
         self.prompt_logprobs = PromptLogprobsCollector()
         #: captured decode graphs; None while there are none (eager only)
@@ -223,6 +230,7 @@ class ModelRunner:
             max_model_len=self.config.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req,
             pin_memory=self.pin_memory,
+            layer_group=self.layer_group,
         )
         if self.lora is not None:
             # Captured with the adapter matmuls (an all-zero mask is the base model), so that
@@ -266,7 +274,7 @@ class ModelRunner:
             )
             if new.lora_request is not None and self.lora is not None:
                 self.lora.add_request(new.lora_request)
-            self.batch.add(state, new.block_ids, new.num_computed_tokens)
+            self.batch.add(state, new.block_ids, new.num_computed_tokens, new.num_null_blocks)
             if params.prompt_logprobs is not None and not new.output_token_ids:
                 self.prompt_logprobs.start(
                     new.request_id, new.prompt_token_ids, params.prompt_logprobs
@@ -356,10 +364,9 @@ class ModelRunner:
                 [batch.request_ids[r] for r in token_rows[pending_index]],
                 self._to_device,
             )
-        block_ids = batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
-        max_blocks = math.ceil(seq_lens.max() / self.block_size)
-        block_table = np.ascontiguousarray(batch.block_table[rows, :max_blocks])
+        slot_mappings, block_tables = group_slots_and_tables(
+            batch, rows, token_rows, positions, int(seq_lens.max()), self.block_size
+        )
         seq_lens_i32 = seq_lens.astype(np.int32)
 
         if self.lora is not None:
@@ -367,17 +374,18 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and total == len(rows) and graphs.size_for(total) is not None:
             # Pure decode (one token per request) within the captured sizes: replay.
-            hidden = graphs.run(input_ids, positions, slot_mapping, seq_lens_i32, block_table)
+            hidden = graphs.run(input_ids, positions, slot_mappings, seq_lens_i32, block_tables)
         else:
-            metadata = step_attention_metadata(
+            ctx = step_forward_context(
                 query_start_loc,
                 seq_lens_i32,
-                block_table,
-                slot_mapping,
+                block_tables,
+                slot_mappings,
                 int(num_scheduled.max()),
                 self._to_device,
+                self.kv_caches,
+                self.layer_group,
             )
-            ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
             if isinstance(input_ids, np.ndarray):
                 input_ids = self._to_device(input_ids)
             hidden = self.forward(input_ids, self._to_device(positions), ctx)
@@ -442,8 +450,16 @@ class ModelRunner:
                         sample_rows, batch.request_ids, out.spec_token_ids, self._to_device
                     )
                 )
+            verify = None
+            if self.drafter is not None and out.spec_token_ids:
+                # rows verifying probabilistic drafts: copied before the sampler edits them
+                verify = self.drafter.prepare_verify(
+                    logits[:, : self.vocab_size], states, out.spec_token_ids
+                )
             result = self.sampler(logits[:, : self.vocab_size], metadata_s)
             check_sampler_output(result, metadata_s, self.sampler)  # plugins: fail by name
+            if verify is not None:  # their tokens by rejection sampling instead
+                result.sampled_token_ids = self.drafter.verify(verify, result.sampled_token_ids)
             if parallel_state.tp_size() > 1:
                 # Every rank continues from the driver's tokens: the other ranks' generators
                 # need not stay in step with it (rank 0 may share its process with the user's).
@@ -542,6 +558,66 @@ def host_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) ->
     if pin_memory:
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
+
+
+def group_slots_and_tables(
+    batch: InputBatch,
+    rows: np.ndarray,
+    token_rows: np.ndarray,
+    positions: np.ndarray,
+    max_seq_len: int,
+    block_size: int,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per KV cache group of ``batch``: the tokens' cache slots (int64, ``[T]``: token ``t``
+    of row ``token_rows[t]`` at ``positions[t]``) and the ``rows``' block tables, as wide as
+    ``max_seq_len`` needs (int32, contiguous)."""
+    max_blocks = math.ceil(max_seq_len / block_size)
+    offsets = positions % block_size
+    entries = positions // block_size
+    slot_mappings, block_tables = [], []
+    for table in batch.block_tables:
+        slot_mappings.append(table[token_rows, entries].astype(np.int64) * block_size + offsets)
+        block_tables.append(np.ascontiguousarray(table[rows, :max_blocks]))
+    return slot_mappings, block_tables
+
+
+def step_forward_context(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: list[np.ndarray],
+    slot_mappings: list[np.ndarray],
+    max_query_len: int,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+    kv_caches: list[torch.Tensor],
+    layer_group: list[int] | None,
+) -> ForwardContext:
+    """The forward context of a step with one block table and slot mapping per KV cache
+    group (:func:`step_attention_metadata` for each; the groups share the device copies of
+    ``query_start_loc`` and ``seq_lens``). ``layer_group`` maps attention layers to groups
+    (None: one group)."""
+    first = step_attention_metadata(
+        query_start_loc, seq_lens, block_tables[0], slot_mappings[0], max_query_len, to_device
+    )
+    if layer_group is None:
+        return ForwardContext(attn_metadata=first, kv_caches=kv_caches)
+    group_metadata = (
+        [first]
+        + [
+            dataclasses.replace(
+                first,
+                block_table=to_device(table),
+                slot_mapping=to_device(slots),
+                derived={},  # a backend's memo is per block table
+            )
+            for table, slots in zip(block_tables[1:], slot_mappings[1:], strict=True)
+        ]
+    )
+    return ForwardContext(
+        attn_metadata=first,
+        kv_caches=kv_caches,
+        group_metadata=group_metadata,
+        layer_group=layer_group,
+    )
 
 
 def step_attention_metadata(

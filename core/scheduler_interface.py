@@ -42,7 +42,9 @@ class NewRequestData:
     #: tokens generated before a preemption; the runner recomputes their K/V
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    #: its block table, one list per KV cache group (``KVCacheManager.num_groups``; one
+    #: group today: every attention layer reads the same table)
+    block_ids: list[list[int]]
     #: tokens whose K/V are already cached (prefix-cache hits)
     num_computed_tokens: int
     #: the request's EOS ids (the sampler blocks them until ``min_tokens``)
@@ -51,6 +53,9 @@ class NewRequestData:
     lora_request: LoRARequest | None = None
     #: set for a pooling request (``runner="pooling"``): prefill only, pooled, not sampled
     pooling_params: PoolingParams | None = None
+    #: per KV cache group, how many leading entries of ``block_ids`` are the null block (a
+    #: sliding-window prefix-cache hit needs only the window's blocks); empty when none
+    num_null_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -58,14 +63,16 @@ class CachedRequestData:
     """A request already in the runner's batch."""
 
     request_id: str
-    #: blocks to append to its block table
-    new_block_ids: list[int]
+    #: blocks to append to its block table, one list per KV cache group
+    new_block_ids: list[list[int]]
     #: tokens whose K/V are cached *before* this step (this step computes the next ones)
     num_computed_tokens: int
-    #: how many leading entries of its block table are now the null block
-    #: (``chassis.core.block_pool.NULL_BLOCK_ID``): blocks released because no layer's
-    #: sliding window reads them any more (``KVCacheManager``); 0 when none
-    num_null_blocks: int = 0
+    #: per KV cache group, how many leading entries of its block table are now the null
+    #: block (``chassis.core.block_pool.NULL_BLOCK_ID``): blocks released because no layer
+    #: of the group's window reads them any more (``KVCacheManager``); empty when none. A
+    #: count, not a list of entries: one int per group whatever the request's length, and
+    #: the runner nulls only the entries past the count it already applied
+    num_null_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass

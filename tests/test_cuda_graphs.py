@@ -262,7 +262,7 @@ def test_static_buffers_are_padded_and_refilled() -> None:
         assert out.shape == (n, 6)
         np.testing.assert_array_equal(out.numpy(), expected)
         inputs = graphs._inputs
-        assert (inputs.slot_mapping[n:size] == -1).all()  # padding writes nothing
+        assert (inputs.slot_mappings[0][n:size] == -1).all()  # padding writes nothing
         assert (inputs.seq_lens[n:size] == 1).all()  # and reads one token
     assert graphs.replays == {8: 1, 2: 1, 4: 1} and graphs.num_replays == 3
     assert [g.num_replays for g in platform.graphs] == [1, 1, 1, 0]  # sizes 8, 4, 2, 1

@@ -562,7 +562,7 @@ def test_the_batch_keeps_each_rows_adapter_when_rows_move() -> None:
     batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4)
     for i, lora_id in enumerate((1, 0, 2)):
         state = RequestState(f"r{i}", [1, 2], [], SamplingParams(), frozenset(), None, lora_id)
-        batch.add(state, [i], 0)
+        batch.add(state, [[i]], 0)  # one KV cache group
     batch.remove("r0")
     assert batch.request_ids == ["r2", "r1"]
     assert batch.lora_ids[:2].tolist() == [2, 0]

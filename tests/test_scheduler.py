@@ -67,13 +67,13 @@ class FakeRunner:
             assert new.request_id not in self.batch
             self.batch[new.request_id] = _RunnerRequest(
                 new.prompt_token_ids + new.output_token_ids,
-                list(new.block_ids),
+                list(new.block_ids[0]),  # one KV cache group
                 new.num_computed_tokens,
             )
         for cached in so.cached_requests:
             state = self.batch[cached.request_id]
             assert state.num_computed_tokens == cached.num_computed_tokens
-            state.block_ids.extend(cached.new_block_ids)
+            state.block_ids.extend(cached.new_block_ids[0])
         assert set(so.num_scheduled_tokens) == {r.request_id for r in so.new_requests} | {
             r.request_id for r in so.cached_requests
         }
@@ -384,7 +384,7 @@ def test_common_prefix_shares_blocks_and_counts_hits() -> None:
     assert new_b.num_computed_tokens == 8
     assert result.steps[-1].num_scheduled_tokens["b"] == 1
     shared = kv.get_block_ids("a")[:2]
-    assert kv.get_block_ids("b")[:2] == shared == new_b.block_ids[:2]
+    assert kv.get_block_ids("b")[:2] == shared == new_b.block_ids[0][:2]
     assert [kv.block_pool.ref_count(x) for x in shared] == [2, 2]
     assert b.num_cached_tokens == 8
     stats = sched.stats()

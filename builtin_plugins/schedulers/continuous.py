@@ -71,8 +71,8 @@ class _StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     #: ids to send as NewRequestData (the rest are CachedRequestData)
     new_request_ids: set[str] = field(default_factory=set)
-    #: request id -> blocks taken this step (cached requests)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    #: request id -> blocks taken this step (cached requests), one list per KV cache group
+    new_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     #: preempted during this step (not to be readmitted in it)
     preempted_ids: set[str] = field(default_factory=set)
     #: ids the runner must drop
@@ -80,7 +80,9 @@ class _StepPlan:
     #: request id -> draft tokens it verifies this step (speculative decoding)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, request_id: str, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
+    def add(
+        self, request_id: str, num_tokens: int, block_ids: list[list[int]], is_new: bool
+    ) -> None:
         self.num_scheduled_tokens[request_id] = num_tokens
         self.token_budget -= num_tokens
         if is_new:
@@ -410,7 +412,7 @@ class ContinuousBatchingScheduler(Scheduler):
                     drafts, lookahead = [], 0  # no room to verify or draft: decode plainly
                     continue
                 if block_ids is not None:
-                    plan.add(request.request_id, num_new + len(drafts), block_ids, is_new=False)
+                    plan.add(request.request_id, num_new + len(drafts), [block_ids], is_new=False)
                     if drafts:
                         plan.spec_token_ids[request.request_id] = drafts
                     break
@@ -478,7 +480,7 @@ class ContinuousBatchingScheduler(Scheduler):
             self.running.append(request)
             if request.lora_int_id:
                 loras.add(request.lora_int_id)
-            plan.add(request.request_id, num_new, block_ids, is_new=True)
+            plan.add(request.request_id, num_new, [block_ids], is_new=True)
 
     def _running_loras(self) -> set[int]:
         """The LoRA adapter ids of the running requests (none without ``--enable-lora``,
@@ -507,11 +509,12 @@ class ContinuousBatchingScheduler(Scheduler):
                         prompt_token_ids=list(request.prompt_token_ids),
                         output_token_ids=list(request.output_token_ids),
                         sampling_params=request.sampling_params,
-                        block_ids=self.kv_cache_manager.get_block_ids(request_id),
+                        block_ids=[self.kv_cache_manager.get_block_ids(request_id)],
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_ids=request.eos_token_ids,
                         lora_request=request.lora_request,
                         pooling_params=request.pooling_params,
+                        num_null_blocks=[self.kv_cache_manager.num_null_blocks(request_id)],
                     )
                 )
                 self._in_runner.add(request_id)
@@ -521,7 +524,7 @@ class ContinuousBatchingScheduler(Scheduler):
                         request_id=request_id,
                         new_block_ids=plan.new_block_ids[request_id],
                         num_computed_tokens=request.num_computed_tokens,
-                        num_null_blocks=self.kv_cache_manager.num_null_blocks(request_id),
+                        num_null_blocks=[self.kv_cache_manager.num_null_blocks(request_id)],
                     )
                 )
             output.num_scheduled_tokens[request_id] = num_tokens

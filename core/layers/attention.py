@@ -92,7 +92,7 @@ class Attention(nn.Module):
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             ctx.kv_caches[self.layer_idx],
-            ctx.attn_metadata,
+            ctx.metadata_for(self.layer_idx),
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
