@@ -45,8 +45,9 @@ from chassis.serve.responses_background import (
     BackgroundRun,
     background_responses,
 )
+from chassis.serve.responses_include import check_include
 from chassis.serve.responses_input import chat_messages, input_items
-from chassis.serve.responses_items import DEFAULT_LIMIT, check_include, page, with_ids
+from chassis.serve.responses_items import DEFAULT_LIMIT, page, with_ids
 from chassis.serve.responses_output import (
     new_id,
     output_items,
@@ -418,12 +419,19 @@ async def retrieve_response(
     stream: bool = False,
     starting_after: int | None = None,
     include_obfuscation: bool | None = None,
+    include: list[str] | None = Query(None),
+    # the openai SDK sends lists as include[]=a&include[]=b
+    include_brackets: list[str] | None = Query(None, alias="include[]"),
 ) -> Response:
     """A response: a stored one as it was returned, a running background one as it stands;
     a 404 for an unknown (or dropped) id. With ``?stream=true``, the events of a background
     response created with ``stream: true`` after sequence number ``starting_after`` (all
     when absent), then the rest as they come; a 400 for any other response.
-    ``include_obfuscation`` is accepted and has no effect (no obfuscation is added)."""
+    ``include_obfuscation`` is accepted and has no effect (no obfuscation is added);
+    ``include`` (as ``include=`` or ``include[]=``) follows
+    :func:`~chassis.serve.responses_include.check_include`: values that add nothing here
+    are accepted, the others a 400."""
+    check_include([*(include or []), *(include_brackets or [])])
     run = background_responses(request.app).get(response_id)
     stored = response_store(request.app).get(response_id) if run is None else None
     if run is None and stored is None:

@@ -22,19 +22,6 @@ from typing import Any, Literal
 from chassis.serve.errors import bad_request
 from chassis.serve.responses_output import new_id
 
-#: ``include`` values about items this server never stores (images, built-in tools): nothing
-#: to add, so accepted. The others (``message.output_text.logprobs``,
-#: ``reasoning.encrypted_content``) name data the server does not keep: a 400.
-INCLUDE_NOTHING_TO_ADD = frozenset(
-    {
-        "file_search_call.results",
-        "web_search_call.results",
-        "web_search_call.action.sources",
-        "message.input_image.image_url",
-        "computer_call_output.output.image_url",
-        "code_interpreter_call.outputs",
-    }
-)
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 _ID_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -74,18 +61,6 @@ def listed(item: dict[str, Any]) -> dict[str, Any]:
     elif out["type"] == "reasoning":
         out.setdefault("summary", [])
     return out
-
-
-def check_include(include: list[str] | None) -> None:
-    """A 400 for an ``include`` value that would add data this server does not keep."""
-    for value in include or []:
-        if value not in INCLUDE_NOTHING_TO_ADD:
-            raise bad_request(
-                f"include {value!r} is not supported on input_items (the server keeps no "
-                "logprobs or encrypted reasoning); supported: "
-                f"{', '.join(sorted(INCLUDE_NOTHING_TO_ADD))}",
-                "include",
-            )
 
 
 def page(

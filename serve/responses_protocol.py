@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from chassis.serve import structured_request
 from chassis.serve.errors import APIError, bad_request
 from chassis.serve.protocol import ChatCompletionRequest, ChatMessage, _SamplingRequest
+from chassis.serve.responses_include import check_include
 
 #: Fields of the shared sampling base that a Responses request may not use (Responses has no
 #: choices, no chat-format response_format, no token-id or prompt-logprob fields).
@@ -102,12 +103,7 @@ class ResponsesRequest(_SamplingRequest):
                 "400 (use truncation 'disabled', or vLLM's truncate_prompt_tokens)",
                 "truncation",
             )
-        if self.include:
-            raise bad_request(
-                f"include is not supported (no logprobs, encrypted reasoning or tool "
-                f"outputs to add); got {self.include}",
-                "include",
-            )
+        check_include(self.include)
         if self.top_logprobs:
             raise bad_request("top_logprobs is not supported on /v1/responses", "top_logprobs")
         if self.conversation is not None:

@@ -409,6 +409,46 @@ def test_the_app_store_is_bounded(server: Server) -> None:
         server.client.responses.retrieve(first.id)
 
 
+def test_retrieve_honours_include_as_create_does(server: Server) -> None:
+    # the values about items this server never makes (built-in tools, images) add nothing:
+    # accepted by create, retrieve and input_items alike, the response unchanged
+    nothing = ["file_search_call.results", "message.input_image.image_url"]
+    created = server.client.responses.create(model=MODEL, input="Hi", include=nothing)  # type: ignore[list-item]
+    plain = server.client.responses.retrieve(created.id)
+    included = server.client.responses.retrieve(created.id, include=nothing)  # type: ignore[arg-type]
+    assert included.model_dump() == plain.model_dump() == created.model_dump()
+    # what the server neither makes nor keeps is a 400 saying why, on each of them
+    calls = (
+        lambda value: server.client.responses.create(model=MODEL, input="Hi", include=[value]),
+        lambda value: server.client.responses.retrieve(created.id, include=[value]),
+        lambda value: server.client.responses.input_items.list(created.id, include=[value]),
+    )
+    for value, why in [
+        ("message.output_text.logprobs", "logprobs"),
+        ("reasoning.encrypted_content", "encrypt"),
+    ]:
+        for call in calls:
+            with pytest.raises(openai.BadRequestError) as info:
+                call(value)
+            error = info.value.body
+            assert error["param"] == "include" and why in error["message"], error
+    # an unknown value is a 400 in OpenAI's shape listing the values, however it is sent
+    url = f"/v1/responses/{created.id}"
+    for params in ({"include": "bogus"}, {"include[]": "bogus"}):
+        reply = server.http.get(url, params=params)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "include"
+        assert "'bogus'" in error["message"] and "message.output_text.logprobs" in error["message"]
+    reply = server.http.post(
+        "/v1/responses", json={"model": MODEL, "input": "Hi", "include": ["x"]}
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "include"
+    # checked before the id is looked up, as input_items does
+    reply = server.http.get("/v1/responses/resp_unknown", params={"include": "bogus"})
+    assert reply.status_code == 400
+
+
 # -- errors --------------------------------------------------------------------------------------
 
 

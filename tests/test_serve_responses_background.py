@@ -295,6 +295,18 @@ def test_a_streamed_background_response_resumes_from_any_sequence_number(server:
         assert [e.model_dump() for e in resumed] == [e.model_dump() for e in events[after + 1 :]]
     whole = list(server.client.responses.retrieve(response_id, stream=True))
     assert len(whole) == len(events)
+    # include is checked on a streamed retrieve too: values that add nothing change nothing
+    included = list(
+        server.client.responses.retrieve(
+            response_id, stream=True, starting_after=4, include=["file_search_call.results"]
+        )
+    )
+    assert [e.model_dump() for e in included] == [e.model_dump() for e in events[5:]]
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.responses.retrieve(
+            response_id, stream=True, include=["message.output_text.logprobs"]
+        )
+    assert info.value.body["param"] == "include"
 
 
 def test_what_cannot_be_streamed_again(server: Server) -> None:
