@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -59,6 +59,15 @@ class CausalLM(nn.Module, ABC):
     #: ``score`` head, not an LM head), which only a pooling engine runs; ``--runner auto``
     #: picks ``"pooling"`` for it (:mod:`chassis.core.pooling_classify`).
     is_sequence_classifier: bool = False
+    #: Checkpoint projections the model merges: the last part of a checkpoint module's name
+    #: -> the module of this model it loads into (Llama: ``q_proj``, ``k_proj`` and
+    #: ``v_proj`` -> ``qkv_proj``); a projection not listed loads into the module of its own
+    #: name, so a model that merges nothing declares ``{}``. ``None`` (the default): not
+    #: declared. The loader asks it where a checkpoint tensor belongs without loading it (the
+    #: zero biases of packed AWQ/GPTQ checkpoints,
+    #: :func:`~chassis.core.packed_int_weights.without_phantom_biases`), and refuses what it
+    #: cannot place when it is ``None`` rather than guess.
+    merged_projections: Mapping[str, str] | None = None
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__()

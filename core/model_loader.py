@@ -331,6 +331,7 @@ def build_model(
                 iterate_safetensors(Path(model_path), wanted=model.needs_checkpoint_tensor),
                 hf_config,
                 parameter_names,
+                model.merged_projections,
             )
         )
         missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)

@@ -32,7 +32,7 @@ int4 kernels yet).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,14 +52,6 @@ GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 #: input rows dequantized at a time (a multiple of every codes-per-int32 count)
 ROWS_PER_STEP = 1024
-#: checkpoint projections chassis's models load into one merged parameter (its name)
-MERGED_PROJECTIONS = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
 _AWQ_VERSIONS = ("gemm",)
 _AWQ_BACKENDS = (None, "autoawq")
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -322,22 +314,38 @@ def packed_int_weights(
 
 
 def without_phantom_biases(
-    weights: Iterable[tuple[str, torch.Tensor]], parameter_names: Collection[str]
+    weights: Iterable[tuple[str, torch.Tensor]],
+    parameter_names: Collection[str],
+    merged_projections: Mapping[str, str] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` less the all-zero biases the model has no parameter for.
 
     Older GPTQ tools (GPTQ-for-LLaMa, early AutoGPTQ) gave every quantized layer a bias,
     zeros where the architecture has none (Llama's projections, Qwen2's ``o_proj`` and MLP),
     and many Hub checkpoints carry them. A zero ``P.X.bias`` is left out when the model has
-    neither ``P.X.bias`` nor the bias of the merged projection ``X`` loads into
-    (:data:`MERGED_PROJECTIONS`): it adds nothing, and the model has no place for it. Any
-    other bias passes through.
+    neither ``P.X.bias`` nor ``P.M.bias``, ``M`` the module its ``merged_projections`` (the
+    model's :attr:`~chassis.core.model_interface.CausalLM.merged_projections`) loads ``X``
+    into: it adds nothing, and the model has no place for it. Any other bias passes through.
+    ``ValueError`` for a zero bias without a parameter of its own name when the model
+    declares no ``merged_projections`` (``None``): it may belong to a merged module whose
+    name only the model knows.
     """
     names = set(parameter_names)
     for name, tensor in weights:
-        if name.endswith(".bias") and name.count(".") >= 2 and not bool(tensor.any()):
+        if (
+            name.endswith(".bias")
+            and name.count(".") >= 2
+            and name not in names
+            and not bool(tensor.any())
+        ):
             prefix, module, _ = name.rsplit(".", 2)
-            merged = f"{prefix}.{MERGED_PROJECTIONS.get(module, module)}.bias"
-            if name not in names and merged not in names:
+            if merged_projections is None:
+                raise ValueError(
+                    f"the checkpoint has a zero bias {name!r} the model has no parameter of "
+                    "that name for, and the model does not declare which of its modules the "
+                    "checkpoint's projections load into (CausalLM.merged_projections); "
+                    "declare them in the model plugin"
+                )
+            if f"{prefix}.{merged_projections.get(module, module)}.bias" not in names:
                 continue
         yield name, tensor

@@ -28,7 +28,7 @@ quantization methods are refused by name (:func:`check_quantization`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Generator, Iterable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -236,13 +236,15 @@ def dequantized_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     hf_config: Any,
     parameter_names: Collection[str] | None = None,
+    merged_projections: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with every float8 weight replaced by its dequantized float32 value and the
     scales consumed (MXFP4 checkpoints: every blocks/scales pair by its bfloat16 value,
     :func:`dequantize_mxfp4`; AWQ and GPTQ checkpoints: every module's packed tensors by its
     float32 weight, :func:`~chassis.core.packed_int_weights.packed_int_weights`); unquantized
-    tensors pass through. Given the model's ``parameter_names``, the zero biases older GPTQ
-    tools add to bias-free layers are left out
+    tensors pass through. Given the model's ``parameter_names`` (and its
+    ``merged_projections``, :attr:`~chassis.core.model_interface.CausalLM.merged_projections`),
+    the zero biases older GPTQ tools add to bias-free layers are left out
     (:func:`~chassis.core.packed_int_weights.without_phantom_biases`). ``ValueError`` for a
     quantized weight without a scale, a scale without its weight, or shapes that do not
     fit."""
@@ -253,7 +255,7 @@ def dequantized_weights(
         yield from _mxfp4_weights(weights)
     elif config.get("quant_method") in PACKED_INT_METHODS:
         if parameter_names is not None:
-            weights = without_phantom_biases(weights, parameter_names)
+            weights = without_phantom_biases(weights, parameter_names, merged_projections)
         yield from packed_int_weights(weights, packed_int_format(config))
     else:
         yield from _fp8_weights(weights, config.get("weight_block_size"))

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from test_fp8_checkpoints import NEW_TOKENS, PROMPTS, _is_quantized
 
 from chassis import LLM, SamplingParams
+from chassis.builtin_plugins.models.llama import LlamaForCausalLM
 from chassis.core import packed_int_weights
 from chassis.core.packed_int_weights import without_phantom_biases
 from chassis.core.quantized_weights import check_quantization, dequantized_weights
@@ -132,11 +134,16 @@ def _packed_module(weight: torch.Tensor, scheme: Scheme, generator: torch.Genera
 
 
 def write_int_twins(
-    source: Path, root: Path, scheme: Scheme, phantom_biases: bool = False
+    source: Path,
+    root: Path,
+    scheme: Scheme,
+    phantom_biases: bool = False,
+    is_quantized: Callable[[str, torch.Tensor], bool] = _is_quantized,
 ) -> tuple[Path, Path, dict]:
     """A packed copy of ``source`` in ``scheme``, its dequantized float32 twin, and the
     packed tensors. ``phantom_biases`` gives each packed layer without a bias a zero one, as
-    older GPTQ tools did."""
+    older GPTQ tools did; ``is_quantized(name, tensor)`` picks the layers packed (default:
+    the decoder's ``*_proj`` weights)."""
     quantized, twin = root / "packed", root / "twin"
     for directory in (quantized, twin):
         shutil.copytree(source, directory)
@@ -145,7 +152,7 @@ def write_int_twins(
     dequantized: dict[str, torch.Tensor] = {}
     tensors = load_file(str(source / "model.safetensors"))
     for name, tensor in tensors.items():
-        if not _is_quantized(name, tensor):
+        if not is_quantized(name, tensor):
             packed[name] = dequantized[name] = tensor
             continue
         parts, dequantized[name] = _packed_module(tensor.float(), scheme, generator)
@@ -333,7 +340,8 @@ def test_only_zero_biases_the_model_has_no_place_for_are_left_out() -> None:
         (f"{mlp}.up_proj.bias", one),  # not zero: passes (and the model refuses it)
         (f"{mlp}.down_proj.qweight", torch.zeros(1, 8, dtype=torch.int32)),
     ]
-    kept = [name for name, _ in without_phantom_biases(weights, params)]
+    merged = LlamaForCausalLM.merged_projections
+    kept = [name for name, _ in without_phantom_biases(weights, params, merged)]
     assert kept == [
         f"{attn}.q_proj.bias",
         f"{mlp}.down_proj.bias",

@@ -14,7 +14,7 @@ checkpoint tensors into row slices of the merged weights.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -469,6 +469,11 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
+    #: checkpoint projection -> the merged module it loads into (what :meth:`load_weights`
+    #: does with it, :data:`_MERGED_SHARDS`)
+    merged_projections: Mapping[str, str] = {
+        name: module for name, (module, _) in _MERGED_SHARDS.items()
+    }
     #: merged module -> the checkpoint projections it holds, in row order (LoRA adapters
     #: name those); a subclass whose checkpoint keeps them merged (Phi-3) empties it
     lora_merged_projections: dict[str, tuple[str, ...]] = {
