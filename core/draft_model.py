@@ -20,8 +20,16 @@ the target verifies them in its next step exactly as it verifies n-gram drafts
   Then ``k - 1`` single-token forwards feed draft ``j`` at ``q + j`` for draft ``j + 1``.
   The draft thus writes K/V at ``q .. q + k - 1``: the scheduler reserves those slots (a
   lookahead of ``k`` beyond the step's tokens), and a request whose blocks do not reach
-  that far drafts fewer tokens. Greedy drafts are enough: verification by exact match keeps
-  the target's output distribution whatever the drafts are.
+  that far drafts fewer tokens.
+- **Which token.** Greedy requests (and every request with ``draft_sampling: "greedy"``, a
+  sampler without :attr:`~chassis.core.sampler_interface.Sampler.provides_probabilities`,
+  or custom logits processors) get the draft's argmax: a one-hot ``q``, which the runner's
+  exact-match verification already rejection-samples exactly. A random request's draft is
+  *drawn* from the draft's own distribution ``q`` under the request's temperature, top-k,
+  top-p and min-p (the runner's sampler computes it, :meth:`Sampler.probabilities`; the
+  rest of the sampling parameters never apply to a request that may speculate). The
+  proposer keeps ``q`` on the device until the target verifies those drafts by rejection
+  sampling (:meth:`DraftModelProposer.verify`, :mod:`chassis.core.rejection_sampling`).
 
 The draft runs eager (no graphs, no torch.compile): ``k`` small forwards per step.
 """
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,13 +47,16 @@ import torch
 from chassis.core.attention import ForwardContext, kv_cache_shape
 from chassis.core.model_loader import kv_head_count
 from chassis.core.model_runner import dummy_prefill, host_to_device, step_attention_metadata
+from chassis.core.rejection_sampling import race, rejection_sample
+from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.speculative import can_speculate
 
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
-    from chassis.core.input_batch import InputBatch
+    from chassis.core.input_batch import InputBatch, RequestState
     from chassis.core.model_interface import CausalLM
+    from chassis.core.sampler_interface import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +113,36 @@ def load_draft_model(
     return model
 
 
+@dataclass
+class _DraftProbs:
+    """The drafts last proposed for one request and the distributions they were drawn from."""
+
+    token_ids: list[int]
+    #: ``[rows, vocab]`` float32 on the device, the proposing step's q of every random
+    #: request; row ``base + j`` is ``q`` of draft ``j``
+    flat: torch.Tensor
+    base: int
+
+
+@dataclass
+class VerifyRows:
+    """The verify rows of one step whose drafts are probabilistic (see
+    :meth:`DraftModelProposer.prepare_verify`)."""
+
+    #: ``[rows]`` int64 on the device: their indices among the step's logits rows
+    index: torch.Tensor
+    #: ``[rows, vocab]`` float32: a copy of their logits, before the sampler edits them
+    logits: torch.Tensor
+    #: ``[rows, vocab]`` float32: ``q`` of the draft each row verifies (0 on bonus rows)
+    draft_probs: torch.Tensor
+    #: ``[rows]`` int64: the draft each row verifies (0 on bonus rows)
+    draft_token_ids: torch.Tensor
+    #: ``[rows]`` bool: the row after the request's last draft
+    is_bonus: torch.Tensor
+    #: the rows' sampling settings (for the target's ``p``)
+    states: list[RequestState]
+
+
 class DraftModelProposer:
     """The draft model, its KV caches and the proposal of each step's drafts.
 
@@ -133,6 +175,33 @@ class DraftModelProposer:
             getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         )
         self.kv_caches: list[torch.Tensor] = []
+        #: the runner's sampler when it gives probabilities for probabilistic drafts (see
+        #: :meth:`use_sampler`); None: every draft is the draft's argmax
+        self.sampler: Sampler | None = None
+        self._draft_sampling = spec.draft_sampling
+        #: request id -> its last probabilistic drafts and their q (random requests only)
+        self._draft_probs: dict[str, _DraftProbs] = {}
+
+    def use_sampler(self, sampler: Sampler, has_logits_processors: bool) -> bool:
+        """Draw random requests' drafts with ``sampler``'s distributions and verify them by
+        rejection sampling, when ``draft_sampling`` is ``"probabilistic"``, the sampler
+        :attr:`~Sampler.provides_probabilities` and no custom logits processors run (their
+        effect on ``p`` is not computed here); else keep greedy drafts. Returns whether
+        drafts are probabilistic."""
+        probabilistic = (
+            self._draft_sampling == "probabilistic"
+            and sampler.provides_probabilities
+            and not has_logits_processors
+        )
+        self.sampler = sampler if probabilistic else None
+        if self._draft_sampling == "probabilistic" and not probabilistic:
+            logger.info(
+                "draft model proposes greedy drafts for every request: %s",
+                "custom logits processors are on"
+                if has_logits_processors
+                else f"sampler {type(sampler).__qualname__} does not provide probabilities",
+            )
+        return probabilistic
 
     # -- KV cache -------------------------------------------------------------------------
 
@@ -154,8 +223,13 @@ class DraftModelProposer:
     def profile_run(self, num_tokens: int) -> None:
         """One draft forward over ``num_tokens`` dummy tokens (split into requests of at
         most ``max_model_len``) without a KV cache write, and logits for ``max_num_seqs``
-        rows: the draft's activation peak, for the memory profile."""
+        rows: the draft's activation peak, for the memory profile. With probabilistic drafts
+        the ``q`` of ``k`` drafts per request is held meanwhile (it stays between steps)."""
         num_tokens = max(1, num_tokens)
+        kept_q = None
+        if self.sampler is not None:
+            rows = self.max_num_seqs * self.num_speculative_tokens
+            kept_q = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)
         input_ids, positions, ctx = dummy_prefill(
             num_tokens,
             self.max_model_len,
@@ -169,6 +243,7 @@ class DraftModelProposer:
         )
         hidden = self.model(input_ids, positions, ctx)
         self.model.compute_logits(hidden[: min(self.max_num_seqs, num_tokens)])
+        del kept_q
 
     # -- proposing ------------------------------------------------------------------------
 
@@ -191,6 +266,9 @@ class DraftModelProposer:
         computed = batch.num_computed_tokens[rows].astype(np.int64)
         room = self._room(batch, rows, computed, sampled)
         drafting = room > 0
+        self._drop_stale_probs(batch)
+        for r in rows[sampled]:  # their last drafts are verified: proposed anew below
+            self._draft_probs.pop(batch.request_ids[r], None)
         # The positions the step computed and kept, plus a drafting request's newest token.
         query_lens = computed + drafting - starts
         hidden = self._forward(batch, rows, starts, query_lens)
@@ -198,26 +276,109 @@ class DraftModelProposer:
             return {}
         index = np.nonzero(drafting)[0]  # the drafting requests, by position in rows
         need = room[index]
+        states = [batch.states[r] for r in rows[index]]
+        choose = _DraftChooser(self, states, int(need.max()))
         last_token = np.cumsum(query_lens)[index] - 1
-        tokens = self._argmax(hidden[self._to_device(last_token)])
-        drafts = [[t] for t in tokens]
         alive = np.arange(len(index))  # those still drafting, by position in index
+        tokens = choose(hidden[self._to_device(last_token)], alive, 0)
+        drafts = [[t] for t in tokens]
         for j in range(1, int(need.max())):
             keep = need[alive] > j
             alive = alive[keep]
             rows_j = rows[index[alive]]
-            tokens = self._argmax(
-                self._forward(
-                    batch,
-                    rows_j,
-                    computed[index[alive]] + j,  # draft j goes at q + j
-                    np.ones(len(alive), dtype=np.int64),
-                    input_ids=np.array(tokens, dtype=np.int64)[keep],
-                )
+            hidden = self._forward(
+                batch,
+                rows_j,
+                computed[index[alive]] + j,  # draft j goes at q + j
+                np.ones(len(alive), dtype=np.int64),
+                input_ids=np.array(tokens, dtype=np.int64)[keep],
             )
+            tokens = choose(hidden, alive, j)
             for a, token in zip(alive.tolist(), tokens, strict=True):
                 drafts[a].append(token)
-        return {batch.request_ids[rows[i]]: drafts[a] for a, i in enumerate(index.tolist())}
+        for a, state in enumerate(states):
+            entry = choose.probs_of(a, drafts[a])
+            if entry is not None:
+                self._draft_probs[state.request_id] = entry
+        return {state.request_id: drafts[a] for a, state in enumerate(states)}
+
+    def _drop_stale_probs(self, batch: InputBatch) -> None:
+        """Forget the q of requests the batch no longer holds (finished or preempted)."""
+        for request_id in [r for r in self._draft_probs if r not in batch.row_of]:
+            del self._draft_probs[request_id]
+
+    # -- verifying ------------------------------------------------------------------------
+
+    def prepare_verify(
+        self,
+        logits: torch.Tensor,
+        states: list[RequestState],
+        spec_token_ids: dict[str, list[int]],
+    ) -> VerifyRows | None:
+        """Pick the step's verify rows whose drafts were drawn from a ``q`` this proposer
+        keeps (random requests, drafts a prefix of the last proposal) and copy their logits
+        before the sampler edits them; None when there are none.
+
+        ``logits`` are the step's sampling rows, ``states`` their requests (a request with
+        ``d`` drafts has ``d + 1`` consecutive rows)."""
+        if self.sampler is None or not self._draft_probs:
+            return None
+        index: list[int] = []
+        draft_ids: list[int] = []
+        is_bonus: list[bool] = []
+        sources: list[tuple[torch.Tensor, int, int]] = []  # (flat q, its row, logits row)
+        i = 0
+        while i < len(states):
+            state = states[i]
+            drafts = spec_token_ids.get(state.request_id) or []
+            entry = self._draft_probs.get(state.request_id)
+            num_rows = 1 + len(drafts)
+            if (
+                drafts
+                and entry is not None
+                and entry.token_ids[: len(drafts)] == list(drafts)
+                and state.sampling_params.temperature >= SAMPLING_EPS
+            ):
+                for m in range(num_rows):
+                    if m < len(drafts):
+                        sources.append((entry.flat, entry.base + m, len(index)))
+                    index.append(i + m)
+                    draft_ids.append(drafts[m] if m < len(drafts) else 0)
+                    is_bonus.append(m == len(drafts))
+            i += num_rows
+        if not index:
+            return None
+        device = logits.device
+        index_t = self._to_device(np.array(index, dtype=np.int64))
+        draft_probs = torch.zeros(len(index), logits.shape[1], dtype=torch.float32, device=device)
+        for flat in {id(f): f for f, _, _ in sources}.values():  # usually one step's tensor
+            picked = [(row, at) for f, row, at in sources if f is flat]
+            rows_t = self._to_device(np.array([row for row, _ in picked], dtype=np.int64))
+            at_t = self._to_device(np.array([at for _, at in picked], dtype=np.int64))
+            draft_probs.index_copy_(0, at_t, flat.index_select(0, rows_t))
+        return VerifyRows(
+            index=index_t,
+            logits=logits.index_select(0, index_t).float(),
+            draft_probs=draft_probs,
+            draft_token_ids=self._to_device(np.array(draft_ids, dtype=np.int64)),
+            is_bonus=self._to_device(np.array(is_bonus, dtype=bool)),
+            states=[states[i] for i in index],
+        )
+
+    def verify(self, rows: VerifyRows, sampled_token_ids: torch.Tensor) -> torch.Tensor:
+        """``sampled_token_ids`` (the sampler's ids for every row of the step) with the rows
+        of ``rows`` replaced by rejection sampling's tokens, which the runner's exact-match
+        rule (:func:`~chassis.core.speculative.accepted_tokens`) turns into the output. On
+        the device, no host synchronization."""
+        assert self.sampler is not None
+        metadata = build_sampling_metadata(
+            [s.sampling_row for s in rows.states], rows.logits.device, rows.logits.shape[1]
+        )
+        target_probs = self.sampler.probabilities(rows.logits, metadata)
+        tokens = rejection_sample(
+            target_probs, rows.draft_probs, rows.draft_token_ids, rows.is_bonus
+        )
+        return sampled_token_ids.index_copy(0, rows.index, tokens)
 
     def _room(
         self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, sampled: np.ndarray
@@ -283,9 +444,71 @@ class DraftModelProposer:
         ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
         return self.model(self._to_device(input_ids), self._to_device(positions), ctx)
 
-    def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        """The draft's greedy token after each row of ``hidden``."""
-        return self.model.compute_logits(hidden)[:, : self.vocab_size].argmax(dim=-1).tolist()
-
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return host_to_device(array, self.device, self.pin_memory)
+
+
+class _DraftChooser:
+    """The drafts of one proposal, draft step by draft step: the argmax for greedy requests,
+    a draw from ``q`` for random ones (when the proposer has a sampler), whose ``q`` rows it
+    keeps in one ``[random requests * k, vocab]`` tensor."""
+
+    def __init__(
+        self, proposer: DraftModelProposer, states: list[RequestState], num_steps: int
+    ) -> None:
+        self.proposer = proposer
+        self.states = states
+        self.num_steps = num_steps
+        self.slot = np.full(len(states), -1, dtype=np.int64)  # random requests' slots
+        if proposer.sampler is not None:
+            random = [s.sampling_params.temperature >= SAMPLING_EPS for s in states]
+            self.slot[np.array(random, dtype=bool)] = np.arange(sum(random))
+        num_random = int((self.slot >= 0).sum())
+        self.flat: torch.Tensor | None = None
+        if num_random:
+            self.flat = torch.zeros(
+                num_random * num_steps,
+                proposer.vocab_size,
+                dtype=torch.float32,
+                device=proposer.device,
+            )
+        self._metadata_key: tuple[int, ...] = ()
+        self._metadata = None
+
+    def __call__(self, hidden: torch.Tensor, alive: np.ndarray, step: int) -> list[int]:
+        """The draft tokens at draft step ``step`` of the requests ``alive`` (by position in
+        ``states``), whose draft hidden states are ``hidden``; one host read."""
+        proposer = self.proposer
+        logits = proposer.model.compute_logits(hidden)[:, : proposer.vocab_size]
+        tokens = logits.argmax(dim=-1)
+        random = np.nonzero(self.slot[alive] >= 0)[0]  # by position in alive
+        if len(random):
+            assert proposer.sampler is not None and self.flat is not None
+            picked = proposer._to_device(random)
+            q = proposer.sampler.probabilities(
+                logits.index_select(0, picked).float(), self._metadata_for(alive[random])
+            )
+            tokens = tokens.index_copy(0, picked, race(q))
+            slots = self.slot[alive[random]] * self.num_steps + step
+            self.flat.index_copy_(0, proposer._to_device(slots), q)
+        return tokens.tolist()
+
+    def _metadata_for(self, requests: np.ndarray):
+        key = tuple(requests.tolist())
+        if key != self._metadata_key:  # the same requests draft every step, mostly
+            self._metadata_key = key
+            self._metadata = build_sampling_metadata(
+                [self.states[a].sampling_row for a in key],
+                self.proposer.device,
+                self.proposer.vocab_size,
+            )
+        return self._metadata
+
+    def probs_of(self, a: int, token_ids: list[int]) -> _DraftProbs | None:
+        """What verifying request ``a``'s drafts ``token_ids`` needs; None for a greedy
+        draft (one-hot, verified by exact match)."""
+        slot = int(self.slot[a])
+        if slot < 0 or self.flat is None:
+            return None
+        base = slot * self.num_steps
+        return _DraftProbs(token_ids=token_ids, flat=self.flat, base=base)

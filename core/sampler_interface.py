@@ -46,6 +46,11 @@ class Sampler(ABC):
     #: ``--logits-processors``) at the points docs/sampling.md names; an engine with
     #: processors refuses a sampler without it
     supports_logits_processors: ClassVar[bool] = False
+    #: whether :meth:`probabilities` is implemented; draft-model speculative decoding then
+    #: samples probabilistic drafts for random rows and verifies them by rejection
+    #: sampling, else (the default, so older plugins keep working) it proposes greedy
+    #: drafts and verifies them by exact match (docs/scheduling.md, "Draft-model drafts")
+    provides_probabilities: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -60,6 +65,21 @@ class Sampler(ABC):
             (``log_softmax(logits)`` before penalties and temperature, as vLLM returns them)
             when ``metadata.max_num_logprobs`` is not None
         """
+
+    def probabilities(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """``[num_rows, vocab_size]`` float32: for each random row (temperature > 0), the
+        distribution :meth:`__call__` draws that row's token from, normalized; greedy
+        rows' values are unspecified. Draws nothing and leaves the generators untouched.
+
+        Only called when :attr:`provides_probabilities` is true, with metadata of rows that
+        have no logprobs, penalties, bias, bad words, ``allowed_token_ids``, blocked
+        ``min_tokens``, seed or custom logits processors (requests with those get no
+        probabilistic drafts). ``logits`` may be modified in place.
+        """
+        raise NotImplementedError(
+            f"sampler {type(self).__qualname__} does not provide probabilities "
+            "(provides_probabilities is False)"
+        )
 
 
 def check_sampler_output(output: object, metadata: SamplingMetadata, sampler: object) -> None:

@@ -22,7 +22,7 @@ one-hot on the draft x, so rejection sampling accepts x with probability
 min(1, p(x) / q(x)) = p(x) and otherwise draws from max(p - q, 0) normalized, which is p
 without x: exactly "sample y from p, keep x if y == x, else output y". It accepts as many
 drafts and needs no probabilities from the sampler, so any sampler plugin works (a draft
-model with a non-one-hot q would need the probabilities). Requests whose choice at a
+model's sampled drafts, with a q that is not one-hot, need them: see below). Requests whose choice at a
 position depends on more than that position's logits and the global random stream get no
 drafts and decode as usual in the same steps: a seed (its stream is replayed per output
 token), logprobs, penalties, bias, ``min_tokens`` still blocking, allowed ids, bad words,
@@ -33,10 +33,14 @@ not grow with the context; :func:`propose_ngram` is the plain reference it equal
 
 With ``method: "draft_model"`` (``"model": PATH``) a small model sharing the target's
 vocabulary proposes instead (:mod:`chassis.core.draft_model`): after each step the runner
-lets it write ``num_speculative_tokens`` greedy tokens per request, and the scheduler plans
-them as the next step's drafts. Greedy (argmax) drafts are a one-hot q too, so the same
-exact-match verification keeps the output distribution exact: any draft source only changes
-how many drafts are accepted, never which tokens come out or with what probability.
+lets it write ``num_speculative_tokens`` tokens per request, and the scheduler plans them as
+the next step's drafts. For greedy requests they are its argmax, a one-hot q, so the same
+exact-match verification keeps the output exact. For random requests they are drawn from
+the draft's own distribution q (``draft_sampling: "probabilistic"``, the default, when the
+sampler provides probabilities), and the runner verifies them by rejection sampling against
+the target's p (:mod:`chassis.core.rejection_sampling`), which accepts a draft the target
+agrees with far more often. Either way a draft source only changes how many drafts are
+accepted, never which tokens come out or with what probability.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from chassis.core.sampling_params import SamplingParams
 
 #: the methods this engine implements
 METHODS = ("ngram", "draft_model")
+#: how a draft model chooses the drafts of random requests (``draft_sampling``)
+DRAFT_SAMPLING = ("probabilistic", "greedy")
 #: most draft tokens per step and request (the verify forward grows with them)
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -65,7 +71,10 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` tokens down to ``prompt_lookup_min`` (the longest that occurs
     earlier wins). ``model``: the draft model's checkpoint (a folder or hub id) for method
     ``draft_model``; a ``model`` without a ``method`` means ``draft_model`` (as vLLM infers
-    it from a model path).
+    it from a model path). ``draft_sampling`` (chassis's own key, method ``draft_model``
+    only): ``"probabilistic"`` (the default) lets the draft sample each draft of a random
+    request from its own distribution and the target verify by rejection sampling;
+    ``"greedy"`` proposes the draft's argmax for every request and verifies by exact match.
     """
 
     method: str = "ngram"
@@ -73,6 +82,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
+    draft_sampling: str = "probabilistic"
 
     @property
     def uses_draft_model(self) -> bool:
@@ -95,6 +105,7 @@ class SpeculativeConfig:
             "prompt_lookup_max",
             "prompt_lookup_min",
             "model",
+            "draft_sampling",
         }
         unknown = sorted(set(value) - known)
         if unknown:
@@ -128,6 +139,16 @@ class SpeculativeConfig:
                     "--speculative-config method 'draft_model' needs \"model\": the draft "
                     "model's folder or hub id (a small model with the target's vocabulary)"
                 )
+            if self.draft_sampling not in DRAFT_SAMPLING:
+                raise ValueError(
+                    f"--speculative-config draft_sampling must be one of "
+                    f"{', '.join(DRAFT_SAMPLING)}, got {self.draft_sampling!r}"
+                )
+        elif self.draft_sampling != "probabilistic":
+            raise ValueError(
+                "--speculative-config \"draft_sampling\" is for method 'draft_model' (n-gram "
+                "drafts are always one-hot); drop it"
+            )
         elif self.model is not None:
             raise ValueError(
                 f"--speculative-config \"model\" is for method 'draft_model'; method "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,10 @@ from fixtures_models import *  # noqa: F403
 from fixtures_models import hf_greedy_tokens, write_tiny_checkpoint
 from fixtures_speculative import abort_during_a_drafted_step
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from chassis import LLM, SamplingParams
+from chassis.builtin_plugins.samplers.default import DefaultSampler
 from chassis.core.config import EngineConfig
 from chassis.core.request import EngineCoreRequest
 from chassis.core.tokenizer import load_tokenizer
@@ -289,6 +291,123 @@ def test_unseeded_random_sampling_runs_and_stops(tiny_llama_dir: Path) -> None:
         assert_all_freed(llm)
     finally:
         llm.shutdown()
+
+
+# -- probabilistic drafts (rejection sampling) ---------------------------------------------------
+
+
+def sampling_llm(model_dir: Path, draft: Path, draft_sampling: str, **engine) -> LLM:
+    spec = {"model": str(draft), "num_speculative_tokens": K, "draft_sampling": draft_sampling}
+    return make_llm(model_dir, speculative_config=spec, **engine)
+
+
+def test_target_as_probabilistic_draft_accepts_every_draft(tiny_llama_dir: Path) -> None:
+    """Temperature 1, the target drafting for itself: the draft's q is the target's p, so
+    rejection sampling accepts every draft (min(1, p/q) = 1) and each step after the
+    prefill yields k + 1 tokens. Greedy (one-hot) drafts of the same model are accepted
+    only when the sample hits the argmax, a small share for this near-uniform random model."""
+    params = SamplingParams(temperature=1.0, max_tokens=21, ignore_eos=True, n=2)
+    shares = {}
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    for draft_sampling in ("probabilistic", "greedy"):
+        llm = sampling_llm(tiny_llama_dir, tiny_llama_dir, draft_sampling)
+        try:
+            steps = count_steps(llm)
+            outputs = [c for o in llm.generate(PROMPTS, params) for c in o.outputs]
+            assert all(len(c.token_ids) == 21 for c in outputs)
+            assert all(0 <= t < vocab for c in outputs for t in c.token_ids)
+            stats = llm.engine.scheduler.stats()
+            assert stats.spec_num_draft_tokens > 0
+            shares[draft_sampling] = stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+            if draft_sampling == "probabilistic":
+                assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+                assert steps[0] == 1 + math.ceil(20 / (K + 1))  # all requests in step
+            assert_all_freed(llm)
+        finally:
+            llm.shutdown()
+    assert shares["probabilistic"] == 1.0
+    assert shares["greedy"] < 0.5
+
+
+def test_probabilistic_drafts_keep_the_distribution(
+    tiny_llama_dir: Path, perturbed_dir: Path
+) -> None:
+    """A perturbed draft (q near p, not equal): drafts are accepted and rejected, and the
+    first three tokens of 400 samples (temperature 1, top-k 2) are distributed as without
+    drafts (total variation distance under 0.15, as the n-gram test in
+    test_speculative_decoding.py)."""
+    prompt = "x y x y x y x y x y x y x y x y x y"
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=6, n=400, ignore_eos=True)
+    engine = {"num_kv_blocks": 2000, "max_num_seqs": 400, "max_num_batched_tokens": 4096}
+    counts = []
+    for drafted in (False, True):
+        llm = (
+            sampling_llm(tiny_llama_dir, perturbed_dir, "probabilistic", **engine)
+            if drafted
+            else make_llm(tiny_llama_dir, **engine)
+        )
+        try:
+            outputs = llm.generate([prompt], params)[0].outputs
+            stats = llm.engine.scheduler.stats()
+        finally:
+            llm.shutdown()
+        counts.append(Counter(tuple(c.token_ids[:3]) for c in outputs))
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    plain, drafted_counts = counts
+    keys = plain.keys() | drafted_counts.keys()
+    distance = sum(abs(plain[k] - drafted_counts[k]) for k in keys) / 800
+    assert distance < 0.15, (plain.most_common(5), drafted_counts.most_common(5))
+
+
+def test_a_sampler_without_probabilities_gets_one_hot_drafts(tiny_llama_dir: Path) -> None:
+    """A sampler that does not provide probabilities (a plugin's, or a ``DefaultSampler``
+    subclass that draws its own way) or custom logits processors: greedy drafts verified by
+    exact match, so with the target as its own draft few drafts are accepted at
+    temperature 1 (all of them with the default sampler, test above)."""
+
+    class OwnDraw(DefaultSampler):
+        def sample(self, logits: torch.Tensor, metadata) -> torch.Tensor:
+            return super().sample(logits, metadata)
+
+    llm = sampling_llm(tiny_llama_dir, tiny_llama_dir, "probabilistic")
+    try:
+        drafter = llm.engine.executor.worker.runner.drafter
+        default = DefaultSampler(llm.engine.config)
+        assert not drafter.use_sampler(default, has_logits_processors=True)
+        assert not drafter.use_sampler(OwnDraw(llm.engine.config), has_logits_processors=False)
+        params = SamplingParams(temperature=1.0, max_tokens=21, ignore_eos=True)
+        assert all(len(t) == 21 for t in token_ids(llm, PROMPTS, params))
+        stats = llm.engine.scheduler.stats()
+        assert stats.spec_num_draft_tokens > 0
+        assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 2
+        assert drafter.use_sampler(default, has_logits_processors=False)
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_probabilistic_drafts_are_reproducible_under_seed(
+    tiny_llama_dir: Path, perturbed_dir: Path, plain: LLM
+) -> None:
+    """The engine's ``seed`` fixes the global stream the draft's draws and the rejection
+    step use: two engines give the same sampled outputs. A request with its own ``seed``
+    gets no drafts (its stream is replayed one draw per output token) and the tokens plain
+    decoding gives it."""
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = sampling_llm(tiny_llama_dir, perturbed_dir, "probabilistic", seed=7)
+        try:
+            runs.append(token_ids(llm, PROMPTS, params))
+            assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 0
+            seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=11)
+            before = llm.engine.scheduler.stats().spec_num_draft_tokens
+            assert token_ids(llm, PROMPTS, seeded) == token_ids(plain, PROMPTS, seeded)
+            assert llm.engine.scheduler.stats().spec_num_draft_tokens == before
+            assert_all_freed(llm)
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
 
 
 # -- preemption and aborts -----------------------------------------------------------------------

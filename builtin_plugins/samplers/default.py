@@ -44,6 +44,21 @@ class DefaultSampler(Sampler):
     NUCLEUS_CANDIDATES = 1024
     #: runs custom logits processors (``metadata.logits_processors``) where vLLM V1 does
     supports_logits_processors = True
+    #: gives draft-model speculative decoding the distributions it rejection-samples with
+    provides_probabilities = True
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # A subclass that changes how tokens are drawn (``sample``, ``__call__``) but not
+        # ``probabilities`` would have probabilistic drafts verified against a distribution
+        # it does not draw from: it gets one-hot drafts unless it says otherwise.
+        own = cls.__dict__
+        if (
+            "provides_probabilities" not in own
+            and "probabilities" not in own
+            and ("sample" in own or "__call__" in own)
+        ):
+            cls.provides_probabilities = False
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -107,11 +122,16 @@ class DefaultSampler(Sampler):
             )
         return logits
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """``[num_rows]`` int64: argmax for greedy rows, a random draw for the others."""
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
-        if metadata.all_greedy:
-            return greedy
+    def probabilities(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution each random row draws from (see :meth:`Sampler.probabilities`):
+        the same edits, temperature and filters as :meth:`__call__`, then the softmax."""
+        return self.random_probabilities(self.process_logits(logits.float(), metadata), metadata)
+
+    def random_probabilities(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> torch.Tensor:
+        """Temperature -> min-p -> argmax-invariant custom logits processors -> top-k ->
+        top-p -> softmax of processed ``logits`` (modified in place)."""
         apply_temperature(logits, metadata.temperature)
         if metadata.min_p is not None:
             apply_min_p(logits, metadata.min_p)
@@ -124,7 +144,14 @@ class DefaultSampler(Sampler):
             metadata.max_top_k,
             self._nucleus_candidates,
         )
-        random = exponential_race(logits.softmax(dim=-1), metadata.generators)
+        return logits.softmax(dim=-1)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """``[num_rows]`` int64: argmax for greedy rows, a random draw for the others."""
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy
+        random = exponential_race(self.random_probabilities(logits, metadata), metadata.generators)
         if greedy is None:
             return random
         return torch.where(metadata.temperature < SAMPLING_EPS, greedy, random)
