@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from chassis.core.attention import FP8_KV_DTYPES  # the kernels store and read both
-from chassis.core.layers.triton_ops import check_launchable
+from chassis.core.layers.triton_ops import check_launchable, is_interpreted
 
 _LOG2E = 1.4426950408889634
 #: upper bound on KV splits of one query block (split-KV "flash decoding")
@@ -702,13 +702,13 @@ def _check_config(config: LaunchConfig, group: int) -> None:
 def _dot_in_fp32(query: torch.Tensor) -> bool:
     """Whether the kernel should upcast ``tl.dot`` operands to float32.
 
-    float32 inputs: yes, with IEEE precision (no TF32 rounding). 16-bit inputs on a GPU: no,
-    the tensor cores take them natively. On the CPU interpreter bfloat16 dots are computed on
-    raw bits, so there bfloat16 is upcast (float16 is exact in the interpreter and is not).
+    float32 inputs: yes, with IEEE precision (no TF32 rounding). 16-bit inputs compiled: no,
+    the tensor cores take them natively. Triton's interpreter computes bfloat16 dots on raw
+    bits, so under it bfloat16 is upcast (float16 is exact in the interpreter and is not).
     """
     if query.dtype == torch.float32:
         return True
-    return query.device.type == "cpu" and query.dtype == torch.bfloat16
+    return is_interpreted(_paged_attention_kernel) and query.dtype == torch.bfloat16
 
 
 def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:

@@ -28,8 +28,9 @@ SwiGLU in the first epilogue instead of SiLU-and-mul (constexpr switches: with t
 kernels are the plain ones).
 
 On the CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` set
-before ``triton`` is first imported), which the tests use; there bfloat16 dot operands are
-upcast to float32, since the interpreter multiplies bfloat16 as raw bits.
+before ``triton`` is first imported), which the tests use; under it bfloat16 dot operands
+are upcast to float32, since the interpreter multiplies bfloat16 as raw bits (the kernels ask
+:func:`~chassis.core.layers.triton_ops.is_interpreted`, not the device).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from chassis.core.layers.kernels import KERNEL_DTYPES
 from chassis.core.layers.moe import _check_shapes
-from chassis.core.layers.triton_ops import check_launchable
+from chassis.core.layers.triton_ops import check_launchable, is_interpreted
 
 __all__ = ["MoeAlignment", "fused_moe", "fused_moe_clamped_swiglu", "max_blocks", "moe_align"]
 
@@ -340,9 +341,10 @@ def _launch_config(num_pairs: int, num_experts: int, n: int, k: int) -> _LaunchC
 
 
 def _dot_in_fp32(x: torch.Tensor) -> bool:
-    """float32 models: IEEE float32 dots. On the CPU interpreter bfloat16 dots are computed
-    on raw bits, so there bfloat16 operands are upcast too (exact products either way)."""
-    return x.dtype == torch.float32 or (x.device.type == "cpu" and x.dtype == torch.bfloat16)
+    """float32 models: IEEE float32 dots. Triton's interpreter computes bfloat16 dots on raw
+    bits, so under it bfloat16 operands are upcast too (exact products either way)."""
+    interpreted = is_interpreted(_gate_up_kernel)  # both kernels: one mode per process
+    return x.dtype == torch.float32 or (interpreted and x.dtype == torch.bfloat16)
 
 
 def _check_operands(

@@ -23,11 +23,20 @@ import triton.language as tl
 
 __all__ = [
     "check_launchable",
+    "is_interpreted",
     "qk_norm_rotary_embedding_",
     "rms_norm",
     "rotary_embedding_",
     "silu_and_mul",
 ]
+
+
+def is_interpreted(kernel: Any) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter
+    (``TRITON_INTERPRET=1`` when triton was first imported) rather than compiled. Kernels
+    that must work around the interpreter (it computes bfloat16 arithmetic on raw bits) ask
+    this, not the device their tensors are on."""
+    return type(kernel).__name__ == "InterpretedFunction"
 
 
 def check_launchable(kernel, tensor: torch.Tensor):
@@ -36,8 +45,7 @@ def check_launchable(kernel, tensor: torch.Tensor):
     Compiled kernels need a CUDA/ROCm tensor; interpreted ones (``TRITON_INTERPRET=1``) take
     CPU tensors.
     """
-    interpreted = type(kernel).__name__ == "InterpretedFunction"
-    if tensor.device.type == "cpu" and not interpreted:
+    if tensor.device.type == "cpu" and not is_interpreted(kernel):
         raise ValueError(
             "Triton kernels need CUDA/ROCm tensors; got a CPU tensor. To run them on the CPU "
             "(slowly, for tests) set TRITON_INTERPRET=1 before triton is first imported."
