@@ -195,7 +195,11 @@ class EngineCore:
             params = request.sampling_params.structured_outputs
             assert params is not None
             self.structured_outputs.track(
-                request.request_id, request.prompt_token_ids, matcher, params.after_reasoning
+                request.request_id,
+                request.prompt_token_ids,
+                matcher,
+                params.after_reasoning,
+                params.cache_key(),
             )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

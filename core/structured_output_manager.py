@@ -16,12 +16,23 @@ A matcher that raises while computing a mask or advancing (``ConstraintBudgetExc
 when a constraint needs more work than the backend's budget, or any bug) fails
 only its own request: the manager forgets it and reports it in :meth:`take_failures`, and
 the engine core finishes it with reason ``abort`` and that error.
+
+A constraint whose matcher exceeded its budget computing its request's first mask (before
+any constrained token) is remembered (by ``StructuredOutputsParams.cache_key()``, as the
+built-in backend caches compiled grammars; the :data:`OVER_BUDGET_MEMORY_SIZE` most recently
+used): later requests with the same constraint are refused at once by
+:meth:`StructuredOutputManager.matcher_for`, with the same error, instead of each spending
+the budget again. Only that failure is remembered: it does not depend on what was sampled,
+and the budget counts deterministic units. A budget failure later in generation depends on
+the sampled path, and another exception may be transient (a bug, memory); neither is
+remembered.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +52,10 @@ if TYPE_CHECKING:
     from chassis.core.scheduler_interface import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+#: how many over-budget constraints are remembered (least recently used first out): as many
+#: as the built-in backend keeps compiled grammars
+OVER_BUDGET_MEMORY_SIZE = 64
 
 
 class StructuredOutputsUnavailable(ValueError):
@@ -68,6 +83,10 @@ class _Constrained:
 
     matcher: GrammarMatcher
     gate: ReasoningGate
+    #: the constraint's ``cache_key()`` (``None``: not known, never remembered)
+    constraint_key: Hashable | None = None
+    #: tokens the matcher accepted (0: a failure cannot depend on the sampled output)
+    num_accepted: int = 0
 
 
 class StructuredOutputManager:
@@ -84,6 +103,9 @@ class StructuredOutputManager:
         self._requests: dict[str, _Constrained] = {}
         #: requests whose matcher raised, not reported yet (see :meth:`take_failures`)
         self._failures: dict[str, RequestError] = {}
+        #: constraint key -> the error of a constraint over its budget before its first token
+        #: (see the module docstring), least recently used first
+        self._over_budget: OrderedDict[Hashable, str] = OrderedDict()
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -128,12 +150,19 @@ class StructuredOutputManager:
 
         Raises ``ValueError`` when its constraint cannot be compiled (the front-end checks
         constraints before they reach the engine, so that is a backend disagreeing with its
-        own ``check``), and :class:`StructuredOutputsUnavailable` (a ``ValueError`` too) when
-        the backend cannot be built or ``compile`` fails with another exception.
+        own ``check``), :class:`ConstraintBudgetExceeded` (a ``ValueError``: the client's
+        fault) with the remembered error when the same constraint exceeded its budget before
+        (see the module docstring; nothing is compiled or built then), and
+        :class:`StructuredOutputsUnavailable` (a ``ValueError`` too) when the backend cannot
+        be built or ``compile`` fails with another exception.
         """
         params = request.sampling_params.structured_outputs
         if params is None:
             return None
+        known = self._over_budget.get(params.cache_key())
+        if known is not None:
+            self._over_budget.move_to_end(params.cache_key())
+            raise ConstraintBudgetExceeded(known)
         backend = self.backend
         try:
             return backend.compile(params).matcher()
@@ -153,13 +182,16 @@ class StructuredOutputManager:
         prompt_token_ids: Sequence[int],
         matcher: GrammarMatcher,
         after_reasoning: bool = False,
+        constraint_key: Hashable | None = None,
     ) -> None:
         """Follow ``matcher`` for a request the scheduler has accepted. With
         ``after_reasoning`` (and the engine's reasoning format known by its tags) the
-        request's reasoning is left free; its prompt tells whether the output starts in it."""
+        request's reasoning is left free; its prompt tells whether the output starts in it.
+        ``constraint_key`` (the constraint's ``cache_key()``) lets a budget failure before
+        the first token be remembered (see the module docstring)."""
         tags = self._reasoning_tags if after_reasoning else None
         gate = ReasoningGate(tags, prompt_token_ids)
-        self._requests[request_id] = _Constrained(matcher, gate)
+        self._requests[request_id] = _Constrained(matcher, gate, constraint_key)
 
     def has_constrained(self, plan: SchedulerOutput) -> bool:
         """Whether a request of ``plan`` is constrained."""
@@ -182,7 +214,9 @@ class StructuredOutputManager:
             try:
                 allowed = constrained.matcher.allowed_tokens()
             except Exception as exc:
-                self._fail(request_id, exc, "computing its allowed tokens")
+                # the first mask (no token accepted yet) does not depend on what was sampled
+                first = constrained.num_accepted == 0
+                self._fail(request_id, exc, "computing its allowed tokens", first_mask=first)
                 continue
             start = constrained.gate.start_token_id
             if start is not None and start < allowed.shape[0]:
@@ -246,7 +280,9 @@ class StructuredOutputManager:
         for token_id in output.new_token_ids:
             if not constrained.gate.follow(token_id):
                 continue  # reasoning, or a tag
-            if not constrained.matcher.accept_token(token_id):
+            if constrained.matcher.accept_token(token_id):
+                constrained.num_accepted += 1
+            else:
                 # Only a token the mask allowed can be sampled; if one is refused the
                 # grammar and its masks disagree. Keep serving; say so once per request.
                 logger.error(
@@ -258,20 +294,38 @@ class StructuredOutputManager:
                 del self._requests[output.request_id]
                 return
 
-    def _fail(self, request_id: str, exc: Exception, doing: str) -> None:
+    def _fail(
+        self, request_id: str, exc: Exception, doing: str, *, first_mask: bool = False
+    ) -> None:
         """Forget ``request_id``, whose matcher raised ``exc`` while ``doing``; keep the
         error for :meth:`take_failures`. Exceeding the work budget is the request's fault
-        (its constraint); anything else is the backend's, logged with its traceback."""
-        self._requests.pop(request_id, None)
+        (its constraint), and remembered when it happened computing the ``first_mask``;
+        anything else is the backend's, logged with its traceback."""
+        constrained = self._requests.pop(request_id, None)
         if isinstance(exc, ConstraintBudgetExceeded):
             logger.error("structured output: request %s failed: %s", request_id, exc)
-            error = RequestError(message=f"structured output: {exc}", client_error=True)
+            message = f"structured output: {exc}"
+            error = RequestError(message=message, client_error=True)
+            key = constrained.constraint_key if constrained is not None else None
+            if first_mask and key is not None:
+                self._remember_over_budget(key, message)
         else:
             logger.exception("structured output: request %s failed %s", request_id, doing)
             error = RequestError(
                 message=f"structured output: {doing} failed: {type(exc).__name__}: {exc}"
             )
         self._failures[request_id] = error
+
+    def _remember_over_budget(self, key: Hashable, message: str) -> None:
+        self._over_budget[key] = message
+        self._over_budget.move_to_end(key)
+        while len(self._over_budget) > OVER_BUDGET_MEMORY_SIZE:
+            self._over_budget.popitem(last=False)
+
+    def is_over_budget(self, key: Hashable) -> bool:
+        """Whether the constraint of ``cache_key()`` ``key`` is remembered as over budget
+        (without making it the most recently used)."""
+        return key in self._over_budget
 
     def take_failures(self) -> dict[str, RequestError]:
         """Requests whose matcher raised since the last call (request id -> error); each is

@@ -183,6 +183,102 @@ def test_a_backend_that_cannot_compile_is_the_engine_s_fault(
         llm.shutdown()
 
 
+def test_a_constraint_over_budget_is_remembered_and_refused_at_once(
+    budget_llm: LLM, monkeypatch
+) -> None:
+    """A constraint whose first mask exceeded the budget is refused at once the next time,
+    with the same error: nothing is compiled and no DFA state is built for it again. Another
+    constraint, tangled or not, is unaffected."""
+    manager = budget_llm.engine.structured_outputs
+    backend = manager.backend
+    # its own variants, so that no other test of the module has met them
+    tangled = grammar(TANGLED.replace("{0,40}", "{0,39}"))
+    other_tangled = grammar(TANGLED.replace("{0,40}", "{0,38}"))
+    [first] = budget_llm.generate(["Hi"], SamplingParams(max_tokens=10, structured_outputs=tangled))
+    assert first.outputs[0].finish_reason == "abort" and first.outputs[0].error is not None
+    error = first.outputs[0].error
+    assert error.client_error and f"work budget of {SMALL_BUDGET}" in error.message
+    assert manager.is_over_budget(tangled.cache_key())
+    automaton = backend.compile(tangled).automaton
+    num_states = automaton.num_states
+
+    compiled: list[tuple] = []
+    real_compile = backend.compile
+
+    def spy(params: StructuredOutputsParams):
+        compiled.append(params.cache_key())
+        return real_compile(params)
+
+    monkeypatch.setattr(backend, "compile", spy)
+    [again] = budget_llm.generate(
+        ["Hello"], SamplingParams(max_tokens=10, structured_outputs=tangled)
+    )
+    assert again.outputs[0].finish_reason == "abort" and again.outputs[0].token_ids == []
+    assert again.outputs[0].error == error  # the same message, the client's fault
+    assert compiled == [] and automaton.num_states == num_states  # no work done again
+
+    # another tangled constraint does its own work, and fails on its own budget
+    [other] = budget_llm.generate(
+        ["Hi"], SamplingParams(max_tokens=10, structured_outputs=other_tangled)
+    )
+    assert compiled == [other_tangled.cache_key()]
+    assert other.outputs[0].error is not None and other.outputs[0].error.client_error
+    # and a simple one is served as before
+    simple = grammar("root ::= [a-z]{5}")
+    [ok] = budget_llm.generate(["Hi"], SamplingParams(max_tokens=10, structured_outputs=simple))
+    assert ok.outputs[0].error is None and re.fullmatch("[a-z]{5}", ok.outputs[0].text)
+    assert compiled[-1] == simple.cache_key() and not manager.is_over_budget(simple.cache_key())
+
+
+def test_a_budget_failure_after_the_first_token_is_not_remembered(budget_llm: LLM) -> None:
+    """Where generation goes depends on what was sampled: a constraint that exceeded the
+    budget only later in its output is tried again by the next request."""
+    manager = budget_llm.engine.structured_outputs
+    late = grammar(LATE_TANGLED.replace("{0,40}", "{0,37}"))
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=late)
+    for _ in range(2):
+        [out] = budget_llm.generate(["Hi"], params)[0].outputs
+        assert out.finish_reason == "abort" and out.error is not None and out.token_ids
+        assert not manager.is_over_budget(late.cache_key())
+
+
+def test_the_memory_of_over_budget_constraints_is_bounded(vocabulary, monkeypatch) -> None:
+    """The least recently used over-budget constraint is forgotten first (then compiled and
+    charged again), as the backend's grammar cache forgets grammars."""
+    from types import SimpleNamespace
+
+    from chassis.core import structured_output_manager as som
+
+    monkeypatch.setattr(som, "OVER_BUDGET_MEMORY_SIZE", 2)
+    manager = som.StructuredOutputManager(None)  # type: ignore[arg-type]
+    manager._backend = ChassisStructuredOutputBackend(vocabulary, work_budget=SMALL_BUDGET)
+    variants = [grammar(TANGLED.replace("{0,40}", f"{{0,{n}}}")) for n in (30, 31, 32)]
+
+    def run(params: StructuredOutputsParams, request_id: str) -> str:
+        """Fail one request of ``params`` at its first mask, or at once; its error."""
+        request = SimpleNamespace(
+            request_id=request_id, sampling_params=SimpleNamespace(structured_outputs=params)
+        )
+        try:
+            matcher = manager.matcher_for(request)  # type: ignore[arg-type]
+        except ConstraintBudgetExceeded as exc:
+            return f"at once: {exc}"
+        assert matcher is not None
+        manager.track(request_id, [], matcher, constraint_key=params.cache_key())
+        plan = SimpleNamespace(num_scheduled_tokens={request_id: 1})
+        assert manager.masks_for(plan) == {}  # type: ignore[arg-type]
+        return f"after work: {manager.take_failures()[request_id].message}"
+
+    errors = [run(params, f"r{i}") for i, params in enumerate(variants)]
+    assert all(e.startswith("after work: structured output: ") for e in errors)
+    remembered = [manager.is_over_budget(p.cache_key()) for p in variants]
+    assert remembered == [False, True, True]  # the first was pushed out
+    assert run(variants[1], "again") == errors[1].replace("after work: ", "at once: ")
+    assert run(variants[0], "first again").startswith("after work: ")
+    # variants[2] was the least recently used: the first one took its place
+    assert [manager.is_over_budget(p.cache_key()) for p in variants] == [True, True, False]
+
+
 class Failing(ChassisGrammarMatcher):
     """A real matcher that raises on its ``after``-th call of ``method``."""
 
@@ -237,7 +333,9 @@ def test_a_matcher_that_raises_mid_generation_fails_only_its_request(
     other_tokens = [t for o in outputs if o.request_id == other.request_id for t in o.new_token_ids]
     assert other_tokens == alone
     assert core.structured_outputs.num_tracked == 0
-    # the engine keeps serving constrained requests
+    # the engine keeps serving constrained requests (a failure that is not the budget's,
+    # maybe transient, is not remembered)
+    assert not core.structured_outputs.is_over_budget(grammar("root ::= [a-z]{30}").cache_key())
     [ok] = budget_llm.generate(["Hi"], constrained)
     assert ok.outputs[0].error is None and ok.outputs[0].finish_reason in ("stop", "length")
     assert re.fullmatch("[a-z]{1,30}", ok.outputs[0].text)
