@@ -117,6 +117,8 @@ def _convert(gguf_path: Path, target: Path, require_chat_template: bool = True) 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from chassis.core.tokenizer import repair_byte_level_decoder
+
     logger.info(
         "converting %s (one time; ~15 s for a 135M-parameter model) to %s", gguf_path, target
     )
@@ -127,6 +129,8 @@ def _convert(gguf_path: Path, target: Path, require_chat_template: bool = True) 
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name)
         align_special_tokens(tokenizer, model.config)
+        # What transformers 5.17 writes would decode added tokens wrongly under any version.
+        repair_byte_level_decoder(tokenizer)
         # save_pretrained refuses a GGUF-quantized model, so write the plain checkpoint out
         # directly: the dequantized tensors, the config and the generation config.
         state = model.state_dict()

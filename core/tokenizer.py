@@ -36,7 +36,7 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             str(path),
             revision=revision,
             trust_remote_code=trust_remote_code,
@@ -45,6 +45,66 @@ def load_tokenizer(
         )
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
+    repair_byte_level_decoder(tokenizer)
+    return tokenizer
+
+
+#: The decoder steps of a sentencepiece pipeline (byte tokens ``<0xNN>`` to bytes, join the
+#: tokens into one string, ``▁`` to a space), as the JSON the tokenizers library writes.
+_SENTENCEPIECE_DECODER_STEPS = (
+    {"type": "ByteFallback"},
+    {"type": "Fuse"},
+    {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+)
+
+
+def _state(component: Any) -> dict[str, Any]:
+    """The JSON form of a tokenizers pipeline component (``{}`` for none)."""
+    return json.loads(component.__getstate__()) if component is not None else {}
+
+
+def repair_byte_level_decoder(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Give a byte-level BPE tokenizer the plain ``ByteLevel`` decoder if a sentencepiece
+    pipeline was put in front of it; return whether the decoder was replaced.
+
+    transformers 5.17 (the GPU image's version) converts a GGUF file's GPT-2 style tokenizer
+    (SmolLM2's, for one) with the decoder ``ByteFallback, Fuse, Replace("▁", " "),
+    ByteLevel``. ``Fuse`` joins all tokens into one string before ``ByteLevel`` maps its
+    characters back to bytes, and ``ByteLevel`` keeps a string holding any character outside
+    its 256-character alphabet (a space, a newline, anything past U+0143) verbatim. So one
+    added token such as ``"abc def"`` in a sequence makes the whole decode come back
+    untranslated (``"ĠHello"`` for ``" Hello"``), in ``decode`` and in the incremental
+    detokenizer alike; ``Replace`` and ``ByteFallback`` also rewrite added tokens holding
+    ``▁`` or ``<0xNN>``. transformers 5.24 writes ``ByteLevel`` alone, as GPT-2 style
+    checkpoints ship it, so the text no longer depends on which version converted the file.
+
+    Only that exact shape is replaced (a BPE model with a ``ByteLevel`` pre-tokenizer, a
+    ``Sequence`` decoder of one ``ByteLevel`` step and nothing but those sentencepiece
+    steps); any other tokenizer is left as it is. Slow (Python) tokenizers have no such
+    pipeline and are never changed.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE":
+        return False
+    decoder = _state(backend.decoder)
+    if decoder.get("type") != "Sequence":
+        return False
+    steps = decoder.get("decoders") or []
+    byte_level = [step for step in steps if step.get("type") == "ByteLevel"]
+    others = [step for step in steps if step.get("type") != "ByteLevel"]
+    if len(byte_level) != 1 or not others:
+        return False
+    if any(step not in _SENTENCEPIECE_DECODER_STEPS for step in others):
+        return False
+    pre = _state(backend.pre_tokenizer)
+    pre_steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if not any(step.get("type") == "ByteLevel" for step in pre_steps):
+        return False
+    from tokenizers import decoders
+
+    options = {key: value for key, value in byte_level[0].items() if key != "type"}
+    backend.decoder = decoders.ByteLevel(**options)
+    return True
 
 
 def eos_token_ids(

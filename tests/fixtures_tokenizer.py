@@ -26,14 +26,16 @@ def smollm2_package_dir() -> Path:
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory with SmolLM2's tokenizer files, extracted once per session from the GGUF
-    (with the special tokens the embedded model's conversion gives it)."""
+    (with the special tokens and decoder the embedded model's conversion gives it)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from chassis.core.gguf_checkpoint import align_special_tokens
+    from chassis.core.tokenizer import repair_byte_level_decoder
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_package_dir(), gguf_file=SMOLLM2_GGUF)
     config = AutoConfig.from_pretrained(smollm2_package_dir(), gguf_file=SMOLLM2_GGUF)
     align_special_tokens(tokenizer, config)
+    repair_byte_level_decoder(tokenizer)
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
     tokenizer.save_pretrained(out)
     return out

@@ -313,3 +313,72 @@ def test_decode_at_finish_is_chosen_only_without_stop_strings(smol_tokenizer):  
     assert "".join(stream(with_stop, ids)) == "The capital of "
     with pytest.raises(ValueError, match="stop strings need per-token decoding"):
         IncrementalDetokenizer(smol_tokenizer, stop=["x"], decode_at_finish=True)
+
+
+# -- a byte-level tokenizer written with a sentencepiece decoder in front (transformers 5.17) --
+
+#: The decoder transformers 5.17 writes for a GGUF file's GPT-2 style tokenizer (SmolLM2's).
+SENTENCEPIECE_THEN_BYTE_LEVEL = {
+    "type": "Sequence",
+    "decoders": [
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+    ],
+}
+
+
+@pytest.fixture
+def smol_dir_with_5_17_decoder(smol_tokenizer_dir, tmp_path):
+    """SmolLM2's tokenizer files with the decoder transformers 5.17's GGUF conversion gives
+    them (written here, so the test does not depend on the installed version)."""
+    import json
+    import shutil
+
+    for path in smol_tokenizer_dir.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    state = json.loads((tmp_path / "tokenizer.json").read_text())
+    state["decoder"] = SENTENCEPIECE_THEN_BYTE_LEVEL
+    (tmp_path / "tokenizer.json").write_text(json.dumps(state))
+    return tmp_path
+
+
+@pytest.mark.parametrize("use_decode_stream", [True, False])
+def test_added_token_text_does_not_depend_on_the_converting_version(
+    smol_dir_with_5_17_decoder, use_decode_stream
+):
+    """Behind ``Fuse``, ``ByteLevel`` sees one string; an added token holding a space makes it
+    return that whole string untranslated (``"ĠHello"``). ``load_tokenizer`` gives such a
+    tokenizer the plain ``ByteLevel`` decoder, so the streamed text is the tokens' text."""
+    from transformers import AutoTokenizer
+
+    from chassis.core.tokenizer import load_tokenizer
+
+    text = " Hello world,\n\tnaïve 中文 <0x41> ▁x"
+    as_written = AutoTokenizer.from_pretrained(smol_dir_with_5_17_decoder)
+    as_written.add_tokens(["abc def"])
+    ids = [as_written.convert_tokens_to_ids("abc def")]
+    ids += as_written.encode(text, add_special_tokens=False)
+    assert decode(as_written, ids, False) != "abc def" + text  # the decoder as written is wrong
+
+    tokenizer = load_tokenizer(smol_dir_with_5_17_decoder)
+    tokenizer.add_tokens(["abc def"])
+    assert decode(tokenizer, ids, False) == "abc def" + text
+    detok = IncrementalDetokenizer(
+        tokenizer, skip_special_tokens=False, use_decode_stream=use_decode_stream
+    )
+    deltas = stream(detok, ids)
+    assert "".join(deltas) == detok.output_text == "abc def" + text
+
+
+def test_decoder_repair_leaves_other_tokenizers_alone(smol_tokenizer, sp_tokenizer):
+    import copy
+
+    from chassis.core.tokenizer import repair_byte_level_decoder
+
+    for tokenizer in (smol_tokenizer, sp_tokenizer):
+        tokenizer = copy.deepcopy(tokenizer)
+        before = tokenizer.backend_tokenizer.decoder.__getstate__()
+        repair_byte_level_decoder(tokenizer)
+        assert tokenizer.backend_tokenizer.decoder.__getstate__() == before
