@@ -164,14 +164,16 @@ def _convert(gguf_path: Path, target: Path, require_chat_template: bool = True) 
 
 
 def align_special_tokens(tokenizer: Any, model_config: Any) -> None:
-    """Give ``tokenizer`` the BOS/EOS tokens of ``model_config`` where the two disagree.
+    """Give ``tokenizer`` the BOS/EOS/padding tokens of ``model_config`` where the two disagree.
 
-    Both come from the GGUF's ``tokenizer.ggml.bos_token_id`` / ``eos_token_id``, but
-    transformers 5.17 (the GPU image's version) reads the tokenizer's EOS wrongly from
-    SmolLM2's file: ``<|im_start|>`` (1) instead of ``<|im_end|>`` (2), while its model config
-    says 2, as the file does. The saved tokenizer would then end generation on the wrong token.
+    Both come from the GGUF's ``tokenizer.ggml.bos_token_id`` / ``eos_token_id`` /
+    ``padding_token_id``, but transformers 5.17 (the GPU image's version) reads SmolLM2's
+    file wrongly: the tokenizer's EOS is ``<|im_start|>`` (1) instead of ``<|im_end|>`` (2),
+    and it has no padding token at all, while its model config says 2 for both, as the file
+    does. The saved tokenizer would then end generation on the wrong token, and score
+    requests would join their two texts without the padding token (vLLM's join).
     """
-    for role in ("bos", "eos"):
+    for role in ("bos", "eos", "pad"):
         want = getattr(model_config, f"{role}_token_id", None)
         if not isinstance(want, int) or getattr(tokenizer, f"{role}_token_id") == want:
             continue

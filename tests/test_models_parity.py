@@ -368,6 +368,20 @@ def test_a_misread_gguf_eos_token_is_replaced_by_the_files_id(smol_tokenizer_dir
     assert tokenizer.eos_token_id == 2
 
 
+def test_a_dropped_gguf_padding_token_is_restored_from_the_files_id(smol_tokenizer_dir):
+    """transformers 5.17 reads SmolLM2's GGUF tokenizer without the file's padding token (2,
+    ``<|im_end|>``, in its model config too); the conversion restores it (score requests join
+    their texts with it)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_tokenizer_dir)  # a copy of its own
+    tokenizer.pad_token = None  # what 5.17 produces
+    gguf_checkpoint.align_special_tokens(tokenizer, SimpleNamespace(pad_token_id=2))
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|im_end|>", 2)
+
+
 # -- a user's GGUF file ------------------------------------------------------------------------
 
 
