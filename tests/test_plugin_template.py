@@ -13,8 +13,10 @@ import contextlib
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 import tomllib
@@ -171,6 +173,24 @@ class Venv:
         return json.loads(result.stdout)
 
 
+def _see_this_environment(venv_dir: Path) -> None:
+    """Let ``venv_dir`` import what this interpreter's virtual environment holds, if any.
+
+    A venv's ``--system-site-packages`` are its base interpreter's, not those of the venv
+    whose Python created it: run from a virtual environment (the GPU image's versions,
+    docs/gpu.md), the new venv would see neither chassis nor torch nor the setuptools that
+    ``--no-build-isolation`` builds with. A ``.pth`` line adds this environment's
+    site-packages, its own ``.pth`` files (chassis' editable install) included, ahead of the
+    base interpreter's.
+    """
+    if sys.prefix == sys.base_prefix:
+        return
+    paths = {"base": str(venv_dir), "platbase": str(venv_dir)}
+    target = Path(sysconfig.get_path("purelib", "venv", vars=paths))
+    lines = [f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()]
+    (target / "_chassis_test_parent_env.pth").write_text("".join(lines))
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
     root = tmp_path_factory.mktemp("plugin_template")
@@ -188,6 +208,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
         check=True,
         timeout=120,
     )
+    _see_this_environment(root / "venv")
     # Build from a copy, so pip's build/ and *.egg-info never land in the shared checkout.
     template_copy = root / "src" / "plugin_template"
     shutil.copytree(
