@@ -48,6 +48,9 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     #: the sliding window (tokens) behind which the KV cache manager releases each request's
     #: blocks (every attention layer has one); None: requests keep every position
     kv_cache_window: int | None = None
+    #: the window of each KV cache group (None: full attention); several when the model
+    #: mixes sliding-window and full layers (each group's blocks released by its window)
+    kv_cache_group_windows: tuple[int | None, ...] = (None,)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -56,6 +59,22 @@ class EngineInfo(msgspec.Struct, kw_only=True):
         keeps only about its window's positions in them, so the requests' total length may
         exceed it."""
         return self.num_kv_blocks * self.block_size
+
+
+def _window_note(kv_window: int | None, group_windows: tuple[int | None, ...]) -> str:
+    """What the start-up line says of the blocks sliding windows release."""
+    if len(group_windows) > 1:
+        return (
+            f"; {len(group_windows)} KV cache groups of layers (windows "
+            f"{', '.join('full' if w is None else str(w) for w in group_windows)}): a window "
+            "group holds only its window's blocks"
+        )
+    if kv_window is None:
+        return ""
+    return (
+        f"; every layer's sliding window is {kv_window} tokens, so each request holds only "
+        f"its last ~{kv_window} tokens' blocks and the total over requests may exceed this"
+    )
 
 
 class EngineCore:
@@ -95,12 +114,13 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        kv_window = self.executor.kv_cache_window()
+        group_windows = self.executor.kv_cache_group_windows()
+        kv_window = group_windows[0] if len(group_windows) == 1 else None
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=kv_window,
+            group_windows=group_windows,
         )
         if config.async_scheduling and not scheduler_cls.supports_async_scheduling:
             raise ValueError(
@@ -131,6 +151,7 @@ class EngineCore:
             num_kv_blocks=self.kv_cache_manager.num_usable_blocks,
             block_size=config.block_size,
             kv_cache_window=kv_window,
+            kv_cache_group_windows=group_windows,
             max_model_len=config.max_model_len,
             lora_target_shapes=self.executor.lora_target_shapes(),
         )
@@ -142,11 +163,7 @@ class EngineCore:
             config.scheduler,
             self.info.num_kv_blocks,
             self.info.kv_capacity_tokens,
-            ""
-            if kv_window is None
-            else f"; every layer's sliding window is {kv_window} tokens, so each request "
-            f"holds only its last ~{kv_window} tokens' blocks and the total over requests "
-            "may exceed this",
+            _window_note(kv_window, group_windows),
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

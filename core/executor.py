@@ -55,6 +55,12 @@ class Executor(ABC):
         default): keep every position."""
         return None
 
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        """The window of each KV cache group (``Worker.kv_cache_group_windows``; several for a
+        model mixing sliding-window and full layers), for the KV cache manager. Default: one
+        group, ``(kv_cache_window(),)``."""
+        return (self.kv_cache_window(),)
+
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         """The modules LoRA adapters may change, ``{HF module: (in_features, out_features)}``,
         or ``None`` without ``--enable-lora`` (default: ``None``)."""
@@ -101,6 +107,9 @@ class InProcessExecutor(Executor):
 
     def kv_cache_window(self) -> int | None:
         return self.worker.kv_cache_window()
+
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        return self.worker.kv_cache_group_windows()
 
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         lora = self.worker.lora

@@ -28,6 +28,16 @@ hits need only the blocks the window of the first computed position reads: the h
 longest cached prefix whose last ``W - 1`` positions (and the blocks holding them) are cached,
 with null entries before them.
 
+KV cache groups. Built with ``group_windows`` (one entry per group of attention layers that
+read the same window, ``None`` for full attention: docs/architecture.md, "KV cache per group
+of layers"), a request has one block table per group, every group's blocks come from the
+one pool, and a block id names a slot of its own group's layers only. :meth:`allocate_group_slots`
+gives every group blocks for the same tokens (all or none), and releases behind the window
+only in window groups; prefix-cache keys are ``(group, block hash)`` (group 0's key is the
+bare hash), and a hit is the longest prefix that every group can serve (full groups need
+every block of it, window groups only the blocks their window reads). With one group the
+manager is the single-table one above: ``sliding_window=W`` is ``group_windows=[W]``.
+
 Units: every count is in tokens unless its name says blocks.
 """
 
@@ -80,6 +90,20 @@ def max_tokens_per_step(config: EngineConfig) -> int:
     return config.max_num_batched_tokens + lookahead
 
 
+def max_group_blocks_per_request(
+    max_model_len: int,
+    block_size: int,
+    group_windows: Sequence[int | None],
+    step_tokens: int,
+) -> int:
+    """The most blocks one request holds across its KV cache groups (:func:`max_blocks_per_request`
+    of each group's window, summed: the groups share one pool)."""
+    return sum(
+        max_blocks_per_request(max_model_len, block_size, window, step_tokens)
+        for window in group_windows
+    )
+
+
 def max_blocks_per_request(
     max_model_len: int, block_size: int, sliding_window: int | None, step_tokens: int
 ) -> int:
@@ -97,10 +121,11 @@ def max_blocks_per_request(
 
 @dataclass
 class _RequestBlocks:
-    """What the manager keeps per request."""
+    """What the manager keeps per request and KV cache group."""
 
     block_ids: list[int] = field(default_factory=list)
-    #: chained hashes of the request's first full blocks (computed lazily, only ever extended)
+    #: chained hashes of the request's first full blocks (computed lazily, only ever extended;
+    #: one list shared by the request's groups: the tokens are the same)
     block_hashes: list[BlockHash] = field(default_factory=list)
     #: leading blocks already registered in (or hit from) the prefix cache
     num_cached_blocks: int = 0
@@ -119,6 +144,8 @@ class KVCacheManager:
         layer reads (the module docstring): blocks before a request's window are released and
         the pool reserves block :data:`~chassis.core.block_pool.NULL_BLOCK_ID` for their
         block-table entries (``num_blocks - 1`` usable blocks).
+    :param group_windows: instead of ``sliding_window``: the window of each KV cache group
+        (``None``: full attention); a null block is reserved when any group has a window.
     """
 
     def __init__(
@@ -127,24 +154,41 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        group_windows: Sequence[int | None] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None; got {sliding_window}")
-        self.block_pool = BlockPool(num_blocks, reserve_null_block=sliding_window is not None)
+        if group_windows is None:
+            windows = [sliding_window]
+        elif sliding_window is not None:
+            raise ValueError("pass sliding_window or group_windows, not both")
+        else:
+            windows = list(group_windows)
+            if not windows:
+                raise ValueError("group_windows needs at least one group")
+        for window in windows:
+            if window is not None and window < 1:
+                raise ValueError(f"sliding_window must be >= 1 or None; got {window}")
+        #: the window of each KV cache group (None: the group's layers read every position)
+        self.group_windows: list[int | None] = windows
+        #: how many KV cache groups (block tables per request)
+        self.num_groups = len(windows)
+        #: the window every attention layer reads within, with one group; None otherwise
+        self.sliding_window = windows[0] if len(windows) == 1 else None
+        has_window = any(w is not None for w in windows)
+        self.block_pool = BlockPool(num_blocks, reserve_null_block=has_window)
         #: blocks of the KV cache tensors (the null block included when reserved)
         self.num_blocks = num_blocks
         #: blocks requests can hold (``num_blocks`` less the null block)
         self.num_usable_blocks = self.block_pool.num_usable_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window
         #: tokens looked up in the prefix cache (each call of get_computed_blocks counts)
         self.prefix_cache_queries = 0
         #: of those, tokens found
         self.prefix_cache_hits = 0
-        self._requests: dict[str, _RequestBlocks] = {}
+        #: request id -> its blocks in each group
+        self._requests: dict[str, list[_RequestBlocks]] = {}
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -158,22 +202,33 @@ class KVCacheManager:
         """Blocks available to :meth:`allocate_slots` (free cached blocks included)."""
         return self.block_pool.num_free_blocks
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (empty if it holds no blocks); released entries
-        are :data:`~chassis.core.block_pool.NULL_BLOCK_ID`."""
-        state = self._requests.get(request_id)
-        return list(state.block_ids) if state else []
+    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """A copy of the request's block table in ``group`` (empty if it holds no blocks);
+        released entries are :data:`~chassis.core.block_pool.NULL_BLOCK_ID`."""
+        states = self._requests.get(request_id)
+        return list(states[group].block_ids) if states else []
 
-    def num_null_blocks(self, request_id: str) -> int:
-        """How many leading entries of the request's block table are the null block (blocks
-        released because its sliding window left them; 0 without a window)."""
-        state = self._requests.get(request_id)
-        return state.num_null_blocks if state else 0
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """:meth:`get_block_ids` of every group."""
+        return [self.get_block_ids(request_id, g) for g in range(self.num_groups)]
+
+    def num_null_blocks(self, request_id: str, group: int = 0) -> int:
+        """How many leading entries of the request's block table in ``group`` are the null
+        block (blocks released because its sliding window left them; 0 without a window)."""
+        states = self._requests.get(request_id)
+        return states[group].num_null_blocks if states else 0
+
+    def group_num_null_blocks(self, request_id: str) -> list[int]:
+        """:meth:`num_null_blocks` of every group."""
+        return [self.num_null_blocks(request_id, g) for g in range(self.num_groups)]
 
     def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request holds a reference to (its block table less the null entries)."""
-        state = self._requests.get(request_id)
-        return len(state.block_ids) - state.num_null_blocks if state else 0
+        """Blocks the request holds a reference to, all groups together (its block tables
+        less the null entries)."""
+        states = self._requests.get(request_id)
+        if not states:
+            return 0
+        return sum(len(state.block_ids) - state.num_null_blocks for state in states)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -182,7 +237,8 @@ class KVCacheManager:
     # -- prefix cache ----------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest cached prefix of full blocks of ``request.all_token_ids``.
+        """The longest cached prefix of full blocks of ``request.all_token_ids`` (one KV
+        cache group; :meth:`get_computed_group_blocks` for several).
 
         Returns ``(block_ids, num_computed_tokens)`` with ``num_computed_tokens ==
         len(block_ids) * block_size``. Pass both to :meth:`allocate_slots` in the same step
@@ -199,39 +255,68 @@ class KVCacheManager:
         the first computed position's window reads); ``block_ids`` has the null block before
         them, and the longest such ``k`` is returned.
         """
+        self._require_one_group("get_computed_blocks")
+        blocks, num_hit_tokens = self.get_computed_group_blocks(request)
+        return blocks[0], num_hit_tokens
+
+    def get_computed_group_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+        """:meth:`get_computed_blocks` over every KV cache group: ``(block ids per group,
+        num_computed_tokens)``, the longest prefix of ``k`` blocks that every group serves
+        (a full-attention group needs blocks ``0 .. k-1`` cached, a window group those its
+        window reads at position ``k * block_size``). Pass both to
+        :meth:`allocate_group_slots`."""
+        none: list[list[int]] = [[] for _ in range(self.num_groups)]
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = _RequestBlocks()
-        elif state.block_ids:
+            return none, 0
+        states = self._requests.get(request.request_id)
+        if states is None:
+            states = self._requests[request.request_id] = self._new_states()
+        elif any(state.block_ids for state in states):
             raise ValueError(
                 f"request {request.request_id!r} already holds KV blocks; "
                 "get_computed_blocks is for requests without blocks"
             )
         num_tokens = request.num_tokens
         max_hit_blocks = (num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request, state, max_hit_blocks)
-        if self.sliding_window is None:
-            hit_blocks: list[int] = []
-            for block_hash in hashes[:max_hit_blocks]:
-                block_id = self.block_pool.get_cached_block(block_hash)
-                if block_id is None:
-                    break
-                hit_blocks.append(block_id)
-        else:
-            hit_blocks = self._window_hit(hashes[:max_hit_blocks])
-        num_hit_tokens = len(hit_blocks) * self.block_size
+        hashes = self._block_hashes(request, states[0], max_hit_blocks)
+        # Each group's longest hit within the first k blocks; k shrinks to the shortest
+        # until every group serves the same k (a window group's hit at a smaller k may
+        # need blocks its hit at the larger one did not, so those groups look again).
+        num_hit = max_hit_blocks
+        hits: list[list[int] | None] = [None] * self.num_groups
+        while True:
+            for group in range(self.num_groups):
+                found = hits[group]
+                if found is None or len(found) != num_hit:
+                    hits[group] = self._group_hit(group, hashes[:num_hit])
+            shortest = min(len(found) for found in hits if found is not None)
+            if shortest == num_hit:
+                break
+            num_hit = shortest
+        num_hit_tokens = num_hit * self.block_size
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
-        return hit_blocks, num_hit_tokens
+        return [found if found is not None else [] for found in hits], num_hit_tokens
 
-    def _window_hit(self, hashes: list[BlockHash]) -> list[int]:
+    def _group_hit(self, group: int, hashes: list[BlockHash]) -> list[int]:
+        """``group``'s longest hit over ``hashes``: a cached prefix without a window, else
+        :meth:`_window_hit`."""
+        window = self.group_windows[group]
+        if window is not None:
+            return self._window_hit(group, window, hashes)
+        hit_blocks: list[int] = []
+        for block_hash in hashes:
+            block_id = self.block_pool.get_cached_block(_group_key(group, block_hash))
+            if block_id is None:
+                break
+            hit_blocks.append(block_id)
+        return hit_blocks
+
+    def _window_hit(self, group: int, window: int, hashes: list[BlockHash]) -> list[int]:
         """The longest window-valid hit over ``hashes`` (see :meth:`get_computed_blocks`):
         block ids with the null block before the blocks the window needs."""
-        assert self.sliding_window is not None
         size = self.block_size
-        found = [self.block_pool.get_cached_block(h) for h in hashes]
+        found = [self.block_pool.get_cached_block(_group_key(group, h)) for h in hashes]
         # run_start[i]: the first block of the run of cached blocks that ends at block i
         run_start = [0] * len(found)
         for i, block_id in enumerate(found):
@@ -240,7 +325,7 @@ class KVCacheManager:
         # a hit of k blocks needs blocks first..k-1 cached, first holding the first key the
         # next query (position k * size) reads: k * size - W + 1
         for k in range(len(found), 0, -1):
-            first = max(0, k * size - self.sliding_window + 1) // size
+            first = max(0, k * size - window + 1) // size
             if found[k - 1] is not None and run_start[k - 1] <= first:
                 needed = [b for b in found[first:k] if b is not None]
                 return [NULL_BLOCK_ID] * first + needed
@@ -261,7 +346,8 @@ class KVCacheManager:
         new_computed_blocks: Sequence[int] = (),
         num_new_computed_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for ``request`` to compute ``num_new_tokens`` more tokens.
+        """Make room for ``request`` to compute ``num_new_tokens`` more tokens (one KV cache
+        group; :meth:`allocate_group_slots` for several).
 
         After the call the request holds blocks for ``request.num_computed_tokens +
         num_new_computed_tokens + num_new_tokens`` tokens. ``new_computed_blocks`` and
@@ -281,60 +367,105 @@ class KVCacheManager:
         order after the existing ones; or ``None`` if there are not enough free blocks, in which
         case nothing else changed.
         """
+        self._require_one_group("allocate_slots")
+        hits = [list(new_computed_blocks)] if new_computed_blocks else []
+        new_blocks = self.allocate_group_slots(
+            request, num_new_tokens, hits, num_new_computed_tokens
+        )
+        return None if new_blocks is None else new_blocks[0]
+
+    def allocate_group_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[Sequence[int]] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[list[int]] | None:
+        """:meth:`allocate_slots` over every KV cache group, atomically: every group gets
+        blocks for the same tokens, or (``None``) none does. ``new_computed_blocks`` is empty
+        or has one list per group (:meth:`get_computed_group_blocks`); window groups release
+        what their window left first. Returns the new block ids per group."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
-        state = self._requests.get(request.request_id)
+        states = self._requests.get(request.request_id)
         num_free_hits = 0
-        if new_computed_blocks or num_new_computed_tokens:  # prefix-cache hits: check them
-            self._check_hits(request, state, new_computed_blocks, num_new_computed_tokens)
+        has_hits = any(new_computed_blocks) or num_new_computed_tokens
+        if has_hits:  # prefix-cache hits: check them
+            self._check_hits(request, states, new_computed_blocks, num_new_computed_tokens)
             # Hits sitting in the free list leave it when touched, so they count against it.
             # (the null block, where a window needs none, is never free)
-            num_free_hits = sum(1 for b in new_computed_blocks if self.block_pool.ref_count(b) == 0)
-        elif state is not None and self.sliding_window is not None:
-            self._release_out_of_window(request, state)
-        num_held = len(state.block_ids) if state else 0
+            num_free_hits = sum(
+                1
+                for blocks in new_computed_blocks
+                for b in blocks
+                if self.block_pool.ref_count(b) == 0
+            )
+        elif states is not None:
+            for group, window in enumerate(self.group_windows):
+                if window is not None:
+                    self._release_out_of_window(request, states[group], group, window)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
-        num_to_take = max(0, num_required - num_held - len(new_computed_blocks))
-        if num_to_take + num_free_hits > self.block_pool.num_free_blocks:
+        num_to_take = [
+            max(
+                0,
+                num_required
+                - (len(states[g].block_ids) if states else 0)
+                - (len(new_computed_blocks[g]) if has_hits else 0),
+            )
+            for g in range(self.num_groups)
+        ]
+        if sum(num_to_take) + num_free_hits > self.block_pool.num_free_blocks:
             return None
 
-        if state is None:
-            state = self._requests[request.request_id] = _RequestBlocks()
-        if new_computed_blocks:
-            # a window hit's leading entries are the null block (without a window, block
-            # NULL_BLOCK_ID is an ordinary block)
-            num_null = 0
-            if self.sliding_window is not None:
-                while (
-                    num_null < len(new_computed_blocks)
-                    and new_computed_blocks[num_null] == NULL_BLOCK_ID
-                ):
-                    num_null += 1
-            self.block_pool.touch(new_computed_blocks[num_null:])
-            state.block_ids.extend(new_computed_blocks)
-            state.num_cached_blocks = len(new_computed_blocks)
-            state.num_null_blocks = num_null
-        new_blocks = self.block_pool.get_new_blocks(num_to_take) if num_to_take else []
-        state.block_ids.extend(new_blocks)
-        self._cache_computed_blocks(request, state, num_computed)
+        if states is None:
+            states = self._requests[request.request_id] = self._new_states()
+        # every group's hits leave the free list before any group takes new blocks from it
+        # (a free cached hit of one group could otherwise be handed to another)
+        for group, state in enumerate(states):
+            if has_hits:
+                hits = new_computed_blocks[group]
+                # a window hit's leading entries are the null block (without a window,
+                # block NULL_BLOCK_ID is an ordinary block)
+                num_null = 0
+                if self.group_windows[group] is not None:
+                    while num_null < len(hits) and hits[num_null] == NULL_BLOCK_ID:
+                        num_null += 1
+                self.block_pool.touch(hits[num_null:])
+                state.block_ids.extend(hits)
+                state.num_cached_blocks = len(hits)
+                state.num_null_blocks = num_null
+        new_blocks: list[list[int]] = []
+        for group, state in enumerate(states):
+            taken = self.block_pool.get_new_blocks(num_to_take[group]) if num_to_take[group] else []
+            state.block_ids.extend(taken)
+            new_blocks.append(taken)
+            self._cache_computed_blocks(request, state, group, num_computed)
         return new_blocks
 
     def _check_hits(
         self,
         request: Request,
-        state: _RequestBlocks | None,
-        new_computed_blocks: Sequence[int],
+        states: list[_RequestBlocks] | None,
+        new_computed_blocks: Sequence[Sequence[int]],
         num_new_computed_tokens: int,
     ) -> None:
         """``allocate_slots``'s rules for prefix-cache hits (``ValueError`` when broken)."""
-        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+        if len(new_computed_blocks) != self.num_groups:
             raise ValueError(
-                f"num_new_computed_tokens ({num_new_computed_tokens}) must be "
-                f"len(new_computed_blocks) * block_size "
-                f"({len(new_computed_blocks)} * {self.block_size})"
+                f"new_computed_blocks has {len(new_computed_blocks)} groups; the manager has "
+                f"{self.num_groups}"
             )
-        if (state is not None and state.block_ids) or request.num_computed_tokens:
+        for blocks in new_computed_blocks:
+            if num_new_computed_tokens != len(blocks) * self.block_size:
+                raise ValueError(
+                    f"num_new_computed_tokens ({num_new_computed_tokens}) must be "
+                    f"len(new_computed_blocks) * block_size "
+                    f"({len(blocks)} * {self.block_size})"
+                )
+        if (states is not None and any(s.block_ids for s in states)) or (
+            request.num_computed_tokens
+        ):
             raise ValueError(
                 f"request {request.request_id!r}: prefix-cache blocks can only start a request "
                 "that holds no blocks and has no computed tokens"
@@ -349,28 +480,44 @@ class KVCacheManager:
         already sent to the runner. Blocks are released tail first, so the request's last
         blocks are evicted before its first ones. A request without blocks is a no-op.
         """
-        state = self._requests.pop(request.request_id, None)
-        if state is None:
+        states = self._requests.pop(request.request_id, None)
+        if states is None:
             return
-        self._cache_computed_blocks(request, state, request.num_computed_tokens)
-        self.block_pool.free_blocks(reversed(state.block_ids[state.num_null_blocks :]))
+        for group, state in enumerate(states):
+            self._cache_computed_blocks(request, state, group, request.num_computed_tokens)
+            self.block_pool.free_blocks(reversed(state.block_ids[state.num_null_blocks :]))
 
-    def _release_out_of_window(self, request: Request, state: _RequestBlocks) -> None:
-        """Release the leading blocks wholly before the window of position
+    def _release_out_of_window(
+        self, request: Request, state: _RequestBlocks, group: int, window: int
+    ) -> None:
+        """Release ``group``'s leading blocks wholly before the window of position
         ``request.num_computed_tokens`` (registered in the prefix cache first) and put the
         null block in their entries."""
-        assert self.sliding_window is not None
-        first_key = request.num_computed_tokens - self.sliding_window + 1
+        first_key = request.num_computed_tokens - window + 1
         num_out = min(max(first_key, 0) // self.block_size, len(state.block_ids))
         if num_out <= state.num_null_blocks:
             return  # (most steps: the window has not left another block)
-        self._cache_computed_blocks(request, state, request.num_computed_tokens)
+        self._cache_computed_blocks(request, state, group, request.num_computed_tokens)
         released = state.block_ids[state.num_null_blocks : num_out]
         state.block_ids[state.num_null_blocks : num_out] = [NULL_BLOCK_ID] * len(released)
         state.num_null_blocks = num_out
         self.block_pool.free_blocks(released)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _require_one_group(self, method: str) -> None:
+        if self.num_groups != 1:
+            raise ValueError(
+                f"{method} serves one KV cache group; this manager has {self.num_groups} "
+                "(use its group_ form)"
+            )
+
+    def _new_states(self) -> list[_RequestBlocks]:
+        """A request's empty per-group states, sharing one list of block hashes."""
+        first = _RequestBlocks()
+        return [first] + [
+            _RequestBlocks(block_hashes=first.block_hashes) for _ in range(self.num_groups - 1)
+        ]
 
     def _block_hashes(
         self, request: Request, state: _RequestBlocks, num_blocks: int
@@ -386,9 +533,9 @@ class KVCacheManager:
         return hashes
 
     def _cache_computed_blocks(
-        self, request: Request, state: _RequestBlocks, num_computed_tokens: int
+        self, request: Request, state: _RequestBlocks, group: int, num_computed_tokens: int
     ) -> None:
-        """Register the request's full blocks whose K/V cover ``num_computed_tokens``."""
+        """Register ``group``'s full blocks whose K/V cover ``num_computed_tokens``."""
         if (
             not self.enable_prefix_caching
             or num_computed_tokens // self.block_size <= state.num_cached_blocks
@@ -402,5 +549,11 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, state, num_full)
         for i in range(max(state.num_cached_blocks, state.num_null_blocks), num_full):
-            self.block_pool.cache_block(state.block_ids[i], hashes[i])
+            self.block_pool.cache_block(state.block_ids[i], _group_key(group, hashes[i]))
         state.num_cached_blocks = num_full
+
+
+def _group_key(group: int, block_hash: BlockHash) -> BlockHash:
+    """The prefix-cache key of a block of ``group``: group 0's is the block hash itself (so
+    one group keys as before groups existed), another group's the hash and its number."""
+    return block_hash if group == 0 else block_hash + b"/g%d" % group

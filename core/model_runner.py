@@ -34,6 +34,7 @@ from chassis.core.compiled_model import CompiledForward
 from chassis.core.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from chassis.core.in_flight import InFlightSteps, PendingRunnerOutput
 from chassis.core.input_batch import InputBatch, RequestState
+from chassis.core.kv_cache_groups import KVCacheGroupSpec, layer_placement, plan_kv_cache_groups
 from chassis.core.layers.attention import Attention
 from chassis.core.logits_processor import BatchUpdateBuilder, LogitsProcessors, LogitsRows
 from chassis.core.model_loader import kv_head_count
@@ -126,11 +127,22 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / self.block_size)
-        #: the KV cache group of each attention layer, by layer number; None: one group,
-        #: every layer reads the same block table (the only layout built so far)
+        #: the KV cache groups of a model mixing sliding-window and full attention layers
+        #: (with the release on, without a draft model); None: one group, one block table
+        self.kv_groups: list[KVCacheGroupSpec] | None = self._plan_kv_groups()
+        #: the KV cache group of each attention layer, by layer number (None: one group)
         self.layer_group: list[int] | None = None
+        #: with groups: the cache tensor of each attention layer (its place in its group)
+        self._layer_tensor: list[int] | None = None
+        if self.kv_groups is not None:
+            self.layer_group, self._layer_tensor = layer_placement(
+                self.kv_groups, model.num_attention_layers
+            )
         self.batch = InputBatch(
-            config.max_num_seqs, config.max_model_len, self.max_blocks_per_req, num_kv_groups=1
+            config.max_num_seqs,
+            config.max_model_len,
+            self.max_blocks_per_req,
+            num_kv_groups=1 if self.kv_groups is None else len(self.kv_groups),
         )
         #: custom logits processors (``--logits-processors``), told of every batch change
         self.logits_processors = LogitsProcessors.build(config, device, pin_memory)
@@ -153,11 +165,41 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes across all layers (K and V), in the cache's dtype (an 8-bit
         cache's blocks take half a 16-bit one's, so twice as many fit the same memory), the
-        draft model's layers included (they share the block ids)."""
+        draft model's layers included (they share the block ids). With KV cache groups a
+        block id names a slot of one group's layers: the bytes of ``L`` layers, the group
+        size (:mod:`chassis.core.kv_cache_groups`)."""
         per_layer = math.prod(kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim))
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
-        return per_layer * elem * self.model.num_attention_layers + draft
+        return per_layer * elem * self._num_cache_tensors() + draft
+
+    def _num_cache_tensors(self) -> int:
+        """Cache tensors of ``num_blocks`` blocks: one per layer, or with KV cache groups one
+        per place in a group."""
+        if self.kv_groups is None:
+            return self.model.num_attention_layers
+        return max(len(group.layer_ids) for group in self.kv_groups)
+
+    def _plan_kv_groups(self) -> list[KVCacheGroupSpec] | None:
+        """KV cache groups when the model mixes sliding-window and full-attention layers
+        (:func:`~chassis.core.kv_cache_groups.plan_kv_cache_groups`); None, one block table
+        for every layer, when it does not, with ``--no-sliding-window-kv-release``, with a
+        draft model (its caches share the target's block ids), or when some attention is
+        not an ``Attention`` layer this function can see."""
+        if not self.config.sliding_window_kv_release or self.drafter is not None:
+            return None
+        num_layers = self.model.num_attention_layers
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if len(layers) != num_layers or sorted(m.layer_idx for m in layers) != list(
+            range(num_layers)
+        ):
+            return None
+        windows: list[int | None] = [None] * num_layers
+        for layer in layers:
+            windows[layer.layer_idx] = layer.sliding_window
+        if all(w is None for w in windows) or all(w is not None for w in windows):
+            return None  # one group: kv_cache_window's single table
+        return plan_kv_cache_groups(windows)
 
     def kv_cache_window(self) -> int | None:
         """The window that bounds what every attention layer reads: the largest
@@ -182,10 +224,15 @@ class ModelRunner:
         """
         self.graphs = None
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
+        tensors = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for _ in range(self.model.num_attention_layers)
+            for _ in range(self._num_cache_tensors())
         ]
+        # with KV cache groups, layer j of every group shares tensor j (a block id belongs
+        # to one group at a time, so their slots never meet)
+        self.kv_caches = (
+            tensors if self._layer_tensor is None else [tensors[j] for j in self._layer_tensor]
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens) in %s, %.1f MiB",
             num_blocks,

@@ -134,8 +134,9 @@ class RankGroupExecutor(Executor):
     _broken: str | None = None
     #: rank 0's LoRA target shapes (the same on every rank); None without ``--enable-lora``
     _lora_shapes: dict[str, tuple[int, int]] | None = None
-    #: rank 0's ``Worker.kv_cache_window`` (the same on every rank: windows are not sharded)
-    _kv_window: int | None = None
+    #: rank 0's ``Worker.kv_cache_group_windows`` (the same on every rank: windows are not
+    #: sharded)
+    _kv_group_windows: tuple[int | None, ...] = (None,)
 
     @staticmethod
     def _group_config(config: EngineConfig) -> EngineConfig:
@@ -167,7 +168,11 @@ class RankGroupExecutor(Executor):
     # -- the Executor interface ---------------------------------------------------------------
 
     def kv_cache_window(self) -> int | None:
-        return self._kv_window
+        windows = self._kv_group_windows
+        return windows[0] if len(windows) == 1 else None
+
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        return self._kv_group_windows
 
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         # whole shapes, the same on every rank: the driver's answer
@@ -237,7 +242,7 @@ class TensorParallelExecutor(RankGroupExecutor):
             raise
         lora = self.worker.lora
         self._lora_shapes = None if lora is None else dict(lora.target_shapes)
-        self._kv_window = self.worker.kv_cache_window()
+        self._kv_group_windows = self.worker.kv_cache_group_windows()
         logger.info("tensor parallel: %d ranks ready", self.size)
 
     def _run_on_all(self, method: str, payload: Any) -> list[Any]:

@@ -10,7 +10,7 @@ import torch
 from chassis.core.attention import resolve_kv_cache_dtype
 from chassis.core.config import EngineConfig
 from chassis.core.in_flight import PendingRunnerOutput
-from chassis.core.kv_cache_manager import max_blocks_per_request, max_tokens_per_step
+from chassis.core.kv_cache_manager import max_group_blocks_per_request, max_tokens_per_step
 from chassis.core.lora.model import LoRAModel
 from chassis.core.model_runner import ModelRunner
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
@@ -119,21 +119,31 @@ class Worker:
                 num_blocks = max(budget, 0) // bytes_per_block
         # One request of --max-model-len must fit: all its blocks, or, when the KV cache
         # manager releases what a sliding window left, the most it holds at once (plus the
-        # reserved null block).
-        window = self.kv_cache_window()
+        # reserved null block); with KV cache groups, every group's blocks together.
+        windows = self.kv_cache_group_windows()
+        window = windows[0] if len(windows) == 1 else None
         step_tokens = max_tokens_per_step(config)
-        needed = max_blocks_per_request(
-            config.max_model_len, config.block_size, window, step_tokens
+        needed = max_group_blocks_per_request(
+            config.max_model_len, config.block_size, windows, step_tokens
         )
-        usable = num_blocks - (0 if window is None else 1)
+        has_window = any(w is not None for w in windows)
+        usable = num_blocks - (1 if has_window else 0)
         if usable < needed:
-            what = (
-                f"one sequence of --max-model-len {config.max_model_len} needs"
-                if window is None
-                else f"one request of --max-model-len {config.max_model_len} holds at once "
-                f"({needed} blocks: its sliding window of {window} tokens and a step of up to "
-                f"{step_tokens}, beside the null block)"
-            )
+            if len(windows) > 1:
+                what = (
+                    f"one request of --max-model-len {config.max_model_len} holds at once "
+                    f"({needed} blocks over its {len(windows)} KV cache groups, windows "
+                    f"{list(windows)}, with a step of up to {step_tokens} tokens, beside the "
+                    "null block)"
+                )
+            elif window is None:
+                what = f"one sequence of --max-model-len {config.max_model_len} needs"
+            else:
+                what = (
+                    f"one request of --max-model-len {config.max_model_len} holds at once "
+                    f"({needed} blocks: its sliding window of {window} tokens and a step of "
+                    f"up to {step_tokens}, beside the null block)"
+                )
             # name the setting that sized the cache: --num-kv-blocks overrides the memory ones
             raise_what = (
                 "--num-kv-blocks"
@@ -153,6 +163,14 @@ class Worker:
         if not self.config.sliding_window_kv_release:
             return None
         return self.runner.kv_cache_window()
+
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        """The window of each KV cache group (``ModelRunner.kv_groups``) for the KV cache
+        manager; one group: ``(kv_cache_window(),)``."""
+        groups = self.runner.kv_groups
+        if groups is not None:
+            return tuple(group.window for group in groups)
+        return (self.kv_cache_window(),)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -249,8 +249,20 @@ def hf_greedy(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list
     return hf_greedy_tokens(load_hf(model_dir), load_tokenizer(model_dir), prompts, max_tokens)
 
 
+#: KV blocks for --max-model-len 128: Gemma 2/3's sliding and full layers are two KV cache
+#: groups, each block holding one layer, so a request may hold a block of each per position
+#: (the memory of 64 blocks of both layers)
+NUM_KV_BLOCKS = 128
+
+
 def chassis_greedy(model_dir: Path, prompts: list[str], max_tokens: int, **engine: Any):
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64, **engine)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        **engine,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     try:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -269,7 +281,7 @@ def test_greedy_tokens_match_transformers(gemma_dirs: dict[str, Path], arch: str
         str(model_dir),
         dtype="float32",
         max_model_len=128,
-        num_kv_blocks=64,
+        num_kv_blocks=NUM_KV_BLOCKS,
         block_size=4,
         attention_backend="torch_paged",
     )

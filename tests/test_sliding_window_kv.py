@@ -365,10 +365,12 @@ def test_max_model_len_needs_only_what_a_windowed_request_holds(
     assert most_held <= 6
 
 
-def test_models_with_full_attention_layers_keep_every_position(tmp_path: Path) -> None:
-    # Qwen2 with max_window_layers=1: layer 0 attends to everything.
+def test_models_with_full_attention_layers_get_a_block_table_per_group(tmp_path: Path) -> None:
+    # Qwen2 with max_window_layers=1: layer 0 attends to everything, layer 1 slides; they
+    # become two KV cache groups (tests/test_sliding_window_groups.py), not one window
     qwen2 = save_tiny_checkpoint(tiny_config("qwen2", 5), tmp_path / "qwen2", seed=3)
-    assert make_llm(qwen2, release=True).engine.kv_cache_manager.sliding_window is None
+    kv = make_llm(qwen2, release=True).engine.kv_cache_manager
+    assert kv.sliding_window is None and kv.group_windows == [None, 5]
 
 
 def test_prefix_cache_hits_keep_outputs(mistral_dir: Path, expected: list[list[int]]) -> None:

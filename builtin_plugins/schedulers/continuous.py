@@ -44,7 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chassis.core.kv_cache_manager import max_blocks_per_request, max_tokens_per_step
+from chassis.core.kv_cache_manager import max_group_blocks_per_request, max_tokens_per_step
 from chassis.core.request import EngineCoreOutput, FinishReason, RequestStatus, SchedulerStats
 from chassis.core.scheduler_interface import (
     CachedRequestData,
@@ -120,14 +120,15 @@ class ContinuousBatchingScheduler(Scheduler):
                 f"from --block-size ({config.block_size})"
             )
         # One request of max_model_len must fit alone: its whole context, or, when the
-        # manager releases what a sliding window left, the most blocks it holds at once.
+        # manager releases what a sliding window left, the most blocks it holds at once
+        # (every KV cache group's: they share the pool).
         num_blocks = kv_cache_manager.num_usable_blocks
         capacity = num_blocks * kv_cache_manager.block_size
         if config.max_model_len is not None:
-            needed = max_blocks_per_request(
+            needed = max_group_blocks_per_request(
                 config.max_model_len,
                 kv_cache_manager.block_size,
-                kv_cache_manager.sliding_window,
+                kv_cache_manager.group_windows,
                 max_tokens_per_step(config),
             )
             if needed > num_blocks:
@@ -405,14 +406,14 @@ class ContinuousBatchingScheduler(Scheduler):
                 request, request.num_computed_tokens + num_new + len(drafts)
             )
             while True:
-                block_ids = self.kv_cache_manager.allocate_slots(
+                block_ids = self.kv_cache_manager.allocate_group_slots(
                     request, num_new + len(drafts) + lookahead
                 )
                 if block_ids is None and (drafts or lookahead):
                     drafts, lookahead = [], 0  # no room to verify or draft: decode plainly
                     continue
                 if block_ids is not None:
-                    plan.add(request.request_id, num_new + len(drafts), [block_ids], is_new=False)
+                    plan.add(request.request_id, num_new + len(drafts), block_ids, is_new=False)
                     if drafts:
                         plan.spec_token_ids[request.request_id] = drafts
                     break
@@ -447,18 +448,18 @@ class ContinuousBatchingScheduler(Scheduler):
             if not self._lora_fits(request, loras):
                 blocked.append(self.waiting.pop(0))
                 continue
-            hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+            hit_block_ids, num_hit_tokens = kv.get_computed_group_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > plan.token_budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = plan.token_budget
             lookahead = self._lookahead(request, num_hit_tokens + num_new)
-            block_ids = kv.allocate_slots(
+            block_ids = kv.allocate_group_slots(
                 request, num_new + lookahead, hit_block_ids, num_hit_tokens
             )
             if block_ids is None and lookahead:  # no room to draft: admit it without
-                block_ids = kv.allocate_slots(request, num_new, hit_block_ids, num_hit_tokens)
+                block_ids = kv.allocate_group_slots(request, num_new, hit_block_ids, num_hit_tokens)
             while block_ids is None:
                 victims = [
                     r
@@ -469,7 +470,7 @@ class ContinuousBatchingScheduler(Scheduler):
                     return
                 self._preempt(self.select_victim(victims), plan)
                 loras = self._running_loras()
-                block_ids = kv.allocate_slots(request, num_new, hit_block_ids, num_hit_tokens)
+                block_ids = kv.allocate_group_slots(request, num_new, hit_block_ids, num_hit_tokens)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.num_preemptions == 0:
@@ -480,7 +481,7 @@ class ContinuousBatchingScheduler(Scheduler):
             self.running.append(request)
             if request.lora_int_id:
                 loras.add(request.lora_int_id)
-            plan.add(request.request_id, num_new, [block_ids], is_new=True)
+            plan.add(request.request_id, num_new, block_ids, is_new=True)
 
     def _running_loras(self) -> set[int]:
         """The LoRA adapter ids of the running requests (none without ``--enable-lora``,
@@ -509,12 +510,12 @@ class ContinuousBatchingScheduler(Scheduler):
                         prompt_token_ids=list(request.prompt_token_ids),
                         output_token_ids=list(request.output_token_ids),
                         sampling_params=request.sampling_params,
-                        block_ids=[self.kv_cache_manager.get_block_ids(request_id)],
+                        block_ids=self.kv_cache_manager.get_group_block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_ids=request.eos_token_ids,
                         lora_request=request.lora_request,
                         pooling_params=request.pooling_params,
-                        num_null_blocks=[self.kv_cache_manager.num_null_blocks(request_id)],
+                        num_null_blocks=self.kv_cache_manager.group_num_null_blocks(request_id),
                     )
                 )
                 self._in_runner.add(request_id)
@@ -524,7 +525,7 @@ class ContinuousBatchingScheduler(Scheduler):
                         request_id=request_id,
                         new_block_ids=plan.new_block_ids[request_id],
                         num_computed_tokens=request.num_computed_tokens,
-                        num_null_blocks=[self.kv_cache_manager.num_null_blocks(request_id)],
+                        num_null_blocks=self.kv_cache_manager.group_num_null_blocks(request_id),
                     )
                 )
             output.num_scheduled_tokens[request_id] = num_tokens
