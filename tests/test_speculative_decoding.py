@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_models import *  # noqa: F403
 from fixtures_speculative import abort_during_a_drafted_step
 
 from chassis import LLM, SamplingParams
@@ -133,6 +132,13 @@ def test_config_errors_name_what_to_change() -> None:
         EngineConfig(speculative_config={"prompt_lookup_min": True})
     with pytest.raises(ValueError, match="--async-scheduling"):
         EngineConfig(speculative_config=SPEC, async_scheduling=True)
+    greedy_drafts = {"model": "d", "draft_sampling": "greedy"}
+    assert SpeculativeConfig.from_value(greedy_drafts).draft_sampling == "greedy"
+    assert SpeculativeConfig.from_value({"model": "d"}).draft_sampling == "probabilistic"
+    with pytest.raises(ValueError, match="draft_sampling must be one of"):
+        SpeculativeConfig.from_value({"model": "d", "draft_sampling": "top"})
+    with pytest.raises(ValueError, match="n-gram drafts are always one-hot"):
+        SpeculativeConfig.from_value({**SPEC, "draft_sampling": "greedy"})
     args = build_parser().parse_args(
         ["serve", "--speculative-config", '{"num_speculative_tokens": 2}']
     )
