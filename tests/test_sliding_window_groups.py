@@ -303,7 +303,7 @@ def test_preemption_keeps_outputs(gemma2_dir: Path, gemma2_expected: list[list[i
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_max_model_len_counts_the_full_group(gemma2_dir: Path) -> None:
+def test_the_engine_starts_in_every_groups_worst_case(gemma2_dir: Path) -> None:
     # --max-model-len 256 in blocks of 4: 64 full-group blocks, 6 window-group ones, the null
     with pytest.raises(ValueError, match="70 blocks over its 2 KV cache groups"):
         make_llm(gemma2_dir, release=True, num_kv_blocks=70)
