@@ -31,7 +31,8 @@ def load_tokenizer(
 
     ``path`` is a local directory with tokenizer files or a hub id. Extra ``kwargs`` go to
     ``AutoTokenizer.from_pretrained`` (e.g. ``gguf_file=...``). Raises ``ValueError`` with the
-    path when nothing loadable is there.
+    path when nothing loadable is there. A byte-level BPE saved with a sentencepiece decoder in
+    front of its ``ByteLevel`` one gets the plain decoder (:func:`repair_byte_level_decoder`).
     """
     from transformers import AutoTokenizer
 
