@@ -6,6 +6,11 @@ import os
 # spin while another process holds the other core make tiny-model steps ~30x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Session fixtures are registered here, once: a fixture imported into a test module is that
+# module's own (pytest keeps one FixtureDef, and so one cached value, per module that defines
+# it), so a session fixture imported into N modules ran N times (SmolLM2's tokenizer
+# extraction ~15 s each). Test modules take these from here and import only helpers.
+from fixtures_classify import tiny_llama_cls_dir, tiny_qwen2_cls_dir, tiny_qwen3_cls_dir  # noqa: F401
 from fixtures_models import *  # noqa: F403
 from fixtures_pooling_server import pooling_server  # noqa: F401  (one server for the run)
 from fixtures_threads import *  # noqa: F403

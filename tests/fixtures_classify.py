@@ -1,6 +1,7 @@
 """Tiny random ``*ForSequenceClassification`` checkpoints, shared by the classification tests.
 
-Import with ``from fixtures_classify import *  # noqa: F403``. Session fixtures (each a
+``tests/conftest.py`` registers the fixtures (once for the run; a test module imports only
+the helpers it calls, ``LABELS``, ``hf_classifier``, ...). Session fixtures (each a
 directory with ``config.json``, ``model.safetensors`` and the SmolLM2 tokenizer):
 
 - ``tiny_llama_cls_dir``: ``LlamaForSequenceClassification`` with 3 labels (named).

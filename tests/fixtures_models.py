@@ -1,8 +1,8 @@
 """Tiny HF checkpoints and hand-built attention metadata, shared by model and engine tests.
 
-Import everything into a test module (or ``tests/conftest.py``) with::
-
-    from fixtures_models import *  # noqa: F403
+``tests/conftest.py`` registers the fixtures (once for the run: a session fixture imported
+into a test module would be that module's own, built again); a test module imports only the
+helpers it calls (``write_tiny_checkpoint``, ``make_attention_metadata``, ...).
 
 Session fixtures (each a directory with ``config.json``, ``model.safetensors`` and the
 SmolLM2 tokenizer, so real text round-trips):

@@ -1,8 +1,7 @@
 """Shared tokenizer fixtures: the real SmolLM2 tokenizer and a tiny sentencepiece-style one.
 
-Import the fixtures you use into a test module::
-
-    from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir  # noqa: F401
+``tests/conftest.py`` registers the fixtures, so the tokenizer is extracted once per run;
+importing one into a test module would make that module's own copy, extracted again.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from fake_engine import FakeAsyncLLM
 from fastapi.testclient import TestClient
-from fixtures_models import *  # noqa: F403
 from fixtures_server import *  # noqa: F403
 
 from chassis import LLM, SamplingParams

@@ -4,7 +4,6 @@ real chat templates."""
 from __future__ import annotations
 
 import pytest
-from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir  # noqa: F401
 
 from chassis.core.chat import normalize_messages
 from chassis.serve.errors import APIError
@@ -28,7 +27,7 @@ def _messages(assistant_content: dict) -> list[ChatMessage]:
 
 @pytest.mark.parametrize("assistant_content", [{"content": None}, {}], ids=["null", "absent"])
 def test_a_tool_calling_turn_without_content_renders(
-    smol_tokenizer,  # noqa: F811
+    smol_tokenizer,
     assistant_content: dict,
 ) -> None:
     # OpenAI's own tool-call history: the assistant turn has tool_calls and null content
@@ -61,7 +60,7 @@ def test_reasoning_sent_back_reaches_templates_as_reasoning_content() -> None:
     assert normalize_messages([both])[0]["reasoning_content"] == "b"
 
 
-def test_text_parts_are_joined_and_bad_parts_named(smol_tokenizer) -> None:  # noqa: F811
+def test_text_parts_are_joined_and_bad_parts_named(smol_tokenizer) -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     [item] = normalize_messages([{"role": "user", "content": parts}])
     assert item["content"] == "a\nb"

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_classify import *  # noqa: F403
 from fixtures_classify import LABELS, hf_classifier
 
 from chassis.core.llm import LLM

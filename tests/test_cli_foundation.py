@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_models import tiny_llama_dir  # noqa: F401
 from fixtures_plugins import (  # noqa: F401
     FakeEntryPoint,
     builtin_platform_eps,
@@ -187,7 +186,7 @@ class _WrongKindSamplerPlugin:
 
 def test_serve_with_a_wrong_kind_of_plugin_class_exits_1_naming_the_plugin(
     isolated_plugins: None,  # noqa: F811
-    tiny_llama_dir: Path,  # noqa: F811
+    tiny_llama_dir: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # The name is resolved in the front-end, so no engine process starts.

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from fixtures_models import smollm2_dir  # noqa: F401
 
 from chassis.core.layers.activation import SiluAndMul
 from chassis.core.layers.kernels import kernels_for
@@ -336,7 +335,7 @@ def test_prefill_attention_rejects_bad_chunks(kernels):
         )
 
 
-def test_engine_generates_with_the_compiled_kernels_off(smollm2_dir):  # noqa: F811
+def test_engine_generates_with_the_compiled_kernels_off(smollm2_dir):
     """The bf16 engine on the torch fallbacks (oneDNN-packed linears, SDPA attention): the
     path of CPUs without a compiler or AVX512-BF16. A child process, since a process loads
     the kernels once."""

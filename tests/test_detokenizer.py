@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir, sp_tokenizer  # noqa: F401
 
 from chassis.core import detokenizer as detok_mod
 from chassis.core.detokenizer import IncrementalDetokenizer
@@ -55,7 +54,7 @@ def decode(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
 
 
 @pytest.fixture(params=["smol", "sp"])
-def tokenizer(request, smol_tokenizer, sp_tokenizer):  # noqa: F811
+def tokenizer(request, smol_tokenizer, sp_tokenizer):
     return smol_tokenizer if request.param == "smol" else sp_tokenizer
 
 
@@ -77,7 +76,7 @@ def test_real_texts_token_by_token(tokenizer, use_decode_stream, chunk):
         assert all("\ufffd" not in d for d in deltas)
 
 
-def test_multibyte_characters_wait_for_their_last_byte(smol_tokenizer):  # noqa: F811
+def test_multibyte_characters_wait_for_their_last_byte(smol_tokenizer):
     ids = smol_tokenizer("😀", add_special_tokens=False).input_ids
     assert len(ids) > 1  # one emoji, several byte-level tokens
     detok = IncrementalDetokenizer(smol_tokenizer)
@@ -88,7 +87,7 @@ def test_multibyte_characters_wait_for_their_last_byte(smol_tokenizer):  # noqa:
 
 @pytest.mark.parametrize("use_decode_stream", [True, False])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_random_token_ids_byte_level(smol_tokenizer, use_decode_stream, skip_special_tokens):  # noqa: F811
+def test_random_token_ids_byte_level(smol_tokenizer, use_decode_stream, skip_special_tokens):
     # Any id sequence, special tokens and stray UTF-8 bytes included: byte-level BPE decodes
     # invalid bytes prefix-stably, so the invariant holds for all of them.
     rng = random.Random(1234)
@@ -110,7 +109,7 @@ def test_random_token_ids_byte_level(smol_tokenizer, use_decode_stream, skip_spe
 
 @pytest.mark.parametrize("use_decode_stream", [True, False])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_random_token_ids_byte_fallback(sp_tokenizer, use_decode_stream, skip_special_tokens):  # noqa: F811
+def test_random_token_ids_byte_fallback(sp_tokenizer, use_decode_stream, skip_special_tokens):
     # Random pieces mixed with the byte tokens of whole characters. (Byte fallback turns a
     # whole run of bytes into U+FFFDs once it turns out invalid, so no incremental decoder
     # can match decode() on invalid byte runs; models emit valid ones.)
@@ -137,7 +136,7 @@ def test_random_token_ids_byte_fallback(sp_tokenizer, use_decode_stream, skip_sp
         assert "".join(deltas) == decode(sp_tokenizer, ids, skip_special_tokens), ids
 
 
-def test_decode_stream_failure_falls_back_to_offsets(smol_tokenizer, monkeypatch):  # noqa: F811
+def test_decode_stream_failure_falls_back_to_offsets(smol_tokenizer, monkeypatch):
     calls = {"n": 0}
     real_step = detok_mod._StreamDecoder.step
 
@@ -158,7 +157,7 @@ def test_decode_stream_failure_falls_back_to_offsets(smol_tokenizer, monkeypatch
 # -- special tokens and stop tokens ------------------------------------------------------------
 
 
-def test_skip_special_tokens(smol_tokenizer):  # noqa: F811
+def test_skip_special_tokens(smol_tokenizer):
     tok = smol_tokenizer
     body = tok("user\nHi there", add_special_tokens=False).input_ids
     ids = [1, *body, 2, 3]  # <|im_start|> ... <|im_end|> <repo_name>
@@ -172,7 +171,7 @@ def test_skip_special_tokens(smol_tokenizer):  # noqa: F811
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_token_text_is_dropped_unless_included(smol_tokenizer, include):  # noqa: F811
+def test_stop_token_text_is_dropped_unless_included(smol_tokenizer, include):
     ids = [*smol_tokenizer("Bye now", add_special_tokens=False).input_ids, 2]
     detok = IncrementalDetokenizer(
         smol_tokenizer, skip_special_tokens=False, include_stop_str_in_output=include
@@ -193,7 +192,7 @@ def _stop_spans_tokens(tokenizer, ids: list[int], stop: str) -> bool:
     return not any(stop in tokenizer.decode([i]) for i in ids)
 
 
-def test_stop_string_split_across_tokens_is_never_streamed(smol_tokenizer):  # noqa: F811
+def test_stop_string_split_across_tokens_is_never_streamed(smol_tokenizer):
     tok = smol_tokenizer
     ids = tok(SENTENCE, add_special_tokens=False).input_ids
     stop = "is Par"
@@ -216,7 +215,7 @@ def test_stop_string_split_across_tokens_is_never_streamed(smol_tokenizer):  # n
     assert detok.token_ids == ids[:n]
 
 
-def test_stop_string_included_in_output(smol_tokenizer):  # noqa: F811
+def test_stop_string_included_in_output(smol_tokenizer):
     ids = smol_tokenizer(SENTENCE, add_special_tokens=False).input_ids
     detok = IncrementalDetokenizer(smol_tokenizer, stop=["is Par"], include_stop_str_in_output=True)
     assert "".join(stream(detok, ids, finish=False)) == "The capital of France is Par"
@@ -224,14 +223,14 @@ def test_stop_string_included_in_output(smol_tokenizer):  # noqa: F811
 
 
 @pytest.mark.parametrize("chunk", [1, 100])
-def test_first_of_several_stop_strings_wins(smol_tokenizer, chunk):  # noqa: F811
+def test_first_of_several_stop_strings_wins(smol_tokenizer, chunk):
     ids = smol_tokenizer(SENTENCE, add_special_tokens=False).input_ids
     detok = IncrementalDetokenizer(smol_tokenizer, stop=["Paris", "France is", "capital"])
     assert "".join(stream(detok, ids, chunk=chunk, finish=False)) == "The "
     assert detok.stop_reason == "capital"
 
 
-def test_earliest_ending_stop_string_wins_within_one_update(smol_tokenizer):  # noqa: F811
+def test_earliest_ending_stop_string_wins_within_one_update(smol_tokenizer):
     # "capital of" starts first but "cap" ends first: reading left to right, "cap" is seen
     # first, exactly as if the tokens had arrived one by one.
     ids = smol_tokenizer(SENTENCE, add_special_tokens=False).input_ids
@@ -240,7 +239,7 @@ def test_earliest_ending_stop_string_wins_within_one_update(smol_tokenizer):  # 
     assert detok.stop_reason == "pit"
 
 
-def test_held_back_text_is_released_on_finish(smol_tokenizer):  # noqa: F811
+def test_held_back_text_is_released_on_finish(smol_tokenizer):
     tok = smol_tokenizer
     ids = tok(SENTENCE, add_special_tokens=False).input_ids
     stop = "NEVER SEEN"
@@ -255,7 +254,7 @@ def test_held_back_text_is_released_on_finish(smol_tokenizer):  # noqa: F811
     assert streamed == SENTENCE and detok.stop_reason is None
 
 
-def test_stop_string_made_of_byte_tokens(sp_tokenizer):  # noqa: F811
+def test_stop_string_made_of_byte_tokens(sp_tokenizer):
     text = "Hello 世界 world"
     ids = sp_tokenizer(text, add_special_tokens=False).input_ids
     detok = IncrementalDetokenizer(sp_tokenizer, stop=["界"])
@@ -263,7 +262,7 @@ def test_stop_string_made_of_byte_tokens(sp_tokenizer):  # noqa: F811
     assert detok.stop_reason == "界"
 
 
-def test_min_tokens_delays_stop_strings(smol_tokenizer):  # noqa: F811
+def test_min_tokens_delays_stop_strings(smol_tokenizer):
     ids = smol_tokenizer("Hello world. Hello again", add_special_tokens=False).input_ids
     assert smol_tokenizer.decode(ids[:1]) == "Hello"
     detok = IncrementalDetokenizer(smol_tokenizer, stop=["Hello"], min_tokens=1)
@@ -271,14 +270,14 @@ def test_min_tokens_delays_stop_strings(smol_tokenizer):  # noqa: F811
     assert detok.stop_reason == "Hello"
 
 
-def test_from_sampling_params(smol_tokenizer):  # noqa: F811
+def test_from_sampling_params(smol_tokenizer):
     params = SamplingParams(stop=["France"], include_stop_str_in_output=True)
     detok = IncrementalDetokenizer.from_sampling_params(smol_tokenizer, params)
     ids = smol_tokenizer(SENTENCE, add_special_tokens=False).input_ids
     assert "".join(stream(detok, ids)) == "The capital of France"
 
 
-def test_empty_stop_string_is_rejected(smol_tokenizer):  # noqa: F811
+def test_empty_stop_string_is_rejected(smol_tokenizer):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(smol_tokenizer, stop=[""])
 
@@ -301,7 +300,7 @@ def test_decode_at_finish_gives_the_per_token_text(tokenizer, include_stop):
         assert at_end.token_ids == ids and at_end.finished
 
 
-def test_decode_at_finish_is_chosen_only_without_stop_strings(smol_tokenizer):  # noqa: F811
+def test_decode_at_finish_is_chosen_only_without_stop_strings(smol_tokenizer):
     ids = smol_tokenizer(SENTENCE, add_special_tokens=False).input_ids
     plain = IncrementalDetokenizer.from_sampling_params(
         smol_tokenizer, SamplingParams(), read_at_finish_only=True

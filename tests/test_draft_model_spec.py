@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_models import *  # noqa: F403
 from fixtures_models import hf_greedy_tokens, write_tiny_checkpoint
 from fixtures_speculative import abort_during_a_drafted_step
 from safetensors.torch import load_file, save_file

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_lora import hf_greedy
-from fixtures_models import *  # noqa: F403
 from safetensors.torch import load_file, save_file
 
 from chassis import LLM, SamplingParams

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from fake_engine import FakeAsyncLLM
 from fastapi.testclient import TestClient
-from fixtures_models import *  # noqa: F403
 
 from chassis.core.generation_defaults import generation_defaults
 from chassis.serve.app import build_app

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_models import *  # noqa: F403
+from fixtures_models import TINY_CONFIG_FIELDS, make_attention_metadata, new_kv_caches
 from hf_gpt_oss_swiglu import hf_reads_swiglu_config, make_hf_read_swiglu_config
 from safetensors.torch import load_file, save_file
 from test_gemma_models import copy_without
@@ -61,7 +61,7 @@ def tiny_gpt_oss_config(**overrides: Any) -> Any:
     from transformers import GptOssConfig
 
     fields: dict[str, Any] = dict(
-        TINY_CONFIG_FIELDS,  # noqa: F405
+        TINY_CONFIG_FIELDS,
         intermediate_size=96,
         head_dim=32,
         num_local_experts=4,
@@ -202,12 +202,12 @@ def test_bfloat16_on_cpu_paged_is_close_to_transformers(gpt_oss_dir: Path) -> No
     hf_config = load_hf_config(gpt_oss_dir)
     config = EngineConfig(model=str(gpt_oss_dir))
     model = build_model(config, hf_config, gpt_oss_dir, CpuPagedAttention, "cpu", torch.bfloat16)
-    kv_caches = new_kv_caches(hf_config, 8, 16, torch.bfloat16)  # noqa: F405
+    kv_caches = new_kv_caches(hf_config, 8, 16, torch.bfloat16)
     prompt = TOKEN_PROMPTS[0]
     steps = [(prompt, len(prompt)), ([77], len(prompt) + 1)]  # a prefill, then a decode
     with torch.no_grad():
         for tokens, seq_len in steps:
-            metadata = make_attention_metadata([len(tokens)], [seq_len], [[3, 1]], 16)  # noqa: F405
+            metadata = make_attention_metadata([len(tokens)], [seq_len], [[3, 1]], 16)
             positions = torch.arange(seq_len - len(tokens), seq_len)
             ctx = ForwardContext(metadata, kv_caches)
             logits = model.compute_logits(model(torch.tensor(tokens), positions, ctx))

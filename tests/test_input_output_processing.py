@@ -7,7 +7,6 @@ import time
 
 import msgspec
 import pytest
-from fixtures_tokenizer import smol_tokenizer, smol_tokenizer_dir  # noqa: F401
 
 from chassis.core.config import EngineConfig
 from chassis.core.input_processor import InputProcessor
@@ -38,14 +37,14 @@ EOS = 2  # <|im_end|>
 # -- tokenizer helpers -------------------------------------------------------------------------
 
 
-def test_load_tokenizer(smol_tokenizer_dir):  # noqa: F811
+def test_load_tokenizer(smol_tokenizer_dir):
     tok = load_tokenizer(smol_tokenizer_dir)
     assert tok.is_fast and len(tok) == 49152
     with pytest.raises(ValueError, match="could not load a tokenizer"):
         load_tokenizer(smol_tokenizer_dir / "missing")
 
 
-def test_eos_token_ids(smol_tokenizer, tmp_path):  # noqa: F811
+def test_eos_token_ids(smol_tokenizer, tmp_path):
     assert eos_token_ids(smol_tokenizer) == [EOS]
     assert eos_token_ids(smol_tokenizer, tmp_path) == [EOS]  # no generation_config.json
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
@@ -55,7 +54,7 @@ def test_eos_token_ids(smol_tokenizer, tmp_path):  # noqa: F811
     assert eos_token_ids(smol_tokenizer, cfg) == [2, 7]
 
 
-def test_chat_template_smollm2(smol_tokenizer):  # noqa: F811
+def test_chat_template_smollm2(smol_tokenizer):
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the capital of France?"},
@@ -77,7 +76,7 @@ def test_chat_template_smollm2(smol_tokenizer):  # noqa: F811
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n")
 
 
-def test_chat_template_override_and_missing(smol_tokenizer, tmp_path):  # noqa: F811
+def test_chat_template_override_and_missing(smol_tokenizer, tmp_path):
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     messages = [{"role": "user", "content": "Hi"}]
     assert apply_chat_template(smol_tokenizer, messages, chat_template=template) == "[user] Hi\n"
@@ -106,13 +105,13 @@ def test_load_chat_template(tmp_path):
 
 
 @pytest.fixture
-def processor(smol_tokenizer):  # noqa: F811
+def processor(smol_tokenizer):
     return InputProcessor(
         smol_tokenizer, EngineConfig(max_model_len=64, max_logprobs=5, scheduler="priority"), [EOS]
     )
 
 
-def test_process_text_prompt(processor, smol_tokenizer):  # noqa: F811
+def test_process_text_prompt(processor, smol_tokenizer):
     (req,) = processor.process("Hello world", SamplingParams(max_tokens=8), "r1", priority=3)
     assert req.request_id == "r1"
     assert req.prompt_token_ids == smol_tokenizer("Hello world").input_ids
@@ -189,7 +188,7 @@ def test_truncate_prompt_tokens_follows_vllm_rules(processor):
     assert edge.prompt_token_ids == [5, 6]  # max_model_len itself is allowed
 
 
-def test_bad_words_are_tokenized_alone_and_after_a_space(processor, smol_tokenizer):  # noqa: F811
+def test_bad_words_are_tokenized_alone_and_after_a_space(processor, smol_tokenizer):
     (req,) = processor.process("Hi", SamplingParams(bad_words=[" Paris "]), "r")
     encode = smol_tokenizer.encode
     expected = [
@@ -236,7 +235,7 @@ def test_invalid_prompts_and_params(processor):
         processor.process([5, 1.5, True], SamplingParams(), "r")
 
 
-def test_a_priority_needs_a_scheduler_that_uses_it(smol_tokenizer):  # noqa: F811
+def test_a_priority_needs_a_scheduler_that_uses_it(smol_tokenizer):
     fcfs = InputProcessor(smol_tokenizer, EngineConfig(max_model_len=64), [EOS])
     fcfs.process("Hi", SamplingParams(), "r", priority=0)  # the default: fine
     with pytest.raises(ValueError, match=r"'fcfs' scheduler ignores priorities"):
@@ -308,7 +307,7 @@ def ids_of(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids
 
 
-def test_delta_mode_single_completion(smol_tokenizer):  # noqa: F811
+def test_delta_mode_single_completion(smol_tokenizer):
     tok = smol_tokenizer
     proc = OutputProcessor(tok)
     text = "Hello 世界 😀, it works."
@@ -340,7 +339,7 @@ def test_delta_mode_single_completion(smol_tokenizer):  # noqa: F811
     assert proc.process_outputs(step(out("r", [5]))).request_outputs == []
 
 
-def test_delta_mode_n2_only_indexes_with_progress(smol_tokenizer):  # noqa: F811
+def test_delta_mode_n2_only_indexes_with_progress(smol_tokenizer):
     tok = smol_tokenizer
     proc = OutputProcessor(tok)
     proc.add_request("p", None, [1], SamplingParams(n=2), ["0_p", "1_p"], None, delta=True)
@@ -362,7 +361,7 @@ def test_delta_mode_n2_only_indexes_with_progress(smol_tokenizer):  # noqa: F811
     assert not proc.has_unfinished()
 
 
-def test_cumulative_mode_reports_all_completions(smol_tokenizer):  # noqa: F811
+def test_cumulative_mode_reports_all_completions(smol_tokenizer):
     tok = smol_tokenizer
     proc = OutputProcessor(tok)
     proc.add_request("p", "x", [1], SamplingParams(n=2), ["0_p", "1_p"], None, delta=False)
@@ -381,7 +380,7 @@ def test_cumulative_mode_reports_all_completions(smol_tokenizer):  # noqa: F811
     ]
 
 
-def test_final_only_mode_yields_once_when_every_completion_finished(smol_tokenizer):  # noqa: F811
+def test_final_only_mode_yields_once_when_every_completion_finished(smol_tokenizer):
     """What the offline LLM asks for: no per-step outputs, then the cumulative final state
     (stop strings still end a child and ask the engine to abort it)."""
     tok = smol_tokenizer
@@ -411,7 +410,7 @@ def test_final_only_mode_yields_once_when_every_completion_finished(smol_tokeniz
 
 
 @pytest.mark.parametrize("delta", [True, False])
-def test_stop_string_finishes_child_and_asks_for_abort(smol_tokenizer, delta):  # noqa: F811
+def test_stop_string_finishes_child_and_asks_for_abort(smol_tokenizer, delta):
     tok = smol_tokenizer
     proc = OutputProcessor(tok)
     params = SamplingParams(n=2, stop=["is Par"])
@@ -437,7 +436,7 @@ def test_stop_string_finishes_child_and_asks_for_abort(smol_tokenizer, delta):  
         assert ro.outputs[0].token_ids == gen[: len(ro.outputs[0].token_ids)]
 
 
-def test_stop_string_when_engine_also_finished_needs_no_abort(smol_tokenizer):  # noqa: F811
+def test_stop_string_when_engine_also_finished_needs_no_abort(smol_tokenizer):
     tok = smol_tokenizer
     proc = OutputProcessor(tok)
     proc.add_request("r", None, [1], SamplingParams(stop=["France"]), ["r"], None, delta=False)
@@ -449,7 +448,7 @@ def test_stop_string_when_engine_also_finished_needs_no_abort(smol_tokenizer):  
     assert co.token_ids == ids_of(tok, "The capital of France")
 
 
-def test_logprobs_conversion(smol_tokenizer):  # noqa: F811
+def test_logprobs_conversion(smol_tokenizer):
     tok = smol_tokenizer
     proc = OutputProcessor(tok)
     hello, world = ids_of(tok, "Hello world")
@@ -490,7 +489,7 @@ def test_logprobs_conversion(smol_tokenizer):  # noqa: F811
     assert ro.outputs[0].logprobs is None and ro.outputs[0].cumulative_logprob is None
 
 
-def test_abort_and_fail_all(smol_tokenizer):  # noqa: F811
+def test_abort_and_fail_all(smol_tokenizer):
     proc = OutputProcessor(smol_tokenizer)
     proc.add_request("a", None, [1], SamplingParams(n=2), ["0_a", "1_a"], None, delta=True)
     proc.add_request("b", None, [1], SamplingParams(), ["b"], None, delta=True)
@@ -505,7 +504,7 @@ def test_abort_and_fail_all(smol_tokenizer):  # noqa: F811
     assert not proc.has_unfinished()
 
 
-def test_first_scheduled_time_is_kept_from_the_first_output(smol_tokenizer):  # noqa: F811
+def test_first_scheduled_time_is_kept_from_the_first_output(smol_tokenizer):
     proc = OutputProcessor(smol_tokenizer)
     proc.add_request("r", None, [1, 2], SamplingParams(), ["r"], 100.0, delta=True)
     (first,) = proc.process_outputs(

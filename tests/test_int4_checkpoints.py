@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_lora import hf_greedy
-from fixtures_models import *  # noqa: F403
 from safetensors.torch import load_file, save_file
 from test_fp8_checkpoints import NEW_TOKENS, PROMPTS, _is_quantized
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_lora import hf_greedy
-from fixtures_models import *  # noqa: F403
 from test_fp8_checkpoints import NEW_TOKENS, PROMPTS
 from test_int4_checkpoints import SCHEMES, Scheme, _hf_config, _packed_module, write_int_twins
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_lora import hf_greedy
-from fixtures_models import *  # noqa: F403
 from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
 from test_fp8_checkpoints import NEW_TOKENS, PROMPTS
 from test_int4_checkpoints import SCHEMES, Scheme, write_int_twins

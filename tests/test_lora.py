@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from fixtures_lora import hf_greedy, hf_merged_model, write_peft_adapter
-from fixtures_models import *  # noqa: F403
 
 from chassis.core.llm import LLM
 from chassis.core.lora import LoRARequest

@@ -22,7 +22,6 @@ import pytest
 import torch
 from fixtures_classify import hf_classifier, write_tiny_classifier
 from fixtures_lora import hf_merged_model, write_peft_adapter
-from fixtures_models import *  # noqa: F403
 from server_process import ServerProcess, running_server
 
 from chassis.core.errors import RequestFailedError

@@ -22,7 +22,6 @@ import openai
 import pytest
 import torch
 from fixtures_lora import hf_greedy, hf_merged_model, write_peft_adapter
-from fixtures_models import *  # noqa: F403
 from server_process import ServerProcess, start_server
 
 from chassis.core.llm import LLM

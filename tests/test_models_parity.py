@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_models import *  # noqa: F403
 from fixtures_models import (
     allocate_block_tables,
     make_attention_metadata,

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_models import *  # noqa: F403
 from fixtures_models import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy

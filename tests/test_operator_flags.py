@@ -24,7 +24,6 @@ import pytest
 import torch
 from fake_engine import FakeAsyncLLM
 from fastapi.testclient import TestClient
-from fixtures_models import *  # noqa: F403
 from fixtures_models import hf_greedy_tokens
 
 from chassis.core.config import EngineConfig

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures_models import *  # noqa: F403
 from torch import nn
 
 from chassis import LLM, SamplingParams

@@ -14,7 +14,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from fixtures_classify import *  # noqa: F403
 from fixtures_classify import LABELS, hf_classifier
 from server_process import ServerProcess, running_server
 

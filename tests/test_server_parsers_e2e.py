@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-from fixtures_models import tiny_llama_dir  # noqa: F401
 from server_process import ServerProcess, free_port, running_server
 
 openai = pytest.importorskip("openai")
@@ -36,7 +35,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def server(
-    tiny_llama_dir: Path,  # noqa: F811
+    tiny_llama_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServerProcess]:
     flags = ["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice"]

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import psutil
-from fixtures_models import tiny_llama_dir  # noqa: F401
 from server_process import free_port, start_server
 
 
@@ -44,7 +43,7 @@ def test_a_port_in_use_fails_before_the_model_loads(tmp_path: Path) -> None:
 
 
 def test_settings_the_engine_core_rejects_are_a_one_line_error(
-    tiny_llama_dir: Path,  # noqa: F811
+    tiny_llama_dir: Path,
 ) -> None:
     # one KV block cannot hold one sequence of 256 tokens: found while the engine core starts
     result = _serve(
@@ -65,7 +64,7 @@ def test_settings_the_engine_core_rejects_are_a_one_line_error(
 
 
 def test_ctrl_c_to_the_process_group_stops_the_server_cleanly(
-    tiny_llama_dir: Path,  # noqa: F811
+    tiny_llama_dir: Path,
     tmp_path: Path,
 ) -> None:
     server = start_server(tiny_llama_dir, tmp_path)

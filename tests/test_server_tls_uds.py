@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures_models import tiny_llama_dir  # noqa: F401
 from server_process import start_server
 
 from chassis.serve.server import bind_unix_socket, listen_address
@@ -206,7 +205,7 @@ def test_serve_exits_2_on_an_unreadable_certificate(tmp_path: Path) -> None:
 
 
 def test_https_with_client_certificates(
-    tiny_llama_dir: Path,  # noqa: F811
+    tiny_llama_dir: Path,
     certs: Path,
     tmp_path: Path,
 ) -> None:
@@ -245,7 +244,7 @@ def test_https_with_client_certificates(
             server.stop()
 
 
-def test_unix_domain_socket(tiny_llama_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_unix_domain_socket(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """--uds: the API answers on the socket (streams included), not on TCP, and the socket
     file is removed at exit."""
     path = tmp_path / "chassis.sock"
