@@ -9,9 +9,12 @@ metadata through ``ForwardContext.metadata_for``.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from chassis.core.attention import ForwardContext
 from chassis.core.block_pool import NULL_BLOCK_ID
+from chassis.core.cuda_graphs import DecodeGraphs
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.model_runner import group_slots_and_tables, step_forward_context
 from chassis.core.sampling_params import SamplingParams
@@ -87,3 +90,50 @@ def test_each_layer_reads_its_groups_block_table_and_slots() -> None:
         layer_group=None,
     )
     assert one.group_metadata is None and one.metadata_for(0) is one.attn_metadata
+
+
+class _GroupEchoModel(torch.nn.Module):
+    """Hidden state of token t = [layer 0's slot, layer 1's slot, their block 0s]."""
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        first, second = ctx.metadata_for(0), ctx.metadata_for(1)
+        assert first.seq_lens.data_ptr() == second.seq_lens.data_ptr()  # one shared buffer
+        cols = [
+            first.slot_mapping,
+            second.slot_mapping,
+            first.block_table[:, 0].long(),
+            second.block_table[:, 0].long(),
+        ]
+        return torch.stack(cols, dim=1).float()
+
+
+def test_decode_graphs_replay_each_groups_slots_and_tables() -> None:
+    from test_cuda_graphs import GraphTestPlatform
+
+    graphs = DecodeGraphs(
+        _GroupEchoModel(),
+        [],
+        GraphTestPlatform(),
+        [2, 4],
+        device=torch.device("cpu"),
+        max_model_len=64,
+        max_blocks_per_req=4,
+        layer_group=[1, 0],  # layer 0 reads group 1, layer 1 group 0
+    )
+    graphs.capture()
+    n = 3
+    slots = [np.array([5, 6, 7]), np.array([50, 60, 70])]
+    tables = [np.array([[1], [2], [3]], np.int32), np.array([[11], [12], [13]], np.int32)]
+    with torch.inference_mode():
+        out = graphs.run(
+            np.zeros(n, np.int64), np.zeros(n, np.int64), slots, np.ones(n, np.int32), tables
+        )
+    expected = np.stack([slots[1], slots[0], tables[1][:, 0], tables[0][:, 0]], axis=1)
+    np.testing.assert_array_equal(out.numpy(), expected)
+    assert (graphs._inputs.slot_mappings[1][n:4] == -1).all()  # padding writes nothing
+    with pytest.raises(ValueError, match="captured for 2"):
+        graphs.run(
+            np.zeros(n, np.int64), np.zeros(n, np.int64), slots[0], np.ones(n, np.int32), tables[0]
+        )
