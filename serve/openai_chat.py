@@ -70,7 +70,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.chassis
 
 
-def _logprobs(
+def chat_logprobs(
     state: ServerState, completion: CompletionOutput, top_n: int, as_ids: bool = False
 ) -> list[ChatLogprobToken]:
     """OpenAI chat logprobs for the tokens of one delta. With ``as_ids``
@@ -169,7 +169,7 @@ async def _collect(
                 texts[completion.index].append(completion.text)
                 token_ids[completion.index] += completion.token_ids
                 if body.logprobs:
-                    logprobs[completion.index] += _logprobs(state, completion, top_n, as_ids)
+                    logprobs[completion.index] += chat_logprobs(state, completion, top_n, as_ids)
                 if completion.finish_reason is not None:
                     finish[completion.index] = (completion.finish_reason, completion.stop_reason)
     choices = []
@@ -299,7 +299,7 @@ async def _events(
                     logprobs = None
                     if body.logprobs:
                         logprobs = ChatChoiceLogprobs(
-                            content=_logprobs(state, completion, top_n, as_ids)
+                            content=chat_logprobs(state, completion, top_n, as_ids)
                         )
                     if completion.finished:
                         finished.add(completion.index)

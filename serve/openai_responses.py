@@ -45,9 +45,10 @@ from chassis.serve.responses_background import (
     BackgroundRun,
     background_responses,
 )
-from chassis.serve.responses_include import check_include
+from chassis.serve.responses_include import check_include, wants_logprobs, without_logprobs
 from chassis.serve.responses_input import chat_messages, input_items
 from chassis.serve.responses_items import DEFAULT_LIMIT, page, with_ids
+from chassis.serve.responses_logprobs import LogprobRouter
 from chassis.serve.responses_output import (
     new_id,
     output_items,
@@ -55,15 +56,21 @@ from chassis.serve.responses_output import (
     response_status,
     response_usage,
 )
-from chassis.serve.responses_protocol import OutputItem, ResponseObject, ResponsesRequest
+from chassis.serve.responses_protocol import (
+    OutputItem,
+    OutputMessage,
+    ResponseObject,
+    ResponsesRequest,
+)
 from chassis.serve.responses_store import ResponseStore, StoredResponse, response_store
 from chassis.serve.responses_stream import ResponseEvents
 from chassis.serve.state import ServerState, UsageCounter
 from chassis.serve.streaming import ClosingStreamingResponse, generation_response
 
 if TYPE_CHECKING:
-    from chassis.core.outputs import RequestOutput
+    from chassis.core.outputs import CompletionOutput, RequestOutput
     from chassis.core.sampling_params import SamplingParams
+    from chassis.serve.protocol import ChatLogprobToken
 
 router = APIRouter()
 
@@ -125,6 +132,14 @@ class _Turn:
             background=bool(body.background),
         )
 
+    def logprobs(self) -> LogprobRouter | None:
+        """The router of the message's logprobs, when the request asked for them."""
+        asked = self.body.logprobs_asked
+        if asked is None:
+            return None
+        as_ids = self.state.tokens_as_ids(self.body.return_tokens_as_token_ids)
+        return LogprobRouter(self.state, asked, as_ids)
+
     def finish(
         self, finish_reason: str | None, items: list[OutputItem], usage: UsageCounter
     ) -> ResponseObject:
@@ -161,13 +176,44 @@ def _parsed(parser: ChoiceParser | None, text: str) -> ChoiceDelta:
 
 class _Parse:
     """A streamed choice's parsing: its :class:`ChoiceParser` (``None``: all text is
-    content) and whether what the parser holds back (a possible tag's prefix) was flushed,
+    content), whether what the parser holds back (a possible tag's prefix) was flushed,
     which may happen once: when the choice finished, when the engine stream ended without a
-    finish reason, or when a background response is cancelled."""
+    finish reason, or when a background response is cancelled; and, when the request asked
+    for them, the router of its tokens' logprobs to the message text."""
 
-    def __init__(self, parsing: RequestParsing | None) -> None:
+    def __init__(self, parsing: RequestParsing | None, logprobs: LogprobRouter | None) -> None:
         self._parser = parsing.choice_parser() if parsing is not None else None
         self._flushed = False
+        self._logprobs = logprobs
+
+    def events(self, writer: ResponseEvents, completion: CompletionOutput) -> list[str]:
+        """The events of one engine output (flushing the parser when it finished)."""
+        late = self._logprobs.add(completion) if self._logprobs is not None else []
+        events = writer.add_logprobs(late) if late else []
+        delta = self.feed(completion.text)
+        if completion.finished:
+            delta += self.flush()
+        return events + writer.feed(delta, self.route(delta))
+
+    def flush_events(self, writer: ResponseEvents) -> list[str]:
+        """The events of what the parser still holds back."""
+        delta = self.flush()
+        return writer.feed(delta, self.route(delta))
+
+    def message_logprobs(self, completion: CompletionOutput) -> list[ChatLogprobToken]:
+        """The logprobs of the message text among one engine output's tokens (and of the
+        text it released), without events: for a non-streamed response."""
+        if self._logprobs is None:
+            return []
+        late = self._logprobs.add(completion)
+        delta = self.feed(completion.text)
+        if completion.finished:
+            delta += self.flush()
+        return late + self.route(delta)
+
+    def route(self, delta: ChoiceDelta) -> list[ChatLogprobToken]:
+        """The logprobs of ``delta``'s content (``[]`` when none were asked for)."""
+        return self._logprobs.route(delta) if self._logprobs is not None else []
 
     def feed(self, text: str) -> ChoiceDelta:
         """The classified part of ``text``, the next piece of the message."""
@@ -187,15 +233,23 @@ async def _collect(
     texts: list[str] = []
     finish: str | None = None
     usage = UsageCounter()
+    # the text is parsed whole; the logprobs are routed as a stream's would be
+    logprobs = _Parse(parsing, turn.logprobs())
+    message_logprobs: list[ChatLogprobToken] = []
     async with contextlib.aclosing(stream):
         async for output in stream:
             usage.add(0, output)
             for completion in output.outputs:
                 texts.append(completion.text)
                 finish = completion.finish_reason or finish
+                message_logprobs += logprobs.message_logprobs(completion)
+    message_logprobs += logprobs.route(logprobs.flush())
     parser = parsing.choice_parser() if parsing is not None else None
     status, _ = response_status(finish)
     items = output_items(_parsed(parser, "".join(texts)), status)
+    for item in items:
+        if isinstance(item, OutputMessage) and item.content:
+            item.content[0].logprobs = message_logprobs
     return turn.finish(finish, items, usage)
 
 
@@ -205,7 +259,8 @@ async def _events(
     writer = ResponseEvents(turn.in_progress())
     for event in writer.start():
         yield event
-    output = _output_events(turn, writer, stream, _Parse(parsing), UsageCounter())
+    parse = _Parse(parsing, turn.logprobs())
+    output = _output_events(turn, writer, stream, parse, UsageCounter())
     async with contextlib.aclosing(output) as events:
         async for event in events:
             yield event
@@ -226,14 +281,11 @@ async def _output_events(
             async for output in stream:
                 usage.add(0, output)
                 for completion in output.outputs:
-                    delta = parse.feed(completion.text)
-                    if completion.finished:
-                        delta += parse.flush()
                     finish = completion.finish_reason or finish
-                    for event in writer.feed(delta):
+                    for event in parse.events(writer, completion):
                         yield event
         # aborted (no finish reason): what the parsers held
-        for event in writer.feed(parse.flush()):
+        for event in parse.flush_events(writer):
             yield event
         status, _ = response_status(finish)
         for event in writer.finish(status):
@@ -263,7 +315,7 @@ async def _run_background(
     """Make a background response: its events go to ``run``, its final response (also a
     failed or cancelled one) to the store."""
     usage = UsageCounter()
-    parse = _Parse(parsing)
+    parse = _Parse(parsing, turn.logprobs())
     try:
         if run.cancel_requested:  # cancelled before this task first ran
             raise asyncio.CancelledError
@@ -283,7 +335,7 @@ async def _run_background(
         # whole-message parse of the same text would classify it)
         if turn.final is not None:
             return
-        for event in writer.feed(parse.flush()):
+        for event in parse.flush_events(writer):
             run.add_event(event)
         if writer.has_output:
             for event in writer.finish("cancelled"):
@@ -379,6 +431,27 @@ def _conversation(
     return history + new, messages
 
 
+def _check_max_logprobs(state: ServerState, body: ResponsesRequest) -> None:
+    """A 400 naming ``top_logprobs`` for more alternatives than the engine computes
+    (``--max-logprobs``), before anything runs: a background response would otherwise fail
+    in the engine."""
+    asked = body.logprobs_asked
+    limit = state.engine.config.max_logprobs
+    if asked is not None and asked > limit:
+        raise errors.bad_request(
+            f"top_logprobs={asked} exceeds the server's limit of {limit} (--max-logprobs)",
+            "top_logprobs",
+        )
+
+
+def _as_included(response: dict[str, Any], include: list[str]) -> dict[str, Any]:
+    """A response (as JSON) with its ``output_text`` logprobs only when ``include`` asks
+    for them."""
+    if wants_logprobs(include):
+        return response
+    return {**response, "output": without_logprobs(response.get("output") or [])}
+
+
 @router.post("/v1/responses", response_model=ResponseObject)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI's Responses API (one output; see the module docstring)."""
@@ -386,6 +459,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state.check_accepting()
     model, lora_request = state.resolve_model(body.model)
     body.check()
+    _check_max_logprobs(state, body)
     store = response_store(request.app)
     conversation, messages = _conversation(store, background_responses(request.app), body)
     params, prompt_ids, parsing = await prepare_chat(state, body.chat_request(messages))
@@ -431,7 +505,8 @@ async def retrieve_response(
     ``include`` (as ``include=`` or ``include[]=``) follows
     :func:`~chassis.serve.responses_include.check_include`: values that add nothing here
     are accepted, the others a 400."""
-    check_include([*(include or []), *(include_brackets or [])])
+    included = [*(include or []), *(include_brackets or [])]
+    check_include(included)
     run = background_responses(request.app).get(response_id)
     stored = response_store(request.app).get(response_id) if run is None else None
     if run is None and stored is None:
@@ -440,9 +515,9 @@ async def retrieve_response(
         if starting_after is not None:
             raise errors.bad_request("starting_after needs stream=true", "starting_after")
         if run is not None:
-            return JSONResponse(run.snapshot().model_dump(mode="json"))
+            return JSONResponse(_as_included(run.snapshot().model_dump(mode="json"), included))
         assert stored is not None
-        return JSONResponse(stored.response)
+        return JSONResponse(_as_included(stored.response, included))
     after = -1 if starting_after is None else starting_after
     if after < -1:
         raise errors.bad_request(
@@ -487,7 +562,8 @@ async def list_input_items(
     """The input items of a response (stored or running) as OpenAI's list object, a page
     at a time (:func:`~chassis.serve.responses_items.page`); a 404 for an unknown id, 400s
     for bad parameters. ``include`` may come as ``include=`` or ``include[]=``."""
-    check_include([*(include or []), *(include_brackets or [])])
+    included = [*(include or []), *(include_brackets or [])]
+    check_include(included)
     run = background_responses(request.app).get(response_id)
     if run is not None:
         items = run.input_items
@@ -496,6 +572,8 @@ async def list_input_items(
         if stored is None:
             raise _not_found(response_id, "response_id")
         items = stored.input_items
+    if not wants_logprobs(included):
+        items = without_logprobs(items)
     listing = page(items, after=after, before=before, limit=limit, order=order)  # type: ignore[arg-type]
     return JSONResponse(listing)
 

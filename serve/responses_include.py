@@ -8,15 +8,24 @@ holds in all three places (:func:`check_include`):
 - values about items this server never makes or takes (built-in tools' results, image urls:
   it runs no tools itself and takes text input only) are accepted and add nothing, as there
   is nothing to add;
-- ``message.output_text.logprobs`` and ``reasoning.encrypted_content`` name data this server
-  neither makes on ``/v1/responses`` nor keeps: a 400 that says why, rather than a response
-  silently without them;
+- ``message.output_text.logprobs`` adds each ``output_text`` part's ``logprobs``
+  (:mod:`chassis.serve.responses_logprobs`): on ``POST`` it has the engine compute them
+  (``top_logprobs`` alternatives per token) and they are stored with the response; on
+  ``GET`` the stored ones are returned, and without it every part's ``logprobs`` is ``[]``
+  (:func:`wants_logprobs`);
+- ``reasoning.encrypted_content`` names data this server neither makes nor keeps (reasoning
+  is returned as text): a 400 that says why, rather than a response silently without it;
 - any other value is a 400 listing OpenAI's values.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from chassis.serve.errors import bad_request
+
+#: the ``include`` value asking for the ``output_text`` parts' logprobs
+LOGPROBS = "message.output_text.logprobs"
 
 #: ``include`` values about items this server never makes or takes: nothing to add.
 INCLUDE_NOTHING_TO_ADD = frozenset(
@@ -31,24 +40,20 @@ INCLUDE_NOTHING_TO_ADD = frozenset(
 )
 #: ``include`` values this server cannot honour, and why.
 INCLUDE_NOT_AVAILABLE = {
-    "message.output_text.logprobs": (
-        "this server does not make logprobs on /v1/responses, so none are stored either "
-        "(use /v1/chat/completions with logprobs)"
-    ),
     "reasoning.encrypted_content": (
         "this server does not encrypt reasoning: reasoning items are returned as text (with "
         "--reasoning-parser) and stored for previous_response_id"
     ),
 }
 #: every value OpenAI defines
-INCLUDE_VALUES = INCLUDE_NOTHING_TO_ADD | INCLUDE_NOT_AVAILABLE.keys()
+INCLUDE_VALUES = INCLUDE_NOTHING_TO_ADD | INCLUDE_NOT_AVAILABLE.keys() | {LOGPROBS}
 
 
 def check_include(include: list[str] | None) -> None:
     """A 400 naming ``include`` for a value this server cannot honour or does not know (see
     the module docstring); nothing for the others, which add nothing."""
     for value in include or []:
-        if value in INCLUDE_NOTHING_TO_ADD:
+        if value in INCLUDE_NOTHING_TO_ADD or value == LOGPROBS:
             continue
         why = INCLUDE_NOT_AVAILABLE.get(value)
         if why is not None:
@@ -58,3 +63,29 @@ def check_include(include: list[str] | None) -> None:
             f"{', '.join(sorted(INCLUDE_VALUES))}",
             "include",
         )
+
+
+def wants_logprobs(include: list[str] | None) -> bool:
+    """Whether ``include`` asks for the ``output_text`` parts' logprobs."""
+    return LOGPROBS in (include or [])
+
+
+def without_logprobs(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``items`` (output or input items, as JSON) with every ``output_text`` part's
+    ``logprobs`` emptied, as OpenAI answers when ``include`` does not ask for them; the
+    items themselves are not changed (copies are made where a part had logprobs)."""
+    out = []
+    for item in items:
+        content = item.get("content")
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("logprobs") for part in content
+        ):
+            parts = [
+                {**part, "logprobs": []}
+                if isinstance(part, dict) and part.get("logprobs")
+                else part
+                for part in content
+            ]
+            item = {**item, "content": parts}
+        out.append(item)
+    return out

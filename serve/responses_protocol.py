@@ -20,8 +20,16 @@ from pydantic import BaseModel, Field
 
 from chassis.serve import structured_request
 from chassis.serve.errors import APIError, bad_request
-from chassis.serve.protocol import ChatCompletionRequest, ChatMessage, _SamplingRequest
-from chassis.serve.responses_include import check_include
+from chassis.serve.protocol import (
+    ChatCompletionRequest,
+    ChatLogprobToken,
+    ChatMessage,
+    _SamplingRequest,
+)
+from chassis.serve.responses_include import check_include, wants_logprobs
+
+#: OpenAI's bound on ``top_logprobs`` (the server's ``--max-logprobs`` may be lower)
+MAX_TOP_LOGPROBS = 20
 
 #: Fields of the shared sampling base that a Responses request may not use (Responses has no
 #: choices, no chat-format response_format, no token-id or prompt-logprob fields).
@@ -104,8 +112,11 @@ class ResponsesRequest(_SamplingRequest):
                 "truncation",
             )
         check_include(self.include)
-        if self.top_logprobs:
-            raise bad_request("top_logprobs is not supported on /v1/responses", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}; got {self.top_logprobs}",
+                "top_logprobs",
+            )
         if self.conversation is not None:
             raise bad_request(
                 "conversations are not supported: continue with previous_response_id",
@@ -117,6 +128,13 @@ class ResponsesRequest(_SamplingRequest):
             )
         if isinstance(self.input, list) and not self.input and not self.previous_response_id:
             raise bad_request("input must not be empty", "input")
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token the ``output_text`` logprobs carry
+        (``top_logprobs``, 0 when unset), or ``None`` when ``include`` does not ask for
+        logprobs (then none are computed, as OpenAI: ``top_logprobs`` alone adds nothing)."""
+        return (self.top_logprobs or 0) if wants_logprobs(self.include) else None
 
     # -- to the chat route ---------------------------------------------------------------------
 
@@ -206,6 +224,8 @@ class ResponsesRequest(_SamplingRequest):
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format,
             chat_template_kwargs=self.chat_template_kwargs,
+            logprobs=self.logprobs_asked is not None,
+            top_logprobs=self.logprobs_asked,
         )
 
 
@@ -235,9 +255,13 @@ ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 class OutputText(BaseModel):
+    """The message's text; ``logprobs`` its tokens' (empty unless ``include`` asks for
+    ``message.output_text.logprobs``; see :mod:`chassis.serve.responses_logprobs`)."""
+
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[ChatLogprobToken] = Field(default_factory=list)
 
 
 class OutputMessage(BaseModel):

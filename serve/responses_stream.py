@@ -22,6 +22,12 @@ An item is closed when the next one opens (and the last at the end). Content tha
 whitespace is held back until more text shows it starts a message, so the items match the
 non-streamed response's (:mod:`chassis.serve.responses_output`). A failure after the first
 event ends the stream with ``error`` and ``response.failed``.
+
+Each ``response.output_text.delta`` carries the ``logprobs`` of its text's tokens (``[]``
+unless the request asked for them; :mod:`chassis.serve.responses_logprobs`), and
+``response.output_text.done``, the part and the item all of them. A token with no text of
+its own after the message's text (such as the end-of-sequence token) comes in a delta whose
+``delta`` is ``""``, so the deltas' logprobs add up to the part's.
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ from chassis.serve.responses_protocol import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from chassis.serve.chat_parsing import ChoiceDelta
+    from chassis.serve.protocol import ChatLogprobToken
 
 
 class ResponseEvents:
@@ -57,8 +66,9 @@ class ResponseEvents:
         self.items: list[OutputItem] = []
         #: the item still open (receiving deltas), if any
         self._open: OutputItem | None = None
-        #: whitespace content not yet known to start a message
+        #: whitespace content not yet known to start a message, and its tokens' logprobs
         self._pending = ""
+        self._pending_logprobs: list[ChatLogprobToken] = []
         #: the tool parser's call index -> the call's output index
         self._calls: dict[int, int] = {}
         #: the response of :meth:`failed`, once it was called
@@ -95,8 +105,9 @@ class ResponseEvents:
         """Whether any output was fed: an item, or content held back as whitespace."""
         return bool(self.items or self._pending)
 
-    def feed(self, delta: ChoiceDelta) -> list[str]:
-        """The events of the next parsed piece of the message."""
+    def feed(self, delta: ChoiceDelta, logprobs: Sequence[ChatLogprobToken] = ()) -> list[str]:
+        """The events of the next parsed piece of the message (``logprobs``: those of its
+        content's tokens)."""
         events: list[str] = []
         if delta.reasoning:
             if not isinstance(self._open, ReasoningItem):
@@ -104,13 +115,15 @@ class ResponseEvents:
             events += self._add_text(delta.reasoning)
         if delta.content:
             if isinstance(self._open, OutputMessage):
-                events += self._add_text(delta.content)
+                events += self._add_text(delta.content, logprobs)
             else:
                 self._pending += delta.content
+                self._pending_logprobs += logprobs
                 if self._pending.strip():
                     events += self._open_item(OutputMessage(id=new_id("msg"), status="in_progress"))
-                    events += self._add_text(self._pending)
+                    events += self._add_text(self._pending, self._pending_logprobs)
                     self._pending = ""
+                    self._pending_logprobs = []
         for fragment in delta.fragments:
             if fragment.starts_call:
                 assert fragment.name is not None and fragment.id is not None
@@ -123,13 +136,23 @@ class ResponseEvents:
                 events += self._add_arguments(self._calls[fragment.index], fragment.arguments)
         return events
 
+    def add_logprobs(self, logprobs: Sequence[ChatLogprobToken]) -> list[str]:
+        """The event of logprobs of tokens without text after the message's text: a delta
+        of ``""`` on the open message (with held-back content: kept with it; after another
+        item: none)."""
+        if isinstance(self._open, OutputMessage):
+            return self._add_text("", logprobs)
+        if self._pending:
+            self._pending_logprobs += logprobs
+        return []
+
     def finish(self, status: str) -> list[str]:
         """Close the open item (its status from the response's ``status``); a message of the
         held-back content (maybe empty) when there are no items at all."""
         events: list[str] = []
         if not self.items:
             events += self._open_item(OutputMessage(id=new_id("msg"), status="in_progress"))
-            events += self._add_text(self._pending)
+            events += self._add_text(self._pending, self._pending_logprobs)
         if self._open is not None:
             events += self._close(item_status(status))
         return events
@@ -190,17 +213,23 @@ class ResponseEvents:
             part=item.content[0].model_dump(),
         )
 
-    def _add_text(self, text: str) -> list[str]:
+    def _add_text(self, text: str, logprobs: Sequence[ChatLogprobToken] = ()) -> list[str]:
         item = self._open
         assert isinstance(item, OutputMessage | ReasoningItem)
-        if not text:
+        if isinstance(item, ReasoningItem):
+            logprobs = ()  # OpenAI gives logprobs for output_text only
+        if not text and not logprobs:
             return []
-        item.content[0].text += text
         index = len(self.items) - 1
         if isinstance(item, ReasoningItem):
+            item.content[0].text += text
             kind, extra = "response.reasoning_text.delta", {}
         else:
-            kind, extra = "response.output_text.delta", {"logprobs": []}
+            part = item.content[0]
+            part.text += text
+            part.logprobs += logprobs
+            kind = "response.output_text.delta"
+            extra = {"logprobs": [entry.model_dump() for entry in logprobs]}
         return [
             self.event(
                 kind, item_id=item.id, output_index=index, content_index=0, delta=text, **extra
@@ -240,7 +269,8 @@ class ResponseEvents:
             if isinstance(item, ReasoningItem):
                 kind, extra = "response.reasoning_text.done", {}
             else:
-                kind, extra = "response.output_text.done", {"logprobs": []}
+                logprobs = [entry.model_dump() for entry in item.content[0].logprobs]
+                kind, extra = "response.output_text.done", {"logprobs": logprobs}
             fields = {"item_id": item.id, "output_index": index, "content_index": 0}
             events.append(self.event(kind, text=text, **fields, **extra))
             events.append(self._part_event("response.content_part.done", item, index))

@@ -11,6 +11,7 @@ serve`` on a tiny random Llama and compares greedy text with the chat route's.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -423,10 +424,7 @@ def test_retrieve_honours_include_as_create_does(server: Server) -> None:
         lambda value: server.client.responses.retrieve(created.id, include=[value]),
         lambda value: server.client.responses.input_items.list(created.id, include=[value]),
     )
-    for value, why in [
-        ("message.output_text.logprobs", "logprobs"),
-        ("reasoning.encrypted_content", "encrypt"),
-    ]:
+    for value, why in [("reasoning.encrypted_content", "encrypt")]:
         for call in calls:
             with pytest.raises(openai.BadRequestError) as info:
                 call(value)
@@ -461,7 +459,8 @@ def test_retrieve_honours_include_as_create_does(server: Server) -> None:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.0.name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": -1, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
         ({"n": 2}, "n"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
@@ -625,6 +624,53 @@ def test_greedy_text_equals_the_chat_routes_on_a_real_model(real_server: ServerP
     turns.append({"role": "user", "content": "And of Spain?"})
     ids = httpx_tokenize(real_server, turns)
     assert follow.usage.input_tokens == len(ids)
+
+
+def test_greedy_logprobs_equal_the_chat_routes_on_a_real_model(
+    real_server: ServerProcess,
+) -> None:
+    # each request its own cache salt: every prompt is computed whole, as the first was
+    client = real_server.client()
+    salts = iter(range(100))
+
+    def fields() -> dict[str, Any]:
+        return {"temperature": 0, "extra_body": {"cache_salt": f"logprobs-{next(salts)}"}}
+
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        **fields(),
+    )
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    expected = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    include: Any = ["message.output_text.logprobs"]
+    asked = {"model": "tiny", "input": "Name a colour.", "max_output_tokens": 8}
+    asked.update(include=include, top_logprobs=3)
+
+    def logprobs(response: Any) -> list[dict[str, Any]]:
+        message = next(item for item in response.output if item.type == "message")
+        return [e.model_dump() for e in message.content[0].logprobs]
+
+    response = client.responses.create(**asked, **fields())
+    assert response.output_text == chat.choices[0].message.content
+    assert logprobs(response) == expected
+
+    events = list(client.responses.create(**asked, stream=True, **fields()))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [e.model_dump() for d in deltas for e in d.logprobs] == expected
+    assert logprobs(events[-1].response) == expected
+
+    background = client.responses.create(**asked, background=True, **fields())
+    for _ in range(600):
+        stored = client.responses.retrieve(background.id, include=include)
+        if stored.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert logprobs(stored) == expected
+    assert logprobs(client.responses.retrieve(background.id)) == []
 
 
 def test_cancel_aborts_the_engine_request_on_a_real_model(real_server: ServerProcess) -> None:

@@ -304,7 +304,7 @@ def test_a_streamed_background_response_resumes_from_any_sequence_number(server:
     assert [e.model_dump() for e in included] == [e.model_dump() for e in events[5:]]
     with pytest.raises(openai.BadRequestError) as info:
         server.client.responses.retrieve(
-            response_id, stream=True, include=["message.output_text.logprobs"]
+            response_id, stream=True, include=["reasoning.encrypted_content"]
         )
     assert info.value.body["param"] == "include"
 

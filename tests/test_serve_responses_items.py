@@ -112,7 +112,7 @@ def test_input_items_errors(server: Server) -> None:
         ({"order": "up"}, "order"),
         ({"after": "msg_unknown"}, "after"),
         ({"before": "msg_unknown"}, "before"),
-        ({"include": "message.output_text.logprobs"}, "include"),
+        ({"include": "reasoning.encrypted_content"}, "include"),
         ({"include": "bogus"}, "include"),
     ]:
         reply = server.http.get(url, params=params)
@@ -127,7 +127,7 @@ def test_input_items_errors(server: Server) -> None:
     # the SDK sends include as include[]=... (OpenAI's array format)
     with pytest.raises(openai.BadRequestError) as info:
         server.client.responses.input_items.list(
-            response.id, include=["message.output_text.logprobs"]
+            response.id, include=["reasoning.encrypted_content"]
         )
     assert info.value.body["param"] == "include"
     for limit in (1, 100):

@@ -1,0 +1,182 @@
+"""Output logprobs on ``/v1/responses`` (``include: ["message.output_text.logprobs"]`` and
+``top_logprobs``), driven by the official ``openai`` client over the fake engine
+(tests/fake_engine.py: a character per step, each sampled token at logprob -0.5 with
+alternatives "A", "B", ... at -2, -3, ...). The greedy comparison with the chat route on a real
+model is in tests/test_serve_responses.py (it shares that file's server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fake_engine import FakeAsyncLLM
+from fastapi.testclient import TestClient
+from test_serve_responses import CALL, MODEL, PARSERS, THOUGHT, WEATHER, Server, serve
+from test_serve_responses_background import finished
+
+from chassis.serve.app import build_app
+from chassis.serve.settings import ServerSettings
+
+openai = pytest.importorskip("openai")
+
+LOGPROBS = ["message.output_text.logprobs"]
+TEXT = "Hello there!"
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    yield from serve(TEXT)
+
+
+def entries(logprobs: list[Any] | None) -> list[dict[str, Any]]:
+    """Logprob entries (SDK models or dicts) as dicts."""
+    return [e if isinstance(e, dict) else e.model_dump() for e in logprobs or []]
+
+
+def chat_logprobs(server: Server, top: int) -> list[dict[str, Any]]:
+    """The chat route's logprobs for the same conversation ("Hi")."""
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=top
+    )
+    assert chat.choices[0].logprobs is not None
+    return entries(chat.choices[0].logprobs.content)
+
+
+def part(response: Any) -> Any:
+    """The ``output_text`` part of a response's message."""
+    message = next(item for item in response.output if item.type == "message")
+    return message.content[0]
+
+
+def test_logprobs_are_the_chat_routes_streamed_or_not(server: Server) -> None:
+    expected = chat_logprobs(server, 2)
+    assert "".join(e["token"] for e in expected) == TEXT
+    assert expected[0]["top_logprobs"][0] == {"token": "H", "logprob": -0.5, "bytes": [72]}
+    response = server.client.responses.create(
+        model=MODEL, input="Hi", include=LOGPROBS, top_logprobs=2
+    )
+    assert part(response).text == TEXT and entries(part(response).logprobs) == expected
+    assert server.engine.requests[-1][2].logprobs == 2  # what the engine was asked
+
+    events = list(
+        server.client.responses.create(
+            model=MODEL, input="Hi", include=LOGPROBS, top_logprobs=2, stream=True
+        )
+    )
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [entries(e.logprobs) for e in deltas] == [[entry] for entry in expected]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert entries(done.logprobs) == expected
+    (part_done,) = [e for e in events if e.type == "response.content_part.done"]
+    assert entries(part_done.part.logprobs) == expected
+    assert entries(part(events[-1].response).logprobs) == expected
+
+    # top_logprobs 0 (the default): the sampled tokens alone
+    bare = server.client.responses.create(model=MODEL, input="Hi", include=LOGPROBS)
+    assert entries(part(bare).logprobs) == chat_logprobs(server, 0)
+    assert all(e["top_logprobs"] == [] for e in entries(part(bare).logprobs))
+
+
+def test_without_include_there_are_no_logprobs(server: Server) -> None:
+    # as OpenAI: top_logprobs alone adds nothing, and the engine computes none
+    response = server.client.responses.create(model=MODEL, input="Hi", top_logprobs=3)
+    assert part(response).text == TEXT and part(response).logprobs == []
+    assert server.engine.requests[-1][2].logprobs is None
+    events = list(server.client.responses.create(model=MODEL, input="Hi", stream=True))
+    assert all(e.logprobs == [] for e in events if e.type == "response.output_text.delta")
+
+
+def test_stored_logprobs_come_back_with_include(server: Server) -> None:
+    expected = chat_logprobs(server, 1)
+    background = server.client.responses.create(
+        model=MODEL, input="Hi", include=LOGPROBS, top_logprobs=1, background=True
+    )
+    finished(server, background.id)
+    included = server.client.responses.retrieve(background.id, include=LOGPROBS)  # type: ignore[arg-type]
+    assert entries(part(included).logprobs) == expected
+    # without include the parts' logprobs are empty, as OpenAI answers
+    assert part(server.client.responses.retrieve(background.id)).logprobs == []
+    raw = server.http.get(f"/v1/responses/{background.id}", params={"include": LOGPROBS[0]})
+    assert entries(raw.json()["output"][0]["content"][0]["logprobs"]) == expected
+
+    # the next turn lists this response's message among its input items, with the same rule
+    follow = server.client.responses.create(
+        model=MODEL, input="Again", previous_response_id=background.id
+    )
+    listed = server.client.responses.input_items.list(follow.id, include=LOGPROBS, order="asc")  # type: ignore[arg-type]
+    assert entries(listed.data[1].content[0].logprobs) == expected  # type: ignore[union-attr]
+    plain = server.client.responses.input_items.list(follow.id, order="asc")
+    assert plain.data[1].content[0].logprobs == []  # type: ignore[union-attr]
+
+    # a background stream replays its deltas' logprobs
+    streamed = list(
+        server.client.responses.create(
+            model=MODEL, input="Hi", include=LOGPROBS, top_logprobs=1, background=True, stream=True
+        )
+    )
+    response_id = streamed[0].response.id
+    replayed = list(server.client.responses.retrieve(response_id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in streamed[4:]]
+    deltas = [e for e in replayed if e.type == "response.output_text.delta"]
+    assert [entry for e in deltas for entry in entries(e.logprobs)] == expected
+
+
+def test_bad_logprob_requests_are_400s_naming_top_logprobs() -> None:
+    engine = FakeAsyncLLM(script=TEXT, max_logprobs=2)
+    with TestClient(build_app(engine, ServerSettings())) as http:
+        client = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+        )
+        for fields in (
+            {"top_logprobs": 21},
+            {"top_logprobs": -1, "include": LOGPROBS},
+            # over the server's --max-logprobs: a 400 before anything runs, background too
+            {"top_logprobs": 3, "include": LOGPROBS},
+            {"top_logprobs": 3, "include": LOGPROBS, "background": True},
+            {"top_logprobs": 3, "include": LOGPROBS, "stream": True},
+        ):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.responses.create(model=MODEL, input="Hi", **fields)  # type: ignore[call-overload]
+            error = info.value.body
+            assert error["param"] == "top_logprobs" and error["message"], error
+            assert info.value.response.json()["error"]["type"] == "invalid_request_error"
+        assert engine.requests == []
+        # within the limit it runs
+        response = client.responses.create(
+            model=MODEL, input="Hi", include=LOGPROBS, top_logprobs=2
+        )
+        assert len(part(response).logprobs) == len(TEXT)
+
+
+@pytest.mark.parametrize("tail", ["", "\n" + CALL])
+def test_only_the_message_texts_tokens_carry_logprobs(tail: str) -> None:
+    # the reasoning, the call and their markup are other items' text: their tokens carry no
+    # logprobs (OpenAI gives them for output_text only); the message's are its own tokens'
+    for server in serve(THOUGHT + "Checking." + tail, PARSERS):
+        kwargs: dict[str, Any] = {"model": MODEL, "input": "Hi", "include": LOGPROBS}
+        kwargs["tools"] = [WEATHER]
+        response = server.client.responses.create(**kwargs)
+        assert [item.type for item in response.output][:2] == ["reasoning", "message"]
+        text = part(response)
+        tokens = [e["token"] for e in entries(text.logprobs)]
+        assert "".join(tokens) == text.text == "Checking."
+        events = list(server.client.responses.create(**kwargs, stream=True))
+        assert entries(part(events[-1].response).logprobs) == entries(text.logprobs)
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        assert [entry for e in deltas for entry in entries(e.logprobs)] == entries(text.logprobs)
+        assert all("logprobs" not in e.model_dump() for e in events if "reasoning" in e.type)
+
+
+def test_forced_tool_calls_have_no_logprobs_to_give() -> None:
+    # the output is the call alone: no output_text, so nowhere for logprobs (as OpenAI)
+    for server in serve('{"city": "Paris"}'):
+        forced = {"type": "function", "name": "get_weather"}
+        kwargs: dict[str, Any] = {"model": MODEL, "input": "Weather?", "include": LOGPROBS}
+        kwargs.update(tools=[WEATHER], tool_choice=forced, top_logprobs=1)
+        response = server.client.responses.create(**kwargs)
+        assert [item.type for item in response.output] == ["function_call"]
+        events = list(server.client.responses.create(**kwargs, stream=True))
+        assert not [e for e in events if e.type.startswith("response.output_text")]
+        assert [item.type for item in events[-1].response.output] == ["function_call"]
