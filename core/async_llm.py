@@ -75,7 +75,7 @@ class AsyncLLM:
         #: a pooling engine's pooling (None when it generates), and what encode() checks
         self.pooler_config = apply_pooling_defaults(config)
         self.embedding_info = (
-            EmbeddingModelInfo.from_hf_config(hf_config, self.model_name)
+            EmbeddingModelInfo.from_hf_config(hf_config, self.model_name, self.pooler_config)
             if self.pooler_config is not None
             else None
         )

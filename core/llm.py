@@ -91,7 +91,9 @@ class LLM:
         self.pooler_config = apply_pooling_defaults(self.config)
         assert self.config.served_model_name is not None
         self.embedding_info = (
-            EmbeddingModelInfo.from_hf_config(hf_config, self.config.served_model_name)
+            EmbeddingModelInfo.from_hf_config(
+                hf_config, self.config.served_model_name, self.pooler_config
+            )
             if self.pooler_config is not None
             else None
         )

@@ -2,10 +2,13 @@
 
 A pooling request is prefill only. Its prompt may be computed over several steps (chunked
 prefill), so the runner keeps, per request, what the earlier chunks contributed: the running
-sum of the hidden states (``MEAN``) or the first token's state (``CLS``); ``LAST`` needs
-only the chunk that ends the prompt. When a request's last chunk is computed its vector is
-finished (:func:`finish_vector`: Matryoshka truncation, then L2 normalization) and copied to
-the host as float32 bytes (:data:`~chassis.core.pooling_outputs.POOLED_DTYPE`).
+sum of the hidden states (``MEAN``, ``MEAN_SQRT_LEN``), their running elementwise max
+(``MAX``) or the first token's state (``CLS``); ``LAST`` needs only the chunk that ends the
+prompt. When a request's last chunk is computed its vector is finished, in
+sentence-transformers' order: the checkpoint's ``Dense`` modules
+(:class:`~chassis.core.pooling_dense.DenseChain`), then :func:`finish_vector` (Matryoshka
+truncation, then L2 normalization), and copied to the host as float32 bytes
+(:data:`~chassis.core.pooling_outputs.POOLED_DTYPE`).
 
 :func:`pool_reference` and :func:`finish_vector` are the obviously-correct versions of one
 whole sequence that tests compare the batched path (:class:`Pooler`) with.
@@ -13,6 +16,7 @@ whole sequence that tests compare the batched path (:class:`Pooler`) with.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from chassis.core.pooling_dense import DenseChain
 from chassis.core.pooling_outputs import POOLED_DTYPE
 
 if TYPE_CHECKING:
@@ -30,7 +35,9 @@ if TYPE_CHECKING:
 
 def pool_reference(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
     """``[num_tokens, hidden]`` states of one whole prompt -> its ``[hidden]`` float32
-    vector: the last token's (``LAST``), the mean (``MEAN``) or the first token's (``CLS``)."""
+    vector: the last token's (``LAST``), the mean (``MEAN``), the first token's (``CLS``),
+    the elementwise max (``MAX``) or the sum over the square root of the token count
+    (``MEAN_SQRT_LEN``, sentence-transformers' ``mean_sqrt_len_tokens``)."""
     hidden = hidden.float()
     if pooling_type == "LAST":
         return hidden[-1]
@@ -38,6 +45,10 @@ def pool_reference(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
         return hidden.mean(dim=0)
     if pooling_type == "CLS":
         return hidden[0]
+    if pooling_type == "MAX":
+        return hidden.max(dim=0).values
+    if pooling_type == "MEAN_SQRT_LEN":
+        return hidden.sum(dim=0) / math.sqrt(hidden.shape[0])
     raise ValueError(f"unknown pooling type {pooling_type!r}")
 
 
@@ -55,21 +66,25 @@ class _PoolingRequest:
 
     params: PoolingParams
     num_prompt_tokens: int
-    #: what the chunks so far contributed: their sum (``MEAN``), the first token's state
-    #: (``CLS``); ``None`` before the first chunk or for ``LAST``
+    #: what the chunks so far contributed: their sum (``MEAN``, ``MEAN_SQRT_LEN``), their
+    #: elementwise max (``MAX``), the first token's state (``CLS``); ``None`` before the
+    #: first chunk or for ``LAST``
     partial: torch.Tensor | None = None
 
 
 class Pooler:
     """The pooling requests in one runner's batch, and the step that pools them.
 
-    Every request of a pooling engine is a pooling request; ``config`` is the engine's.
+    Every request of a pooling engine is a pooling request; ``config`` is the engine's. Its
+    ``Dense`` modules' weights are loaded on ``device`` here.
     """
 
     def __init__(self, config: PoolerConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
         self._requests: dict[str, _PoolingRequest] = {}
+        #: the checkpoint's Dense modules, run on each finished vector; None without any
+        self.dense = DenseChain(config.dense, device) if config.dense else None
 
     def update(self, out: SchedulerOutput) -> None:
         """Apply a plan's diff: forget finished (or preempted) requests, start new ones.
@@ -119,18 +134,20 @@ class Pooler:
             if not len(done):
                 return {}
             vectors = hidden[self._index(query_start_loc[1:][done] - 1)].float()
-        elif kind == "MEAN":
-            vectors = self._mean_step(hidden, requests, num_scheduled, done, prompt_lens)
-        else:
+        elif kind == "CLS":
             vectors = self._cls_step(hidden, requests, starts, query_start_loc, done)
+        else:
+            vectors = self._reduce_step(hidden, requests, num_scheduled, done, prompt_lens)
         if vectors is None:
             return {}
+        if self.dense is not None:
+            vectors = self.dense(vectors)
         return self._finish([request_ids[i] for i in done], [requests[i] for i in done], vectors)
 
     def _index(self, rows: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.device)
 
-    def _mean_step(
+    def _reduce_step(
         self,
         hidden: torch.Tensor,
         requests: list[_PoolingRequest],
@@ -138,22 +155,37 @@ class Pooler:
         done: np.ndarray,
         prompt_lens: np.ndarray,
     ) -> torch.Tensor | None:
-        # One segment sum for the whole step (float32, as the reference's mean).
+        """``MEAN``, ``MEAN_SQRT_LEN`` (a running sum) and ``MAX`` (a running max)."""
+        # One segment reduction for the whole step (float32, as the reference's).
+        is_max = self.config.pooling_type == "MAX"
         segment = self._index(np.repeat(np.arange(len(requests)), num_scheduled))
-        sums = torch.zeros(
-            (len(requests), hidden.shape[-1]), dtype=torch.float32, device=hidden.device
-        ).index_add_(0, segment, hidden.float())
+        shape = (len(requests), hidden.shape[-1])
+        if is_max:
+            reduced = torch.full(shape, -math.inf, dtype=torch.float32, device=hidden.device)
+            rows = segment[:, None].expand(-1, hidden.shape[-1])
+            reduced.scatter_reduce_(0, rows, hidden.float(), "amax")
+        else:
+            reduced = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
+            reduced.index_add_(0, segment, hidden.float())
         is_done = np.zeros(len(requests), dtype=bool)
         is_done[done] = True
         for i, request in enumerate(requests):
             if request.partial is not None:  # an earlier chunk of this prompt
-                sums[i] += request.partial
+                if is_max:
+                    reduced[i] = torch.maximum(reduced[i], request.partial)
+                else:
+                    reduced[i] += request.partial
             if not is_done[i]:
-                request.partial = sums[i].clone()
+                request.partial = reduced[i].clone()
         if not len(done):
             return None
+        finished = reduced[self._index(done)]
+        if is_max:
+            return finished
         lens = torch.from_numpy(prompt_lens[done].astype(np.float32)).to(hidden.device)
-        return sums[self._index(done)] / lens[:, None]
+        if self.config.pooling_type == "MEAN_SQRT_LEN":
+            lens = lens.sqrt()
+        return finished / lens[:, None]
 
     def _cls_step(
         self,

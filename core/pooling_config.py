@@ -4,30 +4,41 @@ The pooling type and whether vectors are L2-normalized come, in this order of pr
 from the user's ``pooler_config`` (``EngineConfig.pooler_config``, ``--pooler-config``), from
 the checkpoint's sentence-transformers files (``modules.json``, the ``Pooling`` module's
 ``config.json`` and whether a ``Normalize`` module follows it), and otherwise from vLLM's
-default for decoder language models: the last token, normalized.
+default for decoder language models: the last token, normalized. The checkpoint's ``Dense``
+modules (:mod:`chassis.core.pooling_dense`) always apply, whatever ``pooler_config`` says: a
+vector is pooled, projected through them, truncated (Matryoshka ``dimensions``), then
+normalized, sentence-transformers' order.
 
 Prefix caching needs the last-token pooler: a cached prefix has no hidden states in this
-request, which the mean and the first token (CLS) need. :func:`apply_pooling_defaults`
-therefore turns prefix caching off for the other types (vLLM turns off both prefix caching
+request, which every other type (mean, first token, max, sqrt-length mean) needs.
+:func:`apply_pooling_defaults` therefore turns prefix caching off for them (vLLM turns off both prefix caching
 and chunked prefill; chassis keeps chunked prefill, the runner carries a running sum from
 chunk to chunk, see :mod:`chassis.core.pooler`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from chassis.core.pooling_dense import (
+    ST_PREFIX,
+    DenseSpec,
+    read_dense_specs,
+    read_json,
+    read_modules,
+)
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-#: the pooling types chassis implements (vLLM's names)
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
+#: the pooling types chassis implements: vLLM's names, then two sentence-transformers modes
+#: vLLM does not have (the elementwise max over the tokens; their sum over sqrt(count))
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "MAX", "MEAN_SQRT_LEN")
 #: the keys ``pooler_config`` accepts (``use_activation``: classification models only)
 POOLER_CONFIG_KEYS = ("pooling_type", "normalize", "use_activation")
 #: vLLM's older names of ``pooler_config`` keys
@@ -38,13 +49,18 @@ _ST_MODES = {
     "pooling_mode_lasttoken": "LAST",
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_cls_token": "CLS",
+    "pooling_mode_max_tokens": "MAX",
+    "pooling_mode_mean_sqrt_len_tokens": "MEAN_SQRT_LEN",
 }
-#: the same as the ``pooling_mode`` string some versions write; any other mode (max,
-#: mean_sqrt_len_tokens, weightedmean) is refused rather than ignored
-_ST_STRING_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
-_ST_PREFIX = "sentence_transformers.models."
-#: modules that may sit in a sentence-transformers pipeline without changing the vector
-_ST_NEUTRAL_MODULES = ("Transformer", "Pooling", "Normalize")
+#: the same as the ``pooling_mode`` string some versions write; any other mode
+#: (weightedmean) is refused rather than ignored
+_ST_STRING_MODES = {
+    "lasttoken": "LAST",
+    "mean": "MEAN",
+    "cls": "CLS",
+    "max": "MAX",
+    "mean_sqrt_len_tokens": "MEAN_SQRT_LEN",
+}
 
 
 @dataclass(frozen=True)
@@ -53,11 +69,19 @@ class PoolerConfig:
     ``normalize`` (L2-normalize each vector unless a request says otherwise; off for
     sequence classifiers, whose vectors are class logits) and ``use_activation`` (a
     classifier's outputs go through its activation, softmax by default, unless a request says
-    otherwise; see :mod:`chassis.core.pooling_classify`)."""
+    otherwise; see :mod:`chassis.core.pooling_classify`), and ``dense``: the checkpoint's
+    ``Dense`` modules, run on the pooled vector before truncation and normalization (read
+    from the checkpoint, never part of ``pooler_config``: :meth:`as_dict` leaves it out)."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
     use_activation: bool = True
+    dense: tuple[DenseSpec, ...] = ()
+
+    def embedding_size(self, hidden_size: int) -> int:
+        """The length of a vector (before truncation) pooled from ``hidden_size`` states:
+        the last ``Dense`` module's ``out_features``, else ``hidden_size``."""
+        return self.dense[-1].out_features if self.dense else hidden_size
 
     @property
     def needs_every_token(self) -> bool:
@@ -75,7 +99,7 @@ class PoolerConfig:
 
 def check_pooler_config(value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` is ``None`` or a dict of known keys and values
-    (``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool, "use_activation": bool}``,
+    (``{"pooling_type": one of POOLING_TYPES, "normalize": bool, "use_activation": bool}``,
     each optional; vLLM's older ``activation`` and ``softmax`` name the last)."""
     if value is None:
         return
@@ -113,33 +137,23 @@ def read_sentence_transformers_pooling(model_dir: str | Path) -> dict[str, Any] 
     ``None`` when ``model_dir`` has no ``modules.json``.
 
     As vLLM: the ``Pooling`` module's ``config.json`` names the type and the vector is
-    normalized exactly when a ``Normalize`` module is listed. Raises ``ValueError`` for what
-    chassis cannot reproduce: max, sqrt-length and weighted means, several modes at once, and
-    modules that change the vector (``Dense`` projections and others).
+    normalized exactly when a ``Normalize`` module is listed (it comes last: after the
+    ``Dense`` modules, which :func:`chassis.core.pooling_dense.read_dense_specs` reads).
+    Raises ``ValueError`` for what chassis cannot reproduce: the weighted mean, several modes
+    at once, and modules other than Transformer, Pooling, Dense and Normalize or out of that
+    order.
     """
     directory = Path(model_dir)
-    modules_file = directory / "modules.json"
-    if not modules_file.is_file():
+    modules = read_modules(directory)
+    if modules is None:
         return None
-    modules = _read_json(modules_file)
-    if not isinstance(modules, list):
-        raise ValueError(f"{modules_file}: expected a list of modules")
-    types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
-    others = [t for t in types if t.removeprefix(_ST_PREFIX) not in _ST_NEUTRAL_MODULES]
-    if others:
-        raise ValueError(
-            f"{modules_file} lists modules chassis cannot run after the transformer: "
-            f"{', '.join(others)} (only Pooling and Normalize are supported)"
-        )
-    result: dict[str, Any] = {"normalize": _ST_PREFIX + "Normalize" in types}
-    pooling = next(
-        (m for m in modules if isinstance(m, dict) and m.get("type") == _ST_PREFIX + "Pooling"),
-        None,
-    )
+    types = [str(m.get("type", "")).removeprefix(ST_PREFIX) for m in modules]
+    result: dict[str, Any] = {"normalize": "Normalize" in types}
+    pooling = next((m for m, t in zip(modules, types, strict=True) if t == "Pooling"), None)
     if pooling is not None:
         pooling_file = directory / str(pooling.get("path", "")) / "config.json"
         result["pooling_type"] = _st_pooling_type(
-            _read_json(pooling_file) if pooling_file.is_file() else {}, pooling_file
+            read_json(pooling_file) if pooling_file.is_file() else {}, pooling_file
         )
     logger.info("sentence-transformers pooling in %s: %s", directory, result)
     return result
@@ -159,7 +173,8 @@ def _st_pooling_type(pooling: Any, source: Path) -> str:
     if unsupported:
         raise ValueError(
             f"{source}: pooling {', '.join(unsupported)} is not supported; chassis pools "
-            "with the last token, the mean or the first token (CLS)"
+            "with the last token, the mean, the first token (CLS), the max or the "
+            "sqrt-length mean"
         )
     if len(chosen) > 1:
         raise ValueError(
@@ -169,18 +184,13 @@ def _st_pooling_type(pooling: Any, source: Path) -> str:
     return known[chosen[0]] if chosen else "LAST"
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from None
-
-
 def resolve_pooler_config(config: EngineConfig) -> PoolerConfig:
     """The pooling of ``config``'s engine: ``config.pooler_config``'s values first, then the
     checkpoint's sentence-transformers files (``config.model`` must be a local directory),
     then last-token pooling with normalization (without it for a sequence classifier: its
-    vectors are class logits) and the activation on. Reads files only for missing values."""
+    vectors are class logits) and the activation on. The checkpoint's ``Dense`` modules are
+    read (and their weights checked) whatever ``pooler_config`` says; a classifier with any
+    is refused (``ValueError``)."""
     check_pooler_config(config.pooler_config)
     values: dict[str, Any] = {}
     for key, value in (config.pooler_config or {}).items():
@@ -197,7 +207,37 @@ def resolve_pooler_config(config: EngineConfig) -> PoolerConfig:
         pooling_type=str(values.get("pooling_type", defaults.pooling_type)).upper(),
         normalize=bool(values.get("normalize", defaults.normalize)),
         use_activation=bool(values.get("use_activation", defaults.use_activation)),
+        dense=_dense_modules(config.model),
     )
+
+
+def _dense_modules(model_dir: str | Path | None) -> tuple[DenseSpec, ...]:
+    """The checkpoint's ``Dense`` modules, checked against its ``hidden_size`` (the pooled
+    vector's length); none without ``modules.json``."""
+    if model_dir is None:
+        return ()
+    modules = read_modules(model_dir)
+    if not modules:
+        return ()
+    specs = read_dense_specs(model_dir, modules, _hidden_size(model_dir))
+    if specs and _is_classifier_dir(model_dir):
+        raise ValueError(
+            f"{model_dir}: Dense modules apply to embedding models; this checkpoint is a "
+            "sequence classifier (its vectors are class logits)"
+        )
+    return specs
+
+
+def _hidden_size(model_dir: str | Path) -> int | None:
+    """``config.json``'s ``hidden_size`` (or its ``text_config``'s); ``None`` when absent."""
+    path = Path(model_dir) / "config.json"
+    config = read_json(path) if path.is_file() else None
+    if not isinstance(config, dict):
+        return None
+    size = config.get("hidden_size")
+    if size is None and isinstance(config.get("text_config"), dict):
+        size = config["text_config"].get("hidden_size")
+    return size if isinstance(size, int) else None
 
 
 def _is_classifier_dir(model_dir: str | Path) -> bool:
@@ -208,7 +248,7 @@ def _is_classifier_dir(model_dir: str | Path) -> bool:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return False
-    config = _read_json(path)
+    config = read_json(path)
     architectures = config.get("architectures") if isinstance(config, dict) else None
     return is_classification_architecture(architectures or [])
 

@@ -21,6 +21,7 @@ from chassis.core.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from chassis.core.input_processor import InputProcessor
     from chassis.core.lora.request import LoRARequest
+    from chassis.core.pooling_config import PoolerConfig
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class EmbeddingModelInfo:
 
     #: the name errors use (the served name)
     model_name: str
-    #: the length of a vector before truncation
+    #: the length of a vector before truncation (the last Dense module's output size when
+    #: the checkpoint has any)
     hidden_size: int
     #: whether the model was trained for Matryoshka truncation (``dimensions``)
     is_matryoshka: bool = False
@@ -39,17 +41,23 @@ class EmbeddingModelInfo:
     classifier: ClassifierInfo | None = None
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, model_name: str) -> EmbeddingModelInfo:
+    def from_hf_config(
+        cls, hf_config: Any, model_name: str, pooler: PoolerConfig | None = None
+    ) -> EmbeddingModelInfo:
         """Read ``hidden_size`` and, as vLLM does, ``matryoshka_dimensions`` (a list) or
         ``is_matryoshka`` (a flag) from the model's ``config.json``; for a
         ``*ForSequenceClassification`` checkpoint, its classes
         (:class:`~chassis.core.pooling_classify.ClassifierInfo`), whose number is then the
-        vectors' length."""
+        vectors' length. With the engine's ``pooler`` the vectors' length is its ``Dense``
+        modules' output size when it has any."""
         dims = getattr(hf_config, "matryoshka_dimensions", None)
         classifier = ClassifierInfo.from_hf_config(hf_config)
+        size = int(hf_config.hidden_size)
+        if pooler is not None:
+            size = pooler.embedding_size(size)
         return cls(
             model_name=model_name,
-            hidden_size=int(hf_config.hidden_size) if classifier is None else classifier.num_labels,
+            hidden_size=size if classifier is None else classifier.num_labels,
             is_matryoshka=bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
             matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
             classifier=classifier,

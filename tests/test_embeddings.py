@@ -232,16 +232,21 @@ def test_sentence_transformers_files_chassis_cannot_run(tmp_path: Path) -> None:
         (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
         return directory
 
-    with pytest.raises(ValueError, match="pooling_mode_max_tokens is not supported"):
-        read_sentence_transformers_pooling(write({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match="pooling_mode_weightedmean_tokens is not supported"):
+        read_sentence_transformers_pooling(write({"pooling_mode_weightedmean_tokens": True}))
     with pytest.raises(ValueError, match="several pooling modes"):
         read_sentence_transformers_pooling(
             write({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True})
         )
-    with pytest.raises(ValueError, match="Dense"):
+    with pytest.raises(ValueError, match=r"cannot run: sentence_transformers\.models\.LayerNorm"):
         read_sentence_transformers_pooling(
-            write({"pooling_mode_mean_tokens": True}, "sentence_transformers.models.Dense")
+            write({"pooling_mode_mean_tokens": True}, "sentence_transformers.models.LayerNorm")
         )
+    # Dense modules are run (tests/test_embeddings_dense.py); max and sqrt-length means too
+    assert read_sentence_transformers_pooling(write({"pooling_mode_max_tokens": True})) == {
+        "normalize": False,
+        "pooling_type": "MAX",
+    }
     # the string form of newer sentence-transformers versions
     assert read_sentence_transformers_pooling(write({"pooling_mode": "mean"})) == {
         "normalize": False,
@@ -425,7 +430,7 @@ def test_a_scheduler_that_cannot_finish_pooling_requests_is_refused(
     [
         ({"runner": "embed"}, "--runner must be one of"),
         ({"runner": "generate", "pooler_config": {"pooling_type": "MEAN"}}, "for --runner pooling"),
-        ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "pooling_type must be"),
+        ({"runner": "pooling", "pooler_config": {"pooling_type": "STEP"}}, "pooling_type must be"),
         ({"runner": "pooling", "pooler_config": {"normalise": True}}, "unknown keys"),
         ({"task": "classify"}, "task='classify' is not supported"),
         ({"task": "embed", "runner": "generate"}, "disagree"),
