@@ -56,12 +56,16 @@ class LogprobRouter:
         belong to the message text already sent (textless tokens right after it, such as
         the end-of-sequence token), else ``[]``."""
         entries = chat_logprobs(self._state, completion, self._top_n, self._as_ids)
-        if not completion.text:
+        return self.add_entries(completion.text, entries)
+
+    def add_entries(self, text: str, entries: list[ChatLogprobToken]) -> list[ChatLogprobToken]:
+        """:meth:`add` of an output whose text is ``text`` and tokens' entries ``entries``."""
+        if not text:
             if self._after_message and not self._waiting:
                 return entries
             self._textless += entries
             return []
-        self._waiting.append((completion.text, self._textless + entries))
+        self._waiting.append((text, self._textless + entries))
         self._textless = []
         return []
 
@@ -70,15 +74,18 @@ class LogprobRouter:
         ``[]`` when it has no message text."""
         if delta.content:
             self._after_message = True
-            return self._take(delta.content)
+            # reasoning released with the message text comes before it
+            return self._take(delta.content, len(delta.reasoning))
         if delta.reasoning or delta.fragments:
             self._after_message = False
             self._waiting = []
         return []
 
-    def _take(self, content: str) -> list[ChatLogprobToken]:
+    def _take(self, content: str, after: int) -> list[ChatLogprobToken]:
         joined = "".join(text for text, _ in self._waiting)
-        start = joined.find(content)
+        start = joined.find(content, after)
+        if start < 0:
+            start = joined.find(content)
         if start < 0:  # a parser changed the text: every waiting output is the message's
             taken = [entry for _, entries in self._waiting for entry in entries]
             self._waiting = []

@@ -17,7 +17,11 @@ from test_serve_responses import CALL, MODEL, PARSERS, THOUGHT, WEATHER, Server,
 from test_serve_responses_background import finished
 
 from chassis.serve.app import build_app
+from chassis.serve.chat_parsing import ChoiceDelta
+from chassis.serve.protocol import ChatLogprobToken
+from chassis.serve.responses_logprobs import LogprobRouter
 from chassis.serve.settings import ServerSettings
+from chassis.serve.tool_parser import ToolCallFragment
 
 openai = pytest.importorskip("openai")
 
@@ -180,3 +184,32 @@ def test_forced_tool_calls_have_no_logprobs_to_give() -> None:
         events = list(server.client.responses.create(**kwargs, stream=True))
         assert not [e for e in events if e.type.startswith("response.output_text")]
         assert [item.type for item in events[-1].response.output] == ["function_call"]
+
+
+def entry(token: str) -> ChatLogprobToken:
+    return ChatLogprobToken(token=token, logprob=-1.0, bytes=list(token.encode()))
+
+
+def test_the_router_gives_the_message_its_own_steps() -> None:
+    # LogprobRouter alone, fed what the parsers report: one engine step per add_entries
+    router = LogprobRouter(None, 0, False)  # type: ignore[arg-type]  # (no state: entries given)
+    assert router.add_entries("<think>", [entry("<think>")]) == []
+    assert router.route(ChoiceDelta()) == []  # markup: waits
+    router.add_entries("Hm", [entry("Hm")])
+    assert router.route(ChoiceDelta(reasoning="Hm")) == []  # reasoning: dropped
+    # one step with the end of the reasoning, the tag and the message's start (speculative
+    # decoding): reasoning released with the text comes before it, so the step is the text's
+    router.add_entries(" ok</think>\n\nHm", [entry(" ok"), entry("</think>"), entry("Hm")])
+    taken = router.route(ChoiceDelta(reasoning=" ok", content="Hm"))
+    assert [e.token for e in taken] == [" ok", "</think>", "Hm"]
+    # text held back (a possible tag) waits; the message text before it goes alone
+    router.add_entries(" sure", [entry(" sure")])
+    router.add_entries("<tool", [entry("<tool")])
+    assert [e.token for e in router.route(ChoiceDelta(content=" sure"))] == [" sure"]
+    router.add_entries("_call>", [entry("_call>")])
+    assert router.route(ChoiceDelta(fragments=[ToolCallFragment(0, "", "f", "c")])) == []
+    # a textless token after message text goes with it at once
+    assert router.add_entries("", [entry("")]) == []  # (after a call: waits for text)
+    router.add_entries("x", [entry("x")])
+    assert [e.token for e in router.route(ChoiceDelta(content="x"))] == ["", "x"]
+    assert [e.token for e in router.add_entries("", [entry("</s>")])] == ["</s>"]
