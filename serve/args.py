@@ -151,9 +151,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "--pooler-config",
         type=_json_object_arg,
         metavar="JSON",
-        help='with --runner pooling: \'{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": '
-        "true|false}' (default: the checkpoint's sentence-transformers files, else last "
-        "token, normalized); see docs/embeddings.md",
+        help=(
+            'with --runner pooling: \'{"pooling_type": "LAST"|"MEAN"|"CLS"|"MAX"|'
+            '"MEAN_SQRT_LEN", "normalize": true|false}\' (default: the checkpoint\'s '
+            "sentence-transformers files, else last token, normalized); see docs/embeddings.md"
+        ),
     )
 
     g = parser.add_argument_group("KV cache")
