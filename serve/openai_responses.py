@@ -211,6 +211,13 @@ class _Parse:
             delta += self.flush()
         return late + self.route(delta)
 
+    def flush_logprobs(self) -> list[ChatLogprobToken]:
+        """The logprobs of the message text the parser still holds back, without events
+        (nothing is flushed when no logprobs were asked for)."""
+        if self._logprobs is None:
+            return []
+        return self.route(self.flush())
+
     def route(self, delta: ChoiceDelta) -> list[ChatLogprobToken]:
         """The logprobs of ``delta``'s content (``[]`` when none were asked for)."""
         return self._logprobs.route(delta) if self._logprobs is not None else []
@@ -243,7 +250,7 @@ async def _collect(
                 texts.append(completion.text)
                 finish = completion.finish_reason or finish
                 message_logprobs += logprobs.message_logprobs(completion)
-    message_logprobs += logprobs.route(logprobs.flush())
+    message_logprobs += logprobs.flush_logprobs()
     parser = parsing.choice_parser() if parsing is not None else None
     status, _ = response_status(finish)
     items = output_items(_parsed(parser, "".join(texts)), status)
