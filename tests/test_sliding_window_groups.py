@@ -352,3 +352,13 @@ def test_two_ranks_keep_outputs(gemma2_dir: Path, gemma2_expected: list[list[int
     finally:
         llm.shutdown()
     assert tokens == gemma2_expected
+
+
+def test_torch_compile_gives_each_layer_its_groups_metadata(
+    gemma2_dir: Path, gemma2_expected: list[list[int]]
+) -> None:
+    # the compiled forward's opaque attention op looks the layer's group up the same way
+    llm = make_llm(gemma2_dir, release=True, torch_compile=True)
+    assert llm.engine.kv_cache_manager.group_windows == [None, 4]
+    tokens, _ = run(llm, PROMPTS)
+    assert tokens == gemma2_expected
