@@ -158,6 +158,7 @@ def run_under_interpreter(test_file: str, timeout: float = 500, request: Any = N
 #: and the package again, several seconds on a 2-core machine, so a whole-suite run starts
 #: one instead of one per file.
 SHARED_CHILD_FILES = (
+    "test_fp8_kv_cache.py",
     "test_triton_attention.py",
     "test_triton_moe.py",
     "test_triton_moe_bias.py",
@@ -172,6 +173,7 @@ SHARED_CHILD_FILES = (
 #: MoE kernels. Compiled for a GPU, 3.6 builds every kernel (the compile tests; checked
 #: 2026-12-01 with torch 2.11, docs/gpu.md).
 _OLDEST_INTERPRETER = {
+    "test_fp8_kv_cache.py": (3, 7),
     "test_triton_attention.py": (3, 7),
     "test_triton_moe.py": (3, 7),
     "test_triton_moe_bias.py": (3, 7),
