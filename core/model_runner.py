@@ -128,7 +128,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / self.block_size)
         #: the KV cache groups of a model mixing sliding-window and full attention layers
-        #: (with the release on, without a draft model); None: one group, one block table
+        #: (with the release on); None: one group, one block table. A draft model reads
+        #: group 0's table (a full-attention group: every position it may read is kept)
+        #: with caches of its own, as it does the single table.
         self.kv_groups: list[KVCacheGroupSpec] | None = self._plan_kv_groups()
         #: the KV cache group of each attention layer, by layer number (None: one group)
         self.layer_group: list[int] | None = None
@@ -183,10 +185,10 @@ class ModelRunner:
     def _plan_kv_groups(self) -> list[KVCacheGroupSpec] | None:
         """KV cache groups when the model mixes sliding-window and full-attention layers
         (:func:`~chassis.core.kv_cache_groups.plan_kv_cache_groups`); None, one block table
-        for every layer, when it does not, with ``--no-sliding-window-kv-release``, with a
-        draft model (its caches share the target's block ids), or when some attention is
-        not an ``Attention`` layer this function can see."""
-        if not self.config.sliding_window_kv_release or self.drafter is not None:
+        for every layer, when it does not, with ``--no-sliding-window-kv-release``, or when
+        some attention is not an ``Attention`` layer this function can see. Group 0 is then
+        a full-attention group, the one a draft model reads."""
+        if not self.config.sliding_window_kv_release:
             return None
         num_layers = self.model.num_attention_layers
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]

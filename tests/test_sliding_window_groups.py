@@ -323,11 +323,22 @@ def test_async_scheduling_and_ngram_speculation_keep_outputs(
     assert llm.engine.scheduler.spec_num_draft_tokens > 0
 
 
-def test_a_draft_model_keeps_one_table(gemma2_dir: Path) -> None:
-    # the draft's caches share the target's block ids: no groups with a draft model
-    spec = {"model": str(gemma2_dir), "num_speculative_tokens": 2}
+def test_a_draft_model_reads_the_full_group_and_keeps_outputs(
+    gemma2_dir: Path, gemma2_expected: list[list[int]]
+) -> None:
+    # the draft (here the model itself) writes and reads its own caches through group 0's
+    # table, a full-attention group; the target's window group still releases
+    spec = {"model": str(gemma2_dir), "num_speculative_tokens": 3}
     llm = make_llm(gemma2_dir, release=True, speculative_config=spec)
-    assert llm.engine.kv_cache_manager.group_windows == [None]
+    kv = llm.engine.kv_cache_manager
+    assert kv.group_windows == [None, 4]
+    tokens, most_held = run(llm, PROMPTS)
+    assert tokens == gemma2_expected
+    assert llm.engine.scheduler.spec_num_accepted_tokens > 0
+    off = make_llm(gemma2_dir, release=False, speculative_config=spec)
+    kept, most_kept = run(off, PROMPTS)
+    assert kept == gemma2_expected
+    assert layer_blocks(llm, most_held) < layer_blocks(off, most_kept)
 
 
 def test_gpt_oss_equals_the_reference(tmp_path: Path) -> None:
