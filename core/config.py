@@ -63,9 +63,9 @@ class EngineConfig:
     #: model is read (until then it acts as "generate"); an engine runs one kind of request
     #: and refuses the other
     runner: str = "auto"
-    #: pooling engines: ``{"pooling_type": "LAST" | "MEAN" | "CLS" | "MAX" | "MEAN_SQRT_LEN",
-    #: "normalize": bool}``, each key optional; what is missing comes from the checkpoint's
-    #: sentence-transformers files, else last-token and normalized
+    #: pooling engines: ``{"pooling_type": "LAST" | "MEAN" | "CLS" | "MAX" | "MEAN_SQRT_LEN"
+    #: | "WEIGHTED_MEAN", "normalize": bool}``, each key optional; what is missing comes from
+    #: the checkpoint's sentence-transformers files, else last-token and normalized
     #: (``chassis.core.pooling_config``)
     pooler_config: dict[str, Any] | None = None
 

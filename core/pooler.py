@@ -2,7 +2,8 @@
 
 A pooling request is prefill only. Its prompt may be computed over several steps (chunked
 prefill), so the runner keeps, per request, what the earlier chunks contributed: the running
-sum of the hidden states (``MEAN``, ``MEAN_SQRT_LEN``), their running elementwise max
+sum of the hidden states (``MEAN``, ``MEAN_SQRT_LEN``; position-weighted for
+``WEIGHTED_MEAN``), their running elementwise max
 (``MAX``) or the first token's state (``CLS``); ``LAST`` needs only the chunk that ends the
 prompt. When a request's last chunk is computed its vector is finished, in
 sentence-transformers' order: the checkpoint's ``Dense`` modules
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
 def pool_reference(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
     """``[num_tokens, hidden]`` states of one whole prompt -> its ``[hidden]`` float32
     vector: the last token's (``LAST``), the mean (``MEAN``), the first token's (``CLS``),
-    the elementwise max (``MAX``) or the sum over the square root of the token count
-    (``MEAN_SQRT_LEN``, sentence-transformers' ``mean_sqrt_len_tokens``)."""
+    the elementwise max (``MAX``), the sum over the square root of the token count
+    (``MEAN_SQRT_LEN``, sentence-transformers' ``mean_sqrt_len_tokens``) or the mean
+    weighted by position, token ``i`` (from 0) by ``i + 1`` (``WEIGHTED_MEAN``,
+    sentence-transformers' ``weightedmean_tokens``)."""
     hidden = hidden.float()
     if pooling_type == "LAST":
         return hidden[-1]
@@ -49,6 +52,9 @@ def pool_reference(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
         return hidden.max(dim=0).values
     if pooling_type == "MEAN_SQRT_LEN":
         return hidden.sum(dim=0) / math.sqrt(hidden.shape[0])
+    if pooling_type == "WEIGHTED_MEAN":
+        weights = torch.arange(1, hidden.shape[0] + 1, dtype=torch.float32, device=hidden.device)
+        return (hidden * weights[:, None]).sum(dim=0) / weights.sum()
     raise ValueError(f"unknown pooling type {pooling_type!r}")
 
 
@@ -66,7 +72,8 @@ class _PoolingRequest:
 
     params: PoolingParams
     num_prompt_tokens: int
-    #: what the chunks so far contributed: their sum (``MEAN``, ``MEAN_SQRT_LEN``), their
+    #: what the chunks so far contributed: their (weighted) sum (``MEAN``,
+    #: ``MEAN_SQRT_LEN``, ``WEIGHTED_MEAN``), their
     #: elementwise max (``MAX``), the first token's state (``CLS``); ``None`` before the
     #: first chunk or for ``LAST``
     partial: torch.Tensor | None = None
@@ -137,7 +144,9 @@ class Pooler:
         elif kind == "CLS":
             vectors = self._cls_step(hidden, requests, starts, query_start_loc, done)
         else:
-            vectors = self._reduce_step(hidden, requests, num_scheduled, done, prompt_lens)
+            vectors = self._reduce_step(
+                hidden, requests, starts, num_scheduled, query_start_loc, done, prompt_lens
+            )
         if vectors is None:
             return {}
         if self.dense is not None:
@@ -151,22 +160,33 @@ class Pooler:
         self,
         hidden: torch.Tensor,
         requests: list[_PoolingRequest],
+        starts: np.ndarray,
         num_scheduled: np.ndarray,
+        query_start_loc: np.ndarray,
         done: np.ndarray,
         prompt_lens: np.ndarray,
     ) -> torch.Tensor | None:
-        """``MEAN``, ``MEAN_SQRT_LEN`` (a running sum) and ``MAX`` (a running max)."""
+        """``MEAN``, ``MEAN_SQRT_LEN``, ``WEIGHTED_MEAN`` (a running sum, of the states times
+        their position + 1 for the last) and ``MAX`` (a running max)."""
         # One segment reduction for the whole step (float32, as the reference's).
-        is_max = self.config.pooling_type == "MAX"
+        kind = self.config.pooling_type
+        is_max = kind == "MAX"
         segment = self._index(np.repeat(np.arange(len(requests)), num_scheduled))
         shape = (len(requests), hidden.shape[-1])
         if is_max:
             reduced = torch.full(shape, -math.inf, dtype=torch.float32, device=hidden.device)
-            rows = segment[:, None].expand(-1, hidden.shape[-1])
-            reduced.scatter_reduce_(0, rows, hidden.float(), "amax")
+            index = segment[:, None].expand(-1, hidden.shape[-1])
+            reduced.scatter_reduce_(0, index, hidden.float(), "amax")
         else:
+            states = hidden.float()
+            if kind == "WEIGHTED_MEAN":  # token i of the prompt (from 0) weighs i + 1
+                offsets = np.arange(int(num_scheduled.sum())) - np.repeat(
+                    query_start_loc[:-1], num_scheduled
+                )
+                weights = (np.repeat(starts, num_scheduled) + offsets + 1).astype(np.float32)
+                states = states * torch.from_numpy(weights).to(states.device)[:, None]
             reduced = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
-            reduced.index_add_(0, segment, hidden.float())
+            reduced.index_add_(0, segment, states)
         is_done = np.zeros(len(requests), dtype=bool)
         is_done[done] = True
         for i, request in enumerate(requests):
@@ -183,8 +203,10 @@ class Pooler:
         if is_max:
             return finished
         lens = torch.from_numpy(prompt_lens[done].astype(np.float32)).to(hidden.device)
-        if self.config.pooling_type == "MEAN_SQRT_LEN":
+        if kind == "MEAN_SQRT_LEN":
             lens = lens.sqrt()
+        elif kind == "WEIGHTED_MEAN":  # the weights' sum, 1 + 2 + ... + n
+            lens = lens * (lens + 1) / 2
         return finished / lens[:, None]
 
     def _cls_step(

@@ -10,10 +10,10 @@ vector is pooled, projected through them, truncated (Matryoshka ``dimensions``),
 normalized, sentence-transformers' order.
 
 Prefix caching needs the last-token pooler: a cached prefix has no hidden states in this
-request, which every other type (mean, first token, max, sqrt-length mean) needs.
-:func:`apply_pooling_defaults` therefore turns prefix caching off for them (vLLM turns off both prefix caching
-and chunked prefill; chassis keeps chunked prefill, the runner carries a running sum from
-chunk to chunk, see :mod:`chassis.core.pooler`).
+request, which every other type (mean, first token, max, sqrt-length and weighted means)
+needs. :func:`apply_pooling_defaults` therefore turns prefix caching off for them (vLLM
+turns off both prefix caching and chunked prefill; chassis keeps chunked prefill, the runner
+carries a running state from chunk to chunk, see :mod:`chassis.core.pooler`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: the pooling types chassis implements: vLLM's names, then two sentence-transformers modes
-#: vLLM does not have (the elementwise max over the tokens; their sum over sqrt(count))
-POOLING_TYPES = ("LAST", "MEAN", "CLS", "MAX", "MEAN_SQRT_LEN")
+#: the pooling types chassis implements: vLLM's names, then three sentence-transformers modes
+#: vLLM does not have (the elementwise max over the tokens; their sum over sqrt(count);
+#: their mean weighted by position, 1 to n)
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "MAX", "MEAN_SQRT_LEN", "WEIGHTED_MEAN")
 #: the keys ``pooler_config`` accepts (``use_activation``: classification models only)
 POOLER_CONFIG_KEYS = ("pooling_type", "normalize", "use_activation")
 #: vLLM's older names of ``pooler_config`` keys
@@ -51,15 +52,17 @@ _ST_MODES = {
     "pooling_mode_cls_token": "CLS",
     "pooling_mode_max_tokens": "MAX",
     "pooling_mode_mean_sqrt_len_tokens": "MEAN_SQRT_LEN",
+    "pooling_mode_weightedmean_tokens": "WEIGHTED_MEAN",
 }
-#: the same as the ``pooling_mode`` string some versions write; any other mode
-#: (weightedmean) is refused rather than ignored
+#: the same as the ``pooling_mode`` string some versions write; any other mode is refused
+#: rather than ignored
 _ST_STRING_MODES = {
     "lasttoken": "LAST",
     "mean": "MEAN",
     "cls": "CLS",
     "max": "MAX",
     "mean_sqrt_len_tokens": "MEAN_SQRT_LEN",
+    "weightedmean": "WEIGHTED_MEAN",
 }
 
 
@@ -139,7 +142,7 @@ def read_sentence_transformers_pooling(model_dir: str | Path) -> dict[str, Any] 
     As vLLM: the ``Pooling`` module's ``config.json`` names the type and the vector is
     normalized exactly when a ``Normalize`` module is listed (it comes last: after the
     ``Dense`` modules, which :func:`chassis.core.pooling_dense.read_dense_specs` reads).
-    Raises ``ValueError`` for what chassis cannot reproduce: the weighted mean, several modes
+    Raises ``ValueError`` for what chassis cannot reproduce: an unknown mode, several modes
     at once, and modules other than Transformer, Pooling, Dense and Normalize or out of that
     order.
     """
@@ -173,8 +176,8 @@ def _st_pooling_type(pooling: Any, source: Path) -> str:
     if unsupported:
         raise ValueError(
             f"{source}: pooling {', '.join(unsupported)} is not supported; chassis pools "
-            "with the last token, the mean, the first token (CLS), the max or the "
-            "sqrt-length mean"
+            "with the last token, the mean, the first token (CLS), the max, the sqrt-length "
+            "mean or the weighted mean"
         )
     if len(chosen) > 1:
         raise ValueError(

@@ -153,8 +153,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         metavar="JSON",
         help=(
             'with --runner pooling: \'{"pooling_type": "LAST"|"MEAN"|"CLS"|"MAX"|'
-            '"MEAN_SQRT_LEN", "normalize": true|false}\' (default: the checkpoint\'s '
-            "sentence-transformers files, else last token, normalized); see docs/embeddings.md"
+            '"MEAN_SQRT_LEN"|"WEIGHTED_MEAN", "normalize": true|false}\' (default: the '
+            "checkpoint's sentence-transformers files, else last token, normalized); see "
+            "docs/embeddings.md"
         ),
     )
 

@@ -232,8 +232,8 @@ def test_sentence_transformers_files_chassis_cannot_run(tmp_path: Path) -> None:
         (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
         return directory
 
-    with pytest.raises(ValueError, match="pooling_mode_weightedmean_tokens is not supported"):
-        read_sentence_transformers_pooling(write({"pooling_mode_weightedmean_tokens": True}))
+    with pytest.raises(ValueError, match="pooling median is not supported"):
+        read_sentence_transformers_pooling(write({"pooling_mode": "median"}))
     with pytest.raises(ValueError, match="several pooling modes"):
         read_sentence_transformers_pooling(
             write({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True})
@@ -242,7 +242,8 @@ def test_sentence_transformers_files_chassis_cannot_run(tmp_path: Path) -> None:
         read_sentence_transformers_pooling(
             write({"pooling_mode_mean_tokens": True}, "sentence_transformers.models.LayerNorm")
         )
-    # Dense modules are run (tests/test_embeddings_dense.py); max and sqrt-length means too
+    # Dense modules are run (tests/test_embeddings_dense.py); max, sqrt-length and weighted
+    # means too
     assert read_sentence_transformers_pooling(write({"pooling_mode_max_tokens": True})) == {
         "normalize": False,
         "pooling_type": "MAX",

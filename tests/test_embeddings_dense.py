@@ -1,5 +1,5 @@
-"""Sentence-transformers ``Dense`` modules and the max / sqrt-length poolings on a pooling
-engine, against a reference computed here from HF transformers' hidden states.
+"""Sentence-transformers ``Dense`` modules and the max / sqrt-length / weighted-mean poolings
+on a pooling engine, against a reference computed here from HF transformers' hidden states.
 
 The checkpoint is the tiny random Llama (hidden size 64) with sentence-transformers folders
 added: ``1_Pooling``, ``2_Dense`` (64 -> 48, bias, tanh; ``model.safetensors``),
@@ -48,6 +48,7 @@ _MODES = {
     "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
     "last": "pooling_mode_lasttoken",
     "cls": "pooling_mode_cls_token",
+    "weighted_mean": "pooling_mode_weightedmean_tokens",
 }
 _ST = "sentence_transformers.models."
 
@@ -140,6 +141,9 @@ def _reference(
         vector = torch.amax(hidden, dim=0)
     elif mode == "mean_sqrt_len":
         vector = hidden.sum(dim=0) / math.sqrt(hidden.shape[0])
+    elif mode == "weighted_mean":  # token i (from 0) weighs i + 1
+        position_weights = torch.arange(1, hidden.shape[0] + 1, dtype=torch.float32)
+        vector = (hidden * position_weights[:, None]).sum(dim=0) / position_weights.sum()
     elif mode == "last":
         vector = hidden[-1]
     else:
@@ -165,7 +169,7 @@ def decoder(tiny_llama_dir: Path) -> Any:
     return AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("mode", ["mean", "max", "mean_sqrt_len", "last"])
+@pytest.mark.parametrize("mode", ["mean", "max", "mean_sqrt_len", "weighted_mean", "last"])
 def test_dense_chain_matches_the_reference(
     tiny_llama_dir: Path, decoder: Any, tmp_path: Path, mode: str
 ) -> None:
@@ -183,8 +187,8 @@ def test_dense_chain_matches_the_reference(
     llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["max", "mean_sqrt_len"])
-def test_max_and_sqrt_len_pooling_without_dense(
+@pytest.mark.parametrize("mode", ["max", "mean_sqrt_len", "weighted_mean"])
+def test_max_sqrt_len_and_weighted_pooling_without_dense(
     tiny_llama_dir: Path, decoder: Any, tmp_path: Path, mode: str
 ) -> None:
     _write_st_model(tiny_llama_dir, tmp_path / "st", mode, dense=False)
