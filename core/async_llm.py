@@ -334,7 +334,10 @@ class AsyncLLM:
         self._queues[request_id] = queue
         with self._lock:
             self.output_processor.add_pooling_request(
-                request_id, prompt if isinstance(prompt, str) else None, request.prompt_token_ids
+                request_id,
+                prompt if isinstance(prompt, str) else None,
+                request.prompt_token_ids,
+                request.arrival_time,
             )
         finished = False
         try:

@@ -422,7 +422,10 @@ class LLM:
         output_processor = OutputProcessor(self.tokenizer)
         for prompt, request in zip(prompt_list, requests, strict=True):
             output_processor.add_pooling_request(
-                request.request_id, _prompt_text(prompt), request.prompt_token_ids
+                request.request_id,
+                _prompt_text(prompt),
+                request.prompt_token_ids,
+                request.arrival_time,
             )
             self.engine.add_request(request)
         results = self._run_engine(output_processor, len(requests), use_tqdm)

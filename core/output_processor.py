@@ -198,8 +198,8 @@ class OutputProcessor:
         self._parents: dict[str, _ParentRequest] = {}
         #: child request id -> parent request id
         self._child_to_parent: dict[str, str] = {}
-        #: pooling requests (one engine request each) -> (prompt, prompt token ids)
-        self._pooling: dict[str, tuple[str | None, list[int]]] = {}
+        #: pooling request id -> (prompt text, prompt token ids, arrival time)
+        self._pooling: dict[str, tuple[str | None, list[int], float]] = {}
         self._token_text: dict[int, str] = {}
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -254,21 +254,27 @@ class OutputProcessor:
             self._child_to_parent[child_id] = request_id
 
     def add_pooling_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int]
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        arrival_time: float | None = None,
     ) -> None:
-        """Start tracking a pooling request (its engine-core id is ``request_id``); its one
-        output, an :class:`EmbeddingRequestOutput`, comes when the engine finishes it. Raises
+        """Start tracking a pooling request (its engine-core id is ``request_id``; it arrived
+        at ``arrival_time``, ``time.time()``, default now); its one output, an
+        :class:`EmbeddingRequestOutput`, comes when the engine finishes it. Raises
         ``ValueError`` if the id is already tracked."""
         if request_id in self._pooling or request_id in self._child_to_parent:
             raise ValueError(f"request id {request_id!r} is already running")
-        self._pooling[request_id] = (prompt, list(prompt_token_ids))
+        arrival = time.time() if arrival_time is None else arrival_time
+        self._pooling[request_id] = (prompt, list(prompt_token_ids), arrival)
 
-    def _pooled_output(self, out: EngineCoreOutput) -> EmbeddingRequestOutput | None:
+    def _pooled_output(self, out: EngineCoreOutput, now: float) -> EmbeddingRequestOutput | None:
         """The finished pooling request ``out`` reports (forgotten here), or ``None``."""
         tracked = self._pooling.pop(out.request_id, None)
         if tracked is None:
             return None
-        prompt, prompt_token_ids = tracked
+        prompt, prompt_token_ids, arrival = tracked
         return EmbeddingRequestOutput(
             request_id=out.request_id,
             outputs=EmbeddingOutput(decode_pooled(out.pooled) if out.pooled else []),
@@ -277,6 +283,11 @@ class OutputProcessor:
             num_cached_tokens=out.num_cached_tokens,
             finish_reason=FinishReason(out.finish_reason).value,
             error=out.error,
+            metrics=RequestMetrics(
+                arrival_time=arrival,
+                first_scheduled_time=out.first_scheduled_time,
+                finished_time=now,
+            ),
         )
 
     def _detokenizer(
@@ -340,7 +351,7 @@ class OutputProcessor:
             parent_id = self._child_to_parent.get(out.request_id)
             if parent_id is None:
                 if self._pooling and out.finished:  # (a pooling request has no parent)
-                    pooled = self._pooled_output(out)
+                    pooled = self._pooled_output(out, now)
                     if pooled is not None:
                         result.request_outputs.append(pooled)
                         _count_pooled(result.iteration_stats, pooled)
@@ -463,6 +474,7 @@ def _finished_stats(parent: _ParentRequest) -> FinishedRequestStats:
 
 def _count_pooled(stats: IterationStats, pooled: EmbeddingRequestOutput) -> None:
     """A pooling request computed its prompt and finished in this step."""
+    m = pooled.metrics
     stats.num_prompt_tokens += len(pooled.prompt_token_ids)
     stats.finished_requests.append(
         FinishedRequestStats(
@@ -471,5 +483,13 @@ def _count_pooled(stats: IterationStats, pooled: EmbeddingRequestOutput) -> None
             num_prompt_tokens=len(pooled.prompt_token_ids),
             num_generation_tokens=0,
             num_cached_tokens=pooled.num_cached_tokens,
+            e2e_latency=(
+                None if m is None or m.finished_time is None else m.finished_time - m.arrival_time
+            ),
+            queue_time=(
+                None
+                if m is None or m.first_scheduled_time is None
+                else max(0.0, m.first_scheduled_time - m.arrival_time)
+            ),
         )
     )

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from chassis.core.outputs import RequestMetrics
     from chassis.core.request import RequestError
 
 #: how the engine core sends a pooled vector: raw little-endian float32 bytes
@@ -44,6 +45,8 @@ class EmbeddingRequestOutput:
     finish_reason: str = "stop"
     #: why the engine core refused the request (``EngineCoreOutput.error``), if it did
     error: RequestError | None = None
+    #: arrival, first scheduling and finish times (``time.time()``), when known
+    metrics: RequestMetrics | None = None
 
 
 def decode_pooled(data: bytes) -> list[float]:

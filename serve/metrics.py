@@ -15,6 +15,11 @@ in one process, as in tests, do not collide):
   ``chassis:time_to_first_token_seconds``, ``chassis:inter_token_latency_seconds``,
   ``chassis:e2e_request_latency_seconds``, ``chassis:request_queue_time_seconds`` (arrival to
   the engine core's first scheduling, which the engine reports with the first output).
+  Pooling requests (each input of ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``,
+  ``/rerank``) count too (:meth:`ServerMetrics.observe_pooled`): their prompt tokens, one
+  ``request_success`` each (``stop``; ``abort`` when aborted), their end-to-end latency and
+  queue time; they generate nothing, so they add no generation tokens, time to first token or
+  inter-token latency, as in vLLM.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from chassis.core.outputs import RequestOutput
+    from chassis.core.outputs import RequestMetrics, RequestOutput
+    from chassis.core.pooling_outputs import EmbeddingRequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +194,16 @@ class ServerMetrics:
     def success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()
 
+    def observe_pooled(self, output: EmbeddingRequestOutput, seconds: float) -> None:
+        """Count one finished pooling request (one input of a pooling route): its prompt
+        tokens, its ``request_success`` (its finish reason, ``stop``), ``seconds`` (the
+        server's time from sending it to the engine to its vector) as its end-to-end latency,
+        and its queue time when the engine reported it."""
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.success(output.finish_reason)
+        self.e2e.observe(seconds)
+        observe_queue_time(self, getattr(output, "metrics", None))
+
     def tracker(self, n: int = 1) -> RequestTracker:
         """A tracker for one engine request of ``n`` completions, started now."""
         return RequestTracker(self, n)
@@ -245,6 +261,11 @@ class RequestTracker:
         self.counted = set(range(self.n))
 
     def _observe_queue_time(self, output: RequestOutput) -> None:
-        m = output.metrics
-        if m is not None and m.first_scheduled_time is not None and m.arrival_time:
-            self.metrics.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        observe_queue_time(self.metrics, output.metrics)
+
+
+def observe_queue_time(metrics: ServerMetrics, m: RequestMetrics | None) -> None:
+    """Observe a request's queue time (arrival to first scheduling) when the engine reported
+    when it was first scheduled."""
+    if m is not None and m.first_scheduled_time is not None and m.arrival_time:
+        metrics.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))

@@ -8,9 +8,11 @@
 * ``/pooling``: each input's pooled vector, as it leaves the engine: an embedding model's
   embedding (``normalize``/``use_activation`` and ``dimensions`` as on ``/v1/embeddings``);
   a classifier's class logits through its activation (raw logits with ``use_activation:
-  false``). ``encoding_format: "base64"`` as on ``/v1/embeddings``.
+  false``). ``encoding_format: "base64"`` (with ``embed_dtype`` and ``endianness``) as on
+  ``/v1/embeddings``; ``"bytes"`` is a 400 here.
 
-Both take vLLM's ``truncate_prompt_tokens``, ``add_special_tokens`` and ``priority``; inputs
+Both take vLLM's ``truncate_prompt_tokens``, ``add_special_tokens`` and ``priority``, and
+``messages`` (a chat conversation) instead of ``input`` as ``/v1/embeddings`` does; inputs
 are validated and batched as on ``/v1/embeddings`` (:mod:`chassis.serve.openai_embeddings`),
 and a generating server answers 400; ``model`` names the base model or a LoRA adapter, as
 there. Uses the engine contract described there, plus
@@ -20,7 +22,6 @@ or ``None``) and ``engine.pooler_config.use_activation``.
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 import uuid
@@ -31,10 +32,14 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from chassis.core.pooling_classify import apply_activation
-from chassis.core.pooling_outputs import encode_pooled
 from chassis.core.pooling_params import PoolingParams
 from chassis.serve import errors
-from chassis.serve.openai_embeddings import EmbeddingRequest, embed_all, tokenized_inputs
+from chassis.serve.openai_embeddings import (
+    EmbeddingRequest,
+    embed_all,
+    encoded,
+    tokenized_inputs,
+)
 from chassis.serve.streaming import generation_response, never_streamed
 
 if TYPE_CHECKING:
@@ -110,7 +115,7 @@ class PoolingRequest(_PoolingRouteRequest):
 class PoolingData(BaseModel):
     index: int
     object: Literal["pooling"] = "pooling"
-    #: the vector, or (``encoding_format: "base64"``) the base64 of its float32 bytes
+    #: the vector, or (``encoding_format: "base64"``) the base64 of its ``embed_dtype`` bytes
     data: list[float] | str
 
 
@@ -192,6 +197,13 @@ async def _run(
     ``lora_request``, ``None``: the base model) and answer ``answer(outputs)`` (a pydantic
     body)."""
 
+    if body.encoding_format == "bytes":
+        raise errors.bad_request(
+            'encoding_format "bytes" is served on /v1/embeddings only; use "float" or '
+            '"base64" here',
+            "encoding_format",
+        )
+
     async def inputs() -> list[str | list[int]]:
         return await tokenized_inputs(state, body)
 
@@ -257,7 +269,6 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
         activation = activation_for(state, classifier.activation, body.activation_flag())
         params = _classifier_params(body, state.max_model_len)
     request_id = f"pool-{uuid.uuid4().hex}"
-    as_base64 = body.encoding_format == "base64"
 
     def answer(outputs: list[EmbeddingRequestOutput]) -> PoolingResponse:
         data = []
@@ -267,10 +278,8 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
                 if classifier is None
                 else apply_activation(out.outputs.embedding, activation)
             )
-            value: list[float] | str = (
-                base64.b64encode(encode_pooled(vector)).decode("ascii") if as_base64 else vector
-            )
-            data.append(PoolingData(index=i, data=value))
+            # base64: embed_dtype and endianness as on /v1/embeddings
+            data.append(PoolingData(index=i, data=encoded(body, vector)))
         return PoolingResponse(id=request_id, model=model, data=data, usage=_usage(outputs))
 
     return await _run(request, state, body, params, request_id, answer, lora_request)

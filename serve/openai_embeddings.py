@@ -5,12 +5,25 @@ pooling server refuses completions and chat with 400). ``input`` is a string, a 
 strings, a list of token ids or a list of lists of token ids; each is one engine request, all
 run concurrently (batched by the scheduler). Text is tokenized in a worker thread, with the
 tokenizer's special tokens unless ``add_special_tokens`` is false. ``encoding_format``
-``"base64"`` gives each vector as the base64 of its little-endian float32 bytes (what the
-``openai`` client asks for by default and decodes). ``dimensions`` truncates the vector
+``"base64"`` gives each vector as the base64 of its bytes (by default float32 in the server's
+byte order, little-endian on the usual hosts: what the ``openai`` client asks for by default
+and decodes). ``dimensions`` truncates the vector
 (then normalizes it) only for models trained for it (Matryoshka: ``matryoshka_dimensions`` or
 ``is_matryoshka`` in ``config.json``); otherwise it is refused. Besides OpenAI's fields the
 request takes vLLM's ``truncate_prompt_tokens``, ``add_special_tokens``, ``normalize`` (or
-its newer name ``use_activation``) and ``priority``.
+its newer name ``use_activation``) and ``priority``, and vLLM's ``embed_dtype``,
+``endianness`` and ``encoding_format: "bytes"`` (:mod:`chassis.serve.embedding_encoding`).
+
+Instead of ``input``, vLLM's chat-style request sends ``messages``: the conversation is
+rendered with the chat template as ``/v1/chat/completions`` renders it
+(:class:`~chassis.serve.renderer.ChatRenderer`; ``add_generation_prompt`` defaults to false
+here, ``continue_final_message``, ``chat_template_kwargs``), tokenized without special tokens
+unless ``add_special_tokens`` is true, and embedded as one input. A template sent with the
+request (``chat_template``) is refused, as vLLM refuses it without
+``--trust-request-chat-template`` (which chassis does not have).
+
+Every input is one engine request, counted in the server's per-request metrics
+(:meth:`chassis.serve.metrics.ServerMetrics.observe_pooled`).
 
 ``model`` selects the base model or a LoRA adapter by name (``--lora-modules``, adapters
 loaded at run time), as on the generation routes; any other name is a 404.
@@ -33,16 +46,23 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chassis.core.input_processor import truncation_length
-from chassis.core.pooling_outputs import encode_pooled
 from chassis.core.pooling_params import PoolingParams
 from chassis.serve import errors
+from chassis.serve.embedding_encoding import (
+    EmbedDType,
+    EncodingFormat,
+    Endianness,
+    bytes_body,
+    encode_vector,
+)
+from chassis.serve.protocol import ChatMessage
 from chassis.serve.streaming import generation_response, never_streamed
 
 if TYPE_CHECKING:
@@ -59,20 +79,34 @@ MAX_EMBEDDING_INPUTS = 2048
 
 
 class EmbeddingRequest(BaseModel):
-    """OpenAI's embeddings request, plus vLLM's extra fields; unknown fields are logged and
-    ignored (as on the other routes)."""
+    """OpenAI's embeddings request, plus vLLM's extra fields (its ``EmbeddingCompletionRequest``
+    and, with ``messages`` instead of ``input``, its ``EmbeddingChatRequest``); unknown fields
+    are logged and ignored (as on the other routes)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] | None = "float"
+    #: exactly one of ``input`` and ``messages`` (:meth:`check_input`)
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    encoding_format: EncodingFormat | None = "float"
     dimensions: int | None = None
     user: str | None = None
     # -- vLLM extra fields ------------------------------------------------------------------
     #: keep each input's last k tokens (-1: the last max_model_len; above it: a 400)
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool | None = True
+    #: None: true for ``input``, false for ``messages`` (the chat template writes BOS)
+    add_special_tokens: bool | None = None
+    #: the type ``base64`` and ``bytes`` encode each value as (``float``: always float32)
+    embed_dtype: EmbedDType = "float32"
+    #: the byte order of ``base64`` and ``bytes`` (``native``: the server's)
+    endianness: Endianness = "native"
+    #: vLLM's chat-style input: one conversation, rendered with the chat template
+    messages: list[ChatMessage] | None = None
+    #: refused (vLLM refuses it without --trust-request-chat-template)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = False
+    continue_final_message: bool | None = False
     #: L2-normalize (None: the server's pooler config)
     normalize: bool | None = None
     #: newer vLLM's name for ``normalize`` (an embedding's "activation" is its normalization)
@@ -88,9 +122,38 @@ class EmbeddingRequest(BaseModel):
             )
         return self
 
+    def check_input(self) -> None:
+        """A 400 unless exactly one of ``input`` and ``messages`` is given, and for the chat
+        fields vLLM refuses (a request's own template; ``add_generation_prompt`` with
+        ``continue_final_message``)."""
+        if (self.input is None) == (self.messages is None):
+            raise errors.bad_request(
+                "give exactly one of 'input' (texts or token ids) or 'messages' (a chat "
+                "conversation, rendered with the chat template)",
+                "messages" if self.messages is not None else "input",
+            )
+        if self.messages is None:
+            return
+        if not self.messages:
+            raise errors.bad_request("messages must not be empty", "messages")
+        if self.chat_template is not None or "chat_template" in (self.chat_template_kwargs or {}):
+            raise errors.bad_request(
+                "a chat template sent with the request is refused (vLLM refuses it unless "
+                "--trust-request-chat-template is set, which chassis does not have); serve "
+                "the model with --chat-template instead",
+                "chat_template",
+            )
+        if self.add_generation_prompt and self.continue_final_message:
+            raise errors.bad_request(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                "continue_final_message",
+            )
+
     def inputs(self) -> list[str | list[int]]:
         """The batch of inputs; a 400 for an empty batch, an empty input or too many."""
         value = self.input
+        if value is None:
+            raise errors.bad_request("input is required", "input")
         if isinstance(value, str):
             batch: list[str | list[int]] = [value]
         elif not value:
@@ -146,7 +209,7 @@ class EmbeddingRequest(BaseModel):
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    #: the vector, or (``encoding_format: "base64"``) the base64 of its float32 bytes
+    #: the vector, or (``encoding_format: "base64"``) the base64 of its ``embed_dtype`` bytes
     embedding: list[float] | str
 
 
@@ -170,7 +233,27 @@ def _state(request: Request) -> ServerState:
 
 async def tokenized_inputs(state: ServerState, body: EmbeddingRequest) -> list[str | list[int]]:
     """The inputs with text tokenized (in a worker thread). Without a tokenizer
-    (``--skip-tokenizer-init``) text goes on as is and the engine refuses it with a 400."""
+    (``--skip-tokenizer-init``) text goes on as is and the engine refuses it with a 400.
+    ``messages``: the one conversation, rendered and tokenized as the chat route does."""
+    body.check_input()
+    if body.messages is not None:
+        if state.tokenizer is None:
+            raise errors.bad_request(
+                "messages need the tokenizer and its chat template; this server runs with "
+                "--skip-tokenizer-init: send token ids as input",
+                "messages",
+            )
+        ids = await asyncio.to_thread(
+            state.renderer.render_ids,
+            body.messages,
+            add_generation_prompt=bool(body.add_generation_prompt),
+            continue_final_message=bool(body.continue_final_message),
+            chat_template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=bool(body.add_special_tokens),
+        )
+        if not ids:
+            raise errors.bad_request("the rendered conversation has no tokens", "messages")
+        return [ids]
     inputs = body.inputs()
     if state.tokenizer is None or not any(isinstance(item, str) for item in inputs):
         return inputs
@@ -198,12 +281,17 @@ async def _embed_one(
     state.inflight.add(request_id)  # aborted (with the others) when the server shuts down
     # (the keyword only with an adapter: an engine without LoRA keeps serving the base model)
     extras = {} if lora_request is None else {"lora_request": lora_request}
+    start = time.monotonic()
     try:
         stream = state.engine.encode(prompt, params, request_id, priority=priority, **extras)
         async with contextlib.aclosing(stream):
             async for output in stream:
+                state.metrics.observe_pooled(output, time.monotonic() - start)
                 return output
     except asyncio.CancelledError:
+        # aborted (the client left, a sibling input failed, or the server shuts down): counted
+        # as generation requests are (refusals and engine failures are not counted)
+        state.metrics.success("abort")
         # The server aborted the request itself (shutdown), rather than cancelling us.
         task = asyncio.current_task()
         if state.shutting_down and (task is None or not task.cancelling()):
@@ -240,20 +328,42 @@ async def embed_all(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def encoded(body: EmbeddingRequest, vector: list[float]) -> list[float] | str:
+    """One vector as ``body`` asks: the floats, or (``base64``) the base64 of its
+    ``embed_dtype`` bytes in ``endianness`` order; a 400 when it cannot be encoded."""
+    if body.encoding_format != "base64":
+        return vector
+    try:
+        data = encode_vector(vector, body.embed_dtype, body.endianness)
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), "embed_dtype") from None
+    return base64.b64encode(data).decode("ascii")
+
+
 def _response(
     body: EmbeddingRequest, outputs: list[EmbeddingRequestOutput], request_id: str, model: str
-) -> EmbeddingResponse:
-    as_base64 = body.encoding_format == "base64"
-    data = [
-        EmbeddingData(
-            index=i,
-            embedding=base64.b64encode(encode_pooled(out.outputs.embedding)).decode("ascii")
-            if as_base64
-            else out.outputs.embedding,
+) -> EmbeddingResponse | Response:
+    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    if body.encoding_format == "bytes":
+        try:
+            content, metadata = bytes_body(
+                [out.outputs.embedding for out in outputs],
+                body.embed_dtype,
+                body.endianness,
+                request_id=request_id,
+                created=int(time.time()),
+                model=model,
+                num_prompt_tokens=num_tokens,
+            )
+        except ValueError as exc:
+            raise errors.bad_request(str(exc), "embed_dtype") from None
+        return Response(
+            content, media_type="application/octet-stream", headers={"metadata": metadata}
         )
+    data = [
+        EmbeddingData(index=i, embedding=encoded(body, out.outputs.embedding))
         for i, out in enumerate(outputs)
     ]
-    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     return EmbeddingResponse(
         id=request_id,
         model=model,
@@ -281,6 +391,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
             "cross-encoder, /pooling for its raw outputs)",
             "model",
         )
+    body.check_input()
     params = body.pooling_params(state.max_model_len)
     try:
         state.engine.embedding_info.check_dimensions(params.dimensions)
@@ -291,7 +402,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     async def inputs() -> list[str | list[int]]:
         return await tokenized_inputs(state, body)
 
-    async def collect(prompts: list[str | list[int]]) -> EmbeddingResponse:
+    async def collect(prompts: list[str | list[int]]) -> EmbeddingResponse | Response:
         outputs = await embed_all(
             state, prompts, params, request_id, body.priority or 0, lora_request
         )

@@ -147,8 +147,9 @@ async def generation_response(
     :func:`never_streamed`).
 
     Streaming: open the engine streams, then answer with SSE ``events``. Otherwise: open and
-    ``collect`` them into one pydantic body while watching the client. A client that leaves
-    gets its requests aborted (499); other failures become OpenAI-shaped errors.
+    ``collect`` them into one pydantic body (or a ready ``Response``) while watching the
+    client. A client that leaves gets its requests aborted (499); other failures become
+    OpenAI-shaped errors.
     """
     from chassis.serve import errors
 
@@ -171,6 +172,8 @@ async def generation_response(
         raise
     except Exception as exc:
         raise errors.to_api_error(exc) from exc
+    if isinstance(body, Response):  # a body that is not JSON (/v1/embeddings' "bytes")
+        return body
     return JSONResponse(body.model_dump(mode="json"))
 
 
