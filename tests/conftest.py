@@ -6,6 +6,8 @@ import os
 # spin while another process holds the other core make tiny-model steps ~30x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest
+
 # Session fixtures are registered here, once: a fixture imported into a test module is that
 # module's own (pytest keeps one FixtureDef, and so one cached value, per module that defines
 # it), so a session fixture imported into N modules ran N times (SmolLM2's tokenizer
@@ -15,3 +17,21 @@ from fixtures_models import *  # noqa: F403
 from fixtures_pooling_server import pooling_server  # noqa: F401  (one server for the run)
 from fixtures_threads import *  # noqa: F403
 from fixtures_tokenizer import *  # noqa: F403
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the shared Triton interpreter child in the background once the run's tests are
+    known (tests/triton_compile_check.py, :func:`start_shared_child_early`)."""
+    option = session.config.option
+    if option.collectonly or option.setupplan or option.setuponly:
+        return
+    import triton_compile_check
+
+    triton_compile_check.start_shared_child_early(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A background child no parent test read (the run stopped before one) is ended."""
+    import triton_compile_check
+
+    triton_compile_check.stop_unused_children()

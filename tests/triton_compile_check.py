@@ -7,9 +7,13 @@ wheel, hsaco for MI300) catches that without a GPU. Used by tests/test_triton_*.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +182,8 @@ _OLDEST_INTERPRETER = {
     "test_triton_moe.py": (3, 7),
     "test_triton_moe_bias.py": (3, 7),
 }
+#: shared children started ahead of their first parent test (:func:`start_shared_child_early`)
+_STARTED: dict[tuple[str, ...], _Child] = {}
 #: the shared child's results, keyed by the tuple of files it ran
 _SHARED_RESULTS: dict[tuple[str, ...], tuple[dict[str, dict[str, list[str]]], str]] = {}
 #: a hang guard for the shared child (the parent test's own timeout mark must exceed it)
@@ -196,22 +202,63 @@ def interpreter_runs(test_file: str) -> bool:
     return (major, minor) >= oldest
 
 
+def _shared_key(here: Path, items: Any) -> tuple[str, ...]:
+    """The files one shared child runs for the parent test of ``here``: ``here`` and every
+    other :data:`SHARED_CHILD_FILES` file beside it among the run's ``items``, those whose
+    kernels the interpreter runs."""
+    collected = {Path(item.path).resolve() for item in items}
+    files = {here} | {
+        path for path in collected if path.name in SHARED_CHILD_FILES and path.parent == here.parent
+    }
+    return tuple(sorted(str(path) for path in files if interpreter_runs(str(path))))
+
+
+def start_shared_child_early(items: Any) -> None:
+    """Start the shared child now, in the background, when ``items`` (a run's collected
+    tests) hold a parent test of a :data:`SHARED_CHILD_FILES` file; its first parent test
+    then waits for its results instead of starting it.
+
+    The child is single-threaded interpreter work (~100 s on the 2-core CI machine) while
+    the tests before its first parent mostly keep one core busy, so the two overlap. Called
+    by tests/conftest.py once collection is done; :func:`stop_unused_children` ends a child
+    no parent test read (a run stopped early)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the child itself
+        return
+    parents = [
+        Path(item.path).resolve()
+        for item in items
+        if Path(item.path).name in SHARED_CHILD_FILES and item.name.endswith("_under_interpreter")
+    ]
+    if not parents or importlib.util.find_spec("triton") is None:
+        return
+    key = _shared_key(parents[0], items)
+    if key and key not in _STARTED and key not in _SHARED_RESULTS:
+        _STARTED[key] = _start_child(list(key))
+
+
+def stop_unused_children() -> None:
+    """Kill the children :func:`start_shared_child_early` started that no parent test read."""
+    while _STARTED:
+        _, started = _STARTED.popitem()
+        started.proc.kill()
+        started.proc.wait()
+        started.workdir.cleanup()
+
+
 def _run_shared_child(test_file: str, request: Any) -> str:
     """One child pytest for every :data:`SHARED_CHILD_FILES` file this session collected
-    (and whose kernels the interpreter runs), started by the first of their parent tests;
+    (and whose kernels the interpreter runs), started when collection ended
+    (:func:`start_shared_child_early`) or else by the first of their parent tests;
     ``test_file``'s tests must have passed there (at least one) and failed nowhere.
 
     Returns ``"N passed, M skipped"`` for ``test_file`` (pytest's words: no skip count when
     none was skipped)."""
     here = Path(test_file).resolve()
-    collected = {Path(item.path).resolve() for item in request.session.items}
-    files = {here} | {
-        path for path in collected if path.name in SHARED_CHILD_FILES and path.parent == here.parent
-    }
-    key = tuple(sorted(str(path) for path in files if interpreter_runs(str(path))))
+    key = _shared_key(here, request.session.items)
     if key not in _SHARED_RESULTS:
         try:
-            _SHARED_RESULTS[key] = _run_child_with_report(list(key))
+            started = _STARTED.pop(key, None) or _start_child(list(key))
+            _SHARED_RESULTS[key] = _finish_child(started)
         except subprocess.TimeoutExpired as hung:
             # what it printed so far (-v: the test it hung in is the last one named)
             partial = hung.stdout or ""
@@ -246,31 +293,74 @@ def _run_child_with_report(files: list[str]) -> tuple[dict[str, dict[str, list[s
     that defines its function (the report's ``file``: a test imported from a helper module
     would be another file's). A result no file of ``files`` can be named for is kept under
     :data:`UNATTRIBUTED`, which every file's result includes (:func:`file_result`)."""
-    import tempfile
-    import xml.etree.ElementTree as ET
+    return _finish_child(_start_child(files))
 
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.xml"
-        proc = subprocess.run(
-            [
-                *(sys.executable, "-m", "pytest", *files, "-v", "-p", "no:cacheprovider"),
-                *(f"--junitxml={report}", "-o", "junit_family=xunit1"),
-                # a file that cannot be imported fails its own parent, not the others
-                "--continue-on-collection-errors",
-                # a test past its timeout fails alone (the project's thread method would end
-                # the run, every parent failing); a C call the signal cannot stop still ends
-                # at SHARED_CHILD_TIMEOUT
-                *("-o", "timeout_method=signal"),
-            ],
+
+@dataclass
+class _Child:
+    """A started child pytest (:func:`_start_child`): its output goes to a file, not a pipe,
+    so that a child nobody reads yet never blocks on a full pipe."""
+
+    proc: subprocess.Popen
+    files: list[str]
+    workdir: tempfile.TemporaryDirectory
+    deadline: float
+
+    @property
+    def report(self) -> Path:
+        return Path(self.workdir.name) / "report.xml"
+
+    @property
+    def output(self) -> str:
+        return (Path(self.workdir.name) / "output.txt").read_text(errors="replace")
+
+
+def _start_child(files: list[str]) -> _Child:
+    """Start the ``TRITON_INTERPRET=1`` child pytest of ``files`` (see
+    :func:`_run_child_with_report`); :func:`_finish_child` waits for it."""
+    workdir = tempfile.TemporaryDirectory()
+    command = [
+        *(sys.executable, "-m", "pytest", *files, "-v", "-p", "no:cacheprovider"),
+        *(f"--junitxml={Path(workdir.name) / 'report.xml'}", "-o", "junit_family=xunit1"),
+        # a file that cannot be imported fails its own parent, not the others
+        "--continue-on-collection-errors",
+        # a test past its timeout fails alone (the project's thread method would end the
+        # run, every parent failing); a C call the signal cannot stop still ends at
+        # SHARED_CHILD_TIMEOUT
+        *("-o", "timeout_method=signal"),
+    ]
+    with open(Path(workdir.name) / "output.txt", "w") as output:
+        proc = subprocess.Popen(
+            command,
             env={**os.environ, "TRITON_INTERPRET": "1"},
             cwd=Path(__file__).resolve().parents[1],
-            capture_output=True,
-            text=True,
-            timeout=SHARED_CHILD_TIMEOUT,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
-        output = proc.stdout + proc.stderr
+    return _Child(proc, files, workdir, time.monotonic() + SHARED_CHILD_TIMEOUT)
+
+
+def _finish_child(started: _Child) -> tuple[dict[str, dict[str, list[str]]], str]:
+    """Wait for ``started`` (until :data:`SHARED_CHILD_TIMEOUT` after it started: then it is
+    killed and ``subprocess.TimeoutExpired`` carries what it printed) and read its report,
+    as :func:`_run_child_with_report` returns it."""
+    import xml.etree.ElementTree as ET
+
+    files = started.files
+    with started.workdir:
+        try:
+            started.proc.wait(timeout=max(0.0, started.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            started.proc.kill()
+            started.proc.wait()
+            raise subprocess.TimeoutExpired(
+                started.proc.args, SHARED_CHILD_TIMEOUT, output=started.output
+            ) from None
+        output = started.output
+        report = started.report
         # 0: all passed; 1: some failed (reported per file below); else the run itself broke
-        assert proc.returncode in (0, 1) and report.exists(), output[-6000:]
+        assert started.proc.returncode in (0, 1) and report.exists(), output[-6000:]
         stems = {Path(file).stem: Path(file).name for file in files}
         outcomes: dict[str, dict[str, list[str]]] = {}
         for case in ET.parse(report).getroot().iter("testcase"):
