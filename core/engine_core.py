@@ -57,8 +57,10 @@ class EngineInfo(msgspec.Struct, kw_only=True):
         """Token positions the KV blocks hold at once (``num_kv_blocks * block_size``, the
         usable blocks, the null block not counted). With :attr:`kv_cache_window` a request
         keeps only about its window's positions in them, so the requests' total length may
-        exceed it."""
-        return self.num_kv_blocks * self.block_size
+        exceed it. With several KV cache groups a position takes a block in every group, so
+        the blocks are divided among the groups (as vLLM reports it); window groups keep only
+        their window's blocks, so the total may exceed this too."""
+        return self.num_kv_blocks // len(self.kv_cache_group_windows) * self.block_size
 
 
 def _window_note(kv_window: int | None, group_windows: tuple[int | None, ...]) -> str:
@@ -66,8 +68,9 @@ def _window_note(kv_window: int | None, group_windows: tuple[int | None, ...]) -
     if len(group_windows) > 1:
         return (
             f"; {len(group_windows)} KV cache groups of layers (windows "
-            f"{', '.join('full' if w is None else str(w) for w in group_windows)}): a window "
-            "group holds only its window's blocks"
+            f"{', '.join('full' if w is None else str(w) for w in group_windows)}): a position "
+            "takes a block in each group, but a window group holds only its window's blocks, "
+            "so the total over requests may exceed this"
         )
     if kv_window is None:
         return ""

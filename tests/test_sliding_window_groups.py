@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from test_gemma_models import hf_greedy as gemma_hf_greedy
 from test_gemma_models import write_checkpoint as write_gemma
@@ -24,6 +25,7 @@ from test_llm_parity import MAX_TOKENS, PROMPTS
 from test_sliding_window_kv import make_llm, run
 
 from chassis.core.block_pool import NULL_BLOCK_ID
+from chassis.core.engine_core import EngineInfo
 from chassis.core.kv_cache_groups import KVCacheGroupSpec, layer_placement, plan_kv_cache_groups
 from chassis.core.kv_cache_manager import (
     KVCacheManager,
@@ -142,6 +144,23 @@ def test_max_model_len_counts_every_groups_blocks() -> None:
     # step of 16 cover
     assert max_group_blocks_per_request(256, 4, [None, 6], 16) == 64 + 6
     assert max_group_blocks_per_request(256, 4, [6], 16) == 6
+
+
+def test_the_reported_capacity_divides_the_blocks_among_the_groups() -> None:
+    # every position a request holds takes a block in each group: 128 ids of 16 tokens over
+    # two groups hold 1024 positions at once, not 2048 (vLLM reports it so too)
+    info = EngineInfo(
+        platform="cpu",
+        attention_backend="a",
+        scheduler="s",
+        sampler="d",
+        num_kv_blocks=128,
+        block_size=16,
+        max_model_len=256,
+        kv_cache_group_windows=(None, 4),
+    )
+    assert info.kv_capacity_tokens == 1024
+    assert msgspec.structs.replace(info, kv_cache_group_windows=(None,)).kv_capacity_tokens == 2048
 
 
 def test_random_schedules_with_mixed_groups_read_only_their_own_keys() -> None:
