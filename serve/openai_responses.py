@@ -62,7 +62,12 @@ from chassis.serve.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
 )
-from chassis.serve.responses_store import ResponseStore, StoredResponse, response_store
+from chassis.serve.responses_store import (
+    ResponseStore,
+    StoredResponse,
+    count_logprobs,
+    response_store,
+)
 from chassis.serve.responses_stream import ResponseEvents
 from chassis.serve.state import ServerState, UsageCounter
 from chassis.serve.streaming import ClosingStreamingResponse, generation_response
@@ -160,12 +165,16 @@ class _Turn:
         """Make ``response`` the final one, stored when ``store``."""
         self.final = response
         if self.body.store is not False:
-            output = [item.model_dump(mode="json") for item in response.output]
+            as_json = response.model_dump(mode="json")
+            # the conversation shares the response's output items (their logprobs may be
+            # large; nothing changes a stored item: readers copy what they alter)
+            output = as_json["output"]
             stored = StoredResponse(
-                response.model_dump(mode="json"),
+                as_json,
                 self.conversation + output,
                 num_input_items=len(self.conversation),
                 events=self.events,
+                num_logprobs=count_logprobs(output),
             )
             self.store.put(self.response_id, stored)
 

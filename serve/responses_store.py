@@ -8,8 +8,11 @@ it when it finishes: while it runs it is in :mod:`chassis.serve.responses_backgr
 dropped). A stored background response that streamed keeps its event log (an event per
 output delta, a few hundred bytes each) for ``GET ...?stream=true``; the store keeps at most
 ``max_events`` (:data:`DEFAULT_MAX_STORED_EVENTS`) such events in all, dropping the least
-recently used responses' logs first (the responses themselves stay). Nothing survives a
-restart, and
+recently used responses' logs first (the responses themselves stay). A response's output
+logprobs (``include: ["message.output_text.logprobs"]``) cost about 300 bytes per entry (a
+token or one of its ``top_logprobs``), up to 20 times the text's size: the store keeps at most
+``max_logprobs`` (:data:`DEFAULT_MAX_STORED_LOGPROBS`) such entries in all, dropping the least
+recently used responses beyond it (the newest always stays). Nothing survives a restart, and
 several server processes do not share it (as vLLM's store).
 """
 
@@ -29,6 +32,10 @@ STORE_SIZE_ENV = "CHASSIS_RESPONSES_STORE_SIZE"
 #: Stream events kept in all by the store's responses (a few hundred megabytes); without a
 #: bound, 1024 stored responses of thousands of tokens each would hold gigabytes.
 DEFAULT_MAX_STORED_EVENTS = 1_000_000
+#: Output logprob entries (each token's and each of its alternatives) kept in all by the
+#: store's responses (about 300 MB as JSON dicts); without a bound, 1024 stored responses of
+#: 4,000 tokens with ``top_logprobs: 20`` would hold tens of gigabytes.
+DEFAULT_MAX_STORED_LOGPROBS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -40,13 +47,15 @@ class StoredResponse:
     ``num_input_items``: how many of the conversation's items were the model's input
     (``None``: all); ``events``: the stream events of a background response created with
     ``stream: true`` (kept for ``GET ...?stream=true``), else ``None``; ``events_dropped``:
-    it had such events, and the store's bound on events dropped them."""
+    it had such events, and the store's bound on events dropped them; ``num_logprobs``: its
+    output's logprob entries, alternatives included (:func:`count_logprobs`)."""
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
     num_input_items: int | None = None
     events: list[str] | None = None
     events_dropped: bool = False
+    num_logprobs: int = 0
 
     @property
     def input_items(self) -> list[dict[str, Any]]:
@@ -58,18 +67,22 @@ class StoredResponse:
 
 class ResponseStore:
     """Responses by id, at most ``max_responses`` of them (the least recently stored or
-    read goes first), and at most ``max_events`` stream events in all (the least recently
-    used responses' event logs go first). Used from the event loop only: no locking."""
+    read goes first), at most ``max_events`` stream events in all (the least recently
+    used responses' event logs go first) and at most ``max_logprobs`` output logprob entries
+    in all (the least recently used responses go first, never the one just stored). Used
+    from the event loop only: no locking."""
 
     def __init__(
         self,
         max_responses: int = DEFAULT_MAX_STORED_RESPONSES,
         max_events: int = DEFAULT_MAX_STORED_EVENTS,
+        max_logprobs: int = DEFAULT_MAX_STORED_LOGPROBS,
     ) -> None:
         if max_responses < 1:
             raise ValueError(f"the responses store needs room for 1 or more; got {max_responses}")
         self.max_responses = max_responses
         self.max_events = max_events
+        self.max_logprobs = max_logprobs
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
@@ -83,12 +96,16 @@ class ResponseStore:
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
         """Keep ``stored`` under ``response_id``, dropping the least recently used beyond
-        the bounds (whole responses beyond ``max_responses``, then event logs beyond
-        ``max_events``)."""
+        the bounds (whole responses beyond ``max_responses`` or ``max_logprobs``, then event
+        logs beyond ``max_events``)."""
         self._items[response_id] = stored
         self._items.move_to_end(response_id)
         while len(self._items) > self.max_responses:
             self._items.popitem(last=False)
+        num_logprobs = sum(kept.num_logprobs for kept in self._items.values())
+        while num_logprobs > self.max_logprobs and len(self._items) > 1:
+            _, dropped = self._items.popitem(last=False)  # never the newest, ``stored``
+            num_logprobs -= dropped.num_logprobs
         excess = self.num_events - self.max_events
         for key, kept in list(self._items.items()):  # least recently used first
             if excess <= 0:
@@ -108,6 +125,19 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         """Forget ``response_id``; whether it was stored."""
         return self._items.pop(response_id, None) is not None
+
+
+def count_logprobs(output: list[dict[str, Any]]) -> int:
+    """The logprob entries of ``output`` (output items as JSON): one per token of each
+    ``output_text`` part, plus one per alternative in its ``top_logprobs``."""
+    return sum(
+        1 + len(entry.get("top_logprobs") or [])
+        for item in output
+        if isinstance(item.get("content"), list)
+        for part in item["content"]
+        if isinstance(part, dict)
+        for entry in part.get("logprobs") or []
+    )
 
 
 def store_size_from_env() -> int:

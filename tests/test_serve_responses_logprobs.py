@@ -20,6 +20,7 @@ from chassis.serve.app import build_app
 from chassis.serve.chat_parsing import ChoiceDelta
 from chassis.serve.protocol import ChatLogprobToken
 from chassis.serve.responses_logprobs import LogprobRouter
+from chassis.serve.responses_store import ResponseStore, StoredResponse
 from chassis.serve.settings import ServerSettings
 from chassis.serve.tool_parser import ToolCallFragment
 
@@ -125,6 +126,38 @@ def test_stored_logprobs_come_back_with_include(server: Server) -> None:
     assert [e.model_dump() for e in replayed] == [e.model_dump() for e in streamed[4:]]
     deltas = [e for e in replayed if e.type == "response.output_text.delta"]
     assert [entry for e in deltas for entry in entries(e.logprobs)] == expected
+
+
+def test_stored_logprobs_are_bounded_in_all(server: Server) -> None:
+    """The store keeps at most ``max_logprobs`` logprob entries (alternatives included) in
+    all, dropping the least recently used responses; a response's output items are kept
+    once, shared by the response and its conversation."""
+    store = ResponseStore(max_logprobs=50)
+    server.http.app.state.responses_store = store
+    first = server.client.responses.create(
+        model=MODEL, input="Hi", include=LOGPROBS, top_logprobs=2
+    )
+    stored = store.get(first.id)
+    assert stored is not None
+    expected = sum(1 + len(e["top_logprobs"]) for e in entries(part(first).logprobs))
+    assert 25 < stored.num_logprobs == expected <= 50
+    assert stored.conversation[-1] is stored.response["output"][0]
+    plain = server.client.responses.create(model=MODEL, input="Hi")  # no logprobs: kept
+    second = server.client.responses.create(
+        model=MODEL, input="Hi", include=LOGPROBS, top_logprobs=2
+    )
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.retrieve(first.id)
+    assert server.client.responses.retrieve(plain.id).id == plain.id
+    kept = server.client.responses.retrieve(second.id, include=LOGPROBS)  # type: ignore[arg-type]
+    assert entries(part(kept).logprobs) == entries(part(second).logprobs)
+
+
+def test_the_store_keeps_its_newest_response_whatever_its_logprobs() -> None:
+    store = ResponseStore(max_logprobs=1)
+    store.put("a", StoredResponse({"id": "a"}, [], num_logprobs=1))
+    store.put("b", StoredResponse({"id": "b"}, [], num_logprobs=5))
+    assert store.get("a") is None and store.get("b") is not None and len(store) == 1
 
 
 def test_bad_logprob_requests_are_400s_naming_top_logprobs() -> None:
