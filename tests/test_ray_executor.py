@@ -35,6 +35,28 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def shut_down_every_llm(monkeypatch):
+    """Every ``LLM`` a test makes (its own, or one a bench function makes) is shut down when
+    the test ends, passed or failed: a failed test's engine would otherwise keep its actors
+    and the cluster's 2 CPU bundles, and the next test would wait in its placement until the
+    run's timeout ended the whole run."""
+    made: list[LLM] = []
+    init = LLM.__init__
+
+    def recording_init(self, *args, **kwargs) -> None:
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    yield
+    for llm in made:
+        if getattr(llm, "_shut_down", True) is False:
+            llm.shutdown()
+        elif "engine" in vars(llm) and not hasattr(llm, "_shut_down"):
+            llm.engine.shutdown()  # its __init__ failed after the engine started
+
+
 def ray_llm(model_dir, tensor_parallel_size: int = 2) -> LLM:
     return LLM(
         str(model_dir),
