@@ -76,8 +76,10 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"cannot read {path}: {exc}") from exc
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    # the method first: w_bit and q_group_size, AutoAWQ's own spellings, say AWQ
+    method = file_method(config, path.name)
     config = normalized_int_config(config, path.name)
-    config["quant_method"] = file_method(config, path.name)
+    config["quant_method"] = method
     return config
 
 

@@ -155,6 +155,15 @@ def test_contradicting_configs_are_refused_by_name(tmp_path: Path, case: str) ->
         checkpoint_int_config(tmp_path, in_config_json)
 
 
+def test_autoawq_spellings_say_awq_in_either_file_name(tmp_path: Path) -> None:
+    """A quantization file holding only AutoAWQ's ``w_bit`` and ``q_group_size`` is AWQ,
+    whichever of the two names it has (they are read as ``bits``/``group_size`` after the
+    method is inferred)."""
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 128}))
+    found = checkpoint_int_config(tmp_path, None)
+    assert found == {"quant_method": "awq", "bits": 4, "group_size": 128}
+
+
 def test_bits_spelled_twice_in_config_json_is_refused() -> None:
     quant = {"quant_method": "awq", "bits": 4, "w_bit": 8, "group_size": 128}
     with pytest.raises(ValueError, match="bits=4 and w_bit=8"):
