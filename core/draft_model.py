@@ -260,8 +260,10 @@ class DraftModelProposer:
         Call once the step is resolved (``batch`` holds its accepted tokens and
         ``num_computed_tokens``). ``rows`` are the step's scheduled batch rows, ``starts``
         each one's first position in the step, ``sampled`` whether it got tokens. Returns
-        request id -> up to ``num_speculative_tokens`` greedy drafts (none for a request
-        that may not speculate, is done, or has no reserved slots left).
+        request id -> up to ``num_speculative_tokens`` drafts: the draft's argmax, or for a
+        random request with probabilistic drafts a draw from its ``q``, kept for
+        :meth:`prepare_verify` (none for a request that may not speculate, is done, or has
+        no reserved slots left).
         """
         computed = batch.num_computed_tokens[rows].astype(np.int64)
         room = self._room(batch, rows, computed, sampled)
