@@ -235,11 +235,13 @@ class ModelRunner:
         self.kv_caches = (
             tensors if self._layer_tensor is None else [tensors[j] for j in self._layer_tensor]
         )
+        # with KV cache groups a position takes a block in every group (EngineInfo's count)
+        num_groups = 1 if self.kv_groups is None else len(self.kv_groups)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens) in %s, %.1f MiB",
             num_blocks,
             self.block_size,
-            num_blocks * self.block_size,
+            num_blocks // num_groups * self.block_size,
             str(self.kv_dtype).removeprefix("torch."),
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
         )

@@ -11,6 +11,7 @@ preemption, async scheduling, n-gram speculation and two tensor-parallel ranks.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections import defaultdict
@@ -322,11 +323,18 @@ def test_preemption_keeps_outputs(gemma2_dir: Path, gemma2_expected: list[list[i
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_the_engine_starts_in_every_groups_worst_case(gemma2_dir: Path) -> None:
+def test_the_engine_starts_in_every_groups_worst_case(
+    gemma2_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # --max-model-len 256 in blocks of 4: 64 full-group blocks, 6 window-group ones, the null
     with pytest.raises(ValueError, match="70 blocks over its 2 KV cache groups"):
         make_llm(gemma2_dir, release=True, num_kv_blocks=70)
-    assert make_llm(gemma2_dir, release=True, num_kv_blocks=71).engine.info.num_kv_blocks == 70
+    with caplog.at_level(logging.INFO, logger="chassis"):
+        llm = make_llm(gemma2_dir, release=True, num_kv_blocks=71)
+    assert llm.engine.info.num_kv_blocks == 70
+    # the logged token capacity: a position takes a block in each of the 2 groups
+    assert "KV cache: 71 blocks of 4 tokens (140 tokens)" in caplog.text
+    assert "KV cache 70 blocks (140 tokens)" in caplog.text
 
 
 def test_async_scheduling_and_ngram_speculation_keep_outputs(
