@@ -16,7 +16,8 @@ covers, found in the text of the waiting outputs (the outputs before it were mar
 reasoning, those after it are text still held back); reasoning or call text alone drops the
 waiting outputs. A token with no text of its own (a special token the detokenizer skips, a
 piece of a multi-byte character) goes with the next output's text, or, right after message
-text with nothing waiting, with that message text. One engine step's tokens go together: when
+text with nothing waiting (also once held-back message text is released), with that
+message text. One engine step's tokens go together: when
 a step's text is partly markup and partly message text (several tokens per step, as with
 speculative decoding), all of its tokens are the message's.
 """
@@ -75,7 +76,11 @@ class LogprobRouter:
         if delta.content:
             self._after_message = True
             # reasoning released with the message text comes before it
-            return self._take(delta.content, len(delta.reasoning))
+            taken = self._take(delta.content, len(delta.reasoning))
+            if not self._waiting:  # textless tokens after the last output taken follow it
+                taken += self._textless
+                self._textless = []
+            return taken
         if delta.reasoning or delta.fragments:
             self._after_message = False
             self._waiting = []

@@ -246,3 +246,15 @@ def test_the_router_gives_the_message_its_own_steps() -> None:
     router.add_entries("x", [entry("x")])
     assert [e.token for e in router.route(ChoiceDelta(content="x"))] == ["", "x"]
     assert [e.token for e in router.add_entries("", [entry("</s>")])] == ["</s>"]
+
+
+def test_a_textless_token_after_held_back_message_text_goes_with_it() -> None:
+    # "Hi <" then the end-of-sequence token: the parser holds "<" back (a possible tag),
+    # so the token waits; when the finish releases "<" as message text, the token follows
+    router = LogprobRouter(None, 0, False)  # type: ignore[arg-type]  # (no state: entries given)
+    router.add_entries("Hi", [entry("Hi")])
+    assert [e.token for e in router.route(ChoiceDelta(content="Hi"))] == ["Hi"]
+    router.add_entries(" <", [entry(" <")])
+    assert router.route(ChoiceDelta()) == []  # held back
+    assert router.add_entries("", [entry("</s>")]) == []  # waits behind the held text
+    assert [e.token for e in router.route(ChoiceDelta(content=" <"))] == [" <", "</s>"]
