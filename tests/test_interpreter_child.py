@@ -4,10 +4,15 @@ no Triton kernels)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import triton_compile_check
 from triton_compile_check import UNATTRIBUTED, _run_child_with_report, file_result
@@ -82,3 +87,38 @@ def test_a_test_past_its_timeout_fails_only_its_file(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="Timeout"):
         file_result(outcomes, "test_hangs.py", output)
     assert file_result(outcomes, "test_fine.py", output) == "1 passed"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(120)
+def test_a_background_child_dies_with_a_run_that_exits_at_once(tmp_path: Path) -> None:
+    """A run that ends without its session-finish hook (pytest-timeout's thread method calls
+    ``os._exit``; a killed run) takes its background child with it: no orphan keeps a core
+    busy with interpreter work nobody reads."""
+    sleeps = _write(tmp_path, "test_sleeps.py", "import time\ndef test_s(): time.sleep(600)\n")
+    parent = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import triton_compile_check
+        child = triton_compile_check._start_child([{sleeps!r}])
+        print(child.proc.pid, flush=True)
+        time.sleep(2)
+        os._exit(1)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60)
+    pid = int(run.stdout.split()[0])
+
+    def alive() -> bool:  # a zombie is dead, waiting for its new parent to reap it
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 30
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive():
+        os.kill(pid, 9)
+        pytest.fail("the background child outlived its run")

@@ -315,6 +315,20 @@ class _Child:
         return (Path(self.workdir.name) / "output.txt").read_text(errors="replace")
 
 
+def _die_with_parent() -> Any:
+    """A ``preexec_fn`` that has the child killed when the run that started it ends without
+    :func:`stop_unused_children` (pytest-timeout's thread method ends a hung run with
+    ``os._exit``; a background child nobody reads would go on for minutes). ``None`` off
+    Linux. libc is loaded here, before the fork: the forked child only makes the call."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+    import signal
+
+    prctl, pr_set_pdeathsig = ctypes.CDLL(None, use_errno=True).prctl, 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def _start_child(files: list[str]) -> _Child:
     """Start the ``TRITON_INTERPRET=1`` child pytest of ``files`` (see
     :func:`_run_child_with_report`); :func:`_finish_child` waits for it."""
@@ -337,6 +351,7 @@ def _start_child(files: list[str]) -> _Child:
             stdout=output,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent(),
         )
     return _Child(proc, files, workdir, time.monotonic() + SHARED_CHILD_TIMEOUT)
 
