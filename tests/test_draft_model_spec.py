@@ -409,6 +409,33 @@ def test_probabilistic_drafts_are_reproducible_under_seed(
     assert runs[0] == runs[1]
 
 
+def test_greedy_random_and_seeded_requests_share_probabilistic_steps(
+    tiny_llama_dir: Path, perturbed_dir: Path, plain: LLM, expected: list[list[int]]
+) -> None:
+    """Greedy, unseeded random (top-p, min-p) and seeded random requests in the same steps,
+    a perturbed draft (drafts accepted and rejected): the greedy rows keep plain greedy
+    decoding's tokens and the seeded ones plain seeded decoding's, although the random
+    rows between them are replaced by rejection sampling's."""
+    n = len(PROMPTS)
+    random = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.02, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    params = [greedy(), random, seeded] * n
+    want_seeded = token_ids(plain, PROMPTS, seeded)
+    llm = sampling_llm(tiny_llama_dir, perturbed_dir, "probabilistic")
+    try:
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.scheduler.stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        assert outputs[0::3] == expected
+        assert outputs[2::3] == want_seeded
+        assert all(len(t) == 24 for t in outputs[1::3])
+        assert_all_freed(llm)
+        assert not llm.engine.executor.worker.runner.drafter._draft_probs
+    finally:
+        llm.shutdown()
+
+
 # -- preemption and aborts -----------------------------------------------------------------------
 
 
