@@ -63,6 +63,7 @@ from chassis.serve.responses_protocol import (
     ResponsesRequest,
 )
 from chassis.serve.responses_store import (
+    EVENT_COPIES_OF_LOGPROBS,
     ResponseStore,
     StoredResponse,
     count_logprobs,
@@ -169,12 +170,17 @@ class _Turn:
             # the conversation shares the response's output items (their logprobs may be
             # large; nothing changes a stored item: readers copy what they alter)
             output = as_json["output"]
+            num_logprobs = count_logprobs(output)
+            if self.events is not None:
+                # the event log holds each entry again in its delta and in the four final
+                # events (output_text.done, content_part.done, output_item.done, completed)
+                num_logprobs *= 1 + EVENT_COPIES_OF_LOGPROBS
             stored = StoredResponse(
                 as_json,
                 self.conversation + output,
                 num_input_items=len(self.conversation),
                 events=self.events,
-                num_logprobs=count_logprobs(output),
+                num_logprobs=num_logprobs,
             )
             self.store.put(self.response_id, stored)
 

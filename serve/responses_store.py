@@ -12,7 +12,8 @@ recently used responses' logs first (the responses themselves stay). A response'
 logprobs (``include: ["message.output_text.logprobs"]``) cost about 300 bytes per entry (a
 token or one of its ``top_logprobs``), up to 20 times the text's size: the store keeps at most
 ``max_logprobs`` (:data:`DEFAULT_MAX_STORED_LOGPROBS`) such entries in all, dropping the least
-recently used responses beyond it (the newest always stays). Nothing survives a restart, and
+recently used responses beyond it (the newest always stays); a streamed background
+response's event log counts its copies of them. Nothing survives a restart, and
 several server processes do not share it (as vLLM's store).
 """
 
@@ -36,6 +37,11 @@ DEFAULT_MAX_STORED_EVENTS = 1_000_000
 #: store's responses (about 300 MB as JSON dicts); without a bound, 1024 stored responses of
 #: 4,000 tokens with ``top_logprobs: 20`` would hold tens of gigabytes.
 DEFAULT_MAX_STORED_LOGPROBS = 1_000_000
+#: Copies of each output logprob entry in a streamed background response's event log (its
+#: ``response.output_text.delta``, then ``response.output_text.done``,
+#: ``response.content_part.done``, ``response.output_item.done`` and ``response.completed``),
+#: counted towards ``max_logprobs`` with the response's own.
+EVENT_COPIES_OF_LOGPROBS = 5
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,8 @@ class StoredResponse:
     (``None``: all); ``events``: the stream events of a background response created with
     ``stream: true`` (kept for ``GET ...?stream=true``), else ``None``; ``events_dropped``:
     it had such events, and the store's bound on events dropped them; ``num_logprobs``: its
-    output's logprob entries, alternatives included (:func:`count_logprobs`)."""
+    output's logprob entries, alternatives included (:func:`count_logprobs`), times
+    ``1 + EVENT_COPIES_OF_LOGPROBS`` when it keeps events."""
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
@@ -112,7 +119,9 @@ class ResponseStore:
                 break
             if kept.events:
                 excess -= len(kept.events)
-                self._items[key] = replace(kept, events=None, events_dropped=True)
+                # its log's copies of its logprobs go with it
+                own = kept.num_logprobs // (1 + EVENT_COPIES_OF_LOGPROBS)
+                self._items[key] = replace(kept, events=None, events_dropped=True, num_logprobs=own)
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The response stored under ``response_id`` (now the most recently used), or

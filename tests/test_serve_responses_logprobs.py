@@ -7,6 +7,7 @@ model is in tests/test_serve_responses.py (it shares that file's server).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from chassis.serve.app import build_app
 from chassis.serve.chat_parsing import ChoiceDelta
 from chassis.serve.protocol import ChatLogprobToken
 from chassis.serve.responses_logprobs import LogprobRouter
-from chassis.serve.responses_store import ResponseStore, StoredResponse
+from chassis.serve.responses_store import EVENT_COPIES_OF_LOGPROBS, ResponseStore, StoredResponse
 from chassis.serve.settings import ServerSettings
 from chassis.serve.tool_parser import ToolCallFragment
 
@@ -151,6 +152,35 @@ def test_stored_logprobs_are_bounded_in_all(server: Server) -> None:
     assert server.client.responses.retrieve(plain.id).id == plain.id
     kept = server.client.responses.retrieve(second.id, include=LOGPROBS)  # type: ignore[arg-type]
     assert entries(part(kept).logprobs) == entries(part(second).logprobs)
+
+
+def test_a_streamed_background_response_counts_its_event_logs_logprobs(server: Server) -> None:
+    store = ResponseStore()
+    server.http.app.state.responses_store = store
+    streamed = list(
+        server.client.responses.create(
+            model=MODEL, input="Hi", include=LOGPROBS, top_logprobs=2, background=True, stream=True
+        )
+    )
+    response_id = streamed[0].response.id
+    finished(server, response_id)
+    stored = store.get(response_id)
+    assert stored is not None and stored.events is not None
+    own = sum(1 + len(e["top_logprobs"]) for e in entries(part(streamed[-1].response).logprobs))
+    in_events = 0
+    for event in stored.events:
+        payload = json.loads(event.split("data: ", 1)[1])
+        found = [payload.get("logprobs"), payload.get("part", {}).get("logprobs")]
+        for holder in (payload.get("item"), *(payload.get("response", {}).get("output") or [])):
+            for content in (holder or {}).get("content") or []:
+                found.append(content.get("logprobs"))
+        in_events += sum(1 + len(e.get("top_logprobs") or []) for lp in found for e in lp or [])
+    assert in_events == EVENT_COPIES_OF_LOGPROBS * own > 0
+    assert stored.num_logprobs == own + in_events
+    store.max_events = 0  # its log dropped: its own logprobs remain counted
+    store.put("other", StoredResponse({"id": "other"}, []))
+    dropped = store.get(response_id)
+    assert dropped is not None and dropped.events is None and dropped.num_logprobs == own
 
 
 def test_the_store_keeps_its_newest_response_whatever_its_logprobs() -> None:
