@@ -172,7 +172,8 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. One the engine core cannot serve finishes at the next step with
         reason ``abort`` and ``EngineCoreOutput.error`` saying why (the error is logged too;
-        the engine keeps serving): its structured-output constraint does not compile, it is
+        the engine keeps serving): its structured-output constraint does not compile (or
+        exceeded its work budget at an earlier request's first mask: remembered), it is
         of the other kind than the engine runs (pooling or generate; the front-end checks
         both first, so this is rare), its LoRA adapter id was accepted before with another
         folder (these three are the request's fault), or the engine's: the structured-output
