@@ -120,7 +120,13 @@ def packed_int_format(config: dict[str, Any]) -> PackedIntFormat:
             )
         if config.get("is_marlin_format"):
             raise ValueError("GPTQ checkpoints in Marlin format are not supported")
-        fmt = config.get("checkpoint_format") or "gptq"
+        # some GPTQModel versions wrote the format as "format" (its in-code name) instead
+        fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
+        if config.get("format") not in (None, fmt):
+            raise ValueError(
+                f"quantization_config states checkpoint_format={fmt!r} and "
+                f"format={config['format']!r}; fix the checkpoint's config"
+            )
         if fmt not in GPTQ_FORMATS:
             raise ValueError(
                 f"GPTQ checkpoint format {fmt!r} is not supported (only "

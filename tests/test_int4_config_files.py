@@ -23,6 +23,7 @@ from test_int4_checkpoints import SCHEMES, Scheme, _hf_config, _packed_module, w
 from chassis import LLM, SamplingParams
 from chassis.core.int_quant_config import checkpoint_int_config
 from chassis.core.model_loader import load_hf_config
+from chassis.core.packed_int_weights import packed_int_format
 from chassis.core.quantized_weights import check_quantization, dequantized_weights
 
 #: AutoGPTQ's quantize_config.json (no quant_method), act-order, 4-bit, groups of 32
@@ -162,6 +163,19 @@ def test_autoawq_spellings_say_awq_in_either_file_name(tmp_path: Path) -> None:
     (tmp_path / "quantize_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 128}))
     found = checkpoint_int_config(tmp_path, None)
     assert found == {"quant_method": "awq", "bits": 4, "group_size": 128}
+
+
+def test_gptqmodels_format_key_is_the_checkpoint_format() -> None:
+    """GPTQModel versions that wrote ``format`` for ``checkpoint_format``: a ``gptq_v2``
+    stated that way stores zero points as they are (not minus one), and formats not read
+    or two keys that disagree are refused, never read as v1."""
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    assert packed_int_format({**base, "format": "gptq_v2"}).zero_offset == 0
+    assert packed_int_format({**base, "format": "gptq"}).zero_offset == 1
+    with pytest.raises(ValueError, match="'marlin' is not supported"):
+        packed_int_format({**base, "format": "marlin"})
+    with pytest.raises(ValueError, match="checkpoint_format='gptq' and format='gptq_v2'"):
+        packed_int_format({**base, "checkpoint_format": "gptq", "format": "gptq_v2"})
 
 
 def test_bits_spelled_twice_in_config_json_is_refused() -> None:
