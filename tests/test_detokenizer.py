@@ -381,3 +381,31 @@ def test_decoder_repair_leaves_other_tokenizers_alone(smol_tokenizer, sp_tokeniz
         before = tokenizer.backend_tokenizer.decoder.__getstate__()
         repair_byte_level_decoder(tokenizer)
         assert tokenizer.backend_tokenizer.decoder.__getstate__() == before
+
+
+def test_decoder_repair_leaves_a_sentencepiece_bpe_with_byte_fallback_alone():
+    """Llama/Mistral-style BPE (sentencepiece as BPE: ``▁`` words, ``<0xNN>`` byte tokens)
+    keeps its ``Replace, ByteFallback, Fuse, Strip`` decoder: it has no ``ByteLevel`` step or
+    pre-tokenizer, so it is not the shape the repair replaces, and decodes byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from chassis.core.tokenizer import repair_byte_level_decoder
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "▁Hi": 258}
+    steps = [
+        decoders.Replace("▁", " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+        decoders.Strip(" ", 1, 0),
+    ]
+    for pre in (pre_tokenizers.Metaspace(), None):
+        backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+        backend.pre_tokenizer = pre
+        backend.decoder = decoders.Sequence(steps)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+        before = backend.decoder.__getstate__()
+        assert repair_byte_level_decoder(tokenizer) is False
+        assert tokenizer.backend_tokenizer.decoder.__getstate__() == before
+        ids = [258, *(1 + b for b in " é".encode())]
+        assert tokenizer.decode(ids) == "Hi é"
