@@ -457,6 +457,25 @@ def test_preemption_with_a_tiny_kv_cache(
         llm.shutdown()
 
 
+def test_preemption_mid_speculation_with_probabilistic_drafts(tiny_llama_dir: Path) -> None:
+    """Random requests (temperature 1) preempted and resumed in a tiny KV cache, the target
+    as its own probabilistic draft: every draft is still verified against the q it was
+    drawn from (a stale or misplaced q would reject some), and nothing is left behind."""
+    params = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    llm = sampling_llm(
+        tiny_llama_dir, tiny_llama_dir, "probabilistic", num_kv_blocks=24, max_model_len=96
+    )
+    try:
+        assert all(len(t) == 30 for t in token_ids(llm, PROMPTS, params))
+        stats = llm.engine.scheduler.stats()
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        assert_all_freed(llm)
+        assert not llm.engine.executor.worker.runner.drafter._draft_probs
+    finally:
+        llm.shutdown()
+
+
 def test_an_abort_between_a_drafted_plan_and_its_results(
     tiny_llama_dir: Path, perturbed_dir: Path
 ) -> None:
