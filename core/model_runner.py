@@ -160,7 +160,8 @@ class ModelRunner:
         #: a pooling engine's (``runner="pooling"``) pooler; None for a generating one
         self.pooler: Pooler | None = None
         if config.runner == "pooling":
-            self.pooler = Pooler(resolve_pooler_config(config), device)
+            # (the Pooler loads the Dense weights, with the same checks: read them once)
+            self.pooler = Pooler(resolve_pooler_config(config, check_dense_weights=False), device)
 
     # -- KV cache -------------------------------------------------------------------------
 

@@ -187,13 +187,17 @@ def _st_pooling_type(pooling: Any, source: Path) -> str:
     return known[chosen[0]] if chosen else "LAST"
 
 
-def resolve_pooler_config(config: EngineConfig) -> PoolerConfig:
+def resolve_pooler_config(
+    config: EngineConfig, *, check_dense_weights: bool = True
+) -> PoolerConfig:
     """The pooling of ``config``'s engine: ``config.pooler_config``'s values first, then the
     checkpoint's sentence-transformers files (``config.model`` must be a local directory),
     then last-token pooling with normalization (without it for a sequence classifier: its
     vectors are class logits) and the activation on. The checkpoint's ``Dense`` modules are
-    read (and their weights checked) whatever ``pooler_config`` says; a classifier with any
-    is refused (``ValueError``)."""
+    read (and, unless ``check_dense_weights`` is false, their weights checked) whatever
+    ``pooler_config`` says; a classifier with any is refused (``ValueError``). The runner
+    passes ``check_dense_weights=False``: its :class:`~chassis.core.pooler.Pooler` loads the
+    weights right after, with the same checks."""
     check_pooler_config(config.pooler_config)
     values: dict[str, Any] = {}
     for key, value in (config.pooler_config or {}).items():
@@ -210,19 +214,22 @@ def resolve_pooler_config(config: EngineConfig) -> PoolerConfig:
         pooling_type=str(values.get("pooling_type", defaults.pooling_type)).upper(),
         normalize=bool(values.get("normalize", defaults.normalize)),
         use_activation=bool(values.get("use_activation", defaults.use_activation)),
-        dense=_dense_modules(config.model),
+        dense=_dense_modules(config.model, check_weights=check_dense_weights),
     )
 
 
-def _dense_modules(model_dir: str | Path | None) -> tuple[DenseSpec, ...]:
+def _dense_modules(model_dir: str | Path | None, *, check_weights: bool) -> tuple[DenseSpec, ...]:
     """The checkpoint's ``Dense`` modules, checked against its ``hidden_size`` (the pooled
-    vector's length); none without ``modules.json``."""
+    vector's length), their weights files too when ``check_weights``; none without
+    ``modules.json``."""
     if model_dir is None:
         return ()
     modules = read_modules(model_dir)
     if not modules:
         return ()
-    specs = read_dense_specs(model_dir, modules, _hidden_size(model_dir))
+    specs = read_dense_specs(
+        model_dir, modules, _hidden_size(model_dir), check_weights=check_weights
+    )
     if specs and _is_classifier_dir(model_dir):
         raise ValueError(
             f"{model_dir}: Dense modules apply to embedding models; this checkpoint is a "
@@ -257,10 +264,17 @@ def _is_classifier_dir(model_dir: str | Path) -> bool:
 
 
 def apply_pooling_defaults(config: EngineConfig) -> PoolerConfig | None:
-    """For a pooling engine: resolve its pooling into ``config.pooler_config`` (so every
-    process reads the same values without reading files again) and turn prefix caching off
-    when the pooler needs every token's hidden state. Returns the pooling, or ``None`` for a
-    generating engine (``config`` untouched). Idempotent."""
+    """For a pooling engine: resolve its pooling into ``config.pooler_config`` and turn
+    prefix caching off when the pooler needs every token's hidden state. Returns the pooling,
+    or ``None`` for a generating engine (``config`` untouched). Idempotent.
+
+    ``config.pooler_config`` then holds the pooling type, normalization and activation, so
+    a later process resolving the same ``config`` takes them from it without reading the
+    sentence-transformers pooling files again. The ``Dense`` modules are not part of it
+    (:meth:`PoolerConfig.as_dict`): every resolve reads them from the checkpoint again, and
+    their weights are loaded each time. At start that is once in the front end, once in
+    the engine core (each with the weights checked: a bad file is refused before the model
+    loads) and once per runner, whose :class:`~chassis.core.pooler.Pooler` keeps them."""
     if config.runner != "pooling":
         return None
     pooler = resolve_pooler_config(config)

@@ -104,13 +104,19 @@ def read_modules(model_dir: str | Path) -> list[dict[str, Any]] | None:
 
 
 def read_dense_specs(
-    model_dir: str | Path, modules: Sequence[dict[str, Any]], input_size: int | None
+    model_dir: str | Path,
+    modules: Sequence[dict[str, Any]],
+    input_size: int | None,
+    *,
+    check_weights: bool = True,
 ) -> tuple[DenseSpec, ...]:
     """The ``Dense`` modules of ``modules`` (as :func:`read_modules` returns them), in
     order, each config and weights file checked: a known activation, sizes that chain from
     ``input_size`` (the pooled vector's length, when known), a weights file with a weight of
     shape ``[out_features, in_features]`` (and a bias of ``[out_features]`` when the config
-    says ``bias``). ``ValueError`` naming the folder otherwise."""
+    says ``bias``). ``ValueError`` naming the folder otherwise. ``check_weights=False`` leaves
+    the weights files to whoever loads them next (:class:`DenseChain` checks them the same
+    way, with :func:`load_dense_weights`) rather than reading them twice."""
     specs: list[DenseSpec] = []
     expected = input_size
     for module in modules:
@@ -139,7 +145,8 @@ def read_dense_specs(
             raise ValueError(
                 f"{config_file}: in_features {spec.in_features} does not match {what} {expected}"
             )
-        load_dense_weights(spec)  # present and of the configured shapes
+        if check_weights:
+            load_dense_weights(spec)  # present and of the configured shapes
         specs.append(spec)
         expected = spec.out_features
     return tuple(specs)
