@@ -27,6 +27,16 @@ def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
 
+def logprobs_over_limit(name: str, value: int | None, max_logprobs: int) -> str | None:
+    """The one ``--max-logprobs`` rule: the error message when ``value`` alternatives (asked
+    for through the field ``name``) exceed ``max_logprobs``, else ``None``. The engine checks
+    its params with it; the server checks each request field first, so that a 400 names the
+    field the client sent (``top_logprobs`` on chat, ``logprobs`` on completions)."""
+    if value is None or value <= max_logprobs:
+        return None
+    return f"{name}={value} exceeds the server's limit of {max_logprobs} (--max-logprobs)"
+
+
 def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
     """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps, read as vLLM
     reads it: ``None`` (no truncation) stays ``None``, ``-1`` is ``max_model_len``, and a
@@ -311,15 +321,13 @@ class InputProcessor:
                 f"messages, {params.max_tokens} in the completion). Please reduce the length "
                 "of the messages or completion."
             )
-        max_logprobs = self.config.max_logprobs
         for name, value in (
             ("logprobs", params.logprobs),
             ("prompt_logprobs", params.prompt_logprobs),
         ):
-            if value is not None and value > max_logprobs:
-                raise ValueError(
-                    f"{name}={value} exceeds the server's limit of {max_logprobs} (--max-logprobs)"
-                )
+            message = logprobs_over_limit(name, value, self.config.max_logprobs)
+            if message is not None:
+                raise ValueError(message)
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", list(params.logit_bias or ())),

@@ -46,6 +46,7 @@ from chassis.serve.protocol import (
     ChatLogprobToken,
     ChatLogprobTop,
     ChatResponseMessage,
+    check_max_logprobs,
     json_logprob,
 )
 from chassis.serve.request_log import log_request
@@ -360,6 +361,11 @@ async def prepare_chat(
     params adjusted to the parsing (special tokens kept for a tool parser that reads them,
     a JSON constraint applied after the reasoning). Shared with ``/v1/responses``."""
     params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
+    check_max_logprobs(
+        state.engine.config.max_logprobs,
+        top_logprobs=body.top_logprobs if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
+    )
     prompt_text, prompt_ids = await _prompt(state, body)
     parsing = state.parsers.for_request(
         body, state.tokenizer, prompt_text, params.structured_outputs

@@ -34,6 +34,7 @@ from chassis.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptLogprobs,
+    check_max_logprobs,
     json_logprob,
 )
 from chassis.serve.request_log import log_request
@@ -398,6 +399,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.check_accepting()
     model, lora_request = state.resolve_model(body.model)
     params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
+    check_max_logprobs(
+        state.engine.config.max_logprobs,
+        logprobs=body.logprobs,
+        prompt_logprobs=body.prompt_logprobs,
+    )
     prompts = await _prompt_batch(state, body)
     # What echo repeats: the prompts as sent, or with truncation the engine's (decoded) ids.
     originals = body.prompts() if body.truncate_prompt_tokens is None else None

@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from chassis.serve import errors
 from chassis.serve.chat_parsing import ChoiceDelta, ChoiceParser, RequestParsing
 from chassis.serve.openai_chat import prepare_chat
-from chassis.serve.protocol import ChatMessage
+from chassis.serve.protocol import ChatMessage, check_max_logprobs
 from chassis.serve.request_log import log_request
 from chassis.serve.responses_background import (
     BackgroundResponses,
@@ -457,13 +457,7 @@ def _check_max_logprobs(state: ServerState, body: ResponsesRequest) -> None:
     """A 400 naming ``top_logprobs`` for more alternatives than the engine computes
     (``--max-logprobs``), before anything runs: a background response would otherwise fail
     in the engine."""
-    asked = body.logprobs_asked
-    limit = state.engine.config.max_logprobs
-    if asked is not None and asked > limit:
-        raise errors.bad_request(
-            f"top_logprobs={asked} exceeds the server's limit of {limit} (--max-logprobs)",
-            "top_logprobs",
-        )
+    check_max_logprobs(state.engine.config.max_logprobs, top_logprobs=body.logprobs_asked)
 
 
 def _as_included(response: dict[str, Any], include: list[str]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from chassis.core.input_processor import truncation_length
+from chassis.core.input_processor import logprobs_over_limit, truncation_length
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.structured_output import StructuredOutputsParams
 from chassis.serve import structured_request
@@ -344,6 +344,17 @@ class PromptLogprob(BaseModel):
 
 #: per prompt position: ``None`` for the first token, else token id (as a string) -> entry
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def check_max_logprobs(max_logprobs: int, **fields: int | None) -> None:
+    """A 400 naming the field (``param``) whose logprobs count exceeds ``--max-logprobs``;
+    ``fields`` are the request's fields as the client named them. The rule is the engine's
+    (:func:`~chassis.core.input_processor.logprobs_over_limit`), checked here first so the
+    error names what the client sent rather than the engine's ``logprobs``."""
+    for name, value in fields.items():
+        message = logprobs_over_limit(name, value, max_logprobs)
+        if message is not None:
+            raise bad_request(message, name)
 
 
 def _without_absent(data: dict[str, Any], *keys: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 
 from chassis.core.config import EngineConfig
 from chassis.core.errors import EngineDeadError
+from chassis.core.input_processor import logprobs_over_limit
 from chassis.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from chassis.core.request import SchedulerStats
 from chassis.core.sampling_params import SamplingParams
@@ -209,9 +210,9 @@ class FakeAsyncLLM:
                 f"requested {len(prompt_ids) + params.max_tokens} tokens."
             )
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name}={value} exceeds the server's limit")
+            message = logprobs_over_limit(name, getattr(params, name), self.config.max_logprobs)
+            if message is not None:
+                raise ValueError(message)
         return params
 
     def _logprobs(self, token_id: int, k: int) -> dict[int, Logprob]:
