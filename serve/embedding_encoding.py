@@ -9,7 +9,9 @@
 * ``bytes``: the same bytes, every vector's one after the other, as the whole body
   (``application/octet-stream``), with a ``metadata`` header holding the JSON a client needs
   to cut it up: ``{"id", "created", "model", "data": [{"index", "embed_dtype",
-  "endianness", "start", "end", "shape"}], "usage"}`` (vLLM's shape).
+  "endianness", "start", "end", "shape"}], "usage"}`` (vLLM's shape). ``endianness`` there is
+  the request's value as sent, ``"native"`` included (vLLM does not resolve it either): a
+  client that does not share the server's byte order asks for ``big`` or ``little``.
 
 A vector holding a finite value beyond ``embed_dtype``'s largest finite one cannot be encoded
 (float16 would make it infinite, fp8_e4m3 would clamp it): :func:`encode_vector` raises

@@ -16,7 +16,12 @@ import torch
 from fixtures_pooling_server import *  # noqa: F403
 from server_process import ServerProcess
 
-from chassis.serve.embedding_encoding import TORCH_DTYPES, decode_vector, encode_vector
+from chassis.serve.embedding_encoding import (
+    TORCH_DTYPES,
+    bytes_body,
+    decode_vector,
+    encode_vector,
+)
 from chassis.serve.errors import APIError
 from chassis.serve.openai_embeddings import EmbeddingRequest, encoded
 
@@ -256,3 +261,23 @@ def test_pooling_requests_count_in_the_metrics(server: ServerProcess) -> None:
     assert change("chassis:generation_tokens_total") == 0
     assert change("chassis:time_to_first_token_seconds_count") == 0
     assert change('chassis:request_success_total{finished_reason="abort"}') == 0
+
+
+def test_bytes_metadata_states_endianness_as_requested() -> None:
+    """vLLM's metadata echoes the request's ``endianness``: ``native`` stays ``"native"``
+    (the server's order, ``sys.byteorder``), the bytes being those of ``sys.byteorder``."""
+    import sys
+
+    for endianness in ("native", sys.byteorder):
+        body, header = bytes_body(
+            [[1.0, -2.5]],
+            "float32",
+            endianness,
+            request_id="embd-1",
+            created=0,
+            model="m",
+            num_prompt_tokens=2,
+        )
+        assert json.loads(header)["data"][0]["endianness"] == endianness
+        order = "<" if sys.byteorder == "little" else ">"
+        assert body == torch.tensor([1.0, -2.5]).numpy().astype(f"{order}f4").tobytes()
