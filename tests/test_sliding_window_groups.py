@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,13 @@ import pytest
 from test_gemma_models import hf_greedy as gemma_hf_greedy
 from test_gemma_models import write_checkpoint as write_gemma
 from test_llm_parity import MAX_TOKENS, PROMPTS
-from test_sliding_window_kv import make_llm, run
+from test_sliding_window_kv import (
+    assert_references_are_holders,
+    finish_or_sample,
+    make_llm,
+    run,
+    schedule_randomly,
+)
 
 from chassis.core.block_pool import NULL_BLOCK_ID
 from chassis.core.engine_core import EngineInfo
@@ -188,34 +193,9 @@ def test_random_schedules_with_mixed_groups_read_only_their_own_keys() -> None:
             if rng.random() < 0.3 and len(waiting) + len(running) < 6:
                 prompt = rng.choice(prefixes) + [rng.randint(0, 5) for _ in range(4)]
                 waiting.append(Request(f"r{n}", prompt, SamplingParams(max_tokens=15)))
-            budget = rng.randint(1, 12)
-            scheduled: list[tuple[Request, int]] = []
-            for request in list(running):
-                if request not in running:
-                    continue
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                while num_new > 0:
-                    if kv.allocate_group_slots(request, num_new) is not None:
-                        scheduled.append((request, num_new))
-                        budget -= num_new
-                        break
-                    victim = running.pop()
-                    kv.free(victim)
-                    victim.num_computed_tokens = 0
-                    waiting.insert(0, victim)
-                    scheduled = [(r, m) for r, m in scheduled if r is not victim]
-                    if victim is request:
-                        break
-            while waiting and budget > 0:
-                request = waiting[0]
-                hits, num_hit = kv.get_computed_group_blocks(request)
-                num_new = min(request.num_tokens - num_hit, budget)
-                if kv.allocate_group_slots(request, num_new, hits, num_hit) is None:
-                    break
-                request.num_computed_tokens = num_hit
-                running.append(waiting.pop(0))
-                scheduled.append((request, num_new))
-                budget -= num_new
+            scheduled = schedule_randomly(
+                kv.allocate_group_slots, kv.get_computed_group_blocks, kv, running, waiting, rng
+            )
             for request, num_new in scheduled:
                 start = request.num_computed_tokens
                 tokens = request.all_token_ids
@@ -232,21 +212,8 @@ def test_random_schedules_with_mixed_groups_read_only_their_own_keys() -> None:
                                 tuple(tokens[: key + 1]),
                             ), (seed, request.request_id, group, q, key)
                 request.num_computed_tokens = start + num_new
-            for request, _ in scheduled:
-                if request.num_computed_tokens == request.num_tokens:
-                    if len(request.output_token_ids) == request.sampling_params.max_tokens:
-                        kv.free(request)
-                        running.remove(request)
-                    else:
-                        request.output_token_ids.append(rng.randint(0, 5))
-            holders: dict[int, int] = defaultdict(int)
-            for request in running:
-                for table in kv.get_group_block_ids(request.request_id):
-                    for block in table:
-                        if block != NULL_BLOCK_ID:
-                            holders[block] += 1
-            for block in range(1, num_blocks):
-                assert kv.block_pool.ref_count(block) == holders[block], (seed, block)
+            finish_or_sample(kv, running, scheduled, rng)
+            assert_references_are_holders(kv, running, seed)
 
 
 # -- the engine ------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ hits, preemption, n-gram and draft-model speculation.
 from __future__ import annotations
 
 import os
+import random
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,80 @@ def step(kv: KVCacheManager, request: Request, num_tokens: int) -> list[int] | N
     if blocks is not None:
         request.num_computed_tokens += num_tokens
     return blocks
+
+
+def schedule_randomly(
+    allocate: Callable[..., object],
+    get_computed: Callable[[Request], tuple[Any, int]],
+    kv: KVCacheManager,
+    running: list[Request],
+    waiting: list[Request],
+    rng: random.Random,
+) -> list[tuple[Request, int]]:
+    """One step of the random-schedule tests' scheduler over a budget of 1 to 12 tokens
+    drawn from ``rng``: running requests first, each preempting the last admitted (possibly
+    itself) until ``allocate`` (``kv.allocate_slots`` or ``kv.allocate_group_slots``) gives
+    it room, then waiting ones with their ``get_computed`` hits. Returns ``(request, number
+    of new tokens)`` per scheduled request; their ``num_computed_tokens`` are not advanced."""
+    budget = rng.randint(1, 12)
+    scheduled: list[tuple[Request, int]] = []
+    for request in list(running):
+        if request not in running:
+            continue  # preempted below for an earlier one
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while num_new > 0:
+            if allocate(request, num_new) is not None:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                break
+            victim = running.pop()  # the last admitted, possibly itself
+            kv.free(victim)
+            victim.num_computed_tokens = 0
+            waiting.insert(0, victim)
+            scheduled = [(r, m) for r, m in scheduled if r is not victim]
+            if victim is request:
+                break
+    while waiting and budget > 0:
+        request = waiting[0]
+        hits, num_hit = get_computed(request)
+        num_new = min(request.num_tokens - num_hit, budget)
+        if allocate(request, num_new, hits, num_hit) is None:
+            break
+        request.num_computed_tokens = num_hit
+        running.append(waiting.pop(0))
+        scheduled.append((request, num_new))
+        budget -= num_new
+    return scheduled
+
+
+def finish_or_sample(
+    kv: KVCacheManager,
+    running: list[Request],
+    scheduled: list[tuple[Request, int]],
+    rng: random.Random,
+) -> None:
+    """After a step: a scheduled request with every token computed is freed if it has all
+    its output tokens, else it gets a random next token (0 to 5) from ``rng``."""
+    for request, _ in scheduled:
+        if request.num_computed_tokens == request.num_tokens:
+            if len(request.output_token_ids) == request.sampling_params.max_tokens:
+                kv.free(request)
+                running.remove(request)
+            else:
+                request.output_token_ids.append(rng.randint(0, 5))
+
+
+def assert_references_are_holders(kv: KVCacheManager, running: list[Request], seed: int) -> None:
+    """Each block's reference count (the null block aside) is the number of entries in the
+    ``running`` requests' block tables, every group's, that name it."""
+    holders: dict[int, int] = defaultdict(int)
+    for request in running:
+        for table in kv.get_group_block_ids(request.request_id):
+            for block in table:
+                if block != NULL_BLOCK_ID:
+                    holders[block] += 1
+    for block in range(1, kv.num_blocks):
+        assert kv.block_pool.ref_count(block) == holders[block], (seed, block)
 
 
 # -- the pool and the manager --------------------------------------------------------------
@@ -173,8 +249,6 @@ def test_random_schedules_read_only_their_own_keys_and_count_references() -> Non
     holds and was written by a request with the same tokens up to it (a released block
     reused by another request would show), no step writes or reads the null block, and
     each block's reference count is the number of requests holding it."""
-    import random
-
     for seed in range(100):
         rng = random.Random(seed)
         size, window, num_blocks = rng.randint(1, 4), rng.randint(1, 12), rng.randint(6, 30)
@@ -191,34 +265,9 @@ def test_random_schedules_read_only_their_own_keys_and_count_references() -> Non
                 prompt = rng.choice(prefixes) + [rng.randint(0, 5) for _ in range(4)]
                 params = SamplingParams(max_tokens=rng.randint(1, 20))
                 waiting.append(Request(f"r{n}", prompt, params))
-            budget = rng.randint(1, 12)
-            scheduled: list[tuple[Request, int]] = []
-            for request in list(running):
-                if request not in running:
-                    continue  # preempted below for an earlier one
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                while num_new > 0:
-                    if kv.allocate_slots(request, num_new) is not None:
-                        scheduled.append((request, num_new))
-                        budget -= num_new
-                        break
-                    victim = running.pop()  # the last admitted, possibly itself
-                    kv.free(victim)
-                    victim.num_computed_tokens = 0
-                    waiting.insert(0, victim)
-                    scheduled = [(r, m) for r, m in scheduled if r is not victim]
-                    if victim is request:
-                        break
-            while waiting and budget > 0:
-                request = waiting[0]
-                hits, num_hit = kv.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_hit, budget)
-                if kv.allocate_slots(request, num_new, hits, num_hit) is None:
-                    break
-                request.num_computed_tokens = num_hit
-                running.append(waiting.pop(0))
-                scheduled.append((request, num_new))
-                budget -= num_new
+            scheduled = schedule_randomly(
+                kv.allocate_slots, kv.get_computed_blocks, kv, running, waiting, rng
+            )
             for request, num_new in scheduled:  # the step: write, then read each window
                 start = request.num_computed_tokens
                 table = kv.get_block_ids(request.request_id)
@@ -231,20 +280,8 @@ def test_random_schedules_read_only_their_own_keys_and_count_references() -> Non
                             tokens[: key + 1]
                         ), (seed, request.request_id, q, key)
                 request.num_computed_tokens = start + num_new
-            for request, _ in scheduled:
-                if request.num_computed_tokens == request.num_tokens:
-                    if len(request.output_token_ids) == request.sampling_params.max_tokens:
-                        kv.free(request)
-                        running.remove(request)
-                    else:
-                        request.output_token_ids.append(rng.randint(0, 5))
-            holders: dict[int, int] = defaultdict(int)
-            for request in running:
-                for block in kv.get_block_ids(request.request_id):
-                    if block != NULL_BLOCK_ID:
-                        holders[block] += 1
-            for block in range(1, num_blocks):
-                assert kv.block_pool.ref_count(block) == holders[block], (seed, block)
+            finish_or_sample(kv, running, scheduled, rng)
+            assert_references_are_holders(kv, running, seed)
 
 
 def _hash(kv: KVCacheManager, tokens: list[int], num_blocks: int) -> bytes:
