@@ -463,12 +463,8 @@ def _finished_stats(parent: _ParentRequest) -> FinishedRequestStats:
         time_to_first_token=(
             None if m.first_token_time is None else m.first_token_time - m.arrival_time
         ),
-        e2e_latency=None if m.finished_time is None else m.finished_time - m.arrival_time,
-        queue_time=(
-            None
-            if m.first_scheduled_time is None
-            else max(0.0, m.first_scheduled_time - m.arrival_time)
-        ),
+        e2e_latency=m.e2e_latency,
+        queue_time=m.queue_time,
     )
 
 
@@ -483,13 +479,7 @@ def _count_pooled(stats: IterationStats, pooled: EmbeddingRequestOutput) -> None
             num_prompt_tokens=len(pooled.prompt_token_ids),
             num_generation_tokens=0,
             num_cached_tokens=pooled.num_cached_tokens,
-            e2e_latency=(
-                None if m is None or m.finished_time is None else m.finished_time - m.arrival_time
-            ),
-            queue_time=(
-                None
-                if m is None or m.first_scheduled_time is None
-                else max(0.0, m.first_scheduled_time - m.arrival_time)
-            ),
+            e2e_latency=None if m is None else m.e2e_latency,
+            queue_time=None if m is None else m.queue_time,
         )
     )

@@ -58,6 +58,19 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     num_generation_tokens: int = 0
 
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to the engine core's first scheduling (never negative); ``None`` before
+        it was scheduled."""
+        if self.first_scheduled_time is None:
+            return None
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to finish; ``None`` before it finished."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
 
 @dataclass
 class RequestOutput:

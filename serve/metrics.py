@@ -267,5 +267,6 @@ class RequestTracker:
 def observe_queue_time(metrics: ServerMetrics, m: RequestMetrics | None) -> None:
     """Observe a request's queue time (arrival to first scheduling) when the engine reported
     when it was first scheduled."""
-    if m is not None and m.first_scheduled_time is not None and m.arrival_time:
-        metrics.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+    queue_time = m.queue_time if m is not None and m.arrival_time else None
+    if queue_time is not None:
+        metrics.queue_time.observe(queue_time)
