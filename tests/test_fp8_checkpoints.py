@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,29 @@ from chassis.core.quantized_weights import dequantized_weights
 FP8_MAX = 448.0
 PROMPTS = [[1, 422, 3108, 314, 9216, 253, 1345], [1, 88, 913, 402, 1033, 77, 5, 811, 64, 90]]
 NEW_TOKENS = 10
+Tokens = list[list[int]]
+
+
+def greedy_on_twin_and_checkpoint(twin: Path, quantized: Path) -> tuple[Any, Tokens, Tokens]:
+    """HF's float32 model of the dequantized ``twin``, its greedy tokens for PROMPTS
+    (NEW_TOKENS each) and the engine's from the ``quantized`` checkpoint, also float32."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    expected = [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+    llm = LLM(str(quantized), dtype="float32", max_model_len=64, num_kv_blocks=16)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+    return reference, expected, got
+
+
+def copy_stating(source: Path, model_dir: Path, quantization_config: dict) -> None:
+    """Copy checkpoint ``source`` to ``model_dir`` with ``quantization_config`` in its
+    config.json (the weights stay as they are)."""
+    shutil.copytree(source, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (model_dir / "config.json").write_text(json.dumps(config))
 
 
 def _is_quantized(name: str, tensor: torch.Tensor) -> bool:
@@ -87,14 +111,10 @@ def test_fp8_checkpoint_runs_as_its_dequantized_twin(
     tiny_llama_dir: Path, tmp_path: Path, layout: str
 ) -> None:
     quantized, twin = write_fp8_twins(tiny_llama_dir, tmp_path, layout)
+    reference, expected, got = greedy_on_twin_and_checkpoint(twin, quantized)
+    assert got == expected
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
-    expected = [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
-    llm = LLM(str(quantized), dtype="float32", max_model_len=64, num_kv_blocks=16)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
-    assert got == expected
     # the twin is not the original: float8 rounding changed the weights
     original = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     assert any(

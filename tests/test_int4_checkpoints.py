@@ -20,7 +20,7 @@ import pytest
 import torch
 from fixtures_lora import hf_greedy
 from safetensors.torch import load_file, save_file
-from test_fp8_checkpoints import NEW_TOKENS, PROMPTS, _is_quantized
+from test_fp8_checkpoints import NEW_TOKENS, PROMPTS, _is_quantized, copy_stating
 
 from chassis import LLM, SamplingParams
 from chassis.builtin_plugins.models.llama import LlamaForCausalLM
@@ -318,10 +318,7 @@ def test_an_unsupported_int_config_is_refused_before_loading(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     model_dir = tmp_path / "gptq3"
-    shutil.copytree(tiny_llama_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 3, "group_size": 128}
-    (model_dir / "config.json").write_text(json.dumps(config))
+    copy_stating(tiny_llama_dir, model_dir, {"quant_method": "gptq", "bits": 3, "group_size": 128})
     with pytest.raises(ValueError, match="3-bit"):
         LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=16)
 

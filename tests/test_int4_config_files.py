@@ -11,16 +11,14 @@ test).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from fixtures_lora import hf_greedy
-from test_fp8_checkpoints import NEW_TOKENS, PROMPTS
+from test_fp8_checkpoints import copy_stating, greedy_on_twin_and_checkpoint
 from test_int4_checkpoints import SCHEMES, Scheme, _hf_config, _packed_module, write_int_twins
 
-from chassis import LLM, SamplingParams
+from chassis import LLM
 from chassis.core.int_quant_config import checkpoint_int_config
 from chassis.core.model_loader import load_hf_config
 from chassis.core.packed_int_weights import packed_int_format
@@ -82,13 +80,7 @@ def test_checkpoint_with_only_a_quantization_file_runs_as_its_twin(
     _move_config_to_file(quantized, file_name, stated)
     assert "quantization_config" not in json.loads((quantized / "config.json").read_text())
     assert load_hf_config(quantized).quantization_config["quant_method"] == scheme.method
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
-    expected = [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
-    llm = LLM(str(quantized), dtype="float32", max_model_len=64, num_kv_blocks=16)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+    _, expected, got = greedy_on_twin_and_checkpoint(twin, quantized)
     assert got == expected
 
 
@@ -188,10 +180,7 @@ def test_a_contradicting_file_is_refused_before_loading(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     model_dir = tmp_path / "model"
-    shutil.copytree(tiny_llama_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
-    (model_dir / "config.json").write_text(json.dumps(config))
+    copy_stating(tiny_llama_dir, model_dir, {"quant_method": "gptq", "bits": 4, "group_size": 32})
     (model_dir / "quantize_config.json").write_text(json.dumps({"bits": 8, "group_size": 32}))
     with pytest.raises(ValueError, match=r"bits=4 but quantize_config\.json says 8"):
         LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=16)

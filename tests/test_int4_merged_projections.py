@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_lora import hf_greedy
 from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
-from test_fp8_checkpoints import NEW_TOKENS, PROMPTS
+from test_fp8_checkpoints import greedy_on_twin_and_checkpoint
 from test_int4_checkpoints import SCHEMES, Scheme, write_int_twins
 
-from chassis import LLM, SamplingParams
 from chassis.builtin_plugins.models.mixtral import MixtralForCausalLM
 from chassis.builtin_plugins.models.phi3 import Phi3ForCausalLM
 from chassis.core.packed_int_weights import without_phantom_biases
@@ -61,13 +59,7 @@ def test_packed_checkpoint_with_other_projection_names_runs_as_its_twin(
     )
     assert any(name.endswith(phantom) for name in packed)
     assert any(name.endswith(phantom.replace(".bias", ".qweight")) for name in packed)
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
-    expected = [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
-    llm = LLM(str(quantized), dtype="float32", max_model_len=64, num_kv_blocks=16)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+    _, expected, got = greedy_on_twin_and_checkpoint(twin, quantized)
     assert got == expected
 
 
