@@ -177,6 +177,8 @@ class InputBatch:
         them any more). Only the entries past those already nulled are written, so a step
         costs what its window released, not the request's length."""
         for group, num_null in enumerate(num_null_blocks):
+            if not num_null:
+                continue  # (most steps and groups: nothing released, no array read)
             done = int(self.group_num_null[group, row])
             if num_null > done:
                 self.block_tables[group][row, done:num_null] = NULL_BLOCK_ID

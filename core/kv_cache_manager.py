@@ -175,8 +175,8 @@ class KVCacheManager:
         self.num_groups = len(windows)
         #: the window every attention layer reads within, with one group; None otherwise
         self.sliding_window = windows[0] if len(windows) == 1 else None
-        has_window = any(w is not None for w in windows)
-        self.block_pool = BlockPool(num_blocks, reserve_null_block=has_window)
+        self._has_window = any(w is not None for w in windows)
+        self.block_pool = BlockPool(num_blocks, reserve_null_block=self._has_window)
         #: blocks of the KV cache tensors (the null block included when reserved)
         self.num_blocks = num_blocks
         #: blocks requests can hold (``num_blocks`` less the null block)
@@ -219,8 +219,12 @@ class KVCacheManager:
         return states[group].num_null_blocks if states else 0
 
     def group_num_null_blocks(self, request_id: str) -> list[int]:
-        """:meth:`num_null_blocks` of every group."""
-        return [self.num_null_blocks(request_id, g) for g in range(self.num_groups)]
+        """:meth:`num_null_blocks` of every group; empty when no group has a window (every
+        count is then 0: the scheduler sends no list per request and step)."""
+        if not self._has_window:
+            return []
+        states = self._requests.get(request_id)
+        return [state.num_null_blocks for state in states] if states else [0] * self.num_groups
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds a reference to, all groups together (its block tables
