@@ -74,11 +74,13 @@ class InputBatch:
         #: tokens sampled by steps whose ids have not reached the host yet (async scheduling);
         #: ``token_ids`` holds the ``num_tokens`` known ones
         self.num_unresolved = np.zeros(max_num_reqs, dtype=np.int64)
-        #: one block table per KV cache group
-        self.block_tables = [
-            np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-            for _ in range(num_kv_groups)
-        ]
+        #: ``[group, row, entry]``: every KV cache group's block table in one array, so a
+        #: step reads all groups' slots and tables with one indexing each
+        self.group_block_table = np.zeros(
+            (num_kv_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32
+        )
+        #: one block table per KV cache group (views of ``group_block_table``)
+        self.block_tables = list(self.group_block_table)
         #: ``[group, row]``: entries in use in each block table
         self.group_num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         #: ``[group, row]``: leading entries already pointed at the null block

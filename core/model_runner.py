@@ -624,13 +624,11 @@ def group_slots_and_tables(
     of row ``token_rows[t]`` at ``positions[t]``) and the ``rows``' block tables, as wide as
     ``max_seq_len`` needs (int32, contiguous)."""
     max_blocks = math.ceil(max_seq_len / block_size)
-    offsets = positions % block_size
-    entries = positions // block_size
-    slot_mappings, block_tables = [], []
-    for table in batch.block_tables:
-        slot_mappings.append(table[token_rows, entries].astype(np.int64) * block_size + offsets)
-        block_tables.append(np.ascontiguousarray(table[rows, :max_blocks]))
-    return slot_mappings, block_tables
+    tables = batch.group_block_table  # [group, row, entry]: every group in one indexing
+    block_ids = tables[:, token_rows, positions // block_size].astype(np.int64)
+    slot_mappings = block_ids * block_size + positions % block_size
+    block_tables = np.ascontiguousarray(tables[:, rows, :max_blocks])
+    return list(slot_mappings), list(block_tables)
 
 
 def step_forward_context(
