@@ -42,8 +42,8 @@ class NewRequestData:
     #: tokens generated before a preemption; the runner recomputes their K/V
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    #: its block table, one list per KV cache group (``KVCacheManager.num_groups``; one
-    #: group today: every attention layer reads the same table)
+    #: its block table, one list per KV cache group (``KVCacheManager.num_groups``: one
+    #: unless the model mixes sliding-window and full-attention layers: ModelRunner.kv_groups)
     block_ids: list[list[int]]
     #: tokens whose K/V are already cached (prefix-cache hits)
     num_computed_tokens: int
