@@ -203,11 +203,8 @@ class _Parse:
 
     def events(self, writer: ResponseEvents, completion: CompletionOutput) -> list[str]:
         """The events of one engine output (flushing the parser when it finished)."""
-        late = self._logprobs.add(completion) if self._logprobs is not None else []
+        late, delta = self._advance(completion)
         events = writer.add_logprobs(late) if late else []
-        delta = self.feed(completion.text)
-        if completion.finished:
-            delta += self.flush()
         return events + writer.feed(delta, self.route(delta))
 
     def flush_events(self, writer: ResponseEvents) -> list[str]:
@@ -220,11 +217,18 @@ class _Parse:
         text it released), without events: for a non-streamed response."""
         if self._logprobs is None:
             return []
-        late = self._logprobs.add(completion)
+        late, delta = self._advance(completion)
+        return late + self.route(delta)
+
+    def _advance(self, completion: CompletionOutput) -> tuple[list[ChatLogprobToken], ChoiceDelta]:
+        """Take one engine output: the logprobs of textless tokens after the message text
+        already out (:meth:`LogprobRouter.add`), and its text's classified part (with what
+        the parser held back when it finished)."""
+        late = self._logprobs.add(completion) if self._logprobs is not None else []
         delta = self.feed(completion.text)
         if completion.finished:
             delta += self.flush()
-        return late + self.route(delta)
+        return late, delta
 
     def flush_logprobs(self) -> list[ChatLogprobToken]:
         """The logprobs of the message text the parser still holds back, without events
