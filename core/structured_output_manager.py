@@ -159,9 +159,10 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         if params is None:
             return None
-        known = self._over_budget.get(params.cache_key())
+        key = params.cache_key()
+        known = self._over_budget.get(key)
         if known is not None:
-            self._over_budget.move_to_end(params.cache_key())
+            self._over_budget.move_to_end(key)
             raise ConstraintBudgetExceeded(known)
         backend = self.backend
         try:
