@@ -2,8 +2,43 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from chassis import LLM, SamplingParams
-from chassis.core.request import EngineCoreRequest
+from chassis.core.request import EngineCoreRequest, SchedulerStats
+
+
+@contextmanager
+def counting_steps(llm: LLM) -> Iterator[list[int]]:
+    """A one-element list counting ``llm``'s engine steps inside the block (its ``step``
+    is restored after)."""
+    count = [0]
+    step = llm.engine.step
+
+    def counted():
+        count[0] += 1
+        return step()
+
+    llm.engine.step = counted
+    try:
+        yield count
+    finally:
+        llm.engine.step = step
+
+
+def sample_first_three(
+    llm: LLM, prompt: str, params: SamplingParams
+) -> tuple[Counter[tuple[int, ...]], SchedulerStats]:
+    """How often each first three tokens come up in ``llm``'s samples of ``prompt`` (``n``
+    of ``params``), and the scheduler's statistics after them; shuts ``llm`` down."""
+    try:
+        outputs = llm.generate([prompt], params)[0].outputs
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.shutdown()
+    return Counter(tuple(c.token_ids[:3]) for c in outputs), stats
 
 
 def abort_during_a_drafted_step(llm: LLM, params: SamplingParams) -> int:

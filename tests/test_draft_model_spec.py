@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from fixtures_models import hf_greedy_tokens, write_tiny_checkpoint
-from fixtures_speculative import abort_during_a_drafted_step
+from fixtures_speculative import abort_during_a_drafted_step, counting_steps, sample_first_three
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,19 +72,6 @@ def greedy(max_tokens: int = 24, **params) -> SamplingParams:
 
 def token_ids(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
-def count_steps(llm: LLM) -> list[int]:
-    """A one-element list counting the engine's steps from now on."""
-    count = [0]
-    step = llm.engine.step
-
-    def counted():
-        count[0] += 1
-        return step()
-
-    llm.engine.step = counted
-    return count
 
 
 def assert_all_freed(llm: LLM) -> None:
@@ -203,9 +189,9 @@ def test_target_as_draft_accepts_everything_in_k_plus_1_fewer_steps(
     prompt = PROMPTS[2]
     llm = make_llm(tiny_llama_dir, tiny_llama_dir)
     try:
-        plain_steps, draft_steps = count_steps(plain), count_steps(llm)
-        want = token_ids(plain, [prompt], greedy(max_tokens))
-        assert token_ids(llm, [prompt], greedy(max_tokens)) == want
+        with counting_steps(plain) as plain_steps, counting_steps(llm) as draft_steps:
+            want = token_ids(plain, [prompt], greedy(max_tokens))
+            assert token_ids(llm, [prompt], greedy(max_tokens)) == want
         assert want[0][:24] == expected[2]
         stats = llm.engine.scheduler.stats()
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
@@ -311,8 +297,8 @@ def test_target_as_probabilistic_draft_accepts_every_draft(tiny_llama_dir: Path)
     for draft_sampling in ("probabilistic", "greedy"):
         llm = sampling_llm(tiny_llama_dir, tiny_llama_dir, draft_sampling)
         try:
-            steps = count_steps(llm)
-            outputs = [c for o in llm.generate(PROMPTS, params) for c in o.outputs]
+            with counting_steps(llm) as steps:
+                outputs = [c for o in llm.generate(PROMPTS, params) for c in o.outputs]
             assert all(len(c.token_ids) == 21 for c in outputs)
             assert all(0 <= t < vocab for c in outputs for t in c.token_ids)
             stats = llm.engine.scheduler.stats()
@@ -345,12 +331,8 @@ def test_probabilistic_drafts_keep_the_distribution(
             if drafted
             else make_llm(tiny_llama_dir, **engine)
         )
-        try:
-            outputs = llm.generate([prompt], params)[0].outputs
-            stats = llm.engine.scheduler.stats()
-        finally:
-            llm.shutdown()
-        counts.append(Counter(tuple(c.token_ids[:3]) for c in outputs))
+        first_three, stats = sample_first_three(llm, prompt, params)
+        counts.append(first_three)
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     plain, drafted_counts = counts
     keys = plain.keys() | drafted_counts.keys()

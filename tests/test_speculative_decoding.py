@@ -3,12 +3,11 @@ rule, the config, and the engine giving exactly the tokens plain decoding gives.
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from fixtures_speculative import abort_during_a_drafted_step
+from fixtures_speculative import abort_during_a_drafted_step, sample_first_three
 
 from chassis import LLM, SamplingParams
 from chassis.builtin_plugins.samplers.default import DefaultSampler
@@ -246,12 +245,8 @@ def test_random_sampling_keeps_its_distribution(tiny_llama_dir: Path) -> None:
             max_num_seqs=400,
             max_num_batched_tokens=4096,
         )
-        try:
-            outputs = llm.generate([prompt], params)[0].outputs
-            stats = llm.engine.scheduler.stats()
-        finally:
-            llm.shutdown()
-        counts.append(Counter(tuple(c.token_ids[:3]) for c in outputs))
+        first_three, stats = sample_first_three(llm, prompt, params)
+        counts.append(first_three)
     assert stats.spec_num_accepted_tokens > 50
     plain, drafted = counts
     distance = sum(abs(plain[k] - drafted[k]) for k in plain.keys() | drafted.keys()) / 800

@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_model_cost import COPY, NEW, first_layers
+from draft_model_cost import COPY, NEW, first_layers  # also puts tests/ on the path
+from fixtures_speculative import counting_steps
 
 from chassis import LLM, SamplingParams
 from chassis.core.gguf_checkpoint import embedded_model_dir
@@ -58,19 +59,9 @@ def noisy_copy(source: Path, directory: Path, scale: float) -> Path:
 def measure(llm: LLM, temperature: float) -> tuple[float, float]:
     """Share of drafts accepted and output tokens per engine step, for the 8 requests."""
     before = llm.engine.scheduler.stats()
-    steps = [0]
-    step = llm.engine.step
-
-    def counted():
-        steps[0] += 1
-        return step()
-
-    llm.engine.step = counted
     params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True)
-    try:
+    with counting_steps(llm) as steps:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in COPY + NEW], params)
-    finally:
-        llm.engine.step = step
     after = llm.engine.scheduler.stats()
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens

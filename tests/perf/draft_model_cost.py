@@ -35,6 +35,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for its helpers
+from fixtures_speculative import counting_steps
+
 from chassis import LLM, SamplingParams
 from chassis.core.gguf_checkpoint import embedded_model_dir
 
@@ -75,7 +78,6 @@ def first_layers(source: Path, num_layers: int, directory: Path) -> Path:
 
 def tiny_draft(directory: Path) -> Path:
     """A random 2-layer, hidden-64 Llama with SmolLM2's vocabulary and tokenizer."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fixtures_models import write_tiny_checkpoint
 
     return write_tiny_checkpoint("llama", directory, seed=1, max_position_embeddings=2048)
@@ -83,20 +85,10 @@ def tiny_draft(directory: Path) -> Path:
 
 def run(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], float, int]:
     """Output ids, seconds and engine steps of one batch of chat requests."""
-    steps = [0]
-    step = llm.engine.step
-
-    def counted():
-        steps[0] += 1
-        return step()
-
-    llm.engine.step = counted
     messages = [[{"role": "user", "content": p}] for p in prompts]
     start = time.perf_counter()
-    try:
+    with counting_steps(llm) as steps:
         outputs = llm.chat(messages, PARAMS)
-    finally:
-        llm.engine.step = step
     elapsed = time.perf_counter() - start
     return [o.outputs[0].token_ids for o in outputs], elapsed, steps[0]
 
