@@ -12,8 +12,9 @@ and a float16 scale ``s``; the weight is ``(q - z) * s``. Their tensors differ:
   ``g_idx`` is required. Without it row ``k`` is in group ``k // group_size`` unless a
   ``g_idx`` is stored: one is then honoured whatever it says, as AutoGPTQ's and GPTQModel's
   own dequantization do (it is what the codes were quantized with; vLLM's GPTQ kernels
-  ignore it when ``desc_act`` is false, which computes other weights when it reorders). The ``"gptq"`` (v1) checkpoint format stores each zero point minus one
-  (``z = stored + 1``), ``"gptq_v2"`` stores it as it is. ``group_size: -1`` is one group.
+  ignore it when ``desc_act`` is false, which computes other weights when it reorders). The
+  ``"gptq"`` (v1) checkpoint format stores each zero point minus one (``z = stored + 1``),
+  ``"gptq_v2"`` stores it as it is. ``group_size: -1`` is one group.
 - AWQ (AutoAWQ's GEMM version; ``quant_method: "awq"``): ``X.qweight`` int32
   ``[in, out / 8]``, each int32 holding 8 consecutive *output* columns in the interleaved
   order ``0, 2, 4, 6, 1, 3, 5, 7`` (nibble ``i`` holds column :data:`AWQ_PACK_ORDER` ``[i]``);
@@ -85,10 +86,11 @@ def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
 
 def packed_int_format(config: dict[str, Any]) -> PackedIntFormat:
     """The format of an AWQ or GPTQ ``quantization_config`` (AutoAWQ's ``w_bit`` and
-    ``q_group_size`` read as ``bits`` and ``group_size``); ``ValueError`` naming what is not
-    read: contradicting spellings, other bit widths, AWQ versions other than GEMM (GEMV, Marlin, ExLlama, IPEX) or
-    without zero points, GPTQ checkpoint formats other than ``gptq``/``gptq_v2`` (Marlin,
-    BitBLAS, ...), a missing or bad group size."""
+    ``q_group_size`` read as ``bits`` and ``group_size``, GPTQModel's ``format`` as
+    ``checkpoint_format``); ``ValueError`` naming what is not read: contradicting spellings,
+    other bit widths, AWQ versions other than GEMM (GEMV, Marlin, ExLlama, IPEX) or without
+    zero points, GPTQ checkpoint formats other than ``gptq``/``gptq_v2`` (Marlin, BitBLAS,
+    ...), a missing or bad group size."""
     config = normalized_int_config(config, "quantization_config")  # AutoAWQ's w_bit, ...
     method = config.get("quant_method")
     # no default: AutoGPTQ, GPTQModel and transformers default to 128 when quantizing, not to
