@@ -105,10 +105,15 @@ def load_draft_model(
     check_quantization(hf_config)
     model = build_model(config, hf_config, path, attention_backend_cls, device, dtype)
     logger.info(
-        "draft model %s loaded: %d layers, %d drafts per step",
+        "draft model %s loaded: %d layers, %d drafts per step, random requests' drafts %s "
+        "(draft_sampling %s; greedy requests' drafts are always one-hot)",
         spec.model,
         model.num_attention_layers,
         spec.num_speculative_tokens,
+        "drawn from the draft's distribution (probabilistic)"
+        if spec.draft_sampling == "probabilistic"
+        else "its argmax (one-hot)",
+        spec.draft_sampling,
     )
     return model
 

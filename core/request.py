@@ -106,6 +106,11 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     #: speculative decoding, since start: draft tokens verified, and those accepted
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    #: speculative decoding, since start: drafts verified (one per request and step that
+    #: verified at least one draft token), and per draft position (0 first) the drafts
+    #: whose token there was accepted
+    spec_num_drafts: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     #: with --enable-lora (``max_loras`` > 0): the adapters (names) of the running and the
     #: waiting requests, sorted
     max_loras: int = 0

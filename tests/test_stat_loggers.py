@@ -421,3 +421,123 @@ def test_offline_llm_stops_its_engine_when_a_logger_cannot_start(tiny_llama_dir,
             stat_loggers=["test_stat_loggers:UnbuildableLogger"],
         )
     assert len(stopped) == 1
+
+
+SPEC_LINE = re.compile(
+    r"SpecDecoding metrics: Mean acceptance length: ([\d.]+), Accepted throughput: ([\d.]+) "
+    r"tokens/s, Drafted throughput: ([\d.]+) tokens/s, Accepted: (\d+) tokens, Drafted: "
+    r"(\d+) tokens, Per-position acceptance rate: ([\d., ]+), Avg Draft acceptance rate: "
+    r"([\d.]+)%"
+)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def _spec_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[Any, ...]]:
+    found = [
+        SPEC_LINE.search(r.getMessage()) for r in caplog.records if r.name == STATS_LOGGER_NAME
+    ]
+    return [
+        (
+            float(m[1]),
+            float(m[2]),
+            float(m[3]),
+            int(m[4]),
+            int(m[5]),
+            [float(x) for x in m[6].split(", ")],
+            float(m[7]),
+        )
+        for m in found
+        if m
+    ]
+
+
+def test_spec_decoding_line_has_the_interval_numbers(monkeypatch, caplog) -> None:
+    caplog.set_level(logging.INFO, logger=STATS_LOGGER_NAME)
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    stat_logger = LoggingStatLogger(StatLoggerInfo("tiny", EngineConfig(speculative_config=NGRAM)))
+    first = SchedulerStats(
+        num_running=1,
+        spec_num_drafts=4,
+        spec_num_draft_tokens=12,
+        spec_num_accepted_tokens=6,
+        spec_num_accepted_tokens_per_pos=[3, 2, 1],
+    )
+    stat_logger.record(first, IterationStats(num_generation_tokens=10))
+    clock[0] = 110.0
+    stat_logger.log()
+    # the next interval: 6 more drafts (18 tokens), 9 more accepted
+    second = SchedulerStats(
+        num_running=1,
+        spec_num_drafts=10,
+        spec_num_draft_tokens=30,
+        spec_num_accepted_tokens=15,
+        spec_num_accepted_tokens_per_pos=[9, 5, 2],
+    )
+    stat_logger.record(second, IterationStats(num_generation_tokens=15))
+    clock[0] = 112.0
+    stat_logger.log()
+    stat_logger.record(second, IterationStats(num_generation_tokens=0))
+    clock[0] = 120.0
+    stat_logger.log()  # no drafts verified since: no SpecDecoding line
+    assert _spec_lines(caplog) == [
+        (2.5, 0.6, 1.2, 6, 12, [0.75, 0.5, 0.25], 50.0),
+        (2.5, 4.5, 9.0, 9, 18, [1.0, 0.5, 0.167], 50.0),
+    ]
+
+
+def test_no_spec_decoding_line_without_speculation(caplog) -> None:
+    caplog.set_level(logging.INFO, logger=STATS_LOGGER_NAME)
+    stat_logger = LoggingStatLogger(INFO)
+    stat_logger.record(SchedulerStats(spec_num_drafts=1), IterationStats(num_generation_tokens=1))
+    stat_logger.log()
+    assert _lines(caplog) and not _spec_lines(caplog)
+
+
+def test_spec_decoding_line_matches_an_engines_counters(tiny_llama_dir, caplog) -> None:
+    """A tiny engine with n-gram speculation: each line's Accepted / Drafted are the
+    scheduler counters' (what /metrics exports) growth since the previous line, and its
+    rates follow from the per-position counters."""
+    from chassis import LLM
+
+    caplog.set_level(logging.INFO, logger=STATS_LOGGER_NAME)
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        block_size=4,
+        speculative_config=NGRAM,
+        stat_loggers=["logging"],
+        stat_log_interval=3600,  # the test calls log() itself
+    )
+    [logging_logger] = llm.stat_loggers
+    prompts = ["a b c a b c a b c a b", "one two three one two three one two"]
+    seen = [llm.engine.scheduler.stats()]
+    for max_tokens in (24, 40):
+        llm.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        )
+        logging_logger.log()
+        seen.append(llm.engine.scheduler.stats())
+    llm.shutdown()
+    lines = _spec_lines(caplog)
+    assert len(lines) == 2
+    for line, before, after in zip(lines, seen[:-1], seen[1:], strict=True):
+        mean, _, _, accepted, drafted, per_pos, rate = line
+        drafts = after.spec_num_drafts - before.spec_num_drafts
+        assert drafted == after.spec_num_draft_tokens - before.spec_num_draft_tokens > 0
+        assert accepted == after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        assert drafts > 0 and mean == round(1 + accepted / drafts, 2)
+        assert rate == round(accepted / drafted * 100, 1)
+        assert len(per_pos) == NGRAM["num_speculative_tokens"]
+        grown = [
+            a - b
+            for a, b in zip(
+                after.spec_num_accepted_tokens_per_pos,
+                before.spec_num_accepted_tokens_per_pos,
+                strict=True,
+            )
+        ]
+        assert sum(grown) == accepted
+        assert per_pos == [round(g / drafts, 3) for g in grown]

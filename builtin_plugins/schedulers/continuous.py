@@ -149,6 +149,10 @@ class ContinuousBatchingScheduler(Scheduler):
         self.speculative = config.speculative
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        self.spec_num_drafts = 0
+        self.spec_num_accepted_tokens_per_pos = [0] * (
+            self.speculative.num_speculative_tokens if self.speculative is not None else 0
+        )
         # request id -> the n-gram index of its tokens (built at its first drafting step,
         # dropped when it finishes or is preempted)
         self._ngram_indexes: dict[str, NgramIndex] = {}
@@ -374,6 +378,8 @@ class ContinuousBatchingScheduler(Scheduler):
             num_preemptions=self.num_preemptions,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_accepted_tokens_per_pos=list(self.spec_num_accepted_tokens_per_pos),
         )
         if self.config.enable_lora:
             stats.max_loras = self.config.max_loras
@@ -604,6 +610,13 @@ class ContinuousBatchingScheduler(Scheduler):
         request.num_computed_tokens -= len(drafts) - accepted
         self.spec_num_draft_tokens += len(drafts)
         self.spec_num_accepted_tokens += accepted
+        if drafts:
+            self.spec_num_drafts += 1
+            per_pos = self.spec_num_accepted_tokens_per_pos
+            if len(per_pos) < len(drafts):  # never: drafts are at most num_speculative_tokens
+                per_pos.extend([0] * (len(drafts) - len(per_pos)))
+            for position in range(accepted):
+                per_pos[position] += 1
 
     def _victim_candidates(self, running: list[Request]) -> list[Request]:
         """``running`` without the requests whose tokens in flight finish them (async
