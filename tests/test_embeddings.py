@@ -38,7 +38,9 @@ TOLERANCE = 1e-5
 BUDGET = 24
 
 
-def _engine(model_dir: Path | str, **kwargs: Any) -> LLM:
+def pooling_llm(model_dir: Path | str, **kwargs: Any) -> LLM:
+    """A float32 pooling engine of ``model_dir`` whose token budget (BUDGET) is below the
+    longest test prompts; ``kwargs`` override any setting."""
     settings: dict[str, Any] = {
         "runner": "pooling",
         "dtype": "float32",
@@ -51,7 +53,8 @@ def _engine(model_dir: Path | str, **kwargs: Any) -> LLM:
     return LLM(str(model_dir), **settings)
 
 
-def _random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of random token ids (3 to 48999) of the given lengths, the same for a seed."""
     rng = random.Random(seed)
     return [[rng.randrange(3, 49000) for _ in range(n)] for n in lengths]
 
@@ -91,10 +94,10 @@ def _assert_matches(
 
 
 def test_last_token_pooling_matches_hf(tiny_llama_dir: Path, hf_model: Any) -> None:
-    llm = _engine(tiny_llama_dir)
+    llm = pooling_llm(tiny_llama_dir)
     assert llm.pooler_config == PoolerConfig("LAST", True)  # vLLM's default for decoder LMs
     assert llm.config.enable_prefix_caching  # the last token needs no earlier states
-    long_ids = _random_prompts([100])[0]  # > 4 x the token budget
+    long_ids = random_prompts([100])[0]  # > 4 x the token budget
     prompts = ["Hello world", long_ids, {"prompt_token_ids": [5, 6, 7]}, "a " * 30, [42]]
     outputs = llm.embed(prompts)
 
@@ -118,11 +121,11 @@ def test_last_token_pooling_matches_hf(tiny_llama_dir: Path, hf_model: Any) -> N
 def test_mean_and_cls_pooling_match_hf(
     tiny_llama_dir: Path, hf_model: Any, pooling_type: str
 ) -> None:
-    llm = _engine(tiny_llama_dir, pooler_config={"pooling_type": pooling_type.lower()})
+    llm = pooling_llm(tiny_llama_dir, pooler_config={"pooling_type": pooling_type.lower()})
     assert llm.pooler_config == PoolerConfig(pooling_type, True)
     # a prefix-cache hit would skip hidden states these poolers read
     assert not llm.config.enable_prefix_caching
-    prompts = _random_prompts([100, 3, 50, 1, 24, 25, 70])
+    prompts = random_prompts([100, 3, 50, 1, 24, 25, 70])
     params = [PoolingParams(normalize=i % 3 != 1) for i in range(len(prompts))]
     outputs = llm.embed(prompts, params)
     _assert_matches(hf_model, outputs, pooling_type, [p.normalize for p in params])
@@ -188,9 +191,9 @@ def test_sentence_transformers_config_is_read(
     model_dir = _sentence_transformers_copy(
         tiny_llama_dir, tmp_path / "st", {**_ST_MODES, mode: True}, normalize
     )
-    llm = _engine(model_dir)
+    llm = pooling_llm(model_dir)
     assert llm.pooler_config == PoolerConfig(pooling_type, normalize)
-    outputs = llm.embed(_random_prompts([60, 7, 31], seed=1))
+    outputs = llm.embed(random_prompts([60, 7, 31], seed=1))
     _assert_matches(hf_model, outputs, pooling_type, normalize)
     if not normalize:  # the raw pooled state, as sentence-transformers without Normalize
         assert abs(torch.tensor(outputs[0].outputs.embedding).norm().item() - 1.0) > 1e-3
@@ -257,7 +260,7 @@ def test_sentence_transformers_files_chassis_cannot_run(tmp_path: Path) -> None:
 
 
 def test_matryoshka_dimensions(tiny_llama_dir: Path, hf_model: Any, tmp_path: Path) -> None:
-    plain = _engine(tiny_llama_dir)
+    plain = pooling_llm(tiny_llama_dir)
     with pytest.raises(ValueError, match="does not support matryoshka"):
         plain.embed(["text"], PoolingParams(dimensions=16))
 
@@ -266,12 +269,12 @@ def test_matryoshka_dimensions(tiny_llama_dir: Path, hf_model: Any, tmp_path: Pa
     config = json.loads((model_dir / "config.json").read_text())
     config["matryoshka_dimensions"] = [16, 32, 64]
     (model_dir / "config.json").write_text(json.dumps(config))
-    llm = _engine(model_dir)
+    llm = pooling_llm(model_dir)
     with pytest.raises(ValueError, match=r"only supports \[16, 32, 64\]"):
         llm.embed(["text"], PoolingParams(dimensions=8))
     with pytest.raises(ValueError, match="dimensions: must be >= 1"):
         PoolingParams(dimensions=0)
-    prompts = _random_prompts([40, 9])
+    prompts = random_prompts([40, 9])
     outputs = llm.embed(prompts, [PoolingParams(dimensions=16), PoolingParams()])
     # the first 16 values, normalized on their own (not a slice of the normalized vector)
     expected = _reference(hf_model, prompts[0], "LAST", dimensions=16)
@@ -282,8 +285,8 @@ def test_matryoshka_dimensions(tiny_llama_dir: Path, hf_model: Any, tmp_path: Pa
 
 
 def test_last_token_pooling_reuses_the_prefix_cache(tiny_llama_dir: Path, hf_model: Any) -> None:
-    llm = _engine(tiny_llama_dir)
-    prompt = _random_prompts([70], seed=3)[0]
+    llm = pooling_llm(tiny_llama_dir)
+    prompt = random_prompts([70], seed=3)[0]
     first = llm.embed([prompt])[0]
     again = llm.embed([prompt])[0]
     assert first.num_cached_tokens == 0
@@ -302,7 +305,7 @@ def _check_preempted_mean_request(
 ) -> None:
     """A low-priority 60-token MEAN prompt preempted (by recompute) after three 16-token steps
     by a high-priority one: one preemption, and both vectors equal HF's."""
-    llm = _engine(
+    llm = pooling_llm(
         model_dir,
         max_model_len=64,
         num_kv_blocks=4,  # one 64-token sequence
@@ -311,7 +314,7 @@ def _check_preempted_mean_request(
         pooler_config={"pooling_type": "MEAN"},
         **engine_kwargs,
     )
-    low, high = _random_prompts([60, 60], seed=seed)
+    low, high = random_prompts([60, 60], seed=seed)
     engine = llm.engine
 
     def request(ids: list[int], request_id: str, priority: int) -> EngineCoreRequest:
@@ -347,7 +350,7 @@ def test_pooled_bytes_round_trip() -> None:
 
 
 def test_input_checks(tiny_llama_dir: Path) -> None:
-    llm = _engine(tiny_llama_dir, max_model_len=32)
+    llm = pooling_llm(tiny_llama_dir, max_model_len=32)
     with pytest.raises(ValueError, match="maximum context length is 32"):
         llm.embed([list(range(3, 36))])
     # a pooling prompt may fill the whole context (nothing is generated after it)
@@ -385,7 +388,7 @@ def test_input_checks(tiny_llama_dir: Path) -> None:
 
 
 def test_an_engine_runs_one_kind_of_request(tiny_llama_dir: Path) -> None:
-    pooling = _engine(tiny_llama_dir)
+    pooling = pooling_llm(tiny_llama_dir)
     with pytest.raises(ValueError, match="use embed"):
         pooling.generate(["Hello"], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="use embed"):
@@ -423,7 +426,7 @@ def test_a_scheduler_that_cannot_finish_pooling_requests_is_refused(
 
     monkeypatch.setattr(FcfsScheduler, "supports_pooling", False)
     with pytest.raises(ValueError, match="'fcfs' does not finish pooling requests"):
-        _engine(tiny_llama_dir)
+        pooling_llm(tiny_llama_dir)
 
 
 @pytest.mark.parametrize(
@@ -449,13 +452,13 @@ def test_two_ranks_pool_as_one(tiny_llama_dir: Path, pooling_type: str) -> None:
     """Tensor parallelism: every rank computes the full hidden states and pools them alike
     (chunked prompts keep the same running state on each rank); the driver's vectors equal
     a single rank's."""
-    prompts = _random_prompts([100, 3, 50, 1, 25, 70], seed=1)
+    prompts = random_prompts([100, 3, 50, 1, 25, 70], seed=1)
     params = [PoolingParams(normalize=i % 2 == 0) for i in range(len(prompts))]
     pooler_config = {"pooling_type": pooling_type}
-    one = _engine(tiny_llama_dir, pooler_config=pooler_config)
+    one = pooling_llm(tiny_llama_dir, pooler_config=pooler_config)
     expected = [o.outputs.embedding for o in one.embed(prompts, params)]
     one.shutdown()
-    two = _engine(tiny_llama_dir, pooler_config=pooler_config, tensor_parallel_size=2)
+    two = pooling_llm(tiny_llama_dir, pooler_config=pooler_config, tensor_parallel_size=2)
     try:
         got = [o.outputs.embedding for o in two.embed(prompts, params)]
         # a second batch on the same ranks: their pooler states were left in step
@@ -473,11 +476,11 @@ def test_async_scheduling_pools_as_sync(tiny_llama_dir: Path, pooling_type: str)
     request is planned nothing after the step that completes its prompt (its one in-flight
     output finishes it: ``SamplingParams(max_tokens=1)``), its vector comes with that step's
     collection, and the vectors equal a synchronous engine's."""
-    prompts = _random_prompts([100, 3, 50, 1, 25, 70], seed=2)
+    prompts = random_prompts([100, 3, 50, 1, 25, 70], seed=2)
     params = [PoolingParams(normalize=i % 2 == 0) for i in range(len(prompts))]
     pooler_config = {"pooling_type": pooling_type}
-    expected = _engine(tiny_llama_dir, pooler_config=pooler_config).embed(prompts, params)
-    llm = _engine(tiny_llama_dir, pooler_config=pooler_config, async_scheduling=True)
+    expected = pooling_llm(tiny_llama_dir, pooler_config=pooler_config).embed(prompts, params)
+    llm = pooling_llm(tiny_llama_dir, pooler_config=pooler_config, async_scheduling=True)
     engine = llm.engine
     scheduled: dict[str, int] = {}
     launch = engine.executor.execute_model_async

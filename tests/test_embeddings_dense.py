@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,8 +24,8 @@ import pytest
 import torch
 from fixtures_lora import hf_merged_model, write_peft_adapter
 from server_process import running_server
+from test_embeddings import pooling_llm, random_prompts
 
-from chassis.core.llm import LLM
 from chassis.core.lora import LoRARequest
 from chassis.core.pooling_input import process_pooling
 from chassis.core.pooling_outputs import decode_pooled
@@ -34,7 +33,6 @@ from chassis.core.pooling_params import PoolingParams
 from chassis.core.request import EngineCoreRequest
 
 TOLERANCE = 1e-5
-BUDGET = 24
 HIDDEN = 64
 #: (folder, in, out, bias, activation name, activation, weights file)
 LAYERS = [
@@ -51,24 +49,6 @@ _MODES = {
     "weighted_mean": "pooling_mode_weightedmean_tokens",
 }
 _ST = "sentence_transformers.models."
-
-
-def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49000) for _ in range(n)] for n in lengths]
-
-
-def _engine(model_dir: Path, **kwargs: Any) -> LLM:
-    settings: dict[str, Any] = {
-        "runner": "pooling",
-        "dtype": "float32",
-        "max_model_len": 128,
-        "num_kv_blocks": 64,
-        "max_num_batched_tokens": BUDGET,
-        "enforce_eager": True,
-    }
-    settings.update(kwargs)
-    return LLM(str(model_dir), **settings)
 
 
 def _write_st_model(
@@ -174,10 +154,10 @@ def test_dense_chain_matches_the_reference(
     tiny_llama_dir: Path, decoder: Any, tmp_path: Path, mode: str
 ) -> None:
     weights = _write_st_model(tiny_llama_dir, tmp_path / "st", mode)
-    llm = _engine(tmp_path / "st")
+    llm = pooling_llm(tmp_path / "st")
     assert [d.out_features for d in llm.pooler_config.dense] == [48, OUT]
     assert llm.embedding_info.hidden_size == OUT
-    prompts = _prompts([100, 3, 50, 1, 25], seed=2)  # several chunks, and one-token prompts
+    prompts = random_prompts([100, 3, 50, 1, 25], seed=2)  # several chunks, and one-token prompts
     params = [PoolingParams(normalize=i != 1) for i in range(len(prompts))]
     outputs = llm.embed(prompts, params)
     for prompt, param, output in zip(prompts, params, outputs, strict=True):
@@ -192,10 +172,10 @@ def test_max_sqrt_len_and_weighted_pooling_without_dense(
     tiny_llama_dir: Path, decoder: Any, tmp_path: Path, mode: str
 ) -> None:
     _write_st_model(tiny_llama_dir, tmp_path / "st", mode, dense=False)
-    llm = _engine(tmp_path / "st")
+    llm = pooling_llm(tmp_path / "st")
     assert llm.pooler_config.pooling_type == mode.upper()
     assert not llm.config.enable_prefix_caching  # they read every token's state
-    prompts = _prompts([70, 5, 26], seed=4)
+    prompts = random_prompts([70, 5, 26], seed=4)
     for prompt, output in zip(prompts, llm.embed(prompts), strict=True):
         assert output.outputs.hidden_size == HIDDEN
         _assert_close(output.outputs.embedding, _reference(decoder, prompt, mode, {}))
@@ -210,11 +190,11 @@ def test_dense_then_matryoshka_then_normalize(
     weights = _write_st_model(
         tiny_llama_dir, tmp_path / "st", "mean", config_extra={"is_matryoshka": True}
     )
-    llm = _engine(tmp_path / "st", pooler_config={"pooling_type": "CLS"})
+    llm = pooling_llm(tmp_path / "st", pooler_config={"pooling_type": "CLS"})
     assert llm.pooler_config.pooling_type == "CLS" and len(llm.pooler_config.dense) == 2
     with pytest.raises(ValueError, match=f"exceeds the model's embedding size {OUT}"):
         llm.embed(["text"], PoolingParams(dimensions=32))
-    prompts = _prompts([40, 9], seed=5)
+    prompts = random_prompts([40, 9], seed=5)
     outputs = llm.embed(prompts, [PoolingParams(dimensions=8), PoolingParams(dimensions=OUT)])
     _assert_close(
         outputs[0].outputs.embedding, _reference(decoder, prompts[0], "cls", weights, dimensions=8)
@@ -228,8 +208,10 @@ def test_lora_adapter_pools_through_the_dense_chain(tiny_llama_dir: Path, tmp_pa
     request: base and adapted prompts in one batch."""
     weights = _write_st_model(tiny_llama_dir, tmp_path / "st", "mean")
     adapter = write_peft_adapter(tmp_path / "adapter", tiny_llama_dir, seed=1, rank=8)
-    llm = _engine(tmp_path / "st", enable_lora=True, max_loras=1, max_lora_rank=8, block_size=16)
-    prompts = _prompts([40, 9, 29], seed=6)
+    llm = pooling_llm(
+        tmp_path / "st", enable_lora=True, max_loras=1, max_lora_rank=8, block_size=16
+    )
+    prompts = random_prompts([40, 9, 29], seed=6)
     lora = LoRARequest("a", 1, str(adapter))
     requests = [lora, None, lora]
     outputs = llm.embed(prompts, lora_request=requests)
@@ -249,14 +231,14 @@ def test_preempted_sqrt_len_request_pools_its_tokens_once(
     """A low-priority 60-token prompt preempted (by recompute) after three 16-token steps by
     a high-priority one: its running sum starts again; both vectors equal the reference."""
     weights = _write_st_model(tiny_llama_dir, tmp_path / "st", "mean_sqrt_len")
-    llm = _engine(
+    llm = pooling_llm(
         tmp_path / "st",
         max_model_len=64,
         num_kv_blocks=4,  # one 64-token sequence
         max_num_batched_tokens=16,
         scheduler="priority",
     )
-    low, high = _prompts([60, 60], seed=9)
+    low, high = random_prompts([60, 60], seed=9)
     engine = llm.engine
 
     def request(ids: list[int], request_id: str, priority: int) -> EngineCoreRequest:
@@ -284,11 +266,11 @@ def test_two_ranks_run_the_dense_chain_as_one(tiny_llama_dir: Path, tmp_path: Pa
     """Tensor parallelism: every rank loads the Dense modules and pools alike (max pooling
     over chunked prompts); the driver's vectors equal a single rank's."""
     _write_st_model(tiny_llama_dir, tmp_path / "st", "max")
-    prompts = _prompts([100, 3, 50, 1, 25], seed=10)
-    one = _engine(tmp_path / "st")
+    prompts = random_prompts([100, 3, 50, 1, 25], seed=10)
+    one = pooling_llm(tmp_path / "st")
     expected = [o.outputs.embedding for o in one.embed(prompts)]
     one.shutdown()
-    two = _engine(tmp_path / "st", tensor_parallel_size=2)
+    two = pooling_llm(tmp_path / "st", tensor_parallel_size=2)
     try:
         got = [o.outputs.embedding for o in two.embed(prompts)]
     finally:
@@ -344,7 +326,7 @@ def test_dense_modules_chassis_cannot_run_are_refused_at_start(
         _write_st_model(tiny_llama_dir, model_dir, "mean")
         break_it(model_dir)
         with pytest.raises(ValueError, match=message):
-            _engine(model_dir)
+            pooling_llm(model_dir)
     # a wrong weight shape names the file and both shapes
     model_dir = tmp_path / "shape"
     _write_st_model(tiny_llama_dir, model_dir, "mean")
@@ -352,7 +334,7 @@ def test_dense_modules_chassis_cannot_run_are_refused_at_start(
     with pytest.raises(
         ValueError, match=r"linear.weight has shape \[24, 47\], config says \[24, 48\]"
     ):
-        _engine(model_dir)
+        pooling_llm(model_dir)
 
 
 # -- server ------------------------------------------------------------------------------------
@@ -375,7 +357,7 @@ def test_server_embeddings_have_the_dense_output_size(
     dense_server: tuple[Any, dict[str, Any]], decoder: Any
 ) -> None:
     server, weights = dense_server
-    ids = _prompts([45], seed=8)[0]
+    ids = random_prompts([45], seed=8)[0]
     url, headers = f"{server.base}/v1/embeddings", server.headers
     body: dict[str, Any] = {"model": server.model, "input": [ids, ids[:5]]}
     response = httpx.post(url, json=body, headers=headers, timeout=60)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from fixtures_pooling_server import *  # noqa: F403
 from server_process import ServerProcess
+from test_embeddings import pooling_llm
 
 from chassis.core.llm import LLM
 from chassis.core.pooler import finish_vector, pool_reference
@@ -62,22 +63,9 @@ def _cosine(reference: Any, first: Any, second: Any, pooling_type: str = "LAST")
     return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
 
-def _llm(model_dir: Path, **kwargs: Any) -> LLM:
-    settings: dict[str, Any] = {
-        "runner": "pooling",
-        "dtype": "float32",
-        "max_model_len": 128,
-        "num_kv_blocks": 64,
-        "max_num_batched_tokens": 24,  # below the longest text: several steps
-        "enforce_eager": True,
-    }
-    settings.update(kwargs)
-    return LLM(str(model_dir), **settings)
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path) -> LLM:
-    return _llm(tiny_llama_dir)
+    return pooling_llm(tiny_llama_dir)
 
 
 # -- offline: LLM.score ---------------------------------------------------------------------
@@ -172,7 +160,7 @@ def test_truncation_and_pooling_params_reach_the_embeddings(
     tiny_llama_dir: Path, reference: Any
 ) -> None:
     # mean pooling, not normalized: the cosine is the same as of the normalized vectors
-    llm = _llm(tiny_llama_dir, pooler_config={"pooling_type": "MEAN", "normalize": False})
+    llm = pooling_llm(tiny_llama_dir, pooler_config={"pooling_type": "MEAN", "normalize": False})
     first, second = list(range(20, 40)), list(range(60, 90))
     [output] = llm.score(first, second, truncate_prompt_tokens=8)
     pad = llm.get_tokenizer().pad_token_id
@@ -184,7 +172,7 @@ def test_truncation_and_pooling_params_reach_the_embeddings(
 
 
 def test_a_generating_llm_refuses_score(tiny_llama_dir: Path) -> None:
-    llm = _llm(tiny_llama_dir, runner="generate")
+    llm = pooling_llm(tiny_llama_dir, runner="generate")
     with pytest.raises(ValueError, match=r"runner='pooling'.*[Cc]ross-encoder"):
         llm.score("a", "b")
 
