@@ -300,6 +300,27 @@ def test_last_token_pooling_reuses_the_prefix_cache(tiny_llama_dir: Path, hf_mod
     _assert_matches(hf_model, [again], "LAST")
 
 
+def run_low_then_high(llm: LLM, low: list[int], high: list[int]) -> dict[str, Any]:
+    """Drive ``llm``'s engine by hand: pooling request ``"low"`` (priority 5, prompt ``low``)
+    alone for three steps, then ``"high"`` (priority 0) too until both finish; their outputs
+    by request id (with a budget and blocks for one of them, ``"high"`` preempts ``"low"``)."""
+    engine = llm.engine
+
+    def request(ids: list[int], request_id: str, priority: int) -> EngineCoreRequest:
+        return process_pooling(
+            llm.input_processor, llm.embedding_info, ids, PoolingParams(), request_id, priority
+        )
+
+    engine.add_request(request(low, "low", 5))
+    results = {}
+    for _ in range(3):  # 48 of 60 tokens at a budget of 16 (planned, when async)
+        results.update({o.request_id: o for o in engine.step().outputs})
+    engine.add_request(request(high, "high", 0))
+    while engine.has_unfinished():
+        results.update({o.request_id: o for o in engine.step().outputs})
+    return results
+
+
 def _check_preempted_mean_request(
     model_dir: Path, hf_model: Any, seed: int, **engine_kwargs: Any
 ) -> None:
@@ -315,21 +336,8 @@ def _check_preempted_mean_request(
         **engine_kwargs,
     )
     low, high = random_prompts([60, 60], seed=seed)
-    engine = llm.engine
-
-    def request(ids: list[int], request_id: str, priority: int) -> EngineCoreRequest:
-        return process_pooling(
-            llm.input_processor, llm.embedding_info, ids, PoolingParams(), request_id, priority
-        )
-
-    engine.add_request(request(low, "low", 5))
-    results = {}
-    for _ in range(3):  # 48 of its 60 tokens computed (planned, when async): 3 of the 4 blocks
-        results.update({o.request_id: o for o in engine.step().outputs})
-    engine.add_request(request(high, "high", 0))
-    while engine.has_unfinished():
-        results.update({o.request_id: o for o in engine.step().outputs})
-    assert engine.scheduler.num_preemptions == 1
+    results = run_low_then_high(llm, low, high)
+    assert llm.engine.scheduler.num_preemptions == 1
     for request_id, ids in (("low", low), ("high", high)):
         assert results[request_id].finish_reason == FinishReason.STOP
         got = torch.tensor(decode_pooled(results[request_id].pooled))

@@ -24,13 +24,11 @@ import pytest
 import torch
 from fixtures_lora import hf_merged_model, write_peft_adapter
 from server_process import running_server
-from test_embeddings import pooling_llm, random_prompts
+from test_embeddings import pooling_llm, random_prompts, run_low_then_high
 
 from chassis.core.lora import LoRARequest
-from chassis.core.pooling_input import process_pooling
 from chassis.core.pooling_outputs import decode_pooled
 from chassis.core.pooling_params import PoolingParams
-from chassis.core.request import EngineCoreRequest
 
 TOLERANCE = 1e-5
 HIDDEN = 64
@@ -239,21 +237,8 @@ def test_preempted_sqrt_len_request_pools_its_tokens_once(
         scheduler="priority",
     )
     low, high = random_prompts([60, 60], seed=9)
-    engine = llm.engine
-
-    def request(ids: list[int], request_id: str, priority: int) -> EngineCoreRequest:
-        return process_pooling(
-            llm.input_processor, llm.embedding_info, ids, PoolingParams(), request_id, priority
-        )
-
-    engine.add_request(request(low, "low", 5))
-    results = {}
-    for _ in range(3):
-        results.update({o.request_id: o for o in engine.step().outputs})
-    engine.add_request(request(high, "high", 0))
-    while engine.has_unfinished():
-        results.update({o.request_id: o for o in engine.step().outputs})
-    assert engine.scheduler.num_preemptions == 1
+    results = run_low_then_high(llm, low, high)
+    assert llm.engine.scheduler.num_preemptions == 1
     for request_id, ids in (("low", low), ("high", high)):
         got = decode_pooled(results[request_id].pooled)
         _assert_close(list(got), _reference(decoder, ids, "mean_sqrt_len", weights))
