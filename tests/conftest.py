@@ -19,6 +19,19 @@ from fixtures_threads import *  # noqa: F403
 from fixtures_tokenizer import *  # noqa: F403
 
 
+@pytest.fixture(autouse=True)
+def _restore_recursion_limit():
+    """Each test starts at the interpreter's recursion limit as the run found it: an
+    in-process ``torch.compile`` (Inductor) raises the limit to 2000 for good, which would
+    change what a later test sees as "nested too deeply" (the structured-output compilers
+    turn Python's RecursionError into that refusal)."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the shared Triton interpreter child in the background once the run's tests are
     known (tests/triton_compile_check.py, :func:`start_shared_child_early`)."""
