@@ -9,8 +9,9 @@ dropped). A stored background response that streamed keeps its event log (an eve
 output delta, a few hundred bytes each) for ``GET ...?stream=true``; the store keeps at most
 ``max_events`` (:data:`DEFAULT_MAX_STORED_EVENTS`) such events in all, dropping the least
 recently used responses' logs first (the responses themselves stay). A response's output
-logprobs (``include: ["message.output_text.logprobs"]``) cost about 300 bytes per entry (a
-token or one of its ``top_logprobs``), up to 20 times the text's size: the store keeps at most
+logprobs (``include: ["message.output_text.logprobs"]``) cost about 330 bytes per entry (a
+token or one of its ``top_logprobs``; ``python tests/perf/responses_logprob_memory.py``), up
+to 20 times the text's size: the store keeps at most
 ``max_logprobs`` (:data:`DEFAULT_MAX_STORED_LOGPROBS`) such entries in all, dropping the least
 recently used responses beyond it (the newest always stays); a streamed background
 response's event log counts its copies of them. Nothing survives a restart, and
@@ -34,8 +35,9 @@ STORE_SIZE_ENV = "CHASSIS_RESPONSES_STORE_SIZE"
 #: bound, 1024 stored responses of thousands of tokens each would hold gigabytes.
 DEFAULT_MAX_STORED_EVENTS = 1_000_000
 #: Output logprob entries (each token's and each of its alternatives) kept in all by the
-#: store's responses (about 300 MB as JSON dicts); without a bound, 1024 stored responses of
-#: 4,000 tokens with ``top_logprobs: 20`` would hold tens of gigabytes.
+#: store's responses (about 314 MiB as JSON dicts: ``python
+#: tests/perf/responses_logprob_memory.py``); without a bound, 1024 stored responses of 4,000
+#: tokens with ``top_logprobs: 20`` (about 6.9 kB each) would hold tens of gigabytes.
 DEFAULT_MAX_STORED_LOGPROBS = 1_000_000
 #: Copies of each output logprob entry in a streamed background response's event log (its
 #: ``response.output_text.delta``, then ``response.output_text.done``,
