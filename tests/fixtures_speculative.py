@@ -6,8 +6,12 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from chassis import LLM, SamplingParams
+from chassis.core.rejection_sampling import rejection_sample_reference
 from chassis.core.request import EngineCoreRequest, SchedulerStats
+from chassis.core.speculative import accepted_tokens
 
 
 @contextmanager
@@ -69,3 +73,23 @@ def abort_during_a_drafted_step(llm: LLM, params: SamplingParams) -> int:
                 num_b_tokens += len(output.new_token_ids) * (output.request_id == "b")
     assert aborted, "no plan drafted for request 'a'"
     return num_b_tokens
+
+
+def assert_requests_equal_the_reference(
+    tokens: list[int],
+    target: torch.Tensor,
+    draft: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    spans: list[tuple[int, int, list[int]]],
+) -> None:
+    """Each request's rows of a vectorized rejection step's ``tokens``, through the
+    exact-match rule, give what the one-draft-at-a-time reference accepts on the same rows
+    of ``target``/``draft`` probabilities, ``uniforms`` and ``noise``. ``spans`` holds each
+    request's (first row, number of drafts, drafts)."""
+    for start, d, drafts in spans:
+        rows = slice(start, start + d + 1)
+        want = rejection_sample_reference(
+            target[rows], draft[start : start + d], drafts, uniforms[rows], noise[rows]
+        )
+        assert accepted_tokens(tokens[rows], drafts) == want

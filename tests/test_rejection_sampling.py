@@ -5,15 +5,12 @@ seeded trials each emitted token has the target's sampling distribution."""
 from __future__ import annotations
 
 import torch
+from fixtures_speculative import assert_requests_equal_the_reference
 
 from chassis import SamplingParams
 from chassis.builtin_plugins.samplers.default import DefaultSampler
 from chassis.core.config import EngineConfig
-from chassis.core.rejection_sampling import (
-    exponential_noise,
-    rejection_sample,
-    rejection_sample_reference,
-)
+from chassis.core.rejection_sampling import exponential_noise, rejection_sample
 from chassis.core.sampling_metadata import SamplingRow, build_sampling_metadata
 from chassis.core.speculative import accepted_tokens
 
@@ -67,12 +64,7 @@ def test_the_vectorized_step_equals_the_reference() -> None:
         tokens = rejection_sample(
             target, draft, torch.tensor(ids), torch.tensor(bonus), uniforms, noise
         ).tolist()
-        for start, d, drafts in spans:
-            rows = slice(start, start + d + 1)
-            want = rejection_sample_reference(
-                target[rows], draft[start : start + d], drafts, uniforms[rows], noise[rows]
-            )
-            assert accepted_tokens(tokens[rows], drafts) == want
+        assert_requests_equal_the_reference(tokens, target, draft, uniforms, noise, spans)
 
 
 def test_each_emitted_token_has_the_targets_distribution() -> None:

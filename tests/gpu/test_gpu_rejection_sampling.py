@@ -5,15 +5,17 @@ the device."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from chassis.core.rejection_sampling import (
-    exponential_noise,
-    rejection_sample,
-    rejection_sample_reference,
-)
-from chassis.core.speculative import accepted_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
+
+from fixtures_speculative import assert_requests_equal_the_reference
+
+from chassis.core.rejection_sampling import exponential_noise, rejection_sample
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,12 +57,7 @@ def test_the_vectorized_step_equals_the_reference_on_the_gpu() -> None:
         uniforms = torch.rand(ids.shape[0], generator=generator, device="cuda")
         noise = exponential_noise((ids.shape[0], VOCAB), "cuda")
         tokens = rejection_sample(target, draft, ids, bonus, uniforms, noise).tolist()
-        for start, d, drafts in spans:
-            rows = slice(start, start + d + 1)
-            want = rejection_sample_reference(
-                target[rows], draft[start : start + d], drafts, uniforms[rows], noise[rows]
-            )
-            assert accepted_tokens(tokens[rows], drafts) == want
+        assert_requests_equal_the_reference(tokens, target, draft, uniforms, noise, spans)
 
 
 def test_the_vectorized_step_does_not_wait_for_the_device() -> None:
