@@ -118,7 +118,6 @@ class EngineCore:
             self.executor.shutdown()
             raise
         group_windows = self.executor.kv_cache_group_windows()
-        kv_window = group_windows[0] if len(group_windows) == 1 else None
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -153,7 +152,7 @@ class EngineCore:
             sampler=config.sampler,
             num_kv_blocks=self.kv_cache_manager.num_usable_blocks,
             block_size=config.block_size,
-            kv_cache_window=kv_window,
+            kv_cache_window=self.kv_cache_manager.sliding_window,
             kv_cache_group_windows=group_windows,
             max_model_len=config.max_model_len,
             lora_target_shapes=self.executor.lora_target_shapes(),
@@ -166,7 +165,7 @@ class EngineCore:
             config.scheduler,
             self.info.num_kv_blocks,
             self.info.kv_capacity_tokens,
-            _window_note(kv_window, group_windows),
+            _window_note(self.info.kv_cache_window, group_windows),
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -24,6 +24,12 @@ class KVCacheGroupSpec:
     layer_ids: tuple[int, ...]
 
 
+def single_group_window(group_windows: Sequence[int | None]) -> int | None:
+    """The window every attention layer reads within when there is one KV cache group
+    (``group_windows[0]``); ``None`` with several groups (no one window bounds them all)."""
+    return group_windows[0] if len(group_windows) == 1 else None
+
+
 def plan_kv_cache_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroupSpec]:
     """The groups of the layers whose windows are ``layer_windows`` (by layer number):
     full-attention groups first, then window groups by window; every group has ``L`` layers

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from chassis.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool
+from chassis.core.kv_cache_groups import single_group_window
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
@@ -174,7 +175,7 @@ class KVCacheManager:
         #: how many KV cache groups (block tables per request)
         self.num_groups = len(windows)
         #: the window every attention layer reads within, with one group; None otherwise
-        self.sliding_window = windows[0] if len(windows) == 1 else None
+        self.sliding_window = single_group_window(windows)
         self._has_window = any(w is not None for w in windows)
         self.block_pool = BlockPool(num_blocks, reserve_null_block=self._has_window)
         #: blocks of the KV cache tensors (the null block included when reserved)

@@ -42,6 +42,7 @@ import zmq
 from chassis.core import parallel_state
 from chassis.core.config import EngineConfig
 from chassis.core.executor import Executor
+from chassis.core.kv_cache_groups import single_group_window
 from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 from chassis.core.tp_join import wait_for_every_rank
@@ -168,8 +169,7 @@ class RankGroupExecutor(Executor):
     # -- the Executor interface ---------------------------------------------------------------
 
     def kv_cache_window(self) -> int | None:
-        windows = self._kv_group_windows
-        return windows[0] if len(windows) == 1 else None
+        return single_group_window(self._kv_group_windows)
 
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         return self._kv_group_windows

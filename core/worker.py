@@ -10,6 +10,7 @@ import torch
 from chassis.core.attention import resolve_kv_cache_dtype
 from chassis.core.config import EngineConfig
 from chassis.core.in_flight import PendingRunnerOutput
+from chassis.core.kv_cache_groups import single_group_window
 from chassis.core.kv_cache_manager import max_group_blocks_per_request, max_tokens_per_step
 from chassis.core.lora.model import LoRAModel
 from chassis.core.model_runner import ModelRunner
@@ -121,7 +122,7 @@ class Worker:
         # manager releases what a sliding window left, the most it holds at once (plus the
         # reserved null block); with KV cache groups, every group's blocks together.
         windows = self.kv_cache_group_windows()
-        window = windows[0] if len(windows) == 1 else None
+        window = single_group_window(windows)
         step_tokens = max_tokens_per_step(config)
         needed = max_group_blocks_per_request(
             config.max_model_len, config.block_size, windows, step_tokens
