@@ -192,10 +192,8 @@ class ModelRunner:
         if not self.config.sliding_window_kv_release:
             return None
         num_layers = self.model.num_attention_layers
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if len(layers) != num_layers or sorted(m.layer_idx for m in layers) != list(
-            range(num_layers)
-        ):
+        layers = _attention_layers(self.model)
+        if layers is None or sorted(m.layer_idx for m in layers) != list(range(num_layers)):
             return None
         windows: list[int | None] = [None] * num_layers
         for layer in layers:
@@ -212,8 +210,8 @@ class ModelRunner:
         models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
         windows: list[int | None] = []
         for model in models:
-            layers = [m for m in model.modules() if isinstance(m, Attention)]
-            if len(layers) != model.num_attention_layers:
+            layers = _attention_layers(model)
+            if layers is None:
                 return None  # attention this function cannot see: keep every position
             windows.extend(layer.sliding_window for layer in layers)
         if not windows or any(w is None for w in windows):
@@ -599,6 +597,13 @@ class ModelRunner:
         del ctx  # the dummy caches
         if self.drafter is not None:
             self.drafter.profile_run(num_tokens)
+
+
+def _attention_layers(model: CausalLM) -> list[Attention] | None:
+    """``model``'s :class:`Attention` layers, in module order; ``None`` when they are not all
+    of its ``num_attention_layers`` (some attention is a layer this cannot see)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    return layers if len(layers) == model.num_attention_layers else None
 
 
 def host_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -> torch.Tensor:
