@@ -47,9 +47,10 @@ import torch
 from chassis.core.attention import ForwardContext, kv_cache_shape
 from chassis.core.model_loader import kv_head_count
 from chassis.core.model_runner import dummy_prefill, host_to_device, step_attention_metadata
-from chassis.core.rejection_sampling import race, rejection_sample
+from chassis.core.rejection_sampling import rejection_sample
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.speculative import can_speculate
+from chassis.core.token_draw import exponential_race
 
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
@@ -495,7 +496,7 @@ class _DraftChooser:
             q = proposer.sampler.probabilities(
                 logits.index_select(0, picked).float(), self._metadata_for(alive[random])
             )
-            tokens = tokens.index_copy(0, picked, race(q))
+            tokens = tokens.index_copy(0, picked, exponential_race(q))
             slots = self.slot[alive[random]] * self.num_steps + step
             self.flat.index_copy_(0, proposer._to_device(slots), q)
         return tokens.tolist()

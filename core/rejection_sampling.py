@@ -21,29 +21,16 @@ Two implementations of one step, to be compared in tests:
   ``p < q``, which is the only place a draft can be rejected), a bonus row a draw from ``p``.
 
 Random numbers: each row consumes one uniform (the acceptance test) and one
-``[vocab]`` vector of exponential noise (the draw, an exponential race as in the default
-sampler). Both functions accept them explicitly, so a test can feed the same numbers to
-both; by default they come from the device's global generator.
+``[vocab]`` vector of exponential noise (the draw, the default sampler's exponential race,
+:mod:`chassis.core.token_draw`). Both functions accept them explicitly, so a test can feed
+the same numbers to both; by default they come from the device's global generator.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def exponential_noise(shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
-    """I.i.d. Exponential(1) values (``-log U``; ``U == 0`` gives ``inf``, a token that
-    cannot win a race)."""
-    return torch.empty(shape, dtype=torch.float32, device=device).uniform_().log_().neg_()
-
-
-def race(probs: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """One id per row of ``probs`` (``[rows, vocab]``, non-negative, rows need not sum to 1)
-    drawn with probability proportional to its entry: ``argmax(probs / E)``,
-    ``E ~ Exponential(1)``. Tokens of probability 0 never win."""
-    if noise is None:
-        noise = exponential_noise(tuple(probs.shape), probs.device)
-    return (probs / noise).argmax(dim=-1)
+from chassis.core.token_draw import exponential_noise, exponential_race
 
 
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -84,7 +71,7 @@ def rejection_sample(
     # u < p / q without the division (q(x) > 0 for a draft drawn from q)
     accept = (uniforms * q_x < p_x) & ~is_bonus
     q = draft_probs.masked_fill(is_bonus.unsqueeze(1), 0.0)  # bonus rows draw from p
-    drawn = race(residual(target_probs, q), noise)
+    drawn = exponential_race(residual(target_probs, q), noise=noise)
     return torch.where(accept, draft_token_ids, drawn)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from chassis.builtin_plugins.samplers.draw import exponential_race
 from chassis.builtin_plugins.samplers.filters import (
     apply_min_p,
     apply_temperature,
@@ -24,6 +23,7 @@ from chassis.builtin_plugins.samplers.penalties import (
 from chassis.core.config import EngineConfig
 from chassis.core.sampler_interface import Sampler, SamplerOutput
 from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingMetadata
+from chassis.core.token_draw import exponential_race
 from chassis.platforms import get_current_platform
 
 
@@ -151,7 +151,9 @@ class DefaultSampler(Sampler):
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy
-        random = exponential_race(self.random_probabilities(logits, metadata), metadata.generators)
+        random = exponential_race(
+            self.random_probabilities(logits, metadata), metadata.generators, consume=True
+        )
         if greedy is None:
             return random
         return torch.where(metadata.temperature < SAMPLING_EPS, greedy, random)
