@@ -118,6 +118,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
             continue_final_message=bool(body.continue_final_message),
             tools=body.tools,
             chat_template_kwargs=body.chat_template_kwargs,
+            chat_template=body.chat_template,
             add_special_tokens=bool(body.add_special_tokens),
         )
     token_strs = None
@@ -216,7 +217,11 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     state = ServerState(
         engine=engine,
         settings=settings,
-        renderer=ChatRenderer(engine.tokenizer, getattr(engine.config, "chat_template", None)),
+        renderer=ChatRenderer(
+            engine.tokenizer,
+            getattr(engine.config, "chat_template", None),
+            trust_request_chat_template=settings.trust_request_chat_template,
+        ),
         metrics=ServerMetrics(engine.model_name, engine.stats),
         parsers=ChatParsers.from_settings(settings),
         sampling_defaults=generation_defaults(

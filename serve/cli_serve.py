@@ -218,6 +218,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "and chat (default: on, unlike vLLM; --no-enable-prompt-tokens-details sends null)",
     )
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat template (chat_template, or chat_template in "
+        "chat_template_kwargs) instead of the server's; without it such a request is a 400 "
+        "(a template is code the server runs: trust your clients first)",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         action=_LoRAModulesAction,
@@ -294,6 +301,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

@@ -124,6 +124,7 @@ async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str,
         continue_final_message=bool(body.continue_final_message),
         tools=body.tools,
         chat_template_kwargs=body.chat_template_kwargs,
+        chat_template=body.chat_template,
         add_special_tokens=bool(body.add_special_tokens),
     )
 

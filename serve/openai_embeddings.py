@@ -19,8 +19,9 @@ rendered with the chat template as ``/v1/chat/completions`` renders it
 (:class:`~chassis.serve.renderer.ChatRenderer`; ``add_generation_prompt`` defaults to false
 here, ``continue_final_message``, ``chat_template_kwargs``), tokenized without special tokens
 unless ``add_special_tokens`` is true, and embedded as one input. A template sent with the
-request (``chat_template``) is refused, as vLLM refuses it without
-``--trust-request-chat-template`` (which chassis does not have).
+request (``chat_template``, or ``chat_template`` in ``chat_template_kwargs``) replaces the
+server's only when it runs with ``--trust-request-chat-template``; otherwise it is a 400, as
+in vLLM.
 
 Every input is one engine request, counted in the server's per-request metrics
 (:meth:`chassis.serve.metrics.ServerMetrics.observe_pooled`).
@@ -102,7 +103,8 @@ class EmbeddingRequest(BaseModel):
     endianness: Endianness = "native"
     #: vLLM's chat-style input: one conversation, rendered with the chat template
     messages: list[ChatMessage] | None = None
-    #: refused (vLLM refuses it without --trust-request-chat-template)
+    #: the request's own chat template (its text): a 400 unless the server runs with
+    #: --trust-request-chat-template, as in vLLM
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = False
@@ -123,9 +125,10 @@ class EmbeddingRequest(BaseModel):
         return self
 
     def check_input(self) -> None:
-        """A 400 unless exactly one of ``input`` and ``messages`` is given, and for the chat
-        fields vLLM refuses (a request's own template; ``add_generation_prompt`` with
-        ``continue_final_message``)."""
+        """A 400 unless exactly one of ``input`` and ``messages`` is given, and for
+        ``add_generation_prompt`` with ``continue_final_message``. (A request's own
+        ``chat_template`` is checked by the renderer: a 400 unless the server runs with
+        ``--trust-request-chat-template``.)"""
         if (self.input is None) == (self.messages is None):
             raise errors.bad_request(
                 "give exactly one of 'input' (texts or token ids) or 'messages' (a chat "
@@ -136,13 +139,6 @@ class EmbeddingRequest(BaseModel):
             return
         if not self.messages:
             raise errors.bad_request("messages must not be empty", "messages")
-        if self.chat_template is not None or "chat_template" in (self.chat_template_kwargs or {}):
-            raise errors.bad_request(
-                "a chat template sent with the request is refused (vLLM refuses it unless "
-                "--trust-request-chat-template is set, which chassis does not have); serve "
-                "the model with --chat-template instead",
-                "chat_template",
-            )
         if self.add_generation_prompt and self.continue_final_message:
             raise errors.bad_request(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -249,6 +245,7 @@ async def tokenized_inputs(state: ServerState, body: EmbeddingRequest) -> list[s
             add_generation_prompt=bool(body.add_generation_prompt),
             continue_final_message=bool(body.continue_final_message),
             chat_template_kwargs=body.chat_template_kwargs,
+            chat_template=body.chat_template,
             add_special_tokens=bool(body.add_special_tokens),
         )
         if not ids:

@@ -431,6 +431,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False
+    #: the request's own chat template (its text): a 400 unless the server runs with
+    #: ``--trust-request-chat-template`` (:func:`chassis.serve.renderer.request_chat_template`)
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     #: with ``--reasoning-parser``: false drops the reasoning from the response
     include_reasoning: bool | None = True
@@ -709,6 +712,8 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     tools: list[dict[str, Any]] | None = None
+    #: as on ``/v1/chat/completions`` (a 400 without ``--trust-request-chat-template``)
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 

@@ -5,6 +5,12 @@ the message dicts it normalizes and renders, its ``ValueError``s to 400s, and th
 text tokenized *without* special tokens by default because the template already writes BOS.
 Both steps are CPU work, so callers run :meth:`ChatRenderer.render_prompt` (text and ids) or
 :meth:`ChatRenderer.render_ids` in a thread (``asyncio.to_thread``), never on the event loop.
+
+A template sent with a request (its ``chat_template`` field, or ``chat_template`` inside its
+``chat_template_kwargs``) is refused with a 400 unless the server trusts request templates
+(vLLM's ``--trust-request-chat-template``): every route that renders messages passes its
+request's fields here, so the policy holds for all of them (chat, Responses, embeddings,
+``/classify``, ``/pooling``, ``/tokenize``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 from chassis.core.chat import ChatMessageError, render_chat
 from chassis.core.tokenizer import load_chat_template
 from chassis.serve.errors import bad_request
+
+#: the flag that lets requests bring their own chat template (named in the refusal)
+TRUST_FLAG = "--trust-request-chat-template"
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,16 +41,60 @@ def _as_dict(message: ChatMessage) -> dict[str, Any]:
     return item
 
 
+def request_chat_template(
+    chat_template: str | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    *,
+    trusted: bool,
+) -> str | None:
+    """The template a request sends (its ``chat_template`` field, else ``chat_template`` in its
+    ``chat_template_kwargs``), or ``None`` when it sends none.
+
+    A 400 naming the field when the server does not trust request templates (``trusted``
+    false), or when the one in ``chat_template_kwargs`` is not a string. The value is the
+    template text itself, never a path: a request must not make the server read its files.
+    """
+    in_kwargs = (chat_template_kwargs or {}).get("chat_template")
+    if chat_template is None and in_kwargs is None:
+        return None
+    field = "chat_template" if chat_template is not None else "chat_template_kwargs.chat_template"
+    if not trusted:
+        raise bad_request(
+            f"a chat template sent with the request ({field}) is refused: this server does not "
+            f"trust request templates (start it with {TRUST_FLAG} to allow them, or set the "
+            "server's template with --chat-template)",
+            field,
+        )
+    if chat_template is not None:
+        return chat_template
+    if not isinstance(in_kwargs, str):
+        raise bad_request(
+            f"chat_template_kwargs.chat_template must be the template's text; got "
+            f"{type(in_kwargs).__name__}",
+            field,
+        )
+    return in_kwargs
+
+
 class ChatRenderer:
     """Renders chat requests for one tokenizer.
 
     ``chat_template`` is a ``--chat-template`` value (a file path or an inline Jinja string;
     ``None``: the tokenizer's own template), resolved once here so a bad path fails at start-up.
+    ``trust_request_chat_template`` (``--trust-request-chat-template``) lets a request's own
+    template replace it (:func:`request_chat_template`); otherwise such a request is a 400.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        chat_template: str | None = None,
+        *,
+        trust_request_chat_template: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.chat_template = load_chat_template(chat_template)
+        self.trust_request_chat_template = trust_request_chat_template
 
     def render(
         self,
@@ -51,13 +104,20 @@ class ChatRenderer:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The prompt text. Template errors (e.g. roles that must alternate) raise a 400."""
+        """The prompt text. ``chat_template`` (and ``chat_template`` in
+        ``chat_template_kwargs``) is the request's own template: a 400 unless trusted (see
+        :func:`request_chat_template`). Template errors (e.g. roles that must alternate) raise
+        a 400."""
+        own = request_chat_template(
+            chat_template, chat_template_kwargs, trusted=self.trust_request_chat_template
+        )
         try:
             return render_chat(
                 self.tokenizer,
                 [_as_dict(m) for m in messages],
-                chat_template=self.chat_template,
+                chat_template=own if own is not None else self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
@@ -85,14 +145,17 @@ class ChatRenderer:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
         add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
-        """The prompt text and its token ids (meant for a worker thread)."""
+        """The prompt text and its token ids (meant for a worker thread); the keyword
+        arguments but ``add_special_tokens`` are :meth:`render`'s."""
         text = self.render(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            chat_template=chat_template,
         )
         return text, self.tokenize(text, add_special_tokens=add_special_tokens)

@@ -85,6 +85,10 @@ class ServerSettings:
     #: completions and chat (``--[no-]enable-prompt-tokens-details``; on by default, unlike
     #: vLLM: OpenAI always sends it)
     enable_prompt_tokens_details: bool = True
+    #: a request may bring its own chat template (``chat_template``, or ``chat_template`` in
+    #: ``chat_template_kwargs``), which then replaces the server's (vLLM's
+    #: ``--trust-request-chat-template``); off: such a request is a 400
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -210,7 +210,7 @@ def test_errors(server: ServerProcess) -> None:
     assert template["param"] == "chat_template"
     assert "--trust-request-chat-template" in template["message"]
     hidden = _error(server, {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": "x"}})
-    assert hidden["param"] == "chat_template"
+    assert hidden["param"] == "chat_template_kwargs.chat_template"
     both_prompts = _error(
         server,
         {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
