@@ -106,7 +106,8 @@ def eager_reason(
 
 class _StaticInputs:
     """The buffers every graph reads; rows ``0 .. size-1`` are graph ``size``'s inputs.
-    ``slot_mappings`` and ``block_tables`` hold one buffer per KV cache group."""
+    ``slot_mappings`` and ``block_tables`` hold one buffer per KV cache group: views of one
+    ``[group, ...]`` tensor each, so a replay fills every group's with one copy."""
 
     def __init__(
         self, max_size: int, max_blocks_per_req: int, device: torch.device, num_groups: int = 1
@@ -116,13 +117,13 @@ class _StaticInputs:
         self.input_ids = torch.zeros(max_size, **i64)
         self.positions = torch.zeros(max_size, **i64)
         # The capture-time contents are the padding's: no KV write, one context token.
-        self.slot_mappings = [torch.full((max_size,), -1, **i64) for _ in range(num_groups)]
+        self.group_slot_mapping = torch.full((num_groups, max_size), -1, **i64)
+        self.slot_mappings = list(self.group_slot_mapping)
         self.seq_lens = torch.ones(max_size, **i32)
         # One query token per request: constant, written once.
         self.query_start_loc = torch.arange(max_size + 1, **i32)
-        self.block_tables = [
-            torch.zeros(max_size, max_blocks_per_req, **i32) for _ in range(num_groups)
-        ]
+        self.group_block_table = torch.zeros(num_groups, max_size, max_blocks_per_req, **i32)
+        self.block_tables = list(self.group_block_table)
 
 
 class DecodeGraphs:
@@ -164,7 +165,7 @@ class DecodeGraphs:
         self._inputs = _StaticInputs(max_size, max_blocks_per_req, device, num_groups)
         # Host staging for the padded slots, and the host copies of seq_lens and
         # query_start_loc that the metadata carries (kept equal to the device buffers).
-        self._slots_host = np.full(max_size, -1, dtype=np.int64)
+        self._slots_host = np.full((num_groups, max_size), -1, dtype=np.int64)
         self._seq_lens_host = np.ones(max_size, dtype=np.int32)
         self._seq_lens_cpu = torch.from_numpy(self._seq_lens_host)
         self._query_start_loc_cpu = torch.arange(max_size + 1, dtype=torch.int32)
@@ -273,10 +274,11 @@ class DecodeGraphs:
         :param input_ids: ``[n]`` the step's tokens, one per request: host values, or a device
             tensor (tokens an unresolved step sampled, under async scheduling)
         :param positions: ``[n]`` their positions
-        :param slot_mapping: ``[n]`` their KV cache slots (a list: one per KV cache group)
+        :param slot_mapping: ``[n]`` their KV cache slots (``[G, n]`` or a list of ``G``:
+            one per KV cache group)
         :param seq_lens: ``[n]`` context lengths including the new token (<= max_model_len)
-        :param block_table: ``[n, w]`` int32 block ids, ``w`` <= max blocks per request (a
-            list: one per KV cache group)
+        :param block_table: ``[n, w]`` int32 block ids, ``w`` <= max blocks per request
+            (``[G, n, w]`` or a list of ``G``: one per KV cache group)
         :return: a view of the graph's static output, valid until the next replay
         :raises ValueError: ``n`` is 0 or larger than :attr:`max_size`
         """
@@ -288,29 +290,31 @@ class DecodeGraphs:
         ids = input_ids if isinstance(input_ids, torch.Tensor) else self._host(input_ids)
         inputs.input_ids[:n].copy_(ids, non_blocking=True)
         inputs.positions[:n].copy_(self._host(positions), non_blocking=True)
-        slot_mappings = [slot_mapping] if isinstance(slot_mapping, np.ndarray) else slot_mapping
-        tables = [block_table] if isinstance(block_table, np.ndarray) else block_table
-        if len(slot_mappings) != len(inputs.slot_mappings) or len(tables) != len(slot_mappings):
+        slot_mappings = np.asarray(slot_mapping)  # [G, n] (a list of G arrays is stacked)
+        if slot_mappings.ndim == 1:
+            slot_mappings = slot_mappings[None]
+        tables = np.asarray(block_table, dtype=np.int32)  # [G, n, w]
+        if tables.ndim == 2:
+            tables = tables[None]
+        num_groups = len(inputs.slot_mappings)
+        if len(slot_mappings) != num_groups or len(tables) != num_groups:
             raise ValueError(
                 f"slot mappings and block tables for {len(slot_mappings)} and {len(tables)} "
-                f"KV cache groups; the graphs were captured for {len(inputs.slot_mappings)}"
+                f"KV cache groups; the graphs were captured for {num_groups}"
             )
         # Padding rows: slot -1 (write nothing), a one-token context (read almost nothing).
-        # (one staging array serves every group: a copy from pageable memory has read it
-        # when copy_ returns, and _host pins a copy of it)
-        slots = self._slots_host[:size]
-        slots[n:] = -1
-        for slots_in, buffer in zip(slot_mappings, inputs.slot_mappings, strict=True):
-            slots[:n] = slots_in
-            buffer[:size].copy_(self._host(slots), non_blocking=True)
+        # Every group's slots in one copy, and every group's tables in another.
+        slots = self._slots_host[:, :size]
+        slots[:, :n] = slot_mappings
+        slots[:, n:] = -1
+        inputs.group_slot_mapping[:, :size].copy_(self._host(slots), non_blocking=True)
         lens = self._seq_lens_host[:size]  # also the metadata's seq_lens_cpu
         lens[:n] = seq_lens
         lens[n:] = 1
         inputs.seq_lens[:size].copy_(self._host(lens), non_blocking=True)
         # Padding rows keep stale block ids: valid ids, of which only entry 0 is read.
-        for table, buffer in zip(tables, inputs.block_tables, strict=True):
-            width = table.shape[1]
-            buffer[:n, :width].copy_(self._host(table), non_blocking=True)
+        width = tables.shape[2]
+        inputs.group_block_table[:, :n, :width].copy_(self._host(tables), non_blocking=True)
         self._graphs[size].replay()
         self.replays[size] += 1
         return self._outputs[size][:n]

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +38,7 @@ from chassis.core.kv_cache_groups import KVCacheGroupSpec, layer_placement, plan
 from chassis.core.layers.attention import Attention
 from chassis.core.logits_processor import BatchUpdateBuilder, LogitsProcessors, LogitsRows
 from chassis.core.model_loader import kv_head_count
+from chassis.core.packed_step_metadata import packed_forward_context
 from chassis.core.pooler import Pooler
 from chassis.core.pooling_config import resolve_pooler_config
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
@@ -352,6 +353,13 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return host_to_device(array, self.device, self.pin_memory)
 
+    def _copy_metadata(self, packed: torch.Tensor) -> torch.Tensor:
+        """The step's packed attention metadata on the device (one non-blocking copy from
+        the host tensor :func:`packed_forward_context` built; itself on the CPU)."""
+        if packed.device == self.device:
+            return packed
+        return packed.to(self.device, non_blocking=True)
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids."""
         return self.execute_model_async(out).result()
@@ -426,15 +434,18 @@ class ModelRunner:
             # Pure decode (one token per request) within the captured sizes: replay.
             hidden = graphs.run(input_ids, positions, slot_mappings, seq_lens_i32, block_tables)
         else:
-            ctx = step_forward_context(
+            # Every group's table and slots (and the shared query_start_loc and seq_lens)
+            # reach the device in one copy; step_forward_context is the reference.
+            ctx = packed_forward_context(
                 query_start_loc,
                 seq_lens_i32,
-                block_tables,
                 slot_mappings,
+                block_tables,
                 int(num_scheduled.max()),
-                self._to_device,
+                self._copy_metadata,
                 self.kv_caches,
                 self.layer_group,
+                self.pin_memory,
             )
             if isinstance(input_ids, np.ndarray):
                 input_ids = self._to_device(input_ids)
@@ -624,23 +635,23 @@ def group_slots_and_tables(
     positions: np.ndarray,
     max_seq_len: int,
     block_size: int,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per KV cache group of ``batch``: the tokens' cache slots (int64, ``[T]``: token ``t``
-    of row ``token_rows[t]`` at ``positions[t]``) and the ``rows``' block tables, as wide as
-    ``max_seq_len`` needs (int32, contiguous)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every KV cache group's tokens' cache slots (int64, ``[G, T]``: token ``t`` of row
+    ``token_rows[t]`` at ``positions[t]``) and the ``rows``' block tables, as wide as
+    ``max_seq_len`` needs (int32, ``[G, R, B]``, contiguous); row ``g`` is group ``g``'s."""
     max_blocks = math.ceil(max_seq_len / block_size)
     tables = batch.group_block_table  # [group, row, entry]: every group in one indexing
     block_ids = tables[:, token_rows, positions // block_size].astype(np.int64)
     slot_mappings = block_ids * block_size + positions % block_size
     block_tables = np.ascontiguousarray(tables[:, rows, :max_blocks])
-    return list(slot_mappings), list(block_tables)
+    return slot_mappings, block_tables
 
 
 def step_forward_context(
     query_start_loc: np.ndarray,
     seq_lens: np.ndarray,
-    block_tables: list[np.ndarray],
-    slot_mappings: list[np.ndarray],
+    block_tables: Sequence[np.ndarray],
+    slot_mappings: Sequence[np.ndarray],
     max_query_len: int,
     to_device: Callable[[np.ndarray], torch.Tensor],
     kv_caches: list[torch.Tensor],
@@ -649,7 +660,11 @@ def step_forward_context(
     """The forward context of a step with one block table and slot mapping per KV cache
     group (:func:`step_attention_metadata` for each; the groups share the device copies of
     ``query_start_loc`` and ``seq_lens``). ``layer_group`` maps attention layers to groups
-    (None: one group)."""
+    (None: one group).
+
+    The reference path: it copies each array separately (``2 + 2G`` calls of
+    ``to_device``); the runner uses :func:`packed_forward_context` (one copy), which tests
+    compare with this."""
     first = step_attention_metadata(
         query_start_loc, seq_lens, block_tables[0], slot_mappings[0], max_query_len, to_device
     )

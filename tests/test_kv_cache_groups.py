@@ -3,7 +3,8 @@
 
 The runner side: ``InputBatch`` keeps a block table per group and nulls only the entries a
 window released since the last step; ``step_forward_context`` gives each layer its group's
-metadata through ``ForwardContext.metadata_for``.
+metadata through ``ForwardContext.metadata_for``; ``packed_forward_context`` (what the runner
+calls) makes the same metadata with one host-to-device copy for every group.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from chassis.core.block_pool import NULL_BLOCK_ID
 from chassis.core.cuda_graphs import DecodeGraphs
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.model_runner import group_slots_and_tables, step_forward_context
+from chassis.core.packed_step_metadata import pack_step_metadata, packed_forward_context
 from chassis.core.sampling_params import SamplingParams
 
 
@@ -137,3 +139,82 @@ def test_decode_graphs_replay_each_groups_slots_and_tables() -> None:
         graphs.run(
             np.zeros(n, np.int64), np.zeros(n, np.int64), slots[0], np.ones(n, np.int32), tables[0]
         )
+
+
+class _CountingCopy:
+    """A stand-in for the host-to-device copy: clones (so the results are not views of the
+    host arrays) and records what it was handed."""
+
+    def __init__(self) -> None:
+        self.handed: list[torch.Tensor] = []
+
+    def __call__(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+        self.handed.append(tensor)
+        return tensor.clone()
+
+
+def _random_batch(num_groups: int, seed: int) -> tuple[InputBatch, np.ndarray, np.ndarray]:
+    """A batch of 3..6 requests with random block tables per group, the rows of a step (a
+    random subset, in row order) and their context lengths."""
+    rng = np.random.default_rng(seed)
+    num_reqs = int(rng.integers(3, 7))
+    batch = InputBatch(num_reqs, 64, 16, num_kv_groups=num_groups)
+    for i in range(num_reqs):
+        num_blocks = int(rng.integers(1, 9))
+        tables = [rng.integers(1, 500, num_blocks).tolist() for _ in range(num_groups)]
+        batch.add(_state(f"r{i}"), tables, 0)
+    rows = np.sort(rng.choice(num_reqs, int(rng.integers(1, num_reqs + 1)), replace=False))
+    seq_lens = np.minimum(batch.group_num_blocks[0, rows], 4) * 4
+    return batch, rows, seq_lens
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 3, 6])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_packed_copy_equals_a_copy_per_array(num_groups: int, seed: int) -> None:
+    """The runner's path (one copy of one packed tensor) against the reference (a copy per
+    array): the same metadata for every group, and the device tables equal the host ones."""
+    batch, rows, seq_lens = _random_batch(num_groups, seed)
+    num_scheduled = np.maximum(seq_lens // 3, 1)
+    starts = seq_lens - num_scheduled
+    query_start_loc = np.concatenate(([0], np.cumsum(num_scheduled))).astype(np.int32)
+    req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
+    positions = starts[req_of_token] + (
+        np.arange(int(num_scheduled.sum())) - query_start_loc[:-1][req_of_token]
+    )
+    slots, tables = group_slots_and_tables(
+        batch, rows, rows[req_of_token], positions, int(seq_lens.max()), 4
+    )
+    seq_lens_i32 = seq_lens.astype(np.int32)
+    layer_group = None if num_groups == 1 else list(range(num_groups))
+    caches = [torch.zeros(1)] * num_groups
+    per_array, packed = _CountingCopy(), _CountingCopy()
+    args = (query_start_loc, seq_lens_i32)
+    reference = step_forward_context(
+        *args, tables, slots, 3, per_array, caches, layer_group=layer_group
+    )
+    fast = packed_forward_context(*args, slots, tables, 3, packed, caches, layer_group)
+    assert len(per_array.handed) == 2 + 2 * num_groups
+    assert len(packed.handed) == 1 and packed.handed[0].dim() == 1  # one flat tensor
+    for layer in range(num_groups):
+        want, got = reference.metadata_for(layer), fast.metadata_for(layer)
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            assert getattr(got, name).dtype == getattr(want, name).dtype, name
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        for name in ("num_actual_tokens", "num_reqs", "max_query_len", "max_seq_len"):
+            assert getattr(got, name) == getattr(want, name), name
+        assert torch.equal(got.query_start_loc_cpu, want.query_start_loc_cpu)
+        # the stacked device table of the layer's group is the batch's host table
+        width = got.block_table.shape[1]
+        np.testing.assert_array_equal(
+            got.block_table.numpy(), batch.block_tables[layer][rows, :width]
+        )
+    assert (fast.group_metadata is None) == (num_groups == 1)
+
+
+def test_packing_refuses_shapes_that_disagree() -> None:
+    qsl, lens = np.array([0, 1, 2], np.int32), np.array([1, 1], np.int32)
+    with pytest.raises(ValueError, match="groups, tokens"):
+        pack_step_metadata(qsl, lens, np.zeros(2, np.int64), np.zeros((1, 2, 1), np.int32))
+    with pytest.raises(ValueError, match="2 requests and 2 groups"):
+        pack_step_metadata(qsl, lens, np.zeros((2, 2), np.int64), np.zeros((1, 2, 1), np.int32))

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
+import torch
 from test_gemma_models import hf_greedy as gemma_hf_greedy
 from test_gemma_models import write_checkpoint as write_gemma
 from test_llm_parity import MAX_TOKENS, PROMPTS
@@ -268,6 +270,42 @@ def test_outputs_equal_transformers_and_the_reference_with_fewer_layer_blocks(
     kept, most_kept = run(off, PROMPTS)
     assert released == kept == expected
     assert layer_blocks(on, most_released) < layer_blocks(off, most_kept)
+
+
+def test_every_groups_metadata_reaches_the_device_in_one_copy_per_step(
+    gemma2_dir: Path, gemma2_expected: list[list[int]]
+) -> None:
+    """HF's tokens, with each eager step's attention metadata (both groups' tables and slots,
+    query_start_loc, seq_lens) handed to the copy as one tensor and none of it to the
+    per-array copy (which receives int64 ids, positions and sample indices only)."""
+    llm = make_llm(gemma2_dir, release=True)
+    runner = llm.engine.executor.worker.runner
+    assert runner.layer_group is not None and max(runner.layer_group) == 1  # 2 groups
+    packed: list[torch.Tensor] = []
+    per_array: list[np.ndarray] = []
+    forwards = 0
+    copy_metadata, to_device, forward = runner._copy_metadata, runner._to_device, runner.forward
+
+    def count_packed(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor)
+        return copy_metadata(tensor)
+
+    def count_per_array(array: np.ndarray) -> torch.Tensor:
+        per_array.append(array)
+        return to_device(array)
+
+    def count_forwards(*args: Any) -> torch.Tensor:
+        nonlocal forwards
+        forwards += 1
+        return forward(*args)
+
+    runner._copy_metadata, runner._to_device = count_packed, count_per_array
+    runner.forward = count_forwards
+    tokens, _ = run(llm, PROMPTS)
+    assert tokens == gemma2_expected
+    assert forwards > len(PROMPTS) and len(packed) == forwards
+    assert all(t.dtype == torch.int32 and t.dim() == 1 for t in packed)
+    assert not [a for a in per_array if a.dtype == np.int32]  # no block table or lengths
 
 
 def test_prefix_cache_hits_keep_outputs(gemma2_dir: Path, gemma2_expected: list[list[int]]) -> None:
