@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +76,20 @@ def write_peft_adapter(
     return directory
 
 
-def hf_merged_model(base_dir: Path, adapter_dir: Path | None) -> Any:
+def hf_merged_model(
+    base_dir: Path, adapter_dir: Path | None, load: Callable[[Path], Any] | None = None
+) -> Any:
     """The HF float32 model of ``base_dir`` with the adapter's deltas added to its weights
-    (the base model when ``adapter_dir`` is None)."""
+    (the base model when ``adapter_dir`` is None). ``load`` builds the HF model from
+    ``base_dir`` (default: ``AutoModelForCausalLM`` in float32; Gemma 2 needs eager
+    attention, ``test_gemma_models.load_hf``)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if load is None:
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    else:
+        model = load(base_dir)
     if adapter_dir is None:
         return model
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
