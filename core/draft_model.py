@@ -21,12 +21,14 @@ the target verifies them in its next step exactly as it verifies n-gram drafts
   The draft thus writes K/V at ``q .. q + k - 1``: the scheduler reserves those slots (a
   lookahead of ``k`` beyond the step's tokens), and a request whose blocks do not reach
   that far drafts fewer tokens.
-- **Which token.** Greedy requests (and every request with ``draft_sampling: "greedy"``, a
-  sampler without :attr:`~chassis.core.sampler_interface.Sampler.provides_probabilities`,
-  or custom logits processors) get the draft's argmax: a one-hot ``q``, which the runner's
-  exact-match verification already rejection-samples exactly. A random request's draft is
-  *drawn* from the draft's own distribution ``q`` under the request's temperature, top-k,
-  top-p and min-p (the runner's sampler computes it, :meth:`Sampler.probabilities`; the
+- **Which token.** Greedy requests and requests with their own ``seed`` (and every
+  request with ``draft_sampling: "greedy"``, a sampler without
+  :attr:`~chassis.core.sampler_interface.Sampler.provides_probabilities`, or custom logits
+  processors) get the draft's argmax: a one-hot ``q``, which the runner's
+  exact-match verification already rejection-samples exactly (and which keeps a seeded
+  request's output plain decoding's: :mod:`chassis.core.seeded_drafts`). An unseeded
+  random request's draft is *drawn* from the draft's own distribution ``q`` under the
+  request's temperature, top-k, top-p and min-p (the runner's sampler computes it, :meth:`Sampler.probabilities`; the
   rest of the sampling parameters never apply to a request that may speculate). The
   proposer keeps ``q`` on the device until the target verifies those drafts by rejection
   sampling (:meth:`DraftModelProposer.verify`, :mod:`chassis.core.rejection_sampling`).
@@ -218,10 +220,14 @@ class DraftModelProposer:
         return per_layer * elem * self.model.num_attention_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache per draft layer with the target's ``num_blocks`` blocks."""
+        """Allocate one cache per draft layer with the target's ``num_blocks`` blocks (zeros
+        from the current platform, as the target's)."""
+        from chassis.platforms import get_current_platform
+
+        platform = get_current_platform()
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            platform.kv_cache_zeros(shape, self.kv_dtype, self.device)
             for _ in range(self.model.num_attention_layers)
         ]
 
@@ -469,7 +475,12 @@ class _DraftChooser:
         self.num_steps = num_steps
         self.slot = np.full(len(states), -1, dtype=np.int64)  # random requests' slots
         if proposer.sampler is not None:
-            random = [s.sampling_params.temperature >= SAMPLING_EPS for s in states]
+            # Seeded requests keep one-hot drafts: exact-match verification keeps their
+            # stream at one draw per output token (core/seeded_drafts.py).
+            random = [
+                s.sampling_params.temperature >= SAMPLING_EPS and s.sampling_params.seed is None
+                for s in states
+            ]
             self.slot[np.array(random, dtype=bool)] = np.arange(sum(random))
         num_random = int((self.slot >= 0).sum())
         self.flat: torch.Tensor | None = None

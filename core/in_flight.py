@@ -32,6 +32,7 @@ from chassis.core.speculative import accepted_tokens
 if TYPE_CHECKING:
     from chassis.core.input_batch import InputBatch, RequestState
     from chassis.core.sampler_interface import SamplerOutput
+    from chassis.core.seeded_drafts import StreamRewind
     from chassis.platforms.interface import DeviceEvent, Platform
 
 _HOST = torch.device("cpu")
@@ -77,6 +78,8 @@ class _Step:
     event: DeviceEvent
     #: request id -> the draft tokens its rows verify (speculative decoding)
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    #: request id -> how to put a seeded request's generator back after its verify rows
+    rewinds: dict[str, StreamRewind] = field(default_factory=dict)
     output: ModelRunnerOutput | None = None
 
 
@@ -149,6 +152,7 @@ class InFlightSteps:
         result: SamplerOutput | None,
         prompt_logprobs: dict[str, list[TokenLogprobs | None]],
         drafts: dict[str, list[int]] | None = None,
+        rewinds: dict[str, StreamRewind] | None = None,
     ) -> PendingRunnerOutput:
         """Register a step the device is computing.
 
@@ -157,7 +161,9 @@ class InFlightSteps:
         runner states ``states``; it is ``None`` when no row sampled. A request with
         ``drafts`` (speculative decoding) has one sampling row after its last token and one
         after each draft, consecutive; its tokens are the drafts the model chose and the
-        model's next one (:func:`~chassis.core.speculative.accepted_tokens`).
+        model's next one (:func:`~chassis.core.speculative.accepted_tokens`); a seeded one's
+        generator is then rewound to one draw per token by its entry in ``rewinds``
+        (:mod:`chassis.core.seeded_drafts`).
         """
         if result is None:
             self._last = None
@@ -187,6 +193,7 @@ class InFlightSteps:
             prompt_logprobs=prompt_logprobs,
             event=self.platform.record_event(),
             drafts=drafts or {},
+            rewinds=rewinds or {},
         )
         # (a request with drafts has several sampling rows, yet one step in flight)
         self.batch.num_unresolved[np.unique(sample_rows) if drafts else sample_rows] += 1
@@ -232,6 +239,9 @@ class InFlightSteps:
                     batch.append_token(row, token_id)
                 if drafts:  # the rejected drafts' positions are not computed after all
                     batch.num_computed_tokens[row] -= len(drafts) + 1 - len(sampled[i])
+                rewind = step.rewinds.get(request_id)
+                if rewind is not None:
+                    rewind.apply(len(sampled[i]))
         logprobs: list[TokenLogprobs | None] | None = None
         if step.logprobs is not None:
             logprobs = [None] * len(step.request_ids)

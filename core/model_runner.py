@@ -45,6 +45,7 @@ from chassis.core.prompt_logprobs import PromptLogprobsCollector
 from chassis.core.sampler_interface import check_sampler_output
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+from chassis.core.seeded_drafts import skip_draws, stream_rewinds
 from chassis.core.structured_output_manager import unpack_masks
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ class ModelRunner:
                 if params.temperature >= SAMPLING_EPS:
                     # Resumed after preemption: continue the stream where it was, so the
                     # tokens do not depend on preemptions (and hence on the other requests).
-                    self._skip_draws(generator, len(new.output_token_ids))
+                    skip_draws(generator, len(new.output_token_ids), self.vocab_size)
             state = RequestState(
                 request_id=new.request_id,
                 prompt_token_ids=list(new.prompt_token_ids),
@@ -337,18 +338,6 @@ class ModelRunner:
             self.batch.num_computed_tokens[row] = cached.num_computed_tokens
         if self.pooler is not None:
             self.pooler.update(out)
-
-    def _skip_draws(self, generator: torch.Generator, num_steps: int) -> None:
-        """Advance ``generator`` past ``num_steps`` random sampling steps.
-
-        Relies on the ``SamplingRow`` contract: a sampler draws exactly one float32
-        ``[vocab_size]`` uniform vector from a seeded row's generator per random step.
-        """
-        if num_steps == 0:
-            return
-        noise = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
-        for _ in range(num_steps):
-            noise.uniform_(generator=generator)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return host_to_device(array, self.device, self.pin_memory)
@@ -486,6 +475,7 @@ class ModelRunner:
         sample_rows = rows[row_of_sample]
         states = [batch.states[r] for r in sample_rows]
         result = None
+        rewinds = None
         if states:
             if len(sample_token) == total:
                 sample_hidden = hidden  # every token samples, in order: every row
@@ -517,6 +507,8 @@ class ModelRunner:
                 verify = self.drafter.prepare_verify(
                     logits[:, : self.vocab_size], states, out.spec_token_ids
                 )
+            if out.spec_token_ids:  # seeded requests' streams: one draw per kept token
+                rewinds = stream_rewinds(states, out.spec_token_ids, self.vocab_size)
             result = self.sampler(logits[:, : self.vocab_size], metadata_s)
             check_sampler_output(result, metadata_s, self.sampler)  # plugins: fail by name
             if verify is not None:  # their tokens by rejection sampling instead
@@ -540,6 +532,7 @@ class ModelRunner:
             result,
             prompt_logprobs,
             out.spec_token_ids,
+            rewinds,
         )
         if self.drafter is not None:
             return self._propose_drafts(pending, rows, starts)

@@ -96,8 +96,10 @@ class SamplingRow:
 
     ``prompt_token_ids`` and ``output_token_ids`` are read, never copied or modified.
     ``generator`` (seeded requests only) must live on the device the logits are on; the
-    sampler draws exactly one ``[vocab_size]`` noise vector from it per random step, so a
-    request's tokens depend only on its seed and its own history.
+    sampler draws exactly one ``[vocab_size]`` noise vector from it per random row, rows in
+    order (a request verifying ``d`` drafts has ``d + 1`` rows sharing it), so a request's
+    tokens depend only on its seed and its own history (the runner rewinds the stream past
+    rejected drafts: ``core/seeded_drafts.py``).
     """
 
     sampling_params: SamplingParams

@@ -22,11 +22,13 @@ one-hot on the draft x, so rejection sampling accepts x with probability
 min(1, p(x) / q(x)) = p(x) and otherwise draws from max(p - q, 0) normalized, which is p
 without x: exactly "sample y from p, keep x if y == x, else output y". It accepts as many
 drafts and needs no probabilities from the sampler, so any sampler plugin works (a draft
-model's sampled drafts, with a q that is not one-hot, need them: see below). Requests whose choice at a
-position depends on more than that position's logits and the global random stream get no
-drafts and decode as usual in the same steps: a seed (its stream is replayed per output
-token), logprobs, penalties, bias, ``min_tokens`` still blocking, allowed ids, bad words,
-structured outputs. See docs/scheduling.md.
+model's sampled drafts, with a q that is not one-hot, need them: see below). A request
+with its own ``seed`` samples its verify rows from its own stream, one draw per row, and the
+runner then rewinds the stream to one draw per token kept (:mod:`chassis.core.seeded_drafts`):
+it gets exactly the tokens plain decoding gives it. Requests whose choice at a position
+depends on more than that position's logits and the random stream get no drafts and decode
+as usual in the same steps: logprobs, penalties, bias, ``min_tokens`` still blocking,
+allowed ids, bad words, structured outputs. See docs/scheduling.md.
 
 The scheduler proposes with an :class:`NgramIndex` per request, whose cost per step does
 not grow with the context; :func:`propose_ngram` is the plain reference it equals.
@@ -35,7 +37,7 @@ With ``method: "draft_model"`` (``"model": PATH``) a small model sharing the tar
 vocabulary proposes instead (:mod:`chassis.core.draft_model`): after each step the runner
 lets it write ``num_speculative_tokens`` tokens per request, and the scheduler plans them as
 the next step's drafts. For greedy requests they are its argmax, a one-hot q, so the same
-exact-match verification keeps the output exact. For random requests they are drawn from
+exact-match verification keeps the output exact. For random requests without their own seed they are drawn from
 the draft's own distribution q (``draft_sampling: "probabilistic"``, the default, when the
 sampler provides probabilities), and the runner verifies them by rejection sampling against
 the target's p (:mod:`chassis.core.rejection_sampling`), which accepts a draft the target
@@ -52,7 +54,6 @@ from typing import Any
 
 import numpy as np
 
-from chassis.core.sampling_metadata import SAMPLING_EPS
 from chassis.core.sampling_params import SamplingParams
 
 #: the methods this engine implements
@@ -172,11 +173,10 @@ class SpeculativeConfig:
 
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request's next tokens may be drafted and verified: its choice at each
-    position depends on that position's logits (and, sampling, the global random stream)
-    only."""
+    position depends on that position's logits and the random stream only (a seeded
+    request's own stream is kept at one draw per output token: :mod:`.seeded_drafts`)."""
     return (
         params.allow_drafts  # False: a logits processor that cannot verify drafts acts on it
-        and (params.seed is None or params.temperature < SAMPLING_EPS)
         and params.logprobs is None
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0

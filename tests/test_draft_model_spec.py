@@ -371,9 +371,7 @@ def test_probabilistic_drafts_are_reproducible_under_seed(
     tiny_llama_dir: Path, perturbed_dir: Path, plain: LLM
 ) -> None:
     """The engine's ``seed`` fixes the global stream the draft's draws and the rejection
-    step use: two engines give the same sampled outputs. A request with its own ``seed``
-    gets no drafts (its stream is replayed one draw per output token) and the tokens plain
-    decoding gives it."""
+    step use: two engines give the same sampled outputs."""
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     runs = []
     for _ in range(2):
@@ -381,14 +379,44 @@ def test_probabilistic_drafts_are_reproducible_under_seed(
         try:
             runs.append(token_ids(llm, PROMPTS, params))
             assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 0
-            seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=11)
-            before = llm.engine.scheduler.stats().spec_num_draft_tokens
-            assert token_ids(llm, PROMPTS, seeded) == token_ids(plain, PROMPTS, seeded)
-            assert llm.engine.scheduler.stats().spec_num_draft_tokens == before
             assert_all_freed(llm)
         finally:
             llm.shutdown()
     assert runs[0] == runs[1]
+
+
+def test_seeded_requests_get_drafts_and_plain_decodings_tokens(
+    tiny_llama_dir: Path, perturbed_dir: Path, plain: LLM
+) -> None:
+    """A request with its own ``seed`` gets the draft's argmax as drafts, verified by exact
+    match from its own stream, which is then rewound to one draw per token kept
+    (core/seeded_drafts.py): it is drafted, and gets the tokens plain seeded decoding gives
+    it, in two engines of other engine seeds, in a batch with unseeded random requests
+    (whose drafts are probabilistic and whose draws use the global stream) and alone."""
+    seeded = [
+        SamplingParams(temperature=0.8, top_k=2, max_tokens=24, ignore_eos=True, seed=s)
+        for s in range(len(PROMPTS))
+    ]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, seeded)]
+    for engine_seed in (3, 4):
+        llm = sampling_llm(tiny_llama_dir, perturbed_dir, "probabilistic", seed=engine_seed)
+        try:
+            outputs = llm.generate(PROMPTS * 2, seeded + [unseeded] * len(PROMPTS))
+            assert [o.outputs[0].token_ids for o in outputs[: len(PROMPTS)]] == want
+            stats = llm.engine.scheduler.stats()
+            assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+            before = stats.spec_num_draft_tokens
+            alone = [
+                token_ids(llm, [prompt], params)[0]
+                for prompt, params in zip(PROMPTS, seeded, strict=True)
+            ]
+            assert alone == want
+            assert llm.engine.scheduler.stats().spec_num_draft_tokens > before  # drafted
+            assert_all_freed(llm)
+            assert not llm.engine.executor.worker.runner.drafter._draft_probs
+        finally:
+            llm.shutdown()
 
 
 def test_greedy_random_and_seeded_requests_share_probabilistic_steps(
@@ -432,6 +460,29 @@ def test_preemption_with_a_tiny_kv_cache(
     llm = make_llm(tiny_llama_dir, perturbed_dir, num_kv_blocks=24, max_model_len=96)
     try:
         assert token_ids(llm, PROMPTS, params) == want
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 0
+        assert_all_freed(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_seeded_requests_preempted_mid_speculation(
+    tiny_llama_dir: Path, perturbed_dir: Path, plain: LLM
+) -> None:
+    """Seeded random requests with drafts, preempted and resumed in a tiny KV cache: the
+    resumed stream continues at one draw per output token, so the tokens are still plain
+    seeded decoding's."""
+    params = [
+        SamplingParams(temperature=0.8, top_k=2, max_tokens=30, ignore_eos=True, seed=s)
+        for s in range(len(PROMPTS))
+    ]
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    llm = sampling_llm(
+        tiny_llama_dir, perturbed_dir, "probabilistic", num_kv_blocks=24, max_model_len=96
+    )
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 0
         assert_all_freed(llm)

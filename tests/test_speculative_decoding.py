@@ -98,8 +98,9 @@ def test_requests_whose_choices_depend_on_more_than_the_logits_get_no_drafts() -
     assert can_speculate(SamplingParams(temperature=0.0), 0)
     assert can_speculate(SamplingParams(temperature=0.7, top_p=0.9), 0)
     assert can_speculate(SamplingParams(temperature=0.0, seed=3), 0)  # greedy: no draws
+    # its stream is rewound to one draw per output token (core/seeded_drafts.py)
+    assert can_speculate(SamplingParams(temperature=0.7, seed=3), 0)
     for params in (
-        SamplingParams(temperature=0.7, seed=3),  # its stream is replayed per output token
         SamplingParams(temperature=0.0, logprobs=1),
         SamplingParams(temperature=0.0, repetition_penalty=1.1),
         SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
@@ -209,8 +210,8 @@ def test_limits_and_stops_cut_the_accepted_tokens(plain: LLM, speculative: LLM) 
 
 
 def test_other_requests_in_the_same_steps_are_unchanged(plain: LLM, speculative: LLM) -> None:
-    """Seeded random sampling and logprobs requests (never drafted) share steps with drafted
-    ones and give what they give alone: the same tokens, the same top logprobs' ids, ranks and
+    """Seeded random sampling (drafted too) and logprobs requests (never drafted) share
+    steps with drafted ones and give what they give alone: the same tokens, the same top logprobs' ids, ranks and
     text, their values within float32 rounding (a step with drafts has more rows, and the CPU's
     float32 matmul may sum a row in another order at another row count)."""
     random = SamplingParams(temperature=0.9, seed=5, max_tokens=24)
@@ -228,6 +229,31 @@ def test_other_requests_in_the_same_steps_are_unchanged(plain: LLM, speculative:
             got = got_top[token_id]
             assert (got.rank, got.decoded_token) == (want.rank, want.decoded_token)
             assert got.logprob == pytest.approx(want.logprob, rel=1e-5, abs=1e-5)
+
+
+def test_seeded_requests_get_drafts_and_plain_decodings_tokens(
+    plain: LLM, speculative: LLM
+) -> None:
+    """Seeded random requests are drafted; their stream is rewound to one draw per token
+    kept, so each gets exactly the tokens plain decoding gives it, in a batch with others
+    and alone, however many drafts its steps keep."""
+    seeded = [
+        SamplingParams(temperature=0.8, top_k=2, max_tokens=40, ignore_eos=True, seed=s)
+        for s in range(len(PROMPTS))
+    ]
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, seeded)]
+    before = speculative.engine.scheduler.stats()
+    together = [o.outputs[0].token_ids for o in speculative.generate(PROMPTS, seeded)]
+    stats = speculative.engine.scheduler.stats()
+    drafted = stats.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    assert 0 < accepted < drafted  # drafts kept and rejected: rewinds of both sizes
+    assert together == want
+    alone = [
+        speculative.generate([p], params)[0].outputs[0].token_ids
+        for p, params in zip(PROMPTS, seeded, strict=True)
+    ]
+    assert alone == want
 
 
 def test_random_sampling_keeps_its_distribution(tiny_llama_dir: Path) -> None:
