@@ -228,7 +228,7 @@ class ModelRunner:
         self.graphs = None
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         tensors = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.platform.kv_cache_zeros(shape, self.kv_dtype, self.device)
             for _ in range(self._num_cache_tensors())
         ]
         # with KV cache groups, layer j of every group shares tensor j (a block id belongs

@@ -236,6 +236,17 @@ class Platform(ABC):
         """
         return None
 
+    def kv_cache_zeros(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A zero-filled, contiguous KV cache tensor of ``shape`` and ``dtype`` on ``device``.
+
+        Called once per cache tensor when the engine starts. The default is ``torch.zeros``;
+        a platform whose zero fill writes every page by hand (host memory) may return memory
+        that reads as zeros without writing it first.
+        """
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def pin_memory_available(self) -> bool:
         """Whether host staging buffers should be pinned for non-blocking copies."""
         return False

@@ -1,0 +1,41 @@
+"""The CPU platform's KV cache zeros (platforms/cpu_lazy_zeros.py): zeros, writable, the
+requested shape and dtype, whatever their size."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from chassis.platforms.cpu import CpuPlatform
+from chassis.platforms.cpu_lazy_zeros import LAZY_MIN_BYTES, lazy_zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_blocks", [1, 600])  # below and above LAZY_MIN_BYTES
+def test_lazy_zeros_equal_torch_zeros(dtype: torch.dtype, num_blocks: int) -> None:
+    shape = (num_blocks, 2, 16, 3, 64)
+    tensor = lazy_zeros(shape, dtype)
+    assert tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous()
+    assert torch.equal(tensor.view(torch.uint8), torch.zeros(shape, dtype=dtype).view(torch.uint8))
+    tensor[-1, 1, 15] = 1.5  # writable, and a write lands where indexing says
+    assert tensor.float().sum().item() == 1.5 * 3 * 64
+
+
+def test_a_view_keeps_the_mapping_alive() -> None:
+    tensor = lazy_zeros((LAZY_MIN_BYTES // 4 + 10,), torch.float32)
+    assert tensor.data_ptr() % 4096 == 0  # a fresh mapping, page-aligned
+    tail = tensor[-10:]
+    tail += 2.0
+    del tensor
+    gc.collect()
+    assert tail.tolist() == [2.0] * 10
+
+
+def test_the_cpu_platform_gives_its_kv_caches_lazily() -> None:
+    platform = CpuPlatform()
+    shape = (4096, 2, 16, 3, 64)  # 24 MiB of float32
+    cache = platform.kv_cache_zeros(shape, torch.float32, torch.device("cpu"))
+    assert cache.shape == shape and cache.device.type == "cpu"
+    assert not cache.any()
