@@ -6,7 +6,7 @@ sum of the hidden states (``MEAN``, ``MEAN_SQRT_LEN``; position-weighted for
 ``WEIGHTED_MEAN``), their running elementwise max
 (``MAX``) or the first token's state (``CLS``); ``LAST`` needs only the chunk that ends the
 prompt. When a request's last chunk is computed its vector is finished, in
-sentence-transformers' order: the checkpoint's ``Dense`` modules
+sentence-transformers' order: the checkpoint's ``Dense`` and ``LayerNorm`` modules
 (:class:`~chassis.core.pooling_dense.DenseChain`), then :func:`finish_vector` (Matryoshka
 truncation, then L2 normalization), and copied to the host as float32 bytes
 (:data:`~chassis.core.pooling_outputs.POOLED_DTYPE`).
@@ -83,14 +83,15 @@ class Pooler:
     """The pooling requests in one runner's batch, and the step that pools them.
 
     Every request of a pooling engine is a pooling request; ``config`` is the engine's. Its
-    ``Dense`` modules' weights are loaded on ``device`` here.
+    ``Dense`` and ``LayerNorm`` modules' weights are loaded on ``device`` here.
     """
 
     def __init__(self, config: PoolerConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
         self._requests: dict[str, _PoolingRequest] = {}
-        #: the checkpoint's Dense modules, run on each finished vector; None without any
+        #: the checkpoint's Dense and LayerNorm modules, run on each finished vector; None
+        #: without any
         self.dense = DenseChain(config.dense, device) if config.dense else None
 
     def update(self, out: SchedulerOutput) -> None:

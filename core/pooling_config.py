@@ -5,9 +5,9 @@ from the user's ``pooler_config`` (``EngineConfig.pooler_config``, ``--pooler-co
 the checkpoint's sentence-transformers files (``modules.json``, the ``Pooling`` module's
 ``config.json`` and whether a ``Normalize`` module follows it), and otherwise from vLLM's
 default for decoder language models: the last token, normalized. The checkpoint's ``Dense``
-modules (:mod:`chassis.core.pooling_dense`) always apply, whatever ``pooler_config`` says: a
-vector is pooled, projected through them, truncated (Matryoshka ``dimensions``), then
-normalized, sentence-transformers' order.
+and ``LayerNorm`` modules (:mod:`chassis.core.pooling_dense`) always apply, whatever
+``pooler_config`` says: a vector is pooled, run through them, truncated (Matryoshka
+``dimensions``), then normalized, sentence-transformers' order.
 
 Prefix caching needs the last-token pooler: a cached prefix has no hidden states in this
 request, which every other type (mean, first token, max, sqrt-length and weighted means)
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from chassis.core.pooling_dense import (
     ST_PREFIX,
-    DenseSpec,
-    read_dense_specs,
+    ChainSpec,
+    read_chain_specs,
     read_json,
     read_modules,
 )
@@ -73,17 +73,18 @@ class PoolerConfig:
     sequence classifiers, whose vectors are class logits) and ``use_activation`` (a
     classifier's outputs go through its activation, softmax by default, unless a request says
     otherwise; see :mod:`chassis.core.pooling_classify`), and ``dense``: the checkpoint's
-    ``Dense`` modules, run on the pooled vector before truncation and normalization (read
-    from the checkpoint, never part of ``pooler_config``: :meth:`as_dict` leaves it out)."""
+    chain after the pooling (its ``Dense`` and ``LayerNorm`` modules, in order), run on the
+    pooled vector before truncation and normalization (read from the checkpoint, never part
+    of ``pooler_config``: :meth:`as_dict` leaves it out)."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
     use_activation: bool = True
-    dense: tuple[DenseSpec, ...] = ()
+    dense: tuple[ChainSpec, ...] = ()
 
     def embedding_size(self, hidden_size: int) -> int:
         """The length of a vector (before truncation) pooled from ``hidden_size`` states:
-        the last ``Dense`` module's ``out_features``, else ``hidden_size``."""
+        the last ``Dense`` or ``LayerNorm`` module's ``out_features``, else ``hidden_size``."""
         return self.dense[-1].out_features if self.dense else hidden_size
 
     @property
@@ -141,10 +142,11 @@ def read_sentence_transformers_pooling(model_dir: str | Path) -> dict[str, Any] 
 
     As vLLM: the ``Pooling`` module's ``config.json`` names the type and the vector is
     normalized exactly when a ``Normalize`` module is listed (it comes last: after the
-    ``Dense`` modules, which :func:`chassis.core.pooling_dense.read_dense_specs` reads).
+    chain of ``Dense`` and ``LayerNorm`` modules, which
+    :func:`chassis.core.pooling_dense.read_chain_specs` reads).
     Raises ``ValueError`` for what chassis cannot reproduce: an unknown mode, several modes
-    at once, and modules other than Transformer, Pooling, Dense and Normalize or out of that
-    order.
+    at once, and modules other than Transformer, Pooling, Dense, LayerNorm, Dropout and
+    Normalize or out of that order.
     """
     directory = Path(model_dir)
     modules = read_modules(directory)
@@ -218,8 +220,8 @@ def resolve_pooler_config(
     )
 
 
-def _dense_modules(model_dir: str | Path | None, *, check_weights: bool) -> tuple[DenseSpec, ...]:
-    """The checkpoint's ``Dense`` modules, checked against its ``hidden_size`` (the pooled
+def _dense_modules(model_dir: str | Path | None, *, check_weights: bool) -> tuple[ChainSpec, ...]:
+    """The checkpoint's ``Dense`` and ``LayerNorm`` modules, checked against its ``hidden_size`` (the pooled
     vector's length), their weights files too when ``check_weights``; none without
     ``modules.json``."""
     if model_dir is None:
@@ -227,12 +229,13 @@ def _dense_modules(model_dir: str | Path | None, *, check_weights: bool) -> tupl
     modules = read_modules(model_dir)
     if not modules:
         return ()
-    specs = read_dense_specs(
+    specs = read_chain_specs(
         model_dir, modules, _hidden_size(model_dir), check_weights=check_weights
     )
     if specs and _is_classifier_dir(model_dir):
         raise ValueError(
-            f"{model_dir}: Dense modules apply to embedding models; this checkpoint is a "
+            f"{model_dir}: Dense and LayerNorm modules apply to embedding models; this "
+            "checkpoint is a "
             "sequence classifier (its vectors are class logits)"
         )
     return specs

@@ -241,12 +241,16 @@ def test_sentence_transformers_files_chassis_cannot_run(tmp_path: Path) -> None:
         read_sentence_transformers_pooling(
             write({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True})
         )
-    with pytest.raises(ValueError, match=r"cannot run: sentence_transformers\.models\.LayerNorm"):
+    with pytest.raises(ValueError, match=r"cannot run: sentence_transformers\.models\.LSTM"):
         read_sentence_transformers_pooling(
-            write({"pooling_mode_mean_tokens": True}, "sentence_transformers.models.LayerNorm")
+            write({"pooling_mode_mean_tokens": True}, "sentence_transformers.models.LSTM")
         )
-    # Dense modules are run (tests/test_embeddings_dense.py); max, sqrt-length and weighted
-    # means too
+    with pytest.raises(ValueError, match=r"WordWeights \(a weight per vocabulary token"):
+        read_sentence_transformers_pooling(
+            write({"pooling_mode_mean_tokens": True}, "sentence_transformers.models.WordWeights")
+        )
+    # Dense and LayerNorm modules are run (tests/test_embeddings_dense.py); max, sqrt-length
+    # and weighted means too
     assert read_sentence_transformers_pooling(write({"pooling_mode_max_tokens": True})) == {
         "normalize": False,
         "pooling_type": "MAX",

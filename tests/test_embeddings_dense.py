@@ -1,5 +1,5 @@
-"""Sentence-transformers ``Dense`` modules and the max / sqrt-length / weighted-mean poolings
-on a pooling engine, against a reference computed here from HF transformers' hidden states.
+"""Sentence-transformers ``Dense`` and ``LayerNorm`` modules and the max / sqrt-length /
+weighted-mean poolings on a pooling engine, against a reference computed here from HF transformers' hidden states.
 
 The checkpoint is the tiny random Llama (hidden size 64) with sentence-transformers folders
 added: ``1_Pooling``, ``2_Dense`` (64 -> 48, bias, tanh; ``model.safetensors``),
@@ -7,6 +7,8 @@ added: ``1_Pooling``, ``2_Dense`` (64 -> 48, bias, tanh; ``model.safetensors``),
 reference is written out in torch below (pool, then each ``x @ W.T + b`` and activation,
 then truncate, then normalize: sentence-transformers' order), independently of chassis'
 pooler. Prompts longer than the token budget make the poolers carry state across chunks.
+With ``layer_norm``, a ``LayerNorm`` (48, ``pytorch_model.bin``) and a ``Dropout`` follow
+``2_Dense``; the reference writes the layer norm out by hand.
 """
 
 from __future__ import annotations
@@ -55,10 +57,14 @@ def _write_st_model(
     mode: str,
     *,
     dense: bool = True,
+    layer_norm: bool = False,
     config_extra: dict[str, Any] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Copy ``source`` to ``target`` with sentence-transformers folders; returns each Dense
-    folder's random (weight, bias)."""
+    folder's random (weight, bias). ``layer_norm``: a ``LayerNorm`` module (random weight and
+    bias, saved as sentence-transformers' ``LayerNorm.save`` does: ``{"dimension": 48}`` and
+    ``norm.*`` in ``pytorch_model.bin``) and a ``Dropout`` follow ``2_Dense``; its
+    (weight, bias) is returned as ``2_LayerNorm``'s."""
     from safetensors.torch import save_file
 
     shutil.copytree(source, target)
@@ -92,12 +98,30 @@ def _write_st_model(
         else:
             torch.save(tensors, target / folder / "pytorch_model.bin")
         weights[folder] = (weight, bias)
+        if layer_norm and folder == "2_Dense":
+            weights["2_LayerNorm"] = _write_layer_norm(target, modules, n_out, generator)
     modules.append(
         {"idx": len(modules), "name": "n", "path": "4_Normalize", "type": _ST + "Normalize"}
     )
     (target / "4_Normalize").mkdir()
     (target / "modules.json").write_text(json.dumps(modules))
     return weights
+
+
+def _write_layer_norm(
+    target: Path, modules: list[dict[str, Any]], dimension: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    for folder, kind in (("2_LayerNorm", "LayerNorm"), ("2_Dropout", "Dropout")):
+        modules.append({"idx": len(modules), "name": folder, "path": folder, "type": _ST + kind})
+        (target / folder).mkdir()
+    (target / "2_LayerNorm" / "config.json").write_text(json.dumps({"dimension": dimension}))
+    (target / "2_Dropout" / "config.json").write_text(json.dumps({"dropout": 0.2}))
+    weight = 1 + 0.5 * torch.randn(dimension, generator=generator)
+    bias = 0.3 * torch.randn(dimension, generator=generator)
+    torch.save(
+        {"norm.weight": weight, "norm.bias": bias}, target / "2_LayerNorm" / "pytorch_model.bin"
+    )
+    return weight, bias
 
 
 def _reference(
@@ -131,6 +155,11 @@ def _reference(
             weight, bias = weights[folder]
             vector = vector @ weight.T + (0 if bias is None else bias)
             vector = activation(vector)
+        if folder == "2_Dense" and "2_LayerNorm" in weights:  # torch.nn.LayerNorm, eps 1e-5
+            scale, shift = weights["2_LayerNorm"]
+            centred = vector - vector.mean()
+            variance = (centred * centred).mean()  # the biased variance, as LayerNorm's
+            vector = centred / torch.sqrt(variance + 1e-5) * scale + shift
     if dimensions is not None:
         vector = vector[:dimensions]
     return vector / vector.norm() if normalize else vector
@@ -162,6 +191,26 @@ def test_dense_chain_matches_the_reference(
         assert output.outputs.hidden_size == OUT
         expected = _reference(decoder, prompt, mode, weights, normalize=bool(param.normalize))
         _assert_close(output.outputs.embedding, expected)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["mean", "last"])
+def test_layer_norm_and_dropout_in_the_chain_match_the_reference(
+    tiny_llama_dir: Path, decoder: Any, tmp_path: Path, mode: str
+) -> None:
+    """Pooling -> Dense -> LayerNorm -> Dropout (the identity) -> Dense -> Normalize."""
+    weights = _write_st_model(tiny_llama_dir, tmp_path / "st", mode, layer_norm=True)
+    llm = pooling_llm(tmp_path / "st")
+    assert [d.out_features for d in llm.pooler_config.dense] == [48, 48, OUT]
+    prompts = random_prompts([100, 3, 50, 1], seed=11)
+    params = [PoolingParams(normalize=i != 1) for i in range(len(prompts))]
+    for prompt, param, output in zip(prompts, params, llm.embed(prompts, params), strict=True):
+        expected = _reference(decoder, prompt, mode, weights, normalize=bool(param.normalize))
+        _assert_close(output.outputs.embedding, expected)
+    # the LayerNorm changes the vectors: the same checkpoint without it differs
+    without = {k: v for k, v in weights.items() if k != "2_LayerNorm"}
+    plain = _reference(decoder, prompts[0], mode, without)
+    assert not torch.allclose(torch.tensor(llm.embed([prompts[0]])[0].outputs.embedding), plain)
     llm.shutdown()
 
 
@@ -306,9 +355,34 @@ def test_dense_modules_chassis_cannot_run_are_refused_at_start(
             r"Pooling -> Normalize -> Dense -> Dense are not supported",
         ),
     ]
-    for i, (break_it, message) in enumerate(cases):
+    layer_norm_cases: list[tuple[Callable[[Path], None], str]] = [
+        (
+            lambda d: _edit(d / "2_LayerNorm" / "config.json", lambda c: c.update(dimension=40)),
+            r"2_LayerNorm/config.json: dimension 40 does not match the previous Dense's "
+            r"out_features 48",
+        ),
+        (
+            lambda d: torch.save(
+                {"norm.weight": torch.ones(48)}, d / "2_LayerNorm" / "pytorch_model.bin"
+            ),
+            r"2_LayerNorm/pytorch_model.bin: no norm.bias tensor",
+        ),
+        (
+            lambda d: _edit(d / "modules.json", lambda m: m.insert(1, m.pop(3))),
+            r"Transformer -> LayerNorm -> Pooling -> Dense -> Dropout",
+        ),
+        (
+            lambda d: _edit(
+                d / "modules.json",
+                lambda m: m.insert(1, {"path": "w", "type": _ST + "WordWeights"}),
+            ),
+            r"WordWeights \(a weight per vocabulary token, applied to each token's hidden state "
+            r"before the pooling\) is not supported",
+        ),
+    ]
+    for i, (break_it, message) in enumerate(cases + layer_norm_cases):
         model_dir = tmp_path / f"m{i}"
-        _write_st_model(tiny_llama_dir, model_dir, "mean")
+        _write_st_model(tiny_llama_dir, model_dir, "mean", layer_norm=i >= len(cases))
         break_it(model_dir)
         with pytest.raises(ValueError, match=message):
             pooling_llm(model_dir)
