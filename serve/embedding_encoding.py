@@ -1,5 +1,5 @@
 """How a pooling route sends its vectors: vLLM's ``embed_dtype``, ``endianness`` and
-``encoding_format`` (``"float"``, ``"base64"`` or ``"bytes"``).
+``encoding_format`` (``"float"``, ``"base64"``, ``"bytes"`` or ``"bytes_only"``).
 
 * ``float``: each vector as a JSON list of its float32 values (``embed_dtype`` and
   ``endianness`` do not apply, as in vLLM);
@@ -11,7 +11,11 @@
   to cut it up: ``{"id", "created", "model", "data": [{"index", "embed_dtype",
   "endianness", "start", "end", "shape"}], "usage"}`` (vLLM's shape). ``endianness`` there is
   the request's value as sent, ``"native"`` included (vLLM does not resolve it either): a
-  client that does not share the server's byte order asks for ``big`` or ``little``.
+  client that does not share the server's byte order asks for ``big`` or ``little``;
+* ``bytes_only``: the same body without the ``metadata`` header (vLLM's, for batches whose
+  metadata would outgrow a client's header limit): the vectors come in input order, each
+  ``embed_dtype``'s size times the model's embedding size bytes long, so a client that knows
+  both cuts the body itself; the usage is not sent.
 
 A vector holding a finite value beyond ``embed_dtype``'s largest finite one cannot be encoded
 (float16 would make it infinite, fp8_e4m3 would clamp it): :func:`encode_vector` raises
@@ -29,7 +33,9 @@ import torch
 
 EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 Endianness = Literal["native", "big", "little"]
-EncodingFormat = Literal["float", "base64", "bytes"]
+EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
+#: the formats whose answer is the raw bytes (``application/octet-stream``), not JSON
+BINARY_FORMATS = ("bytes", "bytes_only")
 
 #: ``embed_dtype`` -> the torch type the values are cast to
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -111,3 +117,29 @@ def bytes_body(
         "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
     }
     return b"".join(chunks), json.dumps(metadata)
+
+
+def binary_response(
+    encoding_format: str,
+    vectors: list[list[float]],
+    embed_dtype: str,
+    endianness: str,
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    num_prompt_tokens: int,
+) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of a ``bytes`` (the ``metadata`` header) or ``bytes_only`` (no
+    header) answer. Raises ``ValueError`` when a vector cannot be encoded
+    (:func:`encode_vector`)."""
+    content, metadata = bytes_body(
+        vectors,
+        embed_dtype,
+        endianness,
+        request_id=request_id,
+        created=created,
+        model=model,
+        num_prompt_tokens=num_prompt_tokens,
+    )
+    return content, {} if encoding_format == "bytes_only" else {"metadata": metadata}

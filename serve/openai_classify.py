@@ -8,8 +8,9 @@
 * ``/pooling``: each input's pooled vector, as it leaves the engine: an embedding model's
   embedding (``normalize``/``use_activation`` and ``dimensions`` as on ``/v1/embeddings``);
   a classifier's class logits through its activation (raw logits with ``use_activation:
-  false``). ``encoding_format: "base64"`` (with ``embed_dtype`` and ``endianness``) as on
-  ``/v1/embeddings``; ``"bytes"`` is a 400 here.
+  false``). ``encoding_format`` ``"base64"``, ``"bytes"`` and ``"bytes_only"`` (with
+  ``embed_dtype`` and ``endianness``) as on ``/v1/embeddings``, as vLLM serves them here;
+  ``/classify`` answers JSON only (the bytes formats are a 400 there).
 
 Both take vLLM's ``truncate_prompt_tokens``, ``add_special_tokens`` and ``priority``, and
 ``messages`` (a chat conversation) instead of ``input`` as ``/v1/embeddings`` does; inputs
@@ -34,8 +35,10 @@ from pydantic import BaseModel, Field
 from chassis.core.pooling_classify import apply_activation
 from chassis.core.pooling_params import PoolingParams
 from chassis.serve import errors
+from chassis.serve.embedding_encoding import BINARY_FORMATS
 from chassis.serve.openai_embeddings import (
     EmbeddingRequest,
+    binary,
     embed_all,
     encoded,
     tokenized_inputs,
@@ -195,19 +198,12 @@ async def _run(
 ) -> Response:
     """Tokenize ``body``'s inputs, pool them all with ``params`` (and the LoRA adapter
     ``lora_request``, ``None``: the base model) and answer ``answer(outputs)`` (a pydantic
-    body)."""
-
-    if body.encoding_format == "bytes":
-        raise errors.bad_request(
-            'encoding_format "bytes" is served on /v1/embeddings only; use "float" or '
-            '"base64" here',
-            "encoding_format",
-        )
+    body, or a ready ``Response``)."""
 
     async def inputs() -> list[str | list[int]]:
         return await tokenized_inputs(state, body)
 
-    async def collect(prompts: list[str | list[int]]) -> BaseModel:
+    async def collect(prompts: list[str | list[int]]) -> BaseModel | Response:
         outputs = await embed_all(
             state, prompts, params, request_id, body.priority or 0, lora_request
         )
@@ -230,6 +226,12 @@ async def create_classify(body: ClassificationRequest, request: Request) -> Resp
             "classification; /classify needs a *ForSequenceClassification model (use "
             "/v1/embeddings or /pooling)",
             "model",
+        )
+    if body.encoding_format in BINARY_FORMATS:
+        raise errors.bad_request(
+            f"encoding_format {body.encoding_format!r} is served on /v1/embeddings and "
+            "/pooling; /classify answers JSON (labels and probabilities)",
+            "encoding_format",
         )
     activation = activation_for(state, classifier.activation, body.activation_flag())
     params = _classifier_params(body, state.max_model_len)
@@ -270,16 +272,17 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
         params = _classifier_params(body, state.max_model_len)
     request_id = f"pool-{uuid.uuid4().hex}"
 
-    def answer(outputs: list[EmbeddingRequestOutput]) -> PoolingResponse:
-        data = []
-        for i, out in enumerate(outputs):
-            vector = (
-                out.outputs.embedding  # exactly the engine's float32 values
-                if classifier is None
-                else apply_activation(out.outputs.embedding, activation)
-            )
-            # base64: embed_dtype and endianness as on /v1/embeddings
-            data.append(PoolingData(index=i, data=encoded(body, vector)))
+    def answer(outputs: list[EmbeddingRequestOutput]) -> PoolingResponse | Response:
+        vectors = [
+            out.outputs.embedding  # exactly the engine's float32 values
+            if classifier is None
+            else apply_activation(out.outputs.embedding, activation)
+            for out in outputs
+        ]
+        if body.encoding_format in BINARY_FORMATS:  # as on /v1/embeddings
+            return binary(body, vectors, outputs, request_id, model)
+        # base64: embed_dtype and endianness as on /v1/embeddings
+        data = [PoolingData(index=i, data=encoded(body, v)) for i, v in enumerate(vectors)]
         return PoolingResponse(id=request_id, model=model, data=data, usage=_usage(outputs))
 
     return await _run(request, state, body, params, request_id, answer, lora_request)

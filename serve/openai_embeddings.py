@@ -12,7 +12,8 @@ and decodes). ``dimensions`` truncates the vector
 ``is_matryoshka`` in ``config.json``); otherwise it is refused. Besides OpenAI's fields the
 request takes vLLM's ``truncate_prompt_tokens``, ``add_special_tokens``, ``normalize`` (or
 its newer name ``use_activation``) and ``priority``, and vLLM's ``embed_dtype``,
-``endianness`` and ``encoding_format: "bytes"`` (:mod:`chassis.serve.embedding_encoding`).
+``endianness`` and ``encoding_format`` ``"bytes"`` and ``"bytes_only"``
+(:mod:`chassis.serve.embedding_encoding`).
 
 Instead of ``input``, vLLM's chat-style request sends ``messages``: the conversation is
 rendered with the chat template as ``/v1/chat/completions`` renders it
@@ -57,10 +58,11 @@ from chassis.core.input_processor import truncation_length
 from chassis.core.pooling_params import PoolingParams
 from chassis.serve import errors
 from chassis.serve.embedding_encoding import (
+    BINARY_FORMATS,
     EmbedDType,
     EncodingFormat,
     Endianness,
-    bytes_body,
+    binary_response,
     encode_vector,
 )
 from chassis.serve.protocol import ChatMessage
@@ -97,9 +99,9 @@ class EmbeddingRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
     #: None: true for ``input``, false for ``messages`` (the chat template writes BOS)
     add_special_tokens: bool | None = None
-    #: the type ``base64`` and ``bytes`` encode each value as (``float``: always float32)
+    #: the type ``base64`` and the bytes formats encode each value as (``float``: float32)
     embed_dtype: EmbedDType = "float32"
-    #: the byte order of ``base64`` and ``bytes`` (``native``: the server's)
+    #: the byte order of ``base64`` and the bytes formats (``native``: the server's)
     endianness: Endianness = "native"
     #: vLLM's chat-style input: one conversation, rendered with the chat template
     messages: list[ChatMessage] | None = None
@@ -337,26 +339,38 @@ def encoded(body: EmbeddingRequest, vector: list[float]) -> list[float] | str:
     return base64.b64encode(data).decode("ascii")
 
 
+def binary(
+    body: EmbeddingRequest,
+    vectors: list[list[float]],
+    outputs: list[EmbeddingRequestOutput],
+    request_id: str,
+    model: str,
+) -> Response:
+    """The ``bytes`` or ``bytes_only`` answer of ``vectors`` (the pooled ``outputs``, as the
+    route sends them); a 400 when one cannot be encoded in ``embed_dtype``."""
+    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    try:
+        content, headers = binary_response(
+            str(body.encoding_format),
+            vectors,
+            body.embed_dtype,
+            body.endianness,
+            request_id=request_id,
+            created=int(time.time()),
+            model=model,
+            num_prompt_tokens=num_tokens,
+        )
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), "embed_dtype") from None
+    return Response(content, media_type="application/octet-stream", headers=headers)
+
+
 def _response(
     body: EmbeddingRequest, outputs: list[EmbeddingRequestOutput], request_id: str, model: str
 ) -> EmbeddingResponse | Response:
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    if body.encoding_format == "bytes":
-        try:
-            content, metadata = bytes_body(
-                [out.outputs.embedding for out in outputs],
-                body.embed_dtype,
-                body.endianness,
-                request_id=request_id,
-                created=int(time.time()),
-                model=model,
-                num_prompt_tokens=num_tokens,
-            )
-        except ValueError as exc:
-            raise errors.bad_request(str(exc), "embed_dtype") from None
-        return Response(
-            content, media_type="application/octet-stream", headers={"metadata": metadata}
-        )
+    if body.encoding_format in BINARY_FORMATS:
+        return binary(body, [out.outputs.embedding for out in outputs], outputs, request_id, model)
     data = [
         EmbeddingData(index=i, embedding=encoded(body, out.outputs.embedding))
         for i, out in enumerate(outputs)

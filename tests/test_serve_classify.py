@@ -112,6 +112,15 @@ def test_pooling_route(cls_server: ServerProcess, tiny_llama_cls_dir: Path) -> N
     encoded = _post(cls_server, "/pooling", {"input": "I loved it", "encoding_format": "base64"})
     decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["data"]), dtype="<f4")
     np.testing.assert_allclose(decoded, probs, atol=1e-6, rtol=0)
+    # the bytes formats carry the same values (activation applied), without JSON
+    raw_bytes = httpx.post(
+        cls_server.base + "/pooling",
+        json={"input": "I loved it", "encoding_format": "bytes_only", "endianness": "little"},
+        headers=cls_server.headers,
+        timeout=60,
+    )
+    assert raw_bytes.status_code == 200 and "metadata" not in raw_bytes.headers
+    np.testing.assert_allclose(np.frombuffer(raw_bytes.content, "<f4"), probs, atol=1e-6, rtol=0)
     error = _post(cls_server, "/pooling", {"input": "a", "normalize": True}, 400)
     assert error["param"] == "normalize"
     cls_server.wait_idle()
@@ -171,6 +180,9 @@ def test_refusals(cls_server: ServerProcess) -> None:
         cls_server, "/classify", {"input": "a", "use_activation": True, "softmax": False}, 400
     )
     assert conflict["param"] == "use_activation"
+    for encoding_format in ("bytes", "bytes_only"):
+        body = {"input": "a", "encoding_format": encoding_format}
+        assert _post(cls_server, "/classify", body, 400)["param"] == "encoding_format"
     with pytest.raises(openai.NotFoundError):
         client.post(
             cls_server.base + "/classify", body={"model": "other", "input": "a"}, cast_to=object

@@ -195,6 +195,44 @@ def test_bytes_encoding(server: ServerProcess) -> None:
     server.wait_idle()
 
 
+def test_bytes_only_and_the_bytes_formats_on_pooling(server: ServerProcess) -> None:
+    """``bytes_only``: the ``bytes`` body without its ``metadata`` header; ``/pooling``
+    serves both (vLLM's), its vectors being the ones it sends as floats."""
+    for route in ("/v1/embeddings", "/pooling"):
+        key = "embedding" if route == "/v1/embeddings" else "data"
+        # one input per request: bit for bit
+        floats = _ok(server, {"model": "tiny", "input": "The quick brown fox"}, route)
+        vector = floats["data"][0][key]
+        for encoding_format in ("bytes", "bytes_only"):
+            body = {
+                "model": "tiny",
+                "input": "The quick brown fox",
+                "encoding_format": encoding_format,
+                "embed_dtype": "float16",
+                "endianness": "big",
+            }
+            response = _post(server, body, route)
+            assert response.status_code == 200, response.text
+            assert response.headers["content-type"] == "application/octet-stream"
+            assert ("metadata" in response.headers) == (encoding_format == "bytes")
+            _same_bits(decode_vector(response.content, "float16", "big"), vector, "float16")
+            if encoding_format == "bytes":
+                metadata = json.loads(response.headers["metadata"])
+                tokens = floats["usage"]["prompt_tokens"]
+                assert metadata["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+                assert metadata["data"][0]["shape"] == [len(vector)]
+        # a batch: the vectors one after the other, in input order
+        texts = ["Hello world", "The cat sat on the mat."]
+        batch = _ok(server, {"model": "tiny", "input": texts}, route)
+        body = {"model": "tiny", "input": texts, "encoding_format": "bytes_only"}
+        response = _post(server, body, route)
+        assert response.status_code == 200 and "metadata" not in response.headers
+        got = decode_vector(response.content, "float32", "native").view(len(texts), -1)
+        expected = torch.tensor([d[key] for d in batch["data"]])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    server.wait_idle()
+
+
 def test_errors(server: ServerProcess) -> None:
     both = _error(server, {"model": "tiny", "input": "hi", "messages": MESSAGES})
     assert "exactly one of 'input'" in both["message"] and both["param"] == "messages"
@@ -216,8 +254,8 @@ def test_errors(server: ServerProcess) -> None:
         {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
     )
     assert both_prompts["param"] == "continue_final_message"
-    pooling_bytes = _error(server, {"input": "hi", "encoding_format": "bytes"}, "/pooling")
-    assert pooling_bytes["param"] == "encoding_format"
+    bad_dtype = {"input": "hi", "encoding_format": "bytes_only", "embed_dtype": "fp16"}
+    assert _error(server, bad_dtype, "/pooling")["param"] == "embed_dtype"
     # none of these reached the engine
     server.wait_idle()
 
