@@ -5,11 +5,16 @@ A small model with the target's vocabulary guesses the next ``k`` tokens of each
 the target verifies them in its next step exactly as it verifies n-gram drafts
 (:mod:`chassis.core.speculative`). The draft model lives in the worker beside the target:
 
-- **KV cache.** One cache tensor per draft attention layer, addressed by the *same* block
-  ids, block tables and slot mapping as the target's (no second block manager): a KV block
-  holds a span of positions in both models, so a block costs the target's bytes plus the
-  draft's (:meth:`DraftModelProposer.kv_cache_bytes_per_block`, which the block-count
-  sizing adds). Prefix-cache hits therefore carry the draft's K/V too.
+- **KV cache.** Cache tensors of the draft's attention layers, addressed by the *same*
+  block ids, block tables and slot mappings as the target's (no second block manager): a
+  KV block holds a span of positions in both models, so a block costs the target's bytes
+  plus the draft's (:meth:`DraftModelProposer.kv_cache_bytes_per_block`, which the
+  block-count sizing adds). Prefix-cache hits therefore carry the draft's K/V too. When
+  the target has KV cache groups (:mod:`chassis.core.kv_cache_groups`), each draft layer
+  uses the table of a group that keeps what it reads
+  (:func:`~chassis.core.kv_cache_groups.draft_layer_placement`), and draft layers of
+  different groups share a tensor as the target's do: a block id names one group's slot,
+  so a tensor per draft layer would leave the other groups' ids idle in it.
 - **Invariant.** After every step, for each request, the draft's K/V are valid at every
   position the target's are (``num_computed_tokens``): :meth:`DraftModelProposer.propose`
   runs the draft over exactly the positions the step computed and kept (rejected drafts'
@@ -46,9 +51,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from chassis.core.attention import ForwardContext, kv_cache_shape
+from chassis.core.attention import kv_cache_shape
+from chassis.core.kv_cache_groups import KVCacheGroupSpec, draft_layer_placement
 from chassis.core.model_loader import kv_head_count
-from chassis.core.model_runner import dummy_prefill, host_to_device, step_attention_metadata
+from chassis.core.model_runner import (
+    attention_layers,
+    dummy_prefill,
+    group_slots_and_tables,
+    host_to_device,
+)
+from chassis.core.packed_step_metadata import packed_forward_context
 from chassis.core.rejection_sampling import rejection_sample
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.speculative import can_speculate
@@ -183,6 +195,10 @@ class DraftModelProposer:
             getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         )
         self.kv_caches: list[torch.Tensor] = []
+        #: with the target's KV cache groups: the group whose block table each draft layer
+        #: reads (by layer number), and its cache tensor; None: group 0's, a tensor each
+        self.layer_group: list[int] | None = None
+        self._layer_tensor: list[int] | None = None
         #: the runner's sampler when it gives probabilities for probabilistic drafts (see
         #: :meth:`use_sampler`); None: every draft is the draft's argmax
         self.sampler: Sampler | None = None
@@ -213,23 +229,54 @@ class DraftModelProposer:
 
     # -- KV cache -------------------------------------------------------------------------
 
+    def place_on_groups(self, groups: list[KVCacheGroupSpec] | None) -> None:
+        """Read the target's KV cache groups (None: one block table): each draft layer gets
+        the group whose table it reads and a cache tensor
+        (:func:`~chassis.core.kv_cache_groups.draft_layer_placement`). A draft whose
+        attention layers this cannot see all read group 0's, a full-attention group. Call
+        before :meth:`kv_cache_bytes_per_block`."""
+        self.layer_group = self._layer_tensor = None
+        if groups is None or len(groups) == 1:
+            return
+        num_layers = self.model.num_attention_layers
+        layers = attention_layers(self.model)
+        if layers is None or sorted(m.layer_idx for m in layers) != list(range(num_layers)):
+            self.layer_group, self._layer_tensor = [0] * num_layers, list(range(num_layers))
+            return
+        windows: list[int | None] = [None] * num_layers
+        for layer in layers:
+            windows[layer.layer_idx] = layer.sliding_window
+        self.layer_group, self._layer_tensor = draft_layer_placement(groups, windows)
+
+    def num_cache_tensors(self) -> int:
+        """The draft's cache tensors of ``num_blocks`` blocks: one per draft layer, or with
+        the target's groups the most draft layers any one group holds."""
+        if self._layer_tensor is None:
+            return self.model.num_attention_layers
+        return max(self._layer_tensor) + 1
+
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes the draft's layers add to one KV block (K and V, all draft layers)."""
+        """Bytes the draft's layers add to one KV block id (K and V, every draft cache
+        tensor)."""
         per_layer = math.prod(kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim))
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return per_layer * elem * self.model.num_attention_layers
+        return per_layer * elem * self.num_cache_tensors()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache per draft layer with the target's ``num_blocks`` blocks (zeros
-        from the current platform, as the target's)."""
+        """Allocate the draft's cache tensors with the target's ``num_blocks`` blocks (zeros
+        from the current platform, as the target's); ``kv_caches`` lists one per draft
+        layer (shared between layers of different groups)."""
         from chassis.platforms import get_current_platform
 
         platform = get_current_platform()
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
+        tensors = [
             platform.kv_cache_zeros(shape, self.kv_dtype, self.device)
-            for _ in range(self.model.num_attention_layers)
+            for _ in range(self.num_cache_tensors())
         ]
+        self.kv_caches = (
+            tensors if self._layer_tensor is None else [tensors[j] for j in self._layer_tensor]
+        )
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
@@ -441,22 +488,27 @@ class DraftModelProposer:
         token_rows = rows[req_of_token]
         if input_ids is None:
             input_ids = batch.token_ids[token_rows, positions]
-        block_size = self.block_size
-        block_ids = batch.block_table[token_rows, positions // block_size].astype(np.int64)
-        slot_mapping = block_ids * block_size + positions % block_size
         seq_lens = (starts + query_lens).astype(np.int32)
-        max_blocks = math.ceil(int(seq_lens.max()) / block_size)
-        block_table = np.ascontiguousarray(batch.block_table[rows, :max_blocks])
-        metadata = step_attention_metadata(
+        slot_mappings, block_tables = group_slots_and_tables(
+            batch, rows, token_rows, positions, int(seq_lens.max()), self.block_size
+        )
+        if self.layer_group is None:  # group 0's table (the only one, or a full group)
+            slot_mappings, block_tables = slot_mappings[:1], block_tables[:1]
+        ctx = packed_forward_context(
             query_start_loc,
             seq_lens,
-            block_table,
-            slot_mapping,
+            slot_mappings,
+            block_tables,
             int(query_lens.max()),
-            self._to_device,
+            self._copy_metadata,
+            self.kv_caches,
+            self.layer_group,
+            self.pin_memory,
         )
-        ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
         return self.model(self._to_device(input_ids), self._to_device(positions), ctx)
+
+    def _copy_metadata(self, packed: torch.Tensor) -> torch.Tensor:
+        return packed if packed.device == self.device else packed.to(self.device, non_blocking=True)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return host_to_device(array, self.device, self.pin_memory)

@@ -130,9 +130,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / self.block_size)
         #: the KV cache groups of a model mixing sliding-window and full attention layers
-        #: (with the release on); None: one group, one block table. A draft model reads
-        #: group 0's table (a full-attention group: every position it may read is kept)
-        #: with caches of its own, as it does the single table.
+        #: (with the release on); None: one group, one block table. A draft model's layers
+        #: read the tables of groups that keep what they read, with caches of their own
+        #: (DraftModelProposer.place_on_groups).
         self.kv_groups: list[KVCacheGroupSpec] | None = self._plan_kv_groups()
         #: the KV cache group of each attention layer, by layer number (None: one group)
         self.layer_group: list[int] | None = None
@@ -142,6 +142,8 @@ class ModelRunner:
             self.layer_group, self._layer_tensor = layer_placement(
                 self.kv_groups, model.num_attention_layers
             )
+        if drafter is not None:
+            drafter.place_on_groups(self.kv_groups)
         self.batch = InputBatch(
             config.max_num_seqs,
             config.max_model_len,
@@ -190,11 +192,11 @@ class ModelRunner:
         (:func:`~chassis.core.kv_cache_groups.plan_kv_cache_groups`); None, one block table
         for every layer, when it does not, with ``--no-sliding-window-kv-release``, or when
         some attention is not an ``Attention`` layer this function can see. Group 0 is then
-        a full-attention group, the one a draft model reads."""
+        a full-attention group, which every draft-model layer may read."""
         if not self.config.sliding_window_kv_release:
             return None
         num_layers = self.model.num_attention_layers
-        layers = _attention_layers(self.model)
+        layers = attention_layers(self.model)
         if layers is None or sorted(m.layer_idx for m in layers) != list(range(num_layers)):
             return None
         windows: list[int | None] = [None] * num_layers
@@ -212,7 +214,7 @@ class ModelRunner:
         models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
         windows: list[int | None] = []
         for model in models:
-            layers = _attention_layers(model)
+            layers = attention_layers(model)
             if layers is None:
                 return None  # attention this function cannot see: keep every position
             windows.extend(layer.sliding_window for layer in layers)
@@ -603,7 +605,7 @@ class ModelRunner:
             self.drafter.profile_run(num_tokens)
 
 
-def _attention_layers(model: CausalLM) -> list[Attention] | None:
+def attention_layers(model: CausalLM) -> list[Attention] | None:
     """``model``'s :class:`Attention` layers, in module order; ``None`` when they are not all
     of its ``num_attention_layers`` (some attention is a layer this cannot see)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]

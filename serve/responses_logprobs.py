@@ -17,9 +17,17 @@ reasoning, those after it are text still held back); reasoning or call text alon
 waiting outputs. A token with no text of its own (a special token the detokenizer skips, a
 piece of a multi-byte character) goes with the next output's text, or, right after message
 text with nothing waiting (also once held-back message text is released), with that
-message text. One engine step's tokens go together: when
-a step's text is partly markup and partly message text (several tokens per step, as with
-speculative decoding), all of its tokens are the message's.
+message text.
+
+An output may hold several tokens (the deltas of a stream whose reader fell behind are
+merged into one; a speculative step accepts several tokens), and its text may be partly
+markup or reasoning and partly message text. Each token is routed on its own: the output is
+split into its tokens' texts (:func:`token_units`, from each entry's ``bytes``, the token's
+own text) when they make up the output's text exactly, so a token goes to the message only
+when its own text is message text. Where they do not (a token whose text alone is not what
+the detokenizer made of it in context, such as half of a multi-byte character), the
+output's tokens go together, as one unit, to the message when any of its text is message
+text.
 """
 
 from __future__ import annotations
@@ -60,7 +68,14 @@ class LogprobRouter:
         return self.add_entries(completion.text, entries)
 
     def add_entries(self, text: str, entries: list[ChatLogprobToken]) -> list[ChatLogprobToken]:
-        """:meth:`add` of an output whose text is ``text`` and tokens' entries ``entries``."""
+        """:meth:`add` of an output whose text is ``text`` and tokens' entries ``entries``
+        (each token routed on its own where :func:`token_units` can split the text)."""
+        late: list[ChatLogprobToken] = []
+        for unit_text, unit_entries in token_units(text, entries):
+            late += self._add_unit(unit_text, unit_entries)
+        return late
+
+    def _add_unit(self, text: str, entries: list[ChatLogprobToken]) -> list[ChatLogprobToken]:
         if not text:
             if self._after_message and not self._waiting:
                 return entries
@@ -109,3 +124,38 @@ class LogprobRouter:
             taken += entries
         self._waiting = kept
         return taken
+
+
+def token_text(entry: ChatLogprobToken) -> str:
+    """The text of a logprob entry's token on its own (its ``bytes``; the ``token`` when it
+    has none)."""
+    if entry.bytes is None:
+        return entry.token
+    return bytes(entry.bytes).decode("utf-8", errors="replace")
+
+
+def token_units(
+    text: str, entries: list[ChatLogprobToken]
+) -> list[tuple[str, list[ChatLogprobToken]]]:
+    """One engine output (``text``, its tokens' ``entries`` in order) split into units of
+    ``(text, entries)`` whose texts join to ``text``: a unit per token whose own text
+    (:func:`token_text`) comes next in ``text``, with the tokens before it that have none
+    there (special tokens the detokenizer skipped); a last unit of ``""`` for such tokens at
+    the end. When the tokens' texts do not make up ``text`` exactly, the whole output is one
+    unit (the reference behaviour: its tokens go together)."""
+    units: list[tuple[str, list[ChatLogprobToken]]] = []
+    pending: list[ChatLogprobToken] = []
+    position = 0
+    for entry in entries:
+        piece = token_text(entry)
+        if piece and text.startswith(piece, position):
+            units.append((piece, [*pending, entry]))
+            pending = []
+            position += len(piece)
+        else:
+            pending.append(entry)
+    if position != len(text):
+        return [(text, list(entries))] if text or entries else []
+    if pending:
+        units.append(("", pending))
+    return units

@@ -23,8 +23,9 @@ whitespace is held back until more text shows it starts a message, so the items 
 non-streamed response's (:mod:`chassis.serve.responses_output`). A failure after the first
 event ends the stream with ``error`` and ``response.failed``.
 
-Each ``response.output_text.delta`` carries the ``logprobs`` of its text's tokens (``[]``
-unless the request asked for them; :mod:`chassis.serve.responses_logprobs`), and
+Each ``response.output_text.delta`` carries the ``logprobs`` of its text's tokens, each
+token routed on its own also when one engine output holds several (``[]`` unless the
+request asked for them; :mod:`chassis.serve.responses_logprobs`), and
 ``response.output_text.done``, the part and the item all of them. A token with no text of
 its own after the message's text (such as the end-of-sequence token) comes in a delta whose
 ``delta`` is ``""``, so the deltas' logprobs add up to the part's.

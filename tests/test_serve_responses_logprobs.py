@@ -7,8 +7,9 @@ model is in tests/test_serve_responses.py (it shares that file's server).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -17,10 +18,11 @@ from fastapi.testclient import TestClient
 from test_serve_responses import CALL, MODEL, PARSERS, THOUGHT, WEATHER, Server, serve
 from test_serve_responses_background import finished
 
+from chassis.core.outputs import RequestOutput, merge_delta_outputs
 from chassis.serve.app import build_app
 from chassis.serve.chat_parsing import ChoiceDelta
 from chassis.serve.protocol import ChatLogprobToken
-from chassis.serve.responses_logprobs import LogprobRouter
+from chassis.serve.responses_logprobs import LogprobRouter, token_units
 from chassis.serve.responses_store import EVENT_COPIES_OF_LOGPROBS, ResponseStore, StoredResponse
 from chassis.serve.settings import ServerSettings
 from chassis.serve.tool_parser import ToolCallFragment
@@ -260,11 +262,11 @@ def test_the_router_gives_the_message_its_own_steps() -> None:
     assert router.route(ChoiceDelta()) == []  # markup: waits
     router.add_entries("Hm", [entry("Hm")])
     assert router.route(ChoiceDelta(reasoning="Hm")) == []  # reasoning: dropped
-    # one step with the end of the reasoning, the tag and the message's start (speculative
-    # decoding): reasoning released with the text comes before it, so the step is the text's
-    router.add_entries(" ok</think>\n\nHm", [entry(" ok"), entry("</think>"), entry("Hm")])
+    # one output with the end of the reasoning, the tag and the message's start (several
+    # tokens: merged deltas, a speculative step): each token goes where its text went
+    router.add_entries(" ok</think>Hm", [entry(" ok"), entry("</think>"), entry("Hm")])
     taken = router.route(ChoiceDelta(reasoning=" ok", content="Hm"))
-    assert [e.token for e in taken] == [" ok", "</think>", "Hm"]
+    assert [e.token for e in taken] == ["Hm"]
     # text held back (a possible tag) waits; the message text before it goes alone
     router.add_entries(" sure", [entry(" sure")])
     router.add_entries("<tool", [entry("<tool")])
@@ -288,3 +290,59 @@ def test_a_textless_token_after_held_back_message_text_goes_with_it() -> None:
     assert router.route(ChoiceDelta()) == []  # held back
     assert router.add_entries("", [entry("</s>")]) == []  # waits behind the held text
     assert [e.token for e in router.route(ChoiceDelta(content=" <"))] == [" <", "</s>"]
+
+
+def merging(engine: FakeAsyncLLM, size: int) -> Any:
+    """``engine.generate`` whose outputs come ``size`` at a time, merged as ``AsyncLLM``
+    merges the outputs a reader fell behind on (several tokens per output)."""
+    generate = engine.generate
+
+    async def merged(*args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        batch: RequestOutput | None = None
+        count = 0
+        async with contextlib.aclosing(generate(*args, **kwargs)) as stream:
+            async for output in stream:
+                batch = output if batch is None else merge_delta_outputs(batch, output)
+                count += 1
+                if count % size == 0:
+                    yield batch
+                    batch = None
+        if batch is not None:
+            yield batch
+
+    return merged
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+def test_outputs_of_several_tokens_give_each_token_to_its_own_item(size: int) -> None:
+    # outputs that straddle "</think>\n\n" and the message, and the message and the call:
+    # only the message's tokens carry logprobs, streamed (each delta its own text's) or not
+    for server in serve(THOUGHT + "Checking." + "\n" + CALL, PARSERS):
+        server.engine.generate = merging(server.engine, size)  # type: ignore[method-assign]
+        kwargs: dict[str, Any] = {"model": MODEL, "input": "Hi", "include": LOGPROBS}
+        kwargs.update(tools=[WEATHER], top_logprobs=1)
+        response = server.client.responses.create(**kwargs)
+        assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
+        text = part(response)
+        assert "".join(e["token"] for e in entries(text.logprobs)) == text.text == "Checking."
+        events = list(server.client.responses.create(**kwargs, stream=True))
+        assert entries(part(events[-1].response).logprobs) == entries(text.logprobs)
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        assert [entry for e in deltas for entry in entries(e.logprobs)] == entries(text.logprobs)
+        for delta in deltas:
+            assert "".join(e["token"] for e in entries(delta.logprobs)) == delta.delta
+
+
+def test_an_output_whose_tokens_do_not_make_its_text_goes_whole() -> None:
+    # the tokens' own texts tile the output's text: a unit per token, textless ones joining
+    # the next (or last, as ""); otherwise (half a character each) the output is one unit
+    eos = entry("</s>")
+    units = token_units("ab", [entry("a"), eos, entry("b"), eos])
+    assert [(text, [e.token for e in es]) for text, es in units] == [
+        ("a", ["a"]),
+        ("b", ["</s>", "b"]),
+        ("", ["</s>"]),
+    ]
+    halves = [entry("\ufffd"), entry("\ufffd")]
+    assert token_units("\u00e9", halves) == [("\u00e9", halves)]
+    assert token_units("", []) == []
