@@ -62,7 +62,8 @@ from chassis.core.model_runner import (
 )
 from chassis.core.packed_step_metadata import packed_forward_context
 from chassis.core.rejection_sampling import rejection_sample
-from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
+from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingRow, build_sampling_metadata
+from chassis.core.sampling_params import SamplingParams
 from chassis.core.speculative import can_speculate
 from chassis.core.token_draw import exponential_race
 
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from chassis.core.input_batch import InputBatch, RequestState
     from chassis.core.model_interface import CausalLM
     from chassis.core.sampler_interface import Sampler
+    from chassis.core.sampling_metadata import SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,12 @@ def load_draft_model(
         spec.draft_sampling,
     )
     return model
+
+
+#: the sampling row :meth:`DraftModelProposer.profile_verify` verifies with
+_PROFILE_SAMPLING_ROW = SamplingRow(
+    sampling_params=SamplingParams(temperature=1.0), prompt_token_ids=[0], output_token_ids=[]
+)
 
 
 @dataclass
@@ -431,15 +439,47 @@ class DraftModelProposer:
         of ``rows`` replaced by rejection sampling's tokens, which the runner's exact-match
         rule (:func:`~chassis.core.speculative.accepted_tokens`) turns into the output. On
         the device, no host synchronization."""
-        assert self.sampler is not None
         metadata = build_sampling_metadata(
             [s.sampling_row for s in rows.states], rows.logits.device, rows.logits.shape[1]
         )
+        return sampled_token_ids.index_copy(0, rows.index, self._rejection_tokens(rows, metadata))
+
+    def _rejection_tokens(self, rows: VerifyRows, metadata: SamplingMetadata) -> torch.Tensor:
+        """``[rows]`` int64: rejection sampling's token of each verify row (the target's
+        ``p`` from the sampler, against the drafts' ``q``)."""
+        assert self.sampler is not None
         target_probs = self.sampler.probabilities(rows.logits, metadata)
-        tokens = rejection_sample(
-            target_probs, rows.draft_probs, rows.draft_token_ids, rows.is_bonus
+        return rejection_sample(target_probs, rows.draft_probs, rows.draft_token_ids, rows.is_bonus)
+
+    @torch.inference_mode()
+    def profile_verify(self, logits: torch.Tensor) -> None:
+        """The verify step's memory, for the start-up profile: call while the step's
+        ``logits`` (``[rows, >= vocab]``, every sampling row the profile computes) are alive.
+        With probabilistic drafts it holds the ``q`` of ``k`` drafts per request (kept from
+        the proposal until verified) and runs the real verify path (:meth:`prepare_verify`'s
+        copies and :meth:`_rejection_tokens`) on dummy values for up to
+        ``max_num_seqs * (k + 1)`` rows, so the profile's peak holds every temporary of
+        rejection sampling (the rows' logits and ``q``, ``p``, the masked ``q``, the
+        residual, the noise and the race's quotients: 7 tensors of rows x vocab float32 at
+        its peak) under a sampler with temperature only. Greedy drafts: nothing."""
+        if self.sampler is None:
+            return
+        k = self.num_speculative_tokens
+        vocab = self.vocab_size
+        kept_q = torch.zeros(self.max_num_seqs * k, vocab, dtype=torch.float32, device=self.device)
+        num_rows = min(logits.shape[0], self.max_num_seqs * (k + 1))
+        index = torch.arange(num_rows, device=logits.device)
+        rows = VerifyRows(
+            index=index,
+            logits=logits[:, :vocab].index_select(0, index).float(),
+            draft_probs=torch.zeros(num_rows, vocab, dtype=torch.float32, device=logits.device),
+            draft_token_ids=torch.zeros(num_rows, dtype=torch.int64, device=logits.device),
+            is_bonus=index % (k + 1) == k,
+            states=[],
         )
-        return sampled_token_ids.index_copy(0, rows.index, tokens)
+        metadata = build_sampling_metadata([_PROFILE_SAMPLING_ROW] * num_rows, logits.device, vocab)
+        self._rejection_tokens(rows, metadata)
+        del kept_q
 
     def _room(
         self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, sampled: np.ndarray

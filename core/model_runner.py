@@ -575,7 +575,9 @@ class ModelRunner:
         budget longer than ``max_model_len`` is split into several requests (as a real step
         would be), and logits are computed for as many rows as a step can sample
         (``max_num_seqs``, times ``1 + num_speculative_tokens`` with speculative decoding), so
-        that both peaks are seen.
+        that both peaks are seen; with probabilistic drafts, rejection sampling then runs on
+        those logits (:meth:`DraftModelProposer.profile_verify`), and the draft model's
+        forward follows.
         """
         num_tokens = max(1, num_tokens)
         input_ids, positions, ctx = dummy_prefill(
@@ -597,10 +599,12 @@ class ModelRunner:
         # Speculative decoding samples after each draft too: up to 1 + k rows per request.
         spec = self.config.speculative
         rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        self.model.compute_logits(
+        logits = self.model.compute_logits(
             hidden[: min(self.config.max_num_seqs * rows_per_seq, num_tokens)]
-        )
-        del ctx  # the dummy caches
+        ).float()
+        if self.drafter is not None:  # rejection sampling runs while the step's logits live
+            self.drafter.profile_verify(logits)
+        del logits, ctx  # (ctx: the dummy caches)
         if self.drafter is not None:
             self.drafter.profile_run(num_tokens)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from fixtures_models import hf_greedy_tokens, write_tiny_checkpoint
 from fixtures_speculative import abort_during_a_drafted_step, counting_steps, sample_first_three
+from fixtures_tensor_memory import PeakTensorBytes
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -338,6 +339,34 @@ def test_probabilistic_drafts_keep_the_distribution(
     keys = plain.keys() | drafted_counts.keys()
     distance = sum(abs(plain[k] - drafted_counts[k]) for k in keys) / 800
     assert distance < 0.15, (plain.most_common(5), drafted_counts.most_common(5))
+
+
+def test_the_memory_profile_holds_the_verify_steps_tensors(tiny_llama_dir: Path) -> None:
+    """The start-up profile (``ModelRunner.profile_run``) runs rejection sampling for real
+    while the step's logits are alive: with probabilistic drafts its peak of tensor memory
+    grows, over greedy drafts', by the kept ``q`` (``max_num_seqs * k`` rows) plus the
+    verify step's 7 temporaries of ``max_num_seqs * (k + 1)`` rows (the rows' logits copy,
+    their ``q``, ``p``, ``q`` masked on bonus rows, the residual, the noise and the race's
+    quotients), vocabulary-wide float32 each, within one row (the ids, uniforms and masks)."""
+    llm = sampling_llm(
+        tiny_llama_dir, tiny_llama_dir, "probabilistic", max_num_seqs=2, max_num_batched_tokens=64
+    )
+    try:
+        runner = llm.engine.executor.worker.runner
+        sampler = DefaultSampler(llm.engine.config)
+        peaks = {}
+        for probabilistic in (True, False):
+            # custom logits processors turn probabilistic drafts off
+            assert runner.drafter.use_sampler(sampler, not probabilistic) == probabilistic
+            with PeakTensorBytes() as memory:
+                runner.profile_run(64)
+            assert memory.current == 0  # the profile keeps nothing
+            peaks[probabilistic] = memory.peak
+        row = runner.drafter.vocab_size * 4
+        want = (2 * K + 7 * 2 * (K + 1)) * row
+        assert abs(peaks[True] - peaks[False] - want) < row, (peaks, want)
+    finally:
+        llm.shutdown()
 
 
 def test_a_sampler_without_probabilities_gets_one_hot_drafts(tiny_llama_dir: Path) -> None:
