@@ -211,7 +211,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     unknown parser names, for a ``--generation-config`` that cannot be read and for a
     ``--lora-modules`` adapter the engine cannot run, for a plugin route that cannot be
     added (its path is taken; the message names the plugin), and for an invalid
-    ``$CHASSIS_RESPONSES_STORE_SIZE``.
+    ``$CHASSIS_RESPONSES_STORE_SIZE`` or ``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``.
     """
     settings = settings or ServerSettings()
     state = ServerState(
@@ -255,8 +255,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         **_lenient_content_type(),
     )
     app.state.chassis = state
-    # made now: a bad $CHASSIS_RESPONSES_STORE_SIZE stops start-up (on first use it would
-    # answer every /v1/responses request with a 400 blaming the client)
+    # made now: a bad $CHASSIS_RESPONSES_STORE_SIZE or $CHASSIS_RESPONSES_EVENTS_PER_RESPONSE
+    # stops start-up (on first use it would answer every /v1/responses request with a 400
+    # blaming the client)
     app.state.responses_store = ResponseStore(store_size_from_env())
     app.state.responses_background = BackgroundResponses()
     install_exception_handlers(app)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from chassis.serve.args import add_engine_args, engine_config_from_args, parse_memory_size
 from chassis.serve.lora import check_lora_modules, parse_lora_modules
+from chassis.serve.responses_events import events_per_response_from_env
 from chassis.serve.responses_store import store_size_from_env
 from chassis.serve.settings import (
     DEFAULT_HOST,
@@ -322,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
         ChatParsers.from_settings(settings)  # unknown parser names fail before the model loads
         check_tls(settings)  # and so do unreadable certificates
         store_size_from_env()  # and a bad $CHASSIS_RESPONSES_STORE_SIZE
+        events_per_response_from_env()  # or $CHASSIS_RESPONSES_EVENTS_PER_RESPONSE
         check_lora_modules(
             settings.lora_modules,
             enable_lora=config.enable_lora,

@@ -45,6 +45,7 @@ from chassis.serve.responses_background import (
     BackgroundRun,
     background_responses,
 )
+from chassis.serve.responses_events import EventLog, EventsDropped
 from chassis.serve.responses_include import check_include, wants_logprobs, without_logprobs
 from chassis.serve.responses_input import chat_messages, input_items
 from chassis.serve.responses_items import DEFAULT_LIMIT, page, with_ids
@@ -108,7 +109,8 @@ class _Turn:
     #: the items before this response's output (previous turns, then ``input``)
     conversation: list[dict[str, Any]]
     #: the stream events, kept for a background response created with ``stream: true``
-    events: list[str] | None = None
+    #: (the newest ``store.max_events_per_response`` of them)
+    events: EventLog | None = None
     #: when the request arrived (the same in every event of a stream)
     created_at: int = field(default_factory=lambda: int(time.time()))
     #: the final response, once made
@@ -487,7 +489,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     log_request(
         state.settings, response_id, None, prompt_ids, params, lora_request, state.tokenizer
     )
-    events: list[str] | None = [] if body.background and body.stream else None
+    events = store.new_event_log() if body.background and body.stream else None
     turn = _Turn(state, store, body, response_id, model, params, conversation, events)
 
     def open_stream() -> Awaitable[AsyncIterator[RequestOutput]]:
@@ -520,7 +522,9 @@ async def retrieve_response(
     """A response: a stored one as it was returned, a running background one as it stands;
     a 404 for an unknown (or dropped) id. With ``?stream=true``, the events of a background
     response created with ``stream: true`` after sequence number ``starting_after`` (all
-    when absent), then the rest as they come; a 400 for any other response.
+    when absent), then the rest as they come; a 400 for any other response, and one naming
+    ``starting_after`` when some of those events are no longer kept (a response's log keeps
+    its newest events only, :mod:`chassis.serve.responses_events`).
     ``include_obfuscation`` is accepted and has no effect (no obfuscation is added);
     ``include`` (as ``include=`` or ``include[]=``) follows
     :func:`~chassis.serve.responses_include.check_include`: values that add nothing here
@@ -544,10 +548,14 @@ async def retrieve_response(
             f"starting_after must be a sequence number (0 or more), or -1 for every event; got {after}",
             "starting_after",
         )
-    if run is not None and run.events is not None:
-        return _sse(run.follow(after))
-    if stored is not None and stored.events is not None:
-        return _sse(_replay(stored.events[after + 1 :]))
+    try:
+        if run is not None and run.events is not None:
+            run.events.check_resume(after)
+            return _sse(run.follow(after))
+        if stored is not None and stored.events is not None:
+            return _sse(_replay(stored.events.after(after)))
+    except EventsDropped as exc:
+        raise errors.bad_request(str(exc), "starting_after") from None
     if stored is not None and stored.events_dropped:
         raise errors.bad_request(
             "the stream events of this response are no longer kept (the server keeps a "

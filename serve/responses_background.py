@@ -8,9 +8,12 @@ from the engine's first output, and ends ``completed``, ``incomplete``, ``failed
 running response, and ``GET /v1/responses/{id}`` shows it with the output made so far.
 
 Every event of the run (:mod:`chassis.serve.responses_stream`'s, with their
-``sequence_number``) is kept in :attr:`BackgroundRun.events` when the request streamed, so
+``sequence_number``) is logged in :attr:`BackgroundRun.events` when the request streamed, so
 that a client may follow it (``stream: true``) and resume it from any sequence number after
-a disconnect. Following never cancels the run; ``POST /v1/responses/{id}/cancel`` does
+a disconnect; the log keeps the newest events of the run only
+(:class:`~chassis.serve.responses_events.EventLog`): a resume from before them is a 400, and
+a follower that falls that far behind gets an ``error`` event and its stream ends.
+Following never cancels the run; ``POST /v1/responses/{id}/cancel`` does
 (:meth:`BackgroundResponses.cancel`: the task is cancelled, which closes the engine stream
 and so aborts the engine request and frees its KV blocks). On server shutdown every run is
 cancelled the same way (:meth:`BackgroundResponses.close`).
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from chassis.serve.responses_events import EventLog
     from chassis.serve.responses_protocol import ResponseObject
 
 
@@ -34,13 +38,13 @@ class BackgroundRun:
     """One running background response.
 
     ``snapshot`` makes the response as it stands (status, output so far); ``events`` is the
-    log of its stream events (``None``: not kept, the request did not stream); an event's
-    ``sequence_number`` is its index there.
+    log of its stream events (``None``: not kept, the request did not stream), by
+    ``sequence_number``.
     """
 
     response_id: str
     snapshot: Callable[[], ResponseObject]
-    events: list[str] | None
+    events: EventLog | None
     #: the items the model is given (``GET /v1/responses/{id}/input_items``)
     input_items: list[dict[str, Any]]
     #: ``queued`` until the engine's first output, then ``in_progress``
@@ -70,12 +74,19 @@ class BackgroundRun:
 
     async def follow(self, starting_after: int = -1) -> AsyncIterator[str]:
         """The logged events whose sequence number is above ``starting_after``, then each new
-        one as it comes, until the run ends. Needs ``events``."""
-        assert self.events is not None
-        index = starting_after + 1  # sequence numbers are the log's indices
+        one as it comes, until the run ends. Needs ``events``; the caller checks first that
+        the log still keeps them (:meth:`EventLog.check_resume`). A follower whose next event
+        was dropped meanwhile (it read more slowly than the run made events, by more than the
+        log keeps) gets an ``error`` event instead, and no more."""
+        log = self.events
+        assert log is not None
+        index = starting_after + 1
         while True:
-            while index < len(self.events):
-                yield self.events[index]
+            while index < log.end:
+                if index < log.first:
+                    yield log.dropped_event(index)
+                    return
+                yield log.get(index)
                 index += 1
             if self.done:
                 return

@@ -6,9 +6,13 @@ Bounded, least recently used first out: a server that runs for days keeps at mos
 responses, and a conversation continued now and then stays (a background response enters
 it when it finishes: while it runs it is in :mod:`chassis.serve.responses_background`, never
 dropped). A stored background response that streamed keeps its event log (an event per
-output delta, a few hundred bytes each) for ``GET ...?stream=true``; the store keeps at most
-``max_events`` (:data:`DEFAULT_MAX_STORED_EVENTS`) such events in all, dropping the least
-recently used responses' logs first (the responses themselves stay). A response's output
+output delta, a few hundred bytes each) for ``GET ...?stream=true``: at most
+``max_events_per_response`` newest events each
+(:data:`~chassis.serve.responses_events.DEFAULT_MAX_EVENTS_PER_RESPONSE`, or
+``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``), the bound it had while it ran
+(:class:`~chassis.serve.responses_events.EventLog`); the store keeps at most ``max_events``
+(:data:`DEFAULT_MAX_STORED_EVENTS`) such events in all, dropping the least recently used
+responses' logs first (the responses themselves stay). A response's output
 logprobs (``include: ["message.output_text.logprobs"]``) cost about 330 bytes per entry (a
 token or one of its ``top_logprobs``; ``python tests/perf/responses_logprob_memory.py``), up
 to 20 times the text's size: the store keeps at most
@@ -24,6 +28,8 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+
+from chassis.serve.responses_events import EventLog, events_per_response_from_env
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -54,15 +60,16 @@ class StoredResponse:
 
     ``num_input_items``: how many of the conversation's items were the model's input
     (``None``: all); ``events``: the stream events of a background response created with
-    ``stream: true`` (kept for ``GET ...?stream=true``), else ``None``; ``events_dropped``:
-    it had such events, and the store's bound on events dropped them; ``num_logprobs``: its
-    output's logprob entries, alternatives included (:func:`count_logprobs`), times
+    ``stream: true`` (kept for ``GET ...?stream=true``; its newest events only), else
+    ``None``; ``events_dropped``: it had such events, and the store's bound on events dropped
+    them; ``num_logprobs``: its output's logprob entries, alternatives included
+    (:func:`count_logprobs`), times
     ``1 + EVENT_COPIES_OF_LOGPROBS`` when it keeps events."""
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
     num_input_items: int | None = None
-    events: list[str] | None = None
+    events: EventLog | None = None
     events_dropped: bool = False
     num_logprobs: int = 0
 
@@ -79,19 +86,29 @@ class ResponseStore:
     read goes first), at most ``max_events`` stream events in all (the least recently
     used responses' event logs go first) and at most ``max_logprobs`` output logprob entries
     in all (the least recently used responses go first, never the one just stored). Used
-    from the event loop only: no locking."""
+    from the event loop only: no locking.
+
+    ``max_events_per_response`` (``None``: ``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE`` or
+    :data:`~chassis.serve.responses_events.DEFAULT_MAX_EVENTS_PER_RESPONSE`) bounds each
+    streamed background response's event log from its start (:meth:`new_event_log`), while
+    it runs and once stored."""
 
     def __init__(
         self,
         max_responses: int = DEFAULT_MAX_STORED_RESPONSES,
         max_events: int = DEFAULT_MAX_STORED_EVENTS,
         max_logprobs: int = DEFAULT_MAX_STORED_LOGPROBS,
+        max_events_per_response: int | None = None,
     ) -> None:
         if max_responses < 1:
             raise ValueError(f"the responses store needs room for 1 or more; got {max_responses}")
+        if max_events_per_response is None:
+            max_events_per_response = events_per_response_from_env()
         self.max_responses = max_responses
         self.max_events = max_events
         self.max_logprobs = max_logprobs
+        self.max_events_per_response = max_events_per_response
+        EventLog(max_events_per_response)  # a bound below 1 is a ValueError now
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
@@ -102,6 +119,11 @@ class ResponseStore:
         """The stream events the stored responses hold. Counted, not tracked: a background
         response is stored just before its last events are logged (the log is shared)."""
         return sum(len(stored.events) for stored in self._items.values() if stored.events)
+
+    def new_event_log(self) -> EventLog:
+        """An empty event log for a streamed background response, bounded by
+        ``max_events_per_response``."""
+        return EventLog(self.max_events_per_response)
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
         """Keep ``stored`` under ``response_id``, dropping the least recently used beyond

@@ -20,6 +20,7 @@ from test_serve_responses import CALL, MODEL, PARSERS, THOUGHT, WEATHER, Server,
 
 from chassis.serve.app import build_app
 from chassis.serve.responses_background import BackgroundResponses, BackgroundRun
+from chassis.serve.responses_events import EventLog
 from chassis.serve.responses_protocol import ResponseObject
 from chassis.serve.responses_store import ResponseStore
 from chassis.serve.settings import ServerSettings
@@ -382,7 +383,8 @@ def test_the_store_bounds_the_stream_events_it_keeps(server: Server) -> None:
 
 def test_followers_get_the_events_as_they_come() -> None:
     async def main() -> None:
-        run = BackgroundRun("r", lambda: ResponseObject(id="r", status="queued", model="m"), [], [])
+        snapshot = lambda: ResponseObject(id="r", status="queued", model="m")  # noqa: E731
+        run = BackgroundRun("r", snapshot, EventLog(), [])
         runs = BackgroundResponses()
         gate = asyncio.Event()
 

@@ -1,0 +1,128 @@
+"""The event log of a streamed background response, bounded per response.
+
+A background response created with ``stream: true`` keeps its stream events so that a client
+may follow it again from any sequence number (``GET /v1/responses/{id}?stream=true&
+starting_after=N``). A long response makes an event per output delta, so while it runs its
+log would grow with its length: :class:`EventLog` keeps only the newest ``max_events``
+(:data:`DEFAULT_MAX_EVENTS_PER_RESPONSE`, or ``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``),
+dropping the oldest. Sequence numbers stay those the events were sent with: the log knows
+the number of its oldest event (:attr:`EventLog.first`), and a resume that asks for events
+before it is refused (:class:`EventsDropped`) rather than answered with a gap. The newest
+events, the response's end among them, are always kept. Once the response is stored, the
+store's bound on events in all (:mod:`chassis.serve.responses_store`) applies on top.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from collections.abc import Iterator
+from itertools import islice
+
+#: Events kept per streamed background response when ``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``
+#: is not set: an event per output delta, so the last ~10,000 tokens' deltas and the final
+#: events of any response.
+DEFAULT_MAX_EVENTS_PER_RESPONSE = 10_000
+EVENTS_PER_RESPONSE_ENV = "CHASSIS_RESPONSES_EVENTS_PER_RESPONSE"
+
+
+class EventsDropped(Exception):
+    """A resume asked for events the log no longer keeps; ``first`` is the sequence number
+    of the oldest event it keeps."""
+
+    def __init__(self, starting_after: int, first: int, max_events: int) -> None:
+        self.first = first
+        super().__init__(
+            f"the stream events before sequence number {first} were dropped (the server keeps "
+            f"the last {max_events} events of a response): resume with starting_after "
+            f"{first - 1} or more, or retrieve the response without stream; got "
+            f"starting_after {starting_after}"
+        )
+
+
+class EventLog:
+    """The newest ``max_events`` events of one stream (SSE strings), by sequence number: the
+    event appended ``k``-th (from 0) has sequence number ``k`` whether or not it is still
+    kept. Appending past ``max_events`` drops the oldest."""
+
+    def __init__(self, max_events: int = DEFAULT_MAX_EVENTS_PER_RESPONSE) -> None:
+        if max_events < 1:
+            raise ValueError(f"an event log needs room for 1 event or more; got {max_events}")
+        self.max_events = max_events
+        self._events: deque[str] = deque()
+        #: the sequence number of the oldest kept event (of the next one when none is kept)
+        self.first = 0
+
+    def __len__(self) -> int:
+        """The events kept (not the events appended)."""
+        return len(self._events)
+
+    def __iter__(self) -> Iterator[str]:
+        """The kept events, oldest first."""
+        return iter(self._events)
+
+    @property
+    def end(self) -> int:
+        """The sequence number the next appended event gets."""
+        return self.first + len(self._events)
+
+    def append(self, event: str) -> None:
+        """Keep ``event`` (sequence number :attr:`end`), dropping the oldest beyond the
+        bound."""
+        self._events.append(event)
+        if len(self._events) > self.max_events:
+            self._events.popleft()
+            self.first += 1
+
+    def check_resume(self, starting_after: int) -> None:
+        """:class:`EventsDropped` unless every event after ``starting_after`` is kept or
+        still to come."""
+        if starting_after + 1 < self.first:
+            raise EventsDropped(starting_after, self.first, self.max_events)
+
+    def get(self, sequence_number: int) -> str:
+        """The kept event of ``sequence_number``; :class:`EventsDropped` for a dropped one,
+        ``IndexError`` for one not appended yet."""
+        if sequence_number < self.first:
+            raise EventsDropped(sequence_number - 1, self.first, self.max_events)
+        if sequence_number >= self.end:
+            raise IndexError(f"no event {sequence_number} yet (next is {self.end})")
+        return self._events[sequence_number - self.first]
+
+    def after(self, starting_after: int) -> list[str]:
+        """The events after sequence number ``starting_after`` (all of them for -1);
+        :class:`EventsDropped` when some of them are no longer kept."""
+        self.check_resume(starting_after)
+        skip = max(starting_after + 1 - self.first, 0)
+        return list(islice(self._events, skip, None))
+
+    def dropped_event(self, sequence_number: int) -> str:
+        """The ``error`` event that ends a follower which fell behind: the event of
+        ``sequence_number``, the next it was to get, is no longer kept. It carries that
+        sequence number (the events it missed were never sent to it)."""
+        error = EventsDropped(sequence_number - 1, self.first, self.max_events)
+        data = {
+            "type": "error",
+            "sequence_number": sequence_number,
+            "code": "events_dropped",
+            "message": f"this stream fell behind: {error}",
+            "param": None,
+        }
+        return f"event: error\ndata: {json.dumps(data)}\n\n"
+
+
+def events_per_response_from_env() -> int:
+    """``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``, else
+    :data:`DEFAULT_MAX_EVENTS_PER_RESPONSE`; ``ValueError`` for a value that is not a
+    positive integer."""
+    raw = os.environ.get(EVENTS_PER_RESPONSE_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_MAX_EVENTS_PER_RESPONSE
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"${EVENTS_PER_RESPONSE_ENV} must be a positive integer; got {raw!r}")
+    return size
