@@ -64,3 +64,42 @@ def layer_placement(
     if -1 in layer_group:
         raise ValueError(f"layer {layer_group.index(-1)} is in no KV cache group")
     return layer_group, layer_tensor
+
+
+def draft_layer_placement(
+    groups: Sequence[KVCacheGroupSpec], draft_windows: Sequence[int | None]
+) -> tuple[list[int], list[int]]:
+    """``(layer_group, layer_tensor)`` of a draft model's layers (windows ``draft_windows``,
+    by layer number) on the target's ``groups``.
+
+    Each draft layer reads and writes at the block ids of a group that keeps every position
+    it may read: a full group, or a window group whose window is at least the layer's
+    (group 0, full, suits every layer). The layers with the fewest such groups are placed
+    first, each in the least loaded one (ties: a window group before a full one, the
+    smaller window first), and use the draft cache tensor of their place among the draft
+    layers of that group. Draft layers of different groups share a tensor, as the target's
+    do: a block id belongs to one group at a time.
+    """
+    if not groups or groups[0].window is not None:
+        raise ValueError("the first KV cache group must be a full-attention group")
+
+    def fits(window: int | None) -> list[int]:
+        return [
+            g
+            for g, group in enumerate(groups)
+            if group.window is None or (window is not None and window <= group.window)
+        ]
+
+    load = [0] * len(groups)
+    layer_group = [-1] * len(draft_windows)
+    layer_tensor = [-1] * len(draft_windows)
+    order = sorted(range(len(draft_windows)), key=lambda i: (len(fits(draft_windows[i])), i))
+    for layer in order:
+        g = min(
+            fits(draft_windows[layer]),
+            key=lambda g: (load[g], groups[g].window is None, groups[g].window or 0, g),
+        )
+        layer_group[layer] = g
+        layer_tensor[layer] = load[g]
+        load[g] += 1
+    return layer_group, layer_tensor

@@ -34,7 +34,12 @@ from test_sliding_window_kv import (
 
 from chassis.core.block_pool import NULL_BLOCK_ID
 from chassis.core.engine_core import EngineInfo
-from chassis.core.kv_cache_groups import KVCacheGroupSpec, layer_placement, plan_kv_cache_groups
+from chassis.core.kv_cache_groups import (
+    KVCacheGroupSpec,
+    draft_layer_placement,
+    layer_placement,
+    plan_kv_cache_groups,
+)
 from chassis.core.kv_cache_manager import (
     KVCacheManager,
     _group_key,
@@ -48,6 +53,26 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 # -- the groups ------------------------------------------------------------------------------
+
+
+def test_draft_layers_go_to_groups_that_keep_what_they_read() -> None:
+    full, window4 = KVCacheGroupSpec(None, (1, 3)), KVCacheGroupSpec(4, (0, 2))
+    # Gemma 2 drafting for Gemma 2: window layers on the window group, two tensors
+    assert draft_layer_placement([full, window4], [4, None, 4, None]) == (
+        [1, 0, 1, 0],
+        [0, 0, 1, 1],
+    )
+    # full layers only fit a full group; a window wider than the group's does not fit it
+    assert draft_layer_placement([full, window4], [None] * 3) == ([0, 0, 0], [0, 1, 2])
+    assert draft_layer_placement([full, window4], [8, 2]) == ([0, 1], [0, 0])
+    # several full groups share the full layers; the most constrained layers go first
+    groups = [KVCacheGroupSpec(None, (0,)), KVCacheGroupSpec(None, (1,)), KVCacheGroupSpec(5, (2,))]
+    assert draft_layer_placement(groups, [3, None, None, None, None, 5]) == (
+        [2, 0, 1, 0, 1, 2],
+        [0, 0, 0, 1, 1, 1],
+    )
+    with pytest.raises(ValueError, match="full-attention group"):
+        draft_layer_placement([window4, full], [None])
 
 
 def test_groups_have_one_size_and_full_groups_come_first() -> None:
@@ -355,18 +380,26 @@ def test_async_scheduling_and_ngram_speculation_keep_outputs(
     assert llm.engine.scheduler.spec_num_draft_tokens > 0
 
 
-def test_a_draft_model_reads_the_full_group_and_keeps_outputs(
+def test_a_draft_model_reads_the_groups_that_keep_its_context_and_keeps_outputs(
     gemma2_dir: Path, gemma2_expected: list[list[int]]
 ) -> None:
-    # the draft (here the model itself) writes and reads its own caches through group 0's
-    # table, a full-attention group; the target's window group still releases
+    # the draft (here the model itself) puts its window layers on the target's window
+    # group and its full layers on the full group: two cache tensors for four layers, every
+    # block id used by one draft layer per tensor; the target's window group still releases
     spec = {"model": str(gemma2_dir), "num_speculative_tokens": 3}
     llm = make_llm(gemma2_dir, release=True, speculative_config=spec)
     kv = llm.engine.kv_cache_manager
     assert kv.group_windows == [None, 4]
+    drafter = llm.engine.executor.worker.runner.drafter
+    assert drafter.layer_group == [1, 0, 1, 0]
+    assert drafter.num_cache_tensors() == 2
+    assert len({c.data_ptr() for c in drafter.kv_caches}) == 2
     tokens, most_held = run(llm, PROMPTS)
     assert tokens == gemma2_expected
-    assert llm.engine.scheduler.spec_num_accepted_tokens > 0
+    # the draft is the target: a draft layer reading a wrong or released block would make
+    # it disagree, and a rejected draft would show here
+    scheduler = llm.engine.scheduler
+    assert scheduler.spec_num_accepted_tokens == scheduler.spec_num_draft_tokens > 0
     off = make_llm(gemma2_dir, release=False, speculative_config=spec)
     kept, most_kept = run(off, PROMPTS)
     assert kept == gemma2_expected
