@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import numpy as np
 
@@ -52,6 +52,8 @@ UNKNOWN = -1
 MAX_NFA_STATES = 200_000
 
 _Ranges = tuple[tuple[int, int], ...]
+#: the steps of building one compound node: yields (child, entry), is sent the child's exit
+_Build = Generator[tuple[ir.Node, int], int, int]
 
 
 class WorkBudgetExceeded(ConstraintBudgetExceeded):
@@ -139,33 +141,77 @@ class _Nfa:
 
     def estimate(self, node: ir.Node, memo: dict[int, int] | None = None) -> int:
         """An upper bound of the states :meth:`build` adds for ``node``, without building
-        (memoized by ``id``: IR trees share sub-trees, and a deep tree's hash is not cached)."""
+        (memoized by ``id``: IR trees share sub-trees, and a deep tree's hash is not cached).
+        Iterative, so any depth of tree is estimated."""
         memo = {} if memo is None else memo
-        known = memo.get(id(node))
-        if known is not None:
-            return known
+        stack: list[tuple[ir.Node, bool]] = [(node, False)]
+        while stack:
+            current, children_done = stack.pop()
+            if id(current) in memo:
+                continue
+            children = self._children(current)
+            if not children_done and any(id(child) not in memo for child in children):
+                stack.append((current, True))
+                stack.extend((child, False) for child in children if id(child) not in memo)
+                continue
+            memo[id(current)] = self._size(current, memo)
+        return memo[id(node)]
+
+    def _children(self, node: ir.Node) -> tuple[ir.Node, ...]:
+        """The sub-trees whose sizes :meth:`_size` reads for ``node``."""
+        if isinstance(node, ir.Seq):
+            return node.items
+        if isinstance(node, ir.Alt):
+            return node.options if self.chains(node) is None else ()
+        if isinstance(node, ir.Repeat):
+            return (node.item,)
+        return ()
+
+    def _size(self, node: ir.Node, memo: dict[int, int]) -> int:
+        """:meth:`estimate` of ``node``, its children's already in ``memo``."""
         if isinstance(node, ir.Bytes):
-            size = len(node.value)
-        elif isinstance(node, ir.ByteSet):
-            size = 1
-        elif isinstance(node, ir.Seq):
-            size = sum(self.estimate(item, memo) for item in node.items)
-        elif isinstance(node, ir.Alt):
+            return len(node.value)
+        if isinstance(node, ir.ByteSet):
+            return 1
+        if isinstance(node, ir.Seq):
+            return sum(memo[id(item)] for item in node.items)
+        if isinstance(node, ir.Alt):
             chains = self.chains(node)
             if chains is None:
-                size = 1 + sum(self.estimate(option, memo) for option in node.options)
-            else:
-                size = 1 + len({chain[k:] for chain in chains for k in range(1, len(chain))})
-        elif isinstance(node, ir.Repeat):
+                return 1 + sum(memo[id(option)] for option in node.options)
+            return 1 + len({chain[k:] for chain in chains for k in range(1, len(chain))})
+        if isinstance(node, ir.Repeat):
             copies = node.min + 1 if node.max is None else node.max
-            size = 1 + copies * self.estimate(node.item, memo)
-        else:
-            raise TypeError(f"not an IR node: {node!r}")
-        memo[id(node)] = size
-        return size
+            return 1 + copies * memo[id(node.item)]
+        raise TypeError(f"not an IR node: {node!r}")
 
     def build(self, node: ir.Node, entry: int) -> int:
-        """Add a fragment matching ``node`` from state ``entry``; returns its exit state."""
+        """Add a fragment matching ``node`` from state ``entry``; returns its exit state.
+
+        Iterative (any depth of tree builds): a leaf is built at once; a ``Seq``, ``Alt``
+        or ``Repeat`` is a generator (:meth:`_compound`) that yields each ``(child,
+        entry)`` to build and is sent back the child's exit, kept on an explicit stack."""
+        exit_state = self._leaf(node, entry)
+        if exit_state is not None:
+            return exit_state
+        stack = [self._compound(node, entry)]
+        sent: int | None = None
+        while True:
+            try:
+                child, child_entry = stack[-1].send(sent)
+            except StopIteration as done:
+                stack.pop()
+                if not stack:
+                    return done.value
+                sent = done.value
+                continue
+            sent = self._leaf(child, child_entry)
+            if sent is None:
+                stack.append(self._compound(child, child_entry))
+
+    def _leaf(self, node: ir.Node, entry: int) -> int | None:
+        """Build a ``Bytes`` or ``ByteSet`` from ``entry`` and return its exit (``None``
+        for another node)."""
         if isinstance(node, ir.Bytes):
             cur = entry
             for byte in node.value:
@@ -179,27 +225,46 @@ class _Nfa:
             if ranges:  # an empty set is no edge: the fragment matches nothing
                 self.edge(entry, ranges, end)
             return end
+        if isinstance(node, ir.Alt) and self.chains(node) is not None:
+            return self._chain_alt(node, entry)
+        return None
+
+    def _compound(self, node: ir.Node, entry: int) -> _Build:
+        """The steps of building a ``Seq``, ``Alt`` or ``Repeat`` (see :meth:`build`)."""
         if isinstance(node, ir.Seq):
             cur = entry
             for item in node.items:
-                cur = self.build(item, cur)
+                cur = yield item, cur
             return cur
-        if isinstance(node, ir.Alt):
-            return self._alt(node, entry)
-        if isinstance(node, ir.Repeat):
-            return self._repeat(node, entry)
-        raise TypeError(f"not an IR node: {node!r}")
-
-    def _alt(self, node: ir.Alt, entry: int) -> int:
-        chains = self.chains(node)
-        if chains is None:
+        if isinstance(node, ir.Alt):  # (alternatives of byte chains are leaves)
             end = self.new()
             for option in node.options:
-                self.link(self.build(option, entry), end)
+                self.link((yield option, entry), end)
             return end
+        if isinstance(node, ir.Repeat):
+            cur = entry
+            for _ in range(node.min):
+                cur = yield node.item, cur
+            if node.max is None:  # a loop on a fresh state: the item again, any number of times
+                loop = self.new()
+                self.link(cur, loop)
+                self.link((yield node.item, loop), loop)
+                return loop
+            if node.max == node.min:
+                return cur
+            end = self.new()
+            for _ in range(node.max - node.min):  # nested optionals: x(x(x)?)? stays linear
+                self.link(cur, end)
+                cur = yield node.item, cur
+            self.link(cur, end)
+            return end
+        raise TypeError(f"not an IR node: {node!r}")
+
+    def _chain_alt(self, node: ir.Alt, entry: int) -> int:
+        """An alternative of fixed byte sequences, their common suffixes shared."""
         plan = self._plans.get(id(node))
         if plan is None:
-            plan = self._plans[id(node)] = _ChainPlan(chains)
+            plan = self._plans[id(node)] = _ChainPlan(self.chains(node))
         # stamp the plan's states: base is the exit, base + i its i-th suffix state
         base = self.new(plan.num_states)
         for i, ranges, j in plan.inner:
@@ -209,24 +274,6 @@ class _Nfa:
         if plan.nullable:
             self.link(entry, base)
         return base
-
-    def _repeat(self, node: ir.Repeat, entry: int) -> int:
-        cur = entry
-        for _ in range(node.min):
-            cur = self.build(node.item, cur)
-        if node.max is None:  # a loop on a fresh state: the item again, any number of times
-            loop = self.new()
-            self.link(cur, loop)
-            self.link(self.build(node.item, loop), loop)
-            return loop
-        if node.max == node.min:
-            return cur
-        end = self.new()
-        for _ in range(node.max - node.min):  # nested optionals: x(x(x)?)? stays linear
-            self.link(cur, end)
-            cur = self.build(node.item, cur)
-        self.link(cur, end)
-        return end
 
 
 def estimated_nfa_states(node: ir.Node) -> int:
@@ -336,22 +383,19 @@ class Automaton:
     @classmethod
     def from_ir(cls, node: ir.Node, *, max_nfa_states: int = MAX_NFA_STATES) -> Automaton:
         """The automaton of ``node``. Raises ``ValueError`` ("constraint too large") when its
-        NFA would exceed ``max_nfa_states`` states (estimated before building anything), or
-        when ``node`` is nested too deeply to walk."""
+        NFA would exceed ``max_nfa_states`` states (estimated before building anything). The
+        NFA is estimated and built without recursion, so a tree of any depth works."""
         nfa = _Nfa()
-        try:
-            estimate = nfa.estimate(node)
-            if estimate > max_nfa_states:
-                raise ValueError(
-                    f"constraint too large: its automaton needs about {estimate} states, more "
-                    f"than the limit of {max_nfa_states}; use fewer or shorter choices, fewer "
-                    "or smaller bounded repetitions (maxLength, maxItems, {m,n}), or less "
-                    "nesting"
-                )
-            start = nfa.new()
-            accept = nfa.build(node, start)
-        except RecursionError:
-            raise ValueError("constraint too large: nested too deeply") from None
+        estimate = nfa.estimate(node)
+        if estimate > max_nfa_states:
+            raise ValueError(
+                f"constraint too large: its automaton needs about {estimate} states, more "
+                f"than the limit of {max_nfa_states}; use fewer or shorter choices, fewer "
+                "or smaller bounded repetitions (maxLength, maxItems, {m,n}), or less "
+                "nesting"
+            )
+        start = nfa.new()
+        accept = nfa.build(node, start)
         return cls(nfa, start, accept)
 
     # -- queries ---------------------------------------------------------------------------
