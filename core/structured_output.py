@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
+from chassis.core.structured_nesting import check_json_text_nesting, check_json_value_nesting
+
 __all__ = [
     "ConstraintBudgetExceeded",
     "Grammar",
@@ -68,12 +70,16 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     after_reasoning: bool = False
 
     def __post_init__(self) -> None:
+        # nesting is checked before json.dumps/json.loads, which would otherwise stop at
+        # Python's recursion limit (core/structured_nesting.py)
         if isinstance(self.json, dict | bool):  # a schema object, or the schemas true/false
+            check_json_value_nesting(self.json, "structured_outputs.json")
             try:  # frozen struct: set the normalized text through the base class
                 msgspec.structs.force_setattr(self, "json", json.dumps(self.json))
             except (RecursionError, ValueError) as exc:
                 raise ValueError(f"structured_outputs.json cannot be serialized: {exc}") from None
         if isinstance(self.structural_tag, dict):
+            check_json_value_nesting(self.structural_tag, "structured_outputs.structural_tag")
             try:
                 msgspec.structs.force_setattr(
                     self, "structural_tag", json.dumps(self.structural_tag)
@@ -93,12 +99,11 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         if self.json is not None:
             if not isinstance(self.json, str):
                 raise ValueError("structured_outputs.json must be a JSON schema (object or text)")
+            check_json_text_nesting(self.json, "structured_outputs.json")
             try:
                 schema = json.loads(self.json)
             except ValueError as exc:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-            except RecursionError:
-                raise ValueError("structured_outputs.json is nested too deeply") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
         for flag in ("json_object", "after_reasoning"):
@@ -108,6 +113,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
             value = getattr(self, field)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{field} must be a non-empty string")
+        if self.structural_tag is not None:
+            check_json_text_nesting(self.structural_tag, "structured_outputs.structural_tag")
         if self.choice is not None and (
             not isinstance(self.choice, list)
             or not self.choice

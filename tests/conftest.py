@@ -23,8 +23,8 @@ from fixtures_tokenizer import *  # noqa: F403
 def _restore_recursion_limit():
     """Each test starts at the interpreter's recursion limit as the run found it: an
     in-process ``torch.compile`` (Inductor) raises the limit to 2000 for good, which would
-    change what a later test sees as "nested too deeply" (the structured-output compilers
-    turn Python's RecursionError into that refusal)."""
+    change what a later test sees of anything that depends on it (the structured-output
+    compilers no longer do: they count their own nesting, tests/test_structured_nesting.py)."""
     import sys
 
     limit = sys.getrecursionlimit()

@@ -85,7 +85,9 @@ def constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
     """The IR tree of ``params``' constraint (``ValueError`` for an unsupported one)."""
     try:
         return _constraint_to_ir(params)
-    except RecursionError:
+    except RecursionError:  # a last safety net only: every front end counts its own nesting
+        # and refuses past MAX_NESTING_DEPTH, well within Python's default stack
+        # (core/structured_nesting.py), so this is never the deciding limit
         raise ValueError(
             f"the structured-output {params.kind} constraint is nested too deeply to compile"
         ) from None

@@ -12,14 +12,20 @@ unrolls ``$ref``:
   ``depth`` items, and ``"(" expr ")"`` ``depth - 1`` levels of parentheses;
 - ``depth`` starts at :data:`MAX_RECURSION_DEPTH` and is lowered (to 1 at least, which
   forbids nesting a rule in itself) until the automaton fits in
-  :data:`~.automaton.MAX_NFA_STATES`; a grammar too large even then is refused;
+  :data:`~.automaton.MAX_NFA_STATES` and the expansion nests at most
+  :data:`~chassis.core.structured_nesting.MAX_NESTING_DEPTH` levels (each rule expanded
+  inside another is a level, and so are groups and repetitions inside a rule, as
+  :func:`~.grammar_parser.nesting_cost` counts them); a grammar too large or too deep even
+  then is refused;
 - loops written with ``*`` and ``+`` are not recursion and stay unbounded.
 
 Refused with ``ValueError``: syntax errors, undefined rules and a missing ``root``
 (:func:`~.grammar_parser.parse_grammar`, naming line and column); a grammar whose ``root``
 can never finish (every way through it recurses forever), naming the rules at fault; and
-grammars too large to enforce (an automaton over the limit, or rules that reference each
-other in chains hundreds of rules deep, past Python's stack).
+grammars too large to enforce (an automaton over the limit, more than
+:data:`MAX_EXPANSIONS` expansions, or nesting past the limit, such as rules that reference
+each other in a chain longer than it). The expansion counts its nesting itself, so the
+outcome never depends on Python's recursion limit.
 
 Characters are Unicode code points: a literal is its UTF-8 bytes, ``[...]``, ``[^...]`` and
 ``.`` match one whole character.
@@ -45,9 +51,11 @@ from chassis.builtin_plugins.structured_output.grammar_parser import (
     Rule,
     RuleRef,
     Sequence,
+    nesting_cost,
     parse_grammar,
 )
 from chassis.builtin_plugins.structured_output.json_syntax import NOTHING, join, repeat
+from chassis.core.structured_nesting import MAX_NESTING_DEPTH, nested_too_deeply
 
 __all__ = ["MAX_RECURSION_DEPTH", "grammar_to_ir"]
 
@@ -65,6 +73,10 @@ _Counts = tuple[tuple[str, int], ...]
 
 class _TooLarge(Exception):
     """This depth makes the expansion too large."""
+
+
+class _TooDeep(Exception):
+    """This depth makes the expansion nest deeper than :data:`MAX_NESTING_DEPTH`."""
 
 
 def grammar_to_ir(text: str) -> ir.Node:
@@ -103,11 +115,12 @@ def grammar_to_ir(text: str) -> ir.Node:
 
 
 def _too_large(states: int, *, recursive: bool) -> ValueError:
+    unrolled = " even with no rule nested in itself" if recursive else ""
+    if states == -1:  # (whatever the unrolling: the deepest part of it is not recursion)
+        return nested_too_deeply("the grammar's rules, groups and repetitions are")
     why = {
         0: f"expanding it takes more than {MAX_EXPANSIONS} rule expansions",
-        -1: "its rules nest too deeply to expand",
     }.get(states, f"its automaton would need about {states} states, more than {MAX_NFA_STATES}")
-    unrolled = " even with no rule nested in itself" if recursive else ""
     return ValueError(
         f"the grammar is too large to enforce: {why}{unrolled}; use fewer or smaller bounded "
         "repetitions ({m,n}), fewer alternatives, or less recursion"
@@ -119,14 +132,14 @@ def _attempt(
 ) -> tuple[ir.Node | None, int, bool]:
     """(IR, estimated NFA states, whether the depth cut any recursion) at ``depth``; the IR
     is ``None`` when the expansion itself is too large (states 0: too many expansions, -1:
-    nested too deeply for Python's stack)."""
+    nested deeper than :data:`MAX_NESTING_DEPTH`)."""
     compiler = _Compiler(rules, components, depth)
     try:
-        node = compiler.rule(ROOT, ())
+        node, _ = compiler.rule(ROOT, (), 0)
         return node, estimated_nfa_states(node), compiler.cut
     except _TooLarge:
         return None, 0, True
-    except RecursionError:  # rules (or the IR) nested deeper than Python's stack
+    except _TooDeep:
         return None, -1, True
 
 
@@ -146,45 +159,61 @@ class _Compiler:
         self.rules = rules
         self.components = components
         self.depth = depth
-        self.memo: dict[tuple[str, _Counts], ir.Node] = {}
+        #: (IR, height) of each expansion (see :meth:`rule`)
+        self.memo: dict[tuple[str, _Counts], tuple[ir.Node, int]] = {}
         self.cut = False
 
-    def rule(self, name: str, counts: _Counts) -> ir.Node:
-        """Rule ``name`` when the rules of its group are on the stack ``counts`` times."""
+    def rule(self, name: str, counts: _Counts, level: int) -> tuple[ir.Node, int]:
+        """Rule ``name`` when the rules of its group are on the stack ``counts`` times, its
+        body at nesting ``level``: its IR and its body's height (the levels it nests
+        below ``level``). :class:`_TooDeep` past :data:`MAX_NESTING_DEPTH`."""
         key = (name, counts)
-        node = self.memo.get(key)
-        if node is not None:
-            return node
-        on_stack = dict(counts)
-        if on_stack.get(name, 0) >= self.depth:
-            self.cut = True
-            return NOTHING
-        if len(self.memo) >= MAX_EXPANSIONS:
-            raise _TooLarge
-        on_stack[name] = on_stack.get(name, 0) + 1
-        node = self.expr(self.rules[name].body, tuple(sorted(on_stack.items())))
-        self.memo[key] = node
-        return node
+        known = self.memo.get(key)
+        if known is None:
+            on_stack = dict(counts)
+            if on_stack.get(name, 0) >= self.depth:
+                self.cut = True
+                return NOTHING, 0
+            if len(self.memo) >= MAX_EXPANSIONS:
+                raise _TooLarge
+            on_stack[name] = on_stack.get(name, 0) + 1
+            known = self.expr(self.rules[name].body, tuple(sorted(on_stack.items())), level, None)
+            self.memo[key] = known
+        if level + known[1] > MAX_NESTING_DEPTH:  # (an expansion met again, deeper)
+            raise _TooDeep
+        return known
 
-    def expr(self, expr: Expr, counts: _Counts) -> ir.Node:
-        """``expr`` in a rule body, with the rules of that rule's group on the stack
-        ``counts`` times."""
+    def expr(
+        self, expr: Expr, counts: _Counts, level: int, parent: Expr | None
+    ) -> tuple[ir.Node, int]:
+        """``expr`` in a rule body (inside ``parent``, ``None`` at the top, whose nesting is
+        ``level``), with the rules of that rule's group on the stack ``counts`` times: its
+        IR and its height (the levels from ``level`` to its deepest part)."""
+        cost = nesting_cost(parent, expr)
+        level += cost
+        if level > MAX_NESTING_DEPTH:
+            raise _TooDeep
         if isinstance(expr, Literal):
-            return ir.literal(expr.text)
+            return ir.literal(expr.text), cost
         if isinstance(expr, CharClass):
             ranges: Iterable[tuple[int, int]] = expr.ranges
-            return ir.codepoint_ranges(ir.complement(ranges) if expr.negated else ranges)
+            return ir.codepoint_ranges(ir.complement(ranges) if expr.negated else ranges), cost
         if isinstance(expr, AnyChar):
-            return _ANY_CHAR
-        if isinstance(expr, RuleRef):
+            return _ANY_CHAR, cost
+        if isinstance(expr, RuleRef):  # the rule's expansion is one level deeper
             group = self.components[expr.name]
-            return self.rule(expr.name, tuple(item for item in counts if item[0] in group))
-        if isinstance(expr, Sequence):
-            return join(*(self.expr(item, counts) for item in expr.items))
-        if isinstance(expr, Choice):
-            return _either([self.expr(option, counts) for option in expr.options])
-        if isinstance(expr, Repetition):
-            return repeat(self.expr(expr.item, counts), expr.min, expr.max)
+            inner = tuple(item for item in counts if item[0] in group)
+            node, height = self.rule(expr.name, inner, level + 1)
+            return node, cost + 1 + height
+        if isinstance(expr, Sequence | Choice | Repetition):
+            parts = [self.expr(child, counts, level, expr) for child in _children(expr)]
+            height = cost + max((height for _, height in parts), default=0)
+            nodes = [node for node, _ in parts]
+            if isinstance(expr, Sequence):
+                return join(*nodes), height
+            if isinstance(expr, Choice):
+                return _either(nodes), height
+            return repeat(nodes[0], expr.min, expr.max), height
         raise TypeError(f"not a grammar expression: {expr!r}")
 
 

@@ -14,6 +14,11 @@ What is accepted (a superset of llama.cpp's GBNF):
   and the postfix operators ``* + ?`` and ``{m}`` ``{m,}`` ``{m,n}`` ``{,n}``;
 - ``#`` comments to the end of the line.
 
+Inside a rule, groups and repetitions nest at most
+:data:`~chassis.core.structured_nesting.MAX_NESTING_DEPTH` deep: each group ``( )`` and each
+repetition is one level, a repeated group one in all (``("," item)*`` is one level, ``x*?``
+two; :func:`nesting_cost`).
+
 Not accepted, with a ``ValueError`` naming the line and column: anything else, such as
 Lark's ``rule: ...`` syntax, regex terminals ``/.../``, ``%import``, and xgrammar's
 lookahead assertions ``(= ...)``; references to undefined rules; a grammar without a
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+
+from chassis.core.structured_nesting import MAX_NESTING_DEPTH, nested_too_deeply
 
 __all__ = [
     "MAX_REPEAT",
@@ -36,6 +43,7 @@ __all__ = [
     "Rule",
     "RuleRef",
     "Sequence",
+    "nesting_cost",
     "parse_grammar",
 ]
 
@@ -131,6 +139,44 @@ def parse_grammar(text: str) -> dict[str, Rule]:
     return rules
 
 
+def nesting_cost(parent: Expr | None, child: Expr) -> int:
+    """The nesting levels (0 or 1) ``child`` adds inside ``parent`` (``None``: ``child`` is
+    a rule's body): a repetition is a level, and so is a group, except a repeated one
+    (``("," item)*`` is one level). The parser writes a group as the expression inside it,
+    so a group is an alternation or sequence inside a sequence, or an alternation inside
+    an alternation; a sequence inside an alternation is one of its options, no group."""
+    if isinstance(child, Repetition):
+        return 1
+    if parent is None or not isinstance(child, Sequence | Choice):
+        return 0
+    if isinstance(parent, Sequence):
+        return 1
+    return int(isinstance(parent, Choice) and isinstance(child, Choice))
+
+
+def _nesting(body: Expr) -> int:
+    """How many levels (:func:`nesting_cost`) a rule's ``body`` nests, without recursion."""
+    deepest = 0
+    stack: list[tuple[Expr | None, Expr, int]] = [(None, body, 0)]
+    while stack:
+        parent, expr, level = stack.pop()
+        level += nesting_cost(parent, expr)
+        deepest = max(deepest, level)
+        stack.extend((expr, child, level) for child in _children(expr))
+    return deepest
+
+
+def _children(expr: Expr) -> tuple[Expr, ...]:
+    """The expressions directly inside ``expr``."""
+    if isinstance(expr, Sequence):
+        return expr.items
+    if isinstance(expr, Choice):
+        return expr.options
+    if isinstance(expr, Repetition):
+        return (expr.item,)
+    return ()
+
+
 def _references(expr: Expr) -> list[RuleRef]:
     if isinstance(expr, RuleRef):
         return [expr]
@@ -163,6 +209,8 @@ class _Parser:
     def __init__(self, text: str) -> None:
         self.text = text
         self.pos = 0
+        #: the groups open around the expression being parsed
+        self.level = 0
         # the offset of every newline: every rule reference records its line and column,
         # so finding them must not rescan the text (quadratic in a long grammar)
         self.newlines = [at for at, char in enumerate(text) if char == "\n"]
@@ -242,6 +290,10 @@ class _Parser:
                     f"rule {name!r} is defined twice (first on line {rules[name].line})", start
                 )
             body = self.alternatives(None)
+            if _nesting(body) > MAX_NESTING_DEPTH:
+                raise nested_too_deeply(
+                    f"grammar rule {name!r} (line {line}): groups and repetitions are"
+                )
             rules[name] = Rule(name, body, line)
         return rules
 
@@ -289,7 +341,9 @@ class _Parser:
             self.skip_space()
             if self.peek("="):
                 raise self.error("lookahead assertions '(= ...)' are not supported", start)
+            self.enter(start)
             inner = self.alternatives(start)  # (stops only at its ')', or raises)
+            self.level -= 1
             self.pos += 1
             return inner
         if char in _NAME_CHARS:
@@ -300,6 +354,14 @@ class _Parser:
         if char == "%":
             raise self.error("directives such as %import are not supported")
         raise self.error(f"unexpected {char!r}")
+
+    def enter(self, pos: int) -> None:
+        """One more group, opened at ``pos`` (the parser recurses into groups only: so its
+        depth stays within the limit), or the refusal."""
+        if self.level >= MAX_NESTING_DEPTH:
+            line, column = self.where(pos)
+            raise nested_too_deeply(f"grammar line {line}, column {column}: groups are")
+        self.level += 1
 
     def postfix(self, expr: Expr) -> Expr:
         while True:

@@ -31,6 +31,7 @@ from typing import Any
 
 from chassis.builtin_plugins.structured_output import ir
 from chassis.builtin_plugins.structured_output.json_syntax import NOTHING, either, join
+from chassis.core.structured_nesting import check_json_text_nesting
 
 __all__ = ["structural_tag_to_ir"]
 
@@ -69,6 +70,7 @@ def structural_tag_to_ir(text: str) -> ir.Node:
 
 
 def _load(text: str) -> dict[str, Any]:
+    check_json_text_nesting(text, "structural_tag")
     try:
         spec = json.loads(text)
     except ValueError as exc:
@@ -133,16 +135,37 @@ def _free_text(triggers: list[str]) -> ir.Node:
 
 def _not_starting_with(words: list[str], excluded: list[int], plain: ir.Node) -> ir.Node:
     """Text without the ``excluded`` (ASCII) characters that starts with none of ``words``
-    (:data:`NOTHING` if one of them is empty: every text starts with it)."""
-    if any(not word for word in words):
-        return NOTHING
-    children: dict[str, list[str]] = {}
-    for word in words:
-        children.setdefault(word[0], []).append(word[1:])
-    other = ir.codepoint_ranges(
-        ir.complement([(code, code) for code in excluded] + [(ord(c), ord(c)) for c in children])
-    )
-    options = [ir.EMPTY, ir.seq(other, plain)]
-    for char, rests in children.items():
-        options.append(join(ir.literal(char), _not_starting_with(rests, excluded, plain)))
-    return either(*options)
+    (:data:`NOTHING` if one of them is empty: every text starts with it).
+
+    Built over the trie of ``words`` from its leaves up, without recursion: a trie is as
+    deep as the longest word, and a trigger's length is not a nesting limit."""
+    # the trie's nodes in pre-order: (the rests of the words through it, its children)
+    nodes: list[tuple[list[str], dict[str, int]]] = []
+    pending = [(words, -1, "")]
+    while pending:
+        rests, parent, char = pending.pop()
+        index = len(nodes)
+        nodes.append((rests, {}))
+        if parent >= 0:
+            nodes[parent][1][char] = index
+        if any(not word for word in rests):
+            continue  # NOTHING: its children do not matter
+        children: dict[str, list[str]] = {}
+        for word in rests:
+            children.setdefault(word[0], []).append(word[1:])
+        # reversed, so that children are numbered (and their options joined) in order
+        pending.extend((tails, index, c) for c, tails in reversed(children.items()))
+    built: list[ir.Node] = [NOTHING] * len(nodes)
+    for index in range(len(nodes) - 1, -1, -1):  # children come after their parent
+        rests, children_at = nodes[index]
+        if any(not word for word in rests):
+            continue
+        starts = {word[0] for word in rests}
+        other = ir.codepoint_ranges(
+            ir.complement([(code, code) for code in excluded] + [(ord(c), ord(c)) for c in starts])
+        )
+        options = [ir.EMPTY, ir.seq(other, plain)]
+        for char in dict.fromkeys(word[0] for word in rests):
+            options.append(join(ir.literal(char), built[children_at[char]]))
+        built[index] = either(*options)
+    return built[0]

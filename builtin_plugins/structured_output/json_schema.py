@@ -25,6 +25,11 @@ every valid text, only the natural ones:
 - recursion through ``$ref`` is unrolled :data:`MAX_RECURSION_DEPTH` times; past that the
   recursive branch matches nothing, so optional or empty alternatives end the recursion.
 
+Nesting is limited to :data:`~chassis.core.structured_nesting.MAX_NESTING_DEPTH` levels,
+twice: the schema's arrays and objects (as JSON), and its subschemas inside each other
+(``properties``, ``items``, ``anyOf`` members, ``allOf``..., a ``$ref``'s target counting
+as nested where it is used), so that a chain of ``$ref`` is bounded too.
+
 Refused with ``ValueError`` (naming the keyword and its location, e.g.
 ``#/properties/tags``): ``not``, ``if``/``then``/``else``, ``patternProperties``,
 ``propertyNames``, ``dependentRequired``/``dependentSchemas``/``dependencies``,
@@ -58,6 +63,7 @@ from chassis.builtin_plugins.structured_output.json_schema_types import (
     MAX_STRING_LENGTH,
 )
 from chassis.builtin_plugins.structured_output.json_syntax import NOTHING, any_object
+from chassis.core.structured_nesting import check_json_value_nesting
 
 __all__ = [
     "ANY_JSON_DEPTH",
@@ -100,6 +106,7 @@ def schema_to_ir(schema: dict[str, Any] | bool) -> ir.Node:
         raise ValueError(
             f"a JSON schema must be an object or a boolean, not {type(schema).__name__}"
         )
+    check_json_value_nesting(schema, "the JSON schema")
     states = 0
     for shrink in range(max(MAX_RECURSION_DEPTH, ANY_JSON_DEPTH)):
         compiler = SchemaCompiler(

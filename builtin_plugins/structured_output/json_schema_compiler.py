@@ -32,6 +32,7 @@ from chassis.builtin_plugins.structured_output.json_syntax import (
     either,
     json_literal,
 )
+from chassis.core.structured_nesting import MAX_NESTING_DEPTH, nested_too_deeply
 
 __all__ = ["SchemaCompiler"]
 
@@ -91,6 +92,9 @@ class SchemaCompiler:
         self.cut: list[str] = []
         #: whether a smaller depth would give a smaller result
         self.depth_sensitive = False
+        #: subschemas being compiled now, each inside the one before (a ``$ref``'s target
+        #: inside the schema that refers to it): at most MAX_NESTING_DEPTH
+        self.level = 0
 
     def no_instance_error(self) -> ValueError:
         """The error for a schema that compiled to nothing at all."""
@@ -108,7 +112,18 @@ class SchemaCompiler:
     # -- dispatch ------------------------------------------------------------------------
 
     def compile(self, schema: Any, path: str) -> ir.Node:
-        """The IR of ``schema`` (found at ``path``, for messages)."""
+        """The IR of ``schema`` (found at ``path``, for messages). Each call inside another
+        is one level of nesting (``properties``, ``items``, ``anyOf`` members, a ``$ref``'s
+        target, a merged ``allOf``...): deeper than :data:`MAX_NESTING_DEPTH` is refused."""
+        if self.level >= MAX_NESTING_DEPTH:
+            raise nested_too_deeply(f"the JSON schema at {_short_path(path)}: its subschemas are")
+        self.level += 1
+        try:
+            return self._compile(schema, path)
+        finally:
+            self.level -= 1
+
+    def _compile(self, schema: Any, path: str) -> ir.Node:
         if schema is True:
             return self.free_value(self.free_depth)
         if schema is False:
@@ -312,6 +327,11 @@ class SchemaCompiler:
             "object": lambda: object_ir(self, schema, path),
         }
         return either(*(compile_type[t]() for t in types))
+
+
+def _short_path(path: str) -> str:
+    """``path`` cut to its first and last 40 characters (a deep path is long)."""
+    return path if len(path) <= 90 else f"{path[:40]}...{path[-40:]}"
 
 
 def _kind(value: Any) -> str:

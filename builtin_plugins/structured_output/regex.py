@@ -14,6 +14,9 @@ trailing ``$`` or ``\\Z`` on a top-level branch are accepted and change nothing.
 - quantifiers ``* + ? {m} {m,} {,n} {m,n}`` and their lazy forms (``*?`` ...), which match
   the same whole strings; bounds up to :data:`MAX_REPEAT`.
 
+Groups nest at most :data:`~chassis.core.structured_nesting.MAX_NESTING_DEPTH` deep (each
+group is one level; deeper is refused before Python's stack could be the limit).
+
 Anything else raises ``ValueError`` naming the construct and its position: backreferences,
 lookarounds, atomic groups and possessive quantifiers (``*+``: these change which strings
 match, and are not regular in this simple form), conditionals, inline flags, and anchors or
@@ -26,6 +29,7 @@ import re
 import unicodedata
 
 from chassis.builtin_plugins.structured_output import ir
+from chassis.core.structured_nesting import MAX_NESTING_DEPTH, nested_too_deeply
 
 __all__ = ["MAX_REPEAT", "regex_to_ir"]
 
@@ -48,10 +52,7 @@ def regex_to_ir(pattern: str) -> ir.Node:
     for the subset of the syntax in the module docstring (``ValueError`` otherwise)."""
     if not isinstance(pattern, str):
         raise ValueError(f"a regex must be a string, not {type(pattern).__name__}")
-    try:
-        return _Parser(pattern).parse()
-    except RecursionError:
-        raise ValueError(f"regex {pattern[:50]!r}...: groups nested too deeply") from None
+    return _Parser(pattern).parse()
 
 
 _CLASS_ESCAPES: dict[str, _Ranges] = {
@@ -70,6 +71,8 @@ class _Parser:
     def __init__(self, pattern: str) -> None:
         self.p = pattern
         self.i = 0
+        #: groups open at ``self.i`` (at most MAX_NESTING_DEPTH)
+        self.open_groups = 0
 
     def error(self, message: str, position: int | None = None) -> ValueError:
         at = self.i if position is None else position
@@ -216,7 +219,11 @@ class _Parser:
                 self.i = end + 1
             else:
                 raise self.error(f"unsupported group {self.describe_group(ext)}", start)
+        if self.open_groups >= MAX_NESTING_DEPTH:
+            raise nested_too_deeply(f"regex {self.p[:50]!r}: the group at position {start} is")
+        self.open_groups += 1
         inner = self.alternation(depth=1)
+        self.open_groups -= 1
         if self.peek() != ")":
             raise self.error("missing ), unterminated subpattern", start)
         self.i += 1

@@ -1,0 +1,248 @@
+"""The nesting limit of structured outputs: every front end counts its own nesting, so a
+constraint's acceptance never depends on Python's recursion limit (torch.compile raises it
+to 2000 in an engine that compiled a model; core/structured_nesting.py)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from chassis.builtin_plugins.structured_output.backend import (
+    ChassisStructuredOutputBackend,
+    constraint_automaton,
+)
+from chassis.builtin_plugins.structured_output.grammar_parser import parse_grammar
+from chassis.core.async_llm import AsyncLLM
+from chassis.core.config import EngineConfig
+from chassis.core.structured_nesting import MAX_NESTING_DEPTH as LIMIT
+from chassis.core.structured_nesting import json_text_depth
+from chassis.core.structured_output import StructuredOutputsParams
+from chassis.serve.app import build_app
+from chassis.serve.settings import ServerSettings
+
+REFUSED = rf"nested too deeply \(limit {LIMIT}\)"
+
+
+@pytest.fixture(params=[1000, 10000], ids=["recursionlimit-1000", "recursionlimit-10000"])
+def recursion_limit(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Python's default recursion limit, then a raised one (as after torch.compile)."""
+    saved = sys.getrecursionlimit()
+    sys.setrecursionlimit(request.param)
+    try:
+        yield request.param
+    finally:
+        sys.setrecursionlimit(saved)
+
+
+# -- constraints nested exactly `levels` deep, with a text each accepts ----------------------
+
+
+def regex(levels: int) -> tuple[dict, str]:
+    """Groups (each one level) that nest alternations and repetitions: ``(a|(a|...)b)*c``."""
+    pattern, text = "x", "x"
+    for _ in range(levels):
+        pattern, text = f"(a|{pattern}b)*c", f"a{text}bc"
+    return {"regex": pattern}, text
+
+
+def grammar_groups(levels: int) -> tuple[dict, str]:
+    """Repeated groups (one level each) around repetitions: ``("a" | ("a" | ... "b")* "b")*``."""
+    body, text = '"x"', "x"
+    for _ in range(levels):
+        body, text = f'("a" | {body} "b")*', f"{text}b"
+    return {"grammar": f"root ::= {body}"}, text
+
+
+def grammar_rules(levels: int) -> tuple[dict, str]:
+    """A chain of rules, each expanded inside the one before (one level each)."""
+    rules = [f'r{i} ::= "a" r{i + 1} | "b"' for i in range(1, levels)]
+    grammar = "root ::= r1\n" + "\n".join(rules) + f'\nr{levels} ::= "x"'
+    return {"grammar": grammar}, "a" * (levels - 1) + "x"
+
+
+def json_text(levels: int) -> tuple[dict, str]:
+    """A schema whose JSON text nests ``levels`` deep: objects in objects (two levels each)
+    around an integer schema (one level, two with its ``enum`` array)."""
+    schema: dict = {"type": "integer"} if levels % 2 else {"enum": [7]}
+    for _ in range((levels - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    assert json_text_depth(json.dumps(schema)) == levels
+    return {"json": schema}, '{"a":' * ((levels - 1) // 2) + "7" + "}" * ((levels - 1) // 2)
+
+
+def json_refs(levels: int) -> tuple[dict, str]:
+    """Subschemas nested through a chain of ``$ref`` (the JSON text stays shallow): the
+    root, then per definition its ``$ref``'s target and its ``items``, a level each, and an
+    ``allOf`` at the end when ``levels`` is odd (its merged schema is one more)."""
+    last = (levels - 2) // 2
+    one_item = {"type": "array", "minItems": 1, "maxItems": 1}  # (one copy of its item)
+    defs: dict = {f"A{i}": one_item | {"items": {"$ref": f"#/$defs/A{i + 1}"}} for i in range(last)}
+    defs[f"A{last}"] = {"allOf": [{"type": "integer"}]} if levels % 2 else {"type": "integer"}
+    text = "[" * last + "5" + "]" * last
+    return {"json": {"$defs": defs, "$ref": "#/$defs/A0"}}, text
+
+
+def structural_tag(levels: int) -> tuple[dict, str]:
+    """A structural tag whose schema nests through ``$ref`` (its own JSON text is shallow)."""
+    constraint, value = json_refs(levels)
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": constraint["json"], "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    return {"structural_tag": tag}, f"hi <f>{value}</f> bye"
+
+
+FRONT_ENDS: dict[str, Callable[[int], tuple[dict, str]]] = {
+    "regex": regex,
+    "grammar-groups": grammar_groups,
+    "grammar-rules": grammar_rules,
+    "json-text": json_text,
+    "json-refs": json_refs,
+    "structural-tag": structural_tag,
+}
+
+
+def compile_constraint(constraint: dict):
+    """The API server's check, then the engine's compilation (both refuse the same)."""
+    params = StructuredOutputsParams(**constraint)
+    ChassisStructuredOutputBackend.check(params)
+    return constraint_automaton(params)
+
+
+@pytest.mark.timeout(300)  # a hang guard
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_the_limit_is_accepted_and_one_more_level_refused(
+    front_end: str, recursion_limit: int
+) -> None:
+    make = FRONT_ENDS[front_end]
+    constraint, text = make(LIMIT)
+    automaton = compile_constraint(constraint)
+    assert automaton.fullmatch(text.encode())
+    # (a structural tag's free text may end in anything: spoil its tagged value instead)
+    wrong = text.replace("5]", "?]") if front_end == "structural-tag" else text + "?"
+    assert not automaton.fullmatch(wrong.encode())
+    deeper, _ = make(LIMIT + 1)
+    with pytest.raises(ValueError, match=REFUSED):
+        compile_constraint(deeper)
+
+
+def deep_list(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"regex": "(" * 5000 + "a" + ")" * 5000},
+        {"grammar": "root ::= " + "(" * 5000 + '"a"' + ")" * 5000},
+        {"grammar": 'root ::= "a"' + "*" * 5000},
+        {"json": "[" * 5000 + "]" * 5000},
+        {"json": {"type": "integer", "x": deep_list(900)}},
+        {"structural_tag": '{"structures": ' + "[" * 5000 + "]" * 5000 + "}"},
+    ],
+    ids=["regex", "grammar-groups", "grammar-repetitions", "json-text", "json-value", "tag"],
+)
+def test_far_too_deep_is_the_same_clear_refusal(constraint: dict, recursion_limit: int) -> None:
+    with pytest.raises(ValueError, match=REFUSED):
+        compile_constraint(constraint)
+
+
+def test_a_grammar_rule_that_nests_too_deeply_is_named() -> None:
+    parse_grammar("root ::= " + '"a"' + "?" * LIMIT)
+    with pytest.raises(ValueError, match=rf"rule 'root' \(line 1\).*{REFUSED}"):
+        parse_grammar("root ::= " + '"a"' + "?" * (LIMIT + 1))
+    with pytest.raises(ValueError, match=rf"line 2, column {LIMIT + 10}: groups are {REFUSED}"):
+        parse_grammar('x ::= "b"\nroot ::= ' + "(" * (LIMIT + 1) + '"a"' + ")" * (LIMIT + 1))
+
+
+def test_recursion_is_unrolled_less_to_stay_within_the_limit() -> None:
+    """A recursive rule whose unrolling would nest past the limit is unrolled less (as for
+    the automaton's size), not refused. ``item`` alone is unrolled fully (9 parentheses);
+    at the end of a chain of rules as long as the limit allows, less."""
+    item = 'item ::= "x" ("(" item ")")?'
+    nested = "x(" * 9 + "x" + ")" * 9
+    assert compile_constraint({"grammar": f"root ::= item\n{item}"}).fullmatch(nested.encode())
+    chain = "\n".join(f'c{i} ::= "." c{i + 1}' for i in range(1, LIMIT - 8))
+    grammar = f"root ::= c1\n{chain}\nc{LIMIT - 8} ::= item\n{item}"
+    automaton = compile_constraint({"grammar": grammar})
+    prefix = "." * (LIMIT - 9)
+    assert automaton.fullmatch(f"{prefix}x(x)".encode())
+    assert not automaton.fullmatch(f"{prefix}{nested}".encode())
+
+
+@pytest.mark.timeout(300)  # a hang guard
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_the_limit_leaves_half_of_the_default_stack(front_end: str) -> None:
+    """What the limit is chosen for: at it, compiling takes fewer than 500 frames beyond
+    the caller's, half of Python's default limit. Worst cases too: identical deep
+    alternatives (compared when deduplicated) and a deep pattern at the end of a ``$ref``
+    chain."""
+    worst = {
+        "regex": {"regex": regex(LIMIT)[0]["regex"] + "|" + regex(LIMIT)[0]["regex"]},
+        "json-refs": {
+            "json": {
+                "$defs": {
+                    **json_refs(LIMIT - 1)[0]["json"]["$defs"],
+                    f"A{(LIMIT - 1) // 2}": {"type": "string", "pattern": regex(LIMIT)[0]["regex"]},
+                },
+                "$ref": "#/$defs/A0",
+            }
+        },
+    }
+    constraint = worst.get(front_end, FRONT_ENDS[front_end](LIMIT)[0])
+    saved = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack(0)) + 500)
+    try:
+        compile_constraint(constraint)
+    finally:
+        sys.setrecursionlimit(saved)
+
+
+def test_the_server_refusal_names_the_limit(tiny_llama_dir) -> None:
+    """The API server checks the constraint before it reaches the engine core: a 400 in
+    OpenAI's shape whose ``param`` is ``structured_outputs`` and whose message names the
+    limit, whichever field asked."""
+    deep_regex, _ = regex(LIMIT + 1)
+    deep_schema, _ = json_refs(LIMIT + 1)
+    engine = AsyncLLM.from_engine_config(
+        EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=16
+        )
+    )
+    try:
+        app = build_app(engine, ServerSettings(shutdown_engine_on_exit=False))
+        with TestClient(app) as client:
+            for fields in (
+                {"structured_outputs": deep_regex},
+                {"guided_json": deep_schema["json"]},
+                {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "d", "schema": deep_schema["json"]},
+                    }
+                },
+            ):
+                response = client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "x"}],
+                        "max_tokens": 5,
+                        **fields,
+                    },
+                )
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert f"nested too deeply (limit {LIMIT})" in error["message"], error
+                assert error["param"] == "structured_outputs"
+                assert error["type"] == "invalid_request_error", error
+    finally:
+        engine.shutdown_sync()
