@@ -43,6 +43,9 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    #: 4-bit AWQ/GPTQ checkpoints: "packed" keeps linear layers' codes packed in memory
+    #: (``core/int4_packing.py``), "dequantized" loads them as 16-bit weights (docs/models.md)
+    int4_weights: str = "packed"
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None
@@ -162,6 +165,10 @@ class EngineConfig:
         """Raise ``ValueError`` naming the first invalid field and what would be valid."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.int4_weights not in ("packed", "dequantized"):
+            raise ValueError(
+                f"--int4-weights must be 'packed' or 'dequantized'; got {self.int4_weights!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}"

@@ -326,12 +326,14 @@ def build_model(
         from chassis.core.quantized_weights import dequantized_weights
 
         parameter_names = {name for name, _ in model.named_parameters()}
+        int4_sources = _int4_sources(engine_config, hf_config)
         loaded = model.load_weights(
             dequantized_weights(
                 iterate_safetensors(Path(model_path), wanted=model.needs_checkpoint_tensor),
                 hf_config,
                 parameter_names,
                 model.merged_projections,
+                int4_sources.record if int4_sources is not None else None,
             )
         )
         missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
@@ -340,7 +342,42 @@ def build_model(
                 f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
             )
             raise ValueError(f"the checkpoint at {model_path} lacks weights for: {shown}")
+        if int4_sources is not None:
+            from chassis.core.int4_packing import pack_int4_linears
+
+            count = pack_int4_linears(model, int4_sources, model.merged_projections)
+            logger.info("int4: %d linear layers keep their weights packed", count)
     return model
+
+
+def _int4_sources(engine_config: EngineConfig, hf_config: Any) -> Any:
+    """An :class:`~chassis.core.int4_packing.Int4Sources` to record a 4-bit AWQ/GPTQ
+    checkpoint's packed tensors when its layers are to stay packed, else ``None`` (with the
+    reason logged where packing was possible but is not done)."""
+    from chassis.core.packed_int_weights import PACKED_INT_METHODS, packed_int_format
+    from chassis.core.quantized_weights import quantization_config
+
+    config = quantization_config(hf_config)
+    if config is None or config.get("quant_method") not in PACKED_INT_METHODS:
+        return None
+    if engine_config.int4_weights != "packed":
+        return None
+    from chassis.core import parallel_state
+
+    fmt = packed_int_format(config)
+    reason = None
+    if fmt.bits != 4:
+        reason = f"{fmt.bits}-bit codes (only 4-bit are kept packed)"
+    elif parallel_state.tp_size() > 1:
+        reason = "tensor parallelism (packed weights are not sliced across ranks)"
+    elif engine_config.enable_lora:
+        reason = "LoRA adapters (they wrap 16-bit linear layers)"
+    if reason is not None:
+        logger.info("int4: loading the %s checkpoint dequantized: %s", fmt.method, reason)
+        return None
+    from chassis.core.int4_packing import Int4Sources
+
+    return Int4Sources(fmt)
 
 
 def kv_head_count(hf_config: Any) -> int:

@@ -26,8 +26,9 @@ exactly (a small integer times a float16); the model copies it into its dtype an
 for tensor parallelism as it would the unquantized weight. Other tensors (biases, modules
 left unquantized such as ``lm_head`` or ``modules_to_not_convert``) pass through, but for
 the zero biases older GPTQ tools added to bias-free layers (:func:`without_phantom_biases`).
-So such a checkpoint runs as its dequantized 16-bit twin: none of int4's memory or speed (no
-int4 kernels yet).
+4-bit layers are then kept packed after loading where that is exact
+(:mod:`chassis.core.int4_packing`); otherwise the checkpoint runs as its dequantized 16-bit
+twin.
 """
 
 from __future__ import annotations
@@ -273,7 +274,9 @@ def _check_late_g_idx(name: str, g_idx: torch.Tensor, fmt: PackedIntFormat) -> N
 
 
 def packed_int_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedIntFormat
+    weights: Iterable[tuple[str, torch.Tensor]],
+    fmt: PackedIntFormat,
+    on_module: Callable[[str, dict[str, torch.Tensor]], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with each module's packed tensors (``X.qweight``, ``X.qzeros``,
     ``X.scales``, and with act-order ``X.g_idx``, in any order) replaced by ``X.weight``
@@ -283,7 +286,9 @@ def packed_int_weights(
     module's last other part (safetensors files list names sorted, so ``g_idx`` comes first
     within a file), with a warning when it reorders rows; one coming later must be the
     consecutive grouping. AWQ has no ``g_idx``: a stored one must be consecutive and is
-    dropped. ``ValueError`` for a module missing a part (when the weights end), whose shapes
+    dropped. ``on_module(base, parts)``, when given, is called with each module's parts once
+    they are checked (dequantized), before its weight is yielded (what
+    :class:`~chassis.core.int4_packing.Int4Sources` keeps packed). ``ValueError`` for a module missing a part (when the weights end), whose shapes
     do not fit ``fmt``, or for a late or AWQ ``g_idx`` that reorders rows."""
     dequantize = dequantize_gptq if fmt.method == "gptq" else dequantize_awq
     needed = set(fmt.parts)
@@ -313,7 +318,10 @@ def packed_int_weights(
                         "honouring it (the weights were quantized in that order)",
                         base,
                     )
-            yield base + ".weight", dequantize(base, parts, fmt)
+            weight = dequantize(base, parts, fmt)
+            if on_module is not None:
+                on_module(base, parts)
+            yield base + ".weight", weight
     if waiting:
         lacking = sorted(
             f"{base} (no {', '.join(sorted(needed - set(p)))})" for base, p in waiting.items()

@@ -237,6 +237,7 @@ def dequantized_weights(
     hf_config: Any,
     parameter_names: Collection[str] | None = None,
     merged_projections: Mapping[str, str] | None = None,
+    on_int_module: Callable[[str, dict[str, torch.Tensor]], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with every float8 weight replaced by its dequantized float32 value and the
     scales consumed (MXFP4 checkpoints: every blocks/scales pair by its bfloat16 value,
@@ -245,7 +246,8 @@ def dequantized_weights(
     tensors pass through. Given the model's ``parameter_names`` (and its
     ``merged_projections``, :attr:`~chassis.core.model_interface.CausalLM.merged_projections`),
     the zero biases older GPTQ tools add to bias-free layers are left out
-    (:func:`~chassis.core.packed_int_weights.without_phantom_biases`). ``ValueError`` for a
+    (:func:`~chassis.core.packed_int_weights.without_phantom_biases`); ``on_int_module``
+    is passed to :func:`~chassis.core.packed_int_weights.packed_int_weights`. ``ValueError`` for a
     quantized weight without a scale, a scale without its weight, or shapes that do not
     fit."""
     config = quantization_config(hf_config)
@@ -256,6 +258,6 @@ def dequantized_weights(
     elif config.get("quant_method") in PACKED_INT_METHODS:
         if parameter_names is not None:
             weights = without_phantom_biases(weights, parameter_names, merged_projections)
-        yield from packed_int_weights(weights, packed_int_format(config))
+        yield from packed_int_weights(weights, packed_int_format(config), on_int_module)
     else:
         yield from _fp8_weights(weights, config.get("weight_block_size"))

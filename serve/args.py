@@ -105,6 +105,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         choices=LOAD_FORMATS,
         help=_help("weight format; 'dummy' = random weights", "load_format"),
     )
+    g.add_argument(
+        "--int4-weights",
+        choices=("packed", "dequantized"),
+        help=_help("4-bit AWQ/GPTQ layers: keep codes packed, or load 16-bit", "int4_weights"),
+    )
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument("--seed", type=int, help=_help("engine random seed", "seed"))
     g.add_argument(

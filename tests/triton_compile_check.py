@@ -164,6 +164,7 @@ def run_under_interpreter(test_file: str, timeout: float = 500, request: Any = N
 SHARED_CHILD_FILES = (
     "test_fp8_kv_cache.py",
     "test_triton_attention.py",
+    "test_triton_int4.py",
     "test_triton_moe.py",
     "test_triton_moe_bias.py",
     "test_triton_ops.py",

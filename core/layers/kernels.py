@@ -43,6 +43,12 @@ class LayerKernels(Protocol):
     reference :func:`chassis.builtin_plugins.models.gpt_oss.experts_reference`, same
     arguments); :class:`~chassis.builtin_plugins.models.gpt_oss.GptOssExperts` runs it when
     present, else its torch code. No host read either.
+
+    Optional too: ``int4_linear(x, qweight, scales, zeros, g_idx, bias) -> [..., out]``, the
+    matmul of a layer whose weight stays as packed 4-bit codes (layout and reference
+    :func:`chassis.core.layers.int4_linear.int4_linear_ref`, same arguments);
+    :class:`~chassis.core.layers.int4_linear.Int4Linear` runs it when present, else the
+    reference, which dequantizes the weight on each call.
     """
 
     def handles(self, x: torch.Tensor) -> bool:

@@ -549,6 +549,19 @@ class TritonLayerKernels:
             positions, query, key, q_weight, k_weight, eps, cos_cache, sin_cache
         )
 
+    def int4_linear(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        g_idx: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from chassis.core.layers.triton_int4 import int4_linear
+
+        return int4_linear(x, qweight, scales, zeros, g_idx, bias)
+
     def fused_moe(
         self,
         x: torch.Tensor,

@@ -1,0 +1,147 @@
+"""Keeping a 4-bit AWQ/GPTQ checkpoint's linear layers packed (:class:`Int4Linear`).
+
+The model loads the checkpoint as its dequantized twin first (``load_weights`` merges
+projections and slices for tensor parallelism the way it does for any checkpoint), while
+:class:`Int4Sources` keeps each checkpoint module's packed tensors, converted to the one
+layout of :mod:`chassis.core.layers.int4_linear`. Then :func:`pack_int4_linears` replaces
+each ``nn.Linear`` whose weight those tensors reproduce *exactly* (dequantized to the model
+dtype, bit for bit) by an :class:`Int4Linear` holding them: a layer that merges several
+checkpoint projections (Q/K/V, gate/up) gets their tensors concatenated along the output
+dimension, in the order that reproduces its weight. That equality is the proof the packed
+layer computes what the dequantized one would; a layer it does not hold for (one the model
+transformed at load, projections quantized with different act-order permutations) stays
+dequantized. The dequantized weight is freed, so what stays is ~1/4 of the 16-bit bytes.
+
+Not packed (the dequantized path, with a log line): tensor parallelism (each rank's rows or
+columns of a packed weight would need group-aligned slicing of codes, scales and ``g_idx``;
+not built), LoRA adapters (they wrap ``nn.Linear``), bit widths other than 4, fused MoE
+experts (one tensor for all experts), ``--int4-weights dequantized``. Peak memory while
+loading is that of the dequantized path plus the packed tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+from torch import nn
+
+from chassis.core.layers.int4_linear import Int4Linear, dequantize_int4, pack_codes
+from chassis.core.packed_int_weights import (
+    AWQ_PACK_ORDER,
+    PackedIntFormat,
+    _row_groups,
+    unpack_int32,
+)
+
+logger = logging.getLogger(__name__)
+
+#: the ``--int4-weights`` choices: keep codes packed (default) or load 16-bit weights
+INT4_WEIGHT_MODES = ("packed", "dequantized")
+
+_Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> _Packed:
+    """``(qweight [in/8, out] int32, scales [groups, out], zeros [groups, out] uint8,
+    g_idx [in] int32)`` of one checkpoint module's checked parts (``fmt.bits == 4``)."""
+    if fmt.bits != 4:
+        raise ValueError(f"only 4-bit weights are kept packed; got {fmt.bits}-bit")
+    scales = parts["scales"]
+    if fmt.method == "gptq":
+        qweight = parts["qweight"]
+        in_features = qweight.shape[0] * 8
+        zeros = unpack_int32(parts["qzeros"], 4, 1) + fmt.zero_offset
+        g_idx = parts.get("g_idx")
+    else:  # AWQ: codes packed along the output columns, interleaved; repack along the input
+        columns = torch.tensor([AWQ_PACK_ORDER.index(j) for j in range(8)])
+        columns = (torch.arange(scales.shape[1]) // 8) * 8 + columns.repeat(scales.shape[1] // 8)
+        codes = unpack_int32(parts["qweight"], 4, 1)[:, columns]  # [in, out]
+        qweight = pack_codes(codes)
+        in_features = codes.shape[0]
+        zeros = unpack_int32(parts["qzeros"], 4, 1)[:, columns]
+        g_idx = None
+    if g_idx is None:
+        g_idx = _row_groups(in_features, fmt.group_size)
+    return qweight.contiguous(), scales.contiguous(), zeros.to(torch.uint8), g_idx.to(torch.int32)
+
+
+class Int4Sources:
+    """The packed tensors of a checkpoint's modules, by module name (``model.layers.0.
+    self_attn.q_proj``), recorded while the checkpoint loads dequantized."""
+
+    def __init__(self, fmt: PackedIntFormat) -> None:
+        self.fmt = fmt
+        self.modules: dict[str, _Packed] = {}
+
+    def record(self, name: str, parts: dict[str, torch.Tensor]) -> None:
+        """Keep module ``name``'s parts (already checked by the dequantization)."""
+        self.modules[name] = canonical_int4(parts, self.fmt)
+
+
+def _concat(parts: list[_Packed]) -> _Packed | None:
+    """Parts concatenated along the output dimension; ``None`` when their input grouping
+    (``g_idx``) or group count differs."""
+    first = parts[0]
+    for other in parts[1:]:
+        if other[2].shape[0] != first[2].shape[0] or not torch.equal(other[3], first[3]):
+            return None
+    return (
+        torch.cat([p[0] for p in parts], dim=1),
+        torch.cat([p[1] for p in parts], dim=1),
+        torch.cat([p[2] for p in parts], dim=1),
+        first[3],
+    )
+
+
+def _matching(weight: torch.Tensor, candidates: list[_Packed]) -> _Packed | None:
+    """The concatenation of ``candidates`` (in some order) whose dequantized weight equals
+    ``weight``, moved to its device; ``None`` if there is none."""
+    if len(candidates) > 4:  # 24 orders at most; no built-in layer merges more
+        return None
+    for order in itertools.permutations(candidates):
+        packed = _concat(list(order))
+        if packed is None or packed[0].shape[1] != weight.shape[0]:
+            continue
+        if packed[3].numel() != weight.shape[1]:
+            continue
+        packed = tuple(t.to(weight.device) for t in packed)
+        if torch.equal(dequantize_int4(*packed, weight.dtype), weight):
+            return packed  # type: ignore[return-value]
+    return None
+
+
+@torch.no_grad()
+def pack_int4_linears(
+    model: nn.Module, sources: Int4Sources, merged_projections: dict[str, str] | None
+) -> int:
+    """Replace each ``nn.Linear`` of ``model`` that ``sources`` reproduce exactly by an
+    :class:`Int4Linear` (module docstring); return how many were replaced."""
+    by_target: dict[str, list[str]] = {}
+    for name in sources.modules:
+        prefix, _, leaf = name.rpartition(".")
+        target = (merged_projections or {}).get(leaf, leaf)
+        by_target.setdefault(f"{prefix}.{target}" if prefix else target, []).append(name)
+    replaced, kept = 0, []
+    for module_name, module in list(model.named_modules()):
+        names = by_target.get(module_name)
+        if not names or type(module) is not nn.Linear:
+            continue
+        packed = _matching(module.weight.data, [sources.modules[n] for n in sorted(names)])
+        if packed is None:
+            kept.append(module_name)
+            continue
+        bias = module.bias.data if module.bias is not None else None
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int4Linear(*packed, bias))
+        replaced += 1
+    if kept:
+        logger.info(
+            "int4: %d linear layers kept dequantized (their packed tensors do not reproduce "
+            "the loaded weight), e.g. %s",
+            len(kept),
+            kept[0],
+        )
+    return replaced

@@ -1,0 +1,130 @@
+"""A linear layer whose weight stays as packed 4-bit codes (AWQ/GPTQ checkpoints, W4A16).
+
+The one layout (every AWQ and GPTQ module is converted to it at load,
+:mod:`chassis.core.int4_packing`), for a weight ``W [out, in]``:
+
+- ``qweight`` int32 ``[in / 8, out]``: int32 ``[i, n]`` holds the codes of input rows
+  ``8 i .. 8 i + 7`` of output column ``n``, row ``8 i + j`` in bits ``4 j .. 4 j + 3``;
+- ``scales`` ``[groups, out]`` (the checkpoint's float16) and ``zeros`` uint8
+  ``[groups, out]`` (the zero points, GPTQ v1's ``+ 1`` already added: they may be 16);
+- ``g_idx`` int32 ``[in]``: the group of each input row. Act-order (GPTQ ``desc_act``)
+  checkpoints keep their own; otherwise it is ``k // group_size``. Kernels read each row's
+  group from it, so act-order needs no permutation of the input and no other path.
+
+``W[n, k] = ((q[k, n] - zeros[g, n]) * scales[g, n])`` in float32 with ``g = g_idx[k]``,
+rounded to the activation dtype: the same values as the dequantized weight the model would
+otherwise hold, so the reference below gives exactly what ``nn.Linear`` on that weight gives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from chassis.core.layers.kernels import kernels_for
+
+#: codes per int32 (4-bit)
+CODES_PER_INT = 8
+
+
+def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """``qweight [in / 8, out]`` int32 -> the codes ``[in, out]`` int32 (0..15)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    codes = (qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & 0xF
+    return codes.flatten(0, 1)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[in, out]`` (0..15, ``in`` a multiple of 8) -> ``qweight [in / 8, out]`` int32,
+    the inverse of :func:`unpack_codes`."""
+    rows, cols = codes.shape
+    if rows % CODES_PER_INT:
+        raise ValueError(f"4-bit packing needs input rows in multiples of 8; got {rows}")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device).view(1, -1, 1)
+    packed = (codes.to(torch.int64).view(rows // 8, 8, cols) << shifts).sum(dim=1)
+    # bit 31 set: the int32 with the same bits is the value minus 2**32
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``[out, in]`` weight in ``dtype`` of the packed layout above."""
+    groups = g_idx.long()
+    codes = unpack_codes(qweight)  # [in, out]
+    values = (codes - zeros[groups].to(torch.int32)).float() * scales[groups].float()
+    return values.t().to(dtype)
+
+
+def int4_linear_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The reference W4A16 matmul: the layer's weight dequantized to ``x``'s dtype on this
+    call, then ``F.linear`` (``x [..., in] -> [..., out]``)."""
+    weight = dequantize_int4(qweight, scales, zeros, g_idx, x.dtype)
+    return nn.functional.linear(x, weight, bias)
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W`` held as packed 4-bit codes (layout above).
+
+    ``forward`` runs the platform's ``int4_linear`` kernel
+    (:class:`~chassis.core.layers.kernels.LayerKernels`, optional there) when the platform's
+    kernels handle ``x``, else :func:`int4_linear_ref`. The packed tensors are buffers: they
+    move with ``.to()`` and count in the module's memory, and no optimizer touches them.
+    """
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        g_idx: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        in_features, out_features = qweight.shape[0] * CODES_PER_INT, qweight.shape[1]
+        groups = scales.shape[0]
+        if qweight.dtype != torch.int32 or zeros.dtype != torch.uint8:
+            raise ValueError("qweight must be int32 and zeros uint8")
+        if scales.shape != (groups, out_features) or zeros.shape != scales.shape:
+            raise ValueError(
+                f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must be "
+                f"[groups, {out_features}]"
+            )
+        if g_idx.shape != (in_features,):
+            raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, expected ({in_features},)")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("g_idx", g_idx.to(torch.int32))
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W [out, in]`` in ``dtype`` (what the reference multiplies by)."""
+        return dequantize_int4(self.qweight, self.scales, self.zeros, self.g_idx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = kernels_for(x)
+        kernel = getattr(kernels, "int4_linear", None) if kernels is not None else None
+        if kernel is not None:
+            return kernel(x, self.qweight, self.scales, self.zeros, self.g_idx, self.bias)
+        return int4_linear_ref(x, self.qweight, self.scales, self.zeros, self.g_idx, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"groups={self.scales.shape[0]}, bias={self.bias is not None}"
+        )

@@ -1,0 +1,129 @@
+"""The Triton W4A16 GEMM (core/layers/triton_int4.py) against ``int4_linear_ref``.
+
+The kernel runs in the shared ``TRITON_INTERPRET=1`` child (see
+tests/test_triton_attention.py for why) at tiny shapes, and is compiled for the GPU
+targets without a GPU. tests/gpu/test_gpu_triton_int4.py checks it at real layer shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from triton_compile_check import (
+    SHARED_CHILD_TIMEOUT,
+    TARGETS,
+    compile_kernel,
+    run_under_interpreter,
+)
+
+from chassis.core.layers.int4_linear import int4_linear_ref, pack_codes
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+in_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_int4_under_interpreter"
+)
+
+
+def packed_layer(
+    in_features: int,
+    out_features: int,
+    group_size: int,
+    act_order: bool,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """``(qweight, scales, zeros, g_idx, bias)`` of a random layer in the packed layout;
+    act-order: each group's rows scattered over the input (a random permutation)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = 1 if group_size == -1 else -(-in_features // group_size)
+    codes = torch.randint(0, 16, (in_features, out_features), generator=g)
+    g_idx = torch.arange(in_features) // (in_features if group_size == -1 else group_size)
+    if act_order:
+        g_idx = g_idx[torch.randperm(in_features, generator=g)]
+    scales = (torch.rand(groups, out_features, generator=g) * 0.02 + 0.005).to(torch.float16)
+    zeros = torch.randint(0, 17, (groups, out_features), generator=g).to(torch.uint8)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    return pack_codes(codes), scales, zeros, g_idx.to(torch.int32), bias
+
+
+def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to the output dtype's rounding (float32 sums in another order); Triton's
+    interpreter converts float32 to bfloat16 by truncation, one more step. Outputs here are
+    O(1)-O(10): an absolute tolerance of about two of the dtype's steps at 4."""
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 6.3e-2}[expected.dtype]
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=1e-2)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
+@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+def test_int4_under_interpreter(request: pytest.FixtureRequest) -> None:
+    pytest.importorskip("triton")
+    run_under_interpreter(__file__, request=request)
+
+
+# group sizes: smaller than the 64-row tile, not dividing it, one group; 96 input rows end
+# in a partial tile, 40 output columns in a partial one
+CASES = [
+    (96, 40, 32, False),
+    (96, 40, 48, False),
+    (96, 40, -1, False),
+    (96, 40, 16, True),
+    (128, 64, 64, True),
+]
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference(
+    case: tuple[int, int, int, bool], rows: int, dtype: torch.dtype
+) -> None:
+    from chassis.core.layers.triton_int4 import int4_linear
+
+    in_features, out_features, group_size, act_order = case
+    qweight, scales, zeros, g_idx, bias = packed_layer(
+        in_features, out_features, group_size, act_order, dtype
+    )
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for b in (None, bias):
+        expected = int4_linear_ref(x, qweight, scales, zeros, g_idx, b)
+        assert_matches_reference(int4_linear(x, qweight, scales, zeros, g_idx, b), expected)
+
+
+@in_interpreter
+def test_kernel_takes_leading_dimensions_and_no_rows() -> None:
+    from chassis.core.layers.triton_int4 import int4_linear
+
+    qweight, scales, zeros, g_idx, _ = packed_layer(64, 16, 32, False, torch.float32)
+    x = torch.randn(2, 3, 64)
+    expected = int4_linear_ref(x, qweight, scales, zeros, g_idx, None)
+    assert_matches_reference(int4_linear(x, qweight, scales, zeros, g_idx, None), expected)
+    empty = int4_linear(x[:0], qweight, scales, zeros, g_idx, None)
+    assert empty.shape == (0, 3, 16)
+    with pytest.raises(ValueError, match="features"):
+        int4_linear(torch.randn(2, 32), qweight, scales, zeros, g_idx, None)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: str(t[0]))
+def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
+    pytest.importorskip("triton")
+    from chassis.core.layers import triton_int4
+
+    ints = {"qweight_ptr": "*i32", "zeros_ptr": "*u8", "g_idx_ptr": "*i32", "scales_ptr": "*fp16"}
+    for dtype in ("*bf16", "*fp16"):
+        for block_m in (16, 64):
+            compile_kernel(
+                triton_int4._int4_linear_kernel,
+                target,
+                dict(HAS_BIAS=True, FLOAT32_DOT=False, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64),
+                pointer_types={
+                    **ints,
+                    "x_ptr": dtype,
+                    "bias_ptr": dtype,
+                    "out_ptr": dtype,
+                },
+            )
