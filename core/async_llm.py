@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from chassis.core.beam_search import (
     BeamSearch,
@@ -49,6 +50,9 @@ from chassis.core.stat_logger_manager import (
 )
 from chassis.core.tokenizer import eos_token_ids, load_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 #: prompts longer than this (characters) are tokenized in a worker thread
@@ -79,6 +83,39 @@ class AsyncLLM:
             if self.pooler_config is not None
             else None
         )
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self._lock = threading.Lock()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead_callbacks: list[Callable[[], None]] = []
+        self.dead_error: EngineDeadError | None = None
+        self._stats = SchedulerStats()
+        names = default_stat_loggers() if config.stat_loggers is None else config.stat_loggers
+        factories = resolve_stat_loggers(names)
+        factories += [(getattr(f, "__qualname__", repr(f)), f) for f in stat_loggers]
+        self._stat_loggers: StatLoggerManager | None = None
+        # The tokenizer loads while the engine core child starts (imports, model load).
+        self.client = EngineCoreClient(
+            config,
+            self._on_outputs,
+            self._on_dead,
+            while_starting=lambda: self._load_tokenizer(hf_config),
+        )
+        self.engine_info = self.client.info
+        try:
+            self._stat_loggers = StatLoggerManager(
+                factories,
+                StatLoggerInfo(self.model_name, config, self.engine_info),
+                config.stat_log_interval,
+            )
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.input_processor.lora_target_shapes = self.engine_info.lora_target_shapes
+
+    def _load_tokenizer(self, hf_config: Any) -> None:
+        """The tokenizer and the input and output processors that use it."""
+        config = self.config
         # None with skip_tokenizer_init: token-id prompts only, outputs with empty text.
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer)
         if self.tokenizer is None:
@@ -93,28 +130,6 @@ class AsyncLLM:
                 self.tokenizer, config, eos_token_ids(self.tokenizer, config.model)
             )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._lock = threading.Lock()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._dead_callbacks: list[Callable[[], None]] = []
-        self.dead_error: EngineDeadError | None = None
-        self._stats = SchedulerStats()
-        names = default_stat_loggers() if config.stat_loggers is None else config.stat_loggers
-        factories = resolve_stat_loggers(names)
-        factories += [(getattr(f, "__qualname__", repr(f)), f) for f in stat_loggers]
-        self._stat_loggers: StatLoggerManager | None = None
-        self.client = EngineCoreClient(config, self._on_outputs, self._on_dead)
-        self.engine_info = self.client.info
-        try:
-            self._stat_loggers = StatLoggerManager(
-                factories,
-                StatLoggerInfo(self.model_name, config, self.engine_info),
-                config.stat_log_interval,
-            )
-        except BaseException:
-            self.client.shutdown()
-            raise
-        self.input_processor.lora_target_shapes = self.engine_info.lora_target_shapes
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> AsyncLLM:

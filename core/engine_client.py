@@ -48,7 +48,16 @@ class EngineCoreClient:
         config: EngineConfig,
         on_outputs: Callable[[EngineCoreOutputs], None],
         on_dead: Callable[[str], None],
+        while_starting: Callable[[], None] | None = None,
     ) -> None:
+        """Start the engine core and return once it is ready (its :class:`EngineInfo` in
+        ``info``); ``on_outputs`` and ``on_dead`` are called from the client's threads.
+
+        ``while_starting``, when given, runs in this process after the child is started and
+        before waiting for it (the front-end loads its tokenizer meanwhile, on another core
+        than the child's imports and model load). If it raises, the child is killed and the
+        exception propagates, as for a child that fails to start.
+        """
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._closing = False
@@ -78,6 +87,8 @@ class EngineCoreClient:
         )
         self.process.start()
         try:
+            if while_starting is not None:
+                while_starting()
             self.info = self._wait_ready()
         except BaseException:
             self._kill()
