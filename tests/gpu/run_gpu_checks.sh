@@ -6,7 +6,8 @@
 # default 540 s: a step that would start with under 30 s left is skipped):
 #   pytest      pytest -m gpu tests/gpu (not gpu_compile, not gpu_moe) -> pytest.txt, junit.xml
 #               (attention: test_gpu_triton_attention.py, and the fp8 KV cache's kernels and
-#               engine in test_gpu_fp8_kv_cache.py)
+#               engine in test_gpu_fp8_kv_cache.py; the int4 W4A16 GEMM against its torch
+#               reference at 8B-Llama shapes in test_gpu_triton_int4.py)
 #   throughput  (a)+(c) nano-vllm workload on the Qwen3-0.6B preset, chassis and HF
 #                                                            -> throughput.txt/.json
 #   latency     (b)+(c) batch 1, 128-token prompt, 256 new tokens, chassis and HF; then
