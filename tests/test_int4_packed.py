@@ -106,11 +106,19 @@ def _greedy(path: Path, **kwargs: object) -> tuple[list[list[int]], LLM]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)], llm
 
 
-@pytest.mark.parametrize("key", ["gptq-4bit-act-order", "awq-4bit-g32"])
+ENGINE_CASES = {
+    "llama-gptq-act-order": ("tiny_llama_dir", SCHEMES["gptq-4bit-act-order"]),
+    "llama-awq": ("tiny_llama_dir", SCHEMES["awq-4bit-g32"]),
+    "qwen2-moe-awq": ("tiny_qwen2_moe_dir", Scheme("awq", group_size=16)),
+}
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_packed_checkpoint_gives_the_dequantized_paths_tokens(
-    tiny_llama_dir: Path, tmp_path: Path, key: str
+    request: pytest.FixtureRequest, tmp_path: Path, case: str
 ) -> None:
-    quantized, _, _ = write_int_twins(tiny_llama_dir, tmp_path, SCHEMES[key])
+    fixture, scheme = ENGINE_CASES[case]
+    quantized, _, _ = write_int_twins(request.getfixturevalue(fixture), tmp_path, scheme)
     expected, llm = _greedy(quantized, int4_weights="dequantized")
     model = llm.engine.executor.worker.runner.model
     assert not any(isinstance(m, Int4Linear) for m in model.modules())
@@ -119,13 +127,51 @@ def test_packed_checkpoint_gives_the_dequantized_paths_tokens(
     gc.collect()
     got, llm = _greedy(quantized)
     model = llm.engine.executor.worker.runner.model
-    packed = [name for name, m in model.named_modules() if isinstance(m, Int4Linear)]
-    # AWQ: every decoder projection (merged q/k/v, o, merged gate/up, down). The act-order
-    # checkpoint here gives q, k and v (gate and up) different random g_idx, so the merged
-    # layers stay dequantized (GPTQ's own act-order derives one order from their shared
-    # input); o and down are packed
-    per_layer = 4 if key.startswith("awq") else 2
-    assert len(packed) == per_layer * len(model.model.layers), packed
-    assert all(name.endswith(("o_proj", "down_proj")) for name in packed) or per_layer == 4
+    packed = {
+        name.split(".", 3)[3] for name, m in model.named_modules() if isinstance(m, Int4Linear)
+    }
+    if case == "llama-awq":  # every decoder projection
+        assert packed == {
+            "self_attn.qkv_proj",
+            "self_attn.o_proj",
+            "mlp.gate_up_proj",
+            "mlp.down_proj",
+        }
+    elif case == "llama-gptq-act-order":
+        # the checkpoint here gives q, k and v (gate and up) different random g_idx, so the
+        # merged layers stay dequantized (GPTQ's own act-order takes one order from their
+        # shared input); o and down are packed
+        assert packed == {"self_attn.o_proj", "mlp.down_proj"}
+    else:  # attention and the shared expert; the fused experts stay dequantized
+        assert {"self_attn.qkv_proj", "self_attn.o_proj"} <= packed
+        assert any("shared_expert." in name for name in packed), packed
+        assert not any(".experts." in name for name in packed), packed
     assert _tensor_bytes(model.model.layers) < dense_bytes
     assert got == expected
+
+
+def test_act_order_projections_sharing_g_idx_are_packed_merged() -> None:
+    """Q, K and V quantized in one act-order (their shared input's): the merged layer packs."""
+    scheme = SCHEMES["gptq-4bit-act-order"]
+    generator = torch.Generator().manual_seed(5)
+    whole, dequantized = _packed_module(torch.randn(48, 64, generator=generator), scheme, generator)
+    names = ("q_proj", "k_proj", "v_proj")
+    sources = Int4Sources(packed_int_format(scheme.config()))
+    for i, name in enumerate(names):  # 16 output columns each: 2 int32 of zero points
+        sources.record(
+            name,
+            {
+                "qweight": whole["qweight"][:, 16 * i : 16 * (i + 1)],
+                "qzeros": whole["qzeros"][:, 2 * i : 2 * (i + 1)],
+                "scales": whole["scales"][:, 16 * i : 16 * (i + 1)],
+                "g_idx": whole["g_idx"],
+            },
+        )
+    merged = nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        merged.weight.copy_(dequantized)
+    model = nn.Module()
+    model.add_module("qkv_proj", merged)
+    assert pack_int4_linears(model, sources, {n: "qkv_proj" for n in names}) == 1
+    x = torch.randn(3, 64, generator=generator).bfloat16()
+    assert torch.equal(model.qkv_proj(x), nn.functional.linear(x, dequantized.bfloat16()))
