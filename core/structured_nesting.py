@@ -2,7 +2,8 @@
 
 Every compiler of a constraint (JSON texts and schemas, regular expressions, GBNF grammars,
 structural tags) counts its own nesting and refuses a constraint nested deeper than
-:data:`MAX_NESTING_DEPTH` with :func:`nested_too_deeply`. What counts as one level is each
+:data:`MAX_NESTING_DEPTH` (a JSON text's arrays and objects: :data:`MAX_JSON_TEXT_DEPTH`)
+with :func:`nested_too_deeply`. What counts as one level is each
 front end's (docs/structured_outputs.md, "What is refused"). So whether a constraint is
 accepted never depends on Python's recursion limit, which differs between processes
 (``torch.compile`` raises it to 2000 in an engine that compiled a model): the limit is low
@@ -15,6 +16,8 @@ import re
 from typing import Any
 
 __all__ = [
+    "FORCED_TOOL_CALL_LEVELS",
+    "MAX_JSON_TEXT_DEPTH",
     "MAX_NESTING_DEPTH",
     "check_json_text_nesting",
     "check_json_value_nesting",
@@ -23,20 +26,34 @@ __all__ = [
     "nested_too_deeply",
 ]
 
-#: the deepest nesting a constraint may have, in each front end's levels (a JSON array or
-#: object, a regex group, a grammar group, repetition or rule expansion, a JSON subschema).
+#: the deepest nesting a constraint may have, in each front end's levels (a regex group, a
+#: grammar group, repetition or rule expansion, a JSON subschema; a JSON text's arrays and
+#: objects have their own limit, MAX_JSON_TEXT_DEPTH, derived from it).
 #: Real schemas, regexes and grammars stay far below it; at it, the deepest walk measured
 #: uses fewer than half of Python's default 1000 frames (tests/test_structured_nesting.py)
 MAX_NESTING_DEPTH = 32
+
+#: the subschema levels a forced tool call (``tool_choice`` ``"required"``) wraps around each
+#: function's ``parameters`` schema (the array of calls, its ``items``' ``anyOf``, a call
+#: object; serve/structured_request.py). They do not count against MAX_NESTING_DEPTH
+#: (:attr:`~chassis.core.structured_output.StructuredOutputsParams.json_wrapper_levels`)
+FORCED_TOOL_CALL_LEVELS = 3
+
+#: the deepest nesting of the arrays and objects of a JSON text that holds a schema: two per
+#: subschema level (``"properties": {"a": {...}}``, ``"anyOf": [{...}]``), for a schema at
+#: MAX_NESTING_DEPTH wrapped in a forced tool call, plus two for its innermost subschema's
+#: values (an ``enum`` of arrays). So the text check refuses no schema that the subschema
+#: count accepts; a text this deep is parsed by ``json.loads`` and walked without recursion
+MAX_JSON_TEXT_DEPTH = 2 * (MAX_NESTING_DEPTH + FORCED_TOOL_CALL_LEVELS) + 2
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKET = re.compile(r"[\[\]{}]")
 
 
-def nested_too_deeply(what: str) -> ValueError:
-    """The refusal of a constraint deeper than :data:`MAX_NESTING_DEPTH`: ``what`` says
-    what nests (``"the JSON schema's subschemas"``)."""
-    return ValueError(f"{what} nested too deeply (limit {MAX_NESTING_DEPTH})")
+def nested_too_deeply(what: str, limit: int = MAX_NESTING_DEPTH) -> ValueError:
+    """The refusal of a constraint deeper than ``limit``: ``what`` says what nests
+    (``"the JSON schema's subschemas are"``)."""
+    return ValueError(f"{what} nested too deeply (limit {limit})")
 
 
 def json_text_depth(text: str) -> int:
@@ -66,7 +83,7 @@ def json_value_depth(value: Any) -> int:
         else:
             continue
         deepest = max(deepest, depth)
-        if depth > MAX_NESTING_DEPTH:  # deep enough to refuse: stop walking
+        if depth > MAX_JSON_TEXT_DEPTH:  # deep enough to refuse: stop walking
             break
         stack.extend((child, depth + 1) for child in children)
     return deepest
@@ -74,13 +91,13 @@ def json_value_depth(value: Any) -> int:
 
 def check_json_text_nesting(text: str, what: str) -> None:
     """Refuse the JSON ``text`` (of ``what``) if its arrays and objects nest deeper than
-    :data:`MAX_NESTING_DEPTH` (before ``json.loads``, whose C parser would otherwise stop
+    :data:`MAX_JSON_TEXT_DEPTH` (before ``json.loads``, whose C parser would otherwise stop
     at Python's recursion limit)."""
-    if json_text_depth(text) > MAX_NESTING_DEPTH:
-        raise nested_too_deeply(f"{what} (its arrays and objects)")
+    if json_text_depth(text) > MAX_JSON_TEXT_DEPTH:
+        raise nested_too_deeply(f"{what} (its arrays and objects)", MAX_JSON_TEXT_DEPTH)
 
 
 def check_json_value_nesting(value: Any, what: str) -> None:
     """:func:`check_json_text_nesting` for a value already parsed (before ``json.dumps``)."""
-    if json_value_depth(value) > MAX_NESTING_DEPTH:
-        raise nested_too_deeply(f"{what} (its arrays and objects)")
+    if json_value_depth(value) > MAX_JSON_TEXT_DEPTH:
+        raise nested_too_deeply(f"{what} (its arrays and objects)", MAX_JSON_TEXT_DEPTH)

@@ -22,7 +22,11 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from chassis.core.structured_nesting import check_json_text_nesting, check_json_value_nesting
+from chassis.core.structured_nesting import (
+    FORCED_TOOL_CALL_LEVELS,
+    check_json_text_nesting,
+    check_json_value_nesting,
+)
 
 __all__ = [
     "ConstraintBudgetExceeded",
@@ -68,6 +72,11 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     #: ``reasoning_parser`` (its tags must be single tokens); the chat route sets it for JSON
     #: constraints when the server has a reasoning parser (docs/structured_outputs.md)
     after_reasoning: bool = False
+    #: set by the server, never by a request: the subschema levels of ``json`` that wrap the
+    #: user's schemas (a forced tool call's array of calls,
+    #: :data:`~chassis.core.structured_nesting.FORCED_TOOL_CALL_LEVELS`), which do not count
+    #: against the nesting limit, so a tool's ``parameters`` may nest as deep as a schema
+    json_wrapper_levels: int = 0
 
     def __post_init__(self) -> None:
         # nesting is checked before json.dumps/json.loads, which would otherwise stop at
@@ -115,6 +124,13 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
                 raise ValueError(f"structured_outputs.{field} must be a non-empty string")
         if self.structural_tag is not None:
             check_json_text_nesting(self.structural_tag, "structured_outputs.structural_tag")
+        if not (
+            isinstance(self.json_wrapper_levels, int)
+            and 0 <= self.json_wrapper_levels <= FORCED_TOOL_CALL_LEVELS
+        ):
+            raise ValueError(
+                f"structured_outputs.json_wrapper_levels must be 0..{FORCED_TOOL_CALL_LEVELS}"
+            )
         if self.choice is not None and (
             not isinstance(self.choice, list)
             or not self.choice
@@ -132,7 +148,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     def cache_key(self) -> tuple[Any, ...]:
         """Equal for equal constraints (a backend may cache compiled grammars by it)."""
         value = getattr(self, self.kind)
-        return (self.kind, tuple(value) if isinstance(value, list) else value)
+        key = (self.kind, tuple(value) if isinstance(value, list) else value)
+        # (the same schema as a forced tool call's wrapper may nest deeper)
+        return (*key, self.json_wrapper_levels) if self.json_wrapper_levels else key
 
 
 @dataclass(frozen=True)

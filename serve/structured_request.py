@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from chassis.core.structured_nesting import FORCED_TOOL_CALL_LEVELS
 from chassis.core.structured_output import StructuredOutputsParams
 from chassis.serve.errors import bad_request
 
@@ -73,7 +74,9 @@ def for_tool_choice(
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
+    # (the array, its items and a call object wrap each parameters schema: not counted
+    # against the nesting limit, so parameters may nest as deep as a schema)
+    return StructuredOutputsParams(json=schema, json_wrapper_levels=FORCED_TOOL_CALL_LEVELS)
 
 
 def _object_parameters(function: dict[str, Any], index: int) -> dict[str, Any]:
@@ -126,6 +129,8 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
 
 
 def _params(field: str, values: dict[str, Any]) -> StructuredOutputsParams:
+    if "json_wrapper_levels" in values:  # (the server's own, for forced tool calls)
+        raise bad_request(f"{field}: unknown field json_wrapper_levels", field)
     try:  # (StructuredOutputsParams checks that a schema given as text is JSON)
         return StructuredOutputsParams(**values)
     except TypeError as exc:  # an unknown key

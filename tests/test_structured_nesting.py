@@ -19,13 +19,16 @@ from chassis.builtin_plugins.structured_output.backend import (
 from chassis.builtin_plugins.structured_output.grammar_parser import parse_grammar
 from chassis.core.async_llm import AsyncLLM
 from chassis.core.config import EngineConfig
+from chassis.core.structured_nesting import MAX_JSON_TEXT_DEPTH as TEXT_LIMIT
 from chassis.core.structured_nesting import MAX_NESTING_DEPTH as LIMIT
 from chassis.core.structured_nesting import json_text_depth
 from chassis.core.structured_output import StructuredOutputsParams
 from chassis.serve.app import build_app
 from chassis.serve.settings import ServerSettings
+from chassis.serve.structured_request import for_tool_choice
 
 REFUSED = rf"nested too deeply \(limit {LIMIT}\)"
+TEXT_REFUSED = rf"nested too deeply \(limit {TEXT_LIMIT}\)"
 
 
 @pytest.fixture(params=[1000, 10000], ids=["recursionlimit-1000", "recursionlimit-10000"])
@@ -65,14 +68,24 @@ def grammar_rules(levels: int) -> tuple[dict, str]:
     return {"grammar": grammar}, "a" * (levels - 1) + "x"
 
 
-def json_text(levels: int) -> tuple[dict, str]:
-    """A schema whose JSON text nests ``levels`` deep: objects in objects (two levels each)
-    around an integer schema (one level, two with its ``enum`` array)."""
-    schema: dict = {"type": "integer"} if levels % 2 else {"enum": [7]}
-    for _ in range((levels - 1) // 2):
+def json_properties(levels: int) -> tuple[dict, str]:
+    """A schema whose subschemas nest ``levels`` deep: objects in objects (a level each, two
+    levels of its JSON text) around an integer."""
+    schema: dict = {"type": "integer"}
+    for _ in range(levels - 1):
         schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return {"json": schema}, '{"a":' * (levels - 1) + "7" + "}" * (levels - 1)
+
+
+def json_text(levels: int) -> tuple[dict, str]:
+    """A schema whose JSON text nests ``levels`` deep (its subschemas do not): a ``const``
+    of lists in lists."""
+    value: list = [7]
+    for _ in range(levels - 2):
+        value = [value]
+    schema = {"const": value}
     assert json_text_depth(json.dumps(schema)) == levels
-    return {"json": schema}, '{"a":' * ((levels - 1) // 2) + "7" + "}" * ((levels - 1) // 2)
+    return {"json": schema}, json.dumps(value, separators=(",", ":"))
 
 
 def json_refs(levels: int) -> tuple[dict, str]:
@@ -102,15 +115,22 @@ FRONT_ENDS: dict[str, Callable[[int], tuple[dict, str]]] = {
     "regex": regex,
     "grammar-groups": grammar_groups,
     "grammar-rules": grammar_rules,
+    "json-properties": json_properties,
     "json-text": json_text,
     "json-refs": json_refs,
     "structural-tag": structural_tag,
 }
+#: each front end's limit, in its own levels (a JSON text's arrays and objects have theirs)
+LIMITS = {"json-text": TEXT_LIMIT}
 
 
-def compile_constraint(constraint: dict):
+def compile_constraint(constraint: dict | StructuredOutputsParams):
     """The API server's check, then the engine's compilation (both refuse the same)."""
-    params = StructuredOutputsParams(**constraint)
+    params = (
+        constraint
+        if isinstance(constraint, StructuredOutputsParams)
+        else StructuredOutputsParams(**constraint)
+    )
     ChassisStructuredOutputBackend.check(params)
     return constraint_automaton(params)
 
@@ -121,15 +141,63 @@ def test_the_limit_is_accepted_and_one_more_level_refused(
     front_end: str, recursion_limit: int
 ) -> None:
     make = FRONT_ENDS[front_end]
-    constraint, text = make(LIMIT)
+    limit = LIMITS.get(front_end, LIMIT)
+    constraint, text = make(limit)
     automaton = compile_constraint(constraint)
     assert automaton.fullmatch(text.encode())
     # (a structural tag's free text may end in anything: spoil its tagged value instead)
     wrong = text.replace("5]", "?]") if front_end == "structural-tag" else text + "?"
     assert not automaton.fullmatch(wrong.encode())
-    deeper, _ = make(LIMIT + 1)
+    deeper, _ = make(limit + 1)
+    with pytest.raises(ValueError, match=rf"nested too deeply \(limit {limit}\)"):
+        compile_constraint(deeper)
+
+
+def forced_tool_call(levels: int, tool_choice: str | dict) -> tuple[StructuredOutputsParams, str]:
+    """A forced tool call (``tool_choice`` a named function or ``"required"``) of a function
+    whose parameters schema nests ``levels`` subschemas deep, beside another function."""
+    parameters, arguments = json_properties(levels)
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": parameters["json"]}},
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}},
+    ]
+    params = for_tool_choice(tool_choice, tools, parallel_tool_calls=True)
+    if tool_choice == "required":
+        return params, f'[{{"name":"f","parameters":{arguments}}}]'
+    return params, arguments
+
+
+TOOL_CHOICES = {"named": {"type": "function", "function": {"name": "f"}}, "required": "required"}
+
+
+@pytest.mark.timeout(300)  # a hang guard
+@pytest.mark.parametrize("tool_choice", TOOL_CHOICES)
+def test_a_tool_call_may_nest_its_parameters_to_the_limit(
+    tool_choice: str, recursion_limit: int
+) -> None:
+    """A forced tool call wraps the parameters in 3 subschema levels and 5 of JSON text
+    (``"required"``): neither counts, so parameters nest as deep as any schema."""
+    params, text = forced_tool_call(LIMIT, TOOL_CHOICES[tool_choice])
+    automaton = compile_constraint(params)
+    assert automaton.fullmatch(text.encode())
+    assert not automaton.fullmatch(text.replace("7", "x").encode())
+    deeper, _ = forced_tool_call(LIMIT + 1, TOOL_CHOICES[tool_choice])
     with pytest.raises(ValueError, match=REFUSED):
         compile_constraint(deeper)
+
+
+def test_the_wrapper_levels_are_the_servers_own() -> None:
+    """A request cannot claim wrapper levels, and the same schema with and without a
+    wrapper is cached apart (one is refused, the other not)."""
+    from chassis.serve.errors import APIError
+    from chassis.serve.structured_request import from_request_fields
+
+    schema, _ = json_properties(LIMIT + 1)
+    with pytest.raises(APIError, match="json_wrapper_levels"):
+        from_request_fields(None, {**schema, "json_wrapper_levels": 3}, {})
+    plain = StructuredOutputsParams(**schema)
+    wrapped = StructuredOutputsParams(**schema, json_wrapper_levels=3)
+    assert plain.cache_key() != wrapped.cache_key()
 
 
 def deep_list(depth: int) -> list:
@@ -152,7 +220,7 @@ def deep_list(depth: int) -> list:
     ids=["regex", "grammar-groups", "grammar-repetitions", "json-text", "json-value", "tag"],
 )
 def test_far_too_deep_is_the_same_clear_refusal(constraint: dict, recursion_limit: int) -> None:
-    with pytest.raises(ValueError, match=REFUSED):
+    with pytest.raises(ValueError, match=f"{REFUSED}|{TEXT_REFUSED}"):
         compile_constraint(constraint)
 
 
@@ -198,9 +266,25 @@ def test_the_limit_leaves_half_of_the_default_stack(front_end: str) -> None:
             }
         },
     }
-    constraint = worst.get(front_end, FRONT_ENDS[front_end](LIMIT)[0])
+    constraint = worst.get(front_end, FRONT_ENDS[front_end](LIMITS.get(front_end, LIMIT))[0])
+    compile_within(500, constraint)
+
+
+@pytest.mark.timeout(300)  # a hang guard
+def test_a_forced_tool_call_at_the_limit_leaves_half_of_the_default_stack() -> None:
+    """The tool-call wrapper's levels are not counted, but they are walked: still within
+    500 frames, with parameters at the limit ending in a regex pattern at its limit."""
+    parameters: dict = {"type": "string", "pattern": regex(LIMIT)[0]["regex"]}
+    for _ in range(LIMIT - 1):
+        parameters = {"type": "object", "properties": {"a": parameters}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    compile_within(500, for_tool_choice("required", tools, parallel_tool_calls=True))
+
+
+def compile_within(frames: int, constraint: dict | StructuredOutputsParams) -> None:
+    """Compile ``constraint`` with only ``frames`` frames of stack beyond the caller's."""
     saved = sys.getrecursionlimit()
-    sys.setrecursionlimit(len(inspect.stack(0)) + 500)
+    sys.setrecursionlimit(len(inspect.stack(0)) + frames)
     try:
         compile_constraint(constraint)
     finally:

@@ -25,10 +25,12 @@ every valid text, only the natural ones:
 - recursion through ``$ref`` is unrolled :data:`MAX_RECURSION_DEPTH` times; past that the
   recursive branch matches nothing, so optional or empty alternatives end the recursion.
 
-Nesting is limited to :data:`~chassis.core.structured_nesting.MAX_NESTING_DEPTH` levels,
-twice: the schema's arrays and objects (as JSON), and its subschemas inside each other
-(``properties``, ``items``, ``anyOf`` members, ``allOf``..., a ``$ref``'s target counting
-as nested where it is used), so that a chain of ``$ref`` is bounded too.
+Nesting is limited twice: the schema's subschemas inside each other (``properties``,
+``items``, ``anyOf`` members, ``allOf``..., a ``$ref``'s target counting as nested where it
+is used, so that a chain of ``$ref`` is bounded too) to
+:data:`~chassis.core.structured_nesting.MAX_NESTING_DEPTH` levels (a forced tool call's
+wrapper not counted), and the schema's arrays and objects (as JSON) to
+:data:`~chassis.core.structured_nesting.MAX_JSON_TEXT_DEPTH`.
 
 Refused with ``ValueError`` (naming the keyword and its location, e.g.
 ``#/properties/tags``): ``not``, ``if``/``then``/``else``, ``patternProperties``,
@@ -97,9 +99,11 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
     schema_to_ir(schema)
 
 
-def schema_to_ir(schema: dict[str, Any] | bool) -> ir.Node:
+def schema_to_ir(schema: dict[str, Any] | bool, wrapper_levels: int = 0) -> ir.Node:
     """The JSON texts a model may write for ``schema``: each is valid JSON and valid against
-    the schema (see the module docstring for what is generated, refused and ignored)."""
+    the schema (see the module docstring for what is generated, refused and ignored).
+    ``wrapper_levels``: the subschema levels of ``schema`` that wrap the user's schemas (a
+    forced tool call's array of calls), not counted against the nesting limit."""
     if schema is False:
         raise ValueError("the JSON schema is false: no value is valid against it")
     if not isinstance(schema, dict | bool):
@@ -113,6 +117,7 @@ def schema_to_ir(schema: dict[str, Any] | bool) -> ir.Node:
             schema,
             ref_depth=max(1, MAX_RECURSION_DEPTH - shrink),
             free_depth=max(1, ANY_JSON_DEPTH - shrink),
+            wrapper_levels=wrapper_levels,
         )
         node = compiler.compile(schema, "#")
         if node == NOTHING:

@@ -81,7 +81,13 @@ class SchemaCompiler:
     :attr:`depth_sensitive` say whether the depths mattered.
     """
 
-    def __init__(self, root: dict[str, Any] | bool, ref_depth: int, free_depth: int) -> None:
+    def __init__(
+        self,
+        root: dict[str, Any] | bool,
+        ref_depth: int,
+        free_depth: int,
+        wrapper_levels: int = 0,
+    ) -> None:
         self.root = root
         self.ref_depth = ref_depth
         self.free_depth = free_depth
@@ -93,8 +99,10 @@ class SchemaCompiler:
         #: whether a smaller depth would give a smaller result
         self.depth_sensitive = False
         #: subschemas being compiled now, each inside the one before (a ``$ref``'s target
-        #: inside the schema that refers to it): at most MAX_NESTING_DEPTH
-        self.level = 0
+        #: inside the schema that refers to it): at most MAX_NESTING_DEPTH, besides the
+        #: ``wrapper_levels`` around the user's schemas (a forced tool call's), which start
+        #: below 0
+        self.level = -wrapper_levels
 
     def no_instance_error(self) -> ValueError:
         """The error for a schema that compiled to nothing at all."""
@@ -114,7 +122,8 @@ class SchemaCompiler:
     def compile(self, schema: Any, path: str) -> ir.Node:
         """The IR of ``schema`` (found at ``path``, for messages). Each call inside another
         is one level of nesting (``properties``, ``items``, ``anyOf`` members, a ``$ref``'s
-        target, a merged ``allOf``...): deeper than :data:`MAX_NESTING_DEPTH` is refused."""
+        target, a merged ``allOf``...): deeper than :data:`MAX_NESTING_DEPTH` (plus the
+        wrapper's levels) is refused."""
         if self.level >= MAX_NESTING_DEPTH:
             raise nested_too_deeply(f"the JSON schema at {_short_path(path)}: its subschemas are")
         self.level += 1
