@@ -68,7 +68,7 @@ from chassis.core.speculative import can_speculate
 from chassis.core.token_draw import exponential_race
 
 if TYPE_CHECKING:
-    from chassis.core.attention import AttentionBackend
+    from chassis.core.attention import AttentionBackend, ForwardContext
     from chassis.core.config import EngineConfig
     from chassis.core.input_batch import InputBatch, RequestState
     from chassis.core.model_interface import CausalLM
@@ -520,14 +520,22 @@ class DraftModelProposer:
         """The draft's hidden states for ``query_lens[i]`` tokens of each of ``rows`` from
         position ``starts[i]``, writing their K/V at the rows' slots. The tokens are the
         batch's, or ``input_ids`` (one per token) for the single-token steps."""
+        positions, token_rows, ctx = self._step_context(batch, rows, starts, query_lens)
+        if input_ids is None:
+            input_ids = batch.token_ids[token_rows, positions]
+        return self.model(self._to_device(input_ids), self._to_device(positions), ctx)
+
+    def _step_context(
+        self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, ForwardContext]:
+        """``(positions, batch row of each token, attention context)`` of a draft forward
+        over ``query_lens[i]`` tokens of each of ``rows`` from position ``starts[i]``."""
         total = int(query_lens.sum())
         cu = np.cumsum(query_lens)
         query_start_loc = np.concatenate(([0], cu)).astype(np.int32)
         req_of_token = np.repeat(np.arange(len(rows)), query_lens)
         positions = starts[req_of_token] + (np.arange(total) - query_start_loc[:-1][req_of_token])
         token_rows = rows[req_of_token]
-        if input_ids is None:
-            input_ids = batch.token_ids[token_rows, positions]
         seq_lens = (starts + query_lens).astype(np.int32)
         slot_mappings, block_tables = group_slots_and_tables(
             batch, rows, token_rows, positions, int(seq_lens.max()), self.block_size
@@ -545,7 +553,7 @@ class DraftModelProposer:
             self.layer_group,
             self.pin_memory,
         )
-        return self.model(self._to_device(input_ids), self._to_device(positions), ctx)
+        return positions, token_rows, ctx
 
     def _copy_metadata(self, packed: torch.Tensor) -> torch.Tensor:
         return packed if packed.device == self.device else packed.to(self.device, non_blocking=True)

@@ -537,19 +537,30 @@ class ModelRunner:
             rewinds,
         )
         if self.drafter is not None:
-            return self._propose_drafts(pending, rows, starts)
+            return self._propose_drafts(pending, rows, starts, hidden, query_start_loc)
         return pending
 
     def _propose_drafts(
-        self, pending: PendingRunnerOutput, rows: np.ndarray, starts: np.ndarray
+        self,
+        pending: PendingRunnerOutput,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        hidden: torch.Tensor,
+        query_start_loc: np.ndarray,
     ) -> PendingRunnerOutput:
         """Draft-model speculative decoding: wait for the step (async scheduling is refused
         with it), then let the draft model run over the step's kept tokens and propose the
-        next drafts (``ModelRunnerOutput.draft_token_ids``; :mod:`chassis.core.draft_model`)."""
+        next drafts (``ModelRunnerOutput.draft_token_ids``; :mod:`chassis.core.draft_model`).
+        An EAGLE head also reads the step's hidden states (:mod:`chassis.core.eagle`)."""
         assert self.drafter is not None
         output = pending.result()
         sampled = np.array([bool(t) for t in output.sampled_token_ids], dtype=bool)
-        output.draft_token_ids = self.drafter.propose(self.batch, rows, starts, sampled)
+        if getattr(self.drafter, "reads_target_hidden", False):
+            output.draft_token_ids = self.drafter.propose(  # type: ignore[call-arg]
+                self.batch, rows, starts, sampled, hidden, query_start_loc
+            )
+        else:
+            output.draft_token_ids = self.drafter.propose(self.batch, rows, starts, sampled)
         return PendingRunnerOutput.ready(output)
 
     def _mask_disallowed_tokens(

@@ -1,4 +1,5 @@
-"""Speculative decoding (vLLM's ``--speculative-config``): methods ``ngram`` and ``draft_model``.
+"""Speculative decoding (vLLM's ``--speculative-config``): methods ``ngram``, ``draft_model``
+and ``eagle``.
 
 A decoding request often repeats text it has seen: code being edited, a quoted document, a
 list whose items share a pattern. Prompt lookup guesses the next tokens by finding the
@@ -43,6 +44,10 @@ sampler provides probabilities), and the runner verifies them by rejection sampl
 the target's p (:mod:`chassis.core.rejection_sampling`), which accepts a draft the target
 agrees with far more often. Either way a draft source only changes how many drafts are
 accepted, never which tokens come out or with what probability.
+
+With ``method: "eagle"`` (``"model": PATH`` of an EAGLE-1 head) the proposer is a head of one
+or a few decoder layers that reads the target's own last hidden states
+(:mod:`chassis.core.eagle`); it plans, drafts and verifies as a draft model does.
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ import numpy as np
 from chassis.core.sampling_params import SamplingParams
 
 #: the methods this engine implements
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
+#: methods that run a model in the runner to propose drafts (it needs ``"model"``)
+MODEL_METHODS = ("draft_model", "eagle")
 #: how a draft model chooses the drafts of random requests (``draft_sampling``)
 DRAFT_SAMPLING = ("probabilistic", "greedy")
 #: most draft tokens per step and request (the verify forward grows with them)
@@ -71,9 +78,10 @@ class SpeculativeConfig:
     ``num_speculative_tokens``: most drafts per request and step; the n-gram to look up has
     ``prompt_lookup_max`` tokens down to ``prompt_lookup_min`` (the longest that occurs
     earlier wins). ``model``: the draft model's checkpoint (a folder or hub id) for method
-    ``draft_model``; a ``model`` without a ``method`` means ``draft_model`` (as vLLM infers
-    it from a model path). ``draft_sampling`` (chassis's own key, method ``draft_model``
-    only): ``"probabilistic"`` (the default) lets the draft sample each draft of a random
+    ``draft_model``, the EAGLE-1 head's for method ``eagle``; a ``model`` without a
+    ``method`` means ``draft_model`` (as vLLM infers it from a model path).
+    ``draft_sampling`` (chassis's own key, methods ``draft_model`` and ``eagle``):
+    ``"probabilistic"`` (the default) lets the draft sample each draft of a random
     request from its own distribution and the target verify by rejection sampling;
     ``"greedy"`` proposes the draft's argmax for every request and verifies by exact match.
     """
@@ -87,8 +95,14 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """Whether drafts come from a draft model (the runner proposes them)."""
-        return self.method == "draft_model"
+        """Whether drafts come from a model the runner runs (a draft model or an EAGLE
+        head): the runner proposes them and the scheduler reserves their slots."""
+        return self.method in MODEL_METHODS
+
+    @property
+    def uses_eagle(self) -> bool:
+        """Whether the drafts come from an EAGLE-1 head (:mod:`chassis.core.eagle`)."""
+        return self.method == "eagle"
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
@@ -129,6 +143,12 @@ class SpeculativeConfig:
 
     def validate(self) -> None:
         """``ValueError`` naming the key to change when a value is not allowed."""
+        if str(self.method).lower().replace("-", "").replace("_", "") == "eagle3":
+            raise ValueError(
+                f"--speculative-config method {self.method!r} is not supported: EAGLE-3 heads read "
+                "several target layers' hidden states; this engine runs EAGLE-1 heads "
+                "(method 'eagle')"
+            )
         if self.method not in METHODS:
             raise ValueError(
                 f"--speculative-config method {self.method!r} is not implemented; "
@@ -136,9 +156,14 @@ class SpeculativeConfig:
             )
         if self.uses_draft_model:
             if not isinstance(self.model, str) or not self.model.strip():
+                what = (
+                    "the EAGLE-1 head's folder or hub id (trained for the target)"
+                    if self.uses_eagle
+                    else "the draft model's folder or hub id (a small model with the target's "
+                    "vocabulary)"
+                )
                 raise ValueError(
-                    "--speculative-config method 'draft_model' needs \"model\": the draft "
-                    "model's folder or hub id (a small model with the target's vocabulary)"
+                    f'--speculative-config method {self.method!r} needs "model": {what}'
                 )
             if self.draft_sampling not in DRAFT_SAMPLING:
                 raise ValueError(
@@ -147,12 +172,12 @@ class SpeculativeConfig:
                 )
         elif self.draft_sampling != "probabilistic":
             raise ValueError(
-                "--speculative-config \"draft_sampling\" is for method 'draft_model' (n-gram "
-                "drafts are always one-hot); drop it"
+                "--speculative-config \"draft_sampling\" is for methods 'draft_model' and "
+                "'eagle' (n-gram drafts are always one-hot); drop it"
             )
         elif self.model is not None:
             raise ValueError(
-                f"--speculative-config \"model\" is for method 'draft_model'; method "
+                f"--speculative-config \"model\" is for methods 'draft_model' and 'eagle'; method "
                 f"{self.method!r} takes no model (drop one of them)"
             )
         k = self.num_speculative_tokens

@@ -19,6 +19,7 @@ from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
     from chassis.core.draft_model import DraftModelProposer
+    from chassis.core.model_interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Worker:
             # weight formats prepare_model would set up.
             self.platform.prepare_model(model)
         sampler = registries.samplers.get(config.sampler)(config)
-        drafter = self._load_drafter(hf_config, backend_cls)
+        drafter = self._load_drafter(hf_config, backend_cls, model)
         self.runner = ModelRunner(
             config,
             model,
@@ -80,19 +81,27 @@ class Worker:
         )
 
     def _load_drafter(
-        self, hf_config: Any, backend_cls: type[AttentionBackend]
+        self, hf_config: Any, backend_cls: type[AttentionBackend], target: CausalLM
     ) -> DraftModelProposer | None:
-        """The draft model of ``--speculative-config`` method ``draft_model`` beside the
-        target (same device, dtype and attention backend); None without one."""
+        """The draft model of ``--speculative-config`` method ``draft_model``, or the EAGLE
+        head of method ``eagle`` over ``target``, beside the target (same device, dtype and
+        attention backend); None without one."""
         spec = self.config.speculative
         if spec is None or not spec.uses_draft_model:
             return None
         from chassis.core.draft_model import DraftModelProposer, load_draft_model
 
-        draft = load_draft_model(self.config, hf_config, backend_cls, self.device, self.dtype)
+        proposer_cls: type[DraftModelProposer] = DraftModelProposer
+        if spec.uses_eagle:
+            from chassis.core.eagle import EagleProposer, load_eagle_head
+
+            draft = load_eagle_head(self.config, target, backend_cls, self.device, self.dtype)
+            proposer_cls = EagleProposer
+        else:
+            draft = load_draft_model(self.config, hf_config, backend_cls, self.device, self.dtype)
         # the platform's kernels (the draft runs eager, even with --torch-compile)
         self.platform.prepare_model(draft)
-        return DraftModelProposer(
+        return proposer_cls(
             self.config,
             draft,
             self.device,

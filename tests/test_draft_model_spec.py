@@ -620,8 +620,8 @@ def test_configuration_errors(tiny_llama_dir: Path, tmp_path: Path) -> None:
     )
     parsed = engine_config_from_args(args).speculative
     assert (parsed.method, parsed.model, parsed.num_speculative_tokens) == ("draft_model", "m", 3)
-    with pytest.raises(ValueError, match="method 'eagle' is not implemented"):
-        EngineConfig(speculative_config={"method": "eagle", "model": "m"})
+    with pytest.raises(ValueError, match="method 'medusa' is not implemented"):
+        EngineConfig(speculative_config={"method": "medusa", "model": "m"})
     with pytest.raises(ValueError, match='needs "model"'):
         EngineConfig(speculative_config={"method": "draft_model"})
     with pytest.raises(ValueError, match="takes no model"):

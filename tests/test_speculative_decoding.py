@@ -117,8 +117,8 @@ def test_config_errors_name_what_to_change() -> None:
     assert EngineConfig(speculative_config=SPEC).speculative == SpeculativeConfig(
         num_speculative_tokens=4, prompt_lookup_max=3
     )
-    with pytest.raises(ValueError, match="method 'eagle' is not implemented"):
-        EngineConfig(speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match="method 'medusa' is not implemented"):
+        EngineConfig(speculative_config={"method": "medusa"})
     with pytest.raises(ValueError, match=r"unknown keys \['draft_model'\]"):
         EngineConfig(speculative_config={"draft_model": "x"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):

@@ -40,3 +40,5 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("Olmo2ForCausalLM", f"{_PKG}.olmo2:Olmo2ForCausalLM")
     registry.register("GraniteForCausalLM", f"{_PKG}.granite:GraniteForCausalLM")
     registry.register("GptOssForCausalLM", f"{_PKG}.gpt_oss:GptOssForCausalLM")
+    # an EAGLE-1 draft head over a target (--speculative-config method eagle), never alone
+    registry.register("EagleLlamaForCausalLM", f"{_PKG}.llama_eagle:EagleLlamaHead")

@@ -1,0 +1,201 @@
+"""EAGLE-1 speculative decoding (core/eagle.py, ``--speculative-config``
+``{"method": "eagle", "model": HEAD, "num_speculative_tokens": k}``): heads in the layout
+real heads ship, loaded over a tiny target; greedy output is plain decoding's token for
+token whatever the head proposes, drafts are proposed and counted, and a head that mirrors
+the target gets most of them accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures_eagle import (
+    ReferenceHead,
+    write_mirror_head,
+    write_mirror_target,
+    write_random_head,
+)
+
+from chassis import LLM, SamplingParams
+from chassis.core.config import EngineConfig
+
+K = 3
+
+PROMPTS = [
+    "Hello there",
+    "one two three four one two three four one two three",
+    "The capital of France is",
+    "Write a long story about a dragon who learns to bake bread in a small village by the "
+    "sea, and the friends she makes along the way.",
+]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_mirror_target(tmp_path_factory.mktemp("eagle_target"))
+
+
+@pytest.fixture(scope="module")
+def mirror_head(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_mirror_head(target_dir, tmp_path_factory.mktemp("eagle_mirror"))
+
+
+@pytest.fixture(scope="module")
+def random_head(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_head(target_dir, tmp_path_factory.mktemp("eagle_random"))
+
+
+def make_llm(model_dir: Path, head: Path | None = None, **engine) -> LLM:
+    settings = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "block_size": 4}
+    if head is not None:
+        settings["speculative_config"] = {
+            "method": "eagle",
+            "model": str(head),
+            "num_speculative_tokens": K,
+        }
+    return LLM(str(model_dir), **{**settings, **engine})
+
+
+def greedy(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_ids(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def expected(target_dir: Path) -> list[list[int]]:
+    llm = make_llm(target_dir)
+    try:
+        return token_ids(llm, greedy())
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("head", ["mirror", "random"])
+def test_greedy_output_is_plain_decoding(
+    head: str, expected: list[list[int]], target_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """Chunked prefill (16 tokens a step) and prefix caching on, the prompts twice: the
+    tokens of plain decoding; drafts proposed and counted. The mirror head gets most of its
+    drafts accepted, the random one few."""
+    llm = make_llm(target_dir, request.getfixturevalue(f"{head}_head"), max_num_batched_tokens=16)
+    try:
+        assert token_ids(llm, greedy()) == expected
+        assert token_ids(llm, greedy()) == expected
+        stats = llm.engine.scheduler.stats()
+        drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        assert drafted > 0
+        assert 0 <= accepted <= drafted
+        if head == "mirror":
+            assert accepted > drafted / 2
+        else:
+            assert accepted < drafted / 2
+        engine = llm.engine
+        if engine.scheduler.has_finished_requests():
+            engine.step()
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("head", ["mirror", "random"])
+def test_drafts_are_the_heads_own(
+    head: str, target_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """Every proposal (after chunked prefills, accepted and rejected drafts) equals the
+    head computed from scratch with HF's Llama layer over the request's whole sequence and
+    the target's hidden states: the head's KV cache, positions, tokens and hidden states
+    line up."""
+    head_dir = request.getfixturevalue(f"{head}_head")
+    llm = make_llm(target_dir, head_dir, max_num_batched_tokens=16)
+    drafter = llm.engine.executor.worker.runner.drafter
+    propose = drafter.propose
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def recording(batch, rows, *args):
+        proposals = propose(batch, rows, *args)
+        for request_id, drafts in proposals.items():
+            r = batch.row_of[request_id]
+            newest = int(batch.num_computed_tokens[r])
+            seen.append((batch.token_ids[r, : newest + 1].tolist(), drafts))
+        return proposals
+
+    drafter.propose = recording
+    try:
+        llm.generate(PROMPTS[1:3], greedy(16))
+    finally:
+        llm.shutdown()
+    reference = ReferenceHead(target_dir, head_dir)
+    assert len(seen) > 8
+    for sequence, drafts in seen:
+        assert drafts == reference.drafts(sequence, len(drafts))
+
+
+def test_random_requests_keep_the_distribution_and_seeded_ones_their_tokens(
+    target_dir: Path, mirror_head: Path
+) -> None:
+    """Unseeded random requests get probabilistic drafts (drawn from the head's ``q``,
+    verified by rejection sampling) and some accepted; seeded ones plain decoding's tokens."""
+    seeded = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=7)
+    plain = make_llm(target_dir)
+    try:
+        want = token_ids(plain, seeded)
+    finally:
+        plain.shutdown()
+    llm = make_llm(target_dir, mirror_head)
+    try:
+        assert token_ids(llm, seeded) == want
+        before = llm.engine.scheduler.stats().spec_num_accepted_tokens
+        outs = token_ids(llm, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+        assert all(len(o) == 16 for o in outs)
+        assert llm.engine.scheduler.stats().spec_num_accepted_tokens > before
+        assert llm.engine.executor.worker.runner.drafter.sampler is not None  # probabilistic
+    finally:
+        llm.shutdown()
+
+
+def test_the_memory_profile_runs_the_head(target_dir: Path, mirror_head: Path) -> None:
+    """The start-up profile runs the head over dummy tokens and hidden states, keeping
+    nothing."""
+    from fixtures_tensor_memory import PeakTensorBytes
+
+    llm = make_llm(target_dir, mirror_head)
+    try:
+        runner = llm.engine.executor.worker.runner
+        with PeakTensorBytes() as memory:
+            runner.profile_run(64)
+        assert memory.current == 0
+        assert memory.peak > 0
+    finally:
+        llm.shutdown()
+
+
+def test_configuration_errors(target_dir: Path, tmp_path: Path) -> None:
+    spec = EngineConfig(speculative_config={"method": "eagle", "model": "h"}).speculative
+    assert spec.uses_eagle and spec.uses_draft_model and spec.num_speculative_tokens == 4
+    with pytest.raises(ValueError, match=r"method 'medusa' is not implemented; known: .*eagle"):
+        EngineConfig(speculative_config={"method": "medusa", "model": "h"})
+    with pytest.raises(ValueError, match=r"method 'eagle3' is not supported: EAGLE-3 heads"):
+        EngineConfig(speculative_config={"method": "eagle3", "model": "h"})
+    with pytest.raises(ValueError, match="method 'eagle' needs \"model\": the EAGLE-1 head"):
+        EngineConfig(speculative_config={"method": "eagle"})
+    narrow = write_random_head(target_dir, tmp_path / "narrow", hidden_size=32)
+    with pytest.raises(ValueError, match="hidden size 32 and the target 64"):
+        make_llm(target_dir, narrow)
+    with pytest.raises(ValueError, match=r"no fc\.weight: it is not an EAGLE-1 head"):
+        make_llm(target_dir, target_dir)  # a whole model, not a head
+
+
+def test_the_head_is_no_model_of_its_own(mirror_head: Path) -> None:
+    """A checkpoint naming the head's architecture as the served model: a clear error."""
+    from chassis.builtin_plugins.models.llama_eagle import EagleLlamaHead
+    from chassis.core.model_interface import ModelBuildContext
+    from chassis.core.model_loader import load_hf_config
+
+    config = load_hf_config(mirror_head)
+    ctx = ModelBuildContext(attention_backend=object, dtype=torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="an EAGLE draft head, not a model"):
+        EagleLlamaHead(config, ctx)
