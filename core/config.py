@@ -130,6 +130,11 @@ class EngineConfig:
     #: actor per rank, on one node or several (``core/ray_executor.py``, needs the ``ray``
     #: extra); "uni" = the engine's own process, one rank only; None = "mp" (vLLM's auto)
     distributed_executor_backend: str | None = "mp"
+    #: with worker processes for the ranks ("mp", more than one rank): how long a step may
+    #: take before the engine reports the ranks that have not answered, with each one's
+    #: Python stack, and fails (vLLM's ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``); 0 = never
+    #: (docs/architecture.md)
+    execute_model_timeout_s: float = 300.0
     max_logprobs: int = 20
     #: speculative decoding (vLLM's ``--speculative-config``, a dict of its keys; see
     #: :class:`~chassis.core.speculative.SpeculativeConfig`); None: off
@@ -199,6 +204,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"--tensor-parallel-size must be >= 1; got {self.tensor_parallel_size}"
+            )
+        if self.execute_model_timeout_s < 0:
+            raise ValueError(
+                f"--execute-model-timeout-s must be >= 0 (0: no limit); got "
+                f"{self.execute_model_timeout_s}"
             )
         self._validate_executor_backend()
         if self.cuda_graph_sizes is not None:

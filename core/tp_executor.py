@@ -12,7 +12,10 @@ the same tokens. The driver returns its own result, after checking that every ra
 the same ids to the same rows and finished the same pooling requests (else the ranks'
 batches differ; :func:`step_summary`). A pooling engine's ranks all compute the full hidden
 states and pool them alike (keeping the same per-request state); only the driver's vectors
-are returned. docs/architecture.md has the failure handling.
+are returned. A step that has not completed on every rank within
+``--execute-model-timeout-s`` fails with a report naming the ranks that have not answered
+and where each one is (:mod:`chassis.core.tp_watchdog`). docs/architecture.md has the
+failure handling.
 
 Graph capture and ``torch.compile`` are not used with more than one rank (not validated with
 collectives yet); async scheduling runs, without overlap.
@@ -26,6 +29,7 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +50,15 @@ from chassis.core.kv_cache_groups import single_group_window
 from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 from chassis.core.tp_join import wait_for_every_rank
+from chassis.core.tp_watchdog import (
+    StepWatchdog,
+    driver_stack,
+    file_size,
+    format_report,
+    read_new_text,
+    stack_path,
+    stuck_ranks,
+)
 from chassis.core.tp_worker_proc import (
     EXECUTE,
     INIT,
@@ -225,9 +238,18 @@ class TensorParallelExecutor(RankGroupExecutor):
         get_current_platform().tensor_parallel_devices(self.size)  # enough devices?
         config = self._group_config(config)  # before any process starts
         self._broken = None
+        #: the step watchdog's report, once a step timed out (then raised for that step)
+        self._timeout_report: str | None = None
+        #: the ranks that have answered the command in flight (the watchdog reads it)
+        self._answered: set[int] = set()
         self._ranks = _Ranks(self.size)
+        self._watchdog = (
+            StepWatchdog(config.execute_model_timeout_s, self._step_timed_out)
+            if config.execute_model_timeout_s > 0
+            else None
+        )
         # Stop the ranks when the engine is dropped without shutdown() (an LLM going away).
-        self._finalizer = weakref.finalize(self, self._ranks.stop)
+        self._finalizer = weakref.finalize(self, _stop, self._ranks, self._watchdog)
         try:
             self._send(INIT, config.to_dict())
             self._collect(INIT)  # every rank started and joins the group now
@@ -247,8 +269,49 @@ class TensorParallelExecutor(RankGroupExecutor):
 
     def _run_on_all(self, method: str, payload: Any) -> list[Any]:
         self._send(method, payload)
-        own = self._on_driver(method, lambda: run_command(self.worker, method, payload))
-        return [own, *self._collect(method)]
+        self._answered = set()
+        if self._watchdog is not None:
+            self._watchdog.arm(method)
+        try:
+            own = self._on_driver(method, lambda: run_command(self.worker, method, payload))
+            self._answered.add(0)
+            return [own, *self._collect(method)]
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.disarm()
+
+    def _step_timed_out(self, method: str, driver_thread: int) -> None:
+        """The watchdog's expiry (in its thread): collect the stack of every rank that has
+        not answered ``method`` (rank 0's from this process, a worker's by ``SIGUSR1``), log
+        the report, break the group and kill the workers, so that the driver's part of the
+        step, blocked in a collective with them, fails and raises the report."""
+        answered = set(self._answered)
+        pending = [rank for rank in range(self.size) if rank not in answered]
+        stacks: dict[int, str] = {}
+        offsets: dict[int, int] = {}
+        for rank in pending:  # signal every worker first: their dumps are written together
+            proc = self._ranks.procs[rank - 1] if rank else None
+            if proc is not None and proc.poll() is None:
+                offsets[rank] = file_size(stack_path(self._ranks.ipc_dir, rank))
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGUSR1)
+        if 0 in pending:
+            stacks[0] = driver_stack(driver_thread)
+        for rank, offset in offsets.items():
+            stacks[rank] = read_new_text(stack_path(self._ranks.ipc_dir, rank), offset)
+        assert self._watchdog is not None
+        report = format_report(method, self._watchdog.timeout_s, pending, stacks, self.size)
+        logger.error("%s", report)
+        self._timeout_report = report
+        self._broken = f"{method!r} timed out on rank(s) {stuck_ranks(pending, stacks) or pending}"
+        self._ranks.kill_workers()
+
+    def _raise_if_timed_out(self, cause: BaseException | None = None) -> None:
+        """``RuntimeError`` with the watchdog's report once a step timed out (whatever
+        failure the driver then saw: the killed workers' collectives, or their exit)."""
+        if self._timeout_report is not None:
+            self._broken = self._broken or "a step timed out"
+            raise RuntimeError(self._timeout_report) from cause
 
     def model_dtype(self) -> torch.dtype:
         return self.worker.dtype
@@ -274,6 +337,7 @@ class TensorParallelExecutor(RankGroupExecutor):
         try:
             return run()
         except BaseException as exc:
+            self._raise_if_timed_out(exc)
             self._broken = f"{method!r} failed"
             if isinstance(exc, Exception):
                 reported = self._failure_reply(wait_s=_FAILURE_WAIT_S)
@@ -313,6 +377,7 @@ class TensorParallelExecutor(RankGroupExecutor):
         replies = self._ranks.replies
         while len(results) < self.size - 1:
             if not replies.poll(_POLL_MS):
+                self._raise_if_timed_out()
                 for rank, proc in enumerate(self._ranks.procs, start=1):
                     if proc.poll() is not None and rank not in results:
                         self._broken = f"rank {rank} exited"
@@ -323,12 +388,14 @@ class TensorParallelExecutor(RankGroupExecutor):
                 continue
             rank, ok, result = _reply_decoder.decode(replies.recv())
             if not ok:
+                self._raise_if_timed_out()
                 self._broken = f"rank {rank} failed"
                 error = _rank_error(rank, result)
                 # a killed rank makes the others fail their collectives: name it first
                 self._raise_if_a_rank_exited(method, error, wait_s=0.5, reporter=rank)
                 raise error
             results[rank] = result
+            self._answered.add(rank)
         return [results[rank] for rank in range(1, self.size)]
 
     def _raise_if_a_rank_exited(
@@ -406,6 +473,14 @@ def _rank_error(rank: int, detail: Any) -> Exception:
     return error(f"tensor-parallel rank {rank}: {detail}")
 
 
+def _stop(ranks: _Ranks, watchdog: StepWatchdog | None) -> None:
+    """What shutting the executor down (or dropping it) does: end the watchdog, stop the
+    ranks."""
+    if watchdog is not None:
+        watchdog.close()
+    ranks.stop()
+
+
 class _Ranks:
     """The worker processes of ranks 1..N-1 and the driver's sockets to them."""
 
@@ -433,6 +508,14 @@ class _Ranks:
         except BaseException:
             self.stop()
             raise
+
+    def kill_workers(self) -> None:
+        """Kill every live rank process now (a rank stuck in a step reads no command); the
+        driver reaps them (``poll``, :meth:`stop`)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
 
     def stop(self) -> None:
         """Ask every live rank to exit, kill those that do not within 10 s (together), leave

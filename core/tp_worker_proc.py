@@ -10,6 +10,10 @@ every carrier of the step protocol does; and ``shutdown``) in order, replying to
 ``[rank, ok, result-or-error]``.
 Frames are msgspec msgpack.
 
+On ``SIGUSR1`` it appends every thread's Python stack to ``stacks-RANK.txt`` in ``IPC_DIR``
+(``faulthandler``, written from the signal handler, so even while a collective or kernel
+blocks the rank): the driver's step watchdog asks for it (``chassis.core.tp_watchdog``).
+
 It exits on ``shutdown``; after reporting any failure (so that the driver's collectives with
 it fail at once instead of waiting for it); and when the driver process is gone (its parent
 pid changes: checked every second while idle, and before it starts).
@@ -17,6 +21,7 @@ pid changes: checked every second while idle, and before it starts).
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import os
@@ -32,6 +37,7 @@ import zmq
 
 from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import SchedulerOutput
+from chassis.core.tp_watchdog import stack_path
 
 logger = logging.getLogger("chassis.tp_worker")
 
@@ -110,6 +116,9 @@ def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() != driver_pid:
         return _orphaned(ipc_dir, rank)
+    # (append mode: the driver reads each dump from the size it saw before signalling)
+    stacks = open(stack_path(ipc_dir, rank), "a", encoding="utf-8")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(command_address(ipc_dir, rank))
@@ -150,6 +159,8 @@ def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
         from chassis.core import parallel_state
 
         parallel_state.destroy_tensor_parallel()
+        faulthandler.unregister(signal.SIGUSR1)
+        stacks.close()
         commands.close(0)
         replies.close()
         ctx.term()

@@ -310,6 +310,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "(default: mp); see docs/architecture.md",
     )
     g.add_argument(
+        "--execute-model-timeout-s",
+        type=float,
+        metavar="SECONDS",
+        help=_help(
+            "with mp worker processes, how long a step may take before the engine names the "
+            "ranks that have not answered, logs each one's Python stack and fails its "
+            "requests; 0 = no limit; see docs/architecture.md",
+            "execute_model_timeout_s",
+        ),
+    )
+    g.add_argument(
         "--max-logprobs",
         type=int,
         help=_help("largest logprobs a request may ask for", "max_logprobs"),

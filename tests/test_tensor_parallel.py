@@ -346,3 +346,104 @@ def test_each_rank_holds_the_kv_heads_its_query_heads_read(heads, kv_heads, size
             assert (q - rank * per_rank) // (per_rank // count) == kv - first
     with pytest.raises(ValueError, match="do not fit"):
         parallel_state.kv_head_split(3, 2, 0)
+
+
+# Rank 1 (only: the sitecustomize is also read by a server's own processes) sleeps in its
+# second step, process alive, while rank 0 waits for it in the step's first collective.
+SLEEPING_RANK = """\
+import time
+
+import chassis.core.worker as worker_module
+from chassis.core import parallel_state
+
+_execute = worker_module.Worker.execute_model
+calls = []
+
+
+def sleep_inside_a_step():
+    time.sleep(600)
+
+
+def execute_model(self, scheduler_output):
+    calls.append(1)
+    if len(calls) == 2 and parallel_state.tp_rank() == 1:
+        sleep_inside_a_step()
+    return _execute(self, scheduler_output)
+
+
+worker_module.Worker.execute_model = execute_model
+"""
+
+
+def sleeping_rank_1(tmp_path, monkeypatch) -> None:
+    """Make rank 1's worker process (started after this) sleep inside its second step."""
+    (tmp_path / "sitecustomize.py").write_text(SLEEPING_RANK)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+@pytest.mark.timeout(120)  # a hang guard: without the watchdog this waits for gloo (30 min)
+def test_a_rank_that_hangs_in_a_step_is_named_with_its_stack(
+    tiny_llama_dir, tmp_path, monkeypatch
+) -> None:
+    sleeping_rank_1(tmp_path, monkeypatch)
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+        execute_model_timeout_s=2,
+    )
+    with pytest.raises(RuntimeError, match=r"did not complete within 2 s") as failed:
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    report = str(failed.value)
+    assert "rank(s) [0, 1] of 2 have not answered" in report
+    assert "rank(s) [1] are not in a collective" in report
+    rank_1 = report.split("--- rank 1 (busy):")[1]
+    assert "in sleep_inside_a_step" in rank_1  # its Python stack, from faulthandler
+    rank_0 = report.split("--- rank 0 (waiting in a collective):")[1].split("--- rank 1")[0]
+    assert "in all_reduce" in rank_0
+    with pytest.raises(
+        RuntimeError, match=r"cannot run any more \('execute' timed out on rank\(s\) \[1\]\)"
+    ):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.shutdown()
+    wait_for_no_workers()
+
+
+def test_an_execute_model_timeout_below_zero_is_refused() -> None:
+    from chassis.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--execute-model-timeout-s must be >= 0"):
+        EngineConfig(execute_model_timeout_s=-1)
+
+
+@pytest.mark.timeout(180)
+def test_a_server_whose_rank_hangs_answers_with_an_error_and_exits(
+    tiny_llama_dir, tmp_path, monkeypatch
+) -> None:
+    import httpx
+    from server_process import start_server
+
+    sleeping_rank_1(tmp_path, monkeypatch)
+    flags = ["--tensor-parallel-size", "2", "--execute-model-timeout-s", "2"]
+    server = start_server(tiny_llama_dir, tmp_path, extra_args=flags)
+    try:
+        tree = psutil.Process(server.proc.pid).children(recursive=True)
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True}
+        response = httpx.post(
+            server.base + "/v1/completions", json=body, headers=server.headers, timeout=120
+        )
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "engine_dead", error
+        assert "rank(s) [1] are not in a collective" in error["message"]
+        server.proc.wait(timeout=120)
+        output = server.output()
+        # the operator's log has the report, with the hanging rank's stack
+        assert "in sleep_inside_a_step" in output, output
+        _, alive = psutil.wait_procs(tree, timeout=15)
+        assert not [p for p in alive if p.is_running()], [p.cmdline() for p in alive]
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
