@@ -411,6 +411,56 @@ def test_a_rank_that_hangs_in_a_step_is_named_with_its_stack(
     wait_for_no_workers()
 
 
+@pytest.mark.timeout(120)
+def test_a_driver_that_hangs_in_a_step_is_named_and_its_workers_stopped(
+    tiny_llama_dir, monkeypatch
+) -> None:
+    from chassis.core import worker as worker_module
+
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+        execute_model_timeout_s=2,
+    )
+    [rank_1_process] = tp_workers()
+    execute = worker_module.Worker.execute_model
+    calls = []
+
+    def rank_1_lives() -> bool:
+        try:
+            return rank_1_process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def driver_sleeps_inside_a_step() -> None:
+        # rank 0 (this process) holds the step until the watchdog has killed rank 1, which
+        # meanwhile waits for it in the step's first collective
+        deadline = time.monotonic() + 60
+        while rank_1_lives() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def execute_model(self, scheduler_output):
+        calls.append(1)
+        if len(calls) == 2:
+            driver_sleeps_inside_a_step()
+        return execute(self, scheduler_output)
+
+    monkeypatch.setattr(worker_module.Worker, "execute_model", execute_model)
+    with pytest.raises(RuntimeError, match=r"did not complete within 2 s") as failed:
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    report = str(failed.value)
+    assert "rank(s) [0] are not in a collective" in report
+    rank_0 = report.split("--- rank 0 (busy):")[1].split("--- rank 1")[0]
+    assert "in driver_sleeps_inside_a_step" in rank_0
+    rank_1 = report.split("--- rank 1 (waiting in a collective):")[1]
+    assert "in all_reduce" in rank_1  # faulthandler's dump of the worker
+    llm.shutdown()
+    wait_for_no_workers()
+
+
 def test_an_execute_model_timeout_below_zero_is_refused() -> None:
     from chassis.core.config import EngineConfig
 
