@@ -12,9 +12,13 @@ layer computes what the dequantized one would; a layer it does not hold for (one
 transformed at load, projections quantized with different act-order permutations) stays
 dequantized. The dequantized weight is freed, so what stays is ~1/4 of the 16-bit bytes.
 
-Not packed (the dequantized path, with a log line): tensor parallelism (each rank's rows or
-columns of a packed weight would need group-aligned slicing of codes, scales and ``g_idx``;
-not built), LoRA adapters (they wrap ``nn.Linear``), bit widths other than 4, fused MoE
+Under tensor parallelism a rank's layer holds its even share of the checkpoint modules'
+output columns (column-parallel layers) or input rows (row-parallel ones: whole int32 words
+of codes and those rows' ``g_idx``, with every group's scales and zero points, so shares need
+not fall on group boundaries), found by the same exact comparison; a layer sharded some other
+way (KV heads replicated across more ranks than there are) stays dequantized.
+
+Not packed (the dequantized path, with a log line): LoRA adapters (they wrap ``nn.Linear``), bit widths other than 4, fused MoE
 experts (one tensor for all experts), ``--int4-weights dequantized``. Peak memory while
 loading is that of the dequantized path plus the packed tensors.
 """
@@ -95,18 +99,61 @@ def _concat(parts: list[_Packed]) -> _Packed | None:
     )
 
 
-def _matching(weight: torch.Tensor, candidates: list[_Packed]) -> _Packed | None:
-    """The concatenation of ``candidates`` (in some order) whose dequantized weight equals
-    ``weight``, moved to its device; ``None`` if there is none."""
+def _output_slice(packed: _Packed, size: int, rank: int) -> _Packed | None:
+    """Rank ``rank``'s even share of the output columns (a column-parallel layer)."""
+    out_features = packed[0].shape[1]
+    if out_features % size:
+        return None
+    cols = slice(rank * out_features // size, (rank + 1) * out_features // size)
+    return packed[0][:, cols], packed[1][:, cols], packed[2][:, cols], packed[3]
+
+
+def _input_slice(packed: _Packed, size: int, rank: int) -> _Packed | None:
+    """Rank ``rank``'s even share of the input rows (a row-parallel layer): whole int32
+    words of codes and their rows' ``g_idx``; every group's scales and zero points stay, as
+    ``g_idx`` indexes them, so a share need not start or end on a group boundary."""
+    in_features = packed[3].numel()
+    if in_features % (8 * size):
+        return None
+    start, end = rank * in_features // size, (rank + 1) * in_features // size
+    return packed[0][start // 8 : end // 8], packed[1], packed[2], packed[3][start:end]
+
+
+def _rank_variants(candidates: list[_Packed], tp_size: int, tp_rank: int) -> list[list[_Packed]]:
+    """The ways a layer of this rank may hold ``candidates``: whole (no tensor parallelism,
+    or a replicated layer), each cut to this rank's output columns, or to its input rows."""
+    variants = [candidates]
+    if tp_size > 1:
+        for cut in (_output_slice, _input_slice):
+            parts = [cut(c, tp_size, tp_rank) for c in candidates]
+            if all(p is not None for p in parts):
+                variants.append(parts)  # type: ignore[arg-type]
+    return variants
+
+
+def _matching(
+    weight: torch.Tensor, candidates: list[_Packed], tp_size: int = 1, tp_rank: int = 0
+) -> _Packed | None:
+    """The concatenation of ``candidates`` (in some order, whole or cut to this rank's
+    share, :func:`_rank_variants`) whose dequantized weight equals ``weight``, moved to its
+    device and made contiguous; ``None`` if there is none."""
     if len(candidates) > 4:  # 24 orders at most; no built-in layer merges more
         return None
+    for variant in _rank_variants(candidates, tp_size, tp_rank):
+        packed = _matching_order(weight, variant)
+        if packed is not None:
+            return packed
+    return None
+
+
+def _matching_order(weight: torch.Tensor, candidates: list[_Packed]) -> _Packed | None:
     for order in itertools.permutations(candidates):
         packed = _concat(list(order))
         if packed is None or packed[0].shape[1] != weight.shape[0]:
             continue
         if packed[3].numel() != weight.shape[1]:
             continue
-        packed = tuple(t.to(weight.device) for t in packed)
+        packed = tuple(t.to(weight.device).contiguous() for t in packed)
         if torch.equal(dequantize_int4(*packed, weight.dtype), weight):
             return packed  # type: ignore[return-value]
     return None
@@ -114,10 +161,16 @@ def _matching(weight: torch.Tensor, candidates: list[_Packed]) -> _Packed | None
 
 @torch.no_grad()
 def pack_int4_linears(
-    model: nn.Module, sources: Int4Sources, merged_projections: dict[str, str] | None
+    model: nn.Module,
+    sources: Int4Sources,
+    merged_projections: dict[str, str] | None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> int:
     """Replace each ``nn.Linear`` of ``model`` that ``sources`` reproduce exactly by an
-    :class:`Int4Linear` (module docstring); return how many were replaced."""
+    :class:`Int4Linear` (module docstring); return how many were replaced. Under tensor
+    parallelism (``tp_size`` ranks, this one ``tp_rank``) a layer may hold this rank's even
+    share of the checkpoint modules' output columns or input rows."""
     by_target: dict[str, list[str]] = {}
     for name in sources.modules:
         prefix, _, leaf = name.rpartition(".")
@@ -128,7 +181,8 @@ def pack_int4_linears(
         names = by_target.get(module_name)
         if not names or type(module) is not nn.Linear:
             continue
-        packed = _matching(module.weight.data, [sources.modules[n] for n in sorted(names)])
+        candidates = [sources.modules[n] for n in sorted(names)]
+        packed = _matching(module.weight.data, candidates, tp_size, tp_rank)
         if packed is None:
             kept.append(module_name)
             continue
@@ -139,8 +193,9 @@ def pack_int4_linears(
         replaced += 1
     if kept:
         logger.info(
-            "int4: %d linear layers kept dequantized (their packed tensors do not reproduce "
-            "the loaded weight), e.g. %s",
+            "int4: %d linear layers kept dequantized (no order or tensor-parallel share of "
+            "their checkpoint modules' packed tensors reproduces the loaded weight, e.g. "
+            "projections with different act-order g_idx), e.g. %s",
             len(kept),
             kept[0],
         )

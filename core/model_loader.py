@@ -343,9 +343,16 @@ def build_model(
             )
             raise ValueError(f"the checkpoint at {model_path} lacks weights for: {shown}")
         if int4_sources is not None:
+            from chassis.core import parallel_state
             from chassis.core.int4_packing import pack_int4_linears
 
-            count = pack_int4_linears(model, int4_sources, model.merged_projections)
+            count = pack_int4_linears(
+                model,
+                int4_sources,
+                model.merged_projections,
+                parallel_state.tp_size(),
+                parallel_state.tp_rank(),
+            )
             logger.info("int4: %d linear layers keep their weights packed", count)
     return model
 
@@ -362,14 +369,10 @@ def _int4_sources(engine_config: EngineConfig, hf_config: Any) -> Any:
         return None
     if engine_config.int4_weights != "packed":
         return None
-    from chassis.core import parallel_state
-
     fmt = packed_int_format(config)
     reason = None
     if fmt.bits != 4:
         reason = f"{fmt.bits}-bit codes (only 4-bit are kept packed)"
-    elif parallel_state.tp_size() > 1:
-        reason = "tensor parallelism (packed weights are not sliced across ranks)"
     elif engine_config.enable_lora:
         reason = "LoRA adapters (they wrap 16-bit linear layers)"
     if reason is not None:

@@ -9,6 +9,8 @@ reference in tests/test_triton_int4.py.
 from __future__ import annotations
 
 import gc
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,51 @@ def test_act_order_projections_sharing_g_idx_are_packed_merged() -> None:
     assert pack_int4_linears(model, sources, {n: "qkv_proj" for n in names}) == 1
     x = torch.randn(3, 64, generator=generator).bfloat16()
     assert torch.equal(model.qkv_proj(x), nn.functional.linear(x, dequantized.bfloat16()))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("key", ["gptq-4bit-act-order", "awq-4bit-g32"])
+def test_tensor_parallel_shares_are_packed(key: str, rank: int) -> None:
+    """Two ranks: a column-parallel layer holds its half of the output columns, a
+    row-parallel one its half of the 96 input rows (48: mid-group for groups of 32)."""
+    scheme = SCHEMES[key]
+    generator = torch.Generator().manual_seed(6)
+    column, column_w = _packed_module(torch.randn(48, 96, generator=generator), scheme, generator)
+    row, row_w = _packed_module(torch.randn(40, 96, generator=generator), scheme, generator)
+    model = nn.Module()
+    model.add_module("up", nn.Linear(96, 24, bias=False))
+    model.add_module("down", nn.Linear(48, 40, bias=False))
+    with torch.no_grad():
+        model.up.weight.copy_(column_w[24 * rank : 24 * (rank + 1)])
+        model.down.weight.copy_(row_w[:, 48 * rank : 48 * (rank + 1)])
+    sources = Int4Sources(packed_int_format(scheme.config()))
+    sources.record("up", column)
+    sources.record("down", row)
+    expected = {name: m.weight.clone() for name, m in model.named_children()}
+    assert pack_int4_linears(model, sources, {}, tp_size=2, tp_rank=rank) == 2
+    for name, layer in model.named_children():
+        assert isinstance(layer, Int4Linear)
+        assert torch.equal(layer.dequantized_weight(torch.float32), expected[name])
+    assert model.down.in_features == 48 and model.up.out_features == 24
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_packed_awq_under_tensor_parallelism(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Two ranks each pack all 8 of their layers (the second rank logs it from its worker
+    process) and give the tokens of two ranks on the dequantized weights."""
+    caplog.set_level(logging.INFO)  # the rank processes log at the parent's level
+    quantized, _, _ = write_int_twins(tiny_llama_dir, tmp_path, SCHEMES["awq-4bit-g32"])
+    expected, llm = _greedy(quantized, tensor_parallel_size=2, int4_weights="dequantized")
+    llm.shutdown()
+    del llm
+    gc.collect()
+    got, llm = _greedy(quantized, tensor_parallel_size=2)
+    llm.shutdown()
+    assert "[tp1] chassis.core.model_loader: int4: 8 linear layers keep" in capfd.readouterr().err
+    assert got == expected
