@@ -114,12 +114,13 @@ def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
     from chassis.core.layers import triton_int4
 
     ints = {"qweight_ptr": "*i32", "zeros_ptr": "*u8", "g_idx_ptr": "*i32", "scales_ptr": "*fp16"}
-    for dtype in ("*bf16", "*fp16"):
+    for dtype in ("*bf16", "*fp16", "*fp32"):
         for block_m in (16, 64):
+            tiles = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
             compile_kernel(
                 triton_int4._int4_linear_kernel,
                 target,
-                dict(HAS_BIAS=True, FLOAT32_DOT=False, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64),
+                dict(HAS_BIAS=True, FLOAT32_DOT=dtype == "*fp32", **tiles),
                 pointer_types={
                     **ints,
                     "x_ptr": dtype,

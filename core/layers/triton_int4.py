@@ -9,7 +9,7 @@ tile in float32, rounds it to the activation dtype as the reference does, and ac
 ``x_tile @ w_tile`` in float32. Called through :class:`~chassis.core.layers.triton_ops.
 TritonLayerKernels` for CUDA/ROCm tensors; on the CPU only under Triton's interpreter
 (``TRITON_INTERPRET=1``), where the product is taken in float32 (the interpreter computes
-bfloat16 arithmetic on raw bits).
+bfloat16 arithmetic on raw bits). Float32 activations multiply in IEEE float32, not TF32.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def _int4_linear_kernel(
         )
         w = ((codes - zeros.to(tl.int32)).to(tl.float32) * scales.to(tl.float32)).to(dtype)
         if FLOAT32_DOT:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+            # IEEE float32, not TF32: float32 models get float32 products
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
     if HAS_BIAS:
@@ -138,7 +139,7 @@ def int4_linear(
         zeros.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        FLOAT32_DOT=is_interpreted(kernel),
+        FLOAT32_DOT=x.dtype == torch.float32 or is_interpreted(kernel),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
