@@ -284,9 +284,12 @@ class TensorParallelExecutor(RankGroupExecutor):
         """The watchdog's expiry (in its thread): collect the stack of every rank that has
         not answered ``method`` (rank 0's from this process, a worker's by ``SIGUSR1``), log
         the report, break the group and kill the workers, so that the driver's part of the
-        step, blocked in a collective with them, fails and raises the report."""
+        step, blocked in a collective with them, fails and raises the report. Nothing when
+        every rank has answered (the step completed as the time ran out)."""
         answered = set(self._answered)
         pending = [rank for rank in range(self.size) if rank not in answered]
+        if not pending:  # every rank answered as the time ran out: the step completed
+            return
         stacks: dict[int, str] = {}
         offsets: dict[int, int] = {}
         for rank in pending:  # signal every worker first: their dumps are written together

@@ -116,9 +116,9 @@ def format_report(
 class StepWatchdog:
     """A thread that calls ``expire(what, thread_id)`` once when a step armed with
     :meth:`arm` is not :meth:`disarm`-ed within ``timeout_s`` seconds (``thread_id``: the
-    thread that armed it, the driver's). ``expire`` is held weakly (a bound method of the
-    executor, which must stay collectable); once it has fired, later steps are not watched
-    (the group is broken). :meth:`close` ends the thread."""
+    thread that armed it, the driver's), in the watchdog's thread. ``expire`` is held weakly
+    (a bound method of the executor, which must stay collectable). :meth:`close` ends the
+    thread."""
 
     def __init__(self, timeout_s: float, expire: Callable[[str, int], None]) -> None:
         self.timeout_s = timeout_s
@@ -126,7 +126,6 @@ class StepWatchdog:
         self._cond = threading.Condition()
         self._armed: tuple[str, int, float] | None = None
         self._closed = False
-        self.fired = False
         threading.Thread(target=self._run, daemon=True, name="chassis-tp-watchdog").start()
 
     def arm(self, what: str) -> None:
@@ -148,8 +147,8 @@ class StepWatchdog:
             self._cond.notify()
 
     def _run(self) -> None:
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
                 if self._closed:
                     return
                 if self._armed is None:
@@ -161,9 +160,7 @@ class StepWatchdog:
                     self._cond.wait(left)
                     continue
                 self._armed = None
-                self._closed = True
-                self.fired = True
-                break
-        expire = self._expire()
-        if expire is not None:
+            expire = self._expire()  # (outside the lock: the driver may disarm meanwhile)
+            if expire is None:  # the executor is gone
+                return
             expire(what, thread_id)
