@@ -1,0 +1,80 @@
+"""The tensor-parallel step watchdog's parts (``core/tp_watchdog.py``) without a group: the
+report, the reading of a worker's stack dump, and the timer thread. The whole path (ranks
+hanging in a step) is tested in tests/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from chassis.core.tp_watchdog import (
+    StepWatchdog,
+    driver_stack,
+    format_report,
+    read_new_text,
+    stuck_ranks,
+    waiting_in_collective,
+)
+
+IN_COLLECTIVE = (
+    '  File "/x/chassis/core/parallel_state.py", line 86 in all_reduce\n'
+    '  File "/x/chassis/core/layers/linear.py", line 10 in forward\n'
+)
+BUSY = '  File "/x/chassis/core/worker.py", line 5 in execute_model\n'
+
+
+def test_the_report_names_the_ranks_that_are_not_in_a_collective() -> None:
+    stacks = {0: IN_COLLECTIVE, 1: BUSY, 2: IN_COLLECTIVE}
+    assert waiting_in_collective(IN_COLLECTIVE) and not waiting_in_collective(BUSY)
+    assert stuck_ranks([0, 1, 2], stacks) == [1]
+    report = format_report("execute", 2.5, [0, 1, 2], stacks, 4)
+    first, *rest = report.splitlines()
+    assert first == (
+        "tensor-parallel step 'execute' did not complete within 2.5 s "
+        "(--execute-model-timeout-s): rank(s) [0, 1, 2] of 4 have not answered; rank(s) [1] "
+        "are not in a collective (the others wait for them)"
+    )
+    assert "--- rank 1 (busy):" in rest and "--- rank 2 (waiting in a collective):" in rest
+    assert "line 5 in execute_model" in report.split("--- rank 1 (busy):")[1]
+
+
+def test_a_rank_without_a_dump_is_still_named() -> None:
+    report = format_report("execute", 1, [1], {1: ""}, 2)
+    assert "rank(s) [1] are not in a collective" in report
+    assert "(no stack: the rank did not answer the dump signal)" in report
+
+
+def test_a_dump_is_read_from_where_the_file_ended(tmp_path) -> None:
+    path = tmp_path / "stacks-1.txt"
+    path.write_text("an older dump\n")
+    offset = path.stat().st_size
+    with open(path, "a") as file:
+        file.write(BUSY)
+    assert read_new_text(str(path), offset) == BUSY
+    assert read_new_text(str(tmp_path / "missing.txt"), 0, wait_s=0.2) == ""
+
+
+def test_the_driver_stack_is_the_given_thread_s() -> None:
+    assert "in test_the_driver_stack_is_the_given_thread_s" in driver_stack(threading.get_ident())
+    assert "not running" in driver_stack(-1)
+
+
+class _Expiries:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+        self.done = threading.Event()
+
+    def expire(self, what: str, thread_id: int) -> None:
+        self.seen.append((what, thread_id))
+        self.done.set()
+
+
+@pytest.mark.timeout(30)
+def test_an_armed_step_that_is_not_disarmed_expires_once() -> None:
+    expiries = _Expiries()
+    watchdog = StepWatchdog(0.05, expiries.expire)
+    watchdog.arm("execute")
+    assert expiries.done.wait(20)
+    watchdog.close()
+    assert expiries.seen == [("execute", threading.get_ident())]
