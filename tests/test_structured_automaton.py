@@ -14,9 +14,11 @@ import pytest
 from ir_matcher import ir_fullmatch
 from test_structured_regex import sample
 
+from chassis.builtin_plugins.structured_output import automaton as automaton_module
 from chassis.builtin_plugins.structured_output import (
     chassis_register_structured_output_backends,
     ir,
+    json_schema,
 )
 from chassis.builtin_plugins.structured_output.automaton import DEAD, Automaton
 from chassis.builtin_plugins.structured_output.backend import (
@@ -94,6 +96,36 @@ def test_automaton_matches_ir_matcher_on_random_trees() -> None:
                 assert automaton.is_terminal(state) == (
                     automaton.is_accepting(state) and bool((row == DEAD).all())
                 )
+
+
+def nfa_of(node: ir.Node, recursion_depth: int) -> tuple:
+    """The states and edges :meth:`_Nfa.build` makes for ``node``, recursing at most
+    ``recursion_depth`` levels (0: the iterative reference path only)."""
+    nfa = automaton_module._Nfa()
+    nfa.recursion_depth = recursion_depth
+    exit_state = nfa.build(node, nfa.new())
+    edges = (nfa.edge_from, nfa.edge_ranges, nfa.edge_to)
+    return nfa.size, exit_state, nfa.eps_from, nfa.eps_to, *edges
+
+
+def test_the_recursive_nfa_build_equals_the_iterative_one() -> None:
+    """The build's fast path (recursion for the top levels) makes the same states and edges
+    in the same order as its reference, the iterative path, on random trees, the JSON of
+    ``json_object``, and a tree deeper than the recursion goes (whose frames stay few)."""
+    rng = random.Random(11)
+    nodes = [random_ir(rng, 5) for _ in range(200)]
+    nodes.append(json_schema.any_json_object())
+    deep: ir.Node = ir.Bytes(b"x")
+    for i in range(3000):  # deeper than any recursion limit
+        deep = ir.Seq(
+            (ir.Bytes(b"("), ir.Alt((deep, ir.ByteSet(frozenset(b"ab")))), ir.Bytes(b")"))
+        )
+        deep = ir.Repeat(deep, 0, 1) if i % 2 else deep
+    nodes.append(deep)
+    for node in nodes:
+        reference = nfa_of(node, 0)
+        assert nfa_of(node, automaton_module.BUILD_RECURSION_DEPTH) == reference
+        assert nfa_of(node, 3) == reference
 
 
 def test_empty_language_and_size_limit() -> None:
@@ -468,9 +500,9 @@ def test_greedy_walk_produces_json(params, smol_vocabulary, smol_tokenizer_embed
 
 
 def test_json_kinds_dispatch_to_the_json_schema_module(monkeypatch, tiny_backend) -> None:
-    """The wiring only, with a stand-in module: ``json`` passes the parsed schema to
-    ``schema_to_ir``, ``json_object`` calls ``any_json_object`` (the real module is tested by
-    its own tests and by the greedy walk above)."""
+    """The wiring only, with a stand-in module: ``json`` passes the parsed schema (and its
+    wrapper's levels) to ``schema_to_ir``, ``json_object`` calls ``any_json_object`` (the
+    real module is tested by its own tests and by the greedy walk above)."""
     import sys
     import types
 
@@ -478,14 +510,16 @@ def test_json_kinds_dispatch_to_the_json_schema_module(monkeypatch, tiny_backend
 
     calls = []
     stand_in = types.ModuleType("json_schema")
-    stand_in.schema_to_ir = lambda schema: calls.append(schema) or ir.literal("yes")
+    stand_in.schema_to_ir = lambda schema, wrapper_levels: (
+        calls.append((schema, wrapper_levels)) or ir.literal("yes")
+    )
     stand_in.any_json_object = lambda: ir.literal("no")
     name = "chassis.builtin_plugins.structured_output.json_schema"
     monkeypatch.setitem(sys.modules, name, stand_in)
     monkeypatch.setattr(structured_output, "json_schema", stand_in, raising=False)
     schema = {"type": "string", "enum": ["yes"]}
     matcher = tiny_backend.compile(StructuredOutputsParams(json=schema)).matcher()
-    assert calls == [schema]
+    assert calls == [(schema, 0)]
     assert matcher.accept_token(3) and matcher.is_terminated()
     matcher = tiny_backend.compile(StructuredOutputsParams(json_object=True)).matcher()
     assert matcher.accept_token(6) and matcher.is_terminated()

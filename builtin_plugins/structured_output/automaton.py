@@ -51,6 +51,10 @@ UNKNOWN = -1
 #: their item, so nested bounds multiply)
 MAX_NFA_STATES = 200_000
 
+#: the levels of compound IR nodes the NFA build walks by recursion (fast, a frame each)
+#: before its explicit stack takes over: bounds its frames whatever the IR's depth
+BUILD_RECURSION_DEPTH = 40
+
 _Ranges = tuple[tuple[int, int], ...]
 #: the steps of building one compound node: yields (child, entry), is sent the child's exit
 _Build = Generator[tuple[ir.Node, int], int, int]
@@ -111,6 +115,9 @@ class _Nfa:
         self._ranges_of: dict[frozenset[int], _Ranges] = {}
         self._chains: dict[int, list[tuple[_Ranges, ...]] | None] = {}
         self._plans: dict[int, _ChainPlan] = {}
+        #: levels of compound IR nodes :meth:`build` builds by recursion, a Python frame
+        #: each, before :meth:`build_iteratively` takes over (0: no recursion at all)
+        self.recursion_depth = BUILD_RECURSION_DEPTH
 
     def new(self, count: int = 1) -> int:
         """``count`` new states; returns the first."""
@@ -188,9 +195,68 @@ class _Nfa:
     def build(self, node: ir.Node, entry: int) -> int:
         """Add a fragment matching ``node`` from state ``entry``; returns its exit state.
 
-        Iterative (any depth of tree builds): a leaf is built at once; a ``Seq``, ``Alt``
-        or ``Repeat`` is a generator (:meth:`_compound`) that yields each ``(child,
-        entry)`` to build and is sent back the child's exit, kept on an explicit stack."""
+        Any depth of tree builds, in a bounded number of Python frames: the top
+        :attr:`recursion_depth` levels of compound nodes by recursion (the fast path), the
+        subtrees below them by :meth:`build_iteratively`, which makes the same states and
+        edges in the same order."""
+        return self._build(node, entry, 0)
+
+    def _build(self, node: ir.Node, entry: int, depth: int) -> int:
+        # (the leaves first, inline: most nodes are leaves, and a call each costs)
+        if isinstance(node, ir.Bytes):
+            cur = entry
+            for byte in node.value:
+                nxt = self.new()
+                self.edge(cur, _SINGLE_BYTES[byte], nxt)
+                cur = nxt
+            return cur
+        if isinstance(node, ir.ByteSet):
+            end = self.new()
+            ranges = self.ranges(node.allowed)
+            if ranges:  # an empty set is no edge: the fragment matches nothing
+                self.edge(entry, ranges, end)
+            return end
+        if depth >= self.recursion_depth:
+            return self.build_iteratively(node, entry)
+        depth += 1
+        if isinstance(node, ir.Seq):
+            cur = entry
+            for item in node.items:
+                cur = self._build(item, cur, depth)
+            return cur
+        if isinstance(node, ir.Alt):
+            if self.chains(node) is not None:
+                return self._chain_alt(node, entry)
+            end = self.new()
+            for option in node.options:
+                self.link(self._build(option, entry, depth), end)
+            return end
+        if isinstance(node, ir.Repeat):
+            item = node.item
+            cur = entry
+            for _ in range(node.min):
+                cur = self._build(item, cur, depth)
+            if node.max is None:  # a loop on a fresh state: the item again, any number of times
+                loop = self.new()
+                self.link(cur, loop)
+                self.link(self._build(item, loop, depth), loop)
+                return loop
+            if node.max == node.min:
+                return cur
+            end = self.new()
+            for _ in range(node.max - node.min):  # nested optionals: x(x(x)?)? stays linear
+                self.link(cur, end)
+                cur = self._build(item, cur, depth)
+            self.link(cur, end)
+            return end
+        raise TypeError(f"not an IR node: {node!r}")
+
+    def build_iteratively(self, node: ir.Node, entry: int) -> int:
+        """:meth:`build` without recursion (the reference path, and the one for deep
+        subtrees): a leaf is built at once; a ``Seq``, ``Alt`` or ``Repeat`` is a generator
+        (:meth:`_compound`) that builds its leaf children itself and yields each compound
+        ``(child, entry)`` to build, is sent back the child's exit, kept on an explicit
+        stack."""
         exit_state = self._leaf(node, entry)
         if exit_state is not None:
             return exit_state
@@ -205,9 +271,8 @@ class _Nfa:
                     return done.value
                 sent = done.value
                 continue
-            sent = self._leaf(child, child_entry)
-            if sent is None:
-                stack.append(self._compound(child, child_entry))
+            stack.append(self._compound(child, child_entry))  # (leaves are built there)
+            sent = None
 
     def _leaf(self, node: ir.Node, entry: int) -> int | None:
         """Build a ``Bytes`` or ``ByteSet`` from ``entry`` and return its exit (``None``
@@ -230,32 +295,41 @@ class _Nfa:
         return None
 
     def _compound(self, node: ir.Node, entry: int) -> _Build:
-        """The steps of building a ``Seq``, ``Alt`` or ``Repeat`` (see :meth:`build`)."""
+        """The steps of building a ``Seq``, ``Alt`` or ``Repeat`` (see
+        :meth:`build_iteratively`): its leaf children are built here at once, compound ones
+        are yielded."""
+        leaf = self._leaf
         if isinstance(node, ir.Seq):
             cur = entry
             for item in node.items:
-                cur = yield item, cur
+                out = leaf(item, cur)
+                cur = (yield item, cur) if out is None else out
             return cur
         if isinstance(node, ir.Alt):  # (alternatives of byte chains are leaves)
             end = self.new()
             for option in node.options:
-                self.link((yield option, entry), end)
+                out = leaf(option, entry)
+                self.link((yield option, entry) if out is None else out, end)
             return end
         if isinstance(node, ir.Repeat):
+            item = node.item
             cur = entry
             for _ in range(node.min):
-                cur = yield node.item, cur
+                out = leaf(item, cur)
+                cur = (yield item, cur) if out is None else out
             if node.max is None:  # a loop on a fresh state: the item again, any number of times
                 loop = self.new()
                 self.link(cur, loop)
-                self.link((yield node.item, loop), loop)
+                out = leaf(item, loop)
+                self.link((yield item, loop) if out is None else out, loop)
                 return loop
             if node.max == node.min:
                 return cur
             end = self.new()
             for _ in range(node.max - node.min):  # nested optionals: x(x(x)?)? stays linear
                 self.link(cur, end)
-                cur = yield node.item, cur
+                out = leaf(item, cur)
+                cur = (yield item, cur) if out is None else out
             self.link(cur, end)
             return end
         raise TypeError(f"not an IR node: {node!r}")
@@ -384,7 +458,8 @@ class Automaton:
     def from_ir(cls, node: ir.Node, *, max_nfa_states: int = MAX_NFA_STATES) -> Automaton:
         """The automaton of ``node``. Raises ``ValueError`` ("constraint too large") when its
         NFA would exceed ``max_nfa_states`` states (estimated before building anything). The
-        NFA is estimated and built without recursion, so a tree of any depth works."""
+        NFA is estimated without recursion and built in a bounded number of frames (see
+        :meth:`_Nfa.build`), so a tree of any depth works."""
         nfa = _Nfa()
         estimate = nfa.estimate(node)
         if estimate > max_nfa_states:

@@ -117,7 +117,9 @@ def _constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
     from chassis.builtin_plugins.structured_output import json_schema
 
     if kind == "json":
-        return json_schema.schema_to_ir(json.loads(params.json), params.json_wrapper_levels)
+        return json_schema.schema_to_ir(
+            json.loads(params.json), wrapper_levels=params.json_wrapper_levels
+        )
     if kind == "json_object":
         return json_schema.any_json_object()
     raise ValueError(f"unknown structured-output constraint {kind!r}")
