@@ -159,6 +159,11 @@ def _matching_order(weight: torch.Tensor, candidates: list[_Packed]) -> _Packed 
     return None
 
 
+def _rank_of(name: str, declared: list[str]) -> int:
+    leaf = name.rpartition(".")[2]
+    return declared.index(leaf) if leaf in declared else len(declared)
+
+
 @torch.no_grad()
 def pack_int4_linears(
     model: nn.Module,
@@ -181,7 +186,11 @@ def pack_int4_linears(
         names = by_target.get(module_name)
         if not names or type(module) is not nn.Linear:
             continue
-        candidates = [sources.modules[n] for n in sorted(names)]
+        # the order merged_projections declares first (the models' own: q, k, v), so that the
+        # first comparison usually matches
+        declared = list(merged_projections or {})
+        names = sorted(names, key=lambda n: (_rank_of(n, declared), n))
+        candidates = [sources.modules[n] for n in names]
         packed = _matching(module.weight.data, candidates, tp_size, tp_rank)
         if packed is None:
             kept.append(module_name)

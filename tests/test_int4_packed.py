@@ -86,14 +86,16 @@ def test_merged_projections_are_packed_in_the_order_that_reproduces_the_weight()
         for n in names
     }
     merged = nn.Linear(64, 48, bias=False)
-    with torch.no_grad():  # the model's order: q, k, v (the names sort as k, q, v)
+    with torch.no_grad():  # the model's order: q, k, v
         merged.weight.copy_(torch.cat([modules[n][1] for n in names]))
     model = nn.Module()
     model.add_module("qkv_proj", merged)
     sources = Int4Sources(packed_int_format(scheme.config()))
     for name in names:
         sources.record(name, modules[name][0])
-    assert pack_int4_linears(model, sources, {n: "qkv_proj" for n in names}) == 1
+    # declared in another order (v, k, q): the order is searched for
+    declared = {n: "qkv_proj" for n in reversed(names)}
+    assert pack_int4_linears(model, sources, declared) == 1
     assert torch.equal(model.qkv_proj.dequantized_weight(torch.float32), merged.weight)
     # a layer the packed tensors do not reproduce stays as it is
     other = nn.Linear(64, 48, bias=False)
