@@ -241,6 +241,9 @@ def test_https_with_client_certificates(
             with client(cert=False) as anonymous, pytest.raises(httpx.TransportError):
                 anonymous.get(server.base + "/health", timeout=5)
         finally:
+            # Close the idle keep-alive TLS connection first: the server's graceful shutdown
+            # otherwise waits its --shutdown-timeout (10 s) for the TLS close to complete.
+            http.close()
             server.stop()
 
 
