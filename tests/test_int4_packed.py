@@ -46,7 +46,7 @@ def test_the_layout_holds_the_checkpoint_weight(key: str, dtype: torch.dtype) ->
     layer = Int4Linear(*canonical_int4(parts, packed_int_format(scheme.config())), bias)
     assert torch.equal(layer.dequantized_weight(dtype), dequantized.to(dtype))
     x = torch.randn(5, 64, generator=generator).to(dtype)
-    expected = nn.functional.linear(x, dequantized.to(dtype), bias)
+    expected = nn.functional.linear(x, dequantized.to(dtype).contiguous(), bias)
     assert torch.equal(layer(x), expected)
 
 
@@ -227,3 +227,28 @@ def test_packed_awq_under_tensor_parallelism(
     llm.shutdown()
     assert "[tp1] chassis.core.model_loader: int4: 8 linear layers keep" in capfd.readouterr().err
     assert got == expected
+
+
+def test_the_layer_runs_the_platforms_kernel_when_it_has_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Int4Linear`` asks the platform's layer kernels for ``int4_linear``; kernels
+    without it (the CPU's) leave the reference."""
+    from chassis.core.layers import int4_linear
+
+    scheme = SCHEMES["gptq-4bit-g32"]
+    generator = torch.Generator().manual_seed(7)
+    parts, dequantized = _packed_module(torch.randn(8, 64, generator=generator), scheme, generator)
+    layer = Int4Linear(*canonical_int4(parts, packed_int_format(scheme.config())), None)
+    x = torch.randn(2, 64, generator=generator)
+    calls: list[tuple[int, ...]] = []
+
+    class WithKernel:
+        def int4_linear(self, x, qweight, scales, zeros, g_idx, bias):
+            calls.append(tuple(qweight.shape))
+            return torch.zeros(*x.shape[:-1], 8)
+
+    monkeypatch.setattr(int4_linear, "kernels_for", lambda _x: WithKernel())
+    assert torch.equal(layer(x), torch.zeros(2, 8)) and calls == [(8, 8)]
+    monkeypatch.setattr(int4_linear, "kernels_for", lambda _x: object())
+    assert torch.equal(layer(x), nn.functional.linear(x, dequantized.contiguous()))

@@ -58,7 +58,9 @@ def dequantize_int4(
     groups = g_idx.long()
     codes = unpack_codes(qweight)  # [in, out]
     values = (codes - zeros[groups].to(torch.int32)).float() * scales[groups].float()
-    return values.t().to(dtype)
+    # contiguous [out, in], as nn.Linear holds it: F.linear on a transposed view may take
+    # another BLAS path, with other float32 sums than the dequantized model's
+    return values.to(dtype).t().contiguous()
 
 
 def int4_linear_ref(
