@@ -40,6 +40,7 @@ from chassis.builtin_plugins.structured_output.automaton import (
     MAX_NFA_STATES,
     estimated_nfa_states,
 )
+from chassis.builtin_plugins.structured_output.grammar_lark import is_lark, lark_to_gbnf
 from chassis.builtin_plugins.structured_output.grammar_parser import (
     ROOT,
     AnyChar,
@@ -81,8 +82,16 @@ class _TooDeep(Exception):
 
 def grammar_to_ir(text: str) -> ir.Node:
     """The texts the grammar ``text`` derives from its ``root`` rule, with recursion
-    unrolled (see the module docstring)."""
-    rules = parse_grammar(text)
+    unrolled (see the module docstring). A Lark grammar (grammar_lark.py: no ``::=``, rules
+    ``name: ...``) is translated to GBNF first, its ``start`` rule becoming ``root``."""
+    if is_lark(text):
+        text = lark_to_gbnf(text)
+        try:
+            rules = parse_grammar(text)
+        except ValueError as exc:
+            raise ValueError(f"the Lark grammar, translated to GBNF: {exc}") from None
+    else:
+        rules = parse_grammar(text)
     groups = _recursive_groups(rules)
     stuck = _unproductive(rules, groups)
     if ROOT in stuck:

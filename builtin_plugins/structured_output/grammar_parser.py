@@ -20,7 +20,8 @@ repetition is one level, a repeated group one in all (``("," item)*`` is one lev
 two; :func:`nesting_cost`).
 
 Not accepted, with a ``ValueError`` naming the line and column: anything else, such as
-Lark's ``rule: ...`` syntax, regex terminals ``/.../``, ``%import``, and xgrammar's
+Lark's ``rule: ...`` syntax, regex terminals ``/.../``, ``%import`` (a grammar without
+``::=`` is read as Lark by grammar_lark.py before it gets here), and xgrammar's
 lookahead assertions ``(= ...)``; references to undefined rules; a grammar without a
 ``root`` rule (the start rule).
 """
@@ -280,8 +281,8 @@ class _Parser:
             if not self.peek("::="):
                 if self.peek(":"):
                     raise self.error(
-                        "rules are defined with '::=' (GBNF), not ':' (Lark syntax is not "
-                        "supported)"
+                        "rules are defined with '::=' (GBNF), not ':' (Lark syntax is read "
+                        "only in a grammar without '::=')"
                     )
                 raise self.error(f"expected '::=' after the rule name {name!r}")
             self.pos += 3
