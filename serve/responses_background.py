@@ -11,8 +11,9 @@ Every event of the run (:mod:`chassis.serve.responses_stream`'s, with their
 ``sequence_number``) is logged in :attr:`BackgroundRun.events` when the request streamed, so
 that a client may follow it (``stream: true``) and resume it from any sequence number after
 a disconnect; the log keeps the newest events of the run only
-(:class:`~chassis.serve.responses_events.EventLog`): a resume from before them is a 400, and
-a follower that falls that far behind gets an ``error`` event and its stream ends.
+(:class:`~chassis.serve.responses_events.EventLog`): a resume from before them is a 400. A
+connected follower never loses events: the log keeps those it has yet to read, however far
+behind it is.
 Following never cancels the run; ``POST /v1/responses/{id}/cancel`` does
 (:meth:`BackgroundResponses.cancel`: the task is cancelled, which closes the engine stream
 and so aborts the engine request and frees its KV blocks). On server shutdown every run is
@@ -75,22 +76,30 @@ class BackgroundRun:
     async def follow(self, starting_after: int = -1) -> AsyncIterator[str]:
         """The logged events whose sequence number is above ``starting_after``, then each new
         one as it comes, until the run ends. Needs ``events``; the caller checks first that
-        the log still keeps them (:meth:`EventLog.check_resume`). A follower whose next event
-        was dropped meanwhile (it read more slowly than the run made events, by more than the
-        log keeps) gets an ``error`` event instead, and no more."""
+        the log still keeps them (:meth:`EventLog.check_resume`). From its first read the
+        follower holds its place in the log (:meth:`EventLog.hold`): however slowly it reads,
+        it gets every event. Only when the events it starts from were dropped between that
+        check and its first read does it get an ``error`` event instead, and no more."""
         log = self.events
         assert log is not None
         index = starting_after + 1
-        while True:
-            while index < log.end:
-                if index < log.first:
-                    yield log.dropped_event(index)
+        if index < log.first:
+            yield log.dropped_event(index)
+            return
+        log.hold(index)
+        try:
+            while True:
+                while index < log.end:
+                    event = log.get(index)
+                    log.hold(index + 1)
+                    log.release(index)
+                    index += 1
+                    yield event
+                if self.done:
                     return
-                yield log.get(index)
-                index += 1
-            if self.done:
-                return
-            await self._changed.wait()
+                await self._changed.wait()
+        finally:
+            log.release(index)
 
 
 class BackgroundResponses:

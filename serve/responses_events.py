@@ -10,13 +10,19 @@ the number of its oldest event (:attr:`EventLog.first`), and a resume that asks 
 before it is refused (:class:`EventsDropped`) rather than answered with a gap. The newest
 events, the response's end among them, are always kept. Once the response is stored, the
 store's bound on events in all (:mod:`chassis.serve.responses_store`) applies on top.
+
+The bound is on what is kept for resuming, never on a live stream: a connected follower
+holds its place (:meth:`EventLog.hold`), and no event it has yet to read is dropped, so a
+client that reads more slowly than the engine writes gets every event, late (as vLLM's
+unbounded log would give it), and the log holds the events it is behind by until it reads
+them or disconnects.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from itertools import islice
 
@@ -44,7 +50,8 @@ class EventsDropped(Exception):
 class EventLog:
     """The newest ``max_events`` events of one stream (SSE strings), by sequence number: the
     event appended ``k``-th (from 0) has sequence number ``k`` whether or not it is still
-    kept. Appending past ``max_events`` drops the oldest."""
+    kept. Appending past ``max_events`` drops the oldest, except those a live follower still
+    has to read (:meth:`hold`): the log keeps more than ``max_events`` while one is behind."""
 
     def __init__(self, max_events: int = DEFAULT_MAX_EVENTS_PER_RESPONSE) -> None:
         if max_events < 1:
@@ -53,6 +60,8 @@ class EventLog:
         self._events: deque[str] = deque()
         #: the sequence number of the oldest kept event (of the next one when none is kept)
         self.first = 0
+        #: the next sequence number of each live follower (how many hold each)
+        self._held: Counter[int] = Counter()
 
     def __len__(self) -> int:
         """The events kept (not the events appended)."""
@@ -69,9 +78,26 @@ class EventLog:
 
     def append(self, event: str) -> None:
         """Keep ``event`` (sequence number :attr:`end`), dropping the oldest beyond the
-        bound."""
+        bound that no follower holds."""
         self._events.append(event)
-        if len(self._events) > self.max_events:
+        self._trim()
+
+    def hold(self, sequence_number: int) -> None:
+        """A live follower is to read ``sequence_number`` next: keep it, and every later
+        event, until :meth:`release`."""
+        self._held[sequence_number] += 1
+
+    def release(self, sequence_number: int) -> None:
+        """Undo one :meth:`hold` of ``sequence_number``, dropping what no longer needs
+        keeping."""
+        self._held[sequence_number] -= 1
+        if self._held[sequence_number] <= 0:
+            del self._held[sequence_number]
+        self._trim()
+
+    def _trim(self) -> None:
+        floor = min(self._held, default=self.end)
+        while len(self._events) > self.max_events and self.first < floor:
             self._events.popleft()
             self.first += 1
 
@@ -98,7 +124,8 @@ class EventLog:
         return list(islice(self._events, skip, None))
 
     def dropped_event(self, sequence_number: int) -> str:
-        """The ``error`` event that ends a follower which fell behind: the event of
+        """The ``error`` event that ends a follower whose first event was dropped before it
+        started reading (between the resume's check and its first read): the event of
         ``sequence_number``, the next it was to get, is no longer kept. It carries that
         sequence number (the events it missed were never sent to it)."""
         error = EventsDropped(sequence_number - 1, self.first, self.max_events)

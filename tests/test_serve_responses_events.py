@@ -86,34 +86,74 @@ def test_the_bound_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
             build_app(FakeAsyncLLM(), ServerSettings())  # stops start-up
 
 
-def test_a_follower_that_falls_behind_the_log_gets_an_error_event() -> None:
+def test_a_live_follower_that_falls_behind_gets_every_event() -> None:
+    """The bound is for resuming: a connected follower reading more slowly than the run
+    makes events loses none (the log keeps what it has yet to read, beyond the bound, and
+    drops it once read)."""
+
     async def main() -> None:
         snapshot = lambda: ResponseObject(id="r", status="queued", model="m")  # noqa: E731
-        run = BackgroundRun("r", snapshot, EventLog(2), [])
+        log = EventLog(2)
+        run = BackgroundRun("r", snapshot, log, [])
         runs = BackgroundResponses()
         gate = asyncio.Event()
 
         async def work(run: BackgroundRun) -> None:
             run.add_event("a")
             await gate.wait()
-            for event in ("b", "c", "d"):  # three at once: "b" is dropped before it is read
+            for event in ("b", "c", "d", "e"):  # four at once, the follower still on "a"
                 run.add_event(event)
 
         runs.start(run, work)
         follower = run.follow(-1)
         assert await follower.__anext__() == "a"
-        reading = asyncio.ensure_future(follower.__anext__())
-        await asyncio.sleep(0)
         gate.set()
-        error = await reading
+        while not run.done:
+            await asyncio.sleep(0)
+        assert (log.first, len(log)) == (1, 4)  # "b".."e" held for the follower
+        # a resume is still checked against the bound, not against what a follower holds
+        with pytest.raises(EventsDropped):
+            log.check_resume(-1)
+        assert [event async for event in follower] == ["b", "c", "d", "e"]
+        assert (log.first, len(log)) == (3, 2)  # read: back to the bound
+        assert [event async for event in run.follow(2)] == ["d", "e"]
+
+    asyncio.run(main())
+
+
+def test_a_follower_whose_first_event_was_dropped_before_it_read_gets_an_error_event() -> None:
+    async def main() -> None:
+        snapshot = lambda: ResponseObject(id="r", status="queued", model="m")  # noqa: E731
+        log = EventLog(2)
+        run = BackgroundRun("r", snapshot, log, [])
+        follower = run.follow(-1)  # made (as a route makes it), not read yet
+        for event in ("a", "b", "c"):
+            run.add_event(event)
+        run.finished()
+        error = await follower.__anext__()
         assert error.startswith("event: error\n")
         data = json.loads(error.split("data: ", 1)[1])
         assert data["type"] == "error" and data["code"] == "events_dropped"
-        assert data["sequence_number"] == 1 and "before sequence number 2" in data["message"]
+        assert data["sequence_number"] == 0 and "before sequence number 1" in data["message"]
         with pytest.raises(StopAsyncIteration):
             await follower.__anext__()
-        # a follower that keeps up gets every event still kept
-        assert [event async for event in run.follow(1)] == ["c", "d"]
+
+    asyncio.run(main())
+
+
+def test_an_abandoned_follower_releases_its_place() -> None:
+    async def main() -> None:
+        snapshot = lambda: ResponseObject(id="r", status="queued", model="m")  # noqa: E731
+        log = EventLog(2)
+        run = BackgroundRun("r", snapshot, log, [])
+        run.add_event("a")
+        follower = run.follow(-1)
+        assert await follower.__anext__() == "a"
+        for event in ("b", "c", "d"):
+            run.add_event(event)
+        assert (log.first, len(log)) == (1, 3)
+        await follower.aclose()  # the client disconnected
+        assert (log.first, len(log)) == (2, 2)
 
     asyncio.run(main())
 
