@@ -27,11 +27,17 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     private mapping (page-aligned) when it is at least :data:`LAZY_MIN_BYTES`.
 
     The tensor keeps the mapping alive; it is unmapped when the last view of it is freed.
-    Falls back to ``torch.zeros`` where the platform has no anonymous mappings.
+    Falls back to ``torch.zeros`` where the platform has no anonymous mappings, or the
+    kernel refuses this one (``ENOMEM`` under strict overcommit accounting or at
+    ``vm.max_map_count``): its allocator then fails with the number of bytes it could not
+    get, or succeeds where only the mapping was refused.
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     flags = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
     if nbytes < LAZY_MIN_BYTES or None in flags:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes, flags=flags[0] | flags[1])  # type: ignore[operator]
+    try:
+        buffer = mmap.mmap(-1, nbytes, flags=flags[0] | flags[1])  # type: ignore[operator]
+    except OSError:
+        return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)

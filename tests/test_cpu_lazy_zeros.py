@@ -39,3 +39,19 @@ def test_the_cpu_platform_gives_its_kv_caches_lazily() -> None:
     cache = platform.kv_cache_zeros(shape, torch.float32, torch.device("cpu"))
     assert cache.shape == shape and cache.device.type == "cpu"
     assert not cache.any()
+
+
+def test_a_refused_mapping_falls_back_to_torch_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel refuses the mapping (ENOMEM: strict overcommit accounting,
+    ``vm.max_map_count`` reached), the cache is ``torch.zeros``, whose allocator then says
+    how many bytes it could not get, instead of a bare ``OSError`` at engine start."""
+    import errno
+    import mmap
+
+    def refuse(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    shape = (LAZY_MIN_BYTES // 4 + 10,)
+    tensor = lazy_zeros(shape, torch.float32)
+    assert tensor.shape == shape and not tensor.any()
