@@ -4,6 +4,7 @@ requested shape and dtype, whatever their size."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -33,12 +34,24 @@ def test_a_view_keeps_the_mapping_alive() -> None:
     assert tail.tolist() == [2.0] * 10
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux /proc needed")
 def test_the_cpu_platform_gives_its_kv_caches_lazily() -> None:
+    """The cache costs no resident memory until written, and then only the pages written
+    (torch.zeros would make all 256 MiB resident at once)."""
     platform = CpuPlatform()
-    shape = (4096, 2, 16, 3, 64)  # 24 MiB of float32
+    shape = (16384, 2, 16, 4, 64)  # 256 MiB of float32
+    before = _resident_bytes()
     cache = platform.kv_cache_zeros(shape, torch.float32, torch.device("cpu"))
     assert cache.shape == shape and cache.device.type == "cpu"
-    assert not cache.any()
+    cache[:64] = 1.0  # the first 64 blocks: 1 MiB
+    assert _resident_bytes() - before < 32 << 20
+    assert cache[64:].count_nonzero() == 0  # reads of untouched pages map no new memory
+    assert _resident_bytes() - before < 32 << 20
 
 
 def test_a_refused_mapping_falls_back_to_torch_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
