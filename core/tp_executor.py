@@ -13,9 +13,9 @@ the same ids to the same rows and finished the same pooling requests (else the r
 batches differ; :func:`step_summary`). A pooling engine's ranks all compute the full hidden
 states and pool them alike (keeping the same per-request state); only the driver's vectors
 are returned. A step that has not completed on every rank within
-``--execute-model-timeout-s`` fails with a report naming the ranks that have not answered
-and where each one is (:mod:`chassis.core.tp_watchdog`). docs/architecture.md has the
-failure handling.
+``--execute-model-timeout-s`` fails with a ``StepTimeoutError`` naming the ranks that have
+not answered, after logging where each one is (:mod:`chassis.core.tp_watchdog`).
+docs/architecture.md has the failure handling.
 
 Graph capture and ``torch.compile`` are not used with more than one rank (not validated with
 collectives yet); async scheduling runs, without overlap.
@@ -51,10 +51,12 @@ from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 from chassis.core.tp_join import wait_for_every_rank
 from chassis.core.tp_watchdog import (
+    StepTimeoutError,
     StepWatchdog,
     driver_stack,
     file_size,
     format_report,
+    format_summary,
     read_new_text,
     stack_path,
     stuck_ranks,
@@ -238,8 +240,9 @@ class TensorParallelExecutor(RankGroupExecutor):
         get_current_platform().tensor_parallel_devices(self.size)  # enough devices?
         config = self._group_config(config)  # before any process starts
         self._broken = None
-        #: the step watchdog's report, once a step timed out (then raised for that step)
-        self._timeout_report: str | None = None
+        #: the step watchdog's (summary, report), once a step timed out (then raised for
+        #: that step as :class:`StepTimeoutError`)
+        self._timed_out: tuple[str, str] | None = None
         #: the ranks that have answered the command in flight (the watchdog reads it)
         self._answered: set[int] = set()
         self._ranks = _Ranks(self.size)
@@ -284,8 +287,8 @@ class TensorParallelExecutor(RankGroupExecutor):
         """The watchdog's expiry (in its thread): collect the stack of every rank that has
         not answered ``method`` (rank 0's from this process, a worker's by ``SIGUSR1``), log
         the report, break the group and kill the workers, so that the driver's part of the
-        step, blocked in a collective with them, fails and raises the report. Nothing when
-        every rank has answered (the step completed as the time ran out)."""
+        step, blocked in a collective with them, fails (:meth:`_raise_if_timed_out`).
+        Nothing when every rank has answered (the step completed as the time ran out)."""
         answered = set(self._answered)
         pending = [rank for rank in range(self.size) if rank not in answered]
         if not pending:  # every rank answered as the time ran out: the step completed
@@ -303,18 +306,20 @@ class TensorParallelExecutor(RankGroupExecutor):
         for rank, offset in offsets.items():
             stacks[rank] = read_new_text(stack_path(self._ranks.ipc_dir, rank), offset)
         assert self._watchdog is not None
-        report = format_report(method, self._watchdog.timeout_s, pending, stacks, self.size)
+        args = (method, self._watchdog.timeout_s, pending, stacks, self.size)
+        report = format_report(*args)
         logger.error("%s", report)
-        self._timeout_report = report
+        self._timed_out = (format_summary(*args), report)
         self._broken = f"{method!r} timed out on rank(s) {stuck_ranks(pending, stacks) or pending}"
         self._ranks.kill_workers()
 
     def _raise_if_timed_out(self, cause: BaseException | None = None) -> None:
-        """``RuntimeError`` with the watchdog's report once a step timed out (whatever
-        failure the driver then saw: the killed workers' collectives, or their exit)."""
-        if self._timeout_report is not None:
+        """:class:`StepTimeoutError` once a step timed out (whatever failure the driver then
+        saw: the killed workers' collectives, or their exit): its message is the watchdog's
+        summary, without the stacks, which the log has."""
+        if self._timed_out is not None:
             self._broken = self._broken or "a step timed out"
-            raise RuntimeError(self._timeout_report) from cause
+            raise StepTimeoutError(*self._timed_out) from cause
 
     def model_dtype(self) -> torch.dtype:
         return self.worker.dtype

@@ -93,19 +93,41 @@ def stuck_ranks(pending: list[int], stacks: dict[int, str]) -> list[int]:
     return [rank for rank in pending if not waiting_in_collective(stacks.get(rank, ""))]
 
 
+class StepTimeoutError(RuntimeError):
+    """A step of the group did not complete on every rank in time; the group is stopped.
+    ``str(exc)`` is :func:`format_summary`'s line (which step, which ranks, the engine
+    stopped), what callers and HTTP clients get; :attr:`report` adds each unanswered rank's
+    Python stack (source paths: for the operator's log only, where the executor logs it at
+    ERROR when the step times out)."""
+
+    def __init__(self, summary: str, report: str) -> None:
+        super().__init__(summary)
+        self.report = report
+
+
+def format_summary(
+    method: str, timeout_s: float, pending: list[int], stacks: dict[int, str], size: int
+) -> str:
+    """One line: which of the ``size`` ranks have not answered ``method`` within
+    ``timeout_s`` seconds and which of those are not waiting in a collective (the likely
+    culprits); no stack."""
+    stuck = stuck_ranks(pending, stacks)
+    line = (
+        f"tensor-parallel step {method!r} did not complete within {timeout_s:g} s "
+        f"(--execute-model-timeout-s): rank(s) {pending} of {size} have not answered"
+    )
+    if stuck:
+        line += f"; rank(s) {stuck} are not in a collective (the others wait for them)"
+    return line + "; the tensor-parallel group is stopped (each rank's stack is in the log)"
+
+
 def format_report(
     method: str, timeout_s: float, pending: list[int], stacks: dict[int, str], size: int
 ) -> str:
-    """The operator's report of a step that did not complete: which of the ``size`` ranks
-    have not answered ``method`` within ``timeout_s`` seconds, which of those are not waiting
-    in a collective (the likely culprits), and each one's stack."""
+    """The operator's report of a step that did not complete: :func:`format_summary`'s line,
+    then each unanswered rank's stack, marked busy or waiting in a collective."""
     stuck = stuck_ranks(pending, stacks)
-    lines = [
-        f"tensor-parallel step {method!r} did not complete within {timeout_s:g} s "
-        f"(--execute-model-timeout-s): rank(s) {pending} of {size} have not answered"
-    ]
-    if stuck:
-        lines[0] += f"; rank(s) {stuck} are not in a collective (the others wait for them)"
+    lines = [format_summary(method, timeout_s, pending, stacks, size)]
     for rank in pending:
         where = "waiting in a collective" if rank not in stuck else "busy"
         stack = stacks.get(rank) or "(no stack: the rank did not answer the dump signal)\n"

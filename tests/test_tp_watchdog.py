@@ -9,9 +9,11 @@ import threading
 import pytest
 
 from chassis.core.tp_watchdog import (
+    StepTimeoutError,
     StepWatchdog,
     driver_stack,
     format_report,
+    format_summary,
     read_new_text,
     stuck_ranks,
     waiting_in_collective,
@@ -33,10 +35,22 @@ def test_the_report_names_the_ranks_that_are_not_in_a_collective() -> None:
     assert first == (
         "tensor-parallel step 'execute' did not complete within 2.5 s "
         "(--execute-model-timeout-s): rank(s) [0, 1, 2] of 4 have not answered; rank(s) [1] "
-        "are not in a collective (the others wait for them)"
+        "are not in a collective (the others wait for them); the tensor-parallel group is "
+        "stopped (each rank's stack is in the log)"
     )
+    assert first == format_summary("execute", 2.5, [0, 1, 2], stacks, 4)
     assert "--- rank 1 (busy):" in rest and "--- rank 2 (waiting in a collective):" in rest
     assert "line 5 in execute_model" in report.split("--- rank 1 (busy):")[1]
+
+
+def test_a_step_timeout_s_message_is_the_summary_and_its_report_has_the_stacks() -> None:
+    stacks = {1: BUSY}
+    error = StepTimeoutError(
+        format_summary("execute", 1, [1], stacks, 2), format_report("execute", 1, [1], stacks, 2)
+    )
+    assert "rank(s) [1] of 2 have not answered" in str(error)
+    assert "worker.py" not in str(error) and "--- rank" not in str(error)
+    assert "line 5 in execute_model" in error.report
 
 
 def test_a_rank_without_a_dump_is_still_named() -> None:
