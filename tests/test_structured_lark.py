@@ -149,3 +149,38 @@ def test_generation_follows_a_lark_grammar(tiny_llama_dir) -> None:
         assert any("," in text for text in texts), texts  # (not only the shortest)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "lark,gbnf",
+    [
+        (r"start: /\x41+\u00e9?/", r'root ::= "A"+ "é"?'),
+        (r"start: /[\x41-\x43\u00e0-\u00ff]+/", r"root ::= [A-Cà-ÿ]+"),
+        (r"start: /\U0001F600|[\U0001F601-\U0001F602]/", r"root ::= [😀-😂]"),
+        (r'start: "\u00e0".."\u00e2"', r"root ::= [à-â]"),
+    ],
+)
+def test_regex_hex_and_unicode_escapes(lark: str, gbnf: str) -> None:
+    """``\\xHH``, ``\\uHHHH`` and ``\\UHHHHHHHH`` in regex terminals, inside and outside
+    classes, are the code points they name (as in Python's ``re``, which Lark uses)."""
+    from_lark, from_gbnf = automaton(lark), automaton(gbnf)
+    tries = ["A", "AAé", "é", "x41", "ABCàÿ", "D", "á", "ä", "😀", "😂", "😃", "\\x41", ""]
+    for text in tries:
+        assert from_lark.fullmatch(text.encode()) == from_gbnf.fullmatch(text.encode()), text
+    assert any(from_lark.fullmatch(text.encode()) for text in tries)  # (not all refused)
+
+
+def test_a_range_of_longer_strings_is_refused() -> None:
+    with pytest.raises(ValueError, match=r'line 2 \(rule .item.\): a range "ab".."z" needs one'):
+        automaton('start: item\nitem: "ab".."z"')
+
+
+def test_messages_name_the_lark_line_past_comments_and_blank_lines() -> None:
+    """Comment and blank lines inside and between definitions keep the line numbers, both
+    in the translator's messages and in the GBNF parser's after the translation."""
+    lark = '// header\n\nstart: a\n   // mid: x\n\n   | b\n\nb: "b"\n\n\na: "a" missing\n'
+    with pytest.raises(ValueError, match=r"grammar line 11, column .*'missing'"):
+        automaton(lark)
+    with pytest.raises(ValueError, match=r"Lark grammar line 4 \(rule 'start'\): unbalanced"):
+        automaton('start: "a"\n// c: d\n\n  | )')
+    assert automaton('start: "a"\n// c: d\n\n  | "b"').fullmatch(b"b")

@@ -4,7 +4,8 @@ vLLM's ``structured_outputs.grammar`` takes GBNF/EBNF and, with some backends, L
 like vLLM, a grammar is taken as Lark when no line outside comments has ``::=`` and some
 line defines a rule with ``name:`` (:func:`is_lark`). :func:`lark_to_gbnf` translates it to
 GBNF text, which grammar_parser.py parses to the same rules, and so the same IR, as the
-GBNF grammar written by hand.
+GBNF grammar written by hand. The translation keeps each definition on the Lark grammar's
+line, so the GBNF parser's messages name the user's lines.
 
 What is accepted:
 
@@ -13,8 +14,9 @@ What is accepted:
   dropped); a definition runs until the next line that starts a definition or directive;
   the start rule is ``start``;
 - strings ``"..."`` (GBNF's escapes), character ranges ``"a".."z"``, regex terminals
-  ``/.../`` without flags (literal characters, ``[...]`` classes, ``.`` (not a newline),
-  ``\\d \\w \\s`` and their negations outside classes, ``(...)``, ``(?:...)``, ``|``, and
+  ``/.../`` without flags (literal characters, ``\\xHH \\uHHHH \\UHHHHHHHH`` escapes,
+  ``[...]`` classes, ``.`` (not a newline), ``\\d \\w \\s`` (ASCII only, unlike Python's
+  ``re``) and their negations outside classes, ``(...)``, ``(?:...)``, ``|``, and
   ``* + ? {m} {m,} {m,n}``, a lazy ``?`` being the same language);
 - grouping ``( )``, optional ``[ ]``, alternation ``|``, ``* + ?``, ``x ~ n`` and
   ``x ~ m..n``; ``//`` comments.
@@ -22,8 +24,9 @@ What is accepted:
 Refused with a ``ValueError`` naming the line: ``%ignore`` (it lets the ignored text
 appear between any two terminals; write it into the rules), ``%import``, ``%declare`` and
 other directives, templates ``name{...}``, priorities ``NAME.2``, case-insensitive
-strings ``"..."i`` and regex flags, lookarounds and anchors in regexes, and a rule named
-``root`` (GBNF's start rule, which ``start`` becomes).
+strings ``"..."i`` and regex flags, lookarounds and anchors in regexes, ranges of
+strings longer than one character, and a rule named ``root`` (GBNF's start rule, which
+``start`` becomes).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ _REGEX_CLASSES = {
 _CLASS_RANGES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r\\f\\v"}
 #: regex escapes of control characters GBNF writes the same way
 _CONTROL_ESCAPES = set("nrtfv0")
+#: regex escapes of a code point by its hexadecimal digits (as many as each needs), which
+#: GBNF writes the same way
+_HEX_ESCAPE = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
 
 
 def is_lark(text: str) -> bool:
@@ -65,6 +71,10 @@ def lark_to_gbnf(text: str) -> str:
     ``ValueError`` naming the line for what is not supported."""
     definitions: list[tuple[str, int, list[str]]] = []  # (name, line, body lines)
     for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith(("//", "#")):
+            if definitions:  # (kept, so that the body's lines keep their numbers)
+                definitions[-1][2].append(line)
+            continue
         stripped = line.strip()
         if stripped.startswith("%"):
             directive = stripped.split()[0]
@@ -89,16 +99,19 @@ def lark_to_gbnf(text: str) -> str:
                     "start rule is 'start')"
                 )
             definitions.append((name, number, [line[match.end() :]]))
-        elif stripped and not stripped.startswith(("//", "#")):
+        else:
             if not definitions:
                 raise ValueError(f"Lark grammar line {number}: expected a rule 'name: ...'")
             definitions[-1][2].append(line)
     if not any(name == "start" for name, _, _ in definitions):
         raise ValueError("the Lark grammar has no 'start' rule (its start rule)")
-    return "\n".join(
-        f"{_gbnf_name(name)} ::= {_Body(name, line, chunks).translate()}"
-        for name, line, chunks in definitions
-    )
+    # each definition on its own line, so that the GBNF parser's messages name the
+    # user's lines (their columns are the translation's)
+    gbnf = ""
+    for name, line, chunks in definitions:
+        gbnf += "\n" * (line - 1 - gbnf.count("\n"))  # (at least one: the rule before ends)
+        gbnf += f"{_gbnf_name(name)} ::= {_Body(name, line, chunks).translate()}"
+    return gbnf
 
 
 def _gbnf_name(name: str) -> str:
@@ -125,7 +138,10 @@ class _Body:
         text = self.text
         while self.pos < len(text):
             char = text[self.pos]
-            if char.isspace():
+            if char == "\n":  # (kept: the translation keeps the Lark grammar's lines)
+                out.append(char)
+                self.pos += 1
+            elif char.isspace():
                 self.pos += 1
             elif text.startswith("//", self.pos) or char == "#":
                 end = text.find("\n", self.pos)
@@ -170,7 +186,7 @@ class _Body:
                 out.append(_gbnf_name(name.group()))
         if closers:
             raise self.error(f"a bracket is never closed (expected {closers[-1]!r})")
-        return " ".join(out)
+        return re.sub(r" *\n *", "\n", " ".join(out))
 
     def string(self) -> str:
         """A ``"..."`` string (kept as GBNF writes it), or a range ``"a".."z"``."""
@@ -183,6 +199,8 @@ class _Body:
             if not self.text.startswith('"', self.pos):
                 raise self.error("expected a string after '..'")
             high = self._quoted()
+            if not (_one_char(literal) and _one_char(high)):
+                raise self.error(f"a range {literal}..{high} needs one character each side")
             return f"[{_class_char(literal)}-{_class_char(high)}]"
         return self.text[start : self.pos]
 
@@ -220,8 +238,12 @@ class _Body:
                 break
             if char == "\\":
                 escaped = text[pos + 1 : pos + 2]
+                hex_escape = _HEX_ESCAPE.match(text, pos)
                 pos += 2
-                if escaped in _REGEX_CLASSES:
+                if hex_escape is not None:
+                    out.append(f'"{hex_escape.group()}"')
+                    pos = hex_escape.end()
+                elif escaped in _REGEX_CLASSES:
                     out.append(_REGEX_CLASSES[escaped])
                 elif escaped in _CONTROL_ESCAPES:
                     out.append(f'"\\{escaped}"')
@@ -281,11 +303,22 @@ class _Body:
             first = False
             if char == "\\":
                 escaped = text[pos + 1 : pos + 2]
+                hex_escape = _HEX_ESCAPE.match(text, pos)
                 pos += 2
-                if escaped in _CLASS_RANGES:
+                if hex_escape is not None:
+                    parts.append(hex_escape.group())
+                    pos = hex_escape.end()
+                elif escaped in _CLASS_RANGES:
                     parts.append(_CLASS_RANGES[escaped])
-                elif escaped in _CONTROL_ESCAPES or (escaped and not escaped.isalnum()):
+                elif escaped in _CONTROL_ESCAPES or (
+                    escaped
+                    and escaped.isascii()
+                    and escaped.isprintable()
+                    and not escaped.isalnum()
+                ):
                     parts.append(f"\\{escaped}")
+                elif escaped and not escaped.isalnum():  # (a non-ASCII character: itself)
+                    parts.append(escaped)
                 else:
                     raise self.error(f"regex escape \\{escaped} in a class is not supported")
             elif char in '[]\\"':
@@ -301,6 +334,14 @@ class _Body:
 def _quote(char: str) -> str:
     """``char`` as a GBNF string."""
     return '"\\\\"' if char == "\\" else ('"\\""' if char == '"' else f'"{char}"')
+
+
+def _one_char(literal: str) -> bool:
+    """Whether the string ``literal`` (``"a"``, escapes kept) is one character."""
+    inner = literal[1:-1]
+    return len(inner) == 1 or bool(
+        inner.startswith("\\") and (len(inner) == 2 or _HEX_ESCAPE.fullmatch(inner))
+    )
 
 
 def _class_char(literal: str) -> str:
