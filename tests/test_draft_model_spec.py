@@ -538,14 +538,20 @@ def test_preemption_mid_speculation_with_probabilistic_drafts(tiny_llama_dir: Pa
         llm.shutdown()
 
 
+@pytest.mark.parametrize("seed", [None, 5])
 def test_an_abort_between_a_drafted_plan_and_its_results(
-    tiny_llama_dir: Path, perturbed_dir: Path
+    tiny_llama_dir: Path, perturbed_dir: Path, seed: int | None
 ) -> None:
     """A request aborted while the step that verifies its drafts runs: its results and
-    proposals are dropped, the other request goes on, nothing is left behind."""
+    proposals are dropped, the other request goes on, nothing is left behind. Seeded random
+    requests too (the aborted one's stream is rewound at the step's results, then dropped)."""
     llm = make_llm(tiny_llama_dir, perturbed_dir, num_kv_blocks=64)
+    if seed is None:
+        params = greedy(40)
+    else:
+        params = SamplingParams(temperature=0.8, top_k=2, max_tokens=40, ignore_eos=True, seed=seed)
     try:
-        assert abort_during_a_drafted_step(llm, greedy(40)) == 40
+        assert abort_during_a_drafted_step(llm, params) == 40
         assert_all_freed(llm)
     finally:
         llm.shutdown()
