@@ -72,10 +72,13 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     #: ``reasoning_parser`` (its tags must be single tokens); the chat route sets it for JSON
     #: constraints when the server has a reasoning parser (docs/structured_outputs.md)
     after_reasoning: bool = False
-    #: set by the server, never by a request: the subschema levels of ``json`` that wrap the
-    #: user's schemas (a forced tool call's array of calls,
-    #: :data:`~chassis.core.structured_nesting.FORCED_TOOL_CALL_LEVELS`), which do not count
-    #: against the nesting limit, so a tool's ``parameters`` may nest as deep as a schema
+    #: the subschema levels of ``json`` that wrap the user's schemas (a forced tool call's
+    #: array of calls, :data:`~chassis.core.structured_nesting.FORCED_TOOL_CALL_LEVELS`),
+    #: which do not count against the nesting limit, so a tool's ``parameters`` may nest as
+    #: deep as a schema. Set by the server for forced tool calls (an HTTP request that names
+    #: it is a 400); a field because the constraint reaches the engine core as this struct.
+    #: An offline caller may set it too, 0..3: 3 more levels at most, which the stack
+    #: measurement at the limit covers (tests/test_structured_nesting.py)
     json_wrapper_levels: int = 0
 
     def __post_init__(self) -> None:
