@@ -184,3 +184,14 @@ def test_messages_name_the_lark_line_past_comments_and_blank_lines() -> None:
     with pytest.raises(ValueError, match=r"Lark grammar line 4 \(rule 'start'\): unbalanced"):
         automaton('start: "a"\n// c: d\n\n  | )')
     assert automaton('start: "a"\n// c: d\n\n  | "b"').fullmatch(b"b")
+
+
+def test_a_range_may_have_spaces_around_its_dots() -> None:
+    assert lark_to_gbnf('start: "a" .. "c"') == "root ::= [a-c]"
+
+
+@pytest.mark.parametrize("repetition", ["{}", "{,}"])
+def test_a_regex_repetition_without_bounds_is_named(repetition: str) -> None:
+    """Refused by the translator, naming the Lark line (not a column of the translation)."""
+    with pytest.raises(ValueError, match=r"^Lark grammar line 2 .*bad regex repetition"):
+        automaton(f"start: A\nA: /a{repetition}/")

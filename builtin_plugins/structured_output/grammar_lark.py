@@ -39,6 +39,8 @@ __all__ = ["is_lark", "lark_to_gbnf"]
 _DEFINITION = re.compile(r"\s*([?!]?)([A-Za-z_][A-Za-z0-9_]*)(\.-?\d+)?\s*:(?!:)")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _COMMENT = re.compile(r"(//|#).*$")
+#: the ``..`` of a range ``"a".."z"``, spaces allowed around it
+_RANGE_DOTS = re.compile(r"[ \t]*\.\.[ \t]*")
 #: regex class escapes outside ``[...]``, as GBNF classes
 _REGEX_CLASSES = {
     "d": "[0-9]",
@@ -194,8 +196,9 @@ class _Body:
         literal = self._quoted()
         if self.text.startswith("i", self.pos) and not _NAME.match(self.text, self.pos + 1):
             raise self.error('case-insensitive strings ("..."i) are not supported')
-        if self.text.startswith("..", self.pos):
-            self.pos += 2
+        dots = _RANGE_DOTS.match(self.text, self.pos)
+        if dots is not None:  # (Lark allows spaces around '..')
+            self.pos = dots.end()
             if not self.text.startswith('"', self.pos):
                 raise self.error("expected a string after '..'")
             high = self._quoted()
@@ -266,7 +269,7 @@ class _Body:
                 pos += 1
             elif char == "{":
                 end = text.find("}", pos)
-                if end < 0 or not re.fullmatch(r"\d*(,\d*)?", text[pos + 1 : end]):
+                if end < 0 or not re.fullmatch(r"\d+(,\d*)?|,\d+", text[pos + 1 : end]):
                     raise self.error("bad regex repetition {...}")
                 out.append(text[pos : end + 1])
                 pos = end + 1
