@@ -17,6 +17,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: (= "fp8_e4m3") and "fp8_e5m2" store them in 8-bit floats (see docs/performance.md)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: ``--int4-weights`` values (4-bit AWQ/GPTQ checkpoints, docs/models.md): "packed" keeps the
+#: linear layers' codes packed, "dequantized" loads 16-bit weights, "auto" packs where the
+#: platform's layer kernels have an ``int4_linear`` matmul (``core/int4_packing.py``)
+INT4_WEIGHT_MODES = ("auto", "packed", "dequantized")
 #: what an engine runs (vLLM's ``--runner``): "generate" samples tokens, "pooling" returns one
 #: vector per prompt (embeddings, class logits); "auto" (vLLM's default) is resolved from the
 #: checkpoint when the model is read: "pooling" for ``*ForSequenceClassification``, else
@@ -43,9 +47,9 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
-    #: 4-bit AWQ/GPTQ checkpoints: "packed" keeps linear layers' codes packed in memory
-    #: (``core/int4_packing.py``), "dequantized" loads them as 16-bit weights (docs/models.md)
-    int4_weights: str = "packed"
+    #: 4-bit AWQ/GPTQ checkpoints (:data:`INT4_WEIGHT_MODES`): "auto" keeps linear layers'
+    #: codes packed where the platform has an int4 matmul kernel, else loads 16-bit weights
+    int4_weights: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     chat_template: str | None = None
@@ -170,9 +174,10 @@ class EngineConfig:
         """Raise ``ValueError`` naming the first invalid field and what would be valid."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        if self.int4_weights not in ("packed", "dequantized"):
+        if self.int4_weights not in INT4_WEIGHT_MODES:
             raise ValueError(
-                f"--int4-weights must be 'packed' or 'dequantized'; got {self.int4_weights!r}"
+                f"--int4-weights must be one of {', '.join(INT4_WEIGHT_MODES)}; "
+                f"got {self.int4_weights!r}"
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(

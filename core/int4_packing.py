@@ -18,9 +18,11 @@ of codes and those rows' ``g_idx``, with every group's scales and zero points, s
 not fall on group boundaries), found by the same exact comparison; a layer sharded some other
 way (KV heads replicated across more ranks than there are) stays dequantized.
 
-Not packed (the dequantized path, with a log line): LoRA adapters (they wrap ``nn.Linear``), bit widths other than 4, fused MoE
-experts (one tensor for all experts), ``--int4-weights dequantized``. Peak memory while
-loading is that of the dequantized path plus the packed tensors.
+Not packed (the dequantized path, with a log line): LoRA adapters (they wrap
+``nn.Linear``), bit widths other than 4, fused MoE experts (one tensor for all experts),
+``--int4-weights dequantized``, and ``--int4-weights auto`` (the default) on a platform
+without an int4 matmul kernel (:func:`keeps_int4_packed`). Peak memory while loading is that
+of the dequantized path plus the packed tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import logging
 import torch
 from torch import nn
 
+from chassis.core.layers import int4_linear
 from chassis.core.layers.int4_linear import Int4Linear, dequantize_int4, pack_codes
 from chassis.core.packed_int_weights import (
     AWQ_PACK_ORDER,
@@ -41,10 +44,19 @@ from chassis.core.packed_int_weights import (
 
 logger = logging.getLogger(__name__)
 
-#: the ``--int4-weights`` choices: keep codes packed (default) or load 16-bit weights
-INT4_WEIGHT_MODES = ("packed", "dequantized")
-
 _Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def keeps_int4_packed(mode: str) -> bool:
+    """Whether ``--int4-weights mode`` keeps 4-bit layers packed on this platform: always for
+    "packed", never for "dequantized"; for "auto" (the default) where the platform's layer
+    kernels have ``int4_linear`` (:func:`~chassis.core.layers.int4_linear.
+    platform_int4_kernel`). Without one the reference dequantizes every layer's whole weight
+    on every call: slower than the dequantized path, and it holds a full-size weight (and
+    its float32 and int32 temporaries) while each layer runs."""
+    if mode == "auto":
+        return int4_linear.platform_int4_kernel() is not None
+    return mode == "packed"
 
 
 def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> _Packed:

@@ -367,7 +367,14 @@ def _int4_sources(engine_config: EngineConfig, hf_config: Any) -> Any:
     config = quantization_config(hf_config)
     if config is None or config.get("quant_method") not in PACKED_INT_METHODS:
         return None
-    if engine_config.int4_weights != "packed":
+    from chassis.core.int4_packing import keeps_int4_packed
+
+    if not keeps_int4_packed(engine_config.int4_weights):
+        if engine_config.int4_weights == "auto":
+            logger.info(
+                "int4: loading the checkpoint dequantized: this platform has no int4 matmul "
+                "kernel (--int4-weights packed keeps the codes packed, at a speed cost)"
+            )
         return None
     fmt = packed_int_format(config)
     reason = None

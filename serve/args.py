@@ -16,7 +16,14 @@ import re
 from dataclasses import MISSING, fields
 from typing import Any
 
-from chassis.core.config import DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, RUNNERS, EngineConfig
+from chassis.core.config import (
+    DTYPES,
+    INT4_WEIGHT_MODES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    RUNNERS,
+    EngineConfig,
+)
 
 #: where add_engine_args records the dests of plugin flags on the parser's defaults
 _PLUGIN_DESTS = "_chassis_plugin_arg_dests"
@@ -107,8 +114,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     )
     g.add_argument(
         "--int4-weights",
-        choices=("packed", "dequantized"),
-        help=_help("4-bit AWQ/GPTQ layers: keep codes packed, or load 16-bit", "int4_weights"),
+        choices=INT4_WEIGHT_MODES,
+        help=_help(
+            "4-bit AWQ/GPTQ layers: keep codes packed, load 16-bit weights, or auto = packed "
+            "where the platform has an int4 kernel (CUDA/ROCm), 16-bit elsewhere (the CPU)",
+            "int4_weights",
+        ),
     )
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument("--seed", type=int, help=_help("engine random seed", "seed"))

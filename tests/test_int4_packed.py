@@ -20,8 +20,21 @@ from test_int4_checkpoints import SCHEMES, Scheme, _packed_module, write_int_twi
 from torch import nn
 
 from chassis import LLM, SamplingParams
-from chassis.core.int4_packing import Int4Sources, canonical_int4, pack_int4_linears
-from chassis.core.layers.int4_linear import Int4Linear, pack_codes, unpack_codes
+from chassis.core import model_loader
+from chassis.core.config import EngineConfig
+from chassis.core.int4_packing import (
+    Int4Sources,
+    canonical_int4,
+    keeps_int4_packed,
+    pack_int4_linears,
+)
+from chassis.core.layers import int4_linear
+from chassis.core.layers.int4_linear import (
+    Int4Linear,
+    pack_codes,
+    platform_int4_kernel,
+    unpack_codes,
+)
 from chassis.core.packed_int_weights import packed_int_format
 
 
@@ -129,7 +142,7 @@ def test_packed_checkpoint_gives_the_dequantized_paths_tokens(
     dense_bytes = _tensor_bytes(model.model.layers)
     del llm, model
     gc.collect()
-    got, llm = _greedy(quantized)
+    got, llm = _greedy(quantized, int4_weights="packed")
     model = llm.engine.executor.worker.runner.model
     packed = {
         name.split(".", 3)[3] for name, m in model.named_modules() if isinstance(m, Int4Linear)
@@ -223,7 +236,7 @@ def test_packed_awq_under_tensor_parallelism(
     llm.shutdown()
     del llm
     gc.collect()
-    got, llm = _greedy(quantized, tensor_parallel_size=2)
+    got, llm = _greedy(quantized, tensor_parallel_size=2, int4_weights="packed")
     llm.shutdown()
     assert "[tp1] chassis.core.model_loader: int4: 8 linear layers keep" in capfd.readouterr().err
     assert got == expected
@@ -252,3 +265,50 @@ def test_the_layer_runs_the_platforms_kernel_when_it_has_one(
     assert torch.equal(layer(x), torch.zeros(2, 8)) and calls == [(8, 8)]
     monkeypatch.setattr(int4_linear, "kernels_for", lambda _x: object())
     assert torch.equal(layer(x), nn.functional.linear(x, dequantized.contiguous()))
+
+
+def test_auto_packs_only_where_the_platform_has_an_int4_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--int4-weights auto`` (the default): the CPU platform's kernels lack ``int4_linear``
+    (its reference dequantizes every weight on every call), so a 4-bit checkpoint loads
+    dequantized; a platform whose kernels have it keeps the codes packed. ``packed`` and
+    ``dequantized`` do what they say whatever the platform."""
+    hf_config = type("Config", (), {"quantization_config": SCHEMES["awq-4bit-g32"].config()})()
+    assert EngineConfig().int4_weights == "auto"
+    assert platform_int4_kernel() is None
+    assert model_loader._int4_sources(EngineConfig(), hf_config) is None
+    assert isinstance(
+        model_loader._int4_sources(EngineConfig(int4_weights="packed"), hf_config), Int4Sources
+    )
+
+    class WithKernel:
+        def int4_linear(self, *args: object) -> None: ...
+
+    class PlatformWithKernel:
+        def layer_kernels(self) -> WithKernel:
+            return WithKernel()
+
+    monkeypatch.setattr(int4_linear, "get_current_platform", PlatformWithKernel)
+    assert platform_int4_kernel() is not None
+    assert isinstance(model_loader._int4_sources(EngineConfig(), hf_config), Int4Sources)
+    assert not keeps_int4_packed("dequantized")
+    monkeypatch.setattr(int4_linear.layer_kernels, "ENABLED", False)  # CHASSIS_LAYER_KERNELS=0
+    assert not keeps_int4_packed("auto") and keeps_int4_packed("packed")
+    with pytest.raises(ValueError, match="--int4-weights must be one of auto, packed"):
+        EngineConfig(int4_weights="int4").validate()
+
+
+def test_the_layer_holds_contiguous_packed_tensors() -> None:
+    """Column views of wider tensors (a rank's share, one projection of a merged module) are
+    copied: the Triton kernel indexes ``qweight``, ``scales`` and ``zeros`` with unit column
+    strides, so a strided view would read other columns."""
+    scheme = SCHEMES["gptq-4bit-g32"]
+    generator = torch.Generator().manual_seed(8)
+    parts, dequantized = _packed_module(torch.randn(16, 64, generator=generator), scheme, generator)
+    qweight, scales, zeros, g_idx = canonical_int4(parts, packed_int_format(scheme.config()))
+    views = (qweight[:, 8:], scales[:, 8:], zeros[:, 8:], g_idx)
+    assert not views[0].is_contiguous()
+    layer = Int4Linear(*views, None)
+    assert all(b.is_contiguous() for b in (layer.qweight, layer.scales, layer.zeros))
+    assert torch.equal(layer.dequantized_weight(torch.float32), dequantized[8:])

@@ -18,10 +18,14 @@ otherwise hold, so the reference below gives exactly what ``nn.Linear`` on that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from chassis.core.layers import kernels as layer_kernels
 from chassis.core.layers.kernels import kernels_for
+from chassis.platforms import get_current_platform
 
 #: codes per int32 (4-bit)
 CODES_PER_INT = 8
@@ -63,6 +67,17 @@ def dequantize_int4(
     return values.to(dtype).t().contiguous()
 
 
+def platform_int4_kernel() -> Callable[..., torch.Tensor] | None:
+    """The current platform's ``int4_linear`` layer kernel (optional in
+    :class:`~chassis.core.layers.kernels.LayerKernels`), or ``None`` when its kernels lack
+    it or layer kernels are off (``CHASSIS_LAYER_KERNELS=0``): then :class:`Int4Linear` runs
+    the reference, which dequantizes the whole weight on every call."""
+    if not layer_kernels.ENABLED:
+        return None
+    kernels = get_current_platform().layer_kernels()
+    return getattr(kernels, "int4_linear", None) if kernels is not None else None
+
+
 def int4_linear_ref(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -82,8 +97,10 @@ class Int4Linear(nn.Module):
 
     ``forward`` runs the platform's ``int4_linear`` kernel
     (:class:`~chassis.core.layers.kernels.LayerKernels`, optional there) when the platform's
-    kernels handle ``x``, else :func:`int4_linear_ref`. The packed tensors are buffers: they
-    move with ``.to()`` and count in the module's memory, and no optimizer touches them.
+    kernels handle ``x``, else :func:`int4_linear_ref`. The packed tensors are contiguous
+    buffers (a view of a wider tensor is copied: kernels index them with unit column
+    strides): they move with ``.to()`` and count in the module's memory, and no optimizer
+    touches them.
     """
 
     def __init__(
@@ -108,10 +125,11 @@ class Int4Linear(nn.Module):
             raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, expected ({in_features},)")
         self.in_features = in_features
         self.out_features = out_features
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
-        self.register_buffer("zeros", zeros)
-        self.register_buffer("g_idx", g_idx.to(torch.int32))
+        # contiguous: the kernels index the packed tensors with unit column strides
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("zeros", zeros.contiguous())
+        self.register_buffer("g_idx", g_idx.to(torch.int32).contiguous())
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:

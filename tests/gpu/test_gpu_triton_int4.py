@@ -2,8 +2,9 @@
 shapes (hidden 4096, merged Q/K/V 6144 outputs, gate/up 2 x 14336, down 14336 -> 4096),
 group size 128, with and without act-order, in bfloat16, float16 and float32 (IEEE
 products, not TF32), against the torch reference (the weight dequantized, then cuBLAS); run
-by tests/gpu/run_gpu_checks.sh (the pytest step). Also: :class:`Int4Linear` picks the kernel on CUDA, and a call captured in a
-CUDA graph replays with new inputs.
+by tests/gpu/run_gpu_checks.sh (the pytest step). Also: ``--int4-weights auto`` packs on
+CUDA, :class:`Int4Linear` picks the kernel there, and a call captured in a CUDA graph
+replays with new inputs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chassis.core.int4_packing import keeps_int4_packed
 from chassis.core.layers.int4_linear import Int4Linear, int4_linear_ref, pack_codes
 
 pytestmark = [
@@ -60,6 +62,7 @@ def test_kernel_matches_reference(
 def test_layer_uses_the_kernel_and_replays_in_a_cuda_graph() -> None:
     from chassis.core.layers import triton_int4
 
+    assert keeps_int4_packed("auto"), "the CUDA platform's layer kernels lack int4_linear"
     qweight, scales, zeros, g_idx = _layer(4096, 6144, act_order=True)
     layer = Int4Linear(qweight, scales, zeros, g_idx, None)
     calls = []
