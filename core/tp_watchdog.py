@@ -138,7 +138,9 @@ def format_report(
 class StepWatchdog:
     """A thread that calls ``expire(what, thread_id)`` once when a step armed with
     :meth:`arm` is not :meth:`disarm`-ed within ``timeout_s`` seconds (``thread_id``: the
-    thread that armed it, the driver's), in the watchdog's thread. ``expire`` is held weakly
+    thread that armed it, the driver's), in the watchdog's thread; :meth:`disarm` and
+    :meth:`arm` wait while ``expire`` runs (it may read the step's state, which the armed
+    thread then cannot move on to the next step's). ``expire`` is held weakly
     (a bound method of the executor, which must stay collectable). :meth:`close` ends the
     thread."""
 
@@ -182,7 +184,10 @@ class StepWatchdog:
                     self._cond.wait(left)
                     continue
                 self._armed = None
-            expire = self._expire()  # (outside the lock: the driver may disarm meanwhile)
-            if expire is None:  # the executor is gone
-                return
-            expire(what, thread_id)
+                expire = self._expire()
+                if expire is None:  # the executor is gone
+                    return
+                # Under the lock: a driver that completes the step meanwhile waits in
+                # disarm(), so the expiry sees this step's state, never the next step's.
+                expire(what, thread_id)
+                del expire  # (a reference left here would keep the executor alive)

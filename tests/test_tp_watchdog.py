@@ -4,7 +4,9 @@ hanging in a step) is tested in tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -92,3 +94,52 @@ def test_an_armed_step_that_is_not_disarmed_expires_once() -> None:
     assert expiries.done.wait(20)
     watchdog.close()
     assert expiries.seen == [("execute", threading.get_ident())]
+
+
+class _DriverDisarmingDuringTheExpiry:
+    """An expiry during which the driver's thread completes the step (disarms)."""
+
+    def __init__(self) -> None:
+        self.watchdog: StepWatchdog | None = None
+        self.disarmed = threading.Event()
+        self.disarmed_during_expiry: list[bool] = []
+
+    def expire(self, what: str, thread_id: int) -> None:
+        driver = threading.Thread(target=self._complete_the_step)
+        driver.start()
+        driver.join(0.5)  # long enough for a disarm that does not wait to return
+        self.disarmed_during_expiry.append(self.disarmed.is_set())
+
+    def _complete_the_step(self) -> None:
+        assert self.watchdog is not None
+        self.watchdog.disarm()
+        self.disarmed.set()
+
+
+@pytest.mark.timeout(30)
+def test_a_step_completing_while_it_expires_is_disarmed_after_the_expiry() -> None:
+    # Else the driver could move on to the next step, whose state the expiry would read
+    # (no rank has answered it yet) as the expired step's.
+    driver = _DriverDisarmingDuringTheExpiry()
+    watchdog = StepWatchdog(0.01, driver.expire)
+    driver.watchdog = watchdog
+    watchdog.arm("execute")
+    assert driver.disarmed.wait(20)
+    watchdog.close()
+    assert driver.disarmed_during_expiry == [False]
+
+
+@pytest.mark.timeout(30)
+def test_the_watchdog_does_not_keep_its_executor_alive_after_an_expiry() -> None:
+    # (the executor's finalizer stops the ranks when an LLM is dropped without shutdown)
+    expiries = _Expiries()
+    done = expiries.done
+    watchdog = StepWatchdog(0.01, expiries.expire)
+    watchdog.arm("execute")
+    assert done.wait(20)
+    alive = weakref.ref(expiries)
+    del expiries
+    with watchdog._cond:  # the expiry has returned once the watchdog waits again
+        gc.collect()
+    watchdog.close()
+    assert alive() is None
