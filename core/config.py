@@ -210,9 +210,10 @@ class EngineConfig:
             raise ValueError(
                 f"--tensor-parallel-size must be >= 1; got {self.tensor_parallel_size}"
             )
-        if self.execute_model_timeout_s < 0:
+        # (not inf: the watchdog's thread cannot wait that long; 0 is "no limit")
+        if not (math.isfinite(self.execute_model_timeout_s) and self.execute_model_timeout_s >= 0):
             raise ValueError(
-                f"--execute-model-timeout-s must be >= 0 (0: no limit); got "
+                f"--execute-model-timeout-s must be a finite number >= 0 (0: no limit); got "
                 f"{self.execute_model_timeout_s}"
             )
         self._validate_executor_backend()

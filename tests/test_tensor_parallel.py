@@ -468,11 +468,13 @@ def test_a_driver_that_hangs_in_a_step_is_named_and_its_workers_stopped(
     wait_for_no_workers()
 
 
-def test_an_execute_model_timeout_below_zero_is_refused() -> None:
+@pytest.mark.parametrize("timeout_s", [-1, float("inf"), float("nan")])
+def test_an_execute_model_timeout_below_zero_or_not_finite_is_refused(timeout_s) -> None:
     from chassis.core.config import EngineConfig
 
-    with pytest.raises(ValueError, match="--execute-model-timeout-s must be >= 0"):
-        EngineConfig(execute_model_timeout_s=-1)
+    # (inf would kill the watchdog's thread: no lock wait takes it; nan would turn it off)
+    with pytest.raises(ValueError, match="--execute-model-timeout-s must be a finite number >= 0"):
+        EngineConfig(execute_model_timeout_s=timeout_s)
 
 
 @pytest.mark.timeout(180)
