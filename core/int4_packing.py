@@ -47,15 +47,17 @@ logger = logging.getLogger(__name__)
 _Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def keeps_int4_packed(mode: str) -> bool:
+def keeps_int4_packed(mode: str, torch_compile: bool = False) -> bool:
     """Whether ``--int4-weights mode`` keeps 4-bit layers packed on this platform: always for
     "packed", never for "dequantized"; for "auto" (the default) where the platform's layer
     kernels have ``int4_linear`` (:func:`~chassis.core.layers.int4_linear.
-    platform_int4_kernel`). Without one the reference dequantizes every layer's whole weight
-    on every call: slower than the dequantized path, and it holds a full-size weight (and
-    its float32 and int32 temporaries) while each layer runs."""
+    platform_int4_kernel`) and the model is not compiled (``--torch-compile``: layers trace
+    their torch references, so the kernel would not run). Without the kernel the reference
+    dequantizes every layer's whole weight on every call: slower than the dequantized path,
+    and it holds a full-size weight (and its float32 and int32 temporaries) while each layer
+    runs."""
     if mode == "auto":
-        return int4_linear.platform_int4_kernel() is not None
+        return not torch_compile and int4_linear.platform_int4_kernel() is not None
     return mode == "packed"
 
 

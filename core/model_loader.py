@@ -369,11 +369,14 @@ def _int4_sources(engine_config: EngineConfig, hf_config: Any) -> Any:
         return None
     from chassis.core.int4_packing import keeps_int4_packed
 
-    if not keeps_int4_packed(engine_config.int4_weights):
+    if not keeps_int4_packed(engine_config.int4_weights, engine_config.torch_compile):
         if engine_config.int4_weights == "auto":
             logger.info(
-                "int4: loading the checkpoint dequantized: this platform has no int4 matmul "
-                "kernel (--int4-weights packed keeps the codes packed, at a speed cost)"
+                "int4: loading the checkpoint dequantized: %s (--int4-weights packed keeps "
+                "the codes packed, at a speed cost)",
+                "--torch-compile traces the layers' torch code, not the int4 kernel"
+                if engine_config.torch_compile
+                else "this platform has no int4 matmul kernel",
             )
         return None
     fmt = packed_int_format(config)

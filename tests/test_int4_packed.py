@@ -292,6 +292,8 @@ def test_auto_packs_only_where_the_platform_has_an_int4_kernel(
     monkeypatch.setattr(int4_linear, "get_current_platform", PlatformWithKernel)
     assert platform_int4_kernel() is not None
     assert isinstance(model_loader._int4_sources(EngineConfig(), hf_config), Int4Sources)
+    # compiled models trace the layers' torch code, where the kernel does not run
+    assert model_loader._int4_sources(EngineConfig(torch_compile=True), hf_config) is None
     assert not keeps_int4_packed("dequantized")
     monkeypatch.setattr(int4_linear.layer_kernels, "ENABLED", False)  # CHASSIS_LAYER_KERNELS=0
     assert not keeps_int4_packed("auto") and keeps_int4_packed("packed")
