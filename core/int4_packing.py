@@ -215,7 +215,9 @@ def pack_int4_linears(
         setattr(parent, child, Int4Linear(*packed, bias))
         replaced += 1
     if kept:
-        logger.info(
+        # a warning: real checkpoints reproduce their layers, so the memory asked for is not
+        # what the model holds for a reason worth seeing (a model transforming weights at load)
+        logger.warning(
             "int4: %d linear layers kept dequantized (no order or tensor-parallel share of "
             "their checkpoint modules' packed tensors reproduces the loaded weight, e.g. "
             "projections with different act-order g_idx), e.g. %s",

@@ -90,7 +90,9 @@ def test_a_packed_layer_holds_about_a_quarter_of_the_bytes() -> None:
     assert 0.25 < ratio < 0.28, ratio
 
 
-def test_merged_projections_are_packed_in_the_order_that_reproduces_the_weight() -> None:
+def test_merged_projections_are_packed_in_the_order_that_reproduces_the_weight(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     scheme = SCHEMES["gptq-4bit-g32"]
     generator = torch.Generator().manual_seed(4)
     names = ("q_proj", "k_proj", "v_proj")
@@ -113,8 +115,11 @@ def test_merged_projections_are_packed_in_the_order_that_reproduces_the_weight()
     # a layer the packed tensors do not reproduce stays as it is
     other = nn.Linear(64, 48, bias=False)
     model.add_module("qkv_proj", other)
-    assert pack_int4_linears(model, sources, {n: "qkv_proj" for n in names}) == 0
+    with caplog.at_level(logging.WARNING, logger="chassis.core.int4_packing"):
+        assert pack_int4_linears(model, sources, {n: "qkv_proj" for n in names}) == 0
     assert model.qkv_proj is other
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "1 linear layers kept dequantized" in caplog.text and "qkv_proj" in caplog.text
 
 
 def _greedy(path: Path, **kwargs: object) -> tuple[list[list[int]], LLM]:
