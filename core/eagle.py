@@ -23,9 +23,11 @@ verifies them as a draft model's.
   is copied or kept unless EAGLE is on.
 
 Limits: EAGLE-1 Llama-style heads only (EAGLE-3 heads, which read several target layers, are
-refused by name); the head's hidden size must be the target's; a prefix-cache hit reuses the
-head's K/V at a cached block's last position, computed with the token that followed it in
-the request that wrote it (only the acceptance rate can change, never the output).
+refused by name); the head's hidden size must be the target's; the head reads the target's
+embedding table unscaled (a Gemma target scales it in its own forward only); a prefix-cache
+hit reuses the head's K/V at a cached block's last position, computed with the token that
+followed it in the request that wrote it (only the acceptance rate can change, never the
+output).
 """
 
 from __future__ import annotations

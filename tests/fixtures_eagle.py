@@ -99,6 +99,8 @@ class ReferenceHead:
     """
 
     def __init__(self, target_dir: Path, head_dir: Path) -> None:
+        """(The head reads the target's embedding table as it is stored, unscaled: a target
+        that scales its embeddings, as Gemma does, scales them in its own forward only.)"""
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.models.llama.modeling_llama import (
             LlamaDecoderLayer,
@@ -128,7 +130,8 @@ class ReferenceHead:
         """The head's outputs at positions ``0 .. len(tokens) - 1`` reading ``tokens[p]`` (the
         token after position ``p``) and ``hidden[p]``."""
         ids = torch.tensor([tokens])
-        x = self.fc(torch.cat([self.target.model.embed_tokens(ids), hidden[None]], dim=-1))
+        embeds = torch.nn.functional.embedding(ids, self.target.model.embed_tokens.weight)
+        x = self.fc(torch.cat([embeds, hidden[None]], dim=-1))
         positions = torch.arange(len(tokens))[None]
         mask = torch.full((len(tokens), len(tokens)), float("-inf")).triu(1)[None, None]
         out = self.layer(

@@ -199,3 +199,76 @@ def test_the_head_is_no_model_of_its_own(mirror_head: Path) -> None:
     ctx = ModelBuildContext(attention_backend=object, dtype=torch.float32)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="an EAGLE draft head, not a model"):
         EagleLlamaHead(config, ctx)
+
+
+def _llama_head_config_for(target_dir: Path, directory: Path) -> Path:
+    """A Llama ``config.json`` of the target's hidden size (an EAGLE-1 head is a Llama
+    layer whatever its target): the folder :func:`write_random_head` shapes a head from."""
+    import json
+
+    config = json.loads((target_dir / "config.json").read_text())
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    head = {key: config[key] for key in (*keys, "vocab_size", "rms_norm_eps")}
+    head.update(
+        model_type="llama",
+        num_hidden_layers=1,
+        head_dim=config["hidden_size"] // config["num_attention_heads"],
+        max_position_embeddings=config["max_position_embeddings"],
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(head))
+    return directory
+
+
+def test_a_target_with_kv_cache_groups(tmp_path: Path) -> None:
+    """Gemma 2 (window and full layers: two KV cache groups, the window's blocks released):
+    the head's full-attention layer reads the full group's table, every proposal (chunked
+    prefills, prefix-cache hits, preemptions) equals the head recomputed from scratch over
+    HF's Gemma 2 hidden states, and the output is HF's."""
+    from test_gemma_models import hf_greedy as gemma_hf_greedy
+    from test_gemma_models import write_checkpoint as write_gemma
+    from test_sliding_window_kv import make_llm as make_grouped_llm
+
+    target = write_gemma(
+        "gemma2",
+        tmp_path / "gemma2",
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    head_dir = write_random_head(
+        _llama_head_config_for(target, tmp_path / "llama"), tmp_path / "head"
+    )
+    prompts = PROMPTS[1:]
+    spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": K}
+    # 40 blocks of 4 tokens: the three requests outgrow them together and are preempted
+    tight = {"num_kv_blocks": 40, "max_model_len": 104}
+    llm = make_grouped_llm(target, release=True, speculative_config=spec, **tight)
+    drafter = llm.engine.executor.worker.runner.drafter
+    propose = drafter.propose
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def recording(batch, rows, *args):
+        proposals = propose(batch, rows, *args)
+        for request_id, drafts in proposals.items():
+            r = batch.row_of[request_id]
+            newest = int(batch.num_computed_tokens[r])
+            seen.append((batch.token_ids[r, : newest + 1].tolist(), drafts))
+        return proposals
+
+    drafter.propose = recording
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        assert llm.engine.kv_cache_manager.group_windows == [None, 4]
+        assert drafter.layer_group == [0]
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.shutdown()
+    assert first == again == gemma_hf_greedy(target, prompts, 40)
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.num_preemptions > 0
+    reference = ReferenceHead(target, head_dir)
+    assert len(seen) > 8
+    for sequence, drafts in seen:
+        assert drafts == reference.drafts(sequence, len(drafts))
