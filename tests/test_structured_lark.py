@@ -195,3 +195,11 @@ def test_a_regex_repetition_without_bounds_is_named(repetition: str) -> None:
     """Refused by the translator, naming the Lark line (not a column of the translation)."""
     with pytest.raises(ValueError, match=r"^Lark grammar line 2 .*bad regex repetition"):
         automaton(f"start: A\nA: /a{repetition}/")
+
+
+def test_a_lark_grammar_may_write_gbnf_s_arrow_in_a_string() -> None:
+    """``::=`` inside a string is no GBNF rule (a GBNF rule's ``::=`` follows its name)."""
+    lark = 'start: "a" b\nb: "::=" | "x\\"::="'
+    assert is_lark(lark)
+    assert automaton(lark).fullmatch(b"a::=") and automaton(lark).fullmatch(b'ax"::=')
+    assert not is_lark('root ::= ["] "::="\n# start: x')

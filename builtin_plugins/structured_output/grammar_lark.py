@@ -1,8 +1,8 @@
 """Lark grammars (a subset of the Lark parsing toolkit's syntax), translated to GBNF.
 
 vLLM's ``structured_outputs.grammar`` takes GBNF/EBNF and, with some backends, Lark syntax;
-like vLLM, a grammar is taken as Lark when no line outside comments has ``::=`` and some
-line defines a rule with ``name:`` (:func:`is_lark`). :func:`lark_to_gbnf` translates it to
+like vLLM, a grammar is taken as Lark when no line has ``::=`` outside strings and comments
+and some line defines a rule with ``name:`` (:func:`is_lark`). :func:`lark_to_gbnf` translates it to
 GBNF text, which grammar_parser.py parses to the same rules, and so the same IR, as the
 GBNF grammar written by hand. The translation keeps each definition on the Lark grammar's
 line, so the GBNF parser's messages name the user's lines.
@@ -39,6 +39,8 @@ __all__ = ["is_lark", "lark_to_gbnf"]
 _DEFINITION = re.compile(r"\s*([?!]?)([A-Za-z_][A-Za-z0-9_]*)(\.-?\d+)?\s*:(?!:)")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _COMMENT = re.compile(r"(//|#).*$")
+#: a double-quoted string (a GBNF rule's ``::=`` is never in one: it follows the rule's name)
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 #: the ``..`` of a range ``"a".."z"``, spaces allowed around it
 _RANGE_DOTS = re.compile(r"[ \t]*\.\.[ \t]*")
 #: regex class escapes outside ``[...]``, as GBNF classes
@@ -61,8 +63,8 @@ _HEX_ESCAPE = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})
 
 def is_lark(text: str) -> bool:
     """Whether the grammar ``text`` looks like Lark: no ``::=`` on any line outside
-    comments, and some line that defines a rule or terminal with ``name:``."""
-    lines = [_COMMENT.sub("", line) for line in text.splitlines()]
+    strings and comments, and some line that defines a rule or terminal with ``name:``."""
+    lines = [_COMMENT.sub("", _STRING.sub('""', line)) for line in text.splitlines()]
     if any("::=" in line for line in lines):
         return False
     return any(_DEFINITION.match(line) for line in lines)
