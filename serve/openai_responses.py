@@ -550,7 +550,6 @@ async def retrieve_response(
         )
     try:
         if run is not None and run.events is not None:
-            run.events.check_resume(after)
             return _sse(run.follow(after))
         if stored is not None and stored.events is not None:
             return _sse(_replay(stored.events.after(after)))

@@ -23,6 +23,7 @@ cancelled the same way (:meth:`BackgroundResponses.close`).
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,33 +74,58 @@ class BackgroundRun:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def follow(self, starting_after: int = -1) -> AsyncIterator[str]:
+    def follow(self, starting_after: int = -1) -> AsyncIterator[str]:
         """The logged events whose sequence number is above ``starting_after``, then each new
-        one as it comes, until the run ends. Needs ``events``; the caller checks first that
-        the log still keeps them (:meth:`EventLog.check_resume`). From its first read the
-        follower holds its place in the log (:meth:`EventLog.hold`): however slowly it reads,
-        it gets every event. Only when the events it starts from were dropped between that
-        check and its first read does it get an ``error`` event instead, and no more."""
+        one as it comes, until the run ends. Needs ``events``; raises
+        :class:`~chassis.serve.responses_events.EventsDropped` when the log no longer keeps
+        the first of them. The follower holds its place in the log from this call on
+        (:meth:`EventLog.hold`, released when the stream ends, is closed or is collected
+        unread): however slowly it reads, it gets every event."""
         log = self.events
         assert log is not None
-        index = starting_after + 1
-        if index < log.first:
-            yield log.dropped_event(index)
-            return
-        log.hold(index)
+        log.check_resume(starting_after)
+        place = _Place(log, starting_after + 1)
+        stream = self._follow(place)
+        weakref.finalize(stream, place.release)  # a stream never started runs no finally
+        return stream
+
+    async def _follow(self, place: _Place) -> AsyncIterator[str]:
+        log = place.log
         try:
             while True:
-                while index < log.end:
-                    event = log.get(index)
-                    log.hold(index + 1)
-                    log.release(index)
-                    index += 1
+                while place.index < log.end:
+                    event = log.get(place.index)
+                    place.advance()
                     yield event
                 if self.done:
                     return
                 await self._changed.wait()
         finally:
-            log.release(index)
+            place.release()
+
+
+class _Place:
+    """A follower's place in an event log: the sequence number it reads next, held
+    (:meth:`EventLog.hold`) until :meth:`release`."""
+
+    def __init__(self, log: EventLog, index: int) -> None:
+        self.log = log
+        self.index = index
+        self._held = True
+        log.hold(index)
+
+    def advance(self) -> None:
+        """The event at :attr:`index` was read: hold the next one instead."""
+        self.log.hold(self.index + 1)
+        self.log.release(self.index)
+        self.index += 1
+
+    def release(self) -> None:
+        """Let the log drop what this follower has yet to read (once; later calls do
+        nothing)."""
+        if self._held:
+            self._held = False
+            self.log.release(self.index)
 
 
 class BackgroundResponses:

@@ -20,7 +20,6 @@ them or disconnects.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -122,21 +121,6 @@ class EventLog:
         self.check_resume(starting_after)
         skip = max(starting_after + 1 - self.first, 0)
         return list(islice(self._events, skip, None))
-
-    def dropped_event(self, sequence_number: int) -> str:
-        """The ``error`` event that ends a follower whose first event was dropped before it
-        started reading (between the resume's check and its first read): the event of
-        ``sequence_number``, the next it was to get, is no longer kept. It carries that
-        sequence number (the events it missed were never sent to it)."""
-        error = EventsDropped(sequence_number - 1, self.first, self.max_events)
-        data = {
-            "type": "error",
-            "sequence_number": sequence_number,
-            "code": "events_dropped",
-            "message": f"this stream fell behind: {error}",
-            "param": None,
-        }
-        return f"event: error\ndata: {json.dumps(data)}\n\n"
 
 
 def events_per_response_from_env() -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -121,7 +121,7 @@ def test_a_live_follower_that_falls_behind_gets_every_event() -> None:
     asyncio.run(main())
 
 
-def test_a_follower_whose_first_event_was_dropped_before_it_read_gets_an_error_event() -> None:
+def test_a_follower_holds_its_place_from_the_call_not_its_first_read() -> None:
     async def main() -> None:
         snapshot = lambda: ResponseObject(id="r", status="queued", model="m")  # noqa: E731
         log = EventLog(2)
@@ -130,13 +130,11 @@ def test_a_follower_whose_first_event_was_dropped_before_it_read_gets_an_error_e
         for event in ("a", "b", "c"):
             run.add_event(event)
         run.finished()
-        error = await follower.__anext__()
-        assert error.startswith("event: error\n")
-        data = json.loads(error.split("data: ", 1)[1])
-        assert data["type"] == "error" and data["code"] == "events_dropped"
-        assert data["sequence_number"] == 0 and "before sequence number 1" in data["message"]
-        with pytest.raises(StopAsyncIteration):
-            await follower.__anext__()
+        assert [event async for event in follower] == ["a", "b", "c"]
+        assert (log.first, len(log)) == (1, 2)
+        # a resume from before the log is refused when the follower is made
+        with pytest.raises(EventsDropped, match="before sequence number 1"):
+            run.follow(-1)
 
     asyncio.run(main())
 
@@ -154,6 +152,12 @@ def test_an_abandoned_follower_releases_its_place() -> None:
         assert (log.first, len(log)) == (1, 3)
         await follower.aclose()  # the client disconnected
         assert (log.first, len(log)) == (2, 2)
+        unread = run.follow(1)  # a stream the server never started reading
+        run.add_event("e")
+        assert (log.first, len(log)) == (2, 3)
+        del unread
+        gc.collect()
+        assert (log.first, len(log)) == (3, 2)
 
     asyncio.run(main())
 
