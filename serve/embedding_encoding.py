@@ -14,7 +14,8 @@
   client that does not share the server's byte order asks for ``big`` or ``little``;
 * ``bytes_only``: the same body without the ``metadata`` header (vLLM's, for batches whose
   metadata would outgrow a client's header limit): the vectors come in input order, each
-  ``embed_dtype``'s size times the model's embedding size bytes long, so a client that knows
+  ``embed_dtype``'s size times the vector's length bytes long (the embedding size, or
+  ``dimensions``; on ``/pooling`` a classifier's number of labels), so a client that knows
   both cuts the body itself; the usage is not sent.
 
 A vector holding a finite value beyond ``embed_dtype``'s largest finite one cannot be encoded
