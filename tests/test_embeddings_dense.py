@@ -29,6 +29,7 @@ from server_process import running_server
 from test_embeddings import pooling_llm, random_prompts, run_low_then_high
 
 from chassis.core.lora import LoRARequest
+from chassis.core.pooling_layer_norm import layer_norm
 from chassis.core.pooling_outputs import decode_pooled
 from chassis.core.pooling_params import PoolingParams
 
@@ -318,6 +319,24 @@ def _edit(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
     data = json.loads(path.read_text())
     change(data)
     path.write_text(json.dumps(data))
+
+
+def test_layer_norm_is_torchs_with_its_default_epsilon() -> None:
+    """sentence-transformers' LayerNorm module is ``torch.nn.LayerNorm(dimension)``: on
+    vectors whose variance is near the epsilon (where 1e-5 and any other value differ by far
+    more than rounding) chassis' function gives that module's values."""
+    generator = torch.Generator().manual_seed(3)
+    module = torch.nn.LayerNorm(16)
+    with torch.no_grad():
+        module.weight.copy_(1 + 0.5 * torch.randn(16, generator=generator))
+        module.bias.copy_(0.3 * torch.randn(16, generator=generator))
+    vectors = 3e-3 * torch.randn(4, 16, generator=generator)  # variance ~1e-5
+    with torch.no_grad():
+        expected = module(vectors)
+    got = layer_norm(module.weight.detach(), module.bias.detach())(vectors)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    no_eps = torch.nn.functional.layer_norm(vectors, (16,), module.weight, module.bias, 0.0)
+    assert not torch.allclose(got, no_eps.detach(), atol=1e-3, rtol=1e-3)
 
 
 def test_dense_modules_chassis_cannot_run_are_refused_at_start(
