@@ -173,10 +173,11 @@ def read_chain_specs(
         if expected is not None and spec.in_features != expected:
             size = "in_features" if kind == "Dense" else "dimension"
             previous = type(specs[-1]).__name__.removesuffix("Spec") if specs else None
+            previous_size = "dimension" if previous == "LayerNorm" else "out_features"
             what = (
-                f"the previous {previous}'s out_features"
+                f"the previous {previous}'s {previous_size}"
                 if previous
-                else ("the pooled vector's size")
+                else "the pooled vector's size"
             )
             raise ValueError(
                 f"{folder / 'config.json'}: {size} {spec.in_features} does not match "

@@ -381,6 +381,11 @@ def test_dense_modules_chassis_cannot_run_are_refused_at_start(
             r"out_features 48",
         ),
         (
+            lambda d: _edit(d / "3_Dense" / "config.json", lambda c: c.update(in_features=40)),
+            r"3_Dense/config.json: in_features 40 does not match the previous LayerNorm's "
+            r"dimension 48",
+        ),
+        (
             lambda d: torch.save(
                 {"norm.weight": torch.ones(48)}, d / "2_LayerNorm" / "pytorch_model.bin"
             ),
