@@ -203,3 +203,17 @@ def test_a_lark_grammar_may_write_gbnf_s_arrow_in_a_string() -> None:
     assert is_lark(lark)
     assert automaton(lark).fullmatch(b"a::=") and automaton(lark).fullmatch(b'ax"::=')
     assert not is_lark('root ::= ["] "::="\n# start: x')
+
+
+@pytest.mark.parametrize(
+    "lark,message",
+    [
+        ('start: a\na: a "x"', "every way through rule 'start' recurses forever (rules that "),
+        ('start: "a"\nstart: "b"', "line 2, column 1: rule 'start' is defined twice"),
+    ],
+)
+def test_messages_call_the_start_rule_start(lark: str, message: str) -> None:
+    """A Lark grammar has no rule 'root' (refused): messages name its start rule as written."""
+    with pytest.raises(ValueError) as info:
+        automaton(lark)
+    assert message in str(info.value) and "root" not in str(info.value)

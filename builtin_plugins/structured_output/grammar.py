@@ -83,21 +83,29 @@ class _TooDeep(Exception):
 def grammar_to_ir(text: str) -> ir.Node:
     """The texts the grammar ``text`` derives from its ``root`` rule, with recursion
     unrolled (see the module docstring). A Lark grammar (grammar_lark.py: no ``::=``, rules
-    ``name: ...``) is translated to GBNF first, its ``start`` rule becoming ``root``."""
-    if is_lark(text):
+    ``name: ...``) is translated to GBNF first, its ``start`` rule becoming ``root`` (which
+    messages call ``start`` again: a Lark grammar has no rule ``root`` of its own)."""
+    lark = is_lark(text)
+    start = "start" if lark else ROOT  # (the start rule, as the user named it)
+    if lark:
         text = lark_to_gbnf(text)
         try:
             rules = parse_grammar(text)
         except ValueError as exc:
-            raise ValueError(f"the Lark grammar, translated to GBNF: {exc}") from None
+            message = str(exc).replace(f"rule {ROOT!r}", f"rule {start!r}")
+            raise ValueError(f"the Lark grammar, translated to GBNF: {message}") from None
     else:
         rules = parse_grammar(text)
     groups = _recursive_groups(rules)
     stuck = _unproductive(rules, groups)
     if ROOT in stuck:
-        reachable = [name for name in _reachable(_edges(rules), ROOT) if name in stuck]
+        reachable = [
+            start if name == ROOT else name
+            for name in _reachable(_edges(rules), ROOT)
+            if name in stuck
+        ]
         raise ValueError(
-            "the grammar matches no text: every way through rule 'root' recurses forever "
+            f"the grammar matches no text: every way through rule {start!r} recurses forever "
             f"(rules that can never finish: {', '.join(reachable)}); give each recursion an "
             "alternative that does not recurse"
         )
