@@ -79,7 +79,7 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` tokens down to ``prompt_lookup_min`` (the longest that occurs
     earlier wins). ``model``: the draft model's checkpoint (a folder or hub id) for method
     ``draft_model``, the EAGLE-1 head's for method ``eagle``; a ``model`` without a
-    ``method`` means ``draft_model`` (as vLLM infers it from a model path).
+    ``method`` names it by its path as vLLM does (:func:`method_of_model_path`).
     ``draft_sampling`` (chassis's own key, methods ``draft_model`` and ``eagle``):
     ``"probabilistic"`` (the default) lets the draft sample each draft of a random
     request from its own distribution and the target verify by rejection sampling;
@@ -128,7 +128,7 @@ class SpeculativeConfig:
                 f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}"
             )
         if "method" not in value and value.get("model") is not None:
-            value = {**value, "method": "draft_model"}  # vLLM infers it from the path
+            value = {**value, "method": method_of_model_path(str(value["model"]))}
         high = value.get("prompt_lookup_max")
         if (
             "prompt_lookup_min" not in value
@@ -194,6 +194,20 @@ class SpeculativeConfig:
                 "--speculative-config needs integers 1 <= prompt_lookup_min <= "
                 f"prompt_lookup_max, got {low!r} and {high!r}"
             )
+
+
+def method_of_model_path(model: str) -> str:
+    """The method of a ``--speculative-config`` that gives a ``model`` and no ``method``,
+    by vLLM's rule on the path: ``"eagle-"`` in it (any case, as in
+    ``yuhuili/EAGLE-LLaMA3-Instruct-8B``) is an EAGLE-1 head, ``"eagle3"`` an EAGLE-3 head
+    (which :meth:`SpeculativeConfig.validate` refuses by name), anything else a draft
+    model."""
+    name = model.lower()
+    if "eagle-" in name:
+        return "eagle"
+    if "eagle3" in name:
+        return "eagle3"
+    return "draft_model"
 
 
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:

@@ -272,3 +272,20 @@ def test_a_target_with_kv_cache_groups(tmp_path: Path) -> None:
     assert len(seen) > 8
     for sequence, drafts in seen:
         assert drafts == reference.drafts(sequence, len(drafts))
+
+
+def test_a_model_without_a_method_is_named_by_its_path_as_vllm_does() -> None:
+    """vLLM's rule: a path with "eagle-" in it (any case) is an EAGLE-1 head, one with
+    "eagle3" an EAGLE-3 head (refused by name here); any other a draft model."""
+
+    def method(model: str) -> str:
+        return EngineConfig(speculative_config={"model": model}).speculative.method
+
+    assert method("yuhuili/EAGLE-LLaMA3-Instruct-8B") == "eagle"
+    assert method("/models/my-eagle-head") == "eagle"
+    assert method("HuggingFaceTB/SmolLM2-135M") == "draft_model"
+    assert method("/models/eagle") == "draft_model"  # no "eagle-": vLLM's rule exactly
+    with pytest.raises(ValueError, match="EAGLE-3 heads read several target layers"):
+        EngineConfig(speculative_config={"model": "AngelSlim/Qwen3-8B_eagle3"})
+    with pytest.raises(ValueError, match="EAGLE-3 heads read several target layers"):
+        EngineConfig(speculative_config={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"})
