@@ -23,6 +23,7 @@ cancelled the same way (:meth:`BackgroundResponses.close`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -86,7 +87,9 @@ class BackgroundRun:
         log.check_resume(starting_after)
         place = _Place(log, starting_after + 1)
         stream = self._follow(place)
-        weakref.finalize(stream, place.release)  # a stream never started runs no finally
+        # a stream never started runs no finally: release when it is collected, on the loop
+        # (the collection may happen in any thread; the log is the event loop's)
+        weakref.finalize(stream, _release_soon, asyncio.get_running_loop(), place)
         return stream
 
     async def _follow(self, place: _Place) -> AsyncIterator[str]:
@@ -102,6 +105,12 @@ class BackgroundRun:
                 await self._changed.wait()
         finally:
             place.release()
+
+
+def _release_soon(loop: asyncio.AbstractEventLoop, place: _Place) -> None:
+    # a closed loop (RuntimeError) has nothing reading the log any more
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(place.release)
 
 
 class _Place:
