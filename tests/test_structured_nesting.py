@@ -330,3 +330,28 @@ def test_the_server_refusal_names_the_limit(tiny_llama_dir) -> None:
                 assert error["type"] == "invalid_request_error", error
     finally:
         engine.shutdown_sync()
+
+
+@pytest.mark.parametrize("deeper", [0, 1])
+def test_a_ref_target_counts_wherever_it_is_used_whichever_use_comes_first(deeper: int) -> None:
+    """A ``$ref`` target compiled once (shallow) and used again deeper is refused as if it
+    were compiled there: acceptance does not depend on the order of ``properties``."""
+
+    def wrap(schema: dict, levels: int) -> dict:
+        for _ in range(levels):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return schema
+
+    target = wrap({"type": "integer"}, 19)  # 20 levels; deepest use: 1 + 11 + 20 = 32
+    uses = {"a": {"$ref": "#/$defs/X"}, "b": wrap({"$ref": "#/$defs/X"}, 10 + deeper)}
+    for order in ("ab", "ba"):
+        schema = {
+            "type": "object",
+            "properties": {name: uses[name] for name in order},
+            "$defs": {"X": target},
+        }
+        if deeper:
+            with pytest.raises(ValueError, match=REFUSED):
+                compile_constraint({"json": schema})
+        else:
+            compile_constraint({"json": schema})

@@ -93,7 +93,10 @@ class SchemaCompiler:
         self.free_depth = free_depth
         #: how many times each $ref target is being expanded right now
         self.active: dict[str, int] = {}
-        self.memo: dict[tuple[Any, ...], ir.Node] = {}
+        #: each compiled ``$ref`` target: its IR and its height (the levels it nests below
+        #: the ``$ref``), so that a target met again deeper is refused as compiling it there
+        #: would be, whichever use came first
+        self.memo: dict[tuple[Any, ...], tuple[ir.Node, int]] = {}
         #: $ref targets whose recursion was cut at the depth limit
         self.cut: list[str] = []
         #: whether a smaller depth would give a smaller result
@@ -103,6 +106,8 @@ class SchemaCompiler:
         #: ``wrapper_levels`` around the user's schemas (a forced tool call's), which start
         #: below 0
         self.level = -wrapper_levels
+        #: the deepest :attr:`level` reached (for the heights of ``$ref`` targets)
+        self.reached = self.level
 
     def no_instance_error(self) -> ValueError:
         """The error for a schema that compiled to nothing at all."""
@@ -127,6 +132,7 @@ class SchemaCompiler:
         if self.level >= MAX_NESTING_DEPTH:
             raise nested_too_deeply(f"the JSON schema at {_short_path(path)}: its subschemas are")
         self.level += 1
+        self.reached = max(self.reached, self.level)
         try:
             return self._compile(schema, path)
         finally:
@@ -176,13 +182,24 @@ class SchemaCompiler:
             self.cut.append(target_path)
             return NOTHING
         key = (target_path, tuple(sorted(self.active.items())))
-        if key not in self.memo:
+        known = self.memo.get(key)
+        if known is None:
             self.active[target_path] = count + 1
+            outer, self.reached = self.reached, self.level
             try:
-                self.memo[key] = self.compile(target, target_path)
+                node = self.compile(target, target_path)
+                known = self.memo[key] = (node, self.reached - self.level)
             finally:
                 self._leave(target_path)
-        return self.memo[key]
+                self.reached = max(outer, self.reached)
+        node, height = known
+        if self.level + height > MAX_NESTING_DEPTH:  # (met again, deeper than before)
+            raise nested_too_deeply(
+                f"the JSON schema at {_short_path(target_path)} (used at {_short_path(path)}): "
+                "its subschemas are"
+            )
+        self.reached = max(self.reached, self.level + height)
+        return node
 
     def _leave(self, target_path: str) -> None:
         """One expansion of ``target_path`` is over (entries at zero are dropped so that
