@@ -60,7 +60,7 @@ from chassis.core.model_runner import (
     group_slots_and_tables,
     host_to_device,
 )
-from chassis.core.packed_step_metadata import packed_forward_context
+from chassis.core.packed_step_metadata import copy_packed, packed_forward_context
 from chassis.core.rejection_sampling import rejection_sample
 from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingRow, build_sampling_metadata
 from chassis.core.sampling_params import SamplingParams
@@ -556,7 +556,7 @@ class DraftModelProposer:
         return positions, token_rows, ctx
 
     def _copy_metadata(self, packed: torch.Tensor) -> torch.Tensor:
-        return packed if packed.device == self.device else packed.to(self.device, non_blocking=True)
+        return copy_packed(packed, self.device)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return host_to_device(array, self.device, self.pin_memory)

@@ -38,7 +38,7 @@ from chassis.core.kv_cache_groups import KVCacheGroupSpec, layer_placement, plan
 from chassis.core.layers.attention import Attention
 from chassis.core.logits_processor import BatchUpdateBuilder, LogitsProcessors, LogitsRows
 from chassis.core.model_loader import kv_head_count
-from chassis.core.packed_step_metadata import packed_forward_context
+from chassis.core.packed_step_metadata import copy_packed, packed_forward_context
 from chassis.core.pooler import Pooler
 from chassis.core.pooling_config import resolve_pooler_config
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
@@ -347,9 +347,7 @@ class ModelRunner:
     def _copy_metadata(self, packed: torch.Tensor) -> torch.Tensor:
         """The step's packed attention metadata on the device (one non-blocking copy from
         the host tensor :func:`packed_forward_context` built; itself on the CPU)."""
-        if packed.device == self.device:
-            return packed
-        return packed.to(self.device, non_blocking=True)
+        return copy_packed(packed, self.device)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids."""

@@ -14,7 +14,7 @@ entries wide::
 
     [0, R + 1)            query_start_loc
     [R + 1, 2R + 1)       seq_lens
-    (one padding word when 2R + 1 is odd, so that the int64 part starts 8-byte aligned)
+    (one padding word: 2R + 1 is odd, and the int64 part starts 8-byte aligned)
     [o, o + 2GT)          the slot mappings: the bytes of an int64 [G, T] array
     [o + 2GT, end)        the block tables, [G, R, B]
 
@@ -111,6 +111,15 @@ def pack_step_metadata(
     words[layout.slots_start : slots_end].view(np.int64)[:] = slot_mappings.reshape(-1)
     words[slots_end:] = block_tables.reshape(-1)
     return packed, layout
+
+
+def copy_packed(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``packed`` on ``device``: itself when it is there, else one non-blocking copy.
+
+    Safe to issue non-blocking from pinned memory because :func:`pack_step_metadata` makes a
+    new host tensor for every step, never a buffer the next step overwrites: torch's pinned
+    allocator does not hand its memory out again before the copy recorded on it finished."""
+    return packed if packed.device == device else packed.to(device, non_blocking=True)
 
 
 def unpack_step_metadata(packed: torch.Tensor, layout: PackedLayout) -> StepArrays:

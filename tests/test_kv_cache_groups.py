@@ -18,7 +18,11 @@ from chassis.core.block_pool import NULL_BLOCK_ID
 from chassis.core.cuda_graphs import DecodeGraphs
 from chassis.core.input_batch import InputBatch, RequestState
 from chassis.core.model_runner import group_slots_and_tables, step_forward_context
-from chassis.core.packed_step_metadata import pack_step_metadata, packed_forward_context
+from chassis.core.packed_step_metadata import (
+    copy_packed,
+    pack_step_metadata,
+    packed_forward_context,
+)
 from chassis.core.sampling_params import SamplingParams
 
 
@@ -218,3 +222,17 @@ def test_packing_refuses_shapes_that_disagree() -> None:
         pack_step_metadata(qsl, lens, np.zeros(2, np.int64), np.zeros((1, 2, 1), np.int32))
     with pytest.raises(ValueError, match="2 requests and 2 groups"):
         pack_step_metadata(qsl, lens, np.zeros((2, 2), np.int64), np.zeros((1, 2, 1), np.int32))
+
+
+def test_each_step_packs_into_a_new_host_tensor() -> None:
+    """The packed tensor goes to the device by a non-blocking copy: a host buffer reused by
+    the next step could be overwritten before that copy ran. Each call packs into its own
+    tensor (the earlier one keeps its values), and on the host no copy is made."""
+    qsl, lens = np.array([0, 1, 2], np.int32), np.array([1, 1], np.int32)
+    tables = np.zeros((2, 2, 1), np.int32)
+    first, _ = pack_step_metadata(qsl, lens, np.full((2, 2), 5, np.int64), tables)
+    kept = first.clone()
+    second, _ = pack_step_metadata(qsl, lens, np.full((2, 2), 9, np.int64), tables)
+    assert first.data_ptr() != second.data_ptr()
+    assert torch.equal(first, kept)
+    assert copy_packed(first, torch.device("cpu")) is first
