@@ -165,7 +165,7 @@ class DecodeGraphs:
         self._inputs = _StaticInputs(max_size, max_blocks_per_req, device, num_groups)
         # Host staging for the padded slots, and the host copies of seq_lens and
         # query_start_loc that the metadata carries (kept equal to the device buffers).
-        self._slots_host = np.full((num_groups, max_size), -1, dtype=np.int64)
+        self._slots_host = np.full(num_groups * max_size, -1, dtype=np.int64)
         self._seq_lens_host = np.ones(max_size, dtype=np.int32)
         self._seq_lens_cpu = torch.from_numpy(self._seq_lens_host)
         self._query_start_loc_cpu = torch.arange(max_size + 1, dtype=torch.int32)
@@ -303,8 +303,10 @@ class DecodeGraphs:
                 f"KV cache groups; the graphs were captured for {num_groups}"
             )
         # Padding rows: slot -1 (write nothing), a one-token context (read almost nothing).
-        # Every group's slots in one copy, and every group's tables in another.
-        slots = self._slots_host[:, :size]
+        # Every group's slots in one copy, and every group's tables in another. The staging
+        # is the contiguous front of the buffer (a [:, :size] column slice would be strided:
+        # pinned, then copied again to pageable memory by the device copy).
+        slots = self._slots_host[: num_groups * size].reshape(num_groups, size)
         slots[:, :n] = slot_mappings
         slots[:, n:] = -1
         inputs.group_slot_mapping[:, :size].copy_(self._host(slots), non_blocking=True)

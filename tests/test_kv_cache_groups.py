@@ -236,3 +236,38 @@ def test_each_step_packs_into_a_new_host_tensor() -> None:
     assert first.data_ptr() != second.data_ptr()
     assert torch.equal(first, kept)
     assert copy_packed(first, torch.device("cpu")) is first
+
+
+def test_decode_graph_staging_is_contiguous_below_the_largest_size() -> None:
+    """A replay smaller than the largest graph stages every group's slots in one contiguous
+    host array: a strided one would be pinned, then copied again to pageable memory by the
+    device copy (and on CUDA a copy from pageable memory waits for the stream)."""
+    from test_cuda_graphs import GraphTestPlatform
+
+    graphs = DecodeGraphs(
+        _GroupEchoModel(),
+        [],
+        GraphTestPlatform(),
+        [2, 4],
+        device=torch.device("cpu"),
+        max_model_len=64,
+        max_blocks_per_req=4,
+        layer_group=[1, 0],
+    )
+    graphs.capture()
+    staged: list[np.ndarray] = []
+    host = graphs._host
+
+    def recording(array: np.ndarray) -> torch.Tensor:
+        staged.append(array)
+        return host(array)
+
+    graphs._host = recording  # type: ignore[method-assign]
+    slots = [np.array([5]), np.array([50])]
+    tables = [np.array([[1]], np.int32), np.array([[11]], np.int32)]
+    with torch.inference_mode():
+        out = graphs.run(
+            np.zeros(1, np.int64), np.zeros(1, np.int64), slots, np.ones(1, np.int32), tables
+        )
+    np.testing.assert_array_equal(out.numpy(), [[50, 5, 11, 1]])
+    assert staged and all(a.flags.c_contiguous for a in staged)
