@@ -120,6 +120,13 @@ def load_draft_model(
             "--max-model-len or use another draft model"
         )
     check_quantization(hf_config)
+    from chassis.core.eagle import checkpoint_tensor_names  # (eagle imports this module)
+
+    if any(path.glob("*.safetensors")) and "fc.weight" in checkpoint_tensor_names(path):
+        raise ValueError(
+            f"the draft model {spec.model!r} is an EAGLE-1 head (it has fc.weight), not a "
+            "model: pass --speculative-config method 'eagle'"
+        )
     model = build_model(config, hf_config, path, attention_backend_cls, device, dtype)
     logger.info(
         "draft model %s loaded: %d layers, %d drafts per step, random requests' drafts %s "

@@ -42,6 +42,8 @@ from chassis.core.draft_model import DraftModelProposer, _DraftChooser
 from chassis.core.model_runner import dummy_prefill
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
     from chassis.core.input_batch import InputBatch
@@ -51,6 +53,22 @@ logger = logging.getLogger(__name__)
 
 #: the registered architecture of EAGLE-1 Llama-style heads (vLLM's name)
 HEAD_ARCHITECTURE = "EagleLlamaForCausalLM"
+
+
+def checkpoint_tensor_names(path: Path) -> set[str]:
+    """The tensor names of the safetensors checkpoint in ``path``, without a ``model.``
+    prefix (read from the files' headers, no tensor loaded). An EAGLE-1 head has
+    ``fc.weight``; a whole model has not."""
+    from safetensors import safe_open
+
+    from chassis.core.weights import safetensors_files
+
+    names: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            keys = f.keys()  # (a safe_open handle is not iterable)
+            names.update(name.removeprefix("model.") for name in keys)
+    return names
 
 
 def load_eagle_head(
@@ -67,12 +85,10 @@ def load_eagle_head(
     its checkpoint holds tensors an EAGLE-1 Llama head has not (an EAGLE-3 head, a whole
     model), leaves a parameter unfilled, or cannot be read.
     """
-    from safetensors import safe_open
-
     from chassis.core.model_interface import ModelBuildContext
     from chassis.core.model_loader import _default_dtype, load_hf_config, resolve_model_path
     from chassis.core.quantized_weights import check_quantization
-    from chassis.core.weights import iterate_safetensors, safetensors_files
+    from chassis.core.weights import iterate_safetensors
     from chassis.plugins.registries import get_registries
 
     spec = config.speculative
@@ -96,11 +112,7 @@ def load_eagle_head(
             f"target {target_vocab}: it must share the target's vocabulary"
         )
     check_quantization(hf_config)
-    names = set()
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            keys = f.keys()  # (a safe_open handle is not iterable)
-            names.update(name.removeprefix("model.") for name in keys)
+    names = checkpoint_tensor_names(path)
     if "fc.weight" not in names:
         raise ValueError(
             f"the EAGLE head {spec.model!r} has no fc.weight: it is not an EAGLE-1 head "

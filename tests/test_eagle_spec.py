@@ -289,3 +289,9 @@ def test_a_model_without_a_method_is_named_by_its_path_as_vllm_does() -> None:
         EngineConfig(speculative_config={"model": "AngelSlim/Qwen3-8B_eagle3"})
     with pytest.raises(ValueError, match="EAGLE-3 heads read several target layers"):
         EngineConfig(speculative_config={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"})
+
+
+def test_an_eagle_head_given_as_a_draft_model_is_named(target_dir: Path, random_head: Path) -> None:
+    spec = {"method": "draft_model", "model": str(random_head), "num_speculative_tokens": K}
+    with pytest.raises(ValueError, match=r"is an EAGLE-1 head .* method 'eagle'"):
+        make_llm(target_dir, speculative_config=spec)
