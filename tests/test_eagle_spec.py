@@ -268,6 +268,7 @@ def test_a_target_with_kv_cache_groups(tmp_path: Path) -> None:
     assert first == again == gemma_hf_greedy(target, prompts, 40)
     assert stats.spec_num_draft_tokens > 0
     assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
     reference = ReferenceHead(target, head_dir)
     assert len(seen) > 8
     for sequence, drafts in seen:
