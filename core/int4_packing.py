@@ -36,9 +36,9 @@ from torch import nn
 from chassis.core.layers import int4_linear
 from chassis.core.layers.int4_linear import Int4Linear, dequantize_int4, pack_codes
 from chassis.core.packed_int_weights import (
-    AWQ_PACK_ORDER,
     PackedIntFormat,
     _row_groups,
+    awq_columns,
     unpack_int32,
 )
 
@@ -73,8 +73,7 @@ def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> _Pac
         zeros = unpack_int32(parts["qzeros"], 4, 1) + fmt.zero_offset
         g_idx = parts.get("g_idx")
     else:  # AWQ: codes packed along the output columns, interleaved; repack along the input
-        columns = torch.tensor([AWQ_PACK_ORDER.index(j) for j in range(8)])
-        columns = (torch.arange(scales.shape[1]) // 8) * 8 + columns.repeat(scales.shape[1] // 8)
+        columns = awq_columns(scales.shape[1], 8)
         codes = unpack_int32(parts["qweight"], 4, 1)[:, columns]  # [in, out]
         qweight = pack_codes(codes)
         in_features = codes.shape[0]

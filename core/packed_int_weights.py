@@ -157,6 +157,16 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return codes.flatten(dim, dim + 1)
 
 
+def awq_columns(out_features: int, per_int: int) -> torch.Tensor:
+    """The index that puts AWQ's interleaved codes in column order: in
+    ``unpack_int32(qweight, bits, 1)[:, awq_columns(out_features, 32 // bits)]`` column ``n``
+    holds output column ``n``'s codes (for AWQ's ``qzeros`` alike)."""
+    # column j of each run of per_int sits in the nibble i with AWQ_PACK_ORDER[i] == j
+    nibble_of_column = torch.tensor([AWQ_PACK_ORDER.index(j) for j in range(per_int)])
+    columns = (torch.arange(out_features) // per_int) * per_int
+    return columns + nibble_of_column.repeat(out_features // per_int)
+
+
 def _check_shape(name: str, part: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(
@@ -239,10 +249,7 @@ def dequantize_awq(
     groups = _groups(in_features, fmt.group_size)
     _check_shape(name, "scales", scales, (groups, out_features))
     _check_shape(name, "qzeros", parts["qzeros"], (groups, qweight.shape[1]))
-    # column j of each run of 8 sits in the nibble i with AWQ_PACK_ORDER[i] == j
-    nibble_of_column = torch.tensor([AWQ_PACK_ORDER.index(j) for j in range(per_int)])
-    columns = (torch.arange(out_features) // per_int) * per_int
-    columns += nibble_of_column.repeat(out_features // per_int)
+    columns = awq_columns(out_features, per_int)
     zeros = unpack_int32(parts["qzeros"], fmt.bits, 1)[:, columns]  # [groups, out]
     return _assemble(
         lambda start, end: unpack_int32(qweight[start:end], fmt.bits, 1)[:, columns],
