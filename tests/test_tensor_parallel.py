@@ -35,15 +35,24 @@ def tp_workers() -> list[psutil.Process]:
     ]
 
 
-def small_llm(model_dir, tensor_parallel_size: int) -> LLM:
-    """An engine on a tiny checkpoint, in float32 with a small KV cache."""
+def small_llm(model_dir, tensor_parallel_size: int, **overrides) -> LLM:
+    """An engine on a tiny checkpoint, in float32 with a small KV cache (``overrides``: more
+    ``LLM`` arguments)."""
     return LLM(
         str(model_dir),
         dtype="float32",
         max_model_len=128,
         num_kv_blocks=64,
         tensor_parallel_size=tensor_parallel_size,
+        **overrides,
     )
+
+
+def run_at_process_start(source: str, tmp_path, monkeypatch) -> None:
+    """Have the Python processes started after this (the ranks' worker processes, a
+    server's processes; not this one) run ``source`` first, as their ``sitecustomize``."""
+    (tmp_path / "sitecustomize.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
 def wait_for_no_workers(timeout: float = 15.0) -> None:
@@ -241,8 +250,7 @@ def test_a_rank_that_fails_reports_its_own_error_at_once(
     tiny_llama_dir, tmp_path, monkeypatch
 ) -> None:
     # Only the worker processes read this sitecustomize (it is found at their start-up).
-    (tmp_path / "sitecustomize.py").write_text(FAILING_RANK)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run_at_process_start(FAILING_RANK, tmp_path, monkeypatch)
     llm = small_llm(tiny_llama_dir, 2)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1: RuntimeError: injected failure"):
@@ -272,8 +280,7 @@ def test_a_rank_that_fails_before_joining_the_group_fails_the_engine(
 ) -> None:
     # Rank 1 fails before it joins the group (as when a module it imports is broken), while
     # rank 0 waits for it: rank 0 must not enter gloo's uninterruptible rendezvous alone.
-    (tmp_path / "sitecustomize.py").write_text(RANK_FAILING_AT_START_UP)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run_at_process_start(RANK_FAILING_AT_START_UP, tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="rank 1: ImportError: injected") as failed:
         small_llm(tiny_llama_dir, 2)
     assert "rank 1 exited with code 1 during 'init'" in str(failed.value.__cause__)
@@ -381,25 +388,12 @@ def has_stack_frames(text: str) -> bool:
     return "--- rank" in text or 'File "' in text or ".py" in text
 
 
-def sleeping_rank_1(tmp_path, monkeypatch) -> None:
-    """Make rank 1's worker process (started after this) sleep inside its second step."""
-    (tmp_path / "sitecustomize.py").write_text(SLEEPING_RANK)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-
-
 @pytest.mark.timeout(120)  # a hang guard: without the watchdog this waits for gloo (30 min)
 def test_a_rank_that_hangs_in_a_step_is_named_with_its_stack(
     tiny_llama_dir, tmp_path, monkeypatch
 ) -> None:
-    sleeping_rank_1(tmp_path, monkeypatch)
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        tensor_parallel_size=2,
-        execute_model_timeout_s=2,
-    )
+    run_at_process_start(SLEEPING_RANK, tmp_path, monkeypatch)
+    llm = small_llm(tiny_llama_dir, 2, execute_model_timeout_s=2)
     with pytest.raises(StepTimeoutError, match=r"did not complete within 2 s") as failed:
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
     assert "rank(s) [0, 1] of 2 have not answered" in str(failed.value)
@@ -424,14 +418,7 @@ def test_a_driver_that_hangs_in_a_step_is_named_and_its_workers_stopped(
 ) -> None:
     from chassis.core import worker as worker_module
 
-    llm = LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=128,
-        num_kv_blocks=64,
-        tensor_parallel_size=2,
-        execute_model_timeout_s=2,
-    )
+    llm = small_llm(tiny_llama_dir, 2, execute_model_timeout_s=2)
     [rank_1_process] = tp_workers()
     execute = worker_module.Worker.execute_model
     calls = []
@@ -484,7 +471,7 @@ def test_a_server_whose_rank_hangs_answers_with_an_error_and_exits(
     import httpx
     from server_process import start_server
 
-    sleeping_rank_1(tmp_path, monkeypatch)
+    run_at_process_start(SLEEPING_RANK, tmp_path, monkeypatch)
     flags = ["--tensor-parallel-size", "2", "--execute-model-timeout-s", "2"]
     server = start_server(tiny_llama_dir, tmp_path, extra_args=flags)
     try:
