@@ -47,10 +47,7 @@ def read_new_text(path: str, offset: int, wait_s: float = _DUMP_WAIT_S) -> str:
     deadline = time.monotonic() + wait_s
     size = -1
     while True:
-        try:
-            current = os.path.getsize(path)
-        except OSError:
-            current = 0
+        current = file_size(path)
         if current > offset and current == size:
             break
         if time.monotonic() >= deadline:
