@@ -118,29 +118,3 @@ def bytes_body(
         "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
     }
     return b"".join(chunks), json.dumps(metadata)
-
-
-def binary_response(
-    encoding_format: str,
-    vectors: list[list[float]],
-    embed_dtype: str,
-    endianness: str,
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    num_prompt_tokens: int,
-) -> tuple[bytes, dict[str, str]]:
-    """The body and headers of a ``bytes`` (the ``metadata`` header) or ``bytes_only`` (no
-    header) answer. Raises ``ValueError`` when a vector cannot be encoded
-    (:func:`encode_vector`)."""
-    content, metadata = bytes_body(
-        vectors,
-        embed_dtype,
-        endianness,
-        request_id=request_id,
-        created=created,
-        model=model,
-        num_prompt_tokens=num_prompt_tokens,
-    )
-    return content, {} if encoding_format == "bytes_only" else {"metadata": metadata}

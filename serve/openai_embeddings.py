@@ -62,7 +62,7 @@ from chassis.serve.embedding_encoding import (
     EmbedDType,
     EncodingFormat,
     Endianness,
-    binary_response,
+    bytes_body,
     encode_vector,
 )
 from chassis.serve.protocol import ChatMessage
@@ -350,8 +350,7 @@ def binary(
     route sends them); a 400 when one cannot be encoded in ``embed_dtype``."""
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     try:
-        content, headers = binary_response(
-            str(body.encoding_format),
+        content, metadata = bytes_body(
             vectors,
             body.embed_dtype,
             body.endianness,
@@ -362,6 +361,8 @@ def binary(
         )
     except ValueError as exc:
         raise errors.bad_request(str(exc), "embed_dtype") from None
+    # bytes_only: the same body without the metadata header
+    headers = {} if body.encoding_format == "bytes_only" else {"metadata": metadata}
     return Response(content, media_type="application/octet-stream", headers=headers)
 
 
