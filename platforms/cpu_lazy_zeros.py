@@ -32,7 +32,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     ``vm.max_map_count``): its allocator then fails with the number of bytes it could not
     get, or succeeds where only the mapping was refused.
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     flags = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
     if nbytes < LAZY_MIN_BYTES or None in flags:
         return torch.zeros(shape, dtype=dtype)
