@@ -120,7 +120,8 @@ class CpuPlatform(Platform):
     ) -> torch.Tensor:
         """Zeros the kernel fills page by page as the cache is written
         (``platforms/cpu_lazy_zeros``): ``torch.zeros`` of the default 4 GiB cache took
-        10-18 s of every engine start."""
+        2-18 s of every engine start, depending on the machine's load (docs/development.md,
+        "Engine start-up")."""
         from chassis.platforms.cpu_lazy_zeros import lazy_zeros
 
         return lazy_zeros(shape, dtype)

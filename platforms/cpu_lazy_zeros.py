@@ -2,10 +2,11 @@
 
 ``torch.zeros`` on the CPU allocates and then writes every byte: for the default 4 GiB KV
 cache (``DEFAULT_CPU_KV_CACHE_BYTES``) that is a million page faults plus a 4 GiB memset at
-engine start-up, 10-18 s on the 2-vCPU development machine (docs/development.md, "Engine
-start-up"), although a short session writes a few blocks. An anonymous private mapping reads
-as zeros from the start (the kernel maps the shared zero page) and gets a real page only where
-it is written, so start-up costs nothing and the memory is committed as requests use it.
+engine start-up, 2-18 s on the 2-vCPU development machine depending on its load
+(docs/development.md, "Engine start-up"), although a short session writes a few blocks. An
+anonymous private mapping reads as zeros from the start (the kernel maps the shared zero
+page) and gets a real page only where it is written, so start-up costs nothing and the
+memory is committed as requests use it.
 The values are the same zeros ``torch.zeros`` gives.
 """
 
