@@ -144,11 +144,11 @@ def packed_int_format(config: dict[str, Any]) -> PackedIntFormat:
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The unsigned ``bits``-bit codes of an int32 tensor, ``32 / bits`` per element laid out
     along ``dim`` (the lowest bits first): ``[..., n, ...]`` -> ``[..., n * 32 / bits, ...]``,
-    as int32."""
+    as int32 on ``packed``'s device."""
     if packed.dtype != torch.int32:
         raise ValueError(f"packed integer weights must be int32, got {packed.dtype}")
     per_int = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     dim = dim % packed.dim()
     view = [1] * (packed.dim() + 1)
     view[dim + 1] = per_int

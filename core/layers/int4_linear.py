@@ -25,6 +25,7 @@ from torch import nn
 
 from chassis.core.layers import kernels as layer_kernels
 from chassis.core.layers.kernels import kernels_for
+from chassis.core.packed_int_weights import unpack_int32
 from chassis.platforms import get_current_platform
 
 #: codes per int32 (4-bit)
@@ -33,9 +34,7 @@ CODES_PER_INT = 8
 
 def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
     """``qweight [in / 8, out]`` int32 -> the codes ``[in, out]`` int32 (0..15)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    codes = (qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & 0xF
-    return codes.flatten(0, 1)
+    return unpack_int32(qweight, 4, 0)
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
