@@ -127,13 +127,19 @@ def events_per_response_from_env() -> int:
     """``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``, else
     :data:`DEFAULT_MAX_EVENTS_PER_RESPONSE`; ``ValueError`` for a value that is not a
     positive integer."""
-    raw = os.environ.get(EVENTS_PER_RESPONSE_ENV)
+    return positive_int_from_env(EVENTS_PER_RESPONSE_ENV, DEFAULT_MAX_EVENTS_PER_RESPONSE)
+
+
+def positive_int_from_env(name: str, default: int) -> int:
+    """``$name`` as an integer, ``default`` when it is unset or blank; ``ValueError`` naming
+    the variable for a value that is not a positive integer."""
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
-        return DEFAULT_MAX_EVENTS_PER_RESPONSE
+        return default
     try:
         size = int(raw)
     except ValueError:
         size = 0
     if size < 1:
-        raise ValueError(f"${EVENTS_PER_RESPONSE_ENV} must be a positive integer; got {raw!r}")
+        raise ValueError(f"${name} must be a positive integer; got {raw!r}")
     return size

@@ -24,12 +24,15 @@ several server processes do not share it (as vLLM's store).
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from chassis.serve.responses_events import EventLog, events_per_response_from_env
+from chassis.serve.responses_events import (
+    EventLog,
+    events_per_response_from_env,
+    positive_int_from_env,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -176,16 +179,7 @@ def count_logprobs(output: list[dict[str, Any]]) -> int:
 def store_size_from_env() -> int:
     """``$CHASSIS_RESPONSES_STORE_SIZE``, else :data:`DEFAULT_MAX_STORED_RESPONSES`;
     ``ValueError`` for a value that is not a positive integer."""
-    raw = os.environ.get(STORE_SIZE_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_MAX_STORED_RESPONSES
-    try:
-        size = int(raw)
-    except ValueError:
-        raise ValueError(f"${STORE_SIZE_ENV} must be a positive integer; got {raw!r}") from None
-    if size < 1:
-        raise ValueError(f"${STORE_SIZE_ENV} must be a positive integer; got {raw!r}")
-    return size
+    return positive_int_from_env(STORE_SIZE_ENV, DEFAULT_MAX_STORED_RESPONSES)
 
 
 def response_store(app: FastAPI) -> ResponseStore:
