@@ -252,8 +252,6 @@ def test_the_layer_runs_the_platforms_kernel_when_it_has_one(
 ) -> None:
     """``Int4Linear`` asks the platform's layer kernels for ``int4_linear``; kernels
     without it (the CPU's) leave the reference."""
-    from chassis.core.layers import int4_linear
-
     scheme = SCHEMES["gptq-4bit-g32"]
     generator = torch.Generator().manual_seed(7)
     parts, dequantized = _packed_module(torch.randn(8, 64, generator=generator), scheme, generator)
