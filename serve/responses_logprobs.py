@@ -154,8 +154,8 @@ def token_units(
             position += len(piece)
         else:
             pending.append(entry)
-    if position != len(text):
-        return [(text, list(entries))] if text or entries else []
+    if position != len(text):  # (so ``text`` is not empty)
+        return [(text, list(entries))]
     if pending:
         units.append(("", pending))
     return units
