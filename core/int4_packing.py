@@ -37,8 +37,8 @@ from chassis.core.layers import int4_linear
 from chassis.core.layers.int4_linear import Int4Linear, dequantize_int4, pack_codes
 from chassis.core.packed_int_weights import (
     PackedIntFormat,
-    _row_groups,
     awq_columns,
+    row_groups,
     unpack_int32,
 )
 
@@ -80,7 +80,7 @@ def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> _Pac
         zeros = unpack_int32(parts["qzeros"], 4, 1)[:, columns]
         g_idx = None
     if g_idx is None:
-        g_idx = _row_groups(in_features, fmt.group_size)
+        g_idx = row_groups(in_features, fmt.group_size)
     return qweight.contiguous(), scales.contiguous(), zeros.to(torch.uint8), g_idx.to(torch.int32)
 
 

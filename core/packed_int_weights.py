@@ -179,7 +179,7 @@ def _groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else -(-in_features // group_size)
 
 
-def _row_groups(in_features: int, group_size: int) -> torch.Tensor:
+def row_groups(in_features: int, group_size: int) -> torch.Tensor:
     """The group of each input row when groups are consecutive runs of rows."""
     rows = torch.arange(in_features)
     return torch.zeros_like(rows) if group_size == -1 else rows // group_size
@@ -227,7 +227,7 @@ def dequantize_gptq(
         if bool(((g_idx < 0) | (g_idx >= groups)).any()):
             raise ValueError(f"{name}: g_idx names groups outside 0..{groups - 1}")
     else:
-        g_idx = _row_groups(in_features, fmt.group_size)
+        g_idx = row_groups(in_features, fmt.group_size)
     return _assemble(
         lambda start, end: unpack_int32(qweight[start // per_int : end // per_int], fmt.bits, 0),
         zeros,
@@ -255,13 +255,13 @@ def dequantize_awq(
         lambda start, end: unpack_int32(qweight[start:end], fmt.bits, 1)[:, columns],
         zeros,
         scales,
-        _row_groups(in_features, fmt.group_size),
+        row_groups(in_features, fmt.group_size),
     )
 
 
 def _is_row_groups(g_idx: torch.Tensor, fmt: PackedIntFormat) -> bool:
     """Whether ``g_idx`` is the consecutive grouping (row ``k`` in group ``k // size``)."""
-    return torch.equal(g_idx.long(), _row_groups(g_idx.numel(), fmt.group_size))
+    return torch.equal(g_idx.long(), row_groups(g_idx.numel(), fmt.group_size))
 
 
 def _check_late_g_idx(name: str, g_idx: torch.Tensor, fmt: PackedIntFormat) -> None:
