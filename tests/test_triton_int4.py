@@ -128,3 +128,18 @@ def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
                     "out_ptr": dtype,
                 },
             )
+
+
+@pytest.mark.parametrize("tensor", ["qweight", "scales", "zeros"])
+def test_kernel_refuses_weight_columns_that_are_not_adjacent(tensor: str) -> None:
+    """A column view of a wider tensor would make the kernel read other columns: refused."""
+    from chassis.core.layers.triton_int4 import int4_linear
+
+    qweight, scales, zeros, g_idx, bias = packed_layer(64, 32, 16, False, torch.float32)
+    parts = {"qweight": qweight, "scales": scales, "zeros": zeros}
+    wide = torch.cat([parts[tensor], parts[tensor]], dim=1)
+    parts[tensor] = wide[:, ::2]
+    assert parts[tensor].stride(-1) == 2
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match=f"{tensor} must be 2-D with adjacent columns"):
+        int4_linear(x, parts["qweight"], parts["scales"], parts["zeros"], g_idx, bias)

@@ -110,7 +110,14 @@ def int4_linear(
     """``x [..., in] -> [..., out]`` in ``x``'s dtype, as
     :func:`~chassis.core.layers.int4_linear.int4_linear_ref` computes it (float32 sums in
     another order: results may differ from it by a rounding step of the output dtype).
-    ``ValueError`` when the kernel cannot run on ``x``'s device."""
+    ``ValueError`` when the kernel cannot run on ``x``'s device, or when a weight tensor's
+    columns are not adjacent (the kernel indexes them with unit column strides; copying here
+    would hide an allocation per call from CUDA-graph capture)."""
+    for name, tensor in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        if tensor.dim() != 2 or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be 2-D with adjacent columns (stride {tensor.stride()})")
+    if g_idx.dim() != 1 or g_idx.stride(0) != 1 or (bias is not None and bias.stride(-1) != 1):
+        raise ValueError("g_idx and bias must be contiguous vectors")
     kernel = check_launchable(_int4_linear_kernel, x)
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     if x.shape[-1] != in_features:
