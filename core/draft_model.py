@@ -55,10 +55,10 @@ from chassis.core.attention import kv_cache_shape
 from chassis.core.kv_cache_groups import KVCacheGroupSpec, draft_layer_placement
 from chassis.core.model_loader import kv_head_count
 from chassis.core.model_runner import (
-    attention_layers,
     dummy_prefill,
     group_slots_and_tables,
     host_to_device,
+    layer_windows,
 )
 from chassis.core.packed_step_metadata import copy_packed, packed_forward_context
 from chassis.core.rejection_sampling import rejection_sample
@@ -253,14 +253,11 @@ class DraftModelProposer:
         self.layer_group = self._layer_tensor = None
         if groups is None or len(groups) == 1:
             return
-        num_layers = self.model.num_attention_layers
-        layers = attention_layers(self.model)
-        if layers is None or sorted(m.layer_idx for m in layers) != list(range(num_layers)):
+        windows = layer_windows(self.model)
+        if windows is None:
+            num_layers = self.model.num_attention_layers
             self.layer_group, self._layer_tensor = [0] * num_layers, list(range(num_layers))
             return
-        windows: list[int | None] = [None] * num_layers
-        for layer in layers:
-            windows[layer.layer_idx] = layer.sliding_window
         self.layer_group, self._layer_tensor = draft_layer_placement(groups, windows)
 
     def num_cache_tensors(self) -> int:

@@ -195,13 +195,9 @@ class ModelRunner:
         a full-attention group, which every draft-model layer may read."""
         if not self.config.sliding_window_kv_release:
             return None
-        num_layers = self.model.num_attention_layers
-        layers = attention_layers(self.model)
-        if layers is None or sorted(m.layer_idx for m in layers) != list(range(num_layers)):
+        windows = layer_windows(self.model)
+        if windows is None:
             return None
-        windows: list[int | None] = [None] * num_layers
-        for layer in layers:
-            windows[layer.layer_idx] = layer.sliding_window
         if all(w is None for w in windows) or all(w is not None for w in windows):
             return None  # one group: kv_cache_window's single table
         return plan_kv_cache_groups(windows)
@@ -623,6 +619,20 @@ def attention_layers(model: CausalLM) -> list[Attention] | None:
     of its ``num_attention_layers`` (some attention is a layer this cannot see)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     return layers if len(layers) == model.num_attention_layers else None
+
+
+def layer_windows(model: CausalLM) -> list[int | None] | None:
+    """Each attention layer's ``sliding_window`` by layer number (None: full attention);
+    ``None`` when :func:`attention_layers` cannot see them all or their ``layer_idx`` are
+    not ``0 .. num_attention_layers - 1``."""
+    num_layers = model.num_attention_layers
+    layers = attention_layers(model)
+    if layers is None or sorted(m.layer_idx for m in layers) != list(range(num_layers)):
+        return None
+    windows: list[int | None] = [None] * num_layers
+    for layer in layers:
+        windows[layer.layer_idx] = layer.sliding_window
+    return windows
 
 
 def host_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -> torch.Tensor:
