@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -312,9 +313,16 @@ class DraftModelProposer:
             self.device,
             self._to_device,
         )
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = self._profile_forward(input_ids, positions, ctx)
         self.model.compute_logits(hidden[: min(self.max_num_seqs, num_tokens)])
         del kept_q
+
+    def _profile_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """The model's forward in :meth:`profile_run` (a subclass whose model reads more
+        inputs than the tokens adds dummy ones)."""
+        return self.model(input_ids, positions, ctx)
 
     # -- proposing ------------------------------------------------------------------------
 
@@ -348,24 +356,48 @@ class DraftModelProposer:
         if not drafting.any():
             return {}
         index = np.nonzero(drafting)[0]  # the drafting requests, by position in rows
-        need = room[index]
-        states = [batch.states[r] for r in rows[index]]
-        choose = _DraftChooser(self, states, int(need.max()))
         last_token = np.cumsum(query_lens)[index] - 1
-        alive = np.arange(len(index))  # those still drafting, by position in index
-        tokens = choose(hidden[self._to_device(last_token)], alive, 0)
+
+        def forward(
+            j: int, alive: np.ndarray, keep: np.ndarray, tokens: np.ndarray, _: torch.Tensor
+        ) -> torch.Tensor:
+            return self._forward(
+                batch,
+                rows[index[alive]],
+                computed[index[alive]] + j,  # draft j goes at q + j
+                np.ones(len(alive), dtype=np.int64),
+                input_ids=tokens,
+            )
+
+        return self._draft_rounds(
+            [batch.states[r] for r in rows[index]],
+            room[index],
+            hidden[self._to_device(last_token)],
+            forward,
+        )
+
+    def _draft_rounds(
+        self,
+        states: list[RequestState],
+        need: np.ndarray,
+        hidden: torch.Tensor,
+        forward: Callable[[int, np.ndarray, np.ndarray, np.ndarray, torch.Tensor], torch.Tensor],
+    ) -> dict[str, list[int]]:
+        """Request id -> the drafts of ``states`` (request ``a`` gets ``need[a]``), draft
+        step by draft step, keeping the ``q`` of probabilistic ones for
+        :meth:`prepare_verify`. ``hidden``: the model's output that gives each request's
+        draft 1; ``forward(j, alive, keep, tokens, hidden)``: its output that gives draft
+        ``j + 1`` of the requests ``alive`` (by position in ``states``), fed their draft
+        ``j`` ``tokens``, where ``keep`` picks them among the previous round's rows of
+        ``hidden``."""
+        choose = _DraftChooser(self, states, int(need.max()))
+        alive = np.arange(len(states))  # those still drafting, by position in states
+        tokens = choose(hidden, alive, 0)
         drafts = [[t] for t in tokens]
         for j in range(1, int(need.max())):
             keep = need[alive] > j
             alive = alive[keep]
-            rows_j = rows[index[alive]]
-            hidden = self._forward(
-                batch,
-                rows_j,
-                computed[index[alive]] + j,  # draft j goes at q + j
-                np.ones(len(alive), dtype=np.int64),
-                input_ids=np.array(tokens, dtype=np.int64)[keep],
-            )
+            hidden = forward(j, alive, keep, np.array(tokens, dtype=np.int64)[keep], hidden)
             tokens = choose(hidden, alive, j)
             for a, token in zip(alive.tolist(), tokens, strict=True):
                 drafts[a].append(token)

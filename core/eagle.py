@@ -38,13 +38,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from chassis.core.draft_model import DraftModelProposer, _DraftChooser
-from chassis.core.model_runner import dummy_prefill
+from chassis.core.draft_model import DraftModelProposer
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from chassis.core.attention import AttentionBackend
+    from chassis.core.attention import AttentionBackend, ForwardContext
     from chassis.core.config import EngineConfig
     from chassis.core.input_batch import InputBatch
     from chassis.core.model_interface import CausalLM
@@ -161,32 +160,15 @@ class EagleProposer(DraftModelProposer):
         super().__init__(config, model, *args, **kwargs)
         self.hidden_size = int(model.hf_config.hidden_size)
 
-    @torch.inference_mode()
-    def profile_run(self, num_tokens: int) -> None:
-        """The head's forward over ``num_tokens`` dummy tokens and hidden states without a
-        KV cache write, and logits for ``max_num_seqs`` rows (plus the kept ``q`` of
-        probabilistic drafts): the head's activation peak, for the memory profile."""
-        num_tokens = max(1, num_tokens)
-        kept_q = None
-        if self.sampler is not None:
-            rows = self.max_num_seqs * self.num_speculative_tokens
-            kept_q = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)
-        input_ids, positions, ctx = dummy_prefill(
-            num_tokens,
-            self.max_model_len,
-            self.block_size,
-            self.model.num_attention_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            self.kv_dtype,
-            self.device,
-            self._to_device,
-        )
+    def _profile_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """The head's forward over the profile's tokens with zero target hidden states."""
         dtype = next(self.model.parameters()).dtype
-        target_hidden = torch.zeros(num_tokens, self.hidden_size, dtype=dtype, device=self.device)
-        hidden = self.model(input_ids, positions, ctx, target_hidden)
-        self.model.compute_logits(hidden[: min(self.max_num_seqs, num_tokens)])
-        del kept_q
+        target_hidden = torch.zeros(
+            len(input_ids), self.hidden_size, dtype=dtype, device=self.device
+        )
+        return self.model(input_ids, positions, ctx, target_hidden)
 
     @torch.inference_mode()
     def propose(  # type: ignore[override]
@@ -227,34 +209,23 @@ class EagleProposer(DraftModelProposer):
         if not drafting.any():
             return {}
         index = np.nonzero(drafting)[0]  # the drafting requests, by position in rows_r
-        need = room[ran][index]
-        states = [batch.states[r] for r in rows_r[index]]
-        choose = _DraftChooser(self, states, int(need.max()))
-        last = hidden[self._to_device(np.cumsum(lens_r)[index] - 1)]
-        alive = np.arange(len(index))  # those still drafting, by position in index
-        tokens = choose(last, alive, 0)
-        drafts = [[t] for t in tokens]
         newest_position = computed[ran][index] - 1  # where draft 1's input goes, minus 1
-        for j in range(1, int(need.max())):
-            keep = need[alive] > j
-            alive = alive[keep]
-            previous = last[self._to_device(np.nonzero(keep)[0])]
-            step_rows = rows_r[index[alive]]
+
+        def forward(
+            j: int, alive: np.ndarray, keep: np.ndarray, tokens: np.ndarray, last: torch.Tensor
+        ) -> torch.Tensor:
+            previous = last[self._to_device(np.nonzero(keep)[0])]  # the head's own output
             ones = np.ones(len(alive), dtype=np.int64)
             positions_j, _, ctx_j = self._step_context(
-                batch, step_rows, newest_position[alive] + j, ones
+                batch, rows_r[index[alive]], newest_position[alive] + j, ones
             )
-            last = self.model(
-                self._to_device(np.array(tokens, dtype=np.int64)[keep]),
-                self._to_device(positions_j),
-                ctx_j,
-                previous,
+            return self.model(
+                self._to_device(tokens), self._to_device(positions_j), ctx_j, previous
             )
-            tokens = choose(last, alive, j)
-            for a, token in zip(alive.tolist(), tokens, strict=True):
-                drafts[a].append(token)
-        for a, state in enumerate(states):
-            entry = choose.probs_of(a, drafts[a])
-            if entry is not None:
-                self._draft_probs[state.request_id] = entry
-        return {state.request_id: drafts[a] for a, state in enumerate(states)}
+
+        return self._draft_rounds(
+            [batch.states[r] for r in rows_r[index]],
+            room[ran][index],
+            hidden[self._to_device(np.cumsum(lens_r)[index] - 1)],
+            forward,
+        )
