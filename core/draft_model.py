@@ -186,6 +186,10 @@ class DraftModelProposer:
     :meth:`initialize_kv_cache` with the target's block count before :meth:`propose`.
     """
 
+    #: whether the runner passes the step's target hidden states to :meth:`propose`
+    #: (:class:`~chassis.core.eagle.EagleProposer`)
+    reads_target_hidden = False
+
     def __init__(
         self,
         config: EngineConfig,

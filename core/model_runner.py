@@ -549,7 +549,7 @@ class ModelRunner:
         assert self.drafter is not None
         output = pending.result()
         sampled = np.array([bool(t) for t in output.sampled_token_ids], dtype=bool)
-        if getattr(self.drafter, "reads_target_hidden", False):
+        if self.drafter.reads_target_hidden:
             output.draft_token_ids = self.drafter.propose(  # type: ignore[call-arg]
                 self.batch, rows, starts, sampled, hidden, query_start_loc
             )
