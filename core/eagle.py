@@ -118,6 +118,7 @@ def load_eagle_head(
             "(method 'eagle' takes a head of fc + decoder layers; EAGLE-3 heads are not "
             "supported)"
         )
+    own_embedding, own_lm_head = "embed_tokens.weight" in names, "lm_head.weight" in names
     head_cls = get_registries().models.get(HEAD_ARCHITECTURE)
     build_ctx = ModelBuildContext(
         attention_backend=attention_backend_cls, dtype=dtype, max_model_len=config.max_model_len
@@ -127,8 +128,8 @@ def load_eagle_head(
             hf_config,
             build_ctx,
             target,
-            own_embedding="embed_tokens.weight" in names,
-            own_lm_head="lm_head.weight" in names,
+            own_embedding=own_embedding,
+            own_lm_head=own_lm_head,
         )
     head.eval()
     loaded = head.load_weights(iterate_safetensors(path))
@@ -139,8 +140,8 @@ def load_eagle_head(
         "EAGLE head %s loaded: %d layers, %s embedding, %s LM head, %d drafts per step",
         spec.model,
         head.num_attention_layers,
-        "its own" if "embed_tokens.weight" in names else "the target's",
-        "its own" if "lm_head.weight" in names else "the target's",
+        "its own" if own_embedding else "the target's",
+        "its own" if own_lm_head else "the target's",
         spec.num_speculative_tokens,
     )
     return head

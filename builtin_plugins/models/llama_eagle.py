@@ -42,10 +42,6 @@ from chassis.core.attention import ForwardContext
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.model_interface import CausalLM, ModelBuildContext
 
-#: the checkpoint tensors of the head's own vocabulary modules (else the target's are used)
-OWN_EMBEDDING = "embed_tokens.weight"
-OWN_LM_HEAD = "lm_head.weight"
-
 
 def head_tensor_name(name: str) -> str:
     """A head checkpoint's tensor name without the ``model.`` prefix some conversions add."""
