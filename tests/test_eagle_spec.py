@@ -57,6 +57,24 @@ def make_llm(model_dir: Path, head: Path | None = None, **engine) -> LLM:
     return LLM(str(model_dir), **{**settings, **engine})
 
 
+def record_proposals(drafter) -> list[tuple[list[int], list[int]]]:
+    """Wrap ``drafter.propose`` to record each proposal: the request's tokens up to its
+    newest one, and the drafts proposed after them."""
+    propose = drafter.propose
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def recording(batch, rows, *args):
+        proposals = propose(batch, rows, *args)
+        for request_id, drafts in proposals.items():
+            r = batch.row_of[request_id]
+            newest = int(batch.num_computed_tokens[r])
+            seen.append((batch.token_ids[r, : newest + 1].tolist(), drafts))
+        return proposals
+
+    drafter.propose = recording
+    return seen
+
+
 def greedy(max_tokens: int = 24) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -112,18 +130,7 @@ def test_drafts_are_the_heads_own(
     head_dir = request.getfixturevalue(f"{head}_head")
     llm = make_llm(target_dir, head_dir, max_num_batched_tokens=16)
     drafter = llm.engine.executor.worker.runner.drafter
-    propose = drafter.propose
-    seen: list[tuple[list[int], list[int]]] = []
-
-    def recording(batch, rows, *args):
-        proposals = propose(batch, rows, *args)
-        for request_id, drafts in proposals.items():
-            r = batch.row_of[request_id]
-            newest = int(batch.num_computed_tokens[r])
-            seen.append((batch.token_ids[r, : newest + 1].tolist(), drafts))
-        return proposals
-
-    drafter.propose = recording
+    seen = record_proposals(drafter)
     try:
         llm.generate(PROMPTS[1:3], greedy(16))
     finally:
@@ -244,18 +251,7 @@ def test_a_target_with_kv_cache_groups(tmp_path: Path) -> None:
     tight = {"num_kv_blocks": 40, "max_model_len": 104}
     llm = make_grouped_llm(target, release=True, speculative_config=spec, **tight)
     drafter = llm.engine.executor.worker.runner.drafter
-    propose = drafter.propose
-    seen: list[tuple[list[int], list[int]]] = []
-
-    def recording(batch, rows, *args):
-        proposals = propose(batch, rows, *args)
-        for request_id, drafts in proposals.items():
-            r = batch.row_of[request_id]
-            newest = int(batch.num_computed_tokens[r])
-            seen.append((batch.token_ids[r, : newest + 1].tolist(), drafts))
-        return proposals
-
-    drafter.propose = recording
+    seen = record_proposals(drafter)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     try:
         assert llm.engine.kv_cache_manager.group_windows == [None, 4]
