@@ -171,7 +171,9 @@ class _Nfa:
         if isinstance(node, ir.Alt):
             return node.options if self.chains(node) is None else ()
         if isinstance(node, ir.Repeat):
-            return (node.item,)
+            return (node.item,) if node.separator is None else (node.item, node.separator)
+        if isinstance(node, ir.Separated):
+            return (*(item for item, _ in node.items), node.separator)
         return ()
 
     def _size(self, node: ir.Node, memo: dict[int, int]) -> int:
@@ -187,9 +189,14 @@ class _Nfa:
             if chains is None:
                 return 1 + sum(memo[id(option)] for option in node.options)
             return 1 + len({chain[k:] for chain in chains for k in range(1, len(chain))})
-        if isinstance(node, ir.Repeat):
-            copies = node.min + 1 if node.max is None else node.max
-            return 1 + copies * memo[id(node.item)]
+        if isinstance(node, ir.Repeat):  # (see _repeat_steps)
+            copies = max(node.min, 1) if node.max is None else node.max
+            if node.separator is None:
+                return 1 + copies * memo[id(node.item)]
+            return 3 + copies * (memo[id(node.item)] + memo[id(node.separator)])
+        if isinstance(node, ir.Separated):  # (see _separated_steps)
+            items = sum(memo[id(item)] for item, _ in node.items)
+            return 1 + items + len(node.items) * (2 + memo[id(node.separator)])
         raise TypeError(f"not an IR node: {node!r}")
 
     def build(self, node: ir.Node, entry: int) -> int:
@@ -231,24 +238,15 @@ class _Nfa:
             for option in node.options:
                 self.link(self._build(option, entry, depth), end)
             return end
-        if isinstance(node, ir.Repeat):
-            item = node.item
-            cur = entry
-            for _ in range(node.min):
-                cur = self._build(item, cur, depth)
-            if node.max is None:  # a loop on a fresh state: the item again, any number of times
-                loop = self.new()
-                self.link(cur, loop)
-                self.link(self._build(item, loop, depth), loop)
-                return loop
-            if node.max == node.min:
-                return cur
-            end = self.new()
-            for _ in range(node.max - node.min):  # nested optionals: x(x(x)?)? stays linear
-                self.link(cur, end)
-                cur = self._build(item, cur, depth)
-            self.link(cur, end)
-            return end
+        if isinstance(node, ir.Repeat | ir.Separated):
+            steps = self._steps(node, entry)
+            built: int | None = None
+            while True:
+                try:
+                    child, child_entry = steps.send(built)
+                except StopIteration as done:
+                    return done.value
+                built = self._build(child, child_entry, depth)
         raise TypeError(f"not an IR node: {node!r}")
 
     def build_iteratively(self, node: ir.Node, entry: int) -> int:
@@ -311,28 +309,105 @@ class _Nfa:
                 out = leaf(option, entry)
                 self.link((yield option, entry) if out is None else out, end)
             return end
+        if isinstance(node, ir.Repeat | ir.Separated):
+            steps = self._steps(node, entry)
+            built: int | None = None
+            while True:
+                try:
+                    child, child_entry = steps.send(built)
+                except StopIteration as done:
+                    return done.value
+                out = leaf(child, child_entry)
+                built = (yield child, child_entry) if out is None else out
+        raise TypeError(f"not an IR node: {node!r}")
+
+    def _steps(self, node: ir.Repeat | ir.Separated, entry: int) -> _Build:
+        """The steps of building a ``Repeat`` or a ``Separated``, shared by both build
+        paths: yields every child ``(child, entry)`` to build, is sent its exit."""
         if isinstance(node, ir.Repeat):
-            item = node.item
-            cur = entry
-            for _ in range(node.min):
-                out = leaf(item, cur)
-                cur = (yield item, cur) if out is None else out
-            if node.max is None:  # a loop on a fresh state: the item again, any number of times
+            return self._repeat_steps(node, entry)
+        return self._separated_steps(node, entry)
+
+    def _separated_steps(self, node: ir.Separated, entry: int) -> _Build:
+        """Two tracks of states, "nothing written yet" (the entry, while every item so far
+        was optional) and "something written": each item is built once, from a fresh
+        state reached from the first track directly and from the second through a copy of
+        the separator; its exit is the second track's next state. An optional item can
+        also be skipped on either track."""
+        nothing: int | None = entry
+        something: int | None = None
+        for item, required in node.items:
+            item_entry = self.new()
+            if nothing is not None:
+                self.link(nothing, item_entry)
+            if something is not None:
+                self.link((yield node.separator, something), item_entry)
+            after = self.new()
+            self.link((yield item, item_entry), after)
+            if not required and something is not None:
+                self.link(something, after)
+            something = after
+            if required:
+                nothing = None
+        end = self.new()
+        for state in (nothing, something):
+            if state is not None:
+                self.link(state, end)
+        return end
+
+    def _repeat_steps(self, node: ir.Repeat, entry: int) -> _Build:
+        """The steps of building a ``Repeat``, shared by both build paths: yields every
+        child ``(item or separator, entry)`` to build, is sent its exit.
+
+        An unbounded repetition builds its item once more than its ``min`` needs, at most:
+        ``x*`` loops on a fresh state; ``x{m,}`` (``m >= 1``) is ``m - 1`` copies then one
+        copy whose exit loops back to its entry (the exit is the fragment's exit: it stays
+        inside the loop, and whatever follows adds edges out of it, never into it). With a
+        separator the loop goes back through one copy of the separator into the same copy
+        of the item, so nested separated lists stay linear in size. A bounded one is
+        ``max`` copies, the optional ones nested: ``x(x(x)?)?``."""
+        item, separator = node.item, node.separator
+        low, high = node.min, node.max
+        cur = entry
+        if high is None:
+            for k in range(max(low, 1) - 1):
+                if separator is not None and k > 0:
+                    cur = yield separator, cur
+                cur = yield item, cur
+            if separator is None:
                 loop = self.new()
                 self.link(cur, loop)
-                out = leaf(item, loop)
-                self.link((yield item, loop) if out is None else out, loop)
-                return loop
-            if node.max == node.min:
-                return cur
+                out = yield item, loop
+                self.link(out, loop)
+                return loop if low == 0 else out
+            # item_entry: before the looping copy of the item; before_separator: after an
+            # item, before the separator that leads back into item_entry
+            item_entry = self.new()
+            before_separator = self.new()
+            self.link(cur, before_separator if low > 1 else item_entry)
+            self.link((yield separator, before_separator), item_entry)
+            out = yield item, item_entry
+            self.link(out, before_separator)
+            if low > 0:
+                return out
             end = self.new()
-            for _ in range(node.max - node.min):  # nested optionals: x(x(x)?)? stays linear
-                self.link(cur, end)
-                out = leaf(item, cur)
-                cur = (yield item, cur) if out is None else out
-            self.link(cur, end)
+            self.link(entry, end)
+            self.link(out, end)
             return end
-        raise TypeError(f"not an IR node: {node!r}")
+        for k in range(low):
+            if separator is not None and k > 0:
+                cur = yield separator, cur
+            cur = yield item, cur
+        if high == low:
+            return cur
+        end = self.new()
+        for k in range(low, high):  # nested optionals: x(x(x)?)? stays linear
+            self.link(cur, end)
+            if separator is not None and k > 0:
+                cur = yield separator, cur
+            cur = yield item, cur
+        self.link(cur, end)
+        return end
 
     def _chain_alt(self, node: ir.Alt, entry: int) -> int:
         """An alternative of fixed byte sequences, their common suffixes shared."""

@@ -21,6 +21,7 @@ __all__ = [
     "Bytes",
     "Node",
     "Repeat",
+    "Separated",
     "Seq",
     "alt",
     "byte_range",
@@ -63,18 +64,44 @@ class Alt:
 
 @dataclass(frozen=True)
 class Repeat:
-    """``item`` at least ``min`` and at most ``max`` times (``max=None``: unbounded)."""
+    """``item`` at least ``min`` and at most ``max`` times (``max=None``: unbounded), with
+    ``separator`` between each two consecutive items when it is set (``a (, a)*`` is
+    ``Repeat(a, 1, None, separator=,)``).
+
+    A separated repetition is its own node (not ``item (separator item)*``) because the
+    automaton then builds ``item`` once for an unbounded one, looping back into that copy
+    after each separator: spelled out, every level of nested lists would copy its item
+    twice, and the automaton would grow as 2^depth.
+    """
 
     item: Node
     min: int = 0
     max: int | None = None
+    separator: Node | None = None
 
     def __post_init__(self) -> None:
         if self.min < 0 or (self.max is not None and self.max < self.min):
             raise ValueError(f"bad repetition bounds {{{self.min},{self.max}}}")
 
 
-Node = Bytes | ByteSet | Seq | Alt | Repeat
+@dataclass(frozen=True)
+class Separated:
+    """Each of ``items`` in turn, an optional one (``(node, False)``) written or left out,
+    a required one (``(node, True)``) always written, with ``separator`` between each two
+    written (a JSON object's members: ``{"a": 1, "c": 3}`` leaves ``"b"`` out). Nothing
+    written at all is the empty string.
+
+    Its own node because the automaton then builds each item once, reached either with
+    nothing written before it or through a separator: as a regular expression, whether an
+    item needs its separator depends on the optional items before it, and every way of
+    writing that copies items (nested objects with optional members grew as 2^depth).
+    """
+
+    items: tuple[tuple[Node, bool], ...]
+    separator: Node
+
+
+Node = Bytes | ByteSet | Seq | Alt | Repeat | Separated
 
 EMPTY: Node = Bytes(b"")
 ANY_BYTE: Node = ByteSet(frozenset(range(256)))

@@ -129,7 +129,7 @@ def schema_to_ir(schema: dict[str, Any] | bool, wrapper_levels: int = 0) -> ir.N
         raise ValueError(
             f"the JSON schema is too large to enforce: its automaton would need about "
             f"{states} states, more than {MAX_NFA_STATES}; lower maxLength/minLength/maxItems/"
-            "minItems, shorten long enums, make leading optional properties required, "
+            "minItems, shorten long enums, "
             "or nest less"
         )
     return node

@@ -337,7 +337,12 @@ def _without_escaped_bytes(node: ir.Node, memo: dict[int, ir.Node]) -> ir.Node:
         out = join(*(_without_escaped_bytes(item, memo) for item in node.items))
     elif isinstance(node, ir.Alt):
         out = either(*(_without_escaped_bytes(option, memo) for option in node.options))
-    else:
-        out = repeat(_without_escaped_bytes(node.item, memo), node.min, node.max)
+    elif isinstance(node, ir.Repeat):
+        separator = node.separator
+        if separator is not None:
+            separator = _without_escaped_bytes(separator, memo)
+        out = repeat(_without_escaped_bytes(node.item, memo), node.min, node.max, separator)
+    else:  # (ir.Separated: JSON objects' members, which no regex compiles to)
+        raise TypeError(f"not an IR node of a pattern: {type(node).__name__}")
     memo[id(node)] = out
     return out

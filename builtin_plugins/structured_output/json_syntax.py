@@ -8,10 +8,10 @@ bounded recursion or an impossible property disappears cleanly.
 Layout: whitespace runs (:data:`MAX_WHITESPACE` bytes at most, so generation cannot spin on
 spaces forever) are allowed after ``{ [ , :`` and before ``} ] , :``, nowhere else; a value
 is therefore followed by its trailing whitespace inside a container, and the top-level
-value has none around it. The comma-separated lists below need their item twice (once
-first, once after each comma): a regular expression cannot say "items separated by commas"
-with one copy, and the automaton copies shared sub-trees, so each level of nesting in
-:func:`any_value` multiplies its size by about four.
+value has none around it. The comma-separated lists below are separated repetitions
+(``ir.Repeat`` with a ``separator``), which the automaton builds with one copy of an
+unbounded list's item: spelled out as ``item ("," item)*`` every level of nested arrays
+would copy its item twice, because the automaton copies shared sub-trees.
 """
 
 from __future__ import annotations
@@ -69,13 +69,18 @@ def maybe(item: ir.Node) -> ir.Node:
     return ir.EMPTY if item == NOTHING else ir.optional(item)
 
 
-def repeat(item: ir.Node, low: int, high: int | None) -> ir.Node:
-    """``ir.Repeat`` that copes with an ``item`` that matches nothing and with ``high == 0``."""
+def repeat(item: ir.Node, low: int, high: int | None, separator: ir.Node | None = None) -> ir.Node:
+    """``ir.Repeat`` (``separator`` between items, if given) that copes with an ``item`` or
+    ``separator`` that matches nothing and with ``high == 0``."""
+    if separator == NOTHING:  # no second item can follow
+        if low > 1:
+            return NOTHING
+        high, separator = (1 if high is None else min(high, 1)), None
     if high == 0 or (item == NOTHING and low == 0):
         return ir.EMPTY
     if item == NOTHING:
         return NOTHING
-    return ir.Repeat(item, low, high)
+    return ir.Repeat(item, low, high, separator)
 
 
 # -- strings ------------------------------------------------------------------------------
@@ -165,10 +170,7 @@ def array(
     if not prefix:
         if tail_max == 0:
             return ir.seq(ir.Bytes(b"["), WS, ir.Bytes(b"]"))
-        rest = repeat(join(_COMMA, element), max(0, tail_min - 1), _minus_one(tail_max))
-        body = join(element, rest)
-        if tail_min == 0:
-            body = maybe(body)
+        body = repeat(element, tail_min, tail_max, separator=_COMMA)
         return join(ir.Bytes(b"["), WS, body, ir.Bytes(b"]"))
     following = repeat(join(_COMMA, element), tail_min, tail_max)
     for position in range(len(prefix) - 1, 0, -1):
@@ -181,56 +183,27 @@ def array(
     return join(ir.Bytes(b"["), WS, body, ir.Bytes(b"]"))
 
 
-def _minus_one(count: int | None) -> int | None:
-    return None if count is None else count - 1
-
-
 def object_members(members: list[tuple[str, ir.Node, bool]]) -> ir.Node:
     """A JSON object with these ``(name, value, required)`` members, in this order: the
     required ones always, each optional one at most once, commas between those present."""
-    if not members:
-        return ir.seq(ir.Bytes(b"{"), WS, ir.Bytes(b"}"))
-    parts = [_member_forms(name, value, required) for name, value, required in members]
-    first, _, none = _combine(parts)
-    return join(ir.Bytes(b"{"), WS, either(first, none), ir.Bytes(b"}"))
-
-
-# A run of members has three forms: "first" (at least one member is written and the first
-# has no comma before it), "later" (something was written before the run: every member
-# written has its comma) and "none" (nothing written: EMPTY, or NOTHING if one is
-# required). Splitting the run in halves L, R:
-#     first(LR) = first(L) later(R) | none(L) first(R)     later(LR) = later(L) later(R)
-# keeps the size at O(n log n) members. Chaining one member at a time would copy every
-# "later" suffix once per optional member before it (O(n^2)), because a regular
-# expression cannot share a suffix between the two branches.
-_Forms = tuple[ir.Node, ir.Node, ir.Node]
-
-
-def _member_forms(name: str, value: ir.Node, required: bool) -> _Forms:
-    member = join(ir.literal(json.dumps(name, ensure_ascii=False)), WS, _COLON, value, WS)
-    later = join(_COMMA, member)
-    if required:
-        return member, later, NOTHING
-    return member, maybe(later), ir.EMPTY
-
-
-def _combine(parts: list[_Forms]) -> _Forms:
-    if len(parts) == 1:
-        return parts[0]
-    middle = len(parts) // 2
-    first_l, later_l, none_l = _combine(parts[:middle])
-    first_r, later_r, none_r = _combine(parts[middle:])
-    first = either(join(first_l, later_r), join(none_l, first_r))
-    return first, join(later_l, later_r), join(none_l, none_r)
+    items: list[tuple[ir.Node, bool]] = []
+    for name, value, required in members:
+        member = join(ir.literal(json.dumps(name, ensure_ascii=False)), WS, _COLON, value, WS)
+        if member == NOTHING:
+            if required:
+                return NOTHING
+            continue  # (an optional member that cannot be written is left out)
+        items.append((member, required))
+    # (a separated run of members: each member's value is built once, see ir.Separated)
+    body = ir.Separated(tuple(items), _COMMA) if items else ir.EMPTY
+    return join(ir.Bytes(b"{"), WS, body, ir.Bytes(b"}"))
 
 
 def free_object(values: ir.Node, min_properties: int = 0) -> ir.Node:
     """A JSON object with any keys (any JSON strings) whose values match ``values``;
     ``min_properties`` is 0 or 1."""
     member = join(string(), WS, _COLON, values, WS)
-    body = join(member, repeat(join(_COMMA, member), 0, None))
-    if min_properties == 0:
-        body = maybe(body)
+    body = repeat(member, min_properties, None, separator=_COMMA)
     return join(ir.Bytes(b"{"), WS, body, ir.Bytes(b"}"))
 
 
