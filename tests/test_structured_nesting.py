@@ -8,7 +8,9 @@ import inspect
 import json
 import sys
 from collections.abc import Callable, Iterator
+from typing import Optional
 
+import pydantic
 import pytest
 from fastapi.testclient import TestClient
 
@@ -90,9 +92,10 @@ def json_text(levels: int) -> tuple[dict, str]:
 
 def json_refs(levels: int) -> tuple[dict, str]:
     """Subschemas nested through a chain of ``$ref`` (the JSON text stays shallow): the
-    root, then per definition its ``$ref``'s target and its ``items``, a level each, and an
-    ``allOf`` at the end when ``levels`` is odd (its merged schema is one more)."""
-    last = (levels - 2) // 2
+    root with its ``$ref``'s target, then per definition its ``items`` (a ``$ref`` with its
+    target), a level each, and an ``allOf`` at the end when ``levels`` is odd (its merged
+    schema is one more)."""
+    last = levels - 2 if levels % 2 else levels - 1
     one_item = {"type": "array", "minItems": 1, "maxItems": 1}  # (one copy of its item)
     defs: dict = {f"A{i}": one_item | {"items": {"$ref": f"#/$defs/A{i + 1}"}} for i in range(last)}
     defs[f"A{last}"] = {"allOf": [{"type": "integer"}]} if levels % 2 else {"type": "integer"}
@@ -332,6 +335,49 @@ def test_the_server_refusal_names_the_limit(tiny_llama_dir) -> None:
         engine.shutdown_sync()
 
 
+def optional_model_chain(models: int) -> tuple[dict, str]:
+    """The JSON schema pydantic writes for ``models`` models, each (but the first) with an
+    ``Optional`` ``child`` of the one before (``anyOf`` [``$ref``, null]), and an instance
+    of it with every child present."""
+    model = pydantic.create_model("M0", name=(str, ...))
+    for d in range(1, models):
+        model = pydantic.create_model(
+            f"M{d}",
+            name=(str, ...),
+            child=(Optional[model], None),  # noqa: UP045 (pydantic users write this)
+        )
+    instance: dict = {"name": "leaf"}
+    for d in range(1, models):
+        instance = {"name": f"m{d}", "child": instance}
+    return model.model_json_schema(), json.dumps(instance)
+
+
+def test_a_ref_and_its_target_are_one_level() -> None:
+    """A ``$ref`` costs no level of its own (its target is the level): a chain of 16
+    ``Optional[Model]`` (2 levels a model: the property's ``anyOf``, its member's ``$ref``
+    with the model) fits the limit of 32, as 16 nested objects (2 levels each: a property,
+    its object) do; 17 do not."""
+    schema, text = optional_model_chain(16)
+    automaton = compile_constraint({"json": schema})
+    assert automaton.fullmatch(text.encode())
+    assert automaton.fullmatch(b'{"name": "top", "child": null}')
+    assert not automaton.fullmatch(text.replace('"leaf"', "7").encode())
+    with pytest.raises(ValueError, match=REFUSED):
+        compile_constraint({"json": optional_model_chain(17)[0]})
+
+
+def test_consecutive_refs_each_count() -> None:
+    """A ``$ref`` whose target is itself a ``$ref`` counts a level: a chain of references
+    alone cannot nest (nor recurse in the compiler) without bound."""
+    defs = {f"R{i}": {"$ref": f"#/$defs/R{i + 1}"} for i in range(LIMIT - 1)}
+    defs[f"R{LIMIT - 1}"] = {"type": "integer"}
+    assert compile_constraint({"json": {"$defs": defs, "$ref": "#/$defs/R0"}}).fullmatch(b"5")
+    defs = {f"R{i}": {"$ref": f"#/$defs/R{i + 1}"} for i in range(LIMIT)}
+    defs[f"R{LIMIT}"] = {"type": "integer"}
+    with pytest.raises(ValueError, match=REFUSED):
+        compile_constraint({"json": {"$defs": defs, "$ref": "#/$defs/R0"}})
+
+
 @pytest.mark.parametrize("deeper", [0, 1])
 def test_a_ref_target_counts_wherever_it_is_used_whichever_use_comes_first(deeper: int) -> None:
     """A ``$ref`` target compiled once (shallow) and used again deeper is refused as if it
@@ -343,7 +389,7 @@ def test_a_ref_target_counts_wherever_it_is_used_whichever_use_comes_first(deepe
         return schema
 
     target = wrap({"type": "integer"}, 19)  # 20 levels; deepest use: 1 + 11 + 20 = 32
-    uses = {"a": {"$ref": "#/$defs/X"}, "b": wrap({"$ref": "#/$defs/X"}, 10 + deeper)}
+    uses = {"a": {"$ref": "#/$defs/X"}, "b": wrap({"$ref": "#/$defs/X"}, 11 + deeper)}
     for order in ("ab", "ba"):
         schema = {
             "type": "object",

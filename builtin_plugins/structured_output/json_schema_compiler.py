@@ -126,8 +126,9 @@ class SchemaCompiler:
 
     def compile(self, schema: Any, path: str) -> ir.Node:
         """The IR of ``schema`` (found at ``path``, for messages). Each call inside another
-        is one level of nesting (``properties``, ``items``, ``anyOf`` members, a ``$ref``'s
-        target, a merged ``allOf``...): deeper than :data:`MAX_NESTING_DEPTH` (plus the
+        is one level of nesting (``properties``, ``items``, ``anyOf`` members, a merged
+        ``allOf``...; a ``$ref`` and its target are one level together, unless the target
+        is itself a ``$ref``): deeper than :data:`MAX_NESTING_DEPTH` (plus the
         wrapper's levels) is refused."""
         if self.level >= MAX_NESTING_DEPTH:
             raise nested_too_deeply(f"the JSON schema at {_short_path(path)}: its subschemas are")
@@ -187,7 +188,12 @@ class SchemaCompiler:
             self.active[target_path] = count + 1
             outer, self.reached = self.reached, self.level
             try:
-                node = self.compile(target, target_path)
+                if isinstance(target, dict) and "$ref" in target:
+                    # a reference to a reference: each one counts, so a chain of them is
+                    # bounded (in levels, and in the frames of this recursion)
+                    node = self.compile(target, target_path)
+                else:  # a target shares its reference's level: a level, like plain nesting
+                    node = self._compile(target, target_path)
                 known = self.memo[key] = (node, self.reached - self.level)
             finally:
                 self._leave(target_path)
