@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from chassis.core.chat import content_text
-from chassis.serve import errors
+from chassis.serve import errors, structured_request
 from chassis.serve.beam_search import beam_search_response
 from chassis.serve.chat_parsing import (
     ChoiceDelta,
@@ -405,12 +405,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             lora_request,
             lambda streams: _collect(state, streams[0], body, request_id, model, n, parsing),
         )
+
+    def open_stream() -> Awaitable[AsyncIterator[RequestOutput]]:
+        return state.open_stream(
+            prompt_ids, params, request_id, priority, lora_request, body.cache_salt
+        )
+
     return await generation_response(
         request,
         body.stream,
-        lambda: state.open_stream(
-            prompt_ids, params, request_id, priority, lora_request, body.cache_salt
-        ),
+        structured_request.naming_tools(open_stream) if body.forces_tool_calls else open_stream,
         lambda stream: _events(state, body, stream, request_id, model, n, len(prompt_ids), parsing),
         lambda stream: _collect(state, stream, body, request_id, model, n, parsing),
     )

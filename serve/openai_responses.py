@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from chassis.serve import errors
+from chassis.serve import errors, structured_request
 from chassis.serve.chat_parsing import ChoiceDelta, ChoiceParser, RequestParsing
 from chassis.serve.openai_chat import prepare_chat
 from chassis.serve.protocol import ChatMessage, check_max_logprobs
@@ -484,7 +484,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     _check_max_logprobs(state, body)
     store = response_store(request.app)
     conversation, messages = _conversation(store, background_responses(request.app), body)
-    params, prompt_ids, parsing = await prepare_chat(state, body.chat_request(messages))
+    chat_body = body.chat_request(messages)
+    params, prompt_ids, parsing = await prepare_chat(state, chat_body)
     response_id = new_id("resp")
     log_request(
         state.settings, response_id, None, prompt_ids, params, lora_request, state.tokenizer
@@ -496,6 +497,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return state.open_stream(
             prompt_ids, params, response_id, body.priority or 0, lora_request, body.cache_salt
         )
+
+    if chat_body.forces_tool_calls:  # (a refused constraint came from tools: say so)
+        open_stream = structured_request.naming_tools(open_stream)
 
     if body.background:
         return _start_background(request, turn, open_stream, parsing)

@@ -9,11 +9,14 @@ At most one of them may be given; each mistake is a 400 naming the field.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from chassis.core.structured_nesting import FORCED_TOOL_CALL_LEVELS
 from chassis.core.structured_output import StructuredOutputsParams
-from chassis.serve.errors import bad_request
+from chassis.serve.errors import APIError, bad_request, from_value_error
+
+_T = TypeVar("_T")
 
 #: ``parameters`` of a function that declares none: the empty object only
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -77,6 +80,29 @@ def for_tool_choice(
     # (the array, its items and a call object wrap each parameters schema: not counted
     # against the nesting limit, so parameters may nest as deep as a schema)
     return StructuredOutputsParams(json=schema, json_wrapper_levels=FORCED_TOOL_CALL_LEVELS)
+
+
+def naming_tools(open_stream: Callable[[], Awaitable[_T]]) -> Callable[[], Awaitable[_T]]:
+    """``open_stream`` (the engine's start of a request) for a forced tool call: the
+    constraint is built from the ``tools``' ``parameters`` schemas, so one the engine
+    refuses (nested too deeply, too large...) is a 400 whose ``param`` is ``tools``, not
+    the ``structured_outputs`` the engine names. Other errors pass unchanged."""
+
+    async def opened() -> _T:
+        try:
+            return await open_stream()
+        except (APIError, ValueError) as exc:  # (the engine's refusal arrives as a 400)
+            error = exc if isinstance(exc, APIError) else from_value_error(exc)
+            if error.status != 400 or error.param != "structured_outputs":
+                raise
+            detail = error.message.split(": ", 1)[-1]
+            raise bad_request(
+                "tools: a function's parameters schema cannot constrain the output of "
+                f"tool_choice 'required' or a named function: {detail}",
+                "tools",
+            ) from None
+
+    return opened
 
 
 def _object_parameters(function: dict[str, Any], index: int) -> dict[str, Any]:

@@ -331,6 +331,29 @@ def test_the_server_refusal_names_the_limit(tiny_llama_dir) -> None:
                 assert f"nested too deeply (limit {LIMIT})" in error["message"], error
                 assert error["param"] == "structured_outputs"
                 assert error["type"] == "invalid_request_error", error
+            # a forced tool call's constraint is built from tools' parameters: tools it is
+            deep_parameters = json_properties(LIMIT + 1)[0]["json"]
+            tools = [{"type": "function", "function": {"name": "f", "parameters": deep_parameters}}]
+            for route, tool_choice in (
+                ("/v1/chat/completions", "required"),
+                ("/v1/chat/completions", TOOL_CHOICES["named"]),
+                ("/v1/responses", "required"),
+            ):
+                if route == "/v1/responses":
+                    fields = {
+                        "input": "x",
+                        "max_output_tokens": 5,
+                        "tools": [{"type": "function", **tools[0]["function"]}],
+                    }
+                else:
+                    fields = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5}
+                    fields["tools"] = tools
+                response = client.post(route, json={**fields, "tool_choice": tool_choice})
+                assert response.status_code == 400, (route, response.text)
+                error = response.json()["error"]
+                assert f"nested too deeply (limit {LIMIT})" in error["message"], error
+                assert error["param"] == "tools", (route, error)
+                assert error["type"] == "invalid_request_error", error
     finally:
         engine.shutdown_sync()
 
