@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from chassis.core.tokenizer import NoChatTemplateError, apply_chat_template
 
@@ -29,6 +29,11 @@ class ChatMessageError(ValueError):
     def __init__(self, message: str, index: int) -> None:
         super().__init__(message)
         self.index = index
+
+
+class ChatTemplateSyntaxError(ValueError):
+    """The chat template itself does not parse (a Jinja syntax error), whatever the
+    messages: the fault of whoever supplied the template."""
 
 
 def content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
@@ -114,7 +119,8 @@ def render_chat(
     leaves the last (assistant) message open for the model to continue, and cannot be combined
     with ``add_generation_prompt``; ``tools`` and ``chat_template_kwargs`` (e.g. Qwen3's
     ``enable_thinking``) reach the template. Raises ``ChatMessageError`` for a message it
-    cannot use and ``ValueError`` when the template refuses the conversation.
+    cannot use, ``ChatTemplateSyntaxError`` for a template that does not parse and
+    ``ValueError`` when the template refuses the conversation.
     """
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
@@ -136,6 +142,10 @@ def render_chat(
         )
     except NoChatTemplateError:
         raise
+    except TemplateSyntaxError as exc:  # the template's own fault, whatever the messages
+        raise ChatTemplateSyntaxError(
+            f"the chat template is not a valid Jinja template: {exc}"
+        ) from None
     except ValueError as exc:
         raise ValueError(f"cannot render the chat messages: {exc}") from None
     except (TemplateError, TypeError, KeyError) as exc:

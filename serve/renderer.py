@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from chassis.core.chat import ChatMessageError, render_chat
+from chassis.core.chat import ChatMessageError, ChatTemplateSyntaxError, render_chat
 from chassis.core.tokenizer import load_chat_template
 from chassis.serve.errors import bad_request
 
@@ -51,13 +51,14 @@ def request_chat_template(
     ``chat_template_kwargs``), or ``None`` when it sends none.
 
     A 400 naming the field when the server does not trust request templates (``trusted``
-    false), or when the one in ``chat_template_kwargs`` is not a string. The value is the
+    false), when the one in ``chat_template_kwargs`` is not a string, or when the template
+    is empty (only whitespace: it would render an empty prompt). The value is the
     template text itself, never a path: a request must not make the server read its files.
     """
     in_kwargs = (chat_template_kwargs or {}).get("chat_template")
     if chat_template is None and in_kwargs is None:
         return None
-    field = "chat_template" if chat_template is not None else "chat_template_kwargs.chat_template"
+    field = request_template_field(chat_template, chat_template_kwargs)
     if not trusted:
         raise bad_request(
             f"a chat template sent with the request ({field}) is refused: this server does not "
@@ -65,15 +66,29 @@ def request_chat_template(
             "server's template with --chat-template)",
             field,
         )
-    if chat_template is not None:
-        return chat_template
-    if not isinstance(in_kwargs, str):
+    own = chat_template if chat_template is not None else in_kwargs
+    if not isinstance(own, str):
         raise bad_request(
-            f"chat_template_kwargs.chat_template must be the template's text; got "
-            f"{type(in_kwargs).__name__}",
+            f"{field} must be the template's text; got {type(own).__name__}",
             field,
         )
-    return in_kwargs
+    if not own.strip():
+        raise bad_request(
+            f"{field} is empty: send the template's text (or leave the field out for the "
+            "server's template)",
+            field,
+        )
+    return own
+
+
+def request_template_field(
+    chat_template: str | None, chat_template_kwargs: dict[str, Any] | None
+) -> str:
+    """The request field that carried its own template (``chat_template`` first): what a
+    400 about that template names."""
+    if chat_template is not None:
+        return "chat_template"
+    return "chat_template_kwargs.chat_template"
 
 
 class ChatRenderer:
@@ -109,7 +124,8 @@ class ChatRenderer:
         """The prompt text. ``chat_template`` (and ``chat_template`` in
         ``chat_template_kwargs``) is the request's own template: a 400 unless trusted (see
         :func:`request_chat_template`). Template errors (e.g. roles that must alternate) raise
-        a 400."""
+        a 400 naming ``messages``; a request's own template that does not parse, a 400 naming
+        the field that carried it."""
         own = request_chat_template(
             chat_template, chat_template_kwargs, trusted=self.trust_request_chat_template
         )
@@ -125,6 +141,15 @@ class ChatRenderer:
             )
         except ChatMessageError as exc:
             raise bad_request(str(exc), f"messages.{exc.index}.content") from None
+        except ChatTemplateSyntaxError as exc:
+            # the request's own template: name its field; the server's: the request is not
+            # at fault, but nothing it sent can be named better than its messages
+            field = (
+                request_template_field(chat_template, chat_template_kwargs)
+                if own is not None
+                else "messages"
+            )
+            raise bad_request(str(exc), field) from None
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
 

@@ -84,6 +84,10 @@ class ResponsesRequest(_SamplingRequest):
     max_tool_calls: int | None = None
     # -- vLLM extras -----------------------------------------------------------------------
     chat_template_kwargs: dict[str, Any] | None = None
+    #: not a field of vLLM's Responses request (chat completions have it): declared only to
+    #: refuse it (:meth:`check`) instead of ignoring it; a request's own template goes in
+    #: ``chat_template_kwargs.chat_template``
+    chat_template: Any = None
 
     def check(self) -> None:
         """400s, naming the field, for what this server does not implement."""
@@ -92,6 +96,13 @@ class ResponsesRequest(_SamplingRequest):
                 raise bad_request(why, name)
         if self.n not in (None, 1):
             raise bad_request("/v1/responses makes one output: n must be 1", "n")
+        if self.chat_template is not None:
+            raise bad_request(
+                "/v1/responses has no chat_template field (as vLLM's): send the template as "
+                "chat_template_kwargs.chat_template (the server must run with "
+                "--trust-request-chat-template)",
+                "chat_template",
+            )
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             # here, not in the chat request, whose 400 would name max_tokens
             raise bad_request(

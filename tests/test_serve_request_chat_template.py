@@ -54,6 +54,9 @@ def test_the_policy_alone() -> None:
     assert request_chat_template(None, {"chat_template": "B"}, trusted=True) == "B"
     with pytest.raises(Exception, match="must be the template's text"):
         request_chat_template(None, {"chat_template": 3}, trusted=True)
+    for empty in ("", "  \n"):  # it would render an empty prompt
+        with pytest.raises(Exception, match="chat_template is empty"):
+            request_chat_template(empty, None, trusted=True)
 
 
 def test_chat_refuses_a_request_template_without_the_flag() -> None:
@@ -119,8 +122,55 @@ def test_chat_renders_a_request_template_with_the_flag() -> None:
         assert path.json()["tokens"] == list(
             tokenizer("/etc/hostname", add_special_tokens=False).input_ids
         )
-        broken = client.post("/v1/chat/completions", json={**body, "chat_template": "{% for %}"})
-        assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+        # a template that does not parse, or an empty one, is the field's fault
+        for field, extra in (
+            ("chat_template", {"chat_template": "{% for %}"}),
+            (
+                "chat_template_kwargs.chat_template",
+                {"chat_template_kwargs": {"chat_template": "{% for %}"}},
+            ),
+            ("chat_template", {"chat_template": ""}),
+            (
+                "chat_template_kwargs.chat_template",
+                {"chat_template_kwargs": {"chat_template": " "}},
+            ),
+        ):
+            for route, request in (
+                ("/v1/chat/completions", body),
+                ("/v1/responses", {"model": "fake-model", "input": "Hi"}),
+                ("/tokenize", {"messages": MESSAGES}),
+            ):
+                if route == "/v1/responses" and "chat_template" in extra:
+                    continue  # (not a field of /v1/responses: see the next test)
+                broken = client.post(route, json={**request, **extra})
+                assert broken.status_code == 400, (route, extra, broken.text)
+                assert broken.json()["error"]["param"] == field, (route, extra)
+        # a template that parses but refuses the messages is still the messages' fault
+        refusing = "{{ raise_exception('no') }}"
+        refused = client.post("/v1/chat/completions", json={**body, "chat_template": refusing})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_responses_refuse_a_top_level_chat_template(trust: bool) -> None:
+    # vLLM's Responses request has no chat_template field (only chat_template_kwargs): a 400
+    # naming it, never a template silently ignored
+    engine, client = _app_client(trust=trust)
+    with client:
+        body = {"model": "fake-model", "input": "Hi", "chat_template": OWN_TEMPLATE}
+        response = client.post("/v1/responses", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "chat_template"
+        assert "chat_template_kwargs.chat_template" in error["message"]
+        assert engine.requests == []
+        if trust:  # the supported way renders it
+            body = {"model": "fake-model", "input": "Hi"}
+            own = {"chat_template_kwargs": {"chat_template": OWN_TEMPLATE}}
+            ok = client.post("/v1/responses", json={**body, **own})
+            assert ok.status_code == 200, ok.text
+            expected = engine.tokenizer("HI END", add_special_tokens=False).input_ids
+            assert engine.requests[-1][1] == list(expected)
 
 
 @pytest.fixture(scope="module")
