@@ -338,7 +338,7 @@ class InputProcessor:
                     f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): {bad[:10]}"
                 )
         if params.structured_outputs is not None:
-            self._check_structured_outputs(params)
+            self.check_structured_outputs(params)
         return params
 
     def _check_logits_processor_args(self, params: SamplingParams) -> SamplingParams:
@@ -351,8 +351,12 @@ class InputProcessor:
             )
         return admit_params(self._logits_processor_classes, params)
 
-    def _check_structured_outputs(self, params: SamplingParams) -> None:
-        """The engine's backend can compile the constraint (its ``check``; no tokenizer)."""
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """The engine's backend can compile the constraint (its ``check``; no tokenizer):
+        ``ValueError`` naming ``structured_outputs`` otherwise. :meth:`process` runs it; the
+        server runs it alone before it answers for a request it starts later (a background
+        response). A constraint that passed is remembered by the backend, so checking it
+        again costs no compile."""
         from chassis.plugins.registries import get_registries
 
         if self.tokenizer is None:

@@ -45,7 +45,7 @@ from chassis.serve.responses_background import (
     BackgroundRun,
     background_responses,
 )
-from chassis.serve.responses_events import EventLog, EventsDropped
+from chassis.serve.responses_events import EventLog, EventsBeyondEnd, EventsDropped
 from chassis.serve.responses_include import check_include, wants_logprobs, without_logprobs
 from chassis.serve.responses_input import chat_messages, input_items
 from chassis.serve.responses_items import DEFAULT_LIMIT, page, with_ids
@@ -498,10 +498,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             prompt_ids, params, response_id, body.priority or 0, lora_request, body.cache_salt
         )
 
+    def check_constraint() -> Awaitable[None]:
+        return state.check_structured_outputs(params)
+
     if chat_body.forces_tool_calls:  # (a refused constraint came from tools: say so)
         open_stream = structured_request.naming_tools(open_stream)
+        check_constraint = structured_request.naming_tools(check_constraint)
 
     if body.background:
+        # the engine checks the constraint only when the request starts, after the answer
+        # here: a constraint it refuses is a 400 now, not a response that fails later
+        await check_constraint()
         return _start_background(request, turn, open_stream, parsing)
     return await generation_response(
         request,
@@ -528,7 +535,8 @@ async def retrieve_response(
     response created with ``stream: true`` after sequence number ``starting_after`` (all
     when absent), then the rest as they come; a 400 for any other response, and one naming
     ``starting_after`` when some of those events are no longer kept (a response's log keeps
-    its newest events only, :mod:`chassis.serve.responses_events`).
+    its newest events only, :mod:`chassis.serve.responses_events`) or, once the response
+    has finished, when it is above the last event (the stream would be empty forever).
     ``include_obfuscation`` is accepted and has no effect (no obfuscation is added);
     ``include`` (as ``include=`` or ``include[]=``) follows
     :func:`~chassis.serve.responses_include.check_include`: values that add nothing here
@@ -557,7 +565,7 @@ async def retrieve_response(
             return _sse(run.follow(after))
         if stored is not None and stored.events is not None:
             return _sse(_replay(stored.events.after(after)))
-    except EventsDropped as exc:
+    except (EventsDropped, EventsBeyondEnd) as exc:
         raise errors.bad_request(str(exc), "starting_after") from None
     if stored is not None and stored.events_dropped:
         raise errors.bad_request(

@@ -79,12 +79,16 @@ class BackgroundRun:
         """The logged events whose sequence number is above ``starting_after``, then each new
         one as it comes, until the run ends. Needs ``events``; raises
         :class:`~chassis.serve.responses_events.EventsDropped` when the log no longer keeps
-        the first of them. The follower holds its place in the log from this call on
+        the first of them, :class:`~chassis.serve.responses_events.EventsBeyondEnd` when the
+        run is done and ``starting_after`` is above its last event. The follower holds its place in the log from this call on
         (:meth:`EventLog.hold`, released when the stream ends, is closed or is collected
         unread): however slowly it reads, it gets every event."""
         log = self.events
         assert log is not None
-        log.check_resume(starting_after)
+        if self.done:  # no event is to come
+            log.check_complete_resume(starting_after)
+        else:
+            log.check_resume(starting_after)
         place = _Place(log, starting_after + 1)
         stream = self._follow(place)
         # a stream never started runs no finally: release when it is collected, on the loop

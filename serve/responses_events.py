@@ -46,6 +46,18 @@ class EventsDropped(Exception):
         )
 
 
+class EventsBeyondEnd(Exception):
+    """A resume named a sequence number no event of the log has yet: a client can only
+    resume after an event it was sent, so this is a bad ``starting_after``."""
+
+    def __init__(self, starting_after: int, end: int) -> None:
+        last = "none was sent yet" if end == 0 else f"the last one sent is {end - 1}"
+        super().__init__(
+            f"starting_after {starting_after} is beyond this response's stream events "
+            f"({last}): resume with the sequence number of the last event received"
+        )
+
+
 class EventLog:
     """The newest ``max_events`` events of one stream (SSE strings), by sequence number: the
     event appended ``k``-th (from 0) has sequence number ``k`` whether or not it is still
@@ -106,6 +118,15 @@ class EventLog:
         if starting_after + 1 < self.first:
             raise EventsDropped(starting_after, self.first, self.max_events)
 
+    def check_complete_resume(self, starting_after: int) -> None:
+        """:meth:`check_resume` for a log no event will be added to (its response has
+        finished): also :class:`EventsBeyondEnd` when ``starting_after`` is above its last
+        event (the stream would be empty forever). A running response's follower may wait
+        for events still to come, so :meth:`check_resume` allows that."""
+        if starting_after >= self.end:
+            raise EventsBeyondEnd(starting_after, self.end)
+        self.check_resume(starting_after)
+
     def get(self, sequence_number: int) -> str:
         """The kept event of ``sequence_number``; :class:`EventsDropped` for a dropped one,
         ``IndexError`` for one not appended yet."""
@@ -117,8 +138,10 @@ class EventLog:
 
     def after(self, starting_after: int) -> list[str]:
         """The events after sequence number ``starting_after`` (all of them for -1);
-        :class:`EventsDropped` when some of them are no longer kept."""
-        self.check_resume(starting_after)
+        :class:`EventsDropped` when some of them are no longer kept, :class:`EventsBeyondEnd`
+        when ``starting_after`` is above the last event (meant for a finished response's
+        log: :meth:`check_complete_resume`)."""
+        self.check_complete_resume(starting_after)
         skip = max(starting_after + 1 - self.first, 0)
         return list(islice(self._events, skip, None))
 

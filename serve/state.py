@@ -24,6 +24,8 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     await engine.shutdown()
     engine.input_processor.check_lora(lora_request)  # only with LoRA adapters: ValueError
                                            # for an adapter the engine cannot run
+    engine.input_processor.check_structured_outputs(params)  # optional: ValueError for a
+                                           # constraint the engine's backend refuses
 """
 
 from __future__ import annotations
@@ -246,6 +248,23 @@ class ServerState:
             await stream.aclose()
             raise
         return prepend(first, stream)
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """The engine's check of ``params``' structured-output constraint, alone (in a
+        thread: it may compile): a 400 ``APIError`` for one the engine would refuse when the
+        request starts. For a request answered before it starts (a background response);
+        :meth:`open_stream` checks it anyway. Nothing to do without a constraint, or for an
+        engine without the check."""
+        if params.structured_outputs is None:
+            return
+        processor = getattr(self.engine, "input_processor", None)
+        check = getattr(processor, "check_structured_outputs", None)
+        if check is None:
+            return
+        try:
+            await asyncio.to_thread(check, params)
+        except ValueError as exc:
+            raise errors.to_api_error(exc) from None
 
     async def open_streams(
         self,

@@ -4,7 +4,9 @@
 the contract): it validates like the input processor (empty prompt, context length, logprobs
 limit -> ``ValueError`` from the first ``__anext__``), streams deltas for ``n`` completions,
 honours ``max_tokens``, stop strings, logprobs and ``abort``, records what it was asked, and
-can be killed (``kill()``) to test engine death.
+can be killed (``kill()``) to test engine death. It has no ``input_processor`` (an engine
+need not have one) unless a test sets one: ``FakeInputProcessor`` checks structured-output
+constraints with the real backend's ``check``, at the start of every request and alone.
 
 Completion ``i`` of a request generates the letters ``"abcdefghijklmnopqrstuvwxyz"`` cyclically,
 starting at letter ``i``, one byte-level token per letter, so outputs are predictable. With
@@ -66,6 +68,27 @@ def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
         eos_token="<|eos|>",
         chat_template=chat_template,
     )
+
+
+class FakeInputProcessor:
+    """The part of the engine's input processor the server may call on its own: the
+    structured-output check, the engine's configured backend's own (real) ``check``. Set it
+    as ``engine.input_processor`` to have the fake engine check constraints."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        from chassis.plugins.registries import get_registries
+
+        assert params.structured_outputs is not None
+        backend = get_registries().structured_output_backends.get(
+            self.config.structured_output_backend
+        )
+        try:
+            backend.check(params.structured_outputs)
+        except ValueError as exc:  # worded as the engine's, so the server names the field
+            raise ValueError(f"invalid sampling parameter structured_outputs: {exc}") from None
 
 
 class FakeAsyncLLM:
@@ -213,6 +236,9 @@ class FakeAsyncLLM:
             message = logprobs_over_limit(name, getattr(params, name), self.config.max_logprobs)
             if message is not None:
                 raise ValueError(message)
+        processor = getattr(self, "input_processor", None)  # set by tests that want it
+        if params.structured_outputs is not None and processor is not None:
+            processor.check_structured_outputs(params)
         return params
 
     def _logprobs(self, token_id: int, k: int) -> dict[int, Logprob]:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from fake_engine import FakeAsyncLLM
+from fake_engine import FakeAsyncLLM, FakeInputProcessor
 from fastapi.testclient import TestClient
 from test_serve_responses import CALL, MODEL, PARSERS, THOUGHT, WEATHER, Server, serve
 
@@ -273,6 +273,38 @@ def test_what_the_engine_refuses_fails_the_background_response(server: Server) -
     assert "context length" in failed.error.message and failed.output == []
 
 
+def _nested_schema(levels: int) -> dict[str, Any]:
+    """An object schema whose subschemas nest ``levels`` deep (a string at the bottom)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_constraint_the_engine_refuses_is_a_400_before_queueing(server: Server) -> None:
+    # over the subschema nesting limit (core/structured_nesting.py), though its JSON text is
+    # within the text limit: only the engine's backend check refuses it, when the request
+    # starts; a background response checks it before it answers
+    server.engine.input_processor = FakeInputProcessor(server.engine.config)  # type: ignore[attr-defined]
+    too_deep = {"format": {"type": "json_schema", "name": "deep", "schema": _nested_schema(34)}}
+    plain = server.http.post(
+        "/v1/responses", json={"model": MODEL, "input": "Hi", "text": too_deep}
+    )
+    assert plain.status_code == 400, plain.text
+    for stream in (False, True):
+        body = {"model": MODEL, "input": "Hi", "text": too_deep, "background": True}
+        queued = server.http.post("/v1/responses", json={**body, "stream": stream})
+        assert queued.status_code == 400, queued.text
+        assert queued.json()["error"] == plain.json()["error"]
+    assert "nested too deeply" in plain.json()["error"]["message"]
+    assert server.engine.requests == []  # nothing was queued
+    # a schema within the limit still runs in the background
+    fine = {"format": {"type": "json_schema", "name": "ok", "schema": _nested_schema(3)}}
+    ok = server.client.responses.create(model=MODEL, input="Hi", text=fine, background=True)
+    assert ok.status == "queued"
+    assert finished(server, ok.id).status == "completed"
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 
@@ -344,7 +376,17 @@ def test_what_cannot_be_streamed_again(server: Server) -> None:
     past_the_end = server.http.get(
         f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": "999"}
     )
-    assert past_the_end.status_code == 200 and past_the_end.text == ""
+    # beyond the last event: no client was sent it, so a 400 naming it (not an empty stream)
+    assert past_the_end.status_code == 400, past_the_end.text
+    refusal = past_the_end.json()["error"]
+    assert refusal["param"] == "starting_after"
+    assert f"the last one sent is {len(streamed) - 1}" in refusal["message"]
+    # after the last event itself: nothing more, an empty stream
+    last = server.http.get(
+        f"/v1/responses/{response_id}",
+        params={"stream": "true", "starting_after": str(len(streamed) - 1)},
+    )
+    assert last.status_code == 200 and last.text == ""
     missing = server.http.get("/v1/responses/resp_unknown", params={"stream": "true"})
     assert missing.status_code == 404
 

@@ -31,6 +31,7 @@ from chassis.serve.responses_events import (
     DEFAULT_MAX_EVENTS_PER_RESPONSE,
     EVENTS_PER_RESPONSE_ENV,
     EventLog,
+    EventsBeyondEnd,
     EventsDropped,
     events_per_response_from_env,
 )
@@ -54,8 +55,15 @@ def test_the_log_keeps_the_newest_events_by_sequence_number() -> None:
         log.append(f"e{k}")
     assert (len(log), log.first, log.end) == (3, 2, 5)
     assert list(log) == ["e2", "e3", "e4"] and log.get(3) == "e3"
-    assert log.after(1) == ["e2", "e3", "e4"] and log.after(3) == ["e4"] and log.after(9) == []
+    assert log.after(1) == ["e2", "e3", "e4"] and log.after(3) == ["e4"] and log.after(4) == []
     log.check_resume(1)  # events 2.. are all kept
+    # beyond the last event: a follower of a running response may wait for it, but in a
+    # finished response's log (after) it can never come
+    log.check_resume(9)
+    with pytest.raises(EventsBeyondEnd, match=r"starting_after 9 is beyond.*last one sent is 4"):
+        log.after(9)
+    with pytest.raises(EventsBeyondEnd, match="none was sent yet"):
+        EventLog(3).after(0)
     with pytest.raises(EventsDropped, match="before sequence number 2 were dropped") as info:
         log.after(0)
     assert info.value.first == 2
