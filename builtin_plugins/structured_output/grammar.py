@@ -52,6 +52,7 @@ from chassis.builtin_plugins.structured_output.grammar_parser import (
     Rule,
     RuleRef,
     Sequence,
+    children,
     nesting_cost,
     parse_grammar,
 )
@@ -223,7 +224,7 @@ class _Compiler:
             node, height = self.rule(expr.name, inner, level + 1)
             return node, cost + 1 + height
         if isinstance(expr, Sequence | Choice | Repetition):
-            parts = [self.expr(child, counts, level, expr) for child in _children(expr)]
+            parts = [self.expr(child, counts, level, expr) for child in children(expr)]
             height = cost + max((height for _, height in parts), default=0)
             nodes = [node for node, _ in parts]
             if isinstance(expr, Sequence):
@@ -257,20 +258,10 @@ def _either(options: list[ir.Node]) -> ir.Node:
 # -- rule graph ----------------------------------------------------------------------------
 
 
-def _children(expr: Expr) -> tuple[Expr, ...]:
-    if isinstance(expr, Sequence):
-        return expr.items
-    if isinstance(expr, Choice):
-        return expr.options
-    if isinstance(expr, Repetition):
-        return (expr.item,)
-    return ()
-
-
 def _referenced(expr: Expr) -> list[str]:
     if isinstance(expr, RuleRef):
         return [expr.name]
-    return [name for child in _children(expr) for name in _referenced(child)]
+    return [name for child in children(expr) for name in _referenced(child)]
 
 
 def _reachable(edges: dict[str, set[str]], start: str) -> list[str]:

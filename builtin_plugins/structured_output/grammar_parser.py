@@ -163,11 +163,11 @@ def _nesting(body: Expr) -> int:
         parent, expr, level = stack.pop()
         level += nesting_cost(parent, expr)
         deepest = max(deepest, level)
-        stack.extend((expr, child, level) for child in _children(expr))
+        stack.extend((expr, child, level) for child in children(expr))
     return deepest
 
 
-def _children(expr: Expr) -> tuple[Expr, ...]:
+def children(expr: Expr) -> tuple[Expr, ...]:
     """The expressions directly inside ``expr``."""
     if isinstance(expr, Sequence):
         return expr.items
@@ -181,12 +181,7 @@ def _children(expr: Expr) -> tuple[Expr, ...]:
 def _references(expr: Expr) -> list[RuleRef]:
     if isinstance(expr, RuleRef):
         return [expr]
-    if isinstance(expr, Sequence | Choice):
-        children = expr.items if isinstance(expr, Sequence) else expr.options
-        return [ref for child in children for ref in _references(child)]
-    if isinstance(expr, Repetition):
-        return _references(expr.item)
-    return []
+    return [ref for child in children(expr) for ref in _references(child)]
 
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
