@@ -67,6 +67,7 @@ from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingRow, build_samp
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.speculative import can_speculate
 from chassis.core.token_draw import exponential_race
+from chassis.core.weights import checkpoint_tensor_names
 
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend, ForwardContext
@@ -121,8 +122,6 @@ def load_draft_model(
             "--max-model-len or use another draft model"
         )
     check_quantization(hf_config)
-    from chassis.core.eagle import checkpoint_tensor_names  # (eagle imports this module)
-
     if any(path.glob("*.safetensors")) and "fc.weight" in checkpoint_tensor_names(path):
         raise ValueError(
             f"the draft model {spec.model!r} is an EAGLE-1 head (it has fc.weight), not a "

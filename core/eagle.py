@@ -41,8 +41,6 @@ import torch
 from chassis.core.draft_model import DraftModelProposer
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from chassis.core.attention import AttentionBackend, ForwardContext
     from chassis.core.config import EngineConfig
     from chassis.core.input_batch import InputBatch
@@ -52,22 +50,6 @@ logger = logging.getLogger(__name__)
 
 #: the registered architecture of EAGLE-1 Llama-style heads (vLLM's name)
 HEAD_ARCHITECTURE = "EagleLlamaForCausalLM"
-
-
-def checkpoint_tensor_names(path: Path) -> set[str]:
-    """The tensor names of the safetensors checkpoint in ``path``, without a ``model.``
-    prefix (read from the files' headers, no tensor loaded). An EAGLE-1 head has
-    ``fc.weight``; a whole model has not."""
-    from safetensors import safe_open
-
-    from chassis.core.weights import safetensors_files
-
-    names: set[str] = set()
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            keys = f.keys()  # (a safe_open handle is not iterable)
-            names.update(name.removeprefix("model.") for name in keys)
-    return names
 
 
 def load_eagle_head(
@@ -87,7 +69,7 @@ def load_eagle_head(
     from chassis.core.model_interface import ModelBuildContext
     from chassis.core.model_loader import _default_dtype, load_hf_config, resolve_model_path
     from chassis.core.quantized_weights import check_quantization
-    from chassis.core.weights import iterate_safetensors
+    from chassis.core.weights import checkpoint_tensor_names, iterate_safetensors
     from chassis.plugins.registries import get_registries
 
     spec = config.speculative

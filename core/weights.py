@@ -20,6 +20,20 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensor_names(path: Path) -> set[str]:
+    """The tensor names of the safetensors checkpoint in ``path``, without a ``model.``
+    prefix (read from the files' headers, no tensor loaded). An EAGLE-1 head has
+    ``fc.weight``; a whole model has not."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            keys = f.keys()  # (a safe_open handle is not iterable)
+            names.update(name.removeprefix("model.") for name in keys)
+    return names
+
+
 def iterate_safetensors(
     model_dir: Path,
     progress: bool | None = None,
