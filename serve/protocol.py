@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from chassis.core.input_processor import logprobs_over_limit, truncation_length
-from chassis.core.sampling_params import SamplingParams
+from chassis.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from chassis.core.structured_output import StructuredOutputsParams
 from chassis.serve import structured_request
 from chassis.serve.errors import APIError, bad_request, from_value_error
@@ -456,6 +456,13 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        # checked here: SamplingParams would name its own field, ``logprobs``, which on this
+        # route is the boolean the client sent
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                "top_logprobs",
+            )
         self._check_tools()
         constraint = self._structured_outputs()
         if self.forces_tool_calls:

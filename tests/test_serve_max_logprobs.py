@@ -64,3 +64,14 @@ def test_over_the_limit_is_a_400_naming_the_field_sent(
 def test_the_limit_itself_is_served(route: str, body: dict[str, Any]) -> None:
     status, answer = _post(route, body)
     assert status == 200, answer
+
+
+@pytest.mark.parametrize("top", [-1, 21, 50])
+def test_chat_top_logprobs_outside_openais_range_names_top_logprobs(top: int) -> None:
+    """OpenAI's range for chat's ``top_logprobs`` is 0 to 20; outside it the 400 names the
+    field the client sent, not the engine's ``logprobs`` (which chat has as a boolean)."""
+    status, answer = _post("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": top})
+    error = answer["error"]
+    assert status == 400, answer
+    assert error["param"] == "top_logprobs", error
+    assert error["message"].startswith("top_logprobs must be in [0, 20]"), error
