@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chassis.core.beam_search import (
     BeamSearch,
@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 #: prompts longer than this (characters) are tokenized in a worker thread
 _THREAD_TOKENIZE_CHARS = 4096
+
+T = TypeVar("T")
 
 
 class AsyncLLM:
@@ -189,21 +191,11 @@ class AsyncLLM:
         :class:`RequestFailedError` with the engine's message, instead of that output (its
         other completions are aborted). Closing the iterator early aborts the request.
         """
-        if self.dead_error is not None:
-            raise self.dead_error
-        if self.pooler_config is not None:
-            raise ValueError(
-                "this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
-                "/pooling, /classify, /score and /rerank, not text generation (completions, "
-                "chat or responses)"
-            )
+        self._refuse_generation()
         self._loop = asyncio.get_running_loop()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
-        long_prompt = isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS
-        # Checking a new structured-output constraint compiles it (up to ~0.1 s for a large
-        # schema), and a LoRA adapter's first check reads its files: off the event loop too.
         process = functools.partial(
             self.input_processor.process,
             prompt,
@@ -214,14 +206,7 @@ class AsyncLLM:
             lora_request=lora_request,
             cache_salt=cache_salt,
         )
-        if (
-            long_prompt
-            or sampling_params.structured_outputs is not None
-            or lora_request is not None
-        ):
-            requests = await asyncio.to_thread(process)
-        else:
-            requests = process()
+        requests = await self._off_loop_when_slow(process, prompt, sampling_params, lora_request)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
@@ -267,6 +252,64 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
+
+    async def check_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Every refusal :meth:`generate` would make for this request before anything is
+        yielded (the same ``ValueError``; :class:`EngineDeadError` for a dead engine),
+        without submitting it: the input processor's own checks
+        (:meth:`InputProcessor.check`). For a caller that answers before it starts the
+        request (the server's background responses). What only the engine core finds out
+        (a constraint over its work budget, an adapter folder deleted since) still fails
+        the request later."""
+        self._refuse_generation()
+        check = functools.partial(
+            self.input_processor.check,
+            prompt,
+            sampling_params,
+            priority,
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+        )
+        await self._off_loop_when_slow(check, prompt, sampling_params, lora_request)
+
+    def _refuse_generation(self) -> None:
+        """The engine-wide refusals of a generation request: a dead engine, a pooling one."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self.pooler_config is not None:
+            raise ValueError(
+                "this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
+                "/pooling, /classify, /score and /rerank, not text generation (completions, "
+                "chat or responses)"
+            )
+
+    @staticmethod
+    async def _off_loop_when_slow(
+        call: Callable[[], T],
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        lora_request: LoRARequest | None,
+    ) -> T:
+        """``call()`` (the input processor on one request), in a worker thread when it may
+        be slow: a long text prompt to tokenize, a new structured-output constraint to
+        compile (up to ~0.1 s for a large schema), a LoRA adapter whose first check reads its
+        files; on the event loop otherwise."""
+        long_prompt = isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS
+        if (
+            long_prompt
+            or sampling_params.structured_outputs is not None
+            or lora_request is not None
+        ):
+            return await asyncio.to_thread(call)
+        return call()
 
     async def beam_search(
         self,

@@ -181,6 +181,32 @@ class InputProcessor:
             children.append(make(child_request_id(i, request_id), params.clone(n=1, seed=seed)))
         return children
 
+    def check(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        *,
+        add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Every refusal :meth:`process` would make for this request (the same
+        ``ValueError``), without keeping what it makes: for a caller that answers before it
+        submits the request (the server's background responses). It is :meth:`process`
+        itself, so the two cannot disagree; a constraint or adapter that passed is
+        remembered (the backend's cache, :meth:`check_lora`), so the later :meth:`process`
+        costs no second compile or file read."""
+        self.process(
+            prompt,
+            params,
+            "check",
+            priority,
+            add_special_tokens=add_special_tokens,
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+        )
+
     def check_priority(self, priority: int) -> int:
         """``priority`` as an ``int``; a ``ValueError`` unless it is a 64-bit integer, and for
         a non-zero one unless the engine's scheduler uses priorities."""
@@ -353,10 +379,9 @@ class InputProcessor:
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """The engine's backend can compile the constraint (its ``check``; no tokenizer):
-        ``ValueError`` naming ``structured_outputs`` otherwise. :meth:`process` runs it; the
-        server runs it alone before it answers for a request it starts later (a background
-        response). A constraint that passed is remembered by the backend, so checking it
-        again costs no compile."""
+        ``ValueError`` naming ``structured_outputs`` otherwise. :meth:`process` (and so
+        :meth:`check`) runs it. A constraint that passed is remembered by the backend, so
+        checking it again costs no compile."""
         from chassis.plugins.registries import get_registries
 
         if self.tokenizer is None:

@@ -498,17 +498,20 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             prompt_ids, params, response_id, body.priority or 0, lora_request, body.cache_salt
         )
 
-    def check_constraint() -> Awaitable[None]:
-        return state.check_structured_outputs(params)
+    def check_request() -> Awaitable[None]:
+        return state.check_request(
+            prompt_ids, params, body.priority or 0, lora_request, body.cache_salt
+        )
 
     if chat_body.forces_tool_calls:  # (a refused constraint came from tools: say so)
         open_stream = structured_request.naming_tools(open_stream)
-        check_constraint = structured_request.naming_tools(check_constraint)
+        check_request = structured_request.naming_tools(check_request)
 
     if body.background:
-        # the engine checks the constraint only when the request starts, after the answer
-        # here: a constraint it refuses is a 400 now, not a response that fails later
-        await check_constraint()
+        # the engine checks the request only when it starts, after the answer here: what
+        # it would refuse (prompt over the context, sampling values, constraint, ...) is
+        # the same 400 now as without background, not a response that fails later
+        await check_request()
         return _start_background(request, turn, open_stream, parsing)
     return await generation_response(
         request,

@@ -24,8 +24,9 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     await engine.shutdown()
     engine.input_processor.check_lora(lora_request)  # only with LoRA adapters: ValueError
                                            # for an adapter the engine cannot run
-    engine.input_processor.check_structured_outputs(params)  # optional: ValueError for a
-                                           # constraint the engine's backend refuses
+    await engine.check_request(prompt, sampling_params, *, priority=0)  # optional (and
+        # lora_request, cache_salt as generate's): generate's refusals (ValueError,
+        # EngineDeadError) without submitting the request
 """
 
 from __future__ import annotations
@@ -249,21 +250,26 @@ class ServerState:
             raise
         return prepend(first, stream)
 
-    async def check_structured_outputs(self, params: SamplingParams) -> None:
-        """The engine's check of ``params``' structured-output constraint, alone (in a
-        thread: it may compile): a 400 ``APIError`` for one the engine would refuse when the
-        request starts. For a request answered before it starts (a background response);
-        :meth:`open_stream` checks it anyway. Nothing to do without a constraint, or for an
-        engine without the check."""
-        if params.structured_outputs is None:
-            return
-        processor = getattr(self.engine, "input_processor", None)
-        check = getattr(processor, "check_structured_outputs", None)
+    async def check_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """The engine's refusals of this request (``engine.check_request``: its input
+        processor's checks, the prompt's length against the context, the sampling values,
+        the constraint, the adapter, ...) without starting it: the same 400 (or 503)
+        ``APIError`` :meth:`open_stream` would raise. For a request answered before it
+        starts (a background response). Nothing to do for an engine without the check."""
+        check = getattr(self.engine, "check_request", None)
         if check is None:
             return
+        extras = optional_generate_kwargs(lora_request, cache_salt)
         try:
-            await asyncio.to_thread(check, params)
-        except ValueError as exc:
+            await check(prompt, params, priority=priority, **extras)
+        except Exception as exc:
             raise errors.to_api_error(exc) from None
 
     async def open_streams(

@@ -6,7 +6,8 @@ limit -> ``ValueError`` from the first ``__anext__``), streams deltas for ``n`` 
 honours ``max_tokens``, stop strings, logprobs and ``abort``, records what it was asked, and
 can be killed (``kill()``) to test engine death. It has no ``input_processor`` (an engine
 need not have one) unless a test sets one: ``FakeInputProcessor`` checks structured-output
-constraints with the real backend's ``check``, at the start of every request and alone.
+constraints with the real backend's ``check``, at the start of every request and in
+``check_request`` (the same validation, without starting the request).
 
 Completion ``i`` of a request generates the letters ``"abcdefghijklmnopqrstuvwxyz"`` cyclically,
 starting at letter ``i``, one byte-level token per letter, so outputs are predictable. With
@@ -142,6 +143,8 @@ class FakeAsyncLLM:
         self._hold_after = 1
         self._release: asyncio.Event | None = None
         self.shutdown_calls = 0
+        #: check_request calls (the server checks background responses before answering)
+        self.checked = 0
         #: kill the engine when this many steps have run in total (None: never)
         self.die_after_steps: int | None = None
         self._steps = 0
@@ -212,6 +215,26 @@ class FakeAsyncLLM:
     def shutdown_sync(self) -> None:
         self.shutdown_calls += 1
 
+    async def check_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """:meth:`generate`'s refusals without starting the request (``check_request`` of
+        the contract); counted in :attr:`checked`."""
+        self.checked += 1
+        if self._dead is not None:
+            raise self._dead
+        self._validate(self._prompt_ids(prompt), sampling_params)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         if not prompt_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
@@ -264,10 +287,7 @@ class FakeAsyncLLM:
         if self._dead is not None:
             raise self._dead
         self.cache_salts.append(cache_salt)
-        if isinstance(prompt, str):
-            prompt_ids = list(self.tokenizer(prompt).input_ids)
-        else:
-            prompt_ids = list(prompt)
+        prompt_ids = self._prompt_ids(prompt)
         params = self._validate(prompt_ids, sampling_params)
         self.requests.append((request_id, prompt_ids, params, priority))
         self.running.add(request_id)

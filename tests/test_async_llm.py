@@ -171,6 +171,30 @@ def test_bad_input_raises_before_streaming(engine):
     asyncio.run(main())
 
 
+def test_check_request_refuses_what_generate_refuses_and_submits_nothing(engine):
+    refused = [
+        ("hi", SamplingParams(max_tokens=10_000), {}),
+        ("word " * 300, SamplingParams(max_tokens=4), {}),
+        ("hi", SamplingParams(stop_token_ids=[1_000_000]), {}),
+        ("hi", SamplingParams(), {"priority": 1}),
+        ("hi", SamplingParams(), {"cache_salt": ""}),
+    ]
+
+    async def main():
+        for prompt, params, extra in refused:
+            with pytest.raises(ValueError) as by_generate:
+                stream = engine.generate(prompt, params, "refused", **extra)
+                await stream.__anext__()
+            with pytest.raises(ValueError) as by_check:
+                await engine.check_request(prompt, params, **extra)
+            assert str(by_check.value) == str(by_generate.value)
+        assert await engine.check_request("hi", SamplingParams(max_tokens=4)) is None
+        return engine.stats()
+
+    stats = asyncio.run(main())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
 def test_closing_the_stream_aborts_and_frees_blocks(engine):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 

@@ -715,6 +715,37 @@ def test_a_background_stream_resumes_after_a_disconnect(real_server: ServerProce
     real_server.wait_idle()
 
 
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"max_output_tokens": 10_000}, "maximum context length"),
+        ({"input": "word " * 300}, "maximum context length"),  # the prompt alone
+        ({"stop_token_ids": [1_000_000]}, "out of the vocabulary"),
+        ({"allowed_token_ids": [1_000_000]}, "allowed_token_ids"),
+        ({"priority": 1}, "--scheduler priority"),
+        ({"cache_salt": ""}, "cache_salt"),
+    ],
+)
+def test_what_the_engine_refuses_is_a_400_before_a_background_response_on_a_real_model(
+    real_server: ServerProcess, fields: dict[str, Any], says: str
+) -> None:
+    # the engine's input processor refuses these when the request starts; a background
+    # response runs its checks before it answers: the same 400, nothing queued or stored
+    import httpx
+
+    url = real_server.base + "/v1/responses"
+    body = {"model": "tiny", "input": "Hello", **fields}
+    plain = httpx.post(url, json=body, headers=real_server.headers, timeout=30)
+    assert plain.status_code == 400, plain.text
+    assert says in plain.json()["error"]["message"], plain.text
+    for stream in (False, True):
+        background = {**body, "background": True, "stream": stream}
+        refused = httpx.post(url, json=background, headers=real_server.headers, timeout=30)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"] == plain.json()["error"]
+    real_server.wait_idle()
+
+
 def httpx_tokenize(server: ServerProcess, messages: list[dict[str, Any]]) -> list[int]:
     import httpx
 

@@ -19,10 +19,14 @@ from fastapi.testclient import TestClient
 from test_serve_responses import CALL, MODEL, PARSERS, THOUGHT, WEATHER, Server, serve
 
 from chassis.serve.app import build_app
-from chassis.serve.responses_background import BackgroundResponses, BackgroundRun
+from chassis.serve.responses_background import (
+    BackgroundResponses,
+    BackgroundRun,
+    background_responses,
+)
 from chassis.serve.responses_events import EventLog
 from chassis.serve.responses_protocol import ResponseObject
-from chassis.serve.responses_store import ResponseStore
+from chassis.serve.responses_store import ResponseStore, response_store
 from chassis.serve.settings import ServerSettings
 
 openai = pytest.importorskip("openai")
@@ -262,15 +266,31 @@ def test_an_engine_failure_fails_the_background_response(server: Server) -> None
     assert failed.output_text == "He"
 
 
-def test_what_the_engine_refuses_fails_the_background_response(server: Server) -> None:
-    # the engine checks the context length: a plain request gets a 400, a background one
-    # has already been answered, so it fails
-    response = server.client.responses.create(
-        model=MODEL, input="Hi", max_output_tokens=10_000, background=True
-    )
-    failed = finished(server, response.id)
-    assert failed.status == "failed" and failed.error.code == "invalid_prompt"
-    assert "context length" in failed.error.message and failed.output == []
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_output_tokens": 10_000},  # prompt plus output over the context
+        {"input": "word " * 100},  # the prompt alone over the context (256 tokens)
+    ],
+)
+def test_what_the_engine_refuses_is_the_same_400_in_the_background(
+    server: Server, fields: dict[str, Any]
+) -> None:
+    # the engine checks a request when it starts, which for a background response is after
+    # the answer: the server runs the engine's checks first, so nothing is queued or stored
+    body = {"model": MODEL, "input": "Hi", **fields}
+    plain = server.http.post("/v1/responses", json=body)
+    assert plain.status_code == 400, plain.text
+    for stream in (False, True):
+        refused = server.http.post(
+            "/v1/responses", json={**body, "background": True, "stream": stream}
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"] == plain.json()["error"]
+    assert server.engine.checked == 2
+    assert server.engine.requests == []  # nothing was queued
+    app = server.http.app
+    assert len(response_store(app)) == 0 and len(background_responses(app)) == 0
 
 
 def _nested_schema(levels: int) -> dict[str, Any]:
