@@ -18,8 +18,7 @@ of codes and those rows' ``g_idx``, with every group's scales and zero points, s
 not fall on group boundaries), found by the same exact comparison; a layer sharded some other
 way (KV heads replicated across more ranks than there are) stays dequantized.
 
-Not packed (the dequantized path): LoRA adapters (they wrap ``nn.Linear``) and bit widths
-other than 4 (with a log line), fused MoE experts (one tensor for all experts; no log line:
+Not packed (the dequantized path): bit widths other than 4 (with a log line), fused MoE experts (one tensor for all experts; no log line:
 they are not ``nn.Linear``), ``--int4-weights dequantized``, and ``--int4-weights auto`` (the default) on a platform
 without an int4 matmul kernel (:func:`keeps_int4_packed`). Peak memory while loading is that
 of the dequantized path plus the packed tensors.

@@ -11,6 +11,14 @@ import torch
 from torch import nn
 
 from chassis.core.attention import AttentionBackend, ForwardContext
+from chassis.core.layers.int4_linear import Int4Linear
+
+
+def is_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer LoRA adapters may wrap: an ``nn.Linear``, or an
+    :class:`~chassis.core.layers.int4_linear.Int4Linear` (a 4-bit checkpoint's layer kept
+    packed), which has the same ``in_features`` / ``out_features`` and ``x -> x W^T + b``."""
+    return isinstance(module, nn.Linear | Int4Linear)
 
 
 class LoRASlice(NamedTuple):
@@ -132,9 +140,11 @@ class CausalLM(nn.Module, ABC):
         projections (Q/K/V in one matmul) returns one slice per projection. The default: an
         ``nn.Linear`` other than ``lm_head`` is one projection under its own name, whole
         (right for a model whose module names are the checkpoint's and that does not shard
-        itself); anything else is not adaptable.
+        itself); anything else is not adaptable. A layer kept as packed 4-bit codes
+        (:class:`~chassis.core.layers.int4_linear.Int4Linear`) counts as a linear layer: the
+        adapters' deltas are added to its output as to any other.
         """
-        if not isinstance(module, nn.Linear) or module_name.split(".")[-1] == "lm_head":
+        if not is_linear(module) or module_name.split(".")[-1] == "lm_head":
             return []
         rows = int(module.out_features)
         return [LoRASlice(module_name, 0, rows, int(module.in_features), rows)]

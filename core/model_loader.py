@@ -380,13 +380,13 @@ def _int4_sources(engine_config: EngineConfig, hf_config: Any) -> Any:
             )
         return None
     fmt = packed_int_format(config)
-    reason = None
     if fmt.bits != 4:
-        reason = f"{fmt.bits}-bit codes (only 4-bit are kept packed)"
-    elif engine_config.enable_lora:
-        reason = "LoRA adapters (they wrap 16-bit linear layers)"
-    if reason is not None:
-        logger.info("int4: loading the %s checkpoint dequantized: %s", fmt.method, reason)
+        logger.info(
+            "int4: loading the %s checkpoint dequantized: %d-bit codes (only 4-bit are kept "
+            "packed)",
+            fmt.method,
+            fmt.bits,
+        )
         return None
     from chassis.core.int4_packing import Int4Sources
 

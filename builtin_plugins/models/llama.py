@@ -486,7 +486,6 @@ class LlamaForCausalLM(CausalLM):
         as :meth:`load_weights` fills them); whole shapes undo the tensor-parallel cut."""
         if not super().lora_slices(module_name, module):
             return []
-        assert isinstance(module, nn.Linear)
         prefix, _, leaf = module_name.rpartition(".")
         projections = self.lora_merged_projections.get(leaf) or (leaf,)
         rows = self.spec.shard_rows(int(module.out_features))

@@ -38,8 +38,20 @@ class LoRAStepState:
     active: bool = False
 
 
+def layer_device(layer: nn.Module) -> torch.device:
+    """The device of a linear layer's tensors: its weight's, or for a layer without one
+    (:class:`~chassis.core.layers.int4_linear.Int4Linear` holds packed buffers) its first
+    buffer's."""
+    weight = getattr(layer, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.device
+    return next(iter(layer.buffers())).device
+
+
 class LoRALinear(nn.Module):
-    """``base_layer`` (an ``nn.Linear``, or what a platform swapped it for) with LoRA slots.
+    """``base_layer`` (an ``nn.Linear``, what a platform swapped it for, or an
+    :class:`~chassis.core.layers.int4_linear.Int4Linear` running the packed 4-bit kernel)
+    with LoRA slots: the adapters' deltas are added to whatever the base layer computes.
 
     :param base_layer: the wrapped layer; ``in_features`` / ``out_features`` describe it
     :param slices: ``(first output row, rows)`` of each adaptable projection the layer holds
@@ -49,7 +61,7 @@ class LoRALinear(nn.Module):
 
     def __init__(
         self,
-        base_layer: nn.Linear,
+        base_layer: nn.Module,
         slices: list[tuple[int, int]],
         state: LoRAStepState,
         max_loras: int,
@@ -65,7 +77,7 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         # Adapters compute in float32 whatever the model's dtype: exact to the adapter file,
         # and at these small shapes no slower (on the CPU twice as fast as bfloat16 matmuls).
-        factory = {"dtype": torch.float32, "device": base_layer.weight.device}
+        factory = {"dtype": torch.float32, "device": layer_device(base_layer)}
         num_slices = len(self.slices)
         #: ``[slices, slots, rank, in]``: the A matrices of every slice and slot (slice-major,
         #: so that each slice's part of ``x A^T`` is a column range the B matmul reads as is)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from chassis.core.lora.adapter import AdapterWeights, load_adapter
-from chassis.core.lora.layers import LoRALinear, LoRAStepState
+from chassis.core.lora.layers import LoRALinear, LoRAStepState, layer_device
 
 if TYPE_CHECKING:
     from chassis.core.lora.request import LoRARequest
@@ -92,7 +92,7 @@ class LoRAModel:
             for child_name, child in parent.named_children():
                 name = f"{parent_name}.{child_name}" if parent_name else child_name
                 slices = model.lora_slices(name, child)
-                if slices and child.weight.device.type != "meta":
+                if slices and layer_device(child).type != "meta":
                     found.append((parent, child_name, child, slices))
         for parent, child_name, child, slices in found:
             wrapper = LoRALinear(
