@@ -17,7 +17,9 @@ unrolls ``$ref``:
   inside another is a level, and so are groups and repetitions inside a rule, as
   :func:`~.grammar_parser.nesting_cost` counts them); a grammar too large or too deep even
   then is refused;
-- loops written with ``*`` and ``+`` are not recursion and stay unbounded.
+- loops written with ``*`` and ``+`` are not recursion and stay unbounded; a list written
+  ``item ("," item)*`` (whatever its parts) is built with one copy of its item
+  (:mod:`.grammar_lists`), so lists nested in lists grow the automaton linearly.
 
 Refused with ``ValueError``: syntax errors, undefined rules and a missing ``root``
 (:func:`~.grammar_parser.parse_grammar`, naming line and column); a grammar whose ``root``
@@ -41,6 +43,7 @@ from chassis.builtin_plugins.structured_output.automaton import (
     estimated_nfa_states,
 )
 from chassis.builtin_plugins.structured_output.grammar_lark import is_lark, lark_to_gbnf
+from chassis.builtin_plugins.structured_output.grammar_lists import separated_lists
 from chassis.builtin_plugins.structured_output.grammar_parser import (
     ROOT,
     AnyChar,
@@ -51,6 +54,7 @@ from chassis.builtin_plugins.structured_output.grammar_parser import (
     Repetition,
     Rule,
     RuleRef,
+    SeparatedRepetition,
     Sequence,
     children,
     nesting_cost,
@@ -81,11 +85,15 @@ class _TooDeep(Exception):
     """This depth makes the expansion nest deeper than :data:`MAX_NESTING_DEPTH`."""
 
 
-def grammar_to_ir(text: str) -> ir.Node:
+def grammar_to_ir(text: str, *, lists: bool = True) -> ir.Node:
     """The texts the grammar ``text`` derives from its ``root`` rule, with recursion
     unrolled (see the module docstring). A Lark grammar (grammar_lark.py: no ``::=``, rules
     ``name: ...``) is translated to GBNF first, its ``start`` rule becoming ``root`` (which
-    messages call ``start`` again: a Lark grammar has no rule ``root`` of its own)."""
+    messages call ``start`` again: a Lark grammar has no rule ``root`` of its own).
+
+    ``lists`` (the default) builds each ``item (separator item)*`` shape as a separated
+    repetition, its item once (:mod:`.grammar_lists`); ``False`` compiles the rules as
+    written, the reference that tests compare with."""
     lark = is_lark(text)
     start = "start" if lark else ROOT  # (the start rule, as the user named it)
     if lark:
@@ -97,6 +105,8 @@ def grammar_to_ir(text: str) -> ir.Node:
             raise ValueError(f"the Lark grammar, translated to GBNF: {message}") from None
     else:
         rules = parse_grammar(text)
+    if lists:
+        rules = separated_lists(rules)
     groups = _recursive_groups(rules)
     stuck = _unproductive(rules, groups)
     if ROOT in stuck:
@@ -223,7 +233,7 @@ class _Compiler:
             inner = tuple(item for item in counts if item[0] in group)
             node, height = self.rule(expr.name, inner, level + 1)
             return node, cost + 1 + height
-        if isinstance(expr, Sequence | Choice | Repetition):
+        if isinstance(expr, Sequence | Choice | Repetition | SeparatedRepetition):
             parts = [self.expr(child, counts, level, expr) for child in children(expr)]
             height = cost + max((height for _, height in parts), default=0)
             nodes = [node for node, _ in parts]
@@ -231,8 +241,34 @@ class _Compiler:
                 return join(*nodes), height
             if isinstance(expr, Choice):
                 return _either(nodes), height
-            return repeat(nodes[0], expr.min, expr.max), height
+            if isinstance(expr, SeparatedRepetition):
+                return _separated(expr, nodes), height
+            return _repeated(nodes[0], expr.min, expr.max), height
         raise TypeError(f"not a grammar expression: {expr!r}")
+
+
+def _separated(expr: SeparatedRepetition, nodes: list[ir.Node]) -> ir.Node:
+    """The separated repetition ``expr`` whose children (its separator's items, then its
+    item's) compiled to ``nodes``: an ``ir.Repeat`` with a separator, the item built once
+    (no separator, or one that matches only the empty text: a plain repetition)."""
+    count = len(expr.separator)
+    separator = join(*nodes[:count]) if count else ir.EMPTY
+    item = join(*nodes[count:])
+    return repeat(item, expr.min, expr.max, None if separator == ir.EMPTY else separator)
+
+
+def _repeated(node: ir.Node, low: int, high: int | None) -> ir.Node:
+    """``node`` ``low`` to ``high`` times; an optional list (``(item ("," item)*)?``, as
+    Lark's ``[...]`` translates) is the list from zero items, not a repetition of it (the
+    same texts, a few states fewer)."""
+    if (
+        (low, high) == (0, 1)
+        and isinstance(node, ir.Repeat)
+        and node.separator is not None
+        and node.min <= 1
+    ):
+        return ir.Repeat(node.item, 0, node.max, node.separator)
+    return repeat(node, low, high)
 
 
 def _either(options: list[ir.Node]) -> ir.Node:
@@ -343,6 +379,9 @@ def _unproductive(rules: dict[str, Rule], groups: list[frozenset[str]]) -> set[s
             return any(finishes(option) for option in expr.options)
         if isinstance(expr, Repetition):
             return expr.min == 0 or finishes(expr.item)
+        if isinstance(expr, SeparatedRepetition):  # (a separator only between two items)
+            needed = (*expr.item, *(expr.separator if expr.min > 1 else ()))
+            return expr.min == 0 or all(finishes(item) for item in needed)
         return True
 
     referrers: dict[str, set[str]] = {}

@@ -43,6 +43,7 @@ __all__ = [
     "Repetition",
     "Rule",
     "RuleRef",
+    "SeparatedRepetition",
     "Sequence",
     "nesting_cost",
     "parse_grammar",
@@ -106,7 +107,27 @@ class Repetition:
     max: int | None
 
 
-Expr = Literal | CharClass | AnyChar | RuleRef | Sequence | Choice | Repetition
+@dataclass(frozen=True)
+class SeparatedRepetition:
+    """The items of ``item`` in turn, from ``min`` (at least 1) to ``max`` times (``None``:
+    unbounded), the items of ``separator`` between each two: ``item (separator item)*`` and
+    its kin. Never written by the parser: :mod:`.grammar_lists` recognises those shapes in
+    a rule's sequences and rewrites them to this, so the automaton builds ``item`` once.
+
+    Toward the nesting limit it is a repetition (one level), its ``separator`` and ``item``
+    items inside it as inside a sequence: so its height is that of the shape it replaces
+    (whose deepest copy of ``item`` was inside the repeated group).
+    """
+
+    item: tuple[Expr, ...]
+    separator: tuple[Expr, ...]
+    min: int
+    max: int | None
+
+
+Expr = (
+    Literal | CharClass | AnyChar | RuleRef | Sequence | Choice | Repetition | SeparatedRepetition
+)
 
 
 @dataclass(frozen=True)
@@ -145,12 +166,13 @@ def nesting_cost(parent: Expr | None, child: Expr) -> int:
     a rule's body): a repetition is a level, and so is a group, except a repeated one
     (``("," item)*`` is one level). The parser writes a group as the expression inside it,
     so a group is an alternation or sequence inside a sequence, or an alternation inside
-    an alternation; a sequence inside an alternation is one of its options, no group."""
-    if isinstance(child, Repetition):
+    an alternation; a sequence inside an alternation is one of its options, no group. A
+    :class:`SeparatedRepetition` is a repetition, and its items count as a sequence's."""
+    if isinstance(child, Repetition | SeparatedRepetition):
         return 1
     if parent is None or not isinstance(child, Sequence | Choice):
         return 0
-    if isinstance(parent, Sequence):
+    if isinstance(parent, Sequence | SeparatedRepetition):  # (its items as a sequence's)
         return 1
     return int(isinstance(parent, Choice) and isinstance(child, Choice))
 
@@ -175,6 +197,8 @@ def children(expr: Expr) -> tuple[Expr, ...]:
         return expr.options
     if isinstance(expr, Repetition):
         return (expr.item,)
+    if isinstance(expr, SeparatedRepetition):
+        return (*expr.separator, *expr.item)
     return ()
 
 
