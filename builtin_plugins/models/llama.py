@@ -545,25 +545,17 @@ class LlamaForCausalLM(CausalLM):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            param_name, shard = _merged_target(name)
-            param = params.get(param_name)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no counterpart in {type(self).__name__}; "
-                    "is the checkpoint's architecture right?"
-                )
-            target = param.data
-            if shard is not None:
-                start, size = self.spec.shard_rows(target.shape[0])[shard]
-                target = target[start : start + size]
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(target.shape)} (does config.json match the weights?)"
-                )
-            target.copy_(tensor)
-            shards_loaded.setdefault(param_name, set()).add(shard or "")
-        return {name for name, shards in shards_loaded.items() if shards >= _shards_needed(name)}
+            copy_checkpoint_tensor(
+                params,
+                self.spec,
+                name,
+                tensor,
+                shards_loaded,
+                unknown=f"checkpoint tensor {name!r} has no counterpart in "
+                f"{type(self).__name__}; is the checkpoint's architecture right?",
+                label=f"checkpoint tensor {name!r}",
+            )
+        return filled_parameters(shards_loaded)
 
     def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole checkpoint tensor: rows of the column-parallel
@@ -652,6 +644,43 @@ def _merged_target(name: str) -> tuple[str, str | None]:
             module, shard = merged
             return ".".join([*parts[:i], module, *parts[i + 1 :]]), shard
     return name, None
+
+
+def copy_checkpoint_tensor(
+    params: dict[str, nn.Parameter],
+    spec: DecoderSpec,
+    name: str,
+    tensor: torch.Tensor,
+    shards_loaded: dict[str, set[str]],
+    *,
+    unknown: str,
+    label: str = "checkpoint tensor",
+    hint: str = "does config.json match the weights?",
+) -> None:
+    """Copy checkpoint tensor ``name`` (module-relative: ``q_proj`` / ``gate_proj`` and the
+    like go to their rows of a merged parameter, split by ``spec``) into its parameter of
+    ``params`` and note the shard in ``shards_loaded`` (for :func:`filled_parameters`).
+    ``ValueError(unknown)`` when no parameter takes it; a shape that does not match is a
+    ``ValueError`` ``"{label} has shape ..., expected ... ({hint})"``."""
+    param_name, shard = _merged_target(name)
+    param = params.get(param_name)
+    if param is None:
+        raise ValueError(unknown)
+    target = param.data
+    if shard is not None:
+        start, size = spec.shard_rows(target.shape[0])[shard]
+        target = target[start : start + size]
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"{label} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} ({hint})"
+        )
+    target.copy_(tensor)
+    shards_loaded.setdefault(param_name, set()).add(shard or "")
+
+
+def filled_parameters(shards_loaded: dict[str, set[str]]) -> set[str]:
+    """The parameters of ``shards_loaded`` whose every shard arrived."""
+    return {name for name, shards in shards_loaded.items() if shards >= _shards_needed(name)}
 
 
 def _shards_needed(param_name: str) -> set[str]:

@@ -35,8 +35,8 @@ from chassis.builtin_plugins.models.llama import (  # the head's layers are Llam
     DecoderSpec,
     LlamaDecoderLayer,
     LlamaMLP,
-    _merged_target,
-    _shards_needed,
+    copy_checkpoint_tensor,
+    filled_parameters,
 )
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.rotary import RotaryEmbedding
@@ -145,25 +145,18 @@ class EagleLlamaHead(CausalLM):
             name = head_tensor_name(raw_name)
             if name.endswith("rotary_emb.inv_freq") or name == "layers.0.input_layernorm.weight":
                 continue
-            param_name, shard = _merged_target(name)
-            param = params.get(param_name)
-            if param is None:
-                raise ValueError(
-                    f"EAGLE head tensor {raw_name!r} has no counterpart in an EAGLE-1 Llama "
-                    "head (fc, layers.N.*, embed_tokens, lm_head); is it an EAGLE-1 head?"
-                )
-            target = param.data
-            if shard is not None:
-                start, size = self.spec.shard_rows(target.shape[0])[shard]
-                target = target[start : start + size]
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"EAGLE head tensor {raw_name!r} has shape {tuple(tensor.shape)}, expected "
-                    f"{tuple(target.shape)} (does its config.json match its weights?)"
-                )
-            target.copy_(tensor)
-            shards_loaded.setdefault(param_name, set()).add(shard or "")
+            copy_checkpoint_tensor(
+                params,
+                self.spec,
+                name,
+                tensor,
+                shards_loaded,
+                unknown=f"EAGLE head tensor {raw_name!r} has no counterpart in an EAGLE-1 "
+                "Llama head (fc, layers.N.*, embed_tokens, lm_head); is it an EAGLE-1 head?",
+                label=f"EAGLE head tensor {raw_name!r}",
+                hint="does its config.json match its weights?",
+            )
         if "fc.bias" not in shards_loaded:
             self.fc.bias.zero_()
             shards_loaded["fc.bias"] = {""}
-        return {name for name, shards in shards_loaded.items() if shards >= _shards_needed(name)}
+        return filled_parameters(shards_loaded)
