@@ -122,7 +122,13 @@ def load_draft_model(
             "--max-model-len or use another draft model"
         )
     check_quantization(hf_config)
-    if any(path.glob("*.safetensors")) and "fc.weight" in checkpoint_tensor_names(path):
+    names = checkpoint_tensor_names(path) if any(path.glob("*.safetensors")) else set()
+    if "d2t" in names or any(n.startswith("midlayer.") for n in names):
+        raise ValueError(
+            f"the draft model {spec.model!r} is an EAGLE-3 head (it has midlayer.* or d2t "
+            "tensors), not a model: pass --speculative-config method 'eagle3'"
+        )
+    if "fc.weight" in names:
         raise ValueError(
             f"the draft model {spec.model!r} is an EAGLE-1 head (it has fc.weight), not a "
             "model: pass --speculative-config method 'eagle'"
@@ -184,10 +190,6 @@ class DraftModelProposer:
     ``kv_dtype`` is the dtype of the target's cache (the draft's is the same). Call
     :meth:`initialize_kv_cache` with the target's block count before :meth:`propose`.
     """
-
-    #: whether the runner passes the step's target hidden states to :meth:`propose`
-    #: (:class:`~chassis.core.eagle.EagleProposer`)
-    reads_target_hidden = False
 
     def __init__(
         self,
@@ -336,12 +338,18 @@ class DraftModelProposer:
         rows: np.ndarray,
         starts: np.ndarray,
         sampled: np.ndarray,
+        target_hidden: torch.Tensor | None = None,
+        query_start_loc: np.ndarray | None = None,
     ) -> dict[str, list[int]]:
         """Run the draft over the step just executed and propose the next step's drafts.
 
         Call once the step is resolved (``batch`` holds its accepted tokens and
         ``num_computed_tokens``). ``rows`` are the step's scheduled batch rows, ``starts``
-        each one's first position in the step, ``sampled`` whether it got tokens. Returns
+        each one's first position in the step, ``sampled`` whether it got tokens;
+        ``target_hidden`` (``[tokens of the step, hidden]``, the target's final hidden
+        states in step order) and ``query_start_loc`` (``[len(rows) + 1]``: where each row's
+        tokens start in it) are the step's, for a proposer that reads the target's states
+        (:class:`~chassis.core.eagle.EagleProposer`; a draft model ignores them). Returns
         request id -> up to ``num_speculative_tokens`` drafts: the draft's argmax, or for a
         random request with probabilistic drafts a draw from its ``q``, kept for
         :meth:`prepare_verify` (none for a request that may not speculate, is done, or has

@@ -22,8 +22,9 @@ verifies them as a draft model's.
 - **Cost when off.** The runner only passes the hidden states it already holds; nothing
   is copied or kept unless EAGLE is on.
 
-Limits: EAGLE-1 Llama-style heads only (EAGLE-3 heads, which read several target layers, are
-refused by name); the head's hidden size must be the target's; the head reads the target's
+Limits: EAGLE-1 Llama-style heads here (EAGLE-3 heads, which read several target layers:
+:mod:`chassis.core.eagle3`, method ``eagle3``; one given as method ``eagle`` is named); the
+head's hidden size must be the target's; the head reads the target's
 embedding table unscaled (a Gemma target scales it in its own forward only); a prefix-cache
 hit reuses the head's K/V at a cached block's last position, computed with the token that
 followed it in the request that wrote it (only the acceptance rate can change, never the
@@ -33,6 +34,7 @@ output).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,7 +75,7 @@ def load_eagle_head(
     from chassis.plugins.registries import get_registries
 
     spec = config.speculative
-    if spec is None or not spec.uses_eagle or spec.model is None:
+    if spec is None or spec.method != "eagle" or spec.model is None:
         raise ValueError("load_eagle_head needs --speculative-config method 'eagle'")
     path = resolve_model_path(spec.model)
     hf_config = load_hf_config(path)
@@ -94,11 +96,15 @@ def load_eagle_head(
         )
     check_quantization(hf_config)
     names = checkpoint_tensor_names(path)
+    if "d2t" in names or any(n.startswith("midlayer.") for n in names):
+        raise ValueError(
+            f"the EAGLE head {spec.model!r} is an EAGLE-3 head (it has midlayer.* or d2t "
+            "tensors): pass --speculative-config method 'eagle3'"
+        )
     if "fc.weight" not in names:
         raise ValueError(
             f"the EAGLE head {spec.model!r} has no fc.weight: it is not an EAGLE-1 head "
-            "(method 'eagle' takes a head of fc + decoder layers; EAGLE-3 heads are not "
-            "supported)"
+            "(method 'eagle' takes a head of fc + decoder layers)"
         )
     own_embedding, own_lm_head = "embed_tokens.weight" in names, "lm_head.weight" in names
     head_cls = get_registries().models.get(HEAD_ARCHITECTURE)
@@ -132,12 +138,9 @@ def load_eagle_head(
 class EagleProposer(DraftModelProposer):
     """An EAGLE-1 head, its KV cache and each step's drafts (see the module docstring).
 
-    :meth:`propose` takes the target's hidden states of the step as well; everything else
+    :meth:`propose` reads the target's hidden states of the step as well; everything else
     (KV cache, sampler, verification by rejection sampling) is the draft model's.
     """
-
-    #: the runner passes the step's target hidden states to :meth:`propose`
-    reads_target_hidden = True
 
     def __init__(self, config: EngineConfig, model: CausalLM, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, model, *args, **kwargs)
@@ -151,23 +154,39 @@ class EagleProposer(DraftModelProposer):
         target_hidden = torch.zeros(
             len(input_ids), self.hidden_size, dtype=dtype, device=self.device
         )
-        return self.model(input_ids, positions, ctx, target_hidden)
+        return self.model(input_ids, positions, ctx, self._step_hidden(target_hidden)(None))
+
+    def _step_hidden(
+        self, target_hidden: torch.Tensor
+    ) -> Callable[[torch.Tensor | None], torch.Tensor]:
+        """What the head's first forward of a step reads, from the step's final hidden
+        states ``target_hidden``: a function of the step's token rows to read (``None``:
+        all) giving ``[rows, hidden]``. An EAGLE-1 head reads the rows themselves; called
+        once per step, before anything else (:class:`~chassis.core.eagle3.Eagle3Proposer`
+        collects the target's other layers here)."""
+
+        def rows(index: torch.Tensor | None) -> torch.Tensor:
+            return target_hidden if index is None else target_hidden.index_select(0, index)
+
+        return rows
 
     @torch.inference_mode()
-    def propose(  # type: ignore[override]
+    def propose(
         self,
         batch: InputBatch,
         rows: np.ndarray,
         starts: np.ndarray,
         sampled: np.ndarray,
-        target_hidden: torch.Tensor,
-        query_start_loc: np.ndarray,
+        target_hidden: torch.Tensor | None = None,
+        query_start_loc: np.ndarray | None = None,
     ) -> dict[str, list[int]]:
         """Run the head over the step just executed and propose the next step's drafts.
 
-        As :meth:`DraftModelProposer.propose`, plus the step's ``target_hidden`` (``[tokens
-        of the step, hidden]``, the target's final hidden states in step order) and its
-        ``query_start_loc`` (``[len(rows) + 1]``: where each row's tokens start in it)."""
+        As :meth:`DraftModelProposer.propose`; ``target_hidden`` and ``query_start_loc``
+        are required."""
+        if target_hidden is None or query_start_loc is None:
+            raise ValueError("an EAGLE head proposes from the step's target hidden states")
+        step_hidden = self._step_hidden(target_hidden)
         computed = batch.num_computed_tokens[rows].astype(np.int64)
         room = self._room(batch, rows, computed, sampled)
         self._drop_stale_probs(batch)
@@ -186,7 +205,7 @@ class EagleProposer(DraftModelProposer):
             self._to_device(batch.token_ids[token_rows, positions + 1]),
             self._to_device(positions),
             ctx,
-            target_hidden.index_select(0, self._to_device(flat)),
+            step_hidden(self._to_device(flat)),
         )
         drafting = (room > 0)[ran]
         if not drafting.any():

@@ -132,6 +132,32 @@ class CausalLM(nn.Module, ABC):
                 return reason
         return None
 
+    # -- auxiliary hidden states (EAGLE-3 heads read several layers: core/eagle3.py) ----------
+
+    def default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """The layers whose hidden states an EAGLE-3 head reads when its config names none:
+        vLLM's ``(2, num_layers // 2, num_layers - 3)``."""
+        num_layers = int(self.hf_config.num_hidden_layers)
+        return (2, num_layers // 2, num_layers - 3)
+
+    def set_aux_hidden_state_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """Keep, from now on, the hidden state entering each decoder layer of ``layer_ids``
+        (the residual stream before that layer: HF's ``hidden_states[i]``) in every forward,
+        for :meth:`take_aux_hidden_states`; ``()`` turns it off. A model that can sets this
+        and costs nothing while it is off; the default refuses (``ValueError`` naming the
+        model), as does a model given an id outside ``0 .. num_layers - 1``. Kept states
+        cannot come out of a captured graph: the model's :meth:`graph_capture_blocker` says
+        so while any are kept."""
+        raise ValueError(
+            f"{type(self).__name__} does not expose auxiliary hidden states of its layers, "
+            "which an EAGLE-3 head reads (supported: Llama-family targets)"
+        )
+
+    def take_aux_hidden_states(self) -> list[torch.Tensor]:
+        """The hidden states the last forward kept (:meth:`set_aux_hidden_state_layers`),
+        ``[num_tokens, hidden_size]`` each in ``layer_ids`` order, and forget them."""
+        raise ValueError(f"{type(self).__name__} does not expose auxiliary hidden states")
+
     def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
         """The HF projections the linear layer ``module_name`` holds, for LoRA adapters (one
         :class:`LoRASlice` each); empty when adapters may not change the layer.

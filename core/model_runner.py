@@ -549,12 +549,9 @@ class ModelRunner:
         assert self.drafter is not None
         output = pending.result()
         sampled = np.array([bool(t) for t in output.sampled_token_ids], dtype=bool)
-        if self.drafter.reads_target_hidden:
-            output.draft_token_ids = self.drafter.propose(  # type: ignore[call-arg]
-                self.batch, rows, starts, sampled, hidden, query_start_loc
-            )
-        else:
-            output.draft_token_ids = self.drafter.propose(self.batch, rows, starts, sampled)
+        output.draft_token_ids = self.drafter.propose(
+            self.batch, rows, starts, sampled, hidden, query_start_loc
+        )
         return PendingRunnerOutput.ready(output)
 
     def _mask_disallowed_tokens(

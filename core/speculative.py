@@ -1,5 +1,5 @@
-"""Speculative decoding (vLLM's ``--speculative-config``): methods ``ngram``, ``draft_model``
-and ``eagle``.
+"""Speculative decoding (vLLM's ``--speculative-config``): methods ``ngram``, ``draft_model``,
+``eagle`` and ``eagle3``.
 
 A decoding request often repeats text it has seen: code being edited, a quoted document, a
 list whose items share a pattern. Prompt lookup guesses the next tokens by finding the
@@ -47,7 +47,9 @@ accepted, never which tokens come out or with what probability.
 
 With ``method: "eagle"`` (``"model": PATH`` of an EAGLE-1 head) the proposer is a head of one
 or a few decoder layers that reads the target's own last hidden states
-(:mod:`chassis.core.eagle`); it plans, drafts and verifies as a draft model does.
+(:mod:`chassis.core.eagle`); it plans, drafts and verifies as a draft model does. With
+``method: "eagle3"`` the head is an EAGLE-3 one, which reads several target layers' hidden
+states and drafts over a vocabulary of its own (:mod:`chassis.core.eagle3`).
 """
 
 from __future__ import annotations
@@ -62,9 +64,11 @@ import numpy as np
 from chassis.core.sampling_params import SamplingParams
 
 #: the methods this engine implements
-METHODS = ("ngram", "draft_model", "eagle")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 #: methods that run a model in the runner to propose drafts (it needs ``"model"``)
-MODEL_METHODS = ("draft_model", "eagle")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+#: methods whose drafts come from an EAGLE head reading the target's hidden states
+EAGLE_METHODS = ("eagle", "eagle3")
 #: how a draft model chooses the drafts of random requests (``draft_sampling``)
 DRAFT_SAMPLING = ("probabilistic", "greedy")
 #: most draft tokens per step and request (the verify forward grows with them)
@@ -78,9 +82,10 @@ class SpeculativeConfig:
     ``num_speculative_tokens``: most drafts per request and step; the n-gram to look up has
     ``prompt_lookup_max`` tokens down to ``prompt_lookup_min`` (the longest that occurs
     earlier wins). ``model``: the draft model's checkpoint (a folder or hub id) for method
-    ``draft_model``, the EAGLE-1 head's for method ``eagle``; a ``model`` without a
+    ``draft_model``, the EAGLE-1 head's for method ``eagle``, the EAGLE-3 head's for method
+    ``eagle3``; a ``model`` without a
     ``method`` names it by its path as vLLM does (:func:`method_of_model_path`).
-    ``draft_sampling`` (chassis's own key, methods ``draft_model`` and ``eagle``):
+    ``draft_sampling`` (chassis's own key, the methods that run a model):
     ``"probabilistic"`` (the default) lets the draft sample each draft of a random
     request from its own distribution and the target verify by rejection sampling;
     ``"greedy"`` proposes the draft's argmax for every request and verifies by exact match.
@@ -101,8 +106,15 @@ class SpeculativeConfig:
 
     @property
     def uses_eagle(self) -> bool:
-        """Whether the drafts come from an EAGLE-1 head (:mod:`chassis.core.eagle`)."""
-        return self.method == "eagle"
+        """Whether the drafts come from an EAGLE head, EAGLE-1 or EAGLE-3
+        (:mod:`chassis.core.eagle`): it reads the target's hidden states."""
+        return self.method in EAGLE_METHODS
+
+    @property
+    def uses_eagle3(self) -> bool:
+        """Whether the drafts come from an EAGLE-3 head (:mod:`chassis.core.eagle3`): it reads
+        auxiliary hidden states of several target layers."""
+        return self.method == "eagle3"
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
@@ -143,12 +155,6 @@ class SpeculativeConfig:
 
     def validate(self) -> None:
         """``ValueError`` naming the key to change when a value is not allowed."""
-        if str(self.method).lower().replace("-", "").replace("_", "") == "eagle3":
-            raise ValueError(
-                f"--speculative-config method {self.method!r} is not supported: EAGLE-3 heads read "
-                "several target layers' hidden states; this engine runs EAGLE-1 heads "
-                "(method 'eagle')"
-            )
         if self.method not in METHODS:
             raise ValueError(
                 f"--speculative-config method {self.method!r} is not implemented; "
@@ -156,11 +162,13 @@ class SpeculativeConfig:
             )
         if self.uses_draft_model:
             if not isinstance(self.model, str) or not self.model.strip():
-                what = (
-                    "the EAGLE-1 head's folder or hub id (trained for the target)"
-                    if self.uses_eagle
-                    else "the draft model's folder or hub id (a small model with the target's "
-                    "vocabulary)"
+                what = {
+                    "eagle": "the EAGLE-1 head's folder or hub id (trained for the target)",
+                    "eagle3": "the EAGLE-3 head's folder or hub id (trained for the target)",
+                }.get(
+                    self.method,
+                    "the draft model's folder or hub id (a small model with the target's "
+                    "vocabulary)",
                 )
                 raise ValueError(
                     f'--speculative-config method {self.method!r} needs "model": {what}'
@@ -172,13 +180,13 @@ class SpeculativeConfig:
                 )
         elif self.draft_sampling != "probabilistic":
             raise ValueError(
-                "--speculative-config \"draft_sampling\" is for methods 'draft_model' and "
-                "'eagle' (n-gram drafts are always one-hot); drop it"
+                "--speculative-config \"draft_sampling\" is for methods 'draft_model', "
+                "'eagle' and 'eagle3' (n-gram drafts are always one-hot); drop it"
             )
         elif self.model is not None:
             raise ValueError(
-                f"--speculative-config \"model\" is for methods 'draft_model' and 'eagle'; method "
-                f"{self.method!r} takes no model (drop one of them)"
+                "--speculative-config \"model\" is for methods 'draft_model', 'eagle' and "
+                f"'eagle3'; method {self.method!r} takes no model (drop one of them)"
             )
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -200,8 +208,7 @@ def method_of_model_path(model: str) -> str:
     """The method of a ``--speculative-config`` that gives a ``model`` and no ``method``,
     by vLLM's rule on the path: ``"eagle-"`` in it (any case, as in
     ``yuhuili/EAGLE-LLaMA3-Instruct-8B``) is an EAGLE-1 head, ``"eagle3"`` an EAGLE-3 head
-    (which :meth:`SpeculativeConfig.validate` refuses by name), anything else a draft
-    model."""
+    (``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``), anything else a draft model."""
     name = model.lower()
     if "eagle-" in name:
         return "eagle"

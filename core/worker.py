@@ -84,7 +84,7 @@ class Worker:
         self, hf_config: Any, backend_cls: type[AttentionBackend], target: CausalLM
     ) -> DraftModelProposer | None:
         """The draft model of ``--speculative-config`` method ``draft_model``, or the EAGLE
-        head of method ``eagle`` over ``target``, beside the target (same device, dtype and
+        head of method ``eagle`` / ``eagle3`` over ``target``, beside the target (same device, dtype and
         attention backend); None without one."""
         spec = self.config.speculative
         if spec is None or not spec.uses_draft_model:
@@ -92,7 +92,12 @@ class Worker:
         from chassis.core.draft_model import DraftModelProposer, load_draft_model
 
         proposer_cls: type[DraftModelProposer] = DraftModelProposer
-        if spec.uses_eagle:
+        if spec.uses_eagle3:
+            from chassis.core.eagle3 import Eagle3Proposer, load_eagle3_head
+
+            draft = load_eagle3_head(self.config, target, backend_cls, self.device, self.dtype)
+            proposer_cls = Eagle3Proposer
+        elif spec.uses_eagle:
             from chassis.core.eagle import EagleProposer, load_eagle_head
 
             draft = load_eagle_head(self.config, target, backend_cls, self.device, self.dtype)

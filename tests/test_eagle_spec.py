@@ -196,8 +196,6 @@ def test_configuration_errors(target_dir: Path, tmp_path: Path) -> None:
     assert spec.uses_eagle and spec.uses_draft_model and spec.num_speculative_tokens == 4
     with pytest.raises(ValueError, match=r"method 'medusa' is not implemented; known: .*eagle"):
         EngineConfig(speculative_config={"method": "medusa", "model": "h"})
-    with pytest.raises(ValueError, match=r"method 'eagle3' is not supported: EAGLE-3 heads"):
-        EngineConfig(speculative_config={"method": "eagle3", "model": "h"})
     with pytest.raises(ValueError, match="method 'eagle' needs \"model\": the EAGLE-1 head"):
         EngineConfig(speculative_config={"method": "eagle"})
     narrow = write_random_head(target_dir, tmp_path / "narrow", hidden_size=32)
@@ -284,7 +282,7 @@ def test_a_target_with_kv_cache_groups(tmp_path: Path) -> None:
 
 def test_a_model_without_a_method_is_named_by_its_path_as_vllm_does() -> None:
     """vLLM's rule: a path with "eagle-" in it (any case) is an EAGLE-1 head, one with
-    "eagle3" an EAGLE-3 head (refused by name here); any other a draft model."""
+    "eagle3" an EAGLE-3 head (tests/test_eagle3_spec.py); any other a draft model."""
 
     def method(model: str) -> str:
         return EngineConfig(speculative_config={"model": model}).speculative.method
@@ -293,10 +291,8 @@ def test_a_model_without_a_method_is_named_by_its_path_as_vllm_does() -> None:
     assert method("/models/my-eagle-head") == "eagle"
     assert method("HuggingFaceTB/SmolLM2-135M") == "draft_model"
     assert method("/models/eagle") == "draft_model"  # no "eagle-": vLLM's rule exactly
-    with pytest.raises(ValueError, match="EAGLE-3 heads read several target layers"):
-        EngineConfig(speculative_config={"model": "AngelSlim/Qwen3-8B_eagle3"})
-    with pytest.raises(ValueError, match="EAGLE-3 heads read several target layers"):
-        EngineConfig(speculative_config={"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"})
+    assert method("AngelSlim/Qwen3-8B_eagle3") == "eagle3"
+    assert method("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B") == "eagle3"
 
 
 def test_an_eagle_head_given_as_a_draft_model_is_named(target_dir: Path, random_head: Path) -> None:

@@ -42,3 +42,6 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("GptOssForCausalLM", f"{_PKG}.gpt_oss:GptOssForCausalLM")
     # an EAGLE-1 draft head over a target (--speculative-config method eagle), never alone
     registry.register("EagleLlamaForCausalLM", f"{_PKG}.llama_eagle:EagleLlamaHead")
+    # an EAGLE-3 draft head (method eagle3): the published heads' name and vLLM's
+    registry.register("LlamaForCausalLMEagle3", f"{_PKG}.llama_eagle3:Eagle3LlamaHead")
+    registry.register("Eagle3LlamaForCausalLM", f"{_PKG}.llama_eagle3:Eagle3LlamaHead")

@@ -359,6 +359,22 @@ class LlamaModel(nn.Module):
             layers.append(make_layer(i, rotary_emb, build_ctx))
         self.layers = nn.ModuleList(layers)
         self.norm = norm_class(spec.hidden_size, spec.rms_norm_eps)
+        #: the layers whose input :meth:`forward` keeps in :attr:`aux_hidden_states` (an
+        #: EAGLE-3 head reads them; ``CausalLM.set_aux_hidden_state_layers``); empty: none
+        self.aux_layer_ids: frozenset[int] = frozenset()
+        self._aux_order: tuple[int, ...] = ()  # the ids as the head reads them
+        self.aux_hidden_states: list[torch.Tensor] = []
+
+    #: whether :meth:`forward` keeps :attr:`aux_layer_ids`' inputs (a subclass with a
+    #: forward of its own that does not sets False)
+    keeps_aux_hidden_states = True
+
+    def graph_capture_blocker(self) -> str | None:
+        """Kept auxiliary hidden states are a side output a captured graph would not
+        refresh: decode steps run eager while any are kept."""
+        if self.aux_layer_ids:
+            return "the EAGLE-3 head reads hidden states of several layers (kept eager)"
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -368,8 +384,17 @@ class LlamaModel(nn.Module):
             # in the model dtype, as HF multiplies (the embedding is whole on every rank here)
             hidden_states = hidden_states * self.embedding_multiplier
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+        aux = self.aux_layer_ids
+        if aux:  # off (the plain path): no test per layer
+            kept = {}
+            for i, layer in enumerate(self.layers):
+                if i in aux:  # the residual stream entering layer i (HF's hidden_states[i])
+                    kept[i] = hidden_states if residual is None else hidden_states + residual
+                hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+            self.aux_hidden_states = [kept[i] for i in self._aux_order]
+        else:
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual, ctx)
         if residual is None:  # a model with no layers
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -468,6 +493,28 @@ class LlamaForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    def set_aux_hidden_state_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """As :meth:`CausalLM.set_aux_hidden_state_layers`: kept by :class:`LlamaModel`'s
+        forward (a decoder of another forward refuses)."""
+        decoder = self.model
+        if not (isinstance(decoder, LlamaModel) and decoder.keeps_aux_hidden_states):
+            super().set_aux_hidden_state_layers(layer_ids)
+        num_layers = len(decoder.layers)
+        bad = [i for i in layer_ids if not 0 <= int(i) < num_layers]
+        if bad:
+            raise ValueError(
+                f"auxiliary hidden state layer ids {bad} are outside the target's layers "
+                f"0 .. {num_layers - 1}"
+            )
+        decoder._aux_order = tuple(int(i) for i in layer_ids)
+        decoder.aux_layer_ids = frozenset(decoder._aux_order)
+        decoder.aux_hidden_states = []
+
+    def take_aux_hidden_states(self) -> list[torch.Tensor]:
+        """As :meth:`CausalLM.take_aux_hidden_states`."""
+        states, self.model.aux_hidden_states = self.model.aux_hidden_states, []
+        return states
 
     #: checkpoint projection -> the merged module it loads into (what :meth:`load_weights`
     #: does with it, :data:`_MERGED_SHARDS`)

@@ -151,6 +151,8 @@ class Olmo2Model(LlamaModel):
     """:class:`LlamaModel` of :class:`Olmo2DecoderLayer` s, which pass the residual stream
     itself from layer to layer (no residual add for the final norm to fuse)."""
 
+    keeps_aux_hidden_states = False  # its own forward keeps none: EAGLE-3 is refused
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:

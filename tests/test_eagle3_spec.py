@@ -1,0 +1,241 @@
+"""EAGLE-3 speculative decoding (core/eagle3.py, ``--speculative-config``
+``{"method": "eagle3", "model": HEAD, "num_speculative_tokens": k}``): random heads in the
+layout real heads ship, over a tiny four-layer Llama; greedy output is plain decoding's,
+every proposal is the head recomputed from the format over HF's target, random requests'
+drafts live on the draft vocabulary, and bad heads are refused at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures_eagle3 import ReferenceEagle3, draft_vocabulary, write_eagle3_head
+from fixtures_models import write_tiny_checkpoint
+
+from chassis import LLM, SamplingParams
+from chassis.core.config import EngineConfig
+
+K = 3
+DRAFT_VOCAB = 512
+
+PROMPTS = [
+    "Hello there",
+    "one two three four one two three four one two three",
+    "The capital of France is",
+    "Write a long story about a dragon who learns to bake bread in a small village by the "
+    "sea, and the friends she makes along the way.",
+]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("eagle3_target"), num_hidden_layers=4
+    )
+
+
+@pytest.fixture(scope="module")
+def small_vocab_head(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Its own 512-token vocabulary (d2t), reading the layers its config names."""
+    return write_eagle3_head(
+        target_dir, tmp_path_factory.mktemp("eagle3_small"), layer_ids=[0, 2, 3]
+    )
+
+
+@pytest.fixture(scope="module")
+def default_head(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's vocabulary (no d2t) and the default layers (2, 2, 1 for four)."""
+    return write_eagle3_head(
+        target_dir, tmp_path_factory.mktemp("eagle3_default"), draft_vocab_size=None, seed=1
+    )
+
+
+def make_llm(model_dir: Path, head: Path | None = None, **engine) -> LLM:
+    settings = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "block_size": 4}
+    if head is not None:
+        settings["speculative_config"] = {
+            "method": "eagle3",
+            "model": str(head),
+            "num_speculative_tokens": K,
+        }
+    return LLM(str(model_dir), **{**settings, **engine})
+
+
+def record_proposals(drafter) -> list[tuple[list[int], list[int]]]:
+    """Wrap ``drafter.propose`` to record each proposal: the request's tokens up to its
+    newest one, and the drafts proposed after them."""
+    propose = drafter.propose
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def recording(batch, rows, *args):
+        proposals = propose(batch, rows, *args)
+        for request_id, drafts in proposals.items():
+            r = batch.row_of[request_id]
+            newest = int(batch.num_computed_tokens[r])
+            seen.append((batch.token_ids[r, : newest + 1].tolist(), drafts))
+        return proposals
+
+    drafter.propose = recording
+    return seen
+
+
+def greedy(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_ids(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def expected(target_dir: Path) -> list[list[int]]:
+    llm = make_llm(target_dir)
+    try:
+        model = llm.engine.executor.worker.runner.model
+        assert not model.model.aux_layer_ids  # the plain path keeps nothing
+        return token_ids(llm, greedy())
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("head", ["small_vocab", "default"])
+def test_greedy_output_is_plain_decoding_and_drafts_are_the_heads(
+    head: str, expected: list[list[int]], target_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """Chunked prefill (16 tokens a step) and prefix caching on, the prompts twice: the
+    tokens of plain decoding, drafts proposed and counted, every block freed; and every
+    proposal equals the head recomputed from the checkpoint format over HF's target."""
+    head_dir = request.getfixturevalue(f"{head}_head")
+    llm = make_llm(target_dir, head_dir, max_num_batched_tokens=16)
+    runner = llm.engine.executor.worker.runner
+    seen = record_proposals(runner.drafter)
+    try:
+        assert runner.graphs is None or runner.model.graph_capture_blocker() is not None
+        assert token_ids(llm, greedy()) == expected
+        assert token_ids(llm, greedy()) == expected
+        stats = llm.engine.scheduler.stats()
+        assert stats.spec_num_draft_tokens > 0
+        assert stats.prefix_cache_hits > 0
+        engine = llm.engine
+        if engine.scheduler.has_finished_requests():
+            engine.step()
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    finally:
+        llm.shutdown()
+    reference = ReferenceEagle3(target_dir, head_dir)
+    assert len(seen) > 8
+    for sequence, drafts in seen[:40]:
+        assert drafts == reference.drafts(sequence, len(drafts))
+    if head == "small_vocab":
+        ids = set(draft_vocabulary(49152, DRAFT_VOCAB).tolist())
+        assert all(set(drafts) <= ids for _, drafts in seen)
+
+
+def test_random_requests_draw_drafts_on_the_draft_vocabulary(
+    target_dir: Path, small_vocab_head: Path
+) -> None:
+    """Seeded random requests give plain decoding's tokens; unseeded ones get probabilistic
+    drafts whose ``q`` (over the target's ids) is zero outside the draft vocabulary and sums
+    to one, verified by rejection sampling."""
+    seeded = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=7)
+    plain = make_llm(target_dir)
+    try:
+        want = token_ids(plain, seeded)
+    finally:
+        plain.shutdown()
+    llm = make_llm(target_dir, small_vocab_head)
+    drafter = llm.engine.executor.worker.runner.drafter
+    outside = torch.ones(49152, dtype=torch.bool)
+    outside[draft_vocabulary(49152, DRAFT_VOCAB)] = False
+    checked = []
+    choose_probs = drafter._draft_rounds
+
+    def checking(*args, **kwargs):
+        drafts = choose_probs(*args, **kwargs)
+        for request_id in drafts:
+            entry = drafter._draft_probs.get(request_id)
+            if entry is not None:
+                q = entry.flat[entry.base : entry.base + len(entry.token_ids)]
+                checked.append((float(q[:, outside].abs().sum()), q.sum(-1)))
+        return drafts
+
+    drafter._draft_rounds = checking
+    try:
+        assert token_ids(llm, seeded) == want
+        outs = token_ids(llm, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+        assert all(len(o) == 16 for o in outs)
+        assert drafter.sampler is not None  # probabilistic drafts
+        assert checked
+        for mass_outside, sums in checked:
+            assert mass_outside == 0.0
+            assert torch.allclose(sums, torch.ones_like(sums), atol=1e-4)
+    finally:
+        llm.shutdown()
+
+
+def test_the_memory_profile_runs_the_head_and_keeps_nothing(
+    target_dir: Path, small_vocab_head: Path
+) -> None:
+    from fixtures_tensor_memory import PeakTensorBytes
+
+    llm = make_llm(target_dir, small_vocab_head)
+    try:
+        runner = llm.engine.executor.worker.runner
+        with PeakTensorBytes() as memory:
+            runner.profile_run(64)
+        assert memory.current == 0
+        assert runner.model.model.aux_hidden_states == []
+    finally:
+        llm.shutdown()
+
+
+def test_the_method_and_its_inference_from_the_path() -> None:
+    spec = EngineConfig(speculative_config={"method": "eagle3", "model": "h"}).speculative
+    assert spec.uses_eagle3 and spec.uses_eagle and spec.uses_draft_model
+
+    def method(model: str) -> str:
+        return EngineConfig(speculative_config={"model": model}).speculative.method
+
+    assert method("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B") == "eagle3"
+    assert method("AngelSlim/Qwen3-8B_eagle3") == "eagle3"
+    with pytest.raises(ValueError, match="method 'eagle3' needs \"model\": the EAGLE-3 head"):
+        EngineConfig(speculative_config={"method": "eagle3"})
+
+
+def test_bad_heads_and_targets_are_refused_at_start_up(target_dir: Path, tmp_path: Path) -> None:
+    """Each a one-line ``ValueError`` naming the problem."""
+
+    def refused(head: Path, match: str, model: Path = target_dir, **engine) -> None:
+        with pytest.raises(ValueError, match=match) as info:
+            make_llm(model, head, **engine)
+        assert "\n" not in str(info.value)
+
+    no_d2t = write_eagle3_head(target_dir, tmp_path / "no_d2t", with_d2t=False)
+    refused(no_d2t, r"drafts over 512 of the target's 49152 tokens but ships no d2t")
+    out_of_range = write_eagle3_head(target_dir, tmp_path / "range", layer_ids=[1, 2, 4])
+    refused(out_of_range, r"layer ids \[4\] are outside the target's layers 0 \.\. 3")
+    bad_d2t = write_eagle3_head(
+        target_dir, tmp_path / "bad_d2t", tensors={"d2t": torch.full((DRAFT_VOCAB,), 49152)}
+    )
+    refused(bad_d2t, r"d2t maps draft ids to target ids outside 0 \.\. 49151")
+    refused(target_dir, r"not an EAGLE-3 head")  # a whole model
+    refused(no_d2t, r"cannot be combined with --torch-compile", torch_compile=True)
+    # an EAGLE-3 head given as an EAGLE-1 head or a draft model: named
+    as_eagle = {"method": "eagle", "model": str(no_d2t), "num_speculative_tokens": K}
+    with pytest.raises(ValueError, match=r"is an EAGLE-3 head .* method 'eagle3'"):
+        make_llm(target_dir, speculative_config=as_eagle)
+    as_draft = {"method": "draft_model", "model": str(no_d2t), "num_speculative_tokens": K}
+    with pytest.raises(ValueError, match=r"is an EAGLE-3 head .* method 'eagle3'"):
+        make_llm(target_dir, speculative_config=as_draft)
+
+
+def test_a_target_without_aux_hidden_states_is_refused(tmp_path: Path) -> None:
+    """OLMo 2's decoder has a forward of its own that keeps no layer's input."""
+    from test_olmo2_granite_models import write_checkpoint as write_olmo2
+
+    target = write_olmo2("olmo2", tmp_path / "olmo2", num_hidden_layers=4)
+    head = write_eagle3_head(target, tmp_path / "head")
+    with pytest.raises(ValueError, match="does not expose auxiliary hidden states") as info:
+        make_llm(target, head)
+    assert "cannot run over this target" in str(info.value)
