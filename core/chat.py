@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2 import TemplateSyntaxError
 
 from chassis.core.tokenizer import NoChatTemplateError, apply_chat_template
 
@@ -34,6 +34,12 @@ class ChatMessageError(ValueError):
 class ChatTemplateSyntaxError(ValueError):
     """The chat template itself does not parse (a Jinja syntax error), whatever the
     messages: the fault of whoever supplied the template."""
+
+
+class ChatTemplateRenderError(ValueError):
+    """The chat template parsed but failed on these messages: it refused them
+    (``raise_exception``), or indexed or computed something they do not support. The
+    message says what the template raised."""
 
 
 def content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
@@ -120,7 +126,8 @@ def render_chat(
     with ``add_generation_prompt``; ``tools`` and ``chat_template_kwargs`` (e.g. Qwen3's
     ``enable_thinking``) reach the template. Raises ``ChatMessageError`` for a message it
     cannot use, ``ChatTemplateSyntaxError`` for a template that does not parse and
-    ``ValueError`` when the template refuses the conversation.
+    ``ChatTemplateRenderError`` (a ``ValueError``) when the template fails on the
+    conversation.
     """
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
@@ -147,10 +154,11 @@ def render_chat(
             f"the chat template is not a valid Jinja template: {exc}"
         ) from None
     except ValueError as exc:
-        raise ValueError(f"cannot render the chat messages: {exc}") from None
-    except (TemplateError, TypeError, KeyError) as exc:
-        # raise_exception(...) in the template, or messages shaped unlike what the template
-        # indexes into: the caller's input, not a bug here.
-        raise ValueError(
+        raise ChatTemplateRenderError(f"cannot render the chat messages: {exc}") from None
+    except Exception as exc:
+        # The template is code: raise_exception(...), messages shaped unlike what it indexes
+        # into, or a computation that fails on them (a division by zero, a range over the
+        # sandbox's bound) are about these messages and this template, not a bug here.
+        raise ChatTemplateRenderError(
             f"the chat template rejected the messages: {type(exc).__name__}: {exc}"
         ) from None

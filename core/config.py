@@ -262,9 +262,11 @@ class EngineConfig:
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty (omit it to use MODEL)")
         if self.chat_template is not None:
-            from chassis.core.tokenizer import load_chat_template
+            from chassis.core.tokenizer import check_chat_template
 
-            load_chat_template(self.chat_template)  # a mistyped path fails here, not after loading
+            # a mistyped path, an unreadable file or a syntax error fails here, before the
+            # model loads, not as every request's error
+            check_chat_template(self.chat_template)
 
     def _validate_executor_backend(self) -> None:
         backend = self.distributed_executor_backend

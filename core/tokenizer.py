@@ -162,11 +162,37 @@ def load_chat_template(arg: str | Path | None) -> str | None:
         return text
     path = Path(text).expanduser()
     if path.is_file():
-        return path.read_text()
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:  # no permission, not UTF-8 text, ...
+            raise ValueError(f"--chat-template {text!r} cannot be read: {exc}") from None
     raise ValueError(
         f"--chat-template {text!r} is neither an existing file nor an inline Jinja template "
         "(an inline template must contain '{{', '{%' or '{#')"
     )
+
+
+def check_chat_template(arg: str | Path) -> None:
+    """Refuse a ``--chat-template`` value (:func:`load_chat_template`'s argument) that cannot
+    serve any request: a file that cannot be read, or a template that is not valid Jinja,
+    with a one-line ``ValueError`` naming the flag, the file (when it is one) and the line
+    of the syntax error. The template is compiled as transformers compiles it to render
+    (its sandboxed environment and extensions, ``{% generation %}`` included; the compile
+    is cached), so what passes here parses when a request is rendered."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    text = load_chat_template(arg)
+    assert text is not None
+    try:
+        _compile_jinja_template(text)
+    except TemplateSyntaxError as exc:
+        inline = any(marker in str(arg) for marker in _JINJA_MARKERS)
+        where = "the inline template" if inline else repr(str(arg))
+        raise ValueError(
+            f"--chat-template: {where} is not a valid Jinja template: line {exc.lineno}: "
+            + " ".join(str(exc.message).split())  # one line
+        ) from None
 
 
 class NoChatTemplateError(ValueError):

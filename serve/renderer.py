@@ -17,7 +17,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from chassis.core.chat import ChatMessageError, ChatTemplateSyntaxError, render_chat
+from chassis.core.chat import (
+    ChatMessageError,
+    ChatTemplateRenderError,
+    ChatTemplateSyntaxError,
+    render_chat,
+)
 from chassis.core.tokenizer import load_chat_template
 from chassis.serve.errors import bad_request
 
@@ -123,12 +128,15 @@ class ChatRenderer:
     ) -> str:
         """The prompt text. ``chat_template`` (and ``chat_template`` in
         ``chat_template_kwargs``) is the request's own template: a 400 unless trusted (see
-        :func:`request_chat_template`). Template errors (e.g. roles that must alternate) raise
-        a 400 naming ``messages``; a request's own template that does not parse, a 400 naming
-        the field that carried it."""
+        :func:`request_chat_template`). A template that fails on the messages (refuses them,
+        e.g. roles that must alternate, or raises computing on them) is a 400 naming
+        ``messages``; a request's own template that does not parse, a 400 naming the field
+        that carried it. Either message says whose template it was (the request's, the
+        server's ``--chat-template`` or the model's)."""
         own = request_chat_template(
             chat_template, chat_template_kwargs, trusted=self.trust_request_chat_template
         )
+        field_of_own = request_template_field(chat_template, chat_template_kwargs)
         try:
             return render_chat(
                 self.tokenizer,
@@ -142,16 +150,26 @@ class ChatRenderer:
         except ChatMessageError as exc:
             raise bad_request(str(exc), f"messages.{exc.index}.content") from None
         except ChatTemplateSyntaxError as exc:
-            # the request's own template: name its field; the server's: the request is not
-            # at fault, but nothing it sent can be named better than its messages
-            field = (
-                request_template_field(chat_template, chat_template_kwargs)
-                if own is not None
-                else "messages"
-            )
-            raise bad_request(str(exc), field) from None
+            # the request's own template: name its field; the model's (the server's own
+            # --chat-template was parsed at start-up): the request is not at fault, but
+            # nothing it sent can be named better than its messages
+            field = field_of_own if own is not None else "messages"
+            raise bad_request(f"{self._which(own, field_of_own)}: {exc}", field) from None
+        except ChatTemplateRenderError as exc:
+            # the template parsed but failed on these messages: name them, and say whose
+            # template it was (the request's, the server's or the model's)
+            raise bad_request(f"{self._which(own, field_of_own)}: {exc}", "messages") from None
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
+
+    def _which(self, own: str | None, field: str) -> str:
+        """Whose template rendered a request: the request's own (sent as ``field``), the
+        server's ``--chat-template`` or the model's tokenizer's."""
+        if own is not None:
+            return f"the request's template ({field})"
+        if self.chat_template is not None:
+            return "the server's chat template (--chat-template)"
+        return "the model's chat template"
 
     def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """``text`` as token ids."""

@@ -182,6 +182,41 @@ def trusting_server(
         yield s
 
 
+@pytest.mark.parametrize(
+    ("template", "raised"),
+    [
+        ("{{ raise_exception('only user messages') }}", "TemplateError: only user messages"),
+        ("{{ 1 / (messages | length - 1) }}", "ZeroDivisionError: division by zero"),
+        ("{{ range(10 ** 9) | list }}", "OverflowError: Range too big"),
+        ("{{ messages[0]['content'].missing() }}", "UndefinedError"),
+    ],
+)
+def test_a_template_that_fails_on_the_messages_is_a_400_saying_whose(
+    template: str, raised: str
+) -> None:
+    # valid Jinja (the server's is checked at start-up) that raises while rendering these
+    # messages: a 400 naming messages, whose message says which template raised what
+    one = [{"role": "user", "content": "Hi"}]
+    engine = FakeAsyncLLM(config_chat_template=template)
+    with TestClient(build_app(engine, ServerSettings(trust_request_chat_template=True))) as http:
+        for path, body in (
+            ("/v1/chat/completions", {"messages": one}),
+            ("/v1/responses", {"input": "Hi"}),
+        ):
+            response = http.post(path, json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "messages", error
+            assert error["message"].startswith("the server's chat template (--chat-template): ")
+            assert raised in error["message"], error
+        # the same template sent by the request names the request's field
+        own = {"messages": one, "chat_template": template}
+        error = http.post("/v1/chat/completions", json=own).json()["error"]
+        assert error["param"] == "messages", error
+        assert error["message"].startswith("the request's template (chat_template): "), error
+    assert engine.requests == []
+
+
 def _post(server: ServerProcess, route: str, body: dict[str, Any]) -> dict[str, Any]:
     response = httpx.post(server.base + route, json=body, headers=server.headers, timeout=60)
     assert response.status_code == 200, response.text

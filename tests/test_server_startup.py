@@ -63,6 +63,30 @@ def test_settings_the_engine_core_rejects_are_a_one_line_error(
     assert "Traceback" not in result.stderr
 
 
+def test_a_chat_template_that_cannot_work_is_a_one_line_error(tmp_path: Path) -> None:
+    # found from the flag alone, before the model loads (the model does not exist either)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}\n")
+    not_text = tmp_path / "binary.jinja"
+    not_text.write_bytes(b"\xff\xfe{{ messages }}")
+    inline = "{{ bos_token }}{% if %}"
+    for template, says in (
+        (str(broken), f"--chat-template: '{broken}' is not a valid Jinja template: line 2: "),
+        (inline, "--chat-template: the inline template is not a valid Jinja template: line 1: "),
+        (str(not_text), f"--chat-template '{not_text}' cannot be read: "),
+    ):
+        result = _serve(
+            str(tmp_path / "no-such-model"),
+            "--port",
+            str(free_port()),
+            "--chat-template",
+            template,
+        )
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], result.stderr
+
+
 def test_ctrl_c_to_the_process_group_stops_the_server_cleanly(
     tiny_llama_dir: Path,
     tmp_path: Path,
