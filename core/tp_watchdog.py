@@ -158,8 +158,9 @@ class StepWatchdog:
     def disarm(self) -> None:
         """The step completed on every rank (or failed): stop timing it."""
         with self._cond:
+            # No wake-up: the thread finds nothing armed at the old deadline, or the next
+            # arm() wakes it first; so a step costs one wake-up, not two.
             self._armed = None
-            self._cond.notify()
 
     def close(self) -> None:
         """End the thread (idempotent)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -94,6 +95,26 @@ def test_an_armed_step_that_is_not_disarmed_expires_once() -> None:
     assert expiries.done.wait(20)
     watchdog.close()
     assert expiries.seen == [("execute", threading.get_ident())]
+
+
+@pytest.mark.timeout(30)
+def test_a_step_costs_one_wake_up_and_a_disarmed_step_never_expires() -> None:
+    """arm() wakes the thread, disarm() does not: past a disarmed step's deadline the
+    thread finds nothing armed and goes on waiting for the next step."""
+    expiries = _Expiries()
+    watchdog = StepWatchdog(0.01, expiries.expire)
+    wake_ups: list[int] = []
+    notify = watchdog._cond.notify
+    watchdog._cond.notify = lambda n=1: (wake_ups.append(n), notify(n))  # type: ignore[method-assign]
+    for _ in range(3):
+        watchdog.arm("execute")
+        watchdog.disarm()
+    time.sleep(0.05)  # (lets the disarmed steps' deadlines pass; nothing is timed)
+    watchdog.arm("sample")
+    assert expiries.done.wait(20)
+    assert len(wake_ups) == 4
+    watchdog.close()
+    assert expiries.seen == [("sample", threading.get_ident())]
 
 
 class _DriverDisarmingDuringTheExpiry:
