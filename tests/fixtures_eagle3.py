@@ -176,3 +176,88 @@ class ReferenceEagle3:
             tokens.append(token)
             hidden = torch.cat([hidden, last[None]])
         return drafts
+
+
+def write_mirror_pair(directory: Path) -> tuple[Path, Path]:
+    """A bigram target and an EAGLE-3 head that computes it, for acceptance: ``(target,
+    head)`` folders.
+
+    The target (one Llama layer, no RoPE scaling) writes nothing into its residual stream
+    (``o_proj`` and ``down_proj`` zero): its next token after ``t`` is the argmax of
+    ``lm_head . e(t)``, where every embedding row has a root mean square of 1, the same
+    first coordinate ``A`` and zeros in its last half. ``lm_head`` favours 256 ids, so the
+    next token is always one of them. The head (``norm_before_residual`` with a zero
+    ``hidden_norm``: it ignores its hidden input) attends to its own position only (q and k
+    are the same constant vector, read from the constant coordinate, on three rotary pairs:
+    ``q . R(d) k`` is largest at distance 0 by far), passes the embedding's first half
+    through ``v`` and ``o_proj`` (its MLP's ``down_proj`` is zero), and scores its 512-id
+    draft vocabulary (those 256 and 256 others) with the target's ``lm_head`` rows: its draft
+    after token ``t`` is the target's next token after ``t``, up to attention's leakage."""
+    from fixtures_models import write_tiny_checkpoint
+
+    target_dir = write_tiny_checkpoint(
+        "llama", directory / "target", num_hidden_layers=1, rope_scaling=None
+    )
+    config = json.loads((target_dir / "config.json").read_text())
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    head_dim = hidden // heads
+    half, first = hidden // 2, 2.0  # the embedding's live coordinates, its constant one
+    generator = torch.Generator().manual_seed(5)
+    rest = torch.randn(vocab, half - 1, generator=generator)
+    rest = rest * ((hidden - first**2) / rest.pow(2).sum(-1, keepdim=True)).sqrt()
+    embed = torch.zeros(vocab, hidden)
+    embed[:, 0], embed[:, 1:half] = first, rest
+    favoured = torch.randperm(vocab, generator=generator)[:256]
+    lm_head = 0.01 * torch.randn(vocab, hidden, generator=generator)
+    lm_head[favoured] = torch.randn(256, hidden, generator=generator)
+    weights = load_file(target_dir / "model.safetensors")
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = lm_head
+    weights["model.norm.weight"] = torch.ones(hidden)
+    weights["model.layers.0.self_attn.o_proj.weight"].zero_()
+    weights["model.layers.0.mlp.down_proj.weight"].zero_()
+    save_file(weights, target_dir / "model.safetensors", metadata={"format": "pt"})
+
+    others = torch.randperm(vocab, generator=generator)
+    others = others[~torch.isin(others, favoured)][:256]
+    ids = torch.cat([favoured, others]).sort().values
+    # q = k = m on the first coordinate of three rotary pairs (0, 1, 2) of every head, read
+    # from the constant coordinate of the normed embedding (A / rms = A)
+    m = 30.0
+    q = torch.zeros(heads * head_dim, 2 * hidden)
+    k = torch.zeros(kv_heads * head_dim, 2 * hidden)
+    for h in range(heads):
+        q[h * head_dim : h * head_dim + 3, 0] = m / first
+    for h in range(kv_heads):
+        k[h * head_dim : h * head_dim + 3, 0] = m / first
+    # v: the embedding's live half, split over the KV heads; o_proj puts it back in place
+    v = torch.zeros(kv_heads * head_dim, 2 * hidden)
+    v[:half, :half] = torch.eye(half)
+    o = torch.zeros(hidden, heads * head_dim)
+    group = heads // kv_heads
+    for g in range(kv_heads):
+        rows = slice(g * head_dim, (g + 1) * head_dim)
+        o[rows, g * group * head_dim : (g * group + 1) * head_dim] = torch.eye(head_dim)
+    head_dir = write_eagle3_head(
+        target_dir,
+        directory / "head",
+        layer_ids=[0, 0, 0],
+        target_ids=ids,
+        tensors={
+            "midlayer.input_layernorm.weight": torch.ones(hidden),
+            "midlayer.hidden_norm.weight": torch.zeros(hidden),
+            "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+            "midlayer.self_attn.q_proj.weight": q,
+            "midlayer.self_attn.k_proj.weight": k,
+            "midlayer.self_attn.v_proj.weight": v,
+            "midlayer.self_attn.o_proj.weight": o,
+            "midlayer.mlp.down_proj.weight": torch.zeros(hidden, int(config["intermediate_size"])),
+            "norm.weight": torch.ones(hidden),
+            "lm_head.weight": lm_head[ids],
+        },
+    )
+    head_config = json.loads((head_dir / "config.json").read_text())
+    head_config["norm_before_residual"] = True
+    (head_dir / "config.json").write_text(json.dumps(head_config))
+    return target_dir, head_dir

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_eagle3 import ReferenceEagle3, draft_vocabulary, write_eagle3_head
+from fixtures_eagle3 import (
+    ReferenceEagle3,
+    draft_vocabulary,
+    write_eagle3_head,
+    write_mirror_pair,
+)
 from fixtures_models import write_tiny_checkpoint
 
 from chassis import LLM, SamplingParams
@@ -130,6 +135,27 @@ def test_greedy_output_is_plain_decoding_and_drafts_are_the_heads(
     if head == "small_vocab":
         ids = set(draft_vocabulary(49152, DRAFT_VOCAB).tolist())
         assert all(set(drafts) <= ids for _, drafts in seen)
+
+
+def test_a_head_that_computes_the_target_gets_its_drafts_accepted(tmp_path: Path) -> None:
+    """A bigram target and a head that computes it from the token (fixtures_eagle3's
+    ``write_mirror_pair``): the output is plain decoding's and nearly every draft is
+    accepted, through the head's own vocabulary and d2t."""
+    target, head = write_mirror_pair(tmp_path)
+    plain = make_llm(target)
+    try:
+        want = token_ids(plain, greedy())
+    finally:
+        plain.shutdown()
+    llm = make_llm(target, head, max_num_batched_tokens=16)
+    try:
+        assert token_ids(llm, greedy()) == want
+        stats = llm.engine.scheduler.stats()
+        drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        assert drafted > 0
+        assert accepted >= 0.9 * drafted, (accepted, drafted)
+    finally:
+        llm.shutdown()
 
 
 def test_random_requests_draw_drafts_on_the_draft_vocabulary(
