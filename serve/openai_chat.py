@@ -271,10 +271,16 @@ async def _events(
 
     def opening(prompt_ids: list[int] | None = None) -> list[bytes]:
         """The role chunk, then (``echo``) the echoed content, unparsed, in its own chunk."""
-        events = [chunk(role_chunk, body.continuous_usage, prompt_ids)]
+        # one choice per chunk, as OpenAI and vLLM send them: clients read choices[0];
+        # the prompt's ids go with the first
+        events = [
+            chunk([role], body.continuous_usage, prompt_ids if i == 0 else None)
+            for i, role in enumerate(role_chunk)
+        ]
         if echo:
-            echoed = [chat_choice(i, content=echo) for i in range(n)]
-            events.append(chunk(echoed, body.continuous_usage))
+            events.extend(
+                chunk([chat_choice(i, content=echo)], body.continuous_usage) for i in range(n)
+            )
         return events
 
     # With return_token_ids the role chunk carries the engine's prompt ids (after any
@@ -331,21 +337,19 @@ async def _events(
                         if body.return_token_ids:
                             choice["token_ids"] = ids(completion)
                     choices.append(choice)
-                if choices:
-                    yield chunk(choices, body.continuous_usage)
+                for choice in choices:  # one per chunk, as the opening
+                    yield chunk([choice], body.continuous_usage)
         if not role_sent:  # no output at all (aborted before the first)
             for event in opening():
                 yield event
         # A stream that ended without a finish reason was aborted (server shutdown).
-        unfinished = sorted(set(range(n)) - finished)
-        if unfinished:
-            aborted = [
+        for i in sorted(set(range(n)) - finished):
+            aborted = (
                 chat_choice(i, finish_reason="abort")
                 if parsers is None
                 else _parsed_choice(parsers[i], i, "", finish="abort")  # what they held
-                for i in unfinished
-            ]
-            yield chunk(aborted, body.continuous_usage)
+            )
+            yield chunk([aborted], body.continuous_usage)
         if body.include_usage:
             yield chunk([], True)
     except Exception as exc:

@@ -357,13 +357,12 @@ async def _events(
                             token_ids=list(completion.token_ids) if ids else None,
                         )
                     )
-                if choices:
-                    yield chunk(choices, body.continuous_usage)
+                # one choice per chunk, as OpenAI and vLLM send them: clients read choices[0]
+                for choice in choices:
+                    yield chunk([choice], body.continuous_usage)
         # Streams that ended without a finish reason were aborted (server shutdown).
-        unfinished = sorted(set(range(len(streams) * n)) - finished)
-        if unfinished:
-            aborted = [completion_choice(i, "", finish_reason="abort") for i in unfinished]
-            yield chunk(aborted, body.continuous_usage)
+        for i in sorted(set(range(len(streams) * n)) - finished):
+            yield chunk([completion_choice(i, "", finish_reason="abort")], body.continuous_usage)
         if body.include_usage:
             yield chunk([], True)
     except Exception as exc:

@@ -92,17 +92,25 @@ def test_chat_echo_streams_first_in_its_own_chunk(
     whole = contents(chat(client, **body))
     usage = {"include_usage": True, "continuous_usage_stats": True}
     events = sse_events(chat(client, **body, stream=True, stream_options=usage).text)
-    role, echo, *rest = events
-    assert [c["delta"] for c in role["choices"]] == [{"role": "assistant", "content": ""}] * 2
-    assert ("prompt_token_ids" in role) == return_token_ids
-    # vLLM's order: the role chunk, then the echo, before any generated text
-    assert [(c["index"], c["delta"]) for c in echo["choices"]] == [
-        (0, {"content": PREFIX}),
-        (1, {"content": PREFIX}),
+    # one choice per chunk (vLLM's): the role chunks, then the echo chunks, before any
+    # generated text
+    role, role1, echo, echo1, *rest = events
+    roles, echoes = [role, role1], [echo, echo1]
+    assert [c["choices"] for c in roles] == [
+        [{**role["choices"][0], "index": i, "delta": {"role": "assistant", "content": ""}}]
+        for i in range(2)
     ]
-    assert all(c["finish_reason"] is None and "token_ids" not in c for c in echo["choices"])
-    assert "prompt_token_ids" not in echo
-    assert echo["usage"]["completion_tokens"] == 0
+    assert ("prompt_token_ids" in role) == return_token_ids
+    assert "prompt_token_ids" not in role1
+    assert [[(c["index"], c["delta"]) for c in e["choices"]] for e in echoes] == [
+        [(0, {"content": PREFIX})],
+        [(1, {"content": PREFIX})],
+    ]
+    assert all(
+        c["finish_reason"] is None and "token_ids" not in c for e in echoes for c in e["choices"]
+    )
+    assert all("prompt_token_ids" not in e for e in echoes)
+    assert all(e["usage"]["completion_tokens"] == 0 for e in echoes)
     assert echo["usage"]["prompt_tokens"] == role["usage"]["prompt_tokens"] > 0
     assert all(PREFIX not in (c["delta"].get("content") or "") for e in rest for c in e["choices"])
     assert streamed_contents(events, 2) == whole
