@@ -41,8 +41,16 @@ _TYPES = {
     503: "service_unavailable_error",
 }
 
-#: "invalid sampling parameter top_p: ..." (SamplingParams' messages) -> param "top_p"
-_PARAM_IN_MESSAGE = re.compile(r"^invalid sampling parameter (\w+):")
+#: The field a validation message is about, from its start (group 1): SamplingParams'
+#: "invalid sampling parameter top_p: ...", and the input processor's refusals of token
+#: ids ("logit_bias has token ids out of the vocabulary ...", "logprobs=6 exceeds ...").
+_PARAM_IN_MESSAGE = re.compile(
+    r"^(?:invalid sampling parameter (\w+):"
+    r"|(stop_token_ids|logit_bias) has token ids out of the vocabulary"
+    r"|(logprobs|prompt_logprobs)=-?\d+ exceeds the server's limit)"
+)
+#: The input processor's refusals of a prompt's token ids -> param "prompt"
+_PROMPT_IDS = re.compile(r"^prompt token ids (?:out of the vocabulary|must be integers)")
 
 
 class APIError(Exception):
@@ -88,7 +96,11 @@ def from_value_error(exc: ValueError) -> APIError:
     """A 400 from a ``ValueError`` raised by validation (SamplingParams, the engine, a template)."""
     message = str(exc) or type(exc).__name__
     match = _PARAM_IN_MESSAGE.match(message)
-    return APIError(400, message, param=match.group(1) if match else None)
+    if match:
+        param = next(group for group in match.groups() if group)
+    else:
+        param = "prompt" if _PROMPT_IDS.match(message) else None
+    return APIError(400, message, param=param)
 
 
 def engine_dead(exc: BaseException | None = None) -> APIError:
