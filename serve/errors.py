@@ -146,6 +146,27 @@ def stream_error_json(exc: BaseException) -> str:
     return json.dumps(body)
 
 
+#: pydantic's names of the members of a union (``prompt.str``, ``prompt.list[int].0``,
+#: ``tool_choice.dict[str,any]``): which alternative failed, not a field of the request
+_UNION_MEMBER = re.compile(
+    r"^(?:str|int|float|bool|bytes|dict|list|set|tuple|none|any|json|is-instance|url"
+    r"|function-(?:after|before|wrap|plain)|literal|nullable|lax-or-strict)(?:\[.*\])?$"
+)
+
+
+def _field_path(loc: list[str]) -> str:
+    """The request field a validation error's location points at: ``loc`` up to the first
+    union member's name (``prompt.str`` -> ``prompt``, ``messages.0.content.list[...]`` ->
+    ``messages.0.content``). The message keeps the full locations: they say what each
+    alternative wanted."""
+    kept: list[str] = []
+    for part in loc:
+        if _UNION_MEMBER.match(part):
+            break
+        kept.append(part)
+    return ".".join(kept) or ".".join(loc)
+
+
 def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
     """A 400 naming every invalid field, from pydantic's (or FastAPI's JSON-decode) errors."""
     parts: list[str] = []
@@ -164,7 +185,7 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
             )
         where = ".".join(loc)
         if first_param is None and where:
-            first_param = where
+            first_param = _field_path(loc)
         msg = err.get("msg", "invalid value")
         parts.append(f"{where}: {msg}" if where else msg)
     message = "; ".join(parts) or "invalid request"
