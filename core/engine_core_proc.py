@@ -129,10 +129,10 @@ def run_engine_core(
     except BaseException as exc:
         _die_quietly_on_sigterm()
         if not isinstance(exc, SystemExit):
+            # The whole error and its traceback go to this process's log (the server's);
+            # the front-end passes engine_error on to every client of the dead engine.
             logger.exception("engine core crashed")
-            # The traceback is in this process's log (above); the front-end passes the error
-            # on to clients, who get the exception only.
-            error = f"{type(exc).__name__}: {exc}"
+            error = crash_message_for_clients(exc)
             outputs.put(_encoder.encode(EngineCoreOutputs(engine_error=error)))
         outputs.put(None)
         writer.join(timeout=5)
@@ -145,6 +145,28 @@ def run_engine_core(
     outputs.put(None)
     writer.join(timeout=5)
     core.shutdown()
+
+
+def crash_message_for_clients(exc: BaseException) -> str:
+    """What HTTP clients are told of the crash ``exc`` of the busy loop: one short line
+    with nothing of the engine's internals. An error may carry anything in its message
+    (paths, tensor shapes, a worker's traceback text), so clients get its type only and the
+    pointer to the server log, where :func:`run_engine_core` logs it whole. The exception
+    is the tensor-parallel watchdog's :class:`~chassis.core.tp_watchdog.StepTimeoutError`
+    (also as the cause of another error): its message is written for clients (which step,
+    which ranks have not answered; the stacks are in the log only)."""
+    from chassis.core.tp_watchdog import StepTimeoutError
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, StepTimeoutError):
+            return str(cause)
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return (
+        f"{type(exc).__name__} in the engine core; its message and traceback are in the server log"
+    )
 
 
 def _die_quietly_on_sigterm() -> None:

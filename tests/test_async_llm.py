@@ -274,4 +274,28 @@ def test_an_engine_core_exception_fails_cleanly_and_shutdown_returns(tiny_llama_
         done.join(30)
     assert not done.is_alive(), "shutdown hung after the engine core failed"
     assert "engine core failed" in message and "Error" in message, message
+    # the type only: the message of a crash may hold internals (here the decoder's)
+    assert message.endswith(
+        "ValidationError in the engine core; its message and traceback are in the server log"
+    ), message
+    assert "Expected" not in message, message
     assert "Traceback" not in message and ".py" not in message, message
+
+
+def test_clients_get_a_crash_s_type_or_the_tp_watchdog_s_summary() -> None:
+    from chassis.core.engine_core_proc import crash_message_for_clients
+    from chassis.core.tp_watchdog import StepTimeoutError
+
+    secret = RuntimeError('boom at /srv/x.py\nTraceback (most recent call last):\n  File "y"')
+    assert crash_message_for_clients(secret) == (
+        "RuntimeError in the engine core; its message and traceback are in the server log"
+    )
+    timeout = StepTimeoutError("step 'execute' did not complete within 2 s", "stacks...")
+    assert crash_message_for_clients(timeout) == "step 'execute' did not complete within 2 s"
+    try:  # the summary also when the timeout is the cause of what the loop raised
+        try:
+            raise timeout
+        except StepTimeoutError as cause:
+            raise RuntimeError("shutting the group down failed") from cause
+    except RuntimeError as wrapped:
+        assert crash_message_for_clients(wrapped) == str(timeout)

@@ -9,6 +9,7 @@ resource tracker).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -143,3 +144,49 @@ def test_sigkill_of_the_engine_core_fails_requests_and_stops_the_server(
     # nothing of the server's process tree survives it
     _, alive = psutil.wait_procs(tree, timeout=5)
     assert not _still_alive(alive), [(p.pid, p.cmdline()) for p in _still_alive(alive)]
+
+
+#: run first by the server's processes (their sitecustomize): the engine core's step raises
+#: an error whose text has internals a client must not see
+CRASHING_STEP = """\
+import chassis.core.engine_core as engine_core
+
+def step(self):
+    raise RuntimeError(
+        "kernel failed at /opt/site/secret_kernels.cu:42\\n"
+        'Traceback (most recent call last):\\n  File "/opt/site/worker.py", line 7'
+    )
+
+engine_core.EngineCore.step = step
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_core_crash_tells_clients_its_type_and_the_log_all_of_it(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(CRASHING_STEP)
+    path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{path}")
+    server = start_server(tiny_llama_dir, tmp_path, max_model_len=MAX_MODEL_LEN)
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+        response = httpx.post(
+            server.base + "/v1/completions", json=body, headers=server.headers, timeout=60
+        )
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "engine_dead" and error["type"] == "service_unavailable_error"
+        assert error["message"] == (
+            "the engine is not running: engine core failed: RuntimeError in the engine "
+            "core; its message and traceback are in the server log"
+        ), error
+        server.proc.wait(timeout=EXIT_WITHIN_S)
+        output = server.output()
+        assert server.proc.returncode == 1, output
+        # the operator's log has the whole error and where it was raised
+        assert "engine core crashed" in output and "Traceback" in output, output
+        assert "kernel failed at /opt/site/secret_kernels.cu:42" in output, output
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
