@@ -99,6 +99,7 @@ def expected(target_dir: Path) -> list[list[int]]:
     try:
         model = llm.engine.executor.worker.runner.model
         assert not model.model.aux_layer_ids  # the plain path keeps nothing
+        assert model.graph_capture_blocker() is None
         return token_ids(llm, greedy())
     finally:
         llm.shutdown()
@@ -116,7 +117,8 @@ def test_greedy_output_is_plain_decoding_and_drafts_are_the_heads(
     runner = llm.engine.executor.worker.runner
     seen = record_proposals(runner.drafter)
     try:
-        assert runner.graphs is None or runner.model.graph_capture_blocker() is not None
+        blocker = runner.model.graph_capture_blocker()  # kept states: decode steps eager
+        assert blocker is not None and "EAGLE-3" in blocker
         assert token_ids(llm, greedy()) == expected
         assert token_ids(llm, greedy()) == expected
         stats = llm.engine.scheduler.stats()
