@@ -31,11 +31,13 @@ def write_eagle3_head(
     with_d2t: bool = True,
     target_ids: torch.Tensor | None = None,
     tensors: dict[str, torch.Tensor] | None = None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """A random-weight EAGLE-3 head for the target at ``target_dir``: over ``target_ids``
     (default :func:`draft_vocabulary`) when ``draft_vocab_size`` is set (``None``: the
     target's whole vocabulary, no ``d2t``), reading ``layer_ids`` (``None``: not named in
-    its config). ``tensors`` replace the random ones of the same name."""
+    its config). ``tensors`` replace the random ones of the same name, ``config_overrides``
+    the config's fields."""
     config = json.loads((target_dir / "config.json").read_text())
     hidden = int(config["hidden_size"])
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
@@ -53,6 +55,7 @@ def write_eagle3_head(
         head_config["draft_vocab_size"] = draft_vocab_size
     if layer_ids is not None:
         head_config["eagle_aux_hidden_state_layer_ids"] = layer_ids
+    head_config.update(config_overrides or {})
     num_aux = 3 if layer_ids is None else len(layer_ids)
     generator = torch.Generator().manual_seed(seed)
 

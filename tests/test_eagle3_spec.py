@@ -139,6 +139,29 @@ def test_greedy_output_is_plain_decoding_and_drafts_are_the_heads(
         assert all(set(drafts) <= ids for _, drafts in seen)
 
 
+def test_a_head_trained_on_a_shorter_context_runs_over_the_whole_context(
+    expected: list[list[int]], target_dir: Path, tmp_path: Path
+) -> None:
+    """A head whose config says ``max_position_embeddings`` 16 (published EAGLE-3 heads say
+    2048 for targets of far longer contexts) drafts at every position of the target's
+    context: the output is plain decoding's and the proposals past position 16 are the
+    head's (RoPE at those positions, as the reference computes it)."""
+    head_dir = write_eagle3_head(
+        target_dir, tmp_path / "short", config_overrides={"max_position_embeddings": 16}
+    )
+    llm = make_llm(target_dir, head_dir)
+    seen = record_proposals(llm.engine.executor.worker.runner.drafter)
+    try:
+        assert token_ids(llm, greedy()) == expected
+    finally:
+        llm.shutdown()
+    late = [(sequence, drafts) for sequence, drafts in seen if len(sequence) > 20]
+    assert late
+    reference = ReferenceEagle3(target_dir, head_dir)
+    for sequence, drafts in late[:10]:
+        assert drafts == reference.drafts(sequence, len(drafts))
+
+
 def test_a_head_that_computes_the_target_gets_its_drafts_accepted(tmp_path: Path) -> None:
     """A bigram target and a head that computes it from the token (fixtures_eagle3's
     ``write_mirror_pair``): the output is plain decoding's and nearly every draft is

@@ -141,6 +141,25 @@ def test_drafts_are_the_heads_own(
         assert drafts == reference.drafts(sequence, len(drafts))
 
 
+def test_a_head_trained_on_a_shorter_context_runs_over_the_whole_context(
+    expected: list[list[int]], target_dir: Path, tmp_path: Path
+) -> None:
+    """A head whose config says ``max_position_embeddings`` 16 drafts at every position of
+    the target's context (its RoPE table covers ``--max-model-len``): plain decoding's
+    output."""
+    import json
+
+    head_dir = write_random_head(target_dir, tmp_path / "short")
+    config = json.loads((head_dir / "config.json").read_text())
+    (head_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    llm = make_llm(target_dir, head_dir)
+    try:
+        assert token_ids(llm, greedy()) == expected
+        assert llm.engine.scheduler.stats().spec_num_draft_tokens > 0
+    finally:
+        llm.shutdown()
+
+
 def test_random_requests_keep_the_distribution_and_seeded_ones_their_tokens(
     target_dir: Path, mirror_head: Path
 ) -> None:

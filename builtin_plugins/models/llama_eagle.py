@@ -92,8 +92,12 @@ class EagleLlamaHead(CausalLM):
         # EAGLE-1's fc has a bias in the reference training code, none in some conversions:
         # a missing fc.bias loads as zeros (the same function).
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        # The head runs at every position of the target's context, which may outgrow the
+        # head's own max_position_embeddings (published EAGLE-3 heads say 2048): the table
+        # covers both (the frequencies do not depend on its length).
+        positions = max(spec.max_position, build_ctx.max_model_len or 0)
         rotary = RotaryEmbedding(
-            spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
+            spec.head_dim, positions, spec.rope, context_len=build_ctx.max_model_len
         )
         layers = []
         for i in range(int(hf_config.num_hidden_layers)):

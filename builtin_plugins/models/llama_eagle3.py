@@ -147,8 +147,12 @@ class Eagle3LlamaHead(CausalLM):
             int(i) for i in getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or ()
         ) or (0, 0, 0)  # not named: three, the target's default ones (set by the loader)
         self.fc = nn.Linear(len(self.aux_layer_ids) * self.target_hidden_size, hidden, bias=False)
+        # The head runs at every position of the target's context, which may outgrow the
+        # head's own max_position_embeddings (published EAGLE-3 heads say 2048): the table
+        # covers both (the frequencies do not depend on its length).
+        positions = max(spec.max_position, build_ctx.max_model_len or 0)
         rotary = RotaryEmbedding(
-            spec.head_dim, spec.max_position, spec.rope, context_len=build_ctx.max_model_len
+            spec.head_dim, positions, spec.rope, context_len=build_ctx.max_model_len
         )
         self.midlayer = Eagle3DecoderLayer(
             spec, rotary, build_ctx, bool(getattr(hf_config, "norm_before_residual", False))
