@@ -12,8 +12,10 @@ Every event of the run (:mod:`chassis.serve.responses_stream`'s, with their
 that a client may follow it (``stream: true``) and resume it from any sequence number after
 a disconnect; the log keeps the newest events of the run only
 (:class:`~chassis.serve.responses_events.EventLog`): a resume from before them is a 400. A
-connected follower never loses events: the log keeps those it has yet to read, however far
-behind it is.
+connected follower gets every event while it is at most
+:attr:`~chassis.serve.responses_events.EventLog.max_kept` events behind the newest (the log
+keeps those it has yet to read, up to that); one further behind ends with an ``error``
+event (``events_dropped``) saying where it may resume.
 Following never cancels the run; ``POST /v1/responses/{id}/cancel`` does
 (:meth:`BackgroundResponses.cancel`: the task is cancelled, which closes the engine stream
 and so aborts the engine request and frees its KV blocks). On server shutdown every run is
@@ -80,9 +82,11 @@ class BackgroundRun:
         one as it comes, until the run ends. Needs ``events``; raises
         :class:`~chassis.serve.responses_events.EventsDropped` when the log no longer keeps
         the first of them, :class:`~chassis.serve.responses_events.EventsBeyondEnd` when the
-        run is done and ``starting_after`` is above its last event. The follower holds its place in the log from this call on
-        (:meth:`EventLog.hold`, released when the stream ends, is closed or is collected
-        unread): however slowly it reads, it gets every event."""
+        run is done and ``starting_after`` is above its last event. The follower holds its
+        place in the log from this call on (:meth:`EventLog.hold`, released when the stream
+        ends, is closed or is collected unread): it gets every event unless it falls more
+        than :attr:`EventLog.max_kept` events behind, when the stream ends with
+        :meth:`EventLog.dropped_event`."""
         log = self.events
         assert log is not None
         if self.done:  # no event is to come
@@ -101,6 +105,9 @@ class BackgroundRun:
         try:
             while True:
                 while place.index < log.end:
+                    if place.index < log.first:  # fell too far behind: its events went
+                        yield log.dropped_event(place.index)
+                        return
                     event = log.get(place.index)
                     place.advance()
                     yield event

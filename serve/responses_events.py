@@ -11,15 +11,21 @@ before it is refused (:class:`EventsDropped`) rather than answered with a gap. T
 events, the response's end among them, are always kept. Once the response is stored, the
 store's bound on events in all (:mod:`chassis.serve.responses_store`) applies on top.
 
-The bound is on what is kept for resuming, never on a live stream: a connected follower
-holds its place (:meth:`EventLog.hold`), and no event it has yet to read is dropped, so a
-client that reads more slowly than the engine writes gets every event, late (as vLLM's
-unbounded log would give it), and the log holds the events it is behind by until it reads
-them or disconnects.
+A connected follower holds its place (:meth:`EventLog.hold`): an event it has yet to read
+is kept beyond the bound, so a client that reads more slowly than the engine writes, or
+that resumed from the oldest kept event of a running response, gets every event, late. That
+slack is bounded too: the log never keeps more than twice ``max_events``
+(:attr:`EventLog.max_kept`). A follower further behind than that (a client that stopped
+reading but keeps its connection open) loses its place: its stream ends with an ``error``
+event (code ``events_dropped``, :meth:`EventLog.dropped_event`) that says from where it may
+resume, and the server does not keep a stalled client's backlog. A client that gets it
+resumes (OpenAI's cursor, ``starting_after``) from the oldest kept event, or retrieves the
+response whole without ``stream``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -62,7 +68,10 @@ class EventLog:
     """The newest ``max_events`` events of one stream (SSE strings), by sequence number: the
     event appended ``k``-th (from 0) has sequence number ``k`` whether or not it is still
     kept. Appending past ``max_events`` drops the oldest, except those a live follower still
-    has to read (:meth:`hold`): the log keeps more than ``max_events`` while one is behind."""
+    has to read (:meth:`hold`): the log keeps more than ``max_events`` while one is behind,
+    up to :attr:`max_kept`; past that the oldest go even when held, and a follower whose
+    next event went finds its place below :attr:`first` (it then ends with
+    :meth:`dropped_event`)."""
 
     def __init__(self, max_events: int = DEFAULT_MAX_EVENTS_PER_RESPONSE) -> None:
         if max_events < 1:
@@ -81,6 +90,13 @@ class EventLog:
     def __iter__(self) -> Iterator[str]:
         """The kept events, oldest first."""
         return iter(self._events)
+
+    @property
+    def max_kept(self) -> int:
+        """The most events the log keeps, followers' holds included: twice ``max_events``
+        (a follower may be up to ``max_events`` behind the oldest event a resume may
+        start from)."""
+        return 2 * self.max_events
 
     @property
     def end(self) -> int:
@@ -108,9 +124,25 @@ class EventLog:
 
     def _trim(self) -> None:
         floor = min(self._held, default=self.end)
-        while len(self._events) > self.max_events and self.first < floor:
+        while len(self._events) > self.max_events and (
+            self.first < floor or len(self._events) > self.max_kept
+        ):
             self._events.popleft()
             self.first += 1
+
+    def dropped_event(self, sequence_number: int) -> str:
+        """The ``error`` event that ends a live follower whose next event, the one of
+        ``sequence_number``, was dropped (it fell more than :attr:`max_kept` events behind).
+        It carries that sequence number: the events it missed were never sent to it."""
+        error = EventsDropped(sequence_number - 1, self.first, self.max_events)
+        data = {
+            "type": "error",
+            "sequence_number": sequence_number,
+            "code": "events_dropped",
+            "message": f"this stream fell more than {self.max_kept} events behind: {error}",
+            "param": None,
+        }
+        return f"event: error\ndata: {json.dumps(data)}\n\n"
 
     def check_resume(self, starting_after: int) -> None:
         """:class:`EventsDropped` unless every event after ``starting_after`` is kept or

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,42 @@ def test_a_live_follower_that_falls_behind_gets_every_event() -> None:
         assert [event async for event in follower] == ["b", "c", "d", "e"]
         assert (log.first, len(log)) == (3, 2)  # read: back to the bound
         assert [event async for event in run.follow(2)] == ["d", "e"]
+
+    asyncio.run(main())
+
+
+def test_a_follower_too_far_behind_ends_with_an_error_event_and_the_log_stays_bounded() -> None:
+    """A follower that stops reading (its connection open) holds the log up to twice its
+    bound, no more: past that its events go, and its stream ends with an ``error`` event
+    (``events_dropped``) saying where a resume may start; other followers are unaffected."""
+
+    async def main() -> None:
+        snapshot = lambda: ResponseObject(id="r", status="queued", model="m")  # noqa: E731
+        log = EventLog(2)
+        assert log.max_kept == 4
+        run = BackgroundRun("r", snapshot, log, [])
+        run.add_event("e0")
+        stalled = run.follow(-1)
+        assert await stalled.__anext__() == "e0"  # then it reads nothing for a while
+        for k in range(1, 8):
+            run.add_event(f"e{k}")
+            assert len(log) <= log.max_kept
+        assert (log.first, len(log)) == (4, 4)  # e1..e3 dropped though e1 was held
+        current = run.follow(5)  # a follower that keeps up is not affected
+        run.finished()
+        assert [event async for event in current] == ["e6", "e7"]
+        rest = [event async for event in stalled]
+        assert len(rest) == 1 and rest[0].startswith("event: error\n"), rest
+        error = json.loads(rest[0].split("data: ", 1)[1])
+        assert error["type"] == "error" and error["code"] == "events_dropped"
+        assert error["sequence_number"] == 1  # the event it was to read next, never sent
+        assert "fell more than 4 events behind" in error["message"]
+        assert "resume with starting_after 3 or more" in error["message"]
+        assert (log.first, len(log)) == (6, 2)  # released: back to the bound
+        # a resume starts from the oldest event kept then (the 400 says which)
+        with pytest.raises(EventsDropped, match="resume with starting_after 5 or more"):
+            run.follow(3)
+        assert [event async for event in run.follow(5)] == ["e6", "e7"]
 
     asyncio.run(main())
 
