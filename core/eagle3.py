@@ -96,6 +96,14 @@ def load_eagle3_head(
             "EAGLE-3 head (method 'eagle3' takes fc + one decoder layer over several target "
             "layers)"
         )
+    extra = sorted(
+        {n.split(".")[1] for n in names if n.startswith("layers.") and n.split(".")[1] != "0"}
+    )
+    if extra:
+        raise ValueError(
+            f"the EAGLE-3 head {name!r} has decoder layers {['0', *extra]}: heads of one "
+            "decoder layer (midlayer) only are supported"
+        )
     target_config = target.hf_config
     target_hidden = int(getattr(target_config, "hidden_size", -1))
     head_target_hidden = int(

@@ -271,6 +271,10 @@ def test_bad_heads_and_targets_are_refused_at_start_up(target_dir: Path, tmp_pat
     )
     refused(bad_d2t, r"d2t maps draft ids to target ids outside 0 \.\. 49151")
     refused(target_dir, r"not an EAGLE-3 head")  # a whole model
+    two_layers = write_eagle3_head(
+        target_dir, tmp_path / "two", tensors={"layers.1.norm.weight": torch.ones(64)}
+    )
+    refused(two_layers, r"decoder layers \['0', '1'\]: heads of one decoder layer")
     refused(no_d2t, r"cannot be combined with --torch-compile", torch_compile=True)
     # an EAGLE-3 head given as an EAGLE-1 head or a draft model: named
     as_eagle = {"method": "eagle", "model": str(no_d2t), "num_speculative_tokens": K}

@@ -155,7 +155,9 @@ class LlamaAttention(nn.Module):
 
     ``scale`` multiplies ``q . k`` (default ``head_dim ** -0.5``); ``sliding_window`` and
     ``logits_soft_cap`` are this layer's attention options (see
-    :class:`~chassis.core.layers.attention.Attention`), for the architectures that use them.
+    :class:`~chassis.core.layers.attention.Attention`), for the architectures that use them;
+    ``input_size`` is the width ``qkv_proj`` reads (default ``hidden_size``; an EAGLE-3
+    head's reads twice that).
     With ``spec.attention_sinks`` the layer owns ``sinks`` (``[num_heads]``, this rank's
     heads; the checkpoint's ``self_attn.sinks``), which the backend reads at every call.
     """
@@ -170,6 +172,7 @@ class LlamaAttention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        input_size: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
@@ -178,7 +181,7 @@ class LlamaAttention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(
-            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
+            input_size or spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.sinks: nn.Parameter | None = None

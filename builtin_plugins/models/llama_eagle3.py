@@ -74,11 +74,7 @@ class Eagle3DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         hidden = spec.hidden_size
-        self.self_attn = LlamaAttention(spec, rotary, 0, build_ctx)
-        attn = self.self_attn
-        self.self_attn.qkv_proj = nn.Linear(
-            2 * hidden, attn.q_size + 2 * attn.kv_size, bias=spec.qkv_bias
-        )
+        self.self_attn = LlamaAttention(spec, rotary, 0, build_ctx, input_size=2 * hidden)
         self.mlp = LlamaMLP(spec)
         self.input_layernorm = RMSNorm(hidden, spec.rms_norm_eps)
         self.hidden_norm = RMSNorm(hidden, spec.rms_norm_eps)
