@@ -26,6 +26,7 @@ from chassis.builtin_plugins.structured_output.automaton import (
 from chassis.builtin_plugins.structured_output.json_numbers import integer_range, number_range
 from chassis.builtin_plugins.structured_output.json_schema import (
     ANY_JSON_DEPTH,
+    JSON_OBJECT_DEPTH,
     MAX_RECURSION_DEPTH,
     any_json_object,
     check_schema,
@@ -712,13 +713,13 @@ def test_any_json_object():
     node = any_json_object()
     assert estimated_nfa_states(node) <= MAX_NFA_STATES
     values = [{}, {"a": 1}, {"a": [], "b": {}, "c": "é\n", "d": -1.5e-3, "e": [True, False, None]}]
-    values.append(_nested(ANY_JSON_DEPTH))
+    values.append(_nested(JSON_OBJECT_DEPTH))
     for value in values:
         for text in [*texts_of(value), json.dumps(value)]:
             assert ir_fullmatch(node, text), text
     assert_rejects(
         node,
-        json.dumps(_nested(ANY_JSON_DEPTH + 1)),
+        json.dumps(_nested(JSON_OBJECT_DEPTH + 1)),
         "[]", '"a"', "1", "null", "", "{", '{"a": 1,}', "{'a': 1}", '{"a": NaN}', '{"a": 1} {}',
         '{a: 1}', '{"a": [1,]}', '{"a":' + " " * (MAX_WHITESPACE + 1) + "1}",
     )  # fmt: skip
@@ -740,8 +741,18 @@ def test_true_schema_and_free_form_values_are_any_json():
 def test_automaton_builds_any_json_object():
     automaton = pytest.importorskip("chassis.builtin_plugins.structured_output.automaton")
     auto = automaton.Automaton.from_ir(any_json_object())
-    assert auto.fullmatch(json.dumps(_nested(ANY_JSON_DEPTH), indent=2).encode())
+    assert auto.fullmatch(json.dumps(_nested(JSON_OBJECT_DEPTH), indent=2).encode())
+    assert not auto.fullmatch(json.dumps(_nested(JSON_OBJECT_DEPTH + 1)).encode())
     assert not auto.fullmatch(b'{"a": [1,]}')
+
+
+def test_free_form_values_of_a_schema_nest_less_than_json_object():
+    """A schema's free-form value nests ANY_JSON_DEPTH deep (a schema may hold many, each a
+    copy in the automaton), json_object JSON_OBJECT_DEPTH."""
+    assert ANY_JSON_DEPTH < JSON_OBJECT_DEPTH
+    node = schema_to_ir({"type": "object"})
+    assert ir_fullmatch(node, json.dumps(_nested(ANY_JSON_DEPTH)))
+    assert not ir_fullmatch(node, json.dumps(_nested(ANY_JSON_DEPTH + 1)))
 
 
 # -- OpenAI structured-outputs examples ----------------------------------------------------

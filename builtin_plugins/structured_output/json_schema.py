@@ -69,6 +69,7 @@ from chassis.core.structured_nesting import check_json_value_nesting
 
 __all__ = [
     "ANY_JSON_DEPTH",
+    "JSON_OBJECT_DEPTH",
     "MAX_ITEMS",
     "MAX_RECURSION_DEPTH",
     "MAX_STRING_LENGTH",
@@ -77,20 +78,27 @@ __all__ = [
     "schema_to_ir",
 ]
 
-#: how deep arrays and objects nest in "any JSON object" (the object itself is level 1),
-#: and at most in a free-form value of a schema. Each level multiplies the automaton by
-#: about four (see :mod:`json_syntax`): 5 levels are ~147k NFA states (the compile time is
-#: in tests/perf/structured_output_cost.py), 6 would be ~590k, beyond what the automaton
-#: accepts.
+#: how deep arrays and objects nest at most in a free-form value of a schema (the value
+#: itself is level 1). Each level about doubles the automaton (a value is an array or an
+#: object of values of the level below; see :mod:`json_syntax`): 5 levels are 7,505 NFA
+#: states. Lower than :data:`JSON_OBJECT_DEPTH` because a schema may hold many free-form
+#: values, each its own copy, and one whose automaton is too large has its free-form depth
+#: and its ``$ref`` unrolling lowered together.
 ANY_JSON_DEPTH = 5
+#: how deep arrays and objects nest in "any JSON object" (``json_object``; the object is
+#: level 1): 8 levels are 61,377 NFA states (9 would be 122,945, 10 past
+#: :data:`~.automaton.MAX_NFA_STATES`; tests/perf/structured_output_cost.py prints the
+#: sizes and build times), fewer than the 147,411 that 5 levels were before arrays and
+#: objects were built with one copy of their item.
+JSON_OBJECT_DEPTH = 8
 #: how many times a ``$ref`` may be expanded inside itself
 MAX_RECURSION_DEPTH = 5
 
 
 def any_json_object() -> ir.Node:
     """Any JSON object (OpenAI's ``json_object``): keys are any JSON strings, values any
-    JSON values, arrays and objects nested at most :data:`ANY_JSON_DEPTH` deep."""
-    return any_object(ANY_JSON_DEPTH)
+    JSON values, arrays and objects nested at most :data:`JSON_OBJECT_DEPTH` deep."""
+    return any_object(JSON_OBJECT_DEPTH)
 
 
 def check_schema(schema: dict[str, Any] | bool) -> None:

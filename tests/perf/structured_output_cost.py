@@ -12,7 +12,7 @@ with and without ``json_object``, greedy, in one engine, alternated; (4) what a 
 constraint costs before its first token: the front-end's ``check``, the engine core's
 ``compile`` and its first mask (the engine core's thread waits for the last two), with the
 size of its NFA; measured first, before any check is cached in this process; (5) how the
-NFA of a free-form JSON object grows with its nesting depth.
+NFA of a free-form JSON object grows with its nesting depth, and how long it takes to build.
 """
 
 from __future__ import annotations
@@ -75,20 +75,31 @@ def new_constraint_costs(backend_cls: type, vocabulary: object) -> None:
 
 
 def free_form_depths() -> None:
-    """(5): the NFA of a free-form JSON object nested 1 to 6 levels deep (the limit is
-    ``MAX_NFA_STATES``; ``json_object`` uses ``ANY_JSON_DEPTH``)."""
+    """(5): the NFA of a free-form JSON object nested 1 to 10 levels deep (the limit is
+    ``MAX_NFA_STATES``; ``json_object`` uses ``JSON_OBJECT_DEPTH``, a schema's free-form
+    values ``ANY_JSON_DEPTH``), and how long ``Automaton.from_ir`` takes at depths 5 to 9
+    (the best of 3, after one untimed build of depth 5 for first-call costs)."""
     from chassis.builtin_plugins.structured_output.automaton import (
         MAX_NFA_STATES,
+        Automaton,
         estimated_nfa_states,
     )
     from chassis.builtin_plugins.structured_output.json_schema import any_object
 
-    sizes = [estimated_nfa_states(any_object(depth)) for depth in range(1, 7)]
+    sizes = [estimated_nfa_states(any_object(depth)) for depth in range(1, 11)]
     growth = ", ".join(f"{b / a:.1f}x" for a, b in itertools.pairwise(sizes))
     print(
-        f"free-form JSON object, NFA states at depths 1-6: {sizes} (each level {growth}; "
+        f"free-form JSON object, NFA states at depths 1-10: {sizes} (each level {growth}; "
         f"limit {MAX_NFA_STATES})"
     )
+    Automaton.from_ir(any_object(5))
+    for depth in range(5, 10):
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            Automaton.from_ir(any_object(depth))
+            seconds.append(time.perf_counter() - start)
+        print(f"free-form JSON object, depth {depth}: from_ir {min(seconds):.3f} s")
 
 
 def per_call(fn, repeat: int = 200) -> float:
