@@ -6,8 +6,8 @@ hidden states of several target layers instead of the last one, and drafts over 
 vocabulary of its own mapped to the target's ids. Everything else is EAGLE-1's
 (:mod:`chassis.core.eagle`): the same positions, KV cache, draft rounds and verification.
 
-- **Target.** At start-up the target is asked to keep the hidden state entering each of the
-  head's layers (``eagle_aux_hidden_state_layer_ids`` of the head's config, else the
+- **Target.** At start-up the target is asked to keep the hidden state entering each target
+  layer the head reads (``eagle_aux_hidden_state_layer_ids`` of the head's config, else the
   target's default, vLLM's ``(2, L // 2, L - 3)``) in every forward
   (:meth:`~chassis.core.model_interface.CausalLM.set_aux_hidden_state_layers`); a target
   that cannot, or ids outside its layers, are refused there. With them kept the target's
@@ -20,7 +20,8 @@ vocabulary of its own mapped to the target's ids. Everything else is EAGLE-1's
   random request's ``q`` (over the target's vocabulary, 0 outside the draft's) is what
   rejection sampling verifies: the target's distribution is kept exactly.
 
-Limits: Llama-style heads of one decoder layer (the published layout); Llama-family targets
+Limits: Llama-style heads of one decoder layer (the published layout; a ``layers.1.*`` is
+refused); Llama-family targets
 (those whose decoder is :class:`~chassis.builtin_plugins.models.llama.LlamaModel`'s
 forward); ``--torch-compile`` is refused with it; safetensors checkpoints only.
 """
