@@ -47,7 +47,8 @@ _TYPES = {
 _PARAM_IN_MESSAGE = re.compile(
     r"^(?:invalid sampling parameter (\w+):"
     r"|(stop_token_ids|logit_bias) has token ids out of the vocabulary"
-    r"|(logprobs|prompt_logprobs)=-?\d+ exceeds the server's limit)"
+    r"|(logprobs|prompt_logprobs)=-?\d+ exceeds the server's limit"
+    r"|(priority) (?:-?\d+ was given|must be a 64-bit integer))"
 )
 #: The input processor's refusals of a prompt's token ids -> param "prompt"
 _PROMPT_IDS = re.compile(r"^prompt token ids (?:out of the vocabulary|must be integers)")

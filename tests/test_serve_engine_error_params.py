@@ -39,3 +39,11 @@ def test_engine_refusals_name_the_field(
     assert error.status == 400
     assert error.param == param, error.message
     assert error.message == str(refused.value)
+
+
+def test_a_priority_the_scheduler_ignores_names_priority(smol_tokenizer: Any) -> None:
+    processor = InputProcessor(smol_tokenizer, EngineConfig(max_model_len=64), [EOS])
+    with pytest.raises(ValueError) as refused:
+        processor.process("Hi", SamplingParams(), "r", priority=5)
+    error = to_api_error(refused.value)
+    assert (error.status, error.param) == (400, "priority"), error.message
