@@ -151,16 +151,18 @@ def crash_message_for_clients(exc: BaseException) -> str:
     """What HTTP clients are told of the crash ``exc`` of the busy loop: one short line
     with nothing of the engine's internals. An error may carry anything in its message
     (paths, tensor shapes, a worker's traceback text), so clients get its type only and the
-    pointer to the server log, where :func:`run_engine_core` logs it whole. The exception
-    is the tensor-parallel watchdog's :class:`~chassis.core.tp_watchdog.StepTimeoutError`
-    (also as the cause of another error): its message is written for clients (which step,
-    which ranks have not answered; the stacks are in the log only)."""
+    pointer to the server log, where :func:`run_engine_core` logs it whole. The exceptions
+    are the errors whose message is written for clients, also as the cause of another
+    error: the tensor-parallel watchdog's :class:`~chassis.core.tp_watchdog.StepTimeoutError`
+    (which step, which ranks have not answered; the stacks are in the log only) and
+    :class:`~chassis.core.errors.RankExitedError` (which rank exited, its exit code)."""
+    from chassis.core.errors import RankExitedError
     from chassis.core.tp_watchdog import StepTimeoutError
 
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
-        if isinstance(cause, StepTimeoutError):
+        if isinstance(cause, StepTimeoutError | RankExitedError):
             return str(cause)
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__

@@ -29,3 +29,11 @@ class RequestFailedError(RuntimeError):
     def __init__(self, error: RequestError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class RankExitedError(RuntimeError):
+    """A tensor-parallel rank's worker process exited (killed, crashed) while the group
+    needed it; the group is broken. Its message is one line written for clients too:
+    which rank, its exit code and the command it was in (no stack, no path), which the
+    engine core passes on whole when it dies of it
+    (:func:`~chassis.core.engine_core_proc.crash_message_for_clients`)."""

@@ -45,6 +45,7 @@ import zmq
 
 from chassis.core import parallel_state
 from chassis.core.config import EngineConfig
+from chassis.core.errors import RankExitedError
 from chassis.core.executor import Executor
 from chassis.core.kv_cache_groups import single_group_window
 from chassis.core.lora.request import LoRARequest
@@ -371,7 +372,7 @@ class TensorParallelExecutor(RankGroupExecutor):
                 except zmq.Again:
                     if proc.poll() is not None:
                         self._broken = f"rank {rank} exited"
-                        raise RuntimeError(
+                        raise RankExitedError(
                             f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                             f"before {method!r}"
                         ) from None
@@ -389,7 +390,7 @@ class TensorParallelExecutor(RankGroupExecutor):
                 for rank, proc in enumerate(self._ranks.procs, start=1):
                     if proc.poll() is not None and rank not in results:
                         self._broken = f"rank {rank} exited"
-                        raise RuntimeError(
+                        raise RankExitedError(
                             f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                             f"during {method!r}"
                         )
@@ -423,7 +424,7 @@ class TensorParallelExecutor(RankGroupExecutor):
                 code = proc.poll()
                 if code is not None and rank != reporter:
                     self._broken = f"rank {rank} exited"
-                    raise RuntimeError(
+                    raise RankExitedError(
                         f"tensor-parallel rank {rank} exited with code {code} during {method!r}"
                     ) from cause
             if time.monotonic() >= deadline:

@@ -282,8 +282,9 @@ def test_an_engine_core_exception_fails_cleanly_and_shutdown_returns(tiny_llama_
     assert "Traceback" not in message and ".py" not in message, message
 
 
-def test_clients_get_a_crash_s_type_or_the_tp_watchdog_s_summary() -> None:
+def test_clients_get_a_crash_s_type_or_a_message_written_for_them() -> None:
     from chassis.core.engine_core_proc import crash_message_for_clients
+    from chassis.core.errors import RankExitedError
     from chassis.core.tp_watchdog import StepTimeoutError
 
     secret = RuntimeError('boom at /srv/x.py\nTraceback (most recent call last):\n  File "y"')
@@ -299,3 +300,5 @@ def test_clients_get_a_crash_s_type_or_the_tp_watchdog_s_summary() -> None:
             raise RuntimeError("shutting the group down failed") from cause
     except RuntimeError as wrapped:
         assert crash_message_for_clients(wrapped) == str(timeout)
+    exited = RankExitedError("tensor-parallel rank 1 exited with code -9 during 'execute'")
+    assert crash_message_for_clients(exited) == str(exited)
