@@ -15,6 +15,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,12 +42,22 @@ class RequestResult:
 
 def add_serve_bench_parser(kinds: Any) -> None:
     p = kinds.add_parser("serve", help="benchmark a running chassis (or OpenAI-compatible) server")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="the server, without /v1 (default: http://127.0.0.1:8000)",
+    )
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", default="128", help="N or MIN:MAX")
-    p.add_argument("--output-len", default="128", help="N or MIN:MAX")
+    p.add_argument(
+        "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)"
+    )
+    p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")
+    p.add_argument(
+        "--input-len", default="128", help="prompt tokens: N or MIN:MAX (uniform; default 128)"
+    )
+    p.add_argument(
+        "--output-len", default="128", help="output tokens: N or MIN:MAX (uniform; default 128)"
+    )
     p.add_argument(
         "--request-rate",
         type=float,
@@ -56,14 +67,16 @@ def add_serve_bench_parser(kinds: Any) -> None:
     p.add_argument(
         "--max-concurrency", type=int, default=None, help="at most this many requests in flight"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the prompts and arrivals (default: 0)"
+    )
     p.add_argument(
         "--vocab-size",
         type=int,
         default=None,
-        help="token id range for random prompts (default: from /tokenize probing: 1000)",
+        help="random prompts' token ids are drawn from [0, N) (default: 1000)",
     )
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="write the results here as JSON")
     p.set_defaults(run=run)
 
 
@@ -115,6 +128,33 @@ async def _one(
     return result
 
 
+class ServerUnusableError(RuntimeError):
+    """The server cannot be benchmarked: unreachable, or its ``/v1/models`` refused (a
+    wrong API key) or named no model. The message says which."""
+
+
+async def served_model(client: Any, headers: dict[str, str]) -> str:
+    """The first model ``GET /v1/models`` lists; :class:`ServerUnusableError` when the
+    server cannot be reached or does not answer with a model."""
+    import httpx
+
+    try:
+        response = await client.get("/v1/models", headers=headers)
+    except httpx.HTTPError as exc:
+        raise ServerUnusableError(f"cannot reach {client.base_url}: {exc}") from None
+    if response.status_code != 200:
+        hint = " (pass the server's key with --api-key)" if response.status_code == 401 else ""
+        raise ServerUnusableError(
+            f"GET /v1/models answered HTTP {response.status_code}{hint}: {response.text[:200]}"
+        )
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerUnusableError(
+            f"GET /v1/models listed no model (pass --model): {response.text[:200]}"
+        ) from None
+
+
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
@@ -122,8 +162,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=args.base_url, timeout=None) as client:
         model = args.model
         if model is None:
-            models = (await client.get("/v1/models", headers=headers)).json()
-            model = models["data"][0]["id"]
+            model = await served_model(client, headers)
         vocab = args.vocab_size or 1000
         workload = random_workload(
             args.num_prompts,
@@ -186,7 +225,13 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = asyncio.run(_bench(args))
+    """Run the benchmark and print its report; exit status 0, 1 when a request failed or
+    the server cannot be benchmarked (a one-line error, no traceback)."""
+    try:
+        report = asyncio.run(_bench(args))
+    except ServerUnusableError as exc:
+        print(f"chassis bench serve: {exc}", file=sys.stderr)
+        return 1
     print(
         f"completed {report['completed']}, failed {report['failed']} in {report['duration_s']:.2f} s"
     )
