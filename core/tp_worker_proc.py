@@ -21,6 +21,7 @@ pid changes: checked every second while idle, and before it starts).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import logging
@@ -107,63 +108,77 @@ def rendezvous(ipc_dir: str) -> str:
 def main(ipc_dir: str, rank: int, driver_pid: int) -> int:
     from chassis.core.engine_core_proc import set_process_name
 
-    # (not at module level: tp_executor imports this module; once here, not every step)
-    from chassis.core.tp_executor import run_command
-
     set_process_name(f"chassis-tp{rank}")
     # Ctrl-C in a terminal reaches the whole process group: the driver stops this rank in
     # order (SHUTDOWN); dying mid-collective would fail the driver's step instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() != driver_pid:
         return _orphaned(ipc_dir, rank)
-    # (append mode: the driver reads each dump from the size it saw before signalling)
-    stacks = open(stack_path(ipc_dir, rank), "a", encoding="utf-8")  # noqa: SIM115
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    ctx = zmq.Context()
-    commands = ctx.socket(zmq.PULL)
-    commands.connect(command_address(ipc_dir, rank))
-    replies = ctx.socket(zmq.PUSH)
-    replies.setsockopt(zmq.LINGER, 1000)
-    replies.connect(reply_address(ipc_dir))
+    # Each resource is released (in reverse order) from the moment it is taken, whatever
+    # fails afterwards: a socket that cannot connect leaves no stacks file open and no
+    # signal handler writing to a closed one.
+    with contextlib.ExitStack() as release:
+        # (append mode: the driver reads each dump from the size it saw before signalling)
+        stacks = release.enter_context(open(stack_path(ipc_dir, rank), "a", encoding="utf-8"))
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        release.callback(faulthandler.unregister, signal.SIGUSR1)
+        ctx = zmq.Context()
+        release.callback(ctx.term)
+        commands = ctx.socket(zmq.PULL)
+        release.callback(commands.close, 0)
+        commands.connect(command_address(ipc_dir, rank))
+        replies = ctx.socket(zmq.PUSH)
+        release.callback(replies.close)
+        replies.setsockopt(zmq.LINGER, 1000)
+        replies.connect(reply_address(ipc_dir))
+        release.callback(_leave_group)
+        return _serve(ipc_dir, rank, driver_pid, commands, replies)
+
+
+def _leave_group() -> None:
+    """Leave the tensor-parallel group (if this rank joined it)."""
+    from chassis.core import parallel_state
+
+    parallel_state.destroy_tensor_parallel()
+
+
+def _serve(
+    ipc_dir: str, rank: int, driver_pid: int, commands: zmq.Socket, replies: zmq.Socket
+) -> int:
+    """Run the driver's commands until ``shutdown``, a failure or the driver's end; the
+    process's exit code."""
+    # (not at module level: tp_executor imports this module; once here, not every step)
+    from chassis.core.tp_executor import run_command
+
     worker: Any = None
-    try:
-        while True:
-            if not commands.poll(_IDLE_CHECK_MS):
-                if os.getppid() != driver_pid:
+    while True:
+        if not commands.poll(_IDLE_CHECK_MS):
+            if os.getppid() != driver_pid:
+                return _orphaned(ipc_dir, rank)
+            continue
+        method, payload = _command_decoder.decode(commands.recv())
+        try:
+            if method == SHUTDOWN:
+                replies.send(_encoder.encode([rank, True, None]))
+                return 0
+            if method == INIT:
+                replies.send(_encoder.encode([rank, True, JOINING]))
+                watch = functools.partial(_watch_while_joining, commands, driver_pid)
+                try:
+                    worker = _start(msgspec.msgpack.decode(payload), ipc_dir, rank, watch)
+                except _DriverGone:
                     return _orphaned(ipc_dir, rank)
-                continue
-            method, payload = _command_decoder.decode(commands.recv())
-            try:
-                if method == SHUTDOWN:
+                except _ShutdownWhileJoining:
                     replies.send(_encoder.encode([rank, True, None]))
                     return 0
-                if method == INIT:
-                    replies.send(_encoder.encode([rank, True, JOINING]))
-                    watch = functools.partial(_watch_while_joining, commands, driver_pid)
-                    try:
-                        worker = _start(msgspec.msgpack.decode(payload), ipc_dir, rank, watch)
-                    except _DriverGone:
-                        return _orphaned(ipc_dir, rank)
-                    except _ShutdownWhileJoining:
-                        replies.send(_encoder.encode([rank, True, None]))
-                        return 0
-                    result: Any = None
-                else:
-                    result = run_command(worker, method, _decode_payload(method, payload), rank)
-            except Exception as exc:
-                detail = failure_detail(rank, method, exc)
-                replies.send(_encoder.encode([rank, False, detail]))
-                return 1  # leaving fails the driver's collectives with this rank at once
-            replies.send(_encoder.encode([rank, True, result]))
-    finally:
-        from chassis.core import parallel_state
-
-        parallel_state.destroy_tensor_parallel()
-        faulthandler.unregister(signal.SIGUSR1)
-        stacks.close()
-        commands.close(0)
-        replies.close()
-        ctx.term()
+                result: Any = None
+            else:
+                result = run_command(worker, method, _decode_payload(method, payload), rank)
+        except Exception as exc:
+            detail = failure_detail(rank, method, exc)
+            replies.send(_encoder.encode([rank, False, detail]))
+            return 1  # leaving fails the driver's collectives with this rank at once
+        replies.send(_encoder.encode([rank, True, result]))
 
 
 def _orphaned(ipc_dir: str, rank: int) -> int:
