@@ -260,3 +260,47 @@ def test_a_rule_that_never_finishes_is_still_found_inside_a_list() -> None:
     # a separator that never finishes matters only from two items on
     automaton = Automaton.from_ir(grammar_to_ir('root ::= "x" (bad "x")*\nbad ::= "b" bad'))
     assert automaton.fullmatch(b"x") and not automaton.fullmatch(b"xbx")
+
+
+# -- lists by recursion ----------------------------------------------------------------------
+
+RECURSIVE_LISTS = [
+    'root ::= "[" things "]"\nthings ::= num ("," " "? things)?\nnum ::= [0-9]+',
+    'root ::= "[" things "]"\nthings ::= num | num "," " "? things\nnum ::= [0-9]+',
+    'root ::= "[" things "]"\nthings ::= num "," " "? things | num\nnum ::= [0-9]+',
+    'root ::= "[" things "]"\nthings ::= things "," " "? num | num\nnum ::= [0-9]+',
+]
+
+
+@pytest.mark.parametrize("grammar", RECURSIVE_LISTS, ids=["optional", "tail", "tail2", "left"])
+def test_a_list_by_recursion_is_a_loop_without_the_unrolling_bound(grammar: str) -> None:
+    """``x ("," list)?``, ``x | x "," list`` (either order) and ``list "," x | x`` are read
+    as ``x ("," x)*``: as written they stopped at MAX_RECURSION_DEPTH items (recursion is
+    unrolled); now any number passes, and up to that bound both accept and refuse alike."""
+    [listed] = lists_of(grammar)
+    assert (listed.min, listed.max) == (1, None)
+    new = Automaton.from_ir(grammar_to_ir(grammar))
+    old = Automaton.from_ir(grammar_to_ir(grammar, lists=False))
+    rng = random.Random(2)
+    compared = 0
+    for count in range(1, grammar_module.MAX_RECURSION_DEPTH + 1):
+        for _ in range(20):
+            items = [str(rng.randint(0, 99)) for _ in range(count)]
+            text = "[" + "".join(f"{item}{rng.choice([',', ', '])}" for item in items)[:-1]
+            for candidate in (text + "]", text + ",]", text + ", ]", text, text + "]]"):
+                assert new.fullmatch(candidate.encode()) == old.fullmatch(candidate.encode())
+                compared += 1
+    assert compared > 500
+    long = "[" + ", ".join(str(k) for k in range(200)) + "]"
+    assert new.fullmatch(long.encode()) and not old.fullmatch(long.encode())
+    assert not new.fullmatch(long[:-1].encode() + b",]")
+
+
+def test_recursion_that_is_not_a_plain_list_stays_recursion() -> None:
+    """A rule whose item or separator references the rule itself is not a list: it is
+    unrolled as before (and a list by recursion with an empty item is a plain loop)."""
+    for text in ['root ::= "(" root ")" root | ""', 'root ::= "a" root "b" | ""']:
+        assert lists_of(text) == []
+        assert grammar_to_ir(text) == grammar_to_ir(text, lists=False)
+    loop = Automaton.from_ir(grammar_to_ir('root ::= "<" many ">"\nmany ::= | "ab" many'))
+    assert loop.fullmatch(b"<" + b"ab" * 40 + b">") and not loop.fullmatch(b"<aba>")

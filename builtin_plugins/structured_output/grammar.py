@@ -7,9 +7,10 @@ unrolls ``$ref``:
 
 - a rule may be nested inside itself at most ``depth`` times (it is on the expansion stack
   at most ``depth`` times); past that, the recursive alternative matches nothing, so an
-  alternative without the recursion ends it. ``expr ::= expr "+" term | term`` (left
-  recursion too) then allows ``depth - 1`` additions, ``list ::= item ("," list)?``
-  ``depth`` items, and ``"(" expr ")"`` ``depth - 1`` levels of parentheses;
+  alternative without the recursion ends it: ``"(" expr ")"`` allows ``depth - 1`` levels
+  of parentheses. A rule that is a list by recursion on itself (``list ::= item ("," list)?``,
+  ``expr ::= expr "+" term | term``) is read as the loop it derives first
+  (:mod:`.grammar_lists`), so it has no such bound;
 - ``depth`` starts at :data:`MAX_RECURSION_DEPTH` and is lowered (to 1 at least, which
   forbids nesting a rule in itself) until the automaton fits in
   :data:`~.automaton.MAX_NFA_STATES` and the expansion nests at most

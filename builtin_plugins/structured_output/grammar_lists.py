@@ -15,6 +15,12 @@ items are compared as expressions (a rule reference by its name, not where it is
 and the longest item that matches is taken (``ws value ("," ws value)*`` lists
 ``ws value``).
 
+A rule that is a list by recursion on itself, ``list ::= item ("," list)?``,
+``list ::= item | item "," list`` or ``list ::= list "," item | item``, is first written
+as the loop ``item ("," item)*`` it derives: recursion is unrolled to a bounded depth
+(:mod:`.grammar`), so as written such a list stopped at 10 items; as a loop it has no
+bound, and its item is built once.
+
 The nesting the rewritten rule counts (:func:`~.grammar_parser.nesting_cost`) is the
 written one's: the separated repetition is one level, as the repeated group was, and its
 items are inside it as the group's were. What a ``(...)?`` around a list adds is folded in
@@ -33,6 +39,7 @@ from chassis.builtin_plugins.structured_output.grammar_parser import (
     RuleRef,
     SeparatedRepetition,
     Sequence,
+    children,
 )
 
 __all__ = ["same_expr", "separated_lists"]
@@ -40,10 +47,59 @@ __all__ = ["same_expr", "separated_lists"]
 
 def separated_lists(rules: dict[str, Rule]) -> dict[str, Rule]:
     """``rules`` with every ``item (separator item){m,n}`` shape of their sequences written
-    as a :class:`~.grammar_parser.SeparatedRepetition` (see the module docstring). The
-    rules derive the same texts as before. Linear in the grammar's size times its nesting
-    (which the parser bounds)."""
-    return {name: replace(rule, body=_rewrite(rule.body)) for name, rule in rules.items()}
+    as a :class:`~.grammar_parser.SeparatedRepetition` (see the module docstring), and
+    every rule that is a list by recursion written as a loop first (:func:`_as_loop`). The
+    rules derive the same texts as before, except that a list by recursion is no longer cut
+    where recursion is unrolled. Linear in the grammar's size times its nesting (which the
+    parser bounds)."""
+    return {
+        name: replace(rule, body=_rewrite(_as_loop(name, rule.body)))
+        for name, rule in rules.items()
+    }
+
+
+def _as_loop(name: str, body: Expr) -> Expr:
+    """The body of rule ``name`` written ``X (S X)*`` when it is a list by recursion on
+    itself: ``X (S name)?`` or ``X | X S name`` (either order: tail recursion) or
+    ``name S X | X`` (left recursion), where ``X`` and ``S`` (items, possibly none) do not
+    reference ``name`` themselves (they may through other rules: those stay recursion). Each derives the same texts (a rule's
+    language is the least solution of its equation, and ``X (S X)*`` is that of all
+    three), and as a loop the list is not cut where recursion is unrolled. Any other body
+    is returned as it is."""
+    own = RuleRef(name, 0, 0)
+    candidates: list[tuple[tuple[Expr, ...], tuple[Expr, ...]]] = []  # (X, S)
+    if isinstance(body, Sequence) and len(body.items) >= 2:
+        *first, last = body.items
+        if isinstance(last, Repetition) and (last.min, last.max) == (0, 1):
+            tail = _items(last.item)
+            if same_expr(tail[-1], own):
+                candidates.append((tuple(first), tail[:-1]))
+    if isinstance(body, Choice) and len(body.options) == 2:
+        for short, long in (body.options, body.options[::-1]):
+            item, longer = _items(short), _items(long)
+            extra = len(longer) - len(item)
+            if extra < 1:
+                continue
+            if same_expr(longer[-1], own) and _all_same(longer[: len(item)], item):
+                candidates.append((item, longer[len(item) : -1]))  # (tail recursion)
+            if same_expr(longer[0], own) and _all_same(longer[extra:], item):
+                candidates.append((item, longer[1:extra]))  # (left recursion)
+    for item, separator in candidates:
+        if not any(_references(expr, name) for expr in (*item, *separator)):
+            return Sequence((*item, Repetition(Sequence((*separator, *item)), 0, None)))
+    return body
+
+
+def _references(expr: Expr, name: str) -> bool:
+    """Whether ``expr`` references rule ``name`` itself (not through another rule)."""
+    if isinstance(expr, RuleRef):
+        return expr.name == name
+    return any(_references(child, name) for child in children(expr))
+
+
+def _items(expr: Expr) -> tuple[Expr, ...]:
+    """A sequence's items, or the one item of anything else."""
+    return expr.items if isinstance(expr, Sequence) else (expr,)
 
 
 def _rewrite(expr: Expr) -> Expr:
