@@ -294,3 +294,46 @@ def test_a_target_without_aux_hidden_states_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not expose auxiliary hidden states") as info:
         make_llm(target, head)
     assert "cannot run over this target" in str(info.value)
+
+
+def test_a_target_with_kv_cache_groups_preemptions_and_cache_hits(tmp_path: Path) -> None:
+    """Gemma 2 (window and full layers: two KV cache groups, the window's blocks released),
+    a tight cache (preemptions) and the prompts twice (prefix-cache hits): the output is
+    HF's and every proposal equals the reference over HF's Gemma 2 hidden states (kept after
+    Gemma's embedding scale, as HF's ``hidden_states``)."""
+    from test_eagle_spec import _llama_head_config_for
+    from test_gemma_models import hf_greedy as gemma_hf_greedy
+    from test_gemma_models import write_checkpoint as write_gemma
+    from test_sliding_window_kv import make_llm as make_grouped_llm
+
+    target = write_gemma(
+        "gemma2",
+        tmp_path / "gemma2",
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    head_dir = write_eagle3_head(
+        _llama_head_config_for(target, tmp_path / "llama"), tmp_path / "head", layer_ids=[0, 1, 3]
+    )
+    prompts = PROMPTS[1:]
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": K}
+    tight = {"num_kv_blocks": 40, "max_model_len": 104}
+    llm = make_grouped_llm(target, release=True, speculative_config=spec, **tight)
+    drafter = llm.engine.executor.worker.runner.drafter
+    seen = record_proposals(drafter)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        assert drafter.layer_group == [0]
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.shutdown()
+    assert first == again == gemma_hf_greedy(target, prompts, 40)
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    reference = ReferenceEagle3(target, head_dir)
+    assert len(seen) > 8
+    for sequence, drafts in seen[:40]:
+        assert drafts == reference.drafts(sequence, len(drafts))
