@@ -21,16 +21,16 @@ e5m2 (2 mantissa bits) by at most 0.25, 7 % in norm.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from paged_attention_cases import make_batch
 from triton_compile_check import (
-    SHARED_CHILD_TIMEOUT,
     TARGETS,
     compile_kernel,
-    run_under_interpreter,
+    in_interpreter,
+    interpreter_parent,
+    not_in_interpreter,
+    run_kernel_tests,
 )
 
 from chassis import LLM, SamplingParams
@@ -41,12 +41,6 @@ from chassis.builtin_plugins.attention.torch_paged import (
 )
 from chassis.core.attention import resolve_kv_cache_dtype
 from chassis.core.config import EngineConfig
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_under_interpreter"
-)
-not_in_interpreter = pytest.mark.skipif(INTERPRETED, reason="the child runs the kernels only")
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: (cached prefix, query length): prefill chunks over prefixes, a whole prefill, decodes
@@ -172,13 +166,11 @@ def test_attention_within_fp8_rounding_of_a_float32_cache(fp8: torch.dtype, seed
 # -- triton_paged: the same cache and attention, under the interpreter -------------------
 
 
-@not_in_interpreter
-@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+@interpreter_parent
 def test_triton_under_interpreter(request: pytest.FixtureRequest) -> None:
     """The ``in_interpreter`` tests, in the child shared with tests/test_triton_*.py (one
     import of torch and Triton for all of them); Triton < 3.7 skips with the reason."""
-    pytest.importorskip("triton")
-    output = run_under_interpreter(__file__, request=request)
+    output = run_kernel_tests(__file__, request)
     assert "skipped" in output, output[-2000:]  # the child skipped this file's CPU tests
 
 

@@ -12,23 +12,17 @@ Shapes are tiny: the interpreter executes every program of the grid in numpy.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from paged_attention_cases import dense_attention, make_batch
 from triton_compile_check import (
-    SHARED_CHILD_TIMEOUT,
     TARGETS,
     compile_attention_variant,
     compile_kernel,
-    interpreter_runs,
-    run_under_interpreter,
-)
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_kernels_under_interpreter"
+    in_interpreter,
+    interpreter_parent,
+    not_in_interpreter,
+    run_kernel_tests,
 )
 
 #: (cached prefix length, query length): chunks over prefixes of several lengths, a prefill
@@ -45,13 +39,9 @@ WINDOWED = [(0, 5), (0, 20), (3, 4), (12, 6), (7, 1), (8, 1), (70, 1), (100, 5)]
 WINDOW_CAP = [(8, None), (None, 2.0), (8, 2.0), (1, None), (1000, 0.5)]
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+@interpreter_parent
 def test_kernels_under_interpreter(request: pytest.FixtureRequest) -> None:
-    triton = pytest.importorskip("triton")
-    if not interpreter_runs(__file__):
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run this kernel (< 3.7)")
-    output = run_under_interpreter(__file__, request=request)
+    output = run_kernel_tests(__file__, request)  # (skips where the interpreter cannot)
     assert "skipped" in output, output[-2000:]
 
 
@@ -484,7 +474,7 @@ def test_split_count_on_a_gpu_follows_its_idle_multiprocessors(monkeypatch) -> N
     assert splits(0, 4096) == 16
 
 
-@pytest.mark.skipif(INTERPRETED, reason="checks the compiled (non-interpreted) path")
+@not_in_interpreter
 def test_cpu_tensors_without_interpreter_are_refused() -> None:
     pytest.importorskip("triton")
     batch = make_batch(
@@ -524,7 +514,7 @@ def test_sinks_of_the_wrong_shape_are_refused() -> None:
         )
 
 
-@pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
+@not_in_interpreter
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
 def test_kernels_compile_for_gpu_targets(target) -> None:
     """Every kernel variant the launcher picks compiles to Hopper / MI300 machine code."""

@@ -7,23 +7,17 @@ targets without a GPU. tests/gpu/test_gpu_triton_int4.py checks it at real layer
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from triton_compile_check import (
-    SHARED_CHILD_TIMEOUT,
     TARGETS,
     compile_kernel,
-    run_under_interpreter,
+    in_interpreter,
+    interpreter_parent,
+    run_kernel_tests,
 )
 
 from chassis.core.layers.int4_linear import int4_linear_ref, pack_codes
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_int4_under_interpreter"
-)
 
 
 def packed_layer(
@@ -57,11 +51,9 @@ def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor) -> No
     torch.testing.assert_close(actual, expected, atol=tol, rtol=1e-2)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+@interpreter_parent
 def test_int4_under_interpreter(request: pytest.FixtureRequest) -> None:
-    pytest.importorskip("triton")
-    run_under_interpreter(__file__, request=request)
+    run_kernel_tests(__file__, request)
 
 
 # group sizes: smaller than the 64-row tile, not dividing it, one group; 96 input rows end

@@ -8,24 +8,22 @@ tests/gpu/test_gpu_triton_moe.py checks them at a real layer's shape and under C
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_triton_ops import bfloat16_rounds_to_nearest  # noqa: F401  (a fixture)
 from triton_compile_check import (
-    SHARED_CHILD_TIMEOUT,
+    INTERPRETED,
     TARGETS,
     compile_kernel,
+    in_interpreter,
+    interpreter_parent,
+    not_in_interpreter,
+    run_kernel_tests,
     run_under_interpreter,
 )
 
 from chassis.core.layers.moe import FusedMoE, fused_experts_ref, select_experts
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_moe_under_interpreter"
-)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -51,14 +49,12 @@ def _experts(
     return x, w13, w2, weights, ids
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+@interpreter_parent
 def test_moe_under_interpreter(request: pytest.FixtureRequest) -> None:
-    pytest.importorskip("triton")
-    run_under_interpreter(__file__, request=request)
+    run_kernel_tests(__file__, request)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
+@not_in_interpreter
 def test_triton_36_skips_the_interpreter_child(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton 3.6's interpreter (the H200 image's) cannot loop over a runtime scalar, so the
     parent skips with the reason instead of failing on every kernel (the GPU compiles)."""
@@ -269,7 +265,7 @@ def test_the_layer_runs_the_platform_kernel(dtype: torch.dtype, monkeypatch) -> 
 PLAIN = dict(CLAMPED_SWIGLU=False, ALPHA=0.0, LIMIT=0.0)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
+@not_in_interpreter
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
 def test_kernels_compile_for_gpu_targets(target) -> None:
     pytest.importorskip("triton")

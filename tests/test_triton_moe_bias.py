@@ -10,25 +10,22 @@ checks them at gpt-oss-20b's shape, under CUDA graphs and inside the engine.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_triton_ops import bfloat16_rounds_to_nearest  # noqa: F401  (a fixture)
 from triton_compile_check import (
-    SHARED_CHILD_TIMEOUT,
+    INTERPRETED,
     TARGETS,
     compile_kernel,
-    run_under_interpreter,
+    in_interpreter,
+    interpreter_parent,
+    not_in_interpreter,
+    run_kernel_tests,
 )
 
 from chassis.builtin_plugins.models.gpt_oss import GptOssExperts, experts_reference
 from chassis.core.layers.moe import select_experts
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_under_interpreter"
-)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 #: gpt-oss's alpha; a limit of 1.5 (as tests/test_gpt_oss.py's tiny model) binds often
 ALPHA, LIMIT = 1.702, 1.5
@@ -79,11 +76,9 @@ def _both(args: tuple[torch.Tensor, ...], alpha: float = ALPHA, limit: float = L
     )
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+@interpreter_parent
 def test_under_interpreter(request: pytest.FixtureRequest) -> None:
-    pytest.importorskip("triton")
-    run_under_interpreter(__file__, request=request)
+    run_kernel_tests(__file__, request)
 
 
 # -- the kernels (interpreter) ------------------------------------------------------------------
@@ -221,7 +216,7 @@ def test_on_the_cpu_the_experts_run_the_torch_path() -> None:
 # -- compiled for the GPUs, without one -----------------------------------------------------------
 
 
-@pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
+@not_in_interpreter
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
 def test_kernels_compile_for_gpu_targets(target) -> None:
     """gpt-oss's variant (biases, clamped SwiGLU at alpha 1.702, limit 7, top 4), bfloat16,

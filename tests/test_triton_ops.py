@@ -6,23 +6,20 @@ tests/test_triton_attention.py for why); the reference and dispatch tests run in
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from triton_compile_check import (
-    SHARED_CHILD_TIMEOUT,
+    INTERPRETED,
     TARGETS,
     compile_kernel,
-    run_under_interpreter,
+    in_interpreter,
+    interpreter_parent,
+    not_in_interpreter,
+    run_kernel_tests,
 )
 
 from chassis.core.layers import fused_ops
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_ops_under_interpreter"
-)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -42,11 +39,9 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-@pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)
+@interpreter_parent
 def test_ops_under_interpreter(request: pytest.FixtureRequest) -> None:
-    pytest.importorskip("triton")
-    run_under_interpreter(__file__, request=request)
+    run_kernel_tests(__file__, request)
 
 
 # -- Triton kernels (interpreter) ---------------------------------------------------------------
@@ -314,7 +309,7 @@ def test_rotary_layer_fuses_the_qk_norms(dtype: torch.dtype, monkeypatch) -> Non
         _close(got_k, ref_k)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="compiles for real; the child interprets")
+@not_in_interpreter
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
 def test_kernels_compile_for_gpu_targets(target) -> None:
     pytest.importorskip("triton")
@@ -426,7 +421,7 @@ def test_qk_norm_rotary_kernel_rejects_what_it_cannot_fuse() -> None:
         triton_ops.qk_norm_rotary_embedding_(positions, q, k, torch.ones(8), w, 1e-6, cos, sin)
     with pytest.raises(ValueError, match=r"\[T, H, D\]"):
         triton_ops.qk_norm_rotary_embedding_(positions, q.view(2, 64), k, w, w, 1e-6, cos, sin)
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not INTERPRETED:
         with pytest.raises(ValueError, match="CUDA/ROCm tensors"):
             triton_ops.qk_norm_rotary_embedding_(positions, q, k, w, w, 1e-6, cos, sin)
 

@@ -193,6 +193,34 @@ SHARED_CHILD_TIMEOUT = 1500
 #: parent test fails on a failure there)
 UNATTRIBUTED = ""
 
+#: whether this process is the ``TRITON_INTERPRET=1`` child that runs the kernel tests
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: marks a kernel test: it runs only in the child that its file's parent test (marked
+#: :func:`interpreter_parent`) starts
+in_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of its file's parent test"
+)
+#: marks a test of the parent process only (a parent test, a compile test, a check of the
+#: compiled path): the child runs the kernel tests
+not_in_interpreter = pytest.mark.skipif(
+    INTERPRETED, reason="the TRITON_INTERPRET=1 child runs the kernel tests only"
+)
+
+
+def interpreter_parent(test: Any) -> Any:
+    """Marks a file's parent test (a ``test_*_under_interpreter``, whose body is
+    :func:`run_kernel_tests`): not run in the child, and a hang guard past the shared
+    child's :data:`SHARED_CHILD_TIMEOUT`."""
+    return not_in_interpreter(pytest.mark.timeout(SHARED_CHILD_TIMEOUT + 60)(test))
+
+
+def run_kernel_tests(test_file: str, request: Any) -> str:
+    """The body of ``test_file``'s parent test: skips without Triton, else runs the file's
+    :data:`in_interpreter` tests with :func:`run_under_interpreter` (``request``: the parent
+    test's) and returns what it returns."""
+    pytest.importorskip("triton")
+    return run_under_interpreter(test_file, request=request)
+
 
 def interpreter_runs(test_file: str) -> bool:
     """Whether the installed Triton's interpreter runs the kernels of ``test_file``."""
