@@ -26,16 +26,21 @@ from typing import Any
 
 def add_kernel_bench_parser(kinds: Any) -> None:
     p = kinds.add_parser("kernels", help="time the CPU linear and attention kernels")
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
+    # the defaults are SmolLM2-135M's shapes
+    p.add_argument("--hidden", type=int, default=576, help="hidden size (default: 576)")
+    p.add_argument(
+        "--intermediate", type=int, default=1536, help="MLP intermediate size (default: 1536)"
+    )
+    p.add_argument("--heads", type=int, default=9, help="attention query heads (default: 9)")
+    p.add_argument("--kv-heads", type=int, default=3, help="attention KV heads (default: 3)")
+    p.add_argument("--head-dim", type=int, default=64, help="attention head size (default: 64)")
     p.add_argument("--layers", type=int, default=30, help="distinct weight sets per pass")
     p.add_argument("--rows", default="1,8,16,32,512,2048", help="linear row counts")
     p.add_argument("--batch", default="1,8,32", help="attention batch sizes")
     p.add_argument("--context", type=int, default=200, help="attention positions per request")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed calls per measurement, averaged (default: 5)"
+    )
     p.set_defaults(run=run)
 
 

@@ -28,8 +28,12 @@ def add_step_bench_parser(kinds: Any, add_engine_args: Any) -> None:
         "--batch-size", type=int, nargs="+", default=[1], help="decode batch sizes to time"
     )
     p.add_argument("--context-len", type=int, default=150, help="prompt tokens per request")
-    p.add_argument("--num-steps", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--num-steps", type=int, default=10, help="steps per timing, averaged (default: 10)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timings per batch size; the median (default: 3)"
+    )
     p.add_argument("--prefill-tokens", type=int, default=0, help="also time one prefill step")
     p.add_argument(
         "--profile",

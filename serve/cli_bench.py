@@ -39,7 +39,7 @@ def add_parser(subparsers: Any) -> None:
 
     tp = kinds.add_parser("throughput", help="offline throughput on a random-token workload")
     add_engine_args(tp)
-    tp.add_argument("--num-prompts", type=int, default=32)
+    tp.add_argument("--num-prompts", type=int, default=32, help="requests to run (default: 32)")
     tp.add_argument("--input-len", default="32:256", help="N or MIN:MAX (uniform); default 32:256")
     tp.add_argument("--output-len", default="32:128", help="N or MIN:MAX (uniform); default 32:128")
     _add_common(tp)
@@ -60,11 +60,20 @@ def add_parser(subparsers: Any) -> None:
 
     lat = kinds.add_parser("latency", help="end-to-end latency of one batch (default batch 1)")
     add_engine_args(lat)
-    lat.add_argument("--input-len", default="128")
-    lat.add_argument("--output-len", default="256")
-    lat.add_argument("--batch-size", type=int, default=1)
-    lat.add_argument("--num-iters", type=int, default=3)
-    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.add_argument("--input-len", default="128", help="prompt tokens per request (default: 128)")
+    lat.add_argument("--output-len", default="256", help="output tokens per request (default: 256)")
+    lat.add_argument(
+        "--batch-size", type=int, default=1, help="requests generated together (default: 1)"
+    )
+    lat.add_argument(
+        "--num-iters", type=int, default=3, help="timed generations, averaged (default: 3)"
+    )
+    lat.add_argument(
+        "--num-iters-warmup",
+        type=int,
+        default=1,
+        help="untimed generations before them (default: 1)",
+    )
     _add_common(lat)
     lat.set_defaults(run=_run_offline)
 
