@@ -1,16 +1,19 @@
 """Keeping a 4-bit AWQ/GPTQ checkpoint's linear layers packed (:class:`Int4Linear`).
 
-The model loads the checkpoint as its dequantized twin first (``load_weights`` merges
-projections and slices for tensor parallelism the way it does for any checkpoint), while
-:class:`Int4Sources` keeps each checkpoint module's packed tensors, converted to the one
-layout of :mod:`chassis.core.layers.int4_linear`. Then :func:`pack_int4_linears` replaces
-each ``nn.Linear`` whose weight those tensors reproduce *exactly* (dequantized to the model
+Each layer loads as the dequantized twin's would (``load_weights`` merges projections and
+slices for tensor parallelism the way it does for any checkpoint), while :class:`Int4Sources`
+keeps each checkpoint module's packed tensors, converted to the one layout of
+:mod:`chassis.core.layers.int4_linear`. Then :func:`pack_int4_linear` replaces the
+``nn.Linear`` if those tensors reproduce its weight *exactly* (dequantized to the model
 dtype, bit for bit) by an :class:`Int4Linear` holding them: a layer that merges several
 checkpoint projections (Q/K/V, gate/up) gets their tensors concatenated along the output
 dimension, in the order that reproduces its weight. That equality is the proof the packed
 layer computes what the dequantized one would; a layer it does not hold for (one the model
 transformed at load, projections quantized with different act-order permutations) stays
 dequantized. The dequantized weight is freed, so what stays is ~1/4 of the 16-bit bytes.
+The loader does this one layer at a time as the checkpoint streams in
+(:mod:`chassis.core.int4_streaming`), so the whole dequantized model never exists;
+:func:`pack_int4_linears` does it for every layer of a loaded model.
 
 Under tensor parallelism a rank's layer holds its even share of the checkpoint modules'
 output columns (column-parallel layers) or input rows (row-parallel ones: whole int32 words
@@ -18,10 +21,10 @@ of codes and those rows' ``g_idx``, with every group's scales and zero points, s
 not fall on group boundaries), found by the same exact comparison; a layer sharded some other
 way (KV heads replicated across more ranks than there are) stays dequantized.
 
-Not packed (the dequantized path): bit widths other than 4 (with a log line), fused MoE experts (one tensor for all experts; no log line:
-they are not ``nn.Linear``), ``--int4-weights dequantized``, and ``--int4-weights auto`` (the default) on a platform
-without an int4 matmul kernel (:func:`keeps_int4_packed`). Peak memory while loading is that
-of the dequantized path plus the packed tensors.
+Not packed (the dequantized path): bit widths other than 4 (with a log line), fused MoE
+experts (one tensor for all experts; no log line: they are not ``nn.Linear``),
+``--int4-weights dequantized``, and ``--int4-weights auto`` (the default) on a platform
+without an int4 matmul kernel (:func:`keeps_int4_packed`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ import torch
 from torch import nn
 
 from chassis.core.layers import int4_linear
-from chassis.core.layers.int4_linear import Int4Linear, dequantize_int4, pack_codes
+from chassis.core.layers.int4_linear import Int4Linear, pack_codes, reproduces
 from chassis.core.packed_int_weights import (
+    ROWS_PER_STEP,
     PackedIntFormat,
     awq_columns,
     row_groups,
@@ -43,7 +47,9 @@ from chassis.core.packed_int_weights import (
 
 logger = logging.getLogger(__name__)
 
-_Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: one module's (or layer's) ``(qweight, scales, zeros, g_idx)`` in the layout of
+#: :mod:`chassis.core.layers.int4_linear`
+Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def keeps_int4_packed(mode: str, torch_compile: bool = False) -> bool:
@@ -60,7 +66,7 @@ def keeps_int4_packed(mode: str, torch_compile: bool = False) -> bool:
     return mode == "packed"
 
 
-def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> _Packed:
+def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> Packed:
     """``(qweight [in/8, out] int32, scales [groups, out], zeros [groups, out] uint8,
     g_idx [in] int32)`` of one checkpoint module's checked parts (``fmt.bits == 4``)."""
     if fmt.bits != 4:
@@ -73,9 +79,17 @@ def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> _Pac
         g_idx = parts.get("g_idx")
     else:  # AWQ: codes packed along the output columns, interleaved; repack along the input
         columns = awq_columns(scales.shape[1], 8)
-        codes = unpack_int32(parts["qweight"], 4, 1)[:, columns]  # [in, out]
-        qweight = pack_codes(codes)
-        in_features = codes.shape[0]
+        in_features = parts["qweight"].shape[0]
+        # a slice of rows at a time keeps the int32 codes to that slice (the loader packs
+        # while it loads: these temporaries add to its peak)
+        qweight = torch.cat(
+            [
+                pack_codes(
+                    unpack_int32(parts["qweight"][start : start + ROWS_PER_STEP], 4, 1)[:, columns]
+                )
+                for start in range(0, in_features, ROWS_PER_STEP)
+            ]
+        )
         zeros = unpack_int32(parts["qzeros"], 4, 1)[:, columns]
         g_idx = None
     if g_idx is None:
@@ -89,14 +103,14 @@ class Int4Sources:
 
     def __init__(self, fmt: PackedIntFormat) -> None:
         self.fmt = fmt
-        self.modules: dict[str, _Packed] = {}
+        self.modules: dict[str, Packed] = {}
 
     def record(self, name: str, parts: dict[str, torch.Tensor]) -> None:
         """Keep module ``name``'s parts (already checked by the dequantization)."""
         self.modules[name] = canonical_int4(parts, self.fmt)
 
 
-def _concat(parts: list[_Packed]) -> _Packed | None:
+def _concat(parts: list[Packed]) -> Packed | None:
     """Parts concatenated along the output dimension; ``None`` when their input grouping
     (``g_idx``) or group count differs."""
     first = parts[0]
@@ -111,7 +125,7 @@ def _concat(parts: list[_Packed]) -> _Packed | None:
     )
 
 
-def _output_slice(packed: _Packed, size: int, rank: int) -> _Packed | None:
+def _output_slice(packed: Packed, size: int, rank: int) -> Packed | None:
     """Rank ``rank``'s even share of the output columns (a column-parallel layer)."""
     out_features = packed[0].shape[1]
     if out_features % size:
@@ -120,7 +134,7 @@ def _output_slice(packed: _Packed, size: int, rank: int) -> _Packed | None:
     return packed[0][:, cols], packed[1][:, cols], packed[2][:, cols], packed[3]
 
 
-def _input_slice(packed: _Packed, size: int, rank: int) -> _Packed | None:
+def _input_slice(packed: Packed, size: int, rank: int) -> Packed | None:
     """Rank ``rank``'s even share of the input rows (a row-parallel layer): whole int32
     words of codes and their rows' ``g_idx``; every group's scales and zero points stay, as
     ``g_idx`` indexes them, so a share need not start or end on a group boundary."""
@@ -131,7 +145,7 @@ def _input_slice(packed: _Packed, size: int, rank: int) -> _Packed | None:
     return packed[0][start // 8 : end // 8], packed[1], packed[2], packed[3][start:end]
 
 
-def _rank_variants(candidates: list[_Packed], tp_size: int, tp_rank: int) -> list[list[_Packed]]:
+def _rank_variants(candidates: list[Packed], tp_size: int, tp_rank: int) -> list[list[Packed]]:
     """The ways a layer of this rank may hold ``candidates``: whole (no tensor parallelism,
     or a replicated layer), each cut to this rank's output columns, or to its input rows."""
     variants = [candidates]
@@ -144,8 +158,8 @@ def _rank_variants(candidates: list[_Packed], tp_size: int, tp_rank: int) -> lis
 
 
 def _matching(
-    weight: torch.Tensor, candidates: list[_Packed], tp_size: int = 1, tp_rank: int = 0
-) -> _Packed | None:
+    weight: torch.Tensor, candidates: list[Packed], tp_size: int = 1, tp_rank: int = 0
+) -> Packed | None:
     """The concatenation of ``candidates`` (in some order, whole or cut to this rank's
     share, :func:`_rank_variants`) whose dequantized weight equals ``weight``, moved to its
     device and made contiguous; ``None`` if there is none."""
@@ -158,7 +172,7 @@ def _matching(
     return None
 
 
-def _matching_order(weight: torch.Tensor, candidates: list[_Packed]) -> _Packed | None:
+def _matching_order(weight: torch.Tensor, candidates: list[Packed]) -> Packed | None:
     for order in itertools.permutations(candidates):
         packed = _concat(list(order))
         if packed is None or packed[0].shape[1] != weight.shape[0]:
@@ -166,7 +180,7 @@ def _matching_order(weight: torch.Tensor, candidates: list[_Packed]) -> _Packed 
         if packed[3].numel() != weight.shape[1]:
             continue
         packed = tuple(t.to(weight.device).contiguous() for t in packed)
-        if torch.equal(dequantize_int4(*packed, weight.dtype), weight):
+        if reproduces(*packed, weight):
             return packed  # type: ignore[return-value]
     return None
 
@@ -174,6 +188,60 @@ def _matching_order(weight: torch.Tensor, candidates: list[_Packed]) -> _Packed 
 def _rank_of(name: str, declared: list[str]) -> int:
     leaf = name.rpartition(".")[2]
     return declared.index(leaf) if leaf in declared else len(declared)
+
+
+def layer_of(module_name: str, merged_projections: dict[str, str] | None) -> str:
+    """The model layer a checkpoint module loads into (``...q_proj`` -> ``...qkv_proj`` for a
+    model that merges Q/K/V; its own name otherwise)."""
+    prefix, _, leaf = module_name.rpartition(".")
+    target = (merged_projections or {}).get(leaf, leaf)
+    return f"{prefix}.{target}" if prefix else target
+
+
+def pack_int4_linear(
+    model: nn.Module,
+    layer_name: str,
+    candidates: dict[str, Packed],
+    merged_projections: dict[str, str] | None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> bool:
+    """Replace ``model``'s ``nn.Linear`` ``layer_name`` by an :class:`Int4Linear` holding
+    ``candidates`` (its checkpoint modules' packed tensors, by module name) when some order
+    and rank share of them reproduces its loaded weight exactly (module docstring); return
+    whether it did. The replaced layer's weight is freed (its storage emptied, also for
+    anyone still holding the parameter); its bias is shared with the packed layer."""
+    module = model.get_submodule(layer_name)
+    if type(module) is not nn.Linear:
+        return False
+    # the order merged_projections declares first (the models' own: q, k, v), so that the
+    # first comparison usually matches
+    declared = list(merged_projections or {})
+    names = sorted(candidates, key=lambda n: (_rank_of(n, declared), n))
+    packed = _matching(module.weight.data, [candidates[n] for n in names], tp_size, tp_rank)
+    if packed is None:
+        return False
+    bias = module.bias.data if module.bias is not None else None
+    parent_name, _, child = layer_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, Int4Linear(*packed, bias))
+    # a loader may still hold the parameter (a dict of the model's parameters): empty it
+    module.weight.data = module.weight.data.new_empty(0)
+    return True
+
+
+def warn_kept_dequantized(kept: list[str]) -> None:
+    """Log the layers whose packed tensors did not reproduce their weight (a warning: real
+    checkpoints reproduce their layers, so the memory asked for is not what the model holds
+    for a reason worth seeing, such as a model transforming weights at load)."""
+    if kept:
+        logger.warning(
+            "int4: %d linear layers kept dequantized (no order or tensor-parallel share of "
+            "their checkpoint modules' packed tensors reproduces the loaded weight, e.g. "
+            "projections with different act-order g_idx), e.g. %s",
+            len(kept),
+            kept[0],
+        )
 
 
 @torch.no_grad()
@@ -184,42 +252,22 @@ def pack_int4_linears(
     tp_size: int = 1,
     tp_rank: int = 0,
 ) -> int:
-    """Replace each ``nn.Linear`` of ``model`` that ``sources`` reproduce exactly by an
-    :class:`Int4Linear` (module docstring); return how many were replaced. Under tensor
-    parallelism (``tp_size`` ranks, this one ``tp_rank``) a layer may hold this rank's even
-    share of the checkpoint modules' output columns or input rows."""
-    by_target: dict[str, list[str]] = {}
-    for name in sources.modules:
-        prefix, _, leaf = name.rpartition(".")
-        target = (merged_projections or {}).get(leaf, leaf)
-        by_target.setdefault(f"{prefix}.{target}" if prefix else target, []).append(name)
+    """Replace each ``nn.Linear`` of a loaded ``model`` that ``sources`` reproduce exactly
+    by an :class:`Int4Linear` (:func:`pack_int4_linear`); return how many were replaced.
+    Under tensor parallelism (``tp_size`` ranks, this one ``tp_rank``) a layer may hold this
+    rank's even share of the checkpoint modules' output columns or input rows. The loader
+    packs each layer as soon as it has loaded instead (:mod:`chassis.core.int4_streaming`)."""
+    by_layer: dict[str, dict[str, Packed]] = {}
+    for name, packed in sources.modules.items():
+        by_layer.setdefault(layer_of(name, merged_projections), {})[name] = packed
+    modules = dict(model.named_modules())
     replaced, kept = 0, []
-    for module_name, module in list(model.named_modules()):
-        names = by_target.get(module_name)
-        if not names or type(module) is not nn.Linear:
+    for layer_name, candidates in by_layer.items():
+        if type(modules.get(layer_name)) is not nn.Linear:
             continue
-        # the order merged_projections declares first (the models' own: q, k, v), so that the
-        # first comparison usually matches
-        declared = list(merged_projections or {})
-        names = sorted(names, key=lambda n: (_rank_of(n, declared), n))
-        candidates = [sources.modules[n] for n in names]
-        packed = _matching(module.weight.data, candidates, tp_size, tp_rank)
-        if packed is None:
-            kept.append(module_name)
-            continue
-        bias = module.bias.data if module.bias is not None else None
-        parent_name, _, child = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int4Linear(*packed, bias))
-        replaced += 1
-    if kept:
-        # a warning: real checkpoints reproduce their layers, so the memory asked for is not
-        # what the model holds for a reason worth seeing (a model transforming weights at load)
-        logger.warning(
-            "int4: %d linear layers kept dequantized (no order or tensor-parallel share of "
-            "their checkpoint modules' packed tensors reproduces the loaded weight, e.g. "
-            "projections with different act-order g_idx), e.g. %s",
-            len(kept),
-            kept[0],
-        )
+        if pack_int4_linear(model, layer_name, candidates, merged_projections, tp_size, tp_rank):
+            replaced += 1
+        else:
+            kept.append(layer_name)
+    warn_kept_dequantized(kept)
     return replaced

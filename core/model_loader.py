@@ -317,43 +317,56 @@ def build_model(
         dtype=dtype,
         max_model_len=engine_config.max_model_len,
     )
-    with _default_dtype(dtype), torch.device(device):
+    dummy = engine_config.load_format == "dummy"
+    int4_sources = None if dummy else _int4_sources(engine_config, hf_config)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_default_dtype(dtype))
+        stack.enter_context(torch.device(device))
+        if int4_sources is not None:
+            from chassis.core.int4_streaming import deferred_linear_weights
+
+            # 4-bit layers are packed one at a time as they load: their 16-bit weights are
+            # allocated then, not here (core/int4_streaming.py)
+            deferred = stack.enter_context(deferred_linear_weights())
         model = model_cls(hf_config, build_ctx)
     model.eval()
-    if engine_config.load_format == "dummy":
+    if dummy:
         init_dummy_weights(model, engine_config.seed)
     else:
         from chassis.core.quantized_weights import dequantized_weights
 
         parameter_names = {name for name, _ in model.named_parameters()}
-        int4_sources = _int4_sources(engine_config, hf_config)
-        loaded = model.load_weights(
-            dequantized_weights(
-                iterate_safetensors(Path(model_path), wanted=model.needs_checkpoint_tensor),
-                hf_config,
-                parameter_names,
-                model.merged_projections,
-                int4_sources.record if int4_sources is not None else None,
-            )
+        weights = dequantized_weights(
+            iterate_safetensors(Path(model_path), wanted=model.needs_checkpoint_tensor),
+            hf_config,
+            parameter_names,
+            model.merged_projections,
+            int4_sources.record if int4_sources is not None else None,
         )
+        packer = None
+        if int4_sources is not None:
+            from chassis.core import parallel_state
+            from chassis.core.int4_streaming import Int4StreamPacker, packed_checkpoint_modules
+
+            packer = Int4StreamPacker(
+                model,
+                deferred,
+                int4_sources,
+                packed_checkpoint_modules(Path(model_path), model.needs_checkpoint_tensor),
+                model.merged_projections,
+                parallel_state.tp_size(),
+                parallel_state.tp_rank(),
+            )
+            weights = packer.stream(weights)
+        loaded = model.load_weights(weights)
         missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (
                 f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
             )
             raise ValueError(f"the checkpoint at {model_path} lacks weights for: {shown}")
-        if int4_sources is not None:
-            from chassis.core import parallel_state
-            from chassis.core.int4_packing import pack_int4_linears
-
-            count = pack_int4_linears(
-                model,
-                int4_sources,
-                model.merged_projections,
-                parallel_state.tp_size(),
-                parallel_state.tp_rank(),
-            )
-            logger.info("int4: %d linear layers keep their weights packed", count)
+        if packer is not None:
+            logger.info("int4: %d linear layers keep their weights packed", packer.packed)
     return model
 
 

@@ -110,8 +110,10 @@ def test_merged_projections_are_packed_in_the_order_that_reproduces_the_weight(
         sources.record(name, modules[name][0])
     # declared in another order (v, k, q): the order is searched for
     declared = {n: "qkv_proj" for n in reversed(names)}
+    expected = merged.weight.clone()
     assert pack_int4_linears(model, sources, declared) == 1
-    assert torch.equal(model.qkv_proj.dequantized_weight(torch.float32), merged.weight)
+    assert torch.equal(model.qkv_proj.dequantized_weight(torch.float32), expected)
+    assert merged.weight.numel() == 0  # the replaced layer's weight is freed
     # a layer the packed tensors do not reproduce stays as it is
     other = nn.Linear(64, 48, bias=False)
     model.add_module("qkv_proj", other)

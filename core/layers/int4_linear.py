@@ -43,11 +43,13 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     rows, cols = codes.shape
     if rows % CODES_PER_INT:
         raise ValueError(f"4-bit packing needs input rows in multiples of 8; got {rows}")
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device).view(1, -1, 1)
-    packed = (codes.to(torch.int64).view(rows // 8, 8, cols) << shifts).sum(dim=1)
-    # bit 31 set: the int32 with the same bits is the value minus 2**32
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
-    return packed.to(torch.int32)
+    rows_of = codes.view(rows // 8, 8, cols)
+    packed = torch.zeros(rows // 8, cols, dtype=torch.int32, device=codes.device)
+    # one code row at a time into the int32s (the 8th lands in the sign bit: the int32 with
+    # those bits), so the temporaries stay one row of codes, not 8 int64 copies
+    for j in range(CODES_PER_INT):
+        packed |= rows_of[:, j].to(torch.int32) << (4 * j)
+    return packed
 
 
 def dequantize_int4(
@@ -64,6 +66,31 @@ def dequantize_int4(
     # contiguous [out, in], as nn.Linear holds it: F.linear on a transposed view may take
     # another BLAS path, with other float32 sums than the dequantized model's
     return values.to(dtype).t().contiguous()
+
+
+def reproduces(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    weight: torch.Tensor,
+    rows_per_step: int = 256,
+) -> bool:
+    """Whether the packed tensors dequantize to ``weight [out, in]`` (in its dtype) bit for
+    bit: :func:`dequantize_int4`'s values, compared ``rows_per_step`` input rows at a time
+    (a multiple of 8) so that the temporaries stay a slice of the layer, not several
+    full-size int32/float32 copies of it (the loader checks each layer as it loads)."""
+    in_features = g_idx.numel()
+    if weight.shape != (qweight.shape[1], in_features):
+        return False
+    for start in range(0, in_features, rows_per_step):
+        end = min(start + rows_per_step, in_features)
+        groups = g_idx[start:end].long()
+        codes = unpack_codes(qweight[start // CODES_PER_INT : -(-end // CODES_PER_INT)])
+        values = (codes - zeros[groups].to(torch.int32)).float() * scales[groups].float()
+        if not torch.equal(values.to(weight.dtype), weight[:, start:end].t()):
+            return False
+    return True
 
 
 def platform_int4_kernel() -> Callable[..., torch.Tensor] | None:
