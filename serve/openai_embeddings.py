@@ -65,6 +65,7 @@ from chassis.serve.embedding_encoding import (
     bytes_body,
     encode_vector,
 )
+from chassis.serve.lone_surrogates import refuse_lone_surrogates
 from chassis.serve.protocol import ChatMessage
 from chassis.serve.streaming import generation_response, never_streamed
 
@@ -87,6 +88,12 @@ class EmbeddingRequest(BaseModel):
     are logged and ignored (as on the other routes)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        """A 400 naming the field whose text holds a lone surrogate (serve/lone_surrogates.py)."""
+        return refuse_lone_surrogates(data)
 
     model: str | None = None
     #: exactly one of ``input`` and ``messages`` (:meth:`check_input`)

@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -48,6 +48,7 @@ from chassis.core.pooling_score import (
     score_pairs,
 )
 from chassis.serve import errors
+from chassis.serve.lone_surrogates import refuse_lone_surrogates
 from chassis.serve.openai_classify import activation_for, classifier_params
 from chassis.serve.openai_embeddings import (
     MAX_EMBEDDING_INPUTS,
@@ -74,6 +75,12 @@ class _PairRequest(BaseModel):
     """What both routes take besides their texts; unknown fields are logged and ignored."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        """A 400 naming the field whose text holds a lone surrogate (serve/lone_surrogates.py)."""
+        return refuse_lone_surrogates(data)
 
     model: str | None = None
     #: keep each text's last k tokens (-1: the last max_model_len; above it: a 400)

@@ -21,7 +21,7 @@ from chassis.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from chassis.core.structured_output import StructuredOutputsParams
 from chassis.serve import structured_request
 from chassis.serve.errors import APIError, bad_request, from_value_error
-from chassis.serve.lone_surrogates import first_lone_surrogate
+from chassis.serve.lone_surrogates import refuse_lone_surrogates
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +54,7 @@ class _Request(BaseModel):
     def _refuse_lone_surrogates(cls, data: Any) -> Any:
         """A 400 naming the field whose text holds a lone surrogate (``"\\ud800"`` in the
         JSON): no tokenizer can encode it (serve/lone_surrogates.py)."""
-        where = first_lone_surrogate(data)
-        if where is not None:
-            raise bad_request(
-                f"{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
-                "which is not valid Unicode text",
-                where,
-            )
-        return data
+        return refuse_lone_surrogates(data)
 
     @model_validator(mode="after")
     def _warn_unknown_fields(self) -> _Request:

@@ -42,6 +42,10 @@ def _post_raw(route: str, raw: str) -> tuple[int, dict[str, Any]]:
         ),
         ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
         ("/v1/responses", r'{"input": "\ud800", "max_output_tokens": 2}', "input"),
+        # the pooling routes' models (validated before the route sees the server's runner)
+        ("/v1/embeddings", r'{"input": ["ok", "\ud800"]}', "input.1"),
+        ("/score", r'{"text_1": "a", "text_2": ["\udfff"]}', "text_2.0"),
+        ("/rerank", r'{"query": "\ud800", "documents": ["a"]}', "query"),
     ],
 )
 def test_a_lone_surrogate_is_a_400_naming_the_field(route: str, raw: str, param: str) -> None:
