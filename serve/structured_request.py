@@ -154,9 +154,39 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
     )
 
 
+#: vLLM's ``structured_outputs`` options that change nothing here, so they are accepted (as
+#: true or false): the engine has one backend and never falls back to another
+#: (``disable_fallback``), and a schema's object gets only its declared properties whatever
+#: ``additionalProperties`` says (``disable_additional_properties``; docs/structured_outputs.md)
+_NO_OP_OPTIONS = ("disable_fallback", "disable_additional_properties")
+
+
+def _options(field: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` without vLLM's options that the built-in JSON already follows; a 400 for
+    one it does not offer (compact JSON, another whitespace) or a value of the wrong type."""
+    values = dict(values)
+    for name in _NO_OP_OPTIONS:
+        if not isinstance(values.pop(name, False), bool):
+            raise bad_request(f"{field}.{name} must be true or false", field)
+    compact = values.pop("disable_any_whitespace", False)
+    if not isinstance(compact, bool):
+        raise bad_request(f"{field}.disable_any_whitespace must be true or false", field)
+    pattern = values.pop("whitespace_pattern", None)
+    if compact or pattern is not None:
+        option = "disable_any_whitespace" if compact else "whitespace_pattern"
+        raise bad_request(
+            f"{field}.{option} is not supported: JSON output may hold whitespace runs of at "
+            "most 20 bytes after { [ , : and before } ] , : (compact output is one of the "
+            "texts it allows)",
+            field,
+        )
+    return values
+
+
 def _params(field: str, values: dict[str, Any]) -> StructuredOutputsParams:
     if "json_wrapper_levels" in values:  # (the server's own, for forced tool calls)
         raise bad_request(f"{field}: unknown field json_wrapper_levels", field)
+    values = _options(field, values)
     try:  # (StructuredOutputsParams checks that a schema given as text is JSON)
         return StructuredOutputsParams(**values)
     except TypeError as exc:  # an unknown key

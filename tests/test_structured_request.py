@@ -96,10 +96,38 @@ def test_each_way_of_asking(fields, expected) -> None:
         ({"guided_json": "{not json"}, "not valid JSON"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one"),
         ({"structured_outputs": {"json_object": True}, "min_tokens": 3}, "min_tokens"),
+        (
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+            "disable_any_whitespace is not supported",
+        ),
+        (
+            {"structured_outputs": {"json_object": True, "whitespace_pattern": "[ ]?"}},
+            "whitespace_pattern is not supported",
+        ),
+        (
+            {"structured_outputs": {"json_object": True, "disable_fallback": "yes"}},
+            "disable_fallback must be true or false",
+        ),
     ],
 )
 def test_bad_constraints_are_400s_that_say_why(fields, message) -> None:
     assert message in api_error(chat, **fields).message
+
+
+def test_vllm_options_that_change_nothing_are_accepted() -> None:
+    """vLLM's disable_fallback and disable_additional_properties (true or false), and
+    disable_any_whitespace false and whitespace_pattern null, ask for what the built-in
+    backend does anyway: the constraint is the one without them."""
+    options = {
+        "disable_fallback": True,
+        "disable_additional_properties": False,
+        "disable_any_whitespace": False,
+        "whitespace_pattern": None,
+    }
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for constraint in ({"json": schema}, {"regex": "a+"}):
+        asked = chat(structured_outputs={**constraint, **options}).structured_outputs
+        assert asked == StructuredOutputsParams(**constraint)
 
 
 def test_a_named_tool_choice_constrains_to_its_arguments() -> None:
