@@ -50,8 +50,12 @@ _PARAM_IN_MESSAGE = re.compile(
     r"|(logprobs|prompt_logprobs)=-?\d+ exceeds the server's limit"
     r"|(priority) (?:-?\d+ was given|must be a 64-bit integer))"
 )
-#: The input processor's refusals of a prompt's token ids -> param "prompt"
-_PROMPT_IDS = re.compile(r"^prompt token ids (?:out of the vocabulary|must be integers)")
+#: Refusals of the prompt's own token ids -> the field that carried them: the input
+#: processor's (completions' ``prompt``) and the pooling input's (embeddings' ``input``)
+_IDS_FIELDS = (
+    (re.compile(r"^prompt token ids (?:out of the vocabulary|must be integers)"), "prompt"),
+    (re.compile(r"^input token ids out of the vocabulary"), "input"),
+)
 
 
 class APIError(Exception):
@@ -100,7 +104,7 @@ def from_value_error(exc: ValueError) -> APIError:
     if match:
         param = next(group for group in match.groups() if group)
     else:
-        param = "prompt" if _PROMPT_IDS.match(message) else None
+        param = next((field for pattern, field in _IDS_FIELDS if pattern.match(message)), None)
     return APIError(400, message, param=param)
 
 

@@ -47,3 +47,15 @@ def test_a_priority_the_scheduler_ignores_names_priority(smol_tokenizer: Any) ->
         processor.process("Hi", SamplingParams(), "r", priority=5)
     error = to_api_error(refused.value)
     assert (error.status, error.param) == (400, "priority"), error.message
+
+
+def test_an_embedding_inputs_ids_out_of_the_vocabulary_name_input(smol_tokenizer: Any) -> None:
+    from chassis.core.pooling_input import EmbeddingModelInfo, process_pooling
+    from chassis.core.pooling_params import PoolingParams
+
+    processor = InputProcessor(smol_tokenizer, EngineConfig(max_model_len=64), [EOS])
+    info = EmbeddingModelInfo(model_name="m", hidden_size=8)
+    with pytest.raises(ValueError) as refused:
+        process_pooling(processor, info, [5, -1], PoolingParams(), "r")
+    error = to_api_error(refused.value)
+    assert (error.status, error.param) == (400, "input"), error.message
