@@ -21,6 +21,7 @@ from chassis.core.request import (
     FinishReason,
     Request,
     RequestError,
+    engine_fault,
 )
 from chassis.core.scheduler_interface import SchedulerOutput
 from chassis.core.structured_output_manager import (
@@ -182,6 +183,8 @@ class EngineCore:
         engine_request = Request.from_engine_core_request(request)
         lora = request.lora_request if self.config.enable_lora else None
         error: RequestError | None = None
+        #: what the log says of an engine fault: the whole error (clients get its type)
+        detail: str | None = None
         matcher = None
         if (request.pooling_params is not None) != (self.pooler_config is not None):
             error = RequestError(
@@ -192,14 +195,19 @@ class EngineCore:
         else:
             try:
                 matcher = self.structured_outputs.matcher_for(engine_request)
-            except ValueError as exc:  # the constraint's fault, unless the backend's
-                client_error = not isinstance(exc, StructuredOutputsUnavailable)
-                error = RequestError(message=str(exc), client_error=client_error)
+            except StructuredOutputsUnavailable as exc:  # the backend's fault
+                detail = str(exc)  # (the manager logged its traceback)
+                error = engine_fault(
+                    "structured output: the engine cannot serve the constraint",
+                    exc.__cause__ or exc,
+                )
+            except ValueError as exc:  # the constraint's fault
+                error = RequestError(message=str(exc), client_error=True)
         if error is None and lora is not None:
             # last: nothing above needs undoing once it is pinned
             error = self._pin_lora(request.request_id, lora)
         if error is not None:
-            logger.error("request %s refused: %s", request.request_id, error.message)
+            logger.error("request %s refused: %s", request.request_id, detail or error.message)
             self._refused.append(
                 EngineCoreOutput(
                     request_id=request.request_id, finish_reason=FinishReason.ABORT, error=error

@@ -68,6 +68,21 @@ class RequestError(msgspec.Struct, kw_only=True, frozen=True):
     client_error: bool = False
 
 
+def engine_fault(what: str, exc: BaseException) -> RequestError:
+    """The :class:`RequestError` of a request the engine failed to serve (HTTP 500) because
+    ``exc`` was raised while ``what`` (e.g. ``"structured output: computing the mask
+    failed"``): ``what`` and the exception's type only. The message of an exception the
+    engine did not write for clients may carry internals (paths, a backend's or a worker's
+    traceback text), so, as for an engine-core crash
+    (``chassis.core.engine_core_proc.crash_message_for_clients``), clients get a pointer to
+    the server log, where the caller logs ``exc`` whole with its traceback. The request's own
+    faults (``client_error``) keep their messages, which are written for clients."""
+    return RequestError(
+        message=f"{what}: {type(exc).__name__} in the engine core; its message and "
+        "traceback are in the server log"
+    )
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one request produced in one engine step."""
 

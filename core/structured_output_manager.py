@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from chassis.core.reasoning_gate import Phase, ReasoningGate, ReasoningTags
-from chassis.core.request import RequestError
+from chassis.core.request import RequestError, engine_fault
 from chassis.core.structured_output import (
     ConstraintBudgetExceeded,
     GrammarMatcher,
@@ -97,6 +97,8 @@ class StructuredOutputManager:
         self._backend: StructuredOutputBackend | None = None
         #: why the backend could not be built (then every constrained request is refused)
         self._backend_error: str | None = None
+        #: the exception behind ``_backend_error`` (its type is what clients are told)
+        self._backend_cause: Exception | None = None
         #: the reasoning format's tags (``config.reasoning_parser``), set with the backend
         self._reasoning_tags: ReasoningTags | None = None
         self._packed_reasoning_mask: bytes | None = None
@@ -114,12 +116,14 @@ class StructuredOutputManager:
         vocabulary). A failure is kept and raised again, as
         :class:`StructuredOutputsUnavailable`, for every later request."""
         if self._backend_error is not None:
-            raise StructuredOutputsUnavailable(self._backend_error)
+            raise StructuredOutputsUnavailable(self._backend_error) from self._backend_cause
         if self._backend is None:
             try:
                 self._backend = self._build_backend()
             except Exception as exc:
+                logger.exception("structured output: building the backend failed")
                 self._backend_error = f"structured outputs are unavailable: {exc}"
+                self._backend_cause = exc
                 raise StructuredOutputsUnavailable(self._backend_error) from exc
         return self._backend
 
@@ -312,9 +316,7 @@ class StructuredOutputManager:
                 self._remember_over_budget(key, message)
         else:
             logger.exception("structured output: request %s failed %s", request_id, doing)
-            error = RequestError(
-                message=f"structured output: {doing} failed: {type(exc).__name__}: {exc}"
-            )
+            error = engine_fault(f"structured output: {doing} failed", exc)
         self._failures[request_id] = error
 
     def _remember_over_budget(self, key: Hashable, message: str) -> None:

@@ -190,3 +190,62 @@ def test_an_engine_core_crash_tells_clients_its_type_and_the_log_all_of_it(
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+#: run first by the server's processes (their sitecustomize): a grammar matcher raises an
+#: error whose text has internals a client must not see; the request fails alone (a 500)
+RAISING_MATCHER = """\
+import chassis.builtin_plugins.structured_output.backend as backend
+
+
+def allowed_tokens(self):
+    raise RuntimeError(
+        "matcher state 17 missing in /opt/site/secret_grammar.py\\n"
+        'Traceback (most recent call last):\\n  File "/opt/site/matcher.py", line 3'
+    )
+
+
+backend.ChassisGrammarMatcher.allowed_tokens = allowed_tokens
+"""
+
+
+@pytest.mark.slow
+def test_a_request_the_engine_fails_tells_its_client_the_type_and_the_log_all_of_it(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(RAISING_MATCHER)
+    path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{path}")
+    server = start_server(tiny_llama_dir, tmp_path, max_model_len=MAX_MODEL_LEN)
+    try:
+        constrained = {"structured_outputs": {"regex": "[a-z]{4}"}}
+        expected = (
+            "structured output: computing its allowed tokens failed: RuntimeError in the "
+            "engine core; its message and traceback are in the server log"
+        )
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": stream}
+            response = httpx.post(
+                server.base + "/v1/completions",
+                json={**body, **constrained},
+                headers=server.headers,
+                timeout=60,
+            )
+            # (a stream fails before its first chunk: the same 500, not an error event)
+            assert response.status_code == 500, response.text
+            error = response.json()["error"]
+            assert error["code"] == "request_failed" and error["message"] == expected, error
+        # the request failed alone: the engine serves on
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+        response = httpx.post(
+            server.base + "/v1/completions", json=body, headers=server.headers, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        server.kill()
+        output = server.output()
+        # the operator's log has the whole error and where it was raised
+        assert "structured output: request" in output and "Traceback" in output, output
+        assert "matcher state 17 missing in /opt/site/secret_grammar.py" in output, output
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
