@@ -735,6 +735,8 @@ class TokenizeRequest(_Request):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+        if self.messages is not None and not self.messages:  # as the chat route says it
+            raise bad_request("messages must not be empty", "messages")
         if self.messages is not None and self.add_generation_prompt and self.continue_final_message:
             raise bad_request(
                 "add_generation_prompt and continue_final_message cannot both be true",
