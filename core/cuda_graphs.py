@@ -10,7 +10,11 @@ and replayed:
 
 - the graphs read static input buffers, which each step fills in place; padding requests have
   one token at slot ``-1`` (nothing is written to the KV cache) and a context of one token;
-- the first ``n`` rows of the graph's static output are the step's hidden states.
+- the first ``n`` rows of the graph's static output are the step's hidden states;
+- a model that keeps auxiliary hidden states (an EAGLE-3 target:
+  ``CausalLM.aux_hidden_state_layers``) has the graph copy them into static buffers as well,
+  whose first ``n`` rows are handed back to the model after each replay
+  (``CausalLM.put_aux_hidden_states``), as an eager forward would have kept them.
 
 Other steps (prefill chunks, mixed batches, larger batches, ``--enforce-eager``) run eager.
 The graphs share one memory pool and never replay concurrently (one engine step at a time).
@@ -134,7 +138,10 @@ class DecodeGraphs:
     :meth:`run`. ``replays`` counts replays per capture size. ``model`` is the model, or
     anything called like it (the ``torch.compile``'d forward of ``--torch-compile``).
     ``layer_group`` (the runner's): the KV cache group of each attention layer, whose
-    metadata buffer it reads; None: one group.
+    metadata buffer it reads; None: one group. ``aux_model``: the model when it keeps
+    auxiliary hidden states (EAGLE-3), else None: each graph then copies the states its forward
+    kept into static buffers (``[max_size, width]`` per kept layer; graph ``size`` writes rows
+    ``0 .. size-1``), and :meth:`run` puts their first ``n`` rows back into the model.
     """
 
     def __init__(
@@ -149,6 +156,7 @@ class DecodeGraphs:
         max_blocks_per_req: int,
         pin_memory: bool = False,
         layer_group: list[int] | None = None,
+        aux_model: CausalLM | None = None,
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"capture sizes must be sorted, unique and >= 1; got {sizes}")
@@ -171,6 +179,10 @@ class DecodeGraphs:
         self._query_start_loc_cpu = torch.arange(max_size + 1, dtype=torch.int32)
         self._graphs: dict[int, DeviceGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self.aux_model = aux_model
+        #: the static buffers of the kept auxiliary hidden states (allocated by the eager
+        #: forward :meth:`capture` runs first, when their width and dtype are known)
+        self.aux_outputs: list[torch.Tensor] | None = None
         self.replays: Counter[int] = Counter()
 
     @property
@@ -224,7 +236,24 @@ class DecodeGraphs:
             group_metadata=metadata if self.layer_group is not None else None,
             layer_group=self.layer_group,
         )
-        return self.model(inputs.input_ids[:size], inputs.positions[:size], ctx)
+        hidden = self.model(inputs.input_ids[:size], inputs.positions[:size], ctx)
+        if self.aux_model is not None:
+            # Python that runs at capture only: the copies are recorded in the graph, so each
+            # replay refreshes the buffers the step's drafter reads.
+            states = self.aux_model.take_aux_hidden_states()
+            if self.aux_outputs is None:
+                self.aux_outputs = [
+                    torch.empty((self.max_size, *s.shape[1:]), dtype=s.dtype, device=s.device)
+                    for s in states
+                ]
+            if len(states) != len(self.aux_outputs):
+                raise RuntimeError(
+                    f"the model kept {len(states)} auxiliary hidden states while capturing, "
+                    f"{len(self.aux_outputs)} before"
+                )
+            for buffer, state in zip(self.aux_outputs, states, strict=True):
+                buffer[:size].copy_(state)
+        return hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -238,6 +267,10 @@ class DecodeGraphs:
         platform.synchronize()
         free_before = platform.memory_available()
         start = time.perf_counter()
+        if self.aux_model is not None and self.aux_outputs is None:
+            # One eager forward (padding only: writes no KV) allocates the aux buffers on the
+            # current stream, outside any capture.
+            self._forward(self.max_size)
         pool = platform.new_graph_pool()
         for size in reversed(self.sizes):
             graph, output = platform.capture_graph(lambda size=size: self._forward(size), pool)
@@ -279,7 +312,9 @@ class DecodeGraphs:
         :param seq_lens: ``[n]`` context lengths including the new token (<= max_model_len)
         :param block_table: ``[n, w]`` int32 block ids, ``w`` <= max blocks per request
             (``[G, n, w]`` or a list of ``G``: one per KV cache group)
-        :return: a view of the graph's static output, valid until the next replay
+        :return: a view of the graph's static output, valid until the next replay; with an
+            ``aux_model``, its kept states are views of :attr:`aux_outputs` (rows ``:n``), put
+            back into it for its ``take_aux_hidden_states``, valid until the next replay too
         :raises ValueError: ``n`` is 0 or larger than :attr:`max_size`
         """
         n = len(input_ids)
@@ -319,6 +354,9 @@ class DecodeGraphs:
         inputs.group_block_table[:, :n, :width].copy_(self._host(tables), non_blocking=True)
         self._graphs[size].replay()
         self.replays[size] += 1
+        if self.aux_model is not None:
+            assert self.aux_outputs is not None  # allocated by capture
+            self.aux_model.put_aux_hidden_states([buffer[:n] for buffer in self.aux_outputs])
         return self._outputs[size][:n]
 
 

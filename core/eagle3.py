@@ -10,9 +10,10 @@ vocabulary of its own mapped to the target's ids. Everything else is EAGLE-1's
   layer the head reads (``eagle_aux_hidden_state_layer_ids`` of the head's config, else the
   target's default, vLLM's ``(2, L // 2, L - 3)``) in every forward
   (:meth:`~chassis.core.model_interface.CausalLM.set_aux_hidden_state_layers`); a target
-  that cannot, or ids outside its layers, are refused there. With them kept the target's
-  decode steps run eager (a captured graph would not refresh them); without an EAGLE-3
-  head nothing is kept or tested per layer.
+  that cannot, or ids outside its layers, are refused there. Decode graphs copy them into
+  static buffers that the runner hands back to the target after each replay
+  (:mod:`chassis.core.cuda_graphs`); without an EAGLE-3 head nothing is kept or tested
+  per layer.
 - **Drafts.** The step's first head forward reads ``fc(cat(aux states))`` of each position
   it runs over; the later draft steps read the head's own pre-norm output. The head's
   logits over its draft vocabulary are placed at their target ids (``d + d2t[d]``) with

@@ -145,13 +145,23 @@ class CausalLM(nn.Module, ABC):
         (the residual stream before that layer: HF's ``hidden_states[i]``) in every forward,
         for :meth:`take_aux_hidden_states`; ``()`` turns it off. A model that can sets this
         and costs nothing while it is off; the default refuses (``ValueError`` naming the
-        model), as does a model given an id outside ``0 .. num_layers - 1``. Kept states
-        cannot come out of a captured graph: the model's :meth:`graph_capture_blocker` says
-        so while any are kept."""
+        model), as does a model given an id outside ``0 .. num_layers - 1``. Decode graphs
+        copy the kept states into static buffers and hand them back after each replay
+        (:meth:`aux_hidden_state_layers`, :meth:`put_aux_hidden_states`)."""
         raise ValueError(
             f"{type(self).__name__} does not expose auxiliary hidden states of its layers, "
             "which an EAGLE-3 head reads (supported: Llama-family targets)"
         )
+
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """The layers whose hidden states the forward keeps now (``()``: none, the default)."""
+        return ()
+
+    def put_aux_hidden_states(self, states: list[torch.Tensor]) -> None:
+        """Make ``states`` what the next :meth:`take_aux_hidden_states` returns: the kept
+        states of a forward that ran as a replayed graph (no Python ran to keep them), read
+        from the graph's static buffers. Default: refused, as :meth:`take_aux_hidden_states`."""
+        raise ValueError(f"{type(self).__name__} does not expose auxiliary hidden states")
 
     def take_aux_hidden_states(self) -> list[torch.Tensor]:
         """The hidden states the last forward kept (:meth:`set_aux_hidden_state_layers`),

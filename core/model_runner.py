@@ -281,6 +281,8 @@ class ModelRunner:
             max_blocks_per_req=self.max_blocks_per_req,
             pin_memory=self.pin_memory,
             layer_group=self.layer_group,
+            # an EAGLE-3 target's kept states come out of the graphs as static outputs
+            aux_model=self.model if self.model.aux_hidden_state_layers() else None,
         )
         if self.lora is not None:
             # Captured with the adapter matmuls (an all-zero mask is the base model), so that

@@ -428,3 +428,58 @@ def test_cpu_platform_never_captures(tiny_llama_dir: Any, monkeypatch: pytest.Mo
     assert llm.config.attention_backend == "cpu_paged"
     assert runner.platform.name == "cpu" and runner.graphs is None
     assert len(_greedy(llm, _prompts(2, seed=1))[1]) == MAX_TOKENS
+
+
+# -- EAGLE-3: the target's kept hidden states come out of the graphs ----------------------------
+
+
+def _record_drafts(drafter: Any) -> list[tuple[list[int], list[int]]]:
+    """Wrap ``drafter.propose``: each proposal as (the request's tokens, its drafts)."""
+    propose = drafter.propose
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def recording(batch: Any, rows: Any, *args: Any) -> Any:
+        proposals = propose(batch, rows, *args)
+        for request_id, drafts in proposals.items():
+            r = batch.row_of[request_id]
+            newest = int(batch.num_computed_tokens[r])
+            seen.append((batch.token_ids[r, : newest + 1].tolist(), list(drafts)))
+        return proposals
+
+    drafter.propose = recording
+    return seen
+
+
+def test_eagle3_decode_graphs_keep_the_heads_hidden_states(
+    graph_platform: GraphTestPlatform, tmp_path: Any
+) -> None:
+    """An EAGLE-3 target captures decode graphs (its kept states are static outputs). While
+    ``min_tokens`` blocks drafts the steps are pure decodes that replay; the head then runs over
+    the states the graphs wrote, so every later proposal equals the eager engine's, and the
+    greedy output is plain decoding's."""
+    from fixtures_eagle3 import write_eagle3_head
+    from fixtures_models import write_tiny_checkpoint
+
+    from chassis import SamplingParams
+
+    target = write_tiny_checkpoint("llama", tmp_path / "target", num_hidden_layers=4)
+    head = write_eagle3_head(target, tmp_path / "head", layer_ids=[0, 2, 3])
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=6, ignore_eos=True)
+    prompts = _prompts(3, seed=11)
+
+    def run(**engine: Any) -> tuple[Any, list[list[int]], list[tuple[list[int], list[int]]]]:
+        llm = _llm(target, **engine)
+        runner = _runner(llm)
+        seen = _record_drafts(runner.drafter) if runner.drafter is not None else []
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        return runner, out, seen
+
+    graphs, graph_tokens, graph_drafts = run(cuda_graph_sizes=[1, 2, 4], speculative_config=spec)
+    assert graphs.graphs is not None and graphs.graphs.aux_model is graphs.model
+    assert [b.shape[0] for b in graphs.graphs.aux_outputs] == [4, 4, 4]
+    assert graphs.graphs.replays[4] >= 5  # the min_tokens steps: 3 requests, bucket 4
+    _, eager_tokens, eager_drafts = run(enforce_eager=True, speculative_config=spec)
+    _, plain_tokens, _ = run(cuda_graph_sizes=[1, 2, 4])
+    assert graph_tokens == eager_tokens == plain_tokens
+    assert len(graph_drafts) > 6 and graph_drafts == eager_drafts

@@ -372,13 +372,6 @@ class LlamaModel(nn.Module):
     #: forward of its own that does not sets False)
     keeps_aux_hidden_states = True
 
-    def graph_capture_blocker(self) -> str | None:
-        """Kept auxiliary hidden states are a side output a captured graph would not
-        refresh: decode steps run eager while any are kept."""
-        if self.aux_layer_ids:
-            return "the EAGLE-3 head reads hidden states of several layers (kept eager)"
-        return None
-
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
@@ -513,6 +506,15 @@ class LlamaForCausalLM(CausalLM):
         decoder._aux_order = tuple(int(i) for i in layer_ids)
         decoder.aux_layer_ids = frozenset(decoder._aux_order)
         decoder.aux_hidden_states = []
+
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """As :meth:`CausalLM.aux_hidden_state_layers`."""
+        decoder = self.model
+        return decoder._aux_order if isinstance(decoder, LlamaModel) else ()
+
+    def put_aux_hidden_states(self, states: list[torch.Tensor]) -> None:
+        """As :meth:`CausalLM.put_aux_hidden_states`."""
+        self.model.aux_hidden_states = list(states)
 
     def take_aux_hidden_states(self) -> list[torch.Tensor]:
         """As :meth:`CausalLM.take_aux_hidden_states`."""
