@@ -24,15 +24,24 @@ reported as the multiprocess executor reports them (docs/architecture.md): a ran
 a command reports its error and is killed (the others' collectives with it fail at once); a
 rank whose actor dies is named (``tensor-parallel rank 1 exited``), also when another rank
 fails first because of it, and while the engine is idle (:meth:`RayExecutor.check_health`);
-afterwards every step says the group cannot run any more. Commands and results travel as Ray
-arguments and return values (Ray pickles them): the cluster is one trust domain.
+afterwards every step says the group cannot run any more. A step not answered by every rank
+within ``--execute-model-timeout-s`` is the step watchdog's (:mod:`chassis.core.tp_watchdog`,
+as for worker processes): the ranks that have not answered are named, with their Python
+stacks (each actor registers ``faulthandler`` for ``SIGUSR1``, writing to a file it has
+already unlinked; :func:`dump_stacks` signals it and reads the dump through ``/proc``, on
+the rank's node), the actors are killed and the step raises ``StepTimeoutError``. Commands
+and results travel as Ray arguments and return values (Ray pickles them): the cluster is one
+trust domain.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import socket
+import tempfile
 import threading
 import weakref
 from typing import Any
@@ -42,6 +51,15 @@ import torch
 from chassis.core import parallel_state
 from chassis.core.config import EngineConfig
 from chassis.core.tp_executor import RankGroupExecutor, _rank_error, run_command
+from chassis.core.tp_watchdog import (
+    StepTimeoutError,
+    StepWatchdog,
+    file_size,
+    format_report,
+    format_summary,
+    read_new_text,
+    stuck_ranks,
+)
 from chassis.core.tp_worker_proc import failure_detail
 
 logger = logging.getLogger(__name__)
@@ -52,6 +70,8 @@ _PLACEMENT_TIMEOUT_S = 300.0
 _FAILURE_WAIT_S = 3.0
 #: how long an idle health check waits for the ranks' replies
 _HEALTH_TIMEOUT_S = 10.0
+#: how long the watchdog waits for the stack dumps of ranks on other nodes
+_REMOTE_DUMP_TIMEOUT_S = 15.0
 #: the driver's environment the ranks need (Ray starts actors with the raylet's)
 _FORWARDED_ENV = ("CHASSIS_", "HF_", "GLOO_SOCKET_IFNAME", "NCCL_")
 _MISSING_RAY = (
@@ -84,6 +104,21 @@ class RankActor:
         )
         self.rank = 0
         self.worker: Any = None
+        # The step watchdog's view of this rank (dump_stacks): faulthandler writes every
+        # thread's stack from its signal handler, in C, so it answers even while this
+        # actor's thread is blocked in a collective or a kernel. The file is unlinked at
+        # once (a killed actor leaves nothing behind); it is read through /proc, and stays
+        # open for the actor's life.
+        self._stacks = tempfile.TemporaryFile(mode="w+", prefix="chassis-ray-stacks-")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
+
+    def locate(self) -> tuple[str, str, int, int]:
+        """Where this rank is: its node's IP and Ray id, its process id, and the descriptor
+        of its stack-dump file (:func:`dump_stacks`)."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return ray.util.get_node_ip_address(), node, os.getpid(), self._stacks.fileno()
 
     def node_ip(self) -> str:
         """The IP address of this actor's node, as Ray knows it."""
@@ -156,6 +191,19 @@ class RankActor:
         return True
 
 
+def dump_stacks(pid: int, fd: int) -> str:
+    """On a rank's node: the Python stacks of every thread of the actor process ``pid``,
+    which it writes to its descriptor ``fd`` on ``SIGUSR1`` (:class:`RankActor`); "" when
+    the process is gone or writes nothing within a few seconds."""
+    path = f"/proc/{pid}/fd/{fd}"
+    offset = file_size(path)
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return ""
+    return read_new_text(path, offset)
+
+
 def _interface_of(ip: str) -> str | None:
     """The network interface whose IPv4 address is ``ip`` (Linux), or None."""
     import fcntl
@@ -189,9 +237,19 @@ class RayExecutor(RankGroupExecutor):
             config = self._group_config(config)
         self._broken = None
         self._ray = ray
+        #: the step watchdog's (summary, report), once a step timed out (then raised for
+        #: that step as :class:`StepTimeoutError`)
+        self._timed_out: tuple[str, str] | None = None
+        #: the ranks that have answered the command in flight (the watchdog reads it)
+        self._answered: set[int] = set()
+        self._watchdog = (
+            StepWatchdog(config.execute_model_timeout_s, self._step_timed_out)
+            if config.execute_model_timeout_s > 0
+            else None
+        )
         self._cluster = _Cluster(ray, self.size, get_current_platform().ray_resources())
         # Stop the actors when the engine is dropped without shutdown() (an LLM going away).
-        self._finalizer = weakref.finalize(self, self._cluster.stop)
+        self._finalizer = weakref.finalize(self, _stop, self._cluster, self._watchdog)
         try:
             self._cluster.start_actors()
             #: the ranks' actors, by rank
@@ -216,7 +274,78 @@ class RayExecutor(RankGroupExecutor):
 
     def _run_on_all(self, method: str, payload: Any) -> list[Any]:
         self._refuse_if_broken()
-        return self._gather(method, [actor.run.remote(method, payload) for actor in self.actors])
+        self._answered = set()
+        if self._watchdog is not None:
+            self._watchdog.arm(method)
+        try:
+            refs = [actor.run.remote(method, payload) for actor in self.actors]
+            return self._gather(method, refs)
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.disarm()
+
+    def _step_timed_out(self, method: str, _driver_thread: int) -> None:
+        """The watchdog's expiry (in its thread): collect the stack of every rank that has
+        not answered ``method`` (:meth:`_stacks`), log the report, break the group and kill
+        every actor, so that the driver, waiting for the ranks' replies, gets their deaths
+        and raises :class:`StepTimeoutError` (:meth:`_raise_if_timed_out`). Nothing when
+        every rank has answered (the step completed as the time ran out)."""
+        pending = [rank for rank in range(self.size) if rank not in self._answered]
+        if not pending:
+            return
+        stacks = self._stacks(pending)
+        assert self._watchdog is not None
+        args = (method, self._watchdog.timeout_s, pending, stacks, self.size)
+        report = format_report(*args)
+        logger.error("%s", report)
+        self._timed_out = (format_summary(*args), report)
+        self._broken = f"{method!r} timed out on rank(s) {stuck_ranks(pending, stacks) or pending}"
+        for actor in self.actors:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # already dead, or Ray is gone
+                logger.debug("ray: killing a rank failed", exc_info=True)
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The Python stacks of ``ranks``' actors (:func:`dump_stacks`): read here for a rank
+        on this node, by a task pinned to its node (no CPU asked: the ranks hold the
+        bundles) for one elsewhere; a rank whose dump does not come is left out."""
+        ray = self._ray
+        here = ray.get_runtime_context().get_node_id()
+        stacks: dict[int, str] = {}
+        remote: dict[Any, int] = {}
+        for rank in ranks:
+            node, pid, fd = self._cluster.places[rank]
+            if node == here:
+                continue
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            task = ray.remote(num_cpus=0)(dump_stacks).options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            )
+            remote[task.remote(pid, fd)] = rank
+        for rank in ranks:  # (the remote dumps are being taken meanwhile)
+            node, pid, fd = self._cluster.places[rank]
+            if node == here:
+                stacks[rank] = dump_stacks(pid, fd)
+        if remote:
+            ready, _ = ray.wait(
+                list(remote), num_returns=len(remote), timeout=_REMOTE_DUMP_TIMEOUT_S
+            )
+            for ref in ready:
+                try:
+                    stacks[remote[ref]] = ray.get(ref)
+                except ray.exceptions.RayError:
+                    logger.debug("ray: a rank's stack dump failed", exc_info=True)
+        return stacks
+
+    def _raise_if_timed_out(self, cause: BaseException | None = None) -> None:
+        """:class:`StepTimeoutError` once a step timed out (whatever failure the driver then
+        saw: the killed actors): its message is the watchdog's summary, without the stacks,
+        which the log has."""
+        if self._timed_out is not None:
+            self._broken = self._broken or "a step timed out"
+            raise StepTimeoutError(*self._timed_out) from cause
 
     def model_dtype(self) -> torch.dtype:
         return self._dtype
@@ -256,10 +385,12 @@ class RayExecutor(RankGroupExecutor):
             try:
                 ok, result = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
+                self._raise_if_timed_out(exc)  # the watchdog killed it
                 raise self._died(rank, method, exc) from exc
             except ray.exceptions.RayError as exc:  # Ray could not run or return the call
                 ok, result = False, f"{type(exc).__name__}: {exc}"
             if not ok:
+                self._raise_if_timed_out()
                 self._broken = f"rank {rank} failed"
                 error = _rank_error(rank, result)
                 # a killed rank makes the others fail their collectives: name it first
@@ -268,6 +399,7 @@ class RayExecutor(RankGroupExecutor):
                 ray.kill(self.actors[rank], no_restart=True)
                 raise error
             results[rank] = result
+            self._answered.add(rank)
         return [results[rank] for rank in range(len(refs))]
 
     def _raise_if_a_rank_died(self, pending: dict[Any, int], method: str, cause: Exception) -> None:
@@ -294,6 +426,14 @@ class RayExecutor(RankGroupExecutor):
         )
 
 
+def _stop(cluster: _Cluster, watchdog: StepWatchdog | None) -> None:
+    """What shutting the executor down (or dropping it) does: end the watchdog, stop the
+    actors."""
+    if watchdog is not None:
+        watchdog.close()
+    cluster.stop()
+
+
 class _Cluster:
     """This executor's Ray connection, placement group and actors."""
 
@@ -304,6 +444,8 @@ class _Cluster:
         self.actors: list[Any] = []
         #: the node IP of each rank's actor, by rank
         self.ips: list[str] = []
+        #: each rank's node id, process id and stack-dump descriptor (RankActor.locate)
+        self.places: list[tuple[str, int, int]] = []
         self.placement_group: Any = None
         self.connected = _connect(ray)
         try:
@@ -361,13 +503,15 @@ class _Cluster:
         ]
         self.actors = actors  # stop() kills them, whatever happens next
         try:
-            ips = ray.get([actor.node_ip.remote() for actor in actors])
+            located = ray.get([actor.locate.remote() for actor in actors])
         except ray.exceptions.RayActorError as exc:
             raise RuntimeError(f"a rank's Ray actor did not start: {exc}") from exc
+        ips = [ip for ip, *_ in located]
         here = ray.util.get_node_ip_address()
         order = sorted(range(self.size), key=lambda i: (ips[i] != here, ips[i], i))
         self.actors = [actors[i] for i in order]
         self.ips = [ips[i] for i in order]
+        self.places = [tuple(located[i][1:]) for i in order]  # type: ignore[misc]
 
     def stop(self) -> None:
         """Kill the actors, remove the placement group, close the connection this executor

@@ -325,9 +325,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         type=float,
         metavar="SECONDS",
         help=_help(
-            "with mp worker processes, how long a step may take before the engine names the "
-            "ranks that have not answered, logs each one's Python stack and fails its "
-            "requests; 0 = no limit; see docs/architecture.md",
+            "with more than one rank (mp worker processes or ray actors), how long a step may "
+            "take before the engine names the ranks that have not answered, logs each one's "
+            "Python stack, stops the ranks and fails its requests; 0 = no limit; see "
+            "docs/architecture.md",
             "execute_model_timeout_s",
         ),
     )

@@ -247,3 +247,89 @@ def test_a_ranks_start_up_error_is_a_value_error(ray_cluster, tmp_path) -> None:
     while ray_cluster.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray_cluster.available_resources().get("CPU") == 2.0  # the bundles are given back
+
+
+#: run first by the actors' processes (their sitecustomize, through PYTHONPATH): rank 1
+#: sleeps inside its second step, process alive, while rank 0 waits for it in the step's
+#: first collective
+SLEEPING_RANK = """\
+import time
+
+import chassis.core.worker as worker_module
+from chassis.core import parallel_state
+
+_execute = worker_module.Worker.execute_model
+calls = []
+
+
+def sleep_inside_a_step():
+    time.sleep(600)
+
+
+def execute_model(self, scheduler_output):
+    calls.append(1)
+    if len(calls) == 2 and parallel_state.tp_rank() == 1:
+        sleep_inside_a_step()
+    return _execute(self, scheduler_output)
+
+
+worker_module.Worker.execute_model = execute_model
+"""
+
+
+def actors_run_at_start(source: str, tmp_path, monkeypatch) -> None:
+    """Have the actors started after this run ``source`` first, as their ``sitecustomize``
+    (the executor forwards its environment's PYTHONPATH to them, as Ray would not)."""
+    from chassis.core import ray_executor
+
+    (tmp_path / "sitecustomize.py").write_text(source)
+    forwarded = ray_executor._forwarded_env
+    path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    monkeypatch.setattr(ray_executor, "_forwarded_env", lambda: {**forwarded(), "PYTHONPATH": path})
+
+
+@needs_two_cores
+@pytest.mark.timeout(180)  # a hang guard: without the watchdog this waits for gloo (30 min)
+def test_a_ray_rank_that_hangs_in_a_step_is_named_with_its_stack_and_killed(
+    ray_cluster, tiny_llama_dir, tmp_path, monkeypatch, caplog
+) -> None:
+    import logging
+
+    from chassis.core.tp_watchdog import StepTimeoutError
+
+    actors_run_at_start(SLEEPING_RANK, tmp_path, monkeypatch)
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        execute_model_timeout_s=2,
+    )
+    pids = actor_pids(llm)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with (
+        caplog.at_level(logging.ERROR, logger="chassis.core.ray_executor"),
+        pytest.raises(StepTimeoutError, match=r"did not complete within 2 s") as failed,
+    ):
+        llm.generate(PROMPTS[:1], params)
+    assert "rank(s) [0, 1] of 2 have not answered" in str(failed.value)
+    assert "rank(s) [1] are not in a collective" in str(failed.value)
+    assert 'File "' not in str(failed.value)  # the stacks are for the log
+    report = failed.value.report
+    assert report in caplog.text  # logged at ERROR
+    rank_1 = report.split("--- rank 1 (busy):")[1]
+    assert "in sleep_inside_a_step" in rank_1  # its Python stack, from faulthandler
+    rank_0 = report.split("--- rank 0 (waiting in a collective):")[1].split("--- rank 1")[0]
+    assert "in all_reduce" in rank_0
+    wait_for_exit(pids)  # the watchdog killed both actors
+    with pytest.raises(
+        RuntimeError, match=r"cannot run any more \('execute' timed out on rank\(s\) \[1\]\)"
+    ):
+        llm.generate(PROMPTS[:1], params)
+    llm.shutdown()
+    deadline = time.monotonic() + 15
+    while ray_cluster.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_cluster.available_resources().get("CPU") == 2.0  # the bundles are given back
