@@ -1,4 +1,5 @@
-"""Keeping a 4-bit AWQ/GPTQ checkpoint's linear layers packed (:class:`Int4Linear`).
+"""Keeping a 4-bit AWQ/GPTQ (or 8-bit GPTQ) checkpoint's linear layers packed
+(:class:`Int4Linear`).
 
 Each layer loads as the dequantized twin's would (``load_weights`` merges projections and
 slices for tensor parallelism the way it does for any checkpoint), while :class:`Int4Sources`
@@ -21,7 +22,9 @@ of codes and those rows' ``g_idx``, with every group's scales and zero points, s
 not fall on group boundaries), found by the same exact comparison; a layer sharded some other
 way (KV heads replicated across more ranks than there are) stays dequantized.
 
-Not packed (the dequantized path): bit widths other than 4 (with a log line), fused MoE
+8-bit GPTQ modules are kept packed the same way (:func:`keeps_bits_packed`; the layout
+holds 4 codes per int32 then). Not packed (the dequantized path): 2-bit GPTQ (with a log
+line), fused MoE
 experts (one tensor for all experts; no log line: they are not ``nn.Linear``),
 ``--int4-weights dequantized``, and ``--int4-weights auto`` (the default) on a platform
 without an int4 matmul kernel (:func:`keeps_int4_packed`).
@@ -66,16 +69,27 @@ def keeps_int4_packed(mode: str, torch_compile: bool = False) -> bool:
     return mode == "packed"
 
 
+def keeps_bits_packed(fmt: PackedIntFormat) -> bool:
+    """Whether the layers of a checkpoint in ``fmt`` can stay packed: 4-bit AWQ and GPTQ,
+    and 8-bit GPTQ (its codes are packed along the input rows as the layout wants; 2-bit
+    ones are not kept packed)."""
+    return fmt.bits == 4 or (fmt.method == "gptq" and fmt.bits == 8)
+
+
 def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> Packed:
-    """``(qweight [in/8, out] int32, scales [groups, out], zeros [groups, out] uint8,
-    g_idx [in] int32)`` of one checkpoint module's checked parts (``fmt.bits == 4``)."""
-    if fmt.bits != 4:
-        raise ValueError(f"only 4-bit weights are kept packed; got {fmt.bits}-bit")
+    """``(qweight [in * bits / 32, out] int32, scales [groups, out], zeros [groups, out]
+    (uint8 for 4-bit codes, int16 for 8-bit), g_idx [in] int32)`` of one checkpoint module's
+    checked parts; ``ValueError`` for a format not kept packed (:func:`keeps_bits_packed`)."""
+    if not keeps_bits_packed(fmt):
+        raise ValueError(f"{fmt.bits}-bit {fmt.method.upper()} weights are not kept packed")
     scales = parts["scales"]
-    if fmt.method == "gptq":
+    zeros_dtype = torch.uint8
+    if fmt.method == "gptq":  # codes packed along the input already, as the layout wants
         qweight = parts["qweight"]
-        in_features = qweight.shape[0] * 8
-        zeros = unpack_int32(parts["qzeros"], 4, 1) + fmt.zero_offset
+        in_features = qweight.shape[0] * 32 // fmt.bits
+        zeros = unpack_int32(parts["qzeros"], fmt.bits, 1) + fmt.zero_offset
+        if fmt.bits == 8:  # a v1 zero point of 255 + 1 does not fit a byte
+            zeros_dtype = torch.int16
         g_idx = parts.get("g_idx")
     else:  # AWQ: codes packed along the output columns, interleaved; repack along the input
         columns = awq_columns(scales.shape[1], 8)
@@ -94,7 +108,7 @@ def canonical_int4(parts: dict[str, torch.Tensor], fmt: PackedIntFormat) -> Pack
         g_idx = None
     if g_idx is None:
         g_idx = row_groups(in_features, fmt.group_size)
-    return qweight.contiguous(), scales.contiguous(), zeros.to(torch.uint8), g_idx.to(torch.int32)
+    return qweight.contiguous(), scales.contiguous(), zeros.to(zeros_dtype), g_idx.to(torch.int32)
 
 
 class Int4Sources:
@@ -139,10 +153,11 @@ def _input_slice(packed: Packed, size: int, rank: int) -> Packed | None:
     words of codes and their rows' ``g_idx``; every group's scales and zero points stay, as
     ``g_idx`` indexes them, so a share need not start or end on a group boundary."""
     in_features = packed[3].numel()
-    if in_features % (8 * size):
+    per_int = in_features // packed[0].shape[0]
+    if in_features % (per_int * size):
         return None
     start, end = rank * in_features // size, (rank + 1) * in_features // size
-    return packed[0][start // 8 : end // 8], packed[1], packed[2], packed[3][start:end]
+    return packed[0][start // per_int : end // per_int], packed[1], packed[2], packed[3][start:end]
 
 
 def _rank_variants(candidates: list[Packed], tp_size: int, tp_rank: int) -> list[list[Packed]]:

@@ -380,7 +380,7 @@ def _int4_sources(engine_config: EngineConfig, hf_config: Any) -> Any:
     config = quantization_config(hf_config)
     if config is None or config.get("quant_method") not in PACKED_INT_METHODS:
         return None
-    from chassis.core.int4_packing import keeps_int4_packed
+    from chassis.core.int4_packing import Int4Sources, keeps_bits_packed, keeps_int4_packed
 
     if not keeps_int4_packed(engine_config.int4_weights, engine_config.torch_compile):
         if engine_config.int4_weights == "auto":
@@ -393,16 +393,14 @@ def _int4_sources(engine_config: EngineConfig, hf_config: Any) -> Any:
             )
         return None
     fmt = packed_int_format(config)
-    if fmt.bits != 4:
+    if not keeps_bits_packed(fmt):
         logger.info(
-            "int4: loading the %s checkpoint dequantized: %d-bit codes (only 4-bit are kept "
-            "packed)",
+            "int4: loading the %s checkpoint dequantized: %d-bit codes (4-bit and 8-bit GPTQ "
+            "are kept packed)",
             fmt.method,
             fmt.bits,
         )
         return None
-    from chassis.core.int4_packing import Int4Sources
-
     return Int4Sources(fmt)
 
 

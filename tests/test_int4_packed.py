@@ -38,21 +38,31 @@ from chassis.core.layers.int4_linear import (
 from chassis.core.packed_int_weights import packed_int_format
 
 
-def test_pack_codes_inverts_unpack_codes() -> None:
-    codes = torch.randint(0, 16, (64, 24), generator=torch.Generator().manual_seed(0))
-    packed = pack_codes(codes)
-    assert packed.dtype == torch.int32 and packed.shape == (8, 24)
-    assert torch.equal(unpack_codes(packed), codes.to(torch.int32))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_codes_inverts_unpack_codes(bits: int) -> None:
+    codes = torch.randint(0, 1 << bits, (64, 24), generator=torch.Generator().manual_seed(0))
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (64 * bits // 32, 24)
+    assert torch.equal(unpack_codes(packed, bits), codes.to(torch.int32))
 
 
-@pytest.mark.parametrize(
-    "key", ["gptq-4bit-g32", "gptq-4bit-act-order", "gptq-4bit-one-group", "awq-4bit-g32"]
-)
+#: the layouts kept packed: 4-bit GPTQ (grouped, act-order, one group) and AWQ; 8-bit GPTQ
+LAYOUT_SCHEMES = {
+    **{
+        key: SCHEMES[key]
+        for key in ("gptq-4bit-g32", "gptq-4bit-act-order", "gptq-4bit-one-group", "awq-4bit-g32")
+    },
+    "gptq-8bit": SCHEMES["gptq-8bit"],
+    "gptq-8bit-act-order": Scheme("gptq", bits=8, act_order=True),
+}
+
+
+@pytest.mark.parametrize("key", list(LAYOUT_SCHEMES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_layout_holds_the_checkpoint_weight(key: str, dtype: torch.dtype) -> None:
     """The canonical layout's reference matmul equals ``F.linear`` on the checkpoint's
     dequantized weight rounded to ``dtype``, bit for bit."""
-    scheme = SCHEMES[key]
+    scheme = LAYOUT_SCHEMES[key]
     generator = torch.Generator().manual_seed(2)
     parts, dequantized = _packed_module(torch.randn(40, 64, generator=generator), scheme, generator)
     bias = torch.randn(40, generator=generator).to(dtype)
@@ -134,6 +144,7 @@ ENGINE_CASES = {
     "llama-gptq-act-order": ("tiny_llama_dir", SCHEMES["gptq-4bit-act-order"]),
     "llama-awq": ("tiny_llama_dir", SCHEMES["awq-4bit-g32"]),
     "qwen2-moe-awq": ("tiny_qwen2_moe_dir", Scheme("awq", group_size=16)),
+    "llama-gptq-8bit": ("tiny_llama_dir", SCHEMES["gptq-8bit"]),
 }
 
 
@@ -154,7 +165,7 @@ def test_packed_checkpoint_gives_the_dequantized_paths_tokens(
     packed = {
         name.split(".", 3)[3] for name, m in model.named_modules() if isinstance(m, Int4Linear)
     }
-    if case == "llama-awq":  # every decoder projection
+    if case in ("llama-awq", "llama-gptq-8bit"):  # every decoder projection
         assert packed == {
             "self_attn.qkv_proj",
             "self_attn.o_proj",
@@ -319,3 +330,14 @@ def test_the_layer_holds_contiguous_packed_tensors() -> None:
     layer = Int4Linear(*views, None)
     assert all(b.is_contiguous() for b in (layer.qweight, layer.scales, layer.zeros))
     assert torch.equal(layer.dequantized_weight(torch.float32), dequantized[8:])
+
+
+def test_8bit_gptq_is_kept_packed_and_2bit_is_not(caplog: pytest.LogCaptureFixture) -> None:
+    """8-bit GPTQ codes stay packed (4 per int32, the same layout and kernel); 2-bit ones
+    load dequantized, with a log line saying why."""
+    caplog.set_level(logging.INFO, logger="chassis.core.model_loader")
+    for key, kept in (("gptq-8bit", True), ("gptq-2bit-act-order", False)):
+        hf_config = type("Config", (), {"quantization_config": SCHEMES[key].config()})()
+        sources = model_loader._int4_sources(EngineConfig(int4_weights="packed"), hf_config)
+        assert isinstance(sources, Int4Sources) == kept, key
+    assert "2-bit codes (4-bit and 8-bit GPTQ are kept packed)" in caplog.text

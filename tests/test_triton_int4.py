@@ -27,19 +27,27 @@ def packed_layer(
     act_order: bool,
     dtype: torch.dtype,
     seed: int = 0,
+    bits: int = 4,
 ) -> tuple[torch.Tensor, ...]:
-    """``(qweight, scales, zeros, g_idx, bias)`` of a random layer in the packed layout;
-    act-order: each group's rows scattered over the input (a random permutation)."""
+    """``(qweight, scales, zeros, g_idx, bias)`` of a random layer in the packed layout of
+    ``bits``-bit codes; act-order: each group's rows scattered over the input (a random
+    permutation)."""
     g = torch.Generator().manual_seed(seed)
     groups = 1 if group_size == -1 else -(-in_features // group_size)
-    codes = torch.randint(0, 16, (in_features, out_features), generator=g)
+    codes = torch.randint(0, 1 << bits, (in_features, out_features), generator=g)
     g_idx = torch.arange(in_features) // (in_features if group_size == -1 else group_size)
     if act_order:
         g_idx = g_idx[torch.randperm(in_features, generator=g)]
-    scales = (torch.rand(groups, out_features, generator=g) * 0.02 + 0.005).to(torch.float16)
-    zeros = torch.randint(0, 17, (groups, out_features), generator=g).to(torch.uint8)
+    # weights of the same size whatever the width (outputs O(1)-O(10), as the tolerance wants)
+    step = 16 / (1 << bits)
+    scales = ((torch.rand(groups, out_features, generator=g) * 0.02 + 0.005) * step).to(
+        torch.float16
+    )
+    # up to 2**bits: GPTQ v1's stored zero point plus one
+    zeros = torch.randint(0, (1 << bits) + 1, (groups, out_features), generator=g)
+    zeros = zeros.to(torch.uint8 if bits == 4 else torch.int16)
     bias = torch.randn(out_features, generator=g).to(dtype)
-    return pack_codes(codes), scales, zeros, g_idx.to(torch.int32), bias
+    return pack_codes(codes, bits), scales, zeros, g_idx.to(torch.int32), bias
 
 
 def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -87,6 +95,26 @@ def test_kernel_matches_reference(
 
 
 @in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]])
+def test_8bit_kernel_matches_reference(
+    case: tuple[int, int, int, bool], rows: int, dtype: torch.dtype
+) -> None:
+    """8-bit codes (GPTQ 8-bit, 4 per int32): the same kernel with ``BITS=8``."""
+    from chassis.core.layers.triton_int4 import int4_linear
+
+    in_features, out_features, group_size, act_order = case
+    qweight, scales, zeros, g_idx, bias = packed_layer(
+        in_features, out_features, group_size, act_order, dtype, bits=8
+    )
+    assert qweight.shape == (in_features // 4, out_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = int4_linear_ref(x, qweight, scales, zeros, g_idx, bias)
+    assert_matches_reference(int4_linear(x, qweight, scales, zeros, g_idx, bias), expected)
+
+
+@in_interpreter
 def test_kernel_takes_leading_dimensions_and_no_rows() -> None:
     from chassis.core.layers.triton_int4 import int4_linear
 
@@ -105,21 +133,26 @@ def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
     pytest.importorskip("triton")
     from chassis.core.layers import triton_int4
 
-    ints = {"qweight_ptr": "*i32", "zeros_ptr": "*u8", "g_idx_ptr": "*i32", "scales_ptr": "*fp16"}
-    for dtype in ("*bf16", "*fp16", "*fp32"):
-        for block_m in (16, 64):
-            tiles = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
-            compile_kernel(
-                triton_int4._int4_linear_kernel,
-                target,
-                dict(HAS_BIAS=True, FLOAT32_DOT=dtype == "*fp32", **tiles),
-                pointer_types={
-                    **ints,
-                    "x_ptr": dtype,
-                    "bias_ptr": dtype,
-                    "out_ptr": dtype,
-                },
-            )
+    ints = {"qweight_ptr": "*i32", "g_idx_ptr": "*i32", "scales_ptr": "*fp16"}
+    # 4-bit codes at every activation dtype and tile height; 8-bit ones (int16 zero points)
+    variants = [
+        (4, dtype, block_m) for dtype in ("*bf16", "*fp16", "*fp32") for block_m in (16, 64)
+    ]
+    variants += [(8, "*bf16", 16), (8, "*fp16", 64)]
+    for bits, dtype, block_m in variants:
+        tiles = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+        compile_kernel(
+            triton_int4._int4_linear_kernel,
+            target,
+            dict(HAS_BIAS=True, FLOAT32_DOT=dtype == "*fp32", BITS=bits, **tiles),
+            pointer_types={
+                **ints,
+                "zeros_ptr": "*u8" if bits == 4 else "*i16",
+                "x_ptr": dtype,
+                "bias_ptr": dtype,
+                "out_ptr": dtype,
+            },
+        )
 
 
 @pytest.mark.parametrize("tensor", ["qweight", "scales", "zeros"])

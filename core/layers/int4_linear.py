@@ -1,12 +1,16 @@
-"""A linear layer whose weight stays as packed 4-bit codes (AWQ/GPTQ checkpoints, W4A16).
+"""A linear layer whose weight stays as packed 4-bit codes (AWQ/GPTQ checkpoints, W4A16),
+or 8-bit ones (GPTQ 8-bit checkpoints, W8A16) in the same layout.
 
 The one layout (every AWQ and GPTQ module is converted to it at load,
-:mod:`chassis.core.int4_packing`), for a weight ``W [out, in]``:
+:mod:`chassis.core.int4_packing`), for a weight ``W [out, in]`` of ``bits``-bit codes
+(``p = 32 / bits`` codes per int32: 8 or 4):
 
-- ``qweight`` int32 ``[in / 8, out]``: int32 ``[i, n]`` holds the codes of input rows
-  ``8 i .. 8 i + 7`` of output column ``n``, row ``8 i + j`` in bits ``4 j .. 4 j + 3``;
-- ``scales`` ``[groups, out]`` (the checkpoint's float16) and ``zeros`` uint8
-  ``[groups, out]`` (the zero points, GPTQ v1's ``+ 1`` already added: they may be 16);
+- ``qweight`` int32 ``[in / p, out]``: int32 ``[i, n]`` holds the codes of input rows
+  ``p i .. p i + p - 1`` of output column ``n``, row ``p i + j`` in bits
+  ``bits j .. bits (j + 1) - 1``; the width follows from the shapes (:func:`code_bits`);
+- ``scales`` ``[groups, out]`` (the checkpoint's float16) and ``zeros`` ``[groups, out]``
+  (the zero points, GPTQ v1's ``+ 1`` already added: they may be ``2**bits``): uint8 for
+  4-bit codes, int16 for 8-bit ones;
 - ``g_idx`` int32 ``[in]``: the group of each input row. Act-order (GPTQ ``desc_act``)
   checkpoints keep their own; otherwise it is ``k // group_size``. Kernels read each row's
   group from it, so act-order needs no permutation of the input and no other path.
@@ -28,28 +32,43 @@ from chassis.core.layers.kernels import kernels_for
 from chassis.core.packed_int_weights import unpack_int32
 from chassis.platforms import get_current_platform
 
-#: codes per int32 (4-bit)
-CODES_PER_INT = 8
+#: code widths a layer may hold (GPTQ 8-bit checkpoints keep theirs too)
+BITS = (4, 8)
 
 
-def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
-    """``qweight [in / 8, out]`` int32 -> the codes ``[in, out]`` int32 (0..15)."""
-    return unpack_int32(qweight, 4, 0)
+def unpack_codes(qweight: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """``qweight [in * bits / 32, out]`` int32 -> the codes ``[in, out]`` int32."""
+    return unpack_int32(qweight, bits, 0)
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes ``[in, out]`` (0..15, ``in`` a multiple of 8) -> ``qweight [in / 8, out]`` int32,
-    the inverse of :func:`unpack_codes`."""
+def pack_codes(codes: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Codes ``[in, out]`` (``0 .. 2**bits - 1``, ``in`` a multiple of ``32 / bits``) ->
+    ``qweight [in * bits / 32, out]`` int32, the inverse of :func:`unpack_codes`."""
+    per_int = 32 // bits
     rows, cols = codes.shape
-    if rows % CODES_PER_INT:
-        raise ValueError(f"4-bit packing needs input rows in multiples of 8; got {rows}")
-    rows_of = codes.view(rows // 8, 8, cols)
-    packed = torch.zeros(rows // 8, cols, dtype=torch.int32, device=codes.device)
-    # one code row at a time into the int32s (the 8th lands in the sign bit: the int32 with
-    # those bits), so the temporaries stay one row of codes, not 8 int64 copies
-    for j in range(CODES_PER_INT):
-        packed |= rows_of[:, j].to(torch.int32) << (4 * j)
+    if rows % per_int:
+        raise ValueError(
+            f"{bits}-bit packing needs input rows in multiples of {per_int}; got {rows}"
+        )
+    rows_of = codes.view(rows // per_int, per_int, cols)
+    packed = torch.zeros(rows // per_int, cols, dtype=torch.int32, device=codes.device)
+    # one code row at a time into the int32s (the last lands in the sign bit: the int32 with
+    # those bits), so the temporaries stay one row of codes, not int64 copies of them all
+    for j in range(per_int):
+        packed |= rows_of[:, j].to(torch.int32) << (bits * j)
     return packed
+
+
+def code_bits(qweight: torch.Tensor, g_idx: torch.Tensor) -> int:
+    """The code width of a packed weight: ``g_idx`` has one entry per input row, ``qweight``
+    one row of int32s per ``32 / bits`` of them. ``ValueError`` for other widths."""
+    rows = qweight.shape[0]
+    per_int = g_idx.numel() // rows if rows else 0
+    if not rows or per_int * rows != g_idx.numel() or per_int not in (32 // b for b in BITS):
+        raise ValueError(
+            f"qweight has {rows} rows for {g_idx.numel()} input rows: not 4- or 8-bit codes"
+        )
+    return 32 // per_int
 
 
 def dequantize_int4(
@@ -61,7 +80,7 @@ def dequantize_int4(
 ) -> torch.Tensor:
     """The ``[out, in]`` weight in ``dtype`` of the packed layout above."""
     groups = g_idx.long()
-    codes = unpack_codes(qweight)  # [in, out]
+    codes = unpack_codes(qweight, code_bits(qweight, g_idx))  # [in, out]
     values = (codes - zeros[groups].to(torch.int32)).float() * scales[groups].float()
     # contiguous [out, in], as nn.Linear holds it: F.linear on a transposed view may take
     # another BLAS path, with other float32 sums than the dequantized model's
@@ -83,10 +102,12 @@ def reproduces(
     in_features = g_idx.numel()
     if weight.shape != (qweight.shape[1], in_features):
         return False
+    bits = code_bits(qweight, g_idx)
+    per_int = 32 // bits
     for start in range(0, in_features, rows_per_step):
         end = min(start + rows_per_step, in_features)
         groups = g_idx[start:end].long()
-        codes = unpack_codes(qweight[start // CODES_PER_INT : -(-end // CODES_PER_INT)])
+        codes = unpack_codes(qweight[start // per_int : -(-end // per_int)], bits)
         values = (codes - zeros[groups].to(torch.int32)).float() * scales[groups].float()
         if not torch.equal(values.to(weight.dtype), weight[:, start:end].t()):
             return False
@@ -119,7 +140,8 @@ def int4_linear_ref(
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ W.T + bias`` with ``W`` held as packed 4-bit codes (layout above).
+    """``y = x @ W.T + bias`` with ``W`` held as packed 4-bit (or 8-bit, :attr:`bits`)
+    codes (layout above).
 
     ``forward`` runs the platform's ``int4_linear`` kernel
     (:class:`~chassis.core.layers.kernels.LayerKernels`, optional there) when the platform's
@@ -138,17 +160,18 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None,
     ) -> None:
         super().__init__()
-        in_features, out_features = qweight.shape[0] * CODES_PER_INT, qweight.shape[1]
+        in_features, out_features = g_idx.numel(), qweight.shape[1]
         groups = scales.shape[0]
-        if qweight.dtype != torch.int32 or zeros.dtype != torch.uint8:
-            raise ValueError("qweight must be int32 and zeros uint8")
+        if g_idx.dim() != 1:
+            raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, expected one dimension")
+        if qweight.dtype != torch.int32 or zeros.dtype not in (torch.uint8, torch.int16):
+            raise ValueError("qweight must be int32 and zeros uint8 (or int16: 8-bit codes)")
+        self.bits = code_bits(qweight, g_idx)
         if scales.shape != (groups, out_features) or zeros.shape != scales.shape:
             raise ValueError(
                 f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must be "
                 f"[groups, {out_features}]"
             )
-        if g_idx.shape != (in_features,):
-            raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, expected ({in_features},)")
         self.in_features = in_features
         self.out_features = out_features
         # contiguous: the kernels index the packed tensors with unit column strides
@@ -172,5 +195,5 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"groups={self.scales.shape[0]}, bias={self.bias is not None}"
+            f"bits={self.bits}, groups={self.scales.shape[0]}, bias={self.bias is not None}"
         )

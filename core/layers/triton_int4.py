@@ -1,8 +1,9 @@
-"""The Triton W4A16 GEMM: ``y = x @ W.T + bias`` with ``W`` as packed 4-bit codes.
+"""The Triton W4A16 GEMM: ``y = x @ W.T + bias`` with ``W`` as packed 4-bit codes (or 8-bit
+ones, W8A16: the same kernel, ``BITS`` a compile-time constant, one variant each).
 
 Layout and reference: :mod:`chassis.core.layers.int4_linear`. Each program computes a
 ``[BLOCK_M, BLOCK_N]`` tile of ``y``, walking the input dimension ``BLOCK_K`` rows at a
-time: it loads the int32 words holding those rows' codes, shifts each row's nibble out,
+time: it loads the int32 words holding those rows' codes, shifts each row's code out,
 reads each row's group from ``g_idx`` (so act-order checkpoints and group sizes that are not
 a multiple of ``BLOCK_K`` need nothing special) and its scale and zero point, dequantizes the
 tile in float32, rounds it to the activation dtype as the reference does, and accumulates
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from chassis.core.layers.int4_linear import code_bits
 from chassis.core.layers.triton_ops import check_launchable, is_interpreted
 
 __all__ = ["int4_linear"]
@@ -42,6 +44,7 @@ def _int4_linear_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     FLOAT32_DOT: tl.constexpr,
+    BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,13 +67,13 @@ def _int4_linear_kernel(
             other=0.0,
         )
         mask_kn = mask_k[:, None] & mask_n[None, :]
-        # each row's int32 word (8 rows share one) and its nibble within it
+        # each row's int32 word (32 / BITS rows share one) and its code within it
         words = tl.load(
-            qweight_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :],
+            qweight_ptr + (offs_k[:, None] // (32 // BITS)) * stride_qk + offs_n[None, :],
             mask=mask_kn,
             other=0,
         )
-        codes = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
+        codes = (words >> ((offs_k[:, None] % (32 // BITS)) * BITS)) & ((1 << BITS) - 1)
         groups = tl.load(g_idx_ptr + offs_k, mask=mask_k, other=0)
         scales = tl.load(
             scales_ptr + groups[:, None] * stride_sg + offs_n[None, :], mask=mask_kn, other=0.0
@@ -119,7 +122,8 @@ def int4_linear(
     if g_idx.dim() != 1 or g_idx.stride(0) != 1 or (bias is not None and bias.stride(-1) != 1):
         raise ValueError("g_idx and bias must be contiguous vectors")
     kernel = check_launchable(_int4_linear_kernel, x)
-    in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
+    bits = code_bits(qweight, g_idx)
+    in_features, out_features = g_idx.numel(), qweight.shape[1]
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features}")
     rows = x.reshape(-1, in_features)
@@ -148,6 +152,7 @@ def int4_linear(
         out.stride(0),
         HAS_BIAS=bias is not None,
         FLOAT32_DOT=x.dtype == torch.float32 or is_interpreted(kernel),
+        BITS=bits,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
