@@ -68,16 +68,25 @@ def load_eagle_head(
     its checkpoint holds tensors an EAGLE-1 Llama head has not (an EAGLE-3 head, a whole
     model), leaves a parameter unfilled, or cannot be read.
     """
+    from chassis.core.head_checkpoint import (
+        head_tensor_names,
+        is_speculators_config,
+        iterate_head_tensors,
+    )
     from chassis.core.model_interface import ModelBuildContext
     from chassis.core.model_loader import _default_dtype, load_hf_config, resolve_model_path
     from chassis.core.quantized_weights import check_quantization
-    from chassis.core.weights import checkpoint_tensor_names, iterate_safetensors
     from chassis.plugins.registries import get_registries
 
     spec = config.speculative
     if spec is None or spec.method != "eagle" or spec.model is None:
         raise ValueError("load_eagle_head needs --speculative-config method 'eagle'")
     path = resolve_model_path(spec.model)
+    if is_speculators_config(path):
+        raise ValueError(
+            f"the EAGLE head {spec.model!r} has a speculators-layout config.json: that layout "
+            "is read for EAGLE-3 heads only (pass method 'eagle3' for one)"
+        )
     hf_config = load_hf_config(path)
     target_config = target.hf_config
     head_hidden = int(hf_config.hidden_size)
@@ -95,7 +104,7 @@ def load_eagle_head(
             f"target {target_vocab}: it must share the target's vocabulary"
         )
     check_quantization(hf_config)
-    names = checkpoint_tensor_names(path)
+    names = head_tensor_names(path)  # safetensors or pytorch_model.bin
     if "d2t" in names or any(n.startswith("midlayer.") for n in names):
         raise ValueError(
             f"the EAGLE head {spec.model!r} is an EAGLE-3 head (it has midlayer.* or d2t "
@@ -120,7 +129,7 @@ def load_eagle_head(
             own_lm_head=own_lm_head,
         )
     head.eval()
-    loaded = head.load_weights(iterate_safetensors(path))
+    loaded = head.load_weights(iterate_head_tensors(path))
     missing = sorted(name for name, _ in head.named_parameters() if name not in loaded)
     if missing:
         raise ValueError(f"the EAGLE head {spec.model!r} lacks tensors for {missing}")

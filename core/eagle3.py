@@ -24,7 +24,9 @@ vocabulary of its own mapped to the target's ids. Everything else is EAGLE-1's
 Limits: Llama-style heads of one decoder layer (the published layout; a ``layers.1.*`` is
 refused); Llama-family targets
 (those whose decoder is :class:`~chassis.builtin_plugins.models.llama.LlamaModel`'s
-forward); ``--torch-compile`` is refused with it; safetensors checkpoints only.
+forward); ``--torch-compile`` is refused with it. Checkpoints: safetensors or
+``pytorch_model.bin``, config in the HF or the speculators layout
+(:mod:`chassis.core.head_checkpoint`).
 """
 
 from __future__ import annotations
@@ -74,10 +76,14 @@ def load_eagle3_head(
     layers, the target cannot expose its layers' hidden states, ``--torch-compile`` is on,
     or a parameter is left unfilled.
     """
+    from chassis.core.head_checkpoint import (
+        head_tensor_names,
+        iterate_head_tensors,
+        load_head_config,
+    )
     from chassis.core.model_interface import ModelBuildContext
-    from chassis.core.model_loader import _default_dtype, load_hf_config, resolve_model_path
+    from chassis.core.model_loader import _default_dtype, resolve_model_path
     from chassis.core.quantized_weights import check_quantization
-    from chassis.core.weights import checkpoint_tensor_names, iterate_safetensors
     from chassis.plugins.registries import get_registries
 
     spec = config.speculative
@@ -90,8 +96,8 @@ def load_eagle3_head(
             "the target keeps several layers' hidden states as a side output (drop one)"
         )
     path = resolve_model_path(name)
-    hf_config = load_hf_config(path)
-    names = checkpoint_tensor_names(path)
+    hf_config = load_head_config(path, HEAD_ARCHITECTURE, name)  # HF or speculators layout
+    names = head_tensor_names(path)  # safetensors or pytorch_model.bin
     if "fc.weight" not in names or not any(n.startswith(("midlayer.", "layers.0.")) for n in names):
         raise ValueError(
             f"the EAGLE-3 head {name!r} has no fc.weight and midlayer.* tensors: it is not an "
@@ -156,7 +162,7 @@ def load_eagle3_head(
     with _default_dtype(dtype), torch.device(device):
         head = head_cls(hf_config, build_ctx, target, own_embedding=own_embedding)
     head.eval()
-    loaded = head.load_weights(iterate_safetensors(path))
+    loaded = head.load_weights(iterate_head_tensors(path))
     missing = sorted(n for n, _ in head.named_parameters() if n not in loaded)
     if missing:
         raise ValueError(f"the EAGLE-3 head {name!r} lacks tensors for {missing}")

@@ -264,3 +264,76 @@ def write_mirror_pair(directory: Path) -> tuple[Path, Path]:
     head_config["norm_before_residual"] = True
     (head_dir / "config.json").write_text(json.dumps(head_config))
     return target_dir, head_dir
+
+
+def write_pytorch_bin_copy(head_dir: Path, directory: Path) -> Path:
+    """The head (or any checkpoint) at ``head_dir`` as published heads often ship it: the
+    same ``config.json`` and tensors, in one ``pytorch_model.bin`` (``torch.save`` of the
+    state dict) instead of ``model.safetensors``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text((head_dir / "config.json").read_text())
+    torch.save(load_file(head_dir / "model.safetensors"), directory / "pytorch_model.bin")
+    return directory
+
+
+#: EAGLE-3 fields the speculators layout keeps at the top level of its config.json
+_SPECULATORS_TOP_LEVEL = (
+    "draft_vocab_size",
+    "target_hidden_size",
+    "norm_before_residual",
+    "eagle_aux_hidden_state_layer_ids",
+)
+
+
+def write_speculators_copy(
+    head_dir: Path,
+    directory: Path,
+    *,
+    speculative_tokens: int = 3,
+    overrides: dict[str, Any] | None = None,
+    safetensors: bool = False,
+) -> Path:
+    """The yuhuili-layout EAGLE-3 head at ``head_dir`` in RedHatAI's ``speculators`` layout
+    (what ``speculators`` saves, e.g. ``RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3``):
+    ``config.json`` with ``speculators_model_type: "eagle3"``, the decoder layer's Llama
+    config in ``transformer_layer_config``, the EAGLE-3 fields at the top level (a missing
+    ``norm_before_residual`` written as the yuhuili layout's default, false) and
+    ``speculators_config`` (proposal methods, verifier); tensors named ``layers.0.*`` instead
+    of ``midlayer.*``, in ``pytorch_model.bin`` (``safetensors``: ``model.safetensors``).
+    ``overrides`` replace top-level keys."""
+    head = json.loads((head_dir / "config.json").read_text())
+    layer = {k: v for k, v in head.items() if k not in _SPECULATORS_TOP_LEVEL}
+    layer.pop("architectures", None)
+    layer["architectures"] = ["LlamaForCausalLM"]
+    layer.setdefault("model_type", "llama")
+    config: dict[str, Any] = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": head.get("draft_vocab_size", head["vocab_size"]),
+        "norm_before_residual": head.get("norm_before_residual", False),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": speculative_tokens}
+            ],
+            "verifier": {"name_or_path": "target", "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if key in head:
+            config[key] = head[key]
+    config.update(overrides or {})
+    weights = {
+        name.replace("midlayer.", "layers.0.", 1): tensor
+        for name, tensor in load_file(head_dir / "model.safetensors").items()
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if safetensors:
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    else:
+        torch.save(weights, directory / "pytorch_model.bin")
+    return directory

@@ -15,6 +15,8 @@ from fixtures_eagle3 import (
     draft_vocabulary,
     write_eagle3_head,
     write_mirror_pair,
+    write_pytorch_bin_copy,
+    write_speculators_copy,
 )
 from fixtures_models import write_tiny_checkpoint
 
@@ -338,3 +340,64 @@ def test_a_target_with_kv_cache_groups_preemptions_and_cache_hits(tmp_path: Path
     assert len(seen) > 8
     for sequence, drafts in seen[:40]:
         assert drafts == reference.drafts(sequence, len(drafts))
+
+
+def test_published_layouts_draft_as_the_safetensors_head(
+    expected: list[list[int]], target_dir: Path, tmp_path: Path
+) -> None:
+    """The same weights as ``pytorch_model.bin`` (yuhuili layout) and in the speculators
+    layout (config.json with speculators_model_type, transformer_layer_config,
+    speculators_config; layers.0.* tensors in pytorch_model.bin, and in safetensors) propose
+    the same drafts as the safetensors head, step for step; the output is plain decoding's."""
+    head = write_eagle3_head(
+        target_dir,
+        tmp_path / "safetensors",
+        layer_ids=[0, 2, 3],
+        seed=3,
+        config_overrides={"norm_before_residual": True},
+    )
+    heads = {
+        "safetensors": head,
+        "bin": write_pytorch_bin_copy(head, tmp_path / "bin"),
+        "speculators": write_speculators_copy(head, tmp_path / "speculators"),
+        "speculators_st": write_speculators_copy(
+            head, tmp_path / "speculators_st", safetensors=True
+        ),
+    }
+    assert not list(heads["speculators"].glob("*.safetensors"))
+    results = {}
+    for name, head_dir in heads.items():
+        llm = make_llm(target_dir, head_dir)
+        seen = record_proposals(llm.engine.executor.worker.runner.drafter)
+        try:
+            results[name] = (token_ids(llm, greedy()), seen)
+        finally:
+            llm.shutdown()
+    tokens, proposals = results["safetensors"]
+    assert tokens == expected and len(proposals) > 8
+    for name, result in results.items():
+        assert result == (tokens, proposals), name
+
+
+def test_speculators_heads_the_head_cannot_run_are_refused(
+    default_head: Path, target_dir: Path, tmp_path: Path
+) -> None:
+    """Another speculators model type, a decoder layer other than Llama's, an option the
+    head lacks, and a speculators head given as an EAGLE-1 head: one-line errors naming it."""
+
+    def refused(overrides: dict, match: str, method: str = "eagle3") -> None:
+        head = write_speculators_copy(
+            default_head, tmp_path / str(len(list(tmp_path.iterdir()))), overrides=overrides
+        )
+        spec = {"method": method, "model": str(head), "num_speculative_tokens": K}
+        with pytest.raises(ValueError, match=match) as info:
+            make_llm(target_dir, speculative_config=spec)
+        assert "\n" not in str(info.value)
+
+    refused({"speculators_model_type": "eagle"}, r"speculators 'eagle' checkpoint: only 'eagle3'")
+    refused({"fc_norm": True}, r"sets \['fc_norm'\]: not supported")
+    refused(
+        {"transformer_layer_config": {"model_type": "qwen3", "hidden_size": 64}},
+        r"'qwen3' decoder layer: Llama-style",
+    )
+    refused({}, r"speculators-layout config.json: that layout is read for EAGLE-3", "eagle")

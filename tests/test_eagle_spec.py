@@ -318,3 +318,24 @@ def test_an_eagle_head_given_as_a_draft_model_is_named(target_dir: Path, random_
     spec = {"method": "draft_model", "model": str(random_head), "num_speculative_tokens": K}
     with pytest.raises(ValueError, match=r"is an EAGLE-1 head .* method 'eagle'"):
         make_llm(target_dir, speculative_config=spec)
+
+
+def test_a_head_shipped_as_pytorch_model_bin(
+    target_dir: Path, random_head: Path, tmp_path: Path
+) -> None:
+    """The random head's tensors in ``pytorch_model.bin`` (read with ``weights_only``), no
+    safetensors: the same tokens and the same proposals, step for step."""
+    from fixtures_eagle3 import write_pytorch_bin_copy
+
+    bin_head = write_pytorch_bin_copy(random_head, tmp_path / "bin")
+    assert not list(bin_head.glob("*.safetensors"))
+    results = []
+    for head_dir in (random_head, bin_head):
+        llm = make_llm(target_dir, head_dir)
+        seen = record_proposals(llm.engine.executor.worker.runner.drafter)
+        try:
+            outputs = llm.generate(PROMPTS[1:3], greedy(16))
+        finally:
+            llm.shutdown()
+        results.append(([o.outputs[0].token_ids for o in outputs], seen))
+    assert len(results[0][1]) > 8 and results[1] == results[0]
