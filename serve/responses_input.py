@@ -7,8 +7,9 @@ which are valid input items too):
 * a message ``{"role": "user" | "system" | "developer" | "assistant", "content": str | parts}``
   (``"type": "message"`` optional); text parts are ``input_text``, ``output_text`` (an
   earlier answer sent back) or ``text``; image, file and audio parts are refused, since the
-  chat path takes text only. ``developer`` becomes ``system`` (chat templates know no
-  ``developer``).
+  chat path takes text only. The role reaches the chat template as sent, ``developer``
+  included, as on the chat route (and in vLLM): the same messages render the same prompt on
+  both routes; a template that knows no ``developer`` treats it as it does in chat.
 * ``{"type": "function_call", "call_id", "name", "arguments"}``: a call the assistant made; it
   joins the assistant message just before it (calls made together are one turn).
 * ``{"type": "function_call_output", "call_id", "output"}``: the result, a ``tool`` message.
@@ -27,7 +28,7 @@ from typing import Any
 from chassis.serve.errors import bad_request
 from chassis.serve.protocol import ChatMessage
 
-_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -66,7 +67,7 @@ def chat_messages(
             extra = {}
             if joinable and reasoning is not None:
                 extra, reasoning = {"reasoning_content": reasoning}, None
-            messages.append(ChatMessage(role=_ROLES[role], content=content, **extra))
+            messages.append(ChatMessage(role=role, content=content, **extra))
         elif kind == "function_call":
             call = {
                 "id": _string(item, "call_id", at),

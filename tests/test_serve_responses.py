@@ -100,7 +100,7 @@ def without_ids(items: list[Any]) -> list[dict[str, Any]]:
 def test_a_response_is_the_chat_completion_of_the_same_messages(server: Server) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "system", "content": "Answer in English."},
+        {"role": "developer", "content": "Answer in English."},
         {"role": "user", "content": "Say hello."},
     ]
     chat = server.client.chat.completions.create(model=MODEL, messages=messages)
@@ -109,7 +109,7 @@ def test_a_response_is_the_chat_completion_of_the_same_messages(server: Server) 
         model=MODEL,
         instructions="Be brief.",
         input=[
-            {"role": "developer", "content": "Answer in English."},  # a system message
+            {"role": "developer", "content": "Answer in English."},  # as chat: not system
             {"role": "user", "content": [{"type": "input_text", "text": "Say hello."}]},
         ],
         temperature=0.5,
