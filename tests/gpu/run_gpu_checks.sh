@@ -76,6 +76,10 @@ ENGINE_ARGS="${ENGINE_ARGS:---max-model-len 4096 --max-num-seqs 256 --max-num-ba
 read -r -a ENGINE <<<"$ENGINE_ARGS"
 MODEL_ARGS=("$MODEL" --load-format dummy --skip-tokenizer-init)
 CHASSIS=("$PY" -m chassis.serve.cli)
+# Every pytest call's own options: no cache folder, and the run this script asks for whatever
+# pyproject's addopts say (`-o addopts=`: README's `-n 2` would need pytest-xdist, and workers
+# would split one GPU between processes); `-p no:xdist` keeps xdist, where installed, unloaded.
+PYTEST=("$PY" -m pytest -p no:cacheprovider -o addopts= -p no:xdist)
 START=$SECONDS
 STATUS=0
 
@@ -128,8 +132,8 @@ step() {
 }
 
 if wanted pytest; then
-    step pytest 220 "$PY" -m pytest -m "gpu and not gpu_compile and not gpu_moe" tests/gpu -q -rfEs \
-        -p no:cacheprovider --junitxml="$OUT/junit.xml"
+    step pytest 220 "${PYTEST[@]}" -m "gpu and not gpu_compile and not gpu_moe" tests/gpu -q -rfEs \
+        --junitxml="$OUT/junit.xml"
 fi
 
 if wanted throughput; then
@@ -229,8 +233,8 @@ fi
 
 if wanted compile && [[ " ${ENGINE[*]} " != *" --enforce-eager "* ]]; then
     # the engine with graphs of the compiled forward against HF (tiny model), then (b)
-    step pytest_compile 120 "$PY" -m pytest -m gpu_compile tests/gpu -q -rfEs \
-        -p no:cacheprovider --junitxml="$OUT/junit_compile.xml"
+    step pytest_compile 120 "${PYTEST[@]}" -m gpu_compile tests/gpu -q -rfEs \
+        --junitxml="$OUT/junit_compile.xml"
     # (b) with --torch-compile (chassis only): start-up cost and batch-1 speed; the compile
     # seconds are in the log lines of latency_compile.txt
     step latency_compile 180 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" \
@@ -241,15 +245,15 @@ fi
 if wanted moe; then
     # the mixture-of-experts path (session 8): kept out of the first step, whose budget the
     # fused-MoE kernels' compilations would eat into
-    step pytest_moe 240 "$PY" -m pytest -m gpu_moe tests/gpu -q -rfEs \
-        -p no:cacheprovider --junitxml="$OUT/junit_moe.xml"
+    step pytest_moe 240 "${PYTEST[@]}" -m gpu_moe tests/gpu -q -rfEs \
+        --junitxml="$OUT/junit_moe.xml"
 fi
 
 # Only when named (STEPS="gpt_oss"): gpt-oss's fused experts and a tiny gpt-oss engine with
 # decode graphs (tests/gpu/test_gpu_triton_moe_gpt_oss.py, also part of the moe step)
 if wanted gpt_oss && ! wanted moe; then
-    step pytest_gpt_oss 150 "$PY" -m pytest tests/gpu/test_gpu_triton_moe_gpt_oss.py -q -rfEs \
-        -p no:cacheprovider --junitxml="$OUT/junit_gpt_oss.xml"
+    step pytest_gpt_oss 150 "${PYTEST[@]}" tests/gpu/test_gpu_triton_moe_gpt_oss.py -q -rfEs \
+        --junitxml="$OUT/junit_gpt_oss.xml"
 fi
 
 # Kernel timings last: they matter least for issue 5.
