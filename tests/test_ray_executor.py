@@ -333,3 +333,75 @@ def test_a_ray_rank_that_hangs_in_a_step_is_named_with_its_stack_and_killed(
     while ray_cluster.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray_cluster.available_resources().get("CPU") == 2.0  # the bundles are given back
+
+
+#: what a server's processes run first: the sleeping rank, and their PYTHONPATH forwarded to
+#: the actors the engine core starts (so that the actors run this too)
+SERVER_SLEEPING_RANK = (
+    SLEEPING_RANK
+    + """
+import os
+
+import chassis.core.ray_executor as ray_executor
+
+_forwarded = ray_executor._forwarded_env
+ray_executor._forwarded_env = lambda: {**_forwarded(), "PYTHONPATH": os.environ["PYTHONPATH"]}
+"""
+)
+
+
+@needs_two_cores
+@pytest.mark.timeout(240)
+def test_a_server_whose_ray_rank_hangs_answers_503_and_exits(
+    ray_cluster, tiny_llama_dir, tmp_path, monkeypatch
+) -> None:
+    """The server's engine core joins this module's Ray instance (``address="auto"``)."""
+    import httpx
+    from server_process import start_server
+
+    (tmp_path / "sitecustomize.py").write_text(SERVER_SLEEPING_RANK)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    flags = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
+    flags += ["--execute-model-timeout-s", "2", "--dtype", "float32"]
+    server = start_server(tiny_llama_dir, tmp_path, extra_args=flags, max_model_len=128)
+    try:
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True}
+        response = httpx.post(
+            server.base + "/v1/completions", json=body, headers=server.headers, timeout=120
+        )
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "engine_dead", error
+        # the client learns which step and ranks, and that the engine is dead; no stacks
+        message = error["message"]
+        assert message.startswith("the engine is not running"), message
+        assert "step 'execute' did not complete within 2 s" in message, message
+        assert "rank(s) [1] are not in a collective" in message, message
+        assert 'File "' not in message and ".py" not in message, message
+        server.proc.wait(timeout=120)
+        assert server.proc.returncode == 1
+        output = server.output()
+        # the operator's log has the report at ERROR, with the hanging rank's stack
+        logged = output.split(" ERROR [engine] chassis.core.ray_executor: ")[1]
+        assert "\n--- rank 1 (busy):\n" in logged, output
+        assert "in sleep_inside_a_step" in logged.split("--- rank 1 (busy):")[1], output
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    # the actors are gone and their bundles given back
+    deadline = time.monotonic() + 15
+    while ray_cluster.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_cluster.available_resources().get("CPU") == 2.0
+    while rank_actor_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not rank_actor_processes()
+
+
+def rank_actor_processes() -> list[psutil.Process]:
+    """This machine's processes of rank actors (Ray titles them ``ray::RankActor...``)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if "ray::RankActor" in " ".join(process.info["cmdline"] or []):
+            found.append(process)
+    return found
