@@ -3,7 +3,7 @@
 Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.errors`):
 
 =========================  ==================================================================
-``GET  /v1/models``        the served model, then its LoRA adapters
+``GET  /v1/models``        the served model (each of its names), then its LoRA adapters
 ``POST /v1/completions``   :mod:`chassis.serve.openai_completions`
 ``POST /v1/chat/completions``  :mod:`chassis.serve.openai_chat`
 ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``.../cancel``: :mod:`chassis.serve.openai_responses`
@@ -80,12 +80,14 @@ def _state(request: Request) -> ServerState:
 
 async def list_models(request: Request) -> JSONResponse:
     state = _state(request)
+    # one card per served name (vLLM's several --served-model-name), the first first
     cards = [
         ModelCard(
-            id=state.model_name,
+            id=name,
             root=getattr(state.engine.config, "model", None),
             max_model_len=state.max_model_len,
         )
+        for name in state.model_names
     ]
     # vLLM's adapter cards: root = the adapter's folder, parent = the base model
     cards += [
@@ -187,7 +189,7 @@ def _add_static_loras(state: ServerState) -> None:
     for module in state.settings.lora_modules:
         base = module.base_model_name
         if base is not None and base not in (
-            state.model_name,
+            *state.model_names,
             getattr(state.engine.config, "model", None),
         ):
             logger.warning(

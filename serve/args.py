@@ -105,7 +105,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     )
     g.add_argument("--tokenizer", help="tokenizer hub id or directory (default: the model's)")
     g.add_argument("--revision", help="model revision (branch, tag or commit) on the hub")
-    g.add_argument("--served-model-name", help="the name clients send as 'model' (default: MODEL)")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names clients may send as 'model' (default: MODEL); the first is the one "
+        "responses and /metrics report",
+    )
     g.add_argument("--dtype", choices=DTYPES, help=_help("weights and activations dtype", "dtype"))
     g.add_argument(
         "--load-format",
@@ -451,6 +457,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         name = _FIELD_OF.get(dest, dest)
         if name in known and value is not None:
             values[name] = value
+    names = values.get("served_model_name")
+    if isinstance(names, list):
+        # --served-model-name takes several names (vLLM's nargs="+"); the engine reports the
+        # first, the server accepts the others too (ServerSettings.served_model_aliases)
+        values["served_model_name"] = names[0]
     dests = getattr(args, _PLUGIN_DESTS, None) or []
     from chassis.plugins import plugin_args_from
 

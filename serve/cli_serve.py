@@ -290,6 +290,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         lora_modules=list(args.lora_modules),
+        served_model_aliases=list((args.served_model_name or [])[1:]),
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ssl_keyfile_password=args.ssl_keyfile_password,
@@ -328,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
             settings.lora_modules,
             enable_lora=config.enable_lora,
             served_model_name=config.served_model_name or config.model or DEFAULT_MODEL,
+            aliases=settings.served_model_aliases,
         )
     except (ValueError, ImportError) as exc:  # ImportError: a parser plugin that does not load
         logger.error("%s", exc)

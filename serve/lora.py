@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from chassis.core.lora.request import LoRARequest
@@ -114,13 +114,21 @@ class LoRAAdapters:
     """The adapters one server serves, by name, in the order they were added.
 
     :param base_model_name: the served model name (no adapter may take it)
+    :param aliases: the served model's further names (``--served-model-name a b``: ``b``),
+        which no adapter may take either
     :param check: refuses an adapter the engine cannot run with a ``ValueError`` (the
         engine's ``InputProcessor.check_lora``: LoRA off, bad folder, shapes or rank that do
         not fit the model); it may read files, so :meth:`load` runs it in a thread
     """
 
-    def __init__(self, base_model_name: str, check: Callable[[LoRARequest], None]) -> None:
+    def __init__(
+        self,
+        base_model_name: str,
+        check: Callable[[LoRARequest], None],
+        aliases: Sequence[str] = (),
+    ) -> None:
         self.base_model_name = base_model_name
+        self._model_names = {base_model_name, *aliases}
         self._check = check
         self._by_name: dict[str, LoRARequest] = {}
         self._last_id = 0
@@ -140,7 +148,7 @@ class LoRAAdapters:
             raise AdapterNameError("a LoRA adapter needs a non-empty name")
         if not isinstance(path, str) or not path:
             raise ValueError(f"LoRA adapter {name!r} needs a non-empty path")
-        if name == self.base_model_name:
+        if name in self._model_names:
             raise AdapterNameError(
                 f"LoRA adapter name {name!r} is the served model's name; choose another (the "
                 "name selects the base model)"
@@ -189,10 +197,14 @@ class LoRAAdapters:
 
 
 def check_lora_modules(
-    modules: list[LoRAModule], *, enable_lora: bool, served_model_name: str
+    modules: list[LoRAModule],
+    *,
+    enable_lora: bool,
+    served_model_name: str,
+    aliases: Sequence[str] = (),
 ) -> None:
     """Refuse ``--lora-modules`` before the model loads: without ``--enable-lora``, a name
-    repeated or equal to the served model's, a folder that is not a PEFT LoRA adapter
+    repeated or equal to one of the served model's names, a folder that is not a PEFT LoRA adapter
     (``adapter_config.json``). Whether the adapter fits the model is checked once the
     engine is up (:meth:`LoRAAdapters.add` with the engine's check)."""
     if not modules:
@@ -204,6 +216,8 @@ def check_lora_modules(
         )
     from chassis.core.lora.adapter import read_adapter_config
 
-    adapters = LoRAAdapters(served_model_name, lambda lora: read_adapter_config(lora.lora_path))
+    adapters = LoRAAdapters(
+        served_model_name, lambda lora: read_adapter_config(lora.lora_path), aliases
+    )
     for module in modules:
         adapters.add_module(module)

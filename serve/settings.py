@@ -50,6 +50,10 @@ class ServerSettings:
     #: LoRA adapters served from the start (``--lora-modules``; the engine needs
     #: ``enable_lora``); their ids are 1, 2, ... in this order
     lora_modules: list[LoRAModule] = field(default_factory=list)
+    #: further names requests may send as ``model`` for the served model (the names after
+    #: the first of ``--served-model-name``, as in vLLM); answers, /metrics and LoRA
+    #: adapters' ``parent`` carry the first (the engine's ``model_name``)
+    served_model_aliases: list[str] = field(default_factory=list)
     #: serve HTTPS with this PEM certificate chain and private key (``--ssl-certfile``,
     #: ``--ssl-keyfile``; the key may be in the certificate file); ``None``: plain HTTP
     ssl_certfile: str | None = None
@@ -136,6 +140,8 @@ class ServerSettings:
             )
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0; got {self.max_log_len}")
+        if any(not isinstance(n, str) or not n.strip() for n in self.served_model_aliases):
+            raise ValueError("--served-model-name: a name must not be empty")
         names = [module.name for module in self.lora_modules]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

@@ -91,11 +91,22 @@ class ServerState:
     _aborted: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.loras = LoRAAdapters(self.model_name, engine_lora_check(self.engine))
+        self.loras = LoRAAdapters(
+            self.model_name, engine_lora_check(self.engine), self.settings.served_model_aliases
+        )
 
     @property
     def model_name(self) -> str:
+        """The name answers and /metrics carry (the first ``--served-model-name``)."""
         return self.engine.model_name
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request may send for the served model: :attr:`model_name`, then the
+        settings' ``served_model_aliases`` (vLLM's several ``--served-model-name``)."""
+        names = [self.model_name]
+        names += [n for n in self.settings.served_model_aliases if n not in names]
+        return names
 
     @property
     def max_model_len(self) -> int | None:
@@ -150,19 +161,20 @@ class ServerState:
     # -- checks -------------------------------------------------------------------------------
 
     def check_model(self, requested: str | None) -> str:
-        """The name to answer with: the served name for ``None``, else ``requested`` when it
-        is the served name or an adapter's; a 404 for any other name."""
+        """The name to answer with: the served name (:attr:`model_name`) for ``None`` or any
+        of :attr:`model_names`, as vLLM answers; ``requested`` when it is an adapter's; a
+        404 for any other name."""
         return self.resolve_model(requested)[0]
 
     def resolve_model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
         """:meth:`check_model`, with the adapter ``requested`` names (``None``: the base
         model)."""
-        if requested is None or requested == self.model_name:
+        if requested is None or requested in self.model_names:
             return self.model_name, None
         lora = self.loras.get(requested)
         if lora is not None:
             return requested, lora
-        served = f"'{self.model_name}'"
+        served = ", ".join(f"'{name}'" for name in self.model_names)
         names = [f"'{adapter.lora_name}'" for adapter in self.loras]
         if names:
             served += f" and the LoRA adapter{'s' if len(names) > 1 else ''} {', '.join(names)}"
