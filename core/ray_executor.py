@@ -204,6 +204,17 @@ def dump_stacks(pid: int, fd: int) -> str:
     return read_new_text(path, offset)
 
 
+def dump_stacks_on(ray: Any, node: str, pid: int, fd: int) -> Any:
+    """The Ray reference of :func:`dump_stacks` run by a task pinned to the node ``node``
+    (a Ray node id), asking no CPU (the ranks' bundles may hold them all)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(dump_stacks).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+    )
+    return task.remote(pid, fd)
+
+
 def _interface_of(ip: str) -> str | None:
     """The network interface whose IPv4 address is ``ip`` (Linux), or None."""
     import fcntl
@@ -316,14 +327,8 @@ class RayExecutor(RankGroupExecutor):
         remote: dict[Any, int] = {}
         for rank in ranks:
             node, pid, fd = self._cluster.places[rank]
-            if node == here:
-                continue
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            task = ray.remote(num_cpus=0)(dump_stacks).options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-            )
-            remote[task.remote(pid, fd)] = rank
+            if node != here:
+                remote[dump_stacks_on(ray, node, pid, fd)] = rank
         for rank in ranks:  # (the remote dumps are being taken meanwhile)
             node, pid, fd = self._cluster.places[rank]
             if node == here:

@@ -405,3 +405,24 @@ def rank_actor_processes() -> list[psutil.Process]:
         if "ray::RankActor" in " ".join(process.info["cmdline"] or []):
             found.append(process)
     return found
+
+
+@needs_two_cores
+def test_a_rank_s_stacks_are_dumped_by_a_task_on_its_node(ray_cluster) -> None:
+    """The watchdog's way to a rank on another node (a task pinned to the rank's node, no CPU
+    asked), run here on this one node: while the actor's bundle and the other CPU are
+    taken, the dump is the actor's threads' stacks, from faulthandler."""
+    from chassis.core.ray_executor import RankActor, dump_stacks_on
+
+    actor = ray_cluster.remote(RankActor).options(num_cpus=2).remote(30)
+    try:
+        _, node, pid, fd = ray_cluster.get(actor.locate.remote())
+        dump = ray_cluster.get(dump_stacks_on(ray_cluster, node, pid, fd), timeout=60)
+        assert "Thread 0x" in dump and 'File "' in dump, dump  # faulthandler's format
+        assert ray_cluster.get(actor.ping.remote())  # the signal did not stop the actor
+    finally:
+        ray_cluster.kill(actor)
+    deadline = time.monotonic() + 15
+    while ray_cluster.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_cluster.available_resources().get("CPU") == 2.0
