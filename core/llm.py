@@ -25,6 +25,7 @@ from chassis.core.engine_setup import finalize_config
 from chassis.core.errors import RequestFailedError
 from chassis.core.generation_defaults import generation_defaults
 from chassis.core.input_processor import InputProcessor, truncation_length
+from chassis.core.lone_surrogates import refuse_lone_surrogates
 from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import PositionLogprobs, RequestOutput
@@ -181,7 +182,9 @@ class LLM:
         ``{"prompt": "..."}``, which may also carry vLLM's ``"cache_salt"`` (the prompt's
         prefix-cache entries are then shared only with prompts of the same salt).
         ``lora_request`` (with ``enable_lora=True``): the LoRA adapter of every prompt, or
-        one per prompt (``None``: the base model).
+        one per prompt (``None``: the base model). Text holding a lone UTF-16 surrogate
+        (``"\\ud800"``, which no tokenizer encodes) raises ``ValueError`` naming the prompt
+        (``prompts.1``), as every method taking text prompts does.
         """
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
@@ -474,7 +477,7 @@ class LLM:
                 "score() takes one PoolingParams for every text (or None); got "
                 f"{type(pooling_params).__name__}"
             )
-        firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        firsts, seconds = _as_prompt_list(data_1, "data_1"), _as_prompt_list(data_2, "data_2")
         pairs = score_pairs(len(firsts), len(seconds))
         if isinstance(lora_request, Sequence) and len(lora_request) != len(pairs):
             raise ValueError(
@@ -646,13 +649,22 @@ class LLM:
         ``continue_final_message`` continues the last assistant message instead of starting a
         new turn; ``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``
         for Qwen3) reach the template; ``lora_request`` as in :meth:`generate`. A message or
-        conversation the template cannot take raises ``ValueError``.
+        conversation the template cannot take, or text holding a lone UTF-16 surrogate (no
+        tokenizer encodes it; the error names the message), raises ``ValueError``.
         """
         if self.tokenizer is None:
             raise ValueError(
                 "chat needs a tokenizer, and this LLM was created with skip_tokenizer_init"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # text the tokenizer cannot encode fails here, named (messages.0.content), not as
+        # the tokenizer's TypeError after the template ran
+        for i, conversation in enumerate(conversations):
+            refuse_lone_surrogates(
+                conversation, "messages" if len(conversations) == 1 else f"messages.{i}"
+            )
+        refuse_lone_surrogates(tools, "tools")
+        refuse_lone_surrogates(chat_template_kwargs, "chat_template_kwargs")
         template = load_chat_template(chat_template or self.config.chat_template)
         prompts: list[Prompt] = []
         for conversation in conversations:
@@ -727,12 +739,17 @@ def _loras(
     )
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt], name: str = "prompts") -> list[Prompt]:
+    """``prompts`` as a list (one prompt alone becomes a list of one); a ``ValueError``
+    naming the first text holding a lone surrogate (``prompts.1``, ``prompt.prompt`` for a
+    dict prompt alone), which the tokenizer cannot encode (core/lone_surrogates.py)."""
     if isinstance(prompts, str | dict):
+        refuse_lone_surrogates(prompts, name.removesuffix("s"))
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]  # a single list of token ids
+    refuse_lone_surrogates(prompts, name)
     return prompts
 
 
