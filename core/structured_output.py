@@ -39,6 +39,8 @@ __all__ = [
 
 #: the fields of :class:`StructuredOutputsParams` that name a constraint
 CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+#: the constraints whose JSON the whitespace options shape
+JSON_KINDS = ("json", "json_object", "structural_tag")
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
@@ -56,6 +58,15 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     - ``structural_tag``: vLLM's older ``response_format`` of type ``structural_tag``
       (``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``), as a ``dict``
       or its JSON text (kept as text).
+
+    Two of vLLM's options shape a JSON constraint (``json``, ``json_object``, and the
+    schemas of a ``structural_tag``); another constraint with either is a ``ValueError``:
+
+    - ``disable_any_whitespace``: compact JSON, no whitespace between tokens (strings keep
+      theirs);
+    - ``whitespace_pattern``: a regex for each whitespace run between tokens, matching JSON
+      whitespace only (space, tab, newline, carriage return); not with
+      ``disable_any_whitespace``.
 
     A malformed value raises ``ValueError`` naming the field. Whether a backend supports the
     constraint (every JSON-schema keyword, every regex feature) is the backend's
@@ -80,6 +91,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     #: An offline caller may set it too, 0..3: 3 more levels at most, which the stack
     #: measurement at the limit covers (tests/test_structured_nesting.py)
     json_wrapper_levels: int = 0
+    #: compact JSON: no whitespace between tokens
+    disable_any_whitespace: bool = False
+    #: a regex for the whitespace between JSON tokens (``None``: the backend's default)
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         # nesting is checked before json.dumps/json.loads, which would otherwise stop at
@@ -118,13 +133,14 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
-        for flag in ("json_object", "after_reasoning"):
+        for flag in ("json_object", "after_reasoning", "disable_any_whitespace"):
             if getattr(self, flag) is not False and getattr(self, flag) is not True:
                 raise ValueError(f"structured_outputs.{flag} must be true or false")
         for field in ("regex", "grammar", "structural_tag"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{field} must be a non-empty string")
+        self._check_whitespace_options()
         if self.structural_tag is not None:
             check_json_text_nesting(self.structural_tag, "structured_outputs.structural_tag")
         if not (
@@ -143,6 +159,21 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
                 "structured_outputs.choice must be a non-empty list of non-empty strings"
             )
 
+    def _check_whitespace_options(self) -> None:
+        pattern = self.whitespace_pattern
+        if pattern is not None and (not isinstance(pattern, str) or not pattern):
+            raise ValueError("structured_outputs.whitespace_pattern must be a non-empty string")
+        if pattern is not None and self.disable_any_whitespace:
+            raise ValueError(
+                "structured_outputs: give disable_any_whitespace or whitespace_pattern, not both"
+            )
+        if (pattern is not None or self.disable_any_whitespace) and self.kind not in JSON_KINDS:
+            option = "whitespace_pattern" if pattern is not None else "disable_any_whitespace"
+            raise ValueError(
+                f"structured_outputs.{option} applies to JSON constraints only (json, "
+                f"json_object, structural_tag), not to {self.kind}"
+            )
+
     @property
     def kind(self) -> str:
         """The field that is set: one of :data:`CONSTRAINT_FIELDS`."""
@@ -153,7 +184,14 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         value = getattr(self, self.kind)
         key = (self.kind, tuple(value) if isinstance(value, list) else value)
         # (the same schema as a forced tool call's wrapper may nest deeper)
-        return (*key, self.json_wrapper_levels) if self.json_wrapper_levels else key
+        if self.json_wrapper_levels:
+            key = (*key, self.json_wrapper_levels)
+        # (the same schema with other whitespace between tokens is another automaton)
+        if self.disable_any_whitespace:
+            key = (*key, "disable_any_whitespace")
+        if self.whitespace_pattern is not None:
+            key = (*key, "whitespace_pattern", self.whitespace_pattern)
+        return key
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class _SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
+    def _structured_outputs(self, forced_tool_call: bool = False) -> StructuredOutputsParams | None:
         return structured_request.from_request_fields(
             self.response_format,
             self.structured_outputs,
@@ -141,6 +141,7 @@ class _SamplingRequest(_Request):
                 "guided_choice": self.guided_choice,
                 "guided_grammar": self.guided_grammar,
             },
+            forced_tool_call=forced_tool_call,
         )
 
     def _logit_bias_ids(self) -> dict[int, float] | None:
@@ -472,7 +473,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 "top_logprobs",
             )
         self._check_tools()
-        constraint = self._structured_outputs()
+        constraint = self._structured_outputs(forced_tool_call=self.forces_tool_calls)
         if self.forces_tool_calls:
             if constraint is not None:
                 raise bad_request(
@@ -481,8 +482,11 @@ class ChatCompletionRequest(_SamplingRequest):
                     "tool_choice",
                 )
             assert self.tools and self.tool_choice is not None
-            constraint = structured_request.for_tool_choice(
-                self.tool_choice, self.tools, self.parallel_tool_calls is not False
+            constraint = structured_request.with_options(  # (e.g. compact arguments)
+                structured_request.for_tool_choice(
+                    self.tool_choice, self.tools, self.parallel_tool_calls is not False
+                ),
+                structured_request.whitespace_options(self.structured_outputs),
             )
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request(

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
+
 from chassis.core.structured_nesting import FORCED_TOOL_CALL_LEVELS
-from chassis.core.structured_output import StructuredOutputsParams
+from chassis.core.structured_output import CONSTRAINT_FIELDS, StructuredOutputsParams
 from chassis.serve.errors import APIError, bad_request, from_value_error
 
 _T = TypeVar("_T")
@@ -26,9 +28,14 @@ def from_request_fields(
     response_format: dict[str, Any] | None,
     structured_outputs: dict[str, Any] | None,
     guided: dict[str, Any],
+    *,
+    forced_tool_call: bool = False,
 ) -> StructuredOutputsParams | None:
     """The constraint the fields ask for, or ``None``; ``guided`` maps the ``guided_*`` field
-    names to their values (``None`` when absent)."""
+    names to their values (``None`` when absent). A ``structured_outputs`` that names no
+    constraint but vLLM's options (``disable_any_whitespace``...) applies them to the
+    constraint another field asks for (:func:`whitespace_options`); with none, it is a 400
+    unless ``forced_tool_call`` (the chat route then applies them to the calls' JSON)."""
     asked: list[tuple[str, StructuredOutputsParams]] = []
     if response_format is not None:
         from_format = _from_response_format(response_format)
@@ -37,7 +44,8 @@ def from_request_fields(
     if structured_outputs is not None:
         if not isinstance(structured_outputs, dict):
             raise bad_request("structured_outputs must be an object", "structured_outputs")
-        asked.append(("structured_outputs", _params("structured_outputs", structured_outputs)))
+        if _names_constraint(structured_outputs):
+            asked.append(("structured_outputs", _params("structured_outputs", structured_outputs)))
     for name, value in guided.items():
         if value is None:
             continue
@@ -48,7 +56,47 @@ def from_request_fields(
         raise bad_request(
             f"give at most one structured-output constraint; got {names}", asked[1][0]
         )
-    return asked[0][1] if asked else None
+    options = whitespace_options(structured_outputs)  # (checks an options-only field)
+    if not asked:
+        if structured_outputs is not None and not forced_tool_call:
+            _params("structured_outputs", structured_outputs)  # (a 400: no constraint named)
+        return None
+    return with_options(asked[0][1], options)
+
+
+def with_options(
+    params: StructuredOutputsParams, options: dict[str, Any]
+) -> StructuredOutputsParams:
+    """``params`` with ``options`` (:func:`whitespace_options`) added; a 400 naming
+    ``structured_outputs`` when they do not apply (not a JSON constraint)."""
+    if not options:
+        return params
+    try:
+        return msgspec.structs.replace(params, **options)
+    except ValueError as exc:
+        raise bad_request(str(exc), "structured_outputs") from None
+
+
+def whitespace_options(structured_outputs: Any) -> dict[str, Any]:
+    """vLLM's whitespace options in a ``structured_outputs`` that names no constraint, as
+    keyword arguments of :class:`StructuredOutputsParams`: such a field shapes the JSON
+    another field asks for (``response_format``, ``guided_json``, a forced tool call), as in
+    vLLM. Empty when it names a constraint or is not an object; a key that is not one of
+    vLLM's options is a 400."""
+    if not isinstance(structured_outputs, dict) or _names_constraint(structured_outputs):
+        return {}
+    values, whitespace = _options("structured_outputs", structured_outputs)
+    if values:
+        raise bad_request(
+            f"structured_outputs: unknown field {', '.join(sorted(values))} (or name one "
+            f"constraint: {', '.join(CONSTRAINT_FIELDS)})",
+            "structured_outputs",
+        )
+    return whitespace
+
+
+def _names_constraint(values: dict[str, Any]) -> bool:
+    return any(values.get(name) not in (None, False) for name in CONSTRAINT_FIELDS)
 
 
 def for_tool_choice(
@@ -161,9 +209,10 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
 _NO_OP_OPTIONS = ("disable_fallback", "disable_additional_properties")
 
 
-def _options(field: str, values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` without vLLM's options that the built-in JSON already follows; a 400 for
-    one it does not offer (compact JSON, another whitespace) or a value of the wrong type."""
+def _options(field: str, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``values`` without vLLM's options, and the whitespace options among them that ask for
+    something (``disable_any_whitespace: true``, a ``whitespace_pattern``); a 400 for a value
+    of the wrong type."""
     values = dict(values)
     for name in _NO_OP_OPTIONS:
         if not isinstance(values.pop(name, False), bool):
@@ -172,23 +221,22 @@ def _options(field: str, values: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(compact, bool):
         raise bad_request(f"{field}.disable_any_whitespace must be true or false", field)
     pattern = values.pop("whitespace_pattern", None)
-    if compact or pattern is not None:
-        option = "disable_any_whitespace" if compact else "whitespace_pattern"
-        raise bad_request(
-            f"{field}.{option} is not supported: JSON output may hold whitespace runs of at "
-            "most 20 bytes after { [ , : and before } ] , : (compact output is one of the "
-            "texts it allows)",
-            field,
-        )
-    return values
+    if pattern is not None and not isinstance(pattern, str):
+        raise bad_request(f"{field}.whitespace_pattern must be a string (a regex)", field)
+    whitespace: dict[str, Any] = {}
+    if compact:
+        whitespace["disable_any_whitespace"] = True
+    if pattern is not None:
+        whitespace["whitespace_pattern"] = pattern
+    return values, whitespace
 
 
 def _params(field: str, values: dict[str, Any]) -> StructuredOutputsParams:
     if "json_wrapper_levels" in values:  # (the server's own, for forced tool calls)
         raise bad_request(f"{field}: unknown field json_wrapper_levels", field)
-    values = _options(field, values)
+    values, whitespace = _options(field, values)
     try:  # (StructuredOutputsParams checks that a schema given as text is JSON)
-        return StructuredOutputsParams(**values)
+        return StructuredOutputsParams(**values, **whitespace)
     except TypeError as exc:  # an unknown key
         raise bad_request(f"{field}: {exc}", field) from None
     except ValueError as exc:

@@ -159,6 +159,71 @@ def test_response_format_json_schema_through_the_client(server: ServerProcess) -
     assert refused.value.param == "structured_outputs"
 
 
+def test_compact_json_on_every_route(server: ServerProcess) -> None:
+    """vLLM's ``disable_any_whitespace: true`` in ``structured_outputs``, alone there to shape
+    the JSON another field asks for or next to the constraint: chat (response_format, a
+    forced tool call's arguments), completions and responses write JSON with no whitespace
+    between tokens; a whitespace_pattern that could write something else is a 400."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, [2, 3], {"k": None}]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+    client = server.client()
+    texts = [
+        client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+            max_tokens=60,
+            extra_body=compact,
+        )
+        .choices[0]
+        .message.content,
+        client.completions.create(
+            model="tiny",
+            prompt="JSON:",
+            max_tokens=60,
+            extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+        )
+        .choices[0]
+        .text,
+        client.responses.create(
+            model="tiny",
+            input="JSON please",
+            text={"format": {"type": "json_schema", "name": "r", "schema": schema}},
+            max_output_tokens=60,
+            extra_body=compact,
+        ).output_text,
+    ]
+    for text in texts:
+        value = json.loads(text)
+        assert isinstance(value["ok"], bool) and value["n"] in (1, [2, 3], {"k": None}), text
+        assert text == json.dumps(value, separators=(",", ":")), text  # (no whitespace)
+    # a forced call's arguments are written compact too, but handed back re-written as every
+    # tool call's are (json.dumps: ", " and ": ", serve/forced_tool_calls.py)
+    forced = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        tools=[{"type": "function", "function": {"name": "report", "parameters": schema}}],
+        tool_choice={"type": "function", "function": {"name": "report"}},
+        max_tokens=60,
+        extra_body=compact,
+    )
+    arguments = forced.choices[0].message.tool_calls[0].function.arguments
+    assert arguments == json.dumps(json.loads(arguments))
+    with pytest.raises(openai.BadRequestError, match="only JSON whitespace") as refused:
+        client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            response_format={"type": "json_object"},
+            extra_body={"structured_outputs": {"whitespace_pattern": "[ ,]"}},
+        )
+    assert refused.value.param == "structured_outputs"
+
+
 def test_an_unknown_parser_fails_before_the_model_loads(tmp_path: Path) -> None:
     result = subprocess.run(
         [

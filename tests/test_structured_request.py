@@ -97,12 +97,38 @@ def test_each_way_of_asking(fields, expected) -> None:
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one"),
         ({"structured_outputs": {"json_object": True}, "min_tokens": 3}, "min_tokens"),
         (
-            {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
-            "disable_any_whitespace is not supported",
+            {"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+            "disable_any_whitespace applies to JSON constraints only",
         ),
         (
-            {"structured_outputs": {"json_object": True, "whitespace_pattern": "[ ]?"}},
-            "whitespace_pattern is not supported",
+            {"guided_choice": ["a"], "structured_outputs": {"whitespace_pattern": "[ ]?"}},
+            "whitespace_pattern applies to JSON constraints only",
+        ),
+        (
+            {"structured_outputs": {"json_object": True, "whitespace_pattern": 3}},
+            "whitespace_pattern must be a string",
+        ),
+        (
+            {
+                "structured_outputs": {
+                    "json_object": True,
+                    "whitespace_pattern": " ",
+                    "disable_any_whitespace": True,
+                }
+            },
+            "not both",
+        ),
+        (
+            {
+                "response_format": {"type": "json_object"},
+                "structured_outputs": {"disable_any_whitespace": True, "colour": 1},
+            },
+            "unknown field colour",
+        ),
+        ({"structured_outputs": {"disable_any_whitespace": True}}, "exactly one of"),
+        (
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}},
+            "disable_any_whitespace must be true or false",
         ),
         (
             {"structured_outputs": {"json_object": True, "disable_fallback": "yes"}},
@@ -128,6 +154,50 @@ def test_vllm_options_that_change_nothing_are_accepted() -> None:
     for constraint in ({"json": schema}, {"regex": "a+"}):
         asked = chat(structured_outputs={**constraint, **options}).structured_outputs
         assert asked == StructuredOutputsParams(**constraint)
+
+
+@pytest.mark.parametrize(
+    "option", [{"disable_any_whitespace": True}, {"whitespace_pattern": "[ ]?"}]
+)
+def test_whitespace_options_reach_the_constraint_from_every_field(option) -> None:
+    """disable_any_whitespace / whitespace_pattern in structured_outputs with the constraint,
+    or alone there to shape the JSON response_format, guided_json or a forced tool call asks
+    for (as vLLM merges them), on chat and completions."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    ways = [
+        ({"structured_outputs": {"json": schema, **option}}, StructuredOutputsParams(json=schema)),
+        (
+            {
+                "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+                "structured_outputs": option,
+            },
+            StructuredOutputsParams(json=schema),
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": option},
+            StructuredOutputsParams(json_object=True),
+        ),
+        (
+            {"guided_json": schema, "structured_outputs": option},
+            StructuredOutputsParams(json=schema),
+        ),
+    ]
+    for fields, plain in ways:
+        expected = msgspec.structs.replace(plain, **option)
+        assert chat(**fields).structured_outputs == expected
+        completion = CompletionRequest(prompt="x", **fields).to_sampling_params()
+        assert completion.structured_outputs == expected
+    forced = chat(
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        structured_outputs=option,
+    ).structured_outputs
+    assert forced == msgspec.structs.replace(
+        chat(
+            tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+        ).structured_outputs,
+        **option,
+    )
 
 
 def test_a_named_tool_choice_constrains_to_its_arguments() -> None:

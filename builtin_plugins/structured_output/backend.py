@@ -107,13 +107,23 @@ def _constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
         from chassis.builtin_plugins.structured_output.grammar import grammar_to_ir
 
         return grammar_to_ir(params.grammar)
+    # imported here: the JSON compilers are only needed by JSON constraints
+    from chassis.builtin_plugins.structured_output.json_syntax import whitespace
+    from chassis.builtin_plugins.structured_output.json_whitespace import whitespace_node
+
+    # (the whitespace between JSON tokens: compact, a pattern's, or the default runs)
+    with whitespace(whitespace_node(params)):
+        return _json_constraint_to_ir(params)
+
+
+def _json_constraint_to_ir(params: StructuredOutputsParams) -> ir.Node:
+    kind = params.kind
     if kind == "structural_tag":
         from chassis.builtin_plugins.structured_output.grammar_structural_tag import (
             structural_tag_to_ir,
         )
 
         return structural_tag_to_ir(params.structural_tag)
-    # imported here: the JSON-schema compiler is only needed by JSON constraints
     from chassis.builtin_plugins.structured_output import json_schema
 
     if kind == "json":

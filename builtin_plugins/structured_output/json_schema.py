@@ -10,7 +10,8 @@ every valid text, only the natural ones:
   keys (``additionalProperties`` absent or ``true``: any values; a schema: its values);
 - whitespace runs (at most :data:`~json_syntax.MAX_WHITESPACE` bytes) may follow ``{ [ , :``
   and precede ``} ] , :``, so compact, ``", "``/``": "`` and pretty-printed output all pass;
-  there is none before or after the top-level value;
+  there is none before or after the top-level value (the default: a constraint may ask for
+  none or for its own runs, :mod:`.json_whitespace`);
 - ``enum``/``const`` scalars are written as ``json.dumps(value, ensure_ascii=False)``
   writes them; their arrays and objects keep their items and keys in order, with
   whitespace wherever JSON allows it; property names are written the same way;

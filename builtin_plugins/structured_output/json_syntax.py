@@ -12,12 +12,20 @@ value has none around it. The comma-separated lists below are separated repetiti
 (``ir.Repeat`` with a ``separator``), which the automaton builds with one copy of an
 unbounded list's item: spelled out as ``item ("," item)*`` every level of nested arrays
 would copy its item twice, because the automaton copies shared sub-trees.
+
+The whitespace between tokens is :data:`WS` unless a constraint asks for another
+(``disable_any_whitespace``: none, compact JSON; ``whitespace_pattern``: its regex): the
+builders read it from :func:`whitespace`'s context when they run, so a compiler builds a
+whole constraint inside one ``with whitespace(node):`` block.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from chassis.builtin_plugins.structured_output import ir
@@ -40,6 +48,7 @@ __all__ = [
     "quoted",
     "repeat",
     "string",
+    "whitespace",
 ]
 
 #: the longest whitespace run allowed between two tokens (a newline and 19 spaces of indent)
@@ -48,7 +57,31 @@ MAX_WHITESPACE = 20
 #: matches nothing: an empty byte set
 NOTHING: ir.Node = ir.ByteSet(frozenset())
 
-WS: ir.Node = ir.Repeat(ir.ByteSet(frozenset(b" \t\n\r")), 0, MAX_WHITESPACE)
+#: the bytes JSON counts as whitespace between tokens
+WHITESPACE_BYTES = frozenset(b" \t\n\r")
+
+#: the default whitespace between tokens: a run of at most :data:`MAX_WHITESPACE` bytes
+WS: ir.Node = ir.Repeat(ir.ByteSet(WHITESPACE_BYTES), 0, MAX_WHITESPACE)
+
+_layout: contextvars.ContextVar[ir.Node] = contextvars.ContextVar("json_whitespace", default=WS)
+
+
+@contextlib.contextmanager
+def whitespace(node: ir.Node) -> Iterator[None]:
+    """Within the block, the builders below put ``node`` wherever JSON allows whitespace
+    (:data:`ir.EMPTY`: compact JSON). ``node`` must match JSON whitespace only (the
+    caller's check: see ``backend.whitespace_node``)."""
+    token = _layout.set(node)
+    try:
+        yield
+    finally:
+        _layout.reset(token)
+
+
+def _ws() -> ir.Node:
+    """The whitespace between tokens in the current context (:func:`whitespace`)."""
+    return _layout.get()
+
 
 # -- NOTHING-aware combinators -------------------------------------------------------------
 
@@ -150,8 +183,13 @@ def json_literal(value: Any) -> ir.Node:
 
 # -- containers ---------------------------------------------------------------------------
 
-_COMMA = ir.seq(ir.Bytes(b","), WS)
-_COLON = ir.seq(ir.Bytes(b":"), WS)
+
+def _comma() -> ir.Node:
+    return ir.seq(ir.Bytes(b","), _ws())
+
+
+def _colon() -> ir.Node:
+    return ir.seq(ir.Bytes(b":"), _ws())
 
 
 def array(
@@ -159,6 +197,7 @@ def array(
 ) -> ir.Node:
     """A JSON array: ``prefix[i]`` at position ``i``, ``items`` after the prefix, with
     ``min_items`` to ``max_items`` elements (whitespace inside, none around)."""
+    ws = _ws()
     if max_items is not None:
         if max_items < min_items:
             return NOTHING
@@ -166,45 +205,47 @@ def array(
     # built from the end: each element after the first is preceded by its comma
     tail_min = max(0, min_items - len(prefix))
     tail_max = None if max_items is None else max_items - len(prefix)
-    element = join(items, WS)
+    element = join(items, ws)
     if not prefix:
         if tail_max == 0:
-            return ir.seq(ir.Bytes(b"["), WS, ir.Bytes(b"]"))
-        body = repeat(element, tail_min, tail_max, separator=_COMMA)
-        return join(ir.Bytes(b"["), WS, body, ir.Bytes(b"]"))
-    following = repeat(join(_COMMA, element), tail_min, tail_max)
+            return ir.seq(ir.Bytes(b"["), ws, ir.Bytes(b"]"))
+        body = repeat(element, tail_min, tail_max, separator=_comma())
+        return join(ir.Bytes(b"["), ws, body, ir.Bytes(b"]"))
+    following = repeat(join(_comma(), element), tail_min, tail_max)
     for position in range(len(prefix) - 1, 0, -1):
-        following = join(_COMMA, prefix[position], WS, following)
+        following = join(_comma(), prefix[position], ws, following)
         if position >= min_items:
             following = maybe(following)
-    body = join(prefix[0], WS, following)
+    body = join(prefix[0], ws, following)
     if min_items == 0:
         body = maybe(body)
-    return join(ir.Bytes(b"["), WS, body, ir.Bytes(b"]"))
+    return join(ir.Bytes(b"["), ws, body, ir.Bytes(b"]"))
 
 
 def object_members(members: list[tuple[str, ir.Node, bool]]) -> ir.Node:
     """A JSON object with these ``(name, value, required)`` members, in this order: the
     required ones always, each optional one at most once, commas between those present."""
+    ws = _ws()
     items: list[tuple[ir.Node, bool]] = []
     for name, value, required in members:
-        member = join(ir.literal(json.dumps(name, ensure_ascii=False)), WS, _COLON, value, WS)
+        member = join(ir.literal(json.dumps(name, ensure_ascii=False)), ws, _colon(), value, ws)
         if member == NOTHING:
             if required:
                 return NOTHING
             continue  # (an optional member that cannot be written is left out)
         items.append((member, required))
     # (a separated run of members: each member's value is built once, see ir.Separated)
-    body = ir.Separated(tuple(items), _COMMA) if items else ir.EMPTY
-    return join(ir.Bytes(b"{"), WS, body, ir.Bytes(b"}"))
+    body = ir.Separated(tuple(items), _comma()) if items else ir.EMPTY
+    return join(ir.Bytes(b"{"), ws, body, ir.Bytes(b"}"))
 
 
 def free_object(values: ir.Node, min_properties: int = 0) -> ir.Node:
     """A JSON object with any keys (any JSON strings) whose values match ``values``;
     ``min_properties`` is 0 or 1."""
-    member = join(string(), WS, _COLON, values, WS)
-    body = repeat(member, min_properties, None, separator=_COMMA)
-    return join(ir.Bytes(b"{"), WS, body, ir.Bytes(b"}"))
+    ws = _ws()
+    member = join(string(), ws, _colon(), values, ws)
+    body = repeat(member, min_properties, None, separator=_comma())
+    return join(ir.Bytes(b"{"), ws, body, ir.Bytes(b"}"))
 
 
 # -- any value ----------------------------------------------------------------------------
@@ -212,15 +253,25 @@ def free_object(values: ir.Node, min_properties: int = 0) -> ir.Node:
 _SCALAR = ir.alt(string(), any_number(), ir.Bytes(b"true"), ir.Bytes(b"false"), ir.Bytes(b"null"))
 
 
-@functools.cache
 def any_value(depth: int) -> ir.Node:
     """Any JSON value with arrays and objects nested at most ``depth`` deep (0: scalars)."""
-    if depth <= 0:
-        return _SCALAR
-    return ir.alt(_SCALAR, array([], any_value(depth - 1)), any_object(depth))
+    return _any_value(depth, _ws())
 
 
-@functools.cache
 def any_object(depth: int) -> ir.Node:
     """Any JSON object whose values nest at most ``depth - 1`` deeper (``depth >= 1``)."""
-    return free_object(any_value(depth - 1))
+    return _any_object(depth, _ws())
+
+
+# (cached per whitespace too, for the few most recent ones: a constraint that uses any value
+# at the same depth and whitespace shares its node)
+@functools.lru_cache(maxsize=256)
+def _any_value(depth: int, ws: ir.Node) -> ir.Node:
+    if depth <= 0:
+        return _SCALAR
+    return ir.alt(_SCALAR, array([], _any_value(depth - 1, ws)), _any_object(depth, ws))
+
+
+@functools.lru_cache(maxsize=256)
+def _any_object(depth: int, ws: ir.Node) -> ir.Node:
+    return free_object(_any_value(depth - 1, ws))
