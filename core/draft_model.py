@@ -418,6 +418,13 @@ class DraftModelProposer:
                 self._draft_probs[state.request_id] = entry
         return {state.request_id: drafts[a] for a, state in enumerate(states)}
 
+    def greedy_drafts(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n]`` int64: the argmax of the draft's logits over the vocabulary for each row of
+        ``hidden`` (draft hidden states), the greedy drafts. A proposer whose model can find
+        it without its full logits (an EAGLE-3 head's draft vocabulary) overrides this;
+        this is the reference it must equal."""
+        return self.model.compute_logits(hidden)[:, : self.vocab_size].argmax(dim=-1)
+
     def _drop_stale_probs(self, batch: InputBatch) -> None:
         """Forget the q of requests the batch no longer holds (finished or preempted)."""
         for request_id in [r for r in self._draft_probs if r not in batch.row_of]:
@@ -645,14 +652,15 @@ class _DraftChooser:
         """The draft tokens at draft step ``step`` of the requests ``alive`` (by position in
         ``states``), whose draft hidden states are ``hidden``; one host read."""
         proposer = self.proposer
-        logits = proposer.model.compute_logits(hidden)[:, : proposer.vocab_size]
-        tokens = logits.argmax(dim=-1)
+        tokens = proposer.greedy_drafts(hidden)
         random = np.nonzero(self.slot[alive] >= 0)[0]  # by position in alive
         if len(random):
             assert proposer.sampler is not None and self.flat is not None
             picked = proposer._to_device(random)
+            # Only the random requests' rows need logits over the whole vocabulary (q).
+            logits = proposer.model.compute_logits(hidden.index_select(0, picked))
             q = proposer.sampler.probabilities(
-                logits.index_select(0, picked).float(), self._metadata_for(alive[random])
+                logits[:, : proposer.vocab_size].float(), self._metadata_for(alive[random])
             )
             tokens = tokens.index_copy(0, picked, exponential_race(q))
             slots = self.slot[alive[random]] * self.num_steps + step

@@ -17,8 +17,9 @@ vocabulary of its own mapped to the target's ids. Everything else is EAGLE-1's
 - **Drafts.** The step's first head forward reads ``fc(cat(aux states))`` of each position
   it runs over; the later draft steps read the head's own pre-norm output. The head's
   logits over its draft vocabulary are placed at their target ids (``d + d2t[d]``) with
-  ``-inf`` elsewhere, so a greedy draft is the argmax over the draft vocabulary and a
-  random request's ``q`` (over the target's vocabulary, 0 outside the draft's) is what
+  ``-inf`` elsewhere, so a greedy draft is the argmax over the draft vocabulary (found
+  there and mapped through ``d2t``, without widening: :meth:`Eagle3Proposer.greedy_drafts`)
+  and a random request's ``q`` (over the target's vocabulary, 0 outside the draft's) is what
   rejection sampling verifies: the target's distribution is kept exactly.
 
 Limits: Llama-style heads of one decoder layer (the published layout; a ``layers.1.*`` is
@@ -195,6 +196,13 @@ class Eagle3Proposer(EagleProposer):
         width = len(head.aux_layer_ids) * head.target_hidden_size
         aux = torch.zeros(len(input_ids), width, dtype=dtype, device=self.device)
         return head(input_ids, positions, ctx, head.fc(aux))
+
+    def greedy_drafts(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's argmax over its draft vocabulary mapped to target ids
+        (``Eagle3LlamaHead.greedy_draft_ids``): no ``[n, target vocab]`` float32 logits per
+        draft step; equal to :meth:`DraftModelProposer.greedy_drafts`, the reference."""
+        head: Any = self.model  # an Eagle3LlamaHead (llama_eagle3.py)
+        return head.greedy_draft_ids(hidden)
 
     def _step_hidden(
         self, target_hidden: torch.Tensor

@@ -401,3 +401,28 @@ def test_speculators_heads_the_head_cannot_run_are_refused(
         r"'qwen3' decoder layer: Llama-style",
     )
     refused({}, r"speculators-layout config.json: that layout is read for EAGLE-3", "eagle")
+
+
+@pytest.mark.parametrize("head", ["small_vocab", "default"])
+def test_greedy_drafts_skip_the_full_vocabulary_and_equal_its_argmax(
+    head: str, expected: list[list[int]], target_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """Greedy drafts are the argmax over the draft vocabulary mapped through d2t: equal to
+    the argmax of the widened logits (DraftModelProposer.greedy_drafts, the reference) on
+    random hidden states, and a greedy run never widens (compute_logits is not called)
+    while its output stays plain decoding's."""
+    from chassis.core.draft_model import DraftModelProposer
+
+    llm = make_llm(target_dir, request.getfixturevalue(f"{head}_head"))
+    drafter = llm.engine.executor.worker.runner.drafter
+    try:
+        hidden = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+        fast = drafter.greedy_drafts(hidden)
+        assert torch.equal(fast, DraftModelProposer.greedy_drafts(drafter, hidden))
+        widened = []
+        compute_logits = drafter.model.compute_logits
+        drafter.model.compute_logits = lambda h: widened.append(len(h)) or compute_logits(h)
+        assert token_ids(llm, greedy()) == expected
+        assert widened == [] and llm.engine.scheduler.stats().spec_num_draft_tokens > 0
+    finally:
+        llm.shutdown()

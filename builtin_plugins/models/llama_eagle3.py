@@ -206,6 +206,16 @@ class Eagle3LlamaHead(CausalLM):
         out = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.draft_to_target, draft)
 
+    def greedy_draft_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n]`` int64 target ids: the argmax of :meth:`compute_logits` per row, without
+        widening to the target's vocabulary. The argmax over the draft vocabulary, mapped
+        through ``d2t``: the same token, since every other target id scores ``-inf`` there
+        (ties resolve to the lowest draft id, the lowest target id too while ``d2t`` keeps
+        draft ids in target order, as published heads do). The logits stay in the model's
+        dtype: the cast to float32 is exact, so it cannot change the argmax."""
+        draft = self.lm_head(self.norm(hidden_states)).argmax(dim=-1)
+        return draft if self.draft_to_target is None else self.draft_to_target[draft]
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy head checkpoint tensors in (names as in the module docstring); returns the
