@@ -87,3 +87,21 @@ def test_adapters_beside_several_names(tmp_path: Path) -> None:
         check_lora_modules(
             [LoRAModule("b", str(tmp_path))], enable_lora=True, served_model_name="a", aliases=["b"]
         )
+
+
+def test_chassis_serve_with_two_names_starts(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The reported failure: ``--served-model-name a b`` took ``b`` for the model to load."""
+    import httpx
+    from server_process import start_server
+
+    names = ["--served-model-name", "a", "b"]  # the last --served-model-name wins
+    server = start_server(tiny_llama_dir, tmp_path, names, served_model_name="a")
+    try:
+        models = httpx.get(server.base + "/v1/models", headers=server.headers).json()["data"]
+        assert [card["id"] for card in models] == ["a", "b"]
+        body = {"model": "b", "prompt": "hi", "max_tokens": 1}
+        answer = httpx.post(server.base + "/v1/completions", json=body, headers=server.headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "a"
+    finally:
+        server.stop()

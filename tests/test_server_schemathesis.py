@@ -31,7 +31,7 @@ from server_process import ServerProcess, running_server  # noqa: E402
 
 from chassis.serve.app import build_app  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)  # a hang guard; a loaded 2-core CI box took over 120 s
 
 MODEL = "tiny"  # the served model name, of the fake engine and of the real server
 
