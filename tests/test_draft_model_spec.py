@@ -18,6 +18,7 @@ from fixtures_models import hf_greedy_tokens, write_tiny_checkpoint
 from fixtures_speculative import abort_during_a_drafted_step, counting_steps, sample_first_three
 from fixtures_tensor_memory import PeakTensorBytes
 from safetensors.torch import load_file, save_file
+from spec_decode_helpers import PROMPTS
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from chassis import LLM, SamplingParams
@@ -29,15 +30,6 @@ from chassis.serve.args import engine_config_from_args
 from chassis.serve.cli import build_parser
 
 K = 4
-
-#: prompts of different lengths (a few tokens to a few dozen), some repeating themselves
-PROMPTS = [
-    "Hello there",
-    "one two three four one two three four one two three",
-    "The capital of France is",
-    "Write a long story about a dragon who learns to bake bread in a small village by the "
-    "sea, and the friends she makes along the way.",
-]
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,12 @@ from fixtures_eagle import (
     write_mirror_target,
     write_random_head,
 )
+from spec_decode_helpers import PROMPTS, greedy, head_llm, record_proposals, token_ids
 
 from chassis import LLM, SamplingParams
 from chassis.core.config import EngineConfig
 
 K = 3
-
-PROMPTS = [
-    "Hello there",
-    "one two three four one two three four one two three",
-    "The capital of France is",
-    "Write a long story about a dragon who learns to bake bread in a small village by the "
-    "sea, and the friends she makes along the way.",
-]
 
 
 @pytest.fixture(scope="module")
@@ -47,40 +40,7 @@ def random_head(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def make_llm(model_dir: Path, head: Path | None = None, **engine) -> LLM:
-    settings = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "block_size": 4}
-    if head is not None:
-        settings["speculative_config"] = {
-            "method": "eagle",
-            "model": str(head),
-            "num_speculative_tokens": K,
-        }
-    return LLM(str(model_dir), **{**settings, **engine})
-
-
-def record_proposals(drafter) -> list[tuple[list[int], list[int]]]:
-    """Wrap ``drafter.propose`` to record each proposal: the request's tokens up to its
-    newest one, and the drafts proposed after them."""
-    propose = drafter.propose
-    seen: list[tuple[list[int], list[int]]] = []
-
-    def recording(batch, rows, *args):
-        proposals = propose(batch, rows, *args)
-        for request_id, drafts in proposals.items():
-            r = batch.row_of[request_id]
-            newest = int(batch.num_computed_tokens[r])
-            seen.append((batch.token_ids[r, : newest + 1].tolist(), drafts))
-        return proposals
-
-    drafter.propose = recording
-    return seen
-
-
-def greedy(max_tokens: int = 24) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def token_ids(llm: LLM, params: SamplingParams) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    return head_llm(model_dir, "eagle", head, K, **engine)
 
 
 @pytest.fixture(scope="module")

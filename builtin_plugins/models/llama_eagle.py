@@ -31,15 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from chassis.builtin_plugins.models.eagle_head_base import EagleHeadBase
 from chassis.builtin_plugins.models.llama import (  # the head's layers are Llama's
-    DecoderSpec,
     LlamaDecoderLayer,
     LlamaMLP,
     copy_checkpoint_tensor,
     filled_parameters,
 )
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.model_interface import CausalLM, ModelBuildContext
 
 
@@ -48,16 +47,17 @@ def head_tensor_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
-class EagleLlamaHead(CausalLM):
+class EagleLlamaHead(EagleHeadBase):
     """An EAGLE-1 head of Llama decoder layers over the target ``target``.
 
     ``own_embedding`` / ``own_lm_head``: the checkpoint ships ``embed_tokens.weight`` /
     ``lm_head.weight`` (else the target's embedding and :meth:`CausalLM.compute_logits` are
-    used; the target is referenced, not registered as a submodule, so neither its weights
-    nor the platform's kernel preparation are duplicated).
+    used; see :class:`EagleHeadBase`).
     """
 
-    merged_projections = None
+    method = "eagle"
+    label = "EAGLE"
+    architecture = "EagleLlamaForCausalLM"
 
     def __init__(
         self,
@@ -68,37 +68,14 @@ class EagleLlamaHead(CausalLM):
         own_embedding: bool = False,
         own_lm_head: bool = False,
     ) -> None:
-        super().__init__(hf_config, build_ctx)
-        if target is None:
-            raise ValueError(
-                "EagleLlamaForCausalLM is an EAGLE draft head, not a model: pass it as "
-                '--speculative-config \'{"method": "eagle", "model": PATH}\' beside its target'
-            )
-        self.spec = spec = DecoderSpec.from_config(hf_config)
+        super().__init__(hf_config, build_ctx, target, own_embedding=own_embedding)
+        spec = self.spec
         hidden = spec.hidden_size
-        self.vocab_size = int(hf_config.vocab_size)
-        self._target = (target,)  # a tuple: not a submodule
-        target_embedding = getattr(getattr(target, "model", None), "embed_tokens", None)
-        if own_embedding:
-            self.embed_tokens: nn.Module = nn.Embedding(self.vocab_size, hidden)
-        elif target_embedding is None:
-            raise ValueError(
-                f"the EAGLE head ships no embed_tokens.weight and the target "
-                f"{type(target).__name__} has no model.embed_tokens to share"
-            )
-        self._target_embedding = (target_embedding,)
-        self.own_embedding = own_embedding
         self.lm_head = nn.Linear(hidden, self.vocab_size, bias=False) if own_lm_head else None
         # EAGLE-1's fc has a bias in the reference training code, none in some conversions:
         # a missing fc.bias loads as zeros (the same function).
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        # The head runs at every position of the target's context, which may outgrow the
-        # head's own max_position_embeddings (published EAGLE-3 heads say 2048): the table
-        # covers both (the frequencies do not depend on its length).
-        positions = max(spec.max_position, build_ctx.max_model_len or 0)
-        rotary = RotaryEmbedding(
-            spec.head_dim, positions, spec.rope, context_len=build_ctx.max_model_len
-        )
+        rotary = self.head_rotary(build_ctx)
         layers = []
         for i in range(int(hf_config.num_hidden_layers)):
             layer = LlamaDecoderLayer(spec, rotary, i, build_ctx, LlamaMLP(spec))
@@ -106,12 +83,6 @@ class EagleLlamaHead(CausalLM):
                 layer.input_layernorm = nn.Identity()  # fc's output goes straight in
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings the head reads (its own, or the target's)."""
-        if self.own_embedding:
-            return self.embed_tokens(input_ids)
-        return self._target_embedding[0](input_ids)
 
     def forward(  # type: ignore[override]
         self,
@@ -135,7 +106,7 @@ class EagleLlamaHead(CausalLM):
         """float32 ``[n, vocab]`` from the head's output: its own LM head, or the target's."""
         if self.lm_head is not None:
             return self.lm_head(hidden_states).float()
-        return self._target[0].compute_logits(hidden_states)
+        return self.target.compute_logits(hidden_states)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chassis.builtin_plugins.models.eagle_head_base import EagleHeadBase
 from chassis.builtin_plugins.models.llama import (  # the head's parts are Llama's
     DecoderSpec,
     LlamaAttention,
@@ -97,16 +98,19 @@ class Eagle3DecoderLayer(nn.Module):
         return self.mlp(out), residual
 
 
-class Eagle3LlamaHead(CausalLM):
-    """An EAGLE-3 head over the target ``target`` (see the module docstring).
+class Eagle3LlamaHead(EagleHeadBase):
+    """An EAGLE-3 head over the target ``target`` (see the module docstring and
+    :class:`EagleHeadBase`).
 
     ``own_embedding``: the checkpoint ships ``embed_tokens.weight`` (else the target's
-    embedding is read; the target is referenced, not registered as a submodule).
-    ``hf_config.vocab_size`` is the target's vocabulary, ``draft_vocab_size`` the head's
-    (default: the same); :meth:`compute_logits` returns logits over the target's ids.
+    embedding is read). ``hf_config.vocab_size`` is the target's vocabulary,
+    ``draft_vocab_size`` the head's (default: the same); :meth:`compute_logits` returns
+    logits over the target's ids.
     """
 
-    merged_projections = None
+    method = "eagle3"
+    label = "EAGLE-3"
+    architecture = "LlamaForCausalLMEagle3"
 
     def __init__(
         self,
@@ -116,42 +120,21 @@ class Eagle3LlamaHead(CausalLM):
         *,
         own_embedding: bool = False,
     ) -> None:
-        super().__init__(hf_config, build_ctx)
-        if target is None:
-            raise ValueError(
-                "LlamaForCausalLMEagle3 is an EAGLE-3 draft head, not a model: pass it as "
-                '--speculative-config \'{"method": "eagle3", "model": PATH}\' beside its target'
-            )
-        self.spec = spec = DecoderSpec.from_config(hf_config)
+        super().__init__(hf_config, build_ctx, target, own_embedding=own_embedding)
+        spec = self.spec
         hidden = spec.hidden_size
-        self.vocab_size = int(hf_config.vocab_size)
         self.draft_vocab_size = int(getattr(hf_config, "draft_vocab_size", None) or self.vocab_size)
         self.target_hidden_size = int(getattr(hf_config, "target_hidden_size", None) or hidden)
-        self._target = (target,)  # a tuple: not a submodule
-        self.own_embedding = own_embedding
-        target_embedding = getattr(getattr(target, "model", None), "embed_tokens", None)
-        if own_embedding:
-            self.embed_tokens: nn.Module = nn.Embedding(self.vocab_size, hidden)
-        elif target_embedding is None:
-            raise ValueError(
-                f"the EAGLE-3 head ships no embed_tokens.weight and the target "
-                f"{type(target).__name__} has no model.embed_tokens to share"
-            )
-        self._target_embedding = (target_embedding,)
         #: the target layers whose entering hidden states ``fc`` reads, in its order
         self.aux_layer_ids = tuple(
             int(i) for i in getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or ()
         ) or (0, 0, 0)  # not named: three, the target's default ones (set by the loader)
         self.fc = nn.Linear(len(self.aux_layer_ids) * self.target_hidden_size, hidden, bias=False)
-        # The head runs at every position of the target's context, which may outgrow the
-        # head's own max_position_embeddings (published EAGLE-3 heads say 2048): the table
-        # covers both (the frequencies do not depend on its length).
-        positions = max(spec.max_position, build_ctx.max_model_len or 0)
-        rotary = RotaryEmbedding(
-            spec.head_dim, positions, spec.rope, context_len=build_ctx.max_model_len
-        )
         self.midlayer = Eagle3DecoderLayer(
-            spec, rotary, build_ctx, bool(getattr(hf_config, "norm_before_residual", False))
+            spec,
+            self.head_rotary(build_ctx),
+            build_ctx,
+            bool(getattr(hf_config, "norm_before_residual", False)),
         )
         self.norm = RMSNorm(hidden, spec.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False)
@@ -160,20 +143,9 @@ class Eagle3LlamaHead(CausalLM):
         self.draft_to_target: torch.Tensor | None = None
 
     @property
-    def target(self) -> CausalLM:
-        """The target the head drafts for (whose kept hidden states it reads)."""
-        return self._target[0]
-
-    @property
     def num_attention_layers(self) -> int:
         """One: the head's ``midlayer`` (whatever ``num_hidden_layers`` its config says)."""
         return 1
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings the head reads (its own, or the target's)."""
-        if self.own_embedding:
-            return self.embed_tokens(input_ids)
-        return self._target_embedding[0](input_ids)
 
     def combine_hidden_states(self, aux_hidden_states: list[torch.Tensor]) -> torch.Tensor:
         """``[T, hidden]``: ``fc`` over the target's auxiliary hidden states (``[T,
