@@ -14,6 +14,7 @@ import time
 import psutil
 import pytest
 import torch
+from fixtures_sleeping_rank import SLEEPING_RANK
 from test_llm_parity import MAX_TOKENS, PROMPTS, hf_greedy
 
 from chassis import LLM, SamplingParams
@@ -249,32 +250,8 @@ def test_a_ranks_start_up_error_is_a_value_error(ray_cluster, tmp_path) -> None:
     assert ray_cluster.available_resources().get("CPU") == 2.0  # the bundles are given back
 
 
-#: run first by the actors' processes (their sitecustomize, through PYTHONPATH): rank 1
-#: sleeps inside its second step, process alive, while rank 0 waits for it in the step's
-#: first collective
-SLEEPING_RANK = """\
-import time
-
-import chassis.core.worker as worker_module
-from chassis.core import parallel_state
-
-_execute = worker_module.Worker.execute_model
-calls = []
-
-
-def sleep_inside_a_step():
-    time.sleep(600)
-
-
-def execute_model(self, scheduler_output):
-    calls.append(1)
-    if len(calls) == 2 and parallel_state.tp_rank() == 1:
-        sleep_inside_a_step()
-    return _execute(self, scheduler_output)
-
-
-worker_module.Worker.execute_model = execute_model
-"""
+# SLEEPING_RANK (fixtures_sleeping_rank.py) is run first by the actors' processes too
+# (their sitecustomize, through PYTHONPATH).
 
 
 def actors_run_at_start(source: str, tmp_path, monkeypatch) -> None:

@@ -13,6 +13,7 @@ import time
 
 import psutil
 import pytest
+from fixtures_sleeping_rank import SLEEPING_RANK
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
 
 from chassis import LLM, SamplingParams
@@ -354,33 +355,6 @@ def test_each_rank_holds_the_kv_heads_its_query_heads_read(heads, kv_heads, size
             assert (q - rank * per_rank) // (per_rank // count) == kv - first
     with pytest.raises(ValueError, match="do not fit"):
         parallel_state.kv_head_split(3, 2, 0)
-
-
-# Rank 1 (only: the sitecustomize is also read by a server's own processes) sleeps in its
-# second step, process alive, while rank 0 waits for it in the step's first collective.
-SLEEPING_RANK = """\
-import time
-
-import chassis.core.worker as worker_module
-from chassis.core import parallel_state
-
-_execute = worker_module.Worker.execute_model
-calls = []
-
-
-def sleep_inside_a_step():
-    time.sleep(600)
-
-
-def execute_model(self, scheduler_output):
-    calls.append(1)
-    if len(calls) == 2 and parallel_state.tp_rank() == 1:
-        sleep_inside_a_step()
-    return _execute(self, scheduler_output)
-
-
-worker_module.Worker.execute_model = execute_model
-"""
 
 
 def has_stack_frames(text: str) -> bool:
