@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from fixtures_sleeping_rank import SLEEPING_RANK
+from fixtures_process_start import SLEEPING_RANK
 from test_llm_parity import MAX_TOKENS, PROMPTS, hf_greedy
 
 from chassis import LLM, SamplingParams
@@ -250,7 +250,7 @@ def test_a_ranks_start_up_error_is_a_value_error(ray_cluster, tmp_path) -> None:
     assert ray_cluster.available_resources().get("CPU") == 2.0  # the bundles are given back
 
 
-# SLEEPING_RANK (fixtures_sleeping_rank.py) is run first by the actors' processes too
+# SLEEPING_RANK (fixtures_process_start.py) is run first by the actors' processes too
 # (their sitecustomize, through PYTHONPATH).
 
 

@@ -9,7 +9,6 @@ resource tracker).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fixtures_process_start import run_at_process_start
 from server_process import ServerProcess, start_server
 
 psutil = pytest.importorskip("psutil")
@@ -165,9 +165,7 @@ engine_core.EngineCore.step = step
 def test_an_engine_core_crash_tells_clients_its_type_and_the_log_all_of_it(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "sitecustomize.py").write_text(CRASHING_STEP)
-    path = os.environ.get("PYTHONPATH", "")
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{path}")
+    run_at_process_start(CRASHING_STEP, tmp_path, monkeypatch)
     server = start_server(tiny_llama_dir, tmp_path, max_model_len=MAX_MODEL_LEN)
     try:
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
@@ -213,9 +211,7 @@ backend.ChassisGrammarMatcher.allowed_tokens = allowed_tokens
 def test_a_request_the_engine_fails_tells_its_client_the_type_and_the_log_all_of_it(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "sitecustomize.py").write_text(RAISING_MATCHER)
-    path = os.environ.get("PYTHONPATH", "")
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{path}")
+    run_at_process_start(RAISING_MATCHER, tmp_path, monkeypatch)
     server = start_server(tiny_llama_dir, tmp_path, max_model_len=MAX_MODEL_LEN)
     try:
         constrained = {"structured_outputs": {"regex": "[a-z]{4}"}}

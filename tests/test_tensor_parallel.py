@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from fixtures_sleeping_rank import SLEEPING_RANK
+from fixtures_process_start import SLEEPING_RANK, run_at_process_start
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
 
 from chassis import LLM, SamplingParams
@@ -47,13 +47,6 @@ def small_llm(model_dir, tensor_parallel_size: int, **overrides) -> LLM:
         tensor_parallel_size=tensor_parallel_size,
         **overrides,
     )
-
-
-def run_at_process_start(source: str, tmp_path, monkeypatch) -> None:
-    """Have the Python processes started after this (the ranks' worker processes, a
-    server's processes; not this one) run ``source`` first, as their ``sitecustomize``."""
-    (tmp_path / "sitecustomize.py").write_text(source)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
 def wait_for_no_workers(timeout: float = 15.0) -> None:
