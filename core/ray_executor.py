@@ -52,13 +52,10 @@ from chassis.core import parallel_state
 from chassis.core.config import EngineConfig
 from chassis.core.tp_executor import RankGroupExecutor, _rank_error, run_command
 from chassis.core.tp_watchdog import (
-    StepTimeoutError,
+    StepTimeout,
     StepWatchdog,
     file_size,
-    format_report,
-    format_summary,
     read_new_text,
-    stuck_ranks,
 )
 from chassis.core.tp_worker_proc import failure_detail
 
@@ -248,9 +245,9 @@ class RayExecutor(RankGroupExecutor):
             config = self._group_config(config)
         self._broken = None
         self._ray = ray
-        #: the step watchdog's (summary, report), once a step timed out (then raised for
+        #: what the step watchdog found, once a step timed out (then raised for
         #: that step as :class:`StepTimeoutError`)
-        self._timed_out: tuple[str, str] | None = None
+        self._timed_out: StepTimeout | None = None
         #: the ranks that have answered the command in flight (the watchdog reads it)
         self._answered: set[int] = set()
         self._watchdog = (
@@ -306,11 +303,9 @@ class RayExecutor(RankGroupExecutor):
             return
         stacks = self._stacks(pending)
         assert self._watchdog is not None
-        args = (method, self._watchdog.timeout_s, pending, stacks, self.size)
-        report = format_report(*args)
-        logger.error("%s", report)
-        self._timed_out = (format_summary(*args), report)
-        self._broken = f"{method!r} timed out on rank(s) {stuck_ranks(pending, stacks) or pending}"
+        timeout = StepTimeout.of(method, self._watchdog.timeout_s, pending, stacks, self.size)
+        logger.error("%s", timeout.report)
+        self._timed_out, self._broken = timeout, timeout.broken
         for actor in self.actors:
             try:
                 self._ray.kill(actor, no_restart=True)
@@ -350,7 +345,7 @@ class RayExecutor(RankGroupExecutor):
         which the log has."""
         if self._timed_out is not None:
             self._broken = self._broken or "a step timed out"
-            raise StepTimeoutError(*self._timed_out) from cause
+            raise self._timed_out.error() from cause
 
     def model_dtype(self) -> torch.dtype:
         return self._dtype

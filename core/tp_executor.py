@@ -52,15 +52,12 @@ from chassis.core.lora.request import LoRARequest
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 from chassis.core.tp_join import wait_for_every_rank
 from chassis.core.tp_watchdog import (
-    StepTimeoutError,
+    StepTimeout,
     StepWatchdog,
     driver_stack,
     file_size,
-    format_report,
-    format_summary,
     read_new_text,
     stack_path,
-    stuck_ranks,
 )
 from chassis.core.tp_worker_proc import (
     EXECUTE,
@@ -241,9 +238,9 @@ class TensorParallelExecutor(RankGroupExecutor):
         get_current_platform().tensor_parallel_devices(self.size)  # enough devices?
         config = self._group_config(config)  # before any process starts
         self._broken = None
-        #: the step watchdog's (summary, report), once a step timed out (then raised for
+        #: what the step watchdog found, once a step timed out (then raised for
         #: that step as :class:`StepTimeoutError`)
-        self._timed_out: tuple[str, str] | None = None
+        self._timed_out: StepTimeout | None = None
         #: the ranks that have answered the command in flight (the watchdog reads it)
         self._answered: set[int] = set()
         self._ranks = _Ranks(self.size)
@@ -307,11 +304,9 @@ class TensorParallelExecutor(RankGroupExecutor):
         for rank, offset in offsets.items():
             stacks[rank] = read_new_text(stack_path(self._ranks.ipc_dir, rank), offset)
         assert self._watchdog is not None
-        args = (method, self._watchdog.timeout_s, pending, stacks, self.size)
-        report = format_report(*args)
-        logger.error("%s", report)
-        self._timed_out = (format_summary(*args), report)
-        self._broken = f"{method!r} timed out on rank(s) {stuck_ranks(pending, stacks) or pending}"
+        timeout = StepTimeout.of(method, self._watchdog.timeout_s, pending, stacks, self.size)
+        logger.error("%s", timeout.report)
+        self._timed_out, self._broken = timeout, timeout.broken
         self._ranks.kill_workers()
 
     def _raise_if_timed_out(self, cause: BaseException | None = None) -> None:
@@ -320,7 +315,7 @@ class TensorParallelExecutor(RankGroupExecutor):
         summary, without the stacks, which the log has."""
         if self._timed_out is not None:
             self._broken = self._broken or "a step timed out"
-            raise StepTimeoutError(*self._timed_out) from cause
+            raise self._timed_out.error() from cause
 
     def model_dtype(self) -> torch.dtype:
         return self.worker.dtype

@@ -23,6 +23,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 #: what a stack of a rank that waits for the others shows: the group's collectives
 #: (``parallel_state``) or torch.distributed itself
@@ -130,6 +131,35 @@ def format_report(
         stack = stacks.get(rank) or "(no stack: the rank did not answer the dump signal)\n"
         lines.append(f"--- rank {rank} ({where}):\n{stack.rstrip()}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class StepTimeout:
+    """What a step that ran out of time leaves: :func:`format_summary`'s line (for clients),
+    :func:`format_report` (for the operator's log) and why the group is broken (the
+    unanswered ranks not in a collective, or every unanswered rank)."""
+
+    summary: str
+    report: str
+    broken: str
+
+    @classmethod
+    def of(
+        cls, method: str, timeout_s: float, pending: list[int], stacks: dict[int, str], size: int
+    ) -> StepTimeout:
+        """The timeout of ``method`` after ``timeout_s`` seconds, ``pending`` of the ``size``
+        ranks unanswered, with their ``stacks``."""
+        args = (method, timeout_s, pending, stacks, size)
+        culprits = stuck_ranks(pending, stacks) or pending
+        return cls(
+            format_summary(*args),
+            format_report(*args),
+            f"{method!r} timed out on rank(s) {culprits}",
+        )
+
+    def error(self) -> StepTimeoutError:
+        """The error the driver raises for it (a new one each time it is raised)."""
+        return StepTimeoutError(self.summary, self.report)
 
 
 class StepWatchdog:

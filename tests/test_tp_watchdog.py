@@ -12,6 +12,7 @@ import weakref
 import pytest
 
 from chassis.core.tp_watchdog import (
+    StepTimeout,
     StepTimeoutError,
     StepWatchdog,
     driver_stack,
@@ -48,12 +49,21 @@ def test_the_report_names_the_ranks_that_are_not_in_a_collective() -> None:
 
 def test_a_step_timeout_s_message_is_the_summary_and_its_report_has_the_stacks() -> None:
     stacks = {1: BUSY}
-    error = StepTimeoutError(
-        format_summary("execute", 1, [1], stacks, 2), format_report("execute", 1, [1], stacks, 2)
-    )
+    timeout = StepTimeout.of("execute", 1, [1], stacks, 2)
+    assert timeout.summary == format_summary("execute", 1, [1], stacks, 2)
+    assert timeout.report == format_report("execute", 1, [1], stacks, 2)
+    error = timeout.error()
+    assert isinstance(error, StepTimeoutError) and error is not timeout.error()
     assert "rank(s) [1] of 2 have not answered" in str(error)
     assert "worker.py" not in str(error) and "--- rank" not in str(error)
     assert "line 5 in execute_model" in error.report
+
+
+def test_the_broken_reason_names_the_busy_ranks_else_every_unanswered_one() -> None:
+    busy = StepTimeout.of("execute", 1, [0, 1], {0: IN_COLLECTIVE, 1: BUSY}, 2)
+    assert busy.broken == "'execute' timed out on rank(s) [1]"
+    waiting = StepTimeout.of("execute", 1, [0, 1], {0: IN_COLLECTIVE, 1: IN_COLLECTIVE}, 2)
+    assert waiting.broken == "'execute' timed out on rank(s) [0, 1]"
 
 
 def test_a_rank_without_a_dump_is_still_named() -> None:
