@@ -119,3 +119,31 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def lora_engine(model_dir: Path, **overrides: Any) -> Any:
+    """A small float32 offline engine over ``model_dir`` with LoRA on (``overrides``: any
+    other ``LLM`` settings, e.g. ``max_loras``)."""
+    from chassis import LLM
+
+    settings: dict[str, Any] = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "num_kv_blocks": 64,
+        "block_size": 16,
+        "enable_lora": True,
+        "max_num_seqs": 8,
+    }
+    return LLM(str(model_dir), **{**settings, **overrides})
+
+
+def greedy_with_adapters(
+    llm: Any, loras: list[Any], prompts: list[list[int]], new_tokens: int
+) -> list[list[int]]:
+    """``llm``'s greedy continuations (``new_tokens`` each, EOS ignored) of the token-id
+    ``prompts``, each under its ``loras`` entry (a ``LoRARequest``, or ``None``: the base)."""
+    from chassis import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, lora_request=loras)
+    return [list(o.outputs[0].token_ids) for o in outputs]

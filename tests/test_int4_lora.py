@@ -14,10 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_lora import hf_greedy, hf_merged_model, write_peft_adapter
+from fixtures_lora import (
+    greedy_with_adapters,
+    hf_greedy,
+    hf_merged_model,
+    lora_engine,
+    write_peft_adapter,
+)
 from test_int4_checkpoints import SCHEMES, _packed_module, write_int_twins
 
-from chassis import LLM, SamplingParams
+from chassis import LLM
 from chassis.core.int4_packing import canonical_int4
 from chassis.core.layers.int4_linear import Int4Linear
 from chassis.core.lora import LoRARequest
@@ -70,23 +76,11 @@ def test_lora_over_a_packed_layer_matches_merged_weights_per_token() -> None:
 
 
 def _engine(path: Path, **kwargs: object) -> LLM:
-    settings: dict[str, object] = {
-        "dtype": "float32",
-        "max_model_len": 64,
-        "num_kv_blocks": 32,
-        "block_size": 16,
-        "enable_lora": True,
-        "max_loras": 2,
-        "max_num_seqs": 8,
-    }
-    settings.update(kwargs)
-    return LLM(str(path), **settings)
+    return lora_engine(path, max_model_len=64, num_kv_blocks=32, max_loras=2, **kwargs)
 
 
 def _greedy(llm: LLM, loras: list[LoRARequest | None], prompts: list[list[int]]) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params, lora_request=loras)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy_with_adapters(llm, loras, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

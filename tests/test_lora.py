@@ -11,7 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures_lora import hf_greedy, hf_merged_model, write_peft_adapter
+from fixtures_lora import (
+    greedy_with_adapters,
+    hf_greedy,
+    hf_merged_model,
+    lora_engine,
+    write_peft_adapter,
+)
 
 from chassis.core.llm import LLM
 from chassis.core.lora import LoRARequest
@@ -29,22 +35,11 @@ PROMPTS = [
 
 
 def _engine(model_dir: Path, **kwargs: object) -> LLM:
-    settings: dict[str, object] = {
-        "dtype": "float32",
-        "max_model_len": 128,
-        "num_kv_blocks": 64,
-        "block_size": 16,
-        "enable_lora": True,
-        "max_num_seqs": 8,
-    }
-    settings.update(kwargs)
-    return LLM(str(model_dir), **settings)
+    return lora_engine(model_dir, **kwargs)
 
 
 def _greedy(llm: LLM, loras: list[LoRARequest | None], prompts: list[list[int]]) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params, lora_request=loras)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy_with_adapters(llm, loras, prompts, NEW_TOKENS)
 
 
 # -- the layer ---------------------------------------------------------------------------------
