@@ -303,8 +303,11 @@ def test_a_real_background_stream_keeps_its_newest_events(real: tuple[TestClient
     final = finished(_Client(client), response_id)  # type: ignore[arg-type]
     stored = store.get(response_id)
     assert stored is not None and stored.events is not None
-    total = stored.events.end  # 30 deltas and the events around them
-    assert total > 32
+    # up to 30 deltas and 8 events around them: a loaded machine merges tokens into fewer
+    # deltas (24 were seen), so ask only for more events than the log keeps, by enough that
+    # starting_after=3 below was dropped
+    total = stored.events.end
+    assert total > 16 + 4
     # memory after completion: the log's bound, within the store's bound on events in all
     assert (len(stored.events), stored.events.first) == (16, total - 16)
     assert store.num_events == 16
