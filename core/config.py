@@ -143,6 +143,10 @@ class EngineConfig:
     #: speculative decoding (vLLM's ``--speculative-config``, a dict of its keys; see
     #: :class:`~chassis.core.speculative.SpeculativeConfig`); None: off
     speculative_config: dict[str, Any] | None = None
+    #: engine-wide structured-output settings (vLLM's ``--structured-outputs-config``: keys
+    #: ``backend``, ``disable_any_whitespace``, ...; see core/structured_outputs_config.py);
+    #: None: the defaults
+    structured_outputs_config: dict[str, Any] | None = None
 
     # -- LoRA adapters (docs/lora.md) ------------------------------------------------------
     #: serve LoRA adapters: requests name one (``LoRARequest``; the API's ``model`` field)
@@ -223,6 +227,14 @@ class EngineConfig:
             raise ValueError(
                 "--torch-compile and --enforce-eager contradict each other (--enforce-eager "
                 "means no graph capture and no compilation); drop one"
+            )
+        if self.structured_outputs_config is not None:
+            from chassis.core.structured_outputs_config import check_structured_outputs_config
+
+            self.structured_output_backend = check_structured_outputs_config(
+                self.structured_outputs_config,
+                self.structured_output_backend,
+                type(self).structured_output_backend,
             )
         if self.speculative_config is not None:
             _ = self.speculative  # parsed and validated (SpeculativeConfig.from_value)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from chassis.core.lora.request import LoRARequest
 from chassis.core.request import EngineCoreRequest
 from chassis.core.sampling_params import is_integer
+from chassis.core.structured_outputs_config import with_engine_defaults
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -364,6 +365,13 @@ class InputProcessor:
                     f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): {bad[:10]}"
                 )
         if params.structured_outputs is not None:
+            # the engine's --structured-outputs-config defaults (a compact JSON default)
+            # apply before the check, so offline and served requests compile the same
+            constraint = with_engine_defaults(
+                params.structured_outputs, self.config.structured_outputs_config
+            )
+            if constraint is not params.structured_outputs:
+                params = params.clone(structured_outputs=constraint)
             self.check_structured_outputs(params)
         return params
 

@@ -251,6 +251,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         ),
     )
     g.add_argument(
+        "--structured-outputs-config",
+        type=_json_object_arg,
+        metavar="JSON",
+        help="engine-wide structured-output settings, as vLLM's flag: '{\"backend\": NAME, "
+        '"disable_any_whitespace": true}\' (compact JSON for every JSON constraint whose '
+        "request sets no whitespace option; disable_fallback and "
+        "disable_additional_properties are accepted; see docs/structured_outputs.md)",
+    )
+    g.add_argument(
         "--attention-backend", help="attention backend plugin by name (default: the platform's)"
     )
     g.add_argument(
