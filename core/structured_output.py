@@ -41,6 +41,12 @@ __all__ = [
 CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 #: the constraints whose JSON the whitespace options shape
 JSON_KINDS = ("json", "json_object", "structural_tag")
+#: vLLM's options that ask for what the built-in backend does anyway: accepted, true or
+#: false, on a request and in ``--structured-outputs-config``. The engine has one backend and
+#: never falls back to another (``disable_fallback``), and a schema's object gets only its
+#: declared properties whatever ``additionalProperties`` says
+#: (``disable_additional_properties``; docs/structured_outputs.md)
+NO_OP_OPTIONS = ("disable_fallback", "disable_additional_properties")
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):

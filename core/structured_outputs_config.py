@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 
-from chassis.core.structured_output import JSON_KINDS, StructuredOutputsParams
+from chassis.core.structured_output import JSON_KINDS, NO_OP_OPTIONS, StructuredOutputsParams
 
 FLAG = "--structured-outputs-config"
-_BOOLEAN_KEYS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+_BOOLEAN_KEYS = ("disable_any_whitespace", *NO_OP_OPTIONS)
 KEYS = ("backend", *_BOOLEAN_KEYS)
 
 

@@ -15,7 +15,11 @@ from typing import Any, TypeVar
 import msgspec
 
 from chassis.core.structured_nesting import FORCED_TOOL_CALL_LEVELS
-from chassis.core.structured_output import CONSTRAINT_FIELDS, StructuredOutputsParams
+from chassis.core.structured_output import (
+    CONSTRAINT_FIELDS,
+    NO_OP_OPTIONS,
+    StructuredOutputsParams,
+)
 from chassis.serve.errors import APIError, bad_request, from_value_error
 
 _T = TypeVar("_T")
@@ -202,19 +206,12 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
     )
 
 
-#: vLLM's ``structured_outputs`` options that change nothing here, so they are accepted (as
-#: true or false): the engine has one backend and never falls back to another
-#: (``disable_fallback``), and a schema's object gets only its declared properties whatever
-#: ``additionalProperties`` says (``disable_additional_properties``; docs/structured_outputs.md)
-_NO_OP_OPTIONS = ("disable_fallback", "disable_additional_properties")
-
-
 def _options(field: str, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``values`` without vLLM's options, and the whitespace options among them that ask for
     something (``disable_any_whitespace: true``, a ``whitespace_pattern``); a 400 for a value
     of the wrong type."""
     values = dict(values)
-    for name in _NO_OP_OPTIONS:
+    for name in NO_OP_OPTIONS:
         if not isinstance(values.pop(name, False), bool):
             raise bad_request(f"{field}.{name} must be true or false", field)
     compact = values.pop("disable_any_whitespace", False)
