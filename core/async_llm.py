@@ -421,6 +421,15 @@ class AsyncLLM:
         if queue is not None:
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix in the engine core (between two of its steps): later
+        requests compute their prompts from scratch until their blocks are cached again;
+        running requests are not disturbed. ``True`` once done (see
+        :meth:`~chassis.core.engine_core.EngineCore.reset_prefix_cache`). Raises
+        :class:`EngineDeadError` when the engine core is not running."""
+        await self.check_health()
+        return bool(await asyncio.wrap_future(self.client.call_utility("reset_prefix_cache")))
+
     def _abort(self, request_id: str) -> None:
         with self._lock:
             child_ids = self.output_processor.abort_request(request_id)

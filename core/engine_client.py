@@ -3,11 +3,13 @@
 Starts the process (``spawn``), binds two private ``ipc://`` sockets in a fresh 0700 temp
 directory, waits for the ready message, then runs an output thread that decodes every
 ``EngineCoreOutputs`` and hands it to a callback, and a monitor thread that notices the
-child's death. Sending is thread-safe.
+child's death. Sending is thread-safe. :meth:`EngineCoreClient.call_utility` asks the child to
+run one of its utility methods (:mod:`chassis.core.engine_utility`) and returns a future.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import os
@@ -15,6 +17,8 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
 
 import msgspec
 import zmq
@@ -29,8 +33,11 @@ from chassis.core.engine_core_proc import (
     READY,
     SHUTDOWN,
     START_CONFIG_ERROR,
+    UTILITY,
+    UTILITY_RESULT,
     run_engine_core,
 )
+from chassis.core.engine_utility import UtilityCall, UtilityResult
 from chassis.core.errors import EngineDeadError
 from chassis.core.request import EngineCoreOutputs, EngineCoreRequest
 
@@ -65,6 +72,9 @@ class EngineCoreClient:
         self._send_lock = threading.Lock()
         self._dead_lock = threading.Lock()
         self._output_thread: threading.Thread | None = None
+        #: utility calls sent and not answered yet, by call id
+        self._pending: dict[int, Future[Any]] = {}
+        self._call_ids = itertools.count()
         self._ipc_dir = tempfile.mkdtemp(prefix="chassis-ipc-")
         os.chmod(self._ipc_dir, 0o700)
         input_addr = f"ipc://{self._ipc_dir}/input"
@@ -129,12 +139,17 @@ class EngineCoreClient:
 
     def _read_outputs(self) -> None:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        utility_decoder = msgspec.msgpack.Decoder(UtilityResult)
         while True:
             try:
                 kind, payload = self._out.recv_multipart()
             except zmq.ZMQError:  # ETERM: the context is being terminated at shutdown
                 self._out.close(0)
+                self._fail_pending("the engine core is shutting down")
                 return
+            if kind == UTILITY_RESULT:
+                self._resolve(utility_decoder.decode(payload))
+                continue
             if kind != OUTPUTS:
                 continue
             outputs = decoder.decode(payload)
@@ -160,6 +175,7 @@ class EngineCoreClient:
                 return
             self._dead_reported = True
         logger.error("%s", reason)
+        self._fail_pending(reason)
         self._on_dead(reason)
 
     @property
@@ -179,6 +195,46 @@ class EngineCoreClient:
         ids = list(request_ids)
         if ids and self.is_alive:
             self._send(ABORT, msgspec.msgpack.encode(ids))
+
+    def call_utility(self, method: str, *args: Any) -> Future[Any]:
+        """Ask the engine core to run ``method(*args)`` between steps. The future gets the
+        return value; ``RuntimeError`` with the engine's message when the method raised or is
+        not a utility; :class:`EngineDeadError` when the engine core died or shut down
+        first (raised here at once when it is not running)."""
+        future: Future[Any] = Future()
+        call_id = next(self._call_ids)
+        with self._send_lock:
+            self._pending[call_id] = future
+        try:
+            self._send(
+                UTILITY,
+                msgspec.msgpack.encode(
+                    UtilityCall(call_id=call_id, method=method, args=list(args))
+                ),
+            )
+        except BaseException:
+            with self._send_lock:
+                self._pending.pop(call_id, None)
+            raise
+        if not self.is_alive:  # died between the send and the registration being seen
+            self._fail_pending("the engine core is not running")
+        return future
+
+    def _resolve(self, answer: UtilityResult) -> None:
+        with self._send_lock:
+            future = self._pending.pop(answer.call_id, None)
+        if future is None:
+            return
+        if answer.error is not None:
+            future.set_exception(RuntimeError(f"engine utility failed: {answer.error}"))
+        else:
+            future.set_result(answer.result)
+
+    def _fail_pending(self, reason: str) -> None:
+        with self._send_lock:
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(EngineDeadError(reason))
 
     # -- shutdown -------------------------------------------------------------------------
 

@@ -352,6 +352,16 @@ class EngineCore:
                 out.finish_reason, out.stop_reason, out.error = FinishReason.ABORT, None, error
         return added
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix: later requests compute their prompts from scratch
+        until their blocks are cached again (vLLM's ``reset_prefix_cache``, used to measure
+        with a cold cache). Running requests keep their blocks and outputs. Always succeeds
+        (``True``; vLLM refuses, ``False``, while any block is in use: here only the hashes
+        are dropped, which is safe with blocks in use); a no-op without prefix caching."""
+        dropped = self.kv_cache_manager.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks forgotten", dropped)
+        return True
+
     def check_health(self) -> None:
         """Raise if the engine cannot run steps any more (a tensor-parallel rank died)."""
         self.executor.check_health()

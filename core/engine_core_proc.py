@@ -1,10 +1,11 @@
 """The engine core as a child process, fed over ZMQ with msgpack (no pickle on the socket).
 
 Wire protocol (multipart frames): front-end -> engine ``[b"add", EngineCoreRequest]``,
-``[b"abort", list[str]]``, ``[b"shutdown", b""]``; engine -> front-end ``[b"ready",
-EngineInfo]`` once, ``[b"error", str]`` if start-up fails, then ``[b"outputs",
-EngineCoreOutputs]`` per step. An input thread and an output thread move frames between the
-sockets and queues, so the busy loop never blocks on I/O.
+``[b"abort", list[str]]``, ``[b"utility", UtilityCall]``, ``[b"shutdown", b""]``; engine ->
+front-end ``[b"ready", EngineInfo]`` once, ``[b"error", str]`` if start-up fails, then
+``[b"outputs", EngineCoreOutputs]`` per step and ``[b"utility_result", UtilityResult]`` per
+utility call (between steps, in the order the calls came). An input thread and an output
+thread move frames between the sockets and queues, so the busy loop never blocks on I/O.
 """
 
 from __future__ import annotations
@@ -22,19 +23,21 @@ from typing import Any
 import msgspec
 import zmq
 
+from chassis.core.engine_utility import UtilityCall, run_utility
 from chassis.core.heap import freeze_startup_heap
 from chassis.core.request import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
-ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
-READY, ERROR, OUTPUTS = b"ready", b"error", b"outputs"
+ADD, ABORT, UTILITY, SHUTDOWN = b"add", b"abort", b"utility", b"shutdown"
+READY, ERROR, OUTPUTS, UTILITY_RESULT = b"ready", b"error", b"outputs", b"utility_result"
 #: third frame of an ERROR at start-up: the settings cannot work (a ValueError)
 START_CONFIG_ERROR = b"config"
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 _abort_decoder = msgspec.msgpack.Decoder(list[str])
+_utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
 
 
 def _die_with_parent() -> None:
@@ -103,7 +106,8 @@ def run_engine_core(
     out_sock.send_multipart([READY, _encoder.encode(core.info)])
 
     inputs: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-    outputs: queue.Queue[bytes | None] = queue.Queue()
+    #: (frame kind, payload) to send; None ends the writer
+    outputs: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
 
     def read_inputs() -> None:
         while True:
@@ -118,7 +122,7 @@ def run_engine_core(
             item = outputs.get()
             if item is None:
                 return
-            out_sock.send_multipart([OUTPUTS, item])
+            out_sock.send_multipart(list(item))
 
     threading.Thread(target=read_inputs, daemon=True, name="engine-input").start()
     writer = threading.Thread(target=write_outputs, daemon=True, name="engine-output")
@@ -133,7 +137,7 @@ def run_engine_core(
             # the front-end passes engine_error on to every client of the dead engine.
             logger.exception("engine core crashed")
             error = crash_message_for_clients(exc)
-            outputs.put(_encoder.encode(EngineCoreOutputs(engine_error=error)))
+            outputs.put((OUTPUTS, _encoder.encode(EngineCoreOutputs(engine_error=error))))
         outputs.put(None)
         writer.join(timeout=5)
         # This process ends with os._exit (multiprocessing), which runs no atexit handler:
@@ -181,7 +185,7 @@ def _die_quietly_on_sigterm() -> None:
 def _busy_loop(
     core: Any,
     inputs: queue.Queue[tuple[bytes, bytes]],
-    outputs: queue.Queue[bytes | None],
+    outputs: queue.Queue[tuple[bytes, bytes] | None],
     parent_pid: int,
 ) -> None:
     aborted_since_step = False
@@ -204,9 +208,12 @@ def _busy_loop(
             elif kind == ABORT:
                 core.abort_requests(_abort_decoder.decode(payload))
                 aborted_since_step = True
+            elif kind == UTILITY:
+                result = run_utility(core, _utility_decoder.decode(payload))
+                outputs.put((UTILITY_RESULT, _encoder.encode(result)))
             elif kind == SHUTDOWN:
                 return
         if core.has_unfinished() or aborted_since_step:
             result = core.step()
             aborted_since_step = False
-            outputs.put(_encoder.encode(result))
+            outputs.put((OUTPUTS, _encoder.encode(result)))

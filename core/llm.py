@@ -167,6 +167,14 @@ class LLM:
         self.engine.shutdown()
         self._stat_loggers.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``): the next
+        :meth:`generate` computes its prompts from scratch, as on a fresh engine, until their
+        blocks are cached again. ``True`` once done; a no-op with prefix caching off."""
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -19,6 +19,8 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: with
                            ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` only
                            (:mod:`chassis.serve.lora_routes`)
+``POST /reset_prefix_cache``  with ``$VLLM_SERVER_DEV_MODE`` only
+                           (:mod:`chassis.serve.dev_routes`)
 plugins' routes            ``chassis_register_routes`` (:mod:`chassis.serve.plugin_routes`)
 =========================  ==================================================================
 """
@@ -39,6 +41,7 @@ import chassis
 from chassis.core.generation_defaults import generation_defaults
 from chassis.serve import errors
 from chassis.serve.chat_parsing import ChatParsers
+from chassis.serve.dev_routes import router as dev_router
 from chassis.serve.errors import install_exception_handlers
 from chassis.serve.lora_routes import router as lora_router
 from chassis.serve.metrics import ServerMetrics
@@ -288,6 +291,12 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             "a folder of its choice; use this for local development only"
         )
         app.include_router(lora_router)
+    if settings.server_dev_mode:
+        logger.warning(
+            "development routes are on (/reset_prefix_cache): any client with the API key "
+            "can reset the engine's prefix cache; use this for local development only"
+        )
+        app.include_router(dev_router)
     # Last, so a plugin path that is already served is caught (an error naming the plugin).
     include_plugin_routes(app)
     return app

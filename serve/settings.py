@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chassis.serve.dev_routes import server_dev_mode_enabled
 from chassis.serve.lora import LoRAModule, runtime_lora_updating_allowed
 
 DEFAULT_HOST = "127.0.0.1"
@@ -71,6 +72,10 @@ class ServerSettings:
     #: add ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (default: from
     #: ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` or ``$CHASSIS_ALLOW_RUNTIME_LORA_UPDATING``)
     allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating_allowed)
+    #: add the development routes of :mod:`chassis.serve.dev_routes` (``POST
+    #: /reset_prefix_cache``; default: from ``$VLLM_SERVER_DEV_MODE`` or
+    #: ``$CHASSIS_SERVER_DEV_MODE``)
+    server_dev_mode: bool = field(default_factory=server_dev_mode_enabled)
     #: the path prefix a reverse proxy serves the app under (``--root-path``, ASGI's
     #: ``root_path``): routes answer with and without it, the OpenAPI schema and the docs
     #: pages name it; "" = none

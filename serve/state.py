@@ -27,6 +27,8 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     await engine.check_request(prompt, sampling_params, *, priority=0)  # optional (and
         # lora_request, cache_salt as generate's): generate's refusals (ValueError,
         # EngineDeadError) without submitting the request
+    await engine.reset_prefix_cache()      # only in development mode (POST
+                                           # /reset_prefix_cache); EngineDeadError
 """
 
 from __future__ import annotations

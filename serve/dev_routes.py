@@ -1,0 +1,53 @@
+"""Development-mode routes: vLLM's ``VLLM_SERVER_DEV_MODE`` endpoints that chassis has.
+
+Added only when ``VLLM_SERVER_DEV_MODE`` (or ``CHASSIS_SERVER_DEV_MODE``) is ``1`` or
+``true`` (without it they do not exist: 404), as vLLM does: they change or reveal engine
+state that production clients should not reach. They take the API key like every other
+route.
+
+``POST /reset_prefix_cache``: the engine forgets every cached prefix (between two steps;
+running requests are not disturbed) and the route answers ``200`` with an empty body once it
+has; later requests compute their prompts from scratch until their blocks are cached again.
+Used to benchmark with a cold prefix cache. vLLM's query parameters
+(``reset_running_requests``, ``reset_external``) are accepted and change nothing: running
+requests keep their KV blocks either way, and there is no external KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+from fastapi import APIRouter, Request, Response
+
+from chassis.serve import errors
+
+logger = logging.getLogger(__name__)
+
+#: the environment variables that add these routes (vLLM's, and chassis' own)
+DEV_MODE_VARIABLES = ("VLLM_SERVER_DEV_MODE", "CHASSIS_SERVER_DEV_MODE")
+
+router = APIRouter()
+
+
+def server_dev_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """True when either of :data:`DEV_MODE_VARIABLES` is ``1`` or ``true`` (any case)."""
+    environ = os.environ if environ is None else environ
+    return any(
+        environ.get(name, "0").strip().lower() in ("1", "true") for name in DEV_MODE_VARIABLES
+    )
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    """Forget every prefix the engine has cached; 200 once done, 503 if the engine is dead."""
+    state = request.app.state.chassis
+    if state.shutting_down:
+        return errors.shutting_down().response()
+    try:
+        await state.engine.reset_prefix_cache()
+    except Exception as exc:
+        return errors.to_api_error(exc).response()
+    logger.info("prefix cache reset (POST /reset_prefix_cache)")
+    return Response(status_code=200)
