@@ -14,6 +14,9 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /tokenize``         ``prompt`` or chat ``messages`` -> token ids
 ``POST /detokenize``       token ids -> text
 ``GET  /health``           200, or 503 when the engine is dead or the server shutting down
+``GET``/``POST /ping``      the same as ``/health`` (SageMaker's probe)
+``POST /invocations``      any of the APIs above, picked by the body's keys
+                           (:mod:`chassis.serve.invocations`, SageMaker's route)
 ``GET  /metrics``          Prometheus text (:mod:`chassis.serve.metrics`)
 ``GET  /version``          ``{"version": chassis.__version__}``
 ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: with
@@ -43,6 +46,7 @@ from chassis.serve import errors
 from chassis.serve.chat_parsing import ChatParsers
 from chassis.serve.dev_routes import router as dev_router
 from chassis.serve.errors import install_exception_handlers
+from chassis.serve.invocations import router as invocations_router
 from chassis.serve.lora_routes import router as lora_router
 from chassis.serve.metrics import ServerMetrics
 from chassis.serve.openai_chat import router as chat_router
@@ -282,6 +286,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         "/detokenize", detokenize, methods=["POST"], response_model=DetokenizeResponse
     )
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    app.include_router(invocations_router)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse)
     if settings.allow_runtime_lora_updating:

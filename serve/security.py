@@ -6,7 +6,8 @@ preflight is answered without a key, and errors carry CORS headers), the API key
 bounds, then the app.
 
 * **API key** (``--api-key`` / ``CHASSIS_API_KEY``): every route needs
-  ``Authorization: Bearer <key>`` except ``/health`` (load balancers probe it) and, when
+  ``Authorization: Bearer <key>`` except ``/health`` and ``/ping`` (load balancers and
+  SageMaker probe them) and, when
   ``metrics_require_auth`` is off, ``/metrics``. The comparison is constant-time
   (``hmac.compare_digest``). A miss is a 401 in OpenAI's error shape.
 * **CORS**: off unless ``--allowed-origins`` is given.
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from chassis.serve.settings import ServerSettings
 
 #: Paths that never need the API key.
-ALWAYS_OPEN_PATHS = frozenset({"/health"})
+ALWAYS_OPEN_PATHS = frozenset({"/health", "/ping"})
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -91,6 +91,12 @@ def test_classify_matches_hf(cls_server: ServerProcess, tiny_llama_cls_dir: Path
         torch.testing.assert_close(torch.tensor(raw["data"][0]["probs"]), logits, atol=TOL, rtol=0)
     cut = _post(cls_server, "/classify", {"input": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 2})
     assert cut["usage"]["prompt_tokens"] == 2
+    # SageMaker's /invocations: an input body is a classification request here
+    via = _post(cls_server, "/invocations", {"input": ["I loved it", "meh"]})
+    assert via["object"] == "list" and via["id"].startswith("classify-")
+    assert [d["label"] for d in via["data"]] == [
+        d["label"] for d in _post(cls_server, "/classify", {"input": ["I loved it", "meh"]})["data"]
+    ]
     # through the official client's raw POST
     posted = cls_server.client().post(
         cls_server.base + "/classify", body={"input": "meh"}, cast_to=object
@@ -148,6 +154,11 @@ def test_cross_encoder_score_and_rerank(ce_server: ServerProcess, tiny_qwen3_cls
         assert [r["document"]["text"] for r in reranked["results"]] == [docs[i] for i in order]
         scores = [r["relevance_score"] for r in reranked["results"]]
         assert scores == pytest.approx([expected[i] for i in order], abs=TOL)
+    # SageMaker's /invocations picks score and rerank by their keys
+    via = _post(ce_server, "/invocations", {"text_1": query, "text_2": docs})
+    assert [d["score"] for d in via["data"]] == pytest.approx(expected, abs=TOL)
+    via = _post(ce_server, "/invocations", {"query": query, "documents": docs, "top_n": 2})
+    assert [r["index"] for r in via["results"]] == sorted(range(3), key=lambda i: -expected[i])[:2]
     # one-label classification: the sigmoid of the logit
     one = _post(ce_server, "/classify", {"input": query})["data"][0]
     assert one["num_classes"] == 1 and one["label"] == "LABEL_0"

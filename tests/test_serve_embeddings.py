@@ -107,6 +107,27 @@ def test_response_shape_and_base64(server: ServerProcess) -> None:
     assert conflict.json()["error"]["param"] == "use_activation"
 
 
+def test_invocations_answers_an_embeddings_body(server: ServerProcess) -> None:
+    """SageMaker's route on an embedding server: ``input`` is an embeddings request;
+    generation bodies fit no route of a pooling server."""
+
+    def post(path: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(server.base + path, json=body, headers=server.headers, timeout=30)
+
+    body = {"input": ["a b c", "d"], "encoding_format": "float"}
+    via, direct = post("/invocations", body), post("/v1/embeddings", body)
+    assert via.status_code == 200, via.text
+    assert via.json()["object"] == "list" and via.json()["usage"] == direct.json()["usage"]
+    for got, expected in zip(via.json()["data"], direct.json()["data"], strict=True):
+        np.testing.assert_allclose(got["embedding"], expected["embedding"], atol=1e-6, rtol=0)
+    chat = post("/invocations", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 200 and chat.json()["data"][0]["object"] == "embedding"
+    refused = post("/invocations", {"prompt": "Hello"})
+    assert refused.status_code == 400
+    assert "a server of a pooling model takes" in refused.json()["error"]["message"]
+    server.wait_idle()
+
+
 def test_errors(server: ServerProcess) -> None:
     client = server.client()
     with pytest.raises(openai.BadRequestError, match="does not support matryoshka") as info:
