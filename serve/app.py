@@ -286,7 +286,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         "/detokenize", detokenize, methods=["POST"], response_model=DetokenizeResponse
     )
     app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    for method in ("GET", "POST"):  # one route per method: one OpenAPI operation id each
+        app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}")
     app.include_router(invocations_router)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse)
