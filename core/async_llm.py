@@ -48,7 +48,7 @@ from chassis.core.stat_logger_manager import (
     default_stat_loggers,
     resolve_stat_loggers,
 )
-from chassis.core.tokenizer import eos_token_ids, load_tokenizer
+from chassis.core.tokenizer import engine_tokenizer, eos_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -119,7 +119,7 @@ class AsyncLLM:
         """The tokenizer and the input and output processors that use it."""
         config = self.config
         # None with skip_tokenizer_init: token-id prompts only, outputs with empty text.
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer)
+        self.tokenizer = None if config.skip_tokenizer_init else engine_tokenizer(config)
         if self.tokenizer is None:
             self.input_processor = InputProcessor(
                 None,

@@ -26,6 +26,9 @@ INT4_WEIGHT_MODES = ("auto", "packed", "dequantized")
 #: checkpoint when the model is read: "pooling" for ``*ForSequenceClassification``, else
 #: "generate"
 RUNNERS = ("auto", "generate", "pooling")
+#: ``--tokenizer-mode`` values (vLLM's names): "auto" and "hf" load the fast (Rust) tokenizer
+#: where the checkpoint has one, "slow" the Python one
+TOKENIZER_MODES = ("auto", "hf", "slow")
 #: ``distributed_executor_backend`` values (vLLM's names)
 EXECUTOR_BACKENDS = ("mp", "ray", "uni", None)
 
@@ -44,6 +47,15 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     revision: str | None = None
+    #: let transformers run code shipped in the checkpoint's repository for its config and
+    #: tokenizer (vLLM's ``--trust-remote-code``); the model itself always runs chassis'
+    #: implementation of its architecture
+    trust_remote_code: bool = False
+    #: where hub checkpoints (and a hub ``tokenizer``) are downloaded to and looked up
+    #: (vLLM's ``--download-dir``; None: the Hugging Face cache)
+    download_dir: str | None = None
+    #: :data:`TOKENIZER_MODES` (vLLM's ``--tokenizer-mode``)
+    tokenizer_mode: str = "auto"
     served_model_name: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
@@ -178,6 +190,11 @@ class EngineConfig:
         """Raise ``ValueError`` naming the first invalid field and what would be valid."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"--tokenizer-mode must be one of {', '.join(TOKENIZER_MODES)}; "
+                f"got {self.tokenizer_mode!r}"
+            )
         if self.int4_weights not in INT4_WEIGHT_MODES:
             raise ValueError(
                 f"--int4-weights must be one of {', '.join(INT4_WEIGHT_MODES)}; "

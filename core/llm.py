@@ -49,7 +49,7 @@ from chassis.core.pooling_score import (
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.stat_logger import StatLoggerInfo
 from chassis.core.stat_logger_manager import StatLoggerManager, resolve_stat_loggers
-from chassis.core.tokenizer import eos_token_ids, load_chat_template, load_tokenizer
+from chassis.core.tokenizer import engine_tokenizer, eos_token_ids, load_chat_template
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -116,7 +116,7 @@ class LLM:
                 vocab_size=int(hf_config.vocab_size),
             )
         else:
-            self.tokenizer = load_tokenizer(self.config.tokenizer)
+            self.tokenizer = engine_tokenizer(self.config)
             self.input_processor = InputProcessor(
                 self.tokenizer, self.config, eos_token_ids(self.tokenizer, self.config.model)
             )

@@ -48,13 +48,18 @@ _MAX_LEN_KEYS = (
 )
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None, revision: str | None = None) -> Path:
+def resolve_model_path(
+    model: str | os.PathLike[str] | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> Path:
     """Return a local directory holding the checkpoint named by ``model``.
 
     - ``None`` (or ``"SmolLM2-135M-Instruct"``): the embedded default model, converted once.
     - an existing local directory: itself (it must contain ``config.json``).
     - a ``.gguf`` file: converted once into a cached HF checkpoint (core/gguf_checkpoint.py).
-    - otherwise a Hugging Face hub id, downloaded (or found in the HF cache) at ``revision``.
+    - otherwise a Hugging Face hub id, downloaded (or found in the HF cache, or in
+      ``download_dir`` when given) at ``revision``.
 
     Raises ``ValueError`` with what to do when none of these works.
     """
@@ -73,10 +78,10 @@ def resolve_model_path(model: str | os.PathLike[str] | None, revision: str | Non
         raise ValueError(
             f"model {str(model)!r} is a file; name a checkpoint directory, a .gguf file or a hub id"
         )
-    return _download(str(model), revision)
+    return _download(str(model), revision, download_dir)
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def _download(repo_id: str, revision: str | None, download_dir: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -88,7 +93,10 @@ def _download(repo_id: str, revision: str | None) -> Path:
 
     try:
         local = snapshot_download(
-            repo_id=repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS
+            repo_id=repo_id,
+            revision=revision,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            cache_dir=download_dir,
         )
     except HFValidationError as exc:
         raise ValueError(
@@ -118,9 +126,13 @@ def _download(repo_id: str, revision: str | None) -> Path:
     return path
 
 
-def load_hf_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Any:
-    """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``, no remote code)
-    with ``overrides`` applied (:func:`apply_hf_overrides`), or for a multimodal checkpoint
+def load_hf_config(
+    path: str | os.PathLike[str],
+    overrides: Mapping[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> Any:
+    """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``; the repository's
+    own config code only with ``trust_remote_code``) with ``overrides`` applied (:func:`apply_hf_overrides`), or for a multimodal checkpoint
     its language model's (:func:`language_model_config`). A checkpoint directory whose
     ``config.json`` has no ``quantization_config`` but an older AWQ/GPTQ export's
     ``quantize_config.json`` or ``quant_config.json`` gets that file's as its
@@ -131,7 +143,7 @@ def load_hf_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | 
     from chassis.core.int_quant_config import checkpoint_int_config
     from chassis.core.quantized_weights import quantization_config
 
-    hf_config = AutoConfig.from_pretrained(str(path))
+    hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if overrides:
         apply_hf_overrides(hf_config, overrides)
     hf_config = language_model_config(hf_config)
@@ -148,7 +160,7 @@ def engine_hf_config(config: EngineConfig) -> Any:
     ``config.hf_overrides``. Every reader of the target model's config (the front-end, the
     engine core, each tensor-parallel rank) goes through here, so they all see one config."""
     assert config.model is not None
-    return load_hf_config(config.model, config.hf_overrides)
+    return load_hf_config(config.model, config.hf_overrides, config.trust_remote_code)
 
 
 def apply_hf_overrides(hf_config: Any, overrides: Mapping[str, Any]) -> None:

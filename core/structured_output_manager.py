@@ -130,13 +130,13 @@ class StructuredOutputManager:
     def _build_backend(self) -> StructuredOutputBackend:
         from chassis.core.model_loader import engine_hf_config
         from chassis.core.token_vocabulary import vocabulary_from_tokenizer
-        from chassis.core.tokenizer import eos_token_ids, load_tokenizer
+        from chassis.core.tokenizer import engine_tokenizer, eos_token_ids
         from chassis.plugins import get_registries
 
         if self.config.skip_tokenizer_init:
             raise ValueError("structured outputs need the tokenizer (--skip-tokenizer-init)")
         assert self.config.tokenizer is not None and self.config.model is not None
-        tokenizer = load_tokenizer(self.config.tokenizer)  # as the front-end loads it
+        tokenizer = engine_tokenizer(self.config)  # as the front-end loads it
         # Every mask covers the model's logits, which may be wider than the tokenizer.
         vocab_size = int(engine_hf_config(self.config).vocab_size)
         vocabulary = vocabulary_from_tokenizer(

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from chassis.core.config import EngineConfig
+
 #: Characters that only appear in an inline Jinja template, never in a plain file path.
 _JINJA_MARKERS = ("{{", "{%", "{#", "\n")
 
@@ -25,9 +27,11 @@ def load_tokenizer(
     *,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    use_fast: bool = True,
     **kwargs: Any,
 ) -> PreTrainedTokenizerBase:
-    """Load the (fast, Rust-backed where available) tokenizer of a model.
+    """Load the (fast, Rust-backed where available, unless ``use_fast`` is false) tokenizer
+    of a model.
 
     ``path`` is a local directory with tokenizer files or a hub id. Extra ``kwargs`` go to
     ``AutoTokenizer.from_pretrained`` (e.g. ``gguf_file=...``). Raises ``ValueError`` with the
@@ -41,13 +45,30 @@ def load_tokenizer(
             str(path),
             revision=revision,
             trust_remote_code=trust_remote_code,
-            use_fast=True,
+            use_fast=use_fast,
             **kwargs,
         )
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
     repair_byte_level_decoder(tokenizer)
     return tokenizer
+
+
+def engine_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of an engine of ``config``: ``config.tokenizer`` (a local directory or a
+    hub id, fetched into ``download_dir``) with its ``trust_remote_code`` and
+    ``tokenizer_mode``. Every part of the front-end that needs the engine's tokenizer loads
+    it here, so they all load the same one."""
+    assert config.tokenizer is not None, "finalize_config sets the tokenizer"
+    kwargs: dict[str, Any] = {}
+    if config.download_dir is not None:
+        kwargs["cache_dir"] = config.download_dir
+    return load_tokenizer(
+        config.tokenizer,
+        trust_remote_code=config.trust_remote_code,
+        use_fast=config.tokenizer_mode != "slow",
+        **kwargs,
+    )
 
 
 #: The decoder steps of a sentencepiece pipeline (byte tokens ``<0xNN>`` to bytes, join the

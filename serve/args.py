@@ -22,9 +22,12 @@ from chassis.core.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     RUNNERS,
+    TOKENIZER_MODES,
     EngineConfig,
 )
 
+#: where add_engine_args records the parser it added the flags to (for --config)
+ENGINE_PARSER_DEST = "_chassis_engine_parser"
 #: where add_engine_args records the dests of plugin flags on the parser's defaults
 _PLUGIN_DESTS = "_chassis_plugin_arg_dests"
 _PLUGIN_ERROR = "_chassis_plugin_load_error"
@@ -92,6 +95,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     plugin that fails to load does not break ``chassis --help`` or other sub-commands: the
     error is recorded and :func:`engine_config_from_args` raises it.
     """
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read flags from this YAML file (vLLM's flag: 'port: 8000', 'max_model_len: "
+        "2048', 'model: ...'); flags on the command line win over it; see docs/serving.md",
+    )
+    # cli.main finds this parser again to read --config's keys as its flags
+    parser.set_defaults(**{ENGINE_PARSER_DEST: parser})
     g = parser.add_argument_group("model")
     g.add_argument(
         "model",
@@ -105,6 +116,28 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     )
     g.add_argument("--tokenizer", help="tokenizer hub id or directory (default: the model's)")
     g.add_argument("--revision", help="model revision (branch, tag or commit) on the hub")
+    g.add_argument(
+        "--tokenizer-mode",
+        choices=TOKENIZER_MODES,
+        help=_help(
+            "auto (or hf) = the fast tokenizer where the checkpoint has one, slow = the Python "
+            "one (transformers' use_fast=False)",
+            "tokenizer_mode",
+        ),
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="let transformers run code from the checkpoint's repository for its config and "
+        "tokenizer (the model itself runs chassis' implementation of its architecture)",
+    )
+    g.add_argument(
+        "--download-dir",
+        metavar="DIR",
+        help="where hub checkpoints are downloaded to and looked up (default: the Hugging "
+        "Face cache)",
+    )
     g.add_argument(
         "--served-model-name",
         nargs="+",
@@ -240,6 +273,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help=_help("split long prompts across steps", "enable_chunked_prefill"),
     )
     g.add_argument("--scheduler", help=_help("scheduler plugin by name", "scheduler"))
+    g.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        help="vLLM's name for the two built-in policies: fcfs = --scheduler fcfs, priority = "
+        "--scheduler priority (a request's 'priority' field orders the queue)",
+    )
 
     g = parser.add_argument_group("execution")
     g.add_argument("--sampler", help=_help("sampler plugin by name", "sampler"))
@@ -316,6 +355,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "-tp",
         type=int,
         help=_help("devices to shard the model over", "tensor_parallel_size"),
+    )
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        metavar="N",
+        help="vLLM's flag: only 1 (the default) is supported, pipeline parallelism is not; "
+        "shard a model with --tensor-parallel-size",
     )
     g.add_argument(
         "--enable-expert-parallel",
@@ -446,17 +493,39 @@ def _json_object_arg(text: str) -> dict[str, Any]:
 
 #: flag dest -> EngineConfig field (where they differ)
 _FIELD_OF = {"model_flag": "model"}
+#: ``--scheduling-policy`` values (vLLM's), each the built-in scheduler of the same name
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _check_vllm_only_flags(args: argparse.Namespace) -> None:
+    """vLLM's flags whose only supported value means "what chassis does anyway"."""
+    pipeline = getattr(args, "pipeline_parallel_size", None)
+    if pipeline is not None and pipeline != 1:
+        raise ValueError(
+            f"--pipeline-parallel-size {pipeline} is not supported: chassis has no pipeline "
+            "parallelism; shard the model with --tensor-parallel-size instead"
+        )
+    policy, scheduler = getattr(args, "scheduling_policy", None), getattr(args, "scheduler", None)
+    if policy is not None:
+        if scheduler is not None and scheduler != policy:
+            raise ValueError(
+                f"--scheduling-policy {policy} and --scheduler {scheduler} disagree; give one"
+            )
+        args.scheduler = policy
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """An :class:`EngineConfig` from parsed :func:`add_engine_args` flags.
 
     Raises ``ValueError`` for invalid values (from ``EngineConfig``), for MODEL and
-    ``--model`` naming different models, and for a plugin that failed to load.
+    ``--model`` naming different models (or ``--scheduling-policy`` and ``--scheduler``
+    different schedulers), for ``--pipeline-parallel-size`` above 1, and for a plugin that
+    failed to load.
     """
     load_error = getattr(args, _PLUGIN_ERROR, None)
     if load_error:
         raise ValueError(load_error)
+    _check_vllm_only_flags(args)
     positional, flag = getattr(args, "model", None), getattr(args, "model_flag", None)
     if positional and flag and positional != flag:
         raise ValueError(f"MODEL {positional!r} and --model {flag!r} disagree; give one")

@@ -110,11 +110,15 @@ def load_hf_model(config: EngineConfig, dtype: torch.dtype) -> Any:
 
     assert config.model is not None
     if config.load_format == "dummy":
-        hf_config = AutoConfig.from_pretrained(config.model)
+        hf_config = AutoConfig.from_pretrained(
+            config.model, trust_remote_code=config.trust_remote_code
+        )
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=dtype, trust_remote_code=config.trust_remote_code
+        )
     return model.eval()
 
 
@@ -170,10 +174,9 @@ def _prepare(config: EngineConfig) -> tuple[Any, set[int], int]:
         for value in declared:
             special.update([value] if isinstance(value, int) else value or [])
         return hf_config, special, 0
-    from chassis.core.tokenizer import load_tokenizer
+    from chassis.core.tokenizer import engine_tokenizer
 
-    assert config.tokenizer is not None
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = engine_tokenizer(config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return hf_config, set(tokenizer.all_special_ids), pad
 

@@ -56,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        if getattr(args, "config", None):
+            args = _with_config_file(parser, args, list(sys.argv[1:] if argv is None else argv))
         logging.basicConfig(
             level=getattr(logging, str(args.log_level).upper(), logging.INFO),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -73,6 +75,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(__name__).debug("start-up failed", exc_info=True)
         print(f"chassis: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def _with_config_file(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
+) -> argparse.Namespace:
+    """``args`` again, with the flags of ``--config``'s file that the command line leaves
+    out (:mod:`chassis.serve.config_file`); a bad file ends the command (exit status 2)."""
+    from chassis.serve.args import ENGINE_PARSER_DEST
+    from chassis.serve.config_file import config_file_argv
+
+    command_parser = getattr(args, ENGINE_PARSER_DEST)
+    try:
+        extra = config_file_argv(command_parser, args, argv)
+    except ValueError as exc:
+        command_parser.error(str(exc))
+    return parser.parse_args([*argv, *extra])
 
 
 if __name__ == "__main__":
