@@ -17,6 +17,8 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``GET``/``POST /ping``      the same as ``/health`` (SageMaker's probe)
 ``POST /invocations``      any of the APIs above, picked by the body's keys
                            (:mod:`chassis.serve.invocations`, SageMaker's route)
+``GET  /load``             ``{"server_load": N}`` with ``--enable-server-load-tracking``
+                           only (:mod:`chassis.serve.request_tracking`)
 ``GET  /metrics``          Prometheus text (:mod:`chassis.serve.metrics`)
 ``GET  /version``          ``{"version": chassis.__version__}``
 ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: with
@@ -66,6 +68,12 @@ from chassis.serve.protocol import (
     VersionResponse,
 )
 from chassis.serve.renderer import ChatRenderer
+from chassis.serve.request_tracking import (
+    RequestIdHeaderMiddleware,
+    ServerLoad,
+    ServerLoadMiddleware,
+    server_load,
+)
 from chassis.serve.responses_background import BackgroundResponses, background_responses
 from chassis.serve.responses_store import ResponseStore, store_size_from_env
 from chassis.serve.root_path import RootPathMiddleware
@@ -270,9 +278,15 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.state.responses_store = ResponseStore(store_size_from_env())
     app.state.responses_background = BackgroundResponses()
     install_exception_handlers(app)
+    if settings.enable_server_load_tracking:  # inside the security checks: refused requests
+        app.state.server_load = ServerLoad()  # are no load
+        app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
+        app.add_api_route("/load", server_load, methods=["GET"])
     install_security(app, settings)
-    if settings.root_path:  # outermost: the API-key check sees the prefix too
+    if settings.root_path:  # outer: the API-key check sees the prefix too
         app.add_middleware(RootPathMiddleware, root_path=settings.root_path)
+    if settings.enable_request_id_headers:  # outermost: every response gets the header
+        app.add_middleware(RequestIdHeaderMiddleware)
 
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     app.include_router(completions_router)

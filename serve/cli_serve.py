@@ -219,6 +219,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "and chat (default: on, unlike vLLM; --no-enable-prompt-tokens-details sends null)",
     )
     g.add_argument(
+        "--response-role",
+        default="assistant",
+        metavar="ROLE",
+        help="the role of chat responses' messages when the prompt ends with the generation "
+        "prompt (default: assistant; otherwise the last message's role, as vLLM)",
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer every request with an X-Request-Id header: the request's own X-Request-Id, "
+        "or a new id",
+    )
+    g.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="count the API requests being served (generation, pooling, /invocations) and "
+        'report the count at GET /load as {"server_load": N}',
+    )
+    g.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let a request bring its own chat template (chat_template, or chat_template in "
@@ -304,6 +323,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_log_len=args.max_log_len,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         trust_request_chat_template=args.trust_request_chat_template,
+        response_role=args.response_role,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_server_load_tracking=args.enable_server_load_tracking,
     )
 
 

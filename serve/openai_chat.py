@@ -2,7 +2,8 @@
 
 The messages are rendered with the chat template and tokenized (without special tokens by
 default: the template writes BOS) in a worker thread, then sent to the engine as token ids.
-A stream starts with one chunk per choice carrying ``role: "assistant"`` and empty content,
+A stream starts with one chunk per choice carrying the role (``"assistant"``, see
+:func:`response_role`) and empty content,
 then content deltas, the finish reason on each choice's last chunk, an optional usage chunk
 (``stream_options.include_usage``: empty ``choices``), and ``data: [DONE]``.
 
@@ -64,11 +65,18 @@ if TYPE_CHECKING:
 
 router = APIRouter()
 
-ROLE = "assistant"
-
 
 def _state(request: Request) -> ServerState:
     return request.app.state.chassis
+
+
+def response_role(state: ServerState, body: ChatCompletionRequest) -> str:
+    """The role of the response's messages (vLLM's rule): ``--response-role`` (default
+    ``assistant``) when the prompt ends with the generation prompt, else (the model continues
+    the last message) that message's role."""
+    if body.add_generation_prompt is not False:
+        return state.settings.response_role
+    return body.messages[-1].role
 
 
 def chat_logprobs(
@@ -105,11 +113,11 @@ def chat_logprobs(
     return out
 
 
-def _echo(body: ChatCompletionRequest) -> str:
+def _echo(body: ChatCompletionRequest, role: str) -> str:
     """What ``echo`` puts before each choice's content: the last message's content when it
-    has the response's role (vLLM's rule), else nothing."""
+    has the response's ``role`` (vLLM's rule), else nothing."""
     last = body.messages[-1]
-    if not body.echo or last.role != ROLE:
+    if not body.echo or last.role != role:
         return ""
     # (the renderer has read this content already: a content it refuses never gets here)
     return content_text(last.content, len(body.messages) - 1)
@@ -129,7 +137,7 @@ async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str,
     )
 
 
-def _parsed_message(parsed: ChoiceDelta, parser: ChoiceParser) -> ChatResponseMessage:
+def _parsed_message(parsed: ChoiceDelta, parser: ChoiceParser, role: str) -> ChatResponseMessage:
     """The message of a parsed choice. Content that is empty next to reasoning (sent or
     dropped by ``include_reasoning``), or only whitespace next to tool calls, is null, as
     OpenAI sends for a message of tool calls."""
@@ -137,7 +145,7 @@ def _parsed_message(parsed: ChoiceDelta, parser: ChoiceParser) -> ChatResponseMe
     if (parsed.calls and not parsed.content.strip()) or (parser.saw_reasoning and not content):
         content = None
     return ChatResponseMessage(
-        role=ROLE,
+        role=role,
         content=content,
         reasoning=parsed.reasoning or None,
         tool_calls=[tool_call_json(call) for call in parsed.calls],
@@ -175,13 +183,14 @@ async def _collect(
                 if completion.finish_reason is not None:
                     finish[completion.index] = (completion.finish_reason, completion.stop_reason)
     choices = []
-    echo = _echo(body)
+    role = response_role(state, body)
+    echo = _echo(body, role)
     for i in range(n):
         reason, stop_reason = finish.get(i, ("abort", None))
-        message = ChatResponseMessage(role=ROLE, content="".join(texts[i]))
+        message = ChatResponseMessage(role=role, content="".join(texts[i]))
         if parsing is not None:
             parser = parsing.choice_parser()
-            message = _parsed_message(parser.parse(message.content or ""), parser)
+            message = _parsed_message(parser.parse(message.content or ""), parser, role)
             reason = finish_reason(reason, parser)
         if echo:  # before the parsed content, never parsed itself (as vLLM)
             message.content = echo + (message.content or "")
@@ -266,8 +275,9 @@ async def _events(
     def ids(completion: CompletionOutput) -> list[int] | None:
         return list(completion.token_ids) if body.return_token_ids else None
 
-    role_chunk = [chat_choice(i, role=ROLE, content="") for i in range(n)]
-    echo = _echo(body)
+    role = response_role(state, body)
+    role_chunk = [chat_choice(i, role=role, content="") for i in range(n)]
+    echo = _echo(body, role)
 
     def opening(prompt_ids: list[int] | None = None) -> list[bytes]:
         """The role chunk, then (``echo``) the echoed content, unparsed, in its own chunk."""

@@ -76,6 +76,15 @@ class ServerSettings:
     #: /reset_prefix_cache``; default: from ``$VLLM_SERVER_DEV_MODE`` or
     #: ``$CHASSIS_SERVER_DEV_MODE``)
     server_dev_mode: bool = field(default_factory=server_dev_mode_enabled)
+    #: the role of chat responses' messages when the prompt ends with the generation prompt
+    #: (``--response-role``, vLLM's flag)
+    response_role: str = "assistant"
+    #: answer every request with an ``X-Request-Id`` header: the request's own, or a new
+    #: id (``--enable-request-id-headers``, vLLM's flag)
+    enable_request_id_headers: bool = False
+    #: count the API requests being served and report the count at ``GET /load``
+    #: (``--enable-server-load-tracking``, vLLM's flag)
+    enable_server_load_tracking: bool = False
     #: the path prefix a reverse proxy serves the app under (``--root-path``, ASGI's
     #: ``root_path``): routes answer with and without it, the OpenAPI schema and the docs
     #: pages name it; "" = none
