@@ -59,6 +59,9 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    #: vLLM's ``--quantization``: the method the checkpoint is quantized with, checked
+    #: against its config (None: read from the checkpoint, which chassis always does)
+    quantization: str | None = None
     #: 4-bit AWQ/GPTQ checkpoints (:data:`INT4_WEIGHT_MODES`): "auto" keeps linear layers'
     #: codes packed where the platform has an int4 matmul kernel, else loads 16-bit weights
     int4_weights: str = "auto"

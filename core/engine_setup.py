@@ -19,7 +19,7 @@ def finalize_config(config: EngineConfig) -> Any:
     """
     from chassis.core.model_loader import engine_hf_config, model_max_len, resolve_model_path
     from chassis.core.pooling_classify import resolve_runner
-    from chassis.core.quantized_weights import check_quantization
+    from chassis.core.quantized_weights import check_quantization, check_quantization_flag
     from chassis.platforms import get_current_platform
     from chassis.plugins import apply_configure_hooks, get_plugin_manager, get_registries
 
@@ -36,6 +36,7 @@ def finalize_config(config: EngineConfig) -> Any:
     hf_config = engine_hf_config(config)  # with --hf-overrides
     config.check_against_model(model_max_len(hf_config))
     check_quantization(hf_config)  # an unreadable quantized checkpoint fails before loading
+    check_quantization_flag(config.quantization, hf_config)
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not any(a in registries.models for a in architectures):

@@ -62,6 +62,38 @@ def quantization_config(hf_config: Any) -> dict[str, Any] | None:
     return dict(raw)
 
 
+#: vLLM's ``--quantization`` names of kernels for a method -> the checkpoint's method
+QUANTIZATION_ALIASES = {
+    "awq_marlin": "awq",
+    "gptq_marlin": "gptq",
+    "marlin": "gptq",
+    "compressed_tensors": "compressed-tensors",
+}
+
+
+def check_quantization_flag(flag: str | None, hf_config: Any) -> None:
+    """``--quantization`` (vLLM's flag) names how the checkpoint is quantized; chassis reads
+    the method from the checkpoint, so the flag is a check: ``ValueError`` when it names
+    another method, or any method for a checkpoint that is not quantized (vLLM would then
+    quantize the weights at load, which chassis does not)."""
+    if flag is None:
+        return
+    config = quantization_config(hf_config)
+    wanted = QUANTIZATION_ALIASES.get(flag.lower(), flag.lower())
+    if config is None:
+        raise ValueError(
+            f"--quantization {flag}: the checkpoint is not quantized, and chassis does not "
+            "quantize weights at load; use a checkpoint quantized with one of "
+            f"{', '.join(SUPPORTED_METHODS)}, or drop the flag"
+        )
+    method = str(config.get("quant_method"))
+    if wanted != method:
+        raise ValueError(
+            f"--quantization {flag} does not match the checkpoint, which is quantized with "
+            f"{method!r}; drop the flag (the checkpoint's method is read from its config)"
+        )
+
+
 def check_quantization(hf_config: Any) -> None:
     """Refuse a quantized checkpoint chassis cannot read, naming the method (``ValueError``)."""
     config = quantization_config(hf_config)

@@ -152,6 +152,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help=_help("weight format; 'dummy' = random weights", "load_format"),
     )
     g.add_argument(
+        "--quantization",
+        "-q",
+        metavar="METHOD",
+        help="vLLM's flag: the method the checkpoint is quantized with (fp8, awq, gptq, "
+        "mxfp4, compressed-tensors; awq_marlin and gptq_marlin name awq and gptq), checked "
+        "against its config; chassis reads the method from the checkpoint and does not "
+        "quantize an unquantized one",
+    )
+    g.add_argument(
         "--int4-weights",
         choices=INT4_WEIGHT_MODES,
         help=_help(

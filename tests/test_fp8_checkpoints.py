@@ -123,6 +123,28 @@ def test_fp8_checkpoint_runs_as_its_dequantized_twin(
     )
 
 
+def test_the_quantization_flag_is_checked_against_the_checkpoint(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's --quantization: the checkpoint's own method runs (same tokens as without the
+    flag); another method, or any for an unquantized checkpoint, is refused before loading."""
+    quantized, _ = write_fp8_twins(tiny_llama_dir, tmp_path, "tensor")
+    settings = {"dtype": "float32", "max_model_len": 64, "num_kv_blocks": 16}
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    flagged = LLM(str(quantized), quantization="FP8", **settings)
+    plain = LLM(str(quantized), **settings)
+    assert (
+        flagged.generate("Checked", params)[0].outputs[0].token_ids
+        == plain.generate("Checked", params)[0].outputs[0].token_ids
+    )
+    flagged.shutdown()
+    plain.shutdown()
+    with pytest.raises(ValueError, match=r"--quantization awq_marlin does not match .* 'fp8'"):
+        LLM(str(quantized), quantization="awq_marlin", **settings)
+    with pytest.raises(ValueError, match="--quantization fp8: the checkpoint is not quantized"):
+        LLM(str(tiny_llama_dir), quantization="fp8", **settings)
+
+
 def test_other_quantization_methods_are_refused_before_loading(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
