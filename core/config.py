@@ -47,6 +47,9 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     revision: str | None = None
+    #: the hub revision of a hub ``tokenizer`` (vLLM's ``--tokenizer-revision``; None: the
+    #: model's ``revision`` when the tokenizer is the model's, else the default branch)
+    tokenizer_revision: str | None = None
     #: let transformers run code shipped in the checkpoint's repository for its config and
     #: tokenizer (vLLM's ``--trust-remote-code``); the model itself always runs chassis'
     #: implementation of its architecture
@@ -117,7 +120,8 @@ class EngineConfig:
 
     # -- execution -------------------------------------------------------------------------
     sampler: str = "default"
-    #: structured-output backend by name (``chassis_register_structured_output_backends``)
+    #: structured-output backend by name (``chassis_register_structured_output_backends``);
+    #: vLLM's "auto" means this default
     structured_output_backend: str = "chassis"
     #: custom logits processors, in the order they run: registered names
     #: (``chassis_register_logits_processors``) or qualified ``"package.module:Class"``
@@ -248,6 +252,8 @@ class EngineConfig:
                 "--torch-compile and --enforce-eager contradict each other (--enforce-eager "
                 "means no graph capture and no compilation); drop one"
             )
+        if self.structured_output_backend == "auto":  # vLLM's default name: the default here
+            self.structured_output_backend = type(self).structured_output_backend
         if self.structured_outputs_config is not None:
             from chassis.core.structured_outputs_config import check_structured_outputs_config
 

@@ -44,7 +44,7 @@ def check_structured_outputs_config(value: Any, backend: str, default_backend: s
         if key in value and not isinstance(value[key], bool):
             raise ValueError(f"{FLAG}: {key} must be true or false")
     named = value.get("backend")
-    if named is None:
+    if named is None or named == "auto":  # vLLM's default: pick the backend; chassis has one
         return backend
     if not isinstance(named, str) or not named:
         raise ValueError(f"{FLAG}: backend must be a backend plugin's name")

@@ -56,8 +56,8 @@ def load_tokenizer(
 
 def engine_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of an engine of ``config``: ``config.tokenizer`` (a local directory or a
-    hub id, fetched into ``download_dir``) with its ``trust_remote_code`` and
-    ``tokenizer_mode``. Every part of the front-end that needs the engine's tokenizer loads
+    hub id, fetched at ``tokenizer_revision`` into ``download_dir``) with its
+    ``trust_remote_code`` and ``tokenizer_mode``. Every part of the front-end that needs the engine's tokenizer loads
     it here, so they all load the same one."""
     assert config.tokenizer is not None, "finalize_config sets the tokenizer"
     kwargs: dict[str, Any] = {}
@@ -65,6 +65,7 @@ def engine_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
         kwargs["cache_dir"] = config.download_dir
     return load_tokenizer(
         config.tokenizer,
+        revision=config.tokenizer_revision,
         trust_remote_code=config.trust_remote_code,
         use_fast=config.tokenizer_mode != "slow",
         **kwargs,

@@ -117,6 +117,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     g.add_argument("--tokenizer", help="tokenizer hub id or directory (default: the model's)")
     g.add_argument("--revision", help="model revision (branch, tag or commit) on the hub")
     g.add_argument(
+        "--tokenizer-revision",
+        metavar="REV",
+        help="hub revision of a hub --tokenizer (default: its default branch)",
+    )
+    g.add_argument(
         "--tokenizer-mode",
         choices=TOKENIZER_MODES,
         help=_help(
@@ -213,6 +218,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     )
     g.add_argument(
         "--pooler-config",
+        "--override-pooler-config",
+        dest="pooler_config",
         type=_json_object_arg,
         metavar="JSON",
         help=(
@@ -246,8 +253,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     )
     g.add_argument(
         "--num-kv-blocks",
+        "--num-gpu-blocks-override",
+        dest="num_kv_blocks",
         type=int,
-        help="exact number of KV blocks, overriding memory sizing (tests, experiments)",
+        help="exact number of KV blocks, overriding memory sizing (tests, experiments); "
+        "--num-gpu-blocks-override is vLLM's name",
     )
     g.add_argument(
         "--enable-prefix-caching",
@@ -293,6 +303,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     g.add_argument("--sampler", help=_help("sampler plugin by name", "sampler"))
     g.add_argument(
         "--structured-output-backend",
+        "--guided-decoding-backend",
+        dest="structured_output_backend",
         help=_help(
             "constrained-decoding backend plugin by name (response_format, structured_outputs)",
             "structured_output_backend",
@@ -364,6 +376,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "-tp",
         type=int,
         help=_help("devices to shard the model over", "tensor_parallel_size"),
+    )
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        metavar="N",
+        help="vLLM's flag: only 1 (the default) is supported, data parallelism is not; run "
+        "several servers behind a load balancer instead",
     )
     g.add_argument(
         "--pipeline-parallel-size",
@@ -514,6 +534,12 @@ def _check_vllm_only_flags(args: argparse.Namespace) -> None:
             f"--pipeline-parallel-size {pipeline} is not supported: chassis has no pipeline "
             "parallelism; shard the model with --tensor-parallel-size instead"
         )
+    data = getattr(args, "data_parallel_size", None)
+    if data is not None and data != 1:
+        raise ValueError(
+            f"--data-parallel-size {data} is not supported: chassis runs one engine per "
+            "server; run several servers behind a load balancer instead"
+        )
     policy, scheduler = getattr(args, "scheduling_policy", None), getattr(args, "scheduler", None)
     if policy is not None:
         if scheduler is not None and scheduler != policy:
@@ -528,8 +554,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     Raises ``ValueError`` for invalid values (from ``EngineConfig``), for MODEL and
     ``--model`` naming different models (or ``--scheduling-policy`` and ``--scheduler``
-    different schedulers), for ``--pipeline-parallel-size`` above 1, and for a plugin that
-    failed to load.
+    different schedulers), for ``--pipeline-parallel-size`` or ``--data-parallel-size``
+    above 1, and for a plugin that failed to load.
     """
     load_error = getattr(args, _PLUGIN_ERROR, None)
     if load_error:

@@ -145,7 +145,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level (default: info)",
     )
     g.add_argument(
-        "--disable-access-log", action="store_true", help="do not log one line per request"
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",
+        dest="disable_access_log",
+        action="store_true",
+        help="do not log one line per request (--disable-uvicorn-access-log is vLLM's name)",
     )
     g.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
     g.add_argument(

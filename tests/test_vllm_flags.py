@@ -205,3 +205,33 @@ def test_download_dir_is_where_hub_models_are_found(
     assert llm.config.model == str(repo / "snapshots" / commit)
     assert len(llm.generate("From the download dir", GREEDY)[0].outputs[0].token_ids) == 6
     llm.shutdown()
+
+
+# -- vLLM's other names for chassis' flags -----------------------------------------------------
+
+
+def test_vllm_s_names_of_chassis_flags() -> None:
+    args = _parse(
+        [
+            "serve",
+            "--num-gpu-blocks-override",
+            "9",
+            "--override-pooler-config",
+            '{"normalize": false}',
+            "--guided-decoding-backend",
+            "auto",
+            "--disable-uvicorn-access-log",
+            "--tokenizer-revision",
+            "v1",
+            "-dp",
+            "1",
+        ]
+    )
+    config = engine_config_from_args(args)
+    assert config.num_kv_blocks == 9 and config.pooler_config == {"normalize": False}
+    assert config.structured_output_backend == "chassis"  # vLLM's "auto": the default
+    assert config.tokenizer_revision == "v1" and args.disable_access_log is True
+    auto = EngineConfig(structured_outputs_config={"backend": "auto"})
+    assert auto.structured_output_backend == "chassis"
+    with pytest.raises(ValueError, match="--data-parallel-size 2 is not supported"):
+        engine_config_from_args(_parse(["serve", "--data-parallel-size", "2"]))
