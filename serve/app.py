@@ -80,6 +80,7 @@ from chassis.serve.root_path import RootPathMiddleware
 from chassis.serve.security import install_security
 from chassis.serve.settings import ServerSettings
 from chassis.serve.state import ServerState
+from chassis.serve.user_middleware import add_user_middleware
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +228,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     shuts the engine down. Raises ``ValueError`` for a bad ``--chat-template``, for
     unknown parser names, for a ``--generation-config`` that cannot be read and for a
     ``--lora-modules`` adapter the engine cannot run, for a plugin route that cannot be
-    added (its path is taken; the message names the plugin), and for an invalid
+    added (its path is taken; the message names the plugin), for a ``--middleware`` that
+    cannot be imported or is neither a class nor an async function, and for an invalid
     ``$CHASSIS_RESPONSES_STORE_SIZE`` or ``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``.
     """
     settings = settings or ServerSettings()
@@ -287,6 +289,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         app.add_middleware(RootPathMiddleware, root_path=settings.root_path)
     if settings.enable_request_id_headers:  # outermost: every response gets the header
         app.add_middleware(RequestIdHeaderMiddleware)
+    add_user_middleware(app, settings.middleware)  # --middleware: outside all of ours
 
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     app.include_router(completions_router)

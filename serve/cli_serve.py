@@ -22,6 +22,7 @@ from chassis.serve.settings import (
     ServerSettings,
 )
 from chassis.serve.tls import check_tls
+from chassis.serve.user_middleware import import_middleware
 
 if TYPE_CHECKING:
     import socket
@@ -242,6 +243,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         'report the count at GET /load as {"server_load": N}',
     )
     g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="streamed completions and chat completions end with the usage chunk even when "
+        "the request did not ask (stream_options.include_usage)",
+    )
+    g.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="a chat request with tool_choice 'none' is rendered without its tools (by "
+        "default the chat template still sees them)",
+    )
+    g.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="IMPORT_PATH",
+        help="an extra ASGI middleware, 'package.module.Name' (or 'package.module:Name'): a "
+        "class is added with app.add_middleware, an async function (request, call_next) "
+        "as an HTTP middleware; repeat the flag for several (the last is outermost)",
+    )
+    g.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let a request bring its own chat template (chat_template, or chat_template in "
@@ -330,6 +352,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         response_role=args.response_role,
         enable_request_id_headers=args.enable_request_id_headers,
         enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_force_include_usage=args.enable_force_include_usage,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        middleware=list(args.middleware),
     )
 
 
@@ -349,6 +374,8 @@ def run(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         ChatParsers.from_settings(settings)  # unknown parser names fail before the model loads
         check_tls(settings)  # and so do unreadable certificates
+        for path in settings.middleware:  # and --middleware that cannot be used
+            import_middleware(path)
         store_size_from_env()  # and a bad $CHASSIS_RESPONSES_STORE_SIZE
         events_per_response_from_env()  # or $CHASSIS_RESPONSES_EVENTS_PER_RESPONSE
         check_lora_modules(

@@ -124,13 +124,18 @@ def _echo(body: ChatCompletionRequest, role: str) -> str:
 
 
 async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The rendered prompt's text (parsers read it) and token ids."""
+    """The rendered prompt's text (parsers read it) and token ids. With
+    ``--exclude-tools-when-tool-choice-none`` a request whose ``tool_choice`` is ``"none"``
+    renders without its tools (vLLM's flag; by default the template still sees them)."""
+    tools = body.tools
+    if body.tool_choice == "none" and state.settings.exclude_tools_when_tool_choice_none:
+        tools = None
     return await asyncio.to_thread(
         state.renderer.render_prompt,
         body.messages,
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message),
-        tools=body.tools,
+        tools=tools,
         chat_template_kwargs=body.chat_template_kwargs,
         chat_template=body.chat_template,
         add_special_tokens=bool(body.add_special_tokens),
@@ -403,6 +408,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = _state(request)
     state.check_accepting()
     model, lora_request = state.resolve_model(body.model)
+    if state.settings.enable_force_include_usage:
+        body.force_include_usage()
     params, prompt_ids, parsing = await prepare_chat(state, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log_request(state.settings, request_id, None, prompt_ids, params, lora_request, state.tokenizer)

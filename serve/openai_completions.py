@@ -397,6 +397,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = _state(request)
     state.check_accepting()
     model, lora_request = state.resolve_model(body.model)
+    if state.settings.enable_force_include_usage:
+        body.force_include_usage()
     params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
     check_max_logprobs(
         state.engine.config.max_logprobs,

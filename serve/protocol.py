@@ -227,6 +227,17 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def force_include_usage(self) -> None:
+        """``--enable-force-include-usage``: a stream ends with its usage chunk even when the
+        request did not ask for it (vLLM's rule; usage on every chunk stays the request's
+        choice, ``continuous_usage_stats``). Non-streamed answers always carry usage."""
+        if not self.stream:
+            return
+        if self.stream_options is None:
+            self.stream_options = StreamOptions(include_usage=True)
+        else:
+            self.stream_options.include_usage = True
+
     @property
     def continuous_usage(self) -> bool:
         """Usage on every chunk: vLLM's ``continuous_usage_stats``, which (as in vLLM) only

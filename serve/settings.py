@@ -85,6 +85,15 @@ class ServerSettings:
     #: count the API requests being served and report the count at ``GET /load``
     #: (``--enable-server-load-tracking``, vLLM's flag)
     enable_server_load_tracking: bool = False
+    #: streams end with their usage chunk even when the request did not ask
+    #: (``--enable-force-include-usage``, vLLM's flag)
+    enable_force_include_usage: bool = False
+    #: a chat request with ``tool_choice: "none"`` renders without its tools
+    #: (``--exclude-tools-when-tool-choice-none``, vLLM's flag)
+    exclude_tools_when_tool_choice_none: bool = False
+    #: extra ASGI middleware, import paths (``--middleware``, vLLM's flag): a class is added
+    #: with ``app.add_middleware``, an async function as an ``http`` middleware
+    middleware: list[str] = field(default_factory=list)
     #: the path prefix a reverse proxy serves the app under (``--root-path``, ASGI's
     #: ``root_path``): routes answer with and without it, the OpenAPI schema and the docs
     #: pages name it; "" = none

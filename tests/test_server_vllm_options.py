@@ -1,13 +1,19 @@
-"""vLLM's server options ``--response-role``, ``--enable-request-id-headers`` and
-``--enable-server-load-tracking`` (``GET /load``), over the test double of the engine."""
+"""vLLM's server options ``--response-role``, ``--enable-request-id-headers``,
+``--enable-server-load-tracking`` (``GET /load``), ``--enable-force-include-usage``,
+``--exclude-tools-when-tool-choice-none`` and ``--middleware``, over the test double of the
+engine."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import sys
+import types
 
 import httpx
-from fake_engine import FakeAsyncLLM
+import pytest
+from fake_engine import CHAT_TEMPLATE, FakeAsyncLLM
 from fastapi.testclient import TestClient
 
 from chassis.serve.app import build_app
@@ -126,3 +132,111 @@ def test_load_needs_the_api_key() -> None:
         assert client.get("/load").status_code == 401
         auth = {"Authorization": "Bearer k"}
         assert client.get("/load", headers=auth).json() == {"server_load": 0}
+
+
+def _stream_events(client: TestClient, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_force_include_usage_ends_every_stream_with_usage() -> None:
+    chat = {"messages": MESSAGES, "max_tokens": 3}
+    completion = {"prompt": "x", "max_tokens": 3}
+    settings = ServerSettings(enable_force_include_usage=True)
+    with TestClient(build_app(FakeAsyncLLM(), settings)) as client:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+            events = _stream_events(client, path, body)
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+            assert all(e.get("usage") is None for e in events[:-1])  # not on every chunk
+            # a request's continuous_usage_stats still puts it on every chunk
+            options = {"stream_options": {"continuous_usage_stats": True}}
+            events = _stream_events(client, path, {**body, **options})
+            assert all(e.get("usage") is not None for e in events)
+    with TestClient(build_app(FakeAsyncLLM(), ServerSettings())) as client:
+        events = _stream_events(client, "/v1/completions", completion)
+        assert all(e.get("usage") is None for e in events)
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_tools_leave_the_prompt_of_tool_choice_none_only_when_asked(exclude: bool) -> None:
+    engine = FakeAsyncLLM(chat_template="{% if tools %}TOOLS{% endif %}" + CHAT_TEMPLATE)
+    settings = ServerSettings(exclude_tools_when_tool_choice_none=exclude)
+    with TestClient(build_app(engine, settings)) as client:
+        lengths = {}
+        for choice in ("auto", "none"):
+            body = {"messages": MESSAGES, "max_tokens": 1, "tools": TOOLS, "tool_choice": choice}
+            if choice == "auto":
+                body.pop("tool_choice")  # 'auto' needs --enable-auto-tool-choice; the default
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            lengths[choice] = len(engine.requests[-1][1])
+        plain = {"messages": MESSAGES, "max_tokens": 1}
+        assert client.post("/v1/chat/completions", json=plain).status_code == 200
+        without_tools = len(engine.requests[-1][1])
+    assert lengths["auto"] > without_tools
+    assert lengths["none"] == (without_tools if exclude else lengths["auto"])
+
+
+class HeaderMiddleware:
+    """An ASGI middleware class, as --middleware names one."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_marked(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (b"x-class", b"1")]}
+            await send(message)
+
+        await self.app(scope, receive, send_marked)
+
+
+async def header_function(request, call_next):
+    response = await call_next(request)
+    response.headers["x-function"] = "1"
+    return response
+
+
+not_middleware = 42
+
+
+@pytest.fixture
+def middleware_module(monkeypatch: pytest.MonkeyPatch) -> str:
+    module = types.ModuleType("chassis_test_middleware")
+    module.HeaderMiddleware = HeaderMiddleware
+    module.header_function = header_function
+    module.not_middleware = not_middleware
+    monkeypatch.setitem(sys.modules, "chassis_test_middleware", module)
+    return "chassis_test_middleware"
+
+
+def test_middleware_classes_and_functions_wrap_every_response(middleware_module: str) -> None:
+    paths = [f"{middleware_module}.HeaderMiddleware", f"{middleware_module}:header_function"]
+    settings = ServerSettings(middleware=paths, api_key="k")
+    with TestClient(build_app(FakeAsyncLLM(), settings)) as client:
+        for response in (client.get("/v1/models"), client.get("/health")):  # 401 and 200
+            assert response.headers["x-class"] == "1" and response.headers["x-function"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("nodots", "give an import path"),
+        ("no_such_module_xyz.Thing", "cannot import 'no_such_module_xyz'"),
+        ("chassis_test_middleware.Missing", "has no 'Missing'"),
+        ("chassis_test_middleware.not_middleware", "names a 'int' object: it must be an ASGI middleware"),
+    ],
+)
+def test_middleware_that_cannot_be_used_stops_start_up(
+    middleware_module: str, path: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_app(FakeAsyncLLM(), ServerSettings(middleware=[path]))
+    args = build_parser().parse_args(["serve", "--middleware", path, "--middleware", "a.b"])
+    assert settings_from_args(args).middleware == [path, "a.b"]
