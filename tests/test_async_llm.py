@@ -9,9 +9,8 @@ import threading
 from dataclasses import replace
 
 import pytest
+from engines import tiny_async_llm
 
-from chassis.core.async_llm import AsyncLLM
-from chassis.core.config import EngineConfig
 from chassis.core.errors import EngineDeadError, RequestFailedError
 from chassis.core.request import RequestError
 from chassis.core.sampling_params import SamplingParams
@@ -19,15 +18,7 @@ from chassis.core.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 def engine(tiny_llama_dir, request):
-    llm = AsyncLLM.from_engine_config(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype="float32",
-            max_model_len=256,
-            num_kv_blocks=64,
-            async_scheduling=request.param,
-        )
-    )
+    llm = tiny_async_llm(tiny_llama_dir, async_scheduling=request.param)
     yield llm
     llm.shutdown_sync()
 
@@ -216,11 +207,7 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine):
 
 
 def test_killing_the_engine_core_fails_pending_requests(tiny_llama_dir):
-    engine = AsyncLLM.from_engine_config(
-        EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64
-        )
-    )
+    engine = tiny_async_llm(tiny_llama_dir)
     params = SamplingParams(temperature=0.0, max_tokens=250, ignore_eos=True)
 
     async def main():
@@ -251,11 +238,7 @@ def test_an_engine_core_exception_fails_cleanly_and_shutdown_returns(tiny_llama_
     traceback (that stays in its log), and shutdown returns (it hung on the open socket)."""
     from chassis.core.engine_core_proc import ADD
 
-    engine = AsyncLLM.from_engine_config(
-        EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64
-        )
-    )
+    engine = tiny_async_llm(tiny_llama_dir)
 
     async def main() -> str:
         died = asyncio.Event()

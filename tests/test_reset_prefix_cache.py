@@ -9,10 +9,9 @@ import os
 import signal
 
 import pytest
+from engines import tiny_async_llm
 from fastapi.testclient import TestClient
 
-from chassis.core.async_llm import AsyncLLM
-from chassis.core.config import EngineConfig
 from chassis.core.engine_utility import UtilityCall, run_utility
 from chassis.core.errors import EngineDeadError
 from chassis.core.llm import LLM
@@ -92,11 +91,7 @@ def test_dev_mode_comes_from_vllm_s_or_chassis_variable(monkeypatch: pytest.Monk
 
 @pytest.fixture(scope="module")
 def async_engine(tiny_llama_dir):
-    engine = AsyncLLM.from_engine_config(
-        EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64
-        )
-    )
+    engine = tiny_async_llm(tiny_llama_dir)
     yield engine
     engine.shutdown_sync()
 
@@ -136,11 +131,7 @@ def test_an_unknown_utility_is_an_error_and_the_engine_keeps_serving(async_engin
 
 
 def test_a_call_to_a_dead_engine_core_fails(tiny_llama_dir) -> None:
-    engine = AsyncLLM.from_engine_config(
-        EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64
-        )
-    )
+    engine = tiny_async_llm(tiny_llama_dir)
 
     async def main() -> None:
         died = asyncio.Event()
