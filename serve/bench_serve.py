@@ -1,7 +1,11 @@
 """``chassis bench serve``: drive a running server over HTTP and report latency percentiles.
 
-Sends streaming ``/v1/completions`` requests with random-token prompts at a request rate
-(Poisson arrivals) or with a fixed number in flight (``--max-concurrency``), and measures per
+Sends streaming ``/v1/completions`` requests at a request rate (Poisson arrivals) or with a
+fixed number in flight (``--max-concurrency``): random-token prompts (``--dataset-name
+random``, the default) or ShareGPT's conversations (``--dataset-name sharegpt --dataset-path
+FILE``, :mod:`chassis.serve.bench_sharegpt`). vLLM's spellings of the workload flags
+(``--host``/``--port``, ``--random-input-len``, ``--random-output-len``,
+``--random-range-ratio``) are accepted. It measures per
 request the time to first token (TTFT), time per output token after the first (TPOT), and
 every inter-token latency (ITL): the gap before each chunk that brought tokens, as vLLM's
 serving benchmark counts it (a server that falls behind sends several tokens in one chunk;
@@ -20,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from chassis.serve.bench_sharegpt import load_sharegpt, server_token_counter, sharegpt_workload
 from chassis.serve.bench_workload import parse_length, random_workload
 
 
@@ -51,12 +56,46 @@ def add_serve_bench_parser(kinds: Any) -> None:
     p.add_argument(
         "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)"
     )
+    p.add_argument(
+        "--host",
+        default=None,
+        help="vLLM's way to name the server: --host and --port make the base URL",
+    )
+    p.add_argument("--port", type=int, default=None, help="with --host (default: 8000)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")
     p.add_argument(
-        "--input-len", default="128", help="prompt tokens: N or MIN:MAX (uniform; default 128)"
+        "--dataset-name",
+        choices=("random", "sharegpt"),
+        default="random",
+        help="random = random token ids of --input-len (default); sharegpt = the first turns "
+        "of ShareGPT's conversations (--dataset-path), output lengths of their replies",
+    )
+    p.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file")
+    p.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="ShareGPT: ask every request for this many tokens instead of its reply's length",
     )
     p.add_argument(
-        "--output-len", default="128", help="output tokens: N or MIN:MAX (uniform; default 128)"
+        "--ignore-eos",
+        action="store_true",
+        help="ShareGPT: generate the full output length past EOS (random prompts always do)",
+    )
+    p.add_argument(
+        "--input-len", default=None, help="prompt tokens: N or MIN:MAX (uniform; default 128)"
+    )
+    p.add_argument(
+        "--output-len", default=None, help="output tokens: N or MIN:MAX (uniform; default 128)"
+    )
+    p.add_argument("--random-input-len", type=int, default=None, help="vLLM's --input-len N")
+    p.add_argument("--random-output-len", type=int, default=None, help="vLLM's --output-len N")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="vLLM's: random lengths uniform in [N*(1-R), N*(1+R)] around the random lengths "
+        "(default: 0, exactly N)",
     )
     p.add_argument(
         "--request-rate",
@@ -89,10 +128,39 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def workload_lengths(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The random workload's (input, output) length ranges from chassis' flags or vLLM's
+    (``--random-input-len`` with ``--random-range-ratio``); ``ValueError`` when both name
+    one length, or for a range that is not one."""
+    ratio = args.random_range_ratio
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1); got {ratio}")
+
+    def one(spec: str | None, vllm_value: int | None, name: str) -> tuple[int, int]:
+        if spec is not None and vllm_value is not None:
+            raise ValueError(f"give --{name}-len or --random-{name}-len, not both")
+        if vllm_value is None:
+            return parse_length(spec or "128")
+        low, high = int(vllm_value * (1 - ratio)), int(vllm_value * (1 + ratio))
+        return parse_length(f"{max(low, 1)}:{max(high, 1)}")
+
+    return (
+        one(args.input_len, args.random_input_len, "input"),
+        one(args.output_len, args.random_output_len, "output"),
+    )
+
+
+def base_url(args: argparse.Namespace) -> str:
+    """``--base-url``, or vLLM's ``--host``/``--port``."""
+    if args.host is None and args.port is None:
+        return str(args.base_url)
+    return f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+
+
 async def _one(
-    client: Any, url: str, headers: dict[str, str], body: dict[str, Any]
+    client: Any, url: str, headers: dict[str, str], body: dict[str, Any], prompt_tokens: int
 ) -> RequestResult:
-    result = RequestResult(ok=False, prompt_tokens=len(body["prompt"]))
+    result = RequestResult(ok=False, prompt_tokens=prompt_tokens)
     start = time.perf_counter()
     last = start
     try:
@@ -155,47 +223,69 @@ async def served_model(client: Any, headers: dict[str, str]) -> str:
         ) from None
 
 
-async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+async def _bench(args: argparse.Namespace, transport: Any = None) -> dict[str, Any]:
+    """Run the workload against the server (``transport``: httpx's, for tests in-process)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=None) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url(args), timeout=None, transport=transport
+    ) as client:
         model = args.model
         if model is None:
             model = await served_model(client, headers)
-        vocab = args.vocab_size or 1000
-        workload = random_workload(
-            args.num_prompts,
-            parse_length(args.input_len),
-            parse_length(args.output_len),
-            vocab,
-            seed=args.seed,
-        )
-        semaphore = asyncio.Semaphore(args.max_concurrency or len(workload))
+        requests = await _workload(args, client, headers, model)
+        semaphore = asyncio.Semaphore(args.max_concurrency or max(len(requests), 1))
         rng = random.Random(args.seed)
 
-        async def limited(body: dict[str, Any]) -> RequestResult:
+        async def limited(body: dict[str, Any], prompt_len: int) -> RequestResult:
             async with semaphore:
-                return await _one(client, "/v1/completions", headers, body)
+                return await _one(client, "/v1/completions", headers, body, prompt_len)
 
         tasks = []
         start = time.perf_counter()
-        for request in workload:
+        for prompt, prompt_len, output_len, ignore_eos in requests:
             body = {
                 "model": model,
-                "prompt": request.prompt_token_ids,
-                "max_tokens": request.output_len,
+                "prompt": prompt,
+                "max_tokens": output_len,
                 "temperature": 0.0,
-                "ignore_eos": True,
+                "ignore_eos": ignore_eos,
                 "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             }
-            tasks.append(asyncio.create_task(limited(body)))
+            tasks.append(asyncio.create_task(limited(body, prompt_len)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return summarize(results, duration)
+
+
+async def _workload(
+    args: argparse.Namespace, client: Any, headers: dict[str, str], model: str
+) -> list[tuple[str | list[int], int, int, bool]]:
+    """``(prompt, prompt tokens, output tokens, ignore_eos)`` of each request."""
+    if args.dataset_name == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path (ShareGPT's JSON file)")
+        workload = await sharegpt_workload(
+            load_sharegpt(args.dataset_path),
+            args.num_prompts,
+            server_token_counter(client, headers, model),
+            seed=args.seed,
+            fixed_output_len=args.sharegpt_output_len,
+        )
+        if not workload:
+            raise ValueError(f"--dataset-path {args.dataset_path}: no conversation fits the filter")
+        return [(r.prompt, r.prompt_len, r.output_len, args.ignore_eos) for r in workload]
+    input_len, output_len = workload_lengths(args)
+    random_requests = random_workload(
+        args.num_prompts, input_len, output_len, args.vocab_size or 1000, seed=args.seed
+    )
+    return [
+        (r.prompt_token_ids, len(r.prompt_token_ids), r.output_len, True) for r in random_requests
+    ]
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
@@ -225,11 +315,12 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark and print its report; exit status 0, 1 when a request failed or
-    the server cannot be benchmarked (a one-line error, no traceback)."""
+    """Run the benchmark and print its report; exit status 0, 1 when a request failed, the
+    server cannot be benchmarked or the workload cannot be made (a one-line error, no
+    traceback)."""
     try:
         report = asyncio.run(_bench(args))
-    except ServerUnusableError as exc:
+    except (ServerUnusableError, ValueError) as exc:  # ValueError: the workload's flags or file
         print(f"chassis bench serve: {exc}", file=sys.stderr)
         return 1
     print(

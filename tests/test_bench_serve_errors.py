@@ -4,7 +4,6 @@ traceback), an unreachable server, a model list without a model."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import socket
 
@@ -12,6 +11,7 @@ import httpx
 import pytest
 
 from chassis.serve.bench_serve import ServerUnusableError, run, served_model
+from chassis.serve.cli import build_parser
 
 
 def _models(status: int, body: str) -> str:
@@ -45,18 +45,8 @@ def test_an_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixt
     with socket.socket() as probe:  # a local port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    args = argparse.Namespace(
-        base_url=f"http://127.0.0.1:{port}",
-        api_key=None,
-        model=None,
-        num_prompts=1,
-        input_len="4",
-        output_len="2",
-        request_rate=float("inf"),
-        max_concurrency=None,
-        seed=0,
-        vocab_size=None,
-        output_json=None,
+    args = build_parser().parse_args(
+        ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]
     )
     assert run(args) == 1
     err = capsys.readouterr().err

@@ -117,7 +117,7 @@ def test_async_llm_and_completions_route_without_tokenizer(config_dir):
                     "stream": True,
                     "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                 }
-                streamed = await _one(client, "/v1/completions", {}, body)
+                streamed = await _one(client, "/v1/completions", {}, body, prompt_tokens=4)
             return plain, text, streamed
 
         plain, text, streamed = asyncio.run(main())
