@@ -24,7 +24,7 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: with
                            ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` only
                            (:mod:`chassis.serve.lora_routes`)
-``POST /reset_prefix_cache``  with ``$VLLM_SERVER_DEV_MODE`` only
+``POST /reset_prefix_cache``, ``GET /server_info``: with ``$VLLM_SERVER_DEV_MODE`` only
                            (:mod:`chassis.serve.dev_routes`)
 plugins' routes            ``chassis_register_routes`` (:mod:`chassis.serve.plugin_routes`)
 =========================  ==================================================================
@@ -317,8 +317,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         app.include_router(lora_router)
     if settings.server_dev_mode:
         logger.warning(
-            "development routes are on (/reset_prefix_cache): any client with the API key "
-            "can reset the engine's prefix cache; use this for local development only"
+            "development routes are on (/reset_prefix_cache, /server_info): any client with "
+            "the API key can reset the engine's prefix cache and read its settings; use this "
+            "for local development only"
         )
         app.include_router(dev_router)
     # Last, so a plugin path that is already served is caught (an error naming the plugin).

@@ -5,6 +5,13 @@ Added only when ``VLLM_SERVER_DEV_MODE`` (or ``CHASSIS_SERVER_DEV_MODE``) is ``1
 state that production clients should not reach. They take the API key like every other
 route.
 
+``GET /server_info``: the engine's settings as it runs them (``engine_config``: every
+``EngineConfig`` field, resolved: the model's local folder, ``max_model_len``, the
+attention backend, ...) and what the engine core reported when it started
+(``engine_info``: platform, KV blocks and capacity in tokens, ...), as JSON. vLLM answers
+``{"vllm_config": ...}`` with its own config; the server's settings (the API key, TLS
+files) are not shown.
+
 ``POST /reset_prefix_cache``: the engine forgets every cached prefix (between two steps;
 running requests are not disturbed) and the route answers ``200`` with an empty body once it
 has; later requests compute their prompts from scratch until their blocks are cached again.
@@ -18,8 +25,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 
 from chassis.serve import errors
 
@@ -51,3 +61,16 @@ async def reset_prefix_cache(request: Request) -> Response:
         return errors.to_api_error(exc).response()
     logger.info("prefix cache reset (POST /reset_prefix_cache)")
     return Response(status_code=200)
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> JSONResponse:
+    """The engine's resolved settings and start-up report (see the module docstring)."""
+    engine = request.app.state.chassis.engine
+    info: Any = getattr(engine, "engine_info", None)
+    report = msgspec.to_builtins(info) if info is not None else None
+    if info is not None:
+        report["kv_capacity_tokens"] = info.kv_capacity_tokens
+    return JSONResponse(
+        {"engine_config": msgspec.to_builtins(engine.config.to_dict()), "engine_info": report}
+    )

@@ -1,6 +1,6 @@
 """Resetting the prefix cache: ``LLM.reset_prefix_cache``, ``AsyncLLM.reset_prefix_cache``
-(a utility call over the engine core's socket) and the development route
-``POST /reset_prefix_cache``."""
+(a utility call over the engine core's socket) and the development routes
+``POST /reset_prefix_cache`` and ``GET /server_info``."""
 
 from __future__ import annotations
 
@@ -116,6 +116,21 @@ def test_the_route_resets_the_engine_s_cache_in_dev_mode_only(async_engine) -> N
         assert response.status_code == 200 and response.content == b""
         assert _cached_tokens(client) == 0
         assert _cached_tokens(client) >= 3 * 16
+
+
+def test_server_info_shows_the_resolved_engine_settings(async_engine, tiny_llama_dir) -> None:
+    settings = ServerSettings(server_dev_mode=True, shutdown_engine_on_exit=False, api_key="k")
+    with TestClient(build_app(async_engine, settings)) as client:
+        assert client.get("/server_info").status_code == 401
+        info = client.get("/server_info", headers={"Authorization": "Bearer k"}).json()
+    config, engine = info["engine_config"], info["engine_info"]
+    assert config["model"] == str(tiny_llama_dir) and config["max_model_len"] == 256
+    assert config["attention_backend"] == engine["attention_backend"] is not None
+    assert engine["num_kv_blocks"] == 64 and engine["platform"] == "cpu"
+    assert engine["kv_capacity_tokens"] == 64 * config["block_size"]
+    assert "api_key" not in str(info)  # the server's settings are not shown
+    with TestClient(build_app(async_engine, ServerSettings(shutdown_engine_on_exit=False))) as c:
+        assert c.get("/server_info").status_code == 404
 
 
 def test_an_unknown_utility_is_an_error_and_the_engine_keeps_serving(async_engine) -> None:
