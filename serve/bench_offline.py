@@ -218,14 +218,17 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
     """
     _check_backend(args, config)
     hf_config, special, pad = _prepare(config)
-    workload = random_workload(
-        args.num_prompts,
-        parse_length(args.input_len),
-        parse_length(args.output_len),
-        int(hf_config.vocab_size),
-        special,
-        seed=config.seed,
-    )
+    if getattr(args, "dataset_name", "random") == "sharegpt":
+        workload = _sharegpt_workload(args, config)
+    else:
+        workload = random_workload(
+            args.num_prompts,
+            parse_length(args.input_len),
+            parse_length(args.output_len),
+            int(hf_config.vocab_size),
+            special,
+            seed=config.seed,
+        )
     num_hf = getattr(args, "hf_num_prompts", None) or len(workload)
     if not 1 <= num_hf <= len(workload):
         raise ValueError(f"--hf-num-prompts must be in [1, {len(workload)}]; got {num_hf}")
@@ -267,6 +270,28 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
         report["ratio_basis"] = basis
     _maybe_write(args, report)
     return report
+
+
+def _sharegpt_workload(args: Any, config: EngineConfig) -> list[BenchRequest]:
+    """``--dataset-name sharegpt``: ShareGPT's first turns, tokenized by the engine's
+    tokenizer (:mod:`chassis.serve.bench_sharegpt`); ``ValueError`` saying what is missing."""
+    from chassis.core.tokenizer import engine_tokenizer
+    from chassis.serve.bench_sharegpt import tokenized_sharegpt_workload
+
+    if not args.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path (ShareGPT's JSON file)")
+    if config.skip_tokenizer_init:
+        raise ValueError("--dataset-name sharegpt tokenizes text: drop --skip-tokenizer-init")
+    workload = tokenized_sharegpt_workload(
+        args.dataset_path,
+        args.num_prompts,
+        engine_tokenizer(config),
+        seed=config.seed,
+        fixed_output_len=args.sharegpt_output_len,
+    )
+    if not workload:
+        raise ValueError(f"--dataset-path {args.dataset_path}: no conversation fits the filter")
+    return workload
 
 
 def latency(args: Any, config: EngineConfig) -> dict[str, Any]:

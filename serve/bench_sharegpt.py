@@ -7,17 +7,22 @@ turns or more gives one candidate: its first turn is the prompt, and the length 
 (in tokens) is the request's output length, unless a fixed one is asked for. The candidates
 are shuffled with the seed, then taken in order while they pass vLLM's filter: a prompt and
 an output of 4 tokens or more (the output not checked when fixed), a prompt of at most 1024
-tokens and at most 2048 tokens together. Tokens are counted by the server's ``POST
-/tokenize`` (chassis and vLLM have it), so the benchmark needs no tokenizer of its own.
+tokens and at most 2048 tokens together, counted as vLLM counts them (the tokenizer's
+special tokens included). ``chassis bench serve`` counts with the server's ``POST /tokenize``
+(chassis and vLLM have it), so it needs no tokenizer of its own; ``chassis bench
+throughput`` with the engine's tokenizer, and runs the prompts' token ids.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from chassis.serve.bench_workload import BenchRequest
 
 #: vLLM's ShareGPT filter
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
@@ -85,13 +90,14 @@ async def sharegpt_workload(
 def server_token_counter(
     client: Any, headers: dict[str, str], model: str
 ) -> Callable[[str], Awaitable[int]]:
-    """Counts a text's tokens (without special tokens) with the server's ``POST /tokenize``;
-    the counter raises ``ValueError`` when the server has no such route."""
+    """Counts a text's tokens (special tokens included, as vLLM's benchmark counts) with the
+    server's ``POST /tokenize``; the counter raises ``ValueError`` when the server has no
+    such route."""
 
     async def count(text: str) -> int:
         response = await client.post(
             "/tokenize",
-            json={"model": model, "prompt": text, "add_special_tokens": False},
+            json={"model": model, "prompt": text, "add_special_tokens": True},
             headers=headers,
         )
         if response.status_code != 200:
@@ -102,3 +108,22 @@ def server_token_counter(
         return int(response.json()["count"])
 
     return count
+
+
+def tokenized_sharegpt_workload(
+    path: str,
+    num_requests: int,
+    tokenizer: Any,
+    seed: int = 0,
+    fixed_output_len: int | None = None,
+) -> list[BenchRequest]:
+    """The ShareGPT workload of ``path`` as token-id requests of ``tokenizer`` (an HF
+    tokenizer; special tokens included, as the counts are)."""
+
+    async def count(text: str) -> int:
+        return len(tokenizer(text).input_ids)
+
+    requests = asyncio.run(
+        sharegpt_workload(load_sharegpt(path), num_requests, count, seed, fixed_output_len)
+    )
+    return [BenchRequest(list(tokenizer(r.prompt).input_ids), r.output_len) for r in requests]

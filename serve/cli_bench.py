@@ -42,6 +42,21 @@ def add_parser(subparsers: Any) -> None:
     tp.add_argument("--num-prompts", type=int, default=32, help="requests to run (default: 32)")
     tp.add_argument("--input-len", default="32:256", help="N or MIN:MAX (uniform); default 32:256")
     tp.add_argument("--output-len", default="32:128", help="N or MIN:MAX (uniform); default 32:128")
+    tp.add_argument(
+        "--dataset-name",
+        choices=("random", "sharegpt"),
+        default="random",
+        help="random = random token ids of --input-len/--output-len (default); sharegpt = "
+        "the first turns of ShareGPT's conversations (--dataset-path), tokenized by the "
+        "engine's tokenizer, output lengths of their replies",
+    )
+    tp.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file")
+    tp.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="ShareGPT: every request generates this many tokens instead of its reply's length",
+    )
     _add_common(tp)
     tp.add_argument(
         "--hf-batch-size",

@@ -73,16 +73,16 @@ def test_sharegpt_sends_the_first_turns_that_pass_vllm_s_filter(sharegpt_file: s
     engine = FakeAsyncLLM(max_model_len=2048)
     flags = ["--dataset-name", "sharegpt", "--dataset-path", sharegpt_file]
     report = _run(engine, *flags, "--num-prompts", "10")
-    # kept: the two conversations whose prompt and reply have 4 bytes (tokens) or more and
-    # whose prompt is at most 1024; "Hi", the 2-byte reply, the lone turn and the long
-    # prompt are not
+    # kept: the two conversations whose prompt and reply have 4 tokens or more (one per
+    # byte, plus BOS, as vLLM counts) and whose prompt is at most 1024; "Hi", the 2-byte
+    # reply, the lone turn and the long prompt are not
     assert report["completed"] == 2 and report["failed"] == 0
     sent = sorted(
         (engine.tokenizer.decode(ids[1:]), p.max_tokens) for _, ids, p, _ in engine.requests
     )
     assert sent == [
-        ("Count to three.", len("1, 2, 3.")),
-        ("What is a cat?", len("A small feline.")),
+        ("Count to three.", len("1, 2, 3.") + 1),
+        ("What is a cat?", len("A small feline.") + 1),
     ]
     assert not any(params.ignore_eos for _, _, params, _ in engine.requests)
     # a fixed output length, EOS ignored, and fewer prompts than there are conversations
@@ -127,3 +127,39 @@ def test_host_and_port_name_the_server() -> None:
     assert base_url(_args("--base-url", "http://h:1")) == "http://h:1"
     assert base_url(_args("--host", "10.0.0.2", "--port", "9000")) == "http://10.0.0.2:9000"
     assert base_url(_args("--port", "9001")) == "http://127.0.0.1:9001"
+
+
+def test_throughput_runs_sharegpt_through_the_engine_s_tokenizer(
+    tiny_llama_dir: Path, sharegpt_file: str, tmp_path: Path
+) -> None:
+    """``chassis bench throughput --dataset-name sharegpt``: the same conversations pass the
+    filter, tokenized by the engine's tokenizer (SmolLM2's, in the tiny Llama)."""
+    from chassis.serve.args import engine_config_from_args
+    from chassis.serve.bench_offline import throughput
+
+    out = tmp_path / "report.json"
+    args = build_parser().parse_args(
+        ["bench", "throughput", str(tiny_llama_dir), "--dtype", "float32",
+         "--num-kv-blocks", "128", "--num-prompts", "10", "--dataset-name", "sharegpt",
+         "--dataset-path", sharegpt_file, "--output-json", str(out)]
+    )  # fmt: skip
+    report = throughput(args, engine_config_from_args(args))
+    (result,) = report["results"]
+    # vLLM's filter over the tokenizer's own counts (BPE: the 1100 x's are far fewer tokens)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    kept = [
+        (len(tokenizer(turns[0]["value"]).input_ids), len(tokenizer(turns[1]["value"]).input_ids))
+        for turns in (c.get("conversations", []) for c in CONVERSATIONS)
+        if len(turns) >= 2
+    ]
+    kept = [(n, m) for n, m in kept if n >= 4 and m >= 4 and n <= 1024 and n + m <= 2048]
+    assert result["num_requests"] == len(kept) >= 2, result
+    assert result["prompt_tokens"] == sum(n for n, _ in kept)
+    assert result["output_tokens"] == sum(m for _, m in kept)  # ignore_eos, as vLLM's
+    missing = build_parser().parse_args(
+        ["bench", "throughput", str(tiny_llama_dir), "--dataset-name", "sharegpt"]
+    )
+    with pytest.raises(ValueError, match="needs --dataset-path"):
+        throughput(missing, engine_config_from_args(missing))
