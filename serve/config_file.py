@@ -50,11 +50,19 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def _given(action: argparse.Action, argv: Sequence[str]) -> bool:
-    """Whether the command line passed one of ``action``'s option strings."""
+def _given(parser: argparse.ArgumentParser, action: argparse.Action, argv: Sequence[str]) -> bool:
+    """Whether the command line set ``action``'s value: passed one of its option strings, or
+    of another flag with the same destination (``--disable-log-stats`` and
+    ``--stat-loggers``)."""
+    names = {
+        name
+        for other in parser._actions
+        if other.dest == action.dest
+        for name in other.option_strings
+    }
     for token in argv:
         name = token.split("=", 1)[0] if token.startswith("--") else token
-        if name in action.option_strings:
+        if name in names:
             return True
     return False
 
@@ -98,6 +106,6 @@ def config_file_argv(
         action = parser._option_string_actions.get(flag)
         if action is None:
             raise ValueError(f"--config {path}: {key!r} is not a flag of this command (see --help)")
-        if not _given(action, argv) and value is not None:
+        if not _given(parser, action, argv) and value is not None:
             extra.extend(_tokens(flag, action, value, path))
     return extra

@@ -64,6 +64,12 @@ def test_config_file_values_fill_in_what_the_command_line_leaves_out(tmp_path: P
     assert args.enable_prefix_caching is False  # still the file's
     args = _parse(["serve", "--config", path, "--enable-prefix-caching"])
     assert args.enable_prefix_caching is True
+    # a flag of the same destination on the command line wins too
+    other = _config_file(tmp_path, "disable_log_stats: true\n")
+    assert _parse(["serve", "--config", other, "--stat-loggers", "logging"]).stat_loggers == [
+        "logging"
+    ]
+    assert _parse(["serve", "--config", other]).stat_loggers == []
 
 
 @pytest.mark.parametrize(
