@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("chassis.serve")
 
 API_KEY_ENV = "CHASSIS_API_KEY"
+#: vLLM's variable for the key, read when neither --api-key nor $CHASSIS_API_KEY is set
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 
 
 def _string_list(text: str) -> list[str]:
@@ -91,7 +93,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on every route but /health "
-        f"(default: ${API_KEY_ENV}, else no authentication)",
+        f"(default: ${API_KEY_ENV}, else vLLM's ${VLLM_API_KEY_ENV}, else no authentication)",
     )
     g.add_argument(
         "--allow-unauthenticated-metrics",
@@ -314,8 +316,11 @@ def add_parser(subparsers: Any) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    """:class:`ServerSettings` from the parsed flags (``$CHASSIS_API_KEY`` when no --api-key)."""
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    """:class:`ServerSettings` from the parsed flags (``$CHASSIS_API_KEY``, else
+    ``$VLLM_API_KEY``, when no --api-key)."""
+    api_key = args.api_key
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or None
     return ServerSettings(
         host=args.host,
         port=args.port,
@@ -427,8 +432,9 @@ def _serve(config: EngineConfig, settings: ServerSettings, sockets: list[socket.
 
     if settings.api_key is None:
         logger.warning(
-            "no API key set (--api-key or $%s): any client that can reach %s may use it",
+            "no API key set (--api-key, $%s or $%s): any client that can reach %s may use it",
             API_KEY_ENV,
+            VLLM_API_KEY_ENV,
             listen_address(settings),
         )
     try:

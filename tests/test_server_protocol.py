@@ -274,6 +274,21 @@ def test_invalid_engine_flag_value_is_value_error(tmp_path) -> None:
         engine_config_from_args(_serve_parser().parse_args(["--num-kv-blocks", "0"]))
 
 
+def test_the_api_key_comes_from_the_flag_then_chassis_then_vllm_s_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CHASSIS_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    assert settings_from_args(_serve_parser().parse_args([])).api_key == "vllm-key"
+    monkeypatch.setenv("CHASSIS_API_KEY", "chassis-key")
+    assert settings_from_args(_serve_parser().parse_args([])).api_key == "chassis-key"
+    args = _serve_parser().parse_args(["--api-key", "flag-key"])
+    assert settings_from_args(args).api_key == "flag-key"
+    monkeypatch.delenv("CHASSIS_API_KEY")
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert settings_from_args(_serve_parser().parse_args([])).api_key is None
+
+
 def test_server_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CHASSIS_API_KEY", "from-env")
     args = _serve_parser().parse_args(
