@@ -24,7 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from chassis.serve.bench_sharegpt import load_sharegpt, server_token_counter, sharegpt_workload
+from chassis.serve.bench_sharegpt import (
+    add_dataset_args,
+    load_sharegpt,
+    server_token_counter,
+    sharegpt_workload,
+)
 from chassis.serve.bench_workload import parse_length, random_workload
 
 
@@ -63,20 +68,7 @@ def add_serve_bench_parser(kinds: Any) -> None:
     )
     p.add_argument("--port", type=int, default=None, help="with --host (default: 8000)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")
-    p.add_argument(
-        "--dataset-name",
-        choices=("random", "sharegpt"),
-        default="random",
-        help="random = random token ids of --input-len (default); sharegpt = the first turns "
-        "of ShareGPT's conversations (--dataset-path), output lengths of their replies",
-    )
-    p.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file")
-    p.add_argument(
-        "--sharegpt-output-len",
-        type=int,
-        default=None,
-        help="ShareGPT: ask every request for this many tokens instead of its reply's length",
-    )
+    add_dataset_args(p, "sent as text")
     p.add_argument(
         "--ignore-eos",
         action="store_true",

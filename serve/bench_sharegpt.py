@@ -15,6 +15,7 @@ throughput`` with the engine's tokenizer, and runs the prompts' token ids.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -36,6 +37,27 @@ class TextRequest:
     prompt: str
     prompt_len: int
     output_len: int
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, prompts: str) -> None:
+    """The workload flags of ``chassis bench serve`` and ``throughput`` (vLLM's names):
+    ``--dataset-name random|sharegpt``, ``--dataset-path``, ``--sharegpt-output-len``;
+    ``prompts`` says how the command sends ShareGPT's prompts."""
+    parser.add_argument(
+        "--dataset-name",
+        choices=("random", "sharegpt"),
+        default="random",
+        help="random = random token ids of --input-len/--output-len (default); sharegpt = "
+        f"the first turns of ShareGPT's conversations (--dataset-path), {prompts}, output "
+        "lengths of their replies",
+    )
+    parser.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file")
+    parser.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="ShareGPT: every request asks for this many tokens instead of its reply's length",
+    )
 
 
 def load_sharegpt(path: str) -> list[tuple[str, str]]:

@@ -33,6 +33,7 @@ def preset_dir(name: str) -> Path:
 
 def add_parser(subparsers: Any) -> None:
     from chassis.serve.args import add_engine_args
+    from chassis.serve.bench_sharegpt import add_dataset_args
 
     bench = subparsers.add_parser("bench", help="run a benchmark (throughput, latency, serve)")
     kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
@@ -42,21 +43,7 @@ def add_parser(subparsers: Any) -> None:
     tp.add_argument("--num-prompts", type=int, default=32, help="requests to run (default: 32)")
     tp.add_argument("--input-len", default="32:256", help="N or MIN:MAX (uniform); default 32:256")
     tp.add_argument("--output-len", default="32:128", help="N or MIN:MAX (uniform); default 32:128")
-    tp.add_argument(
-        "--dataset-name",
-        choices=("random", "sharegpt"),
-        default="random",
-        help="random = random token ids of --input-len/--output-len (default); sharegpt = "
-        "the first turns of ShareGPT's conversations (--dataset-path), tokenized by the "
-        "engine's tokenizer, output lengths of their replies",
-    )
-    tp.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file")
-    tp.add_argument(
-        "--sharegpt-output-len",
-        type=int,
-        default=None,
-        help="ShareGPT: every request generates this many tokens instead of its reply's length",
-    )
+    add_dataset_args(tp, "tokenized by the engine's tokenizer")
     _add_common(tp)
     tp.add_argument(
         "--hf-batch-size",
