@@ -1,12 +1,12 @@
 """``chassis bench serve``: drive a running server over HTTP and report latency percentiles.
 
-Sends streaming ``/v1/completions`` requests at a request rate (Poisson arrivals) or with a
-fixed number in flight (``--max-concurrency``): random-token prompts (``--dataset-name
-random``, the default) or ShareGPT's conversations (``--dataset-name sharegpt --dataset-path
-FILE``, :mod:`chassis.serve.bench_sharegpt`). vLLM's spellings of the workload flags
-(``--host``/``--port``, ``--random-input-len``, ``--random-output-len``,
-``--random-range-ratio``) are accepted. It measures per
-request the time to first token (TTFT), time per output token after the first (TPOT), and
+Sends streaming ``/v1/completions`` (or, ``--endpoint``, ``/v1/chat/completions``) requests
+at a request rate (Poisson arrivals) or with a fixed number in flight
+(``--max-concurrency``): random-token prompts (``--dataset-name random``, the default) or
+ShareGPT's conversations (``--dataset-name sharegpt --dataset-path FILE``,
+:mod:`chassis.serve.bench_sharegpt`). vLLM's spellings of the workload flags (``--host``/
+``--port``, ``--random-input-len``, ``--random-output-len``, ``--random-range-ratio``) are
+accepted. It measures per request the time to first token (TTFT), time per output token after the first (TPOT), and
 every inter-token latency (ITL): the gap before each chunk that brought tokens, as vLLM's
 serving benchmark counts it (a server that falls behind sends several tokens in one chunk;
 TPOT counts tokens).
@@ -67,6 +67,13 @@ def add_serve_bench_parser(kinds: Any) -> None:
         help="vLLM's way to name the server: --host and --port make the base URL",
     )
     p.add_argument("--port", type=int, default=None, help="with --host (default: 8000)")
+    p.add_argument(
+        "--endpoint",
+        choices=ENDPOINTS,
+        default="/v1/completions",
+        help="the streamed route each request goes to (default: /v1/completions); chat sends "
+        "each prompt as one user message, so it takes text prompts (--dataset-name sharegpt)",
+    )
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")
     add_dataset_args(p, "sent as text")
     p.add_argument(
@@ -142,6 +149,18 @@ def workload_lengths(args: argparse.Namespace) -> tuple[tuple[int, int], tuple[i
     )
 
 
+#: the routes ``--endpoint`` may name: completions take the prompt, chat one user message
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+def prompt_fields(endpoint: str, prompt: str | list[int]) -> dict[str, Any]:
+    """The body fields that carry ``prompt`` to ``endpoint``: a completion's ``prompt``, or a
+    chat request's one user message (a text prompt: :func:`_workload` checks)."""
+    if endpoint == "/v1/completions":
+        return {"prompt": prompt}
+    return {"messages": [{"role": "user", "content": prompt}]}
+
+
 def base_url(args: argparse.Namespace) -> str:
     """``--base-url``, or vLLM's ``--host``/``--port``."""
     if args.host is None and args.port is None:
@@ -173,7 +192,9 @@ async def _one(
                 # from a server that sends no per-chunk usage, when the chunk has text.
                 # Counting tokens, not text, also times servers that stream ids with empty
                 # text (--skip-tokenizer-init).
-                if not (result.output_tokens > had or chunk["choices"][0].get("text")):
+                choice = chunk["choices"][0]
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if not (result.output_tokens > had or text):
                     continue
                 now = time.perf_counter()
                 if result.ttft_s == 0.0:
@@ -232,14 +253,14 @@ async def _bench(args: argparse.Namespace, transport: Any = None) -> dict[str, A
 
         async def limited(body: dict[str, Any], prompt_len: int) -> RequestResult:
             async with semaphore:
-                return await _one(client, "/v1/completions", headers, body, prompt_len)
+                return await _one(client, args.endpoint, headers, body, prompt_len)
 
         tasks = []
         start = time.perf_counter()
         for prompt, prompt_len, output_len, ignore_eos in requests:
             body = {
                 "model": model,
-                "prompt": prompt,
+                **prompt_fields(args.endpoint, prompt),
                 "max_tokens": output_len,
                 "temperature": 0.0,
                 "ignore_eos": ignore_eos,
@@ -258,6 +279,11 @@ async def _workload(
     args: argparse.Namespace, client: Any, headers: dict[str, str], model: str
 ) -> list[tuple[str | list[int], int, int, bool]]:
     """``(prompt, prompt tokens, output tokens, ignore_eos)`` of each request."""
+    if args.endpoint != "/v1/completions" and args.dataset_name == "random":
+        raise ValueError(
+            f"--endpoint {args.endpoint} sends text: use --dataset-name sharegpt (random "
+            "prompts are token ids, which only /v1/completions takes)"
+        )
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path (ShareGPT's JSON file)")

@@ -93,6 +93,13 @@ def test_sharegpt_sends_the_first_turns_that_pass_vllm_s_filter(sharegpt_file: s
     assert report["completed"] == 1
     ((_, _, params, _),) = engine.requests
     assert params.max_tokens == 3 and params.ignore_eos
+    # the same conversations through the chat route, as one user message each
+    engine = FakeAsyncLLM(max_model_len=2048)
+    report = _run(engine, *flags, "--num-prompts", "10", "--endpoint", "/v1/chat/completions")
+    assert report["completed"] == 2 and report["output_token_throughput"] > 0
+    rendered = [engine.tokenizer.decode(ids) for _, ids, _, _ in engine.requests]
+    assert all("<|im_start|>user\n" in text for text in rendered)
+    assert report["ttft_ms"]["p50"] >= 0 and report["itl_ms"]["mean"] >= 0
 
 
 @pytest.mark.parametrize(
@@ -102,6 +109,7 @@ def test_sharegpt_sends_the_first_turns_that_pass_vllm_s_filter(sharegpt_file: s
         (["--dataset-name", "sharegpt", "--dataset-path", "/no/such.json"], "cannot read it"),
         (["--input-len", "8", "--random-input-len", "8"], "not both"),
         (["--random-range-ratio", "1.5"], "--random-range-ratio must be in [0, 1)"),
+        (["--endpoint", "/v1/chat/completions"], "use --dataset-name sharegpt"),
     ],
 )
 def test_a_workload_that_cannot_be_made_is_one_line_and_exit_1(

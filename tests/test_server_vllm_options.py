@@ -230,7 +230,10 @@ def test_middleware_classes_and_functions_wrap_every_response(middleware_module:
         ("nodots", "give an import path"),
         ("no_such_module_xyz.Thing", "cannot import 'no_such_module_xyz'"),
         ("chassis_test_middleware.Missing", "has no 'Missing'"),
-        ("chassis_test_middleware.not_middleware", "names a 'int' object: it must be an ASGI middleware"),
+        (
+            "chassis_test_middleware.not_middleware",
+            "names a 'int' object: it must be an ASGI middleware",
+        ),
     ],
 )
 def test_middleware_that_cannot_be_used_stops_start_up(
