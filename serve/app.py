@@ -4,6 +4,7 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 
 =========================  ==================================================================
 ``GET  /v1/models``        the served model (each of its names), then its LoRA adapters
+``GET  /v1/models/{model}``  one of those cards (OpenAI's retrieve), 404 for another name
 ``POST /v1/completions``   :mod:`chassis.serve.openai_completions`
 ``POST /v1/chat/completions``  :mod:`chassis.serve.openai_chat`
 ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``.../cancel``: :mod:`chassis.serve.openai_responses`
@@ -94,8 +95,9 @@ def _state(request: Request) -> ServerState:
     return request.app.state.chassis
 
 
-async def list_models(request: Request) -> JSONResponse:
-    state = _state(request)
+def _model_cards(state: ServerState) -> list[ModelCard]:
+    """The served model's cards (one per served name, the first first), then its LoRA
+    adapters'."""
     # one card per served name (vLLM's several --served-model-name), the first first
     cards = [
         ModelCard(
@@ -115,7 +117,21 @@ async def list_models(request: Request) -> JSONResponse:
         )
         for lora in state.loras
     ]
-    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+    return cards
+
+
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse(ModelList(data=_model_cards(_state(request))).model_dump(mode="json"))
+
+
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    """OpenAI's ``GET /v1/models/{model}``: the card of one served name or adapter, else the
+    404 a request naming an unknown model gets."""
+    state = _state(request)
+    cards = {card.id: card for card in _model_cards(state)}
+    if model not in cards:
+        state.resolve_model(model)  # a name nothing serves: the 404 listing the served ones
+    return JSONResponse(cards[model].model_dump(mode="json"))
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
@@ -292,6 +308,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     add_user_middleware(app, settings.middleware)  # --middleware: outside all of ours
 
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
+    app.add_api_route(
+        "/v1/models/{model:path}", retrieve_model, methods=["GET"], response_model=ModelCard
+    )
     app.include_router(completions_router)
     app.include_router(chat_router)
     app.include_router(responses_router)

@@ -175,6 +175,11 @@ def test_models_lists_the_adapters_after_the_base_model(
         assert card["parent"] == "tiny" and card["object"] == "model"
         assert card["root"] == str(adapters[card["id"]])
     assert [m.id for m in server.client().models.list()] == ["tiny", "sql", "poem"]
+    # the official client's retrieve: GET /v1/models/{model}
+    sql = server.client().models.retrieve("sql")
+    assert sql.id == "sql" and sql.model_extra["parent"] == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        server.client().models.retrieve("gpt-4")
 
 
 # -- loading and unloading at run time -----------------------------------------------------------

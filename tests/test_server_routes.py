@@ -53,6 +53,18 @@ def test_models_lists_the_served_name(client: TestClient) -> None:
     assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == 256
 
 
+def test_models_retrieve_one_card_or_a_404() -> None:
+    engine = FakeAsyncLLM(model_name="org/fake-model")  # a hub-style name: a '/' in the path
+    with TestClient(build_app(engine, ServerSettings())) as client:
+        card = client.get("/v1/models/org/fake-model")
+        assert card.status_code == 200, card.text
+        assert card.json() == client.get("/v1/models").json()["data"][0]
+        missing = client.get("/v1/models/gpt-4")
+        assert missing.status_code == 404
+        error = missing.json()["error"]
+        assert error["code"] == "model_not_found" and "'org/fake-model'" in error["message"]
+
+
 def test_version(client: TestClient) -> None:
     import chassis
 
