@@ -29,6 +29,8 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
         # EngineDeadError) without submitting the request
     await engine.reset_prefix_cache()      # only in development mode (POST
                                            # /reset_prefix_cache); EngineDeadError
+    engine.engine_info                     # optional, development mode's /server_info:
+                                           # the engine core's start-up report
 """
 
 from __future__ import annotations
