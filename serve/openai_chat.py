@@ -136,7 +136,7 @@ async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str,
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message),
         tools=tools,
-        chat_template_kwargs=body.chat_template_kwargs,
+        chat_template_kwargs=body.template_kwargs(),
         chat_template=body.chat_template,
         add_special_tokens=bool(body.add_special_tokens),
     )

@@ -67,6 +67,11 @@ class _Request(BaseModel):
         return self
 
 
+#: OpenAI's ``reasoning_effort`` values
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool | None = False
     #: vLLM extension: usage on every chunk, not only the last
@@ -447,6 +452,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    #: OpenAI's reasoning effort: the chat template's ``reasoning_effort`` variable
+    #: (gpt-oss's template writes it into the system message; a template that does not
+    #: read it ignores it); ``chat_template_kwargs.reasoning_effort`` wins
+    reasoning_effort: ReasoningEffort | None = None
     # -- vLLM extras ------------------------------------------------------------------------
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -525,6 +534,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return bool(self.tools) and (
             self.tool_choice == "required" or isinstance(self.tool_choice, dict)
         )
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """What the chat template gets besides the messages: ``chat_template_kwargs``, with
+        ``reasoning_effort`` added when sent (the kwargs' own ``reasoning_effort`` wins)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def _check_tools(self) -> None:
         """400s for malformed ``tools`` and ``tool_choice`` (whether this server can honour a

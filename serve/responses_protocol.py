@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from chassis.serve import structured_request
 from chassis.serve.errors import APIError, bad_request
 from chassis.serve.protocol import (
+    REASONING_EFFORTS,
     ChatCompletionRequest,
     ChatLogprobToken,
     ChatMessage,
@@ -63,7 +64,8 @@ class ResponsesRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     #: ``{"format": {"type": "text" | "json_object" | "json_schema", ...}}``
     text: dict[str, Any] | None = None
-    #: accepted and echoed; the reasoning itself comes from ``--reasoning-parser``
+    #: echoed; its ``effort`` is the chat template's ``reasoning_effort`` (as the chat
+    #: route's field); the reasoning itself is split off by ``--reasoning-parser``
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = True
@@ -139,6 +141,12 @@ class ResponsesRequest(_SamplingRequest):
             )
         if isinstance(self.input, list) and not self.input and not self.previous_response_id:
             raise bad_request("input must not be empty", "input")
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
+                "reasoning.effort",
+            )
 
     @property
     def logprobs_asked(self) -> int | None:
@@ -235,6 +243,7 @@ class ResponsesRequest(_SamplingRequest):
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format,
             chat_template_kwargs=self.chat_template_kwargs,
+            reasoning_effort=(self.reasoning or {}).get("effort"),
             logprobs=self.logprobs_asked is not None,
             top_logprobs=self.logprobs_asked,
         )
