@@ -211,6 +211,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="vLLM's older flag; the default (same as --no-enable-log-requests)",
     )
     g.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="with --enable-log-requests: also log each completion's text, token ids and "
+        "finish reason once it ends",
+    )
+    g.add_argument(
         "--max-log-len",
         type=int,
         default=None,
@@ -351,6 +357,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         disable_fastapi_docs=args.disable_fastapi_docs,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_log_requests=args.enable_log_requests,
+        enable_log_outputs=args.enable_log_outputs,
         max_log_len=args.max_log_len,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         trust_request_chat_template=args.trust_request_chat_template,
@@ -392,6 +399,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:  # ImportError: a parser plugin that does not load
         logger.error("%s", exc)
         return 2
+    if settings.enable_log_outputs and not settings.enable_log_requests:
+        logger.warning("--enable-log-outputs has no effect without --enable-log-requests")
     if settings.tool_call_parser and not settings.enable_auto_tool_choice:
         logger.warning(
             "--tool-call-parser %s has no effect without --enable-auto-tool-choice",

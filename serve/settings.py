@@ -91,6 +91,9 @@ class ServerSettings:
     #: a chat request with ``tool_choice: "none"`` renders without its tools
     #: (``--exclude-tools-when-tool-choice-none``, vLLM's flag)
     exclude_tools_when_tool_choice_none: bool = False
+    #: with ``enable_log_requests``: also log each completion once it ends
+    #: (``--enable-log-outputs``, vLLM's flag)
+    enable_log_outputs: bool = False
     #: extra ASGI middleware, import paths (``--middleware``, vLLM's flag): a class is added
     #: with ``app.add_middleware``, an async function as an ``http`` middleware
     middleware: list[str] = field(default_factory=list)

@@ -46,6 +46,7 @@ from chassis.serve import errors
 from chassis.serve.chat_parsing import ChatParsers
 from chassis.serve.lora import LoRAAdapters, engine_lora_check
 from chassis.serve.protocol import PromptLogprob, PromptLogprobs, UsageInfo
+from chassis.serve.request_log import output_log
 from chassis.serve.streaming import prepend
 
 if TYPE_CHECKING:
@@ -212,6 +213,7 @@ class ServerState:
         self.inflight.add(request_id)
         failed = False  # refused (400) or engine death: not an abort by the client
         extras = optional_generate_kwargs(lora_request, cache_salt)
+        outputs_log = output_log(self.settings, request_id)
         try:
             stream = self.engine.generate(
                 prompt, params, request_id, priority=priority, delta=True, **extras
@@ -219,6 +221,8 @@ class ServerState:
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     tracker.observe(output)
+                    if outputs_log is not None:
+                        outputs_log.observe(output)
                     yield output
         except asyncio.CancelledError:
             # AsyncLLM.abort() ends the request's stream by raising CancelledError in it. When

@@ -415,6 +415,33 @@ def test_the_log_line_names_the_lora_adapter(caplog: pytest.LogCaptureFixture) -
     assert line.endswith("prompt_token_ids: [], lora_request: sql-adapter.")
 
 
+def test_outputs_are_logged_with_enable_log_outputs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    engine = FakeAsyncLLM()
+    settings = {"enable_log_requests": True, "enable_log_outputs": True}
+    with serve(engine, **settings) as client:
+        body = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
+        streamed = {"prompt": "hi", "max_tokens": 2, "stream": True}
+        with client.stream("POST", "/v1/completions", json=streamed) as response:
+            assert response.status_code == 200 and list(response.iter_lines())
+    answer = body.json()
+    generated = [line for line in request_lines(caplog) if line.startswith("Generated")]
+    assert len(generated) == 3  # two choices, then the streamed request
+    texts = [choice["text"] for choice in answer["choices"]]
+    for line, text, name in zip(
+        generated, texts, [answer["id"], f"{answer['id']} (choice 1)"], strict=False
+    ):
+        assert line.startswith(f"Generated response {name}: output: {text!r}, output_token_ids: [")
+        assert line.endswith("finish_reason: length.")
+    assert len(generated[0].split("output_token_ids: [")[1].split("]")[0].split(",")) == 3
+    caplog.clear()
+    with serve(FakeAsyncLLM(), enable_log_requests=True) as client:  # outputs off by default
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert not [line for line in request_lines(caplog) if line.startswith("Generated")]
+    args = parse_serve("--enable-log-requests", "--enable-log-outputs")
+    assert settings_from_args(args).enable_log_outputs
+
+
 def test_log_request_flags() -> None:
     assert not settings_from_args(parse_serve()).enable_log_requests
     assert not settings_from_args(parse_serve("--disable-log-requests")).enable_log_requests
