@@ -28,8 +28,30 @@ MAX_MODEL_LEN = 512
 EXIT_WITHIN_S = 15.0
 
 
+#: every engine step waits 30 ms first, so a 448-token stream lasts 13 s or more: on a loaded
+#: machine (the suite's two workers) the stream once finished before a second request joined
+SLOW_STEPS = """\
+import time
+
+import chassis.core.engine_core as engine_core
+
+_step = engine_core.EngineCore.step
+
+
+def step(self):
+    time.sleep(0.03)
+    return _step(self)
+
+
+engine_core.EngineCore.step = step
+"""
+
+
 @pytest.fixture
-def server(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+def server(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[ServerProcess]:
+    run_at_process_start(SLOW_STEPS, tmp_path, monkeypatch)
     server = start_server(tiny_llama_dir, tmp_path, max_model_len=MAX_MODEL_LEN, num_kv_blocks=256)
     try:
         yield server
