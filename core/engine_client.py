@@ -72,8 +72,9 @@ class EngineCoreClient:
         self._send_lock = threading.Lock()
         self._dead_lock = threading.Lock()
         self._output_thread: threading.Thread | None = None
-        #: utility calls sent and not answered yet, by call id
+        #: utility calls sent and not answered yet, by call id (under _pending_lock)
         self._pending: dict[int, Future[Any]] = {}
+        self._pending_lock = threading.Lock()
         self._call_ids = itertools.count()
         self._ipc_dir = tempfile.mkdtemp(prefix="chassis-ipc-")
         os.chmod(self._ipc_dir, 0o700)
@@ -203,7 +204,7 @@ class EngineCoreClient:
         first (raised here at once when it is not running)."""
         future: Future[Any] = Future()
         call_id = next(self._call_ids)
-        with self._send_lock:
+        with self._pending_lock:
             self._pending[call_id] = future
         try:
             self._send(
@@ -213,15 +214,15 @@ class EngineCoreClient:
                 ),
             )
         except BaseException:
-            with self._send_lock:
+            with self._pending_lock:
                 self._pending.pop(call_id, None)
             raise
-        if not self.is_alive:  # died between the send and the registration being seen
-            self._fail_pending("the engine core is not running")
+        # A death after the send is failed by whoever sees it: the monitor thread
+        # (_report_dead) or, during shutdown, the output thread (_fail_pending).
         return future
 
     def _resolve(self, answer: UtilityResult) -> None:
-        with self._send_lock:
+        with self._pending_lock:
             future = self._pending.pop(answer.call_id, None)
         if future is None:
             return
@@ -231,7 +232,7 @@ class EngineCoreClient:
             future.set_result(answer.result)
 
     def _fail_pending(self, reason: str) -> None:
-        with self._send_lock:
+        with self._pending_lock:
             pending, self._pending = self._pending, {}
         for future in pending.values():
             future.set_exception(EngineDeadError(reason))

@@ -132,8 +132,9 @@ def load_hf_config(
     trust_remote_code: bool = False,
 ) -> Any:
     """The checkpoint's ``transformers.PretrainedConfig`` (``AutoConfig``; the repository's
-    own config code only with ``trust_remote_code``) with ``overrides`` applied (:func:`apply_hf_overrides`), or for a multimodal checkpoint
-    its language model's (:func:`language_model_config`). A checkpoint directory whose
+    own config code only with ``trust_remote_code``) with ``overrides`` applied
+    (:func:`apply_hf_overrides`), or for a multimodal checkpoint its language model's
+    (:func:`language_model_config`). A checkpoint directory whose
     ``config.json`` has no ``quantization_config`` but an older AWQ/GPTQ export's
     ``quantize_config.json`` or ``quant_config.json`` gets that file's as its
     ``quantization_config`` (:func:`~chassis.core.int_quant_config.checkpoint_int_config`,

@@ -57,8 +57,8 @@ def load_tokenizer(
 def engine_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of an engine of ``config``: ``config.tokenizer`` (a local directory or a
     hub id, fetched at ``tokenizer_revision`` into ``download_dir``) with its
-    ``trust_remote_code`` and ``tokenizer_mode``. Every part of the front-end that needs the engine's tokenizer loads
-    it here, so they all load the same one."""
+    ``trust_remote_code`` and ``tokenizer_mode``. Every part of the front-end that needs the
+    engine's tokenizer loads it here, so they all load the same one."""
     assert config.tokenizer is not None, "finalize_config sets the tokenizer"
     kwargs: dict[str, Any] = {}
     if config.download_dir is not None:

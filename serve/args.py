@@ -26,6 +26,8 @@ from chassis.core.config import (
     EngineConfig,
 )
 
+#: ``--scheduling-policy`` values (vLLM's), each the built-in scheduler of the same name
+SCHEDULING_POLICIES = ("fcfs", "priority")
 #: where add_engine_args records the parser it added the flags to (for --config)
 ENGINE_PARSER_DEST = "_chassis_engine_parser"
 #: where add_engine_args records the dests of plugin flags on the parser's defaults
@@ -522,8 +524,6 @@ def _json_object_arg(text: str) -> dict[str, Any]:
 
 #: flag dest -> EngineConfig field (where they differ)
 _FIELD_OF = {"model_flag": "model"}
-#: ``--scheduling-policy`` values (vLLM's), each the built-in scheduler of the same name
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _check_vllm_only_flags(args: argparse.Namespace) -> None:

@@ -278,20 +278,15 @@ def _sharegpt_workload(args: Any, config: EngineConfig) -> list[BenchRequest]:
     from chassis.core.tokenizer import engine_tokenizer
     from chassis.serve.bench_sharegpt import tokenized_sharegpt_workload
 
-    if not args.dataset_path:
-        raise ValueError("--dataset-name sharegpt needs --dataset-path (ShareGPT's JSON file)")
     if config.skip_tokenizer_init:
         raise ValueError("--dataset-name sharegpt tokenizes text: drop --skip-tokenizer-init")
-    workload = tokenized_sharegpt_workload(
+    return tokenized_sharegpt_workload(
         args.dataset_path,
         args.num_prompts,
         engine_tokenizer(config),
         seed=config.seed,
         fixed_output_len=args.sharegpt_output_len,
     )
-    if not workload:
-        raise ValueError(f"--dataset-path {args.dataset_path}: no conversation fits the filter")
-    return workload
 
 
 def latency(args: Any, config: EngineConfig) -> dict[str, Any]:

@@ -6,10 +6,10 @@ at a request rate (Poisson arrivals) or with a fixed number in flight
 ShareGPT's conversations (``--dataset-name sharegpt --dataset-path FILE``,
 :mod:`chassis.serve.bench_sharegpt`). vLLM's spellings of the workload flags (``--host``/
 ``--port``, ``--random-input-len``, ``--random-output-len``, ``--random-range-ratio``) are
-accepted. It measures per request the time to first token (TTFT), time per output token after the first (TPOT), and
-every inter-token latency (ITL): the gap before each chunk that brought tokens, as vLLM's
-serving benchmark counts it (a server that falls behind sends several tokens in one chunk;
-TPOT counts tokens).
+accepted. It measures per request the time to first token (TTFT), time per output token
+after the first (TPOT), and every inter-token latency (ITL): the gap before each chunk that
+brought tokens, as vLLM's serving benchmark counts it (a server that falls behind sends
+several tokens in one chunk; TPOT counts tokens).
 """
 
 from __future__ import annotations
@@ -285,8 +285,6 @@ async def _workload(
             "prompts are token ids, which only /v1/completions takes)"
         )
     if args.dataset_name == "sharegpt":
-        if not args.dataset_path:
-            raise ValueError("--dataset-name sharegpt needs --dataset-path (ShareGPT's JSON file)")
         workload = await sharegpt_workload(
             load_sharegpt(args.dataset_path),
             args.num_prompts,
@@ -294,8 +292,6 @@ async def _workload(
             seed=args.seed,
             fixed_output_len=args.sharegpt_output_len,
         )
-        if not workload:
-            raise ValueError(f"--dataset-path {args.dataset_path}: no conversation fits the filter")
         return [(r.prompt, r.prompt_len, r.output_len, args.ignore_eos) for r in workload]
     input_len, output_len = workload_lengths(args)
     random_requests = random_workload(

@@ -60,9 +60,12 @@ def add_dataset_args(parser: argparse.ArgumentParser, prompts: str) -> None:
     )
 
 
-def load_sharegpt(path: str) -> list[tuple[str, str]]:
+def load_sharegpt(path: str | None) -> list[tuple[str, str]]:
     """The (first turn, second turn) texts of each conversation of two turns or more;
-    ``ValueError`` naming the file when it cannot be read or is not ShareGPT's shape."""
+    ``ValueError`` naming the file when it cannot be read or is not ShareGPT's shape, or
+    saying that ``--dataset-path`` is missing (``None``)."""
+    if not path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path (ShareGPT's JSON file)")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -93,7 +96,7 @@ async def sharegpt_workload(
     fixed_output_len: int | None = None,
 ) -> list[TextRequest]:
     """Up to ``num_requests`` requests from ``pairs`` (see the module docstring); fewer when
-    too few pass the filter."""
+    too few pass the filter, and ``ValueError`` when none does."""
     order = list(pairs)
     random.Random(seed).shuffle(order)
     workload: list[TextRequest] = []
@@ -106,6 +109,11 @@ async def sharegpt_workload(
         too_long = prompt_len > MAX_PROMPT_LEN or prompt_len + output_len > MAX_TOTAL_LEN
         if not (too_short or too_long):
             workload.append(TextRequest(prompt, prompt_len, output_len))
+    if not workload:
+        raise ValueError(
+            f"no ShareGPT conversation fits the filter (prompt and reply of {MIN_LEN} tokens or "
+            f"more, a prompt of at most {MAX_PROMPT_LEN}, {MAX_TOTAL_LEN} together)"
+        )
     return workload
 
 
@@ -133,7 +141,7 @@ def server_token_counter(
 
 
 def tokenized_sharegpt_workload(
-    path: str,
+    path: str | None,
     num_requests: int,
     tokenizer: Any,
     seed: int = 0,

@@ -25,7 +25,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-#: the flag's dest, and the name of the file's model key
+#: the dest of ``--config`` (a file may not name it)
 CONFIG_DEST = "config"
 
 

@@ -23,7 +23,6 @@ requests keep their KV blocks either way, and there is no external KV cache.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +30,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from chassis.serve import errors
+from chassis.serve.env_flags import env_flag_set
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +42,15 @@ router = APIRouter()
 
 def server_dev_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """True when either of :data:`DEV_MODE_VARIABLES` is ``1`` or ``true`` (any case)."""
-    environ = os.environ if environ is None else environ
-    return any(
-        environ.get(name, "0").strip().lower() in ("1", "true") for name in DEV_MODE_VARIABLES
-    )
+    return env_flag_set(DEV_MODE_VARIABLES, environ)
 
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
     """Forget every prefix the engine has cached; 200 once done, 503 if the engine is dead."""
     state = request.app.state.chassis
-    if state.shutting_down:
-        return errors.shutting_down().response()
-    try:
-        await state.engine.reset_prefix_cache()
-    except Exception as exc:
-        return errors.to_api_error(exc).response()
+    state.check_accepting()  # 503 while shutting down or with a dead engine
+    await state.engine.reset_prefix_cache()  # its errors reach the app's handlers
     logger.info("prefix cache reset (POST /reset_prefix_cache)")
     return Response(status_code=200)
 
@@ -68,9 +60,9 @@ async def server_info(request: Request) -> JSONResponse:
     """The engine's resolved settings and start-up report (see the module docstring)."""
     engine = request.app.state.chassis.engine
     info: Any = getattr(engine, "engine_info", None)
-    report = msgspec.to_builtins(info) if info is not None else None
+    report = None
     if info is not None:
-        report["kv_capacity_tokens"] = info.kv_capacity_tokens
+        report = {**msgspec.to_builtins(info), "kv_capacity_tokens": info.kv_capacity_tokens}
     return JSONResponse(
         {"engine_config": msgspec.to_builtins(engine.config.to_dict()), "engine_info": report}
     )

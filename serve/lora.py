@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from chassis.core.lora.request import LoRARequest
+from chassis.serve.env_flags import env_flag_set
 
 #: the environment variables that turn on the load/unload routes (vLLM's, and chassis' own)
 RUNTIME_UPDATING_VARIABLES = (
@@ -30,11 +31,7 @@ RUNTIME_UPDATING_VARIABLES = (
 def runtime_lora_updating_allowed(environ: Mapping[str, str] | None = None) -> bool:
     """True when either of :data:`RUNTIME_UPDATING_VARIABLES` is ``1`` or ``true`` (any
     case), as vLLM reads its variable."""
-    environ = os.environ if environ is None else environ
-    return any(
-        environ.get(name, "0").strip().lower() in ("1", "true")
-        for name in RUNTIME_UPDATING_VARIABLES
-    )
+    return env_flag_set(RUNTIME_UPDATING_VARIABLES, environ)
 
 
 @dataclass(frozen=True)

@@ -140,12 +140,26 @@ def test_pipeline_parallel_size_one_is_accepted_and_more_refused() -> None:
 # -- --tokenizer-mode ------------------------------------------------------------------------
 
 
-def test_tokenizer_mode(smol_tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tokenizer_mode(
+    smol_tokenizer_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(SystemExit):
         _parse(["serve", "--tokenizer-mode", "mistral"])
     assert "invalid choice: 'mistral'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--tokenizer-mode must be one of auto, hf, slow"):
         EngineConfig(tokenizer_mode="fast")
+    # what each mode asks of transformers (with transformers 5 both kinds of request load
+    # the same backend for this tokenizer, so the encodings below cannot tell them apart)
+    from transformers import AutoTokenizer
+
+    asked: list[bool] = []
+    load = AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["use_fast"])
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
     text = "Hello wörld, 123"
     encoded = {
         mode: engine_tokenizer(
@@ -154,6 +168,7 @@ def test_tokenizer_mode(smol_tokenizer_dir: Path, capsys: pytest.CaptureFixture[
         for mode in ("auto", "hf", "slow")
     }
     assert encoded["auto"] == encoded["hf"] == encoded["slow"] and len(encoded["auto"]) > 3
+    assert asked == [True, True, False]
 
 
 # -- --trust-remote-code ---------------------------------------------------------------------
