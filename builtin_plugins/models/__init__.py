@@ -38,8 +38,16 @@ def chassis_register_models(registry: Any) -> None:
     )
     registry.register("Phi3ForCausalLM", f"{_PKG}.phi3:Phi3ForCausalLM")
     registry.register("Olmo2ForCausalLM", f"{_PKG}.olmo2:Olmo2ForCausalLM")
+    registry.register("Olmo3ForCausalLM", f"{_PKG}.olmo3:Olmo3ForCausalLM")
+    registry.register("Exaone4ForCausalLM", f"{_PKG}.exaone4:Exaone4ForCausalLM")
     registry.register("GraniteForCausalLM", f"{_PKG}.granite:GraniteForCausalLM")
     registry.register("GptOssForCausalLM", f"{_PKG}.gpt_oss:GptOssForCausalLM")
+    registry.register("Glm4ForCausalLM", f"{_PKG}.glm4:Glm4ForCausalLM")
+    registry.register("SeedOssForCausalLM", f"{_PKG}.seed_oss:SeedOssForCausalLM")
+    registry.register("SmolLM3ForCausalLM", f"{_PKG}.smollm3:SmolLM3ForCausalLM")
+    registry.register("ArceeForCausalLM", f"{_PKG}.arcee:ArceeForCausalLM")
+    registry.register("Starcoder2ForCausalLM", f"{_PKG}.starcoder2:Starcoder2ForCausalLM")
+    registry.register("Cohere2ForCausalLM", f"{_PKG}.cohere2:Cohere2ForCausalLM")
     # an EAGLE-1 draft head over a target (--speculative-config method eagle), never alone
     registry.register("EagleLlamaForCausalLM", f"{_PKG}.llama_eagle:EagleLlamaHead")
     # an EAGLE-3 draft head (method eagle3): the published heads' name and vLLM's

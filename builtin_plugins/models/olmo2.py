@@ -72,7 +72,8 @@ class Olmo2Attention(LlamaAttention):
     """:class:`LlamaAttention` with :class:`ProjectionRMSNorm` on q and k before RoPE.
 
     ``q_norm``/``k_norm`` have this rank's ``q_size``/``kv_size`` columns; ``spec.qk_norm``
-    (the per-head norm) must be off.
+    (the per-head norm) must be off. The layer's window is ``spec.attention_window`` (none for
+    OLMo 2, whose spec has no ``sliding_window``; OLMo 3's sliding layers have one).
     """
 
     def __init__(
@@ -82,7 +83,8 @@ class Olmo2Attention(LlamaAttention):
         layer_idx: int,
         build_ctx: ModelBuildContext,
     ) -> None:
-        super().__init__(spec, rotary_emb, layer_idx, build_ctx)
+        window = spec.attention_window(layer_idx, build_ctx.max_model_len)
+        super().__init__(spec, rotary_emb, layer_idx, build_ctx, sliding_window=window)
         self.q_norm = ProjectionRMSNorm(self.q_size, spec.rms_norm_eps)
         self.k_norm = ProjectionRMSNorm(self.kv_size, spec.rms_norm_eps)
 
@@ -121,7 +123,8 @@ class Olmo2Attention(LlamaAttention):
 
 class Olmo2DecoderLayer(nn.Module):
     """Attention and MLP blocks, each output normalized before it is added to the residual
-    stream (no norm on their inputs)."""
+    stream (no norm on their inputs). ``self_attn`` replaces the default
+    :class:`Olmo2Attention` (EXAONE 4.0's per-head q/k norms)."""
 
     def __init__(
         self,
@@ -130,9 +133,14 @@ class Olmo2DecoderLayer(nn.Module):
         layer_idx: int,
         build_ctx: ModelBuildContext,
         mlp: nn.Module,
+        *,
+        self_attn: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(spec, rotary_emb, layer_idx, build_ctx)
+        if self_attn is None:
+            self_attn = Olmo2Attention(spec, rotary_emb, layer_idx, build_ctx)
+        #: ``(positions, [T, hidden], ctx) -> [T, hidden]``, summed over a tensor-parallel group
+        self.self_attn = self_attn
         #: ``[T, hidden] -> [T, hidden]``, already summed over a tensor-parallel group
         self.mlp = mlp
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

@@ -5,6 +5,12 @@ Rotation is the "rotate half" (GPT-NeoX) layout of HF transformers: dimension ``
 ``rotary_dim = head_dim * factor`` dimensions of each head rotate; the rest pass through.
 cos/sin for every position are computed once, in float32.
 
+Layout ``interleaved`` (GPT-J's "rotate every two", HF's GLM-4): with ``"interleaved": True``
+in the parameters (chassis's own key, set by the architecture: no HF config names the
+layout), dimension ``2i`` pairs with ``2i + 1`` instead, at the same frequency ``i``. Only the
+torch code implements it (:func:`rotate_interleaved`); the platform kernels, which rotate
+whole heads in the rotate-half layout, are never called for it.
+
 Frequency scaling: ``linear``, ``llama3`` (Llama 3.1), ``longrope`` (Phi-3/3.5/4-mini) and
 ``yarn`` (gpt-oss; :func:`_yarn_inverse_frequencies`, cos and sin multiplied by
 :func:`yarn_attention_factor`, both as HF computes them, for every position alike).
@@ -227,6 +233,8 @@ class RotaryEmbedding(nn.Module):
             )
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
+        #: GPT-J's "rotate every two" layout (pairs ``2i, 2i + 1``; the module docstring)
+        self.interleaved = bool(params.get("interleaved", False))
         self.max_position = max_position
         # Computed in float32 on the CPU (as HF does), then moved to the current default
         # device. Explicit dtypes: the tables must not follow the model's default dtype.
@@ -268,10 +276,12 @@ class RotaryEmbedding(nn.Module):
         Computed in the input dtype, as HF does. Platform kernels rotate the given tensors in
         place and return them; the torch path returns new tensors. Callers must not rely on
         either: use the returned tensors and treat the inputs as consumed. Partial rotation
-        (``rotary_dim < head_dim``) always runs the torch code: the kernels rotate whole heads.
+        (``rotary_dim < head_dim``) and the interleaved layout always run the torch code: the
+        kernels rotate whole heads in the rotate-half layout.
         """
-        # the kernels rotate whole heads: partial rotation is the torch code's
-        kernels = kernels_for(query) if self.rotary_dim == self.head_dim else None
+        # the kernels rotate whole heads, halves paired: the other cases are the torch code's
+        whole_halves = self.rotary_dim == self.head_dim and not self.interleaved
+        kernels = kernels_for(query) if whole_halves else None
         if qk_norms is not None:
             q_norm, k_norm = qk_norms
             fused = getattr(kernels, "qk_norm_rotary_embedding_", None)
@@ -311,6 +321,8 @@ class RotaryEmbedding(nn.Module):
             if memo is None or memo[0] is not positions or memo[1] != query.dtype:
                 memo = self._memo = (positions, query.dtype, *self._cos_sin(positions, query.dtype))
             cos, sin = memo[2], memo[3]
+        if self.interleaved:
+            return rotate_interleaved(query, cos, sin), rotate_interleaved(key, cos, sin)
         if self.rotary_dim != self.head_dim:
             return _rotate_partial(query, cos, sin), _rotate_partial(key, cos, sin)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
@@ -325,7 +337,8 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         partial = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""
-        return f"head_dim={self.head_dim}{partial}, max_position={self.max_position}"
+        layout = ", interleaved" if self.interleaved else ""
+        return f"head_dim={self.head_dim}{partial}{layout}, max_position={self.max_position}"
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -338,6 +351,18 @@ def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     # The first 2 * cos.shape[-1] dimensions rotate among themselves; the rest pass through.
     rotary_dim = 2 * cos.shape[-1]
     return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` with dimensions ``2i`` and ``2i + 1`` of the first ``2 * cos.shape[-1]``
+    rotated by angle ``i`` (``cos``/``sin`` broadcast against ``x[..., ::2]``'s rotated
+    part), the rest passed through; computed in the inputs' dtype (HF's GLM-4 order,
+    ``x * cos + rotate_every_two(x) * sin``). A model that rounds differently (Cohere2)
+    casts before and after."""
+    rotary_dim = 2 * cos.shape[-1]
+    even, odd = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return torch.cat((rotated.flatten(-2), x[..., rotary_dim:]), dim=-1)
 
 
 def _fusable(q_norm: RMSNorm, k_norm: RMSNorm, query: torch.Tensor, key: torch.Tensor) -> bool:
