@@ -1,11 +1,16 @@
 """OpenAI-style chat messages -> the prompt text of a chat template (``LLM.chat`` and the
 server's ``/v1/chat/completions`` both render through :func:`render_chat`).
 
-Messages are normalized to what templates expect: text content parts are joined into one
-string (other part types are refused), absent content (an assistant turn that only calls
-tools) is the empty string, and tool-call ``arguments`` sent as JSON strings are parsed to
-objects (templates index into them). Template failures (``raise_exception`` in the template,
-messages shaped unlike what it indexes) become ``ValueError``.
+Messages are normalized to what templates expect. Content takes the shape the template
+reads (vLLM's ``--chat-template-content-format``, :mod:`chassis.core.chat_content_format`):
+``string`` joins the text parts into one string (absent content, an assistant turn that
+only calls tools, is the empty string); ``openai`` passes a list of text parts,
+``[{"type": "text", "text": ...}]`` (a string is one part, absent content the empty list;
+a ``tool`` message's content stays a string, as in vLLM); ``auto`` (the default) picks
+one from the template. Other part types are refused either way. Tool-call ``arguments``
+sent as JSON strings are parsed to objects (templates index into them). Template failures
+(``raise_exception`` in the template, messages shaped unlike what it indexes) become
+``ValueError``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateSyntaxError
 
+from chassis.core.chat_content_format import (
+    ContentFormat,
+    check_content_format,
+    resolve_content_format,
+)
 from chassis.core.tokenizer import NoChatTemplateError, apply_chat_template
 
 if TYPE_CHECKING:
@@ -52,6 +62,22 @@ def content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
         return ""
     if isinstance(content, str):
         return content
+    return "\n".join(_texts(content, index))
+
+
+def content_parts(content: str | list[dict[str, Any]] | None, index: int) -> list[dict[str, str]]:
+    """OpenAI content as a list of text parts (``[{"type": "text", "text": ...}]``, fresh
+    dicts holding only those keys), as vLLM gives templates that loop over the parts: a
+    string is one part, absent content (``None``) no part; only text parts allowed."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": text} for text in _texts(content, index)]
+
+
+def _texts(content: object, index: int) -> list[str]:
+    """The texts of a list of content parts (``ChatMessageError`` for anything else)."""
     if not isinstance(content, list):
         raise ChatMessageError(
             f"messages[{index}].content must be a string or a list of parts; got "
@@ -71,7 +97,7 @@ def content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
                 f"messages[{index}].content[{j}]: a text part needs a string field 'text'", index
             )
         texts.append(part["text"])
-    return "\n".join(texts)
+    return texts
 
 
 def _tool_calls_for_template(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -89,17 +115,28 @@ def _tool_calls_for_template(tool_calls: list[dict[str, Any]]) -> list[dict[str,
     return out
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The plain dicts chat templates iterate over (see the module docstring); keys other
-    than ``content`` and ``tool_calls`` (``name``, ``tool_call_id``, ``reasoning_content``...)
-    pass through unchanged; a ``reasoning`` (the response field) is also given as
-    ``reasoning_content`` when that is absent. The input is not modified."""
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat = "string"
+) -> list[dict[str, Any]]:
+    """The plain dicts chat templates iterate over (see the module docstring), ``content``
+    in ``content_format`` (``"string"`` or ``"openai"``; a ``tool`` message's is a string
+    either way, as vLLM gives it); keys other than ``content`` and ``tool_calls`` (``name``,
+    ``tool_call_id``, ``reasoning_content``...) pass through unchanged; a ``reasoning`` (the
+    response field) is also given as ``reasoning_content`` when that is absent. The input is
+    not modified."""
+    if content_format not in ("string", "openai"):
+        raise ValueError(f"content_format must be 'string' or 'openai'; got {content_format!r}")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ChatMessageError(f"messages[{i}] must be an object with a string 'role'", i)
         item = {k: v for k, v in message.items() if v is not None or k == "content"}
-        item["content"] = content_text(message.get("content"), i)
+        if content_format == "openai" and message["role"] != "tool":
+            item["content"] = content_parts(message.get("content"), i)
+        else:
+            # vLLM joins a tool message's text parts also in "openai": templates write
+            # tool results as strings
+            item["content"] = content_text(message.get("content"), i)
         if message.get("tool_calls") is not None:
             item["tool_calls"] = _tool_calls_for_template(message["tool_calls"])
         if "reasoning" in item and "reasoning_content" not in item:
@@ -107,6 +144,25 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             item["reasoning_content"] = item["reasoning"]
         out.append(item)
     return out
+
+
+def chat_template_text(
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str | None:
+    """The text of the template :func:`render_chat` renders with: ``chat_template`` (a
+    template's text), else the tokenizer's, the one transformers picks for ``tools`` when
+    the tokenizer has several by name (``tool_use`` with tools, else ``default``); ``None``
+    when there is none."""
+    if chat_template is not None:
+        return chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        return tokenizer.get_chat_template(None, tools=tools)
+    except ValueError:  # named templates without a default: rendering says so
+        return None
 
 
 def render_chat(
@@ -118,17 +174,21 @@ def render_chat(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> str:
     """The prompt text of one conversation.
 
     ``chat_template`` (the template text) overrides the tokenizer's; ``continue_final_message``
     leaves the last (assistant) message open for the model to continue, and cannot be combined
     with ``add_generation_prompt``; ``tools`` and ``chat_template_kwargs`` (e.g. Qwen3's
-    ``enable_thinking``) reach the template. Raises ``ChatMessageError`` for a message it
-    cannot use, ``ChatTemplateSyntaxError`` for a template that does not parse and
-    ``ChatTemplateRenderError`` (a ``ValueError``) when the template fails on the
-    conversation.
+    ``enable_thinking``) reach the template; ``content_format`` (``"auto"``, ``"string"`` or
+    ``"openai"``, vLLM's ``chat_template_content_format``) is the shape of the messages'
+    content, ``"auto"`` detected from the template that renders (:func:`chat_template_text`).
+    Raises ``ChatMessageError`` for a message it cannot use, ``ChatTemplateSyntaxError`` for
+    a template that does not parse, ``ChatTemplateRenderError`` (a ``ValueError``) when the
+    template fails on the conversation, and ``ValueError`` for an unknown ``content_format``.
     """
+    check_content_format(content_format)
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     kwargs = dict(chat_template_kwargs or {})
@@ -137,7 +197,10 @@ def render_chat(
         kwargs.pop(reserved, None)
     if continue_final_message:
         kwargs["continue_final_message"] = True
-    items = normalize_messages(messages)
+    resolved = resolve_content_format(
+        content_format, chat_template_text(tokenizer, chat_template, tools)
+    )
+    items = normalize_messages(messages, resolved)
     try:
         return apply_chat_template(
             tokenizer,

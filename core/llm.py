@@ -19,6 +19,7 @@ from chassis.core.beam_search import (
     step_sampling_params,
 )
 from chassis.core.chat import render_chat
+from chassis.core.chat_content_format import check_content_format
 from chassis.core.config import EngineConfig
 from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
@@ -642,6 +643,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
@@ -654,6 +656,9 @@ class LLM:
         As vLLM's ``LLM.chat`` (and the server's chat route, which renders the same way,
         :mod:`chassis.core.chat`): content may be a string or a list of text parts;
         ``chat_template`` (a file path or inline Jinja) overrides the model's;
+        ``chat_template_content_format`` is the shape of the content the template gets:
+        ``"string"`` (text parts joined), ``"openai"`` (a list of text parts) or ``"auto"``
+        (detected from the template, :mod:`chassis.core.chat_content_format`);
         ``continue_final_message`` continues the last assistant message instead of starting a
         new turn; ``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``
         for Qwen3) reach the template; ``lora_request`` as in :meth:`generate`. A message or
@@ -673,6 +678,7 @@ class LLM:
             )
         refuse_lone_surrogates(tools, "tools")
         refuse_lone_surrogates(chat_template_kwargs, "chat_template_kwargs")
+        check_content_format(chat_template_content_format)
         template = load_chat_template(chat_template or self.config.chat_template)
         prompts: list[Prompt] = []
         for conversation in conversations:
@@ -684,6 +690,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
+                content_format=chat_template_content_format,
             )
             # The template already contains the special tokens it needs.
             prompts.append(

@@ -256,6 +256,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             engine.tokenizer,
             getattr(engine.config, "chat_template", None),
             trust_request_chat_template=settings.trust_request_chat_template,
+            chat_template_content_format=settings.chat_template_content_format,
         ),
         metrics=ServerMetrics(engine.model_name, engine.stats),
         parsers=ChatParsers.from_settings(settings),

@@ -9,6 +9,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from chassis.core.chat_content_format import CONTENT_FORMAT_OPTIONS
 from chassis.serve.args import add_engine_args, engine_config_from_args, parse_memory_size
 from chassis.serve.lora import check_lora_modules, parse_lora_modules
 from chassis.serve.responses_events import events_per_response_from_env
@@ -279,6 +280,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "(a template is code the server runs: trust your clients first)",
     )
     g.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMAT_OPTIONS,
+        default="auto",
+        help="how message content reaches the chat template: 'string' = the text parts "
+        "joined to one string, 'openai' = a list of {type: text, text} parts, 'auto' = "
+        "detected from the template (a loop over a message's content: openai)",
+    )
+    g.add_argument(
         "--lora-modules",
         nargs="+",
         action=_LoRAModulesAction,
@@ -361,6 +370,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_log_len=args.max_log_len,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_content_format=args.chat_template_content_format,
         response_role=args.response_role,
         enable_request_id_headers=args.enable_request_id_headers,
         enable_server_load_tracking=args.enable_server_load_tracking,

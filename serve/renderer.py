@@ -11,6 +11,10 @@ A template sent with a request (its ``chat_template`` field, or ``chat_template`
 (vLLM's ``--trust-request-chat-template``): every route that renders messages passes its
 request's fields here, so the policy holds for all of them (chat, Responses, embeddings,
 ``/classify``, ``/pooling``, ``/tokenize``).
+
+Content reaches the template in the server's ``--chat-template-content-format`` (vLLM's
+flag, :mod:`chassis.core.chat_content_format`): ``auto`` detects it per template (the
+server's, or a request's own), logging what it found for the server's at start-up.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from chassis.core.chat import (
     ChatMessageError,
     ChatTemplateRenderError,
     ChatTemplateSyntaxError,
+    chat_template_text,
     render_chat,
 )
+from chassis.core.chat_content_format import check_content_format, resolve_content_format
 from chassis.core.tokenizer import load_chat_template
 from chassis.serve.errors import bad_request
 
@@ -103,6 +109,10 @@ class ChatRenderer:
     ``None``: the tokenizer's own template), resolved once here so a bad path fails at start-up.
     ``trust_request_chat_template`` (``--trust-request-chat-template``) lets a request's own
     template replace it (:func:`request_chat_template`); otherwise such a request is a 400.
+    ``chat_template_content_format`` (``--chat-template-content-format``: ``auto``,
+    ``string`` or ``openai``) is the shape of the messages' content; with ``auto`` the
+    server's template's is detected (and logged) here, a request's own template's when it
+    renders. ``ValueError`` for another value.
     """
 
     def __init__(
@@ -111,10 +121,18 @@ class ChatRenderer:
         chat_template: str | None = None,
         *,
         trust_request_chat_template: bool = False,
+        chat_template_content_format: str = "auto",
     ):
         self.tokenizer = tokenizer
         self.chat_template = load_chat_template(chat_template)
         self.trust_request_chat_template = trust_request_chat_template
+        self.content_format = check_content_format(
+            chat_template_content_format, "--chat-template-content-format"
+        )
+        #: the format the server's template renders with (what ``auto`` found for it)
+        self.server_content_format = resolve_content_format(
+            self.content_format, chat_template_text(tokenizer, self.chat_template)
+        )
 
     def render(
         self,
@@ -146,6 +164,7 @@ class ChatRenderer:
                 continue_final_message=continue_final_message,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
+                content_format=self.content_format,
             )
         except ChatMessageError as exc:
             raise bad_request(str(exc), f"messages.{exc.index}.content") from None

@@ -116,14 +116,16 @@ def chat_messages(
     return messages
 
 
-def _text(content: Any, at: str, key: str = "content") -> str:
-    """A message's content (a string or a list of text parts) as one string (parts joined
-    by newlines, as the chat route joins them)."""
+def _text(content: Any, at: str, key: str = "content") -> str | list[dict[str, str]]:
+    """A message's content: a string as it is, a list of text parts as chat text parts
+    (``{"type": "text", "text"}``), which the renderer joins by newlines or hands the
+    template as parts, as ``--chat-template-content-format`` says (vLLM reads
+    ``input_text`` and ``output_text`` parts as text parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{at}.{key} must be a string or a list of content parts", f"{at}.{key}")
-    texts = []
+    texts: list[dict[str, str]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind not in _TEXT_PARTS:
@@ -136,8 +138,8 @@ def _text(content: Any, at: str, key: str = "content") -> str:
             raise bad_request(
                 f"{at}.{key}[{j}] needs a string field 'text'", f"{at}.{key}.{j}.text"
             )
-        texts.append(part["text"])
-    return "\n".join(texts)
+        texts.append({"type": "text", "text": part["text"]})
+    return texts
 
 
 def _string(item: Mapping[str, Any], key: str, at: str, *, empty: bool = False) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chassis.core.chat_content_format import check_content_format
 from chassis.serve.dev_routes import server_dev_mode_enabled
 from chassis.serve.lora import LoRAModule, runtime_lora_updating_allowed
 
@@ -119,6 +120,10 @@ class ServerSettings:
     #: ``chat_template_kwargs``), which then replaces the server's (vLLM's
     #: ``--trust-request-chat-template``); off: such a request is a 400
     trust_request_chat_template: bool = False
+    #: the shape of messages' content in the chat template (vLLM's
+    #: ``--chat-template-content-format``): "string" (joined text), "openai" (a list of text
+    #: parts) or "auto" (detected per template, :mod:`chassis.core.chat_content_format`)
+    chat_template_content_format: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,6 +169,7 @@ class ServerSettings:
                 f"--root-path must start with '/' and not end with one (e.g. /llm); "
                 f"got {self.root_path!r}"
             )
+        check_content_format(self.chat_template_content_format, "--chat-template-content-format")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0; got {self.max_log_len}")
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_aliases):
