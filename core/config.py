@@ -136,7 +136,8 @@ class EngineConfig:
     #: torch code instead of the platform's kernels); start-up compiles it (see docs/gpu.md)
     torch_compile: bool = False
     #: batch sizes whose pure-decode steps are captured as device graphs (vLLM's flag): one
-    #: value N = the default pattern up to N, several = exactly those; None = the default
+    #: value N = the default pattern up to N, several = exactly those, [] = none (with
+    #: ``torch_compile`` still on: vLLM's ``cudagraph_mode`` NONE); None = the default
     #: pattern up to min(max_num_seqs, max_num_batched_tokens, 512) (see docs/gpu.md)
     cuda_graph_sizes: list[int] | None = None
     #: plan step N+1 while the device computes step N (vLLM's flag): the next step's input
@@ -399,16 +400,14 @@ class EngineConfig:
         return SpeculativeConfig.from_value(self.speculative_config)
 
     def _validate_cuda_graph_sizes(self, sizes: list[int]) -> None:
-        if not sizes:
-            raise ValueError(
-                "--cuda-graph-sizes needs at least one batch size; to capture no graphs, "
-                "use --enforce-eager"
-            )
+        # [] captures no graphs and leaves torch_compile as it is (--enforce-eager turns off
+        # both); the command line spells it --compilation-config '{"cudagraph_mode": "NONE"}'
         bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
         if bad:
             raise ValueError(
                 f"--cuda-graph-sizes takes batch sizes >= 1; got {bad[0]!r}. To capture no "
-                f"graphs, use --enforce-eager"
+                f"graphs, use --enforce-eager (or, to keep --torch-compile, "
+                f"--compilation-config cudagraph_mode NONE)"
             )
         largest_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
         too_big = sorted(s for s in sizes if s > largest_batch)

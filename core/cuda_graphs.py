@@ -16,7 +16,8 @@ and replayed:
   whose first ``n`` rows are handed back to the model after each replay
   (``CausalLM.put_aux_hidden_states``), as an eager forward would have kept them.
 
-Other steps (prefill chunks, mixed batches, larger batches, ``--enforce-eager``) run eager.
+Other steps (prefill chunks, mixed batches, larger batches, ``--enforce-eager``, no capture
+sizes) run eager.
 The graphs share one memory pool and never replay concurrently (one engine step at a time).
 """
 
@@ -72,7 +73,8 @@ def capture_sizes(config: EngineConfig) -> list[int]:
     ``max_num_batched_tokens``, :data:`DEFAULT_MAX_CAPTURE_SIZE`). One value ``N``: the
     pattern up to min(``N``, ``max_num_seqs``, ``max_num_batched_tokens``) (vLLM's meaning of
     a single value). Several values: exactly those (``EngineConfig.validate`` has checked
-    that none exceeds the largest possible decode batch).
+    that none exceeds the largest possible decode batch). ``[]``: none (:func:`eager_reason`
+    says so first).
     """
     largest_batch = min(config.max_num_seqs, config.max_num_batched_tokens)
     sizes = config.cuda_graph_sizes
@@ -96,6 +98,8 @@ def eager_reason(
     """
     if config.enforce_eager:
         return "--enforce-eager is set"
+    if config.cuda_graph_sizes is not None and not config.cuda_graph_sizes:
+        return "no capture sizes (cuda_graph_sizes=[]: vLLM's cudagraph_mode NONE, or -O0)"
     if not platform.supports_graph_capture():
         return f"platform {platform.name!r} does not support graph capture"
     if not attention_backend.graph_capture_safe:

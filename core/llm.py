@@ -20,6 +20,7 @@ from chassis.core.beam_search import (
 )
 from chassis.core.chat import render_chat
 from chassis.core.chat_content_format import check_content_format
+from chassis.core.compilation_config import compilation_kwargs
 from chassis.core.config import EngineConfig
 from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
@@ -87,7 +88,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        self.config = EngineConfig(model=model, **_pooling_kwargs(engine_kwargs))
+        # vLLM's compilation_config and optimization_level become torch_compile and friends
+        kwargs = compilation_kwargs(_pooling_kwargs(engine_kwargs))
+        self.config = EngineConfig(model=model, **kwargs)
         hf_config = finalize_config(self.config)
         #: the engine's pooling (None for a generating engine), and what embed() checks
         self.pooler_config = apply_pooling_defaults(self.config)

@@ -25,6 +25,7 @@ from chassis.core.config import (
     TOKENIZER_MODES,
     EngineConfig,
 )
+from chassis.serve.compilation_config import add_compilation_args, compilation_settings
 
 #: ``--scheduling-policy`` values (vLLM's), each the built-in scheduler of the same name
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -356,6 +357,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "exactly those (default: that pattern up to min(--max-num-seqs, "
         "--max-num-batched-tokens, 512); see docs/gpu.md)",
     )
+    add_compilation_args(g)
     g.add_argument(
         "--async-scheduling",
         action="store_true",
@@ -555,7 +557,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     Raises ``ValueError`` for invalid values (from ``EngineConfig``), for MODEL and
     ``--model`` naming different models (or ``--scheduling-policy`` and ``--scheduler``
     different schedulers), for ``--pipeline-parallel-size`` or ``--data-parallel-size``
-    above 1, and for a plugin that failed to load.
+    above 1, for ``-O``/``--compilation-config`` and a chassis flag that disagree
+    (:mod:`chassis.serve.compilation_config`), and for a plugin that failed to load.
     """
     load_error = getattr(args, _PLUGIN_ERROR, None)
     if load_error:
@@ -579,4 +582,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from chassis.plugins import plugin_args_from
 
     values["plugin_args"] = plugin_args_from(args, dests)
-    return EngineConfig(**values)
+    return EngineConfig(**compilation_settings(args, values))

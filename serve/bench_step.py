@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,13 @@ def run(args: argparse.Namespace) -> int:
     from chassis.core.llm import LLM
     from chassis.serve.args import engine_config_from_args
 
-    if any(b < 1 for b in args.batch_size):
-        raise ValueError(f"--batch-size values must be >= 1; got {args.batch_size}")
-    config = engine_config_from_args(args)
+    try:
+        if any(b < 1 for b in args.batch_size):
+            raise ValueError(f"--batch-size values must be >= 1; got {args.batch_size}")
+        config = engine_config_from_args(args)
+    except ValueError as exc:  # invalid or disagreeing flags, as the other benchmarks
+        print(f"chassis bench: {exc}", file=sys.stderr)
+        return 2
     llm = LLM(**config.to_dict())
     rng = random.Random(0)
     for batch_size in args.batch_size:

@@ -18,8 +18,29 @@ SUBCOMMANDS = {
 }
 
 
+class ChassisArgumentParser(argparse.ArgumentParser):
+    """The parser of ``chassis`` and its sub-commands: a sub-command with engine flags first
+    turns vLLM's ``-O`` and dotted ``--compilation-config`` spellings into flags argparse
+    reads (:func:`chassis.serve.compilation_config.rewrite_compilation_args`)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        from chassis.serve.compilation_config import (
+            COMPILATION_CONFIG_FLAG,
+            rewrite_compilation_args,
+        )
+
+        if args is not None and COMPILATION_CONFIG_FLAG in self._option_string_actions:
+            try:
+                args = rewrite_compilation_args(args)
+            except ValueError as exc:
+                self.error(str(exc))
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ChassisArgumentParser(
         prog="chassis", description="chassis: a plugin-first LLM inference and serving engine"
     )
     parser.add_argument(
@@ -83,11 +104,13 @@ def _with_config_file(
     """``args`` again, with the flags of ``--config``'s file that the command line leaves
     out (:mod:`chassis.serve.config_file`); a bad file ends the command (exit status 2)."""
     from chassis.serve.args import ENGINE_PARSER_DEST
+    from chassis.serve.compilation_config import rewrite_compilation_args
     from chassis.serve.config_file import config_file_argv
 
     command_parser = getattr(args, ENGINE_PARSER_DEST)
     try:
-        extra = config_file_argv(command_parser, args, argv)
+        # (-O3 on the command line is --optimization-level's: the file's value must not win)
+        extra = config_file_argv(command_parser, args, rewrite_compilation_args(argv))
     except ValueError as exc:
         command_parser.error(str(exc))
     return parser.parse_args([*argv, *extra])

@@ -149,8 +149,7 @@ def test_capture_sizes_from_config() -> None:
 @pytest.mark.parametrize(
     ("sizes", "match"),
     [
-        ([], "at least one batch size.*--enforce-eager"),
-        ([0], "sizes >= 1; got 0.*--enforce-eager"),
+        ([0], "sizes >= 1; got 0.*--enforce-eager.*cudagraph_mode NONE"),
         ([4, -2], "sizes >= 1; got -2"),
         ([1, 2, 200], "--cuda-graph-sizes 200 can never be used.*--max-num-seqs"),
     ],
@@ -201,6 +200,10 @@ def test_capability_comes_from_the_interfaces() -> None:
     assert eager_reason(config, capable, ReplayOnlyTorchPaged) is None
     eager = EngineConfig(enforce_eager=True)
     assert "--enforce-eager" in eager_reason(eager, capable, ReplayOnlyTorchPaged)
+    # no capture sizes: no graphs, whatever else is on (torch_compile stays as it is)
+    none = EngineConfig(cuda_graph_sizes=[], torch_compile=True)
+    assert none.torch_compile and capture_sizes(none) == []
+    assert "no capture sizes" in eager_reason(none, capable, ReplayOnlyTorchPaged)
 
 
 # -- the static buffers, without a model --------------------------------------------------------
@@ -394,6 +397,36 @@ def test_graphs_of_the_compiled_forward_equal_eager(
     prompts = _prompts(3, seed=5)
     assert _greedy(llm, prompts) == _greedy(engines["eager"], prompts)
     assert steps[1:] == [(True, 3, True)] * (MAX_TOKENS - 1)
+
+
+def test_no_capture_sizes_compile_and_capture_nothing(
+    graph_platform: GraphTestPlatform,
+    engines: dict[str, Any],
+    tiny_llama_dir: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's ``cudagraph_mode`` NONE with compilation on (``cuda_graph_sizes=[]``, through
+    ``LLM(compilation_config=...)``): the forward is compiled, no graph is captured on a
+    platform that could, every step runs the compiled forward, tokens equal eager's."""
+    from chassis.core.compiled_model import CompiledForward
+
+    captured = len(graph_platform.graphs)
+    llm = _llm(tiny_llama_dir, compilation_config={"mode": 3, "cudagraph_mode": "NONE"})
+    assert llm.config.torch_compile is True and llm.config.cuda_graph_sizes == []
+    runner = _runner(llm)
+    assert isinstance(runner.forward, CompiledForward) and runner.graphs is None
+    assert len(graph_platform.graphs) == captured  # nothing captured by this engine
+    calls: list[int] = []
+    forward = runner.forward.__call__
+
+    def spy(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(input_ids.shape[0])
+        return forward(input_ids, *args)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    prompts = _prompts(3, seed=11)
+    assert _greedy(llm, prompts) == _greedy(engines["eager"], prompts)
+    assert len(calls) == MAX_TOKENS  # one prefill step, then every decode step
 
 
 def test_mixed_and_oversize_batches_run_eager(
