@@ -39,8 +39,13 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("Phi3ForCausalLM", f"{_PKG}.phi3:Phi3ForCausalLM")
     registry.register("Olmo2ForCausalLM", f"{_PKG}.olmo2:Olmo2ForCausalLM")
     registry.register("Olmo3ForCausalLM", f"{_PKG}.olmo3:Olmo3ForCausalLM")
+    registry.register("OlmoeForCausalLM", f"{_PKG}.olmoe:OlmoeForCausalLM")
     registry.register("Exaone4ForCausalLM", f"{_PKG}.exaone4:Exaone4ForCausalLM")
     registry.register("GraniteForCausalLM", f"{_PKG}.granite:GraniteForCausalLM")
+    registry.register("GraniteMoeForCausalLM", f"{_PKG}.granitemoe:GraniteMoeForCausalLM")
+    registry.register(
+        "GraniteMoeSharedForCausalLM", f"{_PKG}.granitemoeshared:GraniteMoeSharedForCausalLM"
+    )
     registry.register("GptOssForCausalLM", f"{_PKG}.gpt_oss:GptOssForCausalLM")
     registry.register("Glm4ForCausalLM", f"{_PKG}.glm4:Glm4ForCausalLM")
     registry.register("SeedOssForCausalLM", f"{_PKG}.seed_oss:SeedOssForCausalLM")
@@ -48,6 +53,14 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("ArceeForCausalLM", f"{_PKG}.arcee:ArceeForCausalLM")
     registry.register("Starcoder2ForCausalLM", f"{_PKG}.starcoder2:Starcoder2ForCausalLM")
     registry.register("Cohere2ForCausalLM", f"{_PKG}.cohere2:Cohere2ForCausalLM")
+    registry.register("DeepseekV2ForCausalLM", f"{_PKG}.deepseek_v2:DeepseekV2ForCausalLM")
+    registry.register("DeepseekV3ForCausalLM", f"{_PKG}.deepseek_v3:DeepseekV3ForCausalLM")
+    registry.register("Glm4MoeForCausalLM", f"{_PKG}.glm4_moe:Glm4MoeForCausalLM")
+    registry.register("Ernie4_5ForCausalLM", f"{_PKG}.ernie4_5:Ernie4_5ForCausalLM")
+    registry.register("ApertusForCausalLM", f"{_PKG}.apertus:ApertusForCausalLM")
+    registry.register(
+        "HunYuanDenseV1ForCausalLM", f"{_PKG}.hunyuan_v1_dense:HunYuanDenseV1ForCausalLM"
+    )
     # an EAGLE-1 draft head over a target (--speculative-config method eagle), never alone
     registry.register("EagleLlamaForCausalLM", f"{_PKG}.llama_eagle:EagleLlamaHead")
     # an EAGLE-3 draft head (method eagle3): the published heads' name and vLLM's

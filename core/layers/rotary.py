@@ -11,9 +11,13 @@ layout), dimension ``2i`` pairs with ``2i + 1`` instead, at the same frequency `
 torch code implements it (:func:`rotate_interleaved`); the platform kernels, which rotate
 whole heads in the rotate-half layout, are never called for it.
 
-Frequency scaling: ``linear``, ``llama3`` (Llama 3.1), ``longrope`` (Phi-3/3.5/4-mini) and
+Frequency scaling: ``linear``, ``llama3`` (Llama 3.1), ``longrope`` (Phi-3/3.5/4-mini),
 ``yarn`` (gpt-oss; :func:`_yarn_inverse_frequencies`, cos and sin multiplied by
-:func:`yarn_attention_factor`, both as HF computes them, for every position alike).
+:func:`yarn_attention_factor`, both as HF computes them, for every position alike) and
+``ntk_alpha`` (Hunyuan's fixed-``alpha`` NTK scaling, which only raises the base to
+``rope_theta * alpha ** (rotary_dim / (rotary_dim - 2))``; the checkpoints label it
+``dynamic`` with an ``alpha``, and HF's Hunyuan renames it ``ntk_alpha`` as the architecture
+here does: HF's sequence-length-dependent ``dynamic`` type stays unsupported).
 LongRoPE divides each frequency by a per-dimension factor and multiplies cos and sin by an
 attention factor. HF transformers uses ``short_factor`` while a sequence fits in
 ``original_max_position_embeddings`` and ``long_factor`` for *all* its positions once it is
@@ -37,7 +41,7 @@ from chassis.core.layers.kernels import kernels_for
 from chassis.core.layers.norm import RMSNorm
 
 #: rope types this module implements (HF ``rope_parameters["rope_type"]``)
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn", "ntk_alpha")
 #: rope types whose ``original_max_position_embeddings`` a top-level config field overrides
 #: (as HF's ``standardize_rope_params`` does: Phi-3 keeps the pretraining length there)
 _ORIGINAL_MAX_TYPES = ("llama3", "yarn", "longrope")
@@ -86,10 +90,12 @@ def _inverse_frequencies(rotary_dim: int, params: dict[str, Any]) -> torch.Tenso
     """Per-pair inverse frequencies ``[rotary_dim / 2]`` (float32), after any scaling
     (``longrope``: :func:`_longrope_inverse_frequencies`)."""
     base = float(params["rope_theta"])
+    rope_type = params["rope_type"]
+    if rope_type == "ntk_alpha":
+        base = ntk_alpha_base(rotary_dim, params)
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (base**exponents)
-    rope_type = params["rope_type"]
-    if rope_type == "default":
+    if rope_type in ("default", "ntk_alpha"):
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
@@ -112,6 +118,18 @@ def _inverse_frequencies(rotary_dim: int, params: dict[str, Any]) -> torch.Tenso
     raise ValueError(
         f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
+
+
+def ntk_alpha_base(rotary_dim: int, params: dict[str, Any]) -> float:
+    """The RoPE base of ``ntk_alpha`` scaling: ``rope_theta * alpha ** (rotary_dim /
+    (rotary_dim - 2))`` (HF's Hunyuan ``compute_ntk_alpha_rope_parameters``, in Python
+    floats as there); a ``ValueError`` without a positive ``alpha``."""
+    alpha = params.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ValueError(f"rope_type 'ntk_alpha' needs a positive alpha; got {alpha!r}")
+    if rotary_dim <= 2:
+        raise ValueError(f"rope_type 'ntk_alpha' needs a rotary_dim above 2; got {rotary_dim}")
+    return float(params["rope_theta"]) * float(alpha) ** (rotary_dim / (rotary_dim - 2))
 
 
 def longrope_attention_factor(params: dict[str, Any]) -> float:
