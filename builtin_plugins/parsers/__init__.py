@@ -20,6 +20,10 @@ def chassis_register_tool_parsers(registry: Any) -> None:
     registry.register("deepseek_v3", f"{_PKG}.deepseek_v3:DeepSeekV3ToolParser")
     registry.register("glm45", f"{_PKG}.glm45:Glm45ToolParser")
     registry.register("openai", f"{_PKG}.harmony_tools:HarmonyToolParser")
+    registry.register("granite", f"{_PKG}.granite:GraniteToolParser")
+    registry.register("seed_oss", f"{_PKG}.seed_oss:SeedOssToolParser")
+    registry.register("kimi_k2", f"{_PKG}.kimi_k2:KimiK2ToolParser")
+    registry.register("deepseek_v31", f"{_PKG}.deepseek_v31:DeepSeekV31ToolParser")
 
 
 @hookimpl
@@ -27,3 +31,10 @@ def chassis_register_reasoning_parsers(registry: Any) -> None:
     registry.register("qwen3", f"{_PKG}.think_tags:Qwen3ReasoningParser")
     registry.register("deepseek_r1", f"{_PKG}.think_tags:DeepSeekR1ReasoningParser")
     registry.register("openai_gptoss", f"{_PKG}.harmony_reasoning:HarmonyReasoningParser")
+    registry.register("granite", f"{_PKG}.granite_reasoning:GraniteReasoningParser")
+    registry.register("seed_oss", f"{_PKG}.think_tags:SeedOssReasoningParser")
+    registry.register("deepseek_v3", f"{_PKG}.think_tags:DeepSeekV3ReasoningParser")
+    registry.register("glm45", f"{_PKG}.think_tags:Glm45ReasoningParser")
+    registry.register("olmo3", f"{_PKG}.think_tags:Olmo3ReasoningParser")
+    registry.register("ernie45", f"{_PKG}.answer_tags:Ernie45ReasoningParser")
+    registry.register("hunyuan_a13b", f"{_PKG}.answer_tags:HunyuanA13BReasoningParser")

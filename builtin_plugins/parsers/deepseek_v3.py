@@ -28,6 +28,10 @@ its head and the ``{`` of its arguments are written; its arguments are sent as t
 Committed arguments that stop being JSON get the rest of the call's text, up to the closing
 fence or the next marker, as written (invalid JSON, as vLLM streams them); what follows
 complete arguments in the call (the fence) is dropped.
+
+:class:`DeepSeekV3ToolParser` reads any such section of calls whose markers and call head
+are its class attributes: ``deepseek_v31`` and ``kimi_k2`` are the same machinery with their
+formats' markers.
 """
 
 from __future__ import annotations
@@ -56,11 +60,6 @@ _HEAD = re.compile(
     r"[ \t]*[^\s<>]*[ \t]*" + re.escape(SEP) + r"[ \t]*([^\s<>]+)[ \t\r]*\n"
     r"[ \t]*```(?:json)?[ \t\r]*\n[ \t\r\n]*(?=\{)"
 )
-#: where a call not committed to ends
-_CALL_ENDS = (CALL_END, CALLS_END, CALL_BEGIN)
-#: where committed arguments that broke end
-_RAW_ENDS = (FENCE_END, *_CALL_ENDS)
-_SECTION_MARKERS = (CALL_BEGIN, CALLS_END)
 
 _SECTION = "section"  # in a section, between calls
 _CALL = "call"  # in a call not committed to yet
@@ -75,9 +74,23 @@ class DeepSeekV3ToolParser(TaggedBlockToolParser):
     needs_special_tokens = True
     start_tag = CALLS_BEGIN
     block_mode = _SECTION
+    #: what ends the section (the first is the format's; others are spellings of it)
+    section_ends: tuple[str, ...] = (CALLS_END,)
+    #: what opens and closes one call
+    call_begin = CALL_BEGIN
+    call_end = CALL_END
+    #: a call's head, after its begin marker, up to (not including) the "{" of its arguments
+    head = _HEAD
+    #: what else ends committed arguments that broke (besides the markers)
+    raw_ends: tuple[str, ...] = (FENCE_END,)
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
         super().__init__(tokenizer, tools)
+        #: where a call not committed to ends
+        self._call_ends = (self.call_end, *self.section_ends, self.call_begin)
+        #: where committed arguments that broke end
+        self._raw_ends = (*self.raw_ends, *self._call_ends)
+        self._section_markers = (self.call_begin, *self.section_ends)
         #: the section's begin marker (and the whitespace before it) is held: no call in
         #: the section yet, nor content given back from it
         self._opener_held = True
@@ -99,16 +112,17 @@ class DeepSeekV3ToolParser(TaggedBlockToolParser):
     def _section(self, out: ToolDelta, final: bool) -> bool:
         """Between calls: the next call, or the section's end."""
         body = self.held.lstrip()
-        if body.startswith(CALL_BEGIN):
-            self._call_prefix = self.held[: len(self.held) - len(body) + len(CALL_BEGIN)]
-            self.held, self.mode = body[len(CALL_BEGIN) :], _CALL
+        if body.startswith(self.call_begin):
+            self._call_prefix = self.held[: len(self.held) - len(body) + len(self.call_begin)]
+            self.held, self.mode = body[len(self.call_begin) :], _CALL
             return True
-        if body.startswith(CALLS_END) and self._section_calls:
-            self.held = body[len(CALLS_END) :]
+        end = next((m for m in self.section_ends if body.startswith(m)), None)
+        if end is not None and self._section_calls:
+            self.held = body[len(end) :]
             self._opener_held, self._section_calls = True, False
             self.after_call()
             return True
-        if not final and any(marker.startswith(body) for marker in _SECTION_MARKERS):
+        if not final and any(marker.startswith(body) for marker in self._section_markers):
             return False  # only whitespace, or what may be a marker, so far
         # the section ends here: text after its calls, or (no call in it) all of it text
         if self._section_calls:
@@ -123,19 +137,22 @@ class DeepSeekV3ToolParser(TaggedBlockToolParser):
     def _open_call(self, out: ToolDelta, final: bool) -> bool:
         """A call not committed to: committed once its head is written, else text when it
         ends."""
-        head = _HEAD.match(self.held)
-        if head is not None:
+        head = self.head.match(self.held)
+        named = self.call_name(head) if head is not None else None
+        if head is not None and named is not None:
             self._opener_held, self._section_calls = False, True
             index = self.reserve_call()
-            name = head.group(1)
-            self._call = CallStream(out, index, name, form="arguments", stop_markers=_RAW_ENDS)
+            name, call_id = named
+            self._call = CallStream(
+                out, index, name, call_id, form="arguments", stop_markers=self._raw_ends
+            )
             self.held, self.mode = self.held[head.end() :], _STREAMING
             return True
-        found = first_marker(self.held, _CALL_ENDS)
+        found = first_marker(self.held, self._call_ends)
         if found is None and not final:
             return False
         at, marker = found if found is not None else (len(self.held), "")
-        end = at + (len(CALL_END) if marker == CALL_END else 0)
+        end = at + (len(self.call_end) if marker == self.call_end else 0)
         if self._opener_held:  # the section's opener is text too
             self._opener_held = False
             self.not_a_call(out)
@@ -160,12 +177,17 @@ class DeepSeekV3ToolParser(TaggedBlockToolParser):
 
     def _call_rest(self, final: bool) -> bool:
         """After complete arguments: drop the rest of the call, up to its end."""
-        marker = self.skip_to(_CALL_ENDS, final)
+        marker = self.skip_to(self._call_ends, final)
         if marker is None:
             if final:
                 self.after_call()
             return final
-        if marker == CALL_END:
-            self.held = self.held[len(CALL_END) :]
+        if marker == self.call_end:
+            self.held = self.held[len(self.call_end) :]
         self.mode = _SECTION
         return True
+
+    def call_name(self, head: re.Match[str]) -> tuple[str, str | None] | None:
+        """The function's name and the call's id (``None``: the server makes one) that a
+        matched :attr:`head` gives, or ``None`` when it is no call's head."""
+        return head.group(1), None

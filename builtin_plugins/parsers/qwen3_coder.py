@@ -61,12 +61,6 @@ FUNCTION_END = "</function>"
 PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
 
-#: where a parameter's value ends (vLLM's ends, and the block's end); its own end tag first
-_VALUE_ENDS = (PARAMETER_END, PARAMETER, FUNCTION_END, END)
-#: what a call's body is read for between its parameters (other text is dropped)
-_BODY_MARKERS = (PARAMETER, FUNCTION_END, END, START, FUNCTION)
-#: what the rest of a block after a call is read for
-_REST_MARKERS = (END, START, FUNCTION)
 
 _HEAD = "head"  # in a block, before a function's head (committed to nothing yet)
 _BODY = "body"  # in a committed call, between parameters
@@ -79,10 +73,20 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
     """``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``."""
 
     start_tag = START
+    #: the tag that closes a block
+    end_tag = END
     block_mode = _HEAD
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
         super().__init__(tokenizer, tools)
+        start, end = self.start_tag, self.end_tag
+        #: where a parameter's value ends (vLLM's ends, and the block's end); its own end
+        #: tag first
+        self._value_ends = (PARAMETER_END, PARAMETER, FUNCTION_END, end)
+        #: what a call's body is read for between its parameters (other text is dropped)
+        self._body_markers = (PARAMETER, FUNCTION_END, end, start, FUNCTION)
+        #: what the rest of a block after a call is read for
+        self._rest_markers = (end, start, FUNCTION)
         #: the head being read opens the block (no call in it yet): if broken, it is text
         self._fresh_block = True
         #: the arguments of the call being read (set when it is committed)
@@ -127,7 +131,7 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
     def _body(self, out: ToolDelta, final: bool) -> bool:
         """Between parameters: the next parameter, or the function's end; other text is
         dropped."""
-        marker = self.skip_to(_BODY_MARKERS, final)
+        marker = self.skip_to(self._body_markers, final)
         if marker is None:
             if final:
                 self._call_arguments().close(out)
@@ -163,7 +167,7 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
     def _read_value(self, out: ToolDelta, final: bool) -> bool:
         """A parameter's value, streamed up to its end."""
         arguments = self._call_arguments()
-        self.held, ended = arguments.read_value(out, self.held, _VALUE_ENDS, final)
+        self.held, ended = arguments.read_value(out, self.held, self._value_ends, final)
         if ended:
             self.mode = _BODY
         return ended
@@ -171,15 +175,15 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
     def _rest(self, final: bool) -> bool:
         """After a call: the block's end, or another function in it; other text is
         dropped."""
-        marker = self.skip_to(_REST_MARKERS, final)
+        marker = self.skip_to(self._rest_markers, final)
         if marker is None:
             if final:
                 self.after_call()
             return final
-        if marker == END:
-            self.held = self.held[len(END) :]
+        if marker == self.end_tag:
+            self.held = self.held[len(self.end_tag) :]
             self.after_call()
-        elif marker == START:  # a new block, this one's end tag forgotten
+        elif marker == self.start_tag:  # a new block, this one's end tag forgotten
             self.after_call()
         else:  # FUNCTION: the next call in this block
             self._fresh_block, self.mode = False, _HEAD

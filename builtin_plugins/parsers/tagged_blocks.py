@@ -16,7 +16,6 @@ from typing import Any
 
 from chassis.builtin_plugins.parsers.text_scan import (
     held_prefix_len,
-    hold_back,
     split_trailing_space,
     text_after_call,
 )
@@ -50,6 +49,9 @@ class TaggedBlockToolParser(ToolParser):
 
     #: the tag that opens a block
     start_tag: str
+    #: other spellings of :attr:`start_tag` that open a block too (Kimi-K2's singular
+    #: ``<|tool_call_section_begin|>``); the subclass sees which one in :attr:`opened_with`
+    start_tag_variants: tuple[str, ...] = ()
     #: the mode a block starts in (the subclass's first step after the tag)
     block_mode: str
 
@@ -65,6 +67,9 @@ class TaggedBlockToolParser(ToolParser):
         self._has_content = False
         #: the next call's index in the message
         self._num_calls = 0
+        #: the tag that opened the open block (:attr:`start_tag` or one of its variants)
+        self.opened_with = self.start_tag
+        self._start_tags = (self.start_tag, *self.start_tag_variants)
 
     @abstractmethod
     def block_step(self, out: ToolDelta, final: bool) -> bool:
@@ -109,7 +114,7 @@ class TaggedBlockToolParser(ToolParser):
     def not_a_call(self, out: ToolDelta) -> None:
         """The open block holds no call: its tag (and the whitespace before it) is content,
         and :attr:`held` is read on as text."""
-        out.content += self._gap + self.start_tag
+        out.content += self._gap + self.opened_with
         self._gap = ""
         self.mode = TEXT
 
@@ -134,18 +139,21 @@ class TaggedBlockToolParser(ToolParser):
                     return  # whitespace only so far (dropped at the end)
                 self.held, self.mode = resumed, TEXT
             if self.mode == TEXT:
-                start = self.held.find(self.start_tag)
-                if start < 0:
+                found = first_marker(self.held, self._start_tags)
+                if found is None:
                     if final:
                         out.content += self.held
                         self.held = ""
                     else:
-                        ready, self.held = hold_back(self.held, self.start_tag)
+                        keep = partial_marker_len(self.held, self._start_tags)
+                        ready, space = split_trailing_space(self.held[: len(self.held) - keep])
+                        self.held = space + self.held[len(self.held) - keep :]
                         out.content += ready
                     return
+                start, self.opened_with = found
                 before, self._gap = split_trailing_space(self.held[:start])
                 out.content += before
-                self.held = self.held[start + len(self.start_tag) :]
+                self.held = self.held[start + len(self.opened_with) :]
                 self.mode = self.block_mode
                 continue
             if not self.block_step(out, final):

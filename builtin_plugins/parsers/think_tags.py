@@ -1,5 +1,7 @@
 """Reasoning between ``<think>`` and ``</think>``: DeepSeek-R1, Qwen3 and the models that copy
-their format (registered as ``deepseek_r1`` and ``qwen3``).
+their format (registered as ``deepseek_r1`` and ``qwen3``; ``deepseek_v3`` and ``glm45`` read
+the tags as ``qwen3`` does, ``olmo3`` as ``deepseek_r1`` does, and ``seed_oss`` is
+``deepseek_r1``'s reading of ``<seed:think>...</seed:think>``).
 
 Where the reasoning starts:
 
@@ -118,6 +120,42 @@ class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
     """DeepSeek-R1: the output starts in reasoning, with or without ``<think>``."""
 
     starts_in_reasoning = True
+
+
+class DeepSeekV3ReasoningParser(ThinkTagReasoningParser):
+    """DeepSeek-V3.1 (``deepseek_v3``), ``qwen3``'s reading: V3.1's template ends the prompt
+    with ``<think>`` when thinking is on (``chat_template_kwargs: {"thinking": true}``) and with
+    ``</think>`` when it is off. vLLM picks its R1 parser or none from that request flag; the
+    prompt tells the same here."""
+
+
+class Glm45ReasoningParser(ThinkTagReasoningParser):
+    """GLM-4.5 (``glm45``), ``qwen3``'s reading: the model opens ``<think>`` itself, and its
+    template closes an empty think block in the prompt when ``enable_thinking`` is false."""
+
+    # GLM-4.5's tags are added tokens; vLLM keeps them, as for its ``glm45`` tool parser
+    needs_special_tokens = True
+
+
+class Olmo3ReasoningParser(ThinkTagReasoningParser):
+    """OLMo 3 Think (``olmo3``), ``deepseek_r1``'s reading: reasoning up to ``</think>``, the
+    opening ``<think>`` optional (some OLMo 3 templates write it in the prompt). The tags are
+    plain text in OLMo 3's vocabulary."""
+
+    starts_in_reasoning = True
+
+
+class SeedOssReasoningParser(ThinkTagReasoningParser):
+    """Seed-OSS (``seed_oss``): ``<seed:think>reasoning</seed:think>content``, read as
+    ``deepseek_r1`` reads its tags (the output starts in reasoning, with or without the opening
+    tag). The budget notes Seed-OSS writes while thinking
+    (``<seed:cot_budget_reflect>...``) stay in the reasoning."""
+
+    start_tag = "<seed:think>"
+    end_tag = "</seed:think>"
+    starts_in_reasoning = True
+    # the tags are special tokens of Seed-OSS's tokenizer
+    needs_special_tokens = True
 
 
 def _single_token(tokenizer: Any, text: str) -> int | None:
