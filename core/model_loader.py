@@ -241,7 +241,10 @@ def language_model_config(hf_config: Any) -> Any:
     checkpoint's ``architectures`` (so the registry picks the class registered for the
     multimodal architecture, which knows where the language model's weights are; an
     unregistered one is the usual unknown-architecture error) and its declared dtype when
-    the text config declares none. Any other config is returned as it is.
+    the text config declares none. The checkpoint's ``tie_word_embeddings`` is kept as
+    ``wrapper_tie_word_embeddings`` (for the classes whose transformers model ties by it),
+    and becomes the copy's ``tie_word_embeddings`` when the text config has none (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL). Any other config is returned as it is.
     """
     text = getattr(hf_config, "text_config", None)
     if text is None or hasattr(hf_config, "num_hidden_layers"):
@@ -250,6 +253,10 @@ def language_model_config(hf_config: Any) -> Any:
     text.architectures = list(getattr(hf_config, "architectures", None) or [])
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(hf_config, "dtype", None)
+    wrapper_tie = getattr(hf_config, "tie_word_embeddings", None)
+    text.wrapper_tie_word_embeddings = wrapper_tie
+    if not hasattr(text, "tie_word_embeddings") and wrapper_tie is not None:
+        text.tie_word_embeddings = bool(wrapper_tie)
     return text
 
 

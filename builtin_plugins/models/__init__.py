@@ -26,15 +26,22 @@ def chassis_register_models(registry: Any) -> None:
     registry.register(
         "Qwen3ForSequenceClassification", f"{_PKG}.qwen3:Qwen3ForSequenceClassification"
     )
-    registry.register("MixtralForCausalLM", f"{_PKG}.mixtral:MixtralForCausalLM")
-    registry.register("Qwen2MoeForCausalLM", f"{_PKG}.qwen2_moe:Qwen2MoeForCausalLM")
-    registry.register("Qwen3MoeForCausalLM", f"{_PKG}.qwen3_moe:Qwen3MoeForCausalLM")
-    registry.register("GemmaForCausalLM", f"{_PKG}.gemma:GemmaForCausalLM")
-    registry.register("Gemma2ForCausalLM", f"{_PKG}.gemma2:Gemma2ForCausalLM")
-    registry.register("Gemma3ForCausalLM", f"{_PKG}.gemma3:Gemma3ForCausalLM")
-    # multimodal Gemma 3, served as text only
+    # more multimodal checkpoints served as text only (their language model)
     registry.register(
-        "Gemma3ForConditionalGeneration", f"{_PKG}.gemma3:Gemma3ForConditionalGeneration"
+        "Mistral3ForConditionalGeneration", f"{_PKG}.mistral3:Mistral3ForConditionalGeneration"
+    )
+    registry.register(
+        "Qwen2VLForConditionalGeneration", f"{_PKG}.qwen2_vl:Qwen2VLForConditionalGeneration"
+    )
+    registry.register(
+        "Qwen2_5_VLForConditionalGeneration", f"{_PKG}.qwen2_vl:Qwen2VLForConditionalGeneration"
+    )
+    registry.register(
+        "Qwen3VLForConditionalGeneration", f"{_PKG}.qwen3_vl:Qwen3VLForConditionalGeneration"
+    )
+    registry.register(
+        "Qwen3VLMoeForConditionalGeneration",
+        f"{_PKG}.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
     )
     registry.register("Phi3ForCausalLM", f"{_PKG}.phi3:Phi3ForCausalLM")
     registry.register("Olmo2ForCausalLM", f"{_PKG}.olmo2:Olmo2ForCausalLM")

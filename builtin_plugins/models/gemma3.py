@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
-
-import torch
 
 from chassis.builtin_plugins.models.gemma import (
     FULL_ATTENTION,
@@ -18,6 +15,7 @@ from chassis.builtin_plugins.models.gemma import (
     layer_types_of,
 )
 from chassis.builtin_plugins.models.gemma2 import optional_float
+from chassis.builtin_plugins.models.text_only import TextOnlyWeights
 from chassis.core.layers.rotary import rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -86,45 +84,27 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
         )
 
 
-#: checkpoint-name prefixes of a multimodal Gemma 3's language model -> ours (hub files name
-#: it ``language_model.model.*``; a model transformers 5 re-saves in memory layout,
-#: ``model.language_model.*``)
-_LANGUAGE_MODEL_PREFIXES = {
-    "language_model.model.": "model.",
-    "model.language_model.": "model.",
-    "language_model.lm_head.": "lm_head.",
-}
-#: the image side of a multimodal Gemma 3, which a text-only engine does not load
-_VISION_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(TextOnlyWeights, Gemma3ForCausalLM):
     """Multimodal Gemma 3 checkpoints (gemma-3-4b/12b/27b) served as text only.
 
     The engine builds it from the checkpoint's ``text_config``
     (:func:`~chassis.core.model_loader.language_model_config`); its language model's tensors
-    are renamed to the text-only layout and the vision tower and projector are skipped, so
-    requests with text prompts get what the multimodal model answers to text alone. Images
-    are not supported.
+    are renamed to the text-only layout (hub files name it ``language_model.model.*``; a
+    model transformers 5 re-saves in memory layout, ``model.language_model.*``) and the
+    vision tower and projector are never read
+    (:class:`~chassis.builtin_plugins.models.text_only.TextOnlyWeights`), so requests with
+    text prompts get what the multimodal model answers to text alone. Images are not
+    supported.
     """
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The language model's tensors, renamed, to :meth:`Gemma3ForCausalLM.load_weights`
-        (another tensor outside the vision side still raises there)."""
-        return super().load_weights(
-            (_language_model_name(name), tensor)
-            for name, tensor in weights
-            if not name.startswith(_VISION_PREFIXES)
-        )
-
-
-def _language_model_name(name: str) -> str:
-    for prefix, ours in _LANGUAGE_MODEL_PREFIXES.items():
-        if name.startswith(prefix):
-            return ours + name[len(prefix) :]
-    return name
+    language_model_prefixes = (
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    )
+    vision_prefixes = (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    )

@@ -1,0 +1,50 @@
+"""Mistral 3 (Mistral Small 3.1/3.2, Magistral/Devstral Small in this format): the multimodal
+checkpoints' Mistral language model, served as text only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaForCausalLM
+from chassis.builtin_plugins.models.text_only import TextOnlyWeights
+
+#: text configs whose decoder is chassis' Llama/Mistral one
+_TEXT_MODEL_TYPES = ("mistral", "llama")
+
+
+class Mistral3ForConditionalGeneration(TextOnlyWeights, LlamaForCausalLM):
+    """``Mistral3ForConditionalGeneration`` checkpoints served as text only.
+
+    The engine builds the Mistral decoder of the checkpoint's ``text_config`` (a ``mistral``
+    config; its ``sliding_window``, null in the released ones, is honoured as
+    :class:`LlamaForCausalLM` honours Mistral's). Hub files name the language model
+    ``language_model.model.*`` and ``language_model.lm_head.*`` (transformers 5 still writes
+    them so); its in-memory layout, ``model.language_model.*`` and ``lm_head.*``, is read too.
+    The Pixtral vision tower and the projector are never read. The LM head is tied only when
+    the text config says so (transformers 5.24's ``Mistral3Config`` defaults its own flag to
+    true; the text config is the one that describes the language model's weights).
+
+    A ``ministral3`` text config (Ministral 3: Llama-4 attention scaling) is refused.
+    """
+
+    language_model_prefixes = (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+    )
+    vision_prefixes = (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    )
+
+    @classmethod
+    def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in _TEXT_MODEL_TYPES:
+            raise ValueError(
+                f"Mistral3ForConditionalGeneration with a {model_type!r} text_config is not "
+                f"supported (only {', '.join(_TEXT_MODEL_TYPES)})"
+            )
+        return super().decoder_spec(hf_config)
