@@ -17,6 +17,7 @@ def finalize_config(config: EngineConfig) -> Any:
     ``attention_backend`` are set, and every name (scheduler, sampler, backend, architecture)
     is known to the registries. Errors are ``ValueError`` with the known alternatives.
     """
+    from chassis.core.encoder_only import apply_encoder_only_settings
     from chassis.core.model_loader import engine_hf_config, model_max_len, resolve_model_path
     from chassis.core.pooling_classify import resolve_runner
     from chassis.core.quantized_weights import check_quantization, check_quantization_flag
@@ -34,7 +35,13 @@ def finalize_config(config: EngineConfig) -> Any:
     if config.tokenizer is None:
         config.tokenizer = config.model
     hf_config = engine_hf_config(config)  # with --hf-overrides
-    config.check_against_model(model_max_len(hf_config))
+    max_model_len_given = config.max_model_len is not None
+    model_cls = _registered_model_class(hf_config, registries)
+    context_length = model_max_len(hf_config)
+    own_length = getattr(model_cls, "context_length", None)
+    if own_length is not None and (own := own_length(hf_config)) is not None:
+        context_length = min(context_length, own)  # RoBERTa's position table starts at 2
+    config.check_against_model(context_length)
     check_quantization(hf_config)  # an unreadable quantized checkpoint fails before loading
     check_quantization_flag(config.quantization, hf_config)
 
@@ -46,6 +53,8 @@ def finalize_config(config: EngineConfig) -> Any:
         )
     # vLLM's --runner auto: sequence classifiers pool, the others generate
     config.runner = resolve_runner(config.runner, architectures)
+    # encoders (BERT, XLM-RoBERTa): whole prompts in one step, no prefix cache
+    apply_encoder_only_settings(config, model_cls, max_model_len_given=max_model_len_given)
     config.validate()  # again: what a pooling (or generating) engine refuses
     if config.attention_backend is None:
         config.attention_backend = platform.default_attention_backend(config)
@@ -78,3 +87,12 @@ def finalize_config(config: EngineConfig) -> Any:
         config.enable_prefix_caching,
     )
     return hf_config
+
+
+def _registered_model_class(hf_config: Any, registries: Any) -> Any:
+    """The registered model class of the first registered architecture of ``hf_config``;
+    ``None`` when none is (refused later, with the list of registered ones)."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in registries.models:
+            return registries.models.get(arch)
+    return None

@@ -67,6 +67,19 @@ class CausalLM(nn.Module, ABC):
     #: ``score`` head, not an LM head), which only a pooling engine runs; ``--runner auto``
     #: picks ``"pooling"`` for it (:mod:`chassis.core.pooling_classify`).
     is_sequence_classifier: bool = False
+    #: The model is an encoder (BERT, XLM-RoBERTa): each prompt's tokens attend to one
+    #: another in both directions and nothing is cached (``num_attention_layers`` is 0), so
+    #: every request's whole prompt must be computed in one step. Such a model has no LM
+    #: head: ``--runner auto`` picks ``"pooling"`` and ``"generate"`` is refused; the engine
+    #: turns chunked prefill and prefix caching off and keeps ``--max-model-len`` within
+    #: ``--max-num-batched-tokens`` (:mod:`chassis.core.encoder_only`). Its forward reads
+    #: each request's boundaries from ``ctx.attn_metadata`` (``query_start_loc_cpu``).
+    is_encoder_only: bool = False
+    #: The pooling a pooling engine of this model uses when neither ``pooler_config`` nor
+    #: the checkpoint's sentence-transformers files name one (vLLM's default for the
+    #: architecture): the last token for decoders, the first (``"CLS"``) for BERT-like
+    #: encoders.
+    default_pooling_type: str = "LAST"
     #: Checkpoint projections the model merges: the last part of a checkpoint module's name
     #: -> the module of this model it loads into (Llama: ``q_proj``, ``k_proj`` and
     #: ``v_proj`` -> ``qkv_proj``); a projection not listed loads into the module of its own
@@ -195,6 +208,14 @@ class CausalLM(nn.Module, ABC):
         whose partial outputs the all-reduce then sums with the adapter's); the default
         returns them whole."""
         return lora_a, lora_b
+
+    @classmethod
+    def context_length(cls, hf_config: Any) -> int | None:
+        """The longest sequence the model can run when its config's length keys
+        (``max_position_embeddings``, ...) overstate it, else ``None`` (those keys decide).
+        RoBERTa's position table starts at ``pad_token_id + 1``: two of its 514 rows are
+        never used."""
+        return None
 
     @property
     def num_attention_layers(self) -> int:

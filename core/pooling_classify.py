@@ -30,23 +30,39 @@ def is_classification_architecture(architectures: Sequence[str]) -> bool:
     classifier, which only a pooling engine runs: asked of the model class the registry holds
     for the first registered architecture (its ``is_sequence_classifier``); ``False`` when
     none is registered."""
+    return bool(registered_model_attribute(architectures, "is_sequence_classifier", False))
+
+
+def registered_model_attribute(architectures: Sequence[str], name: str, default: Any) -> Any:
+    """Attribute ``name`` of the model class the registry holds for the first registered
+    architecture of ``architectures``; ``default`` when none is registered (or the class
+    lacks it)."""
     from chassis.plugins.registries import get_registries
 
     registry = get_registries().models
     for arch in architectures:
         if arch in registry:
-            return bool(getattr(registry.get(arch), "is_sequence_classifier", False))
-    return False
+            return getattr(registry.get(arch), name, default)
+    return default
 
 
 def resolve_runner(runner: str, architectures: Sequence[str]) -> str:
     """The runner an engine of ``architectures`` uses, as vLLM's ``--runner auto`` picks it:
-    ``"pooling"`` for sequence classifiers, ``"generate"`` otherwise; an explicit
-    ``"generate"`` or ``"pooling"`` is kept. A classifier asked to generate is a
-    ``ValueError`` (it has no language-model head)."""
+    ``"pooling"`` for sequence classifiers and encoders (``is_encoder_only``: BERT,
+    XLM-RoBERTa), ``"generate"`` otherwise; an explicit ``"generate"`` or ``"pooling"`` is
+    kept. A classifier or an encoder asked to generate is a ``ValueError`` (it has no
+    language-model head)."""
     classifier = is_classification_architecture(architectures)
+    encoder = bool(registered_model_attribute(architectures, "is_encoder_only", False))
     if runner == "auto":
-        return "pooling" if classifier else "generate"
+        return "pooling" if classifier or encoder else "generate"
+    if runner == "generate" and encoder and not classifier:
+        raise ValueError(
+            f"{', '.join(architectures)} is an encoder-only (embedding) model: it cannot "
+            "generate text. Run it with runner='pooling' (--runner pooling, or leave the "
+            "runner at 'auto') for embed(), score() and the /v1/embeddings, /pooling, /score "
+            "and /rerank routes"
+        )
     if runner == "generate" and classifier:
         raise ValueError(
             f"{', '.join(architectures)} is a sequence-classification model: it cannot "

@@ -4,7 +4,8 @@ The pooling type and whether vectors are L2-normalized come, in this order of pr
 from the user's ``pooler_config`` (``EngineConfig.pooler_config``, ``--pooler-config``), from
 the checkpoint's sentence-transformers files (``modules.json``, the ``Pooling`` module's
 ``config.json`` and whether a ``Normalize`` module follows it), and otherwise from vLLM's
-default for decoder language models: the last token, normalized. The checkpoint's ``Dense``
+default for the architecture: the last token for decoder language models, the first
+(``CLS``) for BERT-like encoders, normalized. The checkpoint's ``Dense``
 and ``LayerNorm`` modules (:mod:`chassis.core.pooling_dense`) always apply, whatever
 ``pooler_config`` says: a vector is pooled, run through them, truncated (Matryoshka
 ``dimensions``), then normalized, sentence-transformers' order.
@@ -194,7 +195,8 @@ def resolve_pooler_config(
 ) -> PoolerConfig:
     """The pooling of ``config``'s engine: ``config.pooler_config``'s values first, then the
     checkpoint's sentence-transformers files (``config.model`` must be a local directory),
-    then last-token pooling with normalization (without it for a sequence classifier: its
+    then the model class's ``default_pooling_type`` (the last token; the first for
+    BERT-like encoders) with normalization (without it for a sequence classifier: its
     vectors are class logits) and the activation on. The checkpoint's ``Dense`` modules are
     read (and, unless ``check_dense_weights`` is false, their weights checked) whatever
     ``pooler_config`` says; a classifier with any is refused (``ValueError``). The runner
@@ -211,7 +213,7 @@ def resolve_pooler_config(
         if _is_classifier_dir(config.model):
             st["normalize"] = False  # class logits (a user's pooler_config still wins)
         values = {**st, **values}
-    defaults = PoolerConfig()
+    defaults = PoolerConfig(pooling_type=_model_default_pooling_type(config.model))
     return PoolerConfig(
         pooling_type=str(values.get("pooling_type", defaults.pooling_type)).upper(),
         normalize=bool(values.get("normalize", defaults.normalize)),
@@ -251,6 +253,24 @@ def _hidden_size(model_dir: str | Path) -> int | None:
     if size is None and isinstance(config.get("text_config"), dict):
         size = config["text_config"].get("hidden_size")
     return size if isinstance(size, int) else None
+
+
+def _model_default_pooling_type(model_dir: str | Path | None) -> str:
+    """The pooling type the registered model class of the checkpoint in ``model_dir`` uses
+    by default (its ``default_pooling_type``: ``"CLS"`` for BERT-like encoders); vLLM's
+    default for decoders, ``"LAST"``, without a readable ``config.json``."""
+    from chassis.core.pooling_classify import registered_model_attribute
+
+    path = None if model_dir is None else Path(model_dir) / "config.json"
+    if path is None or not path.is_file():
+        return PoolerConfig.pooling_type
+    config = read_json(path)
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return str(
+        registered_model_attribute(
+            architectures or [], "default_pooling_type", PoolerConfig.pooling_type
+        )
+    )
 
 
 def _is_classifier_dir(model_dir: str | Path) -> bool:

@@ -26,6 +26,27 @@ def chassis_register_models(registry: Any) -> None:
     registry.register(
         "Qwen3ForSequenceClassification", f"{_PKG}.qwen3:Qwen3ForSequenceClassification"
     )
+    # BERT-family encoders (embeddings) and their cross-encoders: pooling engines only
+    registry.register("BertModel", f"{_PKG}.bert:BertModel")
+    registry.register("RobertaModel", f"{_PKG}.bert:RobertaModel")
+    registry.register("XLMRobertaModel", f"{_PKG}.bert:RobertaModel")
+    registry.register("BertForSequenceClassification", f"{_PKG}.bert:BertForSequenceClassification")
+    registry.register(
+        "RobertaForSequenceClassification", f"{_PKG}.bert:RobertaForSequenceClassification"
+    )
+    registry.register(
+        "XLMRobertaForSequenceClassification", f"{_PKG}.bert:RobertaForSequenceClassification"
+    )
+    registry.register("MixtralForCausalLM", f"{_PKG}.mixtral:MixtralForCausalLM")
+    registry.register("Qwen2MoeForCausalLM", f"{_PKG}.qwen2_moe:Qwen2MoeForCausalLM")
+    registry.register("Qwen3MoeForCausalLM", f"{_PKG}.qwen3_moe:Qwen3MoeForCausalLM")
+    registry.register("GemmaForCausalLM", f"{_PKG}.gemma:GemmaForCausalLM")
+    registry.register("Gemma2ForCausalLM", f"{_PKG}.gemma2:Gemma2ForCausalLM")
+    registry.register("Gemma3ForCausalLM", f"{_PKG}.gemma3:Gemma3ForCausalLM")
+    # multimodal Gemma 3, served as text only
+    registry.register(
+        "Gemma3ForConditionalGeneration", f"{_PKG}.gemma3:Gemma3ForConditionalGeneration"
+    )
     # more multimodal checkpoints served as text only (their language model)
     registry.register(
         "Mistral3ForConditionalGeneration", f"{_PKG}.mistral3:Mistral3ForConditionalGeneration"
