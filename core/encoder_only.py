@@ -1,4 +1,5 @@
-"""Encoder-only models (BERT, XLM-RoBERTa) on a pooling engine: whole prompts, one step each.
+"""Encoder-only models (BERT, ModernBERT, EmbeddingGemma) on a pooling engine: whole prompts,
+one step each.
 
 An encoder's tokens attend to every token of their prompt, the later ones too, so a
 prompt cannot be computed in chunks over several steps, and a prefix-cache hit (which
@@ -100,6 +101,8 @@ def bidirectional_attention(
     v: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    max_distance: int | None = None,
 ) -> torch.Tensor:
     """Attention of every token over all the tokens of its own request, none of another's.
 
@@ -108,6 +111,11 @@ def bidirectional_attention(
     ``[num_tokens, heads, head_dim]``. The requests are padded to the longest into one
     ``[R, heads, L, head_dim]`` batch with a key mask (one SDPA call); a lone request runs
     unpadded.
+
+    ``max_distance``: a symmetric sliding window (the local layers of ModernBERT and
+    EmbeddingGemma), each token attending only to the tokens of its request at most
+    ``max_distance`` places before or after it; ``None``: the whole request. The masks are
+    computed once per step and window.
     """
     num_tokens, heads, head_dim = q.shape
     layout = metadata.derived.get(_LAYOUT_KEY)
@@ -115,9 +123,20 @@ def bidirectional_attention(
         layout = _padded_layout(metadata, num_tokens, q.device)
         metadata.derived[_LAYOUT_KEY] = layout
     flat_index, key_mask, num_reqs, longest = layout
+    if max_distance is not None and longest > max_distance + 1:  # some keys out of reach
+        band_key = f"{_LAYOUT_KEY}/band{max_distance}"
+        band = metadata.derived.get(band_key)
+        if band is None:
+            band = _band_mask(metadata, longest, max_distance, flat_index is None, q.device)
+            metadata.derived[band_key] = band
+        key_mask = band
     if flat_index is None:  # one request: [1, heads, T, head_dim]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=key_mask,
+            scale=scale,
         )
         return out[0].transpose(0, 1)
 
@@ -155,3 +174,24 @@ def _padded_layout(
         key_mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]
         key_mask = key_mask.to(device)
     return flat_index, key_mask, num_reqs, longest
+
+
+def _band_mask(
+    metadata: AttentionMetadata,
+    longest: int,
+    max_distance: int,
+    single: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """The mask of a symmetric window of ``max_distance`` places each side: ``[L, L]`` for
+    one request (``single``), else ``[R, 1, L, L]`` with the padding keys off; a padding query row keeps
+    every real key of its request (its output is dropped; a row with no key would be NaN)."""
+    index = torch.arange(longest)
+    band = (index[:, None] - index[None, :]).abs() <= max_distance
+    if single:
+        return band.to(device)
+    lengths = whole_prompt_lengths(metadata)
+    real = index[None, :] < lengths[:, None]  # [R, L]
+    keys = real[:, None, :]  # [R, 1 (queries), L]
+    queries = real[:, :, None]  # [R, L, 1]
+    return ((band[None] | ~queries) & keys)[:, None].to(device)

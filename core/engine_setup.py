@@ -94,5 +94,5 @@ def _registered_model_class(hf_config: Any, registries: Any) -> Any:
     ``None`` when none is (refused later, with the list of registered ones)."""
     for arch in getattr(hf_config, "architectures", None) or []:
         if arch in registries.models:
-            return registries.models.get(arch)
+            return registries.models.get(arch).class_for_config(hf_config)
     return None

@@ -210,6 +210,14 @@ class CausalLM(nn.Module, ABC):
         return lora_a, lora_b
 
     @classmethod
+    def class_for_config(cls, hf_config: Any) -> type[CausalLM]:
+        """The class that builds ``hf_config``'s model: this one by default. A class
+        registered for checkpoints whose decoder varies (LLaVA-style multimodal checkpoints
+        over any text model) returns the class for the config's; the registry lookups
+        (:func:`~chassis.core.model_loader.model_class`) go through here."""
+        return cls
+
+    @classmethod
     def context_length(cls, hf_config: Any) -> int | None:
         """The longest sequence the model can run when its config's length keys
         (``max_position_embeddings``, ...) overstate it, else ``None`` (those keys decide).

@@ -430,15 +430,16 @@ def kv_head_count(hf_config: Any) -> int:
 
 
 def model_class(hf_config: Any) -> type[CausalLM]:
-    """The registered model class of ``config.architectures`` (the first one registered); a
-    ``ValueError`` listing the supported architectures when none is."""
+    """The registered model class of ``config.architectures`` (the first one registered; its
+    ``class_for_config(hf_config)``); a ``ValueError`` listing the supported architectures
+    when none is."""
     from chassis.plugins.registries import get_registries
 
     registry = get_registries().models
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for arch in architectures:
         if arch in registry:
-            return registry.get(arch)
+            return registry.get(arch).class_for_config(hf_config)
     raise ValueError(
         f"model architecture {architectures or '(none in config.json)'} is not supported; "
         f"supported architectures: {', '.join(registry.names()) or '(none registered)'}"

@@ -267,14 +267,14 @@ def test_the_configs_are_read(model_dirs: dict[str, Path]) -> None:
     assert Runner(model_dirs["mistral3"]).model.spec.head_dim == 32
 
 
-def test_a_ministral3_text_config_is_refused() -> None:
-    """Ministral 3's text model scales queries by position (Llama-4 style), which the Llama
-    decoder does not: refused by name rather than served wrong."""
-    from transformers import Ministral3Config
+def test_an_unsupported_mistral3_text_config_is_refused() -> None:
+    """A text model other than Mistral's, Llama's or Ministral 3's (served by
+    tests/test_more_multimodal_text_models.py) is refused by name rather than served wrong."""
+    from transformers import Qwen2Config
 
     ctx = ModelBuildContext(attention_backend=TorchPagedAttention, dtype=torch.float32)
-    with pytest.raises(ValueError, match="'ministral3' text_config is not supported"):
-        Mistral3ForConditionalGeneration(Ministral3Config(**TINY_CONFIG_FIELDS), ctx)
+    with pytest.raises(ValueError, match="'qwen2' text_config is not supported"):
+        Mistral3ForConditionalGeneration(Qwen2Config(**TINY_CONFIG_FIELDS), ctx)
 
 
 # -- M-RoPE with equal components is plain RoPE ---------------------------------------------

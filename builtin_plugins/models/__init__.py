@@ -37,6 +37,14 @@ def chassis_register_models(registry: Any) -> None:
     registry.register(
         "XLMRobertaForSequenceClassification", f"{_PKG}.bert:RobertaForSequenceClassification"
     )
+    # more encoders: ModernBERT (and its classifiers), EmbeddingGemma (a bidirectional
+    # Gemma3TextModel)
+    registry.register("ModernBertModel", f"{_PKG}.modernbert:ModernBertModel")
+    registry.register(
+        "ModernBertForSequenceClassification",
+        f"{_PKG}.modernbert:ModernBertForSequenceClassification",
+    )
+    registry.register("Gemma3TextModel", f"{_PKG}.embedding_gemma:EmbeddingGemmaModel")
     registry.register("MixtralForCausalLM", f"{_PKG}.mixtral:MixtralForCausalLM")
     registry.register("Qwen2MoeForCausalLM", f"{_PKG}.qwen2_moe:Qwen2MoeForCausalLM")
     registry.register("Qwen3MoeForCausalLM", f"{_PKG}.qwen3_moe:Qwen3MoeForCausalLM")
@@ -64,6 +72,23 @@ def chassis_register_models(registry: Any) -> None:
         "Qwen3VLMoeForConditionalGeneration",
         f"{_PKG}.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
     )
+    # LLaVA-style checkpoints: the text config's registered decoder, served as text only
+    for llava_style in (
+        "LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration",
+        "InternVLForConditionalGeneration",
+    ):
+        registry.register(llava_style, f"{_PKG}.llava:LlavaForConditionalGeneration")
+    registry.register(
+        "AyaVisionForConditionalGeneration", f"{_PKG}.llava:AyaVisionForConditionalGeneration"
+    )
+    registry.register(
+        "Glm4vForConditionalGeneration", f"{_PKG}.glm4v:Glm4vForConditionalGeneration"
+    )
+    registry.register(
+        "Glm4vMoeForConditionalGeneration", f"{_PKG}.glm4v:Glm4vMoeForConditionalGeneration"
+    )
+    registry.register("Ministral3ForCausalLM", f"{_PKG}.ministral3:Ministral3ForCausalLM")
     registry.register("Phi3ForCausalLM", f"{_PKG}.phi3:Phi3ForCausalLM")
     registry.register("Olmo2ForCausalLM", f"{_PKG}.olmo2:Olmo2ForCausalLM")
     registry.register("Olmo3ForCausalLM", f"{_PKG}.olmo3:Olmo3ForCausalLM")

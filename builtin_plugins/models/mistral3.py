@@ -1,18 +1,20 @@
-"""Mistral 3 (Mistral Small 3.1/3.2, Magistral/Devstral Small in this format): the multimodal
-checkpoints' Mistral language model, served as text only."""
+"""Mistral 3 (Mistral Small 3.1/3.2, Magistral/Devstral Small in this format) and Ministral 3:
+the multimodal checkpoints' Mistral / Ministral 3 language model, served as text only."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaForCausalLM
+from chassis.builtin_plugins.models.llama import DecoderSpec
+from chassis.builtin_plugins.models.ministral3 import Ministral3ForCausalLM
 from chassis.builtin_plugins.models.text_only import TextOnlyWeights
 
-#: text configs whose decoder is chassis' Llama/Mistral one
-_TEXT_MODEL_TYPES = ("mistral", "llama")
+#: text configs served: the Llama/Mistral decoder, and Ministral 3's (queries scaled by
+#: position)
+_TEXT_MODEL_TYPES = ("mistral", "llama", "ministral3")
 
 
-class Mistral3ForConditionalGeneration(TextOnlyWeights, LlamaForCausalLM):
+class Mistral3ForConditionalGeneration(TextOnlyWeights, Ministral3ForCausalLM):
     """``Mistral3ForConditionalGeneration`` checkpoints served as text only.
 
     The engine builds the Mistral decoder of the checkpoint's ``text_config`` (a ``mistral``
@@ -24,7 +26,9 @@ class Mistral3ForConditionalGeneration(TextOnlyWeights, LlamaForCausalLM):
     the text config says so (transformers 5.24's ``Mistral3Config`` defaults its own flag to
     true; the text config is the one that describes the language model's weights).
 
-    A ``ministral3`` text config (Ministral 3: Llama-4 attention scaling) is refused.
+    A ``ministral3`` text config (Ministral 3, late 2025) gets Ministral 3's decoder: its
+    queries scaled by position after RoPE
+    (:class:`~chassis.builtin_plugins.models.ministral3.Ministral3ForCausalLM`).
     """
 
     language_model_prefixes = (
