@@ -75,6 +75,13 @@ class CausalLM(nn.Module, ABC):
     #: ``--max-num-batched-tokens`` (:mod:`chassis.core.encoder_only`). Its forward reads
     #: each request's boundaries from ``ctx.attn_metadata`` (``query_start_loc_cpu``).
     is_encoder_only: bool = False
+    #: The model has no LM head but is not an encoder: a decoder saved as HF's bare
+    #: ``*Model`` class (e5-mistral's ``MistralModel``, bge-multilingual-gemma2's
+    #: ``Gemma2Model``), whose forward returns hidden states for a pooling engine to pool.
+    #: ``--runner auto`` picks ``"pooling"`` and ``"generate"`` is refused
+    #: (:func:`~chassis.core.pooling_classify.resolve_runner`); prompts are computed as a
+    #: decoder's (chunked, prefix-cached).
+    is_pooling_only: bool = False
     #: The pooling a pooling engine of this model uses when neither ``pooler_config`` nor
     #: the checkpoint's sentence-transformers files name one (vLLM's default for the
     #: architecture): the last token for decoders, the first (``"CLS"``) for BERT-like

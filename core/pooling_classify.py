@@ -48,14 +48,23 @@ def registered_model_attribute(architectures: Sequence[str], name: str, default:
 
 def resolve_runner(runner: str, architectures: Sequence[str]) -> str:
     """The runner an engine of ``architectures`` uses, as vLLM's ``--runner auto`` picks it:
-    ``"pooling"`` for sequence classifiers and encoders (``is_encoder_only``: BERT,
-    XLM-RoBERTa), ``"generate"`` otherwise; an explicit ``"generate"`` or ``"pooling"`` is
-    kept. A classifier or an encoder asked to generate is a ``ValueError`` (it has no
-    language-model head)."""
+    ``"pooling"`` for sequence classifiers, encoders (``is_encoder_only``: BERT,
+    XLM-RoBERTa) and head-less decoders (``is_pooling_only``: bare ``MistralModel``,
+    ``Qwen2Model``, ... checkpoints), ``"generate"`` otherwise; an explicit ``"generate"`` or
+    ``"pooling"`` is kept. A classifier, an encoder or a head-less decoder asked to generate
+    is a ``ValueError`` (it has no language-model head)."""
     classifier = is_classification_architecture(architectures)
     encoder = bool(registered_model_attribute(architectures, "is_encoder_only", False))
+    headless = bool(registered_model_attribute(architectures, "is_pooling_only", False))
     if runner == "auto":
-        return "pooling" if classifier or encoder else "generate"
+        return "pooling" if classifier or encoder or headless else "generate"
+    if runner == "generate" and headless:
+        raise ValueError(
+            f"{', '.join(architectures)} is a decoder saved without its language-model head "
+            "(an embedding model): it cannot generate text. Run it with runner='pooling' "
+            "(--runner pooling, or leave the runner at 'auto') for embed(), score() and the "
+            "/v1/embeddings, /pooling, /score and /rerank routes"
+        )
     if runner == "generate" and encoder and not classifier:
         raise ValueError(
             f"{', '.join(architectures)} is an encoder-only (embedding) model: it cannot "

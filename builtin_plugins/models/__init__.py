@@ -45,6 +45,12 @@ def chassis_register_models(registry: Any) -> None:
         f"{_PKG}.modernbert:ModernBertForSequenceClassification",
     )
     registry.register("Gemma3TextModel", f"{_PKG}.embedding_gemma:EmbeddingGemmaModel")
+    # decoder embedding models saved as the bare decoder (no LM head): pooling engines only
+    registry.register("LlamaModel", f"{_PKG}.decoder_embedding:LlamaEmbeddingModel")
+    registry.register("MistralModel", f"{_PKG}.decoder_embedding:LlamaEmbeddingModel")
+    registry.register("Qwen2Model", f"{_PKG}.decoder_embedding:Qwen2EmbeddingModel")
+    registry.register("Qwen3Model", f"{_PKG}.decoder_embedding:Qwen3EmbeddingModel")
+    registry.register("Gemma2Model", f"{_PKG}.decoder_embedding:Gemma2EmbeddingModel")
     registry.register("MixtralForCausalLM", f"{_PKG}.mixtral:MixtralForCausalLM")
     registry.register("Qwen2MoeForCausalLM", f"{_PKG}.qwen2_moe:Qwen2MoeForCausalLM")
     registry.register("Qwen3MoeForCausalLM", f"{_PKG}.qwen3_moe:Qwen3MoeForCausalLM")
@@ -109,11 +115,15 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("DeepseekV2ForCausalLM", f"{_PKG}.deepseek_v2:DeepseekV2ForCausalLM")
     registry.register("DeepseekV3ForCausalLM", f"{_PKG}.deepseek_v3:DeepseekV3ForCausalLM")
     registry.register("Glm4MoeForCausalLM", f"{_PKG}.glm4_moe:Glm4MoeForCausalLM")
+    registry.register("MiniMaxM2ForCausalLM", f"{_PKG}.minimax_m2:MiniMaxM2ForCausalLM")
+    registry.register("Dots1ForCausalLM", f"{_PKG}.dots1:Dots1ForCausalLM")
     registry.register("Ernie4_5ForCausalLM", f"{_PKG}.ernie4_5:Ernie4_5ForCausalLM")
+    registry.register("Ernie4_5_MoeForCausalLM", f"{_PKG}.ernie4_5_moe:Ernie4_5_MoeForCausalLM")
     registry.register("ApertusForCausalLM", f"{_PKG}.apertus:ApertusForCausalLM")
     registry.register(
         "HunYuanDenseV1ForCausalLM", f"{_PKG}.hunyuan_v1_dense:HunYuanDenseV1ForCausalLM"
     )
+    registry.register("HunYuanMoEV1ForCausalLM", f"{_PKG}.hunyuan_v1_moe:HunYuanMoEV1ForCausalLM")
     # an EAGLE-1 draft head over a target (--speculative-config method eagle), never alone
     registry.register("EagleLlamaForCausalLM", f"{_PKG}.llama_eagle:EagleLlamaHead")
     # an EAGLE-3 draft head (method eagle3): the published heads' name and vLLM's
