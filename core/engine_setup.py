@@ -18,7 +18,12 @@ def finalize_config(config: EngineConfig) -> Any:
     is known to the registries. Errors are ``ValueError`` with the known alternatives.
     """
     from chassis.core.encoder_only import apply_encoder_only_settings
-    from chassis.core.model_loader import engine_hf_config, model_max_len, resolve_model_path
+    from chassis.core.model_loader import (
+        engine_hf_config,
+        model_class,
+        model_max_len,
+        resolve_model_path,
+    )
     from chassis.core.pooling_classify import resolve_runner
     from chassis.core.quantized_weights import check_quantization, check_quantization_flag
     from chassis.platforms import get_current_platform
@@ -36,7 +41,10 @@ def finalize_config(config: EngineConfig) -> Any:
         config.tokenizer = config.model
     hf_config = engine_hf_config(config)  # with --hf-overrides
     max_model_len_given = config.max_model_len is not None
-    model_cls = _registered_model_class(hf_config, registries)
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    registered = any(a in registries.models for a in architectures)
+    # (an unregistered architecture is refused below, after the length checks)
+    model_cls = model_class(hf_config) if registered else None
     context_length = model_max_len(hf_config)
     own_length = getattr(model_cls, "context_length", None)
     if own_length is not None and (own := own_length(hf_config)) is not None:
@@ -45,8 +53,7 @@ def finalize_config(config: EngineConfig) -> Any:
     check_quantization(hf_config)  # an unreadable quantized checkpoint fails before loading
     check_quantization_flag(config.quantization, hf_config)
 
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not any(a in registries.models for a in architectures):
+    if not registered:
         raise ValueError(
             f"model architecture(s) {architectures or '(none in config.json)'} not supported; "
             f"registered architectures: {', '.join(registries.models.names())}"
@@ -87,12 +94,3 @@ def finalize_config(config: EngineConfig) -> Any:
         config.enable_prefix_caching,
     )
     return hf_config
-
-
-def _registered_model_class(hf_config: Any, registries: Any) -> Any:
-    """The registered model class of the first registered architecture of ``hf_config``;
-    ``None`` when none is (refused later, with the list of registered ones)."""
-    for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in registries.models:
-            return registries.models.get(arch).class_for_config(hf_config)
-    return None

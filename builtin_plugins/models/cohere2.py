@@ -114,20 +114,14 @@ class Cohere2Attention(LlamaAttention):
         #: even when a window no sequence outgrows is dropped)
         self.use_rope = use_rope
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.use_rope:  # a full layer: no positional encoding at all
+            return q, k
+        return rotate_cohere(self.rotary_emb, positions, q), rotate_cohere(
+            self.rotary_emb, positions, k
         )
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.use_rope:
-            q = rotate_cohere(self.rotary_emb, positions, q)
-            k = rotate_cohere(self.rotary_emb, positions, k)
-        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
-        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
 
 
 class Cohere2DecoderLayer(torch.nn.Module):

@@ -32,8 +32,6 @@ from chassis.builtin_plugins.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
 )
-from chassis.core import parallel_state
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters, rotate_interleaved
 from chassis.core.model_interface import ModelBuildContext
 
@@ -53,17 +51,12 @@ def rotate_ernie(
 class Ernie4_5Attention(LlamaAttention):
     """:class:`LlamaAttention` whose RoPE is :func:`rotate_ernie` (no window)."""
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate_ernie(self.rotary_emb, positions, q), rotate_ernie(
+            self.rotary_emb, positions, k
         )
-        q = rotate_ernie(self.rotary_emb, positions, q.reshape(num_tokens, self.num_heads, -1))
-        k = rotate_ernie(self.rotary_emb, positions, k.reshape(num_tokens, self.num_kv_heads, -1))
-        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
-        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
 
 
 class Ernie4_5ForCausalLM(LlamaForCausalLM):

@@ -33,8 +33,6 @@ from chassis.builtin_plugins.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
 )
-from chassis.core import parallel_state
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
 from chassis.core.model_interface import ModelBuildContext
@@ -77,19 +75,12 @@ class HunYuanAttention(LlamaAttention):
         self.query_layernorm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.key_layernorm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = self.rotary_emb(positions, q, k)
-        q, k = self.query_layernorm(q), self.key_layernorm(k)
-        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
-        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
+        # the per-head norms after RoPE (Qwen3 and Llama's qk_norm put them before)
+        return self.query_layernorm(q), self.key_layernorm(k)
 
 
 class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):

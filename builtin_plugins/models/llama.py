@@ -213,10 +213,20 @@ class LlamaAttention(nn.Module):
         )
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        qk_norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        q, k = self.rotary_emb(positions, q, k, qk_norms)
+        q, k = self.encode_positions(positions, q, k)
         # Each rank holds some heads: o_proj's partial sums add up to the whole output.
         return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
+
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, heads, head_dim]`` and ``k [T, kv_heads, head_dim]`` as attention reads
+        them: here the per-head q/k norms (``spec.qk_norm``) and RoPE. An architecture that
+        places, skips or scales them otherwise (NoPE layers, interleaved rotation, norms
+        after RoPE, position-scaled queries) overrides this, not :meth:`forward`. The inputs
+        may be consumed (rotated in place)."""
+        qk_norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        return self.rotary_emb(positions, q, k, qk_norms)
 
 
 class LlamaMLP(nn.Module):

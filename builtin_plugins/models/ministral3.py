@@ -28,8 +28,6 @@ from chassis.builtin_plugins.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
 )
-from chassis.core import parallel_state
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
 from chassis.core.model_interface import ModelBuildContext
 
@@ -63,18 +61,11 @@ class Llama4ScaledAttention(LlamaAttention):
         self.beta = beta
         self.original_max = original_max
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, None)
-        q = q * self.query_scale(positions).to(q.dtype)[:, None, None]
-        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = super().encode_positions(positions, q, k)
+        return q * self.query_scale(positions).to(q.dtype)[:, None, None], k
 
     def query_scale(self, positions: torch.Tensor) -> torch.Tensor:
         """``[T]`` float32 factors of the tokens at ``positions``."""

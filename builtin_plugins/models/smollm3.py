@@ -30,8 +30,6 @@ from chassis.builtin_plugins.models.llama import (
     LlamaModel,
     qwen_sliding_layers,
 )
-from chassis.core import parallel_state
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.model_interface import ModelBuildContext
 
@@ -123,16 +121,11 @@ class SmolLM3Attention(LlamaAttention):
         super().__init__(spec, rotary_emb, layer_idx, build_ctx, sliding_window=sliding_window)
         self.use_rope = use_rope
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        if self.use_rope:
-            return super().forward(positions, hidden_states, ctx)
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-        # Each rank holds some heads: o_proj's partial sums add up to the whole output.
-        return parallel_state.all_reduce(self.o_proj(self.attn(q, k, v, ctx)))
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # a NoPE layer attends to q and k as projected
+        return super().encode_positions(positions, q, k) if self.use_rope else (q, k)
 
     def extra_repr(self) -> str:
         return f"use_rope={self.use_rope}"
