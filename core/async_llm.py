@@ -14,7 +14,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chassis.core.beam_search import (
@@ -30,7 +30,12 @@ from chassis.core.beam_search import (
 from chassis.core.config import EngineConfig
 from chassis.core.engine_client import EngineCoreClient
 from chassis.core.engine_setup import finalize_config
-from chassis.core.errors import EngineDeadError, RequestFailedError
+from chassis.core.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    RequestFailedError,
+    request_failure,
+)
 from chassis.core.input_processor import InputProcessor
 from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
@@ -41,6 +46,12 @@ from chassis.core.pooling_outputs import EmbeddingRequestOutput
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.request import EngineCoreOutputs, SchedulerStats
 from chassis.core.sampling_params import SamplingParams
+from chassis.core.sleep_mode import (
+    check_sleep_level,
+    check_sleep_mode_enabled,
+    check_wake_tags,
+    sleeping_message,
+)
 from chassis.core.stat_logger import IterationStats, StatLoggerBase, StatLoggerInfo
 from chassis.core.stat_logger_manager import (
     StatLoggerFactory,
@@ -91,6 +102,8 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead_callbacks: list[Callable[[], None]] = []
         self.dead_error: EngineDeadError | None = None
+        #: the parts of the engine asleep (sleep mode), as the last sleep / wake_up left them
+        self._sleeping_tags: list[str] = []
         self._stats = SchedulerStats()
         names = default_stat_loggers() if config.stat_loggers is None else config.stat_loggers
         factories = resolve_stat_loggers(names)
@@ -179,13 +192,18 @@ class AsyncLLM:
         delta: bool = True,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        multi_modal_data: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (``n`` completions as ``outputs[i].index``),
         with the LoRA adapter ``lora_request`` (``None``: the base model); ``cache_salt``
-        shares its prefix-cache entries only with requests of the same salt.
+        shares its prefix-cache entries only with requests of the same salt;
+        ``multi_modal_data`` and ``mm_processor_kwargs`` (vLLM's) are the prompt's images
+        (:meth:`InputProcessor.process`), processed off the event loop.
 
         Bad input raises ``ValueError`` before anything is yielded; a dead engine raises
-        :class:`EngineDeadError`; a request the engine core failed alone (its
+        :class:`EngineDeadError`, a sleeping one (sleep mode) :class:`EngineSleepingError`;
+        a request the engine core failed alone (its
         structured-output constraint over its work budget, its matcher raising, its LoRA
         adapter refused: reused id, or a folder that cannot be loaded any more) raises
         :class:`RequestFailedError` with the engine's message, instead of that output (its
@@ -205,8 +223,12 @@ class AsyncLLM:
             arrival,
             lora_request=lora_request,
             cache_salt=cache_salt,
+            multi_modal_data=multi_modal_data,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
-        requests = await self._off_loop_when_slow(process, prompt, sampling_params, lora_request)
+        requests = await self._off_loop_when_slow(
+            process, prompt, sampling_params, lora_request, multi_modal_data
+        )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
@@ -261,6 +283,8 @@ class AsyncLLM:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        multi_modal_data: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         """Every refusal :meth:`generate` would make for this request before anything is
         yielded (the same ``ValueError``; :class:`EngineDeadError` for a dead engine),
@@ -277,13 +301,20 @@ class AsyncLLM:
             priority,
             lora_request=lora_request,
             cache_salt=cache_salt,
+            multi_modal_data=multi_modal_data,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
-        await self._off_loop_when_slow(check, prompt, sampling_params, lora_request)
+        await self._off_loop_when_slow(
+            check, prompt, sampling_params, lora_request, multi_modal_data
+        )
 
     def _refuse_generation(self) -> None:
-        """The engine-wide refusals of a generation request: a dead engine, a pooling one."""
+        """The engine-wide refusals of a generation request: a dead engine, a sleeping one
+        (:class:`EngineSleepingError`), a pooling one."""
         if self.dead_error is not None:
             raise self.dead_error
+        if self._sleeping_tags:
+            raise EngineSleepingError(sleeping_message(self._sleeping_tags))
         if self.pooler_config is not None:
             raise ValueError(
                 "this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
@@ -297,16 +328,18 @@ class AsyncLLM:
         prompt: str | list[int],
         sampling_params: SamplingParams,
         lora_request: LoRARequest | None,
+        multi_modal_data: Mapping[str, Any] | None = None,
     ) -> T:
         """``call()`` (the input processor on one request), in a worker thread when it may
         be slow: a long text prompt to tokenize, a new structured-output constraint to
         compile (up to ~0.1 s for a large schema), a LoRA adapter whose first check reads its
-        files; on the event loop otherwise."""
+        files, images to process; on the event loop otherwise."""
         long_prompt = isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS
         if (
             long_prompt
             or sampling_params.structured_outputs is not None
             or lora_request is not None
+            or multi_modal_data is not None
         ):
             return await asyncio.to_thread(call)
         return call()
@@ -362,6 +395,8 @@ class AsyncLLM:
         """
         if self.dead_error is not None:
             raise self.dead_error
+        if self._sleeping_tags:
+            raise EngineSleepingError(sleeping_message(self._sleeping_tags))
         if self.pooler_config is None:
             raise ValueError(
                 "this engine generates: embeddings need a pooling model, served with "
@@ -405,7 +440,7 @@ class AsyncLLM:
                 raise item
             finished = True
             if isinstance(item, EmbeddingRequestOutput) and item.error is not None:
-                raise RequestFailedError(item.error)
+                raise request_failure(item.error)
             if not isinstance(item, EmbeddingRequestOutput) or not item.outputs.embedding:
                 raise RuntimeError(f"the engine refused pooling request {request_id!r}")
             yield item
@@ -429,6 +464,41 @@ class AsyncLLM:
         :class:`EngineDeadError` when the engine core is not running."""
         await self.check_health()
         return bool(await asyncio.wrap_future(self.client.call_utility("reset_prefix_cache")))
+
+    # -- sleep mode (docs/serving.md, "Sleep mode") -----------------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory while it is idle (vLLM's ``AsyncLLM.sleep``; needs
+        ``--enable-sleep-mode``): level 1 moves the weights to host memory (on the CPU they
+        stay) and frees the KV cache, forgetting the prefix cache; level 2 frees the weights
+        too. Until :meth:`wake_up` brought everything back, requests are refused with
+        :class:`EngineSleepingError`. ``ValueError`` without sleep mode or for another
+        level; :class:`~chassis.core.errors.EngineBusyError` while requests are unfinished
+        (nothing is done); :class:`EngineDeadError` when the engine core is not running."""
+        check_sleep_mode_enabled(self.config)
+        check_sleep_level(level)
+        await self.check_health()
+        tags = await asyncio.wrap_future(self.client.call_utility("sleep", level))
+        self._sleeping_tags = list(tags)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what :meth:`sleep` freed: ``tags`` names the parts, ``"weights"`` and
+        ``"kv_cache"`` (``None``: both), in any order over several calls. Weights freed at
+        level 2 are loaded from the checkpoint again. ``ValueError`` for another tag or
+        without sleep mode; :class:`EngineDeadError` when the engine core is not running."""
+        check_sleep_mode_enabled(self.config)
+        check_wake_tags(tags)
+        await self.check_health()
+        wake_tags = None if tags is None else list(tags)
+        asleep = await asyncio.wrap_future(self.client.call_utility("wake_up", wake_tags))
+        self._sleeping_tags = list(asleep)
+
+    async def is_sleeping(self) -> bool:
+        """Whether any part of the engine sleeps (asked of the engine core)."""
+        if not self.config.enable_sleep_mode:
+            return False
+        await self.check_health()
+        return bool(await asyncio.wrap_future(self.client.call_utility("is_sleeping")))
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
@@ -496,12 +566,12 @@ class AsyncLLM:
         await asyncio.to_thread(self.shutdown_sync)
 
 
-def _failure(output: RequestOutput) -> RequestFailedError | None:
+def _failure(output: RequestOutput) -> RequestFailedError | EngineSleepingError | None:
     """The :class:`RequestFailedError` of ``output`` if the engine core failed a completion
-    of it, else ``None``."""
+    of it (:class:`EngineSleepingError` if it refused it while asleep), else ``None``."""
     for completion in output.outputs:
         if completion.error is not None:
-            return RequestFailedError(completion.error)
+            return request_failure(completion.error)
     return None
 
 

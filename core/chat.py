@@ -7,7 +7,11 @@ reads (vLLM's ``--chat-template-content-format``, :mod:`chassis.core.chat_conten
 only calls tools, is the empty string); ``openai`` passes a list of text parts,
 ``[{"type": "text", "text": ...}]`` (a string is one part, absent content the empty list;
 a ``tool`` message's content stays a string, as in vLLM); ``auto`` (the default) picks
-one from the template. Other part types are refused either way. Tool-call ``arguments``
+one from the template. Other part types are refused either way, but for the image markers
+``{"type": "image"}`` that :mod:`chassis.core.chat_media` puts in place of a request's image
+parts when the engine takes images: ``openai`` passes them to the template as parts, and
+``string`` writes the model's placeholder text for each (vLLM's rule: before the message's
+text, one line each, unless the text already holds it). Tool-call ``arguments``
 sent as JSON strings are parsed to objects (templates index into them). Template failures
 (``raise_exception`` in the template, messages shaped unlike what it indexes) become
 ``ValueError``.
@@ -52,8 +56,17 @@ class ChatTemplateRenderError(ValueError):
     message says what the template raised."""
 
 
-def content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
-    """OpenAI content (a string or a list of parts) as one string; only text parts allowed.
+#: what stands for an image in normalized content (``openai``), as templates test for it
+IMAGE_PART: dict[str, str] = {"type": "image"}
+
+
+def content_text(
+    content: str | list[dict[str, Any]] | None, index: int, image_placeholder: str | None = None
+) -> str:
+    """OpenAI content (a string or a list of parts) as one string; only text parts allowed,
+    and image markers when ``image_placeholder`` (the model's text for one image) is given:
+    each becomes that text on its own line before the message's text, unless the text
+    already holds it (vLLM's rule).
 
     Absent content (``None``) is the empty string, which templates handle; many index
     ``message['content']`` directly.
@@ -62,31 +75,48 @@ def content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(_texts(content, index))
+    parts = _texts(content, index, images=image_placeholder is not None)
+    text = "\n".join(part for part in parts if part is not None)
+    num_images = sum(1 for part in parts if part is None)
+    if not num_images:
+        return text
+    assert image_placeholder is not None
+    missing = max(0, num_images - text.count(image_placeholder))
+    return "\n".join([image_placeholder] * missing + [text])
 
 
-def content_parts(content: str | list[dict[str, Any]] | None, index: int) -> list[dict[str, str]]:
+def content_parts(
+    content: str | list[dict[str, Any]] | None, index: int, *, images: bool = False
+) -> list[dict[str, str]]:
     """OpenAI content as a list of text parts (``[{"type": "text", "text": ...}]``, fresh
     dicts holding only those keys), as vLLM gives templates that loop over the parts: a
-    string is one part, absent content (``None``) no part; only text parts allowed."""
+    string is one part, absent content (``None``) no part; only text parts allowed, and
+    with ``images`` the image markers (:data:`IMAGE_PART`), in place."""
     if content is None:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return [{"type": "text", "text": text} for text in _texts(content, index)]
+    return [
+        dict(IMAGE_PART) if text is None else {"type": "text", "text": text}
+        for text in _texts(content, index, images=images)
+    ]
 
 
-def _texts(content: object, index: int) -> list[str]:
-    """The texts of a list of content parts (``ChatMessageError`` for anything else)."""
+def _texts(content: object, index: int, *, images: bool = False) -> list[str | None]:
+    """The texts of a list of content parts, ``None`` for an image marker when ``images``
+    (``ChatMessageError`` for anything else)."""
     if not isinstance(content, list):
         raise ChatMessageError(
             f"messages[{index}].content must be a string or a list of parts; got "
             f"{type(content).__name__}",
             index,
         )
-    texts = []
+    texts: list[str | None] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
+        if images and kind == "image" and len(part) == 1:
+            texts.append(None)
+            continue
         if kind != "text":
             raise ChatMessageError(
                 f"messages[{index}].content: only text parts are supported; got type {kind!r}",
@@ -116,14 +146,17 @@ def _tool_calls_for_template(tool_calls: list[dict[str, Any]]) -> list[dict[str,
 
 
 def normalize_messages(
-    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat = "string"
+    messages: Sequence[Mapping[str, Any]],
+    content_format: ContentFormat = "string",
+    image_placeholder: str | None = None,
 ) -> list[dict[str, Any]]:
     """The plain dicts chat templates iterate over (see the module docstring), ``content``
     in ``content_format`` (``"string"`` or ``"openai"``; a ``tool`` message's is a string
     either way, as vLLM gives it); keys other than ``content`` and ``tool_calls`` (``name``,
     ``tool_call_id``, ``reasoning_content``...) pass through unchanged; a ``reasoning`` (the
-    response field) is also given as ``reasoning_content`` when that is absent. The input is
-    not modified."""
+    response field) is also given as ``reasoning_content`` when that is absent. Image
+    markers are taken only with ``image_placeholder`` (the model's text for one image,
+    written for each in ``string`` content). The input is not modified."""
     if content_format not in ("string", "openai"):
         raise ValueError(f"content_format must be 'string' or 'openai'; got {content_format!r}")
     out = []
@@ -132,11 +165,13 @@ def normalize_messages(
             raise ChatMessageError(f"messages[{i}] must be an object with a string 'role'", i)
         item = {k: v for k, v in message.items() if v is not None or k == "content"}
         if content_format == "openai" and message["role"] != "tool":
-            item["content"] = content_parts(message.get("content"), i)
+            item["content"] = content_parts(
+                message.get("content"), i, images=image_placeholder is not None
+            )
         else:
             # vLLM joins a tool message's text parts also in "openai": templates write
             # tool results as strings
-            item["content"] = content_text(message.get("content"), i)
+            item["content"] = content_text(message.get("content"), i, image_placeholder)
         if message.get("tool_calls") is not None:
             item["tool_calls"] = _tool_calls_for_template(message["tool_calls"])
         if "reasoning" in item and "reasoning_content" not in item:
@@ -175,6 +210,7 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     content_format: str = "auto",
+    image_placeholder: str | None = None,
 ) -> str:
     """The prompt text of one conversation.
 
@@ -184,8 +220,10 @@ def render_chat(
     ``enable_thinking``) reach the template; ``content_format`` (``"auto"``, ``"string"`` or
     ``"openai"``, vLLM's ``chat_template_content_format``) is the shape of the messages'
     content, ``"auto"`` detected from the template that renders (:func:`chat_template_text`).
-    Raises ``ChatMessageError`` for a message it cannot use, ``ChatTemplateSyntaxError`` for
-    a template that does not parse, ``ChatTemplateRenderError`` (a ``ValueError``) when the
+    ``image_placeholder`` (the model's text for one image) lets the messages hold the image
+    markers :mod:`chassis.core.chat_media` leaves; without it they are refused. Raises
+    ``ChatMessageError`` for a message it cannot use, ``ChatTemplateSyntaxError`` for a
+    template that does not parse, ``ChatTemplateRenderError`` (a ``ValueError``) when the
     template fails on the conversation, and ``ValueError`` for an unknown ``content_format``.
     """
     check_content_format(content_format)
@@ -200,7 +238,7 @@ def render_chat(
     resolved = resolve_content_format(
         content_format, chat_template_text(tokenizer, chat_template, tools)
     )
-    items = normalize_messages(messages, resolved)
+    items = normalize_messages(messages, resolved, image_placeholder)
     try:
         return apply_chat_template(
             tokenizer,

@@ -93,6 +93,13 @@ class EngineConfig:
     #: the checkpoint's sentence-transformers files, else last-token and normalized
     #: (``chassis.core.pooling_config``)
     pooler_config: dict[str, Any] | None = None
+    #: the most items of each modality one prompt may carry (vLLM's
+    #: ``--limit-mm-per-prompt``: ``{"image": 2}``; ``0`` refuses the modality); a modality
+    #: left out: 999, vLLM's default (core/multimodal_limits.py)
+    limit_mm_per_prompt: dict[str, Any] | None = None
+    #: the folder whose files requests may name as ``file://`` image URLs (vLLM's
+    #: ``--allowed-local-media-path``); "" (default): no local files (core/image_loading.py)
+    allowed_local_media_path: str = ""
 
     # -- KV cache --------------------------------------------------------------------------
     block_size: int = 16
@@ -160,6 +167,10 @@ class EngineConfig:
     #: (docs/architecture.md)
     execute_model_timeout_s: float = 300.0
     max_logprobs: int = 20
+    #: allow ``sleep()`` / ``wake_up()`` (vLLM's ``--enable-sleep-mode``): free the KV cache
+    #: and move the weights to host memory (level 1) or drop them (level 2) while the
+    #: engine is idle (docs/serving.md, "Sleep mode"); off: those calls are refused
+    enable_sleep_mode: bool = False
     #: speculative decoding (vLLM's ``--speculative-config``, a dict of its keys; see
     #: :class:`~chassis.core.speculative.SpeculativeConfig`); None: off
     speculative_config: dict[str, Any] | None = None
@@ -280,6 +291,7 @@ class EngineConfig:
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0; got {self.max_logprobs}")
         self._validate_stat_logging()
+        self._validate_multimodal()
         for flag, value in (
             ("--hf-overrides", self.hf_overrides),
             ("--override-generation-config", self.override_generation_config),
@@ -367,6 +379,18 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"--stat-log-interval must be a finite number of seconds > 0; got {interval!r}"
+            )
+
+    def _validate_multimodal(self) -> None:
+        # (the folder's existence is checked where images load, by the front-end at start:
+        # a Ray worker on another node need not have it)
+        from chassis.core.multimodal_limits import parse_limits
+
+        parse_limits(self.limit_mm_per_prompt)
+        if not isinstance(self.allowed_local_media_path, str):
+            raise ValueError(
+                "--allowed-local-media-path must be a folder path; got "
+                f"{self.allowed_local_media_path!r}"
             )
 
     def _validate_runner(self) -> None:

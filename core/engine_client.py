@@ -37,7 +37,7 @@ from chassis.core.engine_core_proc import (
     UTILITY_RESULT,
     run_engine_core,
 )
-from chassis.core.engine_utility import UtilityCall, UtilityResult
+from chassis.core.engine_utility import UtilityCall, UtilityResult, utility_error
 from chassis.core.errors import EngineDeadError
 from chassis.core.request import EngineCoreOutputs, EngineCoreRequest
 
@@ -200,7 +200,7 @@ class EngineCoreClient:
     def call_utility(self, method: str, *args: Any) -> Future[Any]:
         """Ask the engine core to run ``method(*args)`` between steps. The future gets the
         return value; ``RuntimeError`` with the engine's message when the method raised or is
-        not a utility; :class:`EngineDeadError` when the engine core died or shut down
+        not a utility (one of ``engine_utility.RELAYED_ERRORS`` as itself); :class:`EngineDeadError` when the engine core died or shut down
         first (raised here at once when it is not running)."""
         future: Future[Any] = Future()
         call_id = next(self._call_ids)
@@ -227,7 +227,7 @@ class EngineCoreClient:
         if future is None:
             return
         if answer.error is not None:
-            future.set_exception(RuntimeError(f"engine utility failed: {answer.error}"))
+            future.set_exception(utility_error(answer))
         else:
             future.set_result(answer.result)
 

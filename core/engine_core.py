@@ -9,10 +9,12 @@ from collections.abc import Iterable
 import msgspec
 
 from chassis.core.config import EngineConfig
+from chassis.core.errors import EngineBusyError
 from chassis.core.executor import make_executor
 from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.kv_cache_manager import KVCacheManager
 from chassis.core.lora.request import LoRARequest
+from chassis.core.multimodal_admission import multimodal_refusal
 from chassis.core.pooling_config import apply_pooling_defaults
 from chassis.core.request import (
     EngineCoreOutput,
@@ -24,6 +26,13 @@ from chassis.core.request import (
     engine_fault,
 )
 from chassis.core.scheduler_interface import SchedulerOutput
+from chassis.core.sleep_mode import (
+    SleepState,
+    check_sleep_level,
+    check_sleep_mode_enabled,
+    check_wake_tags,
+    sleeping_message,
+)
 from chassis.core.structured_output_manager import (
     StructuredOutputManager,
     StructuredOutputsUnavailable,
@@ -136,7 +145,11 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         self.structured_outputs = StructuredOutputManager(config)
         #: outputs of requests refused after they reached the engine, sent with the next step
+        #: (and those of a plan async scheduling left in flight when the engine went to sleep)
         self._refused: list[EngineCoreOutput] = []
+        #: the model class's supported modalities and name, read at the first request with
+        #: images (:meth:`_model_modalities`)
+        self._mm_model: tuple[frozenset[str], str] | None = None
         #: LoRA: the adapter id of every accepted request with one, and each adapter's count
         #: of such requests; an adapter stays pinned in the workers' host memory while its
         #: count is above zero (``Executor.pin_lora``), so no step reads its folder
@@ -145,6 +158,8 @@ class EngineCore:
         #: the folder each adapter id was first accepted with; the id keeps it for the
         #: engine's lifetime, as device slots and prefix-cache entries are keyed by the id
         self._lora_paths: dict[int, str] = {}
+        #: what sleeps (sleep mode, ``--enable-sleep-mode``)
+        self._sleep = SleepState()
         assert config.max_model_len is not None and config.attention_backend is not None
         self.info = EngineInfo(
             platform=platform.name,
@@ -179,19 +194,31 @@ class EngineCore:
         folder (these three are the request's fault), or the engine's: the structured-output
         backend cannot be built or fails to compile with an unexpected error, or the workers
         cannot read its adapter any more (its folder deleted or changed since the front-end's
-        check, and not held in host memory)."""
+        check, and not held in host memory). A request with images the engine cannot serve
+        is refused too, as the request's fault (:mod:`chassis.core.multimodal_admission`)."""
         engine_request = Request.from_engine_core_request(request)
         lora = request.lora_request if self.config.enable_lora else None
         error: RequestError | None = None
         #: what the log says of an engine fault: the whole error (clients get its type)
         detail: str | None = None
         matcher = None
-        if (request.pooling_params is not None) != (self.pooler_config is not None):
+        if self._sleep.is_sleeping:  # nothing to run it with: the front-ends check first
+            error = RequestError(message=sleeping_message(self._sleep.asleep), engine_sleeping=True)
+        elif (request.pooling_params is not None) != (self.pooler_config is not None):
             error = RequestError(
                 message=f"a {'pooling' if request.pooling_params else 'generate'} request "
                 f"reached an engine with runner={self.config.runner!r}",
                 client_error=True,
             )
+        elif request.mm_features and (
+            refusal := multimodal_refusal(
+                self.config,
+                len(request.prompt_token_ids),
+                request.mm_features,
+                *self._model_modalities(),
+            )
+        ):
+            error = RequestError(message=refusal, client_error=True)
         else:
             try:
                 matcher = self.structured_outputs.matcher_for(engine_request)
@@ -229,6 +256,16 @@ class EngineCore:
                 params.after_reasoning,
                 params.cache_key(),
             )
+
+    def _model_modalities(self) -> tuple[frozenset[str], str]:
+        """The model class's ``supported_modalities`` and name (read once, when the first
+        request with images arrives: text-only engines never ask)."""
+        if self._mm_model is None:
+            from chassis.core.model_loader import engine_hf_config, model_class
+
+            cls = model_class(engine_hf_config(self.config))
+            self._mm_model = (cls.supported_modalities, cls.__name__)
+        return self._mm_model
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
@@ -361,6 +398,59 @@ class EngineCore:
         dropped = self.kv_cache_manager.reset_prefix_cache()
         logger.info("prefix cache reset: %d cached blocks forgotten", dropped)
         return True
+
+    # -- sleep mode (core/sleep_mode.py; docs/serving.md, "Sleep mode") --------------------
+
+    def sleep(self, level: int = 1) -> list[str]:
+        """Free the KV cache (forgetting the prefix cache) and, at level 1, move the weights
+        to host memory or, at level 2, discard them, on every worker. Returns the parts
+        asleep. ``ValueError`` without ``--enable-sleep-mode`` or for another level;
+        :class:`EngineBusyError` while requests are unfinished (nothing is done). Sleeping
+        again while asleep does nothing (a warning), as vLLM."""
+        check_sleep_mode_enabled(self.config)
+        level = check_sleep_level(level)
+        if not self._sleep.to_sleep(level):
+            return sorted(self._sleep.asleep)
+        stats = self.scheduler.stats()
+        unfinished = stats.num_running + stats.num_waiting
+        if not unfinished and self._in_flight is not None:
+            # async scheduling: the last plan (of requests that have finished since) is still
+            # in flight; collect it now, its outputs go out with the next step
+            self._refused += self._collect(*self._in_flight)
+            self._in_flight = None
+        if unfinished:
+            raise EngineBusyError(
+                f"cannot sleep while {unfinished} request(s) are unfinished: let them finish "
+                "or abort them, then call sleep again"
+            )
+        # first: the blocks' contents are gone after the sleep, and also after a failed
+        # one (the workers then bring back zeroed caches)
+        dropped = self.kv_cache_manager.reset_prefix_cache()
+        self.executor.sleep(level)
+        self._sleep.slept(level)
+        logger.info("sleeping at level %d (%d cached prefix blocks forgotten)", level, dropped)
+        return sorted(self._sleep.asleep)
+
+    def wake_up(self, tags: list[str] | None = None) -> list[str]:
+        """Bring back the parts ``tags`` names (``"weights"``, ``"kv_cache"``; ``None``:
+        both) on every worker; weights discarded at level 2 are loaded from the checkpoint
+        again. Returns the parts still asleep; the engine serves again once none is.
+        ``ValueError`` without ``--enable-sleep-mode`` or for an unknown tag. Parts that are
+        awake are skipped (a warning)."""
+        check_sleep_mode_enabled(self.config)
+        wanted = self._sleep.to_wake(check_wake_tags(tags))
+        if wanted:
+            self.executor.wake_up(list(wanted))
+            self._sleep.woke(wanted)
+        return sorted(self._sleep.asleep)
+
+    def is_sleeping(self) -> bool:
+        """Whether any part (weights or KV cache) is asleep; ``False`` without sleep mode."""
+        return self._sleep.is_sleeping
+
+    def sleeping_tags(self) -> list[str]:
+        """The parts asleep (``"kv_cache"``, ``"weights"``), sorted; empty when awake."""
+        return sorted(self._sleep.asleep)
 
     def check_health(self) -> None:
         """Raise if the engine cannot run steps any more (a tensor-parallel rank died)."""

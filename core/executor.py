@@ -76,6 +76,17 @@ class Executor(ABC):
     def unpin_lora(self, lora_id: int) -> None:  # noqa: B027 - optional hook
         """Undo one :meth:`pin_lora` of adapter ``lora_id`` (default: nothing)."""
 
+    def sleep(self, level: int) -> None:
+        """Sleep mode: every worker releases its KV cache, and its weights as ``level`` says
+        (``Worker.sleep``). Called by the engine core with no request unfinished. Default:
+        ``NotImplementedError`` (this executor cannot sleep)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support sleep mode")
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Sleep mode: every worker brings back the parts ``tags`` names (``"weights"``,
+        ``"kv_cache"``; ``Worker.wake_up``). Default: ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support sleep mode")
+
     def check_health(self) -> None:  # noqa: B027 - optional hook
         """Raise ``RuntimeError`` when the workers cannot run steps any more (called while the
         engine is idle, so a dead worker is reported before the next request). Default:
@@ -128,6 +139,12 @@ class InProcessExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         return self.worker.execute_model_async(scheduler_output)
+
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.worker.wake_up(tags)
 
 
 def make_executor(config: EngineConfig) -> Executor:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chassis.core.lora.request import LoRARequest
+from chassis.core.multimodal_inputs import MultiModalInputs, shift_features
 from chassis.core.request import EngineCoreRequest
 from chassis.core.sampling_params import is_integer
 from chassis.core.structured_outputs_config import with_engine_defaults
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from transformers import PreTrainedTokenizerBase
 
     from chassis.core.config import EngineConfig
     from chassis.core.logits_processor import LogitsProcessor
+    from chassis.core.multimodal import MultiModalFeature
     from chassis.core.sampling_params import SamplingParams
 
 _SEED_SPAN = 2**64
@@ -108,6 +110,8 @@ class InputProcessor:
         self._loras_lock = threading.Lock()
         #: the classes ``--logits-processors`` names, resolved on first need
         self._logits_processor_classes: list[type[LogitsProcessor]] | None = None
+        #: requests' images: admission and the model's processor (built on first need)
+        self.multimodal = MultiModalInputs(config, tokenizer)
 
     def _scheduler_uses_priority(self) -> bool:
         if self._uses_priority is None:
@@ -137,6 +141,8 @@ class InputProcessor:
         add_special_tokens: bool = True,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        multi_modal_data: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate one request and return what to send to the engine core.
 
@@ -148,10 +154,33 @@ class InputProcessor:
         rendered by a chat template that already contains BOS. ``lora_request`` names the
         LoRA adapter to run with (:meth:`check_lora`); ``cache_salt`` (vLLM's) keeps the
         request's prefix-cache entries to requests of the same salt.
+
+        ``multi_modal_data`` (vLLM's): the request's items by modality, ``{"image": img}`` or
+        ``{"image": [img, ...]}`` (``PIL.Image.Image``), with one placeholder per item in
+        the prompt, in order (:meth:`MultiModalInputs.expand`); ``mm_processor_kwargs``: the
+        model's per-request processor settings (Qwen2-VL: ``min_pixels``, ``max_pixels``).
+        The expanded prompt is what the length checks count.
         """
         priority = self.check_priority(priority)
         prompt_token_ids = self.token_ids(prompt, add_special_tokens=add_special_tokens)
-        prompt_token_ids = self._truncate(prompt_token_ids, params)
+        mm_features: list[MultiModalFeature] = []
+        if multi_modal_data is not None:  # (mm_processor_kwargs alone: nothing to process)
+            prompt_token_ids, mm_features = self.multimodal.expand(
+                prompt_token_ids, multi_modal_data, mm_processor_kwargs
+            )
+        kept = self._truncate(prompt_token_ids, params)
+        if mm_features and len(kept) < len(prompt_token_ids):
+            mm_features = shift_features(mm_features, len(prompt_token_ids) - len(kept))
+        prompt_token_ids = kept
+        if mm_features and len(prompt_token_ids) >= self.max_model_len:
+            # (the plain message would puzzle a client that sent a short text and an image)
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt is {len(prompt_token_ids)} tokens, "
+                f"{sum(f.length for f in mm_features)} of them for its {len(mm_features)} "
+                "multimodal item(s), which leaves no room for a completion. Please send "
+                "fewer or smaller images, or a shorter prompt."
+            )
         params = self._validate(prompt_token_ids, params)
         params = self._token_restrictions(params)
         if self.config.logits_processors:
@@ -172,6 +201,7 @@ class InputProcessor:
                 priority=priority,
                 lora_request=lora_request,
                 cache_salt=cache_salt,
+                mm_features=mm_features,
             )
 
         if params.n == 1:
@@ -191,6 +221,8 @@ class InputProcessor:
         add_special_tokens: bool = True,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        multi_modal_data: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         """Every refusal :meth:`process` would make for this request (the same
         ``ValueError``), without keeping what it makes: for a caller that answers before it
@@ -206,6 +238,8 @@ class InputProcessor:
             add_special_tokens=add_special_tokens,
             lora_request=lora_request,
             cache_salt=cache_salt,
+            multi_modal_data=multi_modal_data,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
 
     def check_priority(self, priority: int) -> int:

@@ -14,7 +14,10 @@ K/V have been computed, i.e. once ``request.num_computed_tokens`` covers it, che
 request's next ``allocate_slots`` and on ``free``. Registering a block only after it was computed
 (rather than when it is scheduled) means no request can ever hit a block whose K/V do not exist
 yet, even if its owner is preempted in the step that scheduled it. The cost is that two
-requests with the same prefix scheduled in the *same* step do not share it.
+requests with the same prefix scheduled in the *same* step do not share it. A block that covers
+any placeholder token of an image (:mod:`chassis.core.multimodal`) also hashes the image's
+content identifier and where the image starts relative to the block: every image's
+placeholder tokens are the same ids, so the ids alone would let two images share K/V.
 
 Sliding window. Built with ``sliding_window=W`` (every attention layer of the model, and of
 a draft model, sees at most the last ``W`` positions, its own included), the manager releases
@@ -54,17 +57,38 @@ from chassis.core.kv_cache_groups import single_group_window
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
+    from chassis.core.multimodal import MultiModalFeature
     from chassis.core.request import Request
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The prefix-cache key of a full block: sha256 of the parent's key and the token ids.
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    """The prefix-cache key of a full block: sha256 of the parent's key, the token ids and
+    ``extra_keys`` (what else the block's K/V depend on: :func:`multimodal_block_keys`;
+    empty for text, whose keys are then those of the token ids alone).
 
     Stable across processes and runs (no Python ``hash`` randomization).
     """
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_keys:
+        digest.update(extra_keys)
     return digest.digest()
+
+
+def multimodal_block_keys(features: Sequence[MultiModalFeature], start: int, end: int) -> bytes:
+    """The extra key of the block of token positions ``start .. end - 1``: for each
+    multimodal item whose placeholder tokens it covers, the item's content identifier and
+    its first placeholder's position relative to ``start`` (which part of the item the block
+    holds); ``b""`` when it covers none. ``features`` are in prompt order."""
+    keys = b""
+    for feature in features:
+        if feature.offset >= end:
+            break  # (prompt order: the later ones start later still)
+        if feature.offset + feature.length > start:
+            keys += b"\0mm:%s@%d" % (feature.identifier.encode(), feature.offset - start)
+    return keys
 
 
 def prefix_cache_seed(request: Request) -> BlockHash | None:
@@ -532,9 +556,13 @@ class KVCacheManager:
         if len(hashes) < num_blocks:
             tokens = request.all_token_ids
             size = self.block_size
+            features = request.mm_features
             for i in range(len(hashes), num_blocks):
                 parent = hashes[-1] if hashes else prefix_cache_seed(request)
-                hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
+                start = i * size
+                # (a text request hashes its token ids alone, as before images existed)
+                extra = multimodal_block_keys(features, start, start + size) if features else b""
+                hashes.append(hash_block_tokens(parent, tokens[start : start + size], extra))
         return hashes
 
     def _cache_computed_blocks(

@@ -20,12 +20,14 @@ from chassis.core.beam_search import (
 )
 from chassis.core.chat import render_chat
 from chassis.core.chat_content_format import check_content_format
+from chassis.core.chat_media import ChatImages
 from chassis.core.compilation_config import compilation_kwargs
 from chassis.core.config import EngineConfig
 from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
-from chassis.core.errors import RequestFailedError
+from chassis.core.errors import EngineSleepingError, RequestFailedError
 from chassis.core.generation_defaults import generation_defaults
+from chassis.core.image_loading import ImageLoader
 from chassis.core.input_processor import InputProcessor, truncation_length
 from chassis.core.lone_surrogates import refuse_lone_surrogates
 from chassis.core.lora.request import LoRARequest
@@ -49,6 +51,7 @@ from chassis.core.pooling_score import (
     score_pairs,
 )
 from chassis.core.sampling_params import SamplingParams
+from chassis.core.sleep_mode import sleeping_message
 from chassis.core.stat_logger import StatLoggerInfo
 from chassis.core.stat_logger_manager import StatLoggerManager, resolve_stat_loggers
 from chassis.core.tokenizer import engine_tokenizer, eos_token_ids, load_chat_template
@@ -131,6 +134,11 @@ class LLM:
             self.config.model,
             self.config.override_generation_config,
         )
+        #: chat messages' image parts (a bad allowed_local_media_path fails here, before the
+        #: model loads)
+        self._chat_images = ChatImages(
+            self.input_processor.multimodal, ImageLoader(self.config.allowed_local_media_path)
+        )
         # Stat loggers only when asked for (stat_loggers=[...]): batch jobs log no stats by
         # default, as vLLM's LLM. Names are resolved before the model loads (fail fast).
         stat_logger_factories = resolve_stat_loggers(self.config.stat_loggers or [])
@@ -179,6 +187,39 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         return self.engine.reset_prefix_cache()
 
+    # -- sleep mode (docs/serving.md, "Sleep mode") -----------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory while it is idle (vLLM's ``LLM.sleep``; needs
+        ``enable_sleep_mode=True``): level 1 moves the weights to host memory (on the CPU
+        they stay where they are) and frees the KV cache, forgetting the prefix cache; level
+        2 frees the weights too. :meth:`wake_up` brings them back; generating before that
+        raises :class:`~chassis.core.errors.EngineSleepingError`. ``ValueError`` without
+        sleep mode or for another level; ``EngineBusyError`` while requests run."""
+        self._refuse_if_shut_down()
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what :meth:`sleep` freed: ``tags`` names the parts, ``"weights"`` and
+        ``"kv_cache"`` (``None``: both), in any order over several calls (wake the weights,
+        update them, then the KV cache). Weights freed at level 2 are loaded from the
+        checkpoint again. ``ValueError`` for another tag or without sleep mode."""
+        self._refuse_if_shut_down()
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine sleeps (the weights or the KV cache)."""
+        return self.engine.is_sleeping()
+
+    def _refuse_if_shut_down(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
+
+    def _refuse_if_asleep(self) -> None:
+        """:class:`EngineSleepingError` while any part of the engine sleeps."""
+        if self.engine.is_sleeping():
+            raise EngineSleepingError(sleeping_message(self.engine.sleeping_tags()))
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -192,14 +233,18 @@ class LLM:
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}`` /
         ``{"prompt": "..."}``, which may also carry vLLM's ``"cache_salt"`` (the prompt's
-        prefix-cache entries are then shared only with prompts of the same salt).
+        prefix-cache entries are then shared only with prompts of the same salt), and, for a
+        model that takes images, vLLM's ``"multi_modal_data": {"image": image or [images]}``
+        (``PIL.Image.Image``; one placeholder per image in the prompt, in order: Qwen2-VL's
+        ``<|vision_start|><|image_pad|><|vision_end|>``) and ``"mm_processor_kwargs"``
+        (Qwen2-VL: ``min_pixels``, ``max_pixels``).
         ``lora_request`` (with ``enable_lora=True``): the LoRA adapter of every prompt, or
         one per prompt (``None``: the base model). Text holding a lone UTF-16 surrogate
         (``"\\ud800"``, which no tokenizer encodes) raises ``ValueError`` naming the prompt
         (``prompts.1``), as every method taking text prompts does.
         """
-        if self._shut_down:
-            raise RuntimeError("this LLM was shut down; create a new one")
+        self._refuse_if_shut_down()
+        self._refuse_if_asleep()
         if self.pooler_config is not None:
             raise ValueError(
                 "this LLM runs a pooling model (runner='pooling'): use embed() (or classify() "
@@ -226,13 +271,14 @@ class LLM:
             request_id = f"{batch_tag}-{i}"
             arrival = time.time()
             requests = self.input_processor.process(
-                _prompt_input(prompt),
+                _prompt_input(prompt, multimodal=True),
                 params,
                 request_id,
                 priorities[i],
                 arrival,
                 lora_request=loras[i],
                 cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+                **_multimodal_kwargs(prompt),
             )
             prepared.append((request_id, prompt, params, requests, arrival))
         for request_id, prompt, params, requests, arrival in prepared:
@@ -294,8 +340,8 @@ class LLM:
         sequence's ``tokens`` and ``text`` include the prompt, as in vLLM. Bad input raises
         ``ValueError`` before anything runs.
         """
-        if self._shut_down:
-            raise RuntimeError("this LLM was shut down; create a new one")
+        self._refuse_if_shut_down()
+        self._refuse_if_asleep()
         prompt_list = _as_prompt_list(prompts)
         loras = _loras(lora_request, len(prompt_list))
         if concurrency_limit is not None and concurrency_limit < 1:
@@ -399,8 +445,8 @@ class LLM:
         """Run every prompt through the pooling engine (with its LoRA adapter, one or one per
         prompt); its pooled vectors in order (``normalize``, when given, overrides every
         prompt's params)."""
-        if self._shut_down:
-            raise RuntimeError("this LLM was shut down; create a new one")
+        self._refuse_if_shut_down()
+        self._refuse_if_asleep()
         assert self.embedding_info is not None  # set for every pooling engine
         prompt_list = _as_prompt_list(prompts)
         params = pooling_params if pooling_params is not None else PoolingParams()
@@ -653,18 +699,23 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to each conversation, then :meth:`generate`.
 
         As vLLM's ``LLM.chat`` (and the server's chat route, which renders the same way,
-        :mod:`chassis.core.chat`): content may be a string or a list of text parts;
+        :mod:`chassis.core.chat`): content may be a string or a list of text parts, and for a
+        model that takes images image parts, ``{"type": "image_url", "image_url": {"url":
+        ...}}`` (a data, http(s) or, under ``allowed_local_media_path``, file URL) or
+        ``{"type": "image_pil", "image_pil": image}`` (:mod:`chassis.core.chat_media`);
         ``chat_template`` (a file path or inline Jinja) overrides the model's;
         ``chat_template_content_format`` is the shape of the content the template gets:
         ``"string"`` (text parts joined), ``"openai"`` (a list of text parts) or ``"auto"``
         (detected from the template, :mod:`chassis.core.chat_content_format`);
         ``continue_final_message`` continues the last assistant message instead of starting a
         new turn; ``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``
-        for Qwen3) reach the template; ``lora_request`` as in :meth:`generate`. A message or
+        for Qwen3) reach the template; ``lora_request`` as in :meth:`generate`;
+        ``mm_processor_kwargs`` apply to the images of every conversation. A message or
         conversation the template cannot take, or text holding a lone UTF-16 surrogate (no
         tokenizer encodes it; the error names the message), raises ``ValueError``.
         """
@@ -685,6 +736,7 @@ class LLM:
         template = load_chat_template(chat_template or self.config.chat_template)
         prompts: list[Prompt] = []
         for conversation in conversations:
+            conversation, images, placeholder = self._chat_images.extract(conversation)
             text = render_chat(
                 self.tokenizer,
                 conversation,
@@ -694,14 +746,18 @@ class LLM:
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
                 content_format=chat_template_content_format,
+                image_placeholder=placeholder,
             )
             # The template already contains the special tokens it needs.
-            prompts.append(
-                {
-                    "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids,
-                    "prompt": text,
-                }
-            )
+            prompt: dict[str, Any] = {
+                "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids,
+                "prompt": text,
+            }
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+                if mm_processor_kwargs:
+                    prompt["mm_processor_kwargs"] = mm_processor_kwargs
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
@@ -791,14 +847,32 @@ def _salted(token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
     return prompt
 
 
-def _prompt_input(prompt: Prompt) -> str | list[int]:
+def _prompt_input(prompt: Prompt, *, multimodal: bool = False) -> str | list[int]:
+    """A prompt's text or token ids; a dict prompt carrying ``multi_modal_data`` is a
+    ``ValueError`` unless ``multimodal`` (the caller sends its items: :meth:`LLM.generate`)."""
     if isinstance(prompt, dict):
+        if not multimodal and prompt.get("multi_modal_data") is not None:
+            raise ValueError(
+                "multi_modal_data (images) is taken by generate() and chat() only; this call "
+                "runs text prompts"
+            )
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return str(prompt["prompt"])
         raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
     return prompt
+
+
+def _multimodal_kwargs(prompt: Prompt) -> dict[str, Any]:
+    """A dict prompt's ``multi_modal_data`` and ``mm_processor_kwargs`` (vLLM's keys), as
+    :meth:`InputProcessor.process` takes them; none for other prompts."""
+    if not isinstance(prompt, dict):
+        return {}
+    return {
+        "multi_modal_data": prompt.get("multi_modal_data"),
+        "mm_processor_kwargs": prompt.get("mm_processor_kwargs"),
+    }
 
 
 def _prompt_text(prompt: Prompt) -> str | None:

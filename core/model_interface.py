@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
 from chassis.core.attention import AttentionBackend, ForwardContext
 from chassis.core.layers.int4_linear import Int4Linear
+from chassis.core.multimodal import MultiModalFeature
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -97,21 +99,71 @@ class CausalLM(nn.Module, ABC):
     #: cannot place when it is ``None`` rather than guess.
     merged_projections: Mapping[str, str] | None = None
 
+    #: The modalities (:data:`chassis.core.multimodal.MODALITIES`) the model's requests may
+    #: carry besides text; empty for a text-only model (a request with an image is then
+    #: refused by the front-end). A model that takes some implements
+    #: :meth:`multimodal_processor`, :meth:`embed_input_ids` and :meth:`embed_multimodal`,
+    #: and its forward takes ``inputs_embeds``.
+    supported_modalities: frozenset[str] = frozenset()
+    #: The model's rotary embedding takes three position components per token (Qwen2-VL's
+    #: M-RoPE: temporal, height, width): the runner asks :meth:`mrope_positions` for each
+    #: prompt and passes ``positions`` as ``[3, num_tokens]`` when a step holds a token
+    #: whose components differ; otherwise ``[num_tokens]`` (the three equal).
+    uses_mrope: bool = False
+
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__()
         self.hf_config = hf_config
 
     @abstractmethod
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the decoder over a flattened batch.
 
         :param input_ids: ``[num_tokens]`` int64
         :param positions: ``[num_tokens]`` int64, position of each token in its sequence
+            (the rotary position; ``[3, num_tokens]`` for a :attr:`uses_mrope` model when
+            the components differ)
         :param ctx: attention metadata and the per-layer KV caches
+        :param inputs_embeds: ``[num_tokens, hidden_size]`` input embeddings to use instead of
+            embedding ``input_ids`` (a multimodal step: :meth:`embed_input_ids` with the
+            image placeholders' rows replaced by :meth:`embed_multimodal`'s); only models
+            with :attr:`supported_modalities` are passed one
         :return: final hidden states ``[num_tokens, hidden_size]`` (after the last norm)
         """
+
+    @classmethod
+    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The front-end's processor of this model's multimodal inputs (a
+        :class:`chassis.core.multimodal_processing.MultiModalProcessor`), built from the
+        checkpoint folder (its ``preprocessor_config.json``); ``None`` (the default) for a
+        text-only model."""
+        return None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` token ids -> ``[n, hidden_size]`` input embeddings (what :meth:`forward`
+        computes first when not given ``inputs_embeds``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take multimodal inputs")
+
+    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One multimodal item's embeddings: ``inputs`` are its processed tensors
+        (:meth:`chassis.core.multimodal.MultiModalFeature.tensors`, on the model's device);
+        returns ``[length, hidden_size]`` in the model's dtype, one row per placeholder token
+        of the item, in order."""
+        raise NotImplementedError(f"{type(self).__name__} does not take {modality} inputs")
+
+    def mrope_positions(
+        self, prompt_token_ids: Sequence[int], features: Sequence[MultiModalFeature]
+    ) -> tuple[np.ndarray, int]:
+        """For a :attr:`uses_mrope` model: the prompt's rotary positions ``[3, len(prompt)]``
+        (int64) and the delta of the tokens after it: the token at sequence index ``p`` past
+        the prompt has all three components ``p + delta``."""
+        raise NotImplementedError(f"{type(self).__name__} does not use M-RoPE")
 
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

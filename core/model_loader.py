@@ -244,7 +244,9 @@ def language_model_config(hf_config: Any) -> Any:
     the text config declares none. The checkpoint's ``tie_word_embeddings`` is kept as
     ``wrapper_tie_word_embeddings`` (for the classes whose transformers model ties by it),
     and becomes the copy's ``tie_word_embeddings`` when the text config has none (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL). Any other config is returned as it is.
+    Qwen2.5-VL, Qwen3-VL). The checkpoint's ``vision_config`` and image token ids
+    (:data:`_MULTIMODAL_FIELDS`) are copied over too, for the models that take images. Any
+    other config is returned as it is.
     """
     text = getattr(hf_config, "text_config", None)
     if text is None or hasattr(hf_config, "num_hidden_layers"):
@@ -257,7 +259,23 @@ def language_model_config(hf_config: Any) -> Any:
     text.wrapper_tie_word_embeddings = wrapper_tie
     if not hasattr(text, "tie_word_embeddings") and wrapper_tie is not None:
         text.tie_word_embeddings = bool(wrapper_tie)
+    # what a model that takes images reads besides its language model's fields
+    for name in _MULTIMODAL_FIELDS:
+        value = getattr(hf_config, name, None)
+        if value is not None and getattr(text, name, None) is None:
+            setattr(text, name, copy.deepcopy(value))
     return text
+
+
+#: the multimodal wrapper config's fields :func:`language_model_config` keeps on the text
+#: config: the vision tower's config and the image placeholder tokens (Qwen2-VL's names)
+_MULTIMODAL_FIELDS = (
+    "vision_config",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
 
 
 def checkpoint_dtype(hf_config: Any) -> torch.dtype:

@@ -38,6 +38,7 @@ from chassis.core.kv_cache_groups import KVCacheGroupSpec, layer_placement, plan
 from chassis.core.layers.attention import Attention
 from chassis.core.logits_processor import BatchUpdateBuilder, LogitsProcessors, LogitsRows
 from chassis.core.model_loader import kv_head_count
+from chassis.core.multimodal_runner import MultiModalRunner
 from chassis.core.packed_step_metadata import copy_packed, packed_forward_context
 from chassis.core.pooler import Pooler
 from chassis.core.pooling_config import resolve_pooler_config
@@ -110,6 +111,8 @@ class ModelRunner:
         )
         self.sampler = sampler
         self.device = device
+        #: requests' images: encoder outputs and M-RoPE positions (idle for text)
+        self.mm = MultiModalRunner(model, device)
         # ``kv_dtype`` is the model's dtype; ``--kv-cache-dtype fp8`` stores 8-bit floats
         # instead, which the backend must support (the platform checked it; a plugin
         # platform may not have)
@@ -158,6 +161,8 @@ class ModelRunner:
         if drafter is not None:  # probabilistic drafts need the sampler's distributions
             drafter.use_sampler(sampler, has_logits_processors=self.logits_processors is not None)
         self.kv_caches: list[torch.Tensor] = []
+        #: the blocks of each cache tensor (set by :meth:`allocate_kv_cache`)
+        self.num_kv_blocks = 0
         self.prompt_logprobs = PromptLogprobsCollector()
         #: captured decode graphs; None while there are none (eager only)
         self.graphs: DecodeGraphs | None = None
@@ -223,7 +228,17 @@ class ModelRunner:
 
         The graphs bake in the caches' addresses, hence they are captured here, after them.
         """
+        self.allocate_kv_cache(num_blocks)
+        if isinstance(self.forward, CompiledForward):
+            self._compile_forward()
+        self._capture_graphs()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate zeroed KV caches of ``num_blocks`` blocks (the draft model's too), without
+        capturing graphs: :meth:`initialize_kv_cache` at start-up, sleep mode's wake-up
+        (then :meth:`capture_graphs` once the weights are back too)."""
         self.graphs = None
+        self.num_kv_blocks = num_blocks
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         tensors = [
             self.platform.kv_cache_zeros(shape, self.kv_dtype, self.device)
@@ -246,8 +261,20 @@ class ModelRunner:
         )
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)  # same block ids as the target's
-        if isinstance(self.forward, CompiledForward):
-            self._compile_forward()
+
+    def free_kv_cache(self) -> None:
+        """Drop the KV caches (the draft model's too) and the decode graphs, which hold them
+        (sleep mode): their memory is freed once the platform's allocator lets go of it
+        (``Platform.empty_cache``). No step may run until :meth:`allocate_kv_cache`."""
+        self.graphs = None
+        self.kv_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_caches = []
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs again, where they are used (sleep mode's wake-up: the
+        KV caches and the weights are back, at new addresses, which the graphs bake in)."""
+        self.graphs = None
         self._capture_graphs()
 
     def _compile_forward(self) -> None:
@@ -302,6 +329,7 @@ class ModelRunner:
         for request_id in sorted(out.finished_request_ids):
             self.batch.remove(request_id)
             self.prompt_logprobs.drop(request_id)
+            self.mm.remove(request_id)
         for new in out.new_requests:
             self.batch.remove(new.request_id)  # a preempted request comes back as new
             params = new.sampling_params
@@ -327,6 +355,7 @@ class ModelRunner:
             if new.lora_request is not None and self.lora is not None:
                 self.lora.add_request(new.lora_request)
             self.batch.add(state, new.block_ids, new.num_computed_tokens, new.num_null_blocks)
+            self.mm.add(new.request_id, new.prompt_token_ids, new.mm_features)
             if params.prompt_logprobs is not None and not new.output_token_ids:
                 self.prompt_logprobs.start(
                     new.request_id, new.prompt_token_ids, params.prompt_logprobs
@@ -414,12 +443,37 @@ class ModelRunner:
         )
         seq_lens_i32 = seq_lens.astype(np.int32)
 
+        # ``positions`` are sequence indices: they placed the K/V slots above and bound
+        # attention. The rotary positions are the same array, and the input embeddings are
+        # the model's own, except for requests with images (core/multimodal_runner.py):
+        # M-RoPE positions, and encoder rows in place of a step's image placeholder tokens.
+        rotary_positions = positions
+        inputs_embeds: torch.Tensor | None = None
+        scheduled_ids: list[str] = []
+        if self.mm:  # (some request in the runner has images; text steps skip all this)
+            scheduled_ids = [batch.request_ids[r] for r in rows]
+            rotary_positions = self.mm.rotary_positions(scheduled_ids, query_start_loc, positions)
+            if isinstance(input_ids, np.ndarray):
+                input_ids = self._to_device(input_ids)
+            inputs_embeds = self.mm.inputs_embeds(
+                scheduled_ids, starts, num_scheduled, query_start_loc, input_ids
+            )
+        # (a step with images or 3-component positions runs eager: graphs take neither)
+        plain_step = inputs_embeds is None and rotary_positions.ndim == 1
+
         if self.lora is not None:
             self.lora.prepare_step(batch.lora_ids[token_rows])
         graphs = self.graphs
-        if graphs is not None and total == len(rows) and graphs.size_for(total) is not None:
+        if (
+            graphs is not None
+            and plain_step
+            and total == len(rows)
+            and graphs.size_for(total) is not None
+        ):
             # Pure decode (one token per request) within the captured sizes: replay.
-            hidden = graphs.run(input_ids, positions, slot_mappings, seq_lens_i32, block_tables)
+            hidden = graphs.run(
+                input_ids, rotary_positions, slot_mappings, seq_lens_i32, block_tables
+            )
         else:
             # Every group's table and slots (and the shared query_start_loc and seq_lens)
             # reach the device in one copy; step_forward_context is the reference.
@@ -436,7 +490,14 @@ class ModelRunner:
             )
             if isinstance(input_ids, np.ndarray):
                 input_ids = self._to_device(input_ids)
-            hidden = self.forward(input_ids, self._to_device(positions), ctx)
+            if plain_step:
+                hidden = self.forward(input_ids, self._to_device(rotary_positions), ctx)
+            else:  # (the compiled forward takes neither: the model itself, eager)
+                hidden = self.model(
+                    input_ids, self._to_device(rotary_positions), ctx, inputs_embeds=inputs_embeds
+                )
+        if scheduled_ids:  # encoder outputs of images now wholly computed are dropped
+            self.mm.finish_step(scheduled_ids, seq_lens)
 
         if self.pooler is not None:  # prefill only: pool the states, sample nothing
             batch.num_computed_tokens[rows] = seq_lens

@@ -8,6 +8,7 @@ import time
 import msgspec
 
 from chassis.core.lora.request import LoRARequest
+from chassis.core.multimodal import MultiModalFeature
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.sampling_params import SamplingParams
 
@@ -44,6 +45,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: prompt is computed and returns a vector (``EngineCoreOutput.pooled``); its
     #: ``sampling_params`` are then unused
     pooling_params: PoolingParams | None = None
+    #: the request's images, processed, in prompt order (their placeholder tokens are in
+    #: ``prompt_token_ids``): :mod:`chassis.core.multimodal`; empty for text
+    mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -66,6 +70,9 @@ class RequestError(msgspec.Struct, kw_only=True, frozen=True):
     #: raising an unexpected error; an adapter folder the front-end checked that can no
     #: longer be loaded: HTTP 500)
     client_error: bool = False
+    #: the engine was asleep (sleep mode) when the request arrived, so nothing ran; the
+    #: front-ends raise :class:`~chassis.core.errors.EngineSleepingError` (HTTP 503)
+    engine_sleeping: bool = False
 
 
 def engine_fault(what: str, exc: BaseException) -> RequestError:
@@ -169,6 +176,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         cache_salt: str | None = None,
+        mm_features: list[MultiModalFeature] | tuple[MultiModalFeature, ...] = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must contain at least one token")
@@ -182,6 +190,8 @@ class Request:
         self.cache_salt = cache_salt
         #: set for a pooling request: prefill only, finished by its pooled vector
         self.pooling_params = pooling_params
+        #: the prompt's multimodal items in prompt order (:mod:`chassis.core.multimodal`)
+        self.mm_features = list(mm_features)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         #: Tokens whose K/V are in the cache (prefix hits included).
@@ -213,6 +223,7 @@ class Request:
             req.lora_request,
             req.pooling_params,
             req.cache_salt,
+            req.mm_features,
         )
 
     @property

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 # At run time, not only for type checking: the tensor-parallel executor decodes
 # SchedulerOutput with msgspec, which resolves the field types.
 from chassis.core.lora.request import LoRARequest
+from chassis.core.multimodal import MultiModalFeature
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.sampling_params import SamplingParams
 
@@ -56,6 +57,8 @@ class NewRequestData:
     #: per KV cache group, how many leading entries of ``block_ids`` are the null block (a
     #: sliding-window prefix-cache hit needs only the window's blocks); empty when none
     num_null_blocks: list[int] = field(default_factory=list)
+    #: the prompt's multimodal items (:mod:`chassis.core.multimodal`); empty for text
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass

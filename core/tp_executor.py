@@ -66,7 +66,9 @@ from chassis.core.tp_worker_proc import (
     NUM_BLOCKS,
     PIN_LORA,
     SHUTDOWN,
+    SLEEP,
     UNPIN_LORA,
+    WAKE_UP,
     command_address,
     rendezvous,
     reply_address,
@@ -131,6 +133,12 @@ def run_command(worker: Worker, method: str, payload: Any, rank: int = 0) -> Any
     if method == UNPIN_LORA:
         if worker.lora is not None:
             worker.lora.unpin(payload)
+        return None
+    if method == SLEEP:
+        worker.sleep(payload)
+        return None
+    if method == WAKE_UP:
+        worker.wake_up(list(payload))
         return None
     raise ValueError(f"unknown command {method!r}")
 
@@ -210,6 +218,12 @@ class RankGroupExecutor(Executor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._run_on_all(INIT_CACHE, num_blocks)
+
+    def sleep(self, level: int) -> None:
+        self._run_on_all(SLEEP, level)  # every rank, each its own shard
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._run_on_all(WAKE_UP, list(tags))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output, *summaries = self._run_on_all(EXECUTE, scheduler_output)

@@ -5,7 +5,8 @@ IPC_DIR RANK DRIVER_PID LOG_LEVEL``, started by
 It connects to the driver's sockets in ``IPC_DIR`` and waits for ``init`` (the engine config).
 It answers ``joining``, joins the tensor-parallel group, loads its share of the model and
 answers again; then it runs every command the driver sends (``num_blocks``, ``init_cache``,
-``execute``, ``pin_lora``, ``unpin_lora``: :func:`chassis.core.tp_executor.run_command`, as
+``execute``, ``pin_lora``, ``unpin_lora``, ``sleep``, ``wake_up``:
+:func:`chassis.core.tp_executor.run_command`, as
 every carrier of the step protocol does; and ``shutdown``) in order, replying to each with
 ``[rank, ok, result-or-error]``.
 Frames are msgspec msgpack.
@@ -51,6 +52,8 @@ INIT, NUM_BLOCKS, INIT_CACHE, EXECUTE, SHUTDOWN, PIN_LORA, UNPIN_LORA = (
     "pin_lora",
     "unpin_lora",
 )
+#: sleep mode: ``sleep`` (payload: the level) and ``wake_up`` (payload: the tags)
+SLEEP, WAKE_UP = "sleep", "wake_up"
 #: the first reply to ``init``: the rank is alive and joins the group now
 JOINING = "joining"
 _IDLE_CHECK_MS = 1000

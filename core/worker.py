@@ -15,6 +15,8 @@ from chassis.core.kv_cache_manager import max_group_blocks_per_request, max_toke
 from chassis.core.lora.model import LoRAModel
 from chassis.core.model_runner import ModelRunner
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
+from chassis.core.sleep_weights import checkpoint_tensors
+from chassis.core.sleep_worker import WorkerSleep
 
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
@@ -45,6 +47,8 @@ class Worker:
         backend_cls = registries.attention_backends.get(config.attention_backend)
         torch.manual_seed(config.seed)
         model = build_model(config, hf_config, config.model, backend_cls, self.device, self.dtype)
+        # (named now, before LoRA wrappers or the platform's kernels rename any module)
+        checkpoint = checkpoint_tensors(model) if config.enable_sleep_mode else None
         #: the model's LoRA slots (``--enable-lora``), wrapped before the platform swaps the
         #: linear layers' kernels (it then swaps the wrapped ones)
         self.lora: LoRAModel | None = None
@@ -72,6 +76,17 @@ class Worker:
             lora=self.lora,
             drafter=drafter,
         )
+        #: sleep mode (``--enable-sleep-mode``); None when off
+        self.sleep_mode: WorkerSleep | None = None
+        if checkpoint is not None:
+            model_path = config.model
+
+            def rebuild() -> torch.nn.Module:
+                return build_model(
+                    config, hf_config, model_path, backend_cls, self.device, self.dtype
+                )
+
+            self.sleep_mode = WorkerSleep(self.runner, self.platform, checkpoint, rebuild)
         logger.info(
             "model loaded on %s (%s) in %s with attention backend %s",
             self.platform.device_name(device_index),
@@ -192,6 +207,20 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode: release the KV cache and the weights as ``level`` says
+        (:class:`~chassis.core.sleep_worker.WorkerSleep`)."""
+        self._sleep_mode().sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Sleep mode: bring back the parts ``tags`` names (``"weights"``, ``"kv_cache"``)."""
+        self._sleep_mode().wake_up(tags)
+
+    def _sleep_mode(self) -> WorkerSleep:
+        if self.sleep_mode is None:
+            raise ValueError("sleep mode is off: start the engine with --enable-sleep-mode")
+        return self.sleep_mode
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         return self.runner.execute_model_async(scheduler_output)

@@ -18,6 +18,7 @@ from chassis.plugins.hookspecs import hookimpl
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
     from chassis.core.layers.kernels import LayerKernels
+    from chassis.platforms.cpu_packed_linear import PackedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -160,27 +161,70 @@ class CpuPlatform(Platform):
         steps: ~25 % faster with oneDNN's packing, ~28 % faster again with the chassis kernel;
         the linear layers of a batch-1 step ~17 % faster again on huge pages.
         """
-        from chassis.platforms.cpu_huge_pages import collapse_into_huge_pages
-        from chassis.platforms.cpu_packed_linear import PackedLinear, pack_linear_weights
+        from chassis.platforms.cpu_packed_linear import pack_linear_weights, packed_linear_layers
 
         count = pack_linear_weights(model)
         if count:
-            packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+            packed = packed_linear_layers(model)
             kernels = Counter(m.kernel for m in packed)
             logger.info(
                 "packed %d bf16 linear weights (%s)",
                 count,
                 ", ".join(f"{n} for {name}" for name, n in sorted(kernels.items())),
             )
-            start = time.perf_counter()
-            # (oneDNN's packed weights are opaque tensors, which the function skips)
-            collapsed = collapse_into_huge_pages(m.packed_weight for m in packed)
-            if collapsed:
-                logger.info(
-                    "packed weights on huge pages: %.0f MiB in %.2f s",
-                    collapsed / 2**20,
-                    time.perf_counter() - start,
-                )
+            _back_with_huge_pages(packed)
+
+    # -- sleep mode -------------------------------------------------------------------------
+
+    def device_memory_is_host_memory(self) -> bool:
+        return True
+
+    def empty_cache(self) -> None:
+        """``malloc_trim(0)``: glibc returns the free pages of its heaps to the system. The
+        engine keeps freed buffers up to 1 GiB in the heap (:func:`keep_heap_allocations`),
+        so without this the weights sleep mode frees would stay in the process's RSS."""
+        release_free_heap_memory()
+
+    def release_prepared_weights(self, model: torch.nn.Module) -> None:
+        """Drop the packed copies of the bf16 linear weights (``prepare_model``)."""
+        from chassis.platforms.cpu_packed_linear import packed_linear_layers
+
+        for layer in packed_linear_layers(model):
+            layer.release()
+
+    def restore_prepared_weights(self, model: torch.nn.Module) -> None:
+        """Pack the linear weights again (back on huge pages), as ``prepare_model`` did."""
+        from chassis.platforms.cpu_packed_linear import packed_linear_layers
+
+        packed = packed_linear_layers(model)
+        for layer in packed:
+            layer.repack()
+        _back_with_huge_pages(packed)
+
+
+def _back_with_huge_pages(packed: list[PackedLinear]) -> None:
+    """Collapse the packed weights' pages into huge pages (``platforms/cpu_huge_pages``)."""
+    from chassis.platforms.cpu_huge_pages import collapse_into_huge_pages
+
+    start = time.perf_counter()
+    # (oneDNN's packed weights are opaque tensors, which the function skips)
+    collapsed = collapse_into_huge_pages(m.packed_weight for m in packed)
+    if collapsed:
+        logger.info(
+            "packed weights on huge pages: %.0f MiB in %.2f s",
+            collapsed / 2**20,
+            time.perf_counter() - start,
+        )
+
+
+def release_free_heap_memory() -> bool:
+    """Return the C heap's free pages to the system (glibc ``malloc_trim(0)``); whether
+    glibc released any (``False`` elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 #: mallopt parameters (glibc malloc.h)

@@ -20,6 +20,8 @@ So every eligible weight is packed once:
 :class:`PackedLinear` that shares its parameters; platforms call it from
 ``Platform.prepare_model``. The packed copy is refreshed automatically when the weight is
 modified in place afterwards (e.g. a later ``load_weights``), so it never goes stale.
+Sleep mode drops the packed copies (:meth:`PackedLinear.release`) before it frees the
+weights, and packs them again when the weights are back (:meth:`PackedLinear.repack`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "can_pack", "pack_linear_weights"]
+__all__ = ["PackedLinear", "can_pack", "pack_linear_weights", "packed_linear_layers"]
 
 #: weight dtypes packing is used for (where the speedup was measured; float32 goes via MKL
 #: and float16 packing needs AVX512-FP16 / AVX-NE-CONVERT, which few CPUs have)
@@ -119,10 +121,22 @@ class PackedLinear(nn.Module):
         self._packed: torch.Tensor | None = None
         self._linear: Callable[..., torch.Tensor] = _onednn_linear
         self._packed_version = -1
-        self._repack()
+        self.repack()
+
+    def release(self) -> None:
+        """Drop the packed copy (its memory is freed once nothing else holds it); the layer
+        must not run until :meth:`repack`."""
+        self._packed = None
+        self._packed_version = -1
+
+    @property
+    def is_released(self) -> bool:
+        """Whether the packed copy was dropped (:meth:`release`) and not rebuilt since."""
+        return self._packed is None
 
     @torch.no_grad()
-    def _repack(self) -> None:
+    def repack(self) -> None:
+        """Pack ``weight`` as it is now (after :meth:`release`, or to pick up new values)."""
         weight = self.weight.detach()
         ops = _chassis_linear_ops()
         if ops is not None and _chassis_linear_fits(weight):
@@ -137,7 +151,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight._version != self._packed_version:
-            self._repack()
+            self.repack()
         bias = None if self.bias is None else self.bias.detach()
         return self._linear(x, self._packed, bias)
 
@@ -157,6 +171,11 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, packed={self.kernel}"
         )
+
+
+def packed_linear_layers(model: nn.Module) -> list[PackedLinear]:
+    """Every :class:`PackedLinear` of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, PackedLinear)]
 
 
 def pack_linear_weights(model: nn.Module) -> int:

@@ -56,6 +56,11 @@ class TorchCudaLikePlatform(Platform):
     def device_name(self, index: int = 0) -> str:
         return torch.cuda.get_device_name(index)
 
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: the caching allocator's free blocks go back to the
+        device (sleep mode)."""
+        torch.cuda.empty_cache()
+
     def memory_total(self, index: int = 0) -> int:
         return torch.cuda.mem_get_info(index)[1]
 

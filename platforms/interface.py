@@ -226,6 +226,39 @@ class Platform(ABC):
         beyond rounding-identical reformulations; the default does nothing.
         """
 
+    # -- sleep mode (docs/serving.md, "Sleep mode") -------------------------------------------
+
+    def device_memory_is_host_memory(self) -> bool:
+        """Whether this platform's device memory *is* the host's memory (the CPU).
+
+        Sleep mode's level 1 moves the weights to host memory; where they are there already
+        it leaves them in place (the KV cache is still freed). Default ``False``.
+        """
+        return False
+
+    def empty_cache(self) -> None:  # noqa: B027 (optional; no-op default)
+        """Give the memory freed tensors left in this process's allocator back to the
+        device (or the operating system), now.
+
+        Called after sleep mode freed weights or the KV cache and after it brought them
+        back, so that the memory is really free for others (``torch.cuda.empty_cache()`` on
+        CUDA, ``malloc_trim`` for the host's C allocator on the CPU). Must not free memory
+        a live tensor uses. Default: nothing (an allocator that caches nothing).
+        """
+
+    def release_prepared_weights(self, model: torch.nn.Module) -> None:  # noqa: B027
+        """Drop every copy of ``model``'s weights that :meth:`prepare_model` made (packed
+        layouts, ...), because sleep mode is about to free or move the weights themselves;
+        the copies would otherwise keep their memory. The model is not run until
+        :meth:`restore_prepared_weights`. Default: nothing (``prepare_model`` made none).
+        """
+
+    def restore_prepared_weights(self, model: torch.nn.Module) -> None:  # noqa: B027
+        """Rebuild what :meth:`release_prepared_weights` dropped, from ``model``'s weights as
+        they are now (back on the device, possibly reloaded from the checkpoint); the model
+        then runs exactly as after :meth:`prepare_model`. Default: nothing.
+        """
+
     def layer_kernels(self) -> LayerKernels | None:
         """Fused implementations of the decoder-layer ops for this platform's tensors.
 

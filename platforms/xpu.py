@@ -50,6 +50,10 @@ class XpuPlatform(Platform):
     def device_name(self, index: int = 0) -> str:
         return torch.xpu.get_device_name(index)
 
+    def empty_cache(self) -> None:
+        """``torch.xpu.empty_cache()`` (sleep mode)."""
+        torch.xpu.empty_cache()
+
     def memory_total(self, index: int = 0) -> int:
         return torch.xpu.get_device_properties(index).total_memory
 

@@ -25,8 +25,9 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: with
                            ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` only
                            (:mod:`chassis.serve.lora_routes`)
-``POST /reset_prefix_cache``, ``GET /server_info``: with ``$VLLM_SERVER_DEV_MODE`` only
-                           (:mod:`chassis.serve.dev_routes`)
+``POST /reset_prefix_cache``, ``GET /server_info``, sleep mode's ``POST /sleep``,
+                           ``POST /wake_up``, ``GET /is_sleeping``: with
+                           ``$VLLM_SERVER_DEV_MODE`` only (:mod:`chassis.serve.dev_routes`)
 plugins' routes            ``chassis_register_routes`` (:mod:`chassis.serve.plugin_routes`)
 =========================  ==================================================================
 """
@@ -44,7 +45,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import chassis
+from chassis.core.chat_media import ChatImages
 from chassis.core.generation_defaults import generation_defaults
+from chassis.core.image_loading import ImageLoader
 from chassis.serve import errors
 from chassis.serve.chat_parsing import ChatParsers
 from chassis.serve.dev_routes import router as dev_router
@@ -234,6 +237,17 @@ def _add_static_loras(state: ServerState) -> None:
         logger.info("LoRA adapter %r (id %d): %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
 
 
+def _chat_images(engine: Any) -> ChatImages | None:
+    """How chat requests' image parts reach ``engine``: its input processor's multimodal
+    admission and an image loader with its settings; ``None`` (image parts refused as any
+    part that is not text) for an engine without that input processor."""
+    multimodal = getattr(getattr(engine, "input_processor", None), "multimodal", None)
+    if multimodal is None:
+        return None
+    folder = getattr(engine.config, "allowed_local_media_path", "") or ""
+    return ChatImages(multimodal, ImageLoader(folder))
+
+
 def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` (an ``AsyncLLM``; see :mod:`chassis.serve.state` for
     the part of its contract used) with ``settings`` (defaults: :class:`ServerSettings()`).
@@ -245,8 +259,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     unknown parser names, for a ``--generation-config`` that cannot be read and for a
     ``--lora-modules`` adapter the engine cannot run, for a plugin route that cannot be
     added (its path is taken; the message names the plugin), for a ``--middleware`` that
-    cannot be imported or is neither a class nor an async function, and for an invalid
-    ``$CHASSIS_RESPONSES_STORE_SIZE`` or ``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``.
+    cannot be imported or is neither a class nor an async function, for an invalid
+    ``$CHASSIS_RESPONSES_STORE_SIZE`` or ``$CHASSIS_RESPONSES_EVENTS_PER_RESPONSE``, and
+    for an ``--allowed-local-media-path`` that is no folder or an invalid
+    ``$VLLM_IMAGE_FETCH_TIMEOUT``.
     """
     settings = settings or ServerSettings()
     state = ServerState(
@@ -257,6 +273,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             getattr(engine.config, "chat_template", None),
             trust_request_chat_template=settings.trust_request_chat_template,
             chat_template_content_format=settings.chat_template_content_format,
+            chat_images=_chat_images(engine),
         ),
         metrics=ServerMetrics(engine.model_name, engine.stats),
         parsers=ChatParsers.from_settings(settings),
@@ -337,9 +354,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         app.include_router(lora_router)
     if settings.server_dev_mode:
         logger.warning(
-            "development routes are on (/reset_prefix_cache, /server_info): any client with "
-            "the API key can reset the engine's prefix cache and read its settings; use this "
-            "for local development only"
+            "development routes are on (/reset_prefix_cache, /server_info, /sleep, "
+            "/wake_up, /is_sleeping): any client with the API key can reset the engine's "
+            "prefix cache, read its settings and put it to sleep; use this for local "
+            "development only"
         )
         app.include_router(dev_router)
     # Last, so a plugin path that is already served is caught (an error naming the plugin).

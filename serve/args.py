@@ -233,6 +233,21 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         ),
     )
 
+    g = parser.add_argument_group("images (see docs/serving.md, Images)")
+    g.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object_arg,
+        metavar="JSON",
+        help="the most items of each modality one prompt may carry, vLLM's flag: "
+        "'{\"image\": 2}' (0 refuses images; a modality left out: 999, vLLM's default)",
+    )
+    g.add_argument(
+        "--allowed-local-media-path",
+        metavar="DIR",
+        help="the folder whose files requests may name as file:// image URLs (default: "
+        "none, file URLs are refused)",
+    )
+
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, help=_help("tokens per KV block", "block_size"))
     g.add_argument(
@@ -431,6 +446,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "--max-logprobs",
         type=int,
         help=_help("largest logprobs a request may ask for", "max_logprobs"),
+    )
+    g.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        default=None,
+        help="allow sleep and wake_up while the engine is idle (vLLM's flag): level 1 frees "
+        "the KV cache and moves the weights to host memory, level 2 frees both; the routes "
+        "POST /sleep, POST /wake_up and GET /is_sleeping need VLLM_SERVER_DEV_MODE=1 too; "
+        "see docs/serving.md",
     )
 
     g = parser.add_argument_group("LoRA adapters (see docs/lora.md)")

@@ -6,8 +6,9 @@ Every error the server returns, whatever raised it, has the body::
 
 Status codes: 400 invalid request (including pydantic validation errors and malformed JSON,
 never FastAPI's default 422), 401 missing or wrong API key, 404 unknown model or route,
-405 wrong method, 413 body too large, 431 headers too large, 503 engine dead, overloaded or shutting down, 500 only
-for a bug in the server (the traceback is logged, never sent).
+405 wrong method, 409 sleep mode's ``POST /sleep`` while requests are unfinished, 413 body
+too large, 431 headers too large, 503 engine dead, overloaded, sleeping (sleep mode) or
+shutting down, 500 only for a bug in the server (the traceback is logged, never sent).
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chassis.core.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from chassis.core.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineSleepingError,
+    RequestFailedError,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI, Request
@@ -35,6 +42,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     431: "invalid_request_error",
     500: "internal_error",
@@ -122,6 +130,11 @@ def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", code="shutting_down")
 
 
+def engine_sleeping(exc: BaseException) -> APIError:
+    """A 503: the engine sleeps (sleep mode) until ``POST /wake_up``."""
+    return APIError(503, str(exc), code="engine_sleeping")
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Map any exception raised while serving a request to the error the client should get."""
     if isinstance(exc, APIError):
@@ -130,6 +143,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return engine_dead(exc)
     if isinstance(exc, EngineOverloadedError):
         return overloaded(exc)
+    if isinstance(exc, EngineSleepingError):
+        return engine_sleeping(exc)
+    if isinstance(exc, EngineBusyError):  # sleep mode's sleep with requests unfinished
+        return APIError(409, str(exc), code="requests_unfinished")
     if isinstance(exc, RequestFailedError):
         # the engine ended this request alone: its own fault (400) or the engine's (500)
         status = 400 if exc.error.client_error else 500
@@ -237,4 +254,6 @@ def install_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValueError, _value_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(EngineDeadError, _engine_error_handler)
     app.add_exception_handler(EngineOverloadedError, _engine_error_handler)
+    app.add_exception_handler(EngineSleepingError, _engine_error_handler)
+    app.add_exception_handler(EngineBusyError, _engine_error_handler)
     app.add_exception_handler(Exception, _unexpected_handler)

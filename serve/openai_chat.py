@@ -7,6 +7,11 @@ A stream starts with one chunk per choice carrying the role (``"assistant"``, se
 then content deltas, the finish reason on each choice's last chunk, an optional usage chunk
 (``stream_options.include_usage``: empty ``choices``), and ``data: [DONE]``.
 
+Image parts (``image_url`` with a data, http(s) or, under ``--allowed-local-media-path``, file
+URL) are loaded while the messages render, and go to the engine as the request's
+``multi_modal_data`` for a model that takes images (a 400 otherwise, naming the part);
+``mm_processor_kwargs`` (vLLM's field) goes with them. Beam search takes no images.
+
 ``echo`` (vLLM's field): when the last message has the response's role (an assistant message
 continued with ``continue_final_message``), each choice's content starts with that message's
 content (text parts joined by newlines). As in vLLM, the echo is not parsed: it is put before
@@ -123,8 +128,11 @@ def _echo(body: ChatCompletionRequest, role: str) -> str:
     return content_text(last.content, len(body.messages) - 1)
 
 
-async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The rendered prompt's text (parsers read it) and token ids. With
+async def _prompt(
+    state: ServerState, body: ChatCompletionRequest, images: list[Any] | None = None
+) -> tuple[str, list[int]]:
+    """The rendered prompt's text (parsers read it) and token ids; the messages' images
+    appended to ``images`` when it is given (else image parts are a 400). With
     ``--exclude-tools-when-tool-choice-none`` a request whose ``tool_choice`` is ``"none"``
     renders without its tools (vLLM's flag; by default the template still sees them)."""
     tools = body.tools
@@ -139,6 +147,7 @@ async def _prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str,
         chat_template_kwargs=body.template_kwargs(),
         chat_template=body.chat_template,
         add_special_tokens=bool(body.add_special_tokens),
+        images=images,
     )
 
 
@@ -374,19 +383,21 @@ async def _events(
 
 
 async def prepare_chat(
-    state: ServerState, body: ChatCompletionRequest
+    state: ServerState, body: ChatCompletionRequest, images: list[Any] | None = None
 ) -> tuple[SamplingParams, list[int], RequestParsing | None]:
     """What a chat request runs as: its sampling params (400s for invalid fields), its
     rendered prompt's token ids, and how its output is parsed (``None``: all content), the
     params adjusted to the parsing (special tokens kept for a tool parser that reads them,
-    a JSON constraint applied after the reasoning). Shared with ``/v1/responses``."""
+    a JSON constraint applied after the reasoning). The messages' images are appended to
+    ``images`` when it is given (chat completions); without it (``/v1/responses``, which
+    shares this) image parts are a 400."""
     params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
     check_max_logprobs(
         state.engine.config.max_logprobs,
         top_logprobs=body.top_logprobs if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
     )
-    prompt_text, prompt_ids = await _prompt(state, body)
+    prompt_text, prompt_ids = await _prompt(state, body, images)
     parsing = state.parsers.for_request(
         body, state.tokenizer, prompt_text, params.structured_outputs
     )
@@ -410,12 +421,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model, lora_request = state.resolve_model(body.model)
     if state.settings.enable_force_include_usage:
         body.force_include_usage()
-    params, prompt_ids, parsing = await prepare_chat(state, body)
+    images: list[Any] = []
+    params, prompt_ids, parsing = await prepare_chat(state, body, images)
+    # (mm_processor_kwargs without images are ignored, as vLLM ignores them)
+    multi_modal_data = {"image": images} if images else None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log_request(state.settings, request_id, None, prompt_ids, params, lora_request, state.tokenizer)
     n = params.n
     priority = body.priority or 0
     if body.use_beam_search:  # vLLM's beam search (serve/beam_search.py)
+        if multi_modal_data is not None:
+            raise errors.bad_request(
+                "beam search does not take images yet; send the request without use_beam_search",
+                "use_beam_search",
+            )
         return await beam_search_response(
             request,
             state,
@@ -429,7 +448,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
     def open_stream() -> Awaitable[AsyncIterator[RequestOutput]]:
         return state.open_stream(
-            prompt_ids, params, request_id, priority, lora_request, body.cache_salt
+            prompt_ids,
+            params,
+            request_id,
+            priority,
+            lora_request,
+            body.cache_salt,
+            multi_modal_data=multi_modal_data,
+            mm_processor_kwargs=body.mm_processor_kwargs,
         )
 
     return await generation_response(

@@ -469,6 +469,9 @@ class ChatCompletionRequest(_SamplingRequest):
     #: vLLM's: when the last message has the response's role (an assistant message being
     #: continued), each choice's content starts with that message's content
     echo: bool | None = False
+    #: vLLM's: the model's image processor settings for this request's images (Qwen2-VL:
+    #: ``min_pixels``, ``max_pixels``)
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(
         self, defaults: Mapping[str, Any] | None = None, *, max_model_len: int | None = None

@@ -15,6 +15,11 @@ request's fields here, so the policy holds for all of them (chat, Responses, emb
 Content reaches the template in the server's ``--chat-template-content-format`` (vLLM's
 flag, :mod:`chassis.core.chat_content_format`): ``auto`` detects it per template (the
 server's, or a request's own), logging what it found for the server's at start-up.
+
+Image parts are taken only where the caller asks for the images (the chat completions
+route) and the renderer has the engine's :class:`~chassis.core.chat_media.ChatImages`:
+they are loaded (fetched, decoded) here, in the same worker thread. Elsewhere, and for an
+engine without them, they are a 400 like any part that is not text.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ TRUST_FLAG = "--trust-request-chat-template"
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from chassis.core.chat_media import ChatImages
     from chassis.serve.protocol import ChatMessage
 
 
@@ -112,7 +118,8 @@ class ChatRenderer:
     ``chat_template_content_format`` (``--chat-template-content-format``: ``auto``,
     ``string`` or ``openai``) is the shape of the messages' content; with ``auto`` the
     server's template's is detected (and logged) here, a request's own template's when it
-    renders. ``ValueError`` for another value.
+    renders. ``ValueError`` for another value. ``chat_images`` (the engine's; ``None``: image
+    parts are refused) takes the image parts of the requests that ask for their images.
     """
 
     def __init__(
@@ -122,8 +129,10 @@ class ChatRenderer:
         *,
         trust_request_chat_template: bool = False,
         chat_template_content_format: str = "auto",
+        chat_images: ChatImages | None = None,
     ):
         self.tokenizer = tokenizer
+        self.chat_images = chat_images
         self.chat_template = load_chat_template(chat_template)
         self.trust_request_chat_template = trust_request_chat_template
         self.content_format = check_content_format(
@@ -143,6 +152,7 @@ class ChatRenderer:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        images: list[Any] | None = None,
     ) -> str:
         """The prompt text. ``chat_template`` (and ``chat_template`` in
         ``chat_template_kwargs``) is the request's own template: a 400 unless trusted (see
@@ -150,21 +160,30 @@ class ChatRenderer:
         e.g. roles that must alternate, or raises computing on them) is a 400 naming
         ``messages``; a request's own template that does not parse, a 400 naming the field
         that carried it. Either message says whose template it was (the request's, the
-        server's ``--chat-template`` or the model's)."""
+        server's ``--chat-template`` or the model's). ``images``: a list the messages'
+        images are appended to, in order, when the renderer has ``chat_images`` (a 400
+        naming the part for one that cannot be taken); without either, image parts are a
+        400."""
         own = request_chat_template(
             chat_template, chat_template_kwargs, trusted=self.trust_request_chat_template
         )
         field_of_own = request_template_field(chat_template, chat_template_kwargs)
         try:
+            dicts: list[Any] = [_as_dict(m) for m in messages]
+            placeholder = None
+            if images is not None and self.chat_images is not None:
+                dicts, found, placeholder = self.chat_images.extract(dicts)
+                images.extend(found)
             return render_chat(
                 self.tokenizer,
-                [_as_dict(m) for m in messages],
+                dicts,
                 chat_template=own if own is not None else self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
                 content_format=self.content_format,
+                image_placeholder=placeholder,
             )
         except ChatMessageError as exc:
             raise bad_request(str(exc), f"messages.{exc.index}.content") from None
@@ -209,6 +228,7 @@ class ChatRenderer:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
         add_special_tokens: bool = False,
+        images: list[Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and its token ids (meant for a worker thread); the keyword
         arguments but ``add_special_tokens`` are :meth:`render`'s."""
@@ -219,5 +239,6 @@ class ChatRenderer:
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
             chat_template=chat_template,
+            images=images,
         )
         return text, self.tokenize(text, add_special_tokens=add_special_tokens)

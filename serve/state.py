@@ -9,8 +9,10 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     engine.model_name: str                 # the name clients must send as "model"
     engine.generate(prompt: str | list[int], sampling_params, request_id, *,
                     priority=0, delta=True) -> AsyncIterator[RequestOutput]
-        # and lora_request=LoRARequest, passed only for a request naming an adapter, and
-        # cache_salt=str, only for a request that sends one
+        # and lora_request=LoRARequest, passed only for a request naming an adapter,
+        # cache_salt=str, only for a request that sends one, and multi_modal_data=
+        # {"image": [PIL images]} (with mm_processor_kwargs=dict when sent), only for a
+        # chat request with images
         # ValueError (bad input) from the first __anext__, before anything is yielded;
         # EngineDeadError when the engine core is dead; closing or cancelling the iterator
         # aborts the request in the engine (frees its KV blocks); with n > 1 one
@@ -29,6 +31,9 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
         # EngineDeadError) without submitting the request
     await engine.reset_prefix_cache()      # only in development mode (POST
                                            # /reset_prefix_cache); EngineDeadError
+    await engine.sleep(level)              # only in development mode (POST /sleep,
+    await engine.wake_up(tags)             # /wake_up, GET /is_sleeping): sleep mode;
+    await engine.is_sleeping()             # ValueError without it, EngineBusyError
     engine.engine_info                     # optional, development mode's /server_info:
                                            # the engine core's start-up report
 """
@@ -61,16 +66,23 @@ logger = logging.getLogger(__name__)
 
 
 def optional_generate_kwargs(
-    lora_request: LoRARequest | None, cache_salt: str | None
+    lora_request: LoRARequest | None,
+    cache_salt: str | None,
+    multi_modal_data: dict[str, Any] | None = None,
+    mm_processor_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``engine.generate`` keywords beyond the contract's first ones, only those that are
-    set: an engine without LoRA adapters or cache salts keeps serving requests that use
-    neither."""
+    set: an engine without LoRA adapters, cache salts or images keeps serving requests that
+    use none."""
     kwargs: dict[str, Any] = {}
     if lora_request is not None:
         kwargs["lora_request"] = lora_request
     if cache_salt is not None:
         kwargs["cache_salt"] = cache_salt
+    if multi_modal_data is not None:
+        kwargs["multi_modal_data"] = multi_modal_data
+        if mm_processor_kwargs is not None:
+            kwargs["mm_processor_kwargs"] = mm_processor_kwargs
     return kwargs
 
 
@@ -208,11 +220,12 @@ class ServerState:
         priority: int,
         lora_request: LoRARequest | None,
         cache_salt: str | None,
+        multimodal: dict[str, Any],
     ) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker(params.n)
         self.inflight.add(request_id)
         failed = False  # refused (400) or engine death: not an abort by the client
-        extras = optional_generate_kwargs(lora_request, cache_salt)
+        extras = optional_generate_kwargs(lora_request, cache_salt, **multimodal)
         outputs_log = output_log(self.settings, request_id)
         try:
             stream = self.engine.generate(
@@ -249,15 +262,25 @@ class ServerState:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        *,
+        multi_modal_data: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Start one request (with the LoRA adapter ``lora_request``, ``None``: the base
-        model, and the prefix-cache salt ``cache_salt``) and wait for its first output.
+        model, the prefix-cache salt ``cache_salt``, and the prompt's images
+        ``multi_modal_data``) and wait for its first output.
 
         Invalid input surfaces here (a 400 ``APIError``; a dead engine a 503) before any
         response byte is sent. The returned stream yields the first output again, then the
         rest; close it (``aclosing``) to abort the request.
         """
-        stream = self._tracked(prompt, params, request_id, priority, lora_request, cache_salt)
+        multimodal = {
+            "multi_modal_data": multi_modal_data,
+            "mm_processor_kwargs": mm_processor_kwargs,
+        }
+        stream = self._tracked(
+            prompt, params, request_id, priority, lora_request, cache_salt, multimodal
+        )
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:

@@ -1,5 +1,7 @@
-"""Multimodal checkpoints served as text only (Mistral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE) against HF transformers' multimodal models on tiny random checkpoints.
+"""Multimodal checkpoints on text prompts (Mistral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen3-VL-MoE) against HF transformers' multimodal models on tiny random checkpoints. All but
+Qwen2-VL and Qwen2.5-VL are served as text only; those two take images too
+(tests/test_qwen2_vl_images.py), and their text prompts are checked here.
 
 Each checkpoint is the HF multimodal class built from a config with a 2-layer, hidden-64 text
 model and a 1- or 2-layer vision tower, random float32 weights (biases and norm weights
@@ -7,8 +9,9 @@ randomized too), saved with ``save_pretrained`` (transformers 5 writes the hub l
 runs text-only ``input_ids`` with its own position handling (M-RoPE's three components
 equal); float32 logits must match (batched prefill, a decode, a chunk over a cached prefix),
 greedy tokens through ``LLM`` must be HF ``generate``'s. The M-RoPE tables are checked
-against plain RoPE at real-model sizes, the vision tensors are never read, both weight layouts
-load, and an image part in a chat message is refused.
+against plain RoPE at real-model sizes, the vision tensors of the text-only models are never
+read, both weight layouts load, and an image part in a chat message to a text-only model is
+refused.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from chassis.core.model_loader import load_hf_config
 from chassis.core.tokenizer import load_tokenizer
 
 ARCHITECTURES = ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+#: the architectures whose vision tower is loaded and run (images accepted)
+WITH_IMAGES = ("qwen2_vl", "qwen2_5_vl")
 #: the image side's checkpoint-name prefixes, per architecture (hub layout)
 VISION_PREFIXES = {
     "mistral3": ("vision_tower.", "multi_modal_projector."),
@@ -244,7 +249,8 @@ def test_greedy_tokens_match_transformers(model_dirs: dict[str, Path], arch: str
 
 
 def test_the_configs_are_read(model_dirs: dict[str, Path]) -> None:
-    """The text config is what the engine builds from; the LM head is tied as HF ties it."""
+    """The text config is what the engine builds from; the LM head is tied as HF ties it;
+    the text-only classes load no image side."""
     expected_tied = {
         "mistral3": False,
         "qwen2_vl": True,  # top-level flag only
@@ -256,7 +262,7 @@ def test_the_configs_are_read(model_dirs: dict[str, Path]) -> None:
         config = load_hf_config(model_dir)
         assert config.num_hidden_layers == 2 and config.hidden_size == 64
         model = Runner(model_dir).model
-        assert isinstance(model, TextOnlyWeights)
+        assert isinstance(model, TextOnlyWeights) is (arch not in WITH_IMAGES), arch
         assert model.tie_word_embeddings is expected_tied[arch], arch
         hf = load_hf_multimodal(arch, model_dir)
         hf_tied = hf.lm_head.weight is hf.get_input_embeddings().weight
@@ -331,13 +337,16 @@ def test_mrope_of_text_positions_is_plain_rope(
 # -- what is read -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", [*ARCHITECTURES, "gemma3"])
+@pytest.mark.parametrize(
+    "arch", [arch for arch in (*ARCHITECTURES, "gemma3") if arch not in WITH_IMAGES]
+)
 def test_vision_tensors_are_never_read(
     model_dirs: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The loader reads every language-model tensor and no vision-tower or projector tensor
     (the model says no to them before they leave the file); the model has no vision
-    parameters. Gemma 3's multimodal class too."""
+    parameters. Gemma 3's multimodal class too. (Qwen2-VL and Qwen2.5-VL read their tower:
+    tests/test_qwen2_vl_images.py.)"""
     model_dir = model_dirs[arch] if arch in model_dirs else save_multimodal(arch, tmp_path)
     in_file = set(load_file(model_dir / "model.safetensors"))
     vision = {name for name in in_file if name.startswith(VISION_PREFIXES[arch])}
@@ -425,9 +434,9 @@ def test_qwen3_vl_moe_hub_expert_layout_loads(model_dirs: dict[str, Path], tmp_p
 
 
 def test_an_image_part_is_refused(model_dirs: dict[str, Path]) -> None:
-    """Text only: over the API server on a multimodal checkpoint, a chat message with an
-    image part is a 400 naming the part; text still gets an answer (``LLM.chat`` refuses
-    the same message)."""
+    """Text only: over the API server on a multimodal checkpoint served as text only
+    (Qwen3-VL), a chat message with an image part is a 400 naming the part; text still gets
+    an answer (``LLM.chat`` refuses the same message)."""
     from fastapi.testclient import TestClient
 
     from chassis.core.async_llm import AsyncLLM
@@ -435,7 +444,7 @@ def test_an_image_part_is_refused(model_dirs: dict[str, Path]) -> None:
     from chassis.serve.app import build_app
     from chassis.serve.settings import ServerSettings
 
-    model_dir = model_dirs["qwen2_5_vl"]
+    model_dir = model_dirs["qwen3_vl"]
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with_image = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
     engine = AsyncLLM.from_engine_config(

@@ -336,7 +336,8 @@ class LlamaModel(nn.Module):
     ``norm_class`` is the final norm's class; ``embedding_multiplier`` (Granite, Gemma) scales
     the token embeddings. ``rope_per_layer`` gives each layer's RoPE parameters when they
     differ by layer (Gemma 3's local and global layers); by default every layer uses
-    ``spec.rope``. Layers with equal parameters share one rotary table.
+    ``spec.rope``. Layers with equal parameters share one rotary table, of ``rotary_class``
+    (M-RoPE's :class:`~chassis.core.layers.mrope.MRotaryEmbedding` for Qwen2-VL).
     """
 
     def __init__(
@@ -349,6 +350,7 @@ class LlamaModel(nn.Module):
         norm_class: type[RMSNorm] = RMSNorm,
         embedding_multiplier: float | None = None,
         rope_per_layer: Sequence[dict[str, Any]] | None = None,
+        rotary_class: type[RotaryEmbedding] = RotaryEmbedding,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
@@ -365,7 +367,7 @@ class LlamaModel(nn.Module):
         for i, params in enumerate(rope_per_layer):
             rotary_emb = next((table for p, table in rotaries if p == params), None)
             if rotary_emb is None:
-                rotary_emb = RotaryEmbedding(
+                rotary_emb = rotary_class(
                     spec.head_dim, spec.max_position, params, context_len=build_ctx.max_model_len
                 )
                 rotaries.append((params, rotary_emb))
@@ -382,13 +384,24 @@ class LlamaModel(nn.Module):
     #: forward of its own that does not sets False)
     keeps_aux_hidden_states = True
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` token ids -> ``[n, hidden_size]``: what the first layer reads."""
         hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier is not None:
             # in the model dtype, as HF multiplies (the embedding is whole on every rank here)
             hidden_states = hidden_states * self.embedding_multiplier
+        return hidden_states
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states; ``inputs_embeds`` (:meth:`embed`'s output, some rows
+        replaced) stands in for ``embed(input_ids)`` when given."""
+        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         aux = self.aux_layer_ids
         if aux:  # off (the plain path): no test per layer

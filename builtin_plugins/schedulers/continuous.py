@@ -522,6 +522,7 @@ class ContinuousBatchingScheduler(Scheduler):
                         lora_request=request.lora_request,
                         pooling_params=request.pooling_params,
                         num_null_blocks=self.kv_cache_manager.group_num_null_blocks(request_id),
+                        mm_features=request.mm_features,
                     )
                 )
                 self._in_runner.add(request_id)

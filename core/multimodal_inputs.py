@@ -1,0 +1,172 @@
+"""A request's multimodal items in the front-end: admission, then the model's processor.
+
+:class:`MultiModalInputs` belongs to the :class:`~chassis.core.input_processor.InputProcessor`
+of one engine. :meth:`~MultiModalInputs.check_counts` says whether the engine takes a prompt
+with so many items of each modality (cheap; the chat front-ends ask it before they fetch a
+message's images); :meth:`~MultiModalInputs.expand` runs vLLM's ``multi_modal_data`` through
+the model's processor (:mod:`chassis.core.multimodal_processing`), which is built on the
+first request that carries items, once: the model's class (its ``class_for_config``) gives
+it from the checkpoint folder (``multimodal_processor(model_dir, hf_config)``). A model
+that takes text only never builds one, and refuses items naming the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from chassis.core.multimodal_limits import check_item_count
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from chassis.core.config import EngineConfig
+    from chassis.core.multimodal import MultiModalFeature
+    from chassis.core.multimodal_processing import MultiModalProcessor
+
+#: the modalities ``multi_modal_data`` may name (vLLM's); the models here take images only
+MULTIMODAL_INPUT_MODALITIES = ("image", "video", "audio")
+
+
+class ModalityRefusedError(ValueError):
+    """The engine's model does not take a modality at all (a text-only model's images)."""
+
+
+class MultiModalInputs:
+    """Admission and processing of one engine's multimodal items (module docstring).
+
+    ``config`` must be finalized (``config.model`` a local folder); ``tokenizer`` is the
+    engine's (``None`` with ``skip_tokenizer_init``: items are refused). Thread-safe.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._processor: MultiModalProcessor | None = None
+        self._lock = threading.Lock()
+        #: the model's class and HF config, read on first need (a request with items)
+        self._model_cls: Any = None
+        self._hf_config: Any = None
+
+    def check_counts(self, counts: Mapping[str, int]) -> None:
+        """Whether this engine takes a prompt with ``counts`` items per modality
+        (``{"image": 2}``; a count of 0 is no item): a ``ValueError`` for an unknown
+        modality, an engine without a tokenizer, a model that does not take the modality
+        (:class:`ModalityRefusedError` naming it: a text-only one "takes text only"), or a
+        count over
+        ``--limit-mm-per-prompt`` (vLLM's message). The model's processor is not built."""
+        for modality, count in counts.items():
+            if count <= 0:
+                continue
+            if modality not in MULTIMODAL_INPUT_MODALITIES:
+                raise ValueError(
+                    f"unknown modality {modality!r} in multi_modal_data; known: "
+                    f"{', '.join(MULTIMODAL_INPUT_MODALITIES)}"
+                )
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{modality} inputs need the model's tokenizer, and this engine runs "
+                    "without one (skip_tokenizer_init)"
+                )
+            cls = self._model_class()
+            supported = getattr(cls, "supported_modalities", frozenset())
+            if modality not in supported:
+                what = (
+                    "takes text only"
+                    if not supported
+                    else f"takes {', '.join(sorted(supported))} inputs, not {modality}"
+                )
+                name = self.config.served_model_name or self.config.model
+                raise ModalityRefusedError(
+                    f"model {name!r} ({cls.__name__}) {what}; it cannot take {modality} inputs"
+                )
+            check_item_count(self.config.limit_mm_per_prompt, modality, count)
+
+    def processor(self) -> MultiModalProcessor:
+        """The model's multimodal processor, built once on first need; ``ValueError`` when
+        the model has none, or when the tokenizer does not encode the model's placeholder
+        to its token (a ``--tokenizer`` other than the model's)."""
+        with self._lock:
+            if self._processor is None:
+                self._processor = self._build_processor()
+            return self._processor
+
+    def expand(
+        self,
+        prompt_token_ids: list[int],
+        multi_modal_data: Mapping[str, Any],
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt with each item's placeholder expanded, and one feature per item in
+        prompt order (:meth:`MultiModalProcessor.process`), once :meth:`check_counts`
+        passed. ``multi_modal_data`` is vLLM's (:func:`multimodal_items`); when it holds no
+        item at all the prompt is returned as it is."""
+        items = multimodal_items(multi_modal_data)
+        if not any(items.values()):
+            return prompt_token_ids, []
+        self.check_counts({modality: len(values) for modality, values in items.items()})
+        if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, Mapping):
+            raise ValueError(
+                f"mm_processor_kwargs must be a dict; got {type(mm_processor_kwargs).__name__}"
+            )
+        return self.processor().process(
+            prompt_token_ids,
+            {modality: values for modality, values in items.items() if values},
+            mm_processor_kwargs,
+        )
+
+    def _model_class(self) -> Any:
+        from chassis.core.model_loader import engine_hf_config, model_class
+
+        if self._model_cls is None:
+            self._hf_config = engine_hf_config(self.config)
+            self._model_cls = model_class(self._hf_config)
+        return self._model_cls
+
+    def _build_processor(self) -> MultiModalProcessor:
+        cls = self._model_class()
+        assert self.config.model is not None
+        processor = cls.multimodal_processor(self.config.model, self._hf_config)
+        if processor is None:
+            raise ValueError(f"{cls.__name__} has no multimodal processor: it takes text only")
+        assert self.tokenizer is not None  # (check_counts refused the request without one)
+        for modality, token in processor.placeholder_token_ids.items():
+            text = processor.prompt_placeholder(modality)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if ids.count(token) != 1:
+                raise ValueError(
+                    f"the tokenizer ({self.config.tokenizer}) does not encode the model's "
+                    f"{modality} placeholder {text!r} to its token id {token}: "
+                    f"{modality} inputs need the model's own tokenizer"
+                )
+        return processor
+
+
+def multimodal_items(multi_modal_data: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """vLLM's ``multi_modal_data`` as modality -> its items in order: one item alone (an
+    image) is a list of one; ``ValueError`` when it is not a mapping."""
+    if not isinstance(multi_modal_data, Mapping):
+        raise ValueError(
+            'multi_modal_data must be a dict like {"image": image} or {"image": [images]}; '
+            f"got {type(multi_modal_data).__name__}"
+        )
+    return {
+        str(modality): list(value) if isinstance(value, list | tuple) else [value]
+        for modality, value in multi_modal_data.items()
+    }
+
+
+def shift_features(features: list[MultiModalFeature], dropped: int) -> list[MultiModalFeature]:
+    """``features`` of a prompt whose first ``dropped`` tokens truncation removed (offsets
+    moved back); ``ValueError`` when the cut removes placeholder tokens of an item."""
+    first = features[0]
+    if first.offset < dropped:
+        raise ValueError(
+            f"truncate_prompt_tokens drops the prompt's first {dropped} tokens, among them "
+            f"the placeholder tokens of its first {first.modality} (tokens {first.offset} to "
+            f"{first.end - 1}); keep more tokens"
+        )
+    return [msgspec.structs.replace(f, offset=f.offset - dropped) for f in features]
