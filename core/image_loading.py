@@ -89,7 +89,11 @@ def decode_image(data: bytes, where: str) -> Image:
         return to_rgb(opened)
     except PILImage.DecompressionBombError as exc:
         raise ValueError(f"{where}: the image is too large to decode: {exc}") from None
-    except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError is OSError
+    except PILImage.UnidentifiedImageError:  # (its message names an in-memory object)
+        raise ValueError(
+            f"{where} is not an image that can be read (not a format Pillow recognizes)"
+        ) from None
+    except (OSError, SyntaxError, ValueError) as exc:
         raise ValueError(f"{where} is not an image that can be read ({exc})") from None
 
 
