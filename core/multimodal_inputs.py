@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from chassis.core.multimodal_admission import engine_mode_refusal
 from chassis.core.multimodal_limits import check_item_count
 
 if TYPE_CHECKING:
@@ -57,7 +58,9 @@ class MultiModalInputs:
         modality, an engine without a tokenizer, a model that does not take the modality
         (:class:`ModalityRefusedError` naming it: a text-only one "takes text only"), or a
         count over
-        ``--limit-mm-per-prompt`` (vLLM's message). The model's processor is not built."""
+        ``--limit-mm-per-prompt`` (vLLM's message), or an engine that serves no items
+        (speculative decoding, a pooling runner: ``engine_mode_refusal``). The model's
+        processor is not built."""
         for modality, count in counts.items():
             if count <= 0:
                 continue
@@ -84,6 +87,11 @@ class MultiModalInputs:
                     f"model {name!r} ({cls.__name__}) {what}; it cannot take {modality} inputs"
                 )
             check_item_count(self.config.limit_mm_per_prompt, modality, count)
+        # (the engine core refuses these too; asking here fails the call before any image
+        # is fetched or processed, and LLM.generate raises instead of returning an error)
+        refusal = engine_mode_refusal(self.config, [m for m, n in counts.items() if n > 0])
+        if refusal is not None:
+            raise ValueError(refusal)
 
     def processor(self) -> MultiModalProcessor:
         """The model's multimodal processor, built once on first need; ``ValueError`` when

@@ -530,6 +530,8 @@ def test_lora_adapters_with_images(vl_dirs, images, tmp_path: Path) -> None:
 def test_speculative_engines_refuse_images_and_serve_text(vl_dirs) -> None:
     """The engine core refuses a request with images under speculative decoding (the
     request's fault, named), and goes on serving text."""
+    from fixtures_qwen2_vl import random_image
+
     from chassis.core.request import EngineCoreRequest, FinishReason
 
     speculative = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
@@ -546,6 +548,10 @@ def test_speculative_engines_refuse_images_and_serve_text(vl_dirs) -> None:
         assert refused.finish_reason == FinishReason.ABORT and refused.error is not None
         assert refused.error.client_error
         assert "not supported with speculative decoding" in refused.error.message
+        # the front-end refuses first (before any image is processed): LLM.generate raises
+        prompt = "<|vision_start|><|image_pad|><|vision_end|>What is this?"
+        with pytest.raises(ValueError, match="not supported with speculative decoding"):
+            llm.generate({"prompt": prompt, "multi_modal_data": {"image": random_image(56, 56)}})
         [text] = generate(llm, [(chat_prompt("Tell me a story.", 0), [])])
         assert len(text.answer.tokens) == NUM_TOKENS
     finally:
