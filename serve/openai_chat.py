@@ -268,16 +268,19 @@ async def _events(
     request_id: str,
     model: str,
     n: int,
-    num_prompt_tokens: int,
+    num_prompt_tokens: int | None,
     parsing: RequestParsing | None,
 ) -> AsyncIterator[str | bytes]:
+    """The stream's SSE events. ``num_prompt_tokens`` is the prompt's length when the
+    front-end knows it; ``None`` when only the engine's first output does (images expand
+    their placeholders there): the role chunk then waits for that output."""
     created = int(time.time())
     parsers = {i: parsing.choice_parser() for i in range(n)} if parsing else None
     top_n = body.top_logprobs or 0
     as_ids = state.tokens_as_ids(body.return_tokens_as_token_ids)
     finished: set[int] = set()
     usage = state.usage_counter()
-    usage.prompt_tokens[0] = num_prompt_tokens  # known before the first output (role chunk)
+    usage.prompt_tokens[0] = num_prompt_tokens or 0  # known before the first output (role chunk)
 
     encoder = ChunkEncoder("chat.completion.chunk", request_id, created, model)
 
@@ -308,8 +311,9 @@ async def _events(
         return events
 
     # With return_token_ids the role chunk carries the engine's prompt ids (after any
-    # truncate_prompt_tokens), so it waits for the first output.
-    role_sent = not body.return_token_ids
+    # truncate_prompt_tokens), and with images its usage counts the expanded prompt, so it
+    # waits for the first output.
+    role_sent = not body.return_token_ids and num_prompt_tokens is not None
     try:
         async with contextlib.aclosing(stream):
             if role_sent:
@@ -321,7 +325,8 @@ async def _events(
                     # the engine's prompt count, but none of this output's tokens yet: the
                     # opening chunks come before them (their usage says 0 completion tokens)
                     usage.prompt_tokens[0] = len(output.prompt_token_ids)
-                    for event in opening(list(output.prompt_token_ids)):
+                    prompt_ids = list(output.prompt_token_ids) if body.return_token_ids else None
+                    for event in opening(prompt_ids):
                         yield event
                 usage.add(0, output)
                 choices = []
@@ -462,6 +467,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         request,
         body.stream,
         structured_request.naming_tools(open_stream) if body.forces_tool_calls else open_stream,
-        lambda stream: _events(state, body, stream, request_id, model, n, len(prompt_ids), parsing),
+        lambda stream: _events(
+            state,
+            body,
+            stream,
+            request_id,
+            model,
+            n,
+            None if images else len(prompt_ids),  # (images: the engine's count)
+            parsing,
+        ),
         lambda stream: _collect(state, stream, body, request_id, model, n, parsing),
     )

@@ -531,6 +531,24 @@ def test_server_chat_with_images(
                 for i in c.get("token_ids") or []
             ]
             assert ids == hf_answer
+            # with usage in every chunk, the role chunk too counts the expanded prompt (it
+            # waits for the engine's count: the front-end's is before the images expand)
+            usage_stream = chat(
+                image_url(_data_url(image)),
+                stream=True,
+                return_token_ids=False,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+            )
+            chunks = [
+                json.loads(line[6:])
+                for line in usage_stream.text.splitlines()
+                if line.startswith("data: {")
+            ]
+            prompt_tokens = {c["usage"]["prompt_tokens"] for c in chunks if c.get("usage")}
+            expected = chunks[-1]["usage"]["prompt_tokens"]
+            assert expected == hf_inputs(vl_dir, PROMPT_1, [image])["input_ids"].shape[1]
+            assert prompt_tokens == {expected}
+            assert "prompt_token_ids" not in chunks[0]
             text = client.post(
                 "/v1/chat/completions",
                 json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
