@@ -257,6 +257,13 @@ class CausalLM(nn.Module, ABC):
         rows = int(module.out_features)
         return [LoRASlice(module_name, 0, rows, int(module.in_features), rows)]
 
+    def lora_module_aliases(self, hf_module: str) -> tuple[str, ...]:
+        """Other names adapters may give the projection :meth:`lora_slices` calls
+        ``hf_module`` (none by default). A multimodal checkpoint's language model is
+        ``model.layers.*`` in hub files and ``model.language_model.layers.*`` to
+        transformers 5, and PEFT adapters trained on either name it so."""
+        return ()
+
     def lora_shard(
         self, hf_module: str, lora_a: torch.Tensor, lora_b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

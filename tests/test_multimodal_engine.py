@@ -509,21 +509,33 @@ def test_lora_adapters_with_images(vl_dirs, images, tmp_path: Path) -> None:
             tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
             with torch.no_grad():
                 linear.weight += alpha / rank * (b @ a)
-    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
     adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha}
     adapter_config["target_modules"] = ["q_proj", "v_proj", "down_proj"]
-    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config))
+    # the same adapter as trained on transformers 5's layout (model.language_model.layers.*)
+    hub, transformers5 = tmp_path / "hub", tmp_path / "transformers5"
+    for folder, names in (
+        (hub, tensors),
+        (transformers5, {k.replace(".model.layers.", ".model.language_model.layers."): v
+                         for k, v in tensors.items()}),
+    ):  # fmt: skip
+        folder.mkdir()
+        save_file(names, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
 
     prompt, case_images = chat_prompt("Describe it.", 1), [images["square"]]
     llm = vl_llm(model_dir, enable_lora=True, max_lora_rank=rank)
     try:
-        lora = LoRARequest("adapter", 1, str(tmp_path))
-        base, adapted = generate(llm, [(prompt, case_images)] * 2, lora_request=[None, lora])
+        lora = LoRARequest("adapter", 1, str(hub))
+        lora5 = LoRARequest("adapter5", 2, str(transformers5))
+        base, adapted, adapted5 = generate(
+            llm, [(prompt, case_images)] * 3, lora_request=[None, lora, lora5]
+        )
     finally:
         llm.shutdown()
     base.answer.assert_matches(hf_answer(model_dir, prompt, case_images), "base")
     merged = hf_answer(model_dir, prompt, case_images, model=hf)
     adapted.answer.assert_matches(merged, "adapter")
+    adapted5.answer.assert_matches(merged, "adapter with transformers 5's names")
     assert adapted.answer.tokens != base.answer.tokens
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaModel
 from chassis.builtin_plugins.models.qwen2 import Qwen2ForCausalLM, qwen2_sliding_layers
 from chassis.builtin_plugins.models.qwen2_vl_positions import mrope_positions
-from chassis.builtin_plugins.models.text_only import wrapper_tie_word_embeddings
+from chassis.builtin_plugins.models.text_only import checkpoint_aliases, wrapper_tie_word_embeddings
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.mrope import MRotaryEmbedding
 from chassis.core.model_interface import LoRASlice, ModelBuildContext
@@ -189,6 +189,11 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 filled.add(f"visual.{ours}")
 
         return super().load_weights(language_model()) | filled
+
+    def lora_module_aliases(self, hf_module: str) -> tuple[str, ...]:
+        """transformers 5's name of a language-model projection
+        (``model.language_model.layers.*``), which adapters trained on it use."""
+        return checkpoint_aliases(hf_module, _LANGUAGE_PREFIXES)
 
     def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
         """The language model's projections only: adapters never change the tower."""

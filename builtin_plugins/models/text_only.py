@@ -43,6 +43,11 @@ class TextOnlyWeights:
                 return ours + name[len(prefix) :]
         return name
 
+    def lora_module_aliases(self, hf_module: str) -> tuple[str, ...]:
+        """The checkpoint's names of a language-model projection (adapters trained on the
+        multimodal model name it so: ``model.language_model.layers.0.self_attn.q_proj``)."""
+        return checkpoint_aliases(hf_module, self.language_model_prefixes)
+
     def needs_checkpoint_tensor(self, name: str) -> bool:
         """No image-side tensor is read from disk; the decoder decides for the others (by
         their text-only name)."""
@@ -75,3 +80,14 @@ def wrapper_tie_word_embeddings(hf_config: Any) -> Any:
     hf_config = copy.copy(hf_config)
     hf_config.tie_word_embeddings = bool(wrapper)
     return hf_config
+
+
+def checkpoint_aliases(name: str, prefixes: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """The checkpoint names that ``prefixes`` ((checkpoint prefix, ours) pairs) map to the
+    module name ``name``, other than ``name`` itself."""
+    aliases = [
+        prefix + name[len(ours) :]
+        for prefix, ours in prefixes
+        if name.startswith(ours) and prefix + name[len(ours) :] != name
+    ]
+    return tuple(dict.fromkeys(aliases))

@@ -63,8 +63,11 @@ class LoRAModel:
         #: HF module name -> (wrapper, slice index)
         self._targets: dict[str, tuple[LoRALinear, int]] = {}
         #: HF module name -> (in_features, out_features), whole (not this rank's share): what
-        #: adapters are checked against
+        #: adapters are checked against (the names' aliases too)
         self.target_shapes: dict[str, tuple[int, int]] = {}
+        #: HF module name -> the other names an adapter may give it
+        #: (:meth:`CausalLM.lora_module_aliases`)
+        self._aliases: dict[str, tuple[str, ...]] = {}
         self._shard = model.lora_shard
         self._wrap(model)
         if not self._targets:
@@ -102,7 +105,12 @@ class LoRAModel:
             setattr(parent, child_name, wrapper)
             for index, piece in enumerate(slices):
                 self._targets[piece.hf_module] = (wrapper, index)
-                self.target_shapes[piece.hf_module] = (piece.in_features, piece.out_features)
+                # (a model that is not a CausalLM, as some tests' stand-ins, has none)
+                alias_hook = getattr(model, "lora_module_aliases", None)
+                aliases = alias_hook(piece.hf_module) if alias_hook is not None else ()
+                self._aliases[piece.hf_module] = aliases
+                for name in (piece.hf_module, *aliases):
+                    self.target_shapes[name] = (piece.in_features, piece.out_features)
 
     # -- adapters ---------------------------------------------------------------------------
 
@@ -190,7 +198,14 @@ class LoRAModel:
         slot = min(candidates, key=lambda s: (self._slot_ids[s] is not None, self._slot_used[s]))
         weights = self._weights(lora_id)
         for hf_name, (wrapper, index) in self._targets.items():
-            pair = weights.modules.get(hf_name)
+            pair = next(
+                (
+                    weights.modules[name]
+                    for name in (hf_name, *self._aliases[hf_name])
+                    if name in weights.modules
+                ),
+                None,
+            )
             if pair is None:
                 wrapper.set_slot(slot, index, None, None)
             else:  # this rank's part (all of it without tensor parallelism)
