@@ -308,13 +308,18 @@ class AsyncLLM:
             check, prompt, sampling_params, lora_request, multi_modal_data
         )
 
+    def _refuse_if_asleep(self) -> None:
+        """:class:`EngineSleepingError` while any part of the engine sleeps (as the last
+        sleep / wake_up left it)."""
+        if self._sleeping_tags:
+            raise EngineSleepingError(sleeping_message(self._sleeping_tags))
+
     def _refuse_generation(self) -> None:
         """The engine-wide refusals of a generation request: a dead engine, a sleeping one
         (:class:`EngineSleepingError`), a pooling one."""
         if self.dead_error is not None:
             raise self.dead_error
-        if self._sleeping_tags:
-            raise EngineSleepingError(sleeping_message(self._sleeping_tags))
+        self._refuse_if_asleep()
         if self.pooler_config is not None:
             raise ValueError(
                 "this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
@@ -395,8 +400,7 @@ class AsyncLLM:
         """
         if self.dead_error is not None:
             raise self.dead_error
-        if self._sleeping_tags:
-            raise EngineSleepingError(sleeping_message(self._sleeping_tags))
+        self._refuse_if_asleep()
         if self.pooler_config is None:
             raise ValueError(
                 "this engine generates: embeddings need a pooling model, served with "

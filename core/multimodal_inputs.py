@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from chassis.core.multimodal_admission import engine_mode_refusal
-from chassis.core.multimodal_limits import check_item_count
+from chassis.core.multimodal_limits import check_item_count, parse_limits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,6 +46,8 @@ class MultiModalInputs:
     def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        #: ``--limit-mm-per-prompt``, parsed once (the config validated it)
+        self._limits = parse_limits(config.limit_mm_per_prompt)
         self._processor: MultiModalProcessor | None = None
         self._lock = threading.Lock()
         #: the model's class and HF config, read on first need (a request with items)
@@ -86,7 +88,7 @@ class MultiModalInputs:
                 raise ModalityRefusedError(
                     f"model {name!r} ({cls.__name__}) {what}; it cannot take {modality} inputs"
                 )
-            check_item_count(self.config.limit_mm_per_prompt, modality, count)
+            check_item_count(self._limits, modality, count)
         # (the engine core refuses these too; asking here fails the call before any image
         # is fetched or processed, and LLM.generate raises instead of returning an error)
         refusal = engine_mode_refusal(self.config, [m for m, n in counts.items() if n > 0])

@@ -44,14 +44,10 @@ def parse_limits(value: Mapping[str, Any] | None) -> dict[str, int]:
     return limits
 
 
-def limit_for(value: Mapping[str, Any] | None, modality: str) -> int:
-    """The most ``modality`` items one prompt may carry under ``value``."""
-    return parse_limits(value).get(modality, DEFAULT_LIMIT)
-
-
-def check_item_count(value: Mapping[str, Any] | None, modality: str, count: int) -> None:
-    """vLLM's refusal (its message) of ``count`` items of ``modality`` over the limit."""
-    limit = limit_for(value, modality)
+def check_item_count(limits: Mapping[str, int], modality: str, count: int) -> None:
+    """vLLM's refusal (its message) of ``count`` items of ``modality`` over ``limits``
+    (:func:`parse_limits`' answer; a modality it leaves out may have :data:`DEFAULT_LIMIT`)."""
+    limit = limits.get(modality, DEFAULT_LIMIT)
     if count > limit:
         raise ValueError(
             f"At most {limit} {modality}(s) may be provided in one prompt. Set "

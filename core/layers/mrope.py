@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from chassis.core.layers.rotary import RotaryEmbedding, _rotate, _rotate_partial
+from chassis.core.layers.rotary import RotaryEmbedding
 
 #: HF's ``mrope_section`` when the config names none (Qwen2-VL's, for head_dim 128)
 DEFAULT_MROPE_SECTION = (16, 24, 24)
@@ -56,7 +56,6 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.register_buffer(
             "section_component", component.to(self.cos_cache.device), persistent=False
         )
-        self._mrope_memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -71,18 +70,18 @@ class MRotaryEmbedding(RotaryEmbedding):
             return super().forward(positions, query, key, qk_norms)
         if qk_norms is not None:
             query, key = qk_norms[0](query), qk_norms[1](key)
-        if torch.compiler.is_compiling():
-            cos, sin = self.mrope_cos_sin(positions, query.dtype)
-        else:
-            # every layer of a step gets the same positions tensor: gather the tables once
-            memo = self._mrope_memo
-            if memo is None or memo[0] is not positions or memo[1] != query.dtype:
-                memo = (positions, query.dtype, *self.mrope_cos_sin(positions, query.dtype))
-                self._mrope_memo = memo
-            cos, sin = memo[2], memo[3]
-        if self.rotary_dim != self.head_dim:
-            return _rotate_partial(query, cos, sin), _rotate_partial(key, cos, sin)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        # the torch code, as the 1-D path's: its memo keeps one table gather per step for
+        # every layer (the same positions tensor), here through :meth:`_cos_sin`
+        return self.forward_reference(positions, query, key)
+
+    def _cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`RotaryEmbedding._cos_sin`, and for ``[3, T]`` positions
+        :meth:`mrope_cos_sin`."""
+        if positions.dim() == 1:
+            return super()._cos_sin(positions, dtype)
+        return self.mrope_cos_sin(positions, dtype)
 
     def mrope_cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
