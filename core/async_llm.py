@@ -40,6 +40,7 @@ from chassis.core.input_processor import InputProcessor
 from chassis.core.lora.request import LoRARequest
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import RequestOutput, merge_delta_outputs
+from chassis.core.pause_state import check_pause_mode
 from chassis.core.pooling_config import apply_pooling_defaults
 from chassis.core.pooling_input import EmbeddingModelInfo, process_pooling
 from chassis.core.pooling_outputs import EmbeddingRequestOutput
@@ -65,6 +66,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+#: how often a caller waiting for the engine core to drain its requests asks again
+_POLL_SECONDS = 0.02
 
 #: prompts longer than this (characters) are tokenized in a worker thread
 _THREAD_TOKENIZE_CHARS = 4096
@@ -471,18 +475,29 @@ class AsyncLLM:
 
     # -- sleep mode (docs/serving.md, "Sleep mode") -----------------------------------------
 
-    async def sleep(self, level: int = 1) -> None:
-        """Free the engine's memory while it is idle (vLLM's ``AsyncLLM.sleep``; needs
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Free the engine's memory (vLLM's ``AsyncLLM.sleep``; needs
         ``--enable-sleep-mode``): level 1 moves the weights to host memory (on the CPU they
         stay) and frees the KV cache, forgetting the prefix cache; level 2 frees the weights
-        too. Until :meth:`wake_up` brought everything back, requests are refused with
-        :class:`EngineSleepingError`. ``ValueError`` without sleep mode or for another
-        level; :class:`~chassis.core.errors.EngineBusyError` while requests are unfinished
-        (nothing is done); :class:`EngineDeadError` when the engine core is not running."""
+        too. Unfinished requests are first aborted (``mode="abort"``, vLLM's default: their
+        streams end with finish reason ``abort``), or waited for while new ones are held
+        (``"wait"``: returns once they finished and the engine sleeps), or the sleep is
+        refused with :class:`~chassis.core.errors.EngineBusyError` when there are any
+        (``"keep"``). Until :meth:`wake_up` brought everything back, requests are refused
+        with :class:`EngineSleepingError`. ``ValueError`` without sleep mode or for another
+        level or mode; :class:`EngineDeadError` when the engine core is not running."""
         check_sleep_mode_enabled(self.config)
         check_sleep_level(level)
+        check_pause_mode(mode)
         await self.check_health()
-        tags = await asyncio.wrap_future(self.client.call_utility("sleep", level))
+        tags = await self._utility("sleep", level, mode)
+        while not tags:  # mode "wait": the engine core sleeps once its requests finished
+            await asyncio.sleep(_POLL_SECONDS)
+            waiting, tags, error = await self._utility("sleep_progress")
+            if error is not None and not waiting and not tags:
+                raise RuntimeError(f"sleep failed once the requests finished: {error}")
+            if not waiting and not tags:  # woken up meanwhile by another caller
+                break
         self._sleeping_tags = list(tags)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
@@ -503,6 +518,38 @@ class AsyncLLM:
             return False
         await self.check_health()
         return bool(await asyncio.wrap_future(self.client.call_utility("is_sleeping")))
+
+    # -- pausing generation (docs/serving.md, "Pausing generation") ---------------------------
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop starting requests until :meth:`resume_generation` (vLLM's; e.g. while a
+        trainer updates the weights): requests made meanwhile wait in the engine core.
+        ``mode`` says what happens to the unfinished ones: ``"abort"`` (default) ends them
+        now with finish reason ``abort``, ``"wait"`` returns once they have finished,
+        ``"keep"`` freezes them (their KV cache kept) until resumed. ``clear_cache`` forgets
+        the prefix cache once they are done (not with ``"keep"``). ``ValueError`` for
+        another mode; :class:`EngineDeadError` when the engine core is not running."""
+        check_pause_mode(mode)
+        await self.check_health()
+        drained = await self._utility("pause", mode, bool(clear_cache))
+        while not drained:
+            await asyncio.sleep(_POLL_SECONDS)
+            drained = await self._utility("pause_drained")
+
+    async def resume_generation(self) -> None:
+        """Lift :meth:`pause_generation`: frozen requests go on and the requests made
+        meanwhile start, in their order. Not paused: nothing to do."""
+        await self.check_health()
+        await self._utility("resume")
+
+    async def is_paused(self) -> bool:
+        """Whether generation is paused (asked of the engine core)."""
+        await self.check_health()
+        return bool(await self._utility("is_paused"))
+
+    async def _utility(self, method: str, *args: Any) -> Any:
+        """Run engine-core method ``method`` between two of its steps; its result."""
+        return await asyncio.wrap_future(self.client.call_utility(method, *args))
 
     def _abort(self, request_id: str) -> None:
         with self._lock:

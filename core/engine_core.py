@@ -15,6 +15,7 @@ from chassis.core.in_flight import PendingRunnerOutput
 from chassis.core.kv_cache_manager import KVCacheManager
 from chassis.core.lora.request import LoRARequest
 from chassis.core.multimodal_admission import multimodal_refusal
+from chassis.core.pause_state import PauseState, check_pause_mode
 from chassis.core.pooling_config import apply_pooling_defaults
 from chassis.core.request import (
     EngineCoreOutput,
@@ -160,6 +161,12 @@ class EngineCore:
         self._lora_paths: dict[int, str] = {}
         #: what sleeps (sleep mode, ``--enable-sleep-mode``)
         self._sleep = SleepState()
+        #: paused generation (``pause``/``resume``) and the requests held meanwhile
+        self._pause = PauseState()
+        #: the ids of the requests the scheduler holds (what a pause or sleep may abort)
+        self._live: set[str] = set()
+        #: why the last sleep that waited for requests to finish failed (``None``: it did not)
+        self._sleep_error: str | None = None
         assert config.max_model_len is not None and config.attention_backend is not None
         self.info = EngineInfo(
             platform=platform.name,
@@ -195,7 +202,12 @@ class EngineCore:
         backend cannot be built or fails to compile with an unexpected error, or the workers
         cannot read its adapter any more (its folder deleted or changed since the front-end's
         check, and not held in host memory). A request with images the engine cannot serve
-        is refused too, as the request's fault (:mod:`chassis.core.multimodal_admission`)."""
+        is refused too, as the request's fault (:mod:`chassis.core.multimodal_admission`).
+        While generation is paused the request is held, and added when the pause is lifted
+        (:mod:`chassis.core.pause_state`)."""
+        if self._pause.paused:
+            self._pause.hold(request)
+            return
         engine_request = Request.from_engine_core_request(request)
         lora = request.lora_request if self.config.enable_lora else None
         error: RequestError | None = None
@@ -246,6 +258,7 @@ class EngineCore:
         except BaseException:
             self._unpin_lora(request.request_id)
             raise
+        self._live.add(request.request_id)
         if matcher is not None:  # only once the scheduler has the request
             params = request.sampling_params.structured_outputs
             assert params is not None
@@ -269,6 +282,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
+        self._live.difference_update(request_ids)
+        self._pause.drop_held(set(request_ids))
         self.scheduler.abort(request_ids)
         self.structured_outputs.finish(request_ids)
         for request_id in request_ids:
@@ -317,8 +332,11 @@ class EngineCore:
             self.executor.unpin_lora(lora_id)
 
     def has_unfinished(self) -> bool:
-        """Whether a request is waiting or running, or a launched step awaits collection."""
-        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._refused)
+        """Whether a step has something to do: a request is waiting or running (and not
+        frozen by ``pause(mode="keep")``), a launched step awaits collection, or outputs
+        wait to be sent."""
+        runnable = self.scheduler.has_unfinished() and not self._pause.frozen
+        return runnable or self._in_flight is not None or bool(self._refused)
 
     def step(self) -> EngineCoreOutputs:
         """Run one scheduling + execution step and return what requests produced.
@@ -328,6 +346,10 @@ class EngineCore:
         collected by the next step, and this step collects the one before.
         """
         outputs, self._refused = self._refused, []
+        if self._pause.frozen:  # pause(mode="keep"): nothing runs until resume()
+            return EngineCoreOutputs(
+                outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
+            )
         scheduler_output = self.scheduler.schedule()
         if self.structured_outputs.has_constrained(scheduler_output):
             if self._in_flight is not None:
@@ -348,6 +370,8 @@ class EngineCore:
             to_collect, self._in_flight = self._in_flight, to_collect
         if to_collect is not None:
             outputs += self._collect(*to_collect)
+        self._finish_drain()
+        outputs, self._refused = outputs + self._refused, []  # (held requests it refused)
         return EngineCoreOutputs(
             outputs=outputs, timestamp=time.time(), stats=self.scheduler.stats()
         )
@@ -359,6 +383,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(plan, result.result())
         self.structured_outputs.update(outputs)
         outputs += self._fail_constrained(outputs)
+        self._live.difference_update(out.request_id for out in outputs if out.finished)
         if self._lora_of:
             for out in outputs:
                 if out.finished:
@@ -378,6 +403,7 @@ class EngineCore:
         added = []
         for request_id, error in failures.items():
             self._unpin_lora(request_id)
+            self._live.discard(request_id)
             out = by_id.get(request_id)
             if out is None:
                 added.append(
@@ -401,16 +427,29 @@ class EngineCore:
 
     # -- sleep mode (core/sleep_mode.py; docs/serving.md, "Sleep mode") --------------------
 
-    def sleep(self, level: int = 1) -> list[str]:
+    def sleep(self, level: int = 1, mode: str = "abort") -> list[str]:
         """Free the KV cache (forgetting the prefix cache) and, at level 1, move the weights
         to host memory or, at level 2, discard them, on every worker. Returns the parts
-        asleep. ``ValueError`` without ``--enable-sleep-mode`` or for another level;
-        :class:`EngineBusyError` while requests are unfinished (nothing is done). Sleeping
-        again while asleep does nothing (a warning), as vLLM."""
+        asleep.
+
+        ``mode`` says what happens to unfinished requests first (vLLM's): ``"abort"``
+        finishes them now with reason ``abort``; ``"wait"`` holds new requests and lets
+        them finish, and the sleep runs in the step that finishes the last one (returns
+        ``[]`` until then: :meth:`sleep_progress`); ``"keep"`` sleeps only when none is
+        unfinished (:class:`EngineBusyError` otherwise: their KV cache would be lost).
+        ``ValueError`` without ``--enable-sleep-mode``, for another level or mode.
+        Sleeping again while asleep (or while a sleep waits) does nothing (a warning), as
+        vLLM."""
         check_sleep_mode_enabled(self.config)
         level = check_sleep_level(level)
+        mode = check_pause_mode(mode)
         if not self._sleep.to_sleep(level):
             return sorted(self._sleep.asleep)
+        if self._pause.sleep_after_drain is not None:
+            logger.warning("sleep(%d) ignored: a sleep waits for requests to finish", level)
+            return []
+        if mode == "abort":
+            self._abort_unfinished("the engine goes to sleep")
         stats = self.scheduler.stats()
         unfinished = stats.num_running + stats.num_waiting
         if not unfinished and self._in_flight is not None:
@@ -418,18 +457,44 @@ class EngineCore:
             # in flight; collect it now, its outputs go out with the next step
             self._refused += self._collect(*self._in_flight)
             self._in_flight = None
-        if unfinished:
+        if unfinished and mode == "keep":
             raise EngineBusyError(
-                f"cannot sleep while {unfinished} request(s) are unfinished: let them finish "
-                "or abort them, then call sleep again"
+                f"cannot sleep with mode 'keep' while {unfinished} request(s) are unfinished "
+                "(sleeping frees their KV cache): sleep with mode 'abort' or 'wait', or let "
+                "them finish first"
             )
+        if unfinished and self._pause.frozen:
+            raise EngineBusyError(
+                f"cannot sleep with mode 'wait': generation is paused with mode 'keep', so "
+                f"its {unfinished} request(s) never finish; resume first, or sleep with mode "
+                "'abort'"
+            )
+        if unfinished:
+            self._pause.sleep_after_drain = level
+            self._sleep_error = None
+            logger.info(
+                "sleep(%d) waits for %d unfinished request(s); new requests are held",
+                level,
+                unfinished,
+            )
+            return []
+        self._sleep_now(level)
+        return sorted(self._sleep.asleep)
+
+    def _sleep_now(self, level: int) -> None:
         # first: the blocks' contents are gone after the sleep, and also after a failed
         # one (the workers then bring back zeroed caches)
         dropped = self.kv_cache_manager.reset_prefix_cache()
         self.executor.sleep(level)
         self._sleep.slept(level)
         logger.info("sleeping at level %d (%d cached prefix blocks forgotten)", level, dropped)
-        return sorted(self._sleep.asleep)
+
+    def sleep_progress(self) -> list[object]:
+        """``[waiting, asleep, error]``: whether a ``sleep(mode="wait")`` still waits for
+        requests to finish, the parts asleep (sorted), and why the last such sleep failed
+        once drained (``None``: it did not)."""
+        waiting = self._pause.sleep_after_drain is not None
+        return [waiting, sorted(self._sleep.asleep), self._sleep_error]
 
     def wake_up(self, tags: list[str] | None = None) -> list[str]:
         """Bring back the parts ``tags`` names (``"weights"``, ``"kv_cache"``; ``None``:
@@ -451,6 +516,93 @@ class EngineCore:
     def sleeping_tags(self) -> list[str]:
         """The parts asleep (``"kv_cache"``, ``"weights"``), sorted; empty when awake."""
         return sorted(self._sleep.asleep)
+
+    # -- pausing generation (core/pause_state.py; docs/serving.md, "Pausing generation") ---
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> bool:
+        """Stop starting requests until :meth:`resume` (vLLM's ``pause_generation``):
+        requests that arrive meanwhile are held. ``mode`` says what happens to the
+        unfinished ones (:data:`~chassis.core.pause_state.PAUSE_MODES`): ``"abort"``
+        finishes them now (reason ``abort``), ``"wait"`` lets them finish, ``"keep"``
+        freezes them. With ``clear_cache`` (not for ``"keep"``) the prefix cache is
+        forgotten once they are done. Returns whether they are done (always, but for
+        ``"wait"`` with requests running: then :meth:`pause_drained` says when).
+        ``ValueError`` for another mode. Pausing a paused engine applies the new mode."""
+        mode = check_pause_mode(mode)
+        pause = self._pause
+        pause.explicit, pause.mode = True, mode
+        if mode == "abort":
+            self._abort_unfinished("generation is paused")
+        elif mode == "keep" and self._in_flight is not None:
+            # the plan in flight finishes (its tokens go out with the next step); no other
+            self._refused += self._collect(*self._in_flight)
+            self._in_flight = None
+        pause.draining = mode != "keep"
+        pause.clear_cache_on_drain = clear_cache and mode != "keep"
+        logger.info("generation paused (mode %s)", mode)
+        self._finish_drain()
+        return not pause.draining
+
+    def pause_drained(self) -> bool:
+        """Whether the requests a ``pause(mode="wait")`` waits for have finished (``True``
+        when no pause waits)."""
+        return not self._pause.draining
+
+    def resume(self) -> None:
+        """Lift :meth:`pause`: frozen requests go on, held requests are added in their
+        order (refused then as any request, e.g. while asleep). Not paused: nothing to do."""
+        pause = self._pause
+        if not pause.explicit:
+            return
+        pause.explicit, pause.mode, pause.draining = False, None, False
+        held = pause.take_held()
+        logger.info("generation resumed (%d held request(s) added)", len(held))
+        for request in held:
+            self.add_request(request)
+
+    def is_paused(self) -> bool:
+        """Whether arriving requests are held: :meth:`pause` was called and not
+        :meth:`resume`, or a ``sleep(mode="wait")`` waits for requests to finish."""
+        return self._pause.paused
+
+    def _abort_unfinished(self, why: str) -> None:
+        """Finish every request the scheduler holds with reason ``abort`` (their outputs
+        go out with the next step), after collecting the plan in flight."""
+        if self._in_flight is not None:
+            self._refused += self._collect(*self._in_flight)
+            self._in_flight = None
+        request_ids = sorted(self._live)
+        if not request_ids:
+            return
+        self.abort_requests(request_ids)
+        self._refused += [
+            EngineCoreOutput(request_id=request_id, finish_reason=FinishReason.ABORT)
+            for request_id in request_ids
+        ]
+        logger.info("%d unfinished request(s) aborted: %s", len(request_ids), why)
+
+    def _finish_drain(self) -> None:
+        """Once the requests a pause or a sleep waits for are done: forget the prefix
+        cache (``clear_cache``), run the waiting sleep, and add the held requests when
+        nothing pauses the engine any more."""
+        pause = self._pause
+        if not pause.waiting_for_drain:
+            return
+        if self.scheduler.has_unfinished() or self._in_flight is not None:
+            return
+        if pause.draining:
+            pause.draining = False
+            if pause.clear_cache_on_drain:
+                self.kv_cache_manager.reset_prefix_cache()
+        if pause.sleep_after_drain is not None:
+            level, pause.sleep_after_drain = pause.sleep_after_drain, None
+            try:
+                self._sleep_now(level)
+            except Exception as exc:  # the waiting caller is told (sleep_progress)
+                logger.exception("sleep(%d), run once its requests finished, failed", level)
+                self._sleep_error = f"{type(exc).__name__}: {exc}"
+            for request in pause.take_held():
+                self.add_request(request)
 
     def check_health(self) -> None:
         """Raise if the engine cannot run steps any more (a tensor-parallel rank died)."""

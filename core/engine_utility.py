@@ -20,7 +20,19 @@ from chassis.core.errors import EngineBusyError
 logger = logging.getLogger(__name__)
 
 #: the engine-core methods a utility call may run
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "sleep", "wake_up", "is_sleeping"})
+UTILITY_METHODS = frozenset(
+    {
+        "reset_prefix_cache",
+        "sleep",
+        "sleep_progress",
+        "wake_up",
+        "is_sleeping",
+        "pause",
+        "pause_drained",
+        "resume",
+        "is_paused",
+    }
+)
 #: errors the front-end raises again as themselves (their messages are written for
 #: clients); any other error of a utility reaches it as a ``RuntimeError``
 RELAYED_ERRORS: dict[str, type[Exception]] = {"EngineBusyError": EngineBusyError}

@@ -189,15 +189,18 @@ class LLM:
 
     # -- sleep mode (docs/serving.md, "Sleep mode") -----------------------------------------
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free the engine's memory while it is idle (vLLM's ``LLM.sleep``; needs
         ``enable_sleep_mode=True``): level 1 moves the weights to host memory (on the CPU
         they stay where they are) and frees the KV cache, forgetting the prefix cache; level
         2 frees the weights too. :meth:`wake_up` brings them back; generating before that
-        raises :class:`~chassis.core.errors.EngineSleepingError`. ``ValueError`` without
-        sleep mode or for another level; ``EngineBusyError`` while requests run."""
+        raises :class:`~chassis.core.errors.EngineSleepingError`. Requests added to the
+        engine and not finished (only possible by stepping ``self.engine`` by hand) are
+        aborted (``mode="abort"``), or the sleep waits until the steps that finish them
+        (``"wait"``), or is refused with ``EngineBusyError`` (``"keep"``). ``ValueError``
+        without sleep mode or for another level or mode."""
         self._refuse_if_shut_down()
-        self.engine.sleep(level)
+        self.engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what :meth:`sleep` freed: ``tags`` names the parts, ``"weights"`` and

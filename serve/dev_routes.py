@@ -20,14 +20,23 @@ Used to benchmark with a cold prefix cache. vLLM's query parameters
 requests keep their KV blocks either way, and there is no external KV cache.
 
 Sleep mode (vLLM's routes; the engine needs ``--enable-sleep-mode``, else they answer 400
-naming the flag; core/sleep_mode.py): ``POST /sleep?level=1`` (level 1 by default, or 2)
-frees the KV cache and moves the weights to host memory (2: frees them) and answers ``200``
-with an empty body once done, ``409`` while requests are unfinished (vLLM's ``mode``, which
-aborts or drains them, is not read); ``POST /wake_up``
+naming the flag; core/sleep_mode.py): ``POST /sleep?level=1&mode=abort`` (level 1 by
+default, or 2) frees the KV cache and moves the weights to host memory (2: frees them) and
+answers ``200`` with an empty body once done; ``mode`` (vLLM's) says what happens to
+unfinished requests first: ``abort`` (default) ends them, ``wait`` lets them finish (the
+answer comes once they have and the engine sleeps), ``keep`` answers ``409`` when there are
+any; ``POST /wake_up``
 brings back the parts named by repeated ``tags`` (``?tags=weights&tags=kv_cache``; none:
 both) and answers ``200`` once they are back; ``GET /is_sleeping`` answers
 ``{"is_sleeping": bool}``. A bad level or tag is a ``400`` naming ``level`` or ``tags``.
 While the engine sleeps, generation requests get ``503`` ``engine_sleeping``.
+
+Pausing generation (vLLM's RLHF routes; core/pause_state.py): ``POST
+/pause?mode=abort&clear_cache=true`` stops starting requests (those made meanwhile wait)
+after ending the unfinished ones (``abort``, default), letting them finish (``wait``: the
+answer comes once they have) or freezing them (``keep``), and answers ``{"status":
+"paused"}``; ``POST /resume`` answers ``{"status": "resumed"}``; ``GET /is_paused``
+answers ``{"is_paused": bool}``. A bad mode or ``clear_cache`` is a ``400`` naming it.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from chassis.core.pause_state import PauseMode, check_pause_mode
 from chassis.core.sleep_mode import check_sleep_level, check_wake_tags
 from chassis.serve import errors
 from chassis.serve.env_flags import env_flag_set
@@ -82,7 +92,8 @@ async def server_info(request: Request) -> JSONResponse:
 
 @router.post("/sleep")
 async def sleep(request: Request) -> Response:
-    """Sleep mode: put the engine to sleep at ``?level=`` 1 (default) or 2; 200 once done."""
+    """Sleep mode: put the engine to sleep at ``?level=`` 1 (default) or 2, after ending,
+    awaiting or refusing unfinished requests by ``?mode=``; 200 once asleep."""
     state = request.app.state.chassis
     raw = request.query_params.get("level", "1")
     try:
@@ -90,9 +101,10 @@ async def sleep(request: Request) -> Response:
     except ValueError:
         message = f"level must be 1 or 2 (sleep levels); got {raw!r}"
         raise errors.bad_request(message, param="level") from None
+    mode = _mode(request)
     state.check_accepting()
-    await state.engine.sleep(level)  # ValueError (sleep mode off): 400; busy: 409
-    logger.info("engine asleep at level %d (POST /sleep)", level)
+    await state.engine.sleep(level, mode)  # ValueError (sleep mode off): 400; busy: 409
+    logger.info("engine asleep at level %d (POST /sleep, mode %s)", level, mode)
     return Response(status_code=200)
 
 
@@ -118,3 +130,45 @@ async def is_sleeping(request: Request) -> JSONResponse:
     state = request.app.state.chassis
     state.check_accepting()
     return JSONResponse({"is_sleeping": bool(await state.engine.is_sleeping())})
+
+
+@router.post("/pause")
+async def pause(request: Request) -> JSONResponse:
+    """Pause generation (``?mode=`` abort, wait or keep; ``?clear_cache=`` true or false)."""
+    state = request.app.state.chassis
+    mode = _mode(request)
+    raw = request.query_params.get("clear_cache", "true")
+    if raw.lower() not in ("true", "false", "1", "0"):
+        message = f"clear_cache must be true or false; got {raw!r}"
+        raise errors.bad_request(message, param="clear_cache")
+    state.check_accepting()
+    await state.engine.pause_generation(mode=mode, clear_cache=raw.lower() in ("true", "1"))
+    logger.info("generation paused (POST /pause, mode %s)", mode)
+    return JSONResponse({"status": "paused"})
+
+
+@router.post("/resume")
+async def resume(request: Request) -> JSONResponse:
+    """Resume generation after ``/pause``."""
+    state = request.app.state.chassis
+    state.check_accepting()
+    await state.engine.resume_generation()
+    logger.info("generation resumed (POST /resume)")
+    return JSONResponse({"status": "resumed"})
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> JSONResponse:
+    """``{"is_paused": bool}``."""
+    state = request.app.state.chassis
+    state.check_accepting()
+    return JSONResponse({"is_paused": bool(await state.engine.is_paused())})
+
+
+def _mode(request: Request) -> PauseMode:
+    """The ``?mode=`` of ``/sleep`` and ``/pause`` (``abort`` when absent); a 400 naming
+    ``mode`` for another value."""
+    try:
+        return check_pause_mode(request.query_params.get("mode", "abort"))
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), param="mode") from None

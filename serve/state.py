@@ -31,9 +31,12 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
         # EngineDeadError) without submitting the request
     await engine.reset_prefix_cache()      # only in development mode (POST
                                            # /reset_prefix_cache); EngineDeadError
-    await engine.sleep(level)              # only in development mode (POST /sleep,
+    await engine.sleep(level, mode)        # only in development mode (POST /sleep,
     await engine.wake_up(tags)             # /wake_up, GET /is_sleeping): sleep mode;
     await engine.is_sleeping()             # ValueError without it, EngineBusyError
+    await engine.pause_generation(mode=, clear_cache=)  # only in development mode (POST
+    await engine.resume_generation()       # /pause, /resume, GET /is_paused);
+    await engine.is_paused()               # ValueError for a bad mode
     engine.engine_info                     # optional, development mode's /server_info:
                                            # the engine core's start-up report
 """

@@ -167,8 +167,8 @@ def test_sleeping_with_unfinished_requests_is_refused(awake: LLM) -> None:
     tokens: dict[str, list[int]] = {}
     for out in engine.step().outputs:
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    with pytest.raises(EngineBusyError, match="cannot sleep while 2 request"):
-        awake.sleep(1)
+    with pytest.raises(EngineBusyError, match="mode 'keep' while 2 request"):
+        awake.sleep(1, "keep")  # (the default mode aborts them: tests/test_pause_generation.py)
     assert not awake.is_sleeping()
     while engine.has_unfinished():  # the requests were not disturbed
         for out in engine.step().outputs:
@@ -326,12 +326,12 @@ def test_async_llm_sleeps_and_wakes_up(async_engine: AsyncLLM) -> None:
         assert not await async_engine.is_sleeping()
         assert await _tokens(async_engine, PROMPT, "after") == before
 
-        # a running request: refused with the count, relayed as EngineBusyError
+        # a running request and mode keep: refused with the count, relayed as EngineBusyError
         long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
         stream = async_engine.generate(PROMPT, long, "running")
         await stream.__anext__()
-        with pytest.raises(EngineBusyError, match="cannot sleep while 1 request"):
-            await async_engine.sleep(1)
+        with pytest.raises(EngineBusyError, match="mode 'keep' while 1 request"):
+            await async_engine.sleep(1, mode="keep")
         await stream.aclose()  # aborts it: the engine core sees the abort first
         await async_engine.sleep(1)
         await async_engine.wake_up()
