@@ -12,7 +12,7 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``:
                            :mod:`chassis.serve.openai_score` (``--runner pooling``)
 ``POST /classify``, ``/pooling``: :mod:`chassis.serve.openai_classify` (pooling engines)
-``POST /tokenize``         ``prompt`` or chat ``messages`` -> token ids
+``POST /tokenize``         ``prompt`` or chat ``messages`` (images expanded) -> token ids
 ``POST /detokenize``       token ids -> text
 ``GET  /health``           200, or 503 when the engine is dead or the server shutting down
 ``GET``/``POST /ping``      the same as ``/health`` (SageMaker's probe)
@@ -138,6 +138,11 @@ async def retrieve_model(model: str, request: Request) -> JSONResponse:
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """``prompt`` or ``messages`` as the token ids the engine would run. The messages'
+    image parts are taken as on the chat route (the same loader, limits and 400s) and, as
+    vLLM's ``/tokenize`` does, each image's placeholder is expanded to the image's tokens by
+    the model's processor (``mm_processor_kwargs`` applied): ``count`` is the prompt length
+    chat completions report for the same messages."""
     state = _state(request)
     state.check_model(body.model)
     body.check()
@@ -148,6 +153,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
             renderer.tokenize, body.prompt, add_special_tokens=add_special
         )
     else:
+        images: list[Any] = []
         ids = await asyncio.to_thread(
             renderer.render_ids,
             body.messages or [],
@@ -157,7 +163,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
             chat_template_kwargs=body.chat_template_kwargs,
             chat_template=body.chat_template,
             add_special_tokens=bool(body.add_special_tokens),
+            images=images,
         )
+        if images:
+            ids = await asyncio.to_thread(
+                _with_images_expanded, renderer, ids, images, body.mm_processor_kwargs
+            )
     token_strs = None
     if body.return_token_strs:
         token_strs = list(state.tokenizer.convert_ids_to_tokens(ids))
@@ -165,6 +176,20 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=token_strs
     )
     return JSONResponse(response.model_dump(mode="json", exclude_none=True))
+
+
+def _with_images_expanded(
+    renderer: ChatRenderer, ids: list[int], images: list[Any], kwargs: dict[str, Any] | None
+) -> list[int]:
+    """``ids`` (one placeholder per image) with each image's placeholder expanded by the
+    model's processor, as the engine's input processor expands them; a 400 for what the
+    processor refuses (``mm_processor_kwargs``, an image it cannot take)."""
+    assert renderer.chat_images is not None  # (images were taken: the renderer has them)
+    try:
+        expanded, _ = renderer.chat_images.multimodal.expand(ids, {"image": images}, kwargs)
+    except ValueError as exc:
+        raise errors.from_value_error(exc) from None  # (as the chat route's engine errors)
+    return expanded
 
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:

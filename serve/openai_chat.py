@@ -394,8 +394,8 @@ async def prepare_chat(
     rendered prompt's token ids, and how its output is parsed (``None``: all content), the
     params adjusted to the parsing (special tokens kept for a tool parser that reads them,
     a JSON constraint applied after the reasoning). The messages' images are appended to
-    ``images`` when it is given (chat completions); without it (``/v1/responses``, which
-    shares this) image parts are a 400."""
+    ``images`` when it is given (chat completions, and ``/v1/responses``, which shares this
+    and sends its images as loaded ``image_pil`` parts); without it image parts are a 400."""
     params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
     check_max_logprobs(
         state.engine.config.max_logprobs,

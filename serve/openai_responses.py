@@ -16,6 +16,11 @@ server's bounded in-memory store (:mod:`chassis.serve.responses_store`) for
 ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
 (:mod:`chassis.serve.responses_items`) and ``previous_response_id``; an unknown id is a 404.
 
+The conversation's ``input_image`` parts (its earlier turns' too) are admitted by the engine
+and loaded before the prompt renders (:mod:`chassis.serve.responses_images`), and go to the
+engine as the request's ``multi_modal_data``, as the chat route's images do; the usage's
+``input_tokens`` is the engine's prompt length, each image's placeholder expanded.
+
 With ``background: true`` the response is made by a task of the server
 (:mod:`chassis.serve.responses_background`): the request answers at once (``queued``), ``GET``
 shows its progress, ``POST /v1/responses/{id}/cancel`` aborts it, and one created with
@@ -46,6 +51,7 @@ from chassis.serve.responses_background import (
     background_responses,
 )
 from chassis.serve.responses_events import EventLog, EventsBeyondEnd, EventsDropped
+from chassis.serve.responses_images import image_refs, load_images, with_images
 from chassis.serve.responses_include import check_include, wants_logprobs, without_logprobs
 from chassis.serve.responses_input import chat_messages, input_items
 from chassis.serve.responses_items import DEFAULT_LIMIT, page, with_ids
@@ -426,9 +432,10 @@ def _check_unique_ids(history: list[dict[str, Any]], new: list[dict[str, Any]]) 
 
 def _conversation(
     store: ResponseStore, runs: BackgroundResponses, body: ResponsesRequest
-) -> tuple[list[dict[str, Any]], list[ChatMessage]]:
+) -> tuple[list[dict[str, Any]], list[ChatMessage], int]:
     """The conversation's items before the output (previous turns, then ``input``, each
-    with an ``id``), and the chat messages to render (``instructions`` first)."""
+    with an ``id``), the chat messages to render (``instructions`` first), and how many of
+    the items are the previous turns'."""
     new = with_ids(input_items(body.input))
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
@@ -456,7 +463,7 @@ def _conversation(
         messages.insert(0, ChatMessage(role="system", content=body.instructions))
     if not messages:
         raise errors.bad_request("input must not be empty", "input")
-    return history + new, messages
+    return history + new, messages, len(history)
 
 
 def _check_max_logprobs(state: ServerState, body: ResponsesRequest) -> None:
@@ -483,9 +490,22 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     body.check()
     _check_max_logprobs(state, body)
     store = response_store(request.app)
-    conversation, messages = _conversation(store, background_responses(request.app), body)
+    conversation, messages, num_earlier = _conversation(
+        store, background_responses(request.app), body
+    )
+    images = await load_images(state.renderer.chat_images, image_refs(conversation, num_earlier))
+    if images:
+        messages = with_images(messages, images)
     chat_body = body.chat_request(messages)
-    params, prompt_ids, parsing = await prepare_chat(state, chat_body)
+    taken: list[Any] = []  # (the loaded images again, as the renderer took them)
+    params, prompt_ids, parsing = await prepare_chat(state, chat_body, taken)
+    # (mm_processor_kwargs without images are ignored, as on the chat route)
+    multimodal: dict[str, Any] = {}
+    if taken:
+        multimodal = {
+            "multi_modal_data": {"image": taken},
+            "mm_processor_kwargs": body.mm_processor_kwargs,
+        }
     response_id = new_id("resp")
     log_request(
         state.settings, response_id, None, prompt_ids, params, lora_request, state.tokenizer
@@ -495,12 +515,18 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
     def open_stream() -> Awaitable[AsyncIterator[RequestOutput]]:
         return state.open_stream(
-            prompt_ids, params, response_id, body.priority or 0, lora_request, body.cache_salt
+            prompt_ids,
+            params,
+            response_id,
+            body.priority or 0,
+            lora_request,
+            body.cache_salt,
+            **multimodal,
         )
 
     def check_request() -> Awaitable[None]:
         return state.check_request(
-            prompt_ids, params, body.priority or 0, lora_request, body.cache_salt
+            prompt_ids, params, body.priority or 0, lora_request, body.cache_salt, **multimodal
         )
 
     if chat_body.forces_tool_calls:  # (a refused constraint came from tools: say so)

@@ -751,7 +751,8 @@ class UnloadLoRAAdapterRequest(_Request):
 
 
 class TokenizeRequest(_Request):
-    """``POST /tokenize``: exactly one of ``prompt`` (text) or ``messages`` (chat)."""
+    """``POST /tokenize``: exactly one of ``prompt`` (text) or ``messages`` (chat; with
+    ``image_url`` parts for a model that takes images, each expanded to its image tokens)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -765,6 +766,8 @@ class TokenizeRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
+    #: vLLM's: the image processor settings for the messages' images (as on the chat route)
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

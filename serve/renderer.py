@@ -17,13 +17,16 @@ flag, :mod:`chassis.core.chat_content_format`): ``auto`` detects it per template
 server's, or a request's own), logging what it found for the server's at start-up.
 
 Image parts are taken only where the caller asks for the images (the chat completions
-route) and the renderer has the engine's :class:`~chassis.core.chat_media.ChatImages`:
-they are loaded (fetched, decoded) here, in the same worker thread. Elsewhere, and for an
-engine without them, they are a 400 like any part that is not text.
+route, ``/v1/responses`` and ``/tokenize``) and the renderer has the engine's
+:class:`~chassis.core.chat_media.ChatImages`: they are loaded (fetched, decoded) here, in the
+same worker thread. On a route that does not ask (the pooling routes' ``messages``) an image
+part is a 400 saying which routes take images; for an engine without them, a 400 like any
+part that is not text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from chassis.core.chat import (
@@ -34,6 +37,7 @@ from chassis.core.chat import (
     render_chat,
 )
 from chassis.core.chat_content_format import check_content_format, resolve_content_format
+from chassis.core.chat_media import IMAGE_PART_TYPES
 from chassis.core.tokenizer import load_chat_template
 from chassis.serve.errors import bad_request
 
@@ -56,6 +60,23 @@ def _as_dict(message: ChatMessage) -> dict[str, Any]:
             item[key] = value
     item.update(message.model_extra or {})
     return item
+
+
+def refuse_image_parts(messages: list[dict[str, Any]]) -> None:
+    """A 400 naming the first image part of ``messages``, for a route that takes no images."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind in (*IMAGE_PART_TYPES, "input_image"):
+                raise bad_request(
+                    f"messages[{i}].content[{j}]: only text parts are supported on this "
+                    f"route; got type {kind!r} (images are taken by /v1/chat/completions, "
+                    "/v1/responses and /tokenize, for a model that takes them)",
+                    f"messages.{i}.content",
+                )
 
 
 def request_chat_template(
@@ -162,8 +183,9 @@ class ChatRenderer:
         that carried it. Either message says whose template it was (the request's, the
         server's ``--chat-template`` or the model's). ``images``: a list the messages'
         images are appended to, in order, when the renderer has ``chat_images`` (a 400
-        naming the part for one that cannot be taken); without either, image parts are a
-        400."""
+        naming the part for one that cannot be taken); without ``images`` an image part is
+        a 400 naming the routes that take images, and without ``chat_images`` one like any
+        part that is not text."""
         own = request_chat_template(
             chat_template, chat_template_kwargs, trusted=self.trust_request_chat_template
         )
@@ -171,7 +193,9 @@ class ChatRenderer:
         try:
             dicts: list[Any] = [_as_dict(m) for m in messages]
             placeholder = None
-            if images is not None and self.chat_images is not None:
+            if images is None:
+                refuse_image_parts(dicts)
+            elif self.chat_images is not None:
                 dicts, found, placeholder = self.chat_images.extract(dicts)
                 images.extend(found)
             return render_chat(

@@ -5,9 +5,11 @@ OpenAI's ``include`` asks for data to be added to a response's items: on ``POST
 response) and on ``GET /v1/responses/{id}/input_items`` (to the listed items). The same rule
 holds in all three places (:func:`check_include`):
 
-- values about items this server never makes or takes (built-in tools' results, image urls:
-  it runs no tools itself and takes text input only) are accepted and add nothing, as there
-  is nothing to add;
+- values about items this server never makes (built-in tools' results: it runs no tools
+  itself) are accepted and add nothing, as there is nothing to add;
+- ``message.input_image.image_url`` (OpenAI: the input items' image URLs) is accepted and
+  adds nothing either: every ``input_image`` part is kept and listed as it was sent, its
+  ``image_url`` included, with or without it;
 - ``message.output_text.logprobs`` adds each ``output_text`` part's ``logprobs``
   (:mod:`chassis.serve.responses_logprobs`): on ``POST`` it has the engine compute them
   (``top_logprobs`` alternatives per token) and they are stored with the response; on
@@ -27,7 +29,8 @@ from chassis.serve.errors import bad_request
 #: the ``include`` value asking for the ``output_text`` parts' logprobs
 LOGPROBS = "message.output_text.logprobs"
 
-#: ``include`` values about items this server never makes or takes: nothing to add.
+#: ``include`` values that add nothing here: about items this server never makes, or (the
+#: input image URLs) data it always returns.
 INCLUDE_NOTHING_TO_ADD = frozenset(
     {
         "file_search_call.results",

@@ -6,18 +6,28 @@ which are valid input items too):
 
 * a message ``{"role": "user" | "system" | "developer" | "assistant", "content": str | parts}``
   (``"type": "message"`` optional); text parts are ``input_text``, ``output_text`` (an
-  earlier answer sent back) or ``text``; image, file and audio parts are refused, since the
-  chat path takes text only. The role reaches the chat template as sent, ``developer``
+  earlier answer sent back) or ``text``; image parts are OpenAI's ``{"type": "input_image",
+  "image_url": URL, "detail": ...}`` (``detail`` ignored, as vLLM), which become the chat
+  route's ``image_url`` parts: the URL is checked only for being a non-empty string here, and
+  loaded, with the chat route's loader and limits, by :mod:`chassis.serve.responses_images`;
+  an ``input_image`` naming a ``file_id`` is refused (this server has no Files API), and so
+  are file and audio parts. The role reaches the chat template as sent, ``developer``
   included, as on the chat route (and in vLLM): the same messages render the same prompt on
   both routes; a template that knows no ``developer`` treats it as it does in chat.
 * ``{"type": "function_call", "call_id", "name", "arguments"}``: a call the assistant made; it
   joins the assistant message just before it (calls made together are one turn).
-* ``{"type": "function_call_output", "call_id", "output"}``: the result, a ``tool`` message.
+* ``{"type": "function_call_output", "call_id", "output"}``: the result, a ``tool`` message
+  (its ``output`` a string or text parts: images there are refused).
 * ``{"type": "reasoning", "content": [{"type": "reasoning_text", "text"}], ...}``: the
   reasoning of the next assistant turn (``reasoning_content``, which templates such as
   Qwen3's read; dropped when no assistant turn follows).
 
-Every mistake is a 400 naming the item (``input.3.content``).
+Every mistake is a 400 naming the item (``input.3.content``), or its part
+(``input.3.content.1``).
+
+A stored conversation keeps its ``input_image`` parts as they were sent (the URL, a data
+URL whole), so a later turn (``previous_response_id``) renders and loads the earlier turns'
+images again, as the first turn did.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from chassis.serve.protocol import ChatMessage
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+#: OpenAI's image part of a message's content
+IMAGE_PART = "input_image"
 
 
 def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -62,7 +74,7 @@ def chat_messages(
                     f"{at}.role must be 'user', 'system', 'developer' or 'assistant'; got {role!r}",
                     f"{at}.role",
                 )
-            content = _text(item.get("content"), at)
+            content = _content(item.get("content"), at, images=True)
             joinable = role == "assistant"
             extra = {}
             if joinable and reasoning is not None:
@@ -89,7 +101,7 @@ def chat_messages(
                 joinable = True
         elif kind == "function_call_output":
             output = item.get("output")
-            content = output if isinstance(output, str) else _text(output, at, "output")
+            content = output if isinstance(output, str) else _content(output, at, "output")
             call_id = _string(item, "call_id", at)
             if call_id not in calls:
                 raise bad_request(
@@ -116,30 +128,59 @@ def chat_messages(
     return messages
 
 
-def _text(content: Any, at: str, key: str = "content") -> str | list[dict[str, str]]:
-    """A message's content: a string as it is, a list of text parts as chat text parts
-    (``{"type": "text", "text"}``), which the renderer joins by newlines or hands the
-    template as parts, as ``--chat-template-content-format`` says (vLLM reads
-    ``input_text`` and ``output_text`` parts as text parts)."""
+def _content(
+    content: Any, at: str, key: str = "content", *, images: bool = False
+) -> str | list[dict[str, Any]]:
+    """A message's content: a string as it is, a list of parts as chat parts: text parts as
+    ``{"type": "text", "text"}`` (which the renderer joins by newlines or hands the template
+    as parts, as ``--chat-template-content-format`` says; vLLM reads ``input_text`` and
+    ``output_text`` parts as text parts) and, with ``images``, ``input_image`` parts as
+    ``{"type": "image_url", "image_url": {"url"}}`` (:func:`_image_part`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{at}.{key} must be a string or a list of content parts", f"{at}.{key}")
-    texts: list[dict[str, str]] = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
+        if images and kind == IMAGE_PART:
+            parts.append(_image_part(part, f"{at}.{key}", j))
+            continue
         if kind not in _TEXT_PARTS:
+            taken = ", ".join(_TEXT_PARTS) + (f" and {IMAGE_PART}" if images else "")
+            refused = "file and audio inputs are not" if images else "images are not"
             raise bad_request(
-                f"{at}.{key}[{j}]: only text parts ({', '.join(_TEXT_PARTS)}) are supported; "
-                f"got type {kind!r} (image, file and audio inputs are not)",
+                f"{at}.{key}[{j}]: only text parts ({taken}) are supported here; got type "
+                f"{kind!r} ({refused})",
                 f"{at}.{key}.{j}.type",
             )
         if not isinstance(part.get("text"), str):
             raise bad_request(
                 f"{at}.{key}[{j}] needs a string field 'text'", f"{at}.{key}.{j}.text"
             )
-        texts.append({"type": "text", "text": part["text"]})
-    return texts
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _image_part(part: Mapping[str, Any], at: str, j: int) -> dict[str, Any]:
+    """An ``input_image`` part (``at`` its content's path, ``j`` its index) as the chat
+    route's ``image_url`` part; a 400 naming the part for a ``file_id`` image (no Files API
+    here) or one without a URL. ``detail`` is ignored, as vLLM ignores it."""
+    url = part.get("image_url")
+    if part.get("file_id") is not None:
+        raise bad_request(
+            f"{at}[{j}]: input_image parts naming a file_id are not supported (this server "
+            "has no Files API); send the image as image_url: a data:image/...;base64, URL, an "
+            "http(s) URL, or a file:// URL under --allowed-local-media-path",
+            f"{at}.{j}",
+        )
+    if not isinstance(url, str) or not url:
+        raise bad_request(
+            f"{at}[{j}]: an input_image part needs its URL as a non-empty string field "
+            "'image_url' (a data:image/...;base64, URL, an http(s) URL, or a file:// URL)",
+            f"{at}.{j}",
+        )
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _string(item: Mapping[str, Any], key: str, at: str, *, empty: bool = False) -> str:

@@ -7,7 +7,8 @@ The input items of a response are the items the model was given: those of the tu
 ``id``: the one the client sent, else one given when the response was stored (so the same
 item keeps its id in the listing of every later turn). A listed item has OpenAI's listing
 shape: ``status: completed``, and a message's string content as one text part
-(``input_text``, or ``output_text`` for an assistant message).
+(``input_text``, or ``output_text`` for an assistant message); an ``input_image`` part is
+listed as it was sent (its ``image_url`` as given), with ``detail: "auto"`` when it had none.
 
 Pages follow OpenAI's cursor rules: ``order`` (``desc``, the default: newest first, or
 ``asc``), ``after`` / ``before`` (an item id: the items after or before it in that order),
@@ -56,6 +57,8 @@ def listed(item: dict[str, Any]) -> dict[str, Any]:
                 part["type"] = "output_text" if assistant else "input_text"
             if part["type"] == "output_text":
                 part.setdefault("annotations", [])
+            elif part["type"] == "input_image":
+                part.setdefault("detail", "auto")  # (OpenAI's listing always has one)
             parts.append(part)
         out["content"] = parts
     elif out["type"] == "reasoning":

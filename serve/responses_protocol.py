@@ -51,7 +51,8 @@ def _now() -> int:
 
 class ResponsesRequest(_SamplingRequest):
     """``POST /v1/responses``: ``input`` (a string: one user message; or a list of items:
-    messages, ``function_call`` and ``function_call_output`` items, ``reasoning`` items),
+    messages, with text and ``input_image`` parts, ``function_call`` and
+    ``function_call_output`` items, ``reasoning`` items),
     ``instructions`` (a system message put first, not carried over by
     ``previous_response_id``), the sampling fields, ``tools`` (Responses' flat function
     tools), ``tool_choice``, ``text.format`` and ``store`` / ``previous_response_id``."""
@@ -86,6 +87,9 @@ class ResponsesRequest(_SamplingRequest):
     max_tool_calls: int | None = None
     # -- vLLM extras -----------------------------------------------------------------------
     chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's: the model's image processor settings for the conversation's images (Qwen2-VL:
+    #: ``min_pixels``, ``max_pixels``), as on the chat route; ignored without images
+    mm_processor_kwargs: dict[str, Any] | None = None
     #: not a field of vLLM's Responses request (chat completions have it): declared only to
     #: refuse it (:meth:`check`) instead of ignoring it; a request's own template goes in
     #: ``chat_template_kwargs.chat_template``

@@ -12,7 +12,7 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
         # and lora_request=LoRARequest, passed only for a request naming an adapter,
         # cache_salt=str, only for a request that sends one, and multi_modal_data=
         # {"image": [PIL images]} (with mm_processor_kwargs=dict when sent), only for a
-        # chat request with images
+        # chat or Responses request with images
         # ValueError (bad input) from the first __anext__, before anything is yielded;
         # EngineDeadError when the engine core is dead; closing or cancelling the iterator
         # aborts the request in the engine (frees its KV blocks); with n > 1 one
@@ -27,8 +27,8 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     engine.input_processor.check_lora(lora_request)  # only with LoRA adapters: ValueError
                                            # for an adapter the engine cannot run
     await engine.check_request(prompt, sampling_params, *, priority=0)  # optional (and
-        # lora_request, cache_salt as generate's): generate's refusals (ValueError,
-        # EngineDeadError) without submitting the request
+        # lora_request, cache_salt, multi_modal_data, mm_processor_kwargs as generate's):
+        # generate's refusals (ValueError, EngineDeadError) without submitting the request
     await engine.reset_prefix_cache()      # only in development mode (POST
                                            # /reset_prefix_cache); EngineDeadError
     await engine.sleep(level, mode)        # only in development mode (POST /sleep,
@@ -303,16 +303,22 @@ class ServerState:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        *,
+        multi_modal_data: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """The engine's refusals of this request (``engine.check_request``: its input
-        processor's checks, the prompt's length against the context, the sampling values,
-        the constraint, the adapter, ...) without starting it: the same 400 (or 503)
-        ``APIError`` :meth:`open_stream` would raise. For a request answered before it
-        starts (a background response). Nothing to do for an engine without the check."""
+        processor's checks, the prompt's length against the context with its images
+        expanded, the sampling values, the constraint, the adapter, ...) without starting
+        it: the same 400 (or 503) ``APIError`` :meth:`open_stream` would raise. For a
+        request answered before it starts (a background response). Nothing to do for an
+        engine without the check."""
         check = getattr(self.engine, "check_request", None)
         if check is None:
             return
-        extras = optional_generate_kwargs(lora_request, cache_salt)
+        extras = optional_generate_kwargs(
+            lora_request, cache_salt, multi_modal_data, mm_processor_kwargs
+        )
         try:
             await check(prompt, params, priority=priority, **extras)
         except Exception as exc:
