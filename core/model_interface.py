@@ -147,14 +147,20 @@ class CausalLM(nn.Module, ABC):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[n]`` token ids -> ``[n, hidden_size]`` input embeddings (what :meth:`forward`
-        computes first when not given ``inputs_embeds``)."""
+        computes first when not given ``inputs_embeds``).
+
+        A model whose multimodal rows carry more than an input embedding may return wider
+        rows here and from :meth:`embed_multimodal`, the same width from both, when its
+        forward takes ``inputs_embeds`` of that width: Qwen3-VL puts its deepstack inputs
+        beside the embedding (zero for text tokens). The runner only moves whole rows."""
         raise NotImplementedError(f"{type(self).__name__} does not take multimodal inputs")
 
     def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One multimodal item's embeddings: ``inputs`` are its processed tensors
         (:meth:`chassis.core.multimodal.MultiModalFeature.tensors`, on the model's device);
         returns ``[length, hidden_size]`` in the model's dtype, one row per placeholder token
-        of the item, in order."""
+        of the item, in order (or rows as wide as :meth:`embed_input_ids`' where that
+        returns wider ones)."""
         raise NotImplementedError(f"{type(self).__name__} does not take {modality} inputs")
 
     def mrope_positions(

@@ -1,7 +1,7 @@
 """Multimodal checkpoints on text prompts (Mistral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE) against HF transformers' multimodal models on tiny random checkpoints. All but
-Qwen2-VL and Qwen2.5-VL are served as text only; those two take images too
-(tests/test_qwen2_vl_images.py), and their text prompts are checked here.
+Qwen3-VL-MoE) against HF transformers' multimodal models on tiny random checkpoints. Mistral 3
+is served as text only; the Qwen VL models take images too (tests/test_qwen2_vl_images.py,
+tests/test_qwen3_vl_images.py), and their text prompts are checked here.
 
 Each checkpoint is the HF multimodal class built from a config with a 2-layer, hidden-64 text
 model and a 1- or 2-layer vision tower, random float32 weights (biases and norm weights
@@ -44,7 +44,7 @@ from chassis.core.tokenizer import load_tokenizer
 
 ARCHITECTURES = ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: the architectures whose vision tower is loaded and run (images accepted)
-WITH_IMAGES = ("qwen2_vl", "qwen2_5_vl")
+WITH_IMAGES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: the image side's checkpoint-name prefixes, per architecture (hub layout)
 VISION_PREFIXES = {
     "mistral3": ("vision_tower.", "multi_modal_projector."),
@@ -345,8 +345,8 @@ def test_vision_tensors_are_never_read(
 ) -> None:
     """The loader reads every language-model tensor and no vision-tower or projector tensor
     (the model says no to them before they leave the file); the model has no vision
-    parameters. Gemma 3's multimodal class too. (Qwen2-VL and Qwen2.5-VL read their tower:
-    tests/test_qwen2_vl_images.py.)"""
+    parameters. Gemma 3's multimodal class too. (The Qwen VL models read their tower:
+    tests/test_qwen2_vl_images.py, tests/test_qwen3_vl_images.py.)"""
     model_dir = model_dirs[arch] if arch in model_dirs else save_multimodal(arch, tmp_path)
     in_file = set(load_file(model_dir / "model.safetensors"))
     vision = {name for name in in_file if name.startswith(VISION_PREFIXES[arch])}
@@ -435,7 +435,7 @@ def test_qwen3_vl_moe_hub_expert_layout_loads(model_dirs: dict[str, Path], tmp_p
 
 def test_an_image_part_is_refused(model_dirs: dict[str, Path]) -> None:
     """Text only: over the API server on a multimodal checkpoint served as text only
-    (Qwen3-VL), a chat message with an image part is a 400 naming the part; text still gets
+    (Mistral 3), a chat message with an image part is a 400 naming the part; text still gets
     an answer (``LLM.chat`` refuses the same message)."""
     from fastapi.testclient import TestClient
 
@@ -444,7 +444,7 @@ def test_an_image_part_is_refused(model_dirs: dict[str, Path]) -> None:
     from chassis.serve.app import build_app
     from chassis.serve.settings import ServerSettings
 
-    model_dir = model_dirs["qwen3_vl"]
+    model_dir = model_dirs["mistral3"]
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with_image = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
     engine = AsyncLLM.from_engine_config(

@@ -15,6 +15,9 @@ the three components are equal and the rotation is plain RoPE with the text conf
 image tokens.
 
 Images only: no video (``pixel_values_videos``), which the front-end refuses.
+
+:class:`QwenVLImages` is the part shared with Qwen3-VL (:mod:`.qwen3_vl`): the tower's
+weights and inputs, the image processor and the M-RoPE positions.
 """
 
 from __future__ import annotations
@@ -63,7 +66,157 @@ def vision_tower(hf_config: Any) -> nn.Module:
     raise ValueError(f"vision_config model_type {model_type!r} is not Qwen2-VL's or Qwen2.5-VL's")
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+class QwenVLImages:
+    """Mixin (listed before the decoder class) of the Qwen VL classes that take images:
+    the vision tower as ``visual``, the image inputs, M-RoPE positions and the checkpoint
+    names; the decoder class it is mixed into (a
+    :class:`~chassis.builtin_plugins.models.llama.LlamaForCausalLM`) supplies the language
+    model, whose ``build_decoder`` the subclass points at an M-RoPE rotary table.
+
+    Checkpoint names: the tower's tensors under :attr:`vision_prefixes`, loaded whole on
+    every tensor-parallel rank; the language model's under the decoder class's names or
+    :attr:`language_model_prefixes` (renamed to them). A subclass implements
+    :meth:`build_vision_tower` and, when the tower's output is not one tensor of rows,
+    :meth:`image_rows`.
+    """
+
+    supported_modalities = frozenset({"image"})
+    uses_mrope = True
+    #: checkpoint-name prefixes of the vision tower (hub files; transformers 5's in-memory
+    #: layout)
+    vision_prefixes: tuple[str, ...] = _VISION_PREFIXES
+    #: (checkpoint-name prefix, ours) of the language model, the first that matches applies
+    language_model_prefixes: tuple[tuple[str, str], ...] = _LANGUAGE_PREFIXES
+
+    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
+        super().__init__(hf_config, build_ctx)  # type: ignore[call-arg]
+        self.visual = self.build_vision_tower(hf_config)
+        self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
+
+    def build_vision_tower(self, hf_config: Any) -> nn.Module:
+        """The vision tower of ``hf_config.vision_config`` (parameter names: the
+        checkpoint's, :attr:`vision_prefixes` stripped)."""
+        raise NotImplementedError
+
+    @classmethod
+    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The front-end's image processor (``Qwen2VLImageInputs``, transformers'
+        ``Qwen2VLImageProcessor`` underneath, configured by the checkpoint's
+        ``preprocessor_config.json``)."""
+        from chassis.builtin_plugins.models.qwen2_vl_processing import Qwen2VLImageInputs
+
+        return Qwen2VLImageInputs.from_pretrained(model_dir, hf_config)
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`CausalLM.forward`; ``positions`` ``[T]`` or ``[3, T]`` (M-RoPE)."""
+        decoder = self.model  # type: ignore[attr-defined]
+        return decoder(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)  # type: ignore[attr-defined]
+
+    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """An image's rows: ``inputs`` ``pixel_values [patches, C*T*P*P]`` and
+        ``image_grid_thw [1, 3]`` -> :meth:`image_rows`, ``t * h * w / merge**2`` rows (model
+        dtype). ``ValueError`` for another modality, a missing input or mismatched shapes."""
+        if modality != "image":
+            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
+        missing = [name for name in ("pixel_values", "image_grid_thw") if name not in inputs]
+        if missing:
+            raise ValueError(f"image inputs lack {', '.join(missing)} (got {sorted(inputs)})")
+        return self.image_rows(inputs["pixel_values"], inputs["image_grid_thw"])
+
+    def image_rows(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The tower's rows for ``pixel_values`` of images ``grid_thw``: ``[rows,
+        hidden_size]`` (what :meth:`embed_multimodal` returns)."""
+        return self.visual(pixel_values, grid_thw)
+
+    def mrope_positions(
+        self, prompt_token_ids: Sequence[int], features: Sequence[MultiModalFeature]
+    ) -> tuple[np.ndarray, int]:
+        """HF's ``get_rope_index`` for the prompt's images (:mod:`.qwen2_vl_positions`)."""
+        images = []
+        for feature in features:
+            if feature.modality != "image":
+                raise ValueError(f"{type(self).__name__} takes images, not {feature.modality!r}")
+            grid = feature.data["image_grid_thw"].to_tensor().reshape(-1, 3)
+            if grid.shape[0] != 1:
+                raise ValueError(f"a feature holds one image; image_grid_thw is {grid.tolist()}")
+            t, h, w = (int(x) for x in grid[0])
+            images.append((feature.offset, feature.length, (t, h, w)))
+        return mrope_positions(len(prompt_token_ids), images, self.spatial_merge_size)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def vision_name(self, name: str) -> str | None:
+        """Checkpoint name -> the tower's parameter name, or ``None`` for a non-tower tensor."""
+        for prefix in self.vision_prefixes:
+            if name.startswith(prefix):
+                return name[len(prefix) :]
+        return None
+
+    def language_model_name(self, name: str) -> str:
+        """Checkpoint name -> the decoder class's name for it."""
+        for prefix, ours in self.language_model_prefixes:
+            if name.startswith(prefix):
+                return ours + name[len(prefix) :]
+        return name
+
+    def needs_checkpoint_tensor(self, name: str) -> bool:
+        if self.vision_name(name) is not None:
+            return True
+        return super().needs_checkpoint_tensor(self.language_model_name(name))  # type: ignore[misc]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The language model's tensors (renamed) to the decoder class's ``load_weights``;
+        the tower's, whole on every rank, into ``visual``."""
+        tower = dict(self.visual.named_parameters())
+        filled: set[str] = set()
+
+        def language_model() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                ours = self.vision_name(name)
+                if ours is None:
+                    yield self.language_model_name(name), tensor
+                    continue
+                param = tower.get(ours)
+                if param is None:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has no counterpart in the vision tower; "
+                        "is the checkpoint's architecture right?"
+                    )
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                        f"{tuple(param.shape)} (does config.json match the weights?)"
+                    )
+                param.copy_(tensor)
+                filled.add(f"visual.{ours}")
+
+        return super().load_weights(language_model()) | filled  # type: ignore[misc]
+
+    def lora_module_aliases(self, hf_module: str) -> tuple[str, ...]:
+        """transformers 5's name of a language-model projection
+        (``model.language_model.layers.*``), which adapters trained on it use."""
+        return checkpoint_aliases(hf_module, self.language_model_prefixes)
+
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
+        """The language model's projections only: adapters never change the tower."""
+        if module_name.startswith("visual."):
+            return []
+        return super().lora_slices(module_name, module)  # type: ignore[misc]
+
+
+class Qwen2VLForConditionalGeneration(QwenVLImages, Qwen2ForCausalLM):
     """``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``
     checkpoints (Qwen2's decoder: Q/K/V biases, ``head_dim`` = ``hidden_size /
     num_attention_heads`` as HF's attention computes it; the vision tower as ``visual``).
@@ -74,13 +227,8 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     the checkpoint's top-level ``tie_word_embeddings``, as in transformers.
     """
 
-    supported_modalities = frozenset({"image"})
-    uses_mrope = True
-
-    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
-        super().__init__(hf_config, build_ctx)
-        self.visual = vision_tower(hf_config)
-        self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
+    def build_vision_tower(self, hf_config: Any) -> nn.Module:
+        return vision_tower(hf_config)
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -104,115 +252,3 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def build_head(self, hf_config: Any) -> None:
         super().build_head(wrapper_tie_word_embeddings(hf_config))
-
-    @classmethod
-    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
-        """The front-end's image processor (``Qwen2VLImageInputs``, transformers'
-        ``Qwen2VLImageProcessor`` underneath)."""
-        from chassis.builtin_plugins.models.qwen2_vl_processing import Qwen2VLImageInputs
-
-        return Qwen2VLImageInputs.from_pretrained(model_dir, hf_config)
-
-    # -- inputs ---------------------------------------------------------------------------------
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As :meth:`CausalLM.forward`; ``positions`` ``[T]`` or ``[3, T]`` (M-RoPE)."""
-        return self.model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
-    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """An image's rows: ``inputs`` ``pixel_values [patches, C*T*P*P]`` and
-        ``image_grid_thw [1, 3]`` -> ``[t * h * w / merge**2, hidden_size]`` (model dtype).
-        ``ValueError`` for another modality, a missing input or mismatched shapes."""
-        if modality != "image":
-            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
-        missing = [name for name in ("pixel_values", "image_grid_thw") if name not in inputs]
-        if missing:
-            raise ValueError(f"image inputs lack {', '.join(missing)} (got {sorted(inputs)})")
-        return self.visual(inputs["pixel_values"], inputs["image_grid_thw"])
-
-    def mrope_positions(
-        self, prompt_token_ids: Sequence[int], features: Sequence[MultiModalFeature]
-    ) -> tuple[np.ndarray, int]:
-        """HF's ``get_rope_index`` for the prompt's images (:mod:`.qwen2_vl_positions`)."""
-        images = []
-        for feature in features:
-            if feature.modality != "image":
-                raise ValueError(f"{type(self).__name__} takes images, not {feature.modality!r}")
-            grid = feature.data["image_grid_thw"].to_tensor().reshape(-1, 3)
-            if grid.shape[0] != 1:
-                raise ValueError(f"a feature holds one image; image_grid_thw is {grid.tolist()}")
-            t, h, w = (int(x) for x in grid[0])
-            images.append((feature.offset, feature.length, (t, h, w)))
-        return mrope_positions(len(prompt_token_ids), images, self.spatial_merge_size)
-
-    # -- weights --------------------------------------------------------------------------------
-
-    def needs_checkpoint_tensor(self, name: str) -> bool:
-        if _vision_name(name) is not None:
-            return True
-        return super().needs_checkpoint_tensor(_language_name(name))
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The language model's tensors (renamed to Qwen2's layout) to Qwen2's
-        ``load_weights``; the tower's, whole on every rank, into ``visual``."""
-        tower = dict(self.visual.named_parameters())
-        filled: set[str] = set()
-
-        def language_model() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                ours = _vision_name(name)
-                if ours is None:
-                    yield _language_name(name), tensor
-                    continue
-                param = tower.get(ours)
-                if param is None:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has no counterpart in the vision tower; "
-                        "is the checkpoint's architecture right?"
-                    )
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(param.shape)} (does config.json match the weights?)"
-                    )
-                param.copy_(tensor)
-                filled.add(f"visual.{ours}")
-
-        return super().load_weights(language_model()) | filled
-
-    def lora_module_aliases(self, hf_module: str) -> tuple[str, ...]:
-        """transformers 5's name of a language-model projection
-        (``model.language_model.layers.*``), which adapters trained on it use."""
-        return checkpoint_aliases(hf_module, _LANGUAGE_PREFIXES)
-
-    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
-        """The language model's projections only: adapters never change the tower."""
-        if module_name.startswith("visual."):
-            return []
-        return super().lora_slices(module_name, module)
-
-
-def _vision_name(name: str) -> str | None:
-    """Checkpoint name -> the tower's parameter name, or ``None`` for a non-tower tensor."""
-    for prefix in _VISION_PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return None
-
-
-def _language_name(name: str) -> str:
-    """Checkpoint name -> Qwen2's name for it."""
-    for prefix, ours in _LANGUAGE_PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix) :]
-    return name

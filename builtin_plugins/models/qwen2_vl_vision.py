@@ -189,14 +189,18 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """``[patches, C*T*P*P]`` -> ``[patches, dim]``: HF's bias-free ``Conv3d`` with stride =
-    kernel = one patch, i.e. a matmul with the flattened kernel (``proj.weight`` keeps the
-    checkpoint's ``[dim, C, T, P, P]``)."""
+    """``[patches, C*T*P*P]`` -> ``[patches, dim]``: HF's ``Conv3d`` with stride = kernel =
+    one patch, i.e. a matmul with the flattened kernel (``proj.weight`` keeps the
+    checkpoint's ``[dim, C, T, P, P]``); bias-free (Qwen2-VL, Qwen2.5-VL) unless ``bias``
+    (Qwen3-VL: ``proj.bias [dim]``)."""
 
-    def __init__(self, in_channels: int, temporal: int, patch: int, dim: int) -> None:
+    def __init__(
+        self, in_channels: int, temporal: int, patch: int, dim: int, *, bias: bool = False
+    ) -> None:
         super().__init__()
         self.proj = nn.Module()
         self.proj.weight = nn.Parameter(torch.empty(dim, in_channels, temporal, patch, patch))
+        self.proj.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     @property
     def patch_numel(self) -> int:
@@ -208,7 +212,7 @@ class PatchEmbed(nn.Module):
             raise ValueError(
                 f"pixel_values must be [patches, {self.patch_numel}]; got {tuple(pixels.shape)}"
             )
-        return F.linear(pixels.to(weight.dtype), weight.flatten(1))
+        return F.linear(pixels.to(weight.dtype), weight.flatten(1), self.proj.bias)
 
 
 class PatchMerger(nn.Module):
@@ -272,13 +276,14 @@ class Qwen2VisionTower(nn.Module):
         return self.merger(x)
 
 
-def patch_embed(cfg: Any, dim: int) -> PatchEmbed:
-    """The :class:`PatchEmbed` of a Qwen2-VL / Qwen2.5-VL ``vision_config``."""
+def patch_embed(cfg: Any, dim: int, *, bias: bool = False) -> PatchEmbed:
+    """The :class:`PatchEmbed` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL ``vision_config``."""
     return PatchEmbed(
         int(getattr(cfg, "in_channels", 3)),
         int(cfg.temporal_patch_size),
         int(cfg.patch_size),
         dim,
+        bias=bias,
     )
 
 

@@ -1,15 +1,30 @@
-"""Qwen3-VL and Qwen3-VL-MoE: the multimodal checkpoints' Qwen3 / Qwen3-MoE language model,
-served as text only.
+"""Qwen3-VL and Qwen3-VL-MoE: a Qwen3 / Qwen3-MoE language model that takes images.
 
-Their language model rotates q and k by interleaved M-RoPE (``mrope_interleaved``): three
-position ids per token (temporal, height, width); frequency ``j`` is turned by the height
-component when ``j % 3 == 1`` (within ``3 * mrope_section[1]``), by the width one when
-``j % 3 == 2`` (within ``3 * mrope_section[2]``), else by the temporal one. For text, HF gives
-the three components the same value (the token's index), so every frequency is turned by that
-one position: the rotation is ordinary (1D, rotate-half) RoPE with the text config's
-``rope_theta`` (tests/test_multimodal_text_models.py checks the tables against HF's). The
-``deepstack`` inputs add vision features to the first layers' hidden states at image
-positions only; a text prompt has none.
+As Qwen2-VL (:mod:`.qwen2_vl`, whose :class:`~.qwen2_vl.QwenVLImages` this shares: the
+image processor, the tower's weights, M-RoPE positions), with:
+
+* **the tower** of :mod:`.qwen3_vl_vision` (learned position embeddings, deepstack
+  mergers);
+* **interleaved M-RoPE** (``mrope_interleaved``, :class:`~chassis.core.layers.mrope.
+  MRotaryEmbedding`): frequency ``j`` is turned by the height component when ``j % 3 == 1``
+  (within ``3 * mrope_section[1]``), by the width one when ``j % 3 == 2`` (within
+  ``3 * mrope_section[2]``), else by the temporal one. Text tokens' three components are
+  equal, which is ordinary RoPE (the runner passes ``[T]`` positions then). A prompt's
+  positions are HF's Qwen3-VL ``get_rope_index``, which for images (one temporal patch
+  group each) is Qwen2-VL's (:mod:`.qwen2_vl_positions`);
+* **deepstack**: the tower also returns rows of some of its intermediate blocks (``K`` =
+  ``len(deepstack_visual_indexes)`` sets), and the language model adds set ``k`` to the
+  output of decoder layer ``k`` (the residual stream after the layer's MLP) at the image
+  tokens' rows, as HF's ``Qwen3VLTextModel``.
+
+How the deepstack rows travel: an image's rows are ``[length, hidden * (1 + K)]`` (the
+merger's rows, then each deepstack set's, side by side: :meth:`Qwen3VLImages.image_rows`),
+and :meth:`~Qwen3VLImages.embed_input_ids` returns rows as wide, the deepstack columns zero.
+So the runner's ``inputs_embeds`` (token embeddings with the placeholder rows replaced by
+the image's rows, also for a chunk that holds part of an image) carries each row's
+deepstack inputs beside its embedding, and text rows add zeros. :class:`DeepstackDecoder`
+splits them. A step without image tokens passes no ``inputs_embeds`` and has no deepstack
+inputs.
 """
 
 from __future__ import annotations
@@ -20,44 +35,153 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-from chassis.builtin_plugins.models.llama import DecoderSpec
+from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaModel, MakeLayer
+from chassis.builtin_plugins.models.qwen2_vl import QwenVLImages
 from chassis.builtin_plugins.models.qwen3 import Qwen3ForCausalLM
 from chassis.builtin_plugins.models.qwen3_moe import Qwen3MoeForCausalLM
+from chassis.builtin_plugins.models.qwen3_vl_vision import Qwen3VisionTower, deepstack_blocks
 from chassis.builtin_plugins.models.sparse_moe import MoeSpec, qwen_moe_spec
-from chassis.builtin_plugins.models.text_only import TextOnlyWeights, wrapper_tie_word_embeddings
+from chassis.builtin_plugins.models.text_only import wrapper_tie_word_embeddings
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.mrope import MRotaryEmbedding
+from chassis.core.model_interface import ModelBuildContext
 
 #: a Qwen3-VL-MoE layer's experts stored stacked: ``<block>.experts.gate_up_proj`` /
 #: ``<block>.experts.down_proj`` (no ``.weight``), after the language-model rename
 _STACKED_EXPERTS = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 
 
-class Qwen3VLForConditionalGeneration(TextOnlyWeights, Qwen3ForCausalLM):
-    """``Qwen3VLForConditionalGeneration`` checkpoints served as text only (Qwen3's decoder:
-    RMSNorm on each q/k head, ``head_dim`` from the config, ``attention_bias`` on all four
-    projections, no sliding window).
+#: HF's ``mrope_section`` for Qwen3-VL when the config names none (head_dim 128)
+DEFAULT_MROPE_SECTION = (24, 20, 20)
 
-    Files name the language model ``model.language_model.*`` and ``lm_head.*``; the vision
-    tower (``model.visual.*``, its deepstack mergers included) is never read. The LM head is
-    tied by the checkpoint's top-level ``tie_word_embeddings``, as in transformers.
+
+class DeepstackDecoder(LlamaModel):
+    """:class:`LlamaModel` whose ``inputs_embeds`` may carry ``num_deepstack`` more
+    ``hidden_size`` columns: ``[T, hidden * (1 + num_deepstack)]``, the input embeddings
+    then each deepstack set's rows. Set ``k`` is added to decoder layer ``k``'s output.
+
+    ``inputs_embeds`` of width ``hidden_size`` (or none) is the plain forward. The deepstack
+    path keeps no auxiliary hidden states (EAGLE-3 heads: speculative decoding is refused
+    with images anyway).
     """
 
-    language_model_prefixes = (("model.language_model.", "model."),)
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: DecoderSpec,
+        build_ctx: ModelBuildContext,
+        make_layer: MakeLayer,
+        *,
+        num_deepstack: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(hf_config, spec, build_ctx, make_layer, **kwargs)
+        self.hidden_size = spec.hidden_size
+        self.num_deepstack = num_deepstack
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.hidden_size
+        if inputs_embeds is None or inputs_embeds.shape[-1] == hidden:
+            return super().forward(input_ids, positions, ctx, inputs_embeds)
+        if inputs_embeds.shape[-1] != hidden * (1 + self.num_deepstack):
+            raise ValueError(
+                f"inputs_embeds of width {inputs_embeds.shape[-1]}: expected {hidden} or, with "
+                f"{self.num_deepstack} deepstack sets, {hidden * (1 + self.num_deepstack)}"
+            )
+        hidden_states = inputs_embeds[:, :hidden].contiguous()
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+            if i < self.num_deepstack:
+                # the layer's output is hidden_states + residual: add set i to it (zeros on
+                # text rows) through the residual stream
+                first = hidden * (1 + i)
+                residual = residual + inputs_embeds[:, first : first + hidden]
+        if residual is None:  # a model with no layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen3VLImages(QwenVLImages):
+    """Mixin (listed before the decoder class) of the Qwen3-VL classes: Qwen3-VL's tower,
+    its deepstack rows beside the image rows, and the decoder with interleaved M-RoPE and
+    deepstack inputs (:class:`DeepstackDecoder`).
+
+    Files name the language model ``model.language_model.*`` and ``lm_head.*`` and the
+    tower ``model.visual.*`` (``visual.*`` read too); the tower is loaded whole on every
+    tensor-parallel rank. The LM head is tied by the checkpoint's top-level
+    ``tie_word_embeddings``, as in transformers.
+    """
+
     vision_prefixes = ("model.visual.", "visual.")
+
+    def build_vision_tower(self, hf_config: Any) -> nn.Module:
+        cfg = getattr(hf_config, "vision_config", None)
+        if cfg is None:
+            raise ValueError(
+                "the Qwen3-VL config has no vision_config (is this the checkpoint's "
+                "config.json, loaded with chassis.core.model_loader.load_hf_config?)"
+            )
+        return Qwen3VisionTower(cfg)
+
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> nn.Module:
+        rope = dict(self.spec.rope)  # type: ignore[attr-defined]
+        # HF's Qwen3-VL rotary is interleaved whatever the config says
+        rope["mrope_interleaved"] = True
+        rope["mrope_section"] = rope.get("mrope_section") or list(DEFAULT_MROPE_SECTION)
+        return DeepstackDecoder(
+            hf_config,
+            self.spec,  # type: ignore[attr-defined]
+            build_ctx,
+            self.make_layer,  # type: ignore[attr-defined]
+            norm_class=self.norm_class,  # type: ignore[attr-defined]
+            rope_per_layer=[rope] * int(hf_config.num_hidden_layers),
+            rotary_class=MRotaryEmbedding,
+            num_deepstack=len(deepstack_blocks(hf_config.vision_config)),
+        )
+
+    def build_head(self, hf_config: Any) -> None:
+        super().build_head(wrapper_tie_word_embeddings(hf_config))  # type: ignore[misc]
+
+    def image_rows(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``[rows, hidden * (1 + K)]``: the merger's rows, then each deepstack set's."""
+        rows, deepstack = self.visual(pixel_values, grid_thw)
+        return torch.cat([rows, *deepstack], dim=-1) if deepstack else rows
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings ``[n, hidden]`` and, when the tower has deepstack sets, ``K *
+        hidden`` zero columns after them (as wide as :meth:`image_rows`' rows)."""
+        embeds = self.model.embed(input_ids)  # type: ignore[attr-defined]
+        extra = self.model.num_deepstack * embeds.shape[-1]  # type: ignore[attr-defined]
+        if not extra:
+            return embeds
+        return torch.cat([embeds, embeds.new_zeros(embeds.shape[0], extra)], dim=-1)
+
+
+class Qwen3VLForConditionalGeneration(Qwen3VLImages, Qwen3ForCausalLM):
+    """``Qwen3VLForConditionalGeneration`` checkpoints (Qwen3's decoder: RMSNorm on each q/k
+    head, ``head_dim`` from the config, ``attention_bias`` on all four projections, no
+    sliding window; Qwen3-VL's tower as ``visual``)."""
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         return DecoderSpec.from_config(hf_config, qk_norm=True, sliding_window=None)
 
-    def build_head(self, hf_config: Any) -> None:
-        super().build_head(wrapper_tie_word_embeddings(hf_config))
 
-
-class Qwen3VLMoeForConditionalGeneration(TextOnlyWeights, Qwen3MoeForCausalLM):
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLImages, Qwen3MoeForCausalLM):
     """``Qwen3VLMoeForConditionalGeneration`` checkpoints (Qwen3-VL-30B-A3B,
-    Qwen3-VL-235B-A22B) served as text only: Qwen3-MoE's decoder, whose router always
-    renormalizes its top-k weights (HF's ``Qwen3VLMoeTextTopKRouter`` does, whatever
-    ``norm_topk_prob`` says).
+    Qwen3-VL-235B-A22B): Qwen3-MoE's decoder, whose router always renormalizes its top-k
+    weights (HF's ``Qwen3VLMoeTextTopKRouter`` does, whatever ``norm_topk_prob`` says), and
+    Qwen3-VL's tower.
 
     Names as Qwen3-VL. Each sparse layer's experts come stacked: ``experts.gate_up_proj``
     (hub files ``[experts, hidden, 2 * moe_intermediate]``, gate columns first) and
@@ -68,9 +192,6 @@ class Qwen3VLMoeForConditionalGeneration(TextOnlyWeights, Qwen3MoeForCausalLM):
     to true; the released config.json sets the top-level one false).
     """
 
-    language_model_prefixes = (("model.language_model.", "model."),)
-    vision_prefixes = ("model.visual.", "visual.")
-
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         return DecoderSpec.from_config(hf_config, qk_norm=True, sliding_window=None)
@@ -78,9 +199,6 @@ class Qwen3VLMoeForConditionalGeneration(TextOnlyWeights, Qwen3MoeForCausalLM):
     @classmethod
     def moe_spec(cls, hf_config: Any) -> MoeSpec:
         return dataclasses.replace(qwen_moe_spec(hf_config, shared_expert=False), renormalize=True)
-
-    def build_head(self, hf_config: Any) -> None:
-        super().build_head(wrapper_tie_word_embeddings(hf_config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """As the base, with each stacked expert tensor given as the per-expert

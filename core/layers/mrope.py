@@ -1,9 +1,18 @@
-"""Multimodal RoPE (M-RoPE) as Qwen2-VL and Qwen2.5-VL's language model applies it.
+"""Multimodal RoPE (M-RoPE) as the Qwen2-VL, Qwen2.5-VL and Qwen3-VL language models apply it.
 
-Each token has three position components (temporal, height, width). The ``rotary_dim / 2``
-frequencies are split into ``mrope_section`` groups (``[16, 24, 24]`` for head_dim 128); group
-``i`` is turned by component ``i % 3`` (HF's ``Qwen2VLRotaryEmbedding``), and the rotation
-is otherwise :class:`~chassis.core.layers.rotary.RotaryEmbedding`'s rotate-half one. A text
+Each token has three position components (temporal, height, width), and each of the
+``rotary_dim / 2`` frequencies is turned by one of them, in one of two layouts:
+
+* **sections** (Qwen2-VL, Qwen2.5-VL; HF's ``Qwen2VLRotaryEmbedding``): the frequencies are
+  split into consecutive ``mrope_section`` groups (``[16, 24, 24]`` for head_dim 128); group
+  ``i`` is turned by component ``i``;
+* **interleaved** (``mrope_interleaved``, Qwen3-VL; HF's ``Qwen3VLTextRotaryEmbedding``):
+  frequency ``j`` is turned by the height component when ``j % 3 == 1`` and
+  ``j < 3 * mrope_section[1]``, by the width one when ``j % 3 == 2`` and
+  ``j < 3 * mrope_section[2]``, else by the temporal one (``[24, 20, 20]`` for head_dim 128).
+
+The rotation is otherwise :class:`~chassis.core.layers.rotary.RotaryEmbedding`'s rotate-half
+one. A text
 token has three equal components, which turns every frequency by that one position: plain
 RoPE. So positions ``[T]`` (all three equal) take the plain path unchanged, platform kernels
 included, and only positions ``[3, T]`` take the per-section path here (torch code; the
@@ -27,8 +36,10 @@ class MRotaryEmbedding(RotaryEmbedding):
     """:class:`RotaryEmbedding` that also takes positions ``[3, T]`` (M-RoPE).
 
     ``params["mrope_section"]`` (three numbers of frequencies, summing to ``rotary_dim / 2``)
-    says which frequencies each component turns; a ``ValueError`` when they do not add up.
-    The interleaved layout (Qwen3-VL's ``mrope_interleaved``) is not this one and is refused.
+    says which frequencies each component turns, as consecutive groups or, with
+    ``params["mrope_interleaved"]``, interleaved (see the module docstring); a ``ValueError``
+    when they do not add up. GPT-J's interleaved rotation (``params["interleaved"]``, a
+    different thing) is refused.
     """
 
     def __init__(
@@ -46,13 +57,12 @@ class MRotaryEmbedding(RotaryEmbedding):
                 f"mrope_section {list(section)} must be three numbers of frequencies adding up "
                 f"to rotary_dim / 2 = {self.rotary_dim // 2}; does config.json match the model?"
             )
-        if self.interleaved or params.get("mrope_interleaved"):
-            raise ValueError("interleaved M-RoPE (mrope_interleaved) is not supported here")
+        if self.interleaved:
+            raise ValueError("M-RoPE with the interleaved (GPT-J) rotation is not supported")
         self.mrope_section = section
+        self.mrope_interleaved = bool(params.get("mrope_interleaved", False))
         # frequency j's component (0 temporal, 1 height, 2 width): [rotary_dim / 2]
-        component = torch.repeat_interleave(
-            torch.arange(3, device="cpu"), torch.tensor(section, device="cpu")
-        )
+        component = section_components(section, self.mrope_interleaved)
         self.register_buffer(
             "section_component", component.to(self.cos_cache.device), persistent=False
         )
@@ -98,4 +108,19 @@ class MRotaryEmbedding(RotaryEmbedding):
         return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}"
+        layout = ", mrope_interleaved" if self.mrope_interleaved else ""
+        return f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}{layout}"
+
+
+def section_components(section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Which position component (0 temporal, 1 height, 2 width) turns each of the
+    ``sum(section)`` frequencies: ``[sum(section)]`` int64 on the host."""
+    if not interleaved:
+        return torch.repeat_interleave(
+            torch.arange(3, device="cpu"), torch.tensor(section, device="cpu")
+        )
+    j = torch.arange(sum(section), device="cpu")
+    component = torch.zeros_like(j)
+    component[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    component[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return component
