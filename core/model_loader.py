@@ -268,13 +268,18 @@ def language_model_config(hf_config: Any) -> Any:
 
 
 #: the multimodal wrapper config's fields :func:`language_model_config` keeps on the text
-#: config: the vision tower's config and the image placeholder tokens (Qwen2-VL's names)
+#: config: the vision tower's config and the image placeholder tokens (Qwen2-VL's names);
+#: LLaVA's feature selection and projector settings
 _MULTIMODAL_FIELDS = (
     "vision_config",
     "image_token_id",
     "video_token_id",
     "vision_start_token_id",
     "vision_end_token_id",
+    "vision_feature_layer",
+    "vision_feature_select_strategy",
+    "projector_hidden_act",
+    "multimodal_projector_bias",
 )
 
 

@@ -1,5 +1,4 @@
-"""More multimodal checkpoints served as text only — LLaVA-style (LLaVA-1.5 over Llama,
-LLaVA-NeXT over Mistral, InternVL over Qwen3, Aya Vision over Cohere2), GLM-4.1V, GLM-4.5V,
+"""More multimodal checkpoints served as text only — LLaVA-style (LLaVA-NeXT over Mistral, InternVL over Qwen3, Aya Vision over Cohere2), GLM-4.1V, GLM-4.5V,
 Ministral 3 inside Mistral 3 — and text-only Ministral 3, against HF transformers' models on
 tiny random checkpoints.
 
@@ -9,7 +8,8 @@ biases randomized too), saved with ``save_pretrained``. HF runs text-only ``inpu
 its own position handling; float32 logits must match (batched prefill, a decode, a chunk over
 a cached prefix) and greedy tokens through ``LLM`` must be HF ``generate``'s. The GLM
 M-RoPE rotations of text positions are checked against chassis' RoPE, the vision tensors are
-never read, and Ministral 3's query scaling is shown to matter.
+never read, and Ministral 3's query scaling is shown to matter. LLaVA-1.5 (over Llama), which
+takes images (tests/test_llava_images.py), is checked here on text prompts too.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from test_tensor_parallel import wait_for_no_workers
 
 from chassis.builtin_plugins.models.glm4 import Glm4ForCausalLM
 from chassis.builtin_plugins.models.llava import LlavaForConditionalGeneration
+from chassis.builtin_plugins.models.llava_images import LlavaForConditionalGenerationWithImages
 from chassis.builtin_plugins.models.ministral3 import Llama4ScaledAttention
 from chassis.builtin_plugins.models.text_only import TextOnlyWeights
 from chassis.core import model_loader
@@ -51,8 +52,8 @@ ARCHITECTURES = (
     "ministral3",
 )
 #: the image side's checkpoint-name prefixes as transformers 5 saves them
+#: (LLaVA-1.5 reads its image side: tests/test_llava_images.py)
 VISION_PREFIXES = {
-    "llava": ("vision_tower.", "multi_modal_projector."),
     "llava_next": ("vision_tower.", "multi_modal_projector.", "image_newline"),
     "internvl": ("vision_tower.", "multi_modal_projector."),
     "aya_vision": ("vision_tower.", "multi_modal_projector."),
@@ -287,9 +288,14 @@ def test_llava_style_checkpoints_get_their_text_decoder(model_dirs: dict[str, Pa
         hf = load_hf(arch, model_dirs[arch])
         hf_tied = hf.lm_head.weight is hf.get_input_embeddings().weight
         assert model.tie_word_embeddings is hf_tied, arch
-    assert model_class(load_hf_config(model_dirs["llava"])) is model_class(
-        load_hf_config(model_dirs["llava_next"])
-    )
+    # LLaVA-1.5 takes images (tests/test_llava_images.py); the others stay text only
+    llava = model_class(load_hf_config(model_dirs["llava"]))
+    assert issubclass(llava, LlavaForConditionalGenerationWithImages)
+    assert llava.supported_modalities == {"image"}
+    for arch in ("llava_next", "internvl", "aya_vision"):
+        cls = model_class(load_hf_config(model_dirs[arch]))
+        assert not issubclass(cls, LlavaForConditionalGenerationWithImages)
+        assert not cls.supported_modalities, arch
     assert Runner(model_dirs["internvl"]).model.tie_word_embeddings  # top-level default true
     assert Runner(model_dirs["llava_next"]).model.spec.head_dim == 32
     # HF's Aya Vision head is unscaled: Cohere2's logit_scale (0.25 here) is not applied

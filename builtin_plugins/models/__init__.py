@@ -78,9 +78,13 @@ def chassis_register_models(registry: Any) -> None:
         "Qwen3VLMoeForConditionalGeneration",
         f"{_PKG}.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
     )
-    # LLaVA-style checkpoints: the text config's registered decoder, served as text only
-    for llava_style in (
+    # LLaVA-1.5: the text config's registered decoder, with images (CLIP / SigLIP towers)
+    registry.register(
         "LlavaForConditionalGeneration",
+        f"{_PKG}.llava_images:LlavaForConditionalGenerationWithImages",
+    )
+    # other LLaVA-style checkpoints: the text config's registered decoder, served as text only
+    for llava_style in (
         "LlavaNextForConditionalGeneration",
         "InternVLForConditionalGeneration",
     ):

@@ -1,0 +1,208 @@
+"""LLaVA-1.5 (``LlavaForConditionalGeneration``) with images: the text config's decoder, a
+CLIP (or SigLIP) vision tower and LLaVA's projector.
+
+The class is composed over the registered decoder of the text architecture as the text-only
+LLaVA-style class is (:mod:`.llava`: one class per decoder, the language model's tensors
+renamed to it, the LM head tied by the top-level flag). Besides, it builds the vision tower
+(:mod:`.clip_vision`, only the layers the selected states need) and the projector
+(:mod:`.llava_vision`), whole on every tensor-parallel rank, and reads their tensors:
+``vision_tower.vision_model.*`` (hub files), ``vision_tower.*`` (what transformers 5
+saves), ``model.vision_tower.*`` (its in-memory layout), ``multi_modal_projector.*`` and
+``model.multi_modal_projector.*``. Each image becomes ``tokens_per_image`` rows of the
+language model's width (:meth:`LlavaForConditionalGenerationWithImages.embed_multimodal`),
+which the runner puts in place of the image's placeholder tokens. Positions are the
+decoder's own (1D).
+
+A checkpoint whose tower is neither CLIP's nor SigLIP's is served as text only (the class of
+:mod:`.llava`; a warning says why), so its text keeps working.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from chassis.builtin_plugins.models.clip_vision import ClipVisionTower, tower_kind
+from chassis.builtin_plugins.models.llava import LlavaForConditionalGeneration
+from chassis.builtin_plugins.models.llava_vision import LlavaProjector, LlavaVisionSpec
+from chassis.core.attention import ForwardContext
+from chassis.core.model_interface import CausalLM, LoRASlice, ModelBuildContext
+
+logger = logging.getLogger(__name__)
+
+#: (checkpoint-name prefix, ours) of the image side, the first that matches applies
+_IMAGE_PREFIXES = (
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+#: our module-name prefixes of the image side (never adapted by LoRA)
+_IMAGE_MODULES = ("vision_tower.", "multi_modal_projector.")
+
+
+def image_side_name(name: str) -> str | None:
+    """Checkpoint name -> our name of an image-side tensor, ``None`` for the language model's."""
+    for prefix, ours in _IMAGE_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return None
+
+
+@functools.cache
+def _warn_text_only(tower: str | None) -> None:
+    """Say once per process why a LLaVA checkpoint takes no images."""
+    logger.warning(
+        "LlavaForConditionalGeneration with a %r vision tower: only CLIP and SigLIP towers "
+        "are supported, so this checkpoint is served as text only (requests with images are "
+        "refused)",
+        tower,
+    )
+
+
+class LlavaForConditionalGenerationWithImages(LlavaForConditionalGeneration):
+    """``LlavaForConditionalGeneration`` checkpoints with images (the module docstring).
+
+    Not built itself: :meth:`class_for_config` returns the class of this one over the text
+    config's decoder (or, for a tower not built here, the text-only class).
+    """
+
+    supported_modalities = frozenset({"image"})
+
+    @classmethod
+    def class_for_config(cls, hf_config: Any) -> type[CausalLM]:
+        """This class over the text config's decoder, as the text-only class composes
+        itself; that text-only class when the tower is not one built here."""
+        if cls.__dict__.get("decoder") is not None:
+            return cls  # already composed
+        vision = getattr(hf_config, "vision_config", None)
+        if vision is None or tower_kind(vision) is None:
+            _warn_text_only(getattr(vision, "model_type", None))
+            return LlavaForConditionalGeneration.class_for_config(hf_config)
+        return super().class_for_config(hf_config)
+
+    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
+        super().__init__(hf_config, build_ctx)
+        decoder_forward = getattr(self.model, "forward", None)
+        if (
+            decoder_forward is None
+            or "inputs_embeds" not in inspect.signature(decoder_forward).parameters
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: LLaVA images need a text decoder whose forward "
+                f"takes input embeddings, and {type(self.model).__name__}'s does not"
+            )
+        self.vision_spec = LlavaVisionSpec.from_config(hf_config)
+        self.vision_tower = ClipVisionTower(
+            self.vision_spec.vision_config, self.vision_spec.layers_needed
+        )
+        self.multi_modal_projector = LlavaProjector(self.vision_spec, int(hf_config.hidden_size))
+
+    @classmethod
+    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The front-end's image processor (:class:`~.llava_processing.LlavaImageInputs`)."""
+        from chassis.builtin_plugins.models.llava_processing import LlavaImageInputs
+
+        return LlavaImageInputs.from_pretrained(model_dir, hf_config)
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder's forward; with ``inputs_embeds``, the decoder over those."""
+        if inputs_embeds is None:
+            return super().forward(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One image's rows: ``inputs["pixel_values"]`` ``[1, C, S, S]`` (or ``[C, S, S]``)
+        -> ``[tokens_per_image, hidden_size]`` in the model's dtype. ``ValueError`` for
+        another modality, a missing input or a wrong shape."""
+        if modality != "image":
+            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
+        pixels = inputs.get("pixel_values")
+        if pixels is None:
+            raise ValueError(f"image inputs lack pixel_values (got {sorted(inputs)})")
+        if pixels.dim() == 4 and pixels.shape[0] != 1:
+            raise ValueError(f"a feature holds one image; pixel_values is {tuple(pixels.shape)}")
+        features = self.image_features(pixels)
+        return features.reshape(-1, features.shape[-1])
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[images, C, S, S]`` -> ``[images, tokens_per_image, hidden_size]`` (HF's
+        ``get_image_features``, stacked)."""
+        spec = self.vision_spec
+        states = self.vision_tower(pixel_values, spec.feature_indices)
+        return self.multi_modal_projector(spec.select(states))
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def needs_checkpoint_tensor(self, name: str) -> bool:
+        """The image side's tensors that what is built uses; the decoder decides for the
+        language model's."""
+        ours = image_side_name(name)
+        if ours is not None:
+            return not self._unused(ours)
+        return super().needs_checkpoint_tensor(name)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The language model's tensors to the decoder (renamed, as text only); the tower's
+        and projector's, whole on every rank, into ``vision_tower`` and
+        ``multi_modal_projector`` (those of parts not built are skipped)."""
+        image_params = {
+            name: param
+            for name, param in self.named_parameters()
+            if name.startswith(_IMAGE_MODULES)
+        }
+        filled: set[str] = set()
+
+        def language_model() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                ours = image_side_name(name)
+                if ours is None:
+                    yield name, tensor
+                    continue
+                if self._unused(ours):
+                    continue
+                param = image_params.get(ours)
+                if param is None:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has no counterpart in the LLaVA vision "
+                        "tower or projector; is the checkpoint's architecture right?"
+                    )
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                        f"{tuple(param.shape)} (does config.json match the weights?)"
+                    )
+                param.copy_(tensor)
+                filled.add(ours)
+
+        return super().load_weights(language_model()) | filled
+
+    def _unused(self, ours: str) -> bool:
+        prefix = "vision_tower."
+        return ours.startswith(prefix) and self.vision_tower.is_unused(ours[len(prefix) :])
+
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
+        """The language model's projections only: adapters never change the image side."""
+        if module_name.startswith(_IMAGE_MODULES):
+            return []
+        return super().lora_slices(module_name, module)
