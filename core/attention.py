@@ -49,6 +49,21 @@ def kv_cache_shape(
     return (num_blocks, 2, block_size, num_kv_heads, head_dim)
 
 
+def alias_kv_planes(plane: torch.Tensor) -> torch.Tensor:
+    """A one-plane cache ``[num_blocks, 1, block_size, kv_heads, dim]`` as the
+    :func:`kv_cache_shape` tensor backends take, its V plane the K plane itself
+    (``expand``: stride 0 on dim 1, no second copy). For a model whose values are its keys
+    (``CausalLM.kv_cache_values_are_keys``) on a backend that declares
+    :attr:`AttentionBackend.supports_aliased_kv_planes`; writes through either plane land in
+    the one."""
+    if plane.dim() != 5 or plane.shape[1] != 1:
+        raise ValueError(
+            "a one-plane cache is [num_blocks, 1, block_size, kv_heads, dim]; got "
+            f"{tuple(plane.shape)}"
+        )
+    return plane.expand(plane.shape[0], 2, *plane.shape[2:])
+
+
 #: the 8-bit ``--kv-cache-dtype`` names and the torch dtypes their caches are allocated in
 FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
@@ -139,6 +154,16 @@ class AttentionBackend(ABC):
     #: asks the platform (``Platform.fp8_kv_cache_dtypes``). False for a backend whose
     #: conversions are torch code, which runs on any device
     fp8_kv_cache_needs_device_support: ClassVar[bool] = True
+    #: whether :meth:`forward` works on a cache whose V plane aliases its K plane
+    #: (:func:`alias_kv_planes`: ``kv_cache[:, 1]`` is ``kv_cache[:, 0]``, ``stride(1) == 0``),
+    #: which the runner allocates for a model that passes the same tensor as key and value
+    #: (``CausalLM.kv_cache_values_are_keys``, DeepSeek's latent cache), at half the memory. A
+    #: backend declaring it addresses the planes only through ``kv_cache[:, 0]`` /
+    #: ``kv_cache[:, 1]`` or the tensor's strides, never by viewing the whole tensor as
+    #: contiguous (``view``/``reshape`` over dims 0 and 1, or an assumed V offset); writing K
+    #: and then V to an aliased slot leaves V, which is K. Without it such a model gets an
+    #: ordinary two-plane cache (correct, twice the memory)
+    supports_aliased_kv_planes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -201,7 +226,8 @@ class AttentionBackend(ABC):
         :param query: ``[num_tokens, num_heads, head_dim]``
         :param key: ``[num_tokens, num_kv_heads, head_dim]`` (new tokens only)
         :param value: ``[num_tokens, num_kv_heads, head_dim]``
-        :param kv_cache: this layer's cache, shape :func:`kv_cache_shape`
+        :param kv_cache: this layer's cache, shape :func:`kv_cache_shape` (with
+            :attr:`supports_aliased_kv_planes`, possibly V aliasing K: stride 0 on dim 1)
         :param metadata: the step's :class:`AttentionMetadata`
         :return: ``[num_tokens, num_heads, head_dim]``; rows past ``num_actual_tokens`` are
             unspecified. Query token ``j`` of request ``i`` sits at position

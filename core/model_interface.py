@@ -110,6 +110,12 @@ class CausalLM(nn.Module, ABC):
     #: prompt and passes ``positions`` as ``[3, num_tokens]`` when a step holds a token
     #: whose components differ; otherwise ``[num_tokens]`` (the three equal).
     uses_mrope: bool = False
+    #: Every attention layer of the model always passes the same tensor as key and value
+    #: (DeepSeek's MLA caches one latent vector per token, which is both): a KV cache whose V
+    #: plane aliases its K plane is then correct, and the runner allocates one plane instead
+    #: of two where the attention backend supports it
+    #: (``AttentionBackend.supports_aliased_kv_planes``; ``core.attention.alias_kv_planes``).
+    kv_cache_values_are_keys: bool = False
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__()

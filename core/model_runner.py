@@ -24,8 +24,10 @@ import torch
 
 from chassis.core import parallel_state
 from chassis.core.attention import (
+    FP8_KV_DTYPES,
     AttentionMetadata,
     ForwardContext,
+    alias_kv_planes,
     check_kv_cache_dtype,
     kv_cache_shape,
     resolve_kv_cache_dtype,
@@ -130,6 +132,8 @@ class ModelRunner:
         self.head_dim = int(
             getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         )
+        #: planes per layer's cache: 1 when V aliases K (:meth:`_kv_cache_planes`), else 2
+        self.kv_planes = self._kv_cache_planes()
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / self.block_size)
         #: the KV cache groups of a model mixing sliding-window and full attention layers
@@ -179,11 +183,55 @@ class ModelRunner:
         cache's blocks take half a 16-bit one's, so twice as many fit the same memory), the
         draft model's layers included (they share the block ids). With KV cache groups a
         block id names a slot of one group's layers: the bytes of ``L`` layers, the group
-        size (:mod:`chassis.core.kv_cache_groups`)."""
-        per_layer = math.prod(kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim))
+        size (:mod:`chassis.core.kv_cache_groups`). A cache whose V plane aliases its K plane
+        (:attr:`kv_planes` 1) counts that one plane."""
+        shape = kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim)
+        per_layer = math.prod(shape) // 2 * self.kv_planes
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
         return per_layer * elem * self._num_cache_tensors() + draft
+
+    def _kv_cache_planes(self) -> int:
+        """1 when the model passes its keys as values (``kv_cache_values_are_keys``) and the
+        backend works on a cache whose V plane aliases its K plane
+        (``supports_aliased_kv_planes``): one plane is stored (:func:`alias_kv_planes`).
+        Otherwise 2, also for an 8-bit cache whose layers quantize K and V by different
+        scales (one stored plane cannot hold both ``k / k_scale`` and ``v / v_scale``)."""
+        model, backend = self.model, self.attention_backend
+        if not model.kv_cache_values_are_keys:
+            return 2
+        name = self.config.attention_backend or backend.__name__
+        if not backend.supports_aliased_kv_planes:
+            logger.info(
+                "KV cache: %s's values are its keys, but attention backend %r does not "
+                "declare supports_aliased_kv_planes: K and V planes both stored (twice the "
+                "memory of one)",
+                type(model).__name__,
+                name,
+            )
+            return 2
+        if self.kv_dtype in FP8_KV_DTYPES:
+            layers = attention_layers(model)
+            if layers is None or any(
+                layer.backend.k_scale != layer.backend.v_scale for layer in layers
+            ):
+                logger.info(
+                    "KV cache: 8-bit K and V scales differ (or cannot be seen): K and V "
+                    "planes both stored"
+                )
+                return 2
+        return 1
+
+    def _new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """One zeroed cache tensor of ``num_blocks`` blocks from the platform: two planes, or
+        one seen as two (:func:`alias_kv_planes`) when :attr:`kv_planes` is 1."""
+        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.kv_planes == 2:
+            return self.platform.kv_cache_zeros(shape, self.kv_dtype, self.device)
+        plane = self.platform.kv_cache_zeros(
+            (num_blocks, 1, *shape[2:]), self.kv_dtype, self.device
+        )
+        return alias_kv_planes(plane)
 
     def _num_cache_tensors(self) -> int:
         """Cache tensors of ``num_blocks`` blocks: one per layer, or with KV cache groups one
@@ -239,11 +287,7 @@ class ModelRunner:
         (then :meth:`capture_graphs` once the weights are back too)."""
         self.graphs = None
         self.num_kv_blocks = num_blocks
-        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        tensors = [
-            self.platform.kv_cache_zeros(shape, self.kv_dtype, self.device)
-            for _ in range(self._num_cache_tensors())
-        ]
+        tensors = [self._new_kv_cache(num_blocks) for _ in range(self._num_cache_tensors())]
         # with KV cache groups, layer j of every group shares tensor j (a block id belongs
         # to one group at a time, so their slots never meet)
         self.kv_caches = (
@@ -252,12 +296,13 @@ class ModelRunner:
         # with KV cache groups a position takes a block in every group (EngineInfo's count)
         num_groups = 1 if self.kv_groups is None else len(self.kv_groups)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens) in %s, %.1f MiB",
+            "KV cache: %d blocks of %d tokens (%d tokens) in %s, %.1f MiB%s",
             num_blocks,
             self.block_size,
             num_blocks // num_groups * self.block_size,
             str(self.kv_dtype).removeprefix("torch."),
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+            " (one plane: V aliases K)" if self.kv_planes == 1 else "",
         )
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)  # same block ids as the target's
@@ -655,6 +700,7 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
             self._to_device,
+            aliased_kv_planes=self.kv_planes == 1,
         )
         if self.lora is not None:
             self.lora.prepare_profile(num_tokens)  # the adapter matmuls' memory too
@@ -805,24 +851,26 @@ def dummy_prefill(
     kv_dtype: torch.dtype,
     device: torch.device,
     to_device: Callable[[np.ndarray], torch.Tensor],
+    *,
+    aliased_kv_planes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
     """``(input_ids, positions, ctx)`` of a memory-profiling forward over ``num_tokens``
     dummy tokens, split into prefills of at most ``max_model_len`` (as a real step would
     be), for a model of ``num_layers`` attention layers.
 
-    Their K/V are not cached (slot -1): ``ctx`` holds one-block dummy caches, and every
-    block id is 0, that block, so backends that read context through the block table stay
-    in it. ``to_device`` copies a host array to ``device``.
+    Their K/V are not cached (slot -1): ``ctx`` holds one-block dummy caches (with
+    ``aliased_kv_planes`` one plane seen as two, as the runner's real caches then are), and
+    every block id is 0, that block, so backends that read context through the block table
+    stay in it. ``to_device`` copies a host array to ``device``.
     """
     lengths = [max_model_len] * (num_tokens // max_model_len) + (
         [num_tokens % max_model_len] if num_tokens % max_model_len else []
     )
-    dummy_cache = [
-        torch.zeros(
-            kv_cache_shape(1, block_size, num_kv_heads, head_dim), dtype=kv_dtype, device=device
-        )
-        for _ in range(num_layers)
-    ]
+    planes = 1 if aliased_kv_planes else 2
+    shape = (1, planes, block_size, num_kv_heads, head_dim)
+    dummy_cache = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
+    if aliased_kv_planes:
+        dummy_cache = [alias_kv_planes(plane) for plane in dummy_cache]
     starts = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
     seq_lens = np.array(lengths, dtype=np.int32)
     metadata = AttentionMetadata(

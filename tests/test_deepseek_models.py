@@ -153,7 +153,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 class MlaRunner(Runner):
     """``Runner`` with the KV cache sized as the engine sizes it: by the model's
-    ``hf_config`` (one KV head per head, of the padded key/value width), not HF's."""
+    ``hf_config`` (one KV head, the latent), not HF's."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(model_dir, dtype)
@@ -208,10 +208,10 @@ def test_the_configs_are_read(model_dirs: dict[str, Path]) -> None:
     assert model.model.layers[0].self_attn.rotary_emb.interleaved
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
     assert type(model.model.layers[1].mlp).__name__ == "DeepseekMoE"
-    # the cache: one KV head per head, keys and values padded to one width; HF's config kept
+    # the cache: one KV head, the latent (kv_lora_rank 16 + rope 8); HF's config kept
     lite = MlaRunner(model_dirs["v2_lite"]).model
-    assert (lite.hf_config.head_dim, lite.hf_config.num_key_value_heads) == (32, 4)
-    assert (model.hf_config.head_dim, model.hf_config.num_key_value_heads) == (24, 4)
+    assert (lite.hf_config.head_dim, lite.hf_config.num_key_value_heads) == (24, 1)
+    assert (model.hf_config.head_dim, model.hf_config.num_key_value_heads) == (24, 1)
     assert tiny_config("v2").head_dim == 8
     halves = MlaRunner(model_dirs["v3_halves"]).model
     assert not halves.model.layers[0].self_attn.rotary_emb.interleaved
@@ -325,7 +325,7 @@ def test_each_rank_loads_its_heads(
         monkeypatch.setattr(parallel_state, "_GROUP", parallel_state.TensorParallelGroup(rank, 2))
         model = DeepseekV2ForCausalLM(config, ctx)
         assert len(model.load_weights(tensors.items())) == len(list(model.parameters()))
-        assert model.hf_config.num_key_value_heads == 4  # the runner shards it: 2 per rank
+        assert model.hf_config.num_key_value_heads == 1  # the latent: every rank keeps it
 
         ours = {n: p for n, p in model.named_parameters() if n.startswith(prefix)}
         whole = {n: t for n, t in tensors.items() if n.startswith(prefix)}

@@ -271,6 +271,7 @@ def test_triton_fp8_variants_compile_for_sm90(cache_type: str) -> None:
             dict(
                 NUM_HEADS=8 * group,
                 GROUP=group,
+                HEADS_PER_PROGRAM=group,
                 HEAD_DIM=128,
                 DIM_PAD=128,
                 BLOCK_SIZE=16,

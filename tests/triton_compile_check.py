@@ -91,12 +91,16 @@ def compile_attention_variant(
     sliding_window: bool = False,
     soft_cap: bool = False,
     sinks: bool = False,
+    heads_per_program: int | None = None,
+    dim_pad: int | None = None,
 ) -> Any:
     """Compile one ``_paged_attention_kernel`` variant, 8 kv heads of ``group`` query heads,
     as ``paged_attention`` launches it (16-row tiles are the decode variants: one query block
     per request). ``fp32``: a float32 model; otherwise bfloat16. ``sliding_window`` /
     ``soft_cap`` / ``sinks``: the variants of layers with a window / a logit soft cap /
-    attention sinks."""
+    attention sinks. ``heads_per_program`` (default: the group) splits a group over
+    programs; ``dim_pad`` (default: ``head_dim``) pads a head dim that is no power of two."""
+    heads = heads_per_program or group
     from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
 
     model_io = {n: "*fp32" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
@@ -106,10 +110,11 @@ def compile_attention_variant(
         dict(
             NUM_HEADS=8 * group,
             GROUP=group,
+            HEADS_PER_PROGRAM=heads,
             HEAD_DIM=head_dim,
-            DIM_PAD=head_dim,
+            DIM_PAD=dim_pad or head_dim,
             BLOCK_SIZE=16,
-            BLOCK_Q=block_m // group,
+            BLOCK_Q=block_m // heads,
             BLOCK_M=block_m,
             TILE_N=tile_n,
             SPLIT_KV=split,

@@ -36,6 +36,11 @@ Attention sinks (``sinks``, gpt-oss) run on every path too: the compiled kernels
 row's online softmax with the head's sink logit as its running maximum and a denominator of
 1 (a position of weight ``exp(sink)`` and no value), and the SDPA paths, which cannot apply
 them, compute the softmax explicitly in float32 with the sink in the denominator.
+
+The cache is addressed through its strides (:func:`cache_rows`, the kernels' ``stride(0)`` /
+``stride(1)``), never as one contiguous block of K and V planes, so a cache whose V plane
+aliases its K plane (``stride(1) == 0``: ``core.attention.alias_kv_planes``, DeepSeek's
+latent cache) works on every path (``supports_aliased_kv_planes``).
 """
 
 from __future__ import annotations
@@ -60,8 +65,9 @@ KERNEL_MAX_PREFILL_CONTEXT = 512
 @dataclass
 class _Prefill:
     token_slice: slice
-    #: rows of the flat K view holding the request's context (V rows are + block_size);
-    #: None when the chunk is the whole context (attend over the new K/V directly)
+    #: rows of the :func:`cache_rows` view holding the request's context K (V rows are + the
+    #: V plane's offset); None when the chunk is the whole context (attend over the new K/V
+    #: directly)
     k_rows: torch.Tensor | None
     #: [query_len, seq_len] bool, True = may attend; None when causal over the chunk itself
     mask: torch.Tensor | None
@@ -100,9 +106,9 @@ class _Rows:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     #: SDPA fallback only (no compiled kernels; then the rows are decodes), built on first use:
-    #: K-block indices into the [num_blocks * 2, block_size, KV, D] view, and the [n, 1, 1, L]
-    #: bool mask (True where a decode may attend)
-    k_blocks: torch.Tensor | None = None
+    #: the block ids each row reads, flattened (padding entries 0), and the [n, 1, 1, L] bool
+    #: mask (True where a decode may attend)
+    blocks: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     #: the same mask for layers with a sliding window, per window
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -123,7 +129,8 @@ class _Tiled:
 class _Plan:
     #: int64 cache slot of each of this step's tokens (-1: padding, not written)
     slots: torch.Tensor
-    #: flat-view rows where this step's K (and V = + block_size) go, only valid tokens
+    #: :func:`cache_rows` rows where this step's K go (V: + the V plane's offset), only
+    #: valid tokens
     write_k_rows: torch.Tensor
     write_tokens: torch.Tensor | None
     rows: _Rows | None
@@ -133,25 +140,51 @@ class _Plan:
     prefills: list[_Prefill]
     #: the whole output is the rows' output (no SDPA prefills, no padding)
     rows_only: bool
+    #: the cache layout the rows are of (:func:`cache_rows`)
+    rows_per_block: int
 
 
-def _context_rows(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Rows of the flat ``[num_blocks * 2 * block_size, kv_heads, dim]`` view holding K."""
+def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(rows, rows_per_block, v_offset)``: ``kv_cache`` ``[num_blocks, 2, block_size, KV,
+    D]`` seen through its strides as rows of ``[KV, D]`` (a view, no copy): K of slot ``s``
+    in block ``b`` is row ``b * rows_per_block + s``, its V ``v_offset`` rows later. A
+    contiguous cache has ``rows_per_block = 2 * block_size``, ``v_offset = block_size``; one
+    whose V plane aliases its K plane ``block_size`` and 0. Each position's ``[KV, D]`` must
+    be dense and the planes and blocks whole positions apart (``ValueError`` otherwise)."""
+    num_blocks, _, block_size, kv_heads, dim = kv_cache.shape
+    s_block, s_plane, s_pos, s_head, s_dim = kv_cache.stride()
+    if (s_dim, s_head, s_pos) != (1, dim, kv_heads * dim) or s_block % s_pos or s_plane % s_pos:
+        raise ValueError(
+            "cpu_paged needs each cache position's [kv_heads, head_dim] dense and the planes "
+            f"and blocks whole positions apart; got strides {kv_cache.stride()} for shape "
+            f"{tuple(kv_cache.shape)}"
+        )
+    rows_per_block, v_offset = s_block // s_pos, s_plane // s_pos
+    num_rows = (num_blocks - 1) * rows_per_block + v_offset + block_size
+    return kv_cache.as_strided((num_rows, kv_heads, dim), (s_pos, dim, 1)), rows_per_block, v_offset
+
+
+def _context_rows(
+    block_table_row: torch.Tensor, length: int, block_size: int, rows_per_block: int
+) -> torch.Tensor:
+    """Rows of the :func:`cache_rows` view holding the K of positions ``0 .. length - 1``."""
     pos = torch.arange(length, device=block_table_row.device)
     blocks = block_table_row[pos // block_size].long()
-    return blocks * (2 * block_size) + pos % block_size
+    return blocks * rows_per_block + pos % block_size
 
 
 def _make_plan(
     metadata: AttentionMetadata,
     block_size: int,
+    rows_per_block: int,
     num_rows: int,
     kernel_max_context: int,
     tile_prefills: bool = False,
 ) -> _Plan:
     """Every prefill chunk goes to the tiled prefill kernel when ``tile_prefills``; otherwise
     those whose context is at most ``kernel_max_context`` become rows of the row kernel, with
-    the decodes (0: no kernels, decodes take the SDPA row path), and longer ones go to SDPA."""
+    the decodes (0: no kernels, decodes take the SDPA row path), and longer ones go to SDPA.
+    Cache rows are :func:`cache_rows`' of a cache with ``rows_per_block``."""
     device = metadata.slot_mapping.device
     num_tokens = metadata.num_actual_tokens
     all_slots = slots = metadata.slot_mapping[:num_tokens].long().contiguous()
@@ -160,7 +193,7 @@ def _make_plan(
     write_tokens = None if all_valid else torch.nonzero(valid).squeeze(1)
     if not all_valid:
         slots = slots[valid]
-    write_k_rows = (slots // block_size) * (2 * block_size) + slots % block_size
+    write_k_rows = (slots // block_size) * rows_per_block + slots % block_size
 
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
@@ -187,7 +220,7 @@ def _make_plan(
         if query_len != seq_len:
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-            k_rows = _context_rows(metadata.block_table[i], seq_len, block_size)
+            k_rows = _context_rows(metadata.block_table[i], seq_len, block_size, rows_per_block)
         prefills.append(_Prefill(slice(starts[i], starts[i + 1]), k_rows, mask, seq_len))
     rows_plan = None
     if row_req:
@@ -218,7 +251,16 @@ def _make_plan(
         )
     rows_only = not prefills and tiled_plan is None and rows_plan is not None
     rows_only = rows_only and rows_plan.tokens is None and rows_plan.count == num_rows
-    return _Plan(all_slots, write_k_rows, write_tokens, rows_plan, tiled_plan, prefills, rows_only)
+    return _Plan(
+        all_slots,
+        write_k_rows,
+        write_tokens,
+        rows_plan,
+        tiled_plan,
+        prefills,
+        rows_only,
+        rows_per_block,
+    )
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -228,6 +270,8 @@ class CpuPagedAttention(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_attention_sinks = True
+    #: every path addresses the cache through its strides (the module docstring)
+    supports_aliased_kv_planes = True
 
     def __init__(
         self,
@@ -269,15 +313,23 @@ class CpuPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         block_size = kv_cache.shape[2]
-        plan = metadata.derived.get(_PLAN_KEY)
+        # [num_blocks, 2, block_size, KV, D] -> rows of [KV, D]; K of slot s in block b is row
+        # b * rows_per_block + s, its V is v_offset rows later (0: V aliases K)
+        flat, rows_per_block, v_offset = cache_rows(kv_cache)
+        # one plan per step and cache layout (every layer of a model has the same layout;
+        # a cache of another one on the same metadata gets a plan of its own beside it)
+        plan_key = _PLAN_KEY
+        plan = metadata.derived.get(plan_key)
+        if plan is not None and plan.rows_per_block != rows_per_block:
+            plan_key = f"{_PLAN_KEY}.{rows_per_block}"
+            plan = metadata.derived.get(plan_key)
         if plan is None:
             max_context = KERNEL_MAX_PREFILL_CONTEXT if self.kernels is not None else 0
             tile = self._tiles_prefills(query.dtype, kv_cache.dtype)
-            plan = _make_plan(metadata, block_size, query.shape[0], max_context, tile)
-            metadata.derived[_PLAN_KEY] = plan
-        # [num_blocks, 2, block_size, KV, D] -> rows of [KV, D]; K of slot s in block b is row
-        # b * 2 * block_size + s, its V is block_size rows later.
-        flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)
+            plan = _make_plan(
+                metadata, block_size, rows_per_block, query.shape[0], max_context, tile
+            )
+            metadata.derived[plan_key] = plan
         if self.kernels is not None and key.dtype == value.dtype == kv_cache.dtype:
             self.kernels.write_kv(key, value, kv_cache, plan.slots)
         else:
@@ -286,7 +338,7 @@ class CpuPagedAttention(AttentionBackend):
             if plan.write_tokens is not None:
                 new_k, new_v = new_k[plan.write_tokens], new_v[plan.write_tokens]
             flat.index_copy_(0, plan.write_k_rows, new_k.to(flat.dtype))
-            flat.index_copy_(0, plan.write_k_rows + block_size, new_v.to(flat.dtype))
+            flat.index_copy_(0, plan.write_k_rows + v_offset, new_v.to(flat.dtype))
 
         if plan.rows_only:
             assert plan.rows is not None
@@ -307,7 +359,7 @@ class CpuPagedAttention(AttentionBackend):
                 *self._kernel_options,
             )
         if self._kernel_options:
-            self._prefills_with_options(query, key, value, flat, block_size, plan, output)
+            self._prefills_with_options(query, key, value, flat, v_offset, plan, output)
         else:
             group = self.num_heads // self.num_kv_heads
             for prefill in plan.prefills:
@@ -322,7 +374,7 @@ class CpuPagedAttention(AttentionBackend):
                     k, v = key[prefill.token_slice], value[prefill.token_slice]
                 else:
                     k = flat.index_select(0, prefill.k_rows)
-                    v = flat.index_select(0, prefill.k_rows + block_size)
+                    v = flat.index_select(0, prefill.k_rows + v_offset)
                 out = F.scaled_dot_product_attention(
                     q,
                     heads(k),
@@ -362,7 +414,7 @@ class CpuPagedAttention(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         flat: torch.Tensor,
-        block_size: int,
+        v_offset: int,
         plan: _Plan,
         output: torch.Tensor,
     ) -> None:
@@ -377,7 +429,7 @@ class CpuPagedAttention(AttentionBackend):
                 k, v = key[prefill.token_slice][k_lo:], value[prefill.token_slice][k_lo:]
             else:
                 rows = prefill.k_rows[k_lo:]
-                k, v = flat.index_select(0, rows), flat.index_select(0, rows + block_size)
+                k, v = flat.index_select(0, rows), flat.index_select(0, rows + v_offset)
             q = query[prefill.token_slice].transpose(0, 1)  # [H, Q, D]
             # [L, KV, D] -> [H, L, D]
             k = k.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
@@ -393,20 +445,21 @@ class CpuPagedAttention(AttentionBackend):
     def _decode_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Rows) -> torch.Tensor:
         """Torch fallback: whole context blocks gathered, the GQA group as the query length.
 
-        One ``index_select`` each for K and V over the ``[num_blocks * 2, block_size, KV, D]``
-        view leaves them contiguous as ``[n, L, KV, D]``; the query heads of a group become the
-        query *length* of a ``[n, KV, group, D]`` query, so SDPA's fused kernel runs once
-        without repeating K/V heads (no causal mask: every row sees its whole context).
+        One ``index_select`` each from the K plane ``kv_cache[:, 0]`` and the V plane
+        ``kv_cache[:, 1]`` (``[num_blocks, block_size, KV, D]`` views) leaves them contiguous
+        as ``[n, L, KV, D]``; the query heads of a group become the query *length* of a
+        ``[n, KV, group, D]`` query, so SDPA's fused kernel runs once without repeating K/V
+        heads (no causal mask: every row sees its whole context).
         """
         batch, kv_heads, dim = plan.count, self.num_kv_heads, self.head_dim
         block_size = kv_cache.shape[2]
-        if plan.k_blocks is None or plan.mask is None:
+        if plan.blocks is None or plan.mask is None:
             num_blocks = plan.block_table.shape[1]
             lens = plan.seq_lens[:, None].long()
             used = torch.arange(num_blocks, device=q.device)[None, :] * block_size < lens
             # Blocks past a request's length are padding (their table entries arbitrary):
             # read block 0 there, masked out below.
-            plan.k_blocks = (torch.where(used, plan.block_table.long(), 0) * 2).reshape(-1)
+            plan.blocks = torch.where(used, plan.block_table.long(), 0).reshape(-1)
             pos = torch.arange(num_blocks * block_size, device=q.device)
             plan.mask = (pos[None, :] < lens)[:, None, None, :]
         mask = plan.mask
@@ -418,18 +471,18 @@ class CpuPagedAttention(AttentionBackend):
                 lens = plan.seq_lens[:, None].long()
                 in_window = (pos[None, :] >= lens - window)[:, None, None, :]
                 mask = plan.window_masks[window] = plan.mask & in_window
-        planes = kv_cache.view(-1, *kv_cache.shape[2:])  # [num_blocks * 2, bs, KV, D]
         length = mask.shape[-1]
+        blocks = plan.blocks
 
-        def context(ids: torch.Tensor) -> torch.Tensor:  # -> [n, KV, L, D] (a strided view)
-            gathered = planes.index_select(0, ids).to(q.dtype)
+        def context(plane: torch.Tensor) -> torch.Tensor:  # -> [n, KV, L, D] (a strided view)
+            gathered = plane.index_select(0, blocks).to(q.dtype)
             return gathered.view(batch, length, kv_heads, dim).transpose(1, 2)
 
         if self.logits_soft_cap is not None or self.sinks is not None:
             out = _explicit_attention(
                 q.reshape(batch, kv_heads, -1, dim),
-                context(plan.k_blocks),
-                context(plan.k_blocks + 1),
+                context(kv_cache[:, 0]),
+                context(kv_cache[:, 1]),
                 mask,
                 self.scale,
                 self.logits_soft_cap,
@@ -438,8 +491,8 @@ class CpuPagedAttention(AttentionBackend):
             return out.reshape(batch, self.num_heads, dim)
         out = F.scaled_dot_product_attention(
             q.reshape(batch, kv_heads, -1, dim),
-            context(plan.k_blocks),
-            context(plan.k_blocks + 1),
+            context(kv_cache[:, 0]),
+            context(kv_cache[:, 1]),
             attn_mask=mask,
             scale=self.scale,
         )

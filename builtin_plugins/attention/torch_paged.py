@@ -32,6 +32,9 @@ class TorchPagedAttention(AttentionBackend):
     supports_attention_sinks = True
     supported_kv_cache_dtypes = FP8_KV_DTYPES  # both, via quantize_kv
     fp8_kv_cache_needs_device_support = False  # torch's conversions run anywhere
+    #: the planes are only indexed (``kv_cache[blocks, 0, offsets]``, ``kv_cache[ids]``),
+    #: never viewed as one contiguous tensor: a V plane aliasing the K plane works
+    supports_aliased_kv_planes = True
 
     def forward(
         self,

@@ -19,6 +19,11 @@ An 8-bit KV cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``) is one more compile-
 the write kernel quantizes (``k / k_scale``, saturated, rounded to nearest even) and the
 attention kernel widens each loaded tile to the compute dtype; no host read either way.
 
+Heads wider than 256 (DeepSeek's latent cache: one KV head of 576 shared by every query
+head, in a cache whose V plane aliases its K plane) are padded to a power of two and masked,
+and a large query-head group is split over programs so that each one's tiles fit the shared
+memory (``triton_paged_kernels.choose_launch_config``).
+
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
 is for tests; otherwise they raise ``ValueError``.
 """
@@ -55,6 +60,9 @@ class TritonPagedAttention(AttentionBackend):
     supports_attention_sinks: ClassVar[bool] = True
     #: quantized on write, widened in the kernel on read (see the module docstring)
     supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = kernels.FP8_KV_DTYPES
+    #: both kernels take the K and V planes as ``kv_cache[:, 0]`` / ``kv_cache[:, 1]`` with
+    #: the cache's strides: a V plane aliasing the K plane works
+    supports_aliased_kv_planes: ClassVar[bool] = True
 
     def forward(
         self,

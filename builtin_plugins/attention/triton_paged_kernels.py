@@ -166,12 +166,17 @@ def write_kv_cache(
 # Unified paged attention (prefill chunks over cached prefixes + decodes in one launch)
 # ---------------------------------------------------------------------------------------------
 #
-# Grid: (query blocks, kv heads, kv splits). A program owns BLOCK_Q consecutive query tokens of
-# one request and all GROUP query heads that share one kv head, i.e. BLOCK_M = BLOCK_Q * GROUP
-# rows (row r = token r // GROUP, head r % GROUP), so every K/V tile it loads serves the whole
-# group. Request i's query blocks are numbered from qsl[i] // BLOCK_Q + i, which leaves each
-# request at least ceil(q_len_i / BLOCK_Q) numbers; the total is T // BLOCK_Q + num_reqs, known
-# on the host without reading the device. A program finds its request by binary search over
+# Grid: (query blocks, head programs, kv splits). A program owns BLOCK_Q consecutive query
+# tokens of one request and HEADS_PER_PROGRAM query heads that share one kv head, i.e.
+# BLOCK_M = BLOCK_Q * HEADS_PER_PROGRAM rows (row r = token r // HEADS_PER_PROGRAM, head
+# r % HEADS_PER_PROGRAM), so every K/V tile it loads serves them all. HEADS_PER_PROGRAM is the
+# whole GQA group (one head program per kv head), except for heads too wide for a group's rows
+# to fit the GPU's shared memory (DeepSeek's 576-wide latent shared by up to 128 query heads):
+# then a group is split over GROUP // HEADS_PER_PROGRAM programs, head program p covering query
+# heads p * HEADS_PER_PROGRAM onwards, of kv head p // (GROUP // HEADS_PER_PROGRAM). Request
+# i's query blocks are numbered from qsl[i] // BLOCK_Q + i, which leaves each request at least
+# ceil(q_len_i / BLOCK_Q) numbers; the total is T // BLOCK_Q + num_reqs, known on the host
+# without reading the device. A program finds its request by binary search over
 # query_start_loc and exits at once when its block lies past the request's query. When every
 # request's query fits one block (decode-like steps, ONE_BLOCK_PER_REQ) the grid is num_reqs
 # instead and program r is request r: no search, no idle programs.
@@ -222,6 +227,7 @@ def _paged_attention_kernel(
     v_scale,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -236,7 +242,8 @@ def _paged_attention_kernel(
     HAS_SINKS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head_program = tl.program_id(1)
+    kv_head = head_program // (GROUP // HEADS_PER_PROGRAM)
     split = tl.program_id(2)
 
     if ONE_BLOCK_PER_REQ:
@@ -266,10 +273,10 @@ def _paged_attention_kernel(
     prefix_len = seq_len - q_len  # context tokens cached before this step's chunk
 
     rows = tl.arange(0, BLOCK_M)
-    tok_in_block = rows // GROUP
+    tok_in_block = rows // HEADS_PER_PROGRAM
     q_idx = first_q + tok_in_block  # index of the row's token within the request's query
     row_valid = (tok_in_block < BLOCK_Q) & (q_idx < q_len)
-    q_head = kv_head * GROUP + rows % GROUP
+    q_head = head_program * HEADS_PER_PROGRAM + rows % HEADS_PER_PROGRAM
     # last context position each row may attend to (causal over prefix + chunk)
     q_pos = prefix_len + q_idx
     dims = tl.arange(0, DIM_PAD)
@@ -444,6 +451,27 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    #: query heads of one GQA group per program (a divisor of the group); ``None``: the
+    #: whole group. ``block_q`` is then ``block_m // heads_per_program``
+    heads_per_program: int | None = None
+
+    def heads_of(self, group: int) -> int:
+        """The query heads one program takes of a group of ``group``."""
+        return group if self.heads_per_program is None else self.heads_per_program
+
+
+#: head dims up to this keep a GQA group's rows in one program; wider heads (DeepSeek's
+#: 576-wide latent, padded to 1024) take 16 rows of 16-position tiles, which a group of 128
+#: query heads would overflow the shared memory with (~165 KB for 16 rows of 32-position
+#: tiles, ~99 KB of 16-position ones; 512 KB for 128 rows, compiled for Hopper): their
+#: group is split over programs of at most :data:`WIDE_HEAD_ROWS` heads
+MAX_GROUPED_HEAD_DIM = 256
+WIDE_HEAD_ROWS = 16
+
+
+def _heads_per_program(group: int) -> int:
+    """The largest divisor of ``group`` up to :data:`WIDE_HEAD_ROWS`."""
+    return max(d for d in range(1, min(group, WIDE_HEAD_ROWS) + 1) if group % d == 0)
 
 
 @lru_cache(maxsize=8)
@@ -473,19 +501,32 @@ def choose_launch_config(
     request's actual ``seq_len``, so a CUDA graph captured with one ``max_seq_len`` replays
     correctly with others. With ``sliding_window`` a block reads at most about the window's
     positions, which bounds the useful split count instead of ``max_seq_len``. ``num_splits``
-    forces a split count (tests).
+    forces a split count (tests). Heads wider than :data:`MAX_GROUPED_HEAD_DIM` (DeepSeek's
+    576-wide latent) take 16 rows of 16-position tiles with 8 warps, a GQA group of more
+    than 16 heads split over programs (``heads_per_program``), so one program's tiles fit
+    the shared memory.
     """
     group = num_heads // num_kv_heads
-    rows = max(1, max_query_len) * group
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
-    decode_like = max_query_len <= block_q
-    tile_n = 32 if decode_like else 64
+    heads_per_program = None
+    if head_dim > MAX_GROUPED_HEAD_DIM:
+        # wide heads: 16 rows, 16-position tiles, the group split over programs if need be
+        heads = _heads_per_program(group)
+        heads_per_program = None if heads == group else heads
+        block_m, block_q = WIDE_HEAD_ROWS, WIDE_HEAD_ROWS // heads
+        decode_like = max_query_len <= block_q
+        tile_n = 16
+    else:
+        rows = max(1, max_query_len) * group
+        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        block_m = max(block_m, triton.next_power_of_2(group))
+        block_q = block_m // group
+        decode_like = max_query_len <= block_q
+        tile_n = 32 if decode_like else 64
     if num_splits is None:
         num_splits = 1
         if decode_like and device.type == "cuda":
-            programs = max(1, num_reqs) * num_kv_heads  # one query block per request
+            # one query block per request, one program per head program
+            programs = max(1, num_reqs) * num_heads // (heads_per_program or group)
             target = 2 * _multiprocessor_count(device)
             kv_len = max_seq_len
             if sliding_window is not None:  # + a tile: the window's start is not tile-aligned
@@ -494,8 +535,12 @@ def choose_launch_config(
             num_splits = max(1, min(MAX_KV_SPLITS, math.ceil(target / programs), max_useful))
     elif not 1 <= num_splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_KV_SPLITS}; got {num_splits}")
-    num_warps = 4 if block_m <= 32 or head_dim <= 64 else 8
-    return LaunchConfig(block_m, block_q, tile_n, num_splits, num_warps, num_stages=2)
+    # (wide heads: a 16 x 1024 float32 accumulator is 128 registers a thread over 4 warps)
+    wide = head_dim > MAX_GROUPED_HEAD_DIM
+    num_warps = 4 if (block_m <= 32 or head_dim <= 64) and not wide else 8
+    return LaunchConfig(
+        block_m, block_q, tile_n, num_splits, num_warps, 2, heads_per_program=heads_per_program
+    )
 
 
 def paged_attention(
@@ -541,8 +586,9 @@ def paged_attention(
     :param v_scale: the same for V
     :param config: launch with these tiles instead of :func:`choose_launch_config`'s (tuning
         sweeps; any valid config gives the same result): ``block_m`` a power of two and a
-        multiple of the GQA group with ``block_q == block_m // group``, ``tile_n`` a power of
-        two >= 16, ``num_splits`` in 1..:data:`MAX_KV_SPLITS`
+        multiple of the heads per program (``heads_per_program``, a divisor of the GQA group;
+        unset: the group) with ``block_q == block_m // heads``, ``tile_n`` a power of two
+        >= 16, ``num_splits`` in 1..:data:`MAX_KV_SPLITS`
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -608,7 +654,8 @@ def paged_attention(
     # need no search for it; otherwise query blocks are numbered across requests (see the kernel).
     one_block_per_req = max_query_len <= config.block_q
     num_q_blocks = num_reqs if one_block_per_req else num_tokens // config.block_q + num_reqs
-    grid = (num_q_blocks, num_kv_heads, splits)
+    heads_per_program = config.heads_of(num_heads // num_kv_heads)
+    grid = (num_q_blocks, num_heads // heads_per_program, splits)
     # unused by the kernel without the option (constexpr-gated); 0 and 1.0 keep the types fixed
     cap = logits_soft_cap or 1.0
     scale = scale * k_scale  # q . (k_scale * stored k) = k_scale * (q . stored k)
@@ -641,6 +688,7 @@ def paged_attention(
         float(v_scale),
         NUM_HEADS=num_heads,
         GROUP=group,
+        HEADS_PER_PROGRAM=heads_per_program,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         BLOCK_SIZE=kv_cache.shape[2],
@@ -682,13 +730,18 @@ def _check_config(config: LaunchConfig, group: int) -> None:
         return n >= 1 and n & (n - 1) == 0
 
     problems = []
-    if not power_of_two(config.block_m) or config.block_m < 16 or config.block_m % group:
+    heads = config.heads_of(group)
+    if heads < 1 or group % heads:
+        problems.append(f"heads_per_program {heads} must divide the GQA group {group}")
+        heads = group
+    if not power_of_two(config.block_m) or config.block_m < 16 or config.block_m % heads:
         problems.append(
             f"block_m {config.block_m} must be a power of two >= 16 and a multiple of "
-            f"the GQA group {group}"
+            f"the heads per program {heads} (GQA group {group})"
         )
-    if config.block_q != config.block_m // group:
-        problems.append(f"block_q must be block_m // group = {config.block_m // group}")
+    if config.block_q != config.block_m // heads:
+        what = "group" if heads == group else "heads_per_program"
+        problems.append(f"block_q must be block_m // {what} = {config.block_m // heads}")
     if not power_of_two(config.tile_n) or config.tile_n < 16:
         problems.append(f"tile_n {config.tile_n} must be a power of two >= 16")
     if not 1 <= config.num_splits <= MAX_KV_SPLITS:

@@ -39,18 +39,34 @@ its attention and its MLP:
   ``routed_scaling_factor``, never renormalized (HF's V2 ignores ``norm_topk_prob``). The
   dense and shared MLPs take ``mlp_bias``.
 
-**KV cache (a known limit).** The paged cache holds each layer's expanded per-head keys and
-values, ``H`` heads of ``max(qk_head_dim, v_head_dim)`` each (values zero-padded to the key
-width; the attention output is cut back), not the compressed latent
-(``kv_lora_rank + qk_rope_head_dim`` per token) that MLA exists to cache (vLLM caches it).
-For DeepSeek-V3 (128 heads of 192) that is ``2 * 128 * 192 = 49152`` numbers per token and
-layer instead of 576: about 85 times the memory, so a given memory holds that many times
-fewer tokens. The model presents the runner a config whose ``head_dim`` and
-``num_key_value_heads`` describe this cache (:meth:`DeepseekV2ForCausalLM.kv_cache_config`).
+**KV cache: the latent.** The paged cache holds, per token and layer, one vector of
+``kv_lora_rank + qk_rope_head_dim`` (576 for V2-Lite, V3 and Kimi K2):
+``kv_a_layernorm(latent) ‖ rope(k_pe)``, the key of one KV head that every query head
+shares (multi-query attention) and its value too. ``kv_b_proj`` is absorbed rather than
+applied to the latent: with ``W_UK[h]`` / ``W_UV[h]`` the ``k_nope`` / value rows of head
+``h`` in ``kv_b_proj.weight`` (``[qk_nope_head_dim, kv_lora_rank]`` /
+``[v_head_dim, kv_lora_rank]``),
+
+- the query of head ``h`` is ``W_UK[h]^T q_nope[h] ‖ rope(q_pe[h])``, so its dot product with
+  the cached vector is ``q_nope[h] . k_nope[h] + q_pe[h] . rope(k_pe)``, the expanded form's
+  score (same softmax scale);
+- the first ``kv_lora_rank`` columns of head ``h``'s attention output (the softmax-weighted
+  latents) times ``W_UV[h]^T`` are its value output, then ``o_proj``.
+
+The two matrices are views of ``kv_b_proj.weight`` taken at every forward (batched
+matmuls), so loading, tensor-parallel shares and sleep mode's weight release work on the
+one parameter. Since every layer passes the same tensor as key and value
+(:attr:`DeepseekV2ForCausalLM.kv_cache_values_are_keys`), the runner stores one plane where
+the backend allows (``AttentionBackend.supports_aliased_kv_planes``). The cost: attention
+math is ``kv_lora_rank + qk_rope_head_dim`` wide per head in prefill too (vLLM expands the
+latent with ``kv_b_proj`` for prefill and absorbs only for decode; not done here).
+The model presents the runner a config whose ``head_dim`` and ``num_key_value_heads``
+describe this cache (:meth:`DeepseekV2ForCausalLM.kv_cache_config`).
 
 Tensor parallel: each rank keeps ``1/N`` of the heads (rows of ``q_proj``/``q_b_proj`` and
 ``kv_b_proj``, columns of ``o_proj``; ``o_proj``'s bias on rank 0), the low-rank
-projections, their norms and the router whole; experts and the shared and dense MLPs split
+projections, their norms and the router whole, and the whole latent cache (its one KV head
+replicated); experts and the shared and dense MLPs split
 their intermediate columns as the other MoE models do (``--enable-expert-parallel``: whole
 experts per rank). Attention and the MLP all-reduce once each.
 """
@@ -117,8 +133,8 @@ class MlaSpec:
 
     @property
     def cache_head_dim(self) -> int:
-        """Each head's width in the paged cache: keys and values padded to one width."""
-        return max(self.qk_head_dim, self.v_head_dim)
+        """The width of the paged cache's one KV head: the latent and ``k_pe``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
     def from_config(cls, hf_config: Any) -> MlaSpec:
@@ -166,9 +182,17 @@ def mscale_correction(params: dict[str, Any]) -> float:
     return mscale * mscale
 
 
+class LatentUpProjection(nn.Linear):
+    """``kv_b_proj``: loaded as HF's ``nn.Linear`` but never called; MLA reads its weight as
+    per-head matrices (:class:`MultiHeadLatentAttention`). A class of its own so that what
+    replaces plain ``nn.Linear`` layers (4-bit packing, the CPU's packed bf16 layers) leaves
+    it a dense weight."""
+
+
 class MultiHeadLatentAttention(nn.Module):
-    """MLA (the module docstring) over this rank's heads: ``forward(positions, x, ctx)``,
-    summed over the tensor-parallel group. Module names are HF's."""
+    """MLA (the module docstring) over this rank's heads, on the latent cache:
+    ``forward(positions, x, ctx)``, summed over the tensor-parallel group. Module names are
+    HF's."""
 
     def __init__(
         self,
@@ -195,15 +219,15 @@ class MultiHeadLatentAttention(nn.Module):
             hidden, spec.kv_lora_rank + spec.qk_rope_head_dim, bias=spec.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, LOW_RANK_NORM_EPS)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = LatentUpProjection(
             spec.kv_lora_rank, heads * (spec.qk_nope_head_dim + spec.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(heads * spec.v_head_dim, hidden, bias=spec.attention_bias)
         self.rotary_emb = rotary_emb  # over qk_rope_head_dim, shared by all layers
-        cache_dim = spec.cache_head_dim
-        # one KV head per query head: the keys and values are per head after kv_b_proj
+        # one KV head (the latent) shared by every query head; q . k is the expanded form's
+        # score, so the softmax scale is unchanged
         self.attn = Attention(
-            heads, cache_dim, heads, spec.scale, layer_idx, build_ctx.attention_backend
+            heads, spec.cache_head_dim, 1, spec.scale, layer_idx, build_ctx.attention_backend
         )
 
     def forward(
@@ -211,33 +235,33 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         spec, heads = self.spec, self.num_heads
         num_tokens = hidden_states.shape[0]
-        nope, rope_dim, v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        nope, rope_dim, rank = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
         if spec.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         q = q.view(num_tokens, heads, spec.qk_head_dim)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
-            [spec.kv_lora_rank, rope_dim], dim=-1
-        )
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent.contiguous()))
-        k_nope, v = kv.view(num_tokens, heads, nope + v_dim).split([nope, v_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
         # RoPE on the position part only (contiguous copies: a kernel may rotate in place)
         q_pe, k_pe = self.rotary_emb(
             positions,
             q[..., nope:].contiguous(),
             k_pe.reshape(num_tokens, 1, rope_dim).contiguous(),
         )
-        q = torch.cat((q[..., :nope], q_pe), dim=-1)
-        k = torch.cat((k_nope, k_pe.expand(num_tokens, heads, rope_dim)), dim=-1)
-        cache_dim = spec.cache_head_dim
-        if spec.qk_head_dim < cache_dim:  # zero dimensions add nothing to q . k
-            q = F.pad(q, (0, cache_dim - spec.qk_head_dim))
-            k = F.pad(k, (0, cache_dim - spec.qk_head_dim))
-        if v_dim < cache_dim:  # the padded value dimensions come out zero and are cut off
-            v = F.pad(v, (0, cache_dim - v_dim))
-        out = self.attn(q, k, v.contiguous(), ctx).view(num_tokens, heads, cache_dim)
-        out = out[..., :v_dim].reshape(num_tokens, heads * v_dim)
+        # this rank's heads' rows of kv_b_proj: W_UK [H, nope, rank], W_UV [H, v, rank]
+        w_uk, w_uv = self.kv_b_proj.weight.view(heads, nope + spec.v_head_dim, rank).split(
+            [nope, spec.v_head_dim], dim=1
+        )
+        # q_lat[t, h] = W_UK[h]^T q_nope[t, h]: [H, T, nope] @ [H, nope, rank] -> [H, T, rank]
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
+        query = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, rank + rope]
+        cached = torch.cat((latent, k_pe.view(num_tokens, rope_dim)), dim=-1)  # [T, 576-like]
+        out = self.attn(query, cached, cached, ctx).view(num_tokens, heads, spec.cache_head_dim)
+        # each head's value output: W_UV[h] times its weighted latent (the first rank columns)
+        # [H, T, rank] @ [H, rank, v] -> [H, T, v]
+        values = torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2))
+        out = values.transpose(0, 1).reshape(num_tokens, heads * spec.v_head_dim)
         # Each rank holds some heads: o_proj's partial sums add up to the whole output.
         return parallel_state.all_reduce(self.o_proj(out))
 
@@ -506,6 +530,8 @@ class DeepseekV2ForCausalLM(DeepseekMoeForCausalLM):
     #: MLA's projections load into modules of their own names; only the dense and shared
     #: MLPs merge gate and up
     merged_projections = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    #: every layer passes its cached latent vector as key and value: one cache plane holds it
+    kv_cache_values_are_keys = True
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         self.mla = MlaSpec.from_config(hf_config)
@@ -515,12 +541,12 @@ class DeepseekV2ForCausalLM(DeepseekMoeForCausalLM):
 
     def kv_cache_config(self, hf_config: Any) -> Any:
         """A copy of the config whose ``head_dim`` and ``num_key_value_heads`` are the
-        paged cache's: one KV head per attention head, of ``max(qk_head_dim, v_head_dim)``
-        (the expanded keys and values, not the latent: the module docstring). HF's own
-        ``head_dim`` is ``qk_rope_head_dim``, which the cache must not be sized by."""
+        paged cache's: one KV head of ``kv_lora_rank + qk_rope_head_dim``, the latent (the
+        module docstring), which tensor-parallel ranks replicate. HF's own ``head_dim`` is
+        ``qk_rope_head_dim``, which the cache must not be sized by."""
         view = copy.copy(hf_config)
         view.head_dim = self.mla.cache_head_dim
-        view.num_key_value_heads = self.mla.num_heads
+        view.num_key_value_heads = 1
         return view
 
     @classmethod

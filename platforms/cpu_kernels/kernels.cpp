@@ -173,6 +173,18 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.stride(1) == 1, name, " must have contiguous rows");
 }
 
+// A paged cache [num_blocks, 2, block_size, kv_heads, head_dim] whose positions are dense
+// rows of [kv_heads, head_dim]. Blocks and the V plane are reached by stride(0) and stride(1)
+// only, never an assumed offset: a contiguous cache, or one whose V plane aliases its K plane
+// (stride(1) == 0, a model whose values are its keys), or any other such view.
+void check_kv_cache(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.stride(4) == 1 &&
+                  kv_cache.stride(3) == kv_cache.size(4) &&
+                  kv_cache.stride(2) == kv_cache.size(3) * kv_cache.size(4),
+              "kv_cache must be [num_blocks, 2, block_size, kv_heads, head_dim] with each "
+              "position's [kv_heads, head_dim] dense");
+}
+
 // RMSNorm of each row of `x` (after adding `residual` when given; the rounded sum is written
 // to `sum_out`): out = round(w * round(s * rsqrt(mean(s^2) + eps))), statistics in float32.
 template <typename T>
@@ -944,8 +956,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0,
               "sliding_window and soft_cap must be >= 0 (0: off)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [B, H, D], D contiguous");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
-              "kv_cache must be contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
+  check_kv_cache(kv_cache);
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache must have query's dtype");
   TORCH_CHECK(kv_cache.size(2) > 0 && kv_cache.size(3) > 0,
               "kv_cache needs a positive block size and kv head count");
@@ -1008,8 +1019,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 &&
                   out.stride(1) == out.size(2) && out.scalar_type() == query.scalar_type(),
               "out must be like query");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
-              "kv_cache must be contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
+  check_kv_cache(kv_cache);
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache must have query's dtype");
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
               "head_dim must match and heads must be a multiple of kv_heads");
@@ -1127,8 +1137,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 // `index_copy_` of K and V takes from Python.
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
               const at::Tensor& slots) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
-              "kv_cache must be contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
+  check_kv_cache(kv_cache);
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == kv_cache.size(3) &&
                   key.size(2) == kv_cache.size(4),
               "key and value must be [tokens, kv_heads, head_dim] of the cache's shape");

@@ -68,7 +68,13 @@ def main() -> None:
         grid = itertools.product(TILE_N, NUM_WARPS, NUM_STAGES, splits)
         for tile_n, warps, stages, num_splits in grid:
             config = kernels.LaunchConfig(
-                default.block_m, default.block_q, tile_n, num_splits, warps, stages
+                default.block_m,
+                default.block_q,
+                tile_n,
+                num_splits,
+                warps,
+                stages,
+                heads_per_program=default.heads_per_program,
             )
             try:
                 us = do_bench(partial(_launch, args, config)) * 1e3
