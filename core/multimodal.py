@@ -21,8 +21,8 @@ import msgspec
 import numpy as np
 import torch
 
-#: the modalities a request may carry
-MODALITIES = ("image",)
+#: the modalities a request may carry (videos: Qwen2-VL and Qwen2.5-VL)
+MODALITIES = ("image", "video")
 
 
 class MultiModalTensor(msgspec.Struct, array_like=True, frozen=True):

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from chassis.core.multimodal import MultiModalFeature
     from chassis.core.multimodal_processing import MultiModalProcessor
 
-#: the modalities ``multi_modal_data`` may name (vLLM's); the models here take images only
+#: the modalities ``multi_modal_data`` may name (vLLM's); the models here take images, and
+#: Qwen2-VL / Qwen2.5-VL videos
 MULTIMODAL_INPUT_MODALITIES = ("image", "video", "audio")
 
 
@@ -157,16 +158,29 @@ class MultiModalInputs:
 
 def multimodal_items(multi_modal_data: Mapping[str, Any]) -> dict[str, list[Any]]:
     """vLLM's ``multi_modal_data`` as modality -> its items in order: one item alone (an
-    image) is a list of one; ``ValueError`` when it is not a mapping."""
+    image) is a list of one; ``ValueError`` when it is not a mapping. As in vLLM, a
+    ``"video"`` list of PIL images is ONE video (its frames); a list of arrays or of frame
+    lists is several videos."""
     if not isinstance(multi_modal_data, Mapping):
         raise ValueError(
             'multi_modal_data must be a dict like {"image": image} or {"image": [images]}; '
             f"got {type(multi_modal_data).__name__}"
         )
     return {
-        str(modality): list(value) if isinstance(value, list | tuple) else [value]
+        str(modality): list(value)
+        if isinstance(value, list | tuple) and not _is_frame_list(modality, value)
+        else [value]
         for modality, value in multi_modal_data.items()
     }
+
+
+def _is_frame_list(modality: str, value: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one video given as a list of PIL frames."""
+    if modality != "video" or not value:
+        return False
+    from PIL import Image
+
+    return all(isinstance(frame, Image.Image) for frame in value)
 
 
 def shift_features(features: list[MultiModalFeature], dropped: int) -> list[MultiModalFeature]:

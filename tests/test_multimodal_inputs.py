@@ -163,7 +163,7 @@ def test_token_id_prompts_and_processor_kwargs(vl_dir: Path, vl_processor: Input
     assert small.mm_features[0].length == 4
     assert torch.equal(small.mm_features[0].tensors()["pixel_values"], hf["pixel_values"])
     for kwargs, match in (
-        ({"fps": 2}, "fps not supported"),
+        ({"num_frames": 2}, "num_frames not supported"),
         ({"max_pixels": 0}, "integer > 0"),
         ({"min_pixels": 9000, "max_pixels": 3000}, "must not exceed"),
     ):
@@ -190,7 +190,7 @@ def test_placeholder_counts_must_match_the_images(vl_processor: InputProcessor) 
     assert plain.mm_features == []
     with pytest.raises(ValueError, match=r"must be a PIL\.Image\.Image"):
         vl_processor.process(PROMPT_1, params, "e", multi_modal_data={"image": [[1, 2]]})
-    with pytest.raises(ValueError, match="takes image inputs, not video"):
+    with pytest.raises(ValueError, match=r"has 0 video placeholder.*but 1 video\(s\)"):
         vl_processor.process(PROMPT_1, params, "f", multi_modal_data={"video": [two[0]]})
     with pytest.raises(ValueError, match="unknown modality 'picture'"):
         vl_processor.process(PROMPT_1, params, "g", multi_modal_data={"picture": two[0]})
@@ -513,7 +513,12 @@ def test_server_chat_with_images(
                     "use_beam_search",
                     "beam",
                 ),
-                ([image_url(_data_url(image))], {"mm_processor_kwargs": {"fps": 1}}, None, "fps"),
+                (
+                    [image_url(_data_url(image))],
+                    {"mm_processor_kwargs": {"num_frames": 1}},
+                    None,
+                    "num_frames",
+                ),
             ):
                 refused = chat(*parts, **extra)
                 assert refused.status_code == 400, refused.text

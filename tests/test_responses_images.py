@@ -263,7 +263,7 @@ def test_tokenize_expands_images_with_the_request_processor_settings(vl: VL) -> 
     assert full.json()["count"] - small.json()["count"] == 16 - 4  # 112 px: 16 tokens; 56: 4
     assert full.json()["token_strs"].count("<|image_pad|>") == 16
     for body, param, match in (
-        ({"mm_processor_kwargs": {"fps": 1}}, None, "fps"),
+        ({"mm_processor_kwargs": {"num_frames": 1}}, None, "num_frames"),
         (
             {"messages": [_user(_chat_image("data:image/png;base64,@@"))]},
             "messages.0.content",

@@ -14,7 +14,11 @@ the three components are equal and the rotation is plain RoPE with the text conf
 ``rope_theta``: the runner passes ``[T]`` positions then, and ``[3, T]`` for a step with
 image tokens.
 
-Images only: no video (``pixel_values_videos``), which the front-end refuses.
+Videos (Qwen2-VL and Qwen2.5-VL, not Qwen3-VL): the caller's frames
+(:mod:`.qwen2_vl_media`) go through the same tower (``pixel_values_videos``,
+``video_grid_thw``; Qwen2.5-VL's windows per frame grid); a video's temporal positions step
+by 1 per temporal patch (Qwen2-VL) or by ``tokens_per_second * second_per_grid_t``
+(Qwen2.5-VL), as transformers' ``get_rope_index``.
 
 :class:`QwenVLImages` is the part shared with Qwen3-VL (:mod:`.qwen3_vl`): the tower's
 weights and inputs, the image processor and the M-RoPE positions.
@@ -42,6 +46,11 @@ from chassis.core.multimodal import MultiModalFeature
 _VISION_PREFIXES = ("visual.", "model.visual.")
 #: (checkpoint-name prefix, ours) of the language model, the first that matches applies
 _LANGUAGE_PREFIXES = (("model.language_model.", "model."),)
+#: modality -> the names of its (patches, grid) inputs
+_INPUT_NAMES = {
+    "image": ("pixel_values", "image_grid_thw"),
+    "video": ("pixel_values_videos", "video_grid_thw"),
+}
 
 
 def vision_tower(hf_config: Any) -> nn.Module:
@@ -92,6 +101,7 @@ class QwenVLImages:
         super().__init__(hf_config, build_ctx)  # type: ignore[call-arg]
         self.visual = self.build_vision_tower(hf_config)
         self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
+        self.hf_config_vision = hf_config.vision_config
 
     def build_vision_tower(self, hf_config: Any) -> nn.Module:
         """The vision tower of ``hf_config.vision_config`` (parameter names: the
@@ -126,13 +136,20 @@ class QwenVLImages:
     def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """An image's rows: ``inputs`` ``pixel_values [patches, C*T*P*P]`` and
         ``image_grid_thw [1, 3]`` -> :meth:`image_rows`, ``t * h * w / merge**2`` rows (model
-        dtype). ``ValueError`` for another modality, a missing input or mismatched shapes."""
-        if modality != "image":
-            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
-        missing = [name for name in ("pixel_values", "image_grid_thw") if name not in inputs]
+        dtype); a video's (a class whose :attr:`supported_modalities` has ``"video"``) from
+        ``pixel_values_videos`` and ``video_grid_thw`` through the same tower. ``ValueError``
+        for another modality, a missing input or mismatched shapes."""
+        if modality not in self.supported_modalities or modality not in _INPUT_NAMES:
+            raise ValueError(
+                f"{type(self).__name__} takes "
+                f"{' and '.join(m + 's' for m in sorted(self.supported_modalities))}, "
+                f"not {modality!r} inputs"
+            )
+        pixels, grid = _INPUT_NAMES[modality]
+        missing = [name for name in (pixels, grid) if name not in inputs]
         if missing:
-            raise ValueError(f"image inputs lack {', '.join(missing)} (got {sorted(inputs)})")
-        return self.image_rows(inputs["pixel_values"], inputs["image_grid_thw"])
+            raise ValueError(f"{modality} inputs lack {', '.join(missing)} (got {sorted(inputs)})")
+        return self.image_rows(inputs[pixels], inputs[grid])
 
     def image_rows(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """The tower's rows for ``pixel_values`` of images ``grid_thw``: ``[rows,
@@ -142,17 +159,33 @@ class QwenVLImages:
     def mrope_positions(
         self, prompt_token_ids: Sequence[int], features: Sequence[MultiModalFeature]
     ) -> tuple[np.ndarray, int]:
-        """HF's ``get_rope_index`` for the prompt's images (:mod:`.qwen2_vl_positions`)."""
-        images = []
+        """HF's ``get_rope_index`` for the prompt's images and videos
+        (:mod:`.qwen2_vl_positions`; a video's temporal interval from
+        :meth:`video_time_interval`)."""
+        items: list[Any] = []
         for feature in features:
-            if feature.modality != "image":
-                raise ValueError(f"{type(self).__name__} takes images, not {feature.modality!r}")
-            grid = feature.data["image_grid_thw"].to_tensor().reshape(-1, 3)
+            if feature.modality not in self.supported_modalities:
+                raise ValueError(f"{type(self).__name__} does not take {feature.modality!r}")
+            grid_name = _INPUT_NAMES[feature.modality][1]
+            grid = feature.data[grid_name].to_tensor().reshape(-1, 3)
             if grid.shape[0] != 1:
-                raise ValueError(f"a feature holds one image; image_grid_thw is {grid.tolist()}")
+                raise ValueError(f"a feature holds one item; {grid_name} is {grid.tolist()}")
             t, h, w = (int(x) for x in grid[0])
-            images.append((feature.offset, feature.length, (t, h, w)))
-        return mrope_positions(len(prompt_token_ids), images, self.spatial_merge_size)
+            item: tuple[Any, ...] = (feature.offset, feature.length, (t, h, w))
+            if feature.modality == "video":
+                item += (self.video_time_interval(feature),)
+            items.append(item)
+        return mrope_positions(len(prompt_token_ids), items, self.spatial_merge_size)
+
+    def video_time_interval(self, feature: MultiModalFeature) -> float:
+        """The temporal position step of a video (module docstring): 1 for Qwen2-VL;
+        Qwen2.5-VL's ``tokens_per_second * second_per_grid_t`` (float32, as transformers)."""
+        vision = self.hf_config_vision  # type: ignore[attr-defined]
+        tokens_per_second = getattr(vision, "tokens_per_second", None)
+        if not str(getattr(vision, "model_type", "")).startswith("qwen2_5_vl"):
+            return 1.0
+        seconds = feature.data["second_per_grid_t"].to_tensor().reshape(-1)
+        return float(np.float32(tokens_per_second) * seconds[0].numpy().astype(np.float32))
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -226,6 +259,15 @@ class Qwen2VLForConditionalGeneration(QwenVLImages, Qwen2ForCausalLM):
     ``model.language_model.*`` and ``model.visual.*``, is read too. The LM head is tied by
     the checkpoint's top-level ``tie_word_embeddings``, as in transformers.
     """
+
+    supported_modalities = frozenset({"image", "video"})
+
+    @classmethod
+    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The front-end's image and video processor (:mod:`.qwen2_vl_media`)."""
+        from chassis.builtin_plugins.models.qwen2_vl_media import Qwen2VLMediaInputs
+
+        return Qwen2VLMediaInputs.from_pretrained(model_dir, hf_config)
 
     def build_vision_tower(self, hf_config: Any) -> nn.Module:
         return vision_tower(hf_config)
