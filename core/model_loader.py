@@ -269,7 +269,7 @@ def language_model_config(hf_config: Any) -> Any:
 
 #: the multimodal wrapper config's fields :func:`language_model_config` keeps on the text
 #: config: the vision tower's config and the image placeholder tokens (Qwen2-VL's names);
-#: LLaVA's feature selection and projector settings
+#: LLaVA's feature selection and projector settings (and LLaVA-NeXT's tile grids)
 _MULTIMODAL_FIELDS = (
     "vision_config",
     "image_token_id",
@@ -280,6 +280,7 @@ _MULTIMODAL_FIELDS = (
     "vision_feature_select_strategy",
     "projector_hidden_act",
     "multimodal_projector_bias",
+    "image_grid_pinpoints",
 )
 
 

@@ -9,7 +9,8 @@ SigLIP; PIL backends) and the expanded prompt against ``LlavaProcessor``'s; pref
 logits with one and two images against HF's forward to 1e-4; greedy tokens and each token's
 logprob through ``LLM.generate`` and ``LLM.chat`` against HF ``generate``, with chunked
 prefill through an image; that another image changes the logits; which tensors are read in
-each layout; and the refusals (LLaVA-NeXT's images, unknown towers, bad inputs).
+each layout; and the refusals (LLaVA-NeXT without an image processor config, unknown towers,
+bad inputs).
 """
 
 from __future__ import annotations
@@ -596,8 +597,9 @@ def test_other_towers_are_served_as_text_only() -> None:
     assert not cls.supported_modalities
 
 
-def test_llava_next_refuses_images(tmp_path: Path) -> None:
-    """LLaVA-NeXT stays text only: an image is a clear ValueError, its text is served."""
+def test_llava_next_without_image_processor_refuses_images(tmp_path: Path) -> None:
+    """LLaVA-NeXT takes images (tests/test_llava_next_images.py), but a checkpoint without
+    its image processor config refuses them with a clear ValueError; its text is served."""
     import shutil
 
     import transformers as tf
@@ -618,7 +620,7 @@ def test_llava_next_refuses_images(tmp_path: Path) -> None:
         shutil.copy(embedded_model_dir() / name, tmp_path / name)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, num_kv_blocks=32)
     try:
-        with pytest.raises(ValueError, match="takes text only"):
+        with pytest.raises(ValueError, match=r"no preprocessor_config\.json"):
             llm.generate(
                 {"prompt": "Hi <image>", "multi_modal_data": {"image": random_image(56, 56)}}
             )

@@ -1,4 +1,4 @@
-"""More multimodal checkpoints served as text only — LLaVA-style (LLaVA-NeXT over Mistral, InternVL over Qwen3, Aya Vision over Cohere2), GLM-4.1V, GLM-4.5V,
+"""More multimodal checkpoints served as text only — LLaVA-style (InternVL over Qwen3, Aya Vision over Cohere2), GLM-4.1V, GLM-4.5V,
 Ministral 3 inside Mistral 3 — and text-only Ministral 3, against HF transformers' models on
 tiny random checkpoints.
 
@@ -8,8 +8,9 @@ biases randomized too), saved with ``save_pretrained``. HF runs text-only ``inpu
 its own position handling; float32 logits must match (batched prefill, a decode, a chunk over
 a cached prefix) and greedy tokens through ``LLM`` must be HF ``generate``'s. The GLM
 M-RoPE rotations of text positions are checked against chassis' RoPE, the vision tensors are
-never read, and Ministral 3's query scaling is shown to matter. LLaVA-1.5 (over Llama), which
-takes images (tests/test_llava_images.py), is checked here on text prompts too.
+never read, and Ministral 3's query scaling is shown to matter. LLaVA-1.5 (over Llama) and
+LLaVA-NeXT (over Mistral), which take images (tests/test_llava_images.py,
+tests/test_llava_next_images.py), are checked here on text prompts too.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ ARCHITECTURES = (
     "ministral3",
 )
 #: the image side's checkpoint-name prefixes as transformers 5 saves them
-#: (LLaVA-1.5 reads its image side: tests/test_llava_images.py)
+#: (LLaVA-1.5 and LLaVA-NeXT read their image side: tests/test_llava_images.py,
+#: tests/test_llava_next_images.py)
 VISION_PREFIXES = {
-    "llava_next": ("vision_tower.", "multi_modal_projector.", "image_newline"),
     "internvl": ("vision_tower.", "multi_modal_projector."),
     "aya_vision": ("vision_tower.", "multi_modal_projector."),
     "glm4v": ("model.visual.",),
@@ -288,11 +289,13 @@ def test_llava_style_checkpoints_get_their_text_decoder(model_dirs: dict[str, Pa
         hf = load_hf(arch, model_dirs[arch])
         hf_tied = hf.lm_head.weight is hf.get_input_embeddings().weight
         assert model.tie_word_embeddings is hf_tied, arch
-    # LLaVA-1.5 takes images (tests/test_llava_images.py); the others stay text only
-    llava = model_class(load_hf_config(model_dirs["llava"]))
-    assert issubclass(llava, LlavaForConditionalGenerationWithImages)
-    assert llava.supported_modalities == {"image"}
-    for arch in ("llava_next", "internvl", "aya_vision"):
+    # LLaVA-1.5 and LLaVA-NeXT take images (tests/test_llava_images.py,
+    # tests/test_llava_next_images.py); the others stay text only
+    for arch in ("llava", "llava_next"):
+        llava = model_class(load_hf_config(model_dirs[arch]))
+        assert issubclass(llava, LlavaForConditionalGenerationWithImages)
+        assert llava.supported_modalities == {"image"}
+    for arch in ("internvl", "aya_vision"):
         cls = model_class(load_hf_config(model_dirs[arch]))
         assert not issubclass(cls, LlavaForConditionalGenerationWithImages)
         assert not cls.supported_modalities, arch

@@ -83,12 +83,15 @@ def chassis_register_models(registry: Any) -> None:
         "LlavaForConditionalGeneration",
         f"{_PKG}.llava_images:LlavaForConditionalGenerationWithImages",
     )
-    # other LLaVA-style checkpoints: the text config's registered decoder, served as text only
-    for llava_style in (
+    # LLaVA-NeXT: as LLaVA-1.5, with its anyres tiles and image_newline
+    registry.register(
         "LlavaNextForConditionalGeneration",
-        "InternVLForConditionalGeneration",
-    ):
-        registry.register(llava_style, f"{_PKG}.llava:LlavaForConditionalGeneration")
+        f"{_PKG}.llava_next_images:LlavaNextForConditionalGenerationWithImages",
+    )
+    # other LLaVA-style checkpoints: the text config's registered decoder, served as text only
+    registry.register(
+        "InternVLForConditionalGeneration", f"{_PKG}.llava:LlavaForConditionalGeneration"
+    )
     registry.register(
         "AyaVisionForConditionalGeneration", f"{_PKG}.llava:AyaVisionForConditionalGeneration"
     )

@@ -58,12 +58,12 @@ def image_side_name(name: str) -> str | None:
 
 
 @functools.cache
-def _warn_text_only(tower: str | None) -> None:
+def _warn_text_only(architecture: str, tower: str | None) -> None:
     """Say once per process why a LLaVA checkpoint takes no images."""
     logger.warning(
-        "LlavaForConditionalGeneration with a %r vision tower: only CLIP and SigLIP towers "
-        "are supported, so this checkpoint is served as text only (requests with images are "
-        "refused)",
+        "%s with a %r vision tower: only CLIP and SigLIP towers are supported, so this "
+        "checkpoint is served as text only (requests with images are refused)",
+        architecture,
         tower,
     )
 
@@ -85,7 +85,8 @@ class LlavaForConditionalGenerationWithImages(LlavaForConditionalGeneration):
             return cls  # already composed
         vision = getattr(hf_config, "vision_config", None)
         if vision is None or tower_kind(vision) is None:
-            _warn_text_only(getattr(vision, "model_type", None))
+            architecture = cls.__name__.removesuffix("WithImages")
+            _warn_text_only(architecture, getattr(vision, "model_type", None))
             return LlavaForConditionalGeneration.class_for_config(hf_config)
         return super().class_for_config(hf_config)
 
