@@ -281,6 +281,7 @@ _MULTIMODAL_FIELDS = (
     "projector_hidden_act",
     "multimodal_projector_bias",
     "image_grid_pinpoints",
+    "spatial_merge_size",  # Mistral 3's patch merge
 )
 
 

@@ -60,7 +60,7 @@ VISION_PREFIXES = {
     "aya_vision": ("vision_tower.", "multi_modal_projector."),
     "glm4v": ("model.visual.",),
     "glm4v_moe": ("model.visual.",),
-    "mistral3_ministral3": ("vision_tower.", "multi_modal_projector."),
+    # (Mistral 3 reads its image side: tests/test_mistral3_images.py)
 }
 #: GLM's M-RoPE over the 4 rotary frequencies of a head of 16 with partial factor 0.5
 _GLM_ROPE = {

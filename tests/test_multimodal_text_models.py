@@ -1,7 +1,7 @@
 """Multimodal checkpoints on text prompts (Mistral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE) against HF transformers' multimodal models on tiny random checkpoints. Mistral 3
-is served as text only; the Qwen VL models take images too (tests/test_qwen2_vl_images.py,
-tests/test_qwen3_vl_images.py), and their text prompts are checked here.
+Qwen3-VL-MoE) against HF transformers' multimodal models on tiny random checkpoints. They take
+images too (tests/test_mistral3_images.py, tests/test_qwen2_vl_images.py,
+tests/test_qwen3_vl_images.py); their text prompts are checked here.
 
 Each checkpoint is the HF multimodal class built from a config with a 2-layer, hidden-64 text
 model and a 1- or 2-layer vision tower, random float32 weights (biases and norm weights
@@ -44,7 +44,7 @@ from chassis.core.tokenizer import load_tokenizer
 
 ARCHITECTURES = ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: the architectures whose vision tower is loaded and run (images accepted)
-WITH_IMAGES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+WITH_IMAGES = ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: the image side's checkpoint-name prefixes, per architecture (hub layout)
 VISION_PREFIXES = {
     "mistral3": ("vision_tower.", "multi_modal_projector."),
@@ -52,7 +52,6 @@ VISION_PREFIXES = {
     "qwen2_5_vl": ("visual.",),
     "qwen3_vl": ("model.visual.",),
     "qwen3_vl_moe": ("model.visual.",),
-    "gemma3": ("vision_tower.", "multi_modal_projector."),
 }
 _QWEN3_VISION = {
     "depth": 2,
@@ -145,26 +144,6 @@ def multimodal_model(arch: str) -> tuple[type, Any]:
         )
         assert config.text_config.tie_word_embeddings is True
         return tf.Qwen3VLMoeForConditionalGeneration, config
-    if arch == "gemma3":  # (Gemma 3 has its own tests; here for the vision-read check)
-        from test_gemma_models import tiny_config
-
-        vision = tf.SiglipVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-        )
-        config = tf.Gemma3Config(
-            text_config=tiny_config("gemma3"),
-            vision_config=vision,
-            mm_tokens_per_image=4,
-            image_token_index=49000,
-            boi_token_index=49001,
-            eoi_token_index=49002,
-        )
-        return tf.Gemma3ForConditionalGeneration, config
     raise ValueError(f"unknown architecture {arch!r}")
 
 
@@ -262,7 +241,10 @@ def test_the_configs_are_read(model_dirs: dict[str, Path]) -> None:
         config = load_hf_config(model_dir)
         assert config.num_hidden_layers == 2 and config.hidden_size == 64
         model = Runner(model_dir).model
-        assert isinstance(model, TextOnlyWeights) is (arch not in WITH_IMAGES), arch
+        if arch == "mistral3":  # the text-only class's weights, with the image side on top
+            assert model.supported_modalities == {"image"}
+        else:
+            assert isinstance(model, TextOnlyWeights) is (arch not in WITH_IMAGES), arch
         assert model.tie_word_embeddings is expected_tied[arch], arch
         hf = load_hf_multimodal(arch, model_dir)
         hf_tied = hf.lm_head.weight is hf.get_input_embeddings().weight
@@ -337,16 +319,14 @@ def test_mrope_of_text_positions_is_plain_rope(
 # -- what is read -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "arch", [arch for arch in (*ARCHITECTURES, "gemma3") if arch not in WITH_IMAGES]
-)
+@pytest.mark.parametrize("arch", [arch for arch in ARCHITECTURES if arch not in WITH_IMAGES])
 def test_vision_tensors_are_never_read(
     model_dirs: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The loader reads every language-model tensor and no vision-tower or projector tensor
     (the model says no to them before they leave the file); the model has no vision
-    parameters. Gemma 3's multimodal class too. (The Qwen VL models read their tower:
-    tests/test_qwen2_vl_images.py, tests/test_qwen3_vl_images.py.)"""
+    parameters. (The Qwen VL models read their tower: tests/test_qwen2_vl_images.py,
+    tests/test_qwen3_vl_images.py; Gemma 3 too: tests/test_gemma3_images.py.)"""
     model_dir = model_dirs[arch] if arch in model_dirs else save_multimodal(arch, tmp_path)
     in_file = set(load_file(model_dir / "model.safetensors"))
     vision = {name for name in in_file if name.startswith(VISION_PREFIXES[arch])}
@@ -433,18 +413,19 @@ def test_qwen3_vl_moe_hub_expert_layout_loads(model_dirs: dict[str, Path], tmp_p
 # -- requests ---------------------------------------------------------------------------------
 
 
-def test_an_image_part_is_refused(model_dirs: dict[str, Path]) -> None:
+def test_an_image_part_is_refused(tmp_path: Path) -> None:
     """Text only: over the API server on a multimodal checkpoint served as text only
-    (Mistral 3), a chat message with an image part is a 400 naming the part; text still gets
+    (InternVL), a chat message with an image part is a 400 naming the part; text still gets
     an answer (``LLM.chat`` refuses the same message)."""
     from fastapi.testclient import TestClient
+    from test_more_multimodal_text_models import save_model
 
     from chassis.core.async_llm import AsyncLLM
     from chassis.core.config import EngineConfig
     from chassis.serve.app import build_app
     from chassis.serve.settings import ServerSettings
 
-    model_dir = model_dirs["mistral3"]
+    model_dir = save_model("internvl", tmp_path)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with_image = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
     engine = AsyncLLM.from_engine_config(

@@ -61,10 +61,12 @@ def chassis_register_models(registry: Any) -> None:
     registry.register(
         "Gemma3ForConditionalGeneration", f"{_PKG}.gemma3:Gemma3ForConditionalGeneration"
     )
-    # more multimodal checkpoints served as text only (their language model)
+    # Mistral 3: the Mistral / Ministral 3 decoder, with images (Pixtral tower)
     registry.register(
-        "Mistral3ForConditionalGeneration", f"{_PKG}.mistral3:Mistral3ForConditionalGeneration"
+        "Mistral3ForConditionalGeneration",
+        f"{_PKG}.mistral3_images:Mistral3ForConditionalGenerationWithImages",
     )
+    # more multimodal checkpoints (their language model; the Qwen VL ones take images)
     registry.register(
         "Qwen2VLForConditionalGeneration", f"{_PKG}.qwen2_vl:Qwen2VLForConditionalGeneration"
     )

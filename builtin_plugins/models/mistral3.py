@@ -1,5 +1,9 @@
 """Mistral 3 (Mistral Small 3.1/3.2, Magistral/Devstral Small in this format) and Ministral 3:
-the multimodal checkpoints' Mistral / Ministral 3 language model, served as text only."""
+the multimodal checkpoints' Mistral / Ministral 3 language model, served as text only.
+
+The registered class, :class:`~.mistral3_images.Mistral3ForConditionalGenerationWithImages`,
+is this one with the image side added; this one serves the checkpoints whose image side it
+does not build (another tower, a list of feature layers)."""
 
 from __future__ import annotations
 

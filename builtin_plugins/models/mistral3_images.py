@@ -1,0 +1,224 @@
+"""Mistral 3 (``Mistral3ForConditionalGeneration``: Mistral Small 3.1/3.2, Ministral 3) with
+images: the Mistral / Ministral 3 language model, Pixtral's vision tower and Mistral 3's
+projector.
+
+The language model is the text-only class's (:mod:`.mistral3`: the Llama/Mistral decoder,
+Ministral 3's query scaling, its tensors renamed, the head tied by the text config). Besides,
+the class builds the tower (:mod:`.pixtral_vision`, only the layers the selected hidden state
+needs) and the projector (:mod:`.mistral3_vision`), whole on every tensor-parallel rank, and
+reads their tensors: ``vision_tower.*`` and ``multi_modal_projector.*`` (hub files, and what
+transformers 5 saves), ``model.vision_tower.*`` and ``model.multi_modal_projector.*`` (its
+in-memory layout). Positions are the decoder's own (1D).
+
+An image's feature covers its whole token run, ``[IMG]`` rows with their ``[IMG_BREAK]``
+and ``[IMG_END]`` tokens (:mod:`.mistral3_processing`); :meth:`embed_multimodal` returns a
+row for each: the projected image rows at the ``[IMG]`` tokens, in order, and the token
+embeddings elsewhere, which is what HF's model feeds its decoder there.
+
+A checkpoint whose image side is not built here (another tower, a list of feature layers)
+is served as text only (the class of :mod:`.mistral3`; a warning says why).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from chassis.builtin_plugins.models.mistral3 import Mistral3ForConditionalGeneration
+from chassis.builtin_plugins.models.mistral3_vision import (
+    Mistral3Projector,
+    Mistral3VisionSpec,
+    unsupported_reason,
+)
+from chassis.builtin_plugins.models.pixtral_vision import PixtralVisionTower
+from chassis.core.attention import ForwardContext
+from chassis.core.model_interface import CausalLM, LoRASlice, ModelBuildContext
+
+logger = logging.getLogger(__name__)
+
+#: (checkpoint-name prefix, ours) of the image side, the first that matches applies
+_IMAGE_PREFIXES = (
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+#: our module-name prefixes of the image side (never adapted by LoRA)
+_IMAGE_MODULES = ("vision_tower.", "multi_modal_projector.")
+
+
+def image_side_name(name: str) -> str | None:
+    """Checkpoint name -> our name of an image-side tensor, ``None`` for the language model's."""
+    for prefix, ours in _IMAGE_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return None
+
+
+@functools.cache
+def _warn_text_only(reason: str) -> None:
+    """Say once per process why a Mistral 3 checkpoint takes no images."""
+    logger.warning(
+        "Mistral3ForConditionalGeneration: %s, so this checkpoint is served as text only "
+        "(requests with images are refused)",
+        reason,
+    )
+
+
+class Mistral3ForConditionalGenerationWithImages(Mistral3ForConditionalGeneration):
+    """``Mistral3ForConditionalGeneration`` checkpoints with images (the module
+    docstring)."""
+
+    supported_modalities = frozenset({"image"})
+
+    @classmethod
+    def class_for_config(cls, hf_config: Any) -> type[CausalLM]:
+        """This class; the text-only one when the image side is not built here."""
+        reason = unsupported_reason(hf_config)
+        if reason is not None:
+            _warn_text_only(reason)
+            return Mistral3ForConditionalGeneration
+        return cls
+
+    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
+        super().__init__(hf_config, build_ctx)
+        self.vision_spec = Mistral3VisionSpec.from_config(hf_config)
+        self.image_token_id = int(hf_config.image_token_id)
+        self.vision_tower = PixtralVisionTower(
+            self.vision_spec.vision_config, self.vision_spec.feature_index
+        )
+        self.multi_modal_projector = Mistral3Projector(self.vision_spec, int(hf_config.hidden_size))
+
+    @classmethod
+    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The front-end's image processor
+        (:class:`~.mistral3_processing.Mistral3ImageInputs`)."""
+        from chassis.builtin_plugins.models.mistral3_processing import Mistral3ImageInputs
+
+        return Mistral3ImageInputs.from_pretrained(model_dir, hf_config)
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder's forward; with ``inputs_embeds``, the decoder over those."""
+        if inputs_embeds is None:
+            return super().forward(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One image's rows, one per token of its run: ``inputs["pixel_values"]``
+        ``[1, C, H, W]`` (or ``[C, H, W]``; sides multiples of one token's square) and
+        ``inputs["placeholder_ids"]`` ``[length]`` (the run's token ids) -> ``[length,
+        hidden_size]`` in the model's dtype. ``ValueError`` for another modality, a missing
+        input, a wrong shape, or a run whose ``[IMG]`` count is not the image's."""
+        if modality != "image":
+            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
+        pixels, run = inputs.get("pixel_values"), inputs.get("placeholder_ids")
+        if pixels is None or run is None:
+            raise ValueError(
+                f"image inputs need pixel_values and placeholder_ids (got {sorted(inputs)})"
+            )
+        if pixels.dim() == 4:
+            if pixels.shape[0] != 1:
+                raise ValueError(
+                    f"a feature holds one image; pixel_values is {tuple(pixels.shape)}"
+                )
+            pixels = pixels[0]
+        (image_rows,) = self.image_features([pixels])
+        rows = self.model.embed(run)
+        is_image = run == self.image_token_id
+        if int(is_image.sum()) != image_rows.shape[0]:
+            raise ValueError(
+                f"the image gives {image_rows.shape[0]} rows, but its placeholder run holds "
+                f"{int(is_image.sum())} image tokens"
+            )
+        rows[is_image] = image_rows.to(rows.dtype)
+        return rows
+
+    def image_features(self, images: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Images ``[C, H, W]`` each -> ``[H/(P*m) * W/(P*m), hidden_size]`` each (HF's
+        ``get_image_features(...).pooler_output``); ``ValueError`` for pixel sides that are
+        not multiples of one token's square."""
+        spec = self.vision_spec
+        unit = spec.pixels_per_token
+        out = []
+        for pixels in images:
+            if pixels.dim() != 3 or pixels.shape[1] % unit or pixels.shape[2] % unit:
+                raise ValueError(
+                    f"pixel_values must be [channels, H, W] with H and W multiples of {unit} "
+                    f"(patch_size x spatial_merge_size); got {tuple(pixels.shape)}"
+                )
+            states = self.vision_tower(pixels, spec.feature_index)
+            rows, cols = pixels.shape[1] // spec.patch_size, pixels.shape[2] // spec.patch_size
+            out.append(self.multi_modal_projector(states, rows, cols))
+        return out
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def needs_checkpoint_tensor(self, name: str) -> bool:
+        """The image side's tensors that what is built uses; the decoder decides for the
+        language model's."""
+        ours = image_side_name(name)
+        if ours is not None:
+            return not self._unused(ours)
+        return super().needs_checkpoint_tensor(name)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The language model's tensors to the decoder (renamed, as text only); the tower's
+        and projector's, whole on every rank, into ``vision_tower`` and
+        ``multi_modal_projector`` (those of layers not built are skipped)."""
+        image_params = {
+            name: param
+            for name, param in self.named_parameters()
+            if name.startswith(_IMAGE_MODULES)
+        }
+        filled: set[str] = set()
+
+        def language_model() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                ours = image_side_name(name)
+                if ours is None:
+                    yield name, tensor
+                    continue
+                if self._unused(ours):
+                    continue
+                param = image_params.get(ours)
+                if param is None:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has no counterpart in the Pixtral vision "
+                        "tower or Mistral 3 projector; is the checkpoint's architecture right?"
+                    )
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                        f"{tuple(param.shape)} (does config.json match the weights?)"
+                    )
+                param.copy_(tensor)
+                filled.add(ours)
+
+        return super().load_weights(language_model()) | filled
+
+    def _unused(self, ours: str) -> bool:
+        prefix = "vision_tower."
+        return ours.startswith(prefix) and self.vision_tower.is_unused(ours[len(prefix) :])
+
+    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
+        """The language model's projections only: adapters never change the image side."""
+        if module_name.startswith(_IMAGE_MODULES):
+            return []
+        return super().lora_slices(module_name, module)
