@@ -9,8 +9,12 @@ runs every such request through :meth:`MultiModalProcessor.process`.
 Contract (vLLM's prompt convention): the prompt holds ONE placeholder token per item
 (:attr:`MultiModalProcessor.placeholder_token_ids`, e.g. Qwen2-VL's ``<|image_pad|>``), in
 item order; :meth:`~MultiModalProcessor.process` replaces each by as many copies as the
-model's encoder returns rows for the item, and describes where they sit. Every refusal is a
-``ValueError`` a client can act on (the server's 400).
+model's encoder returns rows for the item, and describes where they sit. A processor may
+override :meth:`~MultiModalProcessor.process` to write other tokens inside an item's run
+(Mistral 3 ends each row of ``[IMG]`` tokens with ``[IMG_BREAK]`` and the image with
+``[IMG_END]``): the feature then covers the whole run and the model's ``embed_multimodal``
+returns one row per token of it. Every refusal is a ``ValueError`` a client can act on (the
+server's 400).
 """
 
 from __future__ import annotations
