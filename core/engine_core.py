@@ -439,7 +439,7 @@ class EngineCore:
         unfinished (:class:`EngineBusyError` otherwise: their KV cache would be lost).
         ``ValueError`` without ``--enable-sleep-mode``, for another level or mode.
         Sleeping again while asleep (or while a sleep waits) does nothing (a warning), as
-        vLLM."""
+        vLLM; :meth:`wake_up` before a waiting sleep ran cancels it."""
         check_sleep_mode_enabled(self.config)
         level = check_sleep_level(level)
         mode = check_pause_mode(mode)
@@ -504,6 +504,14 @@ class EngineCore:
         awake are skipped (a warning)."""
         check_sleep_mode_enabled(self.config)
         wanted = self._sleep.to_wake(check_wake_tags(tags))
+        pause = self._pause
+        if pause.sleep_after_drain is not None:
+            # a sleep(mode="wait") still waiting: woken before it ran, it will not run (its
+            # caller's poll sees it gone); the requests it held go on unless a pause remains
+            logger.info("wake_up: the sleep waiting for requests to finish is cancelled")
+            pause.sleep_after_drain = None
+            for request in pause.take_held():
+                self.add_request(request)
         if wanted:
             self.executor.wake_up(list(wanted))
             self._sleep.woke(wanted)
@@ -527,9 +535,18 @@ class EngineCore:
         freezes them. With ``clear_cache`` (not for ``"keep"``) the prefix cache is
         forgotten once they are done. Returns whether they are done (always, but for
         ``"wait"`` with requests running: then :meth:`pause_drained` says when).
-        ``ValueError`` for another mode. Pausing a paused engine applies the new mode."""
+        ``ValueError`` for another mode; :class:`EngineBusyError` for ``"keep"`` while a
+        ``"wait"`` pause or sleep still waits (frozen, its requests would never finish).
+        Pausing a paused engine applies the new mode."""
         mode = check_pause_mode(mode)
         pause = self._pause
+        if mode == "keep" and pause.waiting_for_drain and self.scheduler.has_unfinished():
+            # frozen, the requests a waiting pause or sleep waits for would never finish
+            waiting = "a sleep" if pause.sleep_after_drain is not None else "a pause"
+            raise EngineBusyError(
+                f"cannot pause with mode 'keep': {waiting} with mode 'wait' is waiting for "
+                "the unfinished requests to finish; wait for it, or pause with mode 'abort'"
+            )
         pause.explicit, pause.mode = True, mode
         if mode == "abort":
             self._abort_unfinished("generation is paused")

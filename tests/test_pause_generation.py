@@ -185,6 +185,74 @@ def test_a_sleep_waiting_behind_frozen_requests_is_refused(llm: LLM, core: Engin
     assert not core.is_sleeping()
 
 
+def test_wake_up_cancels_a_sleep_still_waiting(llm: LLM, core: EngineCore, reference):
+    """Woken before its requests finished, a ``sleep(mode="wait")`` never runs; the request
+    it held runs after the first one with its usual tokens."""
+    run = _Run(llm)
+    run.add(0)
+    run.step()
+    assert core.sleep(1, "wait") == []
+    run.add(1)  # held by the waiting sleep
+    assert core.wake_up() == [] and core.sleep_progress() == [False, [], None]
+    assert not core.is_paused()
+    run.drain()
+    assert not core.is_sleeping()
+    assert run.tokens == {"r0": reference[PROMPTS[0]], "r1": reference[PROMPTS[1]]}
+
+
+def test_keep_is_refused_while_a_wait_waits(llm: LLM, core: EngineCore, reference):
+    """Frozen, the requests a waiting pause or sleep waits for would never finish."""
+    run = _Run(llm)
+    run.add(0)
+    run.step()
+    assert core.pause("wait") is False
+    with pytest.raises(EngineBusyError, match="a pause with mode 'wait' is waiting"):
+        core.pause("keep")
+    run.drain()
+    assert core.pause_drained() and run.tokens["r0"] == reference[PROMPTS[0]]
+    core.pause("keep")  # drained: nothing left to wait for
+    core.resume()
+    run = _Run(llm)
+    run.add(1)
+    run.step()
+    core.sleep(1, "wait")
+    with pytest.raises(EngineBusyError, match="a sleep with mode 'wait' is waiting"):
+        core.pause("keep")
+    run.drain()
+    assert core.is_sleeping() and run.tokens["r1"] == reference[PROMPTS[1]]
+
+
+def test_async_scheduling_plans_in_flight_are_collected(tiny_llama_dir) -> None:
+    """With ``--async-scheduling`` a plan is in flight after each step: ``keep`` collects
+    it (its tokens are not lost) and ``abort`` collects it before ending the requests."""
+    ahead = LLM(str(tiny_llama_dir), dtype="float32", async_scheduling=True, **ENGINE)
+    try:
+        expected = [list(o.outputs[0].token_ids) for o in ahead.generate(PROMPTS[:2], GREEDY)]
+        core = ahead.engine
+        run = _Run(ahead)
+        run.add(0)
+        run.add(1)
+        run.step()
+        run.step()
+        assert core._in_flight is not None
+        core.pause("keep")
+        assert core._in_flight is None
+        run.step()  # sends what the collected plan produced
+        core.resume()
+        run.drain()
+        assert [run.tokens["r0"], run.tokens["r1"]] == expected
+        run = _Run(ahead)
+        run.add(2)
+        run.step()
+        run.step()
+        core.pause("abort")
+        run.drain()
+        assert run.finish == {"r2": "abort"} and not core.scheduler.has_unfinished()
+        core.resume()
+    finally:
+        ahead.shutdown()
+
+
 def test_bad_modes_are_refused(core: EngineCore):
     for bad in ("drain", "", None, 1):
         with pytest.raises(ValueError, match="mode must be 'abort'"):
