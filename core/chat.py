@@ -7,11 +7,11 @@ reads (vLLM's ``--chat-template-content-format``, :mod:`chassis.core.chat_conten
 only calls tools, is the empty string); ``openai`` passes a list of text parts,
 ``[{"type": "text", "text": ...}]`` (a string is one part, absent content the empty list;
 a ``tool`` message's content stays a string, as in vLLM); ``auto`` (the default) picks
-one from the template. Other part types are refused either way, but for the image markers
-``{"type": "image"}`` that :mod:`chassis.core.chat_media` puts in place of a request's image
-parts when the engine takes images: ``openai`` passes them to the template as parts, and
-``string`` writes the model's placeholder text for each (vLLM's rule: before the message's
-text, one line each, unless the text already holds it). Tool-call ``arguments``
+one from the template. Other part types are refused either way, but for the media markers
+``{"type": "image"}`` and ``{"type": "video"}`` that :mod:`chassis.core.chat_media` puts in
+place of a request's image and video parts when the engine takes them: ``openai`` passes
+them to the template as parts, and ``string`` writes the model's placeholder text for each
+(vLLM's rule: before the message's text, one line each, unless the text already holds it). Tool-call ``arguments``
 sent as JSON strings are parsed to objects (templates index into them). Template failures
 (``raise_exception`` in the template, messages shaped unlike what it indexes) become
 ``ValueError``.
@@ -58,15 +58,26 @@ class ChatTemplateRenderError(ValueError):
 
 #: what stands for an image in normalized content (``openai``), as templates test for it
 IMAGE_PART: dict[str, str] = {"type": "image"}
+#: what stands for a video (Qwen2-VL's template writes ``<|video_pad|>`` for it)
+VIDEO_PART: dict[str, str] = {"type": "video"}
+
+
+def _placeholders(image: str | None, video: str | None) -> dict[str, str]:
+    """Marker type -> the model's text for one item, for the markers taken."""
+    return {kind: text for kind, text in (("image", image), ("video", video)) if text is not None}
 
 
 def content_text(
-    content: str | list[dict[str, Any]] | None, index: int, image_placeholder: str | None = None
+    content: str | list[dict[str, Any]] | None,
+    index: int,
+    image_placeholder: str | None = None,
+    video_placeholder: str | None = None,
 ) -> str:
     """OpenAI content (a string or a list of parts) as one string; only text parts allowed,
-    and image markers when ``image_placeholder`` (the model's text for one image) is given:
-    each becomes that text on its own line before the message's text, unless the text
-    already holds it (vLLM's rule).
+    and image (video) markers when ``image_placeholder`` (``video_placeholder``: the model's
+    text for one image, one video) is given: each becomes that text on its own line before
+    the message's text, unless the text already holds it (vLLM's rule; the kinds in the
+    order of their first marker).
 
     Absent content (``None``) is the empty string, which templates handle; many index
     ``message['content']`` directly.
@@ -75,47 +86,58 @@ def content_text(
         return ""
     if isinstance(content, str):
         return content
-    parts = _texts(content, index, images=image_placeholder is not None)
-    text = "\n".join(part for part in parts if part is not None)
-    num_images = sum(1 for part in parts if part is None)
-    if not num_images:
-        return text
-    assert image_placeholder is not None
-    missing = max(0, num_images - text.count(image_placeholder))
-    return "\n".join([image_placeholder] * missing + [text])
+    placeholders = _placeholders(image_placeholder, video_placeholder)
+    parts = _texts(content, index, markers=frozenset(placeholders))
+    text = "\n".join(part for kind, part in parts if kind == "text")
+    counts: dict[str, int] = {}
+    for kind, _ in parts:
+        if kind != "text":
+            counts[kind] = counts.get(kind, 0) + 1
+    lines = []
+    for kind, count in counts.items():
+        placeholder = placeholders[kind]
+        lines += [placeholder] * max(0, count - text.count(placeholder))
+    return "\n".join([*lines, text])
 
 
 def content_parts(
-    content: str | list[dict[str, Any]] | None, index: int, *, images: bool = False
+    content: str | list[dict[str, Any]] | None,
+    index: int,
+    *,
+    images: bool = False,
+    videos: bool = False,
 ) -> list[dict[str, str]]:
     """OpenAI content as a list of text parts (``[{"type": "text", "text": ...}]``, fresh
     dicts holding only those keys), as vLLM gives templates that loop over the parts: a
     string is one part, absent content (``None``) no part; only text parts allowed, and
-    with ``images`` the image markers (:data:`IMAGE_PART`), in place."""
+    with ``images`` (``videos``) the image markers (:data:`IMAGE_PART`; the video markers,
+    :data:`VIDEO_PART`), in place."""
     if content is None:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
+    markers = frozenset(kind for kind, on in (("image", images), ("video", videos)) if on)
     return [
-        dict(IMAGE_PART) if text is None else {"type": "text", "text": text}
-        for text in _texts(content, index, images=images)
+        {"type": "text", "text": text} if kind == "text" else {"type": kind}
+        for kind, text in _texts(content, index, markers=markers)
     ]
 
 
-def _texts(content: object, index: int, *, images: bool = False) -> list[str | None]:
-    """The texts of a list of content parts, ``None`` for an image marker when ``images``
-    (``ChatMessageError`` for anything else)."""
+def _texts(content: object, index: int, *, markers: frozenset[str]) -> list[tuple[str, str]]:
+    """The parts of a list of content parts as ``(kind, text)``: ``("text", its text)``, or
+    ``(marker type, "")`` for a media marker whose type is in ``markers`` (``"image"``,
+    ``"video"``); ``ChatMessageError`` for anything else."""
     if not isinstance(content, list):
         raise ChatMessageError(
             f"messages[{index}].content must be a string or a list of parts; got "
             f"{type(content).__name__}",
             index,
         )
-    texts: list[str | None] = []
+    texts: list[tuple[str, str]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if images and kind == "image" and len(part) == 1:
-            texts.append(None)
+        if kind in markers and len(part) == 1:
+            texts.append((kind, ""))
             continue
         if kind != "text":
             raise ChatMessageError(
@@ -126,7 +148,7 @@ def _texts(content: object, index: int, *, images: bool = False) -> list[str | N
             raise ChatMessageError(
                 f"messages[{index}].content[{j}]: a text part needs a string field 'text'", index
             )
-        texts.append(part["text"])
+        texts.append(("text", part["text"]))
     return texts
 
 
@@ -149,14 +171,16 @@ def normalize_messages(
     messages: Sequence[Mapping[str, Any]],
     content_format: ContentFormat = "string",
     image_placeholder: str | None = None,
+    video_placeholder: str | None = None,
 ) -> list[dict[str, Any]]:
     """The plain dicts chat templates iterate over (see the module docstring), ``content``
     in ``content_format`` (``"string"`` or ``"openai"``; a ``tool`` message's is a string
     either way, as vLLM gives it); keys other than ``content`` and ``tool_calls`` (``name``,
     ``tool_call_id``, ``reasoning_content``...) pass through unchanged; a ``reasoning`` (the
     response field) is also given as ``reasoning_content`` when that is absent. Image
-    markers are taken only with ``image_placeholder`` (the model's text for one image,
-    written for each in ``string`` content). The input is not modified."""
+    (video) markers are taken only with ``image_placeholder`` (``video_placeholder``: the
+    model's text for one image, one video, written for each in ``string`` content). The
+    input is not modified."""
     if content_format not in ("string", "openai"):
         raise ValueError(f"content_format must be 'string' or 'openai'; got {content_format!r}")
     out = []
@@ -166,12 +190,17 @@ def normalize_messages(
         item = {k: v for k, v in message.items() if v is not None or k == "content"}
         if content_format == "openai" and message["role"] != "tool":
             item["content"] = content_parts(
-                message.get("content"), i, images=image_placeholder is not None
+                message.get("content"),
+                i,
+                images=image_placeholder is not None,
+                videos=video_placeholder is not None,
             )
         else:
             # vLLM joins a tool message's text parts also in "openai": templates write
             # tool results as strings
-            item["content"] = content_text(message.get("content"), i, image_placeholder)
+            item["content"] = content_text(
+                message.get("content"), i, image_placeholder, video_placeholder
+            )
         if message.get("tool_calls") is not None:
             item["tool_calls"] = _tool_calls_for_template(message["tool_calls"])
         if "reasoning" in item and "reasoning_content" not in item:
@@ -211,6 +240,7 @@ def render_chat(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     content_format: str = "auto",
     image_placeholder: str | None = None,
+    video_placeholder: str | None = None,
 ) -> str:
     """The prompt text of one conversation.
 
@@ -221,7 +251,8 @@ def render_chat(
     ``"openai"``, vLLM's ``chat_template_content_format``) is the shape of the messages'
     content, ``"auto"`` detected from the template that renders (:func:`chat_template_text`).
     ``image_placeholder`` (the model's text for one image) lets the messages hold the image
-    markers :mod:`chassis.core.chat_media` leaves; without it they are refused. Raises
+    markers :mod:`chassis.core.chat_media` leaves, ``video_placeholder`` the video markers;
+    without it they are refused. Raises
     ``ChatMessageError`` for a message it cannot use, ``ChatTemplateSyntaxError`` for a
     template that does not parse, ``ChatTemplateRenderError`` (a ``ValueError``) when the
     template fails on the conversation, and ``ValueError`` for an unknown ``content_format``.
@@ -238,7 +269,7 @@ def render_chat(
     resolved = resolve_content_format(
         content_format, chat_template_text(tokenizer, chat_template, tools)
     )
-    items = normalize_messages(messages, resolved, image_placeholder)
+    items = normalize_messages(messages, resolved, image_placeholder, video_placeholder)
     try:
         return apply_chat_template(
             tokenizer,

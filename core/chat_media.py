@@ -1,29 +1,35 @@
-"""Chat messages' image parts -> the request's images (``LLM.chat`` and the server's chat
-route share :class:`ChatImages`).
+"""Chat messages' image and video parts -> the request's images and videos (``LLM.chat`` and
+the server's chat route share :class:`ChatImages`).
 
 The parts taken are vLLM's: ``{"type": "image_url", "image_url": {"url": URL}}`` (the URL
 also as a plain string; ``detail`` is ignored), a URL being a ``data:image/...;base64,`` URL,
 an http(s) URL or a ``file://`` URL under ``--allowed-local-media-path``
 (:mod:`chassis.core.image_loading`), and, offline, ``{"type": "image_pil", "image_pil":
-PIL.Image.Image}``. Each becomes the marker ``{"type": "image"}`` in the messages (what chat
-templates test for; :mod:`chassis.core.chat` writes it for the template), and its image is
-loaded, in message order. Other media parts (video, audio, image embeddings, files) are
+PIL.Image.Image}``; and, where the caller takes videos, ``{"type": "video_url", "video_url":
+{"url": URL}}`` with the same kinds of URL (``data:video/...;base64,``), decoded and sampled
+by :mod:`chassis.core.video_loading` into vLLM's ``(frames, metadata)`` video item. Each
+becomes the marker ``{"type": "image"}`` or ``{"type": "video"}`` in the messages (what chat
+templates test for; :mod:`chassis.core.chat` writes it for the template), and its image or
+video is loaded, in message order. Other media parts (audio, image embeddings, files) are
 refused naming the type.
 
-Before anything is loaded, the engine says whether it takes that many images
+Before anything is loaded, the engine says whether it takes that many images and videos
 (:meth:`chassis.core.multimodal_inputs.MultiModalInputs.check_counts`: a model that takes
-text only, ``--limit-mm-per-prompt``): no URL is fetched for a request that is refused
-anyway. Every refusal is a :class:`~chassis.core.chat.ChatMessageError` naming the part
-(``messages[0].content[1]: ...``), which the server answers with a 400.
+text only, or images only, ``--limit-mm-per-prompt``), and PyAV must be installed for a
+video: no URL is fetched for a request that is refused anyway. Every refusal is a
+:class:`~chassis.core.chat.ChatMessageError` naming the part (``messages[0].content[1]:
+...``), which the server answers with a 400.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chassis.core.chat import IMAGE_PART, ChatMessageError
+from chassis.core.chat import IMAGE_PART, VIDEO_PART, ChatMessageError
 from chassis.core.multimodal_inputs import ModalityRefusedError
+from chassis.core.video_loading import VideoLoader, check_pyav
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -33,77 +39,162 @@ if TYPE_CHECKING:
 
 #: the image part types taken (vLLM's)
 IMAGE_PART_TYPES = ("image_url", "image_pil")
+#: the video part types taken (vLLM's), where the caller takes videos
+VIDEO_PART_TYPES = ("video_url",)
 #: media part types vLLM knows and chassis does not take: refused by name
 UNSUPPORTED_PART_TYPES = (
     "image_embeds",
     "input_image",
-    "video_url",
-    "video",
     "audio_url",
     "input_audio",
     "audio",
     "file",
     "input_file",
 )
+#: where video parts are taken (named when a route that takes none meets one)
+VIDEO_ROUTES = "/v1/chat/completions and LLM.chat"
+
+
+@dataclass
+class ChatMedia:
+    """The media of one conversation, as :meth:`ChatImages.extract_media` found them."""
+
+    #: the messages with each media part replaced by its marker
+    messages: list[Mapping[str, Any]]
+    #: the loaded images (RGB PIL images), in message order
+    images: list[Image] = field(default_factory=list)
+    #: the loaded videos, vLLM's ``(frames, metadata)`` items, in message order
+    videos: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
+    #: the model's text for one image / one video (``None`` without any):
+    #: :func:`chassis.core.chat.render_chat`'s ``image_placeholder`` / ``video_placeholder``
+    image_placeholder: str | None = None
+    video_placeholder: str | None = None
+
+    def multi_modal_data(self) -> dict[str, list[Any]] | None:
+        """vLLM's ``multi_modal_data`` of the conversation; ``None`` without media."""
+        data: dict[str, list[Any]] = {}
+        if self.images:
+            data["image"] = self.images
+        if self.videos:
+            data["video"] = self.videos
+        return data or None
+
+
+#: one media part found: (message index, part index, the part)
+_Found = tuple[int, int, Mapping[str, Any]]
 
 
 class ChatImages:
-    """Takes the image parts of chat messages for one engine: its multimodal admission
-    (``multimodal``: the input processor's) and an image loader with its settings."""
+    """Takes the image (and video) parts of chat messages for one engine: its multimodal
+    admission (``multimodal``: the input processor's), an image loader with its settings,
+    and a video loader (``None``: one reading the image loader's ``allowed_folder``, vLLM's
+    defaults otherwise)."""
 
-    def __init__(self, multimodal: MultiModalInputs, loader: ImageLoader) -> None:
+    def __init__(
+        self,
+        multimodal: MultiModalInputs,
+        loader: ImageLoader,
+        video_loader: VideoLoader | None = None,
+    ) -> None:
         self.multimodal = multimodal
         self.loader = loader
+        self.video_loader = video_loader or VideoLoader(loader.allowed_folder)
 
     def extract(
         self, messages: Sequence[Mapping[str, Any]]
     ) -> tuple[list[Mapping[str, Any]], list[Image], str | None]:
         """``messages`` with each image part replaced by the marker, the loaded images in
         order, and the model's placeholder text for one image (``None`` without images):
-        what :func:`chassis.core.chat.render_chat` takes as ``image_placeholder``. The input
-        is not modified."""
-        out, found = _mark_image_parts(messages)
-        if not found:
-            return out, [], None
-        i, j, _ = found[0]
+        what :func:`chassis.core.chat.render_chat` takes as ``image_placeholder``. A video
+        part is refused naming the routes that take videos. The input is not modified."""
+        media = self.extract_media(messages, videos=False)
+        return media.messages, media.images, media.image_placeholder
+
+    def extract_media(
+        self, messages: Sequence[Mapping[str, Any]], *, videos: bool = True
+    ) -> ChatMedia:
+        """``messages`` with each image and video part replaced by its marker, the loaded
+        images and videos, and the model's placeholder texts (:class:`ChatMedia`); with
+        ``videos`` false a video part is refused naming the routes that take videos. The
+        input is not modified."""
+        out, found = _mark_media_parts(messages, videos)
+        if not found["image"] and not found["video"]:
+            return ChatMedia(out)
+        placeholders: dict[str, str] = {}
+        for modality, parts in found.items():
+            if parts:
+                placeholders[modality] = self._admit(modality, parts)
+        if found["video"]:
+            _named(found["video"][0], lambda _: check_pyav())  # (before any URL is fetched)
+        media = ChatMedia(out, [], [], placeholders.get("image"), placeholders.get("video"))
+        for part in found["image"]:
+            media.images.append(_named(part, lambda p: self.loader.load(_image_source(p))))
+        for part in found["video"]:
+            media.videos.append(_named(part, lambda p: self.video_loader.load(_video_url(p))))
+        return media
+
+    def _admit(self, modality: str, parts: list[_Found]) -> str:
+        """The model's placeholder text for one item of ``modality`` once the engine takes
+        ``len(parts)`` of them; a ``ChatMessageError`` naming the first part otherwise."""
+        i, j, _ = parts[0]
         try:
-            self.multimodal.check_counts({"image": len(found)})
-            placeholder = self.multimodal.processor().prompt_placeholder("image")
-        except ModalityRefusedError as exc:  # (a text-only model: as for any other part)
+            self.multimodal.check_counts({modality: len(parts)})
+            return self.multimodal.processor().prompt_placeholder(modality)
+        except ModalityRefusedError as exc:  # (as for any other part the model cannot take)
+            taken = " and ".join(["text", *sorted(self.multimodal.supported_modalities())])
             raise ChatMessageError(
-                f"messages[{i}].content[{j}]: only text parts are supported ({exc})", i
+                f"messages[{i}].content[{j}]: only {taken} parts are supported ({exc})", i
             ) from None
         except ValueError as exc:
             raise ChatMessageError(f"messages[{i}].content[{j}]: {exc}", i) from None
-        images = []
-        for i, j, part in found:
-            try:
-                images.append(self.loader.load(_image_source(part)))
-            except ValueError as exc:
-                raise ChatMessageError(f"messages[{i}].content[{j}]: {exc}", i) from None
-        return out, images, placeholder
 
 
-def _mark_image_parts(
-    messages: Sequence[Mapping[str, Any]],
-) -> tuple[list[Mapping[str, Any]], list[tuple[int, int, Mapping[str, Any]]]]:
-    """The messages with image parts replaced by markers (messages without any unchanged),
-    and each image part with its message and part index. Unsupported media parts, and a
-    marker sent as a part, are refused; other parts are left for the renderer to judge."""
+def _named(found: _Found, load: Callable[[Mapping[str, Any]], Any]) -> Any:
+    """``load(part)`` of a part found, a ``ValueError`` it raises as a ``ChatMessageError``
+    naming the part."""
+    i, j, part = found
+    try:
+        return load(part)
+    except ValueError as exc:
+        raise ChatMessageError(f"messages[{i}].content[{j}]: {exc}", i) from None
+
+
+def _mark_media_parts(
+    messages: Sequence[Mapping[str, Any]], videos: bool
+) -> tuple[list[Mapping[str, Any]], dict[str, list[_Found]]]:
+    """The messages with media parts replaced by markers (messages without any unchanged),
+    and each image and video part with its message and part index. Unsupported media parts,
+    video parts where ``videos`` is false, and a marker sent as a part are refused; other
+    parts are left for the renderer to judge."""
     out: list[Mapping[str, Any]] = []
-    found: list[tuple[int, int, Mapping[str, Any]]] = []
+    found: dict[str, list[_Found]] = {"image": [], "video": []}
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
         if not isinstance(content, list):
             out.append(message)
             continue
         parts: list[Any] = []
-        num_found = len(found)
+        num_found = len(found["image"]) + len(found["video"])
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
             if kind in IMAGE_PART_TYPES:
-                found.append((i, j, part))
+                found["image"].append((i, j, part))
                 parts.append(dict(IMAGE_PART))
+            elif kind in VIDEO_PART_TYPES and videos:
+                found["video"].append((i, j, part))
+                parts.append(dict(VIDEO_PART))
+            elif kind in VIDEO_PART_TYPES or kind == "video":
+                what = (
+                    f"video_url parts are taken by {VIDEO_ROUTES} only"
+                    if kind == "video_url"
+                    else "a video part needs its video"
+                )
+                raise ChatMessageError(
+                    f"messages[{i}].content[{j}]: {what}; videos are sent as video_url parts "
+                    '({"type": "video_url", "video_url": {"url": ...}}) to '
+                    f"{VIDEO_ROUTES}",
+                    i,
+                )
             elif kind in UNSUPPORTED_PART_TYPES or kind == "image":
                 what = (
                     "an image part needs its image"
@@ -118,7 +209,8 @@ def _mark_image_parts(
                 )
             else:
                 parts.append(part)
-        out.append({**message, "content": parts} if len(found) > num_found else message)
+        changed = len(found["image"]) + len(found["video"]) > num_found
+        out.append({**message, "content": parts} if changed else message)
     return out, found
 
 
@@ -134,10 +226,19 @@ def _image_source(part: Mapping[str, Any]) -> Any:
                 "(offline only; the server takes image_url parts)"
             )
         return image
-    value = part.get("image_url")
+    return _url(part, "image_url")
+
+
+def _video_url(part: Mapping[str, Any]) -> str:
+    """A video_url part's URL."""
+    return _url(part, "video_url")
+
+
+def _url(part: Mapping[str, Any], key: str) -> str:
+    """The URL of an ``image_url`` / ``video_url`` part (``{key: {"url": URL}}`` or, as vLLM
+    takes it, ``{key: URL}``); ``ValueError`` without one."""
+    value = part.get(key)
     url = value.get("url") if isinstance(value, Mapping) else value
     if not isinstance(url, str) or not url:
-        raise ValueError(
-            'an image_url part needs a URL: {"type": "image_url", "image_url": {"url": ...}}'
-        )
+        raise ValueError(f'a {key} part needs a URL: {{"type": "{key}", "{key}": {{"url": ...}}}}')
     return url

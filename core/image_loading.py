@@ -1,6 +1,7 @@
 """Images as requests send them -> RGB ``PIL.Image.Image`` (vLLM's media connector rules).
 
-A source is a ``PIL.Image.Image`` or a URL string:
+A source is a ``PIL.Image.Image`` or a URL string, read by
+:class:`~chassis.core.media_fetching.MediaFetcher` (shared with videos):
 
 * ``data:image/<type>;base64,<data>``: the image's bytes, base64-encoded;
 * ``http://`` / ``https://``: fetched, with a timeout of ``$VLLM_IMAGE_FETCH_TIMEOUT``
@@ -16,15 +17,14 @@ client can act on.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
-import os
-import urllib.error
-import urllib.request
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+
+from chassis.core.media_fetching import (
+    MediaFetcher,
+    check_allowed_local_media_path,
+    timeout_from_env,
+)
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -37,30 +37,7 @@ DEFAULT_FETCH_TIMEOUT_S = 5.0
 def fetch_timeout() -> float:
     """``$VLLM_IMAGE_FETCH_TIMEOUT`` in seconds (default 5); ``ValueError`` when it is not a
     number > 0."""
-    text = os.environ.get(FETCH_TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_FETCH_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"${FETCH_TIMEOUT_ENV} must be a number of seconds > 0; got {text!r}")
-    return value
-
-
-def check_allowed_local_media_path(path: str) -> Path | None:
-    """``--allowed-local-media-path`` resolved (``None`` for ``""``: no local files);
-    ``ValueError`` unless it is an existing folder."""
-    if not path:
-        return None
-    folder = Path(path).expanduser().resolve()
-    if not folder.is_dir():
-        raise ValueError(
-            f"--allowed-local-media-path {path!r} is not an existing folder; give the folder "
-            "whose files requests may name as file:// URLs"
-        )
-    return folder
+    return timeout_from_env(FETCH_TIMEOUT_ENV, DEFAULT_FETCH_TIMEOUT_S)
 
 
 def to_rgb(image: Image) -> Image:
@@ -108,6 +85,9 @@ class ImageLoader:
     def __init__(self, allowed_local_media_path: str = "", timeout_s: float | None = None):
         self.allowed_folder = check_allowed_local_media_path(allowed_local_media_path)
         self.timeout_s = fetch_timeout() if timeout_s is None else timeout_s
+        self._fetcher = MediaFetcher(
+            "image", self.allowed_folder, self.timeout_s, FETCH_TIMEOUT_ENV
+        )
 
     def load(self, source: Any) -> Image:
         """The RGB image of ``source``: a ``PIL.Image.Image`` or a URL string."""
@@ -124,89 +104,5 @@ class ImageLoader:
                 "an image must be a PIL.Image.Image or a URL string (data:, http(s):, file:); "
                 f"got {type(source).__name__}"
             )
-        scheme = urlsplit(source).scheme.lower()
-        if scheme == "data":
-            return self._data_url(source)
-        if scheme in ("http", "https"):
-            return self._http_url(source)
-        if scheme == "file":
-            return self._file_url(source)
-        raise ValueError(
-            f"image URL {_short(source)!r}: unsupported scheme {scheme or '(none)'!r}; use a "
-            "data:image/...;base64, URL, an http(s) URL, or a file:// URL under "
-            "--allowed-local-media-path"
-        )
-
-    def _data_url(self, url: str) -> Image:
-        header, sep, payload = url.partition(",")
-        media_type, _, encoding = header[len("data:") :].partition(";")
-        if not sep or encoding.lower() != "base64":
-            raise ValueError(
-                f"image URL {_short(url)!r}: only base64 data URLs are supported "
-                "(data:image/<type>;base64,<data>)"
-            )
-        if media_type and not media_type.lower().startswith("image/"):
-            raise ValueError(
-                f"image URL {_short(url)!r}: the data URL's media type is {media_type!r}, "
-                "not an image/ type"
-            )
-        try:
-            data = base64.b64decode(payload.strip(), validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ValueError(f"image URL {_short(url)!r}: invalid base64 data ({exc})") from None
-        return decode_image(data, f"the data URL {_short(url)!r}")
-
-    def _http_url(self, url: str) -> Image:
-        request = urllib.request.Request(url, headers={"User-Agent": "chassis"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                data = response.read()
-        except urllib.error.HTTPError as exc:
-            raise ValueError(
-                f"image URL {_short(url)!r}: the fetch failed with HTTP {exc.code}"
-            ) from None
-        except TimeoutError:
-            raise ValueError(
-                f"image URL {_short(url)!r}: no answer within {self.timeout_s:g} s "
-                f"(${FETCH_TIMEOUT_ENV})"
-            ) from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, TimeoutError):
-                raise ValueError(
-                    f"image URL {_short(url)!r}: no answer within {self.timeout_s:g} s "
-                    f"(${FETCH_TIMEOUT_ENV})"
-                ) from None
-            raise ValueError(f"image URL {_short(url)!r}: the fetch failed ({reason})") from None
-        return decode_image(data, f"the image at {_short(url)!r}")
-
-    def _file_url(self, url: str) -> Image:
-        if self.allowed_folder is None:
-            raise ValueError(
-                f"image URL {_short(url)!r}: local files cannot be read: the server was not "
-                "started with --allowed-local-media-path (allowed_local_media_path)"
-            )
-        parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost"):
-            raise ValueError(
-                f"image URL {_short(url)!r}: a file URL must name a local path "
-                "(file:///path), not a host"
-            )
-        path = Path(unquote(parts.path)).resolve()
-        if not path.is_relative_to(self.allowed_folder):
-            raise ValueError(
-                f"image URL {_short(url)!r}: the file must lie under --allowed-local-media-path "
-                f"({self.allowed_folder})"
-            )
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise ValueError(
-                f"image URL {_short(url)!r}: the file cannot be read ({exc.strerror})"
-            ) from None
-        return decode_image(data, f"the file {str(path)!r}")
-
-
-def _short(url: str, limit: int = 80) -> str:
-    """``url`` for an error message: a data URL's payload (maybe megabytes) cut short."""
-    return url if len(url) <= limit else url[:limit] + "..."
+        fetched = self._fetcher.fetch(source)
+        return decode_image(fetched.data, fetched.where)

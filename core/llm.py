@@ -710,7 +710,9 @@ class LLM:
         :mod:`chassis.core.chat`): content may be a string or a list of text parts, and for a
         model that takes images image parts, ``{"type": "image_url", "image_url": {"url":
         ...}}`` (a data, http(s) or, under ``allowed_local_media_path``, file URL) or
-        ``{"type": "image_pil", "image_pil": image}`` (:mod:`chassis.core.chat_media`);
+        ``{"type": "image_pil", "image_pil": image}``, and for Qwen2-VL / Qwen2.5-VL video
+        parts, ``{"type": "video_url", "video_url": {"url": ...}}`` (the same kinds of URL,
+        decoded with PyAV, 32 frames sampled: :mod:`chassis.core.chat_media`);
         ``chat_template`` (a file path or inline Jinja) overrides the model's;
         ``chat_template_content_format`` is the shape of the content the template gets:
         ``"string"`` (text parts joined), ``"openai"`` (a list of text parts) or ``"auto"``
@@ -718,9 +720,10 @@ class LLM:
         ``continue_final_message`` continues the last assistant message instead of starting a
         new turn; ``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``
         for Qwen3) reach the template; ``lora_request`` as in :meth:`generate`;
-        ``mm_processor_kwargs`` apply to the images of every conversation. A message or
-        conversation the template cannot take, or text holding a lone UTF-16 surrogate (no
-        tokenizer encodes it; the error names the message), raises ``ValueError``.
+        ``mm_processor_kwargs`` apply to the images and videos of every conversation. A
+        message or conversation the template cannot take, or text holding a lone UTF-16
+        surrogate (no tokenizer encodes it; the error names the message), raises
+        ``ValueError``.
         """
         if self.tokenizer is None:
             raise ValueError(
@@ -739,25 +742,27 @@ class LLM:
         template = load_chat_template(chat_template or self.config.chat_template)
         prompts: list[Prompt] = []
         for conversation in conversations:
-            conversation, images, placeholder = self._chat_images.extract(conversation)
+            media = self._chat_images.extract_media(conversation)
             text = render_chat(
                 self.tokenizer,
-                conversation,
+                media.messages,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
                 content_format=chat_template_content_format,
-                image_placeholder=placeholder,
+                image_placeholder=media.image_placeholder,
+                video_placeholder=media.video_placeholder,
             )
             # The template already contains the special tokens it needs.
             prompt: dict[str, Any] = {
                 "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids,
                 "prompt": text,
             }
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
+            multi_modal_data = media.multi_modal_data()
+            if multi_modal_data:
+                prompt["multi_modal_data"] = multi_modal_data
                 if mm_processor_kwargs:
                     prompt["mm_processor_kwargs"] = mm_processor_kwargs
             prompts.append(prompt)

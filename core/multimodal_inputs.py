@@ -96,6 +96,11 @@ class MultiModalInputs:
         if refusal is not None:
             raise ValueError(refusal)
 
+    def supported_modalities(self) -> frozenset[str]:
+        """The modalities the engine's model takes (empty: text only); the model's class is
+        read on the first call, its processor is not built."""
+        return frozenset(getattr(self._model_class(), "supported_modalities", frozenset()))
+
     def processor(self) -> MultiModalProcessor:
         """The model's multimodal processor, built once on first need; ``ValueError`` when
         the model has none, or when the tokenizer does not encode the model's placeholder
@@ -159,8 +164,9 @@ class MultiModalInputs:
 def multimodal_items(multi_modal_data: Mapping[str, Any]) -> dict[str, list[Any]]:
     """vLLM's ``multi_modal_data`` as modality -> its items in order: one item alone (an
     image) is a list of one; ``ValueError`` when it is not a mapping. As in vLLM, a
-    ``"video"`` list of PIL images is ONE video (its frames); a list of arrays or of frame
-    lists is several videos."""
+    ``"video"`` list of PIL images is ONE video (its frames), and so is a ``(frames,
+    metadata)`` tuple (:func:`video_frames_and_metadata`); a list of arrays, of frame lists
+    or of such tuples is several videos."""
     if not isinstance(multi_modal_data, Mapping):
         raise ValueError(
             'multi_modal_data must be a dict like {"image": image} or {"image": [images]}; '
@@ -175,12 +181,58 @@ def multimodal_items(multi_modal_data: Mapping[str, Any]) -> dict[str, list[Any]
 
 
 def _is_frame_list(modality: str, value: list[Any] | tuple[Any, ...]) -> bool:
-    """Whether ``value`` is one video given as a list of PIL frames."""
+    """Whether ``value`` is one video: a list of PIL frames, or a ``(frames, metadata)``
+    tuple."""
     if modality != "video" or not value:
         return False
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
+        return True
     from PIL import Image
 
     return all(isinstance(frame, Image.Image) for frame in value)
+
+
+def video_frames_and_metadata(video: Any) -> tuple[Any, Mapping[str, Any] | None]:
+    """A video item's frames (an array or a list of PIL images, checked by the model's
+    processor) and its metadata: vLLM's ``(frames, metadata)`` tuple, which
+    :class:`~chassis.core.video_loading.VideoLoader` gives and offline callers may pass,
+    ``metadata`` a dict of transformers' ``VideoMetadata`` fields (``fps``, the video's own
+    rate; ``total_num_frames``; ``frames_indices``, the frames kept; ``duration``); or the
+    frames alone (``None``). ``ValueError`` for metadata that is not such a dict."""
+    if not (isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], Mapping)):
+        return video, None
+    frames, metadata = video
+    for key in ("fps", "duration"):
+        value = metadata.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+        ):
+            raise ValueError(f"a video's metadata {key!r} must be a number > 0; got {value!r}")
+    total = metadata.get("total_num_frames")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+        raise ValueError(
+            f"a video's metadata 'total_num_frames' must be an integer >= 1; got {total!r}"
+        )
+    indices = metadata.get("frames_indices")
+    if indices is not None and not isinstance(indices, list | tuple | range):
+        raise ValueError(
+            "a video's metadata 'frames_indices' must be a list of frame indices; got "
+            f"{type(indices).__name__}"
+        )
+    return frames, metadata
+
+
+def sampled_fps(metadata: Mapping[str, Any]) -> float | None:
+    """The rate of a video's kept frames in frames per second of video (transformers'
+    ``VideoMetadata.sampled_fps``): ``fps * len(frames_indices) / total_num_frames``, or
+    ``fps`` when the metadata lacks the indices or the total; ``None`` without ``fps``."""
+    fps = metadata.get("fps")
+    if not fps:
+        return None
+    indices, total = metadata.get("frames_indices"), metadata.get("total_num_frames")
+    if indices is None or not total:
+        return float(fps)
+    return len(indices) / total * float(fps)
 
 
 def shift_features(features: list[MultiModalFeature], dropped: int) -> list[MultiModalFeature]:

@@ -8,9 +8,10 @@ then content deltas, the finish reason on each choice's last chunk, an optional 
 (``stream_options.include_usage``: empty ``choices``), and ``data: [DONE]``.
 
 Image parts (``image_url`` with a data, http(s) or, under ``--allowed-local-media-path``, file
-URL) are loaded while the messages render, and go to the engine as the request's
-``multi_modal_data`` for a model that takes images (a 400 otherwise, naming the part);
-``mm_processor_kwargs`` (vLLM's field) goes with them. Beam search takes no images.
+URL) and video parts (``video_url``, the same kinds of URL, decoded with PyAV) are loaded
+while the messages render, and go to the engine as the request's ``multi_modal_data`` for a
+model that takes them (a 400 otherwise, naming the part); ``mm_processor_kwargs`` (vLLM's
+field) goes with them. Beam search takes no images or videos.
 
 ``echo`` (vLLM's field): when the last message has the response's role (an assistant message
 continued with ``continue_final_message``), each choice's content starts with that message's
@@ -129,10 +130,14 @@ def _echo(body: ChatCompletionRequest, role: str) -> str:
 
 
 async def _prompt(
-    state: ServerState, body: ChatCompletionRequest, images: list[Any] | None = None
+    state: ServerState,
+    body: ChatCompletionRequest,
+    images: list[Any] | None = None,
+    videos: list[Any] | None = None,
 ) -> tuple[str, list[int]]:
     """The rendered prompt's text (parsers read it) and token ids; the messages' images
-    appended to ``images`` when it is given (else image parts are a 400). With
+    appended to ``images`` when it is given (else image parts are a 400), their videos to
+    ``videos`` (else video parts are a 400). With
     ``--exclude-tools-when-tool-choice-none`` a request whose ``tool_choice`` is ``"none"``
     renders without its tools (vLLM's flag; by default the template still sees them)."""
     tools = body.tools
@@ -148,6 +153,7 @@ async def _prompt(
         chat_template=body.chat_template,
         add_special_tokens=bool(body.add_special_tokens),
         images=images,
+        videos=videos,
     )
 
 
@@ -388,21 +394,25 @@ async def _events(
 
 
 async def prepare_chat(
-    state: ServerState, body: ChatCompletionRequest, images: list[Any] | None = None
+    state: ServerState,
+    body: ChatCompletionRequest,
+    images: list[Any] | None = None,
+    videos: list[Any] | None = None,
 ) -> tuple[SamplingParams, list[int], RequestParsing | None]:
     """What a chat request runs as: its sampling params (400s for invalid fields), its
     rendered prompt's token ids, and how its output is parsed (``None``: all content), the
     params adjusted to the parsing (special tokens kept for a tool parser that reads them,
     a JSON constraint applied after the reasoning). The messages' images are appended to
     ``images`` when it is given (chat completions, and ``/v1/responses``, which shares this
-    and sends its images as loaded ``image_pil`` parts); without it image parts are a 400."""
+    and sends its images as loaded ``image_pil`` parts); without it image parts are a 400.
+    Their videos are appended to ``videos`` likewise (chat completions only)."""
     params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
     check_max_logprobs(
         state.engine.config.max_logprobs,
         top_logprobs=body.top_logprobs if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
     )
-    prompt_text, prompt_ids = await _prompt(state, body, images)
+    prompt_text, prompt_ids = await _prompt(state, body, images, videos)
     parsing = state.parsers.for_request(
         body, state.tokenizer, prompt_text, params.structured_outputs
     )
@@ -427,17 +437,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if state.settings.enable_force_include_usage:
         body.force_include_usage()
     images: list[Any] = []
-    params, prompt_ids, parsing = await prepare_chat(state, body, images)
-    # (mm_processor_kwargs without images are ignored, as vLLM ignores them)
-    multi_modal_data = {"image": images} if images else None
+    videos: list[Any] = []
+    params, prompt_ids, parsing = await prepare_chat(state, body, images, videos)
+    # (mm_processor_kwargs without media are ignored, as vLLM ignores them)
+    multi_modal_data: dict[str, list[Any]] = {}
+    if images:
+        multi_modal_data["image"] = images
+    if videos:
+        multi_modal_data["video"] = videos
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log_request(state.settings, request_id, None, prompt_ids, params, lora_request, state.tokenizer)
     n = params.n
     priority = body.priority or 0
     if body.use_beam_search:  # vLLM's beam search (serve/beam_search.py)
-        if multi_modal_data is not None:
+        if multi_modal_data:
             raise errors.bad_request(
-                "beam search does not take images yet; send the request without use_beam_search",
+                "beam search does not take images or videos yet; send the request without "
+                "use_beam_search",
                 "use_beam_search",
             )
         return await beam_search_response(
@@ -459,7 +475,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             priority,
             lora_request,
             body.cache_salt,
-            multi_modal_data=multi_modal_data,
+            multi_modal_data=multi_modal_data or None,
             mm_processor_kwargs=body.mm_processor_kwargs,
         )
 
@@ -474,7 +490,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             request_id,
             model,
             n,
-            None if images else len(prompt_ids),  # (images: the engine's count)
+            None if multi_modal_data else len(prompt_ids),  # (media: the engine's count)
             parsing,
         ),
         lambda stream: _collect(state, stream, body, request_id, model, n, parsing),

@@ -21,7 +21,8 @@ route, ``/v1/responses`` and ``/tokenize``) and the renderer has the engine's
 :class:`~chassis.core.chat_media.ChatImages`: they are loaded (fetched, decoded) here, in the
 same worker thread. On a route that does not ask (the pooling routes' ``messages``) an image
 part is a 400 saying which routes take images; for an engine without them, a 400 like any
-part that is not text.
+part that is not text. Video parts likewise, where the caller asks for the videos too (the
+chat completions route); elsewhere a 400 naming the routes that take them.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ class ChatRenderer:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
         images: list[Any] | None = None,
+        videos: list[Any] | None = None,
     ) -> str:
         """The prompt text. ``chat_template`` (and ``chat_template`` in
         ``chat_template_kwargs``) is the request's own template: a 400 unless trusted (see
@@ -185,19 +187,25 @@ class ChatRenderer:
         images are appended to, in order, when the renderer has ``chat_images`` (a 400
         naming the part for one that cannot be taken); without ``images`` an image part is
         a 400 naming the routes that take images, and without ``chat_images`` one like any
-        part that is not text."""
+        part that is not text. ``videos``: the same for video parts (vLLM's ``(frames,
+        metadata)`` items), taken only with ``images`` given too; without it a video part
+        is a 400 naming the routes that take videos."""
         own = request_chat_template(
             chat_template, chat_template_kwargs, trusted=self.trust_request_chat_template
         )
         field_of_own = request_template_field(chat_template, chat_template_kwargs)
         try:
             dicts: list[Any] = [_as_dict(m) for m in messages]
-            placeholder = None
+            placeholder = video_placeholder = None
             if images is None:
                 refuse_image_parts(dicts)
             elif self.chat_images is not None:
-                dicts, found, placeholder = self.chat_images.extract(dicts)
-                images.extend(found)
+                media = self.chat_images.extract_media(dicts, videos=videos is not None)
+                dicts, placeholder = media.messages, media.image_placeholder
+                video_placeholder = media.video_placeholder
+                images.extend(media.images)
+                if videos is not None:
+                    videos.extend(media.videos)
             return render_chat(
                 self.tokenizer,
                 dicts,
@@ -208,6 +216,7 @@ class ChatRenderer:
                 chat_template_kwargs=chat_template_kwargs,
                 content_format=self.content_format,
                 image_placeholder=placeholder,
+                video_placeholder=video_placeholder,
             )
         except ChatMessageError as exc:
             raise bad_request(str(exc), f"messages.{exc.index}.content") from None
@@ -253,6 +262,7 @@ class ChatRenderer:
         chat_template: str | None = None,
         add_special_tokens: bool = False,
         images: list[Any] | None = None,
+        videos: list[Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and its token ids (meant for a worker thread); the keyword
         arguments but ``add_special_tokens`` are :meth:`render`'s."""
@@ -264,5 +274,6 @@ class ChatRenderer:
             chat_template_kwargs=chat_template_kwargs,
             chat_template=chat_template,
             images=images,
+            videos=videos,
         )
         return text, self.tokenize(text, add_special_tokens=add_special_tokens)

@@ -5,8 +5,10 @@ and ``model.safetensors`` (2 text layers of hidden 64, a 2-block vision tower of
 spatial merge 2), the SmolLM2 tokenizer with Qwen2-VL's vision tokens added
 (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``, ids 49152..49155)
 and a ChatML chat template that renders an image part as
-``<|vision_start|><|image_pad|><|vision_end|>``, and ``preprocessor_config.json`` for
-transformers' ``Qwen2VLImageProcessor`` (56x56 to 112x112 pixels: 4 to 16 image tokens).
+``<|vision_start|><|image_pad|><|vision_end|>`` (a video part as
+``<|vision_start|><|video_pad|><|vision_end|>``, as Qwen2-VL's template), and
+``preprocessor_config.json`` for transformers' ``Qwen2VLImageProcessor`` (56x56 to 112x112
+pixels: 4 to 16 image tokens).
 
 :func:`hf_inputs` expands each ``<|image_pad|>`` of a prompt to the image's token count and
 runs transformers' image processor (its PIL backend; no torchvision here), as
@@ -27,6 +29,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
     "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
     "{% if p.type in ['image', 'image_url'] %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p.type in ['video', 'video_url'] %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -11,8 +11,11 @@ to ``grid_t * grid_h * grid_w / merge_size**2`` tokens.
 
 ``fps`` is the rate at which the caller sampled the frames (``mm_processor_kwargs={"fps":
 2.0}``); without it the frames are taken as 24 per second, what transformers' Qwen2.5-VL
-processor assumes for frames given without metadata. ``min_pixels`` / ``max_pixels`` bound
-each frame as they bound an image.
+processor assumes for frames given without metadata. A video given as vLLM's ``(frames,
+metadata)`` (what a chat ``video_url`` part loads to, :mod:`chassis.core.video_loading`)
+is timed by its metadata instead, as transformers' processor times it: its kept frames per
+second of video (:func:`~chassis.core.multimodal_inputs.sampled_fps`).
+``min_pixels`` / ``max_pixels`` bound each frame as they bound an image.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from chassis.builtin_plugins.models.qwen2_vl_processing import PIXEL_KWARGS, Qwen2VLImageInputs
 from chassis.builtin_plugins.models.qwen2_vl_video import VideoSettings, video_patches
+from chassis.core.multimodal_inputs import sampled_fps, video_frames_and_metadata
 
 #: the text standing for one video in a Qwen2-VL prompt (what its chat template writes)
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -97,10 +101,13 @@ class Qwen2VLMediaInputs(Qwen2VLImageInputs):
         if modality != "video":
             pixel_kwargs = {k: v for k, v in kwargs.items() if k != "fps"}
             return super().process_item(modality, item, pixel_kwargs)
+        frames, metadata = video_frames_and_metadata(item)
         pixels, grid = video_patches(
-            item, self.video_settings, kwargs.get("min_pixels"), kwargs.get("max_pixels")
+            frames, self.video_settings, kwargs.get("min_pixels"), kwargs.get("max_pixels")
         )
-        fps = float(kwargs.get("fps") or DEFAULT_FPS)
+        # (a video's own timing wins over the request's fps, as in transformers)
+        fps = (sampled_fps(metadata) if metadata else None) or kwargs.get("fps") or DEFAULT_FPS
+        fps = float(fps)
         seconds = torch.tensor([self.video_settings.temporal_patch_size / fps])
         length = int(grid.prod()) // self.merge_size**2
         return length, {
