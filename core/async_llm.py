@@ -1,4 +1,5 @@
-"""``AsyncLLM``: the asyncio client of an engine-core child process (used by the server).
+"""``AsyncLLM``: the asyncio client of an engine-core child process (used by the server), or
+of several with ``data_parallel_size`` above 1 (:mod:`chassis.core.dp_client`).
 
 Tokenization happens in the caller's event loop (off-loaded to a thread for long prompts);
 decoding of engine messages and detokenization happen on the client's output thread, which
@@ -28,6 +29,8 @@ from chassis.core.beam_search import (
     step_sampling_params,
 )
 from chassis.core.config import EngineConfig
+from chassis.core.data_parallel import check_data_parallel
+from chassis.core.dp_client import DataParallelClient
 from chassis.core.engine_client import EngineCoreClient
 from chassis.core.engine_setup import finalize_config
 from chassis.core.errors import (
@@ -82,7 +85,9 @@ class AsyncLLM:
     def __init__(
         self, config: EngineConfig, *, stat_loggers: Sequence[StatLoggerFactory] = ()
     ) -> None:
-        """Start the engine core for ``config`` (blocking until it is ready).
+        """Start the engine core for ``config`` (blocking until it is ready); with
+        ``config.data_parallel_size`` N above 1, N engine cores (all ready), between which
+        requests are balanced (``ValueError`` when the host lacks devices for them).
 
         Stat loggers: those ``config.stat_loggers`` names (unset: ``["logging"]``), then
         ``stat_loggers`` (classes, or callables taking a
@@ -90,6 +95,7 @@ class AsyncLLM:
         ``ValueError`` before the engine core starts.
         """
         hf_config = finalize_config(config)
+        check_data_parallel(config)  # enough devices for every engine, before any starts
         self.config = config
         assert config.tokenizer is not None and config.served_model_name is not None
         self.model_name: str = config.served_model_name
@@ -114,13 +120,19 @@ class AsyncLLM:
         factories += [(getattr(f, "__qualname__", repr(f)), f) for f in stat_loggers]
         self._stat_loggers: StatLoggerManager | None = None
         # The tokenizer loads while the engine core child starts (imports, model load).
-        self.client = EngineCoreClient(
+        # With --data-parallel-size N, N engine cores start and requests are balanced
+        # between them (core/dp_client.py); the rest of this class sees one engine.
+        client_cls = EngineCoreClient if config.data_parallel_size == 1 else DataParallelClient
+        self.client: EngineCoreClient | DataParallelClient = client_cls(
             config,
             self._on_outputs,
             self._on_dead,
             while_starting=lambda: self._load_tokenizer(hf_config),
         )
+        #: the engine core's start-up report (engine 0's with data parallelism)
         self.engine_info = self.client.info
+        #: every engine core's report, in engine order (one without data parallelism)
+        self.engine_infos = self.client.infos
         try:
             self._stat_loggers = StatLoggerManager(
                 factories,
@@ -247,8 +259,7 @@ class AsyncLLM:
             )
         finished = False
         try:
-            for request in requests:
-                self.client.add_request(request)
+            self.client.add_requests(requests)  # all to one engine
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

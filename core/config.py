@@ -152,6 +152,16 @@ class EngineConfig:
     #: that stops may compute one token that is thrown away (see docs/scheduling.md)
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
+    #: engine replicas behind one front-end (vLLM's ``--data-parallel-size``): ``AsyncLLM``
+    #: starts this many engine-core processes, each with the whole model on its own
+    #: ``tensor_parallel_size`` devices, and sends each new request to the least busy one
+    #: (``core/dp_client.py``; docs/serving.md, "Data parallelism"); the offline ``LLM``
+    #: runs one engine only
+    data_parallel_size: int = 1
+    #: which of the ``data_parallel_size`` engines this config is for (0-based); set by the
+    #: front-end in the copy each engine core gets, never by users: it picks the engine's
+    #: devices and its share of the host's cores (``core/data_parallel.py``)
+    data_parallel_rank: int = 0
     #: mixture-of-experts layers place whole experts on the tensor-parallel ranks (vLLM's
     #: flag): each rank holds a contiguous range of about E/N experts instead of 1/N of every
     #: expert's columns; a no-op with one rank and for dense models (see docs/models.md)
@@ -250,6 +260,7 @@ class EngineConfig:
             raise ValueError(
                 f"--tensor-parallel-size must be >= 1; got {self.tensor_parallel_size}"
             )
+        self._validate_data_parallel()
         # (not inf: the watchdog's thread cannot wait that long; 0 is "no limit")
         if not (math.isfinite(self.execute_model_timeout_s) and self.execute_model_timeout_s >= 0):
             raise ValueError(
@@ -338,6 +349,23 @@ class EngineConfig:
                     "--distributed-executor-backend ray needs Ray, which is not installed: "
                     "pip install 'chassis-llm[ray]'"
                 )
+
+    def _validate_data_parallel(self) -> None:
+        size, rank = self.data_parallel_size, self.data_parallel_rank
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"--data-parallel-size must be an integer >= 1 (engine replicas); got {size!r}"
+            )
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(
+                f"data_parallel_rank must be in 0..{size - 1} (--data-parallel-size {size}); "
+                f"got {rank!r}"
+            )
+        if size > 1 and self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "--data-parallel-size above 1 runs every engine's ranks on this host (mp or "
+                "uni); not with --distributed-executor-backend ray yet"
+            )
 
     def _validate_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

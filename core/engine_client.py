@@ -189,8 +189,18 @@ class EngineCoreClient:
         with self._send_lock:
             self._in.send_multipart([kind, payload])
 
+    @property
+    def infos(self) -> list[EngineInfo]:
+        """Every engine's start-up report: this one's (``DataParallelClient`` has several)."""
+        return [self.info]
+
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(ADD, msgspec.msgpack.encode(request))
+
+    def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        """Send the engine requests of one prompt (``n`` > 1: one per completion)."""
+        for request in requests:
+            self.add_request(request)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)

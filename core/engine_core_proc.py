@@ -67,8 +67,12 @@ def run_engine_core(
     """Entry point of the engine-core child process."""
     parent_pid = os.getppid()
     _die_with_parent()
+    # (with data parallelism each engine's lines name it: "[engine 1]")
+    engine = "engine"
+    if config_dict.get("data_parallel_size", 1) > 1:
+        engine = f"engine {config_dict.get('data_parallel_rank', 0)}"
     logging.basicConfig(
-        level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
+        level=log_level, format=f"%(asctime)s %(levelname)s [{engine}] %(name)s: %(message)s"
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ctrl-C in a terminal reaches the whole process group; the front-end owns it and shuts
@@ -84,9 +88,12 @@ def run_engine_core(
 
     try:
         from chassis.core.config import EngineConfig
+        from chassis.core.data_parallel import take_host_share
         from chassis.core.engine_core import EngineCore
 
-        core = EngineCore(EngineConfig.from_dict(config_dict))
+        config = EngineConfig.from_dict(config_dict)
+        take_host_share(config)  # one engine of several: its share of the cores
+        core = EngineCore(config)
     except BaseException as exc:
         _die_quietly_on_sigterm()
         if isinstance(exc, SystemExit):  # SIGTERM while loading: the front-end is stopping

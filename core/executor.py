@@ -100,9 +100,12 @@ class InProcessExecutor(Executor):
     """One device, driven from the engine-core process itself."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from chassis.core.data_parallel import engine_rank_devices
         from chassis.core.worker import Worker
 
-        self.worker = Worker(config)
+        # one engine of several (data parallelism) runs on its own device; one alone on 0
+        device = engine_rank_devices(config)[0] if config.data_parallel_size > 1 else 0
+        self.worker = Worker(config, device_index=device)
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()

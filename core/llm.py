@@ -23,6 +23,7 @@ from chassis.core.chat_content_format import check_content_format
 from chassis.core.chat_media import ChatImages
 from chassis.core.compilation_config import compilation_kwargs
 from chassis.core.config import EngineConfig
+from chassis.core.data_parallel import refuse_offline_data_parallel
 from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
 from chassis.core.errors import EngineSleepingError, RequestFailedError
@@ -94,6 +95,7 @@ class LLM:
         # vLLM's compilation_config and optimization_level become torch_compile and friends
         kwargs = compilation_kwargs(_pooling_kwargs(engine_kwargs))
         self.config = EngineConfig(model=model, **kwargs)
+        refuse_offline_data_parallel(self.config)
         hf_config = finalize_config(self.config)
         #: the engine's pooling (None for a generating engine), and what embed() checks
         self.pooler_config = apply_pooling_defaults(self.config)

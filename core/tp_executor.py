@@ -45,6 +45,7 @@ import zmq
 
 from chassis.core import parallel_state
 from chassis.core.config import EngineConfig
+from chassis.core.data_parallel import engine_rank_devices, host_threads
 from chassis.core.errors import RankExitedError
 from chassis.core.executor import Executor
 from chassis.core.kv_cache_groups import single_group_window
@@ -100,8 +101,9 @@ def start_rank(config: EngineConfig, rank: int, ipc_dir: str, watch: Callable[[]
 
     platform = get_current_platform()
     size = config.tensor_parallel_size
-    device = platform.tensor_parallel_devices(size)[rank]
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+    device = engine_rank_devices(config)[rank]  # (this engine's, with data parallelism)
+    # every rank of every engine (data parallelism) gets an equal share of the host's cores
+    torch.set_num_threads(host_threads(size * config.data_parallel_size))
     wait_for_every_rank(ipc_dir, rank, size, watch)
     parallel_state.init_tensor_parallel(
         rank,
@@ -246,10 +248,8 @@ class TensorParallelExecutor(RankGroupExecutor):
     cannot be sharded) after stopping every rank it started."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from chassis.platforms import get_current_platform
-
         self.size = config.tensor_parallel_size
-        get_current_platform().tensor_parallel_devices(self.size)  # enough devices?
+        engine_rank_devices(config)  # enough devices?
         config = self._group_config(config)  # before any process starts
         self._broken = None
         #: what the step watchdog found, once a step timed out (then raised for

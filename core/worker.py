@@ -47,6 +47,11 @@ class Worker:
         backend_cls = registries.attention_backends.get(config.attention_backend)
         torch.manual_seed(config.seed)
         model = build_model(config, hf_config, config.model, backend_cls, self.device, self.dtype)
+        if config.data_parallel_rank:
+            # Engines of one server build the same weights (same seed above), but draw
+            # unseeded samples from streams of their own: two such requests on two fresh
+            # engines would otherwise get the same tokens.
+            torch.manual_seed(config.seed + config.data_parallel_rank)
         # (named now, before LoRA wrappers or the platform's kernels rename any module)
         checkpoint = checkpoint_tensors(model) if config.enable_sleep_mode else None
         #: the model's LoRA slots (``--enable-lora``), wrapped before the platform swaps the

@@ -77,6 +77,20 @@ class CpuPlatform(Platform):
             )
         return [0] * size
 
+    def data_parallel_devices(
+        self, engine_index: int, num_engines: int, tensor_parallel_size: int
+    ) -> list[int]:
+        """Every engine's ranks run on the host: at least one core per rank of every engine
+        (each engine core then keeps its share of the cores, ``core/data_parallel.py``)."""
+        cores = len(os.sched_getaffinity(0))
+        needed = num_engines * tensor_parallel_size
+        if needed > cores:
+            raise ValueError(
+                f"--data-parallel-size {num_engines} with --tensor-parallel-size "
+                f"{tensor_parallel_size} needs a core per rank ({needed}); this host has {cores}"
+            )
+        return [0] * tensor_parallel_size
+
     def ray_resources(self) -> dict[str, float]:
         """A core per rank, as :meth:`tensor_parallel_devices` asks of one host."""
         return {"CPU": 1.0}
@@ -104,7 +118,8 @@ class CpuPlatform(Platform):
 
     def determine_kv_cache_memory(self, config: EngineConfig, profile: Callable[[], None]) -> int:
         """``--kv-cache-memory``, else 4 GiB or 30% of available memory, whichever is less;
-        with tensor parallelism, that budget split over the ranks (all on this host).
+        with tensor or data parallelism, that budget split over every rank of every engine
+        (all on this host).
 
         Host memory is shared with everything else on the machine, so the CPU never claims a
         fraction of the total the way a GPU does.
@@ -113,8 +128,8 @@ class CpuPlatform(Platform):
             budget = config.kv_cache_memory
         else:
             budget = min(DEFAULT_CPU_KV_CACHE_BYTES, int(self.memory_available() * 0.3))
-        # Tensor-parallel ranks share this host's memory: the budget is theirs together.
-        return budget // config.tensor_parallel_size
+        # All ranks of all engines share this host's memory: the budget is theirs together.
+        return budget // (config.tensor_parallel_size * config.data_parallel_size)
 
     def kv_cache_zeros(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

@@ -100,6 +100,26 @@ class Platform(ABC):
             )
         return list(range(size))
 
+    def data_parallel_devices(
+        self, engine_index: int, num_engines: int, tensor_parallel_size: int
+    ) -> list[int]:
+        """The local device index of each tensor-parallel rank of engine ``engine_index`` of
+        ``num_engines`` data-parallel engines on this host (rank ``r`` uses entry ``r``).
+        Called in the front-end (to check, before any engine starts) and in each engine.
+        Default: one device per rank, engine ``i`` on devices ``i*T .. (i+1)*T - 1`` for
+        ``T = tensor_parallel_size``, so ``num_engines * T`` must not exceed
+        :meth:`device_count` (a ``ValueError`` naming all three)."""
+        count = self.device_count()
+        needed = num_engines * tensor_parallel_size
+        if needed > count:
+            raise ValueError(
+                f"--data-parallel-size {num_engines} with --tensor-parallel-size "
+                f"{tensor_parallel_size} needs {needed} {self.name} devices (one per rank); "
+                f"{count} visible"
+            )
+        first = engine_index * tensor_parallel_size
+        return list(range(first, first + tensor_parallel_size))
+
     def ray_resources(self) -> dict[str, float]:
         """The Ray resources one rank reserves (one placement-group bundle) under
         ``--distributed-executor-backend ray``; Ray then makes only that device visible to the

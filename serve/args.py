@@ -401,8 +401,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "-dp",
         type=int,
         metavar="N",
-        help="vLLM's flag: only 1 (the default) is supported, data parallelism is not; run "
-        "several servers behind a load balancer instead",
+        help=_help(
+            "engine replicas behind this server, each with the whole model on its own "
+            "--tensor-parallel-size devices (on the CPU: its share of the cores); each new "
+            "request goes to the least busy one (docs/serving.md, 'Data parallelism')",
+            "data_parallel_size",
+        ),
     )
     g.add_argument(
         "--pipeline-parallel-size",
@@ -560,12 +564,6 @@ def _check_vllm_only_flags(args: argparse.Namespace) -> None:
             f"--pipeline-parallel-size {pipeline} is not supported: chassis has no pipeline "
             "parallelism; shard the model with --tensor-parallel-size instead"
         )
-    data = getattr(args, "data_parallel_size", None)
-    if data is not None and data != 1:
-        raise ValueError(
-            f"--data-parallel-size {data} is not supported: chassis runs one engine per "
-            "server; run several servers behind a load balancer instead"
-        )
     policy, scheduler = getattr(args, "scheduling_policy", None), getattr(args, "scheduler", None)
     if policy is not None:
         if scheduler is not None and scheduler != policy:
@@ -580,8 +578,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     Raises ``ValueError`` for invalid values (from ``EngineConfig``), for MODEL and
     ``--model`` naming different models (or ``--scheduling-policy`` and ``--scheduler``
-    different schedulers), for ``--pipeline-parallel-size`` or ``--data-parallel-size``
-    above 1, for ``-O``/``--compilation-config`` and a chassis flag that disagree
+    different schedulers), for ``--pipeline-parallel-size`` above 1, for ``-O``/``--compilation-config`` and a chassis flag that disagree
     (:mod:`chassis.serve.compilation_config`), and for a plugin that failed to load.
     """
     load_error = getattr(args, _PLUGIN_ERROR, None)

@@ -8,7 +8,9 @@ route.
 ``GET /server_info``: the engine's settings as it runs them (``engine_config``: every
 ``EngineConfig`` field, resolved: the model's local folder, ``max_model_len``, the
 attention backend, ...) and what the engine core reported when it started
-(``engine_info``: platform, KV blocks and capacity in tokens, ...), as JSON. vLLM answers
+(``engine_info``: platform, KV blocks and capacity in tokens, ...; engine 0's with
+``--data-parallel-size``), each engine's report (``engines``, one per data-parallel engine)
+and their KV capacity together (``total_kv_capacity_tokens``), as JSON. vLLM answers
 ``{"vllm_config": ...}`` with its own config; the server's settings (the API key, TLS
 files) are not shown.
 
@@ -82,12 +84,21 @@ async def server_info(request: Request) -> JSONResponse:
     """The engine's resolved settings and start-up report (see the module docstring)."""
     engine = request.app.state.chassis.engine
     info: Any = getattr(engine, "engine_info", None)
-    report = None
-    if info is not None:
-        report = {**msgspec.to_builtins(info), "kv_capacity_tokens": info.kv_capacity_tokens}
-    return JSONResponse(
-        {"engine_config": msgspec.to_builtins(engine.config.to_dict()), "engine_info": report}
-    )
+    infos: list[Any] = getattr(engine, "engine_infos", None) or ([] if info is None else [info])
+    reports = [_engine_report(i) for i in infos]
+    body: dict[str, Any] = {
+        "engine_config": msgspec.to_builtins(engine.config.to_dict()),
+        "engine_info": None if info is None else _engine_report(info),
+    }
+    if reports:  # data parallelism: each engine, and what they hold together
+        body["engines"] = reports
+        body["total_kv_capacity_tokens"] = sum(r["kv_capacity_tokens"] for r in reports)
+    return JSONResponse(body)
+
+
+def _engine_report(info: Any) -> dict[str, Any]:
+    """One engine core's start-up report, with its KV capacity in tokens."""
+    return {**msgspec.to_builtins(info), "kv_capacity_tokens": info.kv_capacity_tokens}
 
 
 @router.post("/sleep")

@@ -39,6 +39,8 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     await engine.is_paused()               # ValueError for a bad mode
     engine.engine_info                     # optional, development mode's /server_info:
                                            # the engine core's start-up report
+    engine.engine_infos                    # optional, there too: every engine core's
+                                           # (several with --data-parallel-size)
 """
 
 from __future__ import annotations

@@ -254,5 +254,5 @@ def test_vllm_s_names_of_chassis_flags() -> None:
     assert config.tokenizer_revision == "v1" and args.disable_access_log is True
     auto = EngineConfig(structured_outputs_config={"backend": "auto"})
     assert auto.structured_output_backend == "chassis"
-    with pytest.raises(ValueError, match="--data-parallel-size 2 is not supported"):
-        engine_config_from_args(_parse(["serve", "--data-parallel-size", "2"]))
+    # (data parallelism itself: tests/test_data_parallel.py)
+    assert engine_config_from_args(_parse(["serve", "-dp", "2"])).data_parallel_size == 2
