@@ -40,6 +40,17 @@ class AttentionMetadata:
     #: scratch space where a backend memoizes what it derives from this metadata once per
     #: step (gather indices, masks) and then reuses in every layer; keys are backend-private
     derived: dict[str, Any] = field(default_factory=dict)
+    #: ``[num_actual_tokens]`` int32 on the device, or ``None`` (plain causal attention): the
+    #: last context position each query token may attend to. A token's own position for a
+    #: causal token; the block's last position for a token inside a block of tokens that
+    #: attend to each other both ways (Gemma 3's image tokens: ``CausalLM.
+    #: bidirectional_image_blocks``). Always ``position <= attend_limit[t] < seq_len`` of its
+    #: request, so a single-token query (a decode) has its own position. Set only on eager
+    #: steps that schedule such a block (never on decode steps or captured graphs), and only
+    #: for backends with :attr:`AttentionBackend.supports_attend_limit`; a sliding window
+    #: still counts back from the token's own position (HF's ``sliding AND (causal OR
+    #: block)``)
+    attend_limit: torch.Tensor | None = None
 
 
 def kv_cache_shape(
@@ -164,6 +175,11 @@ class AttentionBackend(ABC):
     #: and then V to an aliased slot leaves V, which is K. Without it such a model gets an
     #: ordinary two-plane cache (correct, twice the memory)
     supports_aliased_kv_planes: ClassVar[bool] = False
+    #: whether :meth:`forward` honours :attr:`AttentionMetadata.attend_limit` (query ``t``
+    #: attends to keys ``k <= attend_limit[t]`` instead of ``k <= position``); a model whose
+    #: image tokens attend to each other both ways refuses a backend without it when built
+    #: (:func:`chassis.core.layers.attention.check_attend_limit_support`)
+    supports_attend_limit: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -233,7 +249,9 @@ class AttentionBackend(ABC):
             unspecified. Query token ``j`` of request ``i`` sits at position
             ``p = seq_lens[i] - query_len_i + j`` and attends to context positions ``0 .. p``
             (causal over the cached prefix + chunk), or ``p - sliding_window + 1 .. p`` (not
-            below 0) with a sliding window; scores are soft-capped when
+            below 0) with a sliding window; with ``metadata.attend_limit`` (a backend with
+            :attr:`supports_attend_limit`) the last position it attends to is
+            ``attend_limit[t]`` instead of ``p``, the window's start unchanged; scores are soft-capped when
             ``logits_soft_cap`` is set, and ``sinks`` join each softmax's denominator.
             With a sliding window, block-table entries wholly before the window of a
             request's first query may be the null block (block 0, never written: a kernel
@@ -256,6 +274,13 @@ class ForwardContext:
     group_metadata: list[AttentionMetadata] | None = None
     #: with ``group_metadata``: the group of each attention layer, indexed by layer number
     layer_group: list[int] | None = None
+
+    def set_attend_limit(self, attend_limit: torch.Tensor) -> None:
+        """Give every KV cache group's metadata ``attend_limit``
+        (:attr:`AttentionMetadata.attend_limit`: one int32 per token of the step)."""
+        self.attn_metadata.attend_limit = attend_limit
+        for metadata in self.group_metadata or ():
+            metadata.attend_limit = attend_limit
 
     def metadata_for(self, layer_idx: int) -> AttentionMetadata:
         """The metadata attention layer ``layer_idx`` reads: its KV cache group's."""

@@ -151,6 +151,9 @@ class EngineCore:
         #: the model class's supported modalities and name, read at the first request with
         #: images (:meth:`_model_modalities`)
         self._mm_model: tuple[frozenset[str], str] | None = None
+        #: whether the model's image tokens attend to each other both ways (read with
+        #: ``_mm_model``): requests then carry ``bidirectional_blocks`` for the scheduler
+        self._mm_blocks = False
         #: LoRA: the adapter id of every accepted request with one, and each adapter's count
         #: of such requests; an adapter stays pinned in the workers' host memory while its
         #: count is above zero (``Executor.pin_lora``), so no step reads its folder
@@ -228,6 +231,7 @@ class EngineCore:
                 len(request.prompt_token_ids),
                 request.mm_features,
                 *self._model_modalities(),
+                bidirectional_blocks=self._mm_blocks,
             )
         ):
             error = RequestError(message=refusal, client_error=True)
@@ -253,6 +257,8 @@ class EngineCore:
                 )
             )
             return
+        if request.mm_features and self._mm_blocks:  # (read by the multimodal_refusal above)
+            engine_request.bidirectional_blocks = [(f.offset, f.end) for f in request.mm_features]
         try:
             self.scheduler.add_request(engine_request)
         except BaseException:
@@ -278,6 +284,7 @@ class EngineCore:
 
             cls = model_class(engine_hf_config(self.config))
             self._mm_model = (cls.supported_modalities, cls.__name__)
+            self._mm_blocks = bool(getattr(cls, "bidirectional_image_blocks", False))
         return self._mm_model
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -110,6 +110,13 @@ class CausalLM(nn.Module, ABC):
     #: prompt and passes ``positions`` as ``[3, num_tokens]`` when a step holds a token
     #: whose components differ; otherwise ``[num_tokens]`` (the three equal).
     uses_mrope: bool = False
+    #: The tokens of each multimodal item (the placeholder range of each feature) attend to
+    #: one another both ways, as Gemma 3's image tokens do (HF's ``token_type_ids``); other
+    #: tokens stay causal. The runner then sets ``AttentionMetadata.attend_limit`` on the
+    #: steps that schedule such tokens, the model must refuse a backend without
+    #: ``supports_attend_limit`` when built, and the scheduler never ends a prefill chunk
+    #: strictly inside an item (``Request.bidirectional_blocks``; docs/multimodal.md).
+    bidirectional_image_blocks: bool = False
     #: Every attention layer of the model always passes the same tensor as key and value
     #: (DeepSeek's MLA caches one latent vector per token, which is both): a KV cache whose V
     #: plane aliases its K plane is then correct, and the runner allocates one plane instead

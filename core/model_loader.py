@@ -282,6 +282,9 @@ _MULTIMODAL_FIELDS = (
     "multimodal_projector_bias",
     "image_grid_pinpoints",
     "spatial_merge_size",  # Mistral 3's patch merge
+    "mm_tokens_per_image",  # Gemma 3's image rows and its image frame's tokens
+    "boi_token_id",
+    "eoi_token_id",
 )
 
 

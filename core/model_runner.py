@@ -503,6 +503,13 @@ class ModelRunner:
             inputs_embeds = self.mm.inputs_embeds(
                 scheduled_ids, starts, num_scheduled, query_start_loc, input_ids
             )
+        # Gemma 3's image tokens attend to their whole image (attend_limit); only steps with
+        # image tokens, which run eager, carry the limits
+        attend_limit: np.ndarray | None = None
+        if inputs_embeds is not None and self.model.bidirectional_image_blocks:
+            attend_limit = self.mm.attend_limits(scheduled_ids, query_start_loc, positions)
+            if attend_limit is not None:
+                check_attend_limits(attend_limit, seq_lens[req_of_token], scheduled_ids)
         # (a step with images or 3-component positions runs eager: graphs take neither)
         plain_step = inputs_embeds is None and rotary_positions.ndim == 1
 
@@ -533,6 +540,8 @@ class ModelRunner:
                 self.layer_group,
                 self.pin_memory,
             )
+            if attend_limit is not None:
+                ctx.set_attend_limit(self._to_device(attend_limit))
             if isinstance(input_ids, np.ndarray):
                 input_ids = self._to_device(input_ids)
             if plain_step:
@@ -739,6 +748,23 @@ def layer_windows(model: CausalLM) -> list[int | None] | None:
     for layer in layers:
         windows[layer.layer_idx] = layer.sliding_window
     return windows
+
+
+def check_attend_limits(
+    attend_limit: np.ndarray, token_seq_lens: np.ndarray, request_ids: Sequence[str]
+) -> None:
+    """A ``RuntimeError`` when a token's attend limit reaches past its request's context this
+    step (``token_seq_lens``, per token): the scheduler ended a prefill chunk inside an image
+    block whose tokens attend to each other both ways, so keys it needs are not computed."""
+    bad = np.nonzero(attend_limit >= token_seq_lens)[0]
+    if len(bad):
+        raise RuntimeError(
+            f"a prefill chunk ends inside an image block (token {int(bad[0])} of the step "
+            f"attends up to position {int(attend_limit[bad[0]])}, its context ends at "
+            f"{int(token_seq_lens[bad[0]])}; requests {list(request_ids)}): the scheduler must "
+            "schedule an image block's remaining tokens in one step "
+            "(Request.bidirectional_blocks)"
+        )
 
 
 def host_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -> torch.Tensor:

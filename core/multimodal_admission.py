@@ -24,11 +24,14 @@ def multimodal_refusal(
     features: Sequence[MultiModalFeature],
     model_modalities: frozenset[str],
     model_name: str,
+    bidirectional_blocks: bool = False,
 ) -> str | None:
     """Why an engine of ``config`` cannot serve a request whose prompt of ``prompt_len``
     tokens carries ``features``, or ``None`` (always for a request without features).
     ``model_modalities`` are the model's ``supported_modalities``, ``model_name`` its class
-    name (for the message)."""
+    name (for the message); ``bidirectional_blocks`` its ``bidirectional_image_blocks``
+    (then an item longer than ``--max-num-batched-tokens`` is refused: its tokens must be
+    computed in one step, :mod:`chassis.core.bidirectional_blocks`)."""
     if not features:
         return None
     modalities = sorted({f.modality for f in features})
@@ -38,7 +41,28 @@ def multimodal_refusal(
             f"{model_name} does not take {' or '.join(unsupported)} inputs "
             f"(it takes: {', '.join(sorted(model_modalities)) or 'text only'})"
         )
-    return engine_mode_refusal(config, modalities) or placeholder_range_error(prompt_len, features)
+    refusal = engine_mode_refusal(config, modalities) or placeholder_range_error(
+        prompt_len, features
+    )
+    if refusal is None and bidirectional_blocks:
+        refusal = block_budget_error(config.max_num_batched_tokens, features, model_name)
+    return refusal
+
+
+def block_budget_error(
+    max_num_batched_tokens: int, features: Sequence[MultiModalFeature], model_name: str
+) -> str | None:
+    """Why ``features`` cannot be scheduled by a model whose items' tokens attend to each
+    other both ways (each item's tokens in one step), or ``None``."""
+    for index, feature in enumerate(features):
+        if feature.length > max_num_batched_tokens:
+            return (
+                f"{feature.modality} {index} has {feature.length} placeholder tokens, which "
+                f"{model_name} computes in one step (they attend to each other both ways), "
+                f"but --max-num-batched-tokens is {max_num_batched_tokens}: raise it to at "
+                f"least {feature.length}"
+            )
+    return None
 
 
 def engine_mode_refusal(config: EngineConfig, modalities: Iterable[str]) -> str | None:

@@ -144,6 +144,30 @@ class MultiModalRunner:
             return rotary[0].copy()
         return rotary
 
+    def attend_limits(
+        self, request_ids: Sequence[str], query_start_loc: np.ndarray, positions: np.ndarray
+    ) -> np.ndarray | None:
+        """For a model with ``bidirectional_image_blocks``: the step's
+        ``AttentionMetadata.attend_limit`` (``[N]`` int32: each token's sequence position,
+        or for a token inside an item's placeholder range the range's last position), or
+        ``None`` when no scheduled token is inside one (plain causal). Arguments as
+        :meth:`rotary_positions`."""
+        limits: np.ndarray | None = None
+        for i, request_id in enumerate(request_ids):
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            lo, hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            seq = positions[lo:hi]
+            for feature in state.features:
+                inside = (seq >= feature.offset) & (seq < feature.end)
+                if not inside.any():
+                    continue
+                if limits is None:
+                    limits = positions.astype(np.int32)
+                limits[lo:hi][inside] = feature.end - 1
+        return limits
+
     def inputs_embeds(
         self,
         request_ids: Sequence[str],

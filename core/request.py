@@ -192,6 +192,11 @@ class Request:
         self.pooling_params = pooling_params
         #: the prompt's multimodal items in prompt order (:mod:`chassis.core.multimodal`)
         self.mm_features = list(mm_features)
+        #: ``(start, end)`` prompt ranges whose tokens attend to one another both ways (the
+        #: image placeholders of a model with ``bidirectional_image_blocks``, set by the
+        #: engine core): a scheduler never ends a prefill chunk strictly inside one
+        #: (:func:`chassis.core.bidirectional_blocks.chunk_outside_blocks`); empty otherwise
+        self.bidirectional_blocks: list[tuple[int, int]] = []
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         #: Tokens whose K/V are in the cache (prefix hits included).

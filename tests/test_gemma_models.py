@@ -409,7 +409,7 @@ def test_two_ranks_match_transformers(gemma_dirs: dict[str, Path], arch: str) ->
 def test_a_multimodal_gemma3_checkpoint_serves_text(tmp_path: Path) -> None:
     """gemma-3-4b-style checkpoint (``Gemma3ForConditionalGeneration``: a text config inside,
     ``language_model.model.*`` tensors next to a vision tower): text prompts get HF's
-    multimodal model's greedy tokens, and the vision weights are not loaded."""
+    multimodal model's greedy tokens (its images: tests/test_gemma3_images.py)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
     text = tiny_config("gemma3")

@@ -73,7 +73,10 @@ def compile_kernel(
 #: pointer types of the ``triton_paged`` attention kernel that are not the model dtype
 _ATTENTION_POINTERS = {
     **{n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")},
-    **{n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")},
+    **{
+        n: "*i32"
+        for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "attend_limit_ptr")
+    },
 }
 
 
@@ -91,6 +94,7 @@ def compile_attention_variant(
     sliding_window: bool = False,
     soft_cap: bool = False,
     sinks: bool = False,
+    attend_limit: bool = False,
     heads_per_program: int | None = None,
     dim_pad: int | None = None,
 ) -> Any:
@@ -98,7 +102,8 @@ def compile_attention_variant(
     as ``paged_attention`` launches it (16-row tiles are the decode variants: one query block
     per request). ``fp32``: a float32 model; otherwise bfloat16. ``sliding_window`` /
     ``soft_cap`` / ``sinks``: the variants of layers with a window / a logit soft cap /
-    attention sinks. ``heads_per_program`` (default: the group) splits a group over
+    attention sinks; ``attend_limit``: the variant of steps with bidirectional image blocks.
+    ``heads_per_program`` (default: the group) splits a group over
     programs; ``dim_pad`` (default: ``head_dim``) pads a head dim that is no power of two."""
     heads = heads_per_program or group
     from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
@@ -123,6 +128,7 @@ def compile_attention_variant(
             SLIDING_WINDOW=sliding_window,
             SOFT_CAP=soft_cap,
             HAS_SINKS=sinks,
+            HAS_LIMIT=attend_limit,
         ),
         pointer_types={**_ATTENTION_POINTERS, **(model_io if fp32 else {})},
         float_args=("scale_log2", "cap_in_log2", "cap_out_log2"),
@@ -183,6 +189,7 @@ SHARED_CHILD_FILES = (
 #: MoE kernels. Compiled for a GPU, 3.6 builds every kernel (the compile tests; checked
 #: 2026-12-01 with torch 2.11, docs/gpu.md).
 _OLDEST_INTERPRETER = {
+    "test_attend_limit.py": (3, 7),
     "test_fp8_kv_cache.py": (3, 7),
     "test_triton_attention.py": (3, 7),
     "test_triton_moe.py": (3, 7),

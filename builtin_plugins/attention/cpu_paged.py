@@ -37,6 +37,11 @@ row's online softmax with the head's sink logit as its running maximum and a den
 1 (a position of weight ``exp(sink)`` and no value), and the SDPA paths, which cannot apply
 them, compute the softmax explicitly in float32 with the sink in the denominator.
 
+A step with ``attend_limit`` (bidirectional image blocks: ``supports_attend_limit``) sends
+every prefill chunk to the SDPA paths, whose masks then bound each row by its limit instead of
+its position (the window still counts back from the position); its decodes, whose limit is
+their own position, stay on the kernels. Steps without one are planned as before.
+
 The cache is addressed through its strides (:func:`cache_rows`, the kernels' ``stride(0)`` /
 ``stride(1)``), never as one contiguous block of K and V planes, so a cache whose V plane
 aliases its K plane (``stride(1) == 0``: ``core.attention.alias_kv_planes``, DeepSeek's
@@ -75,6 +80,9 @@ class _Prefill:
     #: layers with a window or a cap, built on first use per window (None: causal only):
     #: (first context position the chunk's window reaches, [query_len, seq_len - that] mask)
     masks: dict[int | None, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    #: [query_len] int64, the last position each row may attend to (``attend_limit``);
+    #: None: its own (causal)
+    limits: torch.Tensor | None = None
 
     def window_mask(self, window: int | None, device: torch.device) -> tuple[int, torch.Tensor]:
         """``(k_lo, mask)``: the chunk's rows attend to context positions ``k_lo ..`` where
@@ -86,7 +94,7 @@ class _Prefill:
             k_lo = 0 if window is None else max(0, prefix - window + 1)
             q_pos = torch.arange(prefix, self.seq_len, device=device)[:, None]
             k_pos = torch.arange(k_lo, self.seq_len, device=device)[None, :]
-            mask = k_pos <= q_pos
+            mask = k_pos <= (q_pos if self.limits is None else self.limits[:, None])
             if window is not None:
                 mask &= k_pos > q_pos - window
             cached = self.masks[window] = (k_lo, mask)
@@ -184,9 +192,13 @@ def _make_plan(
     """Every prefill chunk goes to the tiled prefill kernel when ``tile_prefills``; otherwise
     those whose context is at most ``kernel_max_context`` become rows of the row kernel, with
     the decodes (0: no kernels, decodes take the SDPA row path), and longer ones go to SDPA.
-    Cache rows are :func:`cache_rows`' of a cache with ``rows_per_block``."""
+    With ``metadata.attend_limit`` every prefill chunk goes to SDPA, its masks bounded by the
+    limits. Cache rows are :func:`cache_rows`' of a cache with ``rows_per_block``."""
     device = metadata.slot_mapping.device
     num_tokens = metadata.num_actual_tokens
+    attend_limit = metadata.attend_limit
+    if attend_limit is not None:  # (the kernels bound rows by their positions)
+        tile_prefills, kernel_max_context = False, 0
     all_slots = slots = metadata.slot_mapping[:num_tokens].long().contiguous()
     valid = slots >= 0
     all_valid = bool(valid.all())
@@ -216,12 +228,18 @@ def _make_plan(
             row_tok.append(np.arange(starts[i], starts[i + 1]))
             row_len.append(np.arange(seq_len - query_len + 1, seq_len + 1))
             continue
-        mask = k_rows = None
-        if query_len != seq_len:
+        mask = k_rows = limits = None
+        if attend_limit is not None:
+            limits = attend_limit[starts[i] : starts[i + 1]].to(device, torch.long)
+        if query_len != seq_len or limits is not None:
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            last = q_pos if limits is None else limits
+            mask = torch.arange(seq_len, device=device)[None, :] <= last[:, None]
+        if query_len != seq_len:
             k_rows = _context_rows(metadata.block_table[i], seq_len, block_size, rows_per_block)
-        prefills.append(_Prefill(slice(starts[i], starts[i + 1]), k_rows, mask, seq_len))
+        prefills.append(
+            _Prefill(slice(starts[i], starts[i + 1]), k_rows, mask, seq_len, limits=limits)
+        )
     rows_plan = None
     if row_req:
         reqs, toks, lens = (np.concatenate(x) for x in (row_req, row_tok, row_len))
@@ -272,6 +290,8 @@ class CpuPagedAttention(AttentionBackend):
     supports_attention_sinks = True
     #: every path addresses the cache through its strides (the module docstring)
     supports_aliased_kv_planes = True
+    #: through the SDPA paths (the module docstring)
+    supports_attend_limit = True
 
     def __init__(
         self,

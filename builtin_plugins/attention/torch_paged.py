@@ -24,7 +24,10 @@ class TorchPagedAttention(AttentionBackend):
     Softmax is computed in float32 whatever the cache dtype; the output has the query's dtype.
     A sliding window is a mask; a logit soft cap or attention sinks, which SDPA cannot apply,
     switch to the explicit float32 softmax of :meth:`_attend` (the sink logit of each head as
-    one more column of the softmax, dropped before ``p . v``).
+    one more column of the softmax, dropped before ``p . v``). ``metadata.attend_limit``
+    (bidirectional image blocks) is the mask's bound ``k <= attend_limit[q]`` in place of
+    ``k <= position`` for prefill chunks; a decode's limit is its own position (the
+    contract), so decodes ignore it.
     """
 
     supports_sliding_window = True
@@ -35,6 +38,8 @@ class TorchPagedAttention(AttentionBackend):
     #: the planes are only indexed (``kv_cache[blocks, 0, offsets]``, ``kv_cache[ids]``),
     #: never viewed as one contiguous tensor: a V plane aliasing the K plane works
     supports_aliased_kv_planes = True
+    #: the prefill mask's bound (see the class docstring)
+    supports_attend_limit = True
 
     def forward(
         self,
@@ -58,6 +63,7 @@ class TorchPagedAttention(AttentionBackend):
         starts = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         decode_reqs: list[int] = []
+        limits = metadata.attend_limit
         for i in range(metadata.num_reqs):
             query_len = starts[i + 1] - starts[i]
             if query_len == 1:
@@ -68,6 +74,7 @@ class TorchPagedAttention(AttentionBackend):
                     kv_cache,
                     metadata.block_table[i],
                     seq_lens[i],
+                    None if limits is None else limits[starts[i] : starts[i + 1]],
                 )
         if decode_reqs:
             token_rows = torch.tensor([starts[i] for i in decode_reqs], device=query.device)
@@ -80,9 +87,15 @@ class TorchPagedAttention(AttentionBackend):
         return output
 
     def _prefill(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        seq_len: int,
+        limits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One request's chunk: ``query [Q, H, D]`` are the last ``Q`` of ``seq_len`` tokens."""
+        """One request's chunk: ``query [Q, H, D]`` are the last ``Q`` of ``seq_len`` tokens;
+        ``limits [Q]`` (None: causal) the last position each may attend to."""
         query_len = query.shape[0]
         block_size = kv_cache.shape[2]
         num_blocks = -(-seq_len // block_size)
@@ -92,7 +105,7 @@ class TorchPagedAttention(AttentionBackend):
         k = self._dequantized(kv[0].transpose(0, 1), self.k_scale)  # [KV, L, D]
         v = self._dequantized(kv[1].transpose(0, 1), self.v_scale)
         plain = self.sliding_window is None and self.logits_soft_cap is None and self.sinks is None
-        if query_len == seq_len and plain:
+        if query_len == seq_len and plain and limits is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
             )
@@ -100,7 +113,8 @@ class TorchPagedAttention(AttentionBackend):
             # Query row j sits at absolute position seq_len - query_len + j.
             q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L], True = may attend
+            last = q_pos if limits is None else limits.to(q_pos.device, torch.long)
+            mask = k_pos[None, :] <= last[:, None]  # [Q, L], True = may attend
             if self.sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
             out = self._attend(q, k, v, mask)

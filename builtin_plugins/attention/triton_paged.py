@@ -13,7 +13,9 @@ a query block's (a windowed layer reads about the window, not the context); the 
 ``cap * tanh(s / cap)`` to the scores in the kernel; the sinks (gpt-oss) start each row's
 online softmax from its head's sink logit. Block-table entries wholly before a window may
 be the null block (released by the KV cache manager when every layer has a window); a tile
-that straddles the window's start reads it and masks it (it holds zeros).
+that straddles the window's start reads it and masks it (it holds zeros). A per-token attend
+limit (``AttentionMetadata.attend_limit``: Gemma 3's image tokens attend to their whole
+image) is a fourth variant: each row's keys end at its limit instead of its position.
 
 An 8-bit KV cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``) is one more compile-time variant:
 the write kernel quantizes (``k / k_scale``, saturated, rounded to nearest even) and the
@@ -63,6 +65,9 @@ class TritonPagedAttention(AttentionBackend):
     #: both kernels take the K and V planes as ``kv_cache[:, 0]`` / ``kv_cache[:, 1]`` with
     #: the cache's strides: a V plane aliasing the K plane works
     supports_aliased_kv_planes: ClassVar[bool] = True
+    #: a constexpr variant of the kernel loads each row's limit (never in a captured graph:
+    #: the runner sets ``attend_limit`` only on eager steps)
+    supports_attend_limit: ClassVar[bool] = True
 
     def forward(
         self,
@@ -111,6 +116,7 @@ class TritonPagedAttention(AttentionBackend):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
             sinks=self.sinks,
+            attend_limit=metadata.attend_limit,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
         )

@@ -195,8 +195,11 @@ def write_kv_cache(
 # the interpreter both have. Attention sinks (HAS_SINKS, gpt-oss) start each row's online
 # softmax from its head's sink logit, as if it were a position already seen (running max =
 # the sink, sum = 1, no value); with the KV split only split 0 carries it, so the combine
-# counts it once. All three are constexpr switches: the kernel without them is the plain
-# one, unchanged.
+# counts it once. A per-token attend limit (HAS_LIMIT: bidirectional image blocks,
+# ``AttentionMetadata.attend_limit``) bounds each row's keys by its loaded limit instead of its
+# position (the window still counts back from the position) and reads the request's whole
+# context. All four are constexpr switches: the kernel without them is the plain one,
+# unchanged.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits", "sliding_window"])
 def _paged_attention_kernel(
     q_ptr,
@@ -210,6 +213,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     sinks_ptr,
+    attend_limit_ptr,
     num_reqs,
     scale_log2,
     stride_q_tok,
@@ -240,6 +244,7 @@ def _paged_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     head_program = tl.program_id(1)
@@ -291,8 +296,14 @@ def _paged_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    # keys this block needs: 0 .. kv_end - 1 (the block's last query token sees kv_end - 1)
-    kv_end = tl.minimum(seq_len, prefix_len + first_q + BLOCK_Q)
+    if HAS_LIMIT:
+        # the last position each row may attend to (beyond its own inside an image block)
+        q_last = tl.load(attend_limit_ptr + q_tok, mask=row_valid, other=0)
+        kv_end = seq_len  # (every limit is below it)
+    else:
+        q_last = q_pos
+        # keys this block needs: 0 .. kv_end - 1 (the block's last query token sees kv_end - 1)
+        kv_end = tl.minimum(seq_len, prefix_len + first_q + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
     if SLIDING_WINDOW:
         # the block's first row sees nothing before kv_start, and later rows even less: the
@@ -354,7 +365,7 @@ def _paged_attention_kernel(
             scores = tanh * cap_out_log2
         else:
             scores = scores * scale_log2
-        visible = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        visible = k_valid[None, :] & (k_pos[None, :] <= q_last[:, None])
         if SLIDING_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
@@ -558,6 +569,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attend_limit: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: LaunchConfig | None = None,
     k_scale: float = 1.0,
@@ -581,6 +593,8 @@ def paged_attention(
     :param sinks: ``[num_heads]`` attention-sink logits on the query's device (any float
         dtype, read as float32): head ``h``'s softmax denominator gains ``exp(sinks[h])``
         (``None``: off)
+    :param attend_limit: ``[>= T]`` int32 on the query's device, the last context position
+        each token may attend to (``AttentionMetadata.attend_limit``; ``None``: its own)
     :param num_splits: force the KV split count (tests); ``None`` chooses
     :param k_scale: an 8-bit cache's K dequantization scale (ignored for other caches)
     :param v_scale: the same for V
@@ -610,6 +624,16 @@ def paged_attention(
         raise ValueError(
             f"sinks must be a float [{num_heads}] tensor on {query.device}; got "
             f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
+    if attend_limit is not None and (
+        attend_limit.dtype != torch.int32
+        or attend_limit.device != query.device
+        or attend_limit.dim() != 1
+        or attend_limit.shape[0] < num_tokens
+    ):
+        raise ValueError(
+            f"attend_limit must be an int32 [>= {num_tokens}] tensor on {query.device}; got "
+            f"{attend_limit.dtype} {tuple(attend_limit.shape)} on {attend_limit.device}"
         )
     kv_fp8 = kv_cache.dtype in FP8_KV_DTYPES
     if kv_cache.dtype != query.dtype and not kv_fp8:
@@ -671,6 +695,7 @@ def paged_attention(
         seq_lens,
         query_start_loc,
         sinks if sinks is not None else out,  # unused without HAS_SINKS
+        attend_limit if attend_limit is not None else seq_lens,  # unused without HAS_LIMIT
         num_reqs,
         scale * _LOG2E,
         query.stride(0),
@@ -701,6 +726,7 @@ def paged_attention(
         SLIDING_WINDOW=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
         HAS_SINKS=sinks is not None,
+        HAS_LIMIT=attend_limit is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -57,9 +57,10 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("GemmaForCausalLM", f"{_PKG}.gemma:GemmaForCausalLM")
     registry.register("Gemma2ForCausalLM", f"{_PKG}.gemma2:Gemma2ForCausalLM")
     registry.register("Gemma3ForCausalLM", f"{_PKG}.gemma3:Gemma3ForCausalLM")
-    # multimodal Gemma 3, served as text only
+    # multimodal Gemma 3, with images (SigLIP tower, bidirectional image attention)
     registry.register(
-        "Gemma3ForConditionalGeneration", f"{_PKG}.gemma3:Gemma3ForConditionalGeneration"
+        "Gemma3ForConditionalGeneration",
+        f"{_PKG}.gemma3_images:Gemma3ForConditionalGenerationWithImages",
     )
     # Mistral 3: the Mistral / Ministral 3 decoder, with images (Pixtral tower)
     registry.register(

@@ -11,6 +11,11 @@ Each step (:meth:`~ContinuousBatchingScheduler.schedule`):
    first one that does not fit stops admission (no overtaking, so no starvation), unless the
    policy lets it preempt running requests.
 
+A request with ``bidirectional_blocks`` (Gemma 3's images: tokens that attend to each other
+both ways) never gets a prefill chunk that ends strictly inside one: the chunk ends at the
+block's start instead, and one that starts inside a block is planned only when the block's
+rest fits the budget (:func:`~chassis.core.bidirectional_blocks.chunk_outside_blocks`).
+
 Preemption is by recompute: the victim's blocks are freed (full computed blocks stay in the
 prefix cache, so resuming is often cheap), its ``num_computed_tokens`` drops to 0, it goes back
 to the waiting queue and later restarts as a new request whose prompt is its prompt plus the
@@ -44,6 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from chassis.core.bidirectional_blocks import chunk_outside_blocks
 from chassis.core.kv_cache_manager import max_group_blocks_per_request, max_tokens_per_step
 from chassis.core.request import EngineCoreOutput, FinishReason, RequestStatus, SchedulerStats
 from chassis.core.scheduler_interface import (
@@ -407,6 +413,12 @@ class ContinuousBatchingScheduler(Scheduler):
                 if not self.config.enable_chunked_prefill:
                     continue
                 num_new = plan.token_budget
+            if request.bidirectional_blocks:  # (never end a chunk inside an image block)
+                num_new = chunk_outside_blocks(
+                    request.num_computed_tokens, num_new, request.bidirectional_blocks
+                )
+                if num_new == 0:
+                    continue  # the rest of its block waits for a step with room
             drafts = self._drafts(request, plan.token_budget) if num_new == 1 else []
             lookahead = self._lookahead(
                 request, request.num_computed_tokens + num_new + len(drafts)
@@ -460,6 +472,12 @@ class ContinuousBatchingScheduler(Scheduler):
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = plan.token_budget
+            if request.bidirectional_blocks:
+                num_new = chunk_outside_blocks(
+                    num_hit_tokens, num_new, request.bidirectional_blocks
+                )
+                if num_new == 0:
+                    break  # (no overtaking: it waits for a step with room for its block)
             lookahead = self._lookahead(request, num_hit_tokens + num_new)
             block_ids = kv.allocate_group_slots(
                 request, num_new + lookahead, hit_block_ids, num_hit_tokens

@@ -8,6 +8,19 @@ from torch import nn
 from chassis.core.attention import AttentionBackend, ForwardContext
 
 
+def check_attend_limit_support(backend_cls: type[AttentionBackend], model_name: str) -> None:
+    """A ``ValueError`` naming ``backend_cls`` when it does not honour
+    :attr:`~chassis.core.attention.AttentionMetadata.attend_limit`, which ``model_name``'s
+    image tokens need (they attend to each other both ways): no silent causal attention."""
+    if not backend_cls.supports_attend_limit:
+        raise ValueError(
+            f"attention backend {backend_cls.__name__} does not support attend_limit "
+            f"(bidirectional attention within an image's tokens), which {model_name} needs "
+            "for images; choose another with --attention-backend (torch_paged, cpu_paged "
+            "and triton_paged support it)"
+        )
+
+
 class Attention(nn.Module):
     """Paged causal attention of one decoder layer.
 
