@@ -29,7 +29,7 @@ rank; LoRA adapters never reach them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,10 +38,11 @@ from torch import nn
 
 from chassis.builtin_plugins.models.clip_vision import ClipVisionTower, tower_kind
 from chassis.builtin_plugins.models.gemma3 import Gemma3ForConditionalGeneration
+from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.attention import check_attend_limit_support
 from chassis.core.layers.norm import GemmaRMSNorm
-from chassis.core.model_interface import LoRASlice, ModelBuildContext
+from chassis.core.model_interface import ModelBuildContext
 
 #: checkpoint prefixes of the tower (the first that matches applies)
 _TOWER_PREFIXES = (
@@ -51,8 +52,6 @@ _TOWER_PREFIXES = (
     "vision_tower.",
 )
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
-#: our module-name prefixes of the image side (never adapted by LoRA)
-_IMAGE_MODULES = ("vision_tower.", "multi_modal_projector.")
 
 
 def image_side_name(name: str) -> str | None:
@@ -124,7 +123,7 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(vision_rows)
 
 
-class Gemma3ForConditionalGenerationWithImages(Gemma3ForConditionalGeneration):
+class Gemma3ForConditionalGenerationWithImages(ImageSideWeights, Gemma3ForConditionalGeneration):
     """``Gemma3ForConditionalGeneration`` checkpoints with images (the module docstring)."""
 
     supported_modalities = frozenset({"image"})
@@ -193,53 +192,7 @@ class Gemma3ForConditionalGenerationWithImages(Gemma3ForConditionalGeneration):
         ``get_image_features(...).pooler_output``)."""
         return self.multi_modal_projector(self.vision_tower(pixel_values))
 
-    # -- weights --------------------------------------------------------------------------------
+    # -- weights (ImageSideWeights; module docstring) -------------------------------------------
 
-    def needs_checkpoint_tensor(self, name: str) -> bool:
-        """The tower's and projector's tensors (not SigLIP's pooling head); the text class
-        decides for the language model's."""
-        ours = image_side_name(name)
-        if ours is not None:
-            return bool(ours)
-        return super().needs_checkpoint_tensor(name)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The language model's tensors as the text-only class loads them; the tower's and
-        projector's, whole on every rank (SigLIP's pooling head skipped)."""
-        image_params = {
-            name: param
-            for name, param in self.named_parameters()
-            if name.startswith(_IMAGE_MODULES)
-        }
-        filled: set[str] = set()
-
-        def language_model() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                ours = image_side_name(name)
-                if ours is None:
-                    yield name, tensor
-                    continue
-                if not ours:
-                    continue
-                param = image_params.get(ours)
-                if param is None:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has no counterpart in the Gemma 3 vision "
-                        "tower or projector; is the checkpoint's architecture right?"
-                    )
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(param.shape)} (does config.json match the weights?)"
-                    )
-                param.copy_(tensor)
-                filled.add(ours)
-
-        return super().load_weights(language_model()) | filled
-
-    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
-        """The language model's projections only: adapters never change the image side."""
-        if module_name.startswith(_IMAGE_MODULES):
-            return []
-        return super().lora_slices(module_name, module)
+    image_side_label = "Gemma 3 vision tower or projector"
+    image_side_name = staticmethod(image_side_name)

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
+from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights
 from chassis.builtin_plugins.models.mistral3 import Mistral3ForConditionalGeneration
 from chassis.builtin_plugins.models.mistral3_vision import (
     Mistral3Projector,
@@ -37,7 +37,7 @@ from chassis.builtin_plugins.models.mistral3_vision import (
 )
 from chassis.builtin_plugins.models.pixtral_vision import PixtralVisionTower
 from chassis.core.attention import ForwardContext
-from chassis.core.model_interface import CausalLM, LoRASlice, ModelBuildContext
+from chassis.core.model_interface import CausalLM, ModelBuildContext
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,6 @@ _IMAGE_PREFIXES = (
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("multi_modal_projector.", "multi_modal_projector."),
 )
-#: our module-name prefixes of the image side (never adapted by LoRA)
-_IMAGE_MODULES = ("vision_tower.", "multi_modal_projector.")
 
 
 def image_side_name(name: str) -> str | None:
@@ -70,7 +68,9 @@ def _warn_text_only(reason: str) -> None:
     )
 
 
-class Mistral3ForConditionalGenerationWithImages(Mistral3ForConditionalGeneration):
+class Mistral3ForConditionalGenerationWithImages(
+    ImageSideWeights, Mistral3ForConditionalGeneration
+):
     """``Mistral3ForConditionalGeneration`` checkpoints with images (the module
     docstring)."""
 
@@ -167,58 +167,11 @@ class Mistral3ForConditionalGenerationWithImages(Mistral3ForConditionalGeneratio
             out.append(self.multi_modal_projector(states, rows, cols))
         return out
 
-    # -- weights --------------------------------------------------------------------------------
+    # -- weights (ImageSideWeights; module docstring) -------------------------------------------
 
-    def needs_checkpoint_tensor(self, name: str) -> bool:
-        """The image side's tensors that what is built uses; the decoder decides for the
-        language model's."""
-        ours = image_side_name(name)
-        if ours is not None:
-            return not self._unused(ours)
-        return super().needs_checkpoint_tensor(name)
+    image_side_label = "Pixtral vision tower or Mistral 3 projector"
+    image_side_name = staticmethod(image_side_name)
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The language model's tensors to the decoder (renamed, as text only); the tower's
-        and projector's, whole on every rank, into ``vision_tower`` and
-        ``multi_modal_projector`` (those of layers not built are skipped)."""
-        image_params = {
-            name: param
-            for name, param in self.named_parameters()
-            if name.startswith(_IMAGE_MODULES)
-        }
-        filled: set[str] = set()
-
-        def language_model() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                ours = image_side_name(name)
-                if ours is None:
-                    yield name, tensor
-                    continue
-                if self._unused(ours):
-                    continue
-                param = image_params.get(ours)
-                if param is None:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has no counterpart in the Pixtral vision "
-                        "tower or Mistral 3 projector; is the checkpoint's architecture right?"
-                    )
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(param.shape)} (does config.json match the weights?)"
-                    )
-                param.copy_(tensor)
-                filled.add(ours)
-
-        return super().load_weights(language_model()) | filled
-
-    def _unused(self, ours: str) -> bool:
+    def image_tensor_unused(self, ours: str) -> bool:
         prefix = "vision_tower."
         return ours.startswith(prefix) and self.vision_tower.is_unused(ours[len(prefix) :])
-
-    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
-        """The language model's projections only: adapters never change the image side."""
-        if module_name.startswith(_IMAGE_MODULES):
-            return []
-        return super().lora_slices(module_name, module)
