@@ -285,6 +285,7 @@ _MULTIMODAL_FIELDS = (
     "mm_tokens_per_image",  # Gemma 3's image rows and its image frame's tokens
     "boi_token_id",
     "eoi_token_id",
+    "downsample_ratio",  # InternVL's pixel shuffle
 )
 
 

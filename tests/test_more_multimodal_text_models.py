@@ -1,4 +1,4 @@
-"""More multimodal checkpoints served as text only — LLaVA-style (InternVL over Qwen3, Aya Vision over Cohere2), GLM-4.1V, GLM-4.5V,
+"""More multimodal checkpoints served as text only — LLaVA-style (Aya Vision over Cohere2), GLM-4.1V, GLM-4.5V,
 Ministral 3 inside Mistral 3 — and text-only Ministral 3, against HF transformers' models on
 tiny random checkpoints.
 
@@ -8,9 +8,10 @@ biases randomized too), saved with ``save_pretrained``. HF runs text-only ``inpu
 its own position handling; float32 logits must match (batched prefill, a decode, a chunk over
 a cached prefix) and greedy tokens through ``LLM`` must be HF ``generate``'s. The GLM
 M-RoPE rotations of text positions are checked against chassis' RoPE, the vision tensors are
-never read, and Ministral 3's query scaling is shown to matter. LLaVA-1.5 (over Llama) and
-LLaVA-NeXT (over Mistral), which take images (tests/test_llava_images.py,
-tests/test_llava_next_images.py), are checked here on text prompts too.
+never read, and Ministral 3's query scaling is shown to matter. LLaVA-1.5 (over Llama),
+LLaVA-NeXT (over Mistral) and InternVL (over Qwen3), which take images
+(tests/test_llava_images.py, tests/test_llava_next_images.py, tests/test_internvl_images.py),
+are checked here on text prompts too.
 """
 
 from __future__ import annotations
@@ -53,10 +54,9 @@ ARCHITECTURES = (
     "ministral3",
 )
 #: the image side's checkpoint-name prefixes as transformers 5 saves them
-#: (LLaVA-1.5 and LLaVA-NeXT read their image side: tests/test_llava_images.py,
-#: tests/test_llava_next_images.py)
+#: (LLaVA-1.5, LLaVA-NeXT and InternVL read their image side: tests/test_llava_images.py,
+#: tests/test_llava_next_images.py, tests/test_internvl_images.py)
 VISION_PREFIXES = {
-    "internvl": ("vision_tower.", "multi_modal_projector."),
     "aya_vision": ("vision_tower.", "multi_modal_projector."),
     "glm4v": ("model.visual.",),
     "glm4v_moe": ("model.visual.",),
@@ -289,16 +289,15 @@ def test_llava_style_checkpoints_get_their_text_decoder(model_dirs: dict[str, Pa
         hf = load_hf(arch, model_dirs[arch])
         hf_tied = hf.lm_head.weight is hf.get_input_embeddings().weight
         assert model.tie_word_embeddings is hf_tied, arch
-    # LLaVA-1.5 and LLaVA-NeXT take images (tests/test_llava_images.py,
-    # tests/test_llava_next_images.py); the others stay text only
-    for arch in ("llava", "llava_next"):
+    # LLaVA-1.5, LLaVA-NeXT and InternVL take images (tests/test_llava_images.py,
+    # tests/test_llava_next_images.py, tests/test_internvl_images.py); Aya Vision stays text only
+    for arch in ("llava", "llava_next", "internvl"):
         llava = model_class(load_hf_config(model_dirs[arch]))
         assert issubclass(llava, LlavaForConditionalGenerationWithImages)
         assert llava.supported_modalities == {"image"}
-    for arch in ("internvl", "aya_vision"):
-        cls = model_class(load_hf_config(model_dirs[arch]))
-        assert not issubclass(cls, LlavaForConditionalGenerationWithImages)
-        assert not cls.supported_modalities, arch
+    aya_vision = model_class(load_hf_config(model_dirs["aya_vision"]))
+    assert not issubclass(aya_vision, LlavaForConditionalGenerationWithImages)
+    assert not aya_vision.supported_modalities
     assert Runner(model_dirs["internvl"]).model.tie_word_embeddings  # top-level default true
     assert Runner(model_dirs["llava_next"]).model.spec.head_dim == 32
     # HF's Aya Vision head is unscaled: Cohere2's logit_scale (0.25 here) is not applied

@@ -91,10 +91,12 @@ def chassis_register_models(registry: Any) -> None:
         "LlavaNextForConditionalGeneration",
         f"{_PKG}.llava_next_images:LlavaNextForConditionalGenerationWithImages",
     )
-    # other LLaVA-style checkpoints: the text config's registered decoder, served as text only
+    # InternVL (-hf): as LLaVA-1.5, with the InternViT tower, pixel shuffle and tiles
     registry.register(
-        "InternVLForConditionalGeneration", f"{_PKG}.llava:LlavaForConditionalGeneration"
+        "InternVLForConditionalGeneration",
+        f"{_PKG}.internvl_images:InternVLForConditionalGenerationWithImages",
     )
+    # other LLaVA-style checkpoints: the text config's registered decoder, served as text only
     registry.register(
         "AyaVisionForConditionalGeneration", f"{_PKG}.llava:AyaVisionForConditionalGeneration"
     )

@@ -84,11 +84,17 @@ class LlavaForConditionalGenerationWithImages(LlavaForConditionalGeneration):
         if cls.__dict__.get("decoder") is not None:
             return cls  # already composed
         vision = getattr(hf_config, "vision_config", None)
-        if vision is None or tower_kind(vision) is None:
+        if vision is None or not cls.builds_tower(vision):
             architecture = cls.__name__.removesuffix("WithImages")
             _warn_text_only(architecture, getattr(vision, "model_type", None))
             return LlavaForConditionalGeneration.class_for_config(hf_config)
         return super().class_for_config(hf_config)
+
+    @classmethod
+    def builds_tower(cls, vision_config: Any) -> bool:
+        """Whether this class builds the tower ``vision_config`` describes (CLIP's or
+        SigLIP's here; a subclass with another tower overrides it)."""
+        return tower_kind(vision_config) is not None
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__(hf_config, build_ctx)
@@ -101,6 +107,12 @@ class LlavaForConditionalGenerationWithImages(LlavaForConditionalGeneration):
                 f"{type(self).__name__}: LLaVA images need a text decoder whose forward "
                 f"takes input embeddings, and {type(self.model).__name__}'s does not"
             )
+        self.build_image_side(hf_config)
+
+    def build_image_side(self, hf_config: Any) -> None:
+        """Build ``vision_tower`` (which must have ``is_unused(name)``) and
+        ``multi_modal_projector``, and what :meth:`image_features` needs: LLaVA's here, a
+        subclass with another image side overrides it."""
         self.vision_spec = LlavaVisionSpec.from_config(hf_config)
         self.vision_tower = ClipVisionTower(
             self.vision_spec.vision_config, self.vision_spec.layers_needed
