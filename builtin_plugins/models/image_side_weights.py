@@ -1,6 +1,6 @@
 """Loading a multimodal checkpoint's image side beside its language model.
 
-The classes of LLaVA, LLaVA-NeXT, Mistral 3 and Gemma 3 build a vision tower and a projector
+The classes of LLaVA, LLaVA-NeXT, InternVL, Mistral 3 and Gemma 3 build a vision tower and a projector
 (modules named ``vision_tower`` and ``multi_modal_projector``) on top of a text-only class that
 loads the language model (renaming its tensors). :class:`ImageSideWeights` is what they share:
 which checkpoint tensors are read, how the image side's tensors are copied in (whole on every

@@ -22,17 +22,17 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from chassis.builtin_plugins.models.clip_vision import ClipVisionTower, tower_kind
+from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights
 from chassis.builtin_plugins.models.llava import LlavaForConditionalGeneration
 from chassis.builtin_plugins.models.llava_vision import LlavaProjector, LlavaVisionSpec
 from chassis.core.attention import ForwardContext
-from chassis.core.model_interface import CausalLM, LoRASlice, ModelBuildContext
+from chassis.core.model_interface import CausalLM, ModelBuildContext
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ _IMAGE_PREFIXES = (
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("multi_modal_projector.", "multi_modal_projector."),
 )
-#: our module-name prefixes of the image side (never adapted by LoRA)
-_IMAGE_MODULES = ("vision_tower.", "multi_modal_projector.")
 
 
 def image_side_name(name: str) -> str | None:
@@ -68,7 +66,7 @@ def _warn_text_only(architecture: str, tower: str | None) -> None:
     )
 
 
-class LlavaForConditionalGenerationWithImages(LlavaForConditionalGeneration):
+class LlavaForConditionalGenerationWithImages(ImageSideWeights, LlavaForConditionalGeneration):
     """``LlavaForConditionalGeneration`` checkpoints with images (the module docstring).
 
     Not built itself: :meth:`class_for_config` returns the class of this one over the text
@@ -164,58 +162,11 @@ class LlavaForConditionalGenerationWithImages(LlavaForConditionalGeneration):
         states = self.vision_tower(pixel_values, spec.feature_indices)
         return self.multi_modal_projector(spec.select(states))
 
-    # -- weights --------------------------------------------------------------------------------
+    # -- weights (ImageSideWeights; its module docstring) --------------------------------------
 
-    def needs_checkpoint_tensor(self, name: str) -> bool:
-        """The image side's tensors that what is built uses; the decoder decides for the
-        language model's."""
-        ours = image_side_name(name)
-        if ours is not None:
-            return not self._unused(ours)
-        return super().needs_checkpoint_tensor(name)
+    image_side_label = "LLaVA vision tower or projector"
+    image_side_name = staticmethod(image_side_name)
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The language model's tensors to the decoder (renamed, as text only); the tower's
-        and projector's, whole on every rank, into ``vision_tower`` and
-        ``multi_modal_projector`` (those of parts not built are skipped)."""
-        image_params = {
-            name: param
-            for name, param in self.named_parameters()
-            if name.startswith(_IMAGE_MODULES)
-        }
-        filled: set[str] = set()
-
-        def language_model() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                ours = image_side_name(name)
-                if ours is None:
-                    yield name, tensor
-                    continue
-                if self._unused(ours):
-                    continue
-                param = image_params.get(ours)
-                if param is None:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has no counterpart in the LLaVA vision "
-                        "tower or projector; is the checkpoint's architecture right?"
-                    )
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(param.shape)} (does config.json match the weights?)"
-                    )
-                param.copy_(tensor)
-                filled.add(ours)
-
-        return super().load_weights(language_model()) | filled
-
-    def _unused(self, ours: str) -> bool:
+    def image_tensor_unused(self, ours: str) -> bool:
         prefix = "vision_tower."
         return ours.startswith(prefix) and self.vision_tower.is_unused(ours[len(prefix) :])
-
-    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
-        """The language model's projections only: adapters never change the image side."""
-        if module_name.startswith(_IMAGE_MODULES):
-            return []
-        return super().lora_slices(module_name, module)
