@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 import torch
 
+from chassis.builtin_plugins.models.image_pixels import preprocess_image
 from chassis.builtin_plugins.models.internvl_vision import InternVLVisionSpec
 from chassis.builtin_plugins.models.llava_processing import ClipPreprocessing
 from chassis.core.image_loading import to_rgb
@@ -257,19 +258,7 @@ class InternVLImageInputs(MultiModalProcessor):
     def process_item(
         self, modality: str, item: Any, kwargs: Mapping[str, Any]
     ) -> tuple[int, dict[str, torch.Tensor]]:
-        from PIL import Image
-
-        if not isinstance(item, Image.Image):
-            raise ValueError(
-                f"an image must be a PIL.Image.Image; got {type(item).__name__} (image "
-                "embeddings and arrays are not supported)"
-            )
-        if item.width < 1 or item.height < 1:
-            raise ValueError(f"the image is empty ({item.width}x{item.height} pixels)")
-        try:
-            pixels = self.tiles(item)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"the image cannot be processed: {exc}") from None
+        pixels = preprocess_image(item, self.tiles)
         return pixels.shape[0] * self.tokens_per_tile, {"pixel_values": torch.from_numpy(pixels)}
 
     def process(

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from chassis.builtin_plugins.models.image_pixels import preprocess_image
 from chassis.builtin_plugins.models.llava_vision import LlavaVisionSpec
 from chassis.core.image_loading import to_rgb
 from chassis.core.multimodal_processing import MultiModalProcessor
@@ -202,19 +203,7 @@ class LlavaImageInputs(MultiModalProcessor):
     def process_item(
         self, modality: str, item: Any, kwargs: Mapping[str, Any]
     ) -> tuple[int, dict[str, torch.Tensor]]:
-        from PIL import Image
-
-        if not isinstance(item, Image.Image):
-            raise ValueError(
-                f"an image must be a PIL.Image.Image; got {type(item).__name__} (image "
-                "embeddings and arrays are not supported)"
-            )
-        if item.width < 1 or item.height < 1:
-            raise ValueError(f"the image is empty ({item.width}x{item.height} pixels)")
-        try:
-            pixels = self.preprocessing(item)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"the image cannot be processed: {exc}") from None
+        pixels = preprocess_image(item, self.preprocessing)
         return self.tokens_per_image, {"pixel_values": torch.from_numpy(pixels)[None]}
 
 

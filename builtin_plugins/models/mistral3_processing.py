@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from chassis.builtin_plugins.models.image_pixels import preprocess_image
 from chassis.builtin_plugins.models.mistral3_vision import Mistral3VisionSpec
 from chassis.core.image_loading import to_rgb
 from chassis.core.multimodal import MultiModalFeature
@@ -212,19 +213,7 @@ class Mistral3ImageInputs(MultiModalProcessor):
     def process_item(
         self, modality: str, item: Any, kwargs: Mapping[str, Any]
     ) -> tuple[int, dict[str, torch.Tensor]]:
-        from PIL import Image
-
-        if not isinstance(item, Image.Image):
-            raise ValueError(
-                f"an image must be a PIL.Image.Image; got {type(item).__name__} (image "
-                "embeddings and arrays are not supported)"
-            )
-        if item.width < 1 or item.height < 1:
-            raise ValueError(f"the image is empty ({item.width}x{item.height} pixels)")
-        try:
-            pixels = self.preprocessing(item)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"the image cannot be processed: {exc}") from None
+        pixels = preprocess_image(item, self.preprocessing)
         unit = self.preprocessing.unit
         run = self.placeholder_ids(pixels.shape[1] // unit, pixels.shape[2] // unit)
         return len(run), {
