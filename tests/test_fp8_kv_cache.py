@@ -262,7 +262,10 @@ def test_triton_fp8_variants_compile_for_sm90(cache_type: str) -> None:
     )
     assert "cvt.rn.satfinite" in write.asm["ptx"]
     scratch = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
-    ints = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
+    ints = {
+        n: "*i32"
+        for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "attend_limit_ptr")
+    }
     group = 4
     for block_m, tile_n, split, warps in ((16, 32, True, 4), (64, 64, False, 8)):
         compiled = compile_kernel(
@@ -284,6 +287,7 @@ def test_triton_fp8_variants_compile_for_sm90(cache_type: str) -> None:
                 SLIDING_WINDOW=False,
                 SOFT_CAP=False,
                 HAS_SINKS=False,
+                HAS_LIMIT=False,
             ),
             pointer_types={**scratch, **ints, **cache},
             float_args=("scale_log2", "cap_in_log2", "cap_out_log2", "v_scale"),
