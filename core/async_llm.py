@@ -174,8 +174,17 @@ class AsyncLLM:
         return self.dead_error is not None
 
     def stats(self) -> SchedulerStats:
-        """The latest scheduler snapshot the engine core sent."""
+        """The latest scheduler snapshot the engine core sent (data parallelism: the sum
+        over the engines' latest ones)."""
         return self._stats
+
+    def engine_stats(self) -> list[SchedulerStats]:
+        """Each engine core's latest scheduler snapshot, in engine order (``/metrics``'
+        ``engine`` label); ``[stats()]`` with one engine."""
+        client = self.client
+        if isinstance(client, DataParallelClient):
+            return client.engine_stats
+        return [self._stats]
 
     @property
     def stat_loggers(self) -> list[StatLoggerBase]:
@@ -577,7 +586,8 @@ class AsyncLLM:
         loggers = self._stat_loggers
         if not outputs.outputs:
             if loggers is not None:
-                loggers.record(self._stats, IterationStats(timestamp=time.time()))
+                step = IterationStats(timestamp=time.time(), engine_index=outputs.engine_index)
+                loggers.record(self._stats, step)
             return
         with self._lock:
             processed = self.output_processor.process_outputs(outputs)

@@ -20,8 +20,12 @@ scheduler; engine ``i`` gets ``data_parallel_rank = i``, which places it:
   while that engine has more unfinished requests than it runs at once, which this count
   already holds against it.)
 * **Outputs and stats.** Each engine's outputs reach ``on_outputs`` one message at a time
-  (the engines' output threads take turns), with the scheduler snapshot replaced by the sum
-  over the engines' latest ones (:func:`~chassis.core.dp_combine.combine_scheduler_stats`).
+  (the engines' output threads take turns), marked with the engine's index
+  (``EngineCoreOutputs.engine_index``: the requests' ``RequestMetrics.engine_index`` and the
+  stat loggers' ``IterationStats.engine_index`` come from it), with the scheduler snapshot
+  replaced by the sum over the engines' latest ones
+  (:func:`~chassis.core.dp_combine.combine_scheduler_stats`); :attr:`engine_stats` keeps
+  each engine's own (``/metrics`` labels them ``engine="i"``).
 * **Utility calls** go to every engine; the caller gets one result
   (:func:`~chassis.core.dp_combine.combine_utility_results`) or the first engine's error
   (in engine order). A ``sleep`` that some engines refused (mode ``keep`` with requests
@@ -216,6 +220,7 @@ class DataParallelClient:
             finished = [o.request_id for o in outputs.outputs if o.finished]
             if finished:
                 self._forget(finished)
+            outputs.engine_index = index  # per-engine metrics (RequestMetrics, stat loggers)
             if outputs.stats is not None:
                 self._stats[index] = outputs.stats
                 outputs.stats = combine_scheduler_stats(self._stats, self._num_kv_blocks)

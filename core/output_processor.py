@@ -269,8 +269,11 @@ class OutputProcessor:
         arrival = time.time() if arrival_time is None else arrival_time
         self._pooling[request_id] = (prompt, list(prompt_token_ids), arrival)
 
-    def _pooled_output(self, out: EngineCoreOutput, now: float) -> EmbeddingRequestOutput | None:
-        """The finished pooling request ``out`` reports (forgotten here), or ``None``."""
+    def _pooled_output(
+        self, out: EngineCoreOutput, now: float, engine_index: int = 0
+    ) -> EmbeddingRequestOutput | None:
+        """The finished pooling request ``out`` (from engine core ``engine_index``) reports
+        (forgotten here), or ``None``."""
         tracked = self._pooling.pop(out.request_id, None)
         if tracked is None:
             return None
@@ -287,6 +290,7 @@ class OutputProcessor:
                 arrival_time=arrival,
                 first_scheduled_time=out.first_scheduled_time,
                 finished_time=now,
+                engine_index=engine_index,
             ),
         )
 
@@ -345,13 +349,16 @@ class OutputProcessor:
         not handled here: the caller checks it and calls ``fail_all``.
         """
         now = time.time()
-        result = ProcessedOutputs(iteration_stats=IterationStats(timestamp=now))
+        engine_index = engine_core_outputs.engine_index
+        result = ProcessedOutputs(
+            iteration_stats=IterationStats(timestamp=now, engine_index=engine_index)
+        )
         touched: dict[str, _ParentRequest] = {}
         for out in engine_core_outputs.outputs:
             parent_id = self._child_to_parent.get(out.request_id)
             if parent_id is None:
                 if self._pooling and out.finished:  # (a pooling request has no parent)
-                    pooled = self._pooled_output(out, now)
+                    pooled = self._pooled_output(out, now, engine_index)
                     if pooled is not None:
                         result.request_outputs.append(pooled)
                         _count_pooled(result.iteration_stats, pooled)
@@ -360,6 +367,7 @@ class OutputProcessor:
             completion = parent.completions[out.request_id]
             if completion.finished:
                 continue
+            parent.metrics.engine_index = engine_index  # (all its completions run there)
             if self._apply(parent, completion, out, now, result.iteration_stats):
                 result.request_ids_to_abort.append(out.request_id)
             if not parent.final_only or parent.finished:

@@ -57,6 +57,9 @@ class RequestMetrics:
     #: ``arrival_time``); ``first_scheduled_time - arrival_time`` is the time spent queued
     first_scheduled_time: float | None = None
     num_generation_tokens: int = 0
+    #: the engine core that ran the request (data parallelism: its index; 0 with one
+    #: engine), for per-engine metrics
+    engine_index: int = 0
 
     @property
     def queue_time(self) -> float | None:

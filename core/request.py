@@ -148,6 +148,9 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     stats: SchedulerStats | None = None
     #: Set when the engine core hit a fatal error; the front-end fails every request.
     engine_error: str | None = None
+    #: which engine core sent it (data parallelism: its index, set by the front-end's
+    #: ``DataParallelClient``; 0 with one engine)
+    engine_index: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

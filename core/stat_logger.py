@@ -74,6 +74,10 @@ class IterationStats:
 
     #: when the front-end processed the step (``time.time()``)
     timestamp: float = 0.0
+    #: the engine core whose step it was (``--data-parallel-size N``: 0 .. N-1; 0 with one
+    #: engine), as vLLM's ``engine_idx``: a logger that splits by engine reads it here (the
+    #: ``scheduler_stats`` passed beside it are summed over the engines)
+    engine_index: int = 0
     #: prompt tokens of the requests whose first output arrived in this step
     num_prompt_tokens: int = 0
     #: tokens generated in this step, over every request and completion
@@ -110,7 +114,10 @@ class StatLoggerBase(ABC):
     @abstractmethod
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """One engine step: the scheduler's snapshot after it (queue lengths, KV usage,
-        cumulative prefix-cache and preemption counters) and what the step produced.
+        cumulative prefix-cache and preemption counters) and what the step produced. With
+        several engines (data parallelism) every engine's steps come here, each with its
+        ``iteration_stats.engine_index``; ``scheduler_stats`` is then the sum of the
+        engines' latest snapshots.
 
         Called on the front-end's output thread, once per step, in step order. Do not keep
         references to the arguments beyond what you need: they are not copied for you.

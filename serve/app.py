@@ -300,7 +300,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             chat_template_content_format=settings.chat_template_content_format,
             chat_images=_chat_images(engine),
         ),
-        metrics=ServerMetrics(engine.model_name, engine.stats),
+        metrics=ServerMetrics.of_engine(engine),
         parsers=ChatParsers.from_settings(settings),
         sampling_defaults=generation_defaults(
             getattr(engine.config, "generation_config", "auto"),

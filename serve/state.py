@@ -22,6 +22,8 @@ The engine is anything that fulfils the ``AsyncLLM`` contract of
     engine.errored: bool; engine.dead_error: EngineDeadError | None
     await engine.check_health()            # raises EngineDeadError
     engine.stats() -> SchedulerStats       # latest scheduler snapshot (for /metrics)
+    engine.engine_stats() -> list[SchedulerStats]  # optional: each engine core's snapshot
+                                           # (/metrics' engine label; else [stats()])
     engine.add_dead_callback(cb)           # cb() once, on the event loop, when the core dies
     await engine.shutdown()
     engine.input_processor.check_lora(lora_request)  # only with LoRA adapters: ValueError

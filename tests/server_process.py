@@ -78,7 +78,8 @@ class ServerProcess:
         return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=self.api_key, **kwargs)
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` as ``{series: value}``, the ``model_name`` label left out of the key.
+        """``/metrics`` as ``{series: value}``, the ``model_name`` and ``engine`` labels left
+        out of the key (the values of a series' engines summed: one engine here).
 
         A series with no other label is keyed by its name
         (``"chassis:num_requests_running"``); one with other labels keeps them
@@ -91,9 +92,13 @@ class ServerProcess:
                 continue
             name, rest = line.split("{", 1)
             labels, value = rest.rsplit("} ", 1)
-            others = [label for label in labels.split(",") if not label.startswith("model_name=")]
+            others = [
+                label
+                for label in labels.split(",")
+                if not label.startswith(("model_name=", "engine="))
+            ]
             key = f"{name}{{{','.join(others)}}}" if others else name
-            values[key] = float(value)
+            values[key] = values.get(key, 0.0) + float(value)
         return values
 
     def metric(self, name: str) -> float:

@@ -696,7 +696,7 @@ def test_metrics_count_a_search_as_the_one_request_sent(client):
     names = [
         "prompt_tokens_total",
         "generation_tokens_total",
-        'request_success_total{finished_reason="length"',
+        'request_success_total{engine="0",finished_reason="length"',
         "e2e_request_latency_seconds_count",
         "time_to_first_token_seconds_count",
     ]
@@ -717,7 +717,7 @@ def test_metrics_count_a_search_as_the_one_request_sent(client):
     assert delta == {
         "prompt_tokens_total": usage["prompt_tokens"],
         "generation_tokens_total": usage["completion_tokens"],
-        'request_success_total{finished_reason="length"': 6,
+        'request_success_total{engine="0",finished_reason="length"': 6,
         "e2e_request_latency_seconds_count": 2,  # one per prompt, as for other requests
         "time_to_first_token_seconds_count": 0,  # nothing reaches the client before the end
     }
@@ -754,7 +754,7 @@ def test_a_client_that_disconnects_stops_the_search(async_engine, monkeypatch):
 
     async def scenario() -> None:
         app = build_app(async_engine, ServerSettings(shutdown_engine_on_exit=False))
-        aborted = metric_of(app, 'request_success_total{finished_reason="abort"')
+        aborted = metric_of(app, 'request_success_total{engine="0",finished_reason="abort"')
         call = AsgiCall(app, "/v1/completions", body)
         task = call.start()
         await wait_until(lambda: len(started) >= 1 + 4 * 3, timeout=30)  # a few steps in
@@ -764,7 +764,10 @@ def test_a_client_that_disconnects_stops_the_search(async_engine, monkeypatch):
         count = len(started)
         await asyncio.sleep(0.3)
         assert len(started) == count < 1 + 4 * 199  # and no step followed
-        assert metric_of(app, 'request_success_total{finished_reason="abort"') == aborted + 4
+        assert (
+            metric_of(app, 'request_success_total{engine="0",finished_reason="abort"')
+            == aborted + 4
+        )
         assert call.status is None or call.status == 499
 
     asyncio.run(scenario())

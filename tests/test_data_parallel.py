@@ -405,9 +405,9 @@ def test_utility_calls_reach_every_engine(engine, expected) -> None:
     asyncio.run(main())
 
 
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^chassis:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    assert match is not None, f"{name} not in /metrics"
+def metric(text: str, name: str, engine: int) -> float:
+    match = re.search(rf'^chassis:{name}\{{engine="{engine}",[^}}]*\}} (\S+)$', text, re.MULTILINE)
+    assert match is not None, f"{name} of engine {engine} not in /metrics"
     return float(match.group(1))
 
 
@@ -440,9 +440,15 @@ def test_the_server_serves_from_both_engines(engine, expected) -> None:
         text = client.get("/metrics").text
         per_engine = engine.client.engine_stats
         assert all(s.prefix_cache_queries > 0 for s in per_engine)
-        queries = sum(s.prefix_cache_queries for s in per_engine)
-        assert metric(text, "prefix_cache_queries_total") == queries
-        assert metric(text, "num_requests_running") == 0
+        queries = [metric(text, "prefix_cache_queries_total", i) for i in (0, 1)]
+        assert queries == [s.prefix_cache_queries for s in per_engine]  # each engine's own
+        assert sum(queries) == engine.stats().prefix_cache_queries  # summing gives the total
+        assert [metric(text, "num_requests_running", i) for i in (0, 1)] == [0, 0]
+        # a request counts under the engine that ran it: one at a time, both ran on engine
+        # 0 (a tie each time); engine 1's series are there from the start, at 0
+        assert metric(text, "prompt_tokens_total", 0) > 0
+        assert metric(text, "prompt_tokens_total", 1) == 0
+        assert metric(text, "e2e_request_latency_seconds_count", 0) == 2
         assert client.get("/health").status_code == 200
 
 

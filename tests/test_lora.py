@@ -364,7 +364,7 @@ def test_stats_and_metrics_name_the_adapters_in_use(
     assert stats.waiting_lora_adapters == ["second"]
     text = ServerMetrics("m", stats=lambda: stats).render()[0].decode()
     assert (
-        'chassis:lora_requests_info{max_lora="1",running_lora_adapters="first",'
+        'chassis:lora_requests_info{engine="0",max_lora="1",running_lora_adapters="first",'
         'waiting_lora_adapters="second"}' in text
     )
     while llm.engine.has_unfinished():

@@ -518,7 +518,7 @@ def test_metrics(client: TestClient) -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
-    label = 'model_name="fake-model"'
+    label = 'engine="0",model_name="fake-model"'
     expected = [
         f"chassis:num_requests_running{{{label}}} 0.0",
         f"chassis:num_requests_waiting{{{label}}} 0.0",
@@ -528,8 +528,8 @@ def test_metrics(client: TestClient) -> None:
         f"chassis:num_preemptions_total{{{label}}} 1.0",
         f"chassis:prompt_tokens_total{{{label}}} 6.0",
         f"chassis:generation_tokens_total{{{label}}} 5.0",
-        f'chassis:request_success_total{{finished_reason="length",{label}}} 1.0',
-        f'chassis:request_success_total{{finished_reason="stop",{label}}} 1.0',
+        f'chassis:request_success_total{{engine="0",finished_reason="length",{label[11:]}}} 1.0',
+        f'chassis:request_success_total{{engine="0",finished_reason="stop",{label[11:]}}} 1.0',
         f"chassis:time_to_first_token_seconds_count{{{label}}} 2.0",
         f"chassis:e2e_request_latency_seconds_count{{{label}}} 2.0",
         f"chassis:inter_token_latency_seconds_count{{{label}}} 3.0",
@@ -559,8 +559,9 @@ def test_aborted_completions_count_as_abort_successes() -> None:
     tracker.close()  # the client went away: completions 0 and 2 never finished
     tracker.close()  # counted once
     text = metrics.render()[0].decode()
-    assert 'chassis:request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
-    assert 'chassis:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
+    success = 'chassis:request_success_total{engine="0",finished_reason='
+    assert success + '"abort",model_name="m"} 2.0' in text
+    assert success + '"stop",model_name="m"} 1.0' in text
 
 
 def test_metrics_survive_a_dead_engine(client: TestClient, engine: FakeAsyncLLM) -> None:
