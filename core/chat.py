@@ -60,11 +60,14 @@ class ChatTemplateRenderError(ValueError):
 IMAGE_PART: dict[str, str] = {"type": "image"}
 #: what stands for a video (Qwen2-VL's template writes ``<|video_pad|>`` for it)
 VIDEO_PART: dict[str, str] = {"type": "video"}
+#: what stands for an audio clip (Qwen2-Audio's template writes ``<|AUDIO|>`` for it)
+AUDIO_PART: dict[str, str] = {"type": "audio"}
 
 
-def _placeholders(image: str | None, video: str | None) -> dict[str, str]:
+def _placeholders(image: str | None, video: str | None, audio: str | None = None) -> dict[str, str]:
     """Marker type -> the model's text for one item, for the markers taken."""
-    return {kind: text for kind, text in (("image", image), ("video", video)) if text is not None}
+    kinds = (("image", image), ("video", video), ("audio", audio))
+    return {kind: text for kind, text in kinds if text is not None}
 
 
 def content_text(
@@ -72,10 +75,11 @@ def content_text(
     index: int,
     image_placeholder: str | None = None,
     video_placeholder: str | None = None,
+    audio_placeholder: str | None = None,
 ) -> str:
     """OpenAI content (a string or a list of parts) as one string; only text parts allowed,
-    and image (video) markers when ``image_placeholder`` (``video_placeholder``: the model's
-    text for one image, one video) is given: each becomes that text on its own line before
+    and image (video, audio) markers when ``image_placeholder`` (``video_placeholder``,
+    ``audio_placeholder``: the model's text for one image, one video, one clip) is given: each becomes that text on its own line before
     the message's text, unless the text already holds it (vLLM's rule; the kinds in the
     order of their first marker).
 
@@ -86,7 +90,7 @@ def content_text(
         return ""
     if isinstance(content, str):
         return content
-    placeholders = _placeholders(image_placeholder, video_placeholder)
+    placeholders = _placeholders(image_placeholder, video_placeholder, audio_placeholder)
     parts = _texts(content, index, markers=frozenset(placeholders))
     text = "\n".join(part for kind, part in parts if kind == "text")
     counts: dict[str, int] = {}
@@ -106,17 +110,19 @@ def content_parts(
     *,
     images: bool = False,
     videos: bool = False,
+    audios: bool = False,
 ) -> list[dict[str, str]]:
     """OpenAI content as a list of text parts (``[{"type": "text", "text": ...}]``, fresh
     dicts holding only those keys), as vLLM gives templates that loop over the parts: a
     string is one part, absent content (``None``) no part; only text parts allowed, and
     with ``images`` (``videos``) the image markers (:data:`IMAGE_PART`; the video markers,
-    :data:`VIDEO_PART`), in place."""
+    :data:`VIDEO_PART`; with ``audios`` the audio markers, :data:`AUDIO_PART`), in place."""
     if content is None:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    markers = frozenset(kind for kind, on in (("image", images), ("video", videos)) if on)
+    kinds = (("image", images), ("video", videos), ("audio", audios))
+    markers = frozenset(kind for kind, on in kinds if on)
     return [
         {"type": "text", "text": text} if kind == "text" else {"type": kind}
         for kind, text in _texts(content, index, markers=markers)
@@ -172,6 +178,7 @@ def normalize_messages(
     content_format: ContentFormat = "string",
     image_placeholder: str | None = None,
     video_placeholder: str | None = None,
+    audio_placeholder: str | None = None,
 ) -> list[dict[str, Any]]:
     """The plain dicts chat templates iterate over (see the module docstring), ``content``
     in ``content_format`` (``"string"`` or ``"openai"``; a ``tool`` message's is a string
@@ -179,8 +186,8 @@ def normalize_messages(
     ``tool_call_id``, ``reasoning_content``...) pass through unchanged; a ``reasoning`` (the
     response field) is also given as ``reasoning_content`` when that is absent. Image
     (video) markers are taken only with ``image_placeholder`` (``video_placeholder``: the
-    model's text for one image, one video, written for each in ``string`` content). The
-    input is not modified."""
+    model's text for one image, one video, written for each in ``string`` content; audio
+    markers likewise with ``audio_placeholder``). The input is not modified."""
     if content_format not in ("string", "openai"):
         raise ValueError(f"content_format must be 'string' or 'openai'; got {content_format!r}")
     out = []
@@ -194,12 +201,13 @@ def normalize_messages(
                 i,
                 images=image_placeholder is not None,
                 videos=video_placeholder is not None,
+                audios=audio_placeholder is not None,
             )
         else:
             # vLLM joins a tool message's text parts also in "openai": templates write
             # tool results as strings
             item["content"] = content_text(
-                message.get("content"), i, image_placeholder, video_placeholder
+                message.get("content"), i, image_placeholder, video_placeholder, audio_placeholder
             )
         if message.get("tool_calls") is not None:
             item["tool_calls"] = _tool_calls_for_template(message["tool_calls"])
@@ -241,6 +249,7 @@ def render_chat(
     content_format: str = "auto",
     image_placeholder: str | None = None,
     video_placeholder: str | None = None,
+    audio_placeholder: str | None = None,
 ) -> str:
     """The prompt text of one conversation.
 
@@ -251,8 +260,8 @@ def render_chat(
     ``"openai"``, vLLM's ``chat_template_content_format``) is the shape of the messages'
     content, ``"auto"`` detected from the template that renders (:func:`chat_template_text`).
     ``image_placeholder`` (the model's text for one image) lets the messages hold the image
-    markers :mod:`chassis.core.chat_media` leaves, ``video_placeholder`` the video markers;
-    without it they are refused. Raises
+    markers :mod:`chassis.core.chat_media` leaves, ``video_placeholder`` the video markers,
+    ``audio_placeholder`` the audio markers; without it they are refused. Raises
     ``ChatMessageError`` for a message it cannot use, ``ChatTemplateSyntaxError`` for a
     template that does not parse, ``ChatTemplateRenderError`` (a ``ValueError``) when the
     template fails on the conversation, and ``ValueError`` for an unknown ``content_format``.
@@ -269,7 +278,9 @@ def render_chat(
     resolved = resolve_content_format(
         content_format, chat_template_text(tokenizer, chat_template, tools)
     )
-    items = normalize_messages(messages, resolved, image_placeholder, video_placeholder)
+    items = normalize_messages(
+        messages, resolved, image_placeholder, video_placeholder, audio_placeholder
+    )
     try:
         return apply_chat_template(
             tokenizer,

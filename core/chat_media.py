@@ -10,8 +10,15 @@ PIL.Image.Image}``; and, where the caller takes videos, ``{"type": "video_url", 
 by :mod:`chassis.core.video_loading` into vLLM's ``(frames, metadata)`` video item. Each
 becomes the marker ``{"type": "image"}`` or ``{"type": "video"}`` in the messages (what chat
 templates test for; :mod:`chassis.core.chat` writes it for the template), and its image or
-video is loaded, in message order. Other media parts (audio, image embeddings, files) are
-refused naming the type.
+video is loaded, in message order. With ``--enable-mm-embeds``, ``{"type": "image_embeds",
+"image_embeds": ...}`` parts (vLLM's: the base64 of a ``torch.save``'d tensor, or a dict of
+them for Qwen2-VL; offline, tensors too) stand for an image as well, their tensors loaded by
+:func:`chassis.core.multimodal_embeds.load_embeds`; without the flag they are refused naming
+it. Audio (Qwen2-Audio), where the caller takes it: OpenAI's ``{"type": "input_audio",
+"input_audio": {"data": BASE64, "format": "wav" | "mp3"}}`` and vLLM's ``{"type":
+"audio_url", "audio_url": {"url": URL}}`` (``data:audio/...;base64,``, http(s), ``file://``),
+decoded by :mod:`chassis.core.audio_loading` into vLLM's ``(waveform, sample_rate)`` item
+and marked ``{"type": "audio"}``. Other media parts (files) are refused naming the type.
 
 Before anything is loaded, the engine says whether it takes that many images and videos
 (:meth:`chassis.core.multimodal_inputs.MultiModalInputs.check_counts`: a model that takes
@@ -27,7 +34,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chassis.core.chat import IMAGE_PART, VIDEO_PART, ChatMessageError
+from chassis.core.audio_loading import AudioLoader, check_pyav_for_audio
+from chassis.core.chat import AUDIO_PART, IMAGE_PART, VIDEO_PART, ChatMessageError
+from chassis.core.multimodal_embeds import flag_refusal, load_embeds
 from chassis.core.multimodal_inputs import ModalityRefusedError
 from chassis.core.video_loading import VideoLoader, check_pyav
 
@@ -41,18 +50,21 @@ if TYPE_CHECKING:
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 #: the video part types taken (vLLM's), where the caller takes videos
 VIDEO_PART_TYPES = ("video_url",)
+#: the image-embeddings part type (vLLM's), taken with --enable-mm-embeds
+IMAGE_EMBEDS_PART_TYPE = "image_embeds"
 #: media part types vLLM knows and chassis does not take: refused by name
 UNSUPPORTED_PART_TYPES = (
-    "image_embeds",
     "input_image",
-    "audio_url",
-    "input_audio",
     "audio",
     "file",
     "input_file",
 )
 #: where video parts are taken (named when a route that takes none meets one)
 VIDEO_ROUTES = "/v1/chat/completions and LLM.chat"
+#: the audio part types taken (OpenAI's and vLLM's), where the caller takes audio
+AUDIO_PART_TYPES = ("input_audio", "audio_url")
+#: where audio parts are taken
+AUDIO_ROUTES = VIDEO_ROUTES
 
 
 @dataclass
@@ -61,7 +73,8 @@ class ChatMedia:
 
     #: the messages with each media part replaced by its marker
     messages: list[Mapping[str, Any]]
-    #: the loaded images (RGB PIL images), in message order
+    #: the loaded images (RGB PIL images; an image_embeds part's tensor or dict of
+    #: tensors), in message order
     images: list[Image] = field(default_factory=list)
     #: the loaded videos, vLLM's ``(frames, metadata)`` items, in message order
     videos: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
@@ -69,6 +82,10 @@ class ChatMedia:
     #: :func:`chassis.core.chat.render_chat`'s ``image_placeholder`` / ``video_placeholder``
     image_placeholder: str | None = None
     video_placeholder: str | None = None
+    #: the loaded audio clips, vLLM's ``(waveform, sample_rate)`` items, in message order,
+    #: and the model's text for one (``audio_placeholder``)
+    audios: list[tuple[Any, int]] = field(default_factory=list)
+    audio_placeholder: str | None = None
 
     def multi_modal_data(self) -> dict[str, list[Any]] | None:
         """vLLM's ``multi_modal_data`` of the conversation; ``None`` without media."""
@@ -77,6 +94,8 @@ class ChatMedia:
             data["image"] = self.images
         if self.videos:
             data["video"] = self.videos
+        if self.audios:
+            data["audio"] = self.audios
         return data or None
 
 
@@ -95,10 +114,16 @@ class ChatImages:
         multimodal: MultiModalInputs,
         loader: ImageLoader,
         video_loader: VideoLoader | None = None,
+        audio_loader: AudioLoader | None = None,
     ) -> None:
         self.multimodal = multimodal
         self.loader = loader
-        self.video_loader = video_loader or VideoLoader(loader.allowed_folder)
+        self.video_loader = video_loader or VideoLoader(
+            loader.allowed_folder, allowed_domains=getattr(loader, "allowed_domains", None)
+        )
+        self.audio_loader = audio_loader or AudioLoader(
+            loader.allowed_folder, allowed_domains=getattr(loader, "allowed_domains", None)
+        )
 
     def extract(
         self, messages: Sequence[Mapping[str, Any]]
@@ -107,30 +132,49 @@ class ChatImages:
         order, and the model's placeholder text for one image (``None`` without images):
         what :func:`chassis.core.chat.render_chat` takes as ``image_placeholder``. A video
         part is refused naming the routes that take videos. The input is not modified."""
-        media = self.extract_media(messages, videos=False)
+        media = self.extract_media(messages, videos=False, audios=False)
         return media.messages, media.images, media.image_placeholder
 
     def extract_media(
-        self, messages: Sequence[Mapping[str, Any]], *, videos: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        videos: bool = True,
+        audios: bool = True,
     ) -> ChatMedia:
-        """``messages`` with each image and video part replaced by its marker, the loaded
-        images and videos, and the model's placeholder texts (:class:`ChatMedia`); with
-        ``videos`` false a video part is refused naming the routes that take videos. The
-        input is not modified."""
-        out, found = _mark_media_parts(messages, videos)
-        if not found["image"] and not found["video"]:
+        """``messages`` with each image, video and audio part replaced by its marker, the
+        loaded images, videos and clips, and the model's placeholder texts
+        (:class:`ChatMedia`); with ``videos`` (``audios``) false a video (audio) part is
+        refused naming the routes that take them. The input is not modified."""
+        out, found = _mark_media_parts(messages, videos, audios)
+        if not any(found.values()):
             return ChatMedia(out)
+        embeds = [part for part in found["image"] if part[2]["type"] == IMAGE_EMBEDS_PART_TYPE]
+        if embeds and not self.multimodal.config.enable_mm_embeds:
+            i, j, _ = embeds[0]
+            raise ChatMessageError(f"messages[{i}].content[{j}]: {flag_refusal()}", i)
         placeholders: dict[str, str] = {}
         for modality, parts in found.items():
             if parts:
                 placeholders[modality] = self._admit(modality, parts)
         if found["video"]:
             _named(found["video"][0], lambda _: check_pyav())  # (before any URL is fetched)
-        media = ChatMedia(out, [], [], placeholders.get("image"), placeholders.get("video"))
+        if found["audio"]:
+            _named(found["audio"][0], lambda _: check_pyav_for_audio())
+        media = ChatMedia(
+            out,
+            [],
+            [],
+            placeholders.get("image"),
+            placeholders.get("video"),
+            audio_placeholder=placeholders.get("audio"),
+        )
         for part in found["image"]:
-            media.images.append(_named(part, lambda p: self.loader.load(_image_source(p))))
+            media.images.append(_named(part, self._load_image))
         for part in found["video"]:
             media.videos.append(_named(part, lambda p: self.video_loader.load(_video_url(p))))
+        for part in found["audio"]:
+            media.audios.append(_named(part, self._load_audio))
         return media
 
     def _admit(self, modality: str, parts: list[_Found]) -> str:
@@ -148,6 +192,25 @@ class ChatImages:
         except ValueError as exc:
             raise ChatMessageError(f"messages[{i}].content[{j}]: {exc}", i) from None
 
+    def _load_image(self, part: Mapping[str, Any]) -> Any:
+        """An image part's image, or an image_embeds part's tensors (as ``multi_modal_data``
+        takes them; the front-end checks them against the model)."""
+        if part["type"] == IMAGE_EMBEDS_PART_TYPE:
+            return load_embeds(part.get(IMAGE_EMBEDS_PART_TYPE))
+        return self.loader.load(_image_source(part))
+
+    def _load_audio(self, part: Mapping[str, Any]) -> tuple[Any, int]:
+        """An audio part's clip: an input_audio part's base64 data, an audio_url's URL."""
+        if part["type"] == "input_audio":
+            value = part.get("input_audio")
+            if not isinstance(value, Mapping):
+                raise ValueError(
+                    'an input_audio part needs {"input_audio": {"data": BASE64, "format": '
+                    '"wav" | "mp3"}}'
+                )
+            return self.audio_loader.load_input_audio(value.get("data"), value.get("format"))
+        return self.audio_loader.load_url(_url(part, "audio_url"))
+
 
 def _named(found: _Found, load: Callable[[Mapping[str, Any]], Any]) -> Any:
     """``load(part)`` of a part found, a ``ValueError`` it raises as a ``ChatMessageError``
@@ -160,29 +223,37 @@ def _named(found: _Found, load: Callable[[Mapping[str, Any]], Any]) -> Any:
 
 
 def _mark_media_parts(
-    messages: Sequence[Mapping[str, Any]], videos: bool
+    messages: Sequence[Mapping[str, Any]], videos: bool, audios: bool = False
 ) -> tuple[list[Mapping[str, Any]], dict[str, list[_Found]]]:
     """The messages with media parts replaced by markers (messages without any unchanged),
     and each image and video part with its message and part index. Unsupported media parts,
-    video parts where ``videos`` is false, and a marker sent as a part are refused; other
-    parts are left for the renderer to judge."""
+    video parts where ``videos`` is false, audio parts where ``audios`` is false, and a
+    marker sent as a part are refused; other parts are left for the renderer to judge."""
     out: list[Mapping[str, Any]] = []
-    found: dict[str, list[_Found]] = {"image": [], "video": []}
+    found: dict[str, list[_Found]] = {"image": [], "video": [], "audio": []}
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
         if not isinstance(content, list):
             out.append(message)
             continue
         parts: list[Any] = []
-        num_found = len(found["image"]) + len(found["video"])
+        num_found = sum(len(parts) for parts in found.values())
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind in IMAGE_PART_TYPES:
+            if kind in IMAGE_PART_TYPES or kind == IMAGE_EMBEDS_PART_TYPE:
                 found["image"].append((i, j, part))
                 parts.append(dict(IMAGE_PART))
             elif kind in VIDEO_PART_TYPES and videos:
                 found["video"].append((i, j, part))
                 parts.append(dict(VIDEO_PART))
+            elif kind in AUDIO_PART_TYPES and audios:
+                found["audio"].append((i, j, part))
+                parts.append(dict(AUDIO_PART))
+            elif kind in AUDIO_PART_TYPES:
+                raise ChatMessageError(
+                    f"messages[{i}].content[{j}]: {kind} parts are taken by {AUDIO_ROUTES} only",
+                    i,
+                )
             elif kind in VIDEO_PART_TYPES or kind == "video":
                 what = (
                     f"video_url parts are taken by {VIDEO_ROUTES} only"
@@ -209,7 +280,7 @@ def _mark_media_parts(
                 )
             else:
                 parts.append(part)
-        changed = len(found["image"]) + len(found["video"]) > num_found
+        changed = sum(len(parts) for parts in found.values()) > num_found
         out.append({**message, "content": parts} if changed else message)
     return out, found
 

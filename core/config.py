@@ -100,6 +100,26 @@ class EngineConfig:
     #: the folder whose files requests may name as ``file://`` image URLs (vLLM's
     #: ``--allowed-local-media-path``); "" (default): no local files (core/image_loading.py)
     allowed_local_media_path: str = ""
+    #: take image embeddings in place of images (vLLM's ``--enable-mm-embeds``: tensors in
+    #: ``multi_modal_data``, chat ``image_embeds`` parts); False (default): refused with a
+    #: ValueError naming the flag (core/multimodal_embeds.py)
+    enable_mm_embeds: bool = False
+    #: the model processor's kwargs for every request (vLLM's ``--mm-processor-kwargs``,
+    #: e.g. Qwen2-VL's ``{"max_pixels": 401408}``); a request's own ``mm_processor_kwargs``
+    #: win key by key; keys the model's processor does not take are refused at start
+    #: (core/multimodal_inputs.py)
+    mm_processor_kwargs: dict[str, Any] | None = None
+    #: how media are loaded, per modality (vLLM's ``--media-io-kwargs``): ``{"video":
+    #: {"num_frames": 32, "fps": 2}, "image": {"rgba_background_color": [255, 255, 255]}}``,
+    #: each key optional; others are refused (core/media_options.py)
+    media_io_kwargs: dict[str, Any] | None = None
+    #: the hosts http(s) media URLs may name (vLLM's ``--allowed-media-domains``); another
+    #: host is a 400 before any fetch; None (default): any host (core/media_fetching.py)
+    allowed_media_domains: list[str] | None = None
+    #: GiB of processed multimodal items the front-end keeps, least recently used out
+    #: (vLLM's ``--mm-processor-cache-gb``): an item sent again skips the model's processor;
+    #: 0 disables it (core/multimodal_item_cache.py)
+    mm_processor_cache_gb: float = 4.0
 
     # -- KV cache --------------------------------------------------------------------------
     block_size: int = 16
@@ -415,6 +435,9 @@ class EngineConfig:
         from chassis.core.multimodal_limits import parse_limits
 
         parse_limits(self.limit_mm_per_prompt)
+        from chassis.core.media_options import check_media_options
+
+        check_media_options(self)
         if not isinstance(self.allowed_local_media_path, str):
             raise ValueError(
                 "--allowed-local-media-path must be a folder path; got "

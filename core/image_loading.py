@@ -40,30 +40,36 @@ def fetch_timeout() -> float:
     return timeout_from_env(FETCH_TIMEOUT_ENV, DEFAULT_FETCH_TIMEOUT_S)
 
 
-def to_rgb(image: Image) -> Image:
-    """``image`` in RGB mode; transparency is composed onto white (as transformers'
-    ``convert_rgb`` and vLLM do), so a transparent pixel reads as white, not black."""
+#: the colour transparent pixels are composed onto (vLLM's ``rgba_background_color``)
+WHITE = (255, 255, 255)
+
+
+def to_rgb(image: Image, background_color: tuple[int, int, int] = WHITE) -> Image:
+    """``image`` in RGB mode; transparency is composed onto ``background_color`` (white by
+    default, as transformers' ``convert_rgb`` and vLLM do), so a transparent pixel reads as
+    white, not black."""
     from PIL import Image as PILImage
 
     if image.mode == "RGB":
         return image
     if "A" in image.getbands() or "transparency" in image.info:
         rgba = image.convert("RGBA")
-        background = PILImage.new("RGBA", rgba.size, (255, 255, 255, 255))
+        background = PILImage.new("RGBA", rgba.size, (*background_color, 255))
         return PILImage.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
 
 
-def decode_image(data: bytes, where: str) -> Image:
-    """Decoded image bytes in RGB; ``ValueError`` naming ``where`` (the source) when they
-    are not an image PIL reads, or decode to more pixels than PIL's bomb limit."""
+def decode_image(data: bytes, where: str, background_color: tuple[int, int, int] = WHITE) -> Image:
+    """Decoded image bytes in RGB (transparency on ``background_color``); ``ValueError``
+    naming ``where`` (the source) when they are not an image PIL reads, or decode to more
+    pixels than PIL's bomb limit."""
     from PIL import Image as PILImage
 
     try:
         # (not closed: close() would free the decoded pixels; the bytes are in memory)
         opened = PILImage.open(io.BytesIO(data))
         opened.load()
-        return to_rgb(opened)
+        return to_rgb(opened, background_color)
     except PILImage.DecompressionBombError as exc:
         raise ValueError(f"{where}: the image is too large to decode: {exc}") from None
     except PILImage.UnidentifiedImageError:  # (its message names an in-memory object)
@@ -79,14 +85,29 @@ class ImageLoader:
 
     ``allowed_local_media_path``: the folder ``file://`` URLs may read from (``""``: none,
     vLLM's default); ``timeout_s``: the http(s) fetch timeout (``None``:
-    :func:`fetch_timeout`).
+    :func:`fetch_timeout`); ``allowed_domains``: the hosts http(s) URLs may name (``None``:
+    any; ``--allowed-media-domains``); ``background_color``: what transparent pixels are
+    composed onto (``--media-io-kwargs '{"image": {"rgba_background_color": [r, g, b]}}'``).
     """
 
-    def __init__(self, allowed_local_media_path: str = "", timeout_s: float | None = None):
+    def __init__(
+        self,
+        allowed_local_media_path: str = "",
+        timeout_s: float | None = None,
+        *,
+        allowed_domains: frozenset[str] | None = None,
+        background_color: tuple[int, int, int] = WHITE,
+    ):
         self.allowed_folder = check_allowed_local_media_path(allowed_local_media_path)
+        self.allowed_domains = allowed_domains
+        self.background_color = background_color
         self.timeout_s = fetch_timeout() if timeout_s is None else timeout_s
         self._fetcher = MediaFetcher(
-            "image", self.allowed_folder, self.timeout_s, FETCH_TIMEOUT_ENV
+            "image",
+            self.allowed_folder,
+            self.timeout_s,
+            FETCH_TIMEOUT_ENV,
+            allowed_domains=allowed_domains,
         )
 
     def load(self, source: Any) -> Image:
@@ -96,7 +117,7 @@ class ImageLoader:
         if isinstance(source, PILImage.Image):
             try:
                 source.load()
-                return to_rgb(source)
+                return to_rgb(source, self.background_color)
             except OSError as exc:  # a lazily opened file that turns out broken
                 raise ValueError(f"the image cannot be read ({exc})") from None
         if not isinstance(source, str):
@@ -105,4 +126,4 @@ class ImageLoader:
                 f"got {type(source).__name__}"
             )
         fetched = self._fetcher.fetch(source)
-        return decode_image(fetched.data, fetched.where)
+        return decode_image(fetched.data, fetched.where, self.background_color)

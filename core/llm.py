@@ -28,10 +28,10 @@ from chassis.core.engine_core import EngineCore
 from chassis.core.engine_setup import finalize_config
 from chassis.core.errors import EngineSleepingError, RequestFailedError
 from chassis.core.generation_defaults import generation_defaults
-from chassis.core.image_loading import ImageLoader
 from chassis.core.input_processor import InputProcessor, truncation_length
 from chassis.core.lone_surrogates import refuse_lone_surrogates
 from chassis.core.lora.request import LoRARequest
+from chassis.core.media_options import media_loaders
 from chassis.core.output_processor import OutputProcessor
 from chassis.core.outputs import PositionLogprobs, RequestOutput
 from chassis.core.pooling_classify import (
@@ -138,9 +138,7 @@ class LLM:
         )
         #: chat messages' image parts (a bad allowed_local_media_path fails here, before the
         #: model loads)
-        self._chat_images = ChatImages(
-            self.input_processor.multimodal, ImageLoader(self.config.allowed_local_media_path)
-        )
+        self._chat_images = ChatImages(self.input_processor.multimodal, *media_loaders(self.config))
         # Stat loggers only when asked for (stat_loggers=[...]): batch jobs log no stats by
         # default, as vLLM's LLM. Names are resolved before the model loads (fail fast).
         stat_logger_factories = resolve_stat_loggers(self.config.stat_loggers or [])
@@ -756,6 +754,7 @@ class LLM:
                 content_format=chat_template_content_format,
                 image_placeholder=media.image_placeholder,
                 video_placeholder=media.video_placeholder,
+                audio_placeholder=media.audio_placeholder,
             )
             # The template already contains the special tokens it needs.
             prompt: dict[str, Any] = {

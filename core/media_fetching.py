@@ -5,7 +5,9 @@ A URL is one of:
 * ``data:<kind>/<type>;base64,<data>``: the bytes, base64-encoded (the media type must be of
   the kind asked for: ``image/...`` for an image, ``video/...`` for a video);
 * ``http://`` / ``https://``: fetched, within the fetcher's timeout (each kind has its own
-  variable: :mod:`chassis.core.image_loading`, :mod:`chassis.core.video_loading`);
+  variable: :mod:`chassis.core.image_loading`, :mod:`chassis.core.video_loading`); with
+  ``--allowed-media-domains`` only from those hosts (another host is refused before any
+  connection is made);
 * ``file://<path>``: read only when the engine was given ``--allowed-local-media-path``
   (``allowed_local_media_path``) and the file (links resolved) lies under that folder.
 
@@ -22,6 +24,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 
@@ -54,6 +57,28 @@ def check_allowed_local_media_path(path: str) -> Path | None:
     return folder
 
 
+def check_allowed_media_domains(domains: Any) -> frozenset[str] | None:
+    """``--allowed-media-domains`` as the set of host names http(s) media URLs may name,
+    lower-cased (``None``: any host, vLLM's default); ``ValueError`` unless it is a list of
+    host names (no scheme, path or port)."""
+    if domains is None:
+        return None
+    if isinstance(domains, str) or not isinstance(domains, list | tuple | set | frozenset):
+        raise ValueError(f"--allowed-media-domains takes host names; got {domains!r}")
+    hosts = set()
+    for domain in domains:
+        if not isinstance(domain, str) or not domain.strip():
+            raise ValueError(f"--allowed-media-domains takes host names; got {domain!r}")
+        host = domain.strip().lower()
+        if any(c in host for c in "/:@ ?#"):
+            raise ValueError(
+                f"--allowed-media-domains takes host names such as 'example.com' (no scheme, "
+                f"port or path); got {domain!r}"
+            )
+        hosts.add(host)
+    return frozenset(hosts)
+
+
 def short_url(url: str, limit: int = 80) -> str:
     """``url`` for an error message: a data URL's payload (maybe megabytes) cut short."""
     return url if len(url) <= limit else url[:limit] + "..."
@@ -74,16 +99,24 @@ class MediaFetcher:
 
     ``allowed_folder``: the folder ``file://`` URLs may read from (``None``: none, vLLM's
     default; :func:`check_allowed_local_media_path`); ``timeout_s``: the http(s) fetch
-    timeout, named in its error as ``$timeout_env``.
+    timeout, named in its error as ``$timeout_env``; ``allowed_domains``: the hosts http(s)
+    URLs may name (``None``: any, vLLM's default; :func:`check_allowed_media_domains`).
     """
 
     def __init__(
-        self, kind: str, allowed_folder: Path | None, timeout_s: float, timeout_env: str
+        self,
+        kind: str,
+        allowed_folder: Path | None,
+        timeout_s: float,
+        timeout_env: str,
+        *,
+        allowed_domains: frozenset[str] | None = None,
     ) -> None:
         self.kind = kind
         self.allowed_folder = allowed_folder
         self.timeout_s = timeout_s
         self.timeout_env = timeout_env
+        self.allowed_domains = allowed_domains
 
     def fetch(self, url: str) -> FetchedMedia:
         """The bytes of ``url``, a string (the caller checked its type)."""
@@ -123,6 +156,14 @@ class MediaFetcher:
         return FetchedMedia(data, f"the data URL {short_url(url)!r}")
 
     def _http_url(self, url: str) -> FetchedMedia:
+        if self.allowed_domains is not None:
+            host = (urlsplit(url).hostname or "").lower()
+            if host not in self.allowed_domains:
+                raise ValueError(
+                    f"{self.kind} URL {short_url(url)!r}: the host {host or '(none)'!r} is not "
+                    "one of --allowed-media-domains ("
+                    f"{', '.join(sorted(self.allowed_domains)) or 'none'})"
+                )
         request = urllib.request.Request(url, headers={"User-Agent": "chassis"})
         late = (
             f"{self.kind} URL {short_url(url)!r}: no answer within {self.timeout_s:g} s "

@@ -286,6 +286,11 @@ _MULTIMODAL_FIELDS = (
     "boi_token_id",
     "eoi_token_id",
     "downsample_ratio",  # InternVL's pixel shuffle
+    "downsample_factor",  # Aya Vision's pixel shuffle and projector
+    "adapter_layer_norm_eps",
+    "alignment_intermediate_size",
+    "audio_config",  # Qwen2-Audio's audio tower and its placeholder token
+    "audio_token_id",
 )
 
 

@@ -21,8 +21,8 @@ import msgspec
 import numpy as np
 import torch
 
-#: the modalities a request may carry (videos: Qwen2-VL and Qwen2.5-VL)
-MODALITIES = ("image", "video")
+#: the modalities a request may carry (videos: Qwen2-VL and Qwen2.5-VL; audio: Qwen2-Audio)
+MODALITIES = ("image", "video", "audio")
 
 
 class MultiModalTensor(msgspec.Struct, array_like=True, frozen=True):

@@ -12,6 +12,7 @@ that takes text only never builds one, and refuses items naming the model.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from chassis.core.multimodal_admission import engine_mode_refusal
+from chassis.core.multimodal_embeds import flag_refusal, is_embeds_item, precomputed_items
+from chassis.core.multimodal_item_cache import ProcessedItemCache
 from chassis.core.multimodal_limits import check_item_count, parse_limits
 
 if TYPE_CHECKING:
@@ -28,8 +31,8 @@ if TYPE_CHECKING:
     from chassis.core.multimodal import MultiModalFeature
     from chassis.core.multimodal_processing import MultiModalProcessor
 
-#: the modalities ``multi_modal_data`` may name (vLLM's); the models here take images, and
-#: Qwen2-VL / Qwen2.5-VL videos
+#: the modalities ``multi_modal_data`` may name (vLLM's); the models here take images,
+#: Qwen2-VL / Qwen2.5-VL / Qwen3-VL videos and Qwen2-Audio's audio
 MULTIMODAL_INPUT_MODALITIES = ("image", "video", "audio")
 
 
@@ -54,6 +57,21 @@ class MultiModalInputs:
         #: the model's class and HF config, read on first need (a request with items)
         self._model_cls: Any = None
         self._hf_config: Any = None
+        #: processed items kept for requests that send them again (--mm-processor-cache-gb;
+        #: None: disabled), handed to the processor when it is built
+        self.item_cache = ProcessedItemCache.from_gb(config.mm_processor_cache_gb)
+        if config.mm_processor_kwargs and tokenizer is not None:
+            self._check_default_kwargs(config.mm_processor_kwargs)
+
+    def _check_default_kwargs(self, kwargs: Mapping[str, Any]) -> None:
+        """``--mm-processor-kwargs`` checked by the model's processor, built now (a bad key
+        fails the start, with a request's message); a text-only model ignores them."""
+        if not self.supported_modalities():
+            return
+        try:
+            self.processor().check_kwargs(dict(kwargs))
+        except ValueError as exc:
+            raise ValueError(f"--mm-processor-kwargs: {exc}") from None
 
     def check_counts(self, counts: Mapping[str, int]) -> None:
         """Whether this engine takes a prompt with ``counts`` items per modality
@@ -119,20 +137,39 @@ class MultiModalInputs:
         """The prompt with each item's placeholder expanded, and one feature per item in
         prompt order (:meth:`MultiModalProcessor.process`), once :meth:`check_counts`
         passed. ``multi_modal_data`` is vLLM's (:func:`multimodal_items`); when it holds no
-        item at all the prompt is returned as it is."""
+        item at all the prompt is returned as it is. Image embeddings among the images
+        (tensors, Qwen2-VL's dict) need ``enable_mm_embeds`` and skip the model's processing
+        (:mod:`chassis.core.multimodal_embeds`)."""
         items = multimodal_items(multi_modal_data)
         if not any(items.values()):
             return prompt_token_ids, []
         self.check_counts({modality: len(values) for modality, values in items.items()})
+        if any(is_embeds_item(item) for item in items.get("image", ())):
+            items = self._precomputed(items)
         if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, Mapping):
             raise ValueError(
                 f"mm_processor_kwargs must be a dict; got {type(mm_processor_kwargs).__name__}"
             )
+        if self.config.mm_processor_kwargs:  # (--mm-processor-kwargs: the request's win)
+            mm_processor_kwargs = {**self.config.mm_processor_kwargs, **(mm_processor_kwargs or {})}
         return self.processor().process(
             prompt_token_ids,
             {modality: values for modality, values in items.items() if values},
             mm_processor_kwargs,
         )
+
+    def _precomputed(self, items: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """``items`` with image embeddings as their images' precomputed rows
+        (:func:`~chassis.core.multimodal_embeds.precomputed_items`); ``ValueError`` without
+        ``enable_mm_embeds``, and the counts checked again (one tensor may hold several)."""
+        if not self.config.enable_mm_embeds:
+            raise ValueError(flag_refusal())
+        name = self.config.served_model_name or self.config.model or ""
+        cls = self._model_class()
+        images = precomputed_items(items["image"], cls, self._hf_config, name)
+        items = {**items, "image": images}
+        self.check_counts({modality: len(values) for modality, values in items.items()})
+        return items
 
     def _model_class(self) -> Any:
         from chassis.core.model_loader import engine_hf_config, model_class
@@ -148,6 +185,7 @@ class MultiModalInputs:
         processor = cls.multimodal_processor(self.config.model, self._hf_config)
         if processor is None:
             raise ValueError(f"{cls.__name__} has no multimodal processor: it takes text only")
+        processor.item_cache = self.item_cache
         assert self.tokenizer is not None  # (check_counts refused the request without one)
         for modality, token in processor.placeholder_token_ids.items():
             text = processor.prompt_placeholder(modality)
@@ -163,7 +201,8 @@ class MultiModalInputs:
 
 def multimodal_items(multi_modal_data: Mapping[str, Any]) -> dict[str, list[Any]]:
     """vLLM's ``multi_modal_data`` as modality -> its items in order: one item alone (an
-    image) is a list of one; ``ValueError`` when it is not a mapping. As in vLLM, a
+    image, an audio's ``(waveform, sample_rate)`` tuple) is a list of one; ``ValueError``
+    when it is not a mapping. As in vLLM, a
     ``"video"`` list of PIL images is ONE video (its frames), and so is a ``(frames,
     metadata)`` tuple (:func:`video_frames_and_metadata`); a list of arrays, of frame lists
     or of such tuples is several videos."""
@@ -174,10 +213,23 @@ def multimodal_items(multi_modal_data: Mapping[str, Any]) -> dict[str, list[Any]
         )
     return {
         str(modality): list(value)
-        if isinstance(value, list | tuple) and not _is_frame_list(modality, value)
+        if isinstance(value, list | tuple)
+        and not _is_frame_list(modality, value)
+        and not _is_one_audio(modality, value)
         else [value]
         for modality, value in multi_modal_data.items()
     }
+
+
+def _is_one_audio(modality: str, value: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one audio clip: vLLM's ``(waveform, sample_rate)`` tuple."""
+    return (
+        modality == "audio"
+        and isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[1], numbers.Real)  # (numpy's scalars too)
+        and not isinstance(value[1], bool)
+    )
 
 
 def _is_frame_list(modality: str, value: list[Any] | tuple[Any, ...]) -> bool:

@@ -14,7 +14,8 @@ from typing import Any
 
 #: vLLM's default limit of a modality the flag leaves out
 DEFAULT_LIMIT = 999
-#: the modalities the flag may name (vLLM's; images, and Qwen2-VL / Qwen2.5-VL videos, are taken)
+#: the modalities the flag may name (vLLM's; images, the Qwen VL models' videos and
+#: Qwen2-Audio's audio are taken)
 LIMIT_MODALITIES = ("image", "video", "audio")
 
 

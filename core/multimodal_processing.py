@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from chassis.core.multimodal import MultiModalFeature, make_feature
+from chassis.core.multimodal_embeds import PrecomputedItem
+from chassis.core.multimodal_item_cache import ProcessedItemCache
 
 
 class MultiModalProcessor(ABC):
@@ -34,6 +36,9 @@ class MultiModalProcessor(ABC):
     #: modality -> the token id that stands for one item in a prompt before expansion (and
     #: that each of the item's expanded placeholder tokens carries)
     placeholder_token_ids: Mapping[str, int]
+    #: the engine's cache of processed items (``--mm-processor-cache-gb``), set by the
+    #: front-end that builds the processor; ``None``: every item is processed
+    item_cache: ProcessedItemCache | None = None
 
     @abstractmethod
     def prompt_placeholder(self, modality: str) -> str:
@@ -90,7 +95,7 @@ class MultiModalProcessor(ABC):
                 )
             token_modality[token] = modality
         processed = {
-            modality: [self.process_item(modality, item, kwargs) for item in modality_items]
+            modality: [self._process_one(modality, item, kwargs) for item in modality_items]
             for modality, modality_items in items.items()
         }
         next_item = dict.fromkeys(items, 0)
@@ -106,3 +111,15 @@ class MultiModalProcessor(ABC):
             features.append(make_feature(modality, len(expanded), length, tensors))
             expanded.extend([token] * length)
         return expanded, features
+
+    def _process_one(
+        self, modality: str, item: Any, kwargs: Mapping[str, Any]
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """:meth:`process_item` (through :attr:`item_cache` when there is one), or an item
+        whose rows the caller gave (image embeddings, :mod:`chassis.core.multimodal_embeds`)
+        as it is."""
+        if isinstance(item, PrecomputedItem):
+            return item.length, item.tensors
+        if self.item_cache is not None:
+            return self.item_cache.get_or_process(modality, item, kwargs, self.process_item)
+        return self.process_item(modality, item, kwargs)

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from chassis.core.multimodal_embeds import EMBEDS_KEY
+
 if TYPE_CHECKING:
     from chassis.core.model_interface import CausalLM
     from chassis.core.multimodal import MultiModalFeature
@@ -217,10 +219,15 @@ class MultiModalRunner:
                 del state.encoded[index]
 
     def _encode(self, feature: MultiModalFeature) -> torch.Tensor:
-        """``feature``'s encoder output ``[length, hidden]``, checked against its length."""
+        """``feature``'s encoder output ``[length, hidden]``, checked against its length:
+        the rows the caller gave (image embeddings, :mod:`chassis.core.multimodal_embeds`;
+        the front-end checked their width), else the model's ``embed_multimodal``."""
         inputs = {name: t.to(self.device) for name, t in feature.tensors().items()}
-        encoded = self.model.embed_multimodal(feature.modality, inputs)
-        self.num_encoder_runs += 1
+        if EMBEDS_KEY in inputs:
+            encoded = inputs[EMBEDS_KEY]
+        else:
+            encoded = self.model.embed_multimodal(feature.modality, inputs)
+            self.num_encoder_runs += 1
         if encoded.dim() != 2 or encoded.shape[0] != feature.length:
             raise ValueError(
                 f"{type(self.model).__name__}.embed_multimodal returned shape "

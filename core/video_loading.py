@@ -7,9 +7,10 @@ MediaFetcher`: ``data:video/<type>;base64,<data>``, http(s), or ``file://`` unde
 ``$VLLM_VIDEO_FETCH_TIMEOUT`` (default 30 s: videos are larger than images).
 
 The bytes are decoded with PyAV (``pip install av``, the ``video`` extra; without it a video
-is a ``ValueError`` saying so). As vLLM's default loader does, at most ``num_frames`` (32)
-frames are kept, sampled uniformly over the whole video (indices
-``linspace(0, total - 1, num_frames)`` truncated; every frame of a shorter video). The result
+is a ``ValueError`` saying so). As vLLM's default loader does, at most ``num_frames`` (32;
+``--media-io-kwargs '{"video": {"num_frames": N}}'``, -1: all) frames are kept, and with
+``"fps": F`` at most ``duration * F`` (one at least), sampled uniformly over the whole video
+(indices ``linspace(0, total - 1, count)`` truncated; every frame of a shorter video). The result
 is vLLM's video item ``(frames, metadata)``: ``frames`` a ``[T, H, W, 3]`` ``uint8`` array,
 ``metadata`` transformers' ``VideoMetadata`` fields, ``total_num_frames``, ``fps`` (the
 video's own rate), ``duration`` (seconds), ``frames_indices`` (the kept frames' indices) and
@@ -46,6 +47,38 @@ def fetch_timeout() -> float:
     return timeout_from_env(FETCH_TIMEOUT_ENV, DEFAULT_FETCH_TIMEOUT_S)
 
 
+#: the ``--media-io-kwargs`` keys of videos (vLLM's video loader's)
+VIDEO_IO_KWARGS = ("num_frames", "fps")
+
+
+def check_video_io_kwargs(kwargs: Any) -> None:
+    """``ValueError`` unless ``kwargs`` (``--media-io-kwargs``' ``"video"`` object) holds only
+    ``num_frames`` (an integer >= 1, or -1: every frame) and ``fps`` (a number > 0); a key
+    set to ``None`` is the default."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--media-io-kwargs video must be a JSON object; got {kwargs!r}")
+    unknown = sorted(set(kwargs) - set(VIDEO_IO_KWARGS))
+    if unknown:
+        raise ValueError(
+            f"--media-io-kwargs video: {', '.join(unknown)} not supported; the keys are "
+            f"{', '.join(VIDEO_IO_KWARGS)}"
+        )
+    num_frames, fps = kwargs.get("num_frames"), kwargs.get("fps")
+    if num_frames is not None and (
+        isinstance(num_frames, bool)
+        or not isinstance(num_frames, int)
+        or (num_frames != -1 and num_frames < 1)
+    ):
+        raise ValueError(
+            f"--media-io-kwargs video num_frames must be an integer >= 1 (or -1: every "
+            f"frame); got {num_frames!r}"
+        )
+    if fps is not None and (
+        isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < float("inf")
+    ):
+        raise ValueError(f"--media-io-kwargs video fps must be a number > 0; got {fps!r}")
+
+
 def check_pyav() -> None:
     """``ValueError`` (a 400 at the server) when PyAV, the video decoder, is not installed."""
     try:
@@ -57,17 +90,28 @@ def check_pyav() -> None:
         ) from None
 
 
-def sample_frame_indices(total_num_frames: int, num_frames: int) -> list[int]:
+def sample_frame_indices(
+    total_num_frames: int,
+    num_frames: int,
+    fps: float | None = None,
+    duration: float | None = None,
+) -> list[int]:
     """The indices of the frames kept of a video of ``total_num_frames``: all of them when
     ``num_frames`` is ``-1`` or not under the total, else ``num_frames`` spread uniformly from
-    the first to the last (vLLM's default loader: ``linspace`` truncated to integers)."""
-    if num_frames == -1 or total_num_frames <= num_frames:
+    the first to the last (vLLM's default loader: ``linspace`` truncated to integers). With
+    ``fps`` (``--media-io-kwargs '{"video": {"fps": F}}'``) and the video's ``duration`` in
+    seconds known, at most ``duration * fps`` frames (at least one) are kept, ``num_frames``
+    still the most."""
+    wanted = total_num_frames if num_frames == -1 else min(num_frames, total_num_frames)
+    if fps and duration:
+        wanted = min(wanted, max(1, int(duration * fps)))
+    if wanted >= total_num_frames:
         return list(range(total_num_frames))
-    return np.linspace(0, total_num_frames - 1, num_frames, dtype=int).tolist()
+    return np.linspace(0, total_num_frames - 1, wanted, dtype=int).tolist()
 
 
 def decode_video(
-    data: bytes, where: str, num_frames: int = DEFAULT_NUM_FRAMES
+    data: bytes, where: str, num_frames: int = DEFAULT_NUM_FRAMES, fps: float | None = None
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """The sampled frames of the video ``data`` and their metadata (module docstring);
     ``ValueError`` naming ``where`` (the source) for bytes PyAV cannot decode."""
@@ -76,7 +120,7 @@ def decode_video(
     from PIL import Image
 
     try:
-        total, fps, duration, size = _probe(data, where)
+        total, video_fps, duration, size = _probe(data, where)
         # (the limit past which PIL refuses an image as a decompression bomb)
         limit = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else None
         if limit and size[0] * size[1] > limit:
@@ -84,7 +128,7 @@ def decode_video(
                 f"{where}: the video's frames are too large to decode ({size[0]}x{size[1]} "
                 f"pixels; an image may have at most {limit})"
             )
-        wanted = sample_frame_indices(total, num_frames)
+        wanted = sample_frame_indices(total, num_frames, fps, duration)
         frames, indices = _decode_frames(data, set(wanted), max(wanted))
     except av.FFmpegError as exc:  # (InvalidDataError and the others; their text is ffmpeg's)
         raise ValueError(f"{where} is not a video that can be read ({exc})") from None
@@ -92,7 +136,7 @@ def decode_video(
         raise ValueError(f"{where}: no frame of the video could be decoded")
     metadata = {
         "total_num_frames": total,
-        "fps": fps,
+        "fps": video_fps,
         "duration": duration,
         "frames_indices": indices,
         "video_backend": VIDEO_BACKEND,
@@ -148,7 +192,10 @@ class VideoLoader:
 
     ``allowed_folder``: the folder ``file://`` URLs may read from (``None``: none; the image
     loader's ``allowed_folder``); ``timeout_s``: the http(s) fetch timeout (``None``:
-    :func:`fetch_timeout`); ``num_frames``: the most frames kept of a video (``-1``: all).
+    :func:`fetch_timeout`); ``num_frames``: the most frames kept of a video (``-1``: all);
+    ``fps``: the most frames kept per second of video (``None``: no such limit); both are
+    ``--media-io-kwargs '{"video": {...}}'`` keys (:func:`check_video_io_kwargs`);
+    ``allowed_domains``: the hosts http(s) URLs may name (``None``: any).
     """
 
     def __init__(
@@ -156,14 +203,21 @@ class VideoLoader:
         allowed_folder: Path | None = None,
         timeout_s: float | None = None,
         num_frames: int = DEFAULT_NUM_FRAMES,
+        *,
+        fps: float | None = None,
+        allowed_domains: frozenset[str] | None = None,
     ) -> None:
-        if isinstance(num_frames, bool) or not isinstance(num_frames, int):
-            raise ValueError(f"num_frames must be an integer; got {num_frames!r}")
-        if num_frames != -1 and num_frames < 1:
-            raise ValueError(f"num_frames must be >= 1 (or -1: every frame); got {num_frames}")
+        check_video_io_kwargs({"num_frames": num_frames, "fps": fps})
         self.num_frames = num_frames
+        self.fps = fps
         self.timeout_s = fetch_timeout() if timeout_s is None else timeout_s
-        self._fetcher = MediaFetcher("video", allowed_folder, self.timeout_s, FETCH_TIMEOUT_ENV)
+        self._fetcher = MediaFetcher(
+            "video",
+            allowed_folder,
+            self.timeout_s,
+            FETCH_TIMEOUT_ENV,
+            allowed_domains=allowed_domains,
+        )
 
     def load(self, url: Any) -> tuple[np.ndarray, dict[str, Any]]:
         """vLLM's video item ``(frames, metadata)`` of ``url``, a URL string."""
@@ -179,4 +233,4 @@ class VideoLoader:
                 "data:video/mp4;base64,...)"
             )
         fetched = self._fetcher.fetch(url)
-        return decode_video(fetched.data, fetched.where, self.num_frames)
+        return decode_video(fetched.data, fetched.where, self.num_frames, self.fps)

@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response
 import chassis
 from chassis.core.chat_media import ChatImages
 from chassis.core.generation_defaults import generation_defaults
-from chassis.core.image_loading import ImageLoader
+from chassis.core.media_options import media_loaders
 from chassis.serve import errors
 from chassis.serve.chat_parsing import ChatParsers
 from chassis.serve.dev_routes import router as dev_router
@@ -269,8 +269,8 @@ def _chat_images(engine: Any) -> ChatImages | None:
     multimodal = getattr(getattr(engine, "input_processor", None), "multimodal", None)
     if multimodal is None:
         return None
-    folder = getattr(engine.config, "allowed_local_media_path", "") or ""
-    return ChatImages(multimodal, ImageLoader(folder))
+    # (the folder, --allowed-media-domains and --media-io-kwargs: core/media_options.py)
+    return ChatImages(multimodal, *media_loaders(engine.config))
 
 
 def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:

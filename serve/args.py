@@ -247,6 +247,50 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         help="the folder whose files requests may name as file:// image URLs (default: "
         "none, file URLs are refused)",
     )
+    g.add_argument(
+        "--enable-mm-embeds",
+        action="store_true",
+        default=None,
+        help="take image embeddings in place of images (tensors in multi_modal_data, chat "
+        "image_embeds parts), vLLM's flag; off by default: they are refused",
+    )
+    g.add_argument(
+        "--mm-processor-kwargs",
+        type=_json_object_arg,
+        metavar="JSON",
+        help="the model processor's kwargs for every request, vLLM's flag: Qwen2-VL "
+        "'{\"max_pixels\": 401408}'; a request's own mm_processor_kwargs win key by key",
+    )
+    g.add_argument(
+        "--media-io-kwargs",
+        type=_json_object_arg,
+        metavar="JSON",
+        help='how media are loaded, vLLM\'s flag: \'{"video": {"num_frames": 16, '
+        '"fps": 2}, "image": {"rgba_background_color": [0, 0, 0]}}\' (defaults: 32 '
+        "frames, no fps limit, white)",
+    )
+    g.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        metavar="HOST",
+        help="the only hosts http(s) media URLs may name (default: any)",
+    )
+    g.add_argument(
+        "--mm-processor-cache-gb",
+        type=float,
+        metavar="GIB",
+        help=_help(
+            "GiB of processed images and videos kept to skip the processor when an item "
+            "comes again (0: no cache)",
+            "mm_processor_cache_gb",
+        ),
+    )
+    g.add_argument(
+        "--mm-processor-cache-type",
+        choices=("lru",),
+        help="vLLM's flag; chassis' cache is the front-end's LRU one (vLLM's 'shm' is not "
+        "supported)",
+    )
 
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, help=_help("tokens per KV block", "block_size"))

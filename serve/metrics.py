@@ -29,6 +29,9 @@ count a request under the engine that ran it (``RequestMetrics.engine_index`` of
 Summing over ``engine`` gives the server's totals. A request the server counts without an
 engine output to tell its engine (aborted before its first output, or a beam search, whose
 step requests may run on several engines) counts under engine ``"0"``.
+
+The front-end's processed-item cache adds ``chassis:mm_cache_queries_total`` and
+``chassis:mm_cache_hits_total`` (:mod:`chassis.serve.mm_cache_metrics`).
 """
 
 from __future__ import annotations
@@ -247,6 +250,9 @@ class ServerMetrics:
         infos = getattr(engine, "engine_infos", None)
         num_engines = len(infos) if isinstance(infos, list | tuple) and infos else 1
         metrics = cls(engine.model_name, stats, num_engines)
+        from chassis.serve.mm_cache_metrics import register_item_cache_metrics
+
+        register_item_cache_metrics(metrics.registry, engine.model_name, engine)
         return metrics
 
     def engine(self, index: int) -> EngineSeries:

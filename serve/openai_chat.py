@@ -134,10 +134,11 @@ async def _prompt(
     body: ChatCompletionRequest,
     images: list[Any] | None = None,
     videos: list[Any] | None = None,
+    audios: list[Any] | None = None,
 ) -> tuple[str, list[int]]:
     """The rendered prompt's text (parsers read it) and token ids; the messages' images
     appended to ``images`` when it is given (else image parts are a 400), their videos to
-    ``videos`` (else video parts are a 400). With
+    ``videos`` (else video parts are a 400), their audio clips to ``audios`` likewise. With
     ``--exclude-tools-when-tool-choice-none`` a request whose ``tool_choice`` is ``"none"``
     renders without its tools (vLLM's flag; by default the template still sees them)."""
     tools = body.tools
@@ -154,6 +155,7 @@ async def _prompt(
         add_special_tokens=bool(body.add_special_tokens),
         images=images,
         videos=videos,
+        audios=audios,
     )
 
 
@@ -398,6 +400,7 @@ async def prepare_chat(
     body: ChatCompletionRequest,
     images: list[Any] | None = None,
     videos: list[Any] | None = None,
+    audios: list[Any] | None = None,
 ) -> tuple[SamplingParams, list[int], RequestParsing | None]:
     """What a chat request runs as: its sampling params (400s for invalid fields), its
     rendered prompt's token ids, and how its output is parsed (``None``: all content), the
@@ -405,14 +408,15 @@ async def prepare_chat(
     a JSON constraint applied after the reasoning). The messages' images are appended to
     ``images`` when it is given (chat completions, and ``/v1/responses``, which shares this
     and sends its images as loaded ``image_pil`` parts); without it image parts are a 400.
-    Their videos are appended to ``videos`` likewise (chat completions only)."""
+    Their videos (audio clips) are appended to ``videos`` (``audios``) likewise (chat
+    completions only)."""
     params = body.to_sampling_params(state.sampling_defaults, max_model_len=state.max_model_len)
     check_max_logprobs(
         state.engine.config.max_logprobs,
         top_logprobs=body.top_logprobs if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
     )
-    prompt_text, prompt_ids = await _prompt(state, body, images, videos)
+    prompt_text, prompt_ids = await _prompt(state, body, images, videos, audios)
     parsing = state.parsers.for_request(
         body, state.tokenizer, prompt_text, params.structured_outputs
     )
@@ -438,13 +442,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.force_include_usage()
     images: list[Any] = []
     videos: list[Any] = []
-    params, prompt_ids, parsing = await prepare_chat(state, body, images, videos)
+    audios: list[Any] = []
+    params, prompt_ids, parsing = await prepare_chat(state, body, images, videos, audios)
     # (mm_processor_kwargs without media are ignored, as vLLM ignores them)
     multi_modal_data: dict[str, list[Any]] = {}
     if images:
         multi_modal_data["image"] = images
     if videos:
         multi_modal_data["video"] = videos
+    if audios:
+        multi_modal_data["audio"] = audios
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log_request(state.settings, request_id, None, prompt_ids, params, lora_request, state.tokenizer)
     n = params.n

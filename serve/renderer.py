@@ -71,7 +71,7 @@ def refuse_image_parts(messages: list[dict[str, Any]]) -> None:
             continue
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind in (*IMAGE_PART_TYPES, "input_image"):
+            if kind in (*IMAGE_PART_TYPES, "input_image", "image_embeds"):
                 raise bad_request(
                     f"messages[{i}].content[{j}]: only text parts are supported on this "
                     f"route; got type {kind!r} (images are taken by /v1/chat/completions, "
@@ -176,6 +176,7 @@ class ChatRenderer:
         chat_template: str | None = None,
         images: list[Any] | None = None,
         videos: list[Any] | None = None,
+        audios: list[Any] | None = None,
     ) -> str:
         """The prompt text. ``chat_template`` (and ``chat_template`` in
         ``chat_template_kwargs``) is the request's own template: a 400 unless trusted (see
@@ -189,23 +190,29 @@ class ChatRenderer:
         a 400 naming the routes that take images, and without ``chat_images`` one like any
         part that is not text. ``videos``: the same for video parts (vLLM's ``(frames,
         metadata)`` items), taken only with ``images`` given too; without it a video part
-        is a 400 naming the routes that take videos."""
+        is a 400 naming the routes that take videos. ``audios``: the same for audio parts
+        (vLLM's ``(waveform, sample_rate)`` items)."""
         own = request_chat_template(
             chat_template, chat_template_kwargs, trusted=self.trust_request_chat_template
         )
         field_of_own = request_template_field(chat_template, chat_template_kwargs)
         try:
             dicts: list[Any] = [_as_dict(m) for m in messages]
-            placeholder = video_placeholder = None
+            placeholder = video_placeholder = audio_placeholder = None
             if images is None:
                 refuse_image_parts(dicts)
             elif self.chat_images is not None:
-                media = self.chat_images.extract_media(dicts, videos=videos is not None)
+                media = self.chat_images.extract_media(
+                    dicts, videos=videos is not None, audios=audios is not None
+                )
                 dicts, placeholder = media.messages, media.image_placeholder
                 video_placeholder = media.video_placeholder
+                audio_placeholder = media.audio_placeholder
                 images.extend(media.images)
                 if videos is not None:
                     videos.extend(media.videos)
+                if audios is not None:
+                    audios.extend(media.audios)
             return render_chat(
                 self.tokenizer,
                 dicts,
@@ -217,6 +224,7 @@ class ChatRenderer:
                 content_format=self.content_format,
                 image_placeholder=placeholder,
                 video_placeholder=video_placeholder,
+                audio_placeholder=audio_placeholder,
             )
         except ChatMessageError as exc:
             raise bad_request(str(exc), f"messages.{exc.index}.content") from None
@@ -263,6 +271,7 @@ class ChatRenderer:
         add_special_tokens: bool = False,
         images: list[Any] | None = None,
         videos: list[Any] | None = None,
+        audios: list[Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and its token ids (meant for a worker thread); the keyword
         arguments but ``add_special_tokens`` are :meth:`render`'s."""
@@ -275,5 +284,6 @@ class ChatRenderer:
             chat_template=chat_template,
             images=images,
             videos=videos,
+            audios=audios,
         )
         return text, self.tokenize(text, add_special_tokens=add_special_tokens)

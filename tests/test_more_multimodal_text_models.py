@@ -1,4 +1,4 @@
-"""More multimodal checkpoints served as text only — LLaVA-style (Aya Vision over Cohere2), GLM-4.1V, GLM-4.5V,
+"""More multimodal checkpoints served as text only — LLaVA-style (Aya Vision over Cohere2; its images: tests/test_aya_vision_images.py), GLM-4.1V, GLM-4.5V,
 Ministral 3 inside Mistral 3 — and text-only Ministral 3, against HF transformers' models on
 tiny random checkpoints.
 
@@ -54,10 +54,10 @@ ARCHITECTURES = (
     "ministral3",
 )
 #: the image side's checkpoint-name prefixes as transformers 5 saves them
-#: (LLaVA-1.5, LLaVA-NeXT and InternVL read their image side: tests/test_llava_images.py,
-#: tests/test_llava_next_images.py, tests/test_internvl_images.py)
+#: (LLaVA-1.5, LLaVA-NeXT, InternVL and Aya Vision read their image side:
+#: tests/test_llava_images.py, tests/test_llava_next_images.py, tests/test_internvl_images.py,
+#: tests/test_aya_vision_images.py)
 VISION_PREFIXES = {
-    "aya_vision": ("vision_tower.", "multi_modal_projector."),
     "glm4v": ("model.visual.",),
     "glm4v_moe": ("model.visual.",),
     # (Mistral 3 reads its image side: tests/test_mistral3_images.py)
@@ -289,15 +289,13 @@ def test_llava_style_checkpoints_get_their_text_decoder(model_dirs: dict[str, Pa
         hf = load_hf(arch, model_dirs[arch])
         hf_tied = hf.lm_head.weight is hf.get_input_embeddings().weight
         assert model.tie_word_embeddings is hf_tied, arch
-    # LLaVA-1.5, LLaVA-NeXT and InternVL take images (tests/test_llava_images.py,
-    # tests/test_llava_next_images.py, tests/test_internvl_images.py); Aya Vision stays text only
-    for arch in ("llava", "llava_next", "internvl"):
+    # LLaVA-1.5, LLaVA-NeXT, InternVL and Aya Vision take images (tests/test_llava_images.py,
+    # tests/test_llava_next_images.py, tests/test_internvl_images.py,
+    # tests/test_aya_vision_images.py)
+    for arch in ("llava", "llava_next", "internvl", "aya_vision"):
         llava = model_class(load_hf_config(model_dirs[arch]))
         assert issubclass(llava, LlavaForConditionalGenerationWithImages)
         assert llava.supported_modalities == {"image"}
-    aya_vision = model_class(load_hf_config(model_dirs["aya_vision"]))
-    assert not issubclass(aya_vision, LlavaForConditionalGenerationWithImages)
-    assert not aya_vision.supported_modalities
     assert Runner(model_dirs["internvl"]).model.tie_word_embeddings  # top-level default true
     assert Runner(model_dirs["llava_next"]).model.spec.head_dim == 32
     # HF's Aya Vision head is unscaled: Cohere2's logit_scale (0.25 here) is not applied

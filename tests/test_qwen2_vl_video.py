@@ -366,8 +366,9 @@ def test_bad_videos_are_clear_errors(
         llm.shutdown()
 
 
-def test_qwen3_vl_still_refuses_videos() -> None:
-    """Qwen3-VL puts timestamps between frames: its videos are not supported."""
+def test_qwen3_vl_takes_videos_through_its_own_processor() -> None:
+    """Qwen3-VL puts timestamps between frames: its videos go through its own processor
+    (tests/test_qwen3_vl_video.py), not this one."""
     from chassis.builtin_plugins.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
-    assert Qwen3VLForConditionalGeneration.supported_modalities == frozenset({"image"})
+    assert Qwen3VLForConditionalGeneration.supported_modalities == frozenset({"image", "video"})

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fixtures_llava import save_tiny_llava
 from fixtures_qwen2_vl import random_image, save_tiny_qwen2_vl
-from fixtures_qwen3_vl import save_tiny_qwen3_vl
 
 from chassis.core.chat import ChatMessageError, render_chat
 from chassis.core.chat_media import ChatImages
@@ -259,13 +259,13 @@ def test_chat_checks_the_engine_before_loading(
     one = [{"role": "user", "content": [text, unreachable]}]
     with pytest.raises(ChatMessageError, match=r"content\[1\]: only text parts are supported"):
         _chat_media(tiny_llama_dir).extract_media(one)
-    qwen3_vl = save_tiny_qwen3_vl(tmp_path / "qwen3_vl")
+    images_only = save_tiny_llava(tmp_path / "llava")
     with pytest.raises(
         ChatMessageError,
         match=r"content\[1\]: only text and image parts are supported \(model .* takes image "
         "inputs, not video",
     ):
-        _chat_media(qwen3_vl).extract_media(one)
+        _chat_media(images_only).extract_media(one)
     limited = _chat_media(vl_dir, limit_mm_per_prompt={"video": 1})
     with pytest.raises(ChatMessageError, match=r"At most 1 video\(s\)"):
         limited.extract_media([{"role": "user", "content": [unreachable, unreachable]}])

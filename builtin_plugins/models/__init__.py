@@ -96,10 +96,17 @@ def chassis_register_models(registry: Any) -> None:
         "InternVLForConditionalGeneration",
         f"{_PKG}.internvl_images:InternVLForConditionalGenerationWithImages",
     )
-    # other LLaVA-style checkpoints: the text config's registered decoder, served as text only
+    # Aya Vision: as LLaVA-1.5, with a SigLIP tower, pixel shuffle, SwiGLU projector and tiles
     registry.register(
-        "AyaVisionForConditionalGeneration", f"{_PKG}.llava:AyaVisionForConditionalGeneration"
+        "AyaVisionForConditionalGeneration",
+        f"{_PKG}.aya_vision_images:AyaVisionForConditionalGenerationWithImages",
     )
+    # Qwen2-Audio: the Qwen2 decoder, with audio (Whisper-style tower, linear projector)
+    registry.register(
+        "Qwen2AudioForConditionalGeneration",
+        f"{_PKG}.qwen2_audio:Qwen2AudioForConditionalGenerationWithAudio",
+    )
+    # other LLaVA-style checkpoints: the text config's registered decoder, served as text only
     registry.register(
         "Glm4vForConditionalGeneration", f"{_PKG}.glm4v:Glm4vForConditionalGeneration"
     )

@@ -74,6 +74,8 @@ class LlavaForConditionalGenerationWithImages(ImageSideWeights, LlavaForConditio
     """
 
     supported_modalities = frozenset({"image"})
+    #: image embeddings taken as ``[rows, hidden]`` tensors (core/multimodal_embeds.py)
+    image_embeds_form: str | None = "rows"
 
     @classmethod
     def class_for_config(cls, hf_config: Any) -> type[CausalLM]:

@@ -14,7 +14,7 @@ the three components are equal and the rotation is plain RoPE with the text conf
 ``rope_theta``: the runner passes ``[T]`` positions then, and ``[3, T]`` for a step with
 image tokens.
 
-Videos (Qwen2-VL and Qwen2.5-VL, not Qwen3-VL): the caller's frames
+Videos (Qwen2-VL and Qwen2.5-VL; Qwen3-VL's in :mod:`.qwen3_vl`): the caller's frames
 (:mod:`.qwen2_vl_media`) go through the same tower (``pixel_values_videos``,
 ``video_grid_thw``; Qwen2.5-VL's windows per frame grid); a video's temporal positions step
 by 1 per temporal patch (Qwen2-VL) or by ``tokens_per_second * second_per_grid_t``
@@ -261,6 +261,9 @@ class Qwen2VLForConditionalGeneration(QwenVLImages, Qwen2ForCausalLM):
     """
 
     supported_modalities = frozenset({"image", "video"})
+    #: image embeddings taken as vLLM's ``{"image_embeds", "image_grid_thw"}`` dict
+    #: (core/multimodal_embeds.py)
+    image_embeds_form = "grid"
 
     @classmethod
     def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:

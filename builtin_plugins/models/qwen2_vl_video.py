@@ -133,16 +133,19 @@ def video_patches(
     settings: VideoSettings,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    size: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pixel_values_videos`` ``[grid_t*grid_h*grid_w, 3*tp*p*p]`` float32 and
     ``video_grid_thw`` ``[1, 3]`` of one video (module docstring); ``min_pixels`` /
-    ``max_pixels`` override the settings' bounds per frame."""
+    ``max_pixels`` override the settings' bounds per frame; ``size`` (height, width; both
+    multiples of ``patch_size * merge_size``), when given, is the frame size instead of
+    ``smart_resize``'s (Qwen3-VL sizes a video by all its frames, :mod:`.qwen3_vl_video`)."""
     from PIL import Image
 
     frames = frames_array(video)
     count, height, width, _ = frames.shape
     p, tp, m = settings.patch_size, settings.temporal_patch_size, settings.merge_size
-    new_h, new_w = smart_resize(
+    new_h, new_w = size or smart_resize(
         height,
         width,
         p * m,

@@ -25,20 +25,28 @@ the image's rows, also for a chunk that holds part of an image) carries each row
 deepstack inputs beside its embedding, and text rows add zeros. :class:`DeepstackDecoder`
 splits them. A step without image tokens passes no ``inputs_embeds`` and has no deepstack
 inputs.
+
+Videos (:mod:`.qwen3_vl_media`): a video's feature covers its whole run, the timestamp and
+``<|vision_start|>`` / ``<|vision_end|>`` tokens around each temporal patch group's
+``<|video_pad|>`` tokens; its rows are the tower's (deepstack columns beside them) at the pad
+tokens and the token embeddings elsewhere, and each group is placed as an image of one
+frame, the tokens between groups as text (HF's ``get_rope_index`` for videos).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaModel, MakeLayer
 from chassis.builtin_plugins.models.qwen2_vl import QwenVLImages
+from chassis.builtin_plugins.models.qwen2_vl_positions import mrope_positions
 from chassis.builtin_plugins.models.qwen3 import Qwen3ForCausalLM
 from chassis.builtin_plugins.models.qwen3_moe import Qwen3MoeForCausalLM
 from chassis.builtin_plugins.models.qwen3_vl_vision import Qwen3VisionTower, deepstack_blocks
@@ -47,6 +55,7 @@ from chassis.builtin_plugins.models.text_only import wrapper_tie_word_embeddings
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.mrope import MRotaryEmbedding
 from chassis.core.model_interface import ModelBuildContext
+from chassis.core.multimodal import MultiModalFeature
 
 #: a Qwen3-VL-MoE layer's experts stored stacked: ``<block>.experts.gate_up_proj`` /
 #: ``<block>.experts.down_proj`` (no ``.weight``), after the language-model rename
@@ -123,6 +132,20 @@ class Qwen3VLImages(QwenVLImages):
     """
 
     vision_prefixes = ("model.visual.", "visual.")
+    supported_modalities = frozenset({"image", "video"})
+
+    @classmethod
+    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The front-end's image and video processor (:mod:`.qwen3_vl_media`)."""
+        from chassis.builtin_plugins.models.qwen3_vl_media import Qwen3VLMediaInputs
+
+        return Qwen3VLMediaInputs.from_pretrained(model_dir, hf_config)
+
+    #: why image embeddings are refused (core/multimodal_embeds.py)
+    image_embeds_refusal = (
+        "its decoder also adds the vision tower's deepstack rows at each image token, which "
+        "image embeddings of the language model's width do not carry"
+    )
 
     def build_vision_tower(self, hf_config: Any) -> nn.Module:
         cfg = getattr(hf_config, "vision_config", None)
@@ -156,6 +179,60 @@ class Qwen3VLImages(QwenVLImages):
         """``[rows, hidden * (1 + K)]``: the merger's rows, then each deepstack set's."""
         rows, deepstack = self.visual(pixel_values, grid_thw)
         return torch.cat([rows, *deepstack], dim=-1) if deepstack else rows
+
+    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """An image's rows as :class:`QwenVLImages`'; a video's, one per token of its run
+        (``inputs["placeholder_ids"]``, :mod:`.qwen3_vl_media`): the tower's rows (with
+        their deepstack columns) at its ``<|video_pad|>`` tokens, in order, and
+        :meth:`embed_input_ids`' rows at its timestamp and frame-delimiting tokens."""
+        if modality != "video":
+            return super().embed_multimodal(modality, inputs)
+        run = inputs.get("placeholder_ids")
+        if run is None:
+            raise ValueError(f"video inputs lack placeholder_ids (got {sorted(inputs)})")
+        video_rows = super().embed_multimodal(modality, inputs)
+        rows = self.embed_input_ids(run)
+        is_video = run == self._video_token_id()
+        if int(is_video.sum()) != video_rows.shape[0]:
+            raise ValueError(
+                f"the video gives {video_rows.shape[0]} rows, but its run holds "
+                f"{int(is_video.sum())} video tokens"
+            )
+        rows[is_video] = video_rows.to(rows.dtype)
+        return rows
+
+    def mrope_positions(
+        self, prompt_token_ids: Sequence[int], features: Sequence[MultiModalFeature]
+    ) -> tuple[np.ndarray, int]:
+        """HF's Qwen3-VL ``get_rope_index``: an image as Qwen2-VL's; each temporal patch
+        group of a video as an image of one frame (its pad tokens within the run; the
+        timestamps and delimiters between them are text)."""
+        items: list[Any] = []
+        for feature in features:
+            if feature.modality not in self.supported_modalities:
+                raise ValueError(f"{type(self).__name__} does not take {feature.modality!r}")
+            name = "video_grid_thw" if feature.modality == "video" else "image_grid_thw"
+            grid = feature.data[name].to_tensor().reshape(-1, 3)
+            if grid.shape[0] != 1:
+                raise ValueError(f"a feature holds one item; {name} is {grid.tolist()}")
+            t, h, w = (int(x) for x in grid[0])
+            if feature.modality == "image":
+                items.append((feature.offset, feature.length, (t, h, w)))
+                continue
+            run = feature.data["placeholder_ids"].to_tensor().reshape(-1).numpy()
+            groups = _runs_of(run == self._video_token_id())
+            if len(groups) != t:
+                raise ValueError(
+                    f"a video of {t} temporal patches has {len(groups)} runs of video tokens"
+                )
+            items += [(feature.offset + start, length, (1, h, w)) for start, length in groups]
+        return mrope_positions(len(prompt_token_ids), items, self.spatial_merge_size)
+
+    def _video_token_id(self) -> int:
+        token = getattr(self.hf_config, "video_token_id", None)  # type: ignore[attr-defined]
+        if token is None:
+            raise ValueError("the model's config lacks video_token_id: it cannot take videos")
+        return int(token)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings ``[n, hidden]`` and, when the tower has deepstack sets, ``K *
@@ -226,6 +303,13 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLImages, Qwen3MoeForCausalLM):
                 stacked = _as_layout(name, tensor, (hidden, inter))
                 for expert, matrix in enumerate(stacked):
                     yield f"{block}.experts.{expert}.down_proj.weight", matrix
+
+
+def _runs_of(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, length)`` of each maximal run of true entries of the 1-D ``mask``."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
 def _as_layout(name: str, tensor: torch.Tensor, rows_cols: tuple[int, int]) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""Aya Vision (``AyaVisionForConditionalGeneration``: Cohere's Aya Vision 8B / 32B) with
+images: the text config's decoder (Cohere2), the SigLIP tower, the pixel shuffle and the
+SwiGLU projector.
+
+The class is LLaVA-1.5's with another image side (:mod:`.llava_images`: composed over the
+registered decoder of the text architecture; the language model's tensors renamed to it; the
+LM head tied by the top-level flag; the image side whole on every tensor-parallel rank, never
+adapted by LoRA) and, as the text-only :class:`~.llava.AyaVisionForConditionalGeneration`,
+logits the LM head's unscaled (HF never applies Cohere2's ``logit_scale`` here). The tower is
+:mod:`.clip_vision`'s SigLIP (only the layers the selected state needs), the projector
+:mod:`.aya_vision_projector`'s. An image arrives as its tiles (the front-end's,
+:mod:`.aya_vision_processing`, InternVL's GOT-OCR2 tiling) with its prompt run: the run holds
+``<|START_OF_IMG|>``, per tile a label (``TILE_1``..., the thumbnail's ``TILE_GLOBAL``) and
+``tokens_per_tile`` ``<|IMG_PATCH|>`` tokens, then ``<|END_OF_IMG|>``; the feature covers the
+whole run and :meth:`AyaVisionForConditionalGenerationWithImages.embed_multimodal` returns a
+row per token of it: the tiles' rows in order at the ``<|IMG_PATCH|>`` tokens, the token
+embeddings elsewhere (what HF computes there). Positions are the decoder's own (1D).
+
+A checkpoint whose tower is not SigLIP's is served as text only (a warning says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from chassis.builtin_plugins.models.aya_vision_projector import AyaVisionProjector, AyaVisionSpec
+from chassis.builtin_plugins.models.clip_vision import ClipVisionTower, tower_kind
+from chassis.builtin_plugins.models.llava import AyaVisionForConditionalGeneration
+from chassis.builtin_plugins.models.llava_images import (
+    LlavaForConditionalGenerationWithImages,
+    _warn_text_only,
+)
+from chassis.core.model_interface import CausalLM
+
+
+class AyaVisionForConditionalGenerationWithImages(
+    LlavaForConditionalGenerationWithImages, AyaVisionForConditionalGeneration
+):
+    """``AyaVisionForConditionalGeneration`` checkpoints with images (the module docstring).
+
+    Not built itself: :meth:`class_for_config` returns the class of this one over the text
+    config's decoder (or, for a tower not built here, the text-only Aya Vision class).
+    """
+
+    image_side_label = "SigLIP vision tower or Aya Vision projector"
+    #: no image embeddings: each image's run holds tile tokens the processor writes from
+    #: its pixels (core/multimodal_embeds.py)
+    image_embeds_form = None
+
+    @classmethod
+    def class_for_config(cls, hf_config: Any) -> type[CausalLM]:
+        if cls.__dict__.get("decoder") is None:
+            vision = getattr(hf_config, "vision_config", None)
+            if vision is None or not cls.builds_tower(vision):
+                _warn_text_only("AyaVisionForConditionalGeneration", tower_kind(vision or {}))
+                return AyaVisionForConditionalGeneration.class_for_config(hf_config)
+        return super().class_for_config(hf_config)
+
+    @classmethod
+    def builds_tower(cls, vision_config: Any) -> bool:
+        """SigLIP (``siglip_vision_model``) towers."""
+        return tower_kind(vision_config) == "siglip_vision_model"
+
+    def build_image_side(self, hf_config: Any) -> None:
+        self.vision_spec = AyaVisionSpec.from_config(hf_config)
+        self.vision_tower = ClipVisionTower(
+            self.vision_spec.vision_config, self.vision_spec.feature_index
+        )
+        self.multi_modal_projector = AyaVisionProjector(
+            self.vision_spec, int(hf_config.hidden_size)
+        )
+        self.image_token_id = int(hf_config.image_token_id)
+
+    @classmethod
+    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The front-end's image processor
+        (:class:`~.aya_vision_processing.AyaVisionImageInputs`)."""
+        from chassis.builtin_plugins.models.aya_vision_processing import AyaVisionImageInputs
+
+        return AyaVisionImageInputs.from_pretrained(model_dir, hf_config)
+
+    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One image's rows, one per token of its run: ``inputs["pixel_values"]`` ``[tiles,
+        C, S, S]`` (or with a leading 1) and ``inputs["placeholder_ids"]`` ``[length]`` (the
+        run's token ids) -> ``[length, hidden_size]`` in the model's dtype. ``ValueError`` for
+        another modality, a missing input, a wrong shape, or a run whose ``<|IMG_PATCH|>``
+        count is not the image's rows."""
+        if modality != "image":
+            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
+        pixels, run = inputs.get("pixel_values"), inputs.get("placeholder_ids")
+        if pixels is None or run is None:
+            raise ValueError(
+                f"image inputs need pixel_values and placeholder_ids (got {sorted(inputs)})"
+            )
+        if pixels.dim() == 5 and pixels.shape[0] == 1:
+            pixels = pixels[0]
+        if pixels.dim() != 4:
+            raise ValueError(
+                "a feature holds one image: pixel_values [tiles, channels, height, width]; got "
+                f"{tuple(pixels.shape)}"
+            )
+        features = self.image_features(pixels)
+        image_rows = features.reshape(-1, features.shape[-1])
+        rows = self.model.embed(run)
+        is_image = run == self.image_token_id
+        if int(is_image.sum()) != image_rows.shape[0]:
+            raise ValueError(
+                f"the image gives {image_rows.shape[0]} rows, but its placeholder run holds "
+                f"{int(is_image.sum())} image tokens"
+            )
+        rows[is_image] = image_rows.to(rows.dtype)
+        return rows
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[tiles, C, S, S]`` -> ``[tiles, tokens_per_tile, hidden_size]`` (HF's
+        ``get_image_features(...).pooler_output``)."""
+        (state,) = self.vision_tower(pixel_values, [self.vision_spec.feature_index])
+        return self.multi_modal_projector(state)

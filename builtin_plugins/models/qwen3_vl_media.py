@@ -1,0 +1,137 @@
+"""Qwen3-VL / Qwen3-VL-MoE images and videos -> the model's inputs (the front-end's
+processor of :class:`~chassis.builtin_plugins.models.qwen3_vl.Qwen3VLImages` models).
+
+Images as Qwen2-VL's (:class:`~.qwen2_vl_processing.Qwen2VLImageInputs`). A video
+(``multi_modal_data={"video": frames}``: a ``[T, H, W, 3]`` ``uint8`` array, a list of PIL
+images, or vLLM's ``(frames, metadata)``, what a chat ``video_url`` part loads to) becomes
+``pixel_values_videos``, ``video_grid_thw`` ``[1, 3]`` and ``placeholder_ids``, the token ids
+of its run: the prompt's one ``<|video_pad|>`` is replaced by transformers'
+``Qwen3VLProcessor`` text for the video, a timestamp and ``<|vision_start|>`` ...
+``<|vision_end|>`` around each temporal patch group's pad tokens (:mod:`.qwen3_vl_video`),
+and the feature covers the whole run (the model embeds its text tokens as text).
+
+The run's text is tokenized with the checkpoint's own tokenizer (loaded from the model
+folder on the first video). ``mm_processor_kwargs``: ``min_pixels`` / ``max_pixels`` bound an
+image's pixels and a video's pixels over all its frames; ``fps``, the rate the caller sampled
+raw frames at (a video's metadata wins).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chassis.builtin_plugins.models.qwen2_vl_media import Qwen2VLMediaInputs
+from chassis.builtin_plugins.models.qwen2_vl_processing import Qwen2VLImageInputs
+from chassis.builtin_plugins.models.qwen2_vl_video import frames_array, video_patches
+from chassis.builtin_plugins.models.qwen3_vl_video import (
+    DEFAULT_FPS,
+    Qwen3VLVideoSettings,
+    frame_indices,
+    frame_size,
+    group_seconds,
+    video_run_text,
+)
+from chassis.core.multimodal import MultiModalFeature
+from chassis.core.multimodal_inputs import video_frames_and_metadata
+
+
+class Qwen3VLMediaInputs(Qwen2VLMediaInputs):
+    """Images and videos of Qwen3-VL requests (module docstring). ``model_dir``: the
+    checkpoint folder, whose tokenizer writes a video's run."""
+
+    video_settings: Qwen3VLVideoSettings
+
+    def __init__(
+        self,
+        image_processor: Any,
+        image_token_id: int,
+        merge_size: int,
+        video_settings: Qwen3VLVideoSettings,
+        video_token_id: int,
+        model_dir: str | Path,
+    ) -> None:
+        super().__init__(
+            image_processor, image_token_id, merge_size, video_settings, video_token_id
+        )
+        self.model_dir = str(model_dir)
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, hf_config: Any) -> Qwen3VLMediaInputs:
+        """As :meth:`Qwen2VLMediaInputs.from_pretrained`, with Qwen3-VL's video settings
+        (:meth:`Qwen3VLVideoSettings.from_pretrained`)."""
+        images = Qwen2VLImageInputs.from_pretrained(model_dir, hf_config)
+        video_token_id = getattr(hf_config, "video_token_id", None)
+        if video_token_id is None:
+            raise ValueError("the model's config lacks video_token_id: it cannot take videos")
+        settings = Qwen3VLVideoSettings.from_pretrained(model_dir)
+        assert isinstance(settings, Qwen3VLVideoSettings)
+        return cls(
+            images.image_processor,
+            images.placeholder_token_ids["image"],
+            images.merge_size,
+            settings,
+            int(video_token_id),
+            model_dir,
+        )
+
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, loaded once."""
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            return self._tokenizer
+
+    def process_item(
+        self, modality: str, item: Any, kwargs: Mapping[str, Any]
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        if modality != "video":
+            return super().process_item(modality, item, kwargs)
+        settings = self.video_settings
+        frames, metadata = video_frames_and_metadata(item)
+        array = frames_array(frames)
+        count, height, width, _ = array.shape
+        size = frame_size(
+            count, height, width, settings, kwargs.get("min_pixels"), kwargs.get("max_pixels")
+        )
+        pixels, grid = video_patches(array, settings, size=size)
+        fps = float((metadata or {}).get("fps") or kwargs.get("fps") or DEFAULT_FPS)
+        seconds = group_seconds(frame_indices(metadata, count), fps, settings.temporal_patch_size)
+        grid_t, grid_h, grid_w = (int(x) for x in grid[0])
+        per_group = grid_h * grid_w // self.merge_size**2
+        text = video_run_text(seconds, per_group)
+        run = self.tokenizer().encode(text, add_special_tokens=False)
+        video_token = self.placeholder_token_ids["video"]
+        if len(seconds) != grid_t or run.count(video_token) != grid_t * per_group:
+            raise ValueError(
+                f"the tokenizer of {self.model_dir!r} does not encode a video's run to "
+                f"{grid_t * per_group} tokens of id {video_token} (is it the model's own?)"
+            )
+        return len(run), {
+            "pixel_values_videos": pixels,
+            "video_grid_thw": grid,
+            "placeholder_ids": torch.tensor(run, dtype=torch.int64),
+        }
+
+    def process(
+        self,
+        prompt_token_ids: Sequence[int],
+        items: Mapping[str, Sequence[Any]],
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """As :meth:`MultiModalProcessor.process`, then each video's run of placeholder
+        tokens rewritten to its timestamps and frame groups (module docstring)."""
+        expanded, features = super().process(prompt_token_ids, items, kwargs)
+        for feature in features:
+            if feature.modality == "video":
+                run = feature.data["placeholder_ids"].to_tensor().tolist()
+                expanded[feature.offset : feature.end] = run
+        return expanded, features
