@@ -136,6 +136,10 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("Glm4MoeForCausalLM", f"{_PKG}.glm4_moe:Glm4MoeForCausalLM")
     registry.register("MiniMaxM2ForCausalLM", f"{_PKG}.minimax_m2:MiniMaxM2ForCausalLM")
     registry.register("Dots1ForCausalLM", f"{_PKG}.dots1:Dots1ForCausalLM")
+    registry.register("GPTNeoXForCausalLM", f"{_PKG}.gpt_neox:GPTNeoXForCausalLM")
+    registry.register("PhiForCausalLM", f"{_PKG}.phi:PhiForCausalLM")
+    registry.register("StableLmForCausalLM", f"{_PKG}.stablelm:StableLmForCausalLM")
+    registry.register("GPTJForCausalLM", f"{_PKG}.gptj:GPTJForCausalLM")
     registry.register("Ernie4_5ForCausalLM", f"{_PKG}.ernie4_5:Ernie4_5ForCausalLM")
     registry.register("Ernie4_5_MoeForCausalLM", f"{_PKG}.ernie4_5_moe:Ernie4_5_MoeForCausalLM")
     registry.register("ApertusForCausalLM", f"{_PKG}.apertus:ApertusForCausalLM")
@@ -148,3 +152,6 @@ def chassis_register_models(registry: Any) -> None:
     # an EAGLE-3 draft head (method eagle3): the published heads' name and vLLM's
     registry.register("LlamaForCausalLMEagle3", f"{_PKG}.llama_eagle3:Eagle3LlamaHead")
     registry.register("Eagle3LlamaForCausalLM", f"{_PKG}.llama_eagle3:Eagle3LlamaHead")
+    # learned absolute positions instead of RoPE (vLLM's quickstart model is facebook/opt-125m)
+    registry.register("OPTForCausalLM", f"{_PKG}.opt:OPTForCausalLM")
+    registry.register("GPT2LMHeadModel", f"{_PKG}.gpt2:GPT2LMHeadModel")
