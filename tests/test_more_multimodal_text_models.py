@@ -1,14 +1,15 @@
-"""More multimodal checkpoints served as text only — LLaVA-style (Aya Vision over Cohere2; its images: tests/test_aya_vision_images.py), GLM-4.1V, GLM-4.5V,
-Ministral 3 inside Mistral 3 — and text-only Ministral 3, against HF transformers' models on
-tiny random checkpoints.
+"""More multimodal checkpoints on text prompts — LLaVA-style (Aya Vision over Cohere2; its images: tests/test_aya_vision_images.py), GLM-4.1V, GLM-4.5V
+(their images: tests/test_glm4v_images.py), Ministral 3 inside Mistral 3, a LLaVA checkpoint
+with a DINOv2 tower (served as text only) — and text-only Ministral 3, against HF
+transformers' models on tiny random checkpoints.
 
 Each checkpoint is the HF class built from a config with a 2-layer, hidden-64 text model and a
 1-layer vision tower, random float32 weights (1-D parameters and the routers' correction
 biases randomized too), saved with ``save_pretrained``. HF runs text-only ``input_ids`` with
 its own position handling; float32 logits must match (batched prefill, a decode, a chunk over
 a cached prefix) and greedy tokens through ``LLM`` must be HF ``generate``'s. The GLM
-M-RoPE rotations of text positions are checked against chassis' RoPE, the vision tensors are
-never read, and Ministral 3's query scaling is shown to matter. LLaVA-1.5 (over Llama),
+M-RoPE rotations of text positions are checked against chassis' RoPE, the text-only LLaVA's
+vision tensors are never read, and Ministral 3's query scaling is shown to matter. LLaVA-1.5 (over Llama),
 LLaVA-NeXT (over Mistral) and InternVL (over Qwen3), which take images
 (tests/test_llava_images.py, tests/test_llava_next_images.py, tests/test_internvl_images.py),
 are checked here on text prompts too.
@@ -45,6 +46,7 @@ from chassis.core.tokenizer import load_tokenizer
 
 ARCHITECTURES = (
     "llava",
+    "llava_dinov2",
     "llava_next",
     "internvl",
     "aya_vision",
@@ -53,14 +55,15 @@ ARCHITECTURES = (
     "mistral3_ministral3",
     "ministral3",
 )
-#: the image side's checkpoint-name prefixes as transformers 5 saves them
+#: the image side's checkpoint-name prefixes as transformers 5 saves them (the hub's layout),
+#: for the checkpoints served as text only (LLaVA with a DINOv2 tower)
 #: (LLaVA-1.5, LLaVA-NeXT, InternVL and Aya Vision read their image side:
 #: tests/test_llava_images.py, tests/test_llava_next_images.py, tests/test_internvl_images.py,
 #: tests/test_aya_vision_images.py)
 VISION_PREFIXES = {
-    "glm4v": ("model.visual.",),
-    "glm4v_moe": ("model.visual.",),
-    # (Mistral 3 reads its image side: tests/test_mistral3_images.py)
+    "llava_dinov2": ("vision_tower.", "multi_modal_projector."),
+    # (Mistral 3 reads its image side: tests/test_mistral3_images.py; GLM-4.1V and GLM-4.5V
+    # theirs: tests/test_glm4v_images.py)
 }
 #: GLM's M-RoPE over the 4 rotary frequencies of a head of 16 with partial factor 0.5
 _GLM_ROPE = {
@@ -117,6 +120,20 @@ def model_and_config(arch: str) -> tuple[type, Any]:
         config = tf.LlavaConfig(
             text_config=tf.LlamaConfig(**text, tie_word_embeddings=False).to_dict(),
             vision_config=_clip(),
+            image_token_index=49000,
+            tie_word_embeddings=False,
+        )
+        return tf.LlavaForConditionalGeneration, config
+    if arch == "llava_dinov2":  # a tower chassis does not run (DINOv2): served as text only
+        config = tf.LlavaConfig(
+            text_config=tf.LlamaConfig(**text, tie_word_embeddings=False).to_dict(),
+            vision_config=tf.Dinov2Config(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ).to_dict(),
             image_token_index=49000,
             tie_word_embeddings=False,
         )
@@ -320,7 +337,8 @@ def test_llava_style_checkpoints_get_their_text_decoder(model_dirs: dict[str, Pa
 
 def test_glm_configs_are_read(model_dirs: dict[str, Path]) -> None:
     glm4v = Runner(model_dirs["glm4v"]).model
-    assert isinstance(glm4v, Glm4ForCausalLM) and isinstance(glm4v, TextOnlyWeights)
+    assert isinstance(glm4v, Glm4ForCausalLM) and not isinstance(glm4v, TextOnlyWeights)
+    assert glm4v.supported_modalities == {"image"}  # (tests/test_glm4v_images.py)
     assert glm4v.spec.head_dim == 16 and glm4v.spec.qkv_bias and not glm4v.spec.o_bias
     assert glm4v.spec.rope["interleaved"] and glm4v.spec.rope["partial_rotary_factor"] == 0.5
     moe = Runner(model_dirs["glm4v_moe"]).model

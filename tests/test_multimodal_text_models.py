@@ -415,7 +415,7 @@ def test_qwen3_vl_moe_hub_expert_layout_loads(model_dirs: dict[str, Path], tmp_p
 
 def test_an_image_part_is_refused(tmp_path: Path) -> None:
     """Text only: over the API server on a multimodal checkpoint served as text only
-    (GLM-4.1V), a chat message with an image part is a 400 naming the part; text still gets
+    (LLaVA with a DINOv2 tower, which chassis does not run), a chat message with an image part is a 400 naming the part; text still gets
     an answer (``LLM.chat`` refuses the same message)."""
     from fastapi.testclient import TestClient
     from test_more_multimodal_text_models import save_model
@@ -425,7 +425,7 @@ def test_an_image_part_is_refused(tmp_path: Path) -> None:
     from chassis.serve.app import build_app
     from chassis.serve.settings import ServerSettings
 
-    model_dir = save_model("glm4v", tmp_path)
+    model_dir = save_model("llava_dinov2", tmp_path)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with_image = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
     engine = AsyncLLM.from_engine_config(

@@ -1,13 +1,17 @@
 """GLM-4.1V (``Glm4vForConditionalGeneration``) and GLM-4.5V
-(``Glm4vMoeForConditionalGeneration``): the multimodal checkpoints' GLM-4 / GLM-4.5 language
-model, served as text only.
+(``Glm4vMoeForConditionalGeneration``): the GLM-4 / GLM-4.5 language model, taking images.
 
-Their language model rotates q and k by M-RoPE: three position ids per token (temporal,
+Images go the Qwen2-VL way (:class:`~.qwen2_vl.QwenVLImages`): the vision tower
+(:mod:`.glm4v_vision`) turns each image's patches into one row per ``<|image|>`` token of
+its expanded run (:mod:`.glm4v_processing`), the runner puts the rows in place of those
+tokens' embeddings, and image tokens get M-RoPE positions as transformers' ``get_rope_index``
+gives them (for images the same rule as Qwen2-VL's, :mod:`.qwen2_vl_positions`). The tower
+is whole on every tensor-parallel rank; videos are not taken.
+
+The language model rotates q and k by M-RoPE: three position ids per token (temporal,
 height, width); the rotary frequencies (``head_dim * partial_rotary_factor / 2`` of them) are
-split into ``mrope_section`` groups, group ``i`` turned by position component ``i % 3``. For
-text HF gives the three components the same value (the token's index), so every frequency is
-turned by that one position: ordinary partial RoPE with the text config's ``rope_theta``, in
-the layout each text model has without images:
+split into ``mrope_section`` groups, group ``i`` turned by position component ``i % 3``
+(:class:`~chassis.core.layers.mrope.MRotaryEmbedding`), in the layout each text model has:
 
 - GLM-4.1V duplicates each frequency in place (``repeat_interleave(2)``) and pairs dimension
   ``2i`` with ``2i + 1`` (``rotate_half_llm``): GLM-4-0414's interleaved partial RoPE, as
@@ -15,18 +19,27 @@ the layout each text model has without images:
 - GLM-4.5V concatenates the two halves (``cat([freq, freq])``) and rotates halves: GLM-4.5's
   rotate-half partial RoPE, as :class:`~.glm4_moe.Glm4MoeForCausalLM` applies it.
 
-tests/test_more_multimodal_text_models.py checks both tables against HF's rotary modules.
+For text HF gives the three components the same value, so every frequency is turned by that
+one position: that partial RoPE with the text config's ``rope_theta`` (the runner passes
+``[T]`` positions then, ``[3, T]`` for a step with image tokens).
+tests/test_more_multimodal_text_models.py checks both text tables against HF's rotary
+modules; tests/test_glm4v_images.py the images.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from chassis.builtin_plugins.models.glm4 import Glm4ForCausalLM
 from chassis.builtin_plugins.models.glm4_moe import Glm4MoeForCausalLM
-from chassis.builtin_plugins.models.llama import DecoderSpec
-from chassis.builtin_plugins.models.text_only import TextOnlyWeights, wrapper_tie_word_embeddings
+from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaModel
+from chassis.builtin_plugins.models.qwen2_vl import QwenVLImages
+from chassis.builtin_plugins.models.text_only import wrapper_tie_word_embeddings
+from chassis.core.layers.mrope import MRotaryEmbedding
 from chassis.core.layers.rotary import rope_parameters
+from chassis.core.model_interface import ModelBuildContext
 
 #: language model and LM head (transformers 5 and the hub files), then the older layout
 _LANGUAGE_MODEL_PREFIXES = (
@@ -37,21 +50,59 @@ _LANGUAGE_MODEL_PREFIXES = (
 _VISION_PREFIXES = ("model.visual.", "visual.")
 
 
-class Glm4vForConditionalGeneration(TextOnlyWeights, Glm4ForCausalLM):
-    """``Glm4vForConditionalGeneration`` checkpoints (GLM-4.1V-9B-Thinking / Base) served as
-    text only: GLM-4's decoder (the two extra norms per layer, the fused ``gate_up_proj``,
+class GlmVisionImages(QwenVLImages):
+    """The GLM-V part of both classes (listed before the decoder class): GLM's tower and
+    image processor, the decoder's rotary table taking M-RoPE positions, the LM head tied by
+    the checkpoint's top-level ``tie_word_embeddings``."""
+
+    language_model_prefixes = _LANGUAGE_MODEL_PREFIXES
+    vision_prefixes = _VISION_PREFIXES
+
+    @classmethod
+    def multimodal_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The front-end's image processor (:mod:`.glm4v_processing`)."""
+        from chassis.builtin_plugins.models.glm4v_processing import Glm4vImageInputs
+
+        return Glm4vImageInputs.from_pretrained(model_dir, hf_config)
+
+    def build_vision_tower(self, hf_config: Any) -> nn.Module:
+        from chassis.builtin_plugins.models.glm4v_vision import Glm4vVisionTower
+
+        cfg = getattr(hf_config, "vision_config", None)
+        if cfg is None:
+            raise ValueError(
+                "the GLM-V config has no vision_config (is this the checkpoint's config.json, "
+                "loaded with chassis.core.model_loader.load_hf_config?)"
+            )
+        return Glm4vVisionTower(cfg)
+
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> nn.Module:
+        return LlamaModel(
+            hf_config,
+            self.spec,  # type: ignore[attr-defined]
+            build_ctx,
+            self.make_layer,  # type: ignore[attr-defined]
+            norm_class=self.norm_class,  # type: ignore[attr-defined]
+            rotary_class=MRotaryEmbedding,
+        )
+
+    def build_head(self, hf_config: Any) -> None:
+        super().build_head(wrapper_tie_word_embeddings(hf_config))  # type: ignore[misc]
+
+
+class Glm4vForConditionalGeneration(GlmVisionImages, Glm4ForCausalLM):
+    """``Glm4vForConditionalGeneration`` checkpoints (GLM-4.1V-9B-Thinking / Base), text and
+    images: GLM-4's decoder (the two extra norms per layer, the fused ``gate_up_proj``,
     interleaved partial RoPE) with the options HF's ``Glm4vTextAttention`` hard-codes:
     biases on q, k and v always (whatever ``attention_bias`` says), none on ``o_proj``,
     ``head_dim`` = ``hidden_size / num_attention_heads`` and RoPE over the whole head unless
     the config names a ``partial_rotary_factor`` (the released config.json says 0.5).
 
-    Files name the language model ``model.language_model.*`` and ``lm_head.*``; the vision
-    tower (``model.visual.*``) is never read. The LM head is tied by the checkpoint's
-    top-level ``tie_word_embeddings``, as in transformers.
+    Files name the language model ``model.language_model.*`` and ``lm_head.*`` (older ones
+    ``language_model.model.*``, ``language_model.lm_head.*``) and the vision tower
+    ``model.visual.*`` (or ``visual.*``), read whole on every rank. The LM head is tied by
+    the checkpoint's top-level ``tie_word_embeddings``, as in transformers.
     """
-
-    language_model_prefixes = _LANGUAGE_MODEL_PREFIXES
-    vision_prefixes = _VISION_PREFIXES
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -68,21 +119,12 @@ class Glm4vForConditionalGeneration(TextOnlyWeights, Glm4ForCausalLM):
             rope=rope,
         )
 
-    def build_head(self, hf_config: Any) -> None:
-        super().build_head(wrapper_tie_word_embeddings(hf_config))
 
-
-class Glm4vMoeForConditionalGeneration(TextOnlyWeights, Glm4MoeForCausalLM):
-    """``Glm4vMoeForConditionalGeneration`` checkpoints (GLM-4.5V) served as text only:
+class Glm4vMoeForConditionalGeneration(GlmVisionImages, Glm4MoeForCausalLM):
+    """``Glm4vMoeForConditionalGeneration`` checkpoints (GLM-4.5V), text and images:
     GLM-4.5's decoder (rotate-half partial RoPE, default factor 0.5; q/k/v biases by
     ``attention_bias``; no q/k norms; DeepSeek-V3's sigmoid ``noaux_tc`` routing over the
     routed experts plus the shared ones after ``first_k_dense_replace`` dense layers).
 
-    Names and the LM head's tying as GLM-4.1V.
+    Names, the tower and the LM head's tying as GLM-4.1V.
     """
-
-    language_model_prefixes = _LANGUAGE_MODEL_PREFIXES
-    vision_prefixes = _VISION_PREFIXES
-
-    def build_head(self, hf_config: Any) -> None:
-        super().build_head(wrapper_tie_word_embeddings(hf_config))

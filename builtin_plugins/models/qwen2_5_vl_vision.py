@@ -36,13 +36,14 @@ from chassis.core.layers.norm import RMSNorm
 
 
 class VisionSwiGLU(nn.Module):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))``, every projection with a bias."""
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``, every projection with a bias unless
+    ``bias`` is false (GLM-4.1V's tower)."""
 
-    def __init__(self, dim: int, hidden_dim: int, hidden_act: str) -> None:
+    def __init__(self, dim: int, hidden_dim: int, hidden_act: str, *, bias: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=True)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=True)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=True)
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -135,15 +135,18 @@ def attend_segments(
 
 class VisionAttention(nn.Module):
     """Fused ``qkv`` projection (rows: q, k, v, each head-major), 2-D rotary, segment
-    attention, output ``proj``."""
+    attention, output ``proj``; both with biases unless ``qkv_bias`` / ``proj_bias`` say
+    otherwise (GLM-4.1V's tower)."""
 
-    def __init__(self, dim: int, num_heads: int) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, *, qkv_bias: bool = True, proj_bias: bool = True
+    ) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"vision width {dim} is not a multiple of num_heads {num_heads}")
         self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
     def forward(
         self,

@@ -11,8 +11,9 @@ Each token has three position components (temporal, height, width), and each of 
   ``j < 3 * mrope_section[1]``, by the width one when ``j % 3 == 2`` and
   ``j < 3 * mrope_section[2]``, else by the temporal one (``[24, 20, 20]`` for head_dim 128).
 
-The rotation is otherwise :class:`~chassis.core.layers.rotary.RotaryEmbedding`'s rotate-half
-one. A text
+The rotation is otherwise :class:`~chassis.core.layers.rotary.RotaryEmbedding`'s: rotate-half,
+or GPT-J's pairs with ``"interleaved"`` (GLM-4.1V, whose sections choose the frequency of
+each pair). A text
 token has three equal components, which turns every frequency by that one position: plain
 RoPE. So positions ``[T]`` (all three equal) take the plain path unchanged, platform kernels
 included, and only positions ``[3, T]`` take the per-section path here (torch code; the
@@ -39,7 +40,9 @@ class MRotaryEmbedding(RotaryEmbedding):
     says which frequencies each component turns, as consecutive groups or, with
     ``params["mrope_interleaved"]``, interleaved (see the module docstring); a ``ValueError``
     when they do not add up. GPT-J's interleaved rotation (``params["interleaved"]``, a
-    different thing) is refused.
+    different thing: GLM-4.1V's) rotates pairs ``(2j, 2j + 1)`` by frequency ``j``, chosen
+    by section as in the rotate-half layout (HF's ``repeat_interleave(2)`` of the sections'
+    frequencies).
     """
 
     def __init__(
@@ -57,8 +60,6 @@ class MRotaryEmbedding(RotaryEmbedding):
                 f"mrope_section {list(section)} must be three numbers of frequencies adding up "
                 f"to rotary_dim / 2 = {self.rotary_dim // 2}; does config.json match the model?"
             )
-        if self.interleaved:
-            raise ValueError("M-RoPE with the interleaved (GPT-J) rotation is not supported")
         self.mrope_section = section
         self.mrope_interleaved = bool(params.get("mrope_interleaved", False))
         # frequency j's component (0 temporal, 1 height, 2 width): [rotary_dim / 2]
