@@ -148,6 +148,9 @@ class AttentionBackend(ABC):
     #: whether the backend honours ``sliding_window`` (Mistral, Gemma 2/3 local layers); a
     #: model layer that needs it refuses a backend without it (no silent full attention)
     supports_sliding_window: ClassVar[bool] = False
+    #: whether the backend honours ``attention_chunk_size`` (Llama 4's chunked local attention
+    #: layers); a model layer that needs it refuses a backend without it
+    supports_chunked_attention: ClassVar[bool] = False
     #: whether the backend honours ``logits_soft_cap`` (Gemma 2)
     supports_logits_soft_cap: ClassVar[bool] = False
     #: whether the backend honours ``sinks`` (gpt-oss): a model layer with attention sinks
@@ -191,9 +194,13 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
         """``scale`` multiplies ``q . k``. ``sliding_window`` (``None``: the whole context)
         limits each query to the last ``sliding_window`` positions, its own included.
+        ``attention_chunk_size`` ``C`` (``None``: off; chunked local attention, Llama 4)
+        limits the query at position ``p`` to positions ``floor(p / C) * C .. p``, the start
+        of its chunk on (with a window as well, the later of the two lower bounds counts).
         ``logits_soft_cap`` (``None``: off) maps each scaled score ``s`` to
         ``cap * tanh(s / cap)`` before the softmax. ``sinks`` (``None``: off), a
         ``[num_heads]`` tensor of per-head logits (gpt-oss's attention sinks), joins every
@@ -212,6 +219,10 @@ class AttentionBackend(ABC):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        if attention_chunk_size is not None and attention_chunk_size < 1:
+            raise ValueError(
+                f"attention_chunk_size must be >= 1 or None, got {attention_chunk_size}"
+            )
         if sinks is not None and tuple(sinks.shape) != (num_heads,):
             raise ValueError(
                 f"sinks must be a [num_heads] = [{num_heads}] tensor, got {tuple(sinks.shape)}"
@@ -221,6 +232,7 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.attention_chunk_size = attention_chunk_size
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
         #: per-tensor dequantization scales of an 8-bit KV cache (see
@@ -249,7 +261,8 @@ class AttentionBackend(ABC):
             unspecified. Query token ``j`` of request ``i`` sits at position
             ``p = seq_lens[i] - query_len_i + j`` and attends to context positions ``0 .. p``
             (causal over the cached prefix + chunk), or ``p - sliding_window + 1 .. p`` (not
-            below 0) with a sliding window; with ``metadata.attend_limit`` (a backend with
+            below 0) with a sliding window, or ``floor(p / C) * C .. p`` with
+            ``attention_chunk_size`` ``C``; with ``metadata.attend_limit`` (a backend with
             :attr:`supports_attend_limit`) the last position it attends to is
             ``attend_limit[t]`` instead of ``p``, the window's start unchanged; scores are soft-capped when
             ``logits_soft_cap`` is set, and ``sinks`` join each softmax's denominator.

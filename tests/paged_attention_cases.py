@@ -139,9 +139,11 @@ def dense_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """float32 causal attention of the batch's real tokens: ``[num_actual_tokens, Hq, D]``;
-    each query sees at most the last ``sliding_window`` positions (its own included),
+    each query sees at most the last ``sliding_window`` positions (its own included), and
+    with ``attention_chunk_size`` ``C`` only those of its own chunk (``k // C == q // C``),
     scores are ``cap * tanh(score / cap)`` with ``logits_soft_cap``, and with ``sinks``
     (``[Hq]`` logits) head ``h``'s softmax denominator gains ``exp(sinks[h])``."""
     outs = []
@@ -160,6 +162,8 @@ def dense_attention(
         visible = k_pos <= q_pos  # [q, S]
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
+        if attention_chunk_size is not None:
+            visible &= k_pos // attention_chunk_size == q_pos // attention_chunk_size
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is None:
             probs = scores.softmax(-1)

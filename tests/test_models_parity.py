@@ -211,7 +211,7 @@ def test_build_model_reports_missing_weights(tiny_llama_dir: Path, tmp_path: Pat
 
 def test_build_model_unknown_architecture(tiny_llama_dir: Path) -> None:
     hf_config = load_hf_config(tiny_llama_dir)
-    hf_config.architectures = ["GPTNeoXForCausalLM"]
+    hf_config.architectures = ["BloomForCausalLM"]
     with pytest.raises(ValueError, match=r"not supported.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         build_model(
             EngineConfig(), hf_config, tiny_llama_dir, TorchPagedAttention, "cpu", torch.float32

@@ -32,6 +32,13 @@ what it did before they existed. Block-table entries before a window may be the 
 (the KV cache manager released those blocks when every layer has a window): the kernels
 start past them, the SDPA paths mask them (the null block holds zeros).
 
+Chunked local attention (``attention_chunk_size``, Llama 4's RoPE layers) takes a path of its
+own, in torch: the compiled kernels know no chunk. Per request, the rows of the context from
+the chunk start of its first query on are gathered once per step (memoized in the plan's
+metadata, shared by every chunked layer) and attended with SDPA under a mask that starts each
+query at its own chunk (the window, a cap and sinks, if a layer has them too, as on the SDPA
+paths). A chunked layer reads at most one chunk plus its query per request.
+
 Attention sinks (``sinks``, gpt-oss) run on every path too: the compiled kernels start each
 row's online softmax with the head's sink logit as its running maximum and a denominator of
 1 (a position of weight ``exp(sink)`` and no value), and the SDPA paths, which cannot apply
@@ -286,6 +293,8 @@ class CpuPagedAttention(AttentionBackend):
 
     #: on every path (see the module docstring)
     supports_sliding_window = True
+    #: on the torch path of the module docstring
+    supports_chunked_attention = True
     supports_logits_soft_cap = True
     supports_attention_sinks = True
     #: every path addresses the cache through its strides (the module docstring)
@@ -303,6 +312,7 @@ class CpuPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
         super().__init__(
             num_heads,
@@ -312,6 +322,7 @@ class CpuPagedAttention(AttentionBackend):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             sinks=sinks,
+            attention_chunk_size=attention_chunk_size,
         )
         #: the compiled ops (``torch.ops.chassis_cpu``) or None for the torch fallback
         self.kernels: Any | None = cpu_kernels.load()
@@ -359,6 +370,8 @@ class CpuPagedAttention(AttentionBackend):
                 new_k, new_v = new_k[plan.write_tokens], new_v[plan.write_tokens]
             flat.index_copy_(0, plan.write_k_rows, new_k.to(flat.dtype))
             flat.index_copy_(0, plan.write_k_rows + v_offset, new_v.to(flat.dtype))
+        if self.attention_chunk_size is not None:
+            return self._chunked(query, flat, v_offset, metadata, block_size, rows_per_block)
 
         if plan.rows_only:
             assert plan.rows is not None
@@ -410,6 +423,44 @@ class CpuPagedAttention(AttentionBackend):
                 output[: plan.rows.count] = self._rows(query, kv_cache, plan.rows)
             else:
                 output[tokens] = self._rows(query, kv_cache, plan.rows)
+        return output
+
+    def _chunked(
+        self,
+        query: torch.Tensor,
+        flat: torch.Tensor,
+        v_offset: int,
+        metadata: AttentionMetadata,
+        block_size: int,
+        rows_per_block: int,
+    ) -> torch.Tensor:
+        """Chunked local attention of every request (the module docstring), ``[T, H, D]``."""
+        chunk = self.attention_chunk_size
+        assert chunk is not None
+        window = self.sliding_window
+        key = f"cpu_paged.chunked.{chunk}.{window}.{rows_per_block}"
+        parts = metadata.derived.get(key)
+        if parts is None:
+            parts = metadata.derived[key] = _chunked_parts(
+                metadata, chunk, window, block_size, rows_per_block
+            )
+        output = torch.zeros_like(query)
+        group = self.num_heads // self.num_kv_heads
+        sink = None if self.sinks is None else self.sinks.view(-1, 1, 1)  # [H, 1, 1]
+        for token_slice, rows, mask in parts:
+            q = query[token_slice].transpose(0, 1)  # [H, Q, D]
+            # [L, KV, D] -> [H, L, D]
+            k = flat.index_select(0, rows).to(query.dtype)
+            v = flat.index_select(0, rows + v_offset).to(query.dtype)
+            k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+            v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+            if self.logits_soft_cap is None and sink is None:
+                out = F.scaled_dot_product_attention(
+                    q[None], k[None], v[None], attn_mask=mask, scale=self.scale
+                )[0]
+            else:
+                out = _explicit_attention(q, k, v, mask, self.scale, self.logits_soft_cap, sink)
+            output[token_slice] = out.transpose(0, 1)
         return output
 
     def _tiles_prefills(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -517,6 +568,42 @@ class CpuPagedAttention(AttentionBackend):
             scale=self.scale,
         )
         return out.reshape(batch, self.num_heads, dim)
+
+
+def _chunked_parts(
+    metadata: AttentionMetadata,
+    chunk: int,
+    window: int | None,
+    block_size: int,
+    rows_per_block: int,
+) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Per request with tokens this step: ``(its tokens, the cache rows of its context from
+    its first query's chunk start on, [Q, L] mask)``; the mask (True = may attend) bounds
+    each query below by its chunk start (and its window) and above by its position (or its
+    ``attend_limit``)."""
+    device = metadata.slot_mapping.device
+    starts = metadata.query_start_loc_cpu.tolist()
+    seq_lens = metadata.seq_lens_cpu.tolist()
+    limits = metadata.attend_limit
+    parts = []
+    for i in range(metadata.num_reqs):
+        query_len, seq_len = starts[i + 1] - starts[i], seq_lens[i]
+        if query_len == 0:
+            continue
+        prefix = seq_len - query_len
+        k_lo = prefix // chunk * chunk
+        k_pos = torch.arange(k_lo, seq_len, device=device)
+        blocks = metadata.block_table[i][k_pos // block_size].long()
+        rows = blocks * rows_per_block + k_pos % block_size
+        q_pos = torch.arange(prefix, seq_len, device=device)[:, None]
+        last = q_pos
+        if limits is not None:
+            last = limits[starts[i] : starts[i + 1]].to(device, torch.long)[:, None]
+        mask = (k_pos[None, :] <= last) & (k_pos[None, :] >= q_pos // chunk * chunk)
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos - window
+        parts.append((slice(starts[i], starts[i + 1]), rows, mask))
+    return parts
 
 
 #: float32 score elements per piece of :func:`_explicit_attention` (64 MiB)

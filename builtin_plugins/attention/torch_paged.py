@@ -22,7 +22,7 @@ class TorchPagedAttention(AttentionBackend):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Softmax is computed in float32 whatever the cache dtype; the output has the query's dtype.
-    A sliding window is a mask; a logit soft cap or attention sinks, which SDPA cannot apply,
+    A sliding window and chunked local attention (``attention_chunk_size``) are masks; a logit soft cap or attention sinks, which SDPA cannot apply,
     switch to the explicit float32 softmax of :meth:`_attend` (the sink logit of each head as
     one more column of the softmax, dropped before ``p . v``). ``metadata.attend_limit``
     (bidirectional image blocks) is the mask's bound ``k <= attend_limit[q]`` in place of
@@ -31,6 +31,7 @@ class TorchPagedAttention(AttentionBackend):
     """
 
     supports_sliding_window = True
+    supports_chunked_attention = True
     supports_logits_soft_cap = True
     supports_attention_sinks = True
     supported_kv_cache_dtypes = FP8_KV_DTYPES  # both, via quantize_kv
@@ -104,7 +105,12 @@ class TorchPagedAttention(AttentionBackend):
         q = query.transpose(0, 1).float()  # [H, Q, D]
         k = self._dequantized(kv[0].transpose(0, 1), self.k_scale)  # [KV, L, D]
         v = self._dequantized(kv[1].transpose(0, 1), self.v_scale)
-        plain = self.sliding_window is None and self.logits_soft_cap is None and self.sinks is None
+        plain = (
+            self.sliding_window is None
+            and self.attention_chunk_size is None
+            and self.logits_soft_cap is None
+            and self.sinks is None
+        )
         if query_len == seq_len and plain and limits is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
@@ -117,6 +123,9 @@ class TorchPagedAttention(AttentionBackend):
             mask = k_pos[None, :] <= last[:, None]  # [Q, L], True = may attend
             if self.sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+            chunk = self.attention_chunk_size
+            if chunk is not None:  # from the start of the query's own chunk on
+                mask &= k_pos[None, :] >= q_pos[:, None] // chunk * chunk
             out = self._attend(q, k, v, mask)
         return out.transpose(0, 1).to(query.dtype)
 
@@ -144,6 +153,9 @@ class TorchPagedAttention(AttentionBackend):
         mask = k_pos < lens[:, None]  # [B, L]; the query sits at position lens - 1
         if self.sliding_window is not None:
             mask &= k_pos >= lens[:, None] - self.sliding_window
+        chunk = self.attention_chunk_size
+        if chunk is not None:
+            mask &= k_pos >= (lens[:, None] - 1) // chunk * chunk
         out = self._attend(q, k, v, mask[:, None, None, :])
         return out.squeeze(2).to(query.dtype)
 

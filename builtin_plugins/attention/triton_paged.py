@@ -58,6 +58,8 @@ class TritonPagedAttention(AttentionBackend):
     graph_capture_safe: ClassVar[bool] = True
     #: all three are constexpr-gated in the kernel (the window also skips KV tiles before it)
     supports_sliding_window: ClassVar[bool] = True
+    #: chunked local attention (Llama 4), constexpr-gated like the window
+    supports_chunked_attention: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     supports_attention_sinks: ClassVar[bool] = True
     #: quantized on write, widened in the kernel on read (see the module docstring)
@@ -117,6 +119,7 @@ class TritonPagedAttention(AttentionBackend):
             logits_soft_cap=self.logits_soft_cap,
             sinks=self.sinks,
             attend_limit=metadata.attend_limit,
+            attention_chunk_size=self.attention_chunk_size,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
         )

@@ -198,9 +198,13 @@ def write_kv_cache(
 # counts it once. A per-token attend limit (HAS_LIMIT: bidirectional image blocks,
 # ``AttentionMetadata.attend_limit``) bounds each row's keys by its loaded limit instead of its
 # position (the window still counts back from the position) and reads the request's whole
-# context. All four are constexpr switches: the kernel without them is the plain one,
-# unchanged.
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits", "sliding_window"])
+# context. Chunked local attention (CHUNKED, Llama 4: ``attention_chunk_size``) hides keys
+# before the start of each row's chunk, ``floor(pos / chunk) * chunk``, and, as the window
+# does, starts a block's KV loop at its first row's chunk start. All five are constexpr
+# switches: the kernel without them is the plain one, unchanged.
+@triton.jit(
+    do_not_specialize=["num_reqs", "stride_bt", "num_splits", "sliding_window", "chunk_size"]
+)
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -226,6 +230,7 @@ def _paged_attention_kernel(
     stride_bt,
     num_splits,
     sliding_window,
+    chunk_size,
     cap_in_log2,
     cap_out_log2,
     v_scale,
@@ -245,6 +250,7 @@ def _paged_attention_kernel(
     SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     head_program = tl.program_id(1)
@@ -309,9 +315,12 @@ def _paged_attention_kernel(
         # the block's first row sees nothing before kv_start, and later rows even less: the
         # tiles wholly before it are skipped (and the KV split divides only what is left)
         kv_start = tl.maximum(prefix_len + first_q - sliding_window + 1, 0)
-        first_tile = kv_start // TILE_N
     else:
-        first_tile = 0
+        kv_start = tl.full([], 0, tl.int32)
+    if CHUNKED:
+        # the block's first row's chunk starts at or before every later row's
+        kv_start = tl.maximum(kv_start, (prefix_len + first_q) // chunk_size * chunk_size)
+    first_tile = kv_start // TILE_N
     if SPLIT_KV:
         tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
         tile_lo = first_tile + split * tiles_per_split
@@ -368,6 +377,8 @@ def _paged_attention_kernel(
         visible = k_valid[None, :] & (k_pos[None, :] <= q_last[:, None])
         if SLIDING_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        if CHUNKED:
+            visible = visible & (k_pos[None, :] >= q_pos[:, None] // chunk_size * chunk_size)
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -502,6 +513,7 @@ def choose_launch_config(
     device: torch.device,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> LaunchConfig:
     """Pick tiles from the step's Python-int shape facts (never from device tensors).
 
@@ -542,6 +554,8 @@ def choose_launch_config(
             kv_len = max_seq_len
             if sliding_window is not None:  # + a tile: the window's start is not tile-aligned
                 kv_len = min(kv_len, sliding_window + tile_n)
+            if attention_chunk_size is not None:  # a row reads at most its chunk
+                kv_len = min(kv_len, attention_chunk_size + tile_n)
             max_useful = max(1, math.ceil(kv_len / (tile_n * _MIN_TILES_PER_SPLIT)))
             num_splits = max(1, min(MAX_KV_SPLITS, math.ceil(target / programs), max_useful))
     elif not 1 <= num_splits <= MAX_KV_SPLITS:
@@ -570,6 +584,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     attend_limit: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
     num_splits: int | None = None,
     config: LaunchConfig | None = None,
     k_scale: float = 1.0,
@@ -589,6 +604,9 @@ def paged_attention(
     :param max_seq_len: bound on ``seq_lens`` (sizes the KV split; any value is correct)
     :param sliding_window: each query sees only the last ``sliding_window`` positions, its own
         included (``None``: all); KV tiles wholly before a query block's window are not read
+    :param attention_chunk_size: chunked local attention: the query at position ``p`` sees
+        only positions ``floor(p / C) * C .. p`` (``None``: off); tiles wholly before a query
+        block's first chunk start are not read
     :param logits_soft_cap: scaled scores ``s`` become ``cap * tanh(s / cap)`` (``None``: off)
     :param sinks: ``[num_heads]`` attention-sink logits on the query's device (any float
         dtype, read as float32): head ``h``'s softmax denominator gains ``exp(sinks[h])``
@@ -608,6 +626,8 @@ def paged_attention(
     num_kv_heads = kv_cache.shape[3]
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if attention_chunk_size is not None and attention_chunk_size < 1:
+        raise ValueError(f"attention_chunk_size must be >= 1 or None, got {attention_chunk_size}")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
     if num_heads % num_kv_heads:
@@ -657,6 +677,7 @@ def paged_attention(
             device=query.device,
             num_splits=num_splits,
             sliding_window=sliding_window,
+            attention_chunk_size=attention_chunk_size,
         )
     else:
         _check_config(config, num_heads // num_kv_heads)
@@ -708,6 +729,7 @@ def paged_attention(
         block_table.stride(0),
         splits,
         sliding_window or 0,
+        attention_chunk_size or 1,
         2.0 * scale * _LOG2E / cap,
         cap * _LOG2E,
         float(v_scale),
@@ -727,6 +749,7 @@ def paged_attention(
         SOFT_CAP=logits_soft_cap is not None,
         HAS_SINKS=sinks is not None,
         HAS_LIMIT=attend_limit is not None,
+        CHUNKED=attention_chunk_size is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

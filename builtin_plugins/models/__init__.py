@@ -142,6 +142,11 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("GPTJForCausalLM", f"{_PKG}.gptj:GPTJForCausalLM")
     registry.register("Ernie4_5ForCausalLM", f"{_PKG}.ernie4_5:Ernie4_5ForCausalLM")
     registry.register("Ernie4_5_MoeForCausalLM", f"{_PKG}.ernie4_5_moe:Ernie4_5_MoeForCausalLM")
+    registry.register("Llama4ForCausalLM", f"{_PKG}.llama4:Llama4ForCausalLM")
+    # the language model of Llama 4 Scout / Maverick, text only (no images)
+    registry.register(
+        "Llama4ForConditionalGeneration", f"{_PKG}.llama4:Llama4ForConditionalGeneration"
+    )
     registry.register("ApertusForCausalLM", f"{_PKG}.apertus:ApertusForCausalLM")
     registry.register(
         "HunYuanDenseV1ForCausalLM", f"{_PKG}.hunyuan_v1_dense:HunYuanDenseV1ForCausalLM"

@@ -153,8 +153,9 @@ class DecoderSpec:
 class LlamaAttention(nn.Module):
     """Merged QKV projection, optional q/k norm, RoPE, paged attention, output projection.
 
-    ``scale`` multiplies ``q . k`` (default ``head_dim ** -0.5``); ``sliding_window`` and
-    ``logits_soft_cap`` are this layer's attention options (see
+    ``scale`` multiplies ``q . k`` (default ``head_dim ** -0.5``); ``sliding_window``,
+    ``attention_chunk_size`` (Llama 4) and ``logits_soft_cap`` are this layer's attention
+    options (see
     :class:`~chassis.core.layers.attention.Attention`), for the architectures that use them;
     ``input_size`` is the width ``qkv_proj`` reads (default ``hidden_size``; an EAGLE-3
     head's reads twice that).
@@ -173,6 +174,7 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         input_size: int | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
@@ -202,6 +204,7 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             sinks=self.sinks,
+            attention_chunk_size=attention_chunk_size,
         )
 
     def forward(

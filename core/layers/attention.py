@@ -39,8 +39,9 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
-        """``sliding_window``, ``logits_soft_cap`` and ``sinks`` (see
+        """``sliding_window``, ``attention_chunk_size``, ``logits_soft_cap`` and ``sinks`` (see
         :class:`AttentionBackend`) need a backend that declares support for them; otherwise
         building the layer is a ``ValueError`` naming the backend, rather than attention that
         silently differs from the model's. ``sinks`` is the model's ``[num_heads]``
@@ -62,6 +63,16 @@ class Attention(nn.Module):
                     f"{sliding_window}); choose another with --attention-backend"
                 )
             options["sliding_window"] = sliding_window
+        self.attention_chunk_size = attention_chunk_size
+        if attention_chunk_size is not None:
+            if not backend_cls.supports_chunked_attention:
+                raise ValueError(
+                    f"attention backend {backend_cls.__name__} does not support chunked local "
+                    f"attention, which this model's layer {layer_idx} uses (chunks of "
+                    f"{attention_chunk_size}); choose another with --attention-backend "
+                    "(torch_paged, cpu_paged and triton_paged support it)"
+                )
+            options["attention_chunk_size"] = attention_chunk_size
         if logits_soft_cap is not None:
             if not backend_cls.supports_logits_soft_cap:
                 raise ValueError(
@@ -114,6 +125,7 @@ class Attention(nn.Module):
             f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, backend={type(self.backend).__name__}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
+            + (f", chunk={self.attention_chunk_size}" if self.attention_chunk_size else "")
             + (f", soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
             + (", sinks" if self.has_sinks else "")
         )

@@ -17,6 +17,12 @@ Three implementations compute it:
 - a platform's ``fused_moe`` kernel (optional in :class:`~chassis.core.layers.kernels.
   LayerKernels`), which the layer runs when the platform offers one for the tensor.
 
+Some routers scale the expert's *input* instead (Llama 4: ``sum_j w2[e_j] @ (silu(gate_{e_j}
+@ (p_j x_t)) * (up_{e_j} @ (p_j x_t)))``, not the same since the expert is not linear):
+:func:`experts_on_weighted_input` turns that form into the one above, run by any of the
+three, with each (token, slot) pair a row of its own and a weight of 1
+(:meth:`FusedMoE.run_routed` with ``weights_on_input=True``).
+
 Expert ids of ``-1`` in ``topk_ids`` name a (token, slot) pair whose expert is on another
 rank (expert parallelism): every implementation leaves it out of the sum.
 
@@ -40,6 +46,7 @@ from chassis.core.layers.kernels import kernels_for
 
 __all__ = [
     "FusedMoE",
+    "experts_on_weighted_input",
     "fused_experts_grouped",
     "fused_experts_ref",
     "localize_expert_ids",
@@ -170,6 +177,29 @@ def run_experts_grouped(
     return weighted.sum(dim=1).to(x.dtype)
 
 
+def experts_on_weighted_input(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``sum_j expert_{topk_ids[:, j]}(topk_weights[:, j] * x)``, ``[T, H]`` in ``x``'s dtype.
+
+    ``experts(x, weights, ids)`` is one of the implementations of the module docstring (the
+    weights scale outputs); it gets one row per (token, slot) pair, the input scaled in
+    ``x``'s dtype (as HF's Llama 4 does), a weight of 1 and the pair's expert. The ``k``
+    outputs of a token are summed in float32 and rounded once (with ``k = 1`` the expert's
+    output as it is)."""
+    num_tokens, top_k = topk_ids.shape
+    scaled = x.unsqueeze(1) * topk_weights.to(x.dtype).unsqueeze(-1)  # [T, k, H]
+    flat_ids = topk_ids.reshape(num_tokens * top_k, 1)
+    ones = torch.ones(flat_ids.shape, dtype=torch.float32, device=x.device)
+    y = experts(scaled.reshape(num_tokens * top_k, x.shape[1]), ones, flat_ids)
+    if top_k == 1:
+        return y
+    return y.view(num_tokens, top_k, x.shape[1]).float().sum(dim=1).to(x.dtype)
+
+
 class FusedMoE(nn.Module):
     """The experts of one sparse MoE block, with their routing.
 
@@ -231,6 +261,22 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.round_weights_to_model_dtype:
             weights = weights.to(x.dtype)
+        return self.run_routed(x, weights, ids)
+
+    def run_routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        *,
+        weights_on_input: bool = False,
+    ) -> torch.Tensor:
+        """The experts on routing computed outside (``weights [T, k]``, global expert
+        ``ids [T, k]``): this rank's partial sum ``[T, H]``. ``weights_on_input``: each
+        weight scales its expert's input, not its output
+        (:func:`experts_on_weighted_input`)."""
+        if weights_on_input:
+            return experts_on_weighted_input(x, weights, ids, self.run_routed)
         if self.num_local_experts != self.num_experts:
             ids = localize_expert_ids(ids, self.expert_start, self.num_local_experts)
         fused = self._kernel()
