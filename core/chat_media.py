@@ -1,5 +1,5 @@
-"""Chat messages' image and video parts -> the request's images and videos (``LLM.chat`` and
-the server's chat route share :class:`ChatImages`).
+"""Chat messages' image, video and audio parts -> the request's images, videos and clips
+(``LLM.chat`` and the server's chat route share :class:`ChatImages`).
 
 The parts taken are vLLM's: ``{"type": "image_url", "image_url": {"url": URL}}`` (the URL
 also as a plain string; ``detail`` is ignored), a URL being a ``data:image/...;base64,`` URL,
@@ -104,10 +104,11 @@ _Found = tuple[int, int, Mapping[str, Any]]
 
 
 class ChatImages:
-    """Takes the image (and video) parts of chat messages for one engine: its multimodal
-    admission (``multimodal``: the input processor's), an image loader with its settings,
-    and a video loader (``None``: one reading the image loader's ``allowed_folder``, vLLM's
-    defaults otherwise)."""
+    """Takes the image, video and audio parts of chat messages for one engine: its
+    multimodal admission (``multimodal``: the input processor's), an image loader with its
+    settings, and a video and an audio loader (``None``: ones reading the image loader's
+    ``allowed_folder`` and ``allowed_domains``, vLLM's defaults otherwise;
+    :func:`chassis.core.media_options.media_loaders` gives all three)."""
 
     def __init__(
         self,
@@ -131,7 +132,8 @@ class ChatImages:
         """``messages`` with each image part replaced by the marker, the loaded images in
         order, and the model's placeholder text for one image (``None`` without images):
         what :func:`chassis.core.chat.render_chat` takes as ``image_placeholder``. A video
-        part is refused naming the routes that take videos. The input is not modified."""
+        or audio part is refused naming the routes that take them. The input is not
+        modified."""
         media = self.extract_media(messages, videos=False, audios=False)
         return media.messages, media.images, media.image_placeholder
 

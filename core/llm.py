@@ -862,8 +862,8 @@ def _prompt_input(prompt: Prompt, *, multimodal: bool = False) -> str | list[int
     if isinstance(prompt, dict):
         if not multimodal and prompt.get("multi_modal_data") is not None:
             raise ValueError(
-                "multi_modal_data (images) is taken by generate() and chat() only; this call "
-                "runs text prompts"
+                "multi_modal_data (images, videos, audio) is taken by generate() and chat() "
+                "only; this call runs text prompts"
             )
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from chassis.core.audio_loading import AudioLoader
 from chassis.core.image_loading import WHITE, ImageLoader
 from chassis.core.media_fetching import check_allowed_media_domains
 from chassis.core.video_loading import DEFAULT_NUM_FRAMES, VideoLoader, check_video_io_kwargs
@@ -98,10 +99,12 @@ def _background_color(image_kwargs: Any) -> tuple[int, int, int]:
     return (int(color[0]), int(color[1]), int(color[2]))
 
 
-def media_loaders(config: Any) -> tuple[ImageLoader, VideoLoader]:
-    """The image and video loaders of ``config`` (an :class:`EngineConfig`; a stand-in
-    lacking the media fields gets vLLM's defaults): its local folder, allowed domains and
-    ``--media-io-kwargs``. ``ValueError`` for a folder that does not exist."""
+def media_loaders(config: Any) -> tuple[ImageLoader, VideoLoader, AudioLoader]:
+    """The image, video and audio loaders of ``config`` (an :class:`EngineConfig`; a
+    stand-in lacking the media fields gets vLLM's defaults): its local folder, allowed
+    domains (all three) and ``--media-io-kwargs`` (images and videos; audio takes none), in
+    :class:`~chassis.core.chat_media.ChatImages`' argument order. ``ValueError`` for a
+    folder that does not exist."""
     domains = check_allowed_media_domains(getattr(config, "allowed_media_domains", None))
     io_kwargs = getattr(config, "media_io_kwargs", None) or {}
     image = ImageLoader(
@@ -116,4 +119,5 @@ def media_loaders(config: Any) -> tuple[ImageLoader, VideoLoader]:
         fps=video_kwargs.get("fps"),
         allowed_domains=domains,
     )
-    return image, video
+    audio = AudioLoader(image.allowed_folder, allowed_domains=domains)
+    return image, video, audio

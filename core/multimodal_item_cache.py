@@ -122,9 +122,9 @@ class ProcessedItemCache:
 
     @classmethod
     def from_gb(cls, gb: float) -> ProcessedItemCache | None:
-        """The cache of ``--mm-processor-cache-gb`` (GiB, as vLLM counts them); ``None``
-        for 0 (disabled)."""
-        return cls(int(gb * 2**30)) if gb > 0 else None
+        """The cache of ``--mm-processor-cache-gb`` (GiB, as vLLM counts them; at least one
+        byte); ``None`` for 0 (disabled)."""
+        return cls(max(1, int(gb * 2**30))) if gb > 0 else None
 
     def get_or_process(
         self,

@@ -13,8 +13,8 @@ model's encoder returns rows for the item, and describes where they sit. A proce
 override :meth:`~MultiModalProcessor.process` to write other tokens inside an item's run
 (Mistral 3 ends each row of ``[IMG]`` tokens with ``[IMG_BREAK]`` and the image with
 ``[IMG_END]``): the feature then covers the whole run and the model's ``embed_multimodal``
-returns one row per token of it. Every refusal is a ``ValueError`` a client can act on (the
-server's 400).
+returns one row per token of it (:mod:`chassis.core.placeholder_runs`). Every refusal is a
+``ValueError`` a client can act on (the server's 400).
 """
 
 from __future__ import annotations

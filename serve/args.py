@@ -280,8 +280,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         type=float,
         metavar="GIB",
         help=_help(
-            "GiB of processed images and videos kept to skip the processor when an item "
-            "comes again (0: no cache)",
+            "GiB of processed images, videos and audio clips kept to skip the processor "
+            "when an item comes again (0: no cache)",
             "mm_processor_cache_gb",
         ),
     )

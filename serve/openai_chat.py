@@ -8,10 +8,11 @@ then content deltas, the finish reason on each choice's last chunk, an optional 
 (``stream_options.include_usage``: empty ``choices``), and ``data: [DONE]``.
 
 Image parts (``image_url`` with a data, http(s) or, under ``--allowed-local-media-path``, file
-URL) and video parts (``video_url``, the same kinds of URL, decoded with PyAV) are loaded
-while the messages render, and go to the engine as the request's ``multi_modal_data`` for a
+URL), video parts (``video_url``, the same kinds of URL, decoded with PyAV) and audio parts
+(``input_audio``, ``audio_url``; :mod:`chassis.core.audio_loading`) are loaded while the
+messages render, and go to the engine as the request's ``multi_modal_data`` for a
 model that takes them (a 400 otherwise, naming the part); ``mm_processor_kwargs`` (vLLM's
-field) goes with them. Beam search takes no images or videos.
+field) goes with them. Beam search takes no images, videos or audio.
 
 ``echo`` (vLLM's field): when the last message has the response's role (an assistant message
 continued with ``continue_final_message``), each choice's content starts with that message's
@@ -459,8 +460,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.use_beam_search:  # vLLM's beam search (serve/beam_search.py)
         if multi_modal_data:
             raise errors.bad_request(
-                "beam search does not take images or videos yet; send the request without "
-                "use_beam_search",
+                f"beam search does not take {' or '.join(multi_modal_data)} inputs yet; send "
+                "the request without use_beam_search",
                 "use_beam_search",
             )
         return await beam_search_response(

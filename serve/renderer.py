@@ -21,8 +21,9 @@ route, ``/v1/responses`` and ``/tokenize``) and the renderer has the engine's
 :class:`~chassis.core.chat_media.ChatImages`: they are loaded (fetched, decoded) here, in the
 same worker thread. On a route that does not ask (the pooling routes' ``messages``) an image
 part is a 400 saying which routes take images; for an engine without them, a 400 like any
-part that is not text. Video parts likewise, where the caller asks for the videos too (the
-chat completions route); elsewhere a 400 naming the routes that take them.
+part that is not text. Video and audio parts likewise, where the caller asks for the
+videos and clips too (the chat completions route); elsewhere a 400 naming the routes that
+take them.
 """
 
 from __future__ import annotations

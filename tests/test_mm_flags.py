@@ -221,7 +221,7 @@ def test_video_num_frames_and_fps_choose_the_frames_kept() -> None:
     url = _data_url(_mp4(), "video/mp4")  # 10 frames at 4 fps: 2.5 s
 
     def kept(video_kwargs: dict[str, Any]) -> tuple[int, list[int]]:
-        _, loader = media_loaders(EngineConfig(media_io_kwargs={"video": video_kwargs}))
+        _, loader, _ = media_loaders(EngineConfig(media_io_kwargs={"video": video_kwargs}))
         frames, metadata = loader.load(url)
         assert frames.shape[0] == len(metadata["frames_indices"])
         return frames.shape[0], metadata["frames_indices"]
@@ -240,8 +240,8 @@ def test_image_background_color() -> None:
 
     clear = Image.new("RGBA", (4, 4), (10, 200, 30, 0))
     url = _data_url(_png(clear), "image/png")
-    white, _ = media_loaders(EngineConfig())
-    black, _ = media_loaders(
+    white, _, _ = media_loaders(EngineConfig())
+    black, _, _ = media_loaders(
         EngineConfig(media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}})
     )
     assert white.load(url).getpixel((0, 0)) == (255, 255, 255)
@@ -260,7 +260,7 @@ def test_other_hosts_are_refused_before_any_fetch(monkeypatch: pytest.MonkeyPatc
         raise OSError("no network in tests")
 
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
-    image, video = media_loaders(EngineConfig(allowed_media_domains=["CDN.example.com"]))
+    image, video, audio = media_loaders(EngineConfig(allowed_media_domains=["CDN.example.com"]))
     for loader, url in (
         (image, "https://evil.example.org/cat.png"),
         (image, "http://cdn.example.com.evil.org/cat.png"),
@@ -268,6 +268,8 @@ def test_other_hosts_are_refused_before_any_fetch(monkeypatch: pytest.MonkeyPatc
     ):
         with pytest.raises(ValueError, match=r"is not one of --allowed-media-domains \(cdn\."):
             loader.load(url)
+    with pytest.raises(ValueError, match=r"audio URL .* is not one of --allowed-media-domains"):
+        audio.load_url("https://evil.example.org/clip.wav")
     assert fetched == []
     # the allowed host (any case, any port) is fetched; data URLs need no host
     for url in ("https://cdn.example.com/cat.png", "http://Cdn.Example.com:8080/cat.png"):
@@ -276,7 +278,7 @@ def test_other_hosts_are_refused_before_any_fetch(monkeypatch: pytest.MonkeyPatc
     assert len(fetched) == 2
     assert image.load(_data_url(_png(random_image(4, 4)), "image/png")).size == (4, 4)
     # without the flag: any host
-    anywhere, _ = media_loaders(EngineConfig())
+    anywhere, _, _ = media_loaders(EngineConfig())
     with pytest.raises(ValueError, match="no network in tests"):
         anywhere.load("https://evil.example.org/cat.png")
 

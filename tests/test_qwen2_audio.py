@@ -402,6 +402,12 @@ def test_chat_and_server_take_audio_parts(
                 assert refused.status_code == 400, refused.text
                 error = refused.json()["error"]
                 assert match in error["message"] and error["param"] == "messages.0.content"
+            beam = client.post(
+                "/v1/chat/completions",
+                json={"messages": chat_messages(input_audio(wav)), "use_beam_search": True, "n": 2},
+            )
+            assert beam.status_code == 400, beam.text
+            assert "beam search does not take audio inputs" in beam.json()["error"]["message"]
             # /tokenize takes no audio: a 400 naming the routes that do
             refused = client.post("/tokenize", json={"messages": chat_messages(input_audio(wav))})
             assert refused.status_code == 400, refused.text

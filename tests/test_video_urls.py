@@ -399,7 +399,7 @@ def test_server_chat_with_videos(
                     [video_part(data_url(mp4))],
                     {"use_beam_search": True, "n": 2},
                     "use_beam_search",
-                    "beam search does not take images or videos",
+                    "beam search does not take video inputs",
                 ),
                 (
                     [video_part(data_url(mp4))],

@@ -34,6 +34,7 @@ from chassis.builtin_plugins.models.llava_images import (
     _warn_text_only,
 )
 from chassis.core.model_interface import CausalLM
+from chassis.core.placeholder_runs import splice_item_rows
 
 
 class AyaVisionForConditionalGenerationWithImages(
@@ -104,15 +105,9 @@ class AyaVisionForConditionalGenerationWithImages(
             )
         features = self.image_features(pixels)
         image_rows = features.reshape(-1, features.shape[-1])
-        rows = self.model.embed(run)
-        is_image = run == self.image_token_id
-        if int(is_image.sum()) != image_rows.shape[0]:
-            raise ValueError(
-                f"the image gives {image_rows.shape[0]} rows, but its placeholder run holds "
-                f"{int(is_image.sum())} image tokens"
-            )
-        rows[is_image] = image_rows.to(rows.dtype)
-        return rows
+        return splice_item_rows(
+            self.model.embed(run), run, self.image_token_id, image_rows, "image"
+        )
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[tiles, C, S, S]`` -> ``[tiles, tokens_per_tile, hidden_size]`` (HF's

@@ -36,6 +36,7 @@ from chassis.builtin_plugins.models.aya_vision_projector import AyaVisionSpec
 from chassis.builtin_plugins.models.internvl_processing import TilePreprocessing
 from chassis.core.multimodal import MultiModalFeature
 from chassis.core.multimodal_processing import MultiModalProcessor
+from chassis.core.placeholder_runs import write_placeholder_runs
 
 #: ``AyaVisionProcessor``'s defaults for what ``processor_config.json`` leaves out
 _DEFAULTS: dict[str, Any] = {
@@ -194,10 +195,7 @@ class AyaVisionImageInputs(MultiModalProcessor):
         (:meth:`image_tokens`), then each image's run rewritten to its tokens (module
         docstring)."""
         expanded, features = super().process(self.image_tokens(prompt_token_ids), items, kwargs)
-        for feature in features:
-            run = feature.data["placeholder_ids"].to_tensor().tolist()
-            expanded[feature.offset : feature.end] = run
-        return expanded, features
+        return write_placeholder_runs(expanded, features), features
 
     def image_tokens(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt with each HF ``<image>`` text written as one ``<|IMG_PATCH|>`` token

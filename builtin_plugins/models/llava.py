@@ -1,10 +1,15 @@
 """LLaVA-style multimodal checkpoints (LLaVA-1.5, LLaVA-NeXT, InternVL in transformers'
 format, Aya Vision): their language model, whatever its architecture, served as text only.
 
+The classes registered for these architectures take images (:mod:`.llava_images`,
+:mod:`.llava_next_images`, :mod:`.internvl_images`, :mod:`.aya_vision_images`) and build on
+this module's: it is their text side, and what they fall back to for a checkpoint whose
+vision tower is not built here (served as text only, with a warning).
+
 These checkpoints put a vision tower and a projector before an unchanged text decoder: the
 text model is the one ``text_config.model_type`` names (Llama, Mistral, Vicuna for LLaVA-1.5;
-Qwen2 / Qwen3 for InternVL3 / 3.5; Cohere2 for Aya Vision), with 1D positions. The class
-registered for them, :class:`LlavaForConditionalGeneration`, picks chassis' registered
+Qwen2 / Qwen3 for InternVL3 / 3.5; Cohere2 for Aya Vision), with 1D positions.
+:class:`LlavaForConditionalGeneration` picks chassis' registered
 decoder for that text architecture (transformers' causal-LM class for the ``model_type``,
 looked up in the model registry) and builds the two as one class
 (:meth:`~chassis.core.model_interface.CausalLM.class_for_config`): the decoder's layers,

@@ -38,6 +38,7 @@ from chassis.builtin_plugins.models.mistral3_vision import (
 from chassis.builtin_plugins.models.pixtral_vision import PixtralVisionTower
 from chassis.core.attention import ForwardContext
 from chassis.core.model_interface import CausalLM, ModelBuildContext
+from chassis.core.placeholder_runs import splice_item_rows
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +140,9 @@ class Mistral3ForConditionalGenerationWithImages(
                 )
             pixels = pixels[0]
         (image_rows,) = self.image_features([pixels])
-        rows = self.model.embed(run)
-        is_image = run == self.image_token_id
-        if int(is_image.sum()) != image_rows.shape[0]:
-            raise ValueError(
-                f"the image gives {image_rows.shape[0]} rows, but its placeholder run holds "
-                f"{int(is_image.sum())} image tokens"
-            )
-        rows[is_image] = image_rows.to(rows.dtype)
-        return rows
+        return splice_item_rows(
+            self.model.embed(run), run, self.image_token_id, image_rows, "image"
+        )
 
     def image_features(self, images: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Images ``[C, H, W]`` each -> ``[H/(P*m) * W/(P*m), hidden_size]`` each (HF's

@@ -44,6 +44,7 @@ from chassis.builtin_plugins.models.mistral3_vision import Mistral3VisionSpec
 from chassis.core.image_loading import to_rgb
 from chassis.core.multimodal import MultiModalFeature
 from chassis.core.multimodal_processing import MultiModalProcessor
+from chassis.core.placeholder_runs import write_placeholder_runs
 
 #: transformers' defaults of ``PixtralImageProcessor`` for what its config leaves out
 _DEFAULTS: dict[str, Any] = {
@@ -230,10 +231,7 @@ class Mistral3ImageInputs(MultiModalProcessor):
         """As :meth:`MultiModalProcessor.process`, then each image's run of ``[IMG]`` tokens
         rewritten to its rows with their break and end tokens (module docstring)."""
         expanded, features = super().process(prompt_token_ids, items, kwargs)
-        for feature in features:
-            run = feature.data["placeholder_ids"].to_tensor().tolist()
-            expanded[feature.offset : feature.end] = run
-        return expanded, features
+        return write_placeholder_runs(expanded, features), features
 
 
 def _channels(values: Any, name: str) -> tuple[float, ...]:

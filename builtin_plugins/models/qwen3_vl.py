@@ -56,6 +56,7 @@ from chassis.core.attention import ForwardContext
 from chassis.core.layers.mrope import MRotaryEmbedding
 from chassis.core.model_interface import ModelBuildContext
 from chassis.core.multimodal import MultiModalFeature
+from chassis.core.placeholder_runs import splice_item_rows
 
 #: a Qwen3-VL-MoE layer's experts stored stacked: ``<block>.experts.gate_up_proj`` /
 #: ``<block>.experts.down_proj`` (no ``.weight``), after the language-model rename
@@ -192,14 +193,7 @@ class Qwen3VLImages(QwenVLImages):
             raise ValueError(f"video inputs lack placeholder_ids (got {sorted(inputs)})")
         video_rows = super().embed_multimodal(modality, inputs)
         rows = self.embed_input_ids(run)
-        is_video = run == self._video_token_id()
-        if int(is_video.sum()) != video_rows.shape[0]:
-            raise ValueError(
-                f"the video gives {video_rows.shape[0]} rows, but its run holds "
-                f"{int(is_video.sum())} video tokens"
-            )
-        rows[is_video] = video_rows.to(rows.dtype)
-        return rows
+        return splice_item_rows(rows, run, self._video_token_id(), video_rows, "video")
 
     def mrope_positions(
         self, prompt_token_ids: Sequence[int], features: Sequence[MultiModalFeature]

@@ -38,6 +38,7 @@ from chassis.builtin_plugins.models.qwen3_vl_video import (
 )
 from chassis.core.multimodal import MultiModalFeature
 from chassis.core.multimodal_inputs import video_frames_and_metadata
+from chassis.core.placeholder_runs import write_placeholder_runs
 
 
 class Qwen3VLMediaInputs(Qwen2VLMediaInputs):
@@ -130,8 +131,4 @@ class Qwen3VLMediaInputs(Qwen2VLMediaInputs):
         """As :meth:`MultiModalProcessor.process`, then each video's run of placeholder
         tokens rewritten to its timestamps and frame groups (module docstring)."""
         expanded, features = super().process(prompt_token_ids, items, kwargs)
-        for feature in features:
-            if feature.modality == "video":
-                run = feature.data["placeholder_ids"].to_tensor().tolist()
-                expanded[feature.offset : feature.end] = run
-        return expanded, features
+        return write_placeholder_runs(expanded, features), features
