@@ -37,6 +37,22 @@ API_KEY_ENV = "CHASSIS_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 
 
+def _builtin_parser_names(hook: str) -> str:
+    """The names the built-in parsers plugin registers through ``hook``, sorted and
+    comma-separated, for the help text. Read from the built-in module alone, loading no
+    plugin, so that a broken plugin does not break ``--help``."""
+    from chassis.builtin_plugins import parsers
+
+    names: list[str] = []
+
+    class _Names:
+        def register(self, name: str, *_args: Any, **_kwargs: Any) -> None:
+            names.append(name)
+
+    getattr(parsers, hook)(registry=_Names())
+    return ", ".join(sorted(names))
+
+
 def _string_list(text: str) -> list[str]:
     """A JSON list (``'["a","b"]'``, vLLM's form) or comma-separated values."""
     text = text.strip()
@@ -306,14 +322,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tool-call-parser",
         metavar="NAME",
-        help="the model's tool-call format: hermes, llama3_json, mistral, pythonic, or a "
-        "plugin's (chassis plugins lists them)",
+        help="the model's tool-call format: "
+        + _builtin_parser_names("chassis_register_tool_parsers")
+        + ", or a plugin's (chassis plugins lists them)",
     )
     g.add_argument(
         "--reasoning-parser",
         metavar="NAME",
-        help="split the model's reasoning into the message's 'reasoning' field: qwen3, "
-        "deepseek_r1, or a plugin's",
+        help="split the model's reasoning into the message's 'reasoning' field: "
+        + _builtin_parser_names("chassis_register_reasoning_parsers")
+        + ", or a plugin's",
     )
 
 

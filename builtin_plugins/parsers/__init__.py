@@ -24,6 +24,13 @@ def chassis_register_tool_parsers(registry: Any) -> None:
     registry.register("seed_oss", f"{_PKG}.seed_oss:SeedOssToolParser")
     registry.register("kimi_k2", f"{_PKG}.kimi_k2:KimiK2ToolParser")
     registry.register("deepseek_v31", f"{_PKG}.deepseek_v31:DeepSeekV31ToolParser")
+    registry.register("minimax_m2", f"{_PKG}.minimax_m2:MiniMaxM2ToolParser")
+    registry.register("llama4_pythonic", f"{_PKG}.pythonic:Llama4PythonicToolParser")
+    registry.register("phi4_mini_json", f"{_PKG}.phi4_mini:Phi4MiniJsonToolParser")
+    registry.register("xlam", f"{_PKG}.xlam:XLamToolParser")
+    registry.register("internlm", f"{_PKG}.hermes_variants:InternLMToolParser")
+    registry.register("jamba", f"{_PKG}.hermes_variants:JambaToolParser")
+    registry.register("granite-20b-fc", f"{_PKG}.hermes_variants:Granite20bFCToolParser")
 
 
 @hookimpl
@@ -38,3 +45,9 @@ def chassis_register_reasoning_parsers(registry: Any) -> None:
     registry.register("olmo3", f"{_PKG}.think_tags:Olmo3ReasoningParser")
     registry.register("ernie45", f"{_PKG}.answer_tags:Ernie45ReasoningParser")
     registry.register("hunyuan_a13b", f"{_PKG}.answer_tags:HunyuanA13BReasoningParser")
+    registry.register("minimax_m2", f"{_PKG}.think_tags:MiniMaxM2ReasoningParser")
+    registry.register(
+        "minimax_m2_append_think",
+        f"{_PKG}.minimax_m2_reasoning:MiniMaxM2AppendThinkReasoningParser",
+    )
+    registry.register("mistral", f"{_PKG}.think_tags:MistralReasoningParser")

@@ -103,3 +103,9 @@ def _is_json(value: Any) -> bool:
     if isinstance(value, dict):
         return all(isinstance(key, str) and _is_json(item) for key, item in value.items())
     return False
+
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    """Llama 4's calls (``llama4_pythonic``, vLLM's name): ``pythonic``'s reading, which
+    already takes the list between ``<|python_start|>`` and an optional ``<|python_end|>``
+    (or bare, as the detokenizer leaves it once it drops those special tokens)."""

@@ -76,17 +76,25 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
     #: the tag that closes a block
     end_tag = END
     block_mode = _HEAD
+    #: what opens a call (its name follows, up to ``>``), what closes it, and the same for
+    #: a parameter (MiniMax-M2's ``<invoke name=`` and ``<parameter name=`` differ)
+    function_tag = FUNCTION
+    function_end = FUNCTION_END
+    parameter_tag = PARAMETER
+    parameter_end = PARAMETER_END
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
         super().__init__(tokenizer, tools)
         start, end = self.start_tag, self.end_tag
         #: where a parameter's value ends (vLLM's ends, and the block's end); its own end
         #: tag first
-        self._value_ends = (PARAMETER_END, PARAMETER, FUNCTION_END, end)
+        function, function_end = self.function_tag, self.function_end
+        parameter = self.parameter_tag
+        self._value_ends = (self.parameter_end, parameter, function_end, end)
         #: what a call's body is read for between its parameters (other text is dropped)
-        self._body_markers = (PARAMETER, FUNCTION_END, end, start, FUNCTION)
+        self._body_markers = (parameter, function_end, end, start, function)
         #: what the rest of a block after a call is read for
-        self._rest_markers = (end, start, FUNCTION)
+        self._rest_markers = (end, start, function)
         #: the head being read opens the block (no call in it yet): if broken, it is text
         self._fresh_block = True
         #: the arguments of the call being read (set when it is committed)
@@ -107,22 +115,23 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
         """``<function=NAME>`` after whitespace: commit to the call; anything else: the block
         is text (or, after a call in the block, dropped)."""
         body = self.held.lstrip()
-        complete = body.startswith(FUNCTION)
-        if not complete and FUNCTION.startswith(body) and not final:
+        function = self.function_tag
+        complete = body.startswith(function)
+        if not complete and function.startswith(body) and not final:
             return False
-        close = body.find(">", len(FUNCTION)) if complete else -1
-        name = body[len(FUNCTION) : close if close >= 0 else len(body)] if complete else ""
+        close = body.find(">", len(function)) if complete else -1
+        name = body[len(function) : close if close >= 0 else len(body)] if complete else ""
         broken = not complete or "<" in name or "\n" in name
         if not broken and close < 0 and not final:
             return False  # the name goes on
-        if broken or close < 0 or not name.strip():
+        name = self.tag_name(name)
+        if broken or close < 0 or not name:
             if self._fresh_block:
                 self.not_a_call(out)
             else:  # a broken head after a call: dropped with the rest of the block (its
                 # "<" first, so that it is not read as a function again)
                 self.held, self.mode = body[1:], _REST
             return True
-        name = name.strip()
         index = self.start_call(out, name)
         self._arguments = TagArguments(out, index, parameter_schemas(self.tools, name))
         self.held, self.mode = body[close + 1 :], _BODY
@@ -137,12 +146,12 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
                 self._call_arguments().close(out)
                 self.after_call()
             return final
-        if marker == PARAMETER:
-            self.held, self.mode = self.held[len(PARAMETER) :], _NAME
+        if marker == self.parameter_tag:
+            self.held, self.mode = self.held[len(self.parameter_tag) :], _NAME
             return True
         self._call_arguments().close(out)
-        if marker == FUNCTION_END:
-            self.held = self.held[len(FUNCTION_END) :]
+        if marker == self.function_end:
+            self.held = self.held[len(self.function_end) :]
         self.mode = _REST  # reads the block's end, a new block or the next function
         return True
 
@@ -156,13 +165,27 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
         if close < 0:
             return False
         arguments = self._call_arguments()
-        declared = arguments.schemas is not None and name in arguments.schemas
-        kind = declared_type(arguments.schemas, name)
-        convert = partial(qwen3_coder_value, kind=kind, declared=declared)
-        value = ValueStream("newline", qwen3_coder_is_text(kind, declared), convert, null_word=True)
-        arguments.start_value(out, name, value)
+        name = self.parameter_key(name)
+        arguments.start_value(out, name, self.value_stream(arguments.schemas, name))
         self.held, self.mode = self.held[close + 1 :], _VALUE
         return True
+
+    def tag_name(self, written: str) -> str:
+        """The function's name as written in its opening tag (empty: no name)."""
+        return written.strip()
+
+    def parameter_key(self, written: str) -> str:
+        """A parameter's key as written in its opening tag (Qwen3-Coder's: as is)."""
+        return written
+
+    def value_stream(self, schemas: dict[str, Any] | None, name: str) -> ValueStream:
+        """How parameter ``name``'s value is trimmed, streamed and converted, given the
+        schemas of the function's parameters (:func:`~chassis.builtin_plugins.parsers.
+        tag_values.parameter_schemas`)."""
+        declared = schemas is not None and name in schemas
+        kind = declared_type(schemas, name)
+        convert = partial(qwen3_coder_value, kind=kind, declared=declared)
+        return ValueStream("newline", qwen3_coder_is_text(kind, declared), convert, null_word=True)
 
     def _read_value(self, out: ToolDelta, final: bool) -> bool:
         """A parameter's value, streamed up to its end."""

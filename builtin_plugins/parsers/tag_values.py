@@ -148,8 +148,9 @@ class ValueStream:
     ``trim`` is how the raw text is trimmed: ``"newline"`` drops one newline at each end
     (Qwen3-Coder writes the value on its own lines), ``"space"`` all surrounding whitespace
     (``str.strip``). A ``text`` value streams as a JSON string; with ``null_word``, a value
-    that reads ``null`` (any case) is JSON ``null`` instead. Any other value is held and
-    passed, trimmed, to ``convert`` at the end. The concatenated output of :meth:`feed` and
+    that reads one of ``null_words`` (lowercase; any case matches; ``null`` by default) is
+    JSON ``null`` instead. Any other value is held and passed, trimmed, to ``convert`` at the
+    end. The concatenated output of :meth:`feed` and
     :meth:`finish` does not depend on the pieces.
     """
 
@@ -159,11 +160,12 @@ class ValueStream:
         text: bool,
         convert: Callable[[str], Any] = str,
         null_word: bool = False,
+        null_words: tuple[str, ...] = ("null",),
     ) -> None:
         self._trim = trim
         self._text = text
         self._convert = convert
-        self._null_word = null_word
+        self._null_words = null_words if null_word else ()
         #: raw text read but not sent (all of it for a converted value)
         self._pending = ""
         self._start_trimmed = False  # the trim at the value's start is settled
@@ -187,7 +189,7 @@ class ValueStream:
         ready = pending[: len(pending) - self._trailing_len(pending)]
         prefix = ""
         if not self._opened:
-            if not ready or (self._null_word and "null".startswith(ready.lower())):
+            if not ready or any(word.startswith(ready.lower()) for word in self._null_words):
                 self._pending = pending  # may still be trimmed away, or read as null
                 return ""
             self._opened, prefix = True, '"'
@@ -204,7 +206,7 @@ class ValueStream:
             return json_value(self._convert(value), value)
         if self._opened:
             return json_text(value) + '"'
-        if self._null_word and value.lower() == "null":
+        if value.lower() in self._null_words:
             return "null"
         return f'"{json_text(value)}"'
 

@@ -1,7 +1,8 @@
 """Reasoning between ``<think>`` and ``</think>``: DeepSeek-R1, Qwen3 and the models that copy
 their format (registered as ``deepseek_r1`` and ``qwen3``; ``deepseek_v3`` and ``glm45`` read
 the tags as ``qwen3`` does, ``olmo3`` as ``deepseek_r1`` does, and ``seed_oss`` is
-``deepseek_r1``'s reading of ``<seed:think>...</seed:think>``).
+``deepseek_r1``'s reading of ``<seed:think>...</seed:think>``; ``minimax_m2`` reads ``<think>``
+as ``deepseek_r1`` does, ``mistral`` reads ``[THINK]...[/THINK]`` as ``qwen3`` reads its tags).
 
 Where the reasoning starts:
 
@@ -155,6 +156,31 @@ class SeedOssReasoningParser(ThinkTagReasoningParser):
     end_tag = "</seed:think>"
     starts_in_reasoning = True
     # the tags are special tokens of Seed-OSS's tokenizer
+    needs_special_tokens = True
+
+
+class MiniMaxM2ReasoningParser(ThinkTagReasoningParser):
+    """MiniMax-M2 (``minimax_m2``), ``deepseek_r1``'s reading: M2's template opens the think
+    block in the prompt, so the output is reasoning up to ``</think>`` (M2.5 writes the
+    opening ``<think>`` too, which is read the same). ``minimax_m2_append_think``
+    (:mod:`~chassis.builtin_plugins.parsers.minimax_m2_reasoning`) keeps it all as content
+    instead."""
+
+    starts_in_reasoning = True
+    # the tags are added tokens of MiniMax-M2's tokenizer; kept in the text to be found
+    needs_special_tokens = True
+
+
+class MistralReasoningParser(ThinkTagReasoningParser):
+    """Magistral and Mistral's reasoning models (``mistral``):
+    ``[THINK]reasoning[/THINK]content``, read as ``qwen3`` reads its tags: reasoning only after
+    a ``[THINK]`` at the start of the output (or left open by the prompt); without one the
+    whole output is content, as vLLM's ``mistral`` parser reads it. Unlike vLLM, a
+    ``[THINK]`` after other text is content, and the whitespace next to the tags is dropped."""
+
+    start_tag = "[THINK]"
+    end_tag = "[/THINK]"
+    # special tokens of Mistral's tokenizers (v13 and later)
     needs_special_tokens = True
 
 
