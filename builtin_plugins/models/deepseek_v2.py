@@ -57,9 +57,11 @@ The two matrices are views of ``kv_b_proj.weight`` taken at every forward (batch
 matmuls), so loading, tensor-parallel shares and sleep mode's weight release work on the
 one parameter. Since every layer passes the same tensor as key and value
 (:attr:`DeepseekV2ForCausalLM.kv_cache_values_are_keys`), the runner stores one plane where
-the backend allows (``AttentionBackend.supports_aliased_kv_planes``). The cost: attention
-math is ``kv_lora_rank + qk_rope_head_dim`` wide per head in prefill too (vLLM expands the
-latent with ``kv_b_proj`` for prefill and absorbs only for decode; not done here).
+the backend allows (``AttentionBackend.supports_aliased_kv_planes``). Absorbed attention is
+``kv_lora_rank + qk_rope_head_dim`` wide per head; for prefill chunks the layer instead
+expands the request's cached latent with ``kv_b_proj`` and attends over heads of
+``qk_head_dim`` (:mod:`.mla_prefill`: which requests, by a FLOP rule or
+``CHASSIS_MLA_PREFILL``), as vLLM does; decodes stay absorbed.
 The model presents the runner a config whose ``head_dim`` and ``num_key_value_heads``
 describe this cache (:meth:`DeepseekV2ForCausalLM.kv_cache_config`).
 
@@ -84,14 +86,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chassis.builtin_plugins.attention.torch_paged import write_kv_cache
 from chassis.builtin_plugins.models.llama import (
     DecoderSpec,
     LlamaDecoderLayer,
     LlamaMLP,
 )
+from chassis.builtin_plugins.models.mla_prefill import (
+    MlaShape,
+    StepPlan,
+    mla_prefill_mode,
+    plan_step,
+    read_cache_rows,
+    varlen_causal_attention,
+)
 from chassis.builtin_plugins.models.sparse_moe import MoeSpec, SparseMoeForCausalLM
 from chassis.core import parallel_state
-from chassis.core.attention import ForwardContext
+from chassis.core.attention import AttentionMetadata, ForwardContext
 from chassis.core.layers.attention import Attention
 from chassis.core.layers.moe import FusedMoE, fused_experts_grouped, localize_expert_ids
 from chassis.core.layers.norm import RMSNorm
@@ -192,7 +203,8 @@ class LatentUpProjection(nn.Linear):
 class MultiHeadLatentAttention(nn.Module):
     """MLA (the module docstring) over this rank's heads, on the latent cache:
     ``forward(positions, x, ctx)``, summed over the tensor-parallel group. Module names are
-    HF's."""
+    HF's. A step's requests run absorbed or expanded as :func:`.mla_prefill.plan_step`
+    splits them (:attr:`prefill_mode`); both write the same latent to the cache."""
 
     def __init__(
         self,
@@ -229,6 +241,13 @@ class MultiHeadLatentAttention(nn.Module):
         self.attn = Attention(
             heads, spec.cache_head_dim, 1, spec.scale, layer_idx, build_ctx.attention_backend
         )
+        self.layer_idx = layer_idx
+        #: which requests run the expanded prefill (:mod:`.mla_prefill`: ``auto``,
+        #: ``expanded`` or ``absorbed``), from ``CHASSIS_MLA_PREFILL`` when built
+        self.prefill_mode = mla_prefill_mode()
+        self.shape = MlaShape(
+            spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        )
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
@@ -249,21 +268,102 @@ class MultiHeadLatentAttention(nn.Module):
             q[..., nope:].contiguous(),
             k_pe.reshape(num_tokens, 1, rope_dim).contiguous(),
         )
-        # this rank's heads' rows of kv_b_proj: W_UK [H, nope, rank], W_UV [H, v, rank]
-        w_uk, w_uv = self.kv_b_proj.weight.view(heads, nope + spec.v_head_dim, rank).split(
-            [nope, spec.v_head_dim], dim=1
-        )
-        # q_lat[t, h] = W_UK[h]^T q_nope[t, h]: [H, T, nope] @ [H, nope, rank] -> [H, T, rank]
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
-        query = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, rank + rope]
         cached = torch.cat((latent, k_pe.view(num_tokens, rope_dim)), dim=-1)  # [T, 576-like]
-        out = self.attn(query, cached, cached, ctx).view(num_tokens, heads, spec.cache_head_dim)
-        # each head's value output: W_UV[h] times its weighted latent (the first rank columns)
-        # [H, T, rank] @ [H, rank, v] -> [H, T, v]
-        values = torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2))
-        out = values.transpose(0, 1).reshape(num_tokens, heads * spec.v_head_dim)
+        # (a traced graph reads no step metadata: under torch.compile every step is absorbed)
+        plan = None if torch.compiler.is_compiling() else self._plan(ctx)
+        if plan is None:  # every request absorbed: the one backend call of the whole step
+            values = self._absorbed(q[..., :nope], q_pe, cached, ctx)
+        else:
+            kv_cache = ctx.kv_caches[self.layer_idx]
+            values = q.new_zeros(num_tokens, heads, spec.v_head_dim)
+            if plan.absorbed_rows is not None:
+                rows = plan.absorbed_rows
+                values[rows] = self._absorbed(
+                    q[rows, :, :nope], q_pe[rows], cached[rows], ctx, plan.absorbed_metadata
+                )
+            rows = plan.expanded_rows
+            values[rows] = self._expanded(
+                q[rows, :, :nope], q_pe[rows], cached[rows], kv_cache, plan
+            )
+        out = values.reshape(num_tokens, heads * spec.v_head_dim)
         # Each rank holds some heads: o_proj's partial sums add up to the whole output.
         return parallel_state.all_reduce(self.o_proj(out))
+
+    def _plan(self, ctx: ForwardContext) -> StepPlan | None:
+        """The step's split between the forms (``None``: all absorbed)."""
+        block_size = ctx.kv_caches[self.layer_idx].shape[2]
+        metadata = ctx.metadata_for(self.layer_idx)
+        return plan_step(metadata, self.shape, self.prefill_mode, block_size)
+
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's heads' rows of ``kv_b_proj``: ``W_UK [H, nope, rank]``,
+        ``W_UV [H, v, rank]`` (views)."""
+        spec = self.spec
+        weight = self.kv_b_proj.weight.view(
+            self.num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank
+        )
+        w_uk, w_uv = weight.split([spec.qk_nope_head_dim, spec.v_head_dim], dim=1)
+        return w_uk, w_uv
+
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cached: torch.Tensor,
+        ctx: ForwardContext,
+        metadata: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """The absorbed form (the module docstring) on ``q_nope [T, H, nope]``, ``q_pe [T, H,
+        rope]`` and the tokens' cache vectors ``cached [T, rank + rope]``, which the backend
+        writes: ``[T, H, v]``. ``metadata``: a split step's absorbed requests (the backend
+        is called directly with it), else the layer's (through :class:`Attention`)."""
+        num_tokens, rank = q_nope.shape[0], self.spec.kv_lora_rank
+        w_uk, w_uv = self._up_projections()
+        # q_lat[t, h] = W_UK[h]^T q_nope[t, h]: [H, T, nope] @ [H, nope, rank] -> [H, T, rank]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        query = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, rank + rope]
+        if metadata is None:
+            out = self.attn(query, cached, cached, ctx)
+        else:
+            kv = cached.view(num_tokens, 1, -1)
+            out = self.attn.backend.forward(query, kv, kv, ctx.kv_caches[self.layer_idx], metadata)
+        out = out.view(num_tokens, self.num_heads, -1)
+        # each head's value output: W_UV[h] times its weighted latent (the first rank columns)
+        # [H, T, rank] @ [H, rank, v] -> [H, T, v]
+        return torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cached: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        """The expanded form (:mod:`.mla_prefill`) for the plan's expanded requests, whose
+        tokens these are: their cache vectors written, each request's whole context read
+        back and expanded by ``kv_b_proj``, causal attention over heads of ``nope + rope``
+        keys and ``v`` values: ``[T, H, v]``."""
+        spec, heads = self.spec, self.num_heads
+        backend = self.attn.backend
+        kv = cached.view(cached.shape[0], 1, -1)
+        # (as the backend would have: the latent, quantized by the backend's scales)
+        write_kv_cache(
+            kv_cache, kv, kv, plan.expanded_slots, k_scale=backend.k_scale, v_scale=backend.v_scale
+        )
+        context = read_cache_rows(kv_cache, plan.context_slots, backend.k_scale).to(cached.dtype)
+        latent, k_pe = context.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
+        # [L, rank] -> [L, H, nope + v]: every context token's per-head key part and value
+        k_nope, value = (
+            F.linear(latent, self.kv_b_proj.weight)
+            .view(-1, heads, spec.qk_nope_head_dim + spec.v_head_dim)
+            .split([spec.qk_nope_head_dim, spec.v_head_dim], dim=-1)
+        )
+        key = torch.cat((k_nope, k_pe[:, None, :].expand(-1, heads, -1)), dim=-1)
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        return varlen_causal_attention(
+            query, key, value, plan.expanded_query_lens, plan.expanded_seq_lens, spec.scale
+        )
 
     @torch.no_grad()
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str:

@@ -3,7 +3,8 @@
 The ``triton_paged`` kernel at DeepSeek shapes on a one-plane cache whose V plane aliases
 its K plane (one KV head of 576 shared by all query heads: 128 for DeepSeek-V3 on one GPU,
 16 for V3 over 8, 16 for V2-Lite), against the dense float32 reference; then the whole engine
-on a tiny DeepSeek-V2 checkpoint: greedy tokens equal HF ``generate``'s on the GPU.
+on a tiny DeepSeek-V2 checkpoint: greedy tokens equal HF ``generate``'s on the GPU, with the
+expanded prefill as chosen by default and forced for every chunk.
 CPU versions of both run in tests/test_mla_latent_cache.py (the kernel under Triton's
 interpreter, at small shapes).
 """
@@ -64,9 +65,14 @@ def test_triton_on_the_latent_cache_matches_dense(num_heads: int, dtype: torch.d
     torch.testing.assert_close(out[:n].float().cpu(), expected, atol=tol, rtol=tol)
 
 
-def test_engine_on_a_tiny_deepseek_matches_hf_greedy(tmp_path) -> None:
+@pytest.mark.parametrize("prefill", ["auto", "expanded"])
+def test_engine_on_a_tiny_deepseek_matches_hf_greedy(tmp_path, monkeypatch, prefill) -> None:
     """float32, ``triton_paged`` with decode graphs; a small token budget mixes chunked
-    prefills with decodes."""
+    prefills with decodes. ``CHASSIS_MLA_PREFILL``: ``auto`` (at this checkpoint's widths,
+    values of 32 > latent 16, the cost rule keeps every request absorbed) and ``expanded``
+    (every chunk expanded, SDPA on the GPU; the decodes of a mixed step on ``triton_paged``
+    over metadata of their own: ``builtin_plugins/models/mla_prefill.py``)."""
+    monkeypatch.setenv("CHASSIS_MLA_PREFILL", prefill)
     from test_deepseek_models import write_checkpoint
     from transformers import AutoModelForCausalLM
 
