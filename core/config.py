@@ -16,7 +16,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: ``--kv-cache-dtype`` values (vLLM's names): "auto" stores K/V in the model's dtype; "fp8"
 #: (= "fp8_e4m3") and "fp8_e5m2" store them in 8-bit floats (see docs/performance.md)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: ``--load-format`` values (vLLM's names): "auto" reads ``*.safetensors`` files when the
+#: checkpoint has any, else PyTorch ``pytorch_model*.bin`` files; "safetensors" and "pt"
+#: read only that kind; "dummy" fills random weights (core/weights.py)
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 #: ``--int4-weights`` values (4-bit AWQ/GPTQ checkpoints, docs/models.md): "packed" keeps the
 #: linear layers' codes packed, "dequantized" loads 16-bit weights, "auto" packs where the
 #: platform's layer kernels have an ``int4_linear`` matmul (``core/int4_packing.py``)

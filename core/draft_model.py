@@ -67,7 +67,7 @@ from chassis.core.sampling_metadata import SAMPLING_EPS, SamplingRow, build_samp
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.speculative import can_speculate
 from chassis.core.token_draw import exponential_race
-from chassis.core.weights import checkpoint_tensor_names
+from chassis.core.weights import checkpoint_tensor_names, has_weight_files
 
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend, ForwardContext
@@ -105,7 +105,7 @@ def load_draft_model(
     spec = config.speculative
     if spec is None or not spec.uses_draft_model or spec.model is None:
         raise ValueError("load_draft_model needs --speculative-config method 'draft_model'")
-    path = resolve_model_path(spec.model)
+    path = resolve_model_path(spec.model, load_format=config.load_format)
     hf_config = load_hf_config(path)
     target_vocab, draft_vocab = int(target_hf_config.vocab_size), int(hf_config.vocab_size)
     if draft_vocab != target_vocab:
@@ -122,7 +122,7 @@ def load_draft_model(
             "--max-model-len or use another draft model"
         )
     check_quantization(hf_config)
-    names = checkpoint_tensor_names(path) if any(path.glob("*.safetensors")) else set()
+    names = checkpoint_tensor_names(path) if has_weight_files(path) else set()
     if "d2t" in names or any(n.startswith("midlayer.") for n in names):
         raise ValueError(
             f"the draft model {spec.model!r} is an EAGLE-3 head (it has midlayer.* or d2t "

@@ -36,7 +36,9 @@ def finalize_config(config: EngineConfig) -> Any:
 
     if config.served_model_name is None:
         config.served_model_name = config.model or DEFAULT_MODEL
-    config.model = str(resolve_model_path(config.model, config.revision, config.download_dir))
+    config.model = str(
+        resolve_model_path(config.model, config.revision, config.download_dir, config.load_format)
+    )
     if config.tokenizer is None:
         config.tokenizer = config.model
     hf_config = engine_hf_config(config)  # with --hf-overrides

@@ -27,24 +27,10 @@ import torch
 _UNSUPPORTED_SPECULATORS_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
-def _bin_files(path: Path) -> list[Path]:
-    return sorted(Path(path).glob("pytorch_model*.bin"))
-
-
-def _load_bin(file: Path) -> dict[str, Any]:
-    """A ``.bin`` state dict, tensors only (``weights_only``), memory-mapped when the file
-    is in torch's zip format (older files are read whole)."""
-    try:
-        state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # not a zip archive: mmap is not possible
-        state = torch.load(str(file), map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        raise ValueError(f"{file} does not hold a state dict (a mapping of tensor names)")
-    return state
-
-
 def _check_has_weights(path: Path) -> None:
-    if not any(Path(path).glob("*.safetensors")) and not _bin_files(path):
+    from chassis.core.weights import has_weight_files
+
+    if not has_weight_files(path):
         raise ValueError(
             f"{path} holds no *.safetensors or pytorch_model*.bin files: a speculative head "
             "is read from either"
@@ -58,27 +44,18 @@ def head_tensor_names(path: Path) -> set[str]:
     from chassis.core.weights import checkpoint_tensor_names
 
     _check_has_weights(path)
-    if any(Path(path).glob("*.safetensors")):
-        return checkpoint_tensor_names(path)
-    return {name.removeprefix("model.") for f in _bin_files(path) for name in _load_bin(f)}
+    return checkpoint_tensor_names(path)
 
 
 def iterate_head_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every tensor of the head checkpoint in ``path`` (CPU tensors;
     names as stored, the loaders strip ``model.``): the safetensors files when there are any,
-    else the ``pytorch_model*.bin`` files. ``ValueError`` when there is neither, or a ``.bin``
-    entry is not a tensor."""
-    from chassis.core.weights import iterate_safetensors
+    else the ``pytorch_model*.bin`` files (:func:`chassis.core.weights.iterate_checkpoint`).
+    ``ValueError`` when there is neither, or a ``.bin`` entry is not a tensor."""
+    from chassis.core.weights import iterate_checkpoint
 
     _check_has_weights(path)
-    if any(Path(path).glob("*.safetensors")):
-        yield from iterate_safetensors(path)
-        return
-    for file in _bin_files(path):
-        for name, tensor in _load_bin(file).items():
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"{file}: entry {name!r} is not a tensor")
-            yield name, tensor
+    yield from iterate_checkpoint(path)
 
 
 def is_speculators_config(path: Path) -> bool:

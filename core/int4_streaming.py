@@ -42,7 +42,7 @@ from chassis.core.int4_packing import (
     pack_int4_linear,
     warn_kept_dequantized,
 )
-from chassis.core.weights import safetensors_files
+from chassis.core.weights import checkpoint_keys
 
 
 class DeferredLinears:
@@ -109,20 +109,17 @@ def deferred_linear_weights() -> Iterator[DeferredLinears]:
 
 
 def packed_checkpoint_modules(
-    model_dir: Path, wanted: Callable[[str], bool] | None = None
+    model_dir: Path, wanted: Callable[[str], bool] | None = None, load_format: str = "auto"
 ) -> set[str]:
     """The modules of the checkpoint in ``model_dir`` stored packed (those with a
-    ``qweight``), read from the files' headers; ``wanted(name)``, when given, keeps only
-    the tensors the loader reads."""
-    from safetensors import safe_open
-
-    modules: set[str] = set()
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                if name.endswith(".qweight") and (wanted is None or wanted(name)):
-                    modules.add(name.removesuffix(".qweight"))
-    return modules
+    ``qweight``), read from the files ``load_format`` picks (safetensors: their headers;
+    ``.bin``: the memory-mapped state dicts); ``wanted(name)``, when given, keeps only the
+    tensors the loader reads."""
+    return {
+        name.removesuffix(".qweight")
+        for name in checkpoint_keys(model_dir, load_format)
+        if name.endswith(".qweight") and (wanted is None or wanted(name))
+    }
 
 
 class Int4StreamPacker:

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chassis.core.bin_weights import BIN_WEIGHTS_GLOB, bin_weight_files
 from chassis.core.config import DEFAULT_MODEL
 from chassis.core.gguf_checkpoint import embedded_model_dir
-from chassis.core.weights import iterate_safetensors
+from chassis.core.weights import iterate_bin, iterate_safetensors, weight_format
 
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
@@ -29,8 +30,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: files fetched from the hub: config, tokenizer, chat template, weights
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+#: files fetched from the hub besides the weights: config (and a .bin shard index),
+#: tokenizer, chat template
+HUB_ALLOW_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+#: the weight files fetched from the hub, per kind (what core/weights.py reads of each)
+HUB_WEIGHT_PATTERNS = {"safetensors": ["*.safetensors"], "pt": [BIN_WEIGHTS_GLOB]}
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -52,6 +56,7 @@ def resolve_model_path(
     model: str | os.PathLike[str] | None,
     revision: str | None = None,
     download_dir: str | None = None,
+    load_format: str = "auto",
 ) -> Path:
     """Return a local directory holding the checkpoint named by ``model``.
 
@@ -59,7 +64,8 @@ def resolve_model_path(
     - an existing local directory: itself (it must contain ``config.json``).
     - a ``.gguf`` file: converted once into a cached HF checkpoint (core/gguf_checkpoint.py).
     - otherwise a Hugging Face hub id, downloaded (or found in the HF cache, or in
-      ``download_dir`` when given) at ``revision``.
+      ``download_dir`` when given) at ``revision``: its config and tokenizer files and the
+      weight files ``load_format`` reads (:func:`hub_weight_kinds`).
 
     Raises ``ValueError`` with what to do when none of these works.
     """
@@ -78,10 +84,34 @@ def resolve_model_path(
         raise ValueError(
             f"model {str(model)!r} is a file; name a checkpoint directory, a .gguf file or a hub id"
         )
-    return _download(str(model), revision, download_dir)
+    return _download(str(model), revision, download_dir, load_format)
 
 
-def _download(repo_id: str, revision: str | None, download_dir: str | None = None) -> Path:
+def hub_weight_kinds(load_format: str) -> tuple[str, ...]:
+    """The kinds of weight files (:data:`HUB_WEIGHT_PATTERNS` keys) a hub download fetches
+    for ``load_format``, in order: the next kind is fetched only when the repository had no
+    file of the one before. ``auto``: safetensors, else ``.bin`` (vLLM's choice); ``pt`` and
+    ``safetensors``: that kind only; ``dummy``: safetensors, as before the other kinds existed
+    (the weights are not read)."""
+    if load_format == "pt":
+        return ("pt",)
+    if load_format == "auto":
+        return ("safetensors", "pt")
+    return ("safetensors",)
+
+
+def _has_weights_of_kind(path: Path, kind: str) -> bool:
+    if kind == "pt":
+        return bool(bin_weight_files(path))
+    return any(path.glob("*.safetensors"))
+
+
+def _download(
+    repo_id: str,
+    revision: str | None,
+    download_dir: str | None = None,
+    load_format: str = "auto",
+) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -92,12 +122,18 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None = Non
     )
 
     try:
-        local = snapshot_download(
-            repo_id=repo_id,
-            revision=revision,
-            allow_patterns=HUB_ALLOW_PATTERNS,
-            cache_dir=download_dir,
-        )
+        for kind in hub_weight_kinds(load_format):
+            # fetching one kind first, rather than listing the repository's files, also
+            # works offline from the HF cache (the fallback's fetch is then a cache lookup)
+            local = snapshot_download(
+                repo_id=repo_id,
+                revision=revision,
+                allow_patterns=HUB_ALLOW_PATTERNS + HUB_WEIGHT_PATTERNS[kind],
+                cache_dir=download_dir,
+            )
+            if _has_weights_of_kind(Path(local), kind):
+                break
+            logger.info("%s has no %s weights", repo_id, kind)
     except HFValidationError as exc:
         raise ValueError(
             f"model {repo_id!r} is neither an existing local directory nor a valid hub id "
@@ -358,9 +394,10 @@ def build_model(
 ) -> CausalLM:
     """Construct the registered model class for the checkpoint on ``device`` and fill it.
 
-    Weights come from ``model_path``'s ``*.safetensors`` files (quantized ones dequantized,
-    :mod:`chassis.core.quantized_weights`), or are random (``--load-format dummy``, seeded by
-    ``engine_config.seed``). Raises ``ValueError`` when
+    Weights come from ``model_path``'s ``*.safetensors`` or ``pytorch_model*.bin`` files, as
+    ``engine_config.load_format`` picks (:func:`chassis.core.weights.weight_format`;
+    quantized ones dequantized, :mod:`chassis.core.quantized_weights`), or are random
+    (``--load-format dummy``, seeded by ``engine_config.seed``). Raises ``ValueError`` when
     the architecture is not registered or a parameter was left unfilled.
     """
     from chassis.core.model_interface import ModelBuildContext
@@ -390,8 +427,11 @@ def build_model(
         from chassis.core.quantized_weights import dequantized_weights
 
         parameter_names = {name for name, _ in model.named_parameters()}
+        # the files --load-format picks (chassis.core.weights.iterate_checkpoint's choice)
+        fmt = weight_format(Path(model_path), engine_config.load_format)
+        read = iterate_safetensors if fmt == "safetensors" else iterate_bin
         weights = dequantized_weights(
-            iterate_safetensors(Path(model_path), wanted=model.needs_checkpoint_tensor),
+            read(Path(model_path), wanted=model.needs_checkpoint_tensor),
             hf_config,
             parameter_names,
             model.merged_projections,
@@ -406,7 +446,9 @@ def build_model(
                 model,
                 deferred,
                 int4_sources,
-                packed_checkpoint_modules(Path(model_path), model.needs_checkpoint_tensor),
+                packed_checkpoint_modules(
+                    Path(model_path), model.needs_checkpoint_tensor, engine_config.load_format
+                ),
                 model.merged_projections,
                 parallel_state.tp_size(),
                 parallel_state.tp_rank(),

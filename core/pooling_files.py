@@ -40,16 +40,19 @@ def read_module_config(folder: Path, module: str) -> dict[str, Any]:
 
 def read_weights(folder: Path, module: str) -> tuple[Path, dict[str, torch.Tensor]]:
     """The weights file of the ``module`` in ``folder`` (``model.safetensors``, else
-    ``pytorch_model.bin``, read on the CPU without unpickling code) and its tensors.
-    ``ValueError`` when there is none or it cannot be read."""
+    ``pytorch_model.bin``, read on the CPU without unpickling code:
+    :func:`~chassis.core.bin_weights.load_bin_state_dict`) and its tensors. ``ValueError``
+    when there is none or it cannot be read."""
+    from chassis.core.bin_weights import load_bin_state_dict
+
     path = next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
     if path is None:
         raise ValueError(f"{module} module {folder}: no weights file ({' or '.join(WEIGHT_FILES)})")
+    if path.suffix == ".bin":
+        return path, load_bin_state_dict(path)
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+        from safetensors.torch import load_file
 
-            return path, load_file(str(path))
-        return path, torch.load(path, map_location="cpu", weights_only=True)
+        return path, load_file(str(path))
     except Exception as exc:  # a corrupt or foreign file: say which
         raise ValueError(f"cannot read {path}: {exc}") from None

@@ -157,7 +157,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     g.add_argument(
         "--load-format",
         choices=LOAD_FORMATS,
-        help=_help("weight format; 'dummy' = random weights", "load_format"),
+        help=_help(
+            "weight files read: 'auto' = *.safetensors, else pytorch_model*.bin; 'pt' = "
+            ".bin only; 'dummy' = random weights",
+            "load_format",
+        ),
     )
     g.add_argument(
         "--quantization",

@@ -1,7 +1,9 @@
 """Reading LoRA adapters saved by PEFT, and checking them against the served model.
 
 A PEFT adapter folder holds ``adapter_config.json`` (``r``, ``lora_alpha``,
-``use_rslora``, ...) and ``adapter_model.safetensors`` with, per adapted linear layer,
+``use_rslora``, ...) and ``adapter_model.safetensors`` (older PEFT versions:
+``adapter_model.bin``, read as tensors only, :mod:`chassis.core.bin_weights`) with, per
+adapted linear layer,
 ``base_model.model.<module>.lora_A.weight`` (``[r, in_features]``) and
 ``...lora_B.weight`` (``[out_features, r]``). The layer computes
 ``W x + scaling * B (A x)`` with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)``
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from chassis.core.bin_weights import load_bin_state_dict
 
 #: the name prefix PEFT gives every tensor of a causal LM adapter
 _PEFT_PREFIX = "base_model.model."
@@ -31,6 +36,9 @@ _CONFIG_FILE = "adapter_config.json"
 #: PEFT's ``LoraConfig.lora_alpha`` when ``adapter_config.json`` leaves it out
 _PEFT_DEFAULT_ALPHA = 8
 _WEIGHTS_FILE = "adapter_model.safetensors"
+#: what older PEFT versions save (``safe_serialization=False``); read when there is no
+#: safetensors file
+_BIN_WEIGHTS_FILE = "adapter_model.bin"
 
 
 @dataclass(frozen=True)
@@ -118,22 +126,54 @@ def _module_of(key: str, path: Path) -> tuple[str, str]:
     raise ValueError(f"{path}: tensor {key!r} is not a LoRA A or B matrix")
 
 
-def _tensor_shapes(folder: Path) -> dict[str, dict[str, list[int]]]:
-    """``{module: {"A": shape, "B": shape}}`` from the safetensors header (no tensor data)."""
+def _weights_path(folder: Path) -> Path:
+    """The adapter's weights file: ``adapter_model.safetensors``, else ``adapter_model.bin``."""
+    for name in (_WEIGHTS_FILE, _BIN_WEIGHTS_FILE):
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(
+        f"LoRA adapter folder {str(folder)!r} has no {_WEIGHTS_FILE} (nor {_BIN_WEIGHTS_FILE})"
+    )
+
+
+def _stored_shapes(path: Path) -> list[tuple[str, list[int]]]:
+    """``(name, shape)`` of every tensor of the weights file ``path`` (safetensors: from the
+    header, no tensor data; ``.bin``: the memory-mapped state dict)."""
+    if path.suffix == ".bin":
+        return [(key, list(tensor.shape)) for key, tensor in load_bin_state_dict(path).items()]
     from safetensors import SafetensorError, safe_open
 
-    path = folder / _WEIGHTS_FILE
-    if not path.is_file():
-        other = " (only safetensors adapters are read)" if any(folder.glob("*.bin")) else ""
-        raise ValueError(f"LoRA adapter folder {str(folder)!r} has no {_WEIGHTS_FILE}{other}")
-    shapes: dict[str, dict[str, list[int]]] = {}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            keys = handle.keys()  # (a safe_open handle is not a dict)
+            return [(key, list(handle.get_slice(key).get_shape())) for key in keys]
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
+def _stored_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of the weights file ``path``, one at a time."""
+    if path.suffix == ".bin":
+        yield from load_bin_state_dict(path).items()
+        return
+    from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not a dict
-                module, which = _module_of(key, path)
-                shapes.setdefault(module, {})[which] = list(handle.get_slice(key).get_shape())
+                yield key, handle.get_tensor(key)
     except SafetensorError as exc:
         raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
+def _tensor_shapes(folder: Path) -> dict[str, dict[str, list[int]]]:
+    """``{module: {"A": shape, "B": shape}}`` from the weights file (no tensor data read
+    from a safetensors file)."""
+    path = _weights_path(folder)
+    shapes: dict[str, dict[str, list[int]]] = {}
+    for key, shape in _stored_shapes(path):
+        module, which = _module_of(key, path)
+        shapes.setdefault(module, {})[which] = shape
     if not shapes:
         raise ValueError(f"{path} holds no LoRA tensors")
     return shapes
@@ -151,15 +191,9 @@ def check_adapter(
     """
     folder = Path(folder)
     config = _check_headers(folder, target_shapes, max_rank)
-    from safetensors import SafetensorError, safe_open
-
-    path = folder / _WEIGHTS_FILE
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not a dict
-                _check_finite(path, key, handle.get_tensor(key))
-    except SafetensorError as exc:
-        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
+    path = _weights_path(folder)
+    for key, tensor in _stored_tensors(path):
+        _check_finite(path, key, tensor)
     return config
 
 
@@ -217,18 +251,15 @@ def load_adapter(
     """Read the adapter's tensors, ``B`` pre-scaled, checked as :func:`check_adapter` does
     (again: the folder may have changed since the front-end's check). Every failure to read
     it (a folder deleted, made unreadable or truncated since) is a ``ValueError``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     folder = Path(folder)
-    path = folder / _WEIGHTS_FILE
     try:
         config = _check_headers(folder, target_shapes, max_rank)
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError) as exc:
+        path = _weights_path(folder)
+        tensors = list(_stored_tensors(path))
+    except OSError as exc:
         raise ValueError(f"LoRA adapter {str(folder)!r} cannot be read: {exc}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    for key, tensor in tensors:
         module, which = _module_of(key, folder)
         tensor = tensor.float()
         _check_finite(path, key, tensor)

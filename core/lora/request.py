@@ -13,7 +13,7 @@ class LoRARequest(msgspec.Struct, frozen=True, kw_only=False):
         with the same id share its device slot and their prefix-cache entries; two different
         adapters must not share an id
     :param lora_path: a local folder in PEFT's format (``adapter_config.json`` and
-        ``adapter_model.safetensors``)
+        ``adapter_model.safetensors``, or an older PEFT's ``adapter_model.bin``)
     """
 
     lora_name: str
