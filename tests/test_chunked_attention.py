@@ -82,12 +82,43 @@ def test_cpu_paged_chunked_and_full_layers_share_a_step():
         torch.testing.assert_close(out[:n], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_chunk_larger_than_every_context_is_full_attention():
+@pytest.mark.parametrize("backend_name", sorted(BACKENDS))
+def test_a_chunk_larger_than_every_context_is_full_attention(backend_name):
+    """(``cpu_paged`` takes its plain paths then: no query has a chunk start past 0.)"""
     b = _batch(torch.float32, 16)
-    backend = TorchPagedAttention(6, 16, 2, 0.25, attention_chunk_size=1000)
+    backend = BACKENDS[backend_name](6, 16, 2, 0.25, attention_chunk_size=1000)
     out = backend.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
     n = b.metadata.num_actual_tokens
     torch.testing.assert_close(out[:n], dense_attention(b, 0.25), atol=1e-5, rtol=1e-5)
+    assert not any(key.startswith("cpu_paged.chunked") for key in b.metadata.derived)
+
+
+def test_cpu_paged_cuts_each_request_at_chunk_boundaries():
+    """A prefill of 40 tokens in chunks of 8 is five pieces, each reading only its chunk's
+    rows (not the whole context), with the answer of the dense reference."""
+    b = make_batch(
+        [(0, 40), (13, 1)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        dtype=torch.float32,
+        unwritten_fill=1e4,
+    )
+    backend = CpuPagedAttention(4, 8, 2, 0.25, attention_chunk_size=8)
+    out = backend.forward(b.query, b.key, b.value, b.kv_cache, b.metadata)
+    n = b.metadata.num_actual_tokens
+    expected = dense_attention(b, 0.25, attention_chunk_size=8)
+    torch.testing.assert_close(out[:n], expected, atol=1e-5, rtol=1e-5)
+    (parts,) = (v for k, v in b.metadata.derived.items() if k.startswith("cpu_paged.chunked"))
+    assert [(p.start, p.stop, len(rows)) for p, rows, _ in parts] == [
+        (0, 8, 8),
+        (8, 16, 8),
+        (16, 24, 8),
+        (24, 32, 8),
+        (32, 40, 8),
+        (40, 41, 6),  # position 13: its chunk's rows 8 .. 13
+    ]
 
 
 def test_a_backend_without_chunked_attention_is_refused():

@@ -375,6 +375,35 @@ def test_chunks_skip_tiles_and_split_what_is_left(
     torch.testing.assert_close(out[:n], expected, atol=ATOL[torch.float32], rtol=0)
 
 
+@in_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_chunked_decodes_one_block_per_request(num_splits: int) -> None:
+    """Decode-only steps (one query block per request, the kernel variant CUDA graphs
+    capture) apply the chunk too, split or not, with sinks beside it."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        DECODES, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    kernels.write_kv_cache(batch.key, batch.value, batch.kv_cache, batch.metadata.slot_mapping)
+    sinks = _sinks(6, torch.float32)
+    out = torch.empty_like(batch.query)
+    config = kernels.paged_attention(
+        batch.query,
+        batch.kv_cache,
+        out,
+        num_splits=num_splits,
+        sinks=sinks,
+        attention_chunk_size=8,
+        **batch.kernel_args(0.25),
+    )
+    assert batch.metadata.max_query_len <= config.block_q  # ONE_BLOCK_PER_REQ
+    n = batch.metadata.num_actual_tokens
+    expected = dense_attention(batch, 0.25, sinks=sinks, attention_chunk_size=8)
+    torch.testing.assert_close(out[:n], expected, atol=ATOL[torch.float32], rtol=0)
+    assert not torch.allclose(expected, dense_attention(batch, 0.25, sinks=sinks), atol=0.1)
+
+
 #: (sliding_window, logits_soft_cap) combined with attention sinks
 SINK_OPTIONS = [(None, None), (8, None), (8, 2.0)]
 

@@ -33,11 +33,15 @@ what it did before they existed. Block-table entries before a window may be the 
 start past them, the SDPA paths mask them (the null block holds zeros).
 
 Chunked local attention (``attention_chunk_size``, Llama 4's RoPE layers) takes a path of its
-own, in torch: the compiled kernels know no chunk. Per request, the rows of the context from
-the chunk start of its first query on are gathered once per step (memoized in the plan's
-metadata, shared by every chunked layer) and attended with SDPA under a mask that starts each
-query at its own chunk (the window, a cap and sinks, if a layer has them too, as on the SDPA
-paths). A chunked layer reads at most one chunk plus its query per request.
+own, in torch: the compiled kernels know no chunk. A step whose every context fits in one chunk
+(``max_seq_len <= attention_chunk_size``: no query has a chunk start past 0) is plain causal
+attention and takes the paths above, kernels included. Otherwise each request's queries are cut
+at chunk boundaries, and each piece's keys, the rows from its chunk's start to its last query
+(the request's context end under an ``attend_limit``), are gathered once per step (memoized in
+the metadata, shared by every chunked layer) and attended with SDPA under a mask that starts
+each query at its own chunk (the window, a cap and sinks, if a layer has them too, as on the
+SDPA paths). A piece reads at most one chunk of rows, so a long prefill costs
+``O(query * chunk)``, not ``O(query * context)``.
 
 Attention sinks (``sinks``, gpt-oss) run on every path too: the compiled kernels start each
 row's online softmax with the head's sink logit as its running maximum and a denominator of
@@ -370,7 +374,8 @@ class CpuPagedAttention(AttentionBackend):
                 new_k, new_v = new_k[plan.write_tokens], new_v[plan.write_tokens]
             flat.index_copy_(0, plan.write_k_rows, new_k.to(flat.dtype))
             flat.index_copy_(0, plan.write_k_rows + v_offset, new_v.to(flat.dtype))
-        if self.attention_chunk_size is not None:
+        chunk = self.attention_chunk_size
+        if chunk is not None and metadata.max_seq_len > chunk:  # else no chunk starts past 0
             return self._chunked(query, flat, v_offset, metadata, block_size, rows_per_block)
 
         if plan.rows_only:
@@ -577,10 +582,10 @@ def _chunked_parts(
     block_size: int,
     rows_per_block: int,
 ) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """Per request with tokens this step: ``(its tokens, the cache rows of its context from
-    its first query's chunk start on, [Q, L] mask)``; the mask (True = may attend) bounds
-    each query below by its chunk start (and its window) and above by its position (or its
-    ``attend_limit``)."""
+    """Per piece of a request's tokens this step that lie in one chunk: ``(its tokens, the
+    cache rows of positions from that chunk's start to its last key, [Q, L] mask)``; the mask
+    (True = may attend) bounds each query below by its chunk start (and its window) and above
+    by its position (or its ``attend_limit``, when the piece's keys run to the context end)."""
     device = metadata.slot_mapping.device
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
@@ -588,21 +593,28 @@ def _chunked_parts(
     parts = []
     for i in range(metadata.num_reqs):
         query_len, seq_len = starts[i + 1] - starts[i], seq_lens[i]
-        if query_len == 0:
-            continue
         prefix = seq_len - query_len
-        k_lo = prefix // chunk * chunk
-        k_pos = torch.arange(k_lo, seq_len, device=device)
-        blocks = metadata.block_table[i][k_pos // block_size].long()
-        rows = blocks * rows_per_block + k_pos % block_size
-        q_pos = torch.arange(prefix, seq_len, device=device)[:, None]
-        last = q_pos
-        if limits is not None:
-            last = limits[starts[i] : starts[i + 1]].to(device, torch.long)[:, None]
-        mask = (k_pos[None, :] <= last) & (k_pos[None, :] >= q_pos // chunk * chunk)
-        if window is not None:
-            mask &= k_pos[None, :] > q_pos - window
-        parts.append((slice(starts[i], starts[i + 1]), rows, mask))
+        q_lo = prefix
+        while q_lo < seq_len:  # no iteration for a request without tokens this step
+            k_lo = q_lo // chunk * chunk
+            q_hi = min(k_lo + chunk, seq_len)  # this chunk's queries: q_lo .. q_hi - 1
+            first = starts[i] + q_lo - prefix
+            tokens = slice(first, first + q_hi - q_lo)
+            q_pos = torch.arange(q_lo, q_hi, device=device)[:, None]
+            last = q_pos
+            k_hi = q_hi
+            if limits is not None:  # a limit may pass the piece's last position
+                last = limits[tokens].to(device, torch.long)[:, None]
+                k_hi = seq_len
+            k_pos = torch.arange(k_lo, k_hi, device=device)
+            blocks = metadata.block_table[i][k_pos // block_size].long()
+            rows = blocks * rows_per_block + k_pos % block_size
+            # every key is in the piece's chunk: only the upper bound (and a window) remain
+            mask = k_pos[None, :] <= last
+            if window is not None:
+                mask &= k_pos[None, :] > q_pos - window
+            parts.append((tokens, rows, mask))
+            q_lo = q_hi
     return parts
 
 

@@ -22,9 +22,11 @@ class TorchPagedAttention(AttentionBackend):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Softmax is computed in float32 whatever the cache dtype; the output has the query's dtype.
-    A sliding window and chunked local attention (``attention_chunk_size``) are masks; a logit soft cap or attention sinks, which SDPA cannot apply,
-    switch to the explicit float32 softmax of :meth:`_attend` (the sink logit of each head as
-    one more column of the softmax, dropped before ``p . v``). ``metadata.attend_limit``
+    A sliding window and chunked local attention (``attention_chunk_size``; a request whose
+    context fits in one chunk is plain causal) are masks; a logit soft cap or attention
+    sinks, which SDPA cannot apply, switch to the explicit float32 softmax of :meth:`_attend`
+    (the sink logit of each head as one more column of the softmax, dropped before
+    ``p . v``). ``metadata.attend_limit``
     (bidirectional image blocks) is the mask's bound ``k <= attend_limit[q]`` in place of
     ``k <= position`` for prefill chunks; a decode's limit is its own position (the
     contract), so decodes ignore it.
@@ -105,9 +107,10 @@ class TorchPagedAttention(AttentionBackend):
         q = query.transpose(0, 1).float()  # [H, Q, D]
         k = self._dequantized(kv[0].transpose(0, 1), self.k_scale)  # [KV, L, D]
         v = self._dequantized(kv[1].transpose(0, 1), self.v_scale)
+        chunk = self.attention_chunk_size
         plain = (
             self.sliding_window is None
-            and self.attention_chunk_size is None
+            and (chunk is None or seq_len <= chunk)  # one chunk: plain causal
             and self.logits_soft_cap is None
             and self.sinks is None
         )
@@ -123,7 +126,6 @@ class TorchPagedAttention(AttentionBackend):
             mask = k_pos[None, :] <= last[:, None]  # [Q, L], True = may attend
             if self.sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
-            chunk = self.attention_chunk_size
             if chunk is not None:  # from the start of the query's own chunk on
                 mask &= k_pos[None, :] >= q_pos[:, None] // chunk * chunk
             out = self._attend(q, k, v, mask)

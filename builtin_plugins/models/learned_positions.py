@@ -19,6 +19,7 @@ those names (:meth:`LearnedPositionsForCausalLM.checkpoint_tensors`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -27,18 +28,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention
+from chassis.builtin_plugins.models.parallel_residual import GELU_ACTIVATIONS
 from chassis.builtin_plugins.models.starcoder2 import LayerNorm, Starcoder2ForCausalLM
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.vocab_parallel import VocabParallelEmbedding, vocab_shard
 from chassis.core.model_interface import ModelBuildContext
 
-#: HF ``activation_function`` names -> the activation (elementwise, in the input dtype)
+#: HF ``activation_function`` names -> the activation (elementwise, in the input dtype): ReLU
+#: (OPT) and the GELUs of :data:`.parallel_residual.GELU_ACTIVATIONS` (one table of what each
+#: GELU name means)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    **{
+        name: functools.partial(F.gelu, approximate=approximate)
+        for name, approximate in GELU_ACTIVATIONS.items()
+    },
 }
 
 

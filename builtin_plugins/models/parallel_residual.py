@@ -29,15 +29,16 @@ from torch import nn
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
+from chassis.core.layers.activation import GELU_APPROXIMATIONS
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.layers.vocab_parallel import vocab_shard
 from chassis.core.model_interface import LoRASlice, ModelBuildContext
 
-#: HF ``hidden_act`` / ``activation_function`` -> ``F.gelu``'s ``approximate``. ``gelu_new``
-#: (Phi, GPT-J) is the tanh formula written out; it equals torch's tanh GELU to float
-#: rounding.
-GELU_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+#: HF ``hidden_act`` / ``activation_function`` -> ``F.gelu``'s ``approximate``: the core
+#: table and ``gelu_new`` (Phi, GPT-J, GPT-2), the tanh formula written out, which equals
+#: torch's tanh GELU to float rounding.
+GELU_ACTIVATIONS = {**GELU_APPROXIMATIONS, "gelu_new": "tanh"}
 
 
 def gelu_approximate(activation: str, architecture: str) -> str:
