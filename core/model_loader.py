@@ -317,6 +317,7 @@ _MULTIMODAL_FIELDS = (
     "projector_hidden_act",
     "multimodal_projector_bias",
     "image_grid_pinpoints",
+    "vision_aspect_ratio",  # LLaVA-OneVision's grid cap
     "spatial_merge_size",  # Mistral 3's patch merge
     "mm_tokens_per_image",  # Gemma 3's image rows and its image frame's tokens
     "boi_token_id",
@@ -324,6 +325,7 @@ _MULTIMODAL_FIELDS = (
     "downsample_ratio",  # InternVL's pixel shuffle
     "downsample_factor",  # Aya Vision's pixel shuffle and projector
     "adapter_layer_norm_eps",
+    "scale_factor",  # Idefics3 / SmolVLM's pixel shuffle
     "alignment_intermediate_size",
     "audio_config",  # Qwen2-Audio's audio tower and its placeholder token
     "audio_token_id",

@@ -91,6 +91,11 @@ def chassis_register_models(registry: Any) -> None:
         "LlavaNextForConditionalGeneration",
         f"{_PKG}.llava_next_images:LlavaNextForConditionalGenerationWithImages",
     )
+    # LLaVA-OneVision: as LLaVA-NeXT, with its grid cap and multi-image packing (Qwen2 text)
+    registry.register(
+        "LlavaOnevisionForConditionalGeneration",
+        f"{_PKG}.llava_onevision_images:LlavaOnevisionForConditionalGenerationWithImages",
+    )
     # InternVL (-hf): as LLaVA-1.5, with the InternViT tower, pixel shuffle and tiles
     registry.register(
         "InternVLForConditionalGeneration",
@@ -100,6 +105,15 @@ def chassis_register_models(registry: Any) -> None:
     registry.register(
         "AyaVisionForConditionalGeneration",
         f"{_PKG}.aya_vision_images:AyaVisionForConditionalGenerationWithImages",
+    )
+    # Idefics3 / SmolVLM: as LLaVA-1.5, with their SigLIP-like tower, pixel shuffle and tiles
+    registry.register(
+        "Idefics3ForConditionalGeneration",
+        f"{_PKG}.idefics3_images:Idefics3ForConditionalGenerationWithImages",
+    )
+    registry.register(
+        "SmolVLMForConditionalGeneration",
+        f"{_PKG}.idefics3_images:Idefics3ForConditionalGenerationWithImages",
     )
     # Qwen2-Audio: the Qwen2 decoder, with audio (Whisper-style tower, linear projector)
     registry.register(
@@ -128,35 +142,35 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("Glm4ForCausalLM", f"{_PKG}.glm4:Glm4ForCausalLM")
     registry.register("SeedOssForCausalLM", f"{_PKG}.seed_oss:SeedOssForCausalLM")
     registry.register("SmolLM3ForCausalLM", f"{_PKG}.smollm3:SmolLM3ForCausalLM")
-    registry.register("ArceeForCausalLM", f"{_PKG}.arcee:ArceeForCausalLM")
-    registry.register("Starcoder2ForCausalLM", f"{_PKG}.starcoder2:Starcoder2ForCausalLM")
-    registry.register("Cohere2ForCausalLM", f"{_PKG}.cohere2:Cohere2ForCausalLM")
-    registry.register("DeepseekV2ForCausalLM", f"{_PKG}.deepseek_v2:DeepseekV2ForCausalLM")
-    registry.register("DeepseekV3ForCausalLM", f"{_PKG}.deepseek_v3:DeepseekV3ForCausalLM")
-    registry.register("Glm4MoeForCausalLM", f"{_PKG}.glm4_moe:Glm4MoeForCausalLM")
-    registry.register("MiniMaxM2ForCausalLM", f"{_PKG}.minimax_m2:MiniMaxM2ForCausalLM")
-    registry.register("Dots1ForCausalLM", f"{_PKG}.dots1:Dots1ForCausalLM")
-    registry.register("GPTNeoXForCausalLM", f"{_PKG}.gpt_neox:GPTNeoXForCausalLM")
-    registry.register("PhiForCausalLM", f"{_PKG}.phi:PhiForCausalLM")
-    registry.register("StableLmForCausalLM", f"{_PKG}.stablelm:StableLmForCausalLM")
-    registry.register("GPTJForCausalLM", f"{_PKG}.gptj:GPTJForCausalLM")
-    registry.register("Ernie4_5ForCausalLM", f"{_PKG}.ernie4_5:Ernie4_5ForCausalLM")
-    registry.register("Ernie4_5_MoeForCausalLM", f"{_PKG}.ernie4_5_moe:Ernie4_5_MoeForCausalLM")
     registry.register("Llama4ForCausalLM", f"{_PKG}.llama4:Llama4ForCausalLM")
     # the language model of Llama 4 Scout / Maverick, text only (no images)
     registry.register(
         "Llama4ForConditionalGeneration", f"{_PKG}.llama4:Llama4ForConditionalGeneration"
     )
+    registry.register("ArceeForCausalLM", f"{_PKG}.arcee:ArceeForCausalLM")
+    registry.register("Starcoder2ForCausalLM", f"{_PKG}.starcoder2:Starcoder2ForCausalLM")
+    registry.register("Cohere2ForCausalLM", f"{_PKG}.cohere2:Cohere2ForCausalLM")
+    registry.register("GPTNeoXForCausalLM", f"{_PKG}.gpt_neox:GPTNeoXForCausalLM")
+    registry.register("PhiForCausalLM", f"{_PKG}.phi:PhiForCausalLM")
+    registry.register("StableLmForCausalLM", f"{_PKG}.stablelm:StableLmForCausalLM")
+    registry.register("GPTJForCausalLM", f"{_PKG}.gptj:GPTJForCausalLM")
+    registry.register("DeepseekV2ForCausalLM", f"{_PKG}.deepseek_v2:DeepseekV2ForCausalLM")
+    registry.register("DeepseekV3ForCausalLM", f"{_PKG}.deepseek_v3:DeepseekV3ForCausalLM")
+    registry.register("Glm4MoeForCausalLM", f"{_PKG}.glm4_moe:Glm4MoeForCausalLM")
+    registry.register("MiniMaxM2ForCausalLM", f"{_PKG}.minimax_m2:MiniMaxM2ForCausalLM")
+    registry.register("Dots1ForCausalLM", f"{_PKG}.dots1:Dots1ForCausalLM")
+    registry.register("Ernie4_5ForCausalLM", f"{_PKG}.ernie4_5:Ernie4_5ForCausalLM")
+    registry.register("Ernie4_5_MoeForCausalLM", f"{_PKG}.ernie4_5_moe:Ernie4_5_MoeForCausalLM")
     registry.register("ApertusForCausalLM", f"{_PKG}.apertus:ApertusForCausalLM")
     registry.register(
         "HunYuanDenseV1ForCausalLM", f"{_PKG}.hunyuan_v1_dense:HunYuanDenseV1ForCausalLM"
     )
     registry.register("HunYuanMoEV1ForCausalLM", f"{_PKG}.hunyuan_v1_moe:HunYuanMoEV1ForCausalLM")
+    # learned absolute positions instead of RoPE (vLLM's quickstart model is facebook/opt-125m)
+    registry.register("OPTForCausalLM", f"{_PKG}.opt:OPTForCausalLM")
+    registry.register("GPT2LMHeadModel", f"{_PKG}.gpt2:GPT2LMHeadModel")
     # an EAGLE-1 draft head over a target (--speculative-config method eagle), never alone
     registry.register("EagleLlamaForCausalLM", f"{_PKG}.llama_eagle:EagleLlamaHead")
     # an EAGLE-3 draft head (method eagle3): the published heads' name and vLLM's
     registry.register("LlamaForCausalLMEagle3", f"{_PKG}.llama_eagle3:Eagle3LlamaHead")
     registry.register("Eagle3LlamaForCausalLM", f"{_PKG}.llama_eagle3:Eagle3LlamaHead")
-    # learned absolute positions instead of RoPE (vLLM's quickstart model is facebook/opt-125m)
-    registry.register("OPTForCausalLM", f"{_PKG}.opt:OPTForCausalLM")
-    registry.register("GPT2LMHeadModel", f"{_PKG}.gpt2:GPT2LMHeadModel")
