@@ -28,6 +28,7 @@ import torch
 
 from chassis.builtin_plugins.models.aya_vision_projector import AyaVisionProjector, AyaVisionSpec
 from chassis.builtin_plugins.models.clip_vision import ClipVisionTower, tower_kind
+from chassis.builtin_plugins.models.image_item_inputs import image_run_inputs, image_tiles
 from chassis.builtin_plugins.models.llava import AyaVisionForConditionalGeneration
 from chassis.builtin_plugins.models.llava_images import (
     LlavaForConditionalGenerationWithImages,
@@ -89,20 +90,8 @@ class AyaVisionForConditionalGenerationWithImages(
         run's token ids) -> ``[length, hidden_size]`` in the model's dtype. ``ValueError`` for
         another modality, a missing input, a wrong shape, or a run whose ``<|IMG_PATCH|>``
         count is not the image's rows."""
-        if modality != "image":
-            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
-        pixels, run = inputs.get("pixel_values"), inputs.get("placeholder_ids")
-        if pixels is None or run is None:
-            raise ValueError(
-                f"image inputs need pixel_values and placeholder_ids (got {sorted(inputs)})"
-            )
-        if pixels.dim() == 5 and pixels.shape[0] == 1:
-            pixels = pixels[0]
-        if pixels.dim() != 4:
-            raise ValueError(
-                "a feature holds one image: pixel_values [tiles, channels, height, width]; got "
-                f"{tuple(pixels.shape)}"
-            )
+        pixels, run = image_run_inputs(self, modality, inputs)
+        pixels = image_tiles(pixels)
         features = self.image_features(pixels)
         image_rows = features.reshape(-1, features.shape[-1])
         return splice_item_rows(

@@ -33,10 +33,16 @@ from typing import Any
 import torch
 
 from chassis.builtin_plugins.models.aya_vision_projector import AyaVisionSpec
+from chassis.builtin_plugins.models.image_pixels import preprocess_image
 from chassis.builtin_plugins.models.internvl_processing import TilePreprocessing
+from chassis.builtin_plugins.models.processor_files import (
+    image_processor_source,
+    image_token_ids,
+    saved_processor_config,
+)
+from chassis.builtin_plugins.models.run_writing_processor import RunWritingProcessor
 from chassis.core.multimodal import MultiModalFeature
 from chassis.core.multimodal_processing import MultiModalProcessor
-from chassis.core.placeholder_runs import write_placeholder_runs
 
 #: ``AyaVisionProcessor``'s defaults for what ``processor_config.json`` leaves out
 _DEFAULTS: dict[str, Any] = {
@@ -52,7 +58,7 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-class AyaVisionImageInputs(MultiModalProcessor):
+class AyaVisionImageInputs(RunWritingProcessor, MultiModalProcessor):
     """Images of Aya Vision requests (the module docstring). ``start_id``, ``end_id`` and
     ``patch_id`` are the ids of ``<|START_OF_IMG|>``, ``<|END_OF_IMG|>`` and
     ``<|IMG_PATCH|>``; ``tile_labels[i]`` the token ids of the ``i``-th tile's label
@@ -90,23 +96,13 @@ class AyaVisionImageInputs(MultiModalProcessor):
         from chassis.core.tokenizer import load_tokenizer
 
         model_dir = Path(model_dir)
-        path = model_dir / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"the checkpoint {str(model_dir)!r} has no preprocessor_config.json: its image "
-                "processor settings are unknown, so it cannot take images"
-            )
-        image_token_id = getattr(hf_config, "image_token_id", None)
-        if image_token_id is None:
-            raise ValueError("the model's config lacks image_token_id: it cannot take images")
+        path, image_token_id = image_processor_source(model_dir, hf_config)
         spec = AyaVisionSpec.from_config(hf_config)
         side = int(spec.vision_config.image_size)
         tiles = TilePreprocessing.from_dict(json.loads(path.read_text()), side)
         settings = dict(_DEFAULTS)
-        processor_path = model_dir / "processor_config.json"
-        if processor_path.is_file():
-            saved = json.loads(processor_path.read_text())
-            settings.update({k: saved[k] for k in _DEFAULTS if saved.get(k) is not None})
+        saved = saved_processor_config(model_dir)
+        settings.update({k: saved[k] for k in _DEFAULTS if saved.get(k) is not None})
         unit = int(settings["patch_size"]) * int(settings["downsample_factor"])
         per_tile = (int(settings["img_size"]) // unit) ** 2
         if per_tile != spec.tokens_per_tile:
@@ -116,22 +112,11 @@ class AyaVisionImageInputs(MultiModalProcessor):
                 f"{spec.tokens_per_tile} rows per tile"
             )
         tokenizer = load_tokenizer(model_dir)
-        ids = []
-        for key in ("start_of_img_token", "end_of_img_token", "img_patch_token"):
-            name = str(settings[key])
-            token_id = tokenizer.convert_tokens_to_ids(name)
-            # (an unknown token converts to the unknown token's id, or to None)
-            known = isinstance(token_id, int) and token_id != tokenizer.unk_token_id
-            if not known or tokenizer.convert_ids_to_tokens(token_id) != name:
-                raise ValueError(
-                    f"the checkpoint's tokenizer has no {name!r} token: it cannot take images"
-                )
-            ids.append(token_id)
-        if ids[2] != int(image_token_id):
-            raise ValueError(
-                f"the tokenizer's {settings['img_patch_token']!r} is token {ids[2]}, but the "
-                f"config's image_token_id is {image_token_id}"
-            )
+        names = [
+            str(settings[key])
+            for key in ("start_of_img_token", "end_of_img_token", "img_patch_token")
+        ]
+        ids = image_token_ids(tokenizer, names, names[2], image_token_id)
         labels = [str(settings["tile_global_token"])] + [
             f"{settings['tile_token']}_{i}" for i in range(1, tiles.max_tiles + 1)
         ]
@@ -166,19 +151,7 @@ class AyaVisionImageInputs(MultiModalProcessor):
     def process_item(
         self, modality: str, item: Any, kwargs: Mapping[str, Any]
     ) -> tuple[int, dict[str, torch.Tensor]]:
-        from PIL import Image
-
-        if not isinstance(item, Image.Image):
-            raise ValueError(
-                f"an image must be a PIL.Image.Image; got {type(item).__name__} (image "
-                "embeddings and arrays are not supported)"
-            )
-        if item.width < 1 or item.height < 1:
-            raise ValueError(f"the image is empty ({item.width}x{item.height} pixels)")
-        try:
-            pixels = self.tiles(item)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"the image cannot be processed: {exc}") from None
+        pixels = preprocess_image(item, self.tiles)
         run = self.placeholder_ids(pixels.shape[0])
         return len(run), {
             "pixel_values": torch.from_numpy(pixels),
@@ -194,8 +167,7 @@ class AyaVisionImageInputs(MultiModalProcessor):
         """As :meth:`MultiModalProcessor.process` once HF's ``<image>`` texts are tokens
         (:meth:`image_tokens`), then each image's run rewritten to its tokens (module
         docstring)."""
-        expanded, features = super().process(self.image_tokens(prompt_token_ids), items, kwargs)
-        return write_placeholder_runs(expanded, features), features
+        return super().process(self.image_tokens(prompt_token_ids), items, kwargs)
 
     def image_tokens(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt with each HF ``<image>`` text written as one ``<|IMG_PATCH|>`` token

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from chassis.builtin_plugins.models.clip_vision import ClipVisionTower, tower_kind
+from chassis.builtin_plugins.models.embeds_forward import DecoderOverEmbeds
 from chassis.builtin_plugins.models.gemma3 import Gemma3ForConditionalGeneration
 from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.attention import check_attend_limit_support
 from chassis.core.layers.norm import GemmaRMSNorm
 from chassis.core.model_interface import ModelBuildContext
@@ -123,7 +123,9 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(vision_rows)
 
 
-class Gemma3ForConditionalGenerationWithImages(ImageSideWeights, Gemma3ForConditionalGeneration):
+class Gemma3ForConditionalGenerationWithImages(
+    ImageSideWeights, DecoderOverEmbeds, Gemma3ForConditionalGeneration
+):
     """``Gemma3ForConditionalGeneration`` checkpoints with images (the module docstring)."""
 
     supported_modalities = frozenset({"image"})
@@ -155,18 +157,6 @@ class Gemma3ForConditionalGenerationWithImages(ImageSideWeights, Gemma3ForCondit
         return Gemma3ImageInputs.from_pretrained(model_dir, hf_config)
 
     # -- inputs ---------------------------------------------------------------------------------
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The decoder's forward; with ``inputs_embeds``, the decoder over those."""
-        if inputs_embeds is None:
-            return super().forward(input_ids, positions, ctx)
-        return self.model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Text embeddings (scaled by ``sqrt(hidden_size)``); an id past the vocabulary (an

@@ -32,6 +32,8 @@ from chassis.builtin_plugins.models.idefics3_vision import (
     Idefics3VisionTower,
     builds_tower,
 )
+from chassis.builtin_plugins.models.image_item_inputs import image_run_inputs
+from chassis.builtin_plugins.models.image_side_weights import renamed_by_prefix
 from chassis.builtin_plugins.models.llava import LlavaForConditionalGeneration
 from chassis.builtin_plugins.models.llava_images import (
     LlavaForConditionalGenerationWithImages,
@@ -49,10 +51,7 @@ _IMAGE_PREFIXES = (
 
 def image_side_name(name: str) -> str | None:
     """Checkpoint name -> our name of an image-side tensor, ``None`` for the language model's."""
-    for prefix, ours in _IMAGE_PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix) :]
-    return None
+    return renamed_by_prefix(name, _IMAGE_PREFIXES)
 
 
 class Idefics3ForConditionalGeneration(LlavaForConditionalGeneration):
@@ -115,13 +114,7 @@ class Idefics3ForConditionalGenerationWithImages(
         run's token ids) -> ``[length, hidden_size]`` in the model's dtype. ``ValueError`` for
         another modality, a missing input, a wrong shape, or a run whose ``<image>`` count is
         not the image's rows."""
-        if modality != "image":
-            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
-        pixels, run = inputs.get("pixel_values"), inputs.get("placeholder_ids")
-        if pixels is None or run is None:
-            raise ValueError(
-                f"image inputs need pixel_values and placeholder_ids (got {sorted(inputs)})"
-            )
+        pixels, run = image_run_inputs(self, modality, inputs)
         if pixels.dim() == 5 and pixels.shape[0] == 1:
             pixels = pixels[0]
         features = self.image_features(pixels)

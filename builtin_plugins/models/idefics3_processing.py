@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,15 @@ import torch
 
 from chassis.builtin_plugins.models.idefics3_vision import Idefics3VisionSpec
 from chassis.builtin_plugins.models.image_pixels import preprocess_image
-from chassis.builtin_plugins.models.llava_processing import ClipPreprocessing
+from chassis.builtin_plugins.models.llava_processing import ClipPreprocessing, rgb_channels
+from chassis.builtin_plugins.models.processor_files import (
+    image_processor_source,
+    image_token_ids,
+    saved_processor_config,
+)
+from chassis.builtin_plugins.models.run_writing_processor import RunWritingProcessor
 from chassis.core.image_loading import to_rgb
-from chassis.core.multimodal import MultiModalFeature
 from chassis.core.multimodal_processing import MultiModalProcessor
-from chassis.core.placeholder_runs import write_placeholder_runs
 
 _PROCESSOR_TYPES = ("Idefics3ImageProcessor", "SmolVLMImageProcessor")
 _LANCZOS = 1
@@ -138,10 +142,10 @@ class Idefics3Tiles:
             rescale_factor=float(settings.get("rescale_factor", 1 / 255))
             if flag("do_rescale")
             else None,
-            mean=_channels(settings.get("image_mean", 0.5), "image_mean")
+            mean=rgb_channels(settings.get("image_mean", 0.5), "image_mean")
             if flag("do_normalize")
             else None,
-            std=_channels(settings.get("image_std", 0.5), "image_std")
+            std=rgb_channels(settings.get("image_std", 0.5), "image_std")
             if flag("do_normalize")
             else None,
         )
@@ -188,7 +192,7 @@ class Idefics3Tiles:
         return np.stack([self.steps(tile) for tile in tiles])
 
 
-class Idefics3ImageInputs(MultiModalProcessor):
+class Idefics3ImageInputs(RunWritingProcessor, MultiModalProcessor):
     """Images of Idefics3 / SmolVLM requests (the module docstring)."""
 
     def __init__(
@@ -210,21 +214,11 @@ class Idefics3ImageInputs(MultiModalProcessor):
         from chassis.core.tokenizer import load_tokenizer
 
         model_dir = Path(model_dir)
-        path = model_dir / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"the checkpoint {str(model_dir)!r} has no preprocessor_config.json: its image "
-                "processor settings are unknown, so it cannot take images"
-            )
-        image_token_id = getattr(hf_config, "image_token_id", None)
-        if image_token_id is None:
-            raise ValueError("the model's config lacks image_token_id: it cannot take images")
+        path, image_token_id = image_processor_source(model_dir, hf_config)
         spec = Idefics3VisionSpec.from_config(hf_config)
         tiles = Idefics3Tiles.from_dict(json.loads(path.read_text()))
-        seq_len = _DEFAULT_SEQ_LEN
-        processor_path = model_dir / "processor_config.json"
-        if processor_path.is_file():
-            seq_len = int(json.loads(processor_path.read_text()).get("image_seq_len") or seq_len)
+        saved = saved_processor_config(model_dir)
+        seq_len = int(saved.get("image_seq_len") or _DEFAULT_SEQ_LEN)
         unit = spec.patch_size * spec.shuffle
         if tiles.tile % unit or spec.rows_per_tile(tiles.tile) != seq_len:
             raise ValueError(
@@ -233,20 +227,8 @@ class Idefics3ImageInputs(MultiModalProcessor):
                 f"multiples of {unit} pixels)"
             )
         tokenizer = load_tokenizer(model_dir)
-        for name in (_IMAGE_TOKEN, _FAKE_TOKEN):
-            token_id = tokenizer.convert_tokens_to_ids(name)
-            known = isinstance(token_id, int) and token_id != tokenizer.unk_token_id
-            if not known or tokenizer.convert_ids_to_tokens(token_id) != name:
-                raise ValueError(
-                    f"the checkpoint's tokenizer has no {name!r} token: it cannot take images"
-                )
-        if tokenizer.convert_tokens_to_ids(_IMAGE_TOKEN) != int(image_token_id):
-            raise ValueError(
-                f"the tokenizer's {_IMAGE_TOKEN!r} is token "
-                f"{tokenizer.convert_tokens_to_ids(_IMAGE_TOKEN)}, but the config's "
-                f"image_token_id is {image_token_id}"
-            )
-        return cls(tiles, seq_len, int(image_token_id), tokenizer)
+        image_token_ids(tokenizer, (_IMAGE_TOKEN, _FAKE_TOKEN), _IMAGE_TOKEN, image_token_id)
+        return cls(tiles, seq_len, image_token_id, tokenizer)
 
     def prompt_placeholder(self, modality: str) -> str:
         return _IMAGE_TOKEN
@@ -287,23 +269,3 @@ class Idefics3ImageInputs(MultiModalProcessor):
             "pixel_values": torch.from_numpy(pixels),
             "placeholder_ids": torch.tensor(run, dtype=torch.int64),
         }
-
-    def process(
-        self,
-        prompt_token_ids: Sequence[int],
-        items: Mapping[str, Sequence[Any]],
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> tuple[list[int], list[MultiModalFeature]]:
-        """As :meth:`MultiModalProcessor.process`, then each image's run rewritten to its
-        tokens (module docstring)."""
-        expanded, features = super().process(prompt_token_ids, items, kwargs)
-        return write_placeholder_runs(expanded, features), features
-
-
-def _channels(values: Any, name: str) -> tuple[float, ...]:
-    if isinstance(values, int | float):
-        values = [values] * 3
-    values = tuple(float(v) for v in values)
-    if len(values) != 3:
-        raise ValueError(f"{name} must have 3 values (RGB); got {values}")
-    return values

@@ -16,6 +16,16 @@ import torch
 from torch import nn
 
 
+def renamed_by_prefix(name: str, prefixes: Iterable[tuple[str, str]]) -> str | None:
+    """Checkpoint tensor ``name`` with the first matching ``(checkpoint prefix, ours)`` of
+    ``prefixes`` swapped for ours; ``None`` when none matches (a language-model tensor). What
+    an :meth:`ImageSideWeights.image_side_name` made of a table of prefixes returns."""
+    for prefix, ours in prefixes:
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return None
+
+
 class ImageSideWeights:
     """Mixin, listed before the text-only class it extends, for a model whose image side
     loads from the checkpoint.

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from chassis.builtin_plugins.models.image_item_inputs import image_tiles
 from chassis.builtin_plugins.models.internvl_vision import (
     TOWER_TYPE,
     InternVLProjector,
@@ -71,13 +72,7 @@ class InternVLForConditionalGenerationWithImages(LlavaForConditionalGenerationWi
         pixels = inputs.get("pixel_values")
         if pixels is None:
             raise ValueError(f"image inputs lack pixel_values (got {sorted(inputs)})")
-        if pixels.dim() == 5 and pixels.shape[0] == 1:
-            pixels = pixels[0]
-        if pixels.dim() != 4:
-            raise ValueError(
-                "a feature holds one image: pixel_values [tiles, channels, height, width]; got "
-                f"{tuple(pixels.shape)}"
-            )
+        pixels = image_tiles(pixels)
         features = self.image_features(pixels)
         return features.reshape(-1, features.shape[-1])
 

@@ -36,14 +36,22 @@ import torch
 
 from chassis.builtin_plugins.models.image_pixels import preprocess_image
 from chassis.builtin_plugins.models.internvl_vision import InternVLVisionSpec
-from chassis.builtin_plugins.models.llava_processing import ClipPreprocessing
+from chassis.builtin_plugins.models.llava_processing import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ClipPreprocessing,
+    rgb_channels,
+)
+from chassis.builtin_plugins.models.processor_files import (
+    image_processor_source,
+    image_token_ids,
+    saved_processor_config,
+)
 from chassis.core.image_loading import to_rgb
 from chassis.core.multimodal import MultiModalFeature
 from chassis.core.multimodal_processing import MultiModalProcessor
 
 _PROCESSOR_TYPE = "GotOcr2ImageProcessor"
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = 3
 #: the tokenizer's names of InternVL's image tokens, and transformers' texts for them
 _TOKEN_DEFAULTS = {
@@ -134,8 +142,8 @@ class TilePreprocessing:
             raise ValueError(
                 f"min_patches {min_tiles} and max_patches {max_tiles} allow no grid of tiles"
             )
-        mean = _channels(settings.get("image_mean", _CLIP_MEAN), "image_mean")
-        std = _channels(settings.get("image_std", _CLIP_STD), "image_std")
+        mean = rgb_channels(settings.get("image_mean", CLIP_MEAN), "image_mean")
+        std = rgb_channels(settings.get("image_std", CLIP_STD), "image_std")
         steps = ClipPreprocessing(
             do_pad=False,
             pad_color=(0, 0, 0),
@@ -204,22 +212,11 @@ class InternVLImageInputs(MultiModalProcessor):
         from chassis.core.tokenizer import load_tokenizer
 
         model_dir = Path(model_dir)
-        path = model_dir / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"the checkpoint {str(model_dir)!r} has no preprocessor_config.json: its image "
-                "processor settings are unknown, so it cannot take images"
-            )
-        image_token_id = getattr(hf_config, "image_token_id", None)
-        if image_token_id is None:
-            raise ValueError("the model's config lacks image_token_id: it cannot take images")
+        path, image_token_id = image_processor_source(model_dir, hf_config)
         spec = InternVLVisionSpec.from_config(hf_config)
         tiles = TilePreprocessing.from_dict(json.loads(path.read_text()), spec.image_size)
-        seq_length = _DEFAULT_SEQ_LENGTH
-        processor_path = model_dir / "processor_config.json"
-        if processor_path.is_file():
-            saved = json.loads(processor_path.read_text()).get("image_seq_length")
-            seq_length = int(saved) if saved is not None else seq_length
+        saved = saved_processor_config(model_dir).get("image_seq_length")
+        seq_length = int(saved) if saved is not None else _DEFAULT_SEQ_LENGTH
         if seq_length != spec.tokens_per_tile:
             raise ValueError(
                 f"the processor's image_seq_length is {seq_length}, but the model gives "
@@ -228,21 +225,10 @@ class InternVLImageInputs(MultiModalProcessor):
             )
         names = _token_names(model_dir)
         tokenizer = load_tokenizer(model_dir)
-        ids = []
-        for key in ("start_image_token", "end_image_token", "context_image_token"):
-            token_id = tokenizer.convert_tokens_to_ids(names[key])
-            # (an unknown token converts to the unknown token's id, or to None)
-            known = isinstance(token_id, int) and token_id != tokenizer.unk_token_id
-            if not known or tokenizer.convert_ids_to_tokens(token_id) != names[key]:
-                raise ValueError(
-                    f"the checkpoint's tokenizer has no {names[key]!r} token: it cannot take images"
-                )
-            ids.append(token_id)
-        if ids[2] != int(image_token_id):
-            raise ValueError(
-                f"the tokenizer's {names['context_image_token']!r} is token {ids[2]}, but the "
-                f"config's image_token_id is {image_token_id}"
-            )
+        keys = ("start_image_token", "end_image_token", "context_image_token")
+        ids = image_token_ids(
+            tokenizer, [names[k] for k in keys], names["context_image_token"], image_token_id
+        )
         return cls(
             tiles, spec.tokens_per_tile, (ids[0], ids[1], ids[2]), names["context_image_token"]
         )
@@ -296,12 +282,3 @@ def _token_names(model_dir: Path) -> dict[str, str]:
             names.update({k: where[k] for k in names if isinstance(where.get(k), str)})
     names.update({k: config[k] for k in names if isinstance(config.get(k), str)})
     return names
-
-
-def _channels(values: Any, name: str) -> tuple[float, ...]:
-    if isinstance(values, int | float):
-        values = [values] * 3
-    values = tuple(float(v) for v in values)
-    if len(values) != 3:
-        raise ValueError(f"{name} must have 3 values (RGB); got {values}")
-    return values

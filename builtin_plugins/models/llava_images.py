@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from chassis.builtin_plugins.models.clip_vision import ClipVisionTower, tower_kind
-from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights
+from chassis.builtin_plugins.models.embeds_forward import DecoderOverEmbeds
+from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights, renamed_by_prefix
 from chassis.builtin_plugins.models.llava import LlavaForConditionalGeneration
 from chassis.builtin_plugins.models.llava_vision import LlavaProjector, LlavaVisionSpec
-from chassis.core.attention import ForwardContext
 from chassis.core.model_interface import CausalLM, ModelBuildContext
 
 logger = logging.getLogger(__name__)
@@ -49,10 +49,7 @@ _IMAGE_PREFIXES = (
 
 def image_side_name(name: str) -> str | None:
     """Checkpoint name -> our name of an image-side tensor, ``None`` for the language model's."""
-    for prefix, ours in _IMAGE_PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix) :]
-    return None
+    return renamed_by_prefix(name, _IMAGE_PREFIXES)
 
 
 @functools.cache
@@ -66,7 +63,9 @@ def _warn_text_only(architecture: str, tower: str | None) -> None:
     )
 
 
-class LlavaForConditionalGenerationWithImages(ImageSideWeights, LlavaForConditionalGeneration):
+class LlavaForConditionalGenerationWithImages(
+    ImageSideWeights, DecoderOverEmbeds, LlavaForConditionalGeneration
+):
     """``LlavaForConditionalGeneration`` checkpoints with images (the module docstring).
 
     Not built itself: :meth:`class_for_config` returns the class of this one over the text
@@ -127,21 +126,6 @@ class LlavaForConditionalGenerationWithImages(ImageSideWeights, LlavaForConditio
         return LlavaImageInputs.from_pretrained(model_dir, hf_config)
 
     # -- inputs ---------------------------------------------------------------------------------
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The decoder's forward; with ``inputs_embeds``, the decoder over those."""
-        if inputs_embeds is None:
-            return super().forward(input_ids, positions, ctx)
-        return self.model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
 
     def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One image's rows: ``inputs["pixel_values"]`` ``[1, C, S, S]`` (or ``[C, S, S]``)

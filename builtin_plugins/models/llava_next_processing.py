@@ -41,6 +41,7 @@ from chassis.builtin_plugins.models.llava_next_tiles import (
 )
 from chassis.builtin_plugins.models.llava_processing import IMAGE_PLACEHOLDER, ClipPreprocessing
 from chassis.builtin_plugins.models.llava_vision import LlavaVisionSpec
+from chassis.builtin_plugins.models.processor_files import image_processor_source
 from chassis.core.image_loading import to_rgb
 from chassis.core.multimodal_processing import MultiModalProcessor
 
@@ -139,15 +140,7 @@ class LlavaNextImageInputs(MultiModalProcessor):
         for the model of ``hf_config``; ``ValueError`` when the folder has no image processor
         config, its settings are not supported, or its ``image_grid_pinpoints`` differ from
         the model config's (the model would pack other grids than the tiles made)."""
-        path = Path(model_dir) / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"the checkpoint {str(model_dir)!r} has no preprocessor_config.json: its image "
-                "processor settings are unknown, so it cannot take images"
-            )
-        image_token_id = getattr(hf_config, "image_token_id", None)
-        if image_token_id is None:
-            raise ValueError("the model's config lacks image_token_id: it cannot take images")
+        path, image_token_id = image_processor_source(model_dir, hf_config)
         spec = LlavaVisionSpec.from_config(hf_config)
         side = int(spec.vision_config.image_size)
         preprocessing = AnyresPreprocessing.from_dict(json.loads(path.read_text()), side)
@@ -159,7 +152,7 @@ class LlavaNextImageInputs(MultiModalProcessor):
                 f"{path} has image_grid_pinpoints {[list(p) for p in preprocessing.pinpoints]}, "
                 f"but the model's config has {[list(p) for p in model_pinpoints]}"
             )
-        return cls(preprocessing, int(image_token_id), spec)
+        return cls(preprocessing, image_token_id, spec)
 
     def num_tokens(self, height: int, width: int) -> int:
         """Placeholder tokens of an image of ``height x width`` pixels."""

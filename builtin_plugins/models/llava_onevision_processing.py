@@ -36,18 +36,21 @@ from chassis.builtin_plugins.models.llava_next_processing import (
 from chassis.builtin_plugins.models.llava_next_tiles import parse_pinpoints
 from chassis.builtin_plugins.models.llava_onevision_geometry import max_tiles, num_image_tokens
 from chassis.builtin_plugins.models.llava_onevision_video import VideoFrames, num_video_tokens
-from chassis.builtin_plugins.models.llava_processing import ClipPreprocessing
+from chassis.builtin_plugins.models.llava_processing import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ClipPreprocessing,
+)
 from chassis.builtin_plugins.models.llava_vision import LlavaVisionSpec
+from chassis.builtin_plugins.models.processor_files import image_processor_source
 from chassis.core.multimodal import MultiModalFeature
 
 _PROCESSOR_TYPES = ("LlavaOnevisionImageProcessor", "LlavaOnevisionImageProcessorFast")
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 #: transformers' ``LlavaOnevisionImageProcessor`` defaults for what a config leaves out
 _DEFAULTS: dict[str, Any] = {
     "size": {"height": 384, "width": 384},
-    "image_mean": _CLIP_MEAN,
-    "image_std": _CLIP_STD,
+    "image_mean": CLIP_MEAN,
+    "image_std": CLIP_STD,
     "resample": 3,
     "image_grid_pinpoints": [[h * 384, w * 384] for h in range(1, 7) for w in range(1, 7)],
 }
@@ -131,15 +134,7 @@ class LlavaOnevisionMediaInputs(LlavaNextImageInputs):
         for the model of ``hf_config``; ``ValueError`` when the folder has no image processor
         config, its settings are not supported (tiles or squares other than the tower's
         ``image_size``), or its ``image_grid_pinpoints`` differ from the model config's."""
-        path = Path(model_dir) / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"the checkpoint {str(model_dir)!r} has no preprocessor_config.json: its image "
-                "processor settings are unknown, so it cannot take images"
-            )
-        image_token_id = getattr(hf_config, "image_token_id", None)
-        if image_token_id is None:
-            raise ValueError("the model's config lacks image_token_id: it cannot take images")
+        path, image_token_id = image_processor_source(model_dir, hf_config)
         spec = LlavaVisionSpec.from_config(hf_config)
         side = int(spec.vision_config.image_size)
         settings = onevision_settings(json.loads(path.read_text()))
@@ -164,7 +159,7 @@ class LlavaOnevisionMediaInputs(LlavaNextImageInputs):
         video = None
         if video_token_id is not None:
             video = (VideoFrames.from_pretrained(model_dir, side), int(video_token_id))
-        return cls(preprocessing, square, int(image_token_id), spec, tiles, video)
+        return cls(preprocessing, square, image_token_id, spec, tiles, video)
 
     def num_tokens(self, height: int, width: int) -> int:
         """Placeholder tokens of an image of ``height x width`` pixels alone in its prompt."""

@@ -28,17 +28,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from chassis.builtin_plugins.models.llava_processing import ClipPreprocessing
+from chassis.builtin_plugins.models.llava_processing import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ClipPreprocessing,
+)
 from chassis.builtin_plugins.models.qwen2_vl_video import frames_array
 from chassis.core.multimodal_inputs import video_frames_and_metadata
 
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 #: transformers' ``LlavaOnevisionVideoProcessor`` defaults for what a config leaves out
 _DEFAULTS: dict[str, Any] = {
     "size": {"height": 384, "width": 384},
-    "image_mean": _CLIP_MEAN,
-    "image_std": _CLIP_STD,
+    "image_mean": CLIP_MEAN,
+    "image_std": CLIP_STD,
     "resample": 3,
 }
 

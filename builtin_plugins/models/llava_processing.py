@@ -35,14 +35,17 @@ import torch
 
 from chassis.builtin_plugins.models.image_pixels import preprocess_image
 from chassis.builtin_plugins.models.llava_vision import LlavaVisionSpec
+from chassis.builtin_plugins.models.processor_files import image_processor_source
 from chassis.core.image_loading import to_rgb
 from chassis.core.multimodal_processing import MultiModalProcessor
 
 #: the text standing for one image in a LLaVA prompt
 IMAGE_PLACEHOLDER = "<image>"
 
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+#: OpenAI CLIP's per-channel normalization (transformers' ``OPENAI_CLIP_MEAN`` / ``_STD``),
+#: the default of the CLIP-style image and video processors here
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 #: the image processors handled (``image_processor_type`` without a ``Fast`` / ``Pil``
 #: suffix) and their defaults for what the config leaves out (transformers')
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -50,8 +53,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "size": {"shortest_edge": 224},
         "crop_size": {"height": 224, "width": 224},
         "do_center_crop": True,
-        "image_mean": _CLIP_MEAN,
-        "image_std": _CLIP_STD,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
     },
     "SiglipImageProcessor": {
         "size": {"height": 224, "width": 224},
@@ -104,7 +107,7 @@ class ClipPreprocessing:
         resize = _resize_rule(settings["size"]) if flag("do_resize") else None
         crop = _square_or_pair(settings.get("crop_size"), "crop_size")
         mean, std = settings.get("image_mean"), settings.get("image_std")
-        pad_mean = _channels(mean, "image_mean") if mean is not None else (0.0, 0.0, 0.0)
+        pad_mean = rgb_channels(mean, "image_mean") if mean is not None else (0.0, 0.0, 0.0)
         return cls(
             do_pad=flag("do_pad"),
             pad_color=(int(pad_mean[0] * 255), int(pad_mean[1] * 255), int(pad_mean[2] * 255)),
@@ -114,8 +117,8 @@ class ClipPreprocessing:
             rescale_factor=float(settings.get("rescale_factor", 1 / 255))
             if flag("do_rescale")
             else None,
-            mean=_channels(mean, "image_mean") if flag("do_normalize") else None,
-            std=_channels(std, "image_std") if flag("do_normalize") else None,
+            mean=rgb_channels(mean, "image_mean") if flag("do_normalize") else None,
+            std=rgb_channels(std, "image_std") if flag("do_normalize") else None,
         )
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
@@ -176,15 +179,7 @@ class LlavaImageInputs(MultiModalProcessor):
         ``preprocessor_config.json``) for the model of ``hf_config`` (its
         ``image_token_id`` and image-side settings); ``ValueError`` when the folder has no
         image processor config, or its pixels would not be the tower's square."""
-        path = Path(model_dir) / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"the checkpoint {str(model_dir)!r} has no preprocessor_config.json: its image "
-                "processor settings are unknown, so it cannot take images"
-            )
-        image_token_id = getattr(hf_config, "image_token_id", None)
-        if image_token_id is None:
-            raise ValueError("the model's config lacks image_token_id: it cannot take images")
+        path, image_token_id = image_processor_source(model_dir, hf_config)
         spec = LlavaVisionSpec.from_config(hf_config)
         preprocessing = ClipPreprocessing.from_dict(json.loads(path.read_text()))
         side = int(spec.vision_config.image_size)
@@ -195,7 +190,7 @@ class LlavaImageInputs(MultiModalProcessor):
                 f"{path} makes {made}, but the vision tower takes {side}x{side} "
                 "(image_size): its resize / crop settings are not supported"
             )
-        return cls(preprocessing, int(image_token_id), spec.tokens_per_image)
+        return cls(preprocessing, image_token_id, spec.tokens_per_image)
 
     def prompt_placeholder(self, modality: str) -> str:
         return IMAGE_PLACEHOLDER
@@ -241,7 +236,9 @@ def _square_or_pair(size: Any, name: str) -> tuple[int, int] | None:
     raise ValueError(f"{name} {size!r} is not supported (an integer, or height and width)")
 
 
-def _channels(values: Any, name: str) -> tuple[float, ...]:
+def rgb_channels(values: Any, name: str) -> tuple[float, ...]:
+    """A config's per-channel ``image_mean`` / ``image_std`` (``name``) as 3 floats, a
+    single number meaning all three; ``ValueError`` for another count."""
     if isinstance(values, int | float):
         values = [values] * 3
     values = tuple(float(v) for v in values)

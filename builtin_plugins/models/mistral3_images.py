@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights
+from chassis.builtin_plugins.models.embeds_forward import DecoderOverEmbeds
+from chassis.builtin_plugins.models.image_item_inputs import image_run_inputs
+from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights, renamed_by_prefix
 from chassis.builtin_plugins.models.mistral3 import Mistral3ForConditionalGeneration
 from chassis.builtin_plugins.models.mistral3_vision import (
     Mistral3Projector,
@@ -36,7 +38,6 @@ from chassis.builtin_plugins.models.mistral3_vision import (
     unsupported_reason,
 )
 from chassis.builtin_plugins.models.pixtral_vision import PixtralVisionTower
-from chassis.core.attention import ForwardContext
 from chassis.core.model_interface import CausalLM, ModelBuildContext
 from chassis.core.placeholder_runs import splice_item_rows
 
@@ -53,10 +54,7 @@ _IMAGE_PREFIXES = (
 
 def image_side_name(name: str) -> str | None:
     """Checkpoint name -> our name of an image-side tensor, ``None`` for the language model's."""
-    for prefix, ours in _IMAGE_PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix) :]
-    return None
+    return renamed_by_prefix(name, _IMAGE_PREFIXES)
 
 
 @functools.cache
@@ -70,7 +68,7 @@ def _warn_text_only(reason: str) -> None:
 
 
 class Mistral3ForConditionalGenerationWithImages(
-    ImageSideWeights, Mistral3ForConditionalGeneration
+    ImageSideWeights, DecoderOverEmbeds, Mistral3ForConditionalGeneration
 ):
     """``Mistral3ForConditionalGeneration`` checkpoints with images (the module
     docstring)."""
@@ -105,34 +103,13 @@ class Mistral3ForConditionalGenerationWithImages(
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The decoder's forward; with ``inputs_embeds``, the decoder over those."""
-        if inputs_embeds is None:
-            return super().forward(input_ids, positions, ctx)
-        return self.model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
     def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One image's rows, one per token of its run: ``inputs["pixel_values"]``
         ``[1, C, H, W]`` (or ``[C, H, W]``; sides multiples of one token's square) and
         ``inputs["placeholder_ids"]`` ``[length]`` (the run's token ids) -> ``[length,
         hidden_size]`` in the model's dtype. ``ValueError`` for another modality, a missing
         input, a wrong shape, or a run whose ``[IMG]`` count is not the image's."""
-        if modality != "image":
-            raise ValueError(f"{type(self).__name__} takes images, not {modality!r} inputs")
-        pixels, run = inputs.get("pixel_values"), inputs.get("placeholder_ids")
-        if pixels is None or run is None:
-            raise ValueError(
-                f"image inputs need pixel_values and placeholder_ids (got {sorted(inputs)})"
-            )
+        pixels, run = image_run_inputs(self, modality, inputs)
         if pixels.dim() == 4:
             if pixels.shape[0] != 1:
                 raise ValueError(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +40,16 @@ import numpy as np
 import torch
 
 from chassis.builtin_plugins.models.image_pixels import preprocess_image
+from chassis.builtin_plugins.models.llava_processing import rgb_channels
 from chassis.builtin_plugins.models.mistral3_vision import Mistral3VisionSpec
+from chassis.builtin_plugins.models.processor_files import (
+    image_processor_source,
+    image_token_ids,
+    saved_processor_config,
+)
+from chassis.builtin_plugins.models.run_writing_processor import RunWritingProcessor
 from chassis.core.image_loading import to_rgb
-from chassis.core.multimodal import MultiModalFeature
 from chassis.core.multimodal_processing import MultiModalProcessor
-from chassis.core.placeholder_runs import write_placeholder_runs
 
 #: transformers' defaults of ``PixtralImageProcessor`` for what its config leaves out
 _DEFAULTS: dict[str, Any] = {
@@ -106,8 +111,8 @@ class PixtralPreprocessing:
             unit=unit,
             resample=int(settings["resample"]),
             rescale_factor=float(settings["rescale_factor"]) if settings["do_rescale"] else None,
-            mean=_channels(settings["image_mean"], "image_mean") if normalize else None,
-            std=_channels(settings["image_std"], "image_std") if normalize else None,
+            mean=rgb_channels(settings["image_mean"], "image_mean") if normalize else None,
+            std=rgb_channels(settings["image_std"], "image_std") if normalize else None,
         )
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
@@ -141,7 +146,7 @@ class PixtralPreprocessing:
         return np.ascontiguousarray(out, dtype=np.float32)
 
 
-class Mistral3ImageInputs(MultiModalProcessor):
+class Mistral3ImageInputs(RunWritingProcessor, MultiModalProcessor):
     """Images of Mistral 3 requests (module docstring). ``token_ids`` are the ids of
     ``[IMG]``, ``[IMG_BREAK]`` and ``[IMG_END]``; ``image_token`` is ``[IMG]``'s text."""
 
@@ -166,40 +171,19 @@ class Mistral3ImageInputs(MultiModalProcessor):
         from chassis.core.tokenizer import load_tokenizer
 
         model_dir = Path(model_dir)
-        path = model_dir / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"the checkpoint {str(model_dir)!r} has no preprocessor_config.json: its image "
-                "processor settings are unknown, so it cannot take images"
-            )
-        image_token_id = getattr(hf_config, "image_token_id", None)
-        if image_token_id is None:
-            raise ValueError("the model's config lacks image_token_id: it cannot take images")
+        path, image_token_id = image_processor_source(model_dir, hf_config)
         spec = Mistral3VisionSpec.from_config(hf_config)
         preprocessing = PixtralPreprocessing.from_dict(
             json.loads(path.read_text()), spec.pixels_per_token
         )
         names = dict(_TOKEN_DEFAULTS)
-        processor_path = model_dir / "processor_config.json"
-        if processor_path.is_file():
-            saved = json.loads(processor_path.read_text())
-            names.update({k: saved[k] for k in names if isinstance(saved.get(k), str)})
+        saved = saved_processor_config(model_dir)
+        names.update({k: saved[k] for k in names if isinstance(saved.get(k), str)})
         tokenizer = load_tokenizer(model_dir)
-        ids = []
-        for key in ("image_token", "image_break_token", "image_end_token"):
-            token_id = tokenizer.convert_tokens_to_ids(names[key])
-            # (an unknown token converts to the unknown token's id, or to None)
-            known = isinstance(token_id, int) and token_id != tokenizer.unk_token_id
-            if not known or tokenizer.convert_ids_to_tokens(token_id) != names[key]:
-                raise ValueError(
-                    f"the checkpoint's tokenizer has no {names[key]!r} token: it cannot take images"
-                )
-            ids.append(token_id)
-        if ids[0] != int(image_token_id):
-            raise ValueError(
-                f"the tokenizer's {names['image_token']!r} is token {ids[0]}, but the config's "
-                f"image_token_id is {image_token_id}"
-            )
+        keys = ("image_token", "image_break_token", "image_end_token")
+        ids = image_token_ids(
+            tokenizer, [names[k] for k in keys], names["image_token"], image_token_id
+        )
         return cls(preprocessing, (ids[0], ids[1], ids[2]), names["image_token"])
 
     def prompt_placeholder(self, modality: str) -> str:
@@ -221,23 +205,3 @@ class Mistral3ImageInputs(MultiModalProcessor):
             "pixel_values": torch.from_numpy(pixels)[None],
             "placeholder_ids": torch.tensor(run, dtype=torch.int64),
         }
-
-    def process(
-        self,
-        prompt_token_ids: Sequence[int],
-        items: Mapping[str, Sequence[Any]],
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> tuple[list[int], list[MultiModalFeature]]:
-        """As :meth:`MultiModalProcessor.process`, then each image's run of ``[IMG]`` tokens
-        rewritten to its rows with their break and end tokens (module docstring)."""
-        expanded, features = super().process(prompt_token_ids, items, kwargs)
-        return write_placeholder_runs(expanded, features), features
-
-
-def _channels(values: Any, name: str) -> tuple[float, ...]:
-    if isinstance(values, int | float):
-        values = [values] * 3
-    values = tuple(float(v) for v in values)
-    if len(values) != 3:
-        raise ValueError(f"{name} must have 3 values (RGB); got {values}")
-    return values

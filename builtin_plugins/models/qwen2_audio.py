@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights
+from chassis.builtin_plugins.models.embeds_forward import DecoderOverEmbeds
+from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights, renamed_by_prefix
 from chassis.builtin_plugins.models.llava import LlavaForConditionalGeneration
 from chassis.builtin_plugins.models.qwen2_audio_encoder import (
     AudioTowerSpec,
@@ -29,7 +30,6 @@ from chassis.builtin_plugins.models.qwen2_audio_encoder import (
     Qwen2AudioTower,
     audio_token_count,
 )
-from chassis.core.attention import ForwardContext
 from chassis.core.model_interface import ModelBuildContext
 
 #: (checkpoint-name prefix, ours) of the audio side, the first that matches applies
@@ -43,13 +43,12 @@ _AUDIO_PREFIXES = (
 
 def audio_side_name(name: str) -> str | None:
     """Checkpoint name -> our name of an audio-side tensor, ``None`` for the language model's."""
-    for prefix, ours in _AUDIO_PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix) :]
-    return None
+    return renamed_by_prefix(name, _AUDIO_PREFIXES)
 
 
-class Qwen2AudioForConditionalGenerationWithAudio(ImageSideWeights, LlavaForConditionalGeneration):
+class Qwen2AudioForConditionalGenerationWithAudio(
+    ImageSideWeights, DecoderOverEmbeds, LlavaForConditionalGeneration
+):
     """``Qwen2AudioForConditionalGeneration`` checkpoints with audio (module docstring).
 
     Not built itself: :meth:`class_for_config` returns the class of this one over the text
@@ -97,21 +96,6 @@ class Qwen2AudioForConditionalGenerationWithAudio(ImageSideWeights, LlavaForCond
         from chassis.builtin_plugins.models.qwen2_audio_processing import Qwen2AudioInputs
 
         return Qwen2AudioInputs.from_pretrained(model_dir, hf_config)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The decoder's forward; with ``inputs_embeds``, the decoder over those."""
-        if inputs_embeds is None:
-            return super().forward(input_ids, positions, ctx)
-        return self.model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
 
     def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One clip's rows: ``inputs["input_features"]`` ``[1, mel_bins, 3000]`` and

@@ -19,7 +19,7 @@ raw frames at (a video's metadata wins).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,11 @@ from chassis.builtin_plugins.models.qwen3_vl_video import (
     group_seconds,
     video_run_text,
 )
-from chassis.core.multimodal import MultiModalFeature
+from chassis.builtin_plugins.models.run_writing_processor import RunWritingProcessor
 from chassis.core.multimodal_inputs import video_frames_and_metadata
-from chassis.core.placeholder_runs import write_placeholder_runs
 
 
-class Qwen3VLMediaInputs(Qwen2VLMediaInputs):
+class Qwen3VLMediaInputs(RunWritingProcessor, Qwen2VLMediaInputs):
     """Images and videos of Qwen3-VL requests (module docstring). ``model_dir``: the
     checkpoint folder, whose tokenizer writes a video's run."""
 
@@ -121,14 +120,3 @@ class Qwen3VLMediaInputs(Qwen2VLMediaInputs):
             "video_grid_thw": grid,
             "placeholder_ids": torch.tensor(run, dtype=torch.int64),
         }
-
-    def process(
-        self,
-        prompt_token_ids: Sequence[int],
-        items: Mapping[str, Sequence[Any]],
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> tuple[list[int], list[MultiModalFeature]]:
-        """As :meth:`MultiModalProcessor.process`, then each video's run of placeholder
-        tokens rewritten to its timestamps and frame groups (module docstring)."""
-        expanded, features = super().process(prompt_token_ids, items, kwargs)
-        return write_placeholder_runs(expanded, features), features
