@@ -26,9 +26,17 @@ from fixtures_aya_vision import (
     save_tiny_aya_vision,
 )
 from fixtures_llava import random_image
+from mm_hf_compare import (
+    Answer,
+    assert_prefill_and_decode_match,
+    checkpoint_fixtures,
+    generate_answers,
+    hf_generate,
+    media_prompts,
+    processor_fixture,
+    read_tensors,
+)
 from safetensors.torch import load_file, save_file
-from test_llava_images import NUM_TOKENS, PARAMS, Answer, answers, hf_logits, read_tensors
-from test_llava_next_images import prefill_then_decode
 from test_models_parity import Runner
 
 from chassis.builtin_plugins.models.aya_vision_images import (
@@ -41,28 +49,10 @@ TWO = (
     "<|im_start|>user\nCompare <|IMG_PATCH|> with <|IMG_PATCH|>.<|im_end|>\n<|im_start|>assistant\n"
 )
 TEXT = "<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"
-ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_aya_vision(tmp_path_factory.mktemp("aya_vision"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> Any:
-    return hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir: Path) -> Runner:
-    return Runner(model_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir: Path, runner: Runner) -> AyaVisionImageInputs:
-    return AyaVisionImageInputs.from_pretrained(model_dir, runner.hf_config)
-
+model_dir, hf, runner = checkpoint_fixtures(save_tiny_aya_vision, hf_model)
+processor = processor_fixture(AyaVisionImageInputs)
 
 IMAGES = {"square": (56, 56), "wide": (60, 130), "thin": (200, 20), "big": (100, 101)}
 
@@ -123,52 +113,23 @@ def test_logits_with_images_match_transformers(
     inputs = hf_inputs(model_dir, prompt, chosen)
     ids, features = expand(processor, model_dir, prompt, chosen)
     assert ids == inputs["input_ids"][0].tolist()
-    prefill, decode, token = prefill_then_decode(runner, ids, features)
-    expected = hf_logits(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    assert token == int(expected[-1].argmax())
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf, longer)[-1], atol=ATOL, rtol=ATOL)
+    assert_prefill_and_decode_match(runner, hf, inputs, features)
 
 
 def hf_answer(hf: Any, model_dir: Path, prompt: str, pictures: list[Any]) -> Answer:
-    inputs = hf_inputs(model_dir, prompt, pictures)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
+    """HF ``generate``'s greedy answer with each token's logprob."""
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pictures))
 
 
 def test_generate_matches_hf(model_dir: Path, hf: Any) -> None:
     """One image, two images and text in one batch: every answer is HF's."""
-    from chassis import LLM
-
     cases = {
         "one": (ONE, [image("wide")]),
         "two": (TWO, [image("big"), image("square")]),
         "text": (TEXT, []),
     }
-    prompts = [
-        {"prompt": p, "multi_modal_data": {"image": pics}} if pics else p
-        for p, pics in cases.values()
-    ]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128)
-    try:
-        batch = answers(llm.generate(prompts, PARAMS))
-    finally:
-        llm.shutdown()
-    for (what, (prompt, pictures)), (answer, _) in zip(cases.items(), batch, strict=True):
+    batch = generate_answers(model_dir, media_prompts(cases.values()))
+    for (what, (prompt, pictures)), answer in zip(cases.items(), batch, strict=True):
         answer.assert_matches(hf_answer(hf, model_dir, prompt, pictures), what)
 
 

@@ -14,9 +14,6 @@ tensor-parallel ranks answer as HF; and the refusals.
 
 from __future__ import annotations
 
-import base64
-import gc
-import io
 import json
 import os
 from pathlib import Path
@@ -35,8 +32,19 @@ from fixtures_aya_vision import (
     tiny_config,
 )
 from fixtures_llava import random_image
+from mm_hf_compare import (
+    CHUNKED,
+    PARAMS,
+    answers,
+    answers_and_cached,
+    checkpoint_fixtures,
+    image_url_chat,
+    png_data_url,
+    processor_fixture,
+    small_llm,
+    two_rank_answers,
+)
 from test_aya_vision_images import ONE, TWO, hf_answer, image
-from test_llava_images import PARAMS, answers
 from test_models_parity import Runner
 
 from chassis.builtin_plugins.models.aya_vision_images import (
@@ -51,30 +59,8 @@ from chassis.core.tokenizer import load_tokenizer
 HF_IMAGE = "<image>"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_aya_vision(tmp_path_factory.mktemp("aya_vision"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> Any:
-    return hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir: Path) -> Runner:
-    return Runner(model_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir: Path, runner: Runner) -> AyaVisionImageInputs:
-    return AyaVisionImageInputs.from_pretrained(model_dir, runner.hf_config)
-
-
-def data_url(picture: Any) -> str:
-    out = io.BytesIO()
-    picture.save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+model_dir, hf, runner = checkpoint_fixtures(save_tiny_aya_vision, hf_model)
+processor = processor_fixture(AyaVisionImageInputs)
 
 
 # -- HF's <image> text in prompts --------------------------------------------------------------
@@ -111,25 +97,14 @@ def test_hf_image_text_expands_as_aya_vision_processor(
 def test_chat_with_an_image_url_part_matches_hf(model_dir: Path, hf: Any) -> None:
     """The fixture's template writes HF's ``<image>``; the PNG data URL decodes to the same
     pixels; the answer is HF's on the same text and image."""
-    from chassis import LLM
-
     picture = image("wide")
-    chat = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_url(picture)}},
-                {"type": "text", "text": "What is in the picture?"},
-            ],
-        }
-    ]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128)
+    llm = small_llm(model_dir)
     try:
-        [output] = llm.chat(chat, PARAMS)
+        [output] = llm.chat(image_url_chat(png_data_url(picture)), PARAMS)
     finally:
         llm.shutdown()
     assert output.prompt == ONE.replace(IMAGE_TOKEN, HF_IMAGE)
-    [(chatted, _)] = answers([output])
+    [chatted] = answers([output])
     chatted.assert_matches(hf_answer(hf, model_dir, ONE, [picture]), "chat")
 
 
@@ -144,15 +119,7 @@ def test_chat_over_the_api_server(model_dir: Path, hf: Any) -> None:
     from chassis.serve.settings import ServerSettings
 
     picture = image("thin")
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_url(picture)}},
-                {"type": "text", "text": "What is in the picture?"},
-            ],
-        }
-    ]
+    messages = image_url_chat(png_data_url(picture))
     expected_ids = hf_inputs(model_dir, ONE, [picture])["input_ids"][0].tolist()
     expected = hf_answer(hf, model_dir, ONE, [picture])
     engine = AsyncLLM.from_engine_config(
@@ -178,28 +145,19 @@ def test_chunked_prefill_and_prefix_cache_through_two_images(
 ) -> None:
     """Steps of 16 tokens cut through a 7-tile image's run and a 1-tile one (4-token
     blocks); the same request again is served from the prefix cache over both runs."""
-    from chassis import LLM
-
     pictures = [image("thin"), image("square")]
     prompt = TWO.replace(IMAGE_TOKEN, HF_IMAGE)
     expected = hf_answer(hf, model_dir, prompt, pictures)
     ids = load_tokenizer(model_dir)(prompt).input_ids
     _, features = processor.process(ids, {"image": pictures})
     assert features[0].end - features[0].offset > 16  # the budget cuts through the first run
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
+    llm = small_llm(model_dir, **CHUNKED)
     runner = llm.engine.executor.worker.runner
     request = {"prompt": prompt, "multi_modal_data": {"image": pictures}}
     try:
-        [(cold, cold_cached)] = answers(llm.generate([request], PARAMS))
+        [(cold, cold_cached)] = answers_and_cached(llm.generate([request], PARAMS))
         assert runner.mm.num_encoder_runs == 2  # once per image, though it took many steps
-        [(warm, warm_cached)] = answers(llm.generate([request], PARAMS))
+        [(warm, warm_cached)] = answers_and_cached(llm.generate([request], PARAMS))
     finally:
         llm.shutdown()
     cold.assert_matches(expected, "chunked")
@@ -213,27 +171,8 @@ def test_chunked_prefill_and_prefix_cache_through_two_images(
 def test_two_tensor_parallel_ranks_with_images(model_dir: Path, hf: Any) -> None:
     """Rank 1 gets the features over the wire and runs the whole tower itself (the Cohere2
     text model is sharded): HF's answer."""
-    from test_tensor_parallel import wait_for_no_workers
-
-    from chassis import LLM
-
     pictures = [image("big"), image("square")]
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        tensor_parallel_size=2,
-    )
-    try:
-        [(got, _)] = answers(
-            llm.generate([{"prompt": TWO, "multi_modal_data": {"image": pictures}}], PARAMS)
-        )
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-    wait_for_no_workers()
+    [got] = two_rank_answers(model_dir, [{"prompt": TWO, "multi_modal_data": {"image": pictures}}])
     got.assert_matches(hf_answer(hf, model_dir, TWO, pictures), "two ranks")
 
 

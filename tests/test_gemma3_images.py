@@ -18,7 +18,7 @@ dense reference in tests/test_attend_limit.py.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,6 +33,7 @@ from fixtures_gemma3 import (
 )
 from fixtures_llava import random_image
 from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
+from mm_hf_compare import Answer, answers, checkpoint_fixtures, hf_generate, small_llm
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
 
 from chassis import LLM, SamplingParams
@@ -54,19 +55,7 @@ NUM_TOKENS = 5
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> Any:
-    return hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir: Path) -> Runner:
-    return Runner(model_dir)
+model_dir, hf, runner = checkpoint_fixtures(save_tiny_gemma3, hf_model)
 
 
 @pytest.fixture(scope="module")
@@ -173,46 +162,19 @@ def test_prefill_logits_match_transformers(
 # -- end to end through LLM -------------------------------------------------------------------
 
 
-class Answer(NamedTuple):
-    tokens: list[int]
-    logprobs: list[float]
-
-    def assert_matches(self, expected: Answer, what: str) -> None:
-        assert self.tokens == expected.tokens, what
-        np.testing.assert_allclose(self.logprobs, expected.logprobs, atol=ATOL, err_msg=what)
-
-
 def hf_answer(hf: Any, model_dir: Path, prompt: str, pictures: list[Any]) -> Answer:
     """HF ``generate``'s greedy answer (EOS ignored; ``token_type_ids`` given) with each
     token's logprob."""
-    inputs = hf_inputs(model_dir, prompt, pictures)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pictures), NUM_TOKENS)
 
 
 def answer_of(output: Any) -> Answer:
-    completion = output.outputs[0]
-    assert completion.error is None, completion.error
-    chosen = [
-        step[token].logprob
-        for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-    ]
-    return Answer(list(completion.token_ids), chosen)
+    assert output.outputs[0].error is None, output.outputs[0].error
+    [answer] = answers([output])
+    return answer
 
 
+#: this file's answers are shorter than mm_hf_compare's
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
 
 
@@ -230,13 +192,7 @@ def test_generate_matches_hf(
         "two": (TWO, [images["wide"], images["square"]]),
         "text": (TEXT, []),
     }
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        attention_backend=backend,
-    )
+    llm = small_llm(model_dir, attention_backend=backend)
     try:
         outputs = llm.generate([request(p, pics) for p, pics in cases.values()], PARAMS)
     finally:

@@ -17,8 +17,6 @@ bad inputs are clear errors.
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,9 +26,19 @@ import pytest
 import torch
 from fixtures_glm4v import IMAGE, PLACEHOLDER, hf_inputs, save_tiny_glm4v
 from fixtures_qwen2_vl import random_image
+from mm_hf_compare import (
+    PARAMS,
+    Answer,
+    answers,
+    arch_checkpoint_fixtures,
+    hf_generate,
+    image_url_chat,
+    png_data_url,
+    read_tensors,
+)
 from safetensors.torch import load_file
 from test_models_parity import Runner
-from test_multimodal_engine import NUM_TOKENS, Answer, generate, vl_llm
+from test_multimodal_engine import generate, vl_llm
 from test_qwen2_vl_images import (
     chassis_prefill_then_decode,
     extended,
@@ -38,7 +46,6 @@ from test_qwen2_vl_images import (
     hf_logits_with_images,
 )
 
-from chassis.core import model_loader
 from chassis.core.layers.mrope import MRotaryEmbedding
 from chassis.core.layers.rotary import rope_parameters
 from chassis.core.tokenizer import load_tokenizer
@@ -57,24 +64,7 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {arch: save_tiny_glm4v(tmp_path_factory.mktemp(arch), arch) for arch in ARCHS}
-
-
-@pytest.fixture(scope="module")
-def hf_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
-    import transformers as tf
-
-    return {
-        arch: tf.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
-        for arch, d in model_dirs.items()
-    }
-
-
-@pytest.fixture(scope="module")
-def runners(model_dirs: dict[str, Path]) -> dict[str, Runner]:
-    return {arch: Runner(d) for arch, d in model_dirs.items()}
+model_dirs, hf_models, runners = arch_checkpoint_fixtures(save_tiny_glm4v, ARCHS)
 
 
 def images_of(sizes: list[tuple[int, int]], seed: int = 0) -> list[Any]:
@@ -88,22 +78,7 @@ def chat_prompt(text: str, num_images: int, before: str = "") -> str:
 
 def hf_answer(model_dir: Path, prompt: str, images: list[Any], model: Any) -> Answer:
     """HF ``generate``'s greedy answer (float32; EOS ignored) with each token's logprob."""
-    inputs = hf_inputs(model_dir, prompt, images)
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
+    return hf_generate(model, hf_inputs(model_dir, prompt, images))
 
 
 # -- the vision tower -------------------------------------------------------------------------
@@ -371,27 +346,18 @@ def test_chat_with_an_image_url_part(
 ) -> None:
     """``LLM.chat`` with an ``image_url`` part (a PNG data URL): the chat template's prompt
     (GLM's image placeholder), HF's answer."""
-    from chassis import SamplingParams
-
     model_dir = model_dirs["glm4v_moe"]
     [image] = images_of([(84, 56)], seed=7)
-    png = io.BytesIO()
-    image.save(png, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Hm?"}]
     llm = vl_llm(model_dir)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
-        [output] = llm.chat([{"role": "user", "content": content}], params)
+        [output] = llm.chat(image_url_chat(png_data_url(image), "Hm?"), PARAMS)
     finally:
         llm.shutdown()
     prompt = chat_prompt("Hm?", 1)
     assert output.prompt == prompt
     expected = hf_answer(model_dir, prompt, [image], hf_models["glm4v_moe"])
-    completion = output.outputs[0]
-    assert list(completion.token_ids) == expected.tokens
-    chosen = [s[t].logprob for s, t in zip(completion.logprobs, completion.token_ids, strict=True)]
-    np.testing.assert_allclose(chosen, expected.logprobs, atol=1e-4)
+    [chatted] = answers([output])
+    chatted.assert_matches(expected, "chat")
 
 
 # -- weights and bad input ---------------------------------------------------------------------
@@ -404,17 +370,8 @@ def test_every_checkpoint_tensor_is_read(
     model_dir = model_dirs[arch]
     tensors = set(load_file(model_dir / "model.safetensors"))
     assert any(name.startswith("model.visual.") for name in tensors)
-    read: list[str] = []
-    original = model_loader.iterate_safetensors
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in original(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
-    Runner(model_dir)
-    assert set(read) == tensors
+    read, _ = read_tensors(model_dir, monkeypatch)
+    assert read == tensors
 
 
 def test_bad_image_inputs_are_clear_errors(

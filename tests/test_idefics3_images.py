@@ -12,8 +12,6 @@ runs; ``LLM.chat`` with an ``image_url`` part; which tensors are read; the refus
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import shutil
 from pathlib import Path
@@ -30,9 +28,20 @@ from fixtures_idefics3 import (
     save_tiny_idefics3,
 )
 from fixtures_llava import random_image
+from mm_hf_compare import (
+    CHUNKED,
+    PARAMS,
+    Answer,
+    answers,
+    assert_prefill_and_decode_match,
+    hf_generate,
+    image_url_chat,
+    media_prompts,
+    png_data_url,
+    read_tensors,
+    small_llm,
+)
 from safetensors.torch import load_file
-from test_llava_images import NUM_TOKENS, PARAMS, Answer, answers, hf_logits, read_tensors
-from test_llava_next_images import prefill_then_decode
 from test_models_parity import Runner
 
 from chassis.builtin_plugins.models.idefics3_images import (
@@ -45,7 +54,6 @@ from chassis.core.tokenizer import load_tokenizer
 ONE = "<|im_start|>User:<image> What is in the picture?<end_of_utterance>\nAssistant:"
 TWO = "<|im_start|>User: Compare<image>with<image>.<end_of_utterance>\nAssistant:"
 TEXT = "<|im_start|>User: Tell me a story.<end_of_utterance>\nAssistant:"
-ATOL = 1e-4
 KINDS = ("idefics3", "smolvlm")
 #: name -> (height, width): tiles with the fixture's splitting (longest edge 112, tiles 56)
 IMAGES = {"square": (56, 56), "wide": (60, 130), "thin": (200, 20), "small": (20, 30)}
@@ -179,37 +187,12 @@ def test_logits_with_images_match_transformers(
     inputs = hf_inputs(model_dirs[kind], TWO, pictures, kind == "smolvlm")
     ids, features = expand(model_dirs[kind], runner.hf_config, TWO, pictures)
     assert ids == inputs["input_ids"][0].tolist()
-    prefill, decode, token = prefill_then_decode(runner, ids, features)
-    expected = hf_logits(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    assert token == int(expected[-1].argmax())
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf, longer)[-1], atol=ATOL, rtol=ATOL)
+    assert_prefill_and_decode_match(runner, hf, inputs, features)
 
 
 def hf_answer(hf: Any, model_dir: Path, prompt: str, pictures: list[Any], smolvlm: bool) -> Answer:
-    inputs = hf_inputs(model_dir, prompt, pictures, smolvlm)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
-
-
-def data_url(picture: Any) -> str:
-    out = io.BytesIO()
-    picture.save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    """HF ``generate``'s greedy answer with each token's logprob."""
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pictures, smolvlm))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -218,37 +201,23 @@ def test_generate_and_chat_match_hf(
 ) -> None:
     """One image, two images and text in one batch, then a chat with an ``image_url`` part
     (a PNG data URL): every answer is HF's."""
-    from chassis import LLM
-
     model_dir, hf, smolvlm = model_dirs[kind], hf_models[kind], kind == "smolvlm"
     cases = {
         "one": (ONE, [image("wide")]),
         "two": (TWO, [image("thin"), image("square")]),
         "text": (TEXT, []),
     }
-    prompts = [
-        {"prompt": p, "multi_modal_data": {"image": pics}} if pics else p
-        for p, pics in cases.values()
-    ]
-    chat = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_url(image("wide"))}},
-                {"type": "text", "text": "What is in the picture?"},
-            ],
-        }
-    ]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128)
+    chat = image_url_chat(png_data_url(image("wide")))
+    llm = small_llm(model_dir)
     try:
-        batch = answers(llm.generate(prompts, PARAMS))
+        batch = answers(llm.generate(media_prompts(cases.values()), PARAMS))
         [chatted] = llm.chat(chat, PARAMS)
     finally:
         llm.shutdown()
-    for (what, (prompt, pictures)), (answer, _) in zip(cases.items(), batch, strict=True):
+    for (what, (prompt, pictures)), answer in zip(cases.items(), batch, strict=True):
         answer.assert_matches(hf_answer(hf, model_dir, prompt, pictures, smolvlm), what)
     assert chatted.prompt == ONE
-    [(answer, _)] = answers([chatted])
+    [answer] = answers([chatted])
     answer.assert_matches(hf_answer(hf, model_dir, ONE, [image("wide")], smolvlm), "chat")
 
 
@@ -257,24 +226,15 @@ def test_chunked_prefill_through_images_equals_unchunked(
 ) -> None:
     """Steps of 16 tokens cut through a 3-tile image's run (4-token blocks): the answer is
     the unchunked one (HF's), each image encoded once."""
-    from chassis import LLM
-
     model_dir = model_dirs["smolvlm"]
     pictures = [image("thin"), image("wide")]
     _, features = expand(model_dir, runners["smolvlm"].hf_config, TWO, pictures)
     assert features[0].end - features[0].offset > 16
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
+    llm = small_llm(model_dir, **CHUNKED)
     runner = llm.engine.executor.worker.runner
     try:
         request = {"prompt": TWO, "multi_modal_data": {"image": pictures}}
-        [(chunked, _)] = answers(llm.generate([request], PARAMS))
+        [chunked] = answers(llm.generate([request], PARAMS))
         assert runner.mm.num_encoder_runs == 2
     finally:
         llm.shutdown()

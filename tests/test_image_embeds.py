@@ -20,51 +20,36 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from fixtures_llava import hf_inputs, hf_model, random_image, save_tiny_llava
 from fixtures_qwen2_vl import hf_inputs as qwen_hf_inputs
 from fixtures_qwen2_vl import save_tiny_qwen2_vl
+from mm_hf_compare import (
+    NUM_TOKENS,
+    PARAMS,
+    Answer,
+    answers,
+    answers_and_cached,
+    hf_generate,
+    image_url_part,
+    png_data_url,
+    two_rank_answers,
+)
 
-from chassis import LLM, SamplingParams
+from chassis import LLM
 from chassis.core.multimodal_embeds import (
     PrecomputedItem,
     load_embeds,
     precomputed_items,
 )
 
-ATOL = 1e-4
-NUM_TOKENS = 6
-PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
 LLAVA_PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 LLAVA_TWO = "USER: <image> and <image>\nCompare them. ASSISTANT:"
 QWEN_PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_TWO = f"<|im_start|>user\n{QWEN_PAD}{QWEN_PAD}Compare.<|im_end|>\n<|im_start|>assistant\n"
-
-
-class Answer(NamedTuple):
-    tokens: list[int]
-    logprobs: list[float]
-    cached: int
-
-    def assert_matches(self, other: Answer, what: str) -> None:
-        assert self.tokens == other.tokens, what
-        np.testing.assert_allclose(self.logprobs, other.logprobs, atol=ATOL, err_msg=what)
-
-
-def answers(outputs: list[Any]) -> list[Answer]:
-    result = []
-    for output in outputs:
-        completion = output.outputs[0]
-        chosen = [
-            step[token].logprob
-            for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-        ]
-        result.append(Answer(list(completion.token_ids), chosen, output.num_cached_tokens))
-    return result
 
 
 def pooled(features: Any) -> torch.Tensor:
@@ -94,22 +79,8 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def hf_answer(llava: dict[str, Any], prompt: str, images: list[Any]) -> Answer:
-    inputs = hf_inputs(llava["dir"], prompt, images)
-    with torch.no_grad():
-        out = llava["hf"].generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs, 0)
+    """HF ``generate``'s greedy answer on the images with each token's logprob."""
+    return hf_generate(llava["hf"], hf_inputs(llava["dir"], prompt, images))
 
 
 def test_llava_embeddings_answer_as_the_images(llava: dict[str, Any]) -> None:
@@ -127,28 +98,29 @@ def test_llava_embeddings_answer_as_the_images(llava: dict[str, Any]) -> None:
     )
     runner = llm.engine.executor.worker.runner
 
-    def run(prompt: str, data: Any) -> Answer:
-        [answer] = answers(llm.generate([{"prompt": prompt, "multi_modal_data": data}], PARAMS))
-        return answer
+    def run(prompt: str, data: Any) -> tuple[Answer, int]:
+        request = {"prompt": prompt, "multi_modal_data": data}
+        [(answer, cached)] = answers_and_cached(llm.generate([request], PARAMS))
+        return answer, cached
 
     try:
-        one_image = run(LLAVA_PROMPT, {"image": images[0]})
+        one_image, _ = run(LLAVA_PROMPT, {"image": images[0]})
         encoded = runner.mm.num_encoder_runs
-        one_rows = run(LLAVA_PROMPT, {"image": rows[0]})
-        again = run(LLAVA_PROMPT, {"image": rows[0].clone()})
-        other = run(LLAVA_PROMPT, {"image": rows[1]})
-        two_rows = run(LLAVA_TWO, {"image": rows})
-        mixed = run(LLAVA_TWO, {"image": [images[0], rows[1]]})
+        one_rows, one_rows_cached = run(LLAVA_PROMPT, {"image": rows[0]})
+        again, again_cached = run(LLAVA_PROMPT, {"image": rows[0].clone()})
+        _, other_cached = run(LLAVA_PROMPT, {"image": rows[1]})
+        two_rows, _ = run(LLAVA_TWO, {"image": rows})
+        mixed, _ = run(LLAVA_TWO, {"image": [images[0], rows[1]]})
         assert runner.mm.num_encoder_runs == encoded + 1  # the mixed prompt's image only
-        two_images = run(LLAVA_TWO, {"image": images})
+        two_images, _ = run(LLAVA_TWO, {"image": images})
     finally:
         llm.shutdown()
     expected = hf_answer(llava, LLAVA_PROMPT, images[:1])
     one_image.assert_matches(expected, "image")
     one_rows.assert_matches(expected, "rows")
     again.assert_matches(expected, "rows again")
-    assert one_rows.cached == 0 and again.cached >= 16  # keyed by the rows' hash
-    assert other.cached < 8  # the text before the image only (another image's rows)
+    assert one_rows_cached == 0 and again_cached >= 16  # keyed by the rows' hash
+    assert other_cached < 8  # the text before the image only (another image's rows)
     expected_two = hf_answer(llava, LLAVA_TWO, images)
     for answer, what in ((two_rows, "[2, 16, 64]"), (mixed, "mixed"), (two_images, "images")):
         answer.assert_matches(expected_two, what)
@@ -157,28 +129,16 @@ def test_llava_embeddings_answer_as_the_images(llava: dict[str, Any]) -> None:
 def test_llava_rows_on_two_ranks_in_chunks(llava: dict[str, Any]) -> None:
     """Two tensor-parallel ranks (rank 1 gets the rows over the wire) and steps of 8 tokens
     cutting through the rows (the encoder-output cache across steps): HF's answer."""
-    import gc
-
-    from test_tensor_parallel import wait_for_no_workers
-
-    llm = LLM(
-        str(llava["dir"]),
-        dtype="float32",
+    request = {"prompt": LLAVA_TWO, "multi_modal_data": {"image": llava["rows"]}}
+    [answer] = two_rank_answers(
+        llava["dir"],
+        [request],
         max_model_len=128,
         num_kv_blocks=64,
         block_size=4,
         max_num_batched_tokens=8,
-        tensor_parallel_size=2,
         enable_mm_embeds=True,
     )
-    try:
-        request = {"prompt": LLAVA_TWO, "multi_modal_data": {"image": llava["rows"]}}
-        [answer] = answers(llm.generate([request], PARAMS))
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-    wait_for_no_workers()
     answer.assert_matches(hf_answer(llava, LLAVA_TWO, llava["images"]), "two ranks, chunks")
 
 
@@ -365,12 +325,7 @@ def test_chat_part_through_the_server(llava: dict[str, Any]) -> None:
     from chassis.serve.settings import ServerSettings
 
     image, rows = llava["images"][0], llava["rows"][0]
-    png = io.BytesIO()
-    image.save(png, format="PNG")
-    image_part = {
-        "type": "image_url",
-        "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()},
-    }
+    image_part = image_url_part(png_data_url(image))
     embeds_part = {"type": "image_embeds", "image_embeds": saved_b64(rows)}
 
     def chat(client: TestClient, part: dict[str, Any]) -> Any:

@@ -37,9 +37,25 @@ from fixtures_internvl import (
     save_tiny_internvl,
 )
 from fixtures_llava import random_image
+from mm_hf_compare import (
+    ATOL,
+    CHUNKED,
+    PARAMS,
+    Answer,
+    answers,
+    answers_and_cached,
+    assert_prefill_and_decode_match,
+    checkpoint_fixtures,
+    generate_answers,
+    hf_generate,
+    hf_logits,
+    media_prompts,
+    prefill_then_decode,
+    processor_fixture,
+    read_tensors,
+    small_llm,
+)
 from safetensors.torch import load_file, save_file
-from test_llava_images import NUM_TOKENS, PARAMS, Answer, answers, hf_logits, read_tensors
-from test_llava_next_images import prefill_then_decode
 from test_models_parity import Runner
 
 from chassis.builtin_plugins.models.internvl_images import (
@@ -58,7 +74,6 @@ TWO = (
     "<|im_start|>assistant\n"
 )
 TEXT = "<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"
-ATOL = 1e-4
 #: (height, width) of the test images: one tile, wide and tall grids, the most tiles, tiny
 SIZES = {
     "square": (56, 56),
@@ -84,24 +99,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_internvl(tmp_path_factory.mktemp("internvl"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> Any:
-    return hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir: Path) -> Runner:
-    return Runner(model_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir: Path, runner: Runner) -> InternVLImageInputs:
-    return InternVLImageInputs.from_pretrained(model_dir, runner.hf_config)
+model_dir, hf, runner = checkpoint_fixtures(save_tiny_internvl, hf_model)
+processor = processor_fixture(InternVLImageInputs)
 
 
 @pytest.fixture(scope="module")
@@ -238,12 +237,7 @@ def test_logits_with_images_match_transformers(
     inputs = hf_inputs(model_dir, prompt, chosen)
     ids, features = expand(processor, model_dir, prompt, chosen)
     assert ids == inputs["input_ids"][0].tolist()
-    prefill, decode, token = prefill_then_decode(runner, ids, features)
-    expected = hf_logits(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    assert token == int(expected[-1].argmax())
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf, longer)[-1], atol=ATOL, rtol=ATOL)
+    assert_prefill_and_decode_match(runner, hf, inputs, features)
 
 
 def test_another_image_changes_the_logits(
@@ -271,45 +265,20 @@ def test_another_image_changes_the_logits(
 
 def next_answer(hf: Any, model_dir: Path, prompt: str, pictures: list[Any]) -> Answer:
     """HF ``generate``'s greedy answer (EOS ignored) with each token's logprob."""
-    inputs = hf_inputs(model_dir, prompt, pictures)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pictures))
 
 
 def test_generate_and_chat_match_hf(model_dir: Path, hf: Any, images: dict[str, Any]) -> None:
     """One image, two images and text in one batch; then steps of 16 tokens cutting through
     a 28-token image (4-token blocks) and the same image again from the prefix cache; then
     ``LLM.chat`` with an image part. Every answer is HF's."""
-    from chassis import LLM
-
     cases = {
         "one": (ONE, [images["wide"]]),
         "two": (TWO, [images["big"], images["square"]]),
         "text": (TEXT, []),
     }
-    prompts = [
-        {"prompt": p, "multi_modal_data": {"image": pics}} if pics else p
-        for p, pics in cases.values()
-    ]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128)
-    try:
-        batch = answers(llm.generate(prompts, PARAMS))
-    finally:
-        llm.shutdown()
-    for (what, (prompt, pictures)), (answer, _) in zip(cases.items(), batch, strict=True):
+    batch = generate_answers(model_dir, media_prompts(cases.values()))
+    for (what, (prompt, pictures)), answer in zip(cases.items(), batch, strict=True):
         answer.assert_matches(next_answer(hf, model_dir, prompt, pictures), what)
 
     expected = next_answer(hf, model_dir, ONE, [images["thin"]])
@@ -322,21 +291,14 @@ def test_generate_and_chat_match_hf(model_dir: Path, hf: Any, images: dict[str, 
             ],
         }
     ]
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
+    llm = small_llm(model_dir, **CHUNKED)
     runner = llm.engine.executor.worker.runner
     request = {"prompt": ONE, "multi_modal_data": {"image": [images["thin"]]}}
     try:
-        [(cold, cold_cached)] = answers(llm.generate([request], PARAMS))
+        [(cold, cold_cached)] = answers_and_cached(llm.generate([request], PARAMS))
         assert runner.mm.num_encoder_runs == 1  # once, though its 28 tokens took 2+ steps
-        [(warm, warm_cached)] = answers(llm.generate([request], PARAMS))
-        [(chatted, _)] = answers(llm.chat(chat, PARAMS))
+        [(warm, warm_cached)] = answers_and_cached(llm.generate([request], PARAMS))
+        [chatted] = answers(llm.chat(chat, PARAMS))
     finally:
         llm.shutdown()
     cold.assert_matches(expected, "chunked")

@@ -15,11 +15,10 @@ bad inputs).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,16 +33,30 @@ from fixtures_llava import (
     save_tiny_llava,
     tiny_config,
 )
-from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
+from mm_hf_compare import (
+    ATOL,
+    CHUNKED,
+    PARAMS,
+    Answer,
+    answers,
+    answers_and_cached,
+    assert_prefill_and_decode_match,
+    generate_answers,
+    hf_generate,
+    hf_logits,
+    media_prompts,
+    prefill_then_decode,
+    read_tensors,
+    small_llm,
+    two_rank_answers,
+)
 from safetensors.torch import load_file, save_file
-from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
+from test_models_parity import Runner
 
 from chassis import SamplingParams
 from chassis.builtin_plugins.models.llava import LlavaForConditionalGeneration
 from chassis.builtin_plugins.models.llava_images import LlavaForConditionalGenerationWithImages
 from chassis.builtin_plugins.models.llava_processing import ClipPreprocessing, LlavaImageInputs
-from chassis.core import model_loader
-from chassis.core.attention import ForwardContext
 from chassis.core.model_loader import language_model_config, model_class
 from chassis.core.multimodal import MultiModalFeature, make_feature
 
@@ -63,8 +76,6 @@ TOKENS = {"clip": TOKENS_PER_IMAGE, "clip_layers": TOKENS_PER_IMAGE + 1, "siglip
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 TWO = "USER: Compare <image>\nwith <image>\nplease. ASSISTANT:"
 TEXT = "USER: Tell me a story. ASSISTANT:"
-NUM_TOKENS = 6
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -208,35 +219,11 @@ def test_prompts_expand_as_llava_processor(
 # -- logits -----------------------------------------------------------------------------------
 
 
-def prefill_then_decode(
+def llava_prefill_then_decode(
     runner: Runner, inputs: dict[str, torch.Tensor], length: int = TOKENS_PER_IMAGE
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Our logits for the whole prompt (one prefill step, image rows in place), then for one
-    decode step of its greedy next token; and that token."""
-    model = runner.model
-    prompt = inputs["input_ids"][0]
-    num_tokens = len(prompt)
-    tables = allocate_block_tables([num_tokens + 1], BLOCK_SIZE, NUM_BLOCKS, runner.generator)
-    kv = new_kv_caches(runner.hf_config, NUM_BLOCKS, BLOCK_SIZE)
-    with torch.no_grad():
-        embeds = model.embed_input_ids(prompt)
-        for feature in features_of(inputs, length):
-            embeds[feature.offset : feature.end] = model.embed_multimodal(
-                "image", feature.tensors()
-            )
-        meta = make_attention_metadata([num_tokens], [num_tokens], tables, BLOCK_SIZE)
-        hidden = model(prompt, torch.arange(num_tokens), ForwardContext(meta, kv), embeds)
-        prefill = model.compute_logits(hidden)
-        token = int(prefill[-1].argmax())
-        meta = make_attention_metadata([1], [num_tokens + 1], tables, BLOCK_SIZE)
-        hidden = model(torch.tensor([token]), torch.tensor([num_tokens]), ForwardContext(meta, kv))
-        decode = model.compute_logits(hidden)[0]
-    return prefill, decode, token
-
-
-def hf_logits(hf: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(**inputs).logits[0].float()
+    """:func:`prefill_then_decode` on HF's ``inputs`` (``length`` tokens an image)."""
+    return prefill_then_decode(runner, inputs["input_ids"][0].tolist(), features_of(inputs, length))
 
 
 @pytest.mark.parametrize(
@@ -254,12 +241,8 @@ def test_logits_with_images_match_transformers(
         (ONE, [images["tall"]]) if num_images == 1 else (TWO, [images["wide"], images["square"]])
     )
     inputs = hf_inputs(model_dirs[name], prompt, pictures, tower_of(name))
-    prefill, decode, token = prefill_then_decode(runners[name], inputs, TOKENS[name])
-    expected = hf_logits(hf_models[name], inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    assert token == int(expected[-1].argmax())
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf_models[name], longer)[-1], atol=ATOL, rtol=ATOL)
+    features = features_of(inputs, TOKENS[name])
+    assert_prefill_and_decode_match(runners[name], hf_models[name], inputs, features)
 
 
 def test_another_image_changes_the_logits(
@@ -273,7 +256,7 @@ def test_another_image_changes_the_logits(
     logits = []
     for picture in (images["tall"], images["other"]):
         inputs = hf_inputs(model_dirs["clip"], ONE, [picture])
-        ours, _, _ = prefill_then_decode(runners["clip"], inputs)
+        ours, _, _ = llava_prefill_then_decode(runners["clip"], inputs)
         torch.testing.assert_close(ours, hf_logits(hf_models["clip"], inputs), atol=ATOL, rtol=ATOL)
         logits.append(ours)
     end = features_of(inputs)[0].end
@@ -283,51 +266,11 @@ def test_another_image_changes_the_logits(
 # -- end to end through LLM -------------------------------------------------------------------
 
 
-class Answer(NamedTuple):
-    tokens: list[int]
-    logprobs: list[float]
-
-    def assert_matches(self, expected: Answer, what: str) -> None:
-        assert self.tokens == expected.tokens, what
-        np.testing.assert_allclose(self.logprobs, expected.logprobs, atol=ATOL, err_msg=what)
-
-
 def hf_answer(
     hf: Any, model_dir: Path, prompt: str, pictures: list[Any], tower: str = "clip"
 ) -> Answer:
     """HF ``generate``'s greedy answer (EOS ignored) with each token's logprob."""
-    inputs = hf_inputs(model_dir, prompt, pictures, tower)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
-
-
-def answers(outputs: list[Any]) -> list[tuple[Answer, int]]:
-    """Each output's answer and its number of prefix-cached prompt tokens."""
-    result = []
-    for output in outputs:
-        completion = output.outputs[0]
-        chosen = [
-            step[token].logprob
-            for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-        ]
-        result.append((Answer(list(completion.token_ids), chosen), output.num_cached_tokens))
-    return result
-
-
-PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pictures, tower))
 
 
 def test_generate_and_chat_match_hf(
@@ -336,24 +279,14 @@ def test_generate_and_chat_match_hf(
     """One image, two images and text in one batch; then steps of 16 tokens cutting through
     an image (4-token blocks) and the same image again from the prefix cache; then
     ``LLM.chat`` with an image part. Every answer is HF's."""
-    from chassis import LLM
-
     model_dir, hf = model_dirs["clip"], hf_models["clip"]
     cases = {
         "one": (ONE, [images["tall"]]),
         "two": (TWO, [images["wide"], images["square"]]),
         "text": (TEXT, []),
     }
-    prompts = [
-        {"prompt": p, "multi_modal_data": {"image": pics}} if pics else p
-        for p, pics in cases.values()
-    ]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128)
-    try:
-        batch = answers(llm.generate(prompts, PARAMS))
-    finally:
-        llm.shutdown()
-    for (what, (prompt, pictures)), (answer, _) in zip(cases.items(), batch, strict=True):
+    batch = generate_answers(model_dir, media_prompts(cases.values()))
+    for (what, (prompt, pictures)), answer in zip(cases.items(), batch, strict=True):
         answer.assert_matches(hf_answer(hf, model_dir, prompt, pictures), what)
 
     long_prompt = "USER: Look here: <image>\nWhat is in this picture? ASSISTANT:"
@@ -367,21 +300,14 @@ def test_generate_and_chat_match_hf(
             ],
         }
     ]
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
+    llm = small_llm(model_dir, **CHUNKED)
     runner = llm.engine.executor.worker.runner
     request = {"prompt": long_prompt, "multi_modal_data": {"image": [images["tall"]]}}
     try:
-        [(cold, cold_cached)] = answers(llm.generate([request], PARAMS))
+        [(cold, cold_cached)] = answers_and_cached(llm.generate([request], PARAMS))
         assert runner.mm.num_encoder_runs == 1  # once, though its tokens took two steps
-        [(warm, warm_cached)] = answers(llm.generate([request], PARAMS))
-        [(chatted, _)] = answers(llm.chat(chat, PARAMS))
+        [(warm, warm_cached)] = answers_and_cached(llm.generate([request], PARAMS))
+        [chatted] = answers(llm.chat(chat, PARAMS))
     finally:
         llm.shutdown()
     cold.assert_matches(expected, "chunked")
@@ -397,7 +323,6 @@ def test_lora_adapter_with_images(
     """An adapter on the language model, named as trained on transformers 5's LLaVA
     (``model.language_model.layers.*``), with an image: HF's answer with the adapter merged
     into its weights; the base model's beside it in the same batch."""
-    from chassis import LLM
     from chassis.core.lora.request import LoRARequest
 
     model_dir = model_dirs["clip"]
@@ -421,19 +346,10 @@ def test_lora_adapter_with_images(
     (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config))
 
     request = {"prompt": ONE, "multi_modal_data": {"image": [images["tall"]]}}
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        enable_lora=True,
-        max_lora_rank=rank,
-    )
+    llm = small_llm(model_dir, enable_lora=True, max_lora_rank=rank)
     try:
         lora = LoRARequest("adapter", 1, str(tmp_path))
-        (base, _), (adapted, _) = answers(
-            llm.generate([request, request], PARAMS, lora_request=[None, lora])
-        )
+        base, adapted = answers(llm.generate([request, request], PARAMS, lora_request=[None, lora]))
     finally:
         llm.shutdown()
     base.assert_matches(hf_answer(hf_model(model_dir), model_dir, ONE, [images["tall"]]), "base")
@@ -449,52 +365,15 @@ def test_two_tensor_parallel_ranks_with_images(
 ) -> None:
     """Rank 1 gets the features over the wire and runs the whole tower itself (the text
     model is sharded): HF's answers, SigLIP's tower too."""
-    from test_tensor_parallel import wait_for_no_workers
-
-    from chassis import LLM
-
-    llm = LLM(
-        str(model_dirs["siglip"]),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        tensor_parallel_size=2,
-    )
-    try:
-        got = answers(
-            llm.generate(
-                [{"prompt": TWO, "multi_modal_data": {"image": [images["wide"], images["tall"]]}}],
-                PARAMS,
-            )
-        )
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-    wait_for_no_workers()
+    request = {"prompt": TWO, "multi_modal_data": {"image": [images["wide"], images["tall"]]}}
+    got = two_rank_answers(model_dirs["siglip"], [request])
     expected = hf_answer(
         hf_models["siglip"], model_dirs["siglip"], TWO, [images["wide"], images["tall"]], "siglip"
     )
-    got[0][0].assert_matches(expected, "two ranks")
+    got[0].assert_matches(expected, "two ranks")
 
 
 # -- what is read and built -------------------------------------------------------------------
-
-
-def read_tensors(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[set[str], Any]:
-    """The checkpoint tensors the loader reads for ``model_dir``, and the model."""
-    read: list[str] = []
-    original = model_loader.iterate_safetensors
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in original(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
-    model = Runner(model_dir).model
-    monkeypatch.undo()
-    return set(read), model
 
 
 def test_the_image_side_is_read_in_every_layout(

@@ -35,10 +35,26 @@ from fixtures_llava_next import (
     save_tiny_llava_next,
     tiny_config,
 )
-from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
+from mm_hf_compare import (
+    ATOL,
+    CHUNKED,
+    PARAMS,
+    Answer,
+    answers,
+    answers_and_cached,
+    assert_prefill_and_decode_match,
+    checkpoint_fixtures,
+    generate_answers,
+    hf_generate,
+    hf_logits,
+    media_prompts,
+    prefill_then_decode,
+    processor_fixture,
+    read_tensors,
+    small_llm,
+)
 from safetensors.torch import load_file
-from test_llava_images import NUM_TOKENS, PARAMS, Answer, answers, hf_logits
-from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
+from test_models_parity import Runner
 
 from chassis.builtin_plugins.models.llava import LlavaForConditionalGeneration
 from chassis.builtin_plugins.models.llava_next_images import (
@@ -55,15 +71,12 @@ from chassis.builtin_plugins.models.llava_next_tiles import (
     tile_grid,
     unpadded_span,
 )
-from chassis.core import model_loader
-from chassis.core.attention import ForwardContext
 from chassis.core.model_loader import language_model_config, model_class
 from chassis.core.multimodal import MultiModalFeature
 
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 TWO = "USER: Compare <image>\nwith <image>\nplease. ASSISTANT:"
 TEXT = "USER: Tell me a story. ASSISTANT:"
-ATOL = 1e-4
 #: (height, width) of the test images: the grid's rows cut (wide), columns cut (tall),
 #: nothing cut, one or four tiles' worth, smaller than a tile
 SIZES = {
@@ -78,24 +91,8 @@ SIZES = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llava_next(tmp_path_factory.mktemp("llava_next"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> Any:
-    return hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir: Path) -> Runner:
-    return Runner(model_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir: Path, runner: Runner) -> LlavaNextImageInputs:
-    return LlavaNextImageInputs.from_pretrained(model_dir, runner.hf_config)
+model_dir, hf, runner = checkpoint_fixtures(save_tiny_llava_next, hf_model)
+processor = processor_fixture(LlavaNextImageInputs)
 
 
 @pytest.fixture(scope="module")
@@ -274,32 +271,6 @@ def test_prompts_expand_as_llava_next_processor(
 # -- logits -----------------------------------------------------------------------------------
 
 
-def prefill_then_decode(
-    runner: Runner, prompt: list[int], features: list[MultiModalFeature]
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Our logits for the whole prompt (one prefill step, image rows in place), then for one
-    decode step of its greedy next token; and that token."""
-    model = runner.model
-    num_tokens = len(prompt)
-    tables = allocate_block_tables([num_tokens + 1], BLOCK_SIZE, NUM_BLOCKS, runner.generator)
-    kv = new_kv_caches(runner.hf_config, NUM_BLOCKS, BLOCK_SIZE)
-    ids = torch.tensor(prompt)
-    with torch.no_grad():
-        embeds = model.embed_input_ids(ids)
-        for feature in features:
-            embeds[feature.offset : feature.end] = model.embed_multimodal(
-                "image", feature.tensors()
-            )
-        meta = make_attention_metadata([num_tokens], [num_tokens], tables, BLOCK_SIZE)
-        hidden = model(ids, torch.arange(num_tokens), ForwardContext(meta, kv), embeds)
-        prefill = model.compute_logits(hidden)
-        token = int(prefill[-1].argmax())
-        meta = make_attention_metadata([1], [num_tokens + 1], tables, BLOCK_SIZE)
-        hidden = model(torch.tensor([token]), torch.tensor([num_tokens]), ForwardContext(meta, kv))
-        decode = model.compute_logits(hidden)[0]
-    return prefill, decode, token
-
-
 @pytest.mark.parametrize("pictures", [("tall",), ("thin", "big")])
 def test_logits_with_images_match_transformers(
     model_dir: Path,
@@ -314,12 +285,7 @@ def test_logits_with_images_match_transformers(
     inputs = hf_inputs(model_dir, prompt, chosen)
     ids, features = expand(processor, model_dir, prompt, chosen)
     assert ids == inputs["input_ids"][0].tolist()
-    prefill, decode, token = prefill_then_decode(runner, ids, features)
-    expected = hf_logits(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    assert token == int(expected[-1].argmax())
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf, longer)[-1], atol=ATOL, rtol=ATOL)
+    assert_prefill_and_decode_match(runner, hf, inputs, features)
 
 
 def test_another_image_changes_the_logits(
@@ -347,45 +313,20 @@ def test_another_image_changes_the_logits(
 
 def next_answer(hf: Any, model_dir: Path, prompt: str, pictures: list[Any]) -> Answer:
     """HF ``generate``'s greedy answer (EOS ignored) with each token's logprob."""
-    inputs = hf_inputs(model_dir, prompt, pictures)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pictures))
 
 
 def test_generate_and_chat_match_hf(model_dir: Path, hf: Any, images: dict[str, Any]) -> None:
     """One image, two images and text in one batch; then steps of 16 tokens cutting through
     a 39-token image (4-token blocks) and the same image again from the prefix cache; then
     ``LLM.chat`` with an image part. Every answer is HF's."""
-    from chassis import LLM
-
     cases = {
         "one": (ONE, [images["wide"]]),
         "two": (TWO, [images["column"], images["tiny"]]),
         "text": (TEXT, []),
     }
-    prompts = [
-        {"prompt": p, "multi_modal_data": {"image": pics}} if pics else p
-        for p, pics in cases.values()
-    ]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128)
-    try:
-        batch = answers(llm.generate(prompts, PARAMS))
-    finally:
-        llm.shutdown()
-    for (what, (prompt, pictures)), (answer, _) in zip(cases.items(), batch, strict=True):
+    batch = generate_answers(model_dir, media_prompts(cases.values()))
+    for (what, (prompt, pictures)), answer in zip(cases.items(), batch, strict=True):
         answer.assert_matches(next_answer(hf, model_dir, prompt, pictures), what)
 
     long_prompt = "USER: Look here: <image>\nWhat is in this picture? ASSISTANT:"
@@ -399,21 +340,14 @@ def test_generate_and_chat_match_hf(model_dir: Path, hf: Any, images: dict[str, 
             ],
         }
     ]
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
+    llm = small_llm(model_dir, **CHUNKED)
     runner = llm.engine.executor.worker.runner
     request = {"prompt": long_prompt, "multi_modal_data": {"image": [images["tall"]]}}
     try:
-        [(cold, cold_cached)] = answers(llm.generate([request], PARAMS))
+        [(cold, cold_cached)] = answers_and_cached(llm.generate([request], PARAMS))
         assert runner.mm.num_encoder_runs == 1  # once, though its 39 tokens took 3 steps
-        [(warm, warm_cached)] = answers(llm.generate([request], PARAMS))
-        [(chatted, _)] = answers(llm.chat(chat, PARAMS))
+        [(warm, warm_cached)] = answers_and_cached(llm.generate([request], PARAMS))
+        [chatted] = answers(llm.chat(chat, PARAMS))
     finally:
         llm.shutdown()
     cold.assert_matches(expected, "chunked")
@@ -433,22 +367,12 @@ def test_image_newline_and_the_tower_are_read(
     newline row too; the class composes over the Mistral text config's decoder."""
     from chassis.builtin_plugins.models.llama import LlamaForCausalLM
 
-    read: list[str] = []
-    original = model_loader.iterate_safetensors
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in original(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
-    model = Runner(model_dir).model
-    monkeypatch.undo()
+    read, model = read_tensors(model_dir, monkeypatch)
     in_file = set(load_file(model_dir / "model.safetensors"))
     skipped = ("vision_tower.vision_model.encoder.layers.1.", "vision_tower.vision_model.post_")
     unused = {n for n in in_file if n.startswith(skipped)}
     assert unused and "image_newline" in in_file
-    assert set(read) == in_file - unused
+    assert read == in_file - unused
     assert torch.equal(
         model.image_newline, load_file(model_dir / "model.safetensors")["image_newline"]
     )

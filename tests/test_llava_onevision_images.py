@@ -36,9 +36,23 @@ from fixtures_llava_onevision import (
     image_processor,
     save_tiny_llava_onevision,
 )
+from mm_hf_compare import (
+    CHUNKED,
+    PARAMS,
+    Answer,
+    answers,
+    assert_prefill_and_decode_match,
+    checkpoint_fixtures,
+    generate_answers,
+    hf_generate,
+    image_url_chat,
+    media_prompts,
+    png_data_url,
+    processor_fixture,
+    read_tensors,
+    small_llm,
+)
 from safetensors.torch import load_file
-from test_llava_images import NUM_TOKENS, PARAMS, Answer, answers, hf_logits
-from test_llava_next_images import prefill_then_decode
 from test_models_parity import Runner
 
 from chassis.builtin_plugins.models.llava_next_tiles import (
@@ -60,13 +74,11 @@ from chassis.builtin_plugins.models.llava_onevision_processing import (
     onevision_settings,
     square_steps,
 )
-from chassis.core import model_loader
 from chassis.core.multimodal import MultiModalFeature
 
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 TWO = "USER: Compare <image>\nwith <image>\nplease. ASSISTANT:"
 TEXT = "USER: Tell me a story. ASSISTANT:"
-ATOL = 1e-4
 #: (height, width) of the test images: rows cut, columns cut, nothing cut, grids kept and
 #: grids resized down by the cap, smaller than a tile
 SIZES = {
@@ -81,24 +93,8 @@ SIZES = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llava_onevision(tmp_path_factory.mktemp("llava_onevision"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> Any:
-    return hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir: Path) -> Runner:
-    return Runner(model_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir: Path, runner: Runner) -> LlavaOnevisionMediaInputs:
-    return LlavaOnevisionMediaInputs.from_pretrained(model_dir, runner.hf_config)
+model_dir, hf, runner = checkpoint_fixtures(save_tiny_llava_onevision, hf_model)
+processor = processor_fixture(LlavaOnevisionMediaInputs)
 
 
 @pytest.fixture(scope="module")
@@ -297,12 +293,7 @@ def test_logits_with_images_match_transformers(
     inputs = hf_inputs(model_dir, prompt, chosen)
     ids, features = expand(processor, model_dir, prompt, chosen)
     assert ids == inputs["input_ids"][0].tolist()
-    prefill, decode, token = prefill_then_decode(runner, ids, features)
-    expected = hf_logits(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    assert token == int(expected[-1].argmax())
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf, longer)[-1], atol=ATOL, rtol=ATOL)
+    assert_prefill_and_decode_match(runner, hf, inputs, features)
 
 
 # -- end to end through LLM -------------------------------------------------------------------
@@ -310,81 +301,34 @@ def test_logits_with_images_match_transformers(
 
 def next_answer(hf: Any, model_dir: Path, prompt: str, pictures: list[Any]) -> Answer:
     """HF ``generate``'s greedy answer (EOS ignored) with each token's logprob."""
-    inputs = hf_inputs(model_dir, prompt, pictures)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pictures))
 
 
 def test_generate_and_chat_match_hf(model_dir: Path, hf: Any, images: dict[str, Any]) -> None:
     """One image, two images and text in one batch; then steps of 16 tokens cutting through
     a 46-token image (4-token blocks), which equal one unchunked prefill; then ``LLM.chat``
     with an image_url part. Every answer is HF's."""
-    import base64
-    import io
-
-    from chassis import LLM
-
     cases = {
         "one": (ONE, [images["wide"]]),
         "two": (TWO, [images["huge"], images["tiny"]]),
         "text": (TEXT, []),
         "big": (ONE, [images["big"]]),
     }
-    prompts = [
-        {"prompt": p, "multi_modal_data": {"image": pics}} if pics else p
-        for p, pics in cases.values()
-    ]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128)
-    try:
-        batch = answers(llm.generate(prompts, PARAMS))
-    finally:
-        llm.shutdown()
-    for (what, (prompt, pictures)), (answer, _) in zip(cases.items(), batch, strict=True):
+    batch = generate_answers(model_dir, media_prompts(cases.values()))
+    for (what, (prompt, pictures)), answer in zip(cases.items(), batch, strict=True):
         answer.assert_matches(next_answer(hf, model_dir, prompt, pictures), what)
 
-    buffer = io.BytesIO()
-    images["tall"].save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    chat = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": url}},
-                {"type": "text", "text": "What is in the picture?"},
-            ],
-        }
-    ]
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-        enable_prefix_caching=False,
-    )
+    chat = image_url_chat(png_data_url(images["tall"]))
+    llm = small_llm(model_dir, **CHUNKED, enable_prefix_caching=False)
     runner = llm.engine.executor.worker.runner
     request = {"prompt": ONE, "multi_modal_data": {"image": [images["big"]]}}
     try:
-        [(chunked, _)] = answers(llm.generate([request], PARAMS))
+        [chunked] = answers(llm.generate([request], PARAMS))
         assert runner.mm.num_encoder_runs == 1  # once, though its 46 tokens took 3 steps
-        [(chatted, _)] = answers(llm.chat(chat, PARAMS))
+        [chatted] = answers(llm.chat(chat, PARAMS))
     finally:
         llm.shutdown()
-    chunked.assert_matches(batch[3][0], "chunked vs unchunked")
+    chunked.assert_matches(batch[3], "chunked vs unchunked")
     chatted.assert_matches(next_answer(hf, model_dir, ONE, [images["tall"]]), "chat")
 
 
@@ -398,21 +342,11 @@ def test_image_newline_and_the_tower_are_read(
     the class composes over the Qwen2 text config's decoder."""
     from chassis.builtin_plugins.models.qwen2 import Qwen2ForCausalLM
 
-    read: list[str] = []
-    original = model_loader.iterate_safetensors
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in original(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
-    model = Runner(model_dir).model
-    monkeypatch.undo()
+    read, model = read_tensors(model_dir, monkeypatch)
     tensors = load_file(model_dir / "model.safetensors")
     unused = {n for n in tensors if n.startswith(("vision_tower.post_", "vision_tower.head."))}
     assert "image_newline" in tensors
-    assert set(read) == set(tensors) - unused
+    assert read == set(tensors) - unused
     assert torch.equal(model.image_newline, tensors["image_newline"])
     assert isinstance(model, LlavaOnevisionForConditionalGenerationWithImages)
     assert isinstance(model, Qwen2ForCausalLM)

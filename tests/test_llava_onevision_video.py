@@ -29,7 +29,17 @@ from fixtures_llava_onevision import (
     image_processor,
     save_tiny_llava_onevision,
 )
-from test_llava_images import NUM_TOKENS, PARAMS, Answer, answers, hf_logits
+from mm_hf_compare import (
+    CHUNKED,
+    PARAMS,
+    answers,
+    assert_prefill_and_decode_match,
+    checkpoint_fixtures,
+    generate_answers,
+    hf_generate,
+    processor_fixture,
+    small_llm,
+)
 from test_models_parity import Runner
 
 from chassis.builtin_plugins.models.llava_onevision_processing import LlavaOnevisionMediaInputs
@@ -40,7 +50,6 @@ pytest.importorskip("av")
 
 VIDEO_PROMPT = "USER: <video>\nWhat happens? ASSISTANT:"
 BOTH = "USER: <image>\nand <video>\nWhat happens? ASSISTANT:"
-ATOL = 1e-4
 
 
 def random_frames(count: int, height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -48,24 +57,8 @@ def random_frames(count: int, height: int, width: int, seed: int = 0) -> np.ndar
     return rng.integers(0, 256, (count, height, width, 3), dtype=np.uint8)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llava_onevision(tmp_path_factory.mktemp("llava_onevision_video"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> Any:
-    return hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir: Path) -> Runner:
-    return Runner(model_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(model_dir: Path, runner: Runner) -> LlavaOnevisionMediaInputs:
-    return LlavaOnevisionMediaInputs.from_pretrained(model_dir, runner.hf_config)
+model_dir, hf, runner = checkpoint_fixtures(save_tiny_llava_onevision, hf_model)
+processor = processor_fixture(LlavaOnevisionMediaInputs)
 
 
 def expand(
@@ -137,8 +130,6 @@ def test_logits_with_a_video_match_transformers(
     processor: LlavaOnevisionMediaInputs,
     with_image: bool,
 ) -> None:
-    from test_llava_next_images import prefill_then_decode
-
     video = random_frames(4, 30, 60, seed=1)
     images = [random_image(60, 90, seed=2)] if with_image else []
     prompt = BOTH if with_image else VIDEO_PROMPT
@@ -147,39 +138,7 @@ def test_logits_with_a_video_match_transformers(
     pixels = next(f for f in features if f.modality == "video").tensors()["pixel_values_videos"]
     inputs = hf_video_inputs(model_dir, prompt, pixels, images)
     assert ids == inputs["input_ids"][0].tolist()
-
-    original = runner.model.embed_multimodal
-
-    def by_modality(modality: str, tensors: Any) -> torch.Tensor:  # (the helper says "image")
-        return original("video" if "pixel_values_videos" in tensors else modality, tensors)
-
-    runner.model.embed_multimodal = by_modality  # type: ignore[method-assign]
-    try:
-        prefill, decode, token = prefill_then_decode(runner, ids, features)
-    finally:
-        del runner.model.embed_multimodal
-    expected = hf_logits(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf, longer)[-1], atol=ATOL, rtol=ATOL)
-
-
-def hf_answer(hf: Any, inputs: dict[str, torch.Tensor]) -> Answer:
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
+    assert_prefill_and_decode_match(runner, hf, inputs, features)
 
 
 def test_generate_chunked_and_chat_match_hf(
@@ -190,13 +149,11 @@ def test_generate_chunked_and_chat_match_hf(
     ``video_url`` (decoded losslessly) gives HF's answer for its frames."""
     from test_video_urls import data_url, encode_video
 
-    from chassis import LLM
-
     video = random_frames(8, 40, 50, seed=3)
     image = random_image(50, 40, seed=4)
     pixels = VideoFrames.from_pretrained(model_dir, SIDE)(video)
-    expected = hf_answer(hf, hf_video_inputs(model_dir, VIDEO_PROMPT, pixels, []))
-    expected_both = hf_answer(hf, hf_video_inputs(model_dir, BOTH, pixels, [image]))
+    expected = hf_generate(hf, hf_video_inputs(model_dir, VIDEO_PROMPT, pixels, []))
+    expected_both = hf_generate(hf, hf_video_inputs(model_dir, BOTH, pixels, [image]))
     requests = [
         {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video}},
         {"prompt": BOTH, "multi_modal_data": {"video": video, "image": image}},
@@ -210,29 +167,17 @@ def test_generate_chunked_and_chat_match_hf(
             ],
         }
     ]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=128)
+    llm = small_llm(model_dir)
     try:
-        [(one, _), (both, _)] = answers(llm.generate(requests, PARAMS))
-        [(chatted, _)] = answers(llm.chat(chat, PARAMS))
+        [one, both] = answers(llm.generate(requests, PARAMS))
+        [chatted] = answers(llm.chat(chat, PARAMS))
     finally:
         llm.shutdown()
     one.assert_matches(expected, "video")
     both.assert_matches(expected_both, "image and video")
     chatted.assert_matches(expected, "chat video_url")
 
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-        enable_prefix_caching=False,
-    )
-    try:
-        [(chunked, _)] = answers(llm.generate(requests[:1], PARAMS))
-    finally:
-        llm.shutdown()
+    [chunked] = generate_answers(model_dir, requests[:1], **CHUNKED, enable_prefix_caching=False)
     chunked.assert_matches(one, "chunked vs unchunked")
 
 

@@ -16,11 +16,10 @@ layouts; LoRA's scope; the text-only fallback and the errors for bad inputs.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pytest
@@ -36,11 +35,25 @@ from fixtures_mistral3 import (
     save_tiny_mistral3,
     tiny_config,
 )
-from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
+from mm_hf_compare import (
+    ATOL,
+    CHUNKED,
+    PARAMS,
+    Answer,
+    answers,
+    answers_and_cached,
+    assert_prefill_and_decode_match,
+    hf_generate,
+    hf_logits,
+    media_prompts,
+    prefill_then_decode,
+    read_tensors,
+    small_llm,
+    two_rank_answers,
+)
 from safetensors.torch import load_file, save_file
-from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
+from test_models_parity import Runner
 
-from chassis import SamplingParams
 from chassis.builtin_plugins.models.mistral3 import Mistral3ForConditionalGeneration
 from chassis.builtin_plugins.models.mistral3_images import (
     Mistral3ForConditionalGenerationWithImages,
@@ -49,8 +62,6 @@ from chassis.builtin_plugins.models.mistral3_processing import (
     Mistral3ImageInputs,
     PixtralPreprocessing,
 )
-from chassis.core import model_loader
-from chassis.core.attention import ForwardContext
 from chassis.core.model_loader import language_model_config, model_class
 from chassis.core.multimodal import MultiModalFeature, make_feature
 
@@ -63,8 +74,6 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
 ONE = "[INST][IMG]What is in the picture?[/INST]"
 TWO = "[INST]Compare [IMG] with [IMG] please.[/INST]"
 TEXT = "[INST]Tell me a story.[/INST]"
-NUM_TOKENS = 6
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -220,35 +229,11 @@ def test_pixels_match_transformers_image_processor() -> None:
 # -- logits -----------------------------------------------------------------------------------
 
 
-def prefill_then_decode(
+def mistral_prefill_then_decode(
     runner: Runner, inputs: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Our logits for the whole prompt (one prefill step, each image's run in place), then
-    for one decode step of its greedy next token; and that token."""
-    model = runner.model
-    prompt = inputs["input_ids"][0]
-    num_tokens = len(prompt)
-    tables = allocate_block_tables([num_tokens + 1], BLOCK_SIZE, NUM_BLOCKS, runner.generator)
-    kv = new_kv_caches(runner.hf_config, NUM_BLOCKS, BLOCK_SIZE)
-    with torch.no_grad():
-        embeds = model.embed_input_ids(prompt)
-        for feature in features_of(inputs):
-            embeds[feature.offset : feature.end] = model.embed_multimodal(
-                "image", feature.tensors()
-            )
-        meta = make_attention_metadata([num_tokens], [num_tokens], tables, BLOCK_SIZE)
-        hidden = model(prompt, torch.arange(num_tokens), ForwardContext(meta, kv), embeds)
-        prefill = model.compute_logits(hidden)
-        token = int(prefill[-1].argmax())
-        meta = make_attention_metadata([1], [num_tokens + 1], tables, BLOCK_SIZE)
-        hidden = model(torch.tensor([token]), torch.tensor([num_tokens]), ForwardContext(meta, kv))
-        decode = model.compute_logits(hidden)[0]
-    return prefill, decode, token
-
-
-def hf_logits(hf: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(**inputs).logits[0].float()
+    """:func:`prefill_then_decode` on HF's ``inputs``, each image's run in place."""
+    return prefill_then_decode(runner, inputs["input_ids"][0].tolist(), features_of(inputs))
 
 
 @pytest.mark.parametrize(
@@ -266,12 +251,7 @@ def test_logits_with_images_match_transformers(
         (ONE, [images["tall"]]) if num_images == 1 else (TWO, [images["wide"], images["square"]])
     )
     inputs = hf_inputs(model_dirs[name], prompt, pictures)
-    prefill, decode, token = prefill_then_decode(runners[name], inputs)
-    expected = hf_logits(hf_models[name], inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    assert token == int(expected[-1].argmax())
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf_models[name], longer)[-1], atol=ATOL, rtol=ATOL)
+    assert_prefill_and_decode_match(runners[name], hf_models[name], inputs, features_of(inputs))
 
 
 def test_another_image_changes_the_logits(
@@ -285,7 +265,7 @@ def test_another_image_changes_the_logits(
     logits = []
     for picture in (images["tall"], images["other"]):
         inputs = hf_inputs(model_dirs["mistral"], ONE, [picture])
-        ours, _, _ = prefill_then_decode(runners["mistral"], inputs)
+        ours, _, _ = mistral_prefill_then_decode(runners["mistral"], inputs)
         torch.testing.assert_close(
             ours, hf_logits(hf_models["mistral"], inputs), atol=ATOL, rtol=ATOL
         )
@@ -297,49 +277,9 @@ def test_another_image_changes_the_logits(
 # -- end to end through LLM -------------------------------------------------------------------
 
 
-class Answer(NamedTuple):
-    tokens: list[int]
-    logprobs: list[float]
-
-    def assert_matches(self, expected: Answer, what: str) -> None:
-        assert self.tokens == expected.tokens, what
-        np.testing.assert_allclose(self.logprobs, expected.logprobs, atol=ATOL, err_msg=what)
-
-
 def hf_answer(hf: Any, model_dir: Path, prompt: str, pictures: list[Any]) -> Answer:
     """HF ``generate``'s greedy answer (EOS ignored) with each token's logprob."""
-    inputs = hf_inputs(model_dir, prompt, pictures)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
-
-
-def answers(outputs: list[Any]) -> list[tuple[Answer, int]]:
-    """Each output's answer and its number of prefix-cached prompt tokens."""
-    result = []
-    for output in outputs:
-        completion = output.outputs[0]
-        chosen = [
-            step[token].logprob
-            for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-        ]
-        result.append((Answer(list(completion.token_ids), chosen), output.num_cached_tokens))
-    return result
-
-
-PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pictures))
 
 
 def test_generate_and_chat_match_hf(
@@ -348,27 +288,15 @@ def test_generate_and_chat_match_hf(
     """One image, two images and text in one batch; then steps of 16 tokens cutting through
     an image's run (4-token blocks) and the same image again from the prefix cache; then
     ``LLM.chat`` with an image part. Every answer is HF's."""
-    from chassis import LLM
-
     model_dir, hf = model_dirs["mistral"], hf_models["mistral"]
     cases = {
         "one": (ONE, [images["tall"]]),
         "two": (TWO, [images["wide"], images["square"]]),
         "text": (TEXT, []),
     }
-    prompts = [
-        {"prompt": p, "multi_modal_data": {"image": pics}} if pics else p
-        for p, pics in cases.values()
-    ]
+    prompts = media_prompts(cases.values())
     expected_tokens = [hf_answer(hf, model_dir, p, pics) for p, pics in cases.values()]
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
+    llm = small_llm(model_dir, **CHUNKED)
     runner = llm.engine.executor.worker.runner
     chat = [
         {
@@ -383,14 +311,14 @@ def test_generate_and_chat_match_hf(
     try:
         batch = answers(llm.generate(prompts, PARAMS))
         runs = runner.mm.num_encoder_runs
-        [(warm, warm_cached)] = answers(llm.generate([request], PARAMS))
+        [(warm, warm_cached)] = answers_and_cached(llm.generate([request], PARAMS))
         assert runner.mm.num_encoder_runs == runs  # the cached image needed no encoding
-        [(chatted, _)] = answers(llm.chat(chat, PARAMS))
+        [chatted] = answers(llm.chat(chat, PARAMS))
     finally:
         llm.shutdown()
     # each image once, though the 30-token run of the first took several 16-token steps
     assert runs == 3
-    for (what, _), (answer, _), expected in zip(cases.items(), batch, expected_tokens, strict=True):
+    for (what, _), answer, expected in zip(cases.items(), batch, expected_tokens, strict=True):
         answer.assert_matches(expected, what)
     warm.assert_matches(expected_tokens[0], "prefix-cached")
     assert warm_cached >= 30
@@ -403,7 +331,6 @@ def test_lora_adapter_with_images(
     """An adapter on the language model, named as trained on transformers 5's Mistral 3
     (``model.language_model.layers.*``), with an image: HF's answer with the adapter merged
     into its weights; the base model's beside it in the same batch."""
-    from chassis import LLM
     from chassis.core.lora.request import LoRARequest
 
     model_dir = model_dirs["mistral"]
@@ -427,19 +354,10 @@ def test_lora_adapter_with_images(
     (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config))
 
     request = {"prompt": ONE, "multi_modal_data": {"image": [images["tall"]]}}
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        enable_lora=True,
-        max_lora_rank=rank,
-    )
+    llm = small_llm(model_dir, enable_lora=True, max_lora_rank=rank)
     try:
         lora = LoRARequest("adapter", 1, str(tmp_path))
-        (base, _), (adapted, _) = answers(
-            llm.generate([request, request], PARAMS, lora_request=[None, lora])
-        )
+        base, adapted = answers(llm.generate([request, request], PARAMS, lora_request=[None, lora]))
     finally:
         llm.shutdown()
     base.assert_matches(hf_answer(hf_model(model_dir), model_dir, ONE, [images["tall"]]), "base")
@@ -454,48 +372,14 @@ def test_two_tensor_parallel_ranks_with_images(
 ) -> None:
     """Rank 1 gets the features over the wire and runs the whole tower itself (the text
     model, Ministral 3's, is sharded): HF's answer."""
-    from test_tensor_parallel import wait_for_no_workers
-
-    from chassis import LLM
-
     pictures = [images["wide"], images["tall"]]
-    llm = LLM(
-        str(model_dirs["ministral3"]),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        tensor_parallel_size=2,
-    )
-    try:
-        [(got, _)] = answers(
-            llm.generate([{"prompt": TWO, "multi_modal_data": {"image": pictures}}], PARAMS)
-        )
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-    wait_for_no_workers()
+    request = {"prompt": TWO, "multi_modal_data": {"image": pictures}}
+    [got] = two_rank_answers(model_dirs["ministral3"], [request])
     expected = hf_answer(hf_models["ministral3"], model_dirs["ministral3"], TWO, pictures)
     got.assert_matches(expected, "two ranks")
 
 
 # -- weights, classes ------------------------------------------------------------------------
-
-
-def read_tensors(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[set[str], Any]:
-    """The checkpoint tensors the loader reads for ``model_dir``, and the model."""
-    read: list[str] = []
-    original = model_loader.iterate_safetensors
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in original(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
-    model = Runner(model_dir).model
-    monkeypatch.undo()
-    return set(read), model
 
 
 def test_the_image_side_is_read_in_both_layouts(

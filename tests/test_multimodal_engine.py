@@ -15,6 +15,17 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from mm_hf_compare import (
+    ATOL,
+    NUM_TOKENS,
+    PARAMS,
+    Answer,
+    answers_and_cached,
+    hf_generate,
+    hf_image_text_model,
+    media_prompts,
+    small_llm,
+)
 
 from chassis.core.config import EngineConfig
 from chassis.core.kv_cache_manager import KVCacheManager, hash_block_tokens, multimodal_block_keys
@@ -289,9 +300,7 @@ def test_features_survive_the_tensor_parallel_hand_over() -> None:
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl"]
 IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
-NUM_TOKENS = 6
 IMAGE_TOKEN_ID = 49154  # <|image_pad|> in the tiny checkpoints' tokenizer
-ATOL = 1e-4
 
 
 def chat_prompt(text: str, num_images: int, before: str = "") -> str:
@@ -318,46 +327,14 @@ def images() -> dict[str, Any]:
     }
 
 
-class Answer(NamedTuple):
-    """Greedy tokens and the logprob of each."""
-
-    tokens: list[int]
-    logprobs: list[float]
-
-    def assert_matches(self, expected: Answer, what: str) -> None:
-        assert self.tokens == expected.tokens, what
-        np.testing.assert_allclose(self.logprobs, expected.logprobs, atol=ATOL, err_msg=what)
-
-
 def hf_answer(model_dir: Path, prompt: str, images: list[Any], model: Any = None) -> Answer:
     """HF ``generate``'s greedy answer (float32; EOS ignored) with each token's logprob;
     ``model``: the HF model to run (default: the checkpoint's)."""
-    import transformers as tf
     from fixtures_qwen2_vl import hf_inputs
 
     if model is None:
-        model = tf.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    inputs = hf_inputs(model_dir, prompt, images)
-    with torch.no_grad():
-        out = model.eval().generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
-
-
-def vl_prompt(prompt: str, images: list[Any]) -> dict[str, Any] | str:
-    """vLLM's prompt dict of ``prompt`` and its images (the text alone without any)."""
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+        model = hf_image_text_model(model_dir)
+    return hf_generate(model.eval(), hf_inputs(model_dir, prompt, images))
 
 
 class Generated(NamedTuple):
@@ -369,25 +346,15 @@ class Generated(NamedTuple):
 def generate(llm: Any, cases: list[tuple[str, list[Any]]], **kwargs: Any) -> list[Generated]:
     """``llm.generate`` of every ``(prompt, images)`` in one call: greedy, EOS ignored,
     with each token's logprob."""
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
-    outputs = llm.generate([vl_prompt(*case) for case in cases], params, **kwargs)
-    results = []
-    for output in outputs:
-        completion = output.outputs[0]
-        chosen = [
-            step[token].logprob
-            for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-        ]
-        answer = Answer(list(completion.token_ids), chosen)
-        results.append(Generated(answer, output.num_cached_tokens, list(output.prompt_token_ids)))
-    return results
+    outputs = llm.generate(media_prompts(cases), PARAMS, **kwargs)
+    return [
+        Generated(answer, cached, list(output.prompt_token_ids))
+        for (answer, cached), output in zip(answers_and_cached(outputs), outputs, strict=True)
+    ]
 
 
-def vl_llm(model_dir: Path, **overrides: Any) -> Any:
-    from chassis import LLM
-
-    settings: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128}
-    return LLM(str(model_dir), **{**settings, **overrides})
+#: the small float32 engine (the name the Qwen-VL test modules import)
+vl_llm = small_llm
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -18,12 +18,11 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
 from fixtures_qwen2_audio import (
     AUDIO_TOKEN_ID,
     SAMPLING_RATE,
@@ -33,12 +32,22 @@ from fixtures_qwen2_audio import (
     save_tiny_qwen2_audio,
     wav_bytes,
 )
+from mm_hf_compare import (
+    CHUNKED,
+    Answer,
+    answers,
+    assert_prefill_and_decode_match,
+    checkpoint_fixtures,
+    hf_generate,
+    prefill_then_decode,
+    small_llm,
+    two_rank_answers,
+)
 from safetensors.torch import load_file
-from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
+from test_models_parity import Runner
 
 from chassis import SamplingParams
 from chassis.builtin_plugins.models.qwen2_audio_encoder import audio_token_count
-from chassis.core.attention import ForwardContext
 from chassis.core.audio_resampling import resample
 from chassis.core.multimodal import MultiModalFeature, make_feature
 
@@ -47,22 +56,9 @@ ONE = f"<|im_start|>user\nAudio 1: {PLACEHOLDER}\nWhat is that sound?<|im_end|>\
 TWO = f"<|im_start|>user\nFirst {PLACEHOLDER} then {PLACEHOLDER} compare.<|im_end|>\n"
 TEXT = "<|im_start|>user\nTell me a story.<|im_end|>\n"
 NUM_TOKENS = 5
-ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen2_audio(tmp_path_factory.mktemp("qwen2_audio"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path) -> Any:
-    return hf_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(model_dir: Path) -> Runner:
-    return Runner(model_dir)
+model_dir, hf, runner = checkpoint_fixtures(save_tiny_qwen2_audio, hf_model)
 
 
 @pytest.fixture(scope="module")
@@ -180,52 +176,17 @@ def test_prompts_expand_as_qwen2_audio_processor(
 # -- logits -----------------------------------------------------------------------------------
 
 
-def prefill_then_decode(
-    runner: Runner, inputs: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Our logits for the whole prompt (one prefill step, clip rows in place), then for one
-    decode step of its greedy next token; and that token."""
-    model = runner.model
-    prompt = inputs["input_ids"][0]
-    num_tokens = len(prompt)
-    tables = allocate_block_tables([num_tokens + 1], BLOCK_SIZE, NUM_BLOCKS, runner.generator)
-    kv = new_kv_caches(runner.hf_config, NUM_BLOCKS, BLOCK_SIZE)
-    with torch.no_grad():
-        embeds = model.embed_input_ids(prompt)
-        for feature in features_of(inputs):
-            embeds[feature.offset : feature.end] = model.embed_multimodal(
-                "audio", feature.tensors()
-            )
-        meta = make_attention_metadata([num_tokens], [num_tokens], tables, BLOCK_SIZE)
-        hidden = model(prompt, torch.arange(num_tokens), ForwardContext(meta, kv), embeds)
-        prefill = model.compute_logits(hidden)
-        token = int(prefill[-1].argmax())
-        meta = make_attention_metadata([1], [num_tokens + 1], tables, BLOCK_SIZE)
-        hidden = model(torch.tensor([token]), torch.tensor([num_tokens]), ForwardContext(meta, kv))
-        decode = model.compute_logits(hidden)[0]
-    return prefill, decode, token
-
-
-def hf_logits(hf: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(**inputs).logits[0].float()
-
-
 @pytest.mark.parametrize("num_clips", [1, 2])
 def test_logits_with_audio_match_transformers(
     model_dir: Path, hf: Any, runner: Runner, clips: dict[str, np.ndarray], num_clips: int
 ) -> None:
     prompt, pieces = (ONE, [clips["a"]]) if num_clips == 1 else (TWO, [clips["b"], clips["c"]])
     inputs = hf_inputs(model_dir, prompt, pieces)
-    prefill, decode, token = prefill_then_decode(runner, inputs)
-    expected = hf_logits(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=ATOL, rtol=ATOL)
-    assert token == int(expected[-1].argmax())
-    longer = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)}
-    torch.testing.assert_close(decode, hf_logits(hf, longer)[-1], atol=ATOL, rtol=ATOL)
+    prefill = assert_prefill_and_decode_match(runner, hf, inputs, features_of(inputs))
     if num_clips == 1:  # another clip of the same length: other logits after it
         other = hf_inputs(model_dir, prompt, [random_clip(1.3, seed=9)])
-        changed, _, _ = prefill_then_decode(runner, other)
+        ids = other["input_ids"][0].tolist()
+        changed, _, _ = prefill_then_decode(runner, ids, features_of(other))
         end = features_of(inputs)[0].end
         assert (changed[end:] - prefill[end:]).abs().max() > 1e-3
 
@@ -233,47 +194,12 @@ def test_logits_with_audio_match_transformers(
 # -- end to end through LLM -------------------------------------------------------------------
 
 
-class Answer(NamedTuple):
-    tokens: list[int]
-    logprobs: list[float]
-
-    def assert_matches(self, expected: Answer, what: str) -> None:
-        assert self.tokens == expected.tokens, what
-        np.testing.assert_allclose(self.logprobs, expected.logprobs, atol=ATOL, err_msg=what)
-
-
 def hf_answer(hf: Any, model_dir: Path, prompt: str, pieces: list[np.ndarray]) -> Answer:
-    """HF ``generate``'s greedy answer (EOS ignored) with each token's logprob."""
-    inputs = hf_inputs(model_dir, prompt, pieces)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
+    """HF ``generate``'s greedy answer (``NUM_TOKENS``) with each token's logprob."""
+    return hf_generate(hf, hf_inputs(model_dir, prompt, pieces), NUM_TOKENS)
 
 
-def answers(outputs: list[Any]) -> list[Answer]:
-    result = []
-    for output in outputs:
-        completion = output.outputs[0]
-        chosen = [
-            step[token].logprob
-            for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-        ]
-        result.append(Answer(list(completion.token_ids), chosen))
-    return result
-
-
+#: this file's answers are shorter than mm_hf_compare's
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
 
 
@@ -281,17 +207,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
 def llm(model_dir: Path) -> Any:
     """One engine for the offline tests: steps of 16 tokens (chunked prefill through every
     clip: 17 to 50 rows), 4-token blocks, at most 2 clips a prompt."""
-    from chassis import LLM
-
-    engine = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_batched_tokens=16,
-        limit_mm_per_prompt={"audio": 2},
-    )
+    engine = small_llm(model_dir, **CHUNKED, limit_mm_per_prompt={"audio": 2})
     yield engine
     engine.shutdown()
 
@@ -604,21 +520,6 @@ def test_two_tensor_parallel_ranks_with_audio(
 ) -> None:
     """Rank 1 gets the clips' features over the wire and runs the whole tower itself (the
     text model is sharded): HF's answer."""
-    import gc
-
-    from test_tensor_parallel import wait_for_no_workers
-
-    from chassis import LLM
-
-    llm = LLM(
-        str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, tensor_parallel_size=2
-    )
-    try:
-        request = {"prompt": TWO, "multi_modal_data": {"audio": [clips["c"], clips["b"]]}}
-        [got] = answers(llm.generate([request], PARAMS))
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-    wait_for_no_workers()
+    request = {"prompt": TWO, "multi_modal_data": {"audio": [clips["c"], clips["b"]]}}
+    [got] = two_rank_answers(model_dir, [request], params=PARAMS, num_kv_blocks=64)
     got.assert_matches(hf_answer(hf, model_dir, TWO, [clips["c"], clips["b"]]), "two ranks")

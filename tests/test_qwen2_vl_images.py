@@ -20,11 +20,14 @@ import pytest
 import torch
 from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
 from fixtures_qwen2_vl import hf_inputs, random_image, save_tiny_qwen2_vl
+from mm_hf_compare import (
+    arch_checkpoint_fixtures,
+    read_tensors,
+)
 from safetensors.torch import load_file, save_file
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
 
 from chassis.builtin_plugins.models.qwen2_5_vl_vision import window_order
-from chassis.core import model_loader
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.mrope import MRotaryEmbedding
 from chassis.core.layers.rotary import rope_parameters
@@ -41,24 +44,7 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {arch: save_tiny_qwen2_vl(tmp_path_factory.mktemp(arch), arch) for arch in ARCHS}
-
-
-@pytest.fixture(scope="module")
-def hf_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
-    import transformers as tf
-
-    return {
-        arch: tf.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
-        for arch, d in model_dirs.items()
-    }
-
-
-@pytest.fixture(scope="module")
-def runners(model_dirs: dict[str, Path]) -> dict[str, Runner]:
-    return {arch: Runner(d) for arch, d in model_dirs.items()}
+model_dirs, hf_models, runners = arch_checkpoint_fixtures(save_tiny_qwen2_vl, ARCHS)
 
 
 def images_of(sizes: list[tuple[int, int]], seed: int = 0) -> list[Any]:
@@ -301,18 +287,8 @@ def test_the_tower_is_read_in_both_layouts(
     model_dir = model_dirs["qwen2_5_vl"]
     tensors = load_file(model_dir / "model.safetensors")
     assert any(name.startswith("visual.") for name in tensors)
-    read: list[str] = []
-    original = model_loader.iterate_safetensors
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in original(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
-    Runner(model_dir)
-    assert set(read) == set(tensors)
-    monkeypatch.undo()
+    read, _ = read_tensors(model_dir, monkeypatch)
+    assert read == set(tensors)
 
     def in_memory(name: str) -> str:
         if name.startswith("visual."):

@@ -21,6 +21,7 @@ import pytest
 import torch
 from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
 from fixtures_qwen2_vl import random_image, save_tiny_qwen2_vl
+from mm_hf_compare import answers, arch_checkpoint_fixtures, hf_generate, small_llm
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
 
 from chassis.builtin_plugins.models.qwen2_vl_media import Qwen2VLMediaInputs
@@ -36,19 +37,7 @@ NUM_TOKENS = 5
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {arch: save_tiny_qwen2_vl(tmp_path_factory.mktemp(arch), arch) for arch in ARCHS}
-
-
-@pytest.fixture(scope="module")
-def hf_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
-    import transformers as tf
-
-    return {
-        arch: tf.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
-        for arch, d in model_dirs.items()
-    }
+model_dirs, hf_models, runners = arch_checkpoint_fixtures(save_tiny_qwen2_vl, ARCHS)
 
 
 @pytest.fixture(scope="module")
@@ -238,11 +227,6 @@ def prefill_logits(runner: Runner, ids: list[int], features: list[MultiModalFeat
         return model.compute_logits(hidden)
 
 
-@pytest.fixture(scope="module")
-def runners(model_dirs: dict[str, Path]) -> dict[str, Runner]:
-    return {arch: Runner(d) for arch, d in model_dirs.items()}
-
-
 def test_another_video_changes_the_logits(
     processors: dict[str, Qwen2VLMediaInputs], tokenizer: Any, runners: dict[str, Runner]
 ) -> None:
@@ -266,7 +250,6 @@ def test_llm_generate_with_videos_matches_hf_generate(
 ) -> None:
     """A video (as an array, and as PIL frames at 2 fps) and an image + a video in one
     batch: HF ``generate``'s greedy tokens and logprobs."""
-    from chassis import LLM
     from chassis.core.multimodal_inputs import multimodal_items
 
     hf = hf_models[arch]
@@ -281,7 +264,7 @@ def test_llm_generate_with_videos_matches_hf_generate(
         },
         {"prompt": CASES["image_video"][0], "multi_modal_data": items_of(CASES["image_video"][1])},
     ]
-    llm = LLM(str(model_dirs[arch]), dtype="float32", max_model_len=256, num_kv_blocks=128)
+    llm = small_llm(model_dirs[arch])
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
         outputs = llm.generate(requests, params)
@@ -297,24 +280,8 @@ def test_llm_generate_with_videos_matches_hf_generate(
         inputs = hf_inputs_of(ids, features, hf.config.image_token_id, hf.config.video_token_id)
         if arch == "qwen2_vl":
             inputs.pop("second_per_grid_ts")
-        with torch.no_grad():
-            out = hf.generate(
-                **inputs,
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, len(ids) :].tolist()
-        completion = output.outputs[0]
-        assert list(completion.token_ids) == tokens
-        expected = [
-            float(torch.log_softmax(step[0].float(), dim=-1)[t])
-            for step, t in zip(out.logits, tokens, strict=True)
-        ]
-        got = [step[t].logprob for step, t in zip(completion.logprobs, tokens, strict=True)]
-        np.testing.assert_allclose(got, expected, atol=ATOL)
+        [answer] = answers([output])
+        answer.assert_matches(hf_generate(hf, inputs, NUM_TOKENS), request["prompt"])
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -27,6 +27,10 @@ import torch
 from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
 from fixtures_qwen2_vl import hf_inputs, random_image
 from fixtures_qwen3_vl import ARCHS, save_tiny_qwen3_vl
+from mm_hf_compare import (
+    arch_checkpoint_fixtures,
+    read_tensors,
+)
 from safetensors.torch import load_file
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
 from test_multimodal_engine import chat_prompt, generate, hf_answer, vl_llm
@@ -37,7 +41,6 @@ from test_qwen2_vl_images import (
     hf_logits_with_images,
 )
 
-from chassis.core import model_loader
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.mrope import MRotaryEmbedding
 from chassis.core.layers.rotary import rope_parameters
@@ -54,24 +57,7 @@ PROMPTS = {
 IMAGE_TOKEN_ID = 49154  # <|image_pad|> in the tiny checkpoints' tokenizer
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {arch: save_tiny_qwen3_vl(tmp_path_factory.mktemp(arch), arch) for arch in ARCHS}
-
-
-@pytest.fixture(scope="module")
-def hf_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
-    import transformers as tf
-
-    return {
-        arch: tf.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
-        for arch, d in model_dirs.items()
-    }
-
-
-@pytest.fixture(scope="module")
-def runners(model_dirs: dict[str, Path]) -> dict[str, Runner]:
-    return {arch: Runner(d) for arch, d in model_dirs.items()}
+model_dirs, hf_models, runners = arch_checkpoint_fixtures(save_tiny_qwen3_vl, ARCHS)
 
 
 def images_of(sizes: list[tuple[int, int]], seed: int = 0) -> list[Any]:
@@ -121,17 +107,8 @@ def test_every_checkpoint_tensor_is_read(model_dirs: dict[str, Path], monkeypatc
     """The tower (``model.visual.*``, deepstack mergers included) is read with the rest."""
     tensors = load_file(model_dirs["qwen3_vl"] / "model.safetensors")
     assert any(name.startswith("model.visual.deepstack_merger_list.") for name in tensors)
-    read: list[str] = []
-    original = model_loader.iterate_safetensors
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in original(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
-    Runner(model_dirs["qwen3_vl"])
-    assert set(read) == set(tensors)
+    read, _ = read_tensors(model_dirs["qwen3_vl"], monkeypatch)
+    assert read == set(tensors)
 
 
 # -- M-RoPE ------------------------------------------------------------------------------------

@@ -26,14 +26,14 @@ import torch
 from fixtures_models import allocate_block_tables, make_attention_metadata, new_kv_caches
 from fixtures_qwen2_vl import random_image
 from fixtures_qwen3_vl import ARCHS, save_tiny_qwen3_vl
+from mm_hf_compare import PARAMS, Answer, answers, hf_generate, hf_image_text_model
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
-from test_multimodal_engine import NUM_TOKENS, Answer, vl_llm
+from test_multimodal_engine import vl_llm
 
 from chassis.builtin_plugins.models.qwen3_vl_media import Qwen3VLMediaInputs
 from chassis.core.attention import ForwardContext
 from chassis.core.model_loader import load_hf_config
 from chassis.core.multimodal import MultiModalFeature
-from chassis.core.sampling_params import SamplingParams
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -73,12 +73,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def hf_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
-    import transformers as tf
-
-    return {
-        arch: tf.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
-        for arch, d in model_dirs.items()
-    }
+    return {arch: hf_image_text_model(d) for arch, d in model_dirs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -328,34 +323,8 @@ def test_positions_and_prefill_logits_match_transformers(
 
 
 def hf_answer(hf: Any, ids: list[int], features: list[MultiModalFeature]) -> Answer:
-    inputs = hf_inputs_of(ids, features)
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), -1)[t])
-        for step, t in zip(out.logits, tokens, strict=True)
-    ]
-    return Answer(tokens, logprobs)
-
-
-def answers(outputs: list[Any]) -> list[Answer]:
-    result = []
-    for output in outputs:
-        c = output.outputs[0]
-        chosen = [s[t].logprob for s, t in zip(c.logprobs, c.token_ids, strict=True)]
-        result.append(Answer(list(c.token_ids), chosen))
-    return result
-
-
-PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    """HF ``generate``'s greedy answer on our expanded prompt and features."""
+    return hf_generate(hf, hf_inputs_of(ids, features))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
