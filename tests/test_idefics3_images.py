@@ -7,7 +7,9 @@ another size, whose bucketed positions are not the table's own, against HF's); t
 prompt and pixels against ``Idefics3Processor`` with and without splitting, several sizes;
 prefill and decode logits against HF's forward to 1e-4; greedy tokens and logprobs through
 ``LLM.generate`` against HF ``generate`` (both classes); chunked prefill through the image
-runs; ``LLM.chat`` with an ``image_url`` part; which tensors are read; the refusals.
+runs; ``LLM.chat`` with an ``image_url`` part; a prefix-cache hit through an image and two
+tensor-parallel ranks with images in 16-token steps (both classes, against HF); which tensors
+are read; the refusals (image embeddings among them).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from mm_hf_compare import (
     PARAMS,
     Answer,
     answers,
+    answers_and_cached,
     assert_prefill_and_decode_match,
     hf_generate,
     image_url_chat,
@@ -40,6 +43,7 @@ from mm_hf_compare import (
     png_data_url,
     read_tensors,
     small_llm,
+    two_rank_answers,
 )
 from safetensors.torch import load_file
 from test_models_parity import Runner
@@ -240,6 +244,54 @@ def test_chunked_prefill_through_images_equals_unchunked(
         llm.shutdown()
     expected = hf_answer(hf_models["smolvlm"], model_dir, TWO, pictures, True)
     chunked.assert_matches(expected, "chunked")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_cache_hit_through_an_image(
+    kind: str, model_dirs: dict[str, Path], hf_models: dict[str, Any], runners: dict[str, Runner]
+) -> None:
+    """The same prompt and image again reuses the cached blocks past the image's run (tile
+    labels and rows alike; no tower run) and answers as HF; another image of the same size
+    (the same tokens, other rows) reuses only the text before it."""
+    model_dir = model_dirs[kind]
+    _, [feature] = expand(model_dir, runners[kind].hf_config, ONE, [image("wide")])
+    other = random_image(*IMAGES["wide"], seed=99)
+    llm = small_llm(model_dir, block_size=4)
+    mm = llm.engine.executor.worker.runner.mm
+
+    def run(picture: Any) -> tuple[Answer, int]:
+        request = {"prompt": ONE, "multi_modal_data": {"image": [picture]}}
+        [(answer, cached)] = answers_and_cached(llm.generate([request], PARAMS))
+        return answer, cached
+
+    try:
+        first, first_cached = run(image("wide"))
+        again, again_cached = run(image("wide"))
+        assert mm.num_encoder_runs == 1
+        _, other_cached = run(other)
+        assert mm.num_encoder_runs == 2
+    finally:
+        llm.shutdown()
+    assert first_cached == 0 and again_cached >= feature.end
+    assert other_cached <= feature.offset
+    expected = hf_answer(hf_models[kind], model_dir, ONE, [image("wide")], kind == "smolvlm")
+    first.assert_matches(expected, "first")
+    again.assert_matches(expected, "prefix-cache hit")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_with_images_match_hf(
+    kind: str, model_dirs: dict[str, Path], hf_models: dict[str, Any]
+) -> None:
+    """Two tensor-parallel ranks (the tower and connector whole on each), 16-token steps
+    through the runs: one image and two images in one batch answer as HF."""
+    model_dir, smolvlm = model_dirs[kind], kind == "smolvlm"
+    cases = {"one": (ONE, [image("wide")]), "two": (TWO, [image("thin"), image("square")])}
+    got = two_rank_answers(model_dir, media_prompts(cases.values()), **CHUNKED)
+    for (what, (prompt, pictures)), answer in zip(cases.items(), got, strict=True):
+        answer.assert_matches(
+            hf_answer(hf_models[kind], model_dir, prompt, pictures, smolvlm), what
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)

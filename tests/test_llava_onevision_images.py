@@ -12,7 +12,10 @@ llava-onevision's real geometry (384-pixel tiles of 27 x 27 features, its 36 pin
 ``LlavaOnevisionImageProcessor`` (PIL backend) and the expanded prompt against
 ``LlavaOnevisionProcessor``'s; prefill and decode logits against HF's forward to 1e-4;
 greedy tokens and each token's logprob through ``LLM.generate`` and ``LLM.chat`` against HF
-``generate``, with chunked prefill through an image; which tensors are read; the refusals.
+``generate``, with chunked prefill through an image; image embeddings (``"rows"``: a tiled
+image's packed rows, two square images' rows stacked, rows beside an image) and a prefix-cache
+hit through an image, against HF; two tensor-parallel ranks with images in 16-token steps,
+against HF; which tensors are read; the refusals.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from mm_hf_compare import (
     PARAMS,
     Answer,
     answers,
+    answers_and_cached,
     assert_prefill_and_decode_match,
     checkpoint_fixtures,
     generate_answers,
@@ -51,6 +55,7 @@ from mm_hf_compare import (
     processor_fixture,
     read_tensors,
     small_llm,
+    two_rank_answers,
 )
 from safetensors.torch import load_file
 from test_models_parity import Runner
@@ -330,6 +335,75 @@ def test_generate_and_chat_match_hf(model_dir: Path, hf: Any, images: dict[str, 
         llm.shutdown()
     chunked.assert_matches(batch[3], "chunked vs unchunked")
     chatted.assert_matches(next_answer(hf, model_dir, ONE, [images["tall"]]), "chat")
+
+
+def our_rows(
+    runner: Runner,
+    processor: LlavaOnevisionMediaInputs,
+    model_dir: Path,
+    prompt: str,
+    pictures: list[Any],
+) -> list[torch.Tensor]:
+    """Each picture's packed rows as our model gives them for ``prompt`` (tiled alone, a
+    square tile among several): what a caller of image embeddings would send."""
+    _, features = expand(processor, model_dir, prompt, pictures)
+    with torch.no_grad():
+        return [runner.model.embed_multimodal("image", f.tensors()) for f in features]
+
+
+def test_image_embeddings_and_prefix_cache_match_hf(
+    model_dir: Path,
+    hf: Any,
+    runner: Runner,
+    processor: LlavaOnevisionMediaInputs,
+    images: dict[str, Any],
+) -> None:
+    """``--enable-mm-embeds`` with LLaVA's ``"rows"`` form: a tiled, capped image's packed
+    rows ``[46, 64]`` (newlines in), two images' square rows as ``[2, 17, 64]`` and a list
+    mixing an image and rows each answer as HF on the images, no tower run for rows; the
+    same image again hits the prefix cache through its run (same answer), another image of
+    its size does not."""
+    [big] = our_rows(runner, processor, model_dir, ONE, [images["big"]])
+    two = our_rows(runner, processor, model_dir, TWO, [images["huge"], images["tiny"]])
+    assert big.shape == (46, 64) and [r.shape for r in two] == [(17, 64)] * 2
+    _, [feature] = expand(processor, model_dir, ONE, [images["big"]])
+    llm = small_llm(model_dir, block_size=4, enable_mm_embeds=True)
+    mm = llm.engine.executor.worker.runner.mm
+
+    def run(prompt: str, data: Any) -> tuple[Answer, int]:
+        request = {"prompt": prompt, "multi_modal_data": {"image": data}}
+        [(answer, cached)] = answers_and_cached(llm.generate([request], PARAMS))
+        return answer, cached
+
+    try:
+        image, image_cached = run(ONE, [images["big"]])
+        again, again_cached = run(ONE, [images["big"]])
+        runs = mm.num_encoder_runs
+        _, other_cached = run(ONE, [random_image(*SIZES["big"], seed=99)])
+        assert mm.num_encoder_runs == runs + 1
+        rows, _ = run(ONE, big)
+        stacked, _ = run(TWO, torch.stack(two))
+        mixed, _ = run(TWO, [images["huge"], two[1]])
+        assert mm.num_encoder_runs == runs + 2  # only the mixed prompt's image
+    finally:
+        llm.shutdown()
+    assert image_cached == 0 and again_cached >= feature.end
+    assert other_cached <= feature.offset
+    expected = next_answer(hf, model_dir, ONE, [images["big"]])
+    for answer, what in ((image, "image"), (again, "prefix-cache hit"), (rows, "rows")):
+        answer.assert_matches(expected, what)
+    expected = next_answer(hf, model_dir, TWO, [images["huge"], images["tiny"]])
+    stacked.assert_matches(expected, "[2, 17, 64]")
+    mixed.assert_matches(expected, "image and rows")
+
+
+def test_two_ranks_with_images_match_hf(model_dir: Path, hf: Any, images: dict[str, Any]) -> None:
+    """Two tensor-parallel ranks, 16-token steps through the runs: one tiled image and two
+    square ones in one batch answer as HF."""
+    cases = {"one": (ONE, [images["huge"]]), "two": (TWO, [images["wide"], images["big"]])}
+    got = two_rank_answers(model_dir, media_prompts(cases.values()), **CHUNKED)
+    for (what, (prompt, pictures)), answer in zip(cases.items(), got, strict=True):
+        answer.assert_matches(next_answer(hf, model_dir, prompt, pictures), what)
 
 
 # -- what is read and built -------------------------------------------------------------------
