@@ -4,15 +4,16 @@ with PyAV.
 Two sources: an ``audio_url`` part's URL, read as images and videos are
 (:class:`~chassis.core.media_fetching.MediaFetcher`: ``data:audio/<type>;base64,<data>``,
 http(s) within vLLM's ``$VLLM_AUDIO_FETCH_TIMEOUT`` (default 10 s) from the hosts
-``--allowed-media-domains`` allows, or ``file://`` under ``--allowed-local-media-path``); and an ``input_audio`` part's (OpenAI's) base64 ``data``
-with its ``format``, ``"wav"`` or ``"mp3"``.
+``--allowed-media-domains`` allows, or ``file://`` under ``--allowed-local-media-path``);
+and an ``input_audio`` part's (OpenAI's) base64 ``data`` with its ``format``, ``"wav"`` or
+``"mp3"``.
 
 The bytes are decoded with PyAV (``pip install av``: the ``audio`` and ``video`` extras;
 without it an audio is a ``ValueError`` saying so): the first audio stream, its channels
-averaged into one (as librosa's ``to_mono``, which vLLM's loader uses), float32 samples at the stream's own
-rate. The model's processor resamples to its rate (:mod:`chassis.core.audio_resampling`).
-Bytes PyAV cannot read, and a file without an audio stream or without samples, are
-``ValueError``s naming the source.
+averaged into one (as librosa's ``to_mono``, which vLLM's loader uses), float32 samples at
+the stream's own rate. The model's processor resamples to its rate
+(:mod:`chassis.core.audio_resampling`). Bytes PyAV cannot read, and a file without an audio
+stream or without samples, are ``ValueError``s naming the source.
 """
 
 from __future__ import annotations

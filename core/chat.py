@@ -79,9 +79,9 @@ def content_text(
 ) -> str:
     """OpenAI content (a string or a list of parts) as one string; only text parts allowed,
     and image (video, audio) markers when ``image_placeholder`` (``video_placeholder``,
-    ``audio_placeholder``: the model's text for one image, one video, one clip) is given: each becomes that text on its own line before
-    the message's text, unless the text already holds it (vLLM's rule; the kinds in the
-    order of their first marker).
+    ``audio_placeholder``: the model's text for one image, one video, one clip) is given:
+    each becomes that text on its own line before the message's text, unless the text
+    already holds it (vLLM's rule; the kinds in the order of their first marker).
 
     Absent content (``None``) is the empty string, which templates handle; many index
     ``message['content']`` directly.

@@ -239,7 +239,7 @@ def _mark_media_parts(
             out.append(message)
             continue
         parts: list[Any] = []
-        num_found = sum(len(parts) for parts in found.values())
+        num_found = sum(map(len, found.values()))
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
             if kind in IMAGE_PART_TYPES or kind == IMAGE_EMBEDS_PART_TYPE:
@@ -282,7 +282,7 @@ def _mark_media_parts(
                 )
             else:
                 parts.append(part)
-        changed = sum(len(parts) for parts in found.values()) > num_found
+        changed = sum(map(len, found.values())) > num_found
         out.append({**message, "content": parts} if changed else message)
     return out, found
 

@@ -42,15 +42,11 @@ def _builtin_parser_names(hook: str) -> str:
     comma-separated, for the help text. Read from the built-in module alone, loading no
     plugin, so that a broken plugin does not break ``--help``."""
     from chassis.builtin_plugins import parsers
+    from chassis.plugins.registry import Registry
 
-    names: list[str] = []
-
-    class _Names:
-        def register(self, name: str, *_args: Any, **_kwargs: Any) -> None:
-            names.append(name)
-
-    getattr(parsers, hook)(registry=_Names())
-    return ", ".join(sorted(names))
+    registry: Registry[Any] = Registry("parser")
+    getattr(parsers, hook)(registry=registry)
+    return ", ".join(registry.names())
 
 
 def _string_list(text: str) -> list[str]:

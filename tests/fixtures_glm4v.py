@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import fixtures_qwen2_vl
 import torch
 from fixtures_models import TINY_CONFIG_FIELDS
 
@@ -140,23 +141,8 @@ def save_tiny_glm4v(directory: Path, arch: str = "glm4v", seed: int = 0) -> Path
 def hf_inputs(model_dir: Path, prompt: str, images: list[Any]) -> dict[str, torch.Tensor]:
     """HF's model inputs for ``prompt`` (one ``<|image|>`` per image, in order) and
     ``images``: ``input_ids`` with each ``<|image|>`` repeated ``t*h*w / merge**2`` times,
-    ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (1 on image tokens)."""
-    import transformers as tf
-
-    tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
-    processor = tf.AutoImageProcessor.from_pretrained(model_dir)
-    assert prompt.count(IMAGE) == len(images)
-    out: dict[str, torch.Tensor] = {}
-    if images:
-        out = dict(processor(images=images, return_tensors="pt"))
-        merge = processor.merge_size**2
-        pieces = prompt.split(IMAGE)
-        counts = [int(grid.prod()) // merge for grid in out["image_grid_thw"]]
-        prompt = pieces[0] + "".join(
-            "<|placeholder|>" * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
-        )
-        prompt = prompt.replace("<|placeholder|>", IMAGE)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    image_id = tokenizer.convert_tokens_to_ids(IMAGE)
-    out["mm_token_type_ids"] = (ids == image_id).to(torch.int32)
-    return {"input_ids": ids, **out}
+    ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (1 on image tokens; all 0
+    without images)."""
+    out = fixtures_qwen2_vl.hf_inputs(model_dir, prompt, images, IMAGE)
+    out.setdefault("mm_token_type_ids", torch.zeros_like(out["input_ids"], dtype=torch.int32))
+    return out

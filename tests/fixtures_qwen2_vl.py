@@ -131,15 +131,17 @@ def random_image(height: int, width: int, seed: int = 0) -> Any:
     return Image.fromarray(pixels)
 
 
-def hf_inputs(model_dir: Path, prompt: str, images: list[Any]) -> dict[str, torch.Tensor]:
-    """HF's model inputs for ``prompt`` (one ``<|image_pad|>`` per image, in order) and
-    ``images``: ``input_ids`` with each ``<|image_pad|>`` repeated ``t*h*w / merge**2``
-    times, ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (with images)."""
+def hf_inputs(
+    model_dir: Path, prompt: str, images: list[Any], pad: str = "<|image_pad|>"
+) -> dict[str, torch.Tensor]:
+    """HF's model inputs for ``prompt`` (one ``pad`` token per image, in order) and
+    ``images``: ``input_ids`` with each ``pad`` repeated ``t*h*w / merge**2`` times,
+    ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (with images). Any
+    image processor with ``merge_size`` and ``image_grid_thw`` (Qwen2-VL's, GLM-4.1V's)."""
     import transformers as tf
 
     tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
     processor = tf.AutoImageProcessor.from_pretrained(model_dir)
-    pad = "<|image_pad|>"
     assert prompt.count(pad) == len(images)
     out: dict[str, torch.Tensor] = {}
     if images:

@@ -24,6 +24,7 @@ from mm_hf_compare import (
     arch_checkpoint_fixtures,
     read_tensors,
 )
+from mm_hf_compare import hf_logits as hf_logits_with_images
 from safetensors.torch import load_file, save_file
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
 
@@ -102,9 +103,18 @@ def chassis_prefill_then_decode(
     return prefill, decode, next_token
 
 
-def hf_logits_with_images(hf: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(**inputs).logits[0].float()
+def assert_logits_match(
+    runner: Runner, hf: Any, inputs: dict[str, torch.Tensor], image_token_id: int
+) -> None:
+    """Our prefill logits on HF's ``inputs`` (M-RoPE positions, image rows in place) are
+    HF's forward's (1e-4), the greedy token is HF's argmax, and the decode step after it
+    (position ``P + delta``) gives HF's logits on the prompt with that token appended."""
+    prefill, decode, token = chassis_prefill_then_decode(runner, inputs, image_token_id)
+    expected = hf_logits_with_images(hf, inputs)
+    torch.testing.assert_close(prefill, expected, atol=1e-4, rtol=1e-4)
+    assert token == int(expected[-1].argmax())
+    expected_next = hf_logits_with_images(hf, extended(inputs, token))[-1]
+    torch.testing.assert_close(decode, expected_next, atol=1e-4, rtol=1e-4)
 
 
 def extended(inputs: dict[str, torch.Tensor], token: int) -> dict[str, torch.Tensor]:
@@ -242,14 +252,7 @@ def test_logits_with_images_match_transformers(
     prompt, sizes = PROMPTS[num_images]
     inputs = hf_inputs(model_dirs[arch], prompt, images_of(sizes))
     hf = hf_models[arch]
-    prefill, decode, token = chassis_prefill_then_decode(
-        runners[arch], inputs, hf.config.image_token_id
-    )
-    expected = hf_logits_with_images(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=1e-4, rtol=1e-4)
-    assert token == int(expected[-1].argmax())
-    expected_next = hf_logits_with_images(hf, extended(inputs, token))[-1]
-    torch.testing.assert_close(decode, expected_next, atol=1e-4, rtol=1e-4)
+    assert_logits_match(runners[arch], hf, inputs, hf.config.image_token_id)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -35,8 +35,8 @@ from safetensors.torch import load_file
 from test_models_parity import BLOCK_SIZE, NUM_BLOCKS, Runner
 from test_multimodal_engine import chat_prompt, generate, hf_answer, vl_llm
 from test_qwen2_vl_images import (
+    assert_logits_match,
     chassis_prefill_then_decode,
-    extended,
     features_of,
     hf_logits_with_images,
 )
@@ -197,12 +197,7 @@ def test_logits_with_images_match_transformers(
     prompt, sizes = PROMPTS[num_images]
     inputs = hf_inputs(model_dirs[arch], prompt, images_of(sizes))
     hf = hf_models[arch]
-    prefill, decode, token = chassis_prefill_then_decode(runners[arch], inputs, IMAGE_TOKEN_ID)
-    expected = hf_logits_with_images(hf, inputs)
-    torch.testing.assert_close(prefill, expected, atol=1e-4, rtol=1e-4)
-    assert token == int(expected[-1].argmax())
-    expected_next = hf_logits_with_images(hf, extended(inputs, token))[-1]
-    torch.testing.assert_close(decode, expected_next, atol=1e-4, rtol=1e-4)
+    assert_logits_match(runners[arch], hf, inputs, IMAGE_TOKEN_ID)
 
 
 def test_the_deepstack_rows_and_the_image_matter(

@@ -34,7 +34,6 @@ from chassis.builtin_plugins.models.llava_images import (
     LlavaForConditionalGenerationWithImages,
     _warn_text_only,
 )
-from chassis.core.model_interface import CausalLM
 from chassis.core.placeholder_runs import splice_item_rows
 
 
@@ -52,14 +51,11 @@ class AyaVisionForConditionalGenerationWithImages(
     #: its pixels (core/multimodal_embeds.py)
     image_embeds_form = None
 
+    text_only_class = AyaVisionForConditionalGeneration
+
     @classmethod
-    def class_for_config(cls, hf_config: Any) -> type[CausalLM]:
-        if cls.__dict__.get("decoder") is None:
-            vision = getattr(hf_config, "vision_config", None)
-            if vision is None or not cls.builds_tower(vision):
-                _warn_text_only("AyaVisionForConditionalGeneration", tower_kind(vision or {}))
-                return AyaVisionForConditionalGeneration.class_for_config(hf_config)
-        return super().class_for_config(hf_config)
+    def warn_text_only(cls, hf_config: Any, vision_config: Any) -> None:
+        _warn_text_only("AyaVisionForConditionalGeneration", tower_kind(vision_config or {}))
 
     @classmethod
     def builds_tower(cls, vision_config: Any) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from chassis.core.attention import ForwardContext
@@ -29,3 +31,18 @@ class DecoderOverEmbeds:
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The decoder's token embeddings of ``input_ids`` (what its first layer reads)."""
         return self.model.embed(input_ids)  # type: ignore[attr-defined]
+
+    def check_decoder_takes_embeds(self, what_needs: str) -> None:
+        """``ValueError`` (``"<class>: <what_needs> a text decoder ..."``) when the decoder's
+        forward takes no ``inputs_embeds``: a decoder built for text only, which cannot run
+        over spliced rows."""
+        decoder = self.model  # type: ignore[attr-defined]
+        decoder_forward = getattr(decoder, "forward", None)
+        if (
+            decoder_forward is None
+            or "inputs_embeds" not in inspect.signature(decoder_forward).parameters
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: {what_needs} a text decoder whose forward takes "
+                f"input embeddings, and {type(decoder).__name__}'s does not"
+            )

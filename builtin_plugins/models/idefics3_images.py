@@ -39,7 +39,6 @@ from chassis.builtin_plugins.models.llava_images import (
     LlavaForConditionalGenerationWithImages,
     _warn_text_only,
 )
-from chassis.core.model_interface import CausalLM
 from chassis.core.placeholder_runs import splice_item_rows
 
 #: (checkpoint-name prefix, ours) of the image side, the first that matches applies
@@ -78,16 +77,13 @@ class Idefics3ForConditionalGenerationWithImages(
     #: its pixels (core/multimodal_embeds.py)
     image_embeds_form = None
 
+    text_only_class = Idefics3ForConditionalGeneration
+
     @classmethod
-    def class_for_config(cls, hf_config: Any) -> type[CausalLM]:
-        if cls.__dict__.get("decoder") is None:
-            vision = getattr(hf_config, "vision_config", None)
-            if vision is None or not cls.builds_tower(vision):
-                architectures = getattr(hf_config, "architectures", None) or [cls.__name__]
-                kind = getattr(vision, "model_type", None)
-                _warn_text_only(str(architectures[0]), kind)
-                return Idefics3ForConditionalGeneration.class_for_config(hf_config)
-        return super().class_for_config(hf_config)
+    def warn_text_only(cls, hf_config: Any, vision_config: Any) -> None:
+        """Names the checkpoint's architecture (Idefics3 or SmolVLM)."""
+        architectures = getattr(hf_config, "architectures", None) or [cls.__name__]
+        _warn_text_only(str(architectures[0]), getattr(vision_config, "model_type", None))
 
     @classmethod
     def builds_tower(cls, vision_config: Any) -> bool:

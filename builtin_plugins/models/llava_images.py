@@ -20,7 +20,6 @@ A checkpoint whose tower is neither CLIP's nor SigLIP's is served as text only (
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -75,6 +74,8 @@ class LlavaForConditionalGenerationWithImages(
     supported_modalities = frozenset({"image"})
     #: image embeddings taken as ``[rows, hidden]`` tensors (core/multimodal_embeds.py)
     image_embeds_form: str | None = "rows"
+    #: the text-only class served when the checkpoint's tower is not one built here
+    text_only_class: type[LlavaForConditionalGeneration] = LlavaForConditionalGeneration
 
     @classmethod
     def class_for_config(cls, hf_config: Any) -> type[CausalLM]:
@@ -84,10 +85,16 @@ class LlavaForConditionalGenerationWithImages(
             return cls  # already composed
         vision = getattr(hf_config, "vision_config", None)
         if vision is None or not cls.builds_tower(vision):
-            architecture = cls.__name__.removesuffix("WithImages")
-            _warn_text_only(architecture, getattr(vision, "model_type", None))
-            return LlavaForConditionalGeneration.class_for_config(hf_config)
+            cls.warn_text_only(hf_config, vision)
+            return cls.text_only_class.class_for_config(hf_config)
         return super().class_for_config(hf_config)
+
+    @classmethod
+    def warn_text_only(cls, hf_config: Any, vision_config: Any) -> None:
+        """Say (once per process) that a checkpoint whose tower is not built here is served
+        as text only."""
+        architecture = cls.__name__.removesuffix("WithImages")
+        _warn_text_only(architecture, getattr(vision_config, "model_type", None))
 
     @classmethod
     def builds_tower(cls, vision_config: Any) -> bool:
@@ -97,15 +104,7 @@ class LlavaForConditionalGenerationWithImages(
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__(hf_config, build_ctx)
-        decoder_forward = getattr(self.model, "forward", None)
-        if (
-            decoder_forward is None
-            or "inputs_embeds" not in inspect.signature(decoder_forward).parameters
-        ):
-            raise ValueError(
-                f"{type(self).__name__}: LLaVA images need a text decoder whose forward "
-                f"takes input embeddings, and {type(self.model).__name__}'s does not"
-            )
+        self.check_decoder_takes_embeds("LLaVA images need")
         self.build_image_side(hf_config)
 
     def build_image_side(self, hf_config: Any) -> None:

@@ -182,34 +182,39 @@ def _make_plan(
     owner = torch.repeat_interleave(torch.tensor(expanded), torch.tensor(lens)).to(device)
     blocks = metadata.block_table[owner, positions // block_size].long()
     expanded_rows = rows_of(expanded)
+    absorbed_rows = rows_of(absorbed) if absorbed else None
     return StepPlan(
         expanded_rows=expanded_rows,
         expanded_query_lens=query_lens,
         expanded_seq_lens=lens,
         context_slots=blocks * block_size + positions % block_size,
-        absorbed_rows=rows_of(absorbed) if absorbed else None,
-        absorbed_metadata=sub_metadata(metadata, absorbed) if absorbed else None,
+        absorbed_rows=absorbed_rows,
+        absorbed_metadata=(
+            None if absorbed_rows is None else sub_metadata(metadata, absorbed, absorbed_rows)
+        ),
         expanded_slots=metadata.slot_mapping[expanded_rows],
     )
 
 
-def sub_metadata(metadata: AttentionMetadata, reqs: list[int]) -> AttentionMetadata:
-    """``metadata`` for requests ``reqs`` alone (their tokens packed in that order, no
-    padding): what a backend runs the absorbed requests of a split step on."""
+def sub_metadata(
+    metadata: AttentionMetadata, reqs: list[int], rows: torch.Tensor
+) -> AttentionMetadata:
+    """``metadata`` for requests ``reqs`` alone, whose token rows (device, int64) are
+    ``rows`` (their tokens packed in that order, no padding): what a backend runs the
+    absorbed requests of a split step on."""
     starts = metadata.query_start_loc_cpu.tolist()
     query_lens = [starts[i + 1] - starts[i] for i in reqs]
-    rows = [t for i in reqs for t in range(starts[i], starts[i + 1])]
     device = metadata.slot_mapping.device
     index = torch.tensor(reqs, dtype=torch.int64)
     new_starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     seq_lens_cpu = metadata.seq_lens_cpu[index]
     return AttentionMetadata(
-        num_actual_tokens=len(rows),
+        num_actual_tokens=rows.numel(),
         num_reqs=len(reqs),
         query_start_loc=new_starts.to(device),
         seq_lens=seq_lens_cpu.to(device),
         block_table=metadata.block_table[index.to(device)],
-        slot_mapping=metadata.slot_mapping[torch.tensor(rows, dtype=torch.int64).to(device)],
+        slot_mapping=metadata.slot_mapping[rows],
         max_query_len=max(query_lens),
         max_seq_len=int(seq_lens_cpu.max()),
         query_start_loc_cpu=new_starts,

@@ -15,7 +15,6 @@ only.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,15 +67,7 @@ class Qwen2AudioForConditionalGenerationWithAudio(
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__(hf_config, build_ctx)
-        decoder_forward = getattr(self.model, "forward", None)
-        if (
-            decoder_forward is None
-            or "inputs_embeds" not in inspect.signature(decoder_forward).parameters
-        ):
-            raise ValueError(
-                f"{type(self).__name__}: audio needs a text decoder whose forward takes "
-                f"input embeddings, and {type(self.model).__name__}'s does not"
-            )
+        self.check_decoder_takes_embeds("audio needs")
         self.audio_spec = AudioTowerSpec.from_config(getattr(hf_config, "audio_config", None))
         self.audio_tower = Qwen2AudioTower(self.audio_spec)
         self.multi_modal_projector = Qwen2AudioProjector(

@@ -171,11 +171,18 @@ class QwenVLImages:
             if grid.shape[0] != 1:
                 raise ValueError(f"a feature holds one item; {grid_name} is {grid.tolist()}")
             t, h, w = (int(x) for x in grid[0])
-            item: tuple[Any, ...] = (feature.offset, feature.length, (t, h, w))
-            if feature.modality == "video":
-                item += (self.video_time_interval(feature),)
-            items.append(item)
+            items += self.position_items(feature, (t, h, w))
         return mrope_positions(len(prompt_token_ids), items, self.spatial_merge_size)
+
+    def position_items(
+        self, feature: MultiModalFeature, grid: tuple[int, int, int]
+    ) -> list[tuple[Any, ...]]:
+        """The :func:`.qwen2_vl_positions.mrope_positions` items of one feature of grid
+        ``(t, h, w)``: the feature itself, with :meth:`video_time_interval` for a video."""
+        item: tuple[Any, ...] = (feature.offset, feature.length, grid)
+        if feature.modality == "video":
+            item += (self.video_time_interval(feature),)
+        return [item]
 
     def video_time_interval(self, feature: MultiModalFeature) -> float:
         """The temporal position step of a video (module docstring): 1 for Qwen2-VL;

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,6 @@ from torch import nn
 
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaModel, MakeLayer
 from chassis.builtin_plugins.models.qwen2_vl import QwenVLImages
-from chassis.builtin_plugins.models.qwen2_vl_positions import mrope_positions
 from chassis.builtin_plugins.models.qwen3 import Qwen3ForCausalLM
 from chassis.builtin_plugins.models.qwen3_moe import Qwen3MoeForCausalLM
 from chassis.builtin_plugins.models.qwen3_vl_vision import Qwen3VisionTower, deepstack_blocks
@@ -195,32 +194,22 @@ class Qwen3VLImages(QwenVLImages):
         rows = self.embed_input_ids(run)
         return splice_item_rows(rows, run, self._video_token_id(), video_rows, "video")
 
-    def mrope_positions(
-        self, prompt_token_ids: Sequence[int], features: Sequence[MultiModalFeature]
-    ) -> tuple[np.ndarray, int]:
+    def position_items(
+        self, feature: MultiModalFeature, grid: tuple[int, int, int]
+    ) -> list[tuple[Any, ...]]:
         """HF's Qwen3-VL ``get_rope_index``: an image as Qwen2-VL's; each temporal patch
         group of a video as an image of one frame (its pad tokens within the run; the
         timestamps and delimiters between them are text)."""
-        items: list[Any] = []
-        for feature in features:
-            if feature.modality not in self.supported_modalities:
-                raise ValueError(f"{type(self).__name__} does not take {feature.modality!r}")
-            name = "video_grid_thw" if feature.modality == "video" else "image_grid_thw"
-            grid = feature.data[name].to_tensor().reshape(-1, 3)
-            if grid.shape[0] != 1:
-                raise ValueError(f"a feature holds one item; {name} is {grid.tolist()}")
-            t, h, w = (int(x) for x in grid[0])
-            if feature.modality == "image":
-                items.append((feature.offset, feature.length, (t, h, w)))
-                continue
-            run = feature.data["placeholder_ids"].to_tensor().reshape(-1).numpy()
-            groups = _runs_of(run == self._video_token_id())
-            if len(groups) != t:
-                raise ValueError(
-                    f"a video of {t} temporal patches has {len(groups)} runs of video tokens"
-                )
-            items += [(feature.offset + start, length, (1, h, w)) for start, length in groups]
-        return mrope_positions(len(prompt_token_ids), items, self.spatial_merge_size)
+        if feature.modality != "video":
+            return super().position_items(feature, grid)
+        t, h, w = grid
+        run = feature.data["placeholder_ids"].to_tensor().reshape(-1).numpy()
+        groups = _runs_of(run == self._video_token_id())
+        if len(groups) != t:
+            raise ValueError(
+                f"a video of {t} temporal patches has {len(groups)} runs of video tokens"
+            )
+        return [(feature.offset + start, length, (1, h, w)) for start, length in groups]
 
     def _video_token_id(self) -> int:
         token = getattr(self.hf_config, "video_token_id", None)  # type: ignore[attr-defined]

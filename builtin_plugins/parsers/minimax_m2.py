@@ -174,4 +174,4 @@ class MiniMaxM2ToolParser(Qwen3CoderToolParser):
     def value_stream(self, schemas: dict[str, Any] | None, name: str) -> ValueStream:
         types = schema_types((schemas or {}).get(name))
         convert = partial(minimax_m2_value, types=types)
-        return ValueStream("space", is_text(types), convert, null_word=True, null_words=NULL_WORDS)
+        return ValueStream("space", is_text(types), convert, null_words=NULL_WORDS)

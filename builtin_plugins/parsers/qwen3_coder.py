@@ -185,7 +185,9 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
         declared = schemas is not None and name in schemas
         kind = declared_type(schemas, name)
         convert = partial(qwen3_coder_value, kind=kind, declared=declared)
-        return ValueStream("newline", qwen3_coder_is_text(kind, declared), convert, null_word=True)
+        return ValueStream(
+            "newline", qwen3_coder_is_text(kind, declared), convert, null_words=("null",)
+        )
 
     def _read_value(self, out: ToolDelta, final: bool) -> bool:
         """A parameter's value, streamed up to its end."""

@@ -147,11 +147,10 @@ class ValueStream:
 
     ``trim`` is how the raw text is trimmed: ``"newline"`` drops one newline at each end
     (Qwen3-Coder writes the value on its own lines), ``"space"`` all surrounding whitespace
-    (``str.strip``). A ``text`` value streams as a JSON string; with ``null_word``, a value
-    that reads one of ``null_words`` (lowercase; any case matches; ``null`` by default) is
-    JSON ``null`` instead. Any other value is held and passed, trimmed, to ``convert`` at the
-    end. The concatenated output of :meth:`feed` and
-    :meth:`finish` does not depend on the pieces.
+    (``str.strip``). A ``text`` value streams as a JSON string; a value that reads one of
+    ``null_words`` (lowercase; any case matches; none by default) is JSON ``null`` instead.
+    Any other value is held and passed, trimmed, to ``convert`` at the end. The concatenated
+    output of :meth:`feed` and :meth:`finish` does not depend on the pieces.
     """
 
     def __init__(
@@ -159,13 +158,12 @@ class ValueStream:
         trim: str,
         text: bool,
         convert: Callable[[str], Any] = str,
-        null_word: bool = False,
-        null_words: tuple[str, ...] = ("null",),
+        null_words: tuple[str, ...] = (),
     ) -> None:
         self._trim = trim
         self._text = text
         self._convert = convert
-        self._null_words = null_words if null_word else ()
+        self._null_words = null_words
         #: raw text read but not sent (all of it for a converted value)
         self._pending = ""
         self._start_trimmed = False  # the trim at the value's start is settled

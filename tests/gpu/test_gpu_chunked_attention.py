@@ -113,29 +113,6 @@ def test_triton_chunked_decodes_match_dense(chunk: int, num_splits: int | None) 
 #: prompt lengths (token ids): up to six chunks of 8 with the new tokens; 29 and 40 leave a
 #: cached prefix that ends inside a chunk (28, 36) when their blocks of 4 come from the cache
 PROMPT_LENS = (5, 17, 40, 3, 29)
-NEW_TOKENS = 8
-
-
-def _hf_greedy_on_cuda(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    expected = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device="cuda")
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-    del model
-    torch.cuda.empty_cache()
-    return expected
 
 
 @pytest.mark.parametrize("prefill", ["whole", "chunked-cached"])
@@ -145,6 +122,7 @@ def test_engine_on_a_tiny_llama4_matches_hf_greedy(tmp_path: Path, prefill: str)
     steps over blocks of 4 with prefix caching, the prompts run twice, the second time from
     the cache (chunks over cached prefixes that start inside an attention chunk)."""
     from fixtures_models import save_tiny_checkpoint
+    from test_gpu_engine import NEW_TOKENS, hf_greedy
     from test_llama4 import tiny_config
 
     from chassis.core.llm import LLM
@@ -153,7 +131,7 @@ def test_engine_on_a_tiny_llama4_matches_hf_greedy(tmp_path: Path, prefill: str)
     model_dir = save_tiny_checkpoint(tiny_config(), tmp_path / "tiny_llama4", seed=4)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in PROMPT_LENS]
-    expected = _hf_greedy_on_cuda(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, "cuda")
     engine: dict = {}
     if prefill == "chunked-cached":
         engine = dict(max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True)

@@ -74,30 +74,15 @@ def test_engine_on_a_tiny_deepseek_matches_hf_greedy(tmp_path, monkeypatch, pref
     over metadata of their own: ``builtin_plugins/models/mla_prefill.py``)."""
     monkeypatch.setenv("CHASSIS_MLA_PREFILL", prefill)
     from test_deepseek_models import write_checkpoint
-    from transformers import AutoModelForCausalLM
+    from test_gpu_engine import NEW_TOKENS, PROMPT_LENS, hf_greedy
 
     from chassis.core.llm import LLM
     from chassis.core.sampling_params import SamplingParams
 
     model_dir = write_checkpoint("v2_lite", tmp_path / "tiny_deepseek")
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 17, 40, 3)]
-    new_tokens = 8
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    expected = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device="cuda")
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-    del model
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in PROMPT_LENS]
+    expected = hf_greedy(model_dir, prompts, "cuda")
     llm = LLM(
         str(model_dir),
         skip_tokenizer_init=True,
@@ -110,7 +95,7 @@ def test_engine_on_a_tiny_deepseek_matches_hf_greedy(tmp_path, monkeypatch, pref
     try:
         runner = llm.engine.executor.worker.runner
         assert runner.kv_planes == 1 and all(c.stride(1) == 0 for c in runner.kv_caches)
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert [o.outputs[0].token_ids for o in outputs] == expected
     finally:
