@@ -376,7 +376,9 @@ def test_bad_image_inputs_are_clear_errors(
     inputs = hf_inputs(model_dirs["glm4v"], IMAGE, images_of([(56, 56)]))
     (feature,) = features_of(inputs, IMAGE_TOKEN_ID)
     tensors = feature.tensors()
-    with pytest.raises(ValueError, match="takes images, not 'video'"):
+    with pytest.raises(ValueError, match="takes images and videos, not 'audio'"):
+        model.embed_multimodal("audio", tensors)
+    with pytest.raises(ValueError, match="video inputs lack pixel_values_videos"):
         model.embed_multimodal("video", tensors)
     with pytest.raises(ValueError, match="lack image_grid_thw"):
         model.embed_multimodal("image", {"pixel_values": tensors["pixel_values"]})

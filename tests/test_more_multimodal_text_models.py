@@ -338,7 +338,7 @@ def test_llava_style_checkpoints_get_their_text_decoder(model_dirs: dict[str, Pa
 def test_glm_configs_are_read(model_dirs: dict[str, Path]) -> None:
     glm4v = Runner(model_dirs["glm4v"]).model
     assert isinstance(glm4v, Glm4ForCausalLM) and not isinstance(glm4v, TextOnlyWeights)
-    assert glm4v.supported_modalities == {"image"}  # (tests/test_glm4v_images.py)
+    assert glm4v.supported_modalities == {"image", "video"}  # (tests/test_glm4v_*.py)
     assert glm4v.spec.head_dim == 16 and glm4v.spec.qkv_bias and not glm4v.spec.o_bias
     assert glm4v.spec.rope["interleaved"] and glm4v.spec.rope["partial_rotary_factor"] == 0.5
     moe = Runner(model_dirs["glm4v_moe"]).model

@@ -111,9 +111,10 @@ def chassis_register_models(registry: Any) -> None:
         "Idefics3ForConditionalGeneration",
         f"{_PKG}.idefics3_images:Idefics3ForConditionalGenerationWithImages",
     )
+    # SmolVLM2: Idefics3's model, with videos (a run of one-tile frames)
     registry.register(
         "SmolVLMForConditionalGeneration",
-        f"{_PKG}.idefics3_images:Idefics3ForConditionalGenerationWithImages",
+        f"{_PKG}.smolvlm:SmolVLMForConditionalGenerationWithImages",
     )
     # Qwen2-Audio: the Qwen2 decoder, with audio (Whisper-style tower, linear projector)
     registry.register(
