@@ -9,6 +9,15 @@ these names are weights: a checkpoint folder may also hold ``training_args.bin``
 Each file is read with ``torch.load(weights_only=True)``: tensors and plain containers only,
 no pickled code runs; memory-mapped when the file is in torch's zip format (older files are
 read whole). Every failure is a ``ValueError`` naming the file.
+
+A file's tensor names are read by loading it too (the int4 scan of a packed checkpoint, a
+LoRA adapter's header check), with no cache of them, on purpose: a zip-format file is
+memory-mapped, so such a read unpickles its index and no tensor data (about 0.1 s for a
+400 MiB file of 400 tensors, measured); the model's names are needed once per load (the
+loader then reads the tensors, which needs the load anyway); a cached state dict would keep
+every tensor alive that the loader frees one by one; and an adapter is read again on purpose
+(it may have changed on disk since the front-end's check). Only a legacy (pre-zip) file is
+read whole each time; transformers has written the zip format since torch 1.6.
 """
 
 from __future__ import annotations

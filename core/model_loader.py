@@ -20,7 +20,7 @@ import torch
 from chassis.core.bin_weights import BIN_WEIGHTS_GLOB, bin_weight_files
 from chassis.core.config import DEFAULT_MODEL
 from chassis.core.gguf_checkpoint import embedded_model_dir
-from chassis.core.weights import iterate_bin, iterate_safetensors, weight_format
+from chassis.core.weights import iterate_checkpoint
 
 if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
@@ -397,7 +397,7 @@ def build_model(
     """Construct the registered model class for the checkpoint on ``device`` and fill it.
 
     Weights come from ``model_path``'s ``*.safetensors`` or ``pytorch_model*.bin`` files, as
-    ``engine_config.load_format`` picks (:func:`chassis.core.weights.weight_format`;
+    ``engine_config.load_format`` picks (:func:`chassis.core.weights.iterate_checkpoint`;
     quantized ones dequantized, :mod:`chassis.core.quantized_weights`), or are random
     (``--load-format dummy``, seeded by ``engine_config.seed``). Raises ``ValueError`` when
     the architecture is not registered or a parameter was left unfilled.
@@ -429,11 +429,12 @@ def build_model(
         from chassis.core.quantized_weights import dequantized_weights
 
         parameter_names = {name for name, _ in model.named_parameters()}
-        # the files --load-format picks (chassis.core.weights.iterate_checkpoint's choice)
-        fmt = weight_format(Path(model_path), engine_config.load_format)
-        read = iterate_safetensors if fmt == "safetensors" else iterate_bin
         weights = dequantized_weights(
-            read(Path(model_path), wanted=model.needs_checkpoint_tensor),
+            iterate_checkpoint(
+                Path(model_path),
+                engine_config.load_format,
+                wanted=model.needs_checkpoint_tensor,
+            ),
             hf_config,
             parameter_names,
             model.merged_projections,

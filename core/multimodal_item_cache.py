@@ -70,9 +70,9 @@ def _update(digest: Any, value: Any) -> None:
         digest.update(array.tobytes() if array.dtype != object else _refuse(value))
     elif isinstance(value, torch.Tensor):
         t = value.detach().to("cpu").contiguous()
-        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
         digest.update(f"|tensor|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(raw.numpy().tobytes())
+        # the raw bytes, as uint8: numpy has no bfloat16, float8 or complex32 to convert to
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(value, list | tuple | range):
         digest.update(f"|{type(value).__name__}|{len(value)}|".encode())
         for element in value:

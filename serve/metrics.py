@@ -274,20 +274,8 @@ class ServerMetrics:
         return self.engine(0).generation_tokens
 
     @property
-    def ttft(self) -> Any:
-        return self.engine(0).ttft
-
-    @property
-    def itl(self) -> Any:
-        return self.engine(0).itl
-
-    @property
     def e2e(self) -> Any:
         return self.engine(0).e2e
-
-    @property
-    def queue_time(self) -> Any:
-        return self.engine(0).queue_time
 
     def success(self, finished_reason: str, engine_index: int = 0) -> None:
         """One finished completion of engine ``engine_index`` with ``finished_reason``."""
@@ -371,10 +359,9 @@ def engine_index_of(m: RequestMetrics | None) -> int:
     return 0 if m is None else int(getattr(m, "engine_index", 0) or 0)
 
 
-def observe_queue_time(metrics: ServerMetrics | EngineSeries, m: RequestMetrics | None) -> None:
-    """Observe a request's queue time (arrival to first scheduling) in ``metrics``' series
-    (a :class:`ServerMetrics`: engine 0's) when the engine reported when it was first
-    scheduled."""
+def observe_queue_time(series: EngineSeries, m: RequestMetrics | None) -> None:
+    """Observe a request's queue time (arrival to first scheduling) in ``series`` when the
+    engine reported when it was first scheduled."""
     queue_time = m.queue_time if m is not None and m.arrival_time else None
     if queue_time is not None:
-        metrics.queue_time.observe(queue_time)
+        series.queue_time.observe(queue_time)

@@ -85,14 +85,14 @@ def read_tensors(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[set[
     from chassis.core import model_loader
 
     read: list[str] = []
-    original = model_loader.iterate_safetensors
+    original = model_loader.iterate_checkpoint
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         for name, tensor in original(*args, **kwargs):
             read.append(name)
             yield name, tensor
 
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
+    monkeypatch.setattr(model_loader, "iterate_checkpoint", spy)
     model = Runner(model_dir).model
     monkeypatch.undo()
     return set(read), model

@@ -205,16 +205,16 @@ def test_a_rank_reads_only_its_experts_tensors(
     from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
     from chassis.core import model_loader
     from chassis.core.config import EngineConfig
-    from chassis.core.weights import iterate_safetensors
+    from chassis.core.weights import iterate_checkpoint
 
     read: list[str] = []
 
-    def recording(model_dir, progress=None, wanted=None):
-        for name, tensor in iterate_safetensors(model_dir, progress, wanted):
+    def recording(model_dir, load_format="auto", progress=None, wanted=None):
+        for name, tensor in iterate_checkpoint(model_dir, load_format, progress, wanted):
             read.append(name)
             yield name, tensor
 
-    monkeypatch.setattr(model_loader, "iterate_safetensors", recording)
+    monkeypatch.setattr(model_loader, "iterate_checkpoint", recording)
     config = EngineConfig(model=str(tiny_qwen3_moe_dir))
     hf_config = model_loader.load_hf_config(tiny_qwen3_moe_dir)
 

@@ -73,6 +73,34 @@ def test_the_key_covers_mode_size_palette_metadata_and_kwargs_order() -> None:
     assert item_key("image", object(), {}) is None  # (an unknown type: not cached)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_tensors_of_dtypes_numpy_lacks_are_keyed_and_sized(dtype: torch.dtype) -> None:
+    """A video or audio tensor in a dtype numpy has no counterpart for is keyed by its bytes
+    (equal content hits, other content misses) and its result is sized by element size."""
+    frames = torch.linspace(-2, 2, 2 * 3 * 4 * 4).view(2, 3, 4, 4).to(dtype)
+    key = item_key("video", frames, {})
+    assert key is not None and key == item_key("video", frames.clone(), {})
+    assert key != item_key("video", (frames.float() * 2).to(dtype), {})
+    # the same bytes in another dtype are another item
+    assert key != item_key(
+        "video", frames.view(torch.uint8 if frames.element_size() == 1 else torch.int16), {}
+    )
+    cache = ProcessedItemCache(1 << 10)
+    calls: list[str] = []
+
+    def process(modality: str, item: Any, kwargs: Any) -> tuple[int, dict[str, Any]]:
+        calls.append(modality)
+        tensor = item[0] if isinstance(item, tuple) else item  # (a (waveform, rate) pair)
+        return 2, {"x": tensor.reshape(2, -1)}  # (in the item's dtype)
+
+    waveform = torch.linspace(-1, 1, 64).to(dtype)
+    for _ in range(2):
+        cache.get_or_process("audio", (waveform, 16000), {}, process)
+        cache.get_or_process("audio", waveform[None], {}, process)
+    assert calls == ["audio", "audio"]
+    assert cache.size_bytes == 2 * 64 * waveform.element_size()
+
+
 def test_lru_eviction_by_tensor_bytes() -> None:
     # each result holds 2 x 4 float32 = 32 bytes: three fit in 100, the fourth evicts
     cache, process = ProcessedItemCache(100), Counting()

@@ -332,14 +332,14 @@ def test_vision_tensors_are_never_read(
     vision = {name for name in in_file if name.startswith(VISION_PREFIXES[arch])}
     assert vision  # the checkpoint has a vision tower
     read: list[str] = []
-    original = model_loader.iterate_safetensors
+    original = model_loader.iterate_checkpoint
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         for name, tensor in original(*args, **kwargs):
             read.append(name)
             yield name, tensor
 
-    monkeypatch.setattr(model_loader, "iterate_safetensors", spy)
+    monkeypatch.setattr(model_loader, "iterate_checkpoint", spy)
     model = Runner(model_dir).model
     assert set(read) == in_file - vision
     assert not any(

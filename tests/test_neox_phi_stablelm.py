@@ -226,7 +226,7 @@ def test_the_config_is_read(model_dirs: dict[str, Path]) -> None:
     [
         ("neox-parallel", {"hidden_act": "relu"}, "GPT-NeoX hidden_act 'relu'"),
         ("phi", {"hidden_act": "silu"}, "Phi hidden_act 'silu'"),
-        ("gptj", {"activation_function": "relu"}, "GPT-J hidden_act 'relu'"),
+        ("gptj", {"activation_function": "relu"}, "GPT-J activation_function 'relu'"),
         ("gptj", {"rotary_dim": 7}, "rotary_dim 7"),
         ("stablelm", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ],

@@ -347,7 +347,9 @@ class MultiHeadLatentAttention(nn.Module):
         spec, heads = self.spec, self.num_heads
         backend = self.attn.backend
         kv = cached.view(cached.shape[0], 1, -1)
-        # (as the backend would have: the latent, quantized by the backend's scales)
+        # written as the backend would (the latent, quantized by its scales): the cache's
+        # layout and 8-bit rule are the AttentionBackend contract's whichever backend runs,
+        # and that interface has no write-only method (read_cache_rows reads back the same way)
         write_kv_cache(
             kv_cache, kv, kv, plan.expanded_slots, k_scale=backend.k_scale, v_scale=backend.v_scale
         )

@@ -103,7 +103,7 @@ class GPTJForCausalLM(CheckpointRenames, Starcoder2ForCausalLM):
         """Llama's fields from GPT-J's (``n_inner``, ``layer_norm_epsilon``), no attention
         biases, MLP biases and :func:`gptj_rope`."""
         activation = getattr(hf_config, "activation_function", "gelu_new")
-        gelu_approximate(activation, "GPT-J")
+        gelu_approximate(activation, "GPT-J", "activation_function")
         return DecoderSpec.from_config(
             _WithIntermediateSize(hf_config),
             activation=None,  # a GELU, checked above
@@ -117,7 +117,7 @@ class GPTJForCausalLM(CheckpointRenames, Starcoder2ForCausalLM):
 
     def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> nn.Module:
         self.gelu_approximate = gelu_approximate(
-            getattr(hf_config, "activation_function", "gelu_new"), "GPT-J"
+            getattr(hf_config, "activation_function", "gelu_new"), "GPT-J", "activation_function"
         )
         return LlamaModel(
             hf_config, self.spec, build_ctx, self.make_layer, norm_class=self.norm_class

@@ -14,13 +14,14 @@ activation the config names. The position ids the runner passes (0-based, one pe
 index the table, shifted by ``offset`` rows (OPT keeps 2 unused rows first). Tensor
 parallelism, LoRA cuts and weight loading by internal (Llama-style) names are
 :class:`Starcoder2ForCausalLM`'s; each architecture renames its checkpoint's tensors to
-those names (:meth:`LearnedPositionsForCausalLM.checkpoint_tensors`).
+those names (:class:`LearnedPositionsForCausalLM`, a
+:class:`~chassis.builtin_plugins.models.parallel_residual.CheckpointRenames`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention
-from chassis.builtin_plugins.models.parallel_residual import GELU_ACTIVATIONS
+from chassis.builtin_plugins.models.parallel_residual import GELU_ACTIVATIONS, CheckpointRenames
 from chassis.builtin_plugins.models.starcoder2 import LayerNorm, Starcoder2ForCausalLM
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
@@ -168,16 +169,18 @@ class LearnedPositionsDecoder(nn.Module):
         return h
 
 
-class LearnedPositionsForCausalLM(Starcoder2ForCausalLM):
+class LearnedPositionsForCausalLM(CheckpointRenames, Starcoder2ForCausalLM):
     """Base of :class:`~chassis.builtin_plugins.models.opt.OPTForCausalLM` and
     :class:`~chassis.builtin_plugins.models.gpt2.GPT2LMHeadModel`.
 
     A subclass gives :meth:`decoder_spec`, :meth:`build_decoder` (a
-    :class:`LearnedPositionsDecoder`) and :meth:`checkpoint_tensors`, which turns one
-    checkpoint tensor into internal-named ones (``model.layers.{i}.self_attn.q_proj``,
-    ``o_proj``, ``mlp.c_fc``, ``input_layernorm``, ``model.embed_tokens``, ...; nothing for
-    a buffer to skip). Tensor parallel: Llama's cuts (heads, ``c_fc`` rows, ``c_proj``
-    columns, vocabulary rows); the position table, norms and projections are whole.
+    :class:`LearnedPositionsDecoder`) and the checkpoint's names as
+    :class:`~chassis.builtin_plugins.models.parallel_residual.CheckpointRenames` takes them
+    to the internal ones (``model.layers.{i}.self_attn.q_proj``, ``o_proj``, ``mlp.c_fc``,
+    ``input_layernorm``, ``model.embed_tokens``, ...): :attr:`checkpoint_renames` pairs
+    (OPT) or a :meth:`checkpoint_tensors` that renames, transposes and splits (GPT-2).
+    Tensor parallel: Llama's cuts (heads, ``c_fc`` rows, ``c_proj`` columns, vocabulary
+    rows); the position table, norms and projections are whole.
     """
 
     #: the checkpoint's model name, for error messages
@@ -194,20 +197,6 @@ class LearnedPositionsForCausalLM(Starcoder2ForCausalLM):
         self.lm_head = nn.Linear(width, vocab_rows, bias=False, device=device)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def checkpoint_tensors(
-        self, name: str, tensor: torch.Tensor
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The internal-named tensors checkpoint tensor ``name`` holds (override)."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """As :meth:`LlamaForCausalLM.load_weights` after :meth:`checkpoint_tensors` renamed
-        (and, for GPT-2, transposed and split) each checkpoint tensor."""
-        return super().load_weights(
-            pair for name, tensor in weights for pair in self.checkpoint_tensors(name, tensor)
-        )
 
     def unknown(self, name: str) -> ValueError:
         """The error for a checkpoint tensor with no counterpart."""

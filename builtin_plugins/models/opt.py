@@ -19,10 +19,8 @@ Checkpoint names are ``model.decoder.*`` (``decoder.*`` in some conversions) and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
 from chassis.builtin_plugins.models.learned_positions import (
@@ -34,18 +32,10 @@ from chassis.builtin_plugins.models.learned_positions import (
     check_max_len,
 )
 from chassis.builtin_plugins.models.llama import DecoderSpec
-from chassis.core.model_interface import LoRASlice, ModelBuildContext
+from chassis.core.model_interface import ModelBuildContext
 
 #: OPT keeps the first 2 rows of its position table unused
 POSITION_OFFSET = 2
-#: OPT's per-layer module names -> the internal ones (:class:`LearnedPositionsLayer`)
-_LAYER_RENAMES = {
-    "self_attn.out_proj": "self_attn.o_proj",
-    "self_attn_layer_norm": "input_layernorm",
-    "final_layer_norm": "post_attention_layernorm",
-    "fc1": "mlp.c_fc",
-    "fc2": "mlp.c_proj",
-}
 
 
 class OPTForCausalLM(LearnedPositionsForCausalLM):
@@ -56,6 +46,24 @@ class OPTForCausalLM(LearnedPositionsForCausalLM):
     """
 
     arch_name = "OPTForCausalLM"
+    # applied in order: the decoder's final norm is renamed before the layers' norms of the
+    # same name; the reverse (LoRA module names) gives ``model.decoder.*`` back
+    checkpoint_renames = (
+        (".decoder.final_layer_norm.", ".decoder.norm."),
+        (".model.decoder.", ".model."),
+        (".self_attn.out_proj.", ".self_attn.o_proj."),
+        (".self_attn_layer_norm.", ".input_layernorm."),
+        (".final_layer_norm.", ".post_attention_layernorm."),
+        (".fc1.", ".mlp.c_fc."),
+        (".fc2.", ".mlp.c_proj."),
+    )
+
+    def ours(self, checkpoint_name: str) -> str:
+        """As :class:`~.parallel_residual.CheckpointRenames` renames, with the ``decoder.*``
+        names of some conversions read as ``model.decoder.*``."""
+        if checkpoint_name.startswith("decoder."):
+            checkpoint_name = "model." + checkpoint_name
+        return super().ours(checkpoint_name)
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -110,55 +118,3 @@ class OPTForCausalLM(LearnedPositionsForCausalLM):
             position_offset=POSITION_OFFSET,
             final_norm=final_norm,
         )
-
-    def checkpoint_tensors(
-        self, name: str, tensor: torch.Tensor
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``[model.]decoder.X`` -> ``model.X`` (``final_layer_norm`` -> ``norm``, layer
-        modules by :data:`_LAYER_RENAMES`); ``lm_head.weight`` as it is."""
-        if name == "lm_head.weight":
-            yield name, tensor
-            return
-        rest = name.removeprefix("model.")
-        if not rest.startswith("decoder."):
-            raise self.unknown(name)
-        rest = rest.removeprefix("decoder.")
-        if rest.startswith("final_layer_norm."):
-            yield "model.norm." + rest.removeprefix("final_layer_norm."), tensor
-            return
-        if rest.startswith("layers."):
-            _, index, module = rest.split(".", 2)
-            for old, new in _LAYER_RENAMES.items():
-                if module.startswith(old + "."):
-                    module = new + module[len(old) :]
-                    break
-            rest = f"layers.{index}.{module}"
-        yield "model." + rest, tensor
-
-    def lora_slices(self, module_name: str, module: nn.Module) -> list[LoRASlice]:
-        """Llama's slices (q/k/v rows of ``qkv_proj``, whole shapes under tensor
-        parallelism) under the checkpoint's names: ``model.decoder.layers.{i}.self_attn.
-        q_proj`` ... ``out_proj``, ``fc1``, ``fc2``, ``model.decoder.project_in`` / ``_out``."""
-        slices = super().lora_slices(module_name, module)
-        return [s._replace(hf_module=_hf_module(s.hf_module)) for s in slices]
-
-    def lora_shard(
-        self, hf_module: str, lora_a: torch.Tensor, lora_b: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cut as the internal projection's weight is (:class:`Starcoder2ForCausalLM`)."""
-        [(weight, _)] = self.checkpoint_tensors(f"{hf_module}.weight", lora_a)
-        return super().lora_shard(weight.removesuffix(".weight"), lora_a, lora_b)
-
-
-def _hf_module(internal: str) -> str:
-    """``model.layers.0.mlp.c_fc`` -> ``model.decoder.layers.0.fc1`` (and the other
-    internal module names back to OPT's, the inverse of :data:`_LAYER_RENAMES`)."""
-    rest = internal.removeprefix("model.")
-    if rest.startswith("layers."):
-        _, index, module = rest.split(".", 2)
-        for old, new in _LAYER_RENAMES.items():
-            if module == new:
-                module = old
-                break
-        rest = f"layers.{index}.{module}"
-    return f"model.decoder.{rest}"

@@ -41,12 +41,13 @@ from chassis.core.model_interface import LoRASlice, ModelBuildContext
 GELU_ACTIVATIONS = {**GELU_APPROXIMATIONS, "gelu_new": "tanh"}
 
 
-def gelu_approximate(activation: str, architecture: str) -> str:
-    """``F.gelu``'s ``approximate`` for the config's activation; a ``ValueError`` naming it
-    (and ``architecture``) when it is not a GELU this module knows."""
+def gelu_approximate(activation: str, architecture: str, field: str = "hidden_act") -> str:
+    """``F.gelu``'s ``approximate`` for the config's activation; a ``ValueError`` naming it,
+    ``architecture`` and the config ``field`` it was read from (the one to change) when it
+    is not a GELU this module knows."""
     if activation not in GELU_ACTIVATIONS:
         raise ValueError(
-            f"{architecture} hidden_act {activation!r} is not supported; supported: "
+            f"{architecture} {field} {activation!r} is not supported; supported: "
             f"{', '.join(GELU_ACTIVATIONS)}"
         )
     return GELU_ACTIVATIONS[activation]
