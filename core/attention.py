@@ -266,9 +266,9 @@ class AttentionBackend(ABC):
             :attr:`supports_attend_limit`) the last position it attends to is
             ``attend_limit[t]`` instead of ``p``, the window's start unchanged; scores are soft-capped when
             ``logits_soft_cap`` is set, and ``sinks`` join each softmax's denominator.
-            With a sliding window, block-table entries wholly before the window of a
-            request's first query may be the null block (block 0, never written: a kernel
-            that reads it and masks it out reads zeros), their blocks released
+            With a sliding window (or chunks), block-table entries wholly before the window
+            (the chunk) of a request's first query may be the null block (block 0, never
+            written: a kernel that reads it and masks it out reads zeros), their blocks released
             (``chassis.core.block_pool.NULL_BLOCK_ID``).
         """
 

@@ -134,7 +134,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: when every attention layer has a sliding window (Mistral v0.1, Phi-3-mini, ...),
     #: release each request's blocks that its window has left (docs/models.md, "Sliding
-    #: window"); False keeps every position, as full attention does (the reference path)
+    #: window"), and, in models mixing windowed or chunked local-attention layers (Llama 4)
+    #: with full ones, each group's blocks its window or current chunk left
+    #: (docs/architecture.md, "KV cache per group of layers"); False keeps every position,
+    #: as full attention does (the reference path)
     sliding_window_kv_release: bool = True
     #: what the KV cache stores (vLLM's flag): "auto" = the model's dtype; "fp8" / "fp8_e4m3"
     #: / "fp8_e5m2" = 8-bit floats (half a 16-bit cache's bytes per token, so twice the

@@ -74,14 +74,23 @@ class EngineInfo(msgspec.Struct, kw_only=True):
         return self.num_kv_blocks // len(self.kv_cache_group_windows) * self.block_size
 
 
-def _window_note(kv_window: int | None, group_windows: tuple[int | None, ...]) -> str:
-    """What the start-up line says of the blocks sliding windows release."""
+def _window_note(
+    kv_window: int | None,
+    group_windows: tuple[int | None, ...],
+    group_chunks: tuple[int | None, ...] = (),
+) -> str:
+    """What the start-up line says of the blocks sliding windows (and attention chunks)
+    release."""
     if len(group_windows) > 1:
+        chunks = group_chunks or (None,) * len(group_windows)
+        kinds = [
+            f"chunk {c}" if c is not None else "full" if w is None else str(w)
+            for w, c in zip(group_windows, chunks, strict=True)
+        ]
         return (
-            f"; {len(group_windows)} KV cache groups of layers (windows "
-            f"{', '.join('full' if w is None else str(w) for w in group_windows)}): a position "
-            "takes a block in each group, but a window group holds only its window's blocks, "
-            "so the total over requests may exceed this"
+            f"; {len(group_windows)} KV cache groups of layers (windows {', '.join(kinds)}): "
+            "a position takes a block in each group, but a window (or chunk) group holds only "
+            "its window's (current chunk's) blocks, so the total over requests may exceed this"
         )
     if kv_window is None:
         return ""
@@ -129,11 +138,13 @@ class EngineCore:
             self.executor.shutdown()
             raise
         group_windows = self.executor.kv_cache_group_windows()
+        group_chunks = self.executor.kv_cache_group_chunks()
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             group_windows=group_windows,
+            group_chunks=group_chunks,
         )
         if config.async_scheduling and not scheduler_cls.supports_async_scheduling:
             raise ValueError(
@@ -191,7 +202,7 @@ class EngineCore:
             config.scheduler,
             self.info.num_kv_blocks,
             self.info.kv_capacity_tokens,
-            _window_note(self.info.kv_cache_window, group_windows),
+            _window_note(self.info.kv_cache_window, group_windows, group_chunks),
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -61,6 +61,12 @@ class Executor(ABC):
         group, ``(kv_cache_window(),)``."""
         return (self.kv_cache_window(),)
 
+    def kv_cache_group_chunks(self) -> tuple[int | None, ...]:
+        """The attention chunk size of each KV cache group (``Worker.kv_cache_group_chunks``;
+        ``None``: not a chunk group), as many as :meth:`kv_cache_group_windows`. Default: no
+        chunk groups."""
+        return (None,) * len(self.kv_cache_group_windows())
+
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         """The modules LoRA adapters may change, ``{HF module: (in_features, out_features)}``,
         or ``None`` without ``--enable-lora`` (default: ``None``)."""
@@ -124,6 +130,9 @@ class InProcessExecutor(Executor):
 
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         return self.worker.kv_cache_group_windows()
+
+    def kv_cache_group_chunks(self) -> tuple[int | None, ...]:
+        return self.worker.kv_cache_group_chunks()
 
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         lora = self.worker.lora

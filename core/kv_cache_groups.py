@@ -1,12 +1,13 @@
 """KV cache groups: which attention layers share a block table (docs/architecture.md, "KV
 cache per group of layers").
 
-A model whose layers mix sliding-window and full attention gets one group per slice of
-layers that read the same window, every group of one common size ``L`` (the fewest layers
-of any window; a kind with more layers becomes several groups, the last one possibly
-smaller). The KV cache is then ``L`` tensors of ``num_blocks`` blocks, and layer ``j`` of
-every group uses tensor ``j``: a block id names a slot in one group's layers only, so one
-block pool serves every group and a block costs ``L`` layers' bytes.
+A model whose layers mix sliding-window, chunked local (Llama 4) and full attention gets one
+group per slice of layers of the same kind (the same window, or the same chunk size), every
+group of one common size ``L`` (the fewest layers of any kind; a kind with more layers
+becomes several groups, the last one possibly smaller). The KV cache is then ``L`` tensors
+of ``num_blocks`` blocks, and layer ``j`` of every group uses tensor ``j``: a block id names a
+slot in one group's layers only, so one block pool serves every group and a block costs
+``L`` layers' bytes.
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     """One KV cache group: the attention layers (by layer number) that read ``window``
-    (``None``: every position)."""
+    (``None``: every position), or, with ``chunk`` ``C`` (chunked local attention, window
+    ``None``), positions ``floor(p / C) * C .. p`` from a query at ``p``."""
 
     window: int | None
     layer_ids: tuple[int, ...]
+    chunk: int | None = None
+
+    @property
+    def keeps_every_position(self) -> bool:
+        """Whether the group's blocks are kept for the whole request (full attention)."""
+        return self.window is None and self.chunk is None
 
 
 def single_group_window(group_windows: Sequence[int | None]) -> int | None:
@@ -30,23 +38,36 @@ def single_group_window(group_windows: Sequence[int | None]) -> int | None:
     return group_windows[0] if len(group_windows) == 1 else None
 
 
-def plan_kv_cache_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroupSpec]:
-    """The groups of the layers whose windows are ``layer_windows`` (by layer number):
-    full-attention groups first, then window groups by window; every group has ``L`` layers
-    (the fewest of any window), the last of a kind possibly fewer. One group of every layer
-    when all layers read the same window."""
-    kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        kinds.setdefault(window, []).append(layer)
+def plan_kv_cache_groups(
+    layer_windows: Sequence[int | None], layer_chunks: Sequence[int | None] | None = None
+) -> list[KVCacheGroupSpec]:
+    """The groups of the layers whose windows are ``layer_windows`` and whose attention
+    chunks are ``layer_chunks`` (by layer number; ``None``: no chunks): full-attention groups
+    first, then window groups by window, then chunk groups by chunk size; every group has
+    ``L`` layers (the fewest of any kind), the last of a kind possibly fewer. One group of
+    every layer when all layers are of one kind."""
+    chunks = list(layer_chunks) if layer_chunks is not None else [None] * len(layer_windows)
+    if len(chunks) != len(layer_windows):
+        raise ValueError(
+            f"layer_chunks has {len(chunks)} layers; layer_windows has {len(layer_windows)}"
+        )
+    kinds: dict[tuple[int | None, int | None], list[int]] = {}
+    for layer, kind in enumerate(zip(layer_windows, chunks, strict=True)):
+        if kind[0] is not None and kind[1] is not None:
+            raise ValueError(
+                f"layer {layer} has both a sliding window and attention chunks: KV cache "
+                "groups of such layers are not built"
+            )
+        kinds.setdefault(kind, []).append(layer)
     if len(kinds) <= 1:
-        window = next(iter(kinds), None)
-        return [KVCacheGroupSpec(window, tuple(range(len(layer_windows))))]
+        window, chunk = next(iter(kinds), (None, None))
+        return [KVCacheGroupSpec(window, tuple(range(len(layer_windows))), chunk)]
     size = min(len(layers) for layers in kinds.values())
-    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    order = sorted(kinds, key=lambda k: (k[1] is not None, k[0] is not None, k[0] or 0, k[1] or 0))
     return [
-        KVCacheGroupSpec(window, tuple(kinds[window][i : i + size]))
-        for window in order
-        for i in range(0, len(kinds[window]), size)
+        KVCacheGroupSpec(kind[0], tuple(kinds[kind][i : i + size]), kind[1])
+        for kind in order
+        for i in range(0, len(kinds[kind]), size)
     ]
 
 
@@ -74,20 +95,22 @@ def draft_layer_placement(
 
     Each draft layer reads and writes at the block ids of a group that keeps every position
     it may read: a full group, or a window group whose window is at least the layer's
-    (group 0, full, suits every layer). The layers with the fewest such groups are placed
+    (group 0, full, suits every layer; a chunk group, which releases the blocks before each
+    request's current chunk, suits none). The layers with the fewest such groups are placed
     first, each in the least loaded one (ties: a window group before a full one, the
     smaller window first), and use the draft cache tensor of their place among the draft
     layers of that group. Draft layers of different groups share a tensor, as the target's
     do: a block id belongs to one group at a time.
     """
-    if not groups or groups[0].window is not None:
+    if not groups or not groups[0].keeps_every_position:
         raise ValueError("the first KV cache group must be a full-attention group")
 
     def fits(window: int | None) -> list[int]:
         return [
             g
             for g, group in enumerate(groups)
-            if group.window is None or (window is not None and window <= group.window)
+            if group.chunk is None
+            and (group.window is None or (window is not None and window <= group.window))
         ]
 
     load = [0] * len(groups)

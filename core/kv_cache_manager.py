@@ -41,6 +41,18 @@ bare hash), and a hit is the longest prefix that every group can serve (full gro
 every block of it, window groups only the blocks their window reads). With one group the
 manager is the single-table one above: ``sliding_window=W`` is ``group_windows=[W]``.
 
+Chunk groups. ``group_chunks`` (one entry per group, ``None`` or the chunk size ``C`` of a
+group of chunked local-attention layers, Llama 4's RoPE layers, whose window is ``None``)
+makes a group release like a window group, by its own rule: a query at ``p`` reads positions
+``floor(p / C) * C .. p``, so a step that computes from ``c`` on (and every later step) reads
+no key before the start of ``c``'s chunk, and every block wholly before it is released (null
+entries, as above). A prefix-cache hit of ``k`` blocks needs, in a chunk group, only the
+blocks from the one holding the start of the chunk of position ``k * block_size`` (the next
+query) to block ``k - 1``, every one of them cached: the next query and the rest of its chunk
+read those keys and no earlier ones, and later chunks read only keys they compute themselves
+(none at all when ``k * block_size`` starts a chunk). A request holds at most a chunk less
+one position plus its step, the bound of a window of ``C`` (:func:`max_blocks_per_request`).
+
 Units: every count is in tokens unless its name says blocks.
 """
 
@@ -120,12 +132,19 @@ def max_group_blocks_per_request(
     block_size: int,
     group_windows: Sequence[int | None],
     step_tokens: int,
+    group_chunks: Sequence[int | None] = (),
 ) -> int:
     """The most blocks one request holds across its KV cache groups (:func:`max_blocks_per_request`
-    of each group's window, summed: the groups share one pool)."""
+    of each group's window, summed: the groups share one pool). ``group_chunks`` (empty: no
+    chunk groups) gives each chunk group's chunk size ``C``; such a group holds the positions
+    from its current chunk's start (at most ``C - 1`` before the step's first) to the step's
+    last, at most what a window of ``C`` holds."""
+    chunks = list(group_chunks) or [None] * len(group_windows)
     return sum(
-        max_blocks_per_request(max_model_len, block_size, window, step_tokens)
-        for window in group_windows
+        max_blocks_per_request(
+            max_model_len, block_size, window if chunk is None else chunk, step_tokens
+        )
+        for window, chunk in zip(group_windows, chunks, strict=True)
     )
 
 
@@ -171,6 +190,10 @@ class KVCacheManager:
         block-table entries (``num_blocks - 1`` usable blocks).
     :param group_windows: instead of ``sliding_window``: the window of each KV cache group
         (``None``: full attention); a null block is reserved when any group has a window.
+    :param group_chunks: with ``group_windows``: the attention chunk size of each group
+        (``None``: not a chunk group; a chunk group's window must be ``None``); chunk groups
+        release the blocks before each request's current chunk (the module docstring), and
+        a null block is reserved for them too. Default: no chunk groups.
     """
 
     def __init__(
@@ -180,6 +203,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
         group_windows: Sequence[int | None] | None = None,
+        group_chunks: Sequence[int | None] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
@@ -194,13 +218,29 @@ class KVCacheManager:
         for window in windows:
             if window is not None and window < 1:
                 raise ValueError(f"sliding_window must be >= 1 or None; got {window}")
+        chunks = [None] * len(windows) if group_chunks is None else list(group_chunks)
+        if len(chunks) != len(windows):
+            raise ValueError(
+                f"group_chunks has {len(chunks)} groups; group_windows has {len(windows)}"
+            )
+        for window, chunk in zip(windows, chunks, strict=True):
+            if chunk is not None and (chunk < 1 or window is not None):
+                raise ValueError(
+                    f"a chunk group's chunk must be >= 1 and its window None; got chunk "
+                    f"{chunk}, window {window}"
+                )
+        #: the attention chunk size of each KV cache group (None: not a chunk group)
+        self.group_chunks: list[int | None] = chunks
         #: the window of each KV cache group (None: the group's layers read every position)
         self.group_windows: list[int | None] = windows
         #: how many KV cache groups (block tables per request)
         self.num_groups = len(windows)
         #: the window every attention layer reads within, with one group; None otherwise
         self.sliding_window = single_group_window(windows)
-        self._has_window = any(w is not None for w in windows)
+        #: whether any group releases blocks (a window or a chunk group): a null block then
+        self._has_window = any(
+            w is not None or c is not None for w, c in zip(windows, chunks, strict=True)
+        )
         self.block_pool = BlockPool(num_blocks, reserve_null_block=self._has_window)
         #: blocks of the KV cache tensors (the null block included when reserved)
         self.num_blocks = num_blocks
@@ -239,13 +279,14 @@ class KVCacheManager:
 
     def num_null_blocks(self, request_id: str, group: int = 0) -> int:
         """How many leading entries of the request's block table in ``group`` are the null
-        block (blocks released because its sliding window left them; 0 without a window)."""
+        block (blocks released because its sliding window, or its current attention chunk,
+        left them; 0 in a full-attention group)."""
         states = self._requests.get(request_id)
         return states[group].num_null_blocks if states else 0
 
     def group_num_null_blocks(self, request_id: str) -> list[int]:
-        """:meth:`num_null_blocks` of every group; empty when no group has a window (every
-        count is then 0: the scheduler sends no list per request and step)."""
+        """:meth:`num_null_blocks` of every group; empty when no group has a window or chunks
+        (every count is then 0: the scheduler sends no list per request and step)."""
         if not self._has_window:
             return []
         states = self._requests.get(request_id)
@@ -292,8 +333,8 @@ class KVCacheManager:
         """:meth:`get_computed_blocks` over every KV cache group: ``(block ids per group,
         num_computed_tokens)``, the longest prefix of ``k`` blocks that every group serves
         (a full-attention group needs blocks ``0 .. k-1`` cached, a window group those its
-        window reads at position ``k * block_size``). Pass both to
-        :meth:`allocate_group_slots`."""
+        window reads at position ``k * block_size``, a chunk group those from the start of
+        that position's chunk). Pass both to :meth:`allocate_group_slots`."""
         none: list[list[int]] = [[] for _ in range(self.num_groups)]
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return none, 0
@@ -328,11 +369,14 @@ class KVCacheManager:
         return [found if found is not None else [] for found in hits], num_hit_tokens
 
     def _group_hit(self, group: int, hashes: list[BlockHash]) -> list[int]:
-        """``group``'s longest hit over ``hashes``: a cached prefix without a window, else
-        :meth:`_window_hit`."""
+        """``group``'s longest hit over ``hashes``: a cached prefix without a window or
+        chunks, else :meth:`_window_hit` or :meth:`_chunk_hit`."""
         window = self.group_windows[group]
         if window is not None:
             return self._window_hit(group, window, hashes)
+        chunk = self.group_chunks[group]
+        if chunk is not None:
+            return self._chunk_hit(group, chunk, hashes)
         hit_blocks: list[int] = []
         for block_hash in hashes:
             block_id = self.block_pool.get_cached_block(_group_key(group, block_hash))
@@ -358,6 +402,27 @@ class KVCacheManager:
             if found[k - 1] is not None and run_start[k - 1] <= first:
                 needed = [b for b in found[first:k] if b is not None]
                 return [NULL_BLOCK_ID] * first + needed
+        return []
+
+    def _chunk_hit(self, group: int, chunk: int, hashes: list[BlockHash]) -> list[int]:
+        """The longest chunk-valid hit over ``hashes`` (the module docstring, "Chunk
+        groups"): block ids with the null block before the blocks the next query's chunk
+        needs."""
+        size = self.block_size
+        found = [self.block_pool.get_cached_block(_group_key(group, h)) for h in hashes]
+        # missing_upto[i]: the last uncached block among 0..i (-1: none)
+        last_missing = -1
+        missing_upto: list[int] = []
+        for i, block_id in enumerate(found):
+            if block_id is None:
+                last_missing = i
+            missing_upto.append(last_missing)
+        # a hit of k blocks: the next query sits at k * size and reads from its chunk's
+        # start on, so blocks first..k-1 must be cached (none when that start is k * size)
+        for k in range(len(found), 0, -1):
+            first = k * size // chunk * chunk // size
+            if first == k or missing_upto[k - 1] < first:
+                return [NULL_BLOCK_ID] * first + [b for b in found[first:k] if b is not None]
         return []
 
     def reset_prefix_cache(self) -> int:
@@ -430,9 +495,10 @@ class KVCacheManager:
                 if self.block_pool.ref_count(b) == 0
             )
         elif states is not None:
-            for group, window in enumerate(self.group_windows):
-                if window is not None:
-                    self._release_out_of_window(request, states[group], group, window)
+            for group in range(self.num_groups):
+                first_key = self._first_key_read(group, request.num_computed_tokens)
+                if first_key > 0:
+                    self._release_before(request, states[group], group, first_key)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
         num_to_take = [
@@ -454,10 +520,10 @@ class KVCacheManager:
         for group, state in enumerate(states):
             if has_hits:
                 hits = new_computed_blocks[group]
-                # a window hit's leading entries are the null block (without a window,
-                # block NULL_BLOCK_ID is an ordinary block)
+                # a window or chunk hit's leading entries are the null block (in a full
+                # group of a manager without them, block NULL_BLOCK_ID is an ordinary block)
                 num_null = 0
-                if self.group_windows[group] is not None:
+                if self.group_windows[group] is not None or self.group_chunks[group] is not None:
                     while num_null < len(hits) and hits[num_null] == NULL_BLOCK_ID:
                         num_null += 1
                 self.block_pool.touch(hits[num_null:])
@@ -516,14 +582,26 @@ class KVCacheManager:
             self._cache_computed_blocks(request, state, group, request.num_computed_tokens)
             self.block_pool.free_blocks(reversed(state.block_ids[state.num_null_blocks :]))
 
-    def _release_out_of_window(
-        self, request: Request, state: _RequestBlocks, group: int, window: int
+    def _first_key_read(self, group: int, position: int) -> int:
+        """The first position that a query of ``group``'s layers at ``position``, or at any
+        later position, reads: ``position - W + 1`` with a window ``W`` (not below 0), the
+        start of ``position``'s chunk in a chunk group, 0 in a full group."""
+        window = self.group_windows[group]
+        if window is not None:
+            return max(position - window + 1, 0)
+        chunk = self.group_chunks[group]
+        if chunk is not None:
+            return position // chunk * chunk
+        return 0
+
+    def _release_before(
+        self, request: Request, state: _RequestBlocks, group: int, first_key: int
     ) -> None:
-        """Release ``group``'s leading blocks wholly before the window of position
-        ``request.num_computed_tokens`` (registered in the prefix cache first) and put the
+        """Release ``group``'s leading blocks wholly before position ``first_key`` (the
+        first that this step of the request reads: :meth:`_first_key_read` of
+        ``request.num_computed_tokens``), registered in the prefix cache first, and put the
         null block in their entries."""
-        first_key = request.num_computed_tokens - window + 1
-        num_out = min(max(first_key, 0) // self.block_size, len(state.block_ids))
+        num_out = min(first_key // self.block_size, len(state.block_ids))
         if num_out <= state.num_null_blocks:
             return  # (most steps: the window has not left another block)
         self._cache_computed_blocks(request, state, group, request.num_computed_tokens)

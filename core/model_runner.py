@@ -241,7 +241,8 @@ class ModelRunner:
         return max(len(group.layer_ids) for group in self.kv_groups)
 
     def _plan_kv_groups(self) -> list[KVCacheGroupSpec] | None:
-        """KV cache groups when the model mixes sliding-window and full-attention layers
+        """KV cache groups when the model mixes sliding-window or chunked local-attention
+        layers with full-attention ones
         (:func:`~chassis.core.kv_cache_groups.plan_kv_cache_groups`); None, one block table
         for every layer, when it does not, with ``--no-sliding-window-kv-release``, or when
         some attention is not an ``Attention`` layer this function can see. Group 0 is then
@@ -251,9 +252,13 @@ class ModelRunner:
         windows = layer_windows(self.model)
         if windows is None:
             return None
-        if all(w is None for w in windows) or all(w is not None for w in windows):
-            return None  # one group: kv_cache_window's single table
-        return plan_kv_cache_groups(windows)
+        chunks = layer_chunks(self.model)
+        full = [w is None and c is None for w, c in zip(windows, chunks, strict=True)]
+        if all(full) or not any(full):
+            # one group: kv_cache_window's single table (every layer windowed: the largest
+            # window; chunked layers without a full layer to hold group 0: every block kept)
+            return None
+        return plan_kv_cache_groups(windows, chunks)
 
     def kv_cache_window(self) -> int | None:
         """The window that bounds what every attention layer reads: the largest
@@ -748,6 +753,15 @@ def layer_windows(model: CausalLM) -> list[int | None] | None:
     for layer in layers:
         windows[layer.layer_idx] = layer.sliding_window
     return windows
+
+
+def layer_chunks(model: CausalLM) -> list[int | None]:
+    """Each attention layer's ``attention_chunk_size`` by layer number (None: no chunks), for
+    a model whose :func:`layer_windows` are known."""
+    chunks: list[int | None] = [None] * model.num_attention_layers
+    for layer in attention_layers(model) or []:
+        chunks[layer.layer_idx] = layer.attention_chunk_size
+    return chunks
 
 
 def check_attend_limits(

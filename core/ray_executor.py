@@ -138,8 +138,8 @@ class RankActor:
     ) -> tuple[bool, Any]:
         """Join the group as ``rank`` (returning once every rank has joined) and load this
         rank's share of the model on the one device Ray made visible. Result: this rank's
-        LoRA target shapes (None without ``--enable-lora``), the dtype of its weights and its
-        ``Worker.kv_cache_group_windows``."""
+        LoRA target shapes (None without ``--enable-lora``), the dtype of its weights, its
+        ``Worker.kv_cache_group_windows`` and its ``Worker.kv_cache_group_chunks``."""
         try:
             from chassis.core.worker import Worker
             from chassis.platforms import get_current_platform
@@ -171,7 +171,9 @@ class RankActor:
             self.worker = Worker(config, device_index=platform.tensor_parallel_devices(1)[0])
             lora = self.worker.lora
             shapes = None if lora is None else dict(lora.target_shapes)
-            return True, (shapes, self.worker.dtype, self.worker.kv_cache_group_windows())
+            worker = self.worker
+            windows, chunks = worker.kv_cache_group_windows(), worker.kv_cache_group_chunks()
+            return True, (shapes, worker.dtype, windows, chunks)
         except Exception as exc:
             return False, failure_detail(rank, "start", exc)
 
@@ -270,9 +272,12 @@ class RayExecutor(RankGroupExecutor):
                 actor.start.remote(config, rank, f"tcp://{host}:{port}", multi_node)
                 for rank, actor in enumerate(self.actors)
             ]
-            self._lora_shapes, self._dtype, self._kv_group_windows = self._gather("start", starts)[
-                0
-            ]
+            (
+                self._lora_shapes,
+                self._dtype,
+                self._kv_group_windows,
+                self._kv_group_chunks,
+            ) = self._gather("start", starts)[0]
         except BaseException:
             self.shutdown()
             raise

@@ -161,6 +161,8 @@ class RankGroupExecutor(Executor):
     #: rank 0's ``Worker.kv_cache_group_windows`` (the same on every rank: windows are not
     #: sharded)
     _kv_group_windows: tuple[int | None, ...] = (None,)
+    #: rank 0's ``Worker.kv_cache_group_chunks`` (likewise the same on every rank)
+    _kv_group_chunks: tuple[int | None, ...] = (None,)
 
     @staticmethod
     def _group_config(config: EngineConfig) -> EngineConfig:
@@ -196,6 +198,9 @@ class RankGroupExecutor(Executor):
 
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         return self._kv_group_windows
+
+    def kv_cache_group_chunks(self) -> tuple[int | None, ...]:
+        return self._kv_group_chunks
 
     def lora_target_shapes(self) -> dict[str, tuple[int, int]] | None:
         # whole shapes, the same on every rank: the driver's answer
@@ -280,6 +285,7 @@ class TensorParallelExecutor(RankGroupExecutor):
         lora = self.worker.lora
         self._lora_shapes = None if lora is None else dict(lora.target_shapes)
         self._kv_group_windows = self.worker.kv_cache_group_windows()
+        self._kv_group_chunks = self.worker.kv_cache_group_chunks()
         logger.info("tensor parallel: %d ranks ready", self.size)
 
     def _run_on_all(self, method: str, payload: Any) -> list[Any]:

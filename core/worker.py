@@ -156,20 +156,22 @@ class Worker:
         # manager releases what a sliding window left, the most it holds at once (plus the
         # reserved null block); with KV cache groups, every group's blocks together.
         windows = self.kv_cache_group_windows()
+        chunks = self.kv_cache_group_chunks()
         window = single_group_window(windows)
         step_tokens = max_tokens_per_step(config)
         needed = max_group_blocks_per_request(
-            config.max_model_len, config.block_size, windows, step_tokens
+            config.max_model_len, config.block_size, windows, step_tokens, chunks
         )
-        has_window = any(w is not None for w in windows)
+        has_window = any(w is not None for w in windows) or any(c is not None for c in chunks)
         usable = num_blocks - (1 if has_window else 0)
         if usable < needed:
             if len(windows) > 1:
+                chunk_note = f", chunks {list(chunks)}" if any(chunks) else ""
                 what = (
                     f"one request of --max-model-len {config.max_model_len} holds at once "
                     f"({needed} blocks over its {len(windows)} KV cache groups, windows "
-                    f"{list(windows)}, with a step of up to {step_tokens} tokens, beside the "
-                    "null block)"
+                    f"{list(windows)}{chunk_note}, with a step of up to {step_tokens} tokens, "
+                    "beside the null block)"
                 )
             elif window is None:
                 what = f"one sequence of --max-model-len {config.max_model_len} needs"
@@ -206,6 +208,15 @@ class Worker:
         if groups is not None:
             return tuple(group.window for group in groups)
         return (self.kv_cache_window(),)
+
+    def kv_cache_group_chunks(self) -> tuple[int | None, ...]:
+        """The attention chunk size of each KV cache group (``None``: not a chunk group,
+        whose blocks before a request's current chunk the KV cache manager releases), as
+        many as :meth:`kv_cache_group_windows`."""
+        groups = self.runner.kv_groups
+        if groups is not None:
+            return tuple(group.chunk for group in groups)
+        return (None,)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

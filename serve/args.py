@@ -336,8 +336,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         action=argparse.BooleanOptionalAction,
         default=None,
         help=_help(
-            "when every attention layer has a sliding window, free each request's KV blocks "
-            "its window has left",
+            "free each request's KV blocks that sliding windows (or Llama 4's attention "
+            "chunks) have left",
             "sliding_window_kv_release",
         ),
     )

@@ -136,6 +136,7 @@ class ContinuousBatchingScheduler(Scheduler):
                 kv_cache_manager.block_size,
                 kv_cache_manager.group_windows,
                 max_tokens_per_step(config),
+                kv_cache_manager.group_chunks,
             )
             if needed > num_blocks:
                 raise ValueError(
