@@ -144,9 +144,10 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("SeedOssForCausalLM", f"{_PKG}.seed_oss:SeedOssForCausalLM")
     registry.register("SmolLM3ForCausalLM", f"{_PKG}.smollm3:SmolLM3ForCausalLM")
     registry.register("Llama4ForCausalLM", f"{_PKG}.llama4:Llama4ForCausalLM")
-    # the language model of Llama 4 Scout / Maverick, text only (no images)
+    # Llama 4 Scout / Maverick: the Llama 4 decoder, with images (its tower and tiles)
     registry.register(
-        "Llama4ForConditionalGeneration", f"{_PKG}.llama4:Llama4ForConditionalGeneration"
+        "Llama4ForConditionalGeneration",
+        f"{_PKG}.llama4_images:Llama4ForConditionalGenerationWithImages",
     )
     registry.register("ArceeForCausalLM", f"{_PKG}.arcee:ArceeForCausalLM")
     registry.register("Starcoder2ForCausalLM", f"{_PKG}.starcoder2:Starcoder2ForCausalLM")
