@@ -287,6 +287,13 @@ class ForwardContext:
     group_metadata: list[AttentionMetadata] | None = None
     #: with ``group_metadata``: the group of each attention layer, indexed by layer number
     layer_group: list[int] | None = None
+    #: for a model with per-request recurrent state (``CausalLM.request_state_specs``): the
+    #: pool's tensors (``[num_slots, *shape]`` each, in the specs' order) ...
+    request_states: list[torch.Tensor] | None = None
+    #: ... and the slot of each request of the step, in its order (``[num_reqs]`` int64 on
+    #: the device); both None for other models and for memory-profiling forwards (a layer
+    #: then starts every request from a zero state and keeps nothing)
+    state_slots: torch.Tensor | None = None
 
     def set_attend_limit(self, attend_limit: torch.Tensor) -> None:
         """Give every KV cache group's metadata ``attend_limit``

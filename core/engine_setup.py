@@ -26,6 +26,7 @@ def finalize_config(config: EngineConfig) -> Any:
     )
     from chassis.core.pooling_classify import resolve_runner
     from chassis.core.quantized_weights import check_quantization, check_quantization_flag
+    from chassis.core.request_state_cache import apply_recurrent_state_settings
     from chassis.platforms import get_current_platform
     from chassis.plugins import apply_configure_hooks, get_plugin_manager, get_registries
 
@@ -47,7 +48,14 @@ def finalize_config(config: EngineConfig) -> Any:
     registered = any(a in registries.models for a in architectures)
     # (an unregistered architecture is refused below, after the length checks)
     model_cls = model_class(hf_config) if registered else None
-    context_length = model_max_len(hf_config)
+    try:
+        context_length = model_max_len(hf_config)
+    except ValueError:
+        # a config that states no length (Mamba2: a recurrence has no position limit) runs
+        # as long as --max-model-len says; without it, the error asks for it
+        if config.max_model_len is None:
+            raise
+        context_length = config.max_model_len
     own_length = getattr(model_cls, "context_length", None)
     if own_length is not None and (own := own_length(hf_config)) is not None:
         context_length = min(context_length, own)  # RoBERTa's position table starts at 2
@@ -64,6 +72,8 @@ def finalize_config(config: EngineConfig) -> Any:
     config.runner = resolve_runner(config.runner, architectures)
     # encoders (BERT, XLM-RoBERTa): whole prompts in one step, no prefix cache
     apply_encoder_only_settings(config, model_cls, max_model_len_given=max_model_len_given)
+    # state-space models: no prefix caching, no speculative decoding
+    apply_recurrent_state_settings(config, model_cls)
     config.validate()  # again: what a pooling (or generating) engine refuses
     if config.attention_backend is None:
         config.attention_backend = platform.default_attention_backend(config)

@@ -14,6 +14,7 @@ from torch import nn
 from chassis.core.attention import AttentionBackend, ForwardContext
 from chassis.core.layers.int4_linear import Int4Linear
 from chassis.core.multimodal import MultiModalFeature
+from chassis.core.request_state_cache import RequestStateSpec
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -123,6 +124,12 @@ class CausalLM(nn.Module, ABC):
     #: of two where the attention backend supports it
     #: (``AttentionBackend.supports_aliased_kv_planes``; ``core.attention.alias_kv_planes``).
     kv_cache_values_are_keys: bool = False
+    #: The model carries a fixed-size state per request from step to step (state-space
+    #: layers: Mamba2), declared by :meth:`request_state_specs`. The engine then turns prefix
+    #: caching off and refuses speculative decoding
+    #: (:func:`~chassis.core.request_state_cache.apply_recurrent_state_settings`), and the
+    #: runner passes each request's slot in ``ctx.state_slots``.
+    has_recurrent_state: bool = False
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__()
@@ -309,6 +316,11 @@ class CausalLM(nn.Module, ABC):
         RoBERTa's position table starts at ``pad_token_id + 1``: two of its 514 rows are
         never used."""
         return None
+
+    def request_state_specs(self) -> list[RequestStateSpec]:
+        """The tensors each request carries across steps (:attr:`has_recurrent_state`), in
+        the order ``ctx.request_states`` holds their pools; none by default."""
+        return []
 
     @property
     def num_attention_layers(self) -> int:

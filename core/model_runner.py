@@ -45,6 +45,7 @@ from chassis.core.packed_step_metadata import copy_packed, packed_forward_contex
 from chassis.core.pooler import Pooler
 from chassis.core.pooling_config import resolve_pooler_config
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
+from chassis.core.request_state_cache import RequestStatePool
 from chassis.core.sampler_interface import check_sampler_output
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
@@ -128,10 +129,14 @@ class ModelRunner:
         hf = model.hf_config
         self.vocab_size = int(hf.vocab_size)
         # a tensor-parallel model keeps its rank's share of the KV heads (CausalLM contract)
-        self.num_kv_heads = parallel_state.shard_kv_heads(kv_head_count(hf))[1]
-        self.head_dim = int(
-            getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        )
+        if model.num_attention_layers == 0 and not hasattr(hf, "num_attention_heads"):
+            # no attention at all (a pure state-space model: Mamba2): no KV to shape
+            self.num_kv_heads, self.head_dim = 1, 1
+        else:
+            self.num_kv_heads = parallel_state.shard_kv_heads(kv_head_count(hf))[1]
+            self.head_dim = int(
+                getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            )
         #: planes per layer's cache: 1 when V aliases K (:meth:`_kv_cache_planes`), else 2
         self.kv_planes = self._kv_cache_planes()
         self.block_size = config.block_size
@@ -156,6 +161,13 @@ class ModelRunner:
             config.max_model_len,
             self.max_blocks_per_req,
             num_kv_groups=1 if self.kv_groups is None else len(self.kv_groups),
+        )
+        #: each request's recurrent state (a state-space model's
+        #: ``CausalLM.request_state_specs``), allocated before the KV cache is sized so that
+        #: memory profiling sees it; None for a model without
+        specs = model.request_state_specs()
+        self.request_states: RequestStatePool | None = (
+            RequestStatePool(specs, config.max_num_seqs, device) if specs else None
         )
         #: custom logits processors (``--logits-processors``), told of every batch change
         self.logits_processors = LogitsProcessors.build(config, device, pin_memory)
@@ -380,8 +392,12 @@ class ModelRunner:
             self.batch.remove(request_id)
             self.prompt_logprobs.drop(request_id)
             self.mm.remove(request_id)
+            if self.request_states is not None:
+                self.request_states.free(request_id)
         for new in out.new_requests:
             self.batch.remove(new.request_id)  # a preempted request comes back as new
+            if self.request_states is not None:
+                self._fresh_state(new.request_id, new.num_computed_tokens)
             params = new.sampling_params
             generator = None
             if params.seed is not None:
@@ -417,6 +433,20 @@ class ModelRunner:
             self.batch.num_computed_tokens[row] = cached.num_computed_tokens
         if self.pooler is not None:
             self.pooler.update(out)
+
+    def _fresh_state(self, request_id: str, num_computed_tokens: int) -> None:
+        """A zeroed state slot for a request the runner (re)starts: a recurrent state
+        summarizes every token before it, so the request must be computed from position 0
+        (prefix caching is off for such models)."""
+        assert self.request_states is not None
+        if num_computed_tokens:
+            raise RuntimeError(
+                f"request {request_id!r} starts at token {num_computed_tokens}, but "
+                f"{type(self.model).__name__} carries a recurrent state that must be computed "
+                "from the first token (is prefix caching on?)"
+            )
+        self.request_states.free(request_id)
+        self.request_states.allocate(request_id)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return host_to_device(array, self.device, self.pin_memory)
@@ -547,6 +577,11 @@ class ModelRunner:
             )
             if attend_limit is not None:
                 ctx.set_attend_limit(self._to_device(attend_limit))
+            if self.request_states is not None:
+                ctx.request_states = self.request_states.tensors
+                ctx.state_slots = self._to_device(
+                    self.request_states.slots(batch.request_ids[r] for r in rows)
+                )
             if isinstance(input_ids, np.ndarray):
                 input_ids = self._to_device(input_ids)
             if plain_step:

@@ -142,9 +142,18 @@ class Worker:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            budget = self.platform.determine_kv_cache_memory(
-                config, lambda: self.runner.profile_run(config.max_num_batched_tokens)
-            )
+            profiled = []
+
+            def profile() -> None:
+                profiled.append(True)
+                self.runner.profile_run(config.max_num_batched_tokens)
+
+            budget = self.platform.determine_kv_cache_memory(config, profile)
+            states = self.runner.request_states
+            if states is not None and not profiled:
+                # A fixed budget (--kv-cache-memory, the CPU's) holds the requests' recurrent
+                # states too; a profiled one already counted them (allocated before).
+                budget -= states.nbytes
             bytes_per_block = self.runner.kv_cache_bytes_per_block()
             if bytes_per_block == 0:
                 # No attention layer, nothing cached: blocks cost nothing, so give every

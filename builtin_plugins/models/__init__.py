@@ -139,6 +139,13 @@ def chassis_register_models(registry: Any) -> None:
     registry.register(
         "GraniteMoeSharedForCausalLM", f"{_PKG}.granitemoeshared:GraniteMoeSharedForCausalLM"
     )
+    # state-space models (Mamba2 mixers) and hybrids: a recurrent state per request
+    registry.register(
+        "GraniteMoeHybridForCausalLM", f"{_PKG}.granitemoehybrid:GraniteMoeHybridForCausalLM"
+    )
+    registry.register("Mamba2ForCausalLM", f"{_PKG}.mamba2:Mamba2ForCausalLM")
+    registry.register("BambaForCausalLM", f"{_PKG}.bamba:BambaForCausalLM")
+    registry.register("NemotronHForCausalLM", f"{_PKG}.nemotron_h:NemotronHForCausalLM")
     registry.register("GptOssForCausalLM", f"{_PKG}.gpt_oss:GptOssForCausalLM")
     registry.register("Glm4ForCausalLM", f"{_PKG}.glm4:Glm4ForCausalLM")
     registry.register("SeedOssForCausalLM", f"{_PKG}.seed_oss:SeedOssForCausalLM")

@@ -1,0 +1,307 @@
+"""The Mamba2 mixer: a state-space layer in place of attention (Mamba2, Granite 4.0-H,
+Bamba, Nemotron-H).
+
+Per token: ``in_proj`` gives the gate ``z``, the conv input ``xBC`` and ``dt``; a depthwise
+causal conv1d (window ``d_conv``) with SiLU over ``xBC``, split into ``x`` (heads x
+head_dim), ``B`` and ``C`` (groups x d_state); the SSD scan (:mod:`chassis.core.layers.
+ssd_scan`); a gated RMSNorm (``y * silu(z)``, normalized per group) and ``out_proj``.
+
+Each request carries two tensors across steps (:meth:`Mamba2Mixer.state_specs`): the last
+``d_conv - 1`` conv inputs ``[conv_dim, d_conv - 1]`` in the model dtype, and the SSM state
+``[heads, head_dim, d_state]`` in float32. A step's tokens are packed (request ``i`` owns
+rows ``query_start_loc[i]:query_start_loc[i + 1]``); the layer reads each request's state
+from its slot (``ctx.state_slots``), which starts zeroed, and writes it back. The requests
+with one token in the step (decodes) run as one batch, the others (prefill chunks) as
+another: a gathered conv and the chunked varlen scan (or, with ``use_reference``, request by
+request: a padded conv1d and the token-by-token scan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.ssd_scan import ssd_chunked_varlen, ssd_recurrence, ssd_step
+from chassis.core.request_state_cache import RequestStateSpec
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """The mixer's shapes and options (read from each architecture's config fields)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    d_state: int
+    n_groups: int
+    d_conv: int
+    intermediate_size: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    norm_eps: float
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    def __post_init__(self) -> None:
+        if self.num_heads * self.head_dim != self.intermediate_size:
+            raise ValueError(
+                f"mamba heads ({self.num_heads}) x head_dim ({self.head_dim}) must equal the "
+                f"mixer's intermediate size ({self.intermediate_size})"
+            )
+        if self.num_heads % self.n_groups or self.intermediate_size % self.n_groups:
+            raise ValueError(
+                f"mamba n_groups ({self.n_groups}) must divide the heads ({self.num_heads})"
+            )
+        if self.d_conv < 2:
+            raise ValueError(f"mamba conv kernel must be >= 2, got {self.d_conv}")
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.d_state
+
+
+def check_silu(hf_config: Any, field: str = "hidden_act") -> None:
+    """The mixer's activation is SiLU; anything else is a ``ValueError``."""
+    act = getattr(hf_config, field, "silu")
+    if act != "silu":
+        raise ValueError(f"{field} {act!r} is not supported by the Mamba2 mixer (only 'silu')")
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(y * silu(z))``, the statistics per group of ``group_size`` channels,
+    in float32 (cast back before the weight, as HF's ``MambaRMSNormGated``)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        y = y.float() * F.silu(z.float())
+        groups = y.view(*y.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * groups.view(y.shape).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba2 layer; its parameters are named as HF's (``in_proj``, ``conv1d``,
+    ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``).
+
+    ``state_index`` is the position of this layer's first state tensor in the model's
+    ``request_state_specs`` (its conv state; the SSM state follows).
+    ``forward(hidden [T, hidden_size], ctx) -> [T, hidden_size]``.
+    """
+
+    def __init__(self, spec: Mamba2Spec, state_index: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.state_index = state_index
+        #: run the scan token by token (the reference) instead of in chunks
+        self.use_reference = False
+        conv_dim = spec.conv_dim
+        self.in_proj = nn.Linear(
+            spec.hidden_size, spec.intermediate_size + conv_dim + spec.num_heads, spec.proj_bias
+        )
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, spec.d_conv, groups=conv_dim, bias=spec.conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(spec.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(spec.num_heads))
+        self.D = nn.Parameter(torch.ones(spec.num_heads))
+        self.norm = GatedRMSNorm(
+            spec.intermediate_size, spec.intermediate_size // spec.n_groups, spec.norm_eps
+        )
+        self.out_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, spec.proj_bias)
+
+    def state_specs(self, prefix: str, dtype: torch.dtype) -> list[RequestStateSpec]:
+        """This layer's per-request tensors: the conv window (``dtype``) and the SSM state
+        (float32)."""
+        s = self.spec
+        return [
+            RequestStateSpec(f"{prefix}.conv", (s.conv_dim, s.d_conv - 1), dtype),
+            RequestStateSpec(f"{prefix}.ssm", (s.num_heads, s.head_dim, s.d_state), torch.float32),
+        ]
+
+    def graph_capture_blocker(self) -> str | None:
+        return "Mamba2 layers read the step's request boundaries on the host (no graphs yet)"
+
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        s = self.spec
+        dtype = hidden_states.dtype
+        metadata = ctx.attn_metadata
+        num_reqs = metadata.num_reqs
+        bounds = metadata.query_start_loc_cpu.tolist()
+        num_tokens = bounds[num_reqs]
+        projected = self.in_proj(hidden_states[:num_tokens])
+        z, xbc, dt = projected.split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        lo, hi = s.time_step_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(lo, hi)
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float()
+
+        if ctx.request_states is None or ctx.state_slots is None:
+            # memory profiling: every request starts from zeros and nothing is kept
+            slots = None
+            conv_states = xbc.new_zeros(num_reqs, s.conv_dim, s.d_conv - 1)
+            ssm_states = xbc.new_zeros(
+                num_reqs, s.num_heads, s.head_dim, s.d_state, dtype=torch.float32
+            )
+        else:
+            slots = ctx.state_slots
+            conv_pool = ctx.request_states[self.state_index]
+            ssm_pool = ctx.request_states[self.state_index + 1]
+            conv_states = conv_pool[slots]
+            ssm_states = ssm_pool[slots]
+
+        if num_tokens == num_reqs:  # one token per request: every request in one batch
+            y, new_conv, new_ssm = self._decode(conv_states, ssm_states, xbc, dt, A, D)
+        else:
+            # requests with one token (decodes) in one batch, the others in another
+            y = xbc.new_empty(num_tokens, s.num_heads, s.head_dim, dtype=torch.float32)
+            new_conv = torch.empty_like(conv_states, dtype=xbc.dtype)
+            new_ssm = torch.empty_like(ssm_states)
+            singles = [i for i in range(num_reqs) if bounds[i + 1] - bounds[i] == 1]
+            if singles:
+                device = xbc.device
+                rows = torch.tensor(singles, dtype=torch.int64, device=device)
+                tokens = torch.tensor(
+                    [bounds[i] for i in singles], dtype=torch.int64, device=device
+                )
+                y[tokens], new_conv[rows], new_ssm[rows] = self._decode(
+                    conv_states[rows], ssm_states[rows], xbc[tokens], dt[tokens], A, D
+                )
+            many = [i for i in range(num_reqs) if bounds[i + 1] - bounds[i] > 1]
+            if self.use_reference:
+                for i in many:
+                    a, b = bounds[i], bounds[i + 1]
+                    y[a:b], new_conv[i], new_ssm[i] = self._prefill_reference(
+                        conv_states[i], ssm_states[i], xbc[a:b], dt[a:b], A, D
+                    )
+            elif many:
+                device = xbc.device
+                rows = torch.tensor(many, dtype=torch.int64, device=device)
+                tokens = torch.cat(
+                    [torch.arange(bounds[i], bounds[i + 1], device=device) for i in many]
+                )
+                y[tokens], new_conv[rows], new_ssm[rows] = self._prefill(
+                    conv_states[rows],
+                    ssm_states[rows],
+                    xbc[tokens],
+                    dt[tokens],
+                    A,
+                    D,
+                    [bounds[i + 1] - bounds[i] for i in many],
+                )
+        if slots is not None:
+            conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
+            ssm_pool.index_copy_(0, slots, new_ssm.to(ssm_pool.dtype))
+        out = self.norm(y.reshape(num_tokens, s.intermediate_size), z, dtype)
+        out = self.out_proj(out)
+        if out.shape[0] < hidden_states.shape[0]:  # padding rows past the step's tokens
+            out = torch.cat([out, out.new_zeros(hidden_states.shape[0] - num_tokens, out.shape[1])])
+        return out
+
+    def _decode(
+        self,
+        conv_states: torch.Tensor,
+        ssm_states: torch.Tensor,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        D: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token of each of ``R`` requests: ``conv_states [R, conv_dim, d_conv - 1]``,
+        ``ssm_states [R, H, P, N]``, ``xbc [R, conv_dim]``, ``dt [R, H]``; returns
+        ``(y [R, H, P], new conv states, new SSM states)``."""
+        window = torch.cat([conv_states.to(xbc.dtype), xbc[:, :, None]], dim=-1)
+        conv_out = (window * self.conv1d.weight[:, 0, :]).sum(-1)
+        if self.conv1d.bias is not None:
+            conv_out = conv_out + self.conv1d.bias
+        x, B, C = self._split_conv(F.silu(conv_out), xbc.shape[0])
+        y, new_ssm = ssd_step(ssm_states, x, dt, A, B, C, D)
+        return y, window[:, :, 1:], new_ssm
+
+    def _prefill(
+        self,
+        conv_states: torch.Tensor,
+        ssm_states: torch.Tensor,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        D: torch.Tensor,
+        lengths: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Several requests' tokens at once: ``conv_states [R, conv_dim, d_conv - 1]``,
+        ``ssm_states [R, H, P, N]``, ``xbc [T, conv_dim]`` and ``dt [T, H]`` with request
+        ``r``'s ``lengths[r]`` tokens contiguous; returns ``(y [T, H, P], new conv states,
+        new SSM states)``.
+
+        The conv reads each token's window from one sequence that puts every request's conv
+        state before its tokens (one gather); the scan is :func:`ssd_chunked_varlen`."""
+        s = self.spec
+        k = s.d_conv
+        num_tokens = xbc.shape[0]
+        # host layout of the extended sequence: request r's k - 1 state rows, then its tokens
+        state_rows, token_rows, windows, last_rows = [], [], [], []
+        start = 0
+        for length in lengths:
+            state_rows.extend(range(start, start + k - 1))
+            token_rows.extend(range(start + k - 1, start + k - 1 + length))
+            windows.extend(list(range(start + j, start + j + k)) for j in range(length))
+            start += length + k - 1
+            last_rows.append(list(range(start - (k - 1), start)))  # its new conv state
+        device = xbc.device
+        state_index = torch.tensor(state_rows, dtype=torch.int64, device=device)
+        extended = xbc.new_empty(start, s.conv_dim)
+        extended[state_index] = conv_states.to(xbc.dtype).transpose(1, 2).reshape(-1, s.conv_dim)
+        extended[torch.tensor(token_rows, dtype=torch.int64, device=device)] = xbc
+        window = extended[torch.tensor(windows, dtype=torch.int64, device=device)]  # [T, k, C]
+        conv_out = (window * self.conv1d.weight[:, 0, :].T).sum(1)
+        if self.conv1d.bias is not None:
+            conv_out = conv_out + self.conv1d.bias
+        last = torch.tensor(last_rows, dtype=torch.int64, device=device)  # [R, k - 1]
+        new_conv = extended[last].transpose(1, 2)
+        x, B, C = self._split_conv(F.silu(conv_out), num_tokens)
+        y, new_ssm = ssd_chunked_varlen(ssm_states, x, dt, A, B, C, D, lengths, s.chunk_size)
+        return y, new_conv, new_ssm
+
+    def _prefill_reference(
+        self,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        D: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference for one request's ``L`` tokens: ``conv_state [conv_dim, d_conv -
+        1]``, ``ssm_state [H, P, N]``, ``xbc [L, conv_dim]``, ``dt [L, H]``; a padded conv1d
+        and the token-by-token scan; returns ``(y [L, H, P], new conv state, new SSM
+        state)``."""
+        s = self.spec
+        window = torch.cat([conv_state.to(xbc.dtype), xbc.T], dim=-1)
+        conv_out = F.conv1d(window[None], self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)
+        x, B, C = self._split_conv(F.silu(conv_out[0].T), xbc.shape[0])
+        y, h = ssd_recurrence(ssm_state, x, dt, A, B, C, D)
+        return y, window[:, -(s.d_conv - 1) :], h
+
+    def _split_conv(
+        self, conv_out: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, conv_dim]`` -> ``x [T, heads, head_dim]``, ``B``/``C`` ``[T, groups, d_state]``."""
+        s = self.spec
+        group_width = s.n_groups * s.d_state
+        x, B, C = conv_out.split([s.intermediate_size, group_width, group_width], dim=-1)
+        return (
+            x.reshape(num_tokens, s.num_heads, s.head_dim),
+            B.reshape(num_tokens, s.n_groups, s.d_state),
+            C.reshape(num_tokens, s.n_groups, s.d_state),
+        )
