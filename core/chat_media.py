@@ -18,7 +18,8 @@ it. Audio (Qwen2-Audio), where the caller takes it: OpenAI's ``{"type": "input_a
 "input_audio": {"data": BASE64, "format": "wav" | "mp3"}}`` and vLLM's ``{"type":
 "audio_url", "audio_url": {"url": URL}}`` (``data:audio/...;base64,``, http(s), ``file://``),
 decoded by :mod:`chassis.core.audio_loading` into vLLM's ``(waveform, sample_rate)`` item
-and marked ``{"type": "audio"}``. Other media parts (files) are refused naming the type.
+and marked ``{"type": "audio"}``; with ``--enable-mm-embeds`` also vLLM's ``{"type":
+"audio_embeds", "audio_embeds": BASE64}`` (a ``torch.save``'d ``[rows, hidden]`` tensor). Other media parts (files) are refused naming the type.
 
 Before anything is loaded, the engine says whether it takes that many images and videos
 (:meth:`chassis.core.multimodal_inputs.MultiModalInputs.check_counts`: a model that takes
@@ -61,10 +62,12 @@ UNSUPPORTED_PART_TYPES = (
 )
 #: where video parts are taken (named when a route that takes none meets one)
 VIDEO_ROUTES = "/v1/chat/completions and LLM.chat"
+#: the audio-embeddings part type (vLLM's), taken with --enable-mm-embeds
+AUDIO_EMBEDS_PART_TYPE = "audio_embeds"
 #: the audio part types taken (OpenAI's and vLLM's), where the caller takes audio
-AUDIO_PART_TYPES = ("input_audio", "audio_url")
+AUDIO_PART_TYPES = ("input_audio", "audio_url", AUDIO_EMBEDS_PART_TYPE)
 #: where audio parts are taken
-AUDIO_ROUTES = VIDEO_ROUTES
+AUDIO_ROUTES = "/v1/chat/completions, /v1/responses and LLM.chat"
 
 
 @dataclass
@@ -82,9 +85,9 @@ class ChatMedia:
     #: :func:`chassis.core.chat.render_chat`'s ``image_placeholder`` / ``video_placeholder``
     image_placeholder: str | None = None
     video_placeholder: str | None = None
-    #: the loaded audio clips, vLLM's ``(waveform, sample_rate)`` items, in message order,
-    #: and the model's text for one (``audio_placeholder``)
-    audios: list[tuple[Any, int]] = field(default_factory=list)
+    #: the loaded audio clips, vLLM's ``(waveform, sample_rate)`` items (an audio_embeds
+    #: part's tensor), in message order, and the model's text for one (``audio_placeholder``)
+    audios: list[Any] = field(default_factory=list)
     audio_placeholder: str | None = None
 
     def multi_modal_data(self) -> dict[str, list[Any]] | None:
@@ -151,18 +154,23 @@ class ChatImages:
         out, found = _mark_media_parts(messages, videos, audios)
         if not any(found.values()):
             return ChatMedia(out)
-        embeds = [part for part in found["image"] if part[2]["type"] == IMAGE_EMBEDS_PART_TYPE]
-        if embeds and not self.multimodal.config.enable_mm_embeds:
-            i, j, _ = embeds[0]
-            raise ChatMessageError(f"messages[{i}].content[{j}]: {flag_refusal()}", i)
+        for modality, kind in (
+            ("image", IMAGE_EMBEDS_PART_TYPE),
+            ("audio", AUDIO_EMBEDS_PART_TYPE),
+        ):
+            embeds = [part for part in found[modality] if part[2]["type"] == kind]
+            if embeds and not self.multimodal.config.enable_mm_embeds:
+                i, j, _ = embeds[0]
+                raise ChatMessageError(f"messages[{i}].content[{j}]: {flag_refusal(modality)}", i)
         placeholders: dict[str, str] = {}
         for modality, parts in found.items():
             if parts:
                 placeholders[modality] = self._admit(modality, parts)
         if found["video"]:
             _named(found["video"][0], lambda _: check_pyav())  # (before any URL is fetched)
-        if found["audio"]:
-            _named(found["audio"][0], lambda _: check_pyav_for_audio())
+        clips = [part for part in found["audio"] if part[2]["type"] != AUDIO_EMBEDS_PART_TYPE]
+        if clips:  # (embeddings need no decoder)
+            _named(clips[0], lambda _: check_pyav_for_audio())
         media = ChatMedia(
             out,
             [],
@@ -202,7 +210,10 @@ class ChatImages:
         return self.loader.load(_image_source(part))
 
     def _load_audio(self, part: Mapping[str, Any]) -> tuple[Any, int]:
-        """An audio part's clip: an input_audio part's base64 data, an audio_url's URL."""
+        """An audio part's clip: an input_audio part's base64 data, an audio_url's URL; an
+        audio_embeds part's tensor (checked against the model by the front-end)."""
+        if part["type"] == AUDIO_EMBEDS_PART_TYPE:
+            return load_embeds(part.get(AUDIO_EMBEDS_PART_TYPE), "audio")
         if part["type"] == "input_audio":
             value = part.get("input_audio")
             if not isinstance(value, Mapping):

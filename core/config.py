@@ -103,9 +103,10 @@ class EngineConfig:
     #: the folder whose files requests may name as ``file://`` image URLs (vLLM's
     #: ``--allowed-local-media-path``); "" (default): no local files (core/image_loading.py)
     allowed_local_media_path: str = ""
-    #: take image embeddings in place of images (vLLM's ``--enable-mm-embeds``: tensors in
-    #: ``multi_modal_data``, chat ``image_embeds`` parts); False (default): refused with a
-    #: ValueError naming the flag (core/multimodal_embeds.py)
+    #: take image (audio) embeddings in place of images (clips) (vLLM's
+    #: ``--enable-mm-embeds``: tensors in ``multi_modal_data``, chat ``image_embeds`` /
+    #: ``audio_embeds`` parts); False (default): refused with a ValueError naming the flag
+    #: (core/multimodal_embeds.py)
     enable_mm_embeds: bool = False
     #: the model processor's kwargs for every request (vLLM's ``--mm-processor-kwargs``,
     #: e.g. Qwen2-VL's ``{"max_pixels": 401408}``); a request's own ``mm_processor_kwargs``

@@ -1,4 +1,5 @@
-"""Image embeddings in place of images (vLLM's ``image_embeds``, behind ``--enable-mm-embeds``).
+"""Image (and audio) embeddings in place of the media (vLLM's ``image_embeds`` and
+``audio_embeds``, behind ``--enable-mm-embeds``).
 
 A caller that computed an image's rows itself (the model's own vision tower and projector,
 run elsewhere) passes them instead of the image; the prompt's placeholder for it expands to
@@ -6,14 +7,20 @@ one token per row and the runner puts the rows in place of those tokens' embeddi
 running the tower. The forms taken are vLLM's, per model (its class attribute
 ``image_embeds_form``):
 
-* ``"rows"`` (LLaVA-1.5, LLaVA-NeXT): a float tensor ``[rows, hidden_size]`` is one image;
-  ``[n, rows, hidden_size]`` is ``n`` images of ``rows`` each;
-* ``"grid"`` (Qwen2-VL, Qwen2.5-VL): ``{"image_embeds": [tokens, hidden_size],
+* ``"rows"`` (LLaVA-1.5, LLaVA-NeXT, InternVL, Aya Vision, Gemma 3): a float tensor
+  ``[rows, hidden_size]`` is one image; ``[n, rows, hidden_size]`` is ``n`` images of ``rows``
+  each;
+* ``"grid"`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``{"image_embeds": [tokens, hidden_size],
   "image_grid_thw": [n, 3]}`` is ``n`` images, image ``i`` the next ``t * h * w /
   merge_size**2`` rows; the grid also gives the images' M-RoPE positions.
 
-A model without a form (``None``) refuses embeddings naming itself, with its
-``image_embeds_refusal`` as the reason when it has one (Qwen3-VL: its deepstack rows).
+The rows' width is the language model's ``hidden_size`` unless the model's class says
+otherwise (its classmethod ``image_embeds_width(hf_config)``: Qwen3-VL's rows carry its
+deepstack rows beside them, ``hidden_size * (1 + K)``, as vLLM takes them). The model's
+processor may check an item's row count and write its token run
+(:meth:`~chassis.core.multimodal_processing.MultiModalProcessor.precomputed_item`: Aya Vision's
+tiles, Gemma 3's fixed count). A model without a form (``None``) refuses embeddings naming
+itself, with its ``image_embeds_refusal`` as the reason when it has one.
 
 Each image becomes a :class:`PrecomputedItem` here, in the front-end; the model's processor
 expands its placeholder to ``length`` tokens (:meth:`~chassis.core.multimodal_processing.
@@ -22,6 +29,11 @@ for the grid form, the grid (``image_grid_thw`` ``[1, 3]``), so the feature's id
 which keys the prefix cache, is the hash of the rows. The runner hands a feature with
 :data:`EMBEDS_KEY` to the encoder-output cache as it is (:mod:`chassis.core.
 multimodal_runner`). Every refusal is a ``ValueError`` (the server's 400).
+
+Audio clips' embeddings (vLLM's ``audio_embeds``: Qwen2-Audio's projector rows) take the
+``"rows"`` form of a model whose class declares ``audio_embeds_form = "rows"``: a tensor
+``[rows, hidden_size]`` is one clip, ``[n, rows, hidden_size]`` ``n`` clips (a 1-D tensor
+stays a waveform); their rows are kept under ``"audio_embeds"`` (:func:`embeds_key`).
 """
 
 from __future__ import annotations
@@ -39,8 +51,10 @@ import torch
 EMBEDS_KEY = "image_embeds"
 #: the name of the grid in the grid form and in a feature's data
 GRID_KEY = "image_grid_thw"
-#: the forms a model may declare as ``image_embeds_form``
+#: the forms a model may declare as ``image_embeds_form`` (``audio_embeds_form``: ``"rows"``)
 EMBEDS_FORMS = ("rows", "grid")
+#: the modalities whose items may be embeddings
+EMBEDS_MODALITIES = ("image", "audio")
 #: the most bytes one chat ``image_embeds`` payload may decode to (base64 decoded)
 MAX_EMBEDS_BYTES = 256 * 1024 * 1024
 #: the flag, as messages name it
@@ -55,45 +69,67 @@ class PrecomputedItem:
     tensors: dict[str, torch.Tensor]
 
 
-def is_embeds_item(item: Any) -> bool:
-    """Whether a ``multi_modal_data`` item is embeddings (a tensor, or a mapping holding
-    :data:`EMBEDS_KEY`) rather than an image."""
-    return isinstance(item, torch.Tensor) or (isinstance(item, Mapping) and EMBEDS_KEY in item)
+def embeds_key(modality: str) -> str:
+    """The name of an item's given rows in its feature's data: ``"image_embeds"``,
+    ``"audio_embeds"`` (vLLM's names)."""
+    return f"{modality}_embeds"
 
 
-def flag_refusal() -> str:
+def is_embeds_item(item: Any, modality: str = "image") -> bool:
+    """Whether a ``multi_modal_data`` item of ``modality`` is embeddings rather than the
+    medium itself: for images a tensor or a mapping holding :data:`EMBEDS_KEY`; for audio
+    a tensor of two or more dimensions (a 1-D tensor is a waveform) or a mapping holding
+    ``"audio_embeds"``; never for videos."""
+    if modality not in EMBEDS_MODALITIES:
+        return False
+    if isinstance(item, Mapping):
+        return embeds_key(modality) in item
+    return isinstance(item, torch.Tensor) and (modality == "image" or item.dim() >= 2)
+
+
+def flag_refusal(modality: str = "image") -> str:
     """The message for embeddings sent to an engine without the flag."""
-    return f"image embeddings are taken only when the engine runs with {FLAG}"
+    return f"{modality} embeddings are taken only when the engine runs with {FLAG}"
 
 
 def precomputed_items(
-    items: Sequence[Any], model_cls: Any, hf_config: Any, model_name: str
+    items: Sequence[Any], model_cls: Any, hf_config: Any, model_name: str, modality: str = "image"
 ) -> list[Any]:
-    """A request's ``"image"`` items with each embeddings item replaced by its images as
-    :class:`PrecomputedItem` (one tensor or dict may hold several), in order; images are
-    kept as they are. ``ValueError`` for a model that takes none (naming it), or a tensor
-    of the wrong dtype kind, rank, width or row count (module docstring). (Only images:
-    other modalities' items go to the model's processor as they are.)"""
-    if not any(is_embeds_item(item) for item in items):
+    """A request's items of ``modality`` (``"image"`` or ``"audio"``) with each embeddings
+    item replaced by its items as :class:`PrecomputedItem` (one tensor or dict may hold
+    several), in order; the media themselves are kept as they are. ``ValueError`` for a
+    model that takes none (naming it; its class attribute ``<modality>_embeds_form``), or a
+    tensor of the wrong dtype kind, rank, width or row count (module docstring). Audio
+    embeddings take the ``"rows"`` form only."""
+    if not any(is_embeds_item(item, modality) for item in items):
         return list(items)
-    form = getattr(model_cls, "image_embeds_form", None)
-    if form not in EMBEDS_FORMS:
-        reason = getattr(model_cls, "image_embeds_refusal", None)
+    form = getattr(model_cls, f"{modality}_embeds_form", None)
+    if form not in (EMBEDS_FORMS if modality == "image" else ("rows",)):
+        reason = getattr(model_cls, f"{modality}_embeds_refusal", None)
+        noun = "images" if modality == "image" else "audio clips"
         raise ValueError(
-            f"model {model_name!r} ({model_cls.__name__}) does not take image embeddings"
+            f"model {model_name!r} ({model_cls.__name__}) does not take {modality} embeddings"
             + (f": {reason}" if reason else "")
-            + "; send the images themselves"
+            + f"; send the {noun} themselves"
         )
     hidden = int(hf_config.hidden_size)
+    width_of = getattr(model_cls, "image_embeds_width", None)
+    width = _Width(hidden, "the language model's hidden size")
+    if width_of is not None:
+        width = _Width(
+            int(width_of(hf_config)),
+            f"{model_cls.__name__}'s image embedding width (the language model's hidden size "
+            f"{hidden} times 1 + its deepstack sets)",
+        )
     out: list[Any] = []
     for item in items:
-        if not is_embeds_item(item):
+        if not is_embeds_item(item, modality):
             out.append(item)
         elif form == "rows":
-            out.extend(_rows_items(item, hidden, model_cls.__name__))
+            out.extend(_rows_items(item, width, model_cls.__name__, modality))
         else:
             merge = int(_field(hf_config.vision_config, "spatial_merge_size"))
-            out.extend(_grid_items(item, hidden, merge, model_cls.__name__))
+            out.extend(_grid_items(item, width, merge, model_cls.__name__))
     return out
 
 
@@ -101,7 +137,15 @@ def _field(config: Any, name: str) -> Any:
     return config.get(name) if isinstance(config, Mapping) else getattr(config, name)
 
 
-def _check_rows(rows: Any, hidden: int, what: str) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Width:
+    """The width image embeddings must have, and what it is (for messages)."""
+
+    size: int
+    meaning: str
+
+
+def _check_rows(rows: Any, width: _Width, what: str) -> torch.Tensor:
     """``rows`` checked: a floating-point tensor whose last dimension is ``hidden``, with
     rows; returned detached, contiguous, on the CPU."""
     if not isinstance(rows, torch.Tensor):
@@ -111,10 +155,10 @@ def _check_rows(rows: Any, hidden: int, what: str) -> torch.Tensor:
             f"{what} must be a floating-point tensor (the model's input embeddings); got "
             f"dtype {str(rows.dtype).removeprefix('torch.')}"
         )
-    if rows.dim() < 2 or rows.shape[-1] != hidden:
+    if rows.dim() < 2 or rows.shape[-1] != width.size:
         raise ValueError(
-            f"{what} has shape {tuple(rows.shape)}; its last dimension must be the language "
-            f"model's hidden size {hidden}"
+            f"{what} has shape {tuple(rows.shape)}; its last dimension must be "
+            f"{width.meaning} {width.size}"
         )
     if rows.numel() == 0:
         raise ValueError(f"{what} has shape {tuple(rows.shape)}: no rows")
@@ -123,25 +167,30 @@ def _check_rows(rows: Any, hidden: int, what: str) -> torch.Tensor:
     return rows.detach().to("cpu").contiguous()
 
 
-def _rows_items(item: Any, hidden: int, model: str) -> list[PrecomputedItem]:
-    """A ``"rows"`` model's item: ``[rows, hidden]`` (one image) or ``[n, rows, hidden]``."""
+def _rows_items(item: Any, width: _Width, model: str, modality: str) -> list[PrecomputedItem]:
+    """A ``"rows"`` model's item: ``[rows, hidden]`` (one item) or ``[n, rows, hidden]``."""
+    many = "images" if modality == "image" else "clips"
     if isinstance(item, Mapping):
         raise ValueError(
-            f"{model} takes image embeddings as a tensor [rows, hidden_size] (one image) or "
-            f"[images, rows, hidden_size]; got a dict with {sorted(map(str, item))}"
+            f"{model} takes {modality} embeddings as a tensor [rows, hidden_size] (one "
+            f"{modality} item) or [{many}, rows, hidden_size]; got a dict with "
+            f"{sorted(map(str, item))}"
         )
-    rows = _check_rows(item, hidden, "image embeddings")
+    rows = _check_rows(item, width, f"{modality} embeddings")
+    hidden = width.size
     if rows.dim() > 3:
         raise ValueError(
-            f"image embeddings have shape {tuple(rows.shape)}; expected [rows, {hidden}] or "
-            f"[images, rows, {hidden}]"
+            f"{modality} embeddings have shape {tuple(rows.shape)}; expected [rows, {hidden}] "
+            f"or [{many}, rows, {hidden}]"
         )
-    images = [rows] if rows.dim() == 2 else list(rows.unbind(0))
-    return [PrecomputedItem(len(r), {EMBEDS_KEY: r.contiguous()}) for r in images]
+    key = embeds_key(modality)
+    chunks = [rows] if rows.dim() == 2 else list(rows.unbind(0))
+    return [PrecomputedItem(len(r), {key: r.contiguous()}) for r in chunks]
 
 
-def _grid_items(item: Any, hidden: int, merge: int, model: str) -> list[PrecomputedItem]:
+def _grid_items(item: Any, width: _Width, merge: int, model: str) -> list[PrecomputedItem]:
     """A ``"grid"`` model's item: the rows of ``n`` images and their ``[n, 3]`` grid."""
+    hidden = width.size
     form = f'{{"{EMBEDS_KEY}": [tokens, {hidden}], "{GRID_KEY}": [images, 3]}}'
     if not isinstance(item, Mapping):
         raise ValueError(
@@ -153,7 +202,7 @@ def _grid_items(item: Any, hidden: int, merge: int, model: str) -> list[Precompu
         raise ValueError(
             f"{model} takes image embeddings as a dict {form}; got keys {sorted(map(str, item))}"
         )
-    rows = _check_rows(item[EMBEDS_KEY], hidden, EMBEDS_KEY)
+    rows = _check_rows(item[EMBEDS_KEY], width, EMBEDS_KEY)
     if rows.dim() != 2:
         raise ValueError(f"{EMBEDS_KEY} has shape {tuple(rows.shape)}; expected [tokens, {hidden}]")
     grid = item[GRID_KEY]
@@ -190,16 +239,23 @@ def _grid_items(item: Any, hidden: int, merge: int, model: str) -> list[Precompu
     return out
 
 
-def load_embeds(value: Any) -> Any:
-    """A chat ``image_embeds`` part's payload as ``multi_modal_data`` takes it: a base64
+def load_embeds(value: Any, modality: str = "image") -> Any:
+    """A chat ``image_embeds`` (``audio_embeds``) part's payload as ``multi_modal_data``
+    takes it: a base64
     string of a ``torch.save``'d tensor (vLLM's) -> the tensor; a dict of such strings (or
     tensors, or for the grid a list of integers) -> the dict of tensors; a tensor (offline)
     as it is. Loaded with ``torch.load(weights_only=True)`` (plain tensors only, no code),
     each payload at most :data:`MAX_EMBEDS_BYTES`; ``ValueError`` otherwise."""
     if isinstance(value, torch.Tensor):
         return value
+    key = embeds_key(modality)
     if isinstance(value, str):
-        return _load_base64_tensor(value, EMBEDS_KEY)
+        return _load_base64_tensor(value, key)
+    if modality == "audio":
+        raise ValueError(
+            "an audio_embeds part needs 'audio_embeds': the base64 of a torch.save'd tensor "
+            "[rows, hidden_size]"
+        )
     if isinstance(value, Mapping) and value:
         return {
             str(key): _load_base64_tensor(v, str(key)) if isinstance(v, str) else v

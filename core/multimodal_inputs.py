@@ -138,13 +138,16 @@ class MultiModalInputs:
         prompt order (:meth:`MultiModalProcessor.process`), once :meth:`check_counts`
         passed. ``multi_modal_data`` is vLLM's (:func:`multimodal_items`); when it holds no
         item at all the prompt is returned as it is. Image embeddings among the images
-        (tensors, Qwen2-VL's dict) need ``enable_mm_embeds`` and skip the model's processing
+        (tensors, Qwen2-VL's dict) and audio embeddings among the clips (tensors of 2 or 3
+        dimensions) need ``enable_mm_embeds`` and skip the model's processing
         (:mod:`chassis.core.multimodal_embeds`)."""
         items = multimodal_items(multi_modal_data)
         if not any(items.values()):
             return prompt_token_ids, []
         self.check_counts({modality: len(values) for modality, values in items.items()})
-        if any(is_embeds_item(item) for item in items.get("image", ())):
+        if any(
+            is_embeds_item(item, modality) for modality, values in items.items() for item in values
+        ):
             items = self._precomputed(items)
         if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, Mapping):
             raise ValueError(
@@ -159,15 +162,20 @@ class MultiModalInputs:
         )
 
     def _precomputed(self, items: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        """``items`` with image embeddings as their images' precomputed rows
-        (:func:`~chassis.core.multimodal_embeds.precomputed_items`); ``ValueError`` without
-        ``enable_mm_embeds``, and the counts checked again (one tensor may hold several)."""
+        """``items`` with image (audio) embeddings as their images' (clips') precomputed
+        rows (:func:`~chassis.core.multimodal_embeds.precomputed_items`); ``ValueError``
+        without ``enable_mm_embeds``, and the counts checked again (one tensor may hold
+        several)."""
+        given = [m for m, values in items.items() if any(is_embeds_item(v, m) for v in values)]
         if not self.config.enable_mm_embeds:
-            raise ValueError(flag_refusal())
+            raise ValueError(flag_refusal(given[0]))
         name = self.config.served_model_name or self.config.model or ""
         cls = self._model_class()
-        images = precomputed_items(items["image"], cls, self._hf_config, name)
-        items = {**items, "image": images}
+        items = dict(items)
+        for modality in given:
+            items[modality] = precomputed_items(
+                items[modality], cls, self._hf_config, name, modality
+            )
         self.check_counts({modality: len(values) for modality, values in items.items()})
         return items
 

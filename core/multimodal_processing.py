@@ -112,6 +112,18 @@ class MultiModalProcessor(ABC):
             expanded.extend([token] * length)
         return expanded, features
 
+    def precomputed_item(
+        self, modality: str, item: PrecomputedItem
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """An item whose rows the caller gave (image embeddings, one image's rows under
+        ``image_embeds``): its placeholder count and tensors, as :meth:`process_item` returns
+        them. By default one placeholder token per row, the tensors as they are; a processor
+        whose model takes only some row counts refuses others (``ValueError``), and one that
+        writes token runs (:mod:`chassis.core.placeholder_runs`) returns the run's length
+        and adds its ids: the model's ``embed_multimodal`` then receives the rows with the
+        run and splices them in (no tower)."""
+        return item.length, item.tensors
+
     def _process_one(
         self, modality: str, item: Any, kwargs: Mapping[str, Any]
     ) -> tuple[int, dict[str, torch.Tensor]]:
@@ -119,7 +131,7 @@ class MultiModalProcessor(ABC):
         whose rows the caller gave (image embeddings, :mod:`chassis.core.multimodal_embeds`)
         as it is."""
         if isinstance(item, PrecomputedItem):
-            return item.length, item.tensors
+            return self.precomputed_item(modality, item)
         if self.item_cache is not None:
             return self.item_cache.get_or_process(modality, item, kwargs, self.process_item)
         return self.process_item(modality, item, kwargs)

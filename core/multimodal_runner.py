@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from chassis.core.multimodal_embeds import EMBEDS_KEY
+from chassis.core.multimodal_embeds import embeds_key
+from chassis.core.placeholder_runs import PLACEHOLDER_IDS_KEY
 
 if TYPE_CHECKING:
     from chassis.core.model_interface import CausalLM
@@ -220,14 +221,18 @@ class MultiModalRunner:
 
     def _encode(self, feature: MultiModalFeature) -> torch.Tensor:
         """``feature``'s encoder output ``[length, hidden]``, checked against its length:
-        the rows the caller gave (image embeddings, :mod:`chassis.core.multimodal_embeds`;
-        the front-end checked their width), else the model's ``embed_multimodal``."""
+        the rows the caller gave (image or audio embeddings,
+        :mod:`chassis.core.multimodal_embeds`; the front-end checked their width), else the
+        model's ``embed_multimodal`` (which splices given rows into their item's token run
+        when the processor wrote one)."""
         inputs = {name: t.to(self.device) for name, t in feature.tensors().items()}
-        if EMBEDS_KEY in inputs:
-            encoded = inputs[EMBEDS_KEY]
+        given = embeds_key(feature.modality)
+        if given in inputs and PLACEHOLDER_IDS_KEY not in inputs:
+            encoded = inputs[given]
         else:
+            # (rows with a token run: the model splices them into the run, tower skipped)
             encoded = self.model.embed_multimodal(feature.modality, inputs)
-            self.num_encoder_runs += 1
+            self.num_encoder_runs += given not in inputs
         if encoded.dim() != 2 or encoded.shape[0] != feature.length:
             raise ValueError(
                 f"{type(self.model).__name__}.embed_multimodal returned shape "

@@ -255,8 +255,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "--enable-mm-embeds",
         action="store_true",
         default=None,
-        help="take image embeddings in place of images (tensors in multi_modal_data, chat "
-        "image_embeds parts), vLLM's flag; off by default: they are refused",
+        help="take image (audio) embeddings in place of images (clips): tensors in "
+        "multi_modal_data, chat image_embeds (audio_embeds) parts; vLLM's flag; off by "
+        "default: they are refused",
     )
     g.add_argument(
         "--mm-processor-kwargs",

@@ -11,7 +11,10 @@ which are valid input items too):
   route's ``image_url`` parts: the URL is checked only for being a non-empty string here, and
   loaded, with the chat route's loader and limits, by :mod:`chassis.serve.responses_images`;
   an ``input_image`` naming a ``file_id`` is refused (this server has no Files API), and so
-  are file and audio parts. The role reaches the chat template as sent, ``developer``
+  are file parts. Audio parts are OpenAI's ``{"type": "input_audio", "input_audio":
+  {"data": BASE64, "format": "wav" | "mp3"}}``, passed to the chat route as they are (its
+  renderer decodes them; the engine's model must take audio:
+  :mod:`chassis.serve.responses_audio`). The role reaches the chat template as sent, ``developer``
   included, as on the chat route (and in vLLM): the same messages render the same prompt on
   both routes; a template that knows no ``developer`` treats it as it does in chat.
 * ``{"type": "function_call", "call_id", "name", "arguments"}``: a call the assistant made; it
@@ -42,6 +45,8 @@ _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: OpenAI's image part of a message's content
 IMAGE_PART = "input_image"
+#: OpenAI's audio part of a message's content (``{"input_audio": {"data", "format"}}``)
+AUDIO_PART = "input_audio"
 
 
 def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,9 +151,12 @@ def _content(
         if images and kind == IMAGE_PART:
             parts.append(_image_part(part, f"{at}.{key}", j))
             continue
+        if images and kind == AUDIO_PART:
+            parts.append(_audio_part(part, f"{at}.{key}", j))
+            continue
         if kind not in _TEXT_PARTS:
-            taken = ", ".join(_TEXT_PARTS) + (f" and {IMAGE_PART}" if images else "")
-            refused = "file and audio inputs are not" if images else "images are not"
+            taken = ", ".join(_TEXT_PARTS) + (f", {IMAGE_PART} and {AUDIO_PART}" if images else "")
+            refused = "file inputs are not" if images else "images and audio are not"
             raise bad_request(
                 f"{at}.{key}[{j}]: only text parts ({taken}) are supported here; got type "
                 f"{kind!r} ({refused})",
@@ -160,6 +168,25 @@ def _content(
             )
         parts.append({"type": "text", "text": part["text"]})
     return parts
+
+
+def _audio_part(part: Mapping[str, Any], at: str, j: int) -> dict[str, Any]:
+    """An ``input_audio`` part (``at`` its content's path, ``j`` its index) as the chat
+    route's part of the same shape, whose audio the chat renderer decodes (wav or mp3, as
+    on the chat route); a 400 naming the part when ``input_audio`` is not an object with
+    string ``data`` (base64) and ``format``."""
+    value = part.get(AUDIO_PART)
+    if not (
+        isinstance(value, Mapping)
+        and isinstance(value.get("data"), str)
+        and isinstance(value.get("format"), str)
+    ):
+        raise bad_request(
+            f'{at}[{j}]: an input_audio part needs {{"input_audio": {{"data": BASE64, '
+            '"format": "wav" | "mp3"}}',
+            f"{at}.{j}",
+        )
+    return {"type": AUDIO_PART, AUDIO_PART: {"data": value["data"], "format": value["format"]}}
 
 
 def _image_part(part: Mapping[str, Any], at: str, j: int) -> dict[str, Any]:

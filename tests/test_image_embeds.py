@@ -11,8 +11,8 @@ image; Qwen2-VL with vLLM's ``{"image_embeds", "image_grid_thw"}`` dict
 with the images; the chat ``image_embeds`` part through the server app (base64 of a
 ``torch.save``'d tensor) with the flag answers as the ``image_url`` part, and without it is a
 400 naming the flag; and the refusals (no flag offline, wrong width, dtype kind, row count
-against the grid, a tensor alone for Qwen2-VL, a model that takes none, Qwen3-VL's deepstack,
-bad base64, a pickle that is not a tensor).
+against the grid, a tensor alone for Qwen2-VL, a model that takes none (Mistral 3), bad
+base64, a pickle that is not a tensor).
 """
 
 from __future__ import annotations
@@ -275,20 +275,17 @@ class _Config:
 
 
 def test_models_without_embeddings_are_named() -> None:
-    """A model without a form, and Qwen3-VL with its reason; images pass untouched."""
-    from chassis.builtin_plugins.models.aya_vision_images import (
-        AyaVisionForConditionalGenerationWithImages,
+    """A model without a form, with its reason (Mistral 3); images pass untouched."""
+    from chassis.builtin_plugins.models.mistral3_images import (
+        Mistral3ForConditionalGenerationWithImages,
     )
-    from chassis.builtin_plugins.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
     rows = torch.zeros(4, 64)
-    with pytest.raises(ValueError, match=r"'m' \(Qwen3VLForConditionalGeneration\).*deepstack"):
-        precomputed_items([rows], Qwen3VLForConditionalGeneration, _Config(), "m")
-    aya = AyaVisionForConditionalGenerationWithImages
-    with pytest.raises(ValueError, match=r"\(AyaVision.*\) does not take image embeddings"):
-        precomputed_items([rows], aya, _Config(), "m")
+    mistral = Mistral3ForConditionalGenerationWithImages
+    with pytest.raises(ValueError, match=r"'m' \(Mistral3.*\) does not take image embeddings"):
+        precomputed_items([rows], mistral, _Config(), "m")
     image = random_image(8, 8)
-    kept = precomputed_items([image], Qwen3VLForConditionalGeneration, None, "m")
+    kept = precomputed_items([image], mistral, None, "m")
     assert kept == [image]
 
 

@@ -327,7 +327,8 @@ def test_chat_and_server_take_audio_parts(
             # /tokenize takes no audio: a 400 naming the routes that do
             refused = client.post("/tokenize", json={"messages": chat_messages(input_audio(wav))})
             assert refused.status_code == 400, refused.text
-            assert "taken by /v1/chat/completions and LLM.chat only" in refused.text
+            routes = "/v1/chat/completions, /v1/responses and LLM.chat"
+            assert f"taken by {routes} only" in refused.text
     finally:
         engine.shutdown_sync()
 

@@ -14,7 +14,9 @@ logits the LM head's unscaled (HF never applies Cohere2's ``logit_scale`` here).
 ``tokens_per_tile`` ``<|IMG_PATCH|>`` tokens, then ``<|END_OF_IMG|>``; the feature covers the
 whole run and :meth:`AyaVisionForConditionalGenerationWithImages.embed_multimodal` returns a
 row per token of it: the tiles' rows in order at the ``<|IMG_PATCH|>`` tokens, the token
-embeddings elsewhere (what HF computes there). Positions are the decoder's own (1D).
+embeddings elsewhere (what HF computes there). Positions are the decoder's own (1D). Image
+embeddings (``--enable-mm-embeds``: an image's tiles' rows, the processor writing the run
+from their count) are spliced in the same way, the tower skipped.
 
 A checkpoint whose tower is not SigLIP's is served as text only (a warning says why).
 """
@@ -34,6 +36,7 @@ from chassis.builtin_plugins.models.llava_images import (
     LlavaForConditionalGenerationWithImages,
     _warn_text_only,
 )
+from chassis.core.multimodal_embeds import EMBEDS_KEY
 from chassis.core.placeholder_runs import splice_item_rows
 
 
@@ -47,9 +50,9 @@ class AyaVisionForConditionalGenerationWithImages(
     """
 
     image_side_label = "SigLIP vision tower or Aya Vision projector"
-    #: no image embeddings: each image's run holds tile tokens the processor writes from
-    #: its pixels (core/multimodal_embeds.py)
-    image_embeds_form = None
+    #: image embeddings as LLaVA's ``[rows, hidden]`` tensors, an image's rows its tiles'
+    #: (the processor writes the run from their count; core/multimodal_embeds.py)
+    image_embeds_form = "rows"
 
     text_only_class = AyaVisionForConditionalGeneration
 
@@ -85,11 +88,14 @@ class AyaVisionForConditionalGenerationWithImages(
         C, S, S]`` (or with a leading 1) and ``inputs["placeholder_ids"]`` ``[length]`` (the
         run's token ids) -> ``[length, hidden_size]`` in the model's dtype. ``ValueError`` for
         another modality, a missing input, a wrong shape, or a run whose ``<|IMG_PATCH|>``
-        count is not the image's rows."""
-        pixels, run = image_run_inputs(self, modality, inputs)
-        pixels = image_tiles(pixels)
-        features = self.image_features(pixels)
-        image_rows = features.reshape(-1, features.shape[-1])
+        count is not the image's rows. Given rows (image embeddings: ``inputs["image_embeds"]``
+        ``[rows, hidden_size]`` with the run) are spliced in as they are, without the tower."""
+        if EMBEDS_KEY in inputs and modality == "image" and "placeholder_ids" in inputs:
+            image_rows, run = inputs[EMBEDS_KEY], inputs["placeholder_ids"]
+        else:
+            pixels, run = image_run_inputs(self, modality, inputs)
+            features = self.image_features(image_tiles(pixels))
+            image_rows = features.reshape(-1, features.shape[-1])
         return splice_item_rows(
             self.model.embed(run), run, self.image_token_id, image_rows, "image"
         )

@@ -20,7 +20,8 @@ token ids (``placeholder_ids``): the model returns one row per token of it.
 ``tokens_per_tile`` is ``(img_size // (patch_size * downsample_factor))**2`` from
 ``processor_config.json`` (transformers' defaults 364, 28, 1 without it) and must be the
 model's rows per tile. The token texts are the processor config's. No per-request processor
-kwargs are taken.
+kwargs are taken. Image embeddings (``--enable-mm-embeds``) of ``n * tokens_per_tile`` rows
+are an image of ``n`` tiles: its run is written from ``n`` and the model splices the rows in.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from chassis.builtin_plugins.models.processor_files import (
 )
 from chassis.builtin_plugins.models.run_writing_processor import RunWritingProcessor
 from chassis.core.multimodal import MultiModalFeature
+from chassis.core.multimodal_embeds import EMBEDS_KEY, PrecomputedItem
 from chassis.core.multimodal_processing import MultiModalProcessor
 
 #: ``AyaVisionProcessor``'s defaults for what ``processor_config.json`` leaves out
@@ -155,6 +157,28 @@ class AyaVisionImageInputs(RunWritingProcessor, MultiModalProcessor):
         run = self.placeholder_ids(pixels.shape[0])
         return len(run), {
             "pixel_values": torch.from_numpy(pixels),
+            "placeholder_ids": torch.tensor(run, dtype=torch.int64),
+        }
+
+    def precomputed_item(
+        self, modality: str, item: PrecomputedItem
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """Image embeddings ``[tiles * tokens_per_tile, hidden]``: the rows of ``tiles``
+        tiles in the model's order (the grid's, then the thumbnail; one tile alone when the
+        image was not split), written as the run of an image of that many tiles; its
+        tensors the rows and the run's ids. ``ValueError`` for a row count that is not
+        1 to ``max_tiles + 1`` tiles' rows."""
+        rows = item.tensors[EMBEDS_KEY]
+        tiles, rest = divmod(len(rows), self.tokens_per_tile)
+        if rest or not 1 <= tiles <= len(self.tile_labels):
+            raise ValueError(
+                f"Aya Vision image embeddings have {len(rows)} rows; an image's rows are its "
+                f"tiles' ({self.tokens_per_tile} rows a tile, 1 to {len(self.tile_labels)} "
+                "tiles: the grid's, then the thumbnail)"
+            )
+        run = self.placeholder_ids(tiles)
+        return len(run), {
+            EMBEDS_KEY: rows,
             "placeholder_ids": torch.tensor(run, dtype=torch.int64),
         }
 

@@ -130,6 +130,9 @@ class Gemma3ForConditionalGenerationWithImages(
 
     supported_modalities = frozenset({"image"})
     bidirectional_image_blocks = True
+    #: image embeddings as ``[mm_tokens_per_image, hidden]`` tensors, the projector's rows
+    #: (core/multimodal_embeds.py; the processor checks the count)
+    image_embeds_form = "rows"
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         check_attend_limit_support(build_ctx.attention_backend, type(self).__name__)

@@ -15,7 +15,8 @@ this expansion works on token ids, so where an inserted ``"\\n\\n"`` meets a new
 the prompt the two become the single token of the longer newline run when the vocabulary has
 one (Gemma's tokenizer has runs of newlines as single tokens: ``"user\\n" + "\\n\\n"`` is
 ``"user"``, ``"\\n\\n\\n"``), as the tokenizer would have made them (vLLM merges the same).
-``mm_processor_kwargs``: only ``{"do_pan_and_scan": false}`` (the default) is taken.
+``mm_processor_kwargs``: only ``{"do_pan_and_scan": false}`` (the default) is taken. Image
+embeddings (``--enable-mm-embeds``) are ``mm_tokens_per_image`` rows an image, framed alike.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from chassis.builtin_plugins.models.image_pixels import preprocess_image
 from chassis.builtin_plugins.models.llava_processing import ClipPreprocessing
 from chassis.core.multimodal import MultiModalFeature
+from chassis.core.multimodal_embeds import PrecomputedItem
 from chassis.core.multimodal_processing import MultiModalProcessor
 
 #: the text standing for one image in a Gemma 3 prompt (the chat template's)
@@ -165,6 +167,18 @@ class Gemma3ImageInputs(MultiModalProcessor):
     ) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = preprocess_image(item, self.preprocessing)
         return self.tokens_per_image, {"pixel_values": torch.from_numpy(pixels)[None]}
+
+    def precomputed_item(
+        self, modality: str, item: PrecomputedItem
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """Image embeddings: exactly ``tokens_per_image`` rows an image (what the projector
+        gives; no pan-and-scan crops); ``ValueError`` for another count."""
+        if item.length != self.tokens_per_image:
+            raise ValueError(
+                f"Gemma 3 image embeddings have {item.length} rows; an image has "
+                f"{self.tokens_per_image} (the config's mm_tokens_per_image)"
+            )
+        return item.length, item.tensors
 
     def process(
         self,

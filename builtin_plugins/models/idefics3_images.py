@@ -73,9 +73,13 @@ class Idefics3ForConditionalGenerationWithImages(
 
     image_side_label = "Idefics3 vision tower or connector"
     image_side_name = staticmethod(image_side_name)
-    #: no image embeddings: each image's run holds tile labels the processor writes from
-    #: its pixels (core/multimodal_embeds.py)
+    #: no image embeddings: each image's run labels its tiles by their place in the image's
+    #: grid, which a row count does not give (core/multimodal_embeds.py)
     image_embeds_form = None
+    image_embeds_refusal = (
+        "each image's token run labels its tiles by row and column (<row_i_col_j>), and the "
+        "rows alone do not say the image's tile grid (vLLM cannot expand them either)"
+    )
 
     text_only_class = Idefics3ForConditionalGeneration
 

@@ -74,6 +74,11 @@ class Mistral3ForConditionalGenerationWithImages(
     docstring)."""
 
     supported_modalities = frozenset({"image"})
+    #: no image embeddings (core/multimodal_embeds.py): the run's layout needs the grid
+    image_embeds_refusal = (
+        "its image runs end each row of [IMG] tokens with [IMG_BREAK], and the rows alone do "
+        "not say the image's grid of rows and columns (vLLM takes no embeddings for it either)"
+    )
 
     @classmethod
     def class_for_config(cls, hf_config: Any) -> type[CausalLM]:

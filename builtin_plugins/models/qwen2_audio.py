@@ -8,8 +8,9 @@ tensor-parallel rank, reading ``audio_tower.*`` and ``multi_modal_projector.*`` 
 or ``model.audio_tower.*`` and ``model.multi_modal_projector.*`` (transformers 5's layout).
 Each clip becomes its rows of the language model's width
 (:meth:`Qwen2AudioForConditionalGenerationWithAudio.embed_multimodal`), which the runner
-puts in place of the clip's ``<|AUDIO|>`` tokens. LoRA adapters change the language model
-only.
+puts in place of the clip's ``<|AUDIO|>`` tokens; with ``--enable-mm-embeds`` a caller may
+send those rows instead of the clip (``audio_embeds``), and the tower does not run. LoRA
+adapters change the language model only.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class Qwen2AudioForConditionalGenerationWithAudio(
     """
 
     supported_modalities = frozenset({"audio"})
+    #: audio embeddings (vLLM's ``audio_embeds``) as ``[rows, hidden]`` tensors, the
+    #: projector's rows of a clip (core/multimodal_embeds.py)
+    audio_embeds_form = "rows"
     image_modules = ("audio_tower.", "multi_modal_projector.")
     image_side_label = "Qwen2-Audio audio tower or projector"
     image_side_name = staticmethod(audio_side_name)

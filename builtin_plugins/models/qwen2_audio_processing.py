@@ -11,8 +11,9 @@ are the mask's sum, and its rows for the language model
 float32 and ``num_frames`` ``[1]`` int64.
 
 Prompt: one ``<|AUDIO|>`` per clip (vLLM's convention; Qwen2-Audio's chat template writes
-``Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>``), expanded to the clip's rows. No
-per-request processor kwargs are taken.
+``Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>``), expanded to the clip's rows (audio
+embeddings: their row count, at most a 30 s clip's). No per-request processor kwargs are
+taken.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from chassis.builtin_plugins.models.qwen2_audio_encoder import AudioTowerSpec, audio_token_count
 from chassis.core.audio_resampling import audio_waveform
+from chassis.core.multimodal_embeds import PrecomputedItem
 from chassis.core.multimodal_processing import MultiModalProcessor
 
 #: ``Qwen2AudioProcessor``'s tokens (its defaults; the released tokenizers have them)
@@ -80,6 +82,18 @@ class Qwen2AudioInputs(MultiModalProcessor):
 
     def prompt_placeholder(self, modality: str) -> str:
         return f"{AUDIO_BOS_TOKEN}{AUDIO_TOKEN}{AUDIO_EOS_TOKEN}"
+
+    def precomputed_item(
+        self, modality: str, item: PrecomputedItem
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """Audio embeddings: a clip's rows, 1 to the rows of a 30 s clip (what the tower
+        gives at most); ``ValueError`` for more."""
+        most = audio_token_count(int(self.feature_extractor.nb_max_frames))
+        if item.length > most:
+            raise ValueError(
+                f"audio embeddings have {item.length} rows; a clip has at most {most} (30 s)"
+            )
+        return item.length, item.tensors
 
     def process_item(
         self, modality: str, item: Any, kwargs: Mapping[str, Any]

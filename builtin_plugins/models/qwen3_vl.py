@@ -141,11 +141,17 @@ class Qwen3VLImages(QwenVLImages):
 
         return Qwen3VLMediaInputs.from_pretrained(model_dir, hf_config)
 
-    #: why image embeddings are refused (core/multimodal_embeds.py)
-    image_embeds_refusal = (
-        "its decoder also adds the vision tower's deepstack rows at each image token, which "
-        "image embeddings of the language model's width do not carry"
-    )
+    #: image embeddings as vLLM's ``{"image_embeds", "image_grid_thw"}`` dict, each row
+    #: the merger's then each deepstack set's side by side (:meth:`image_embeds_width`;
+    #: core/multimodal_embeds.py)
+    image_embeds_form = "grid"
+
+    @classmethod
+    def image_embeds_width(cls, hf_config: Any) -> int:
+        """Image embeddings' width: ``hidden_size * (1 + K)``, as :meth:`image_rows` (and
+        vLLM's Qwen3-VL) give them, ``K`` the tower's deepstack sets."""
+        num_deepstack = len(deepstack_blocks(hf_config.vision_config))
+        return int(hf_config.hidden_size) * (1 + num_deepstack)
 
     def build_vision_tower(self, hf_config: Any) -> nn.Module:
         cfg = getattr(hf_config, "vision_config", None)
