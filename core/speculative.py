@@ -1,5 +1,5 @@
 """Speculative decoding (vLLM's ``--speculative-config``): methods ``ngram``, ``draft_model``,
-``eagle`` and ``eagle3``.
+``eagle``, ``eagle3`` and ``mtp``.
 
 A decoding request often repeats text it has seen: code being edited, a quoted document, a
 list whose items share a pattern. Prompt lookup guesses the next tokens by finding the
@@ -49,7 +49,10 @@ With ``method: "eagle"`` (``"model": PATH`` of an EAGLE-1 head) the proposer is 
 or a few decoder layers that reads the target's own last hidden states
 (:mod:`chassis.core.eagle`); it plans, drafts and verifies as a draft model does. With
 ``method: "eagle3"`` the head is an EAGLE-3 one, which reads several target layers' hidden
-states and drafts over a vocabulary of its own (:mod:`chassis.core.eagle3`).
+states and drafts over a vocabulary of its own (:mod:`chassis.core.eagle3`). With
+``method: "mtp"`` (no ``"model"``) the head is the multi-token-prediction layer DeepSeek-V3
+and GLM-4.5 checkpoints ship past their decoder layers (:mod:`chassis.core.mtp`), run as an
+EAGLE-1 head; vLLM's older names ``deepseek_mtp`` and ``glm4_moe_mtp`` are read as ``mtp``.
 """
 
 from __future__ import annotations
@@ -64,9 +67,12 @@ import numpy as np
 from chassis.core.sampling_params import SamplingParams
 
 #: the methods this engine implements
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-#: methods that run a model in the runner to propose drafts (it needs ``"model"``)
-MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+#: vLLM's older names of a method -> the method
+METHOD_ALIASES = {"deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp"}
+#: methods that run a model in the runner to propose drafts (all but ``mtp`` need
+#: ``"model"``; ``mtp`` reads the target's own checkpoint)
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 #: methods whose drafts come from an EAGLE head reading the target's hidden states
 EAGLE_METHODS = ("eagle", "eagle3")
 #: how a draft model chooses the drafts of random requests (``draft_sampling``)
@@ -83,7 +89,7 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` tokens down to ``prompt_lookup_min`` (the longest that occurs
     earlier wins). ``model``: the draft model's checkpoint (a folder or hub id) for method
     ``draft_model``, the EAGLE-1 head's for method ``eagle``, the EAGLE-3 head's for method
-    ``eagle3``; a ``model`` without a
+    ``eagle3`` (method ``mtp`` takes none: the target's checkpoint); a ``model`` without a
     ``method`` names it by its path as vLLM does (:func:`method_of_model_path`).
     ``draft_sampling`` (chassis's own key, the methods that run a model):
     ``"probabilistic"`` (the default) lets the draft sample each draft of a random
@@ -116,6 +122,12 @@ class SpeculativeConfig:
         auxiliary hidden states of several target layers."""
         return self.method == "eagle3"
 
+    @property
+    def uses_mtp(self) -> bool:
+        """Whether the drafts come from the target checkpoint's multi-token-prediction
+        layer (:mod:`chassis.core.mtp`), run as an EAGLE-1 head."""
+        return self.method == "mtp"
+
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
         """From a dict of vLLM's keys (unknown keys are an error naming them), validated."""
@@ -141,6 +153,8 @@ class SpeculativeConfig:
             )
         if "method" not in value and value.get("model") is not None:
             value = {**value, "method": method_of_model_path(str(value["model"]))}
+        if value.get("method") in METHOD_ALIASES:
+            value = {**value, "method": METHOD_ALIASES[value["method"]]}
         high = value.get("prompt_lookup_max")
         if (
             "prompt_lookup_min" not in value
@@ -160,8 +174,13 @@ class SpeculativeConfig:
                 f"--speculative-config method {self.method!r} is not implemented; "
                 f"known: {', '.join(METHODS)}"
             )
+        if self.uses_mtp and self.model is not None:
+            raise ValueError(
+                "--speculative-config method 'mtp' takes no \"model\": it runs the "
+                "multi-token-prediction layer of the target's own checkpoint (drop it)"
+            )
         if self.uses_draft_model:
-            if not isinstance(self.model, str) or not self.model.strip():
+            if not self.uses_mtp and (not isinstance(self.model, str) or not self.model.strip()):
                 what = {
                     "eagle": "the EAGLE-1 head's folder or hub id (trained for the target)",
                     "eagle3": "the EAGLE-3 head's folder or hub id (trained for the target)",
@@ -181,7 +200,7 @@ class SpeculativeConfig:
         elif self.draft_sampling != "probabilistic":
             raise ValueError(
                 "--speculative-config \"draft_sampling\" is for methods 'draft_model', "
-                "'eagle' and 'eagle3' (n-gram drafts are always one-hot); drop it"
+                "'eagle', 'eagle3' and 'mtp' (n-gram drafts are always one-hot); drop it"
             )
         elif self.model is not None:
             raise ValueError(

@@ -117,6 +117,12 @@ class Worker:
 
             draft = load_eagle3_head(self.config, target, backend_cls, self.device, self.dtype)
             proposer_cls = Eagle3Proposer
+        elif spec.uses_mtp:  # the target checkpoint's MTP layer, run as an EAGLE-1 head
+            from chassis.core.eagle import EagleProposer
+            from chassis.core.mtp import load_mtp_head
+
+            draft = load_mtp_head(self.config, target, backend_cls, self.device, self.dtype)
+            proposer_cls = EagleProposer
         elif spec.uses_eagle:
             from chassis.core.eagle import EagleProposer, load_eagle_head
 

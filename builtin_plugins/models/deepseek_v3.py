@@ -15,7 +15,8 @@ As HF transformers' ``DeepseekV3`` code defines it, what differs from V2:
   else Llama's halves.
 - The dense and shared MLPs have no biases (no ``mlp_bias``).
 - Checkpoints of V3/R1 carry a multi-token-prediction layer past ``num_hidden_layers``
-  (``model.layers.61``): not read (HF does not load it either).
+  (``model.layers.61``): not read (HF does not load it either); speculative decoding
+  method ``mtp`` drafts with it (:mod:`.deepseek_mtp`).
 
 A ``scoring_func`` other than ``sigmoid`` or a ``topk_method`` other than ``noaux_tc`` (fields
 HF's config keeps but does not read) is refused when the model is built.
