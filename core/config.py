@@ -108,6 +108,10 @@ class EngineConfig:
     #: ``audio_embeds`` parts); False (default): refused with a ValueError naming the flag
     #: (core/multimodal_embeds.py)
     enable_mm_embeds: bool = False
+    #: take prompts given as input embeddings (vLLM's ``--enable-prompt-embeds``: offline
+    #: ``{"prompt_embeds": tensor}``, /v1/completions ``prompt_embeds``); False (default):
+    #: refused with a ValueError naming the flag (core/prompt_embeds.py)
+    enable_prompt_embeds: bool = False
     #: the model processor's kwargs for every request (vLLM's ``--mm-processor-kwargs``,
     #: e.g. Qwen2-VL's ``{"max_pixels": 401408}``); a request's own ``mm_processor_kwargs``
     #: win key by key; keys the model's processor does not take are refused at start
@@ -323,6 +327,11 @@ class EngineConfig:
                 raise ValueError(
                     "--speculative-config is not supported with --tensor-parallel-size > 1 yet"
                 )
+        if self.enable_prompt_embeds and self.speculative_config is not None:
+            # (a draft model or head would read the placeholder ids as the prompt)
+            raise ValueError(
+                "--enable-prompt-embeds and --speculative-config cannot be combined yet"
+            )
         self._validate_lora()
         self._validate_logits_processors()
         self._validate_runner()

@@ -7,7 +7,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from chassis.core.lora.request import LoRARequest
+from chassis.core.multimodal import MultiModalTensor
 from chassis.core.multimodal_inputs import MultiModalInputs, shift_features
+from chassis.core.prompt_embeds import (
+    PLACEHOLDER_TOKEN_ID,
+    EmbedsPrompt,
+    check_embeds,
+    flag_refusal,
+)
 from chassis.core.request import EngineCoreRequest
 from chassis.core.sampling_params import is_integer
 from chassis.core.structured_outputs_config import with_engine_defaults
@@ -15,6 +22,7 @@ from chassis.core.structured_outputs_config import with_engine_defaults
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from chassis.core.config import EngineConfig
@@ -112,6 +120,8 @@ class InputProcessor:
         self._logits_processor_classes: list[type[LogitsProcessor]] | None = None
         #: requests' images: admission and the model's processor (built on first need)
         self.multimodal = MultiModalInputs(config, tokenizer)
+        #: the width prompt embeddings must have (the model's hidden size), read on first need
+        self._hidden_size: int | None = None
 
     def _scheduler_uses_priority(self) -> bool:
         if self._uses_priority is None:
@@ -132,7 +142,7 @@ class InputProcessor:
 
     def process(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | EmbedsPrompt,
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
@@ -160,15 +170,26 @@ class InputProcessor:
         the prompt, in order (:meth:`MultiModalInputs.expand`); ``mm_processor_kwargs``: the
         model's per-request processor settings (Qwen2-VL: ``min_pixels``, ``max_pixels``).
         The expanded prompt is what the length checks count.
+
+        ``prompt`` may be an :class:`~chassis.core.prompt_embeds.EmbedsPrompt` (with
+        ``enable_prompt_embeds``): its rows, checked, travel in the request's
+        ``prompt_embeds`` with one placeholder token id per row (truncation keeps the last
+        rows).
         """
         priority = self.check_priority(priority)
-        prompt_token_ids = self.token_ids(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, EmbedsPrompt):
+            prompt_token_ids, embeds = self._embeds_prompt(prompt, params, multi_modal_data)
+        else:
+            prompt_token_ids = self.token_ids(prompt, add_special_tokens=add_special_tokens)
+            embeds = None
         mm_features: list[MultiModalFeature] = []
         if multi_modal_data is not None:  # (mm_processor_kwargs alone: nothing to process)
             prompt_token_ids, mm_features = self.multimodal.expand(
                 prompt_token_ids, multi_modal_data, mm_processor_kwargs
             )
         kept = self._truncate(prompt_token_ids, params)
+        if embeds is not None and len(kept) < len(embeds):
+            embeds = embeds[len(embeds) - len(kept) :].contiguous()
         if mm_features and len(kept) < len(prompt_token_ids):
             mm_features = shift_features(mm_features, len(prompt_token_ids) - len(kept))
         prompt_token_ids = kept
@@ -191,6 +212,8 @@ class InputProcessor:
         if arrival_time is None:
             arrival_time = time.time()
 
+        embeds_tensor = None if embeds is None else MultiModalTensor.from_tensor(embeds)
+
         def make(rid: str, p: SamplingParams) -> EngineCoreRequest:
             return EngineCoreRequest(
                 request_id=rid,
@@ -202,6 +225,7 @@ class InputProcessor:
                 lora_request=lora_request,
                 cache_salt=cache_salt,
                 mm_features=mm_features,
+                prompt_embeds=embeds_tensor,
             )
 
         if params.n == 1:
@@ -214,7 +238,7 @@ class InputProcessor:
 
     def check(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | EmbedsPrompt,
         params: SamplingParams,
         priority: int = 0,
         *,
@@ -241,6 +265,33 @@ class InputProcessor:
             multi_modal_data=multi_modal_data,
             mm_processor_kwargs=mm_processor_kwargs,
         )
+
+    def _embeds_prompt(
+        self,
+        prompt: EmbedsPrompt,
+        params: SamplingParams,
+        multi_modal_data: Mapping[str, Any] | None,
+    ) -> tuple[list[int], torch.Tensor]:
+        """A prompt given as input embeddings: its placeholder token ids and its checked
+        rows (:func:`~chassis.core.prompt_embeds.check_embeds`); ``ValueError``
+        without ``enable_prompt_embeds``, and for what cannot be combined with it
+        (multimodal data; ``prompt_logprobs``, which would score placeholder ids)."""
+        if not self.config.enable_prompt_embeds:
+            raise ValueError(flag_refusal())
+        if multi_modal_data is not None:
+            raise ValueError("prompt_embeds cannot be combined with multi_modal_data")
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs cannot be computed for prompt_embeds (the prompt has no token ids)"
+            )
+        if self._hidden_size is None:
+            from chassis.core.model_loader import engine_hf_config
+
+            hf = engine_hf_config(self.config)
+            hf = getattr(hf, "text_config", None) or hf
+            self._hidden_size = int(hf.hidden_size)
+        embeds = check_embeds(prompt.embeds, self._hidden_size)
+        return [PLACEHOLDER_TOKEN_ID] * len(embeds), embeds
 
     def check_priority(self, priority: int) -> int:
         """``priority`` as an ``int``; a ``ValueError`` unless it is a 64-bit integer, and for

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING
 
 from chassis.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool
 from chassis.core.kv_cache_groups import single_group_window
+from chassis.core.prompt_embeds import embeds_block_keys
 
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
@@ -635,11 +636,14 @@ class KVCacheManager:
             tokens = request.all_token_ids
             size = self.block_size
             features = request.mm_features
+            embeds = request.prompt_embeds
             for i in range(len(hashes), num_blocks):
                 parent = hashes[-1] if hashes else prefix_cache_seed(request)
                 start = i * size
                 # (a text request hashes its token ids alone, as before images existed)
                 extra = multimodal_block_keys(features, start, start + size) if features else b""
+                if embeds is not None:  # placeholder ids: the rows themselves key the block
+                    extra += embeds_block_keys(embeds, start, start + size)
                 hashes.append(hash_block_tokens(parent, tokens[start : start + size], extra))
         return hashes
 

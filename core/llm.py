@@ -51,6 +51,7 @@ from chassis.core.pooling_score import (
     score_outputs,
     score_pairs,
 )
+from chassis.core.prompt_embeds import EmbedsPrompt
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.sleep_mode import sleeping_message
 from chassis.core.stat_logger import StatLoggerInfo
@@ -240,7 +241,9 @@ class LLM:
         model that takes images, vLLM's ``"multi_modal_data": {"image": image or [images]}``
         (``PIL.Image.Image``; one placeholder per image in the prompt, in order: Qwen2-VL's
         ``<|vision_start|><|image_pad|><|vision_end|>``) and ``"mm_processor_kwargs"``
-        (Qwen2-VL: ``min_pixels``, ``max_pixels``).
+        (Qwen2-VL: ``min_pixels``, ``max_pixels``). With ``enable_prompt_embeds=True`` a
+        prompt may be vLLM's ``{"prompt_embeds": tensor}`` (``[seq_len, hidden_size]``
+        input embeddings; core/prompt_embeds.py), mixed freely with text prompts.
         ``lora_request`` (with ``enable_lora=True``): the LoRA adapter of every prompt, or
         one per prompt (``None``: the base model). Text holding a lone UTF-16 surrogate
         (``"\\ud800"``, which no tokenizer encodes) raises ``ValueError`` naming the prompt
@@ -856,15 +859,22 @@ def _salted(token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
     return prompt
 
 
-def _prompt_input(prompt: Prompt, *, multimodal: bool = False) -> str | list[int]:
-    """A prompt's text or token ids; a dict prompt carrying ``multi_modal_data`` is a
-    ``ValueError`` unless ``multimodal`` (the caller sends its items: :meth:`LLM.generate`)."""
+def _prompt_input(prompt: Prompt, *, multimodal: bool = False) -> str | list[int] | EmbedsPrompt:
+    """A prompt's text or token ids, or for ``{"prompt_embeds": tensor}`` its
+    :class:`EmbedsPrompt`; a dict prompt carrying ``multi_modal_data`` or ``prompt_embeds``
+    is a ``ValueError`` unless ``multimodal`` (the caller takes them: :meth:`LLM.generate`)."""
     if isinstance(prompt, dict):
         if not multimodal and prompt.get("multi_modal_data") is not None:
             raise ValueError(
                 "multi_modal_data (images, videos, audio) is taken by generate() and chat() "
                 "only; this call runs text prompts"
             )
+        if "prompt_embeds" in prompt:
+            if not multimodal:
+                raise ValueError("prompt_embeds is taken by generate() only")
+            if "prompt_token_ids" in prompt:
+                raise ValueError("a prompt takes prompt_embeds or prompt_token_ids, not both")
+            return EmbedsPrompt(prompt["prompt_embeds"])
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:

@@ -44,6 +44,7 @@ from chassis.core.multimodal_runner import MultiModalRunner
 from chassis.core.packed_step_metadata import copy_packed, packed_forward_context
 from chassis.core.pooler import Pooler
 from chassis.core.pooling_config import resolve_pooler_config
+from chassis.core.prompt_embeds_runner import PromptEmbedsRunner
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
 from chassis.core.request_state_cache import RequestStatePool
 from chassis.core.sampler_interface import check_sampler_output
@@ -116,6 +117,10 @@ class ModelRunner:
         self.device = device
         #: requests' images: encoder outputs and M-RoPE positions (idle for text)
         self.mm = MultiModalRunner(model, device)
+        #: prompts given as input embeddings (``--enable-prompt-embeds``); None: off
+        self.prompt_embeds = (
+            PromptEmbedsRunner(model, device) if config.enable_prompt_embeds else None
+        )
         # ``kv_dtype`` is the model's dtype; ``--kv-cache-dtype fp8`` stores 8-bit floats
         # instead, which the backend must support (the platform checked it; a plugin
         # platform may not have)
@@ -392,6 +397,8 @@ class ModelRunner:
             self.batch.remove(request_id)
             self.prompt_logprobs.drop(request_id)
             self.mm.remove(request_id)
+            if self.prompt_embeds is not None:
+                self.prompt_embeds.remove(request_id)
             if self.request_states is not None:
                 self.request_states.free(request_id)
         for new in out.new_requests:
@@ -418,10 +425,14 @@ class ModelRunner:
                 processors_read_output=self.logits_processors is not None
                 and self.logits_processors.request_flags(params)[1],
             )
+            if new.prompt_embeds is not None:  # placeholder ids: no prompt tokens to penalize
+                state.sampling_row.prompt_token_ids = []
             if new.lora_request is not None and self.lora is not None:
                 self.lora.add_request(new.lora_request)
             self.batch.add(state, new.block_ids, new.num_computed_tokens, new.num_null_blocks)
             self.mm.add(new.request_id, new.prompt_token_ids, new.mm_features)
+            if self.prompt_embeds is not None:
+                self.prompt_embeds.add(new.request_id, new.prompt_embeds)
             if params.prompt_logprobs is not None and not new.output_token_ids:
                 self.prompt_logprobs.start(
                     new.request_id, new.prompt_token_ids, params.prompt_logprobs
@@ -537,6 +548,13 @@ class ModelRunner:
                 input_ids = self._to_device(input_ids)
             inputs_embeds = self.mm.inputs_embeds(
                 scheduled_ids, starts, num_scheduled, query_start_loc, input_ids
+            )
+        if self.prompt_embeds:  # prompts given as embeddings: their rows replace the ids'
+            ids_of_rows = [batch.request_ids[r] for r in rows]
+            if isinstance(input_ids, np.ndarray):
+                input_ids = self._to_device(input_ids)
+            inputs_embeds = self.prompt_embeds.apply(
+                ids_of_rows, starts, num_scheduled, query_start_loc, input_ids, inputs_embeds
             )
         # Gemma 3's image tokens attend to their whole image (attend_limit); only steps with
         # image tokens, which run eager, carry the limits

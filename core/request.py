@@ -8,7 +8,7 @@ import time
 import msgspec
 
 from chassis.core.lora.request import LoRARequest
-from chassis.core.multimodal import MultiModalFeature
+from chassis.core.multimodal import MultiModalFeature, MultiModalTensor
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.sampling_params import SamplingParams
 
@@ -48,6 +48,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: the request's images, processed, in prompt order (their placeholder tokens are in
     #: ``prompt_token_ids``): :mod:`chassis.core.multimodal`; empty for text
     mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
+    #: the prompt given as input embeddings ``[len(prompt_token_ids), hidden_size]`` (then
+    #: every prompt token id is a placeholder): :mod:`chassis.core.prompt_embeds`
+    prompt_embeds: MultiModalTensor | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -180,6 +183,7 @@ class Request:
         pooling_params: PoolingParams | None = None,
         cache_salt: str | None = None,
         mm_features: list[MultiModalFeature] | tuple[MultiModalFeature, ...] = (),
+        prompt_embeds: MultiModalTensor | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must contain at least one token")
@@ -195,6 +199,9 @@ class Request:
         self.pooling_params = pooling_params
         #: the prompt's multimodal items in prompt order (:mod:`chassis.core.multimodal`)
         self.mm_features = list(mm_features)
+        #: the prompt's input embeddings when it was given as such (its token ids are then
+        #: placeholders: :mod:`chassis.core.prompt_embeds`); None otherwise
+        self.prompt_embeds = prompt_embeds
         #: ``(start, end)`` prompt ranges whose tokens attend to one another both ways (the
         #: image placeholders of a model with ``bidirectional_image_blocks``, set by the
         #: engine core): a scheduler never ends a prefill chunk strictly inside one
@@ -232,6 +239,7 @@ class Request:
             req.pooling_params,
             req.cache_salt,
             req.mm_features,
+            req.prompt_embeds,
         )
 
     @property

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 # At run time, not only for type checking: the tensor-parallel executor decodes
 # SchedulerOutput with msgspec, which resolves the field types.
 from chassis.core.lora.request import LoRARequest
-from chassis.core.multimodal import MultiModalFeature
+from chassis.core.multimodal import MultiModalFeature, MultiModalTensor
 from chassis.core.pooling_params import PoolingParams
 from chassis.core.sampling_params import SamplingParams
 
@@ -59,6 +59,9 @@ class NewRequestData:
     num_null_blocks: list[int] = field(default_factory=list)
     #: the prompt's multimodal items (:mod:`chassis.core.multimodal`); empty for text
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    #: the prompt's input embeddings when it was given as such
+    #: (:mod:`chassis.core.prompt_embeds`); None otherwise
+    prompt_embeds: MultiModalTensor | None = None
 
 
 @dataclass

@@ -260,6 +260,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "default: they are refused",
     )
     g.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        default=None,
+        help="take prompts given as input embeddings [seq_len, hidden_size] (/v1/completions "
+        "prompt_embeds: base64 of a torch.save'd tensor), vLLM's flag; off by default: they "
+        "are refused",
+    )
+    g.add_argument(
         "--mm-processor-kwargs",
         type=_json_object_arg,
         metavar="JSON",

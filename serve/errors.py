@@ -63,6 +63,7 @@ _PARAM_IN_MESSAGE = re.compile(
 _IDS_FIELDS = (
     (re.compile(r"^prompt token ids (?:out of the vocabulary|must be integers)"), "prompt"),
     (re.compile(r"^input token ids out of the vocabulary"), "input"),
+    (re.compile(r"^prompt_embeds "), "prompt_embeds"),  # (core/prompt_embeds.py's checks)
 )
 
 

@@ -54,7 +54,7 @@ def invocation_route(
     if not pooling:
         if "messages" in body:
             return ChatCompletionRequest, create_chat_completion
-        if "prompt" in body:
+        if "prompt" in body or "prompt_embeds" in body:
             return CompletionRequest, create_completion
         return None
     if "query" in body and "documents" in body:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from chassis.core.prompt_embeds import EmbedsPrompt, flag_refusal, load_base64
 from chassis.serve import errors
 from chassis.serve.beam_search import beam_search_response
 from chassis.serve.completion_echo import (
@@ -220,6 +221,24 @@ async def _prompt_batch(state: ServerState, body: CompletionRequest) -> list[str
     return await asyncio.to_thread(tokenize)
 
 
+def _embeds_prompts(state: ServerState, body: CompletionRequest) -> list[EmbedsPrompt]:
+    """``prompt_embeds``' prompts, loaded (core/prompt_embeds.py); a 400 naming the field
+    without ``--enable-prompt-embeds``, for a bad payload, and with ``echo`` or beam search
+    (which read the prompt's tokens). The tensors are checked by the input processor."""
+    if not getattr(state.engine.config, "enable_prompt_embeds", False):
+        raise errors.bad_request(flag_refusal(), "prompt_embeds")
+    if body.echo or body.use_beam_search:
+        what = "echo" if body.echo else "use_beam_search"
+        raise errors.bad_request(
+            f"{what} cannot be combined with prompt_embeds (the prompt has no tokens)",
+            "prompt_embeds",
+        )
+    try:
+        return [EmbedsPrompt(load_base64(item)) for item in body.embeds_items()]
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), "prompt_embeds") from None
+
+
 def _remember_prompt(
     firsts: dict[int, RequestOutput], prompt_index: int, output: RequestOutput
 ) -> RequestOutput:
@@ -384,6 +403,7 @@ def _log_requests(
     if not state.settings.enable_log_requests:
         return
     sent = body.prompts()
+    sent = [None] * (len(prompts) - len(sent)) + sent  # (prompt_embeds come first)
     for i, prompt in enumerate(prompts):
         engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         text = sent[i] if isinstance(sent[i], str) else None
@@ -405,7 +425,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         logprobs=body.logprobs,
         prompt_logprobs=body.prompt_logprobs,
     )
-    prompts = await _prompt_batch(state, body)
+    prompts: list[Any] = await _prompt_batch(state, body)
+    if body.prompt_embeds is not None:  # (vLLM's order: the embeddings' prompts first)
+        prompts = await asyncio.to_thread(_embeds_prompts, state, body) + prompts
     # What echo repeats: the prompts as sent, or with truncation the engine's (decoded) ids.
     originals = body.prompts() if body.truncate_prompt_tokens is None else None
     request_id = f"cmpl-{uuid.uuid4().hex}"

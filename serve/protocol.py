@@ -265,9 +265,13 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``prompt``: text, a batch of texts, token ids, or a batch of
-    token-id lists; each prompt gets ``n`` choices (``index = prompt_index * n + i``)."""
+    token-id lists; each prompt gets ``n`` choices (``index = prompt_index * n + i``).
+    ``prompt_embeds`` (vLLM's, with ``--enable-prompt-embeds``): the base64 of a
+    ``torch.save``'d ``[seq_len, hidden_size]`` tensor, or a list of them; such prompts come
+    first in the batch, then ``prompt``'s (which may then be left out)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None
     #: ``null`` also means the default, 16 (as OpenAI does)
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     #: number of top alternatives per token (0..--max-logprobs)
@@ -277,11 +281,26 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     add_special_tokens: bool | None = True
 
+    def embeds_items(self) -> list[str]:
+        """``prompt_embeds`` as a list of base64 payloads (empty when not sent); a 400 for an
+        empty list."""
+        if self.prompt_embeds is None:
+            return []
+        items = [self.prompt_embeds] if isinstance(self.prompt_embeds, str) else self.prompt_embeds
+        if not items:
+            raise bad_request("prompt_embeds must not be empty", "prompt_embeds")
+        return list(items)
+
     def prompts(self) -> list[str | list[int]]:
-        """The batch of prompts; raises a 400 for an empty one."""
+        """The batch of text and token-id prompts (without :meth:`embeds_items`); raises a
+        400 for an empty one, or when neither ``prompt`` nor ``prompt_embeds`` is sent."""
         prompt = self.prompt
-        if isinstance(prompt, str):
-            batch: list[str | list[int]] = [prompt]
+        if prompt is None:
+            if self.prompt_embeds is None:
+                raise bad_request("either prompt or prompt_embeds must be given", "prompt")
+            batch: list[str | list[int]] = []
+        elif isinstance(prompt, str):
+            batch = [prompt]
         elif not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         elif isinstance(prompt[0], int):
@@ -292,9 +311,10 @@ class CompletionRequest(_SamplingRequest):
             if len(p) == 0:
                 raise bad_request("prompt must not be empty", "prompt")
         n = self.n or 1
-        if len(batch) * n > MAX_CHOICES_PER_REQUEST:
+        num_prompts = len(batch) + len(self.embeds_items())
+        if num_prompts * n > MAX_CHOICES_PER_REQUEST:
             raise bad_request(
-                f"{len(batch)} prompts x n={n} ask for {len(batch) * n} choices; one request may "
+                f"{num_prompts} prompts x n={n} ask for {num_prompts * n} choices; one request may "
                 f"ask for at most {MAX_CHOICES_PER_REQUEST}: split the batch over several requests",
                 "prompt",
             )

@@ -512,9 +512,23 @@ class LlamaForCausalLM(CausalLM):
         return LlamaMLP(self.spec)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+        if inputs_embeds is None:  # (a subclass's decoder may take no inputs_embeds)
+            return self.model(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's token embeddings of ``input_ids`` (prompts given as embeddings:
+        core/prompt_embeds_runner.py); a decoder without ``embed`` cannot give them."""
+        embed = getattr(self.model, "embed", None)
+        if embed is None:
+            raise NotImplementedError(f"{type(self.model).__name__} has no embed(input_ids)")
+        return embed(input_ids)
 
     def set_aux_hidden_state_layers(self, layer_ids: tuple[int, ...]) -> None:
         """As :meth:`CausalLM.set_aux_hidden_state_layers`: kept by :class:`LlamaModel`'s

@@ -542,6 +542,7 @@ class ContinuousBatchingScheduler(Scheduler):
                         pooling_params=request.pooling_params,
                         num_null_blocks=self.kv_cache_manager.group_num_null_blocks(request_id),
                         mm_features=request.mm_features,
+                        prompt_embeds=request.prompt_embeds,
                     )
                 )
                 self._in_runner.add(request_id)
