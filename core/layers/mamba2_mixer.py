@@ -18,9 +18,12 @@ request: a padded conv1d and the token-by-token scan).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +73,86 @@ def check_silu(hf_config: Any, field: str = "hidden_act") -> None:
     act = getattr(hf_config, field, "silu")
     if act != "silu":
         raise ValueError(f"{field} {act!r} is not supported by the Mamba2 mixer (only 'silu')")
+
+
+def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """A step's requests by kind: those with one token (decodes; ``single_rows`` their
+    requests, ``single_tokens`` their token rows) and those with more (``many``, their
+    requests' indices; ``many_rows``, ``many_tokens`` and ``many_lengths`` for the batched
+    prefill)."""
+
+    single_rows: torch.Tensor
+    single_tokens: torch.Tensor
+    many: tuple[int, ...]
+    many_rows: torch.Tensor
+    many_tokens: torch.Tensor
+    many_lengths: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=8)
+def step_split(bounds: tuple[int, ...], device: torch.device) -> StepSplit:
+    """:class:`StepSplit` of a step whose request ``i`` owns token rows ``bounds[i]:bounds[i
+    + 1]``. Cached: every mixer layer of a step asks for the same one."""
+    starts = np.asarray(bounds[:-1], dtype=np.int64)
+    lengths = np.diff(np.asarray(bounds, dtype=np.int64))
+    singles = np.flatnonzero(lengths == 1)
+    many = np.flatnonzero(lengths > 1)
+    many_tokens = np.concatenate(
+        [np.arange(starts[i], starts[i] + lengths[i]) for i in many] or [np.zeros(0, np.int64)]
+    )
+    return StepSplit(
+        single_rows=_on_device(singles, device),
+        single_tokens=_on_device(starts[singles], device),
+        many=tuple(int(i) for i in many),
+        many_rows=_on_device(many, device),
+        many_tokens=_on_device(many_tokens, device),
+        many_lengths=tuple(int(n) for n in lengths[many]),
+    )
+
+
+@dataclass(frozen=True)
+class ConvLayout:
+    """Rows of the extended sequence :meth:`Mamba2Mixer._prefill` convolves: each request's
+    ``k - 1`` conv-state rows (``state_rows``), then its tokens (``token_rows``);
+    ``windows [T, k]`` each token's window, ``last_rows [R, k - 1]`` each request's new conv
+    state; ``num_rows`` in all."""
+
+    num_rows: int
+    state_rows: torch.Tensor
+    token_rows: torch.Tensor
+    windows: torch.Tensor
+    last_rows: torch.Tensor
+
+
+@functools.lru_cache(maxsize=8)
+def conv_layout(lengths: tuple[int, ...], k: int, device: torch.device) -> ConvLayout:
+    """:class:`ConvLayout` for requests of ``lengths`` tokens and a conv window ``k``.
+    Cached: every mixer layer of a step asks for the same one."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    segment = lens + (k - 1)  # a request's state rows and tokens
+    segment_start = np.cumsum(segment) - segment
+    token_start = np.cumsum(lens) - lens
+    request_of_token = np.repeat(np.arange(len(lens)), lens)
+    token_rows = (
+        segment_start[request_of_token]
+        + (k - 1)
+        + np.arange(int(lens.sum()))
+        - token_start[request_of_token]
+    )
+    return ConvLayout(
+        num_rows=int(segment.sum()),
+        state_rows=_on_device((segment_start[:, None] + np.arange(k - 1)).reshape(-1), device),
+        token_rows=_on_device(token_rows, device),
+        windows=_on_device(token_rows[:, None] - (k - 1) + np.arange(k), device),
+        last_rows=_on_device(
+            (segment_start + segment - (k - 1))[:, None] + np.arange(k - 1), device
+        ),
+    )
 
 
 class GatedRMSNorm(nn.Module):
@@ -168,29 +251,20 @@ class Mamba2Mixer(nn.Module):
             y = xbc.new_empty(num_tokens, s.num_heads, s.head_dim, dtype=torch.float32)
             new_conv = torch.empty_like(conv_states, dtype=xbc.dtype)
             new_ssm = torch.empty_like(ssm_states)
-            singles = [i for i in range(num_reqs) if bounds[i + 1] - bounds[i] == 1]
-            if singles:
-                device = xbc.device
-                rows = torch.tensor(singles, dtype=torch.int64, device=device)
-                tokens = torch.tensor(
-                    [bounds[i] for i in singles], dtype=torch.int64, device=device
-                )
+            split = step_split(tuple(bounds[: num_reqs + 1]), xbc.device)
+            if len(split.single_rows):
+                rows, tokens = split.single_rows, split.single_tokens
                 y[tokens], new_conv[rows], new_ssm[rows] = self._decode(
                     conv_states[rows], ssm_states[rows], xbc[tokens], dt[tokens], A, D
                 )
-            many = [i for i in range(num_reqs) if bounds[i + 1] - bounds[i] > 1]
             if self.use_reference:
-                for i in many:
+                for i in split.many:
                     a, b = bounds[i], bounds[i + 1]
                     y[a:b], new_conv[i], new_ssm[i] = self._prefill_reference(
                         conv_states[i], ssm_states[i], xbc[a:b], dt[a:b], A, D
                     )
-            elif many:
-                device = xbc.device
-                rows = torch.tensor(many, dtype=torch.int64, device=device)
-                tokens = torch.cat(
-                    [torch.arange(bounds[i], bounds[i + 1], device=device) for i in many]
-                )
+            elif split.many:
+                rows, tokens = split.many_rows, split.many_tokens
                 y[tokens], new_conv[rows], new_ssm[rows] = self._prefill(
                     conv_states[rows],
                     ssm_states[rows],
@@ -198,7 +272,7 @@ class Mamba2Mixer(nn.Module):
                     dt[tokens],
                     A,
                     D,
-                    [bounds[i + 1] - bounds[i] for i in many],
+                    split.many_lengths,
                 )
         if slots is not None:
             conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
@@ -237,7 +311,7 @@ class Mamba2Mixer(nn.Module):
         dt: torch.Tensor,
         A: torch.Tensor,
         D: torch.Tensor,
-        lengths: list[int],
+        lengths: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Several requests' tokens at once: ``conv_states [R, conv_dim, d_conv - 1]``,
         ``ssm_states [R, H, P, N]``, ``xbc [T, conv_dim]`` and ``dt [T, H]`` with request
@@ -249,26 +323,17 @@ class Mamba2Mixer(nn.Module):
         s = self.spec
         k = s.d_conv
         num_tokens = xbc.shape[0]
-        # host layout of the extended sequence: request r's k - 1 state rows, then its tokens
-        state_rows, token_rows, windows, last_rows = [], [], [], []
-        start = 0
-        for length in lengths:
-            state_rows.extend(range(start, start + k - 1))
-            token_rows.extend(range(start + k - 1, start + k - 1 + length))
-            windows.extend(list(range(start + j, start + j + k)) for j in range(length))
-            start += length + k - 1
-            last_rows.append(list(range(start - (k - 1), start)))  # its new conv state
-        device = xbc.device
-        state_index = torch.tensor(state_rows, dtype=torch.int64, device=device)
-        extended = xbc.new_empty(start, s.conv_dim)
-        extended[state_index] = conv_states.to(xbc.dtype).transpose(1, 2).reshape(-1, s.conv_dim)
-        extended[torch.tensor(token_rows, dtype=torch.int64, device=device)] = xbc
-        window = extended[torch.tensor(windows, dtype=torch.int64, device=device)]  # [T, k, C]
+        layout = conv_layout(tuple(lengths), k, xbc.device)
+        extended = xbc.new_empty(layout.num_rows, s.conv_dim)
+        extended[layout.state_rows] = (
+            conv_states.to(xbc.dtype).transpose(1, 2).reshape(-1, s.conv_dim)
+        )
+        extended[layout.token_rows] = xbc
+        window = extended[layout.windows]  # [T, k, C]
         conv_out = (window * self.conv1d.weight[:, 0, :].T).sum(1)
         if self.conv1d.bias is not None:
             conv_out = conv_out + self.conv1d.bias
-        last = torch.tensor(last_rows, dtype=torch.int64, device=device)  # [R, k - 1]
-        new_conv = extended[last].transpose(1, 2)
+        new_conv = extended[layout.last_rows].transpose(1, 2)
         x, B, C = self._split_conv(F.silu(conv_out), num_tokens)
         y, new_ssm = ssd_chunked_varlen(ssm_states, x, dt, A, B, C, D, lengths, s.chunk_size)
         return y, new_conv, new_ssm

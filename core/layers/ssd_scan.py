@@ -16,6 +16,11 @@ compare with the reference.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 
@@ -71,6 +76,47 @@ def ssd_recurrence(
     return torch.cat(ys), h[0]
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where :func:`ssd_chunked_varlen` finds each chunk's tokens: ``index [M, Q]`` (token
+    rows; ``num_tokens``, the zero padding row, past a request's last token), ``valid``
+    (the flat positions of real tokens in ``[M * Q]``), and per chunk position ``k`` among
+    its request's chunks, ``(chunks, their requests)`` (``handover[k]``)."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    handover: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+@functools.lru_cache(maxsize=8)
+def chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    """The chunks of requests of ``lengths`` packed tokens each, cut every ``chunk_size``
+    tokens. Cached: every mixer layer of a step asks for the same one."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    num_tokens = int(lens.sum())
+    per_request = -(-lens // chunk_size)  # chunks of each request
+    chunk_req = np.repeat(np.arange(len(lens)), per_request)
+    first_chunk = np.cumsum(per_request) - per_request
+    chunk_pos = np.arange(len(chunk_req)) - first_chunk[chunk_req]
+    token_start = np.cumsum(lens) - lens
+    offsets = chunk_pos[:, None] * chunk_size + np.arange(chunk_size)  # [M, Q] in the request
+    rows = token_start[chunk_req][:, None] + offsets
+    rows = np.where(offsets < lens[chunk_req][:, None], rows, num_tokens)
+
+    def on_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    handover = tuple(
+        (on_device(np.flatnonzero(chunk_pos == k)), on_device(chunk_req[chunk_pos == k]))
+        for k in range(int(per_request.max()))
+    )
+    return ChunkLayout(
+        index=on_device(rows),
+        valid=on_device(np.flatnonzero(rows.reshape(-1) < num_tokens)),
+        handover=handover,
+    )
+
+
 def ssd_chunked_varlen(
     states: torch.Tensor,
     x: torch.Tensor,
@@ -79,7 +125,7 @@ def ssd_chunked_varlen(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
-    lengths: list[int],
+    lengths: Sequence[int],
     chunk_size: int,
     max_chunks_at_once: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,20 +143,10 @@ def ssd_chunked_varlen(
     chunk, chunk]`` score tensors), and only the hand-over of states between a request's
     consecutive chunks loops, over the most chunks any request has."""
     device = x.device
-    num_tokens, num_heads, head_dim = x.shape
+    num_heads, head_dim = x.shape[1:]
     q = chunk_size
-    # host layout: each chunk's token rows (``num_tokens``: the zero padding row), its
-    # request and its place among the request's chunks
-    rows, chunk_req, chunk_pos = [], [], []
-    start = 0
-    for r, length in enumerate(lengths):
-        for k, offset in enumerate(range(0, length, q)):
-            n = min(q, length - offset)
-            rows.append(list(range(start + offset, start + offset + n)) + [num_tokens] * (q - n))
-            chunk_req.append(r)
-            chunk_pos.append(k)
-        start += length
-    index = torch.tensor(rows, dtype=torch.int64, device=device)  # [M, Q]
+    layout = chunk_layout(tuple(lengths), q, device)
+    index = layout.index  # [M, Q]
     num_chunks = index.shape[0]
 
     def chunked(t: torch.Tensor) -> torch.Tensor:
@@ -139,14 +175,10 @@ def ssd_chunked_varlen(
     # hand the states over chunk by chunk: position k of every request at once
     current = states.float().clone()
     entering = torch.empty_like(local)
-    for k in range(max(chunk_pos) + 1):
-        sel = [m for m in range(num_chunks) if chunk_pos[m] == k]
-        sel_t = torch.tensor(sel, dtype=torch.int64, device=device)
-        reqs = torch.tensor([chunk_req[m] for m in sel], dtype=torch.int64, device=device)
+    for sel_t, reqs in layout.handover:
         h = current[reqs]
         entering[sel_t] = h
         current[reqs] = h * chunk_decay[sel_t][:, :, None, None] + local[sel_t]
     y_inter = torch.einsum("mthn,mhpn->mthp", Cc, entering) * torch.exp(log_decay)[..., None]
     y = (y_intra + y_inter + D[None, None, :, None] * xc).reshape(-1, num_heads, head_dim)
-    valid = (index.reshape(-1) < num_tokens).nonzero().squeeze(1)
-    return y[valid], current
+    return y[layout.valid], current
