@@ -146,6 +146,7 @@ def chassis_register_models(registry: Any) -> None:
     registry.register("Mamba2ForCausalLM", f"{_PKG}.mamba2:Mamba2ForCausalLM")
     registry.register("BambaForCausalLM", f"{_PKG}.bamba:BambaForCausalLM")
     registry.register("NemotronHForCausalLM", f"{_PKG}.nemotron_h:NemotronHForCausalLM")
+    registry.register("Qwen3NextForCausalLM", f"{_PKG}.qwen3_next:Qwen3NextForCausalLM")
     registry.register("GptOssForCausalLM", f"{_PKG}.gpt_oss:GptOssForCausalLM")
     registry.register("Glm4ForCausalLM", f"{_PKG}.glm4:Glm4ForCausalLM")
     registry.register("SeedOssForCausalLM", f"{_PKG}.seed_oss:SeedOssForCausalLM")

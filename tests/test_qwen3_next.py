@@ -1,0 +1,245 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``) against HF transformers on a tiny random float32
+checkpoint: Gated DeltaNet layers (2 key heads, 4 value heads of 16, conv window 4) around
+a gated full-attention layer (2 query heads of 32, one KV head, RoPE on a quarter of each
+head), MoE blocks with a shared expert in layers 0-1 and a dense MLP in layer 2
+(``mlp_only_layers``). HF runs its pure-torch fallbacks (no fla / causal_conv1d here).
+
+Logits must match HF's (prefill of two requests packed in one step, decodes, 2-token
+chunks, a step mixing a chunk and a decode: :func:`test_mamba2_models.check_logits`), also
+with the delta rule in chunks of 8 (prompts span several) and with the token-by-token
+reference; greedy tokens through ``LLM`` must be HF ``generate``'s, with chunked prefill,
+preemption and more requests than state slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from fixtures_models import TINY_CONFIG_FIELDS, make_attention_metadata, save_tiny_checkpoint
+from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
+from test_mamba2_models import BLOCK_SIZE, StateRunner, check_logits
+from test_models_parity import PROMPTS as TOKEN_PROMPTS
+from test_models_parity import hf_logits, load_hf
+
+from chassis.builtin_plugins.models.qwen3_next import layer_types_of
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.gated_delta_rule import (
+    delta_rule_chunked,
+    delta_rule_recurrence,
+    l2_normalize,
+)
+from chassis.core.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
+
+
+def tiny_config(**overrides: Any) -> Any:
+    from transformers import Qwen3NextConfig
+
+    fields = {
+        **TINY_CONFIG_FIELDS,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [2],
+    }
+    return Qwen3NextConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tiny_config(), tmp_path_factory.mktemp("qwen3_next"), seed=5)
+
+
+def test_logits_match_transformers(model_dir: Path) -> None:
+    check_logits(model_dir)
+
+
+@pytest.mark.parametrize("path", ["chunks-of-8", "reference"])
+def test_delta_rule_paths_match_transformers(model_dir: Path, path: str) -> None:
+    """A 26-token prompt through the chunked delta rule in chunks of 8 (several chunks, the
+    last one padded), or through the token-by-token reference, then a 2-token chunk over the
+    carried state: HF's logits."""
+    runner = StateRunner(model_dir)
+    for module in runner.model.modules():
+        if isinstance(module, GatedDeltaNet):
+            if path == "reference":
+                module.use_reference = True
+            else:
+                module.spec = dataclasses.replace(module.spec, chunk_size=8)
+    hf_model = load_hf(model_dir)
+    prompt = TOKEN_PROMPTS[0] * 2
+    runner.pool.allocate("0")
+    logits = runner.step([prompt], [len(prompt)], ["0"])
+    torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+    logits = runner.step([[5, 77]], [len(prompt) + 2], ["0"])
+    expected = hf_logits(hf_model, [*prompt, 5, 77])[-2:]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_chunked_delta_rule_is_the_recurrence() -> None:
+    """Several sequences (one padded short, lengths below, at and across the chunk size)
+    from nonzero states: the chunked rule equals the token-by-token reference of each."""
+    gen = torch.Generator().manual_seed(0)
+    heads, k_dim, v_dim, length = 3, 8, 6, 19
+    q = l2_normalize(torch.randn(3, length, heads, k_dim, generator=gen)) * k_dim**-0.5
+    k = l2_normalize(torch.randn(3, length, heads, k_dim, generator=gen))
+    v = torch.randn(3, length, heads, v_dim, generator=gen)
+    g = -2 * torch.rand(3, length, heads, generator=gen)
+    beta = torch.rand(3, length, heads, generator=gen)
+    # the last sequence is 5 tokens long, padded as the layer pads it
+    k[2, 5:], g[2, 5:], beta[2, 5:] = 0.0, 0.0, 0.0
+    h0 = torch.randn(3, heads, k_dim, v_dim, generator=gen)
+    o, h = delta_rule_chunked(h0, q, k, v, g, beta, chunk_size=8)
+    for r, n in enumerate([length, length, 5]):
+        o_ref, h_ref = delta_rule_recurrence(
+            h0[r], q[r, :n], k[r, :n], v[r, :n], g[r, :n], beta[r, :n]
+        )
+        torch.testing.assert_close(o[r, :n], o_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h[r], h_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_layers_are_read(model_dir: Path) -> None:
+    runner = StateRunner(model_dir)
+    model = runner.model
+    layers = model.model.layers
+    assert [layer.linear_attn is not None for layer in layers] == [True, False, True]
+    assert model.num_attention_layers == 1 and layers[1].self_attn.attn.layer_idx == 0
+    # conv [2 * 32 + 64 channels, window - 1], state [value heads, k_dim, v_dim]
+    assert [s.shape for s in model.request_state_specs()] == [(128, 3), (4, 16, 16)] * 2
+    assert model.graph_capture_blocker() is not None
+    assert model.needs_checkpoint_tensor("mtp.fc.weight") is False
+    filled = model.load_weights([("mtp.fc.weight", torch.zeros(2, 2))])
+    assert filled == set()
+    with pytest.raises(ValueError, match="sliding_attention"):
+        layer_types_of(
+            SimpleNamespace(
+                num_hidden_layers=2, layer_types=["linear_attention", "sliding_attention"]
+            )
+        )
+    with pytest.raises(ValueError, match="each of the 3 layers"):
+        layer_types_of(SimpleNamespace(num_hidden_layers=3, layer_types=["full_attention"]))
+
+
+def test_a_forward_without_state_slots_starts_from_zero(model_dir: Path) -> None:
+    """A memory-profiling forward (no pool in the context) is a fresh prefill and keeps
+    nothing: HF's logits, the pool untouched."""
+    runner = StateRunner(model_dir)
+    prompt = TOKEN_PROMPTS[0]
+    metadata = make_attention_metadata([len(prompt)], [len(prompt)], [list(range(4))], BLOCK_SIZE)
+    ctx = ForwardContext(metadata, runner.kv_caches)
+    with torch.no_grad():
+        logits = runner.model.compute_logits(
+            runner.model(torch.tensor(prompt), torch.arange(len(prompt)), ctx)
+        )
+    torch.testing.assert_close(logits, hf_logits(load_hf(model_dir), prompt), atol=1e-4, rtol=1e-4)
+    assert all(not t.any() for t in runner.pool.tensors)
+
+
+# -- greedy generation through LLM ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {},
+        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, chunks of <= 7
+        {"max_num_seqs": 2},  # more requests than state slots: slots are reused
+        {"async_scheduling": True, "max_num_batched_tokens": 16, "block_size": 4},
+    ],
+    ids=["plain", "chunked-prefill", "two-slots", "async"],
+)
+def test_greedy_tokens_match_transformers(model_dir: Path, engine: dict) -> None:
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine) == expected
+
+
+def test_preemption_keeps_the_tokens(model_dir: Path) -> None:
+    from chassis.core.llm import LLM
+    from chassis.core.sampling_params import SamplingParams
+
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=100,
+        num_kv_blocks=28,
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+def test_prefix_caching_is_off_and_tp_refused(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from chassis.core.llm import LLM
+
+    with caplog.at_level(logging.INFO, logger="chassis.core.request_state_cache"):
+        llm = LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=32)
+    assert llm.config.enable_prefix_caching is False
+    assert "prefix caching is off" in caplog.text
+    with pytest.raises(ValueError, match="cannot be sharded"):
+        LLM(str(model_dir), dtype="float32", max_model_len=64, tensor_parallel_size=2)
+
+
+def test_logprobs_match_transformers(model_dir: Path) -> None:
+    """Each sampled token's logprob (prompts of different lengths in one batch) is HF's
+    log-softmax at that position over the whole sequence."""
+    from chassis.core.llm import LLM
+    from chassis.core.sampling_params import SamplingParams
+    from chassis.core.tokenizer import load_tokenizer
+
+    prompts = PROMPTS[1:4]
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params)
+    hf_model = load_hf(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        prompt_ids = tokenizer(prompt).input_ids
+        completion = output.outputs[0]
+        logits = hf_logits(hf_model, prompt_ids + completion.token_ids)
+        expected = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+        assert completion.token_ids == expected.argmax(-1).tolist()
+        got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+        want = expected.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_shapes_are_refused() -> None:
+    fields = {
+        "hidden_size": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 3,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    }
+    with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
+        GatedDeltaNetSpec.from_config(SimpleNamespace(**fields))
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        GatedDeltaNetSpec.from_config(
+            SimpleNamespace(**{**fields, "hidden_act": "gelu", "linear_num_value_heads": 4})
+        )
