@@ -113,7 +113,8 @@ def precomputed_items(
             + f"; send the {noun} themselves"
         )
     hidden = int(hf_config.hidden_size)
-    width_of = getattr(model_cls, "image_embeds_width", None)
+    # (the class's width is its images'; audio rows are the hidden size wide)
+    width_of = getattr(model_cls, "image_embeds_width", None) if modality == "image" else None
     width = _Width(hidden, "the language model's hidden size")
     if width_of is not None:
         width = _Width(

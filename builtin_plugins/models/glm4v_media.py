@@ -32,24 +32,14 @@ defaults.
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from chassis.builtin_plugins.models.glm4v_processing import IMAGE_PLACEHOLDER
-from chassis.builtin_plugins.models.qwen2_vl_processing import Qwen2VLImageInputs
-from chassis.builtin_plugins.models.qwen2_vl_video import VideoSettings, frames_array, video_patches
+from chassis.builtin_plugins.models.processor_files import video_processor_config
+from chassis.builtin_plugins.models.qwen2_vl_video import VideoSettings
 from chassis.builtin_plugins.models.qwen3_vl_media import Qwen3VLMediaInputs
-from chassis.builtin_plugins.models.qwen3_vl_video import (
-    DEFAULT_FPS,
-    Qwen3VLVideoSettings,
-    frame_indices,
-    frame_size,
-)
-from chassis.core.multimodal_inputs import video_frames_and_metadata
+from chassis.builtin_plugins.models.qwen3_vl_video import Qwen3VLVideoSettings
 
 #: the text standing for one video in a GLM-4.1V prompt (what its chat template writes)
 VIDEO_PLACEHOLDER = "<|begin_of_video|><|video|><|end_of_video|>"
@@ -67,17 +57,7 @@ GLM4V_VIDEO_DEFAULTS: dict[str, Any] = {
 def glm4v_video_settings(model_dir: str | Path) -> Qwen3VLVideoSettings:
     """The checkpoint's video settings (module docstring); the pixel bounds count all of a
     clip's frames, as Qwen3-VL's (no per-frame cap)."""
-    config: dict[str, Any] = {}
-    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            config = json.loads(path.read_text())
-            break
-    else:
-        raise ValueError(
-            f"the checkpoint {str(model_dir)!r} has no video_preprocessor_config.json or "
-            "preprocessor_config.json: its video settings are unknown"
-        )
+    config = video_processor_config(model_dir)
     merged = {**GLM4V_VIDEO_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
     # (GLM's video processor reads only ``size`` for its bounds)
     merged.pop("min_pixels", None)
@@ -106,58 +86,20 @@ class Glm4vMediaInputs(Qwen3VLMediaInputs):
     path of :class:`~.glm4v_processing.Glm4vImageInputs`, the run-writing video path and
     tokenizer of Qwen3-VL's processor with GLM's placeholders, timestamps and settings."""
 
+    video_row_modality = "image"
+
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, hf_config: Any) -> Glm4vMediaInputs:
-        """The processor of the checkpoint in ``model_dir``: its image processor
-        (``preprocessor_config.json``), video settings (:func:`glm4v_video_settings`) and
-        tokenizer, with ``hf_config``'s ``image_token_id`` / ``video_token_id``."""
-        images = Qwen2VLImageInputs.from_pretrained(model_dir, hf_config)
-        video_token_id = getattr(hf_config, "video_token_id", None)
-        if video_token_id is None:
-            raise ValueError("the model's config lacks video_token_id: it cannot take videos")
-        return cls(
-            images.image_processor,
-            images.placeholder_token_ids["image"],
-            images.merge_size,
-            glm4v_video_settings(model_dir),
-            int(video_token_id),
-            model_dir,
-        )
+    def video_settings_of(cls, model_dir: str | Path) -> Qwen3VLVideoSettings:
+        """GLM's video settings (:func:`glm4v_video_settings`)."""
+        return glm4v_video_settings(model_dir)
 
     def prompt_placeholder(self, modality: str) -> str:
         return VIDEO_PLACEHOLDER if modality == "video" else IMAGE_PLACEHOLDER
 
-    def process_item(
-        self, modality: str, item: Any, kwargs: Mapping[str, Any]
-    ) -> tuple[int, dict[str, torch.Tensor]]:
-        if modality != "video":
-            return super().process_item(modality, item, kwargs)
-        settings = self.video_settings
-        frames, metadata = video_frames_and_metadata(item)
-        array = frames_array(frames)
-        count, height, width, _ = array.shape
-        if count < settings.temporal_patch_size:
-            raise ValueError(
-                f"a GLM-4.1V video needs at least {settings.temporal_patch_size} frames (its "
-                f"temporal patch); got {count}"
-            )
-        size = frame_size(
-            count, height, width, settings, kwargs.get("min_pixels"), kwargs.get("max_pixels")
-        )
-        pixels, grid = video_patches(array, settings, size=size)
-        fps = float((metadata or {}).get("fps") or kwargs.get("fps") or DEFAULT_FPS)
-        grid_t, grid_h, grid_w = (int(x) for x in grid[0])
-        seconds = frame_seconds(frame_indices(metadata, count), fps, grid_t)
-        per_group = grid_h * grid_w // self.merge_size**2
-        run = self.tokenizer().encode(video_run_text(seconds, per_group), add_special_tokens=False)
-        image_token = self.placeholder_token_ids["image"]
-        if run.count(image_token) != grid_t * per_group:
-            raise ValueError(
-                f"the tokenizer of {self.model_dir!r} does not encode a video's run to "
-                f"{grid_t * per_group} tokens of id {image_token} (is it the model's own?)"
-            )
-        return len(run), {
-            "pixel_values_videos": pixels,
-            "video_grid_thw": grid,
-            "placeholder_ids": torch.tensor(run, dtype=torch.int64),
-        }
+    def min_video_frames(self) -> int:
+        """A whole temporal patch (HF refuses fewer frames)."""
+        return self.video_settings.temporal_patch_size
+
+    def video_text(self, indices: list[int], fps: float, grid_t: int, tokens_per_group: int) -> str:
+        """GLM's run (module docstring): :func:`frame_seconds`, :func:`video_run_text`."""
+        return video_run_text(frame_seconds(indices, fps, grid_t), tokens_per_group)

@@ -19,7 +19,6 @@ checkpoint's ``video_preprocessor_config.json`` or, as transformers falls back, 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +32,7 @@ from chassis.builtin_plugins.models.llava_processing import (
     CLIP_STD,
     ClipPreprocessing,
 )
+from chassis.builtin_plugins.models.processor_files import video_processor_config
 from chassis.builtin_plugins.models.qwen2_vl_video import frames_array
 from chassis.core.multimodal_inputs import video_frames_and_metadata
 
@@ -67,14 +67,7 @@ class VideoFrames:
     def from_pretrained(cls, model_dir: str | Path, side: int) -> VideoFrames:
         """The steps of the checkpoint in ``model_dir``; ``ValueError`` when it has neither
         config file, or its frames would not be the tower's ``side x side`` square."""
-        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-            path = Path(model_dir) / name
-            if path.is_file():
-                return cls.from_dict(json.loads(path.read_text()), side)
-        raise ValueError(
-            f"the checkpoint {str(model_dir)!r} has no video_preprocessor_config.json or "
-            "preprocessor_config.json: its video settings are unknown"
-        )
+        return cls.from_dict(video_processor_config(model_dir), side)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], side: int) -> VideoFrames:

@@ -1,6 +1,6 @@
 """What every image processor here reads from a checkpoint before its own settings: the
 ``preprocessor_config.json`` path, the config's ``image_token_id``, the optional
-``processor_config.json``, and its image tokens' ids in the tokenizer — with the same refusals
+``processor_config.json``, the video processor's config, and its image tokens' ids in the tokenizer — with the same refusals
 (``ValueError``) for every model."""
 
 from __future__ import annotations
@@ -32,6 +32,20 @@ def saved_processor_config(model_dir: str | Path) -> dict[str, Any]:
     model then uses transformers' defaults)."""
     path = Path(model_dir) / "processor_config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def video_processor_config(model_dir: str | Path) -> dict[str, Any]:
+    """The contents of ``model_dir``'s ``video_preprocessor_config.json``, else of its
+    ``preprocessor_config.json`` (transformers' fallback for a video processor);
+    ``ValueError`` when it has neither (its video settings are unknown)."""
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            return dict(json.loads(path.read_text()))
+    raise ValueError(
+        f"the checkpoint {str(model_dir)!r} has no video_preprocessor_config.json or "
+        "preprocessor_config.json: its video settings are unknown"
+    )
 
 
 def image_token_ids(

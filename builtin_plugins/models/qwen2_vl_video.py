@@ -19,7 +19,6 @@ falls back, its ``preprocessor_config.json``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from chassis.builtin_plugins.models.processor_files import video_processor_config
 
 #: transformers' ``OPENAI_CLIP_MEAN`` / ``OPENAI_CLIP_STD`` (the processor class defaults)
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -70,14 +71,7 @@ class VideoSettings:
     def from_pretrained(cls, model_dir: str | Path) -> VideoSettings:
         """The settings of the checkpoint in ``model_dir`` (module docstring);
         ``ValueError`` when it has neither config file."""
-        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-            path = Path(model_dir) / name
-            if path.is_file():
-                return cls.from_dict(json.loads(path.read_text()))
-        raise ValueError(
-            f"the checkpoint {str(model_dir)!r} has no video_preprocessor_config.json or "
-            "preprocessor_config.json: its video settings are unknown"
-        )
+        return cls.from_dict(video_processor_config(model_dir))
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> VideoSettings:

@@ -46,6 +46,10 @@ class Qwen3VLMediaInputs(RunWritingProcessor, Qwen2VLMediaInputs):
 
     video_settings: Qwen3VLVideoSettings
 
+    #: the modality whose placeholder token a video's rows sit at in its run (GLM-V's
+    #: videos use the image token)
+    video_row_modality = "video"
+
     def __init__(
         self,
         image_processor: Any,
@@ -70,16 +74,21 @@ class Qwen3VLMediaInputs(RunWritingProcessor, Qwen2VLMediaInputs):
         video_token_id = getattr(hf_config, "video_token_id", None)
         if video_token_id is None:
             raise ValueError("the model's config lacks video_token_id: it cannot take videos")
-        settings = Qwen3VLVideoSettings.from_pretrained(model_dir)
-        assert isinstance(settings, Qwen3VLVideoSettings)
         return cls(
             images.image_processor,
             images.placeholder_token_ids["image"],
             images.merge_size,
-            settings,
+            cls.video_settings_of(model_dir),
             int(video_token_id),
             model_dir,
         )
+
+    @classmethod
+    def video_settings_of(cls, model_dir: str | Path) -> Qwen3VLVideoSettings:
+        """The checkpoint's video settings (:meth:`Qwen3VLVideoSettings.from_pretrained`)."""
+        settings = Qwen3VLVideoSettings.from_pretrained(model_dir)
+        assert isinstance(settings, Qwen3VLVideoSettings)
+        return settings
 
     def tokenizer(self) -> Any:
         """The checkpoint's tokenizer, loaded once."""
@@ -90,6 +99,18 @@ class Qwen3VLMediaInputs(RunWritingProcessor, Qwen2VLMediaInputs):
                 self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             return self._tokenizer
 
+    def min_video_frames(self) -> int:
+        """The fewest frames a video may have: 1 (its last frame repeats to fill the last
+        temporal patch)."""
+        return 1
+
+    def video_text(self, indices: list[int], fps: float, grid_t: int, tokens_per_group: int) -> str:
+        """The text of a video's run: its ``grid_t`` temporal patch groups of
+        ``tokens_per_group`` tokens, timed by the kept frames' ``indices`` at ``fps``
+        (:func:`~.qwen3_vl_video.group_seconds`, :func:`~.qwen3_vl_video.video_run_text`)."""
+        seconds = group_seconds(indices, fps, self.video_settings.temporal_patch_size)
+        return video_run_text(seconds, tokens_per_group)
+
     def process_item(
         self, modality: str, item: Any, kwargs: Mapping[str, Any]
     ) -> tuple[int, dict[str, torch.Tensor]]:
@@ -99,21 +120,26 @@ class Qwen3VLMediaInputs(RunWritingProcessor, Qwen2VLMediaInputs):
         frames, metadata = video_frames_and_metadata(item)
         array = frames_array(frames)
         count, height, width, _ = array.shape
+        if count < self.min_video_frames():
+            raise ValueError(
+                f"a video needs at least {self.min_video_frames()} frames (the model's temporal "
+                f"patch); got {count}"
+            )
         size = frame_size(
             count, height, width, settings, kwargs.get("min_pixels"), kwargs.get("max_pixels")
         )
         pixels, grid = video_patches(array, settings, size=size)
         fps = float((metadata or {}).get("fps") or kwargs.get("fps") or DEFAULT_FPS)
-        seconds = group_seconds(frame_indices(metadata, count), fps, settings.temporal_patch_size)
         grid_t, grid_h, grid_w = (int(x) for x in grid[0])
         per_group = grid_h * grid_w // self.merge_size**2
-        text = video_run_text(seconds, per_group)
+        text = self.video_text(frame_indices(metadata, count), fps, grid_t, per_group)
         run = self.tokenizer().encode(text, add_special_tokens=False)
-        video_token = self.placeholder_token_ids["video"]
-        if len(seconds) != grid_t or run.count(video_token) != grid_t * per_group:
+        row_token = self.placeholder_token_ids[self.video_row_modality]
+        # (also catches a run of another group count than the grid's)
+        if run.count(row_token) != grid_t * per_group:
             raise ValueError(
                 f"the tokenizer of {self.model_dir!r} does not encode a video's run to "
-                f"{grid_t * per_group} tokens of id {video_token} (is it the model's own?)"
+                f"{grid_t * per_group} tokens of id {row_token} (is it the model's own?)"
             )
         return len(run), {
             "pixel_values_videos": pixels,

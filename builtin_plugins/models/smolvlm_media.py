@@ -7,18 +7,18 @@ images, or vLLM's ``(frames, metadata)``, what a chat ``video_url`` part loads t
 frame by frame as given (no frame sampled or dropped: ``SmolVLMVideoProcessor``'s default
 ``do_sample_frames=False``; the caller or the chat loader sampled them) and becomes
 ``pixel_values`` ``[frames, 3, M, M]`` (one tile a frame, :mod:`.smolvlm_video`) and
-``placeholder_ids``, the token ids of its run: the prompt's ``<video>`` token replaced by
-``SmolVLMProcessor``'s text (an intro naming the frame count and duration, each frame's
-timestamp and image tokens). The run is tokenized with the checkpoint's tokenizer.
-
-A checkpoint takes videos when its tokenizer has ``<video>`` as one token (what the chat
-template writes for a video); ``mm_processor_kwargs`` may set ``fps``, the rate the caller
-sampled raw frames at (a video's metadata wins).
+``placeholder_ids``, the token ids of its run: the prompt's ``<video>`` (what the chat
+template writes for a video: the tokenizer's one token, or that text where the tokenizer has
+no such token) replaced by ``SmolVLMProcessor``'s text (an intro naming the frame count and
+duration, each frame's timestamp and image tokens) as HF replaces it, before tokenizing: the
+run's edges are tokenized with the prompt text next to them (:mod:`.smolvlm_prompt`).
+``mm_processor_kwargs`` may set ``fps``, the rate the caller sampled raw frames at (a
+video's metadata wins).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +26,18 @@ import numpy as np
 import torch
 
 from chassis.builtin_plugins.models.idefics3_processing import Idefics3ImageInputs, Idefics3Tiles
+from chassis.builtin_plugins.models.processor_files import video_processor_config
 from chassis.builtin_plugins.models.qwen2_vl_video import frames_array
 from chassis.builtin_plugins.models.qwen3_vl_video import frame_indices
+from chassis.builtin_plugins.models.smolvlm_prompt import VIDEO_TOKEN, VideoPrompt
 from chassis.builtin_plugins.models.smolvlm_video import (
     DEFAULT_FPS,
     frame_times,
-    video_config,
     video_frames_steps,
     video_run_text,
 )
+from chassis.core.multimodal import MultiModalFeature
 from chassis.core.multimodal_inputs import video_frames_and_metadata
-
-VIDEO_TOKEN = "<video>"
 
 
 class SmolVLMMediaInputs(Idefics3ImageInputs):
@@ -62,13 +62,14 @@ class SmolVLMMediaInputs(Idefics3ImageInputs):
         self.frames = frames
         if video_token_id is not None:
             self.placeholder_token_ids = {"image": image_token_id, "video": video_token_id}
+        self.video_prompt = VideoPrompt(tokenizer, video_token_id)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_config: Any) -> SmolVLMMediaInputs:
         """As :meth:`Idefics3ImageInputs.from_pretrained`, with the video frame steps
         (:func:`~.smolvlm_video.video_frames_steps`) and the tokenizer's ``<video>``."""
         images = Idefics3ImageInputs.from_pretrained(model_dir, hf_config)
-        frames = video_frames_steps(video_config(model_dir))
+        frames = video_frames_steps(video_processor_config(model_dir))
         ids = images.tokenizer.encode(VIDEO_TOKEN, add_special_tokens=False)
         video_token_id = int(ids[0]) if len(ids) == 1 else None
         return cls(
@@ -95,6 +96,36 @@ class SmolVLMMediaInputs(Idefics3ImageInputs):
             isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0
         ):
             raise ValueError(f"mm_processor_kwargs.fps must be a number > 0; got {fps!r}")
+
+    def process(
+        self,
+        prompt_token_ids: Sequence[int],
+        items: Mapping[str, Sequence[Any]],
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """Images as Idefics3's; then each ``<video>`` (token or text) replaced by its
+        video's run as text (:class:`~.smolvlm_prompt.VideoPrompt`). ``ValueError`` as
+        :meth:`MultiModalProcessor.process`."""
+        videos = list(items.get("video", ()))
+        if not videos:
+            return super().process(prompt_token_ids, items, kwargs)
+        kwargs = dict(kwargs or {})
+        others = {modality: values for modality, values in items.items() if modality != "video"}
+        ids, features = super().process(prompt_token_ids, others, kwargs)
+        pieces = self.video_prompt.pieces(ids)
+        count = self.video_prompt.count(pieces)
+        if count != len(videos):
+            raise ValueError(
+                f"the prompt has {count} video placeholder(s) ({VIDEO_TOKEN!r}) but "
+                f"{len(videos)} video(s) were given: put one placeholder per video in the "
+                "prompt, in the order of the videos"
+            )
+        runs = []
+        for video in videos:
+            _, tensors = self._process_one("video", video, kwargs)
+            tensors = dict(tensors)
+            runs.append((tensors.pop("placeholder_ids"), tensors))
+        return self.video_prompt.place(pieces, features, runs)
 
     def process_item(
         self, modality: str, item: Any, kwargs: Mapping[str, Any]

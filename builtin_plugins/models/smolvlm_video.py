@@ -23,10 +23,8 @@ frame's time.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from chassis.builtin_plugins.models.idefics3_processing import Idefics3Tiles
@@ -87,19 +85,6 @@ def number_words(n: int) -> str:
     if not rest:
         return head
     return f"{head}, {below_thousand(rest)}" if rest >= 100 else f"{head} and {below_hundred(rest)}"
-
-
-def video_config(model_dir: str | Path) -> dict[str, Any]:
-    """The checkpoint's video processor config (module docstring); ``ValueError`` when it has
-    neither file."""
-    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            return dict(json.loads(path.read_text()))
-    raise ValueError(
-        f"the checkpoint {str(model_dir)!r} has no video_preprocessor_config.json or "
-        "preprocessor_config.json: its video settings are unknown"
-    )
 
 
 def video_frames_steps(config: Mapping[str, Any]) -> Idefics3Tiles:
