@@ -16,6 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: ``--kv-cache-dtype`` values (vLLM's names): "auto" stores K/V in the model's dtype; "fp8"
 #: (= "fp8_e4m3") and "fp8_e5m2" store them in 8-bit floats (see docs/performance.md)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+#: the values of --mamba-cache-dtype / --mamba-ssm-cache-dtype (vLLM's)
+MAMBA_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: ``--load-format`` values (vLLM's names): "auto" reads ``*.safetensors`` files when the
 #: checkpoint has any, else PyTorch ``pytorch_model*.bin`` files; "safetensors" and "pt"
 #: read only that kind; "dummy" fills random weights (core/weights.py)
@@ -149,6 +151,11 @@ class EngineConfig:
     #: tokens in the same memory), quantized with per-tensor scales of 1.0 on write and
     #: dequantized on read; needs a backend that supports it (docs/performance.md)
     kv_cache_dtype: str = "auto"
+    #: what a state-space model's per-request states are stored in (vLLM's flag): "auto" =
+    #: the model's dtype; "float32" / "float16" / "bfloat16" (core/request_state_cache.py)
+    mamba_cache_dtype: str = "auto"
+    #: the SSM state alone (vLLM's flag): "auto" = as --mamba-cache-dtype says
+    mamba_ssm_cache_dtype: str = "auto"
 
     # -- scheduling ------------------------------------------------------------------------
     max_num_seqs: int = 128
@@ -269,6 +276,14 @@ class EngineConfig:
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                 f"got {self.kv_cache_dtype!r}"
             )
+        for flag, value in (
+            ("--mamba-cache-dtype", self.mamba_cache_dtype),
+            ("--mamba-ssm-cache-dtype", self.mamba_ssm_cache_dtype),
+        ):
+            if value not in MAMBA_CACHE_DTYPES:
+                raise ValueError(
+                    f"{flag} must be one of {', '.join(MAMBA_CACHE_DTYPES)}; got {value!r}"
+                )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two >= 1; got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:

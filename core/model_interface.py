@@ -319,7 +319,10 @@ class CausalLM(nn.Module, ABC):
 
     def request_state_specs(self) -> list[RequestStateSpec]:
         """The tensors each request carries across steps (:attr:`has_recurrent_state`), in
-        the order ``ctx.request_states`` holds their pools; none by default."""
+        the order ``ctx.request_states`` holds their pools; none by default. Declare them in
+        the model's dtype; a spec's ``kind`` (``"conv"``, ``"ssm"``) lets
+        ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` store it in another, so a
+        layer must read its pools in whatever dtype they have."""
         return []
 
     @property

@@ -46,7 +46,7 @@ from chassis.core.pooler import Pooler
 from chassis.core.pooling_config import resolve_pooler_config
 from chassis.core.prompt_embeds_runner import PromptEmbedsRunner
 from chassis.core.prompt_logprobs import PromptLogprobsCollector
-from chassis.core.request_state_cache import RequestStatePool
+from chassis.core.request_state_cache import RequestStatePool, resolve_state_specs
 from chassis.core.sampler_interface import check_sampler_output
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
@@ -134,8 +134,9 @@ class ModelRunner:
         hf = model.hf_config
         self.vocab_size = int(hf.vocab_size)
         # a tensor-parallel model keeps its rank's share of the KV heads (CausalLM contract)
-        if model.num_attention_layers == 0 and not hasattr(hf, "num_attention_heads"):
-            # no attention at all (a pure state-space model: Mamba2): no KV to shape
+        if model.num_attention_layers == 0:
+            # no KV cache at all (a pure state-space model: Mamba2; an encoder): no KV to
+            # shape, whatever attention fields the checkpoint's config carries
             self.num_kv_heads, self.head_dim = 1, 1
         else:
             self.num_kv_heads = parallel_state.shard_kv_heads(kv_head_count(hf))[1]
@@ -169,11 +170,18 @@ class ModelRunner:
         )
         #: each request's recurrent state (a state-space model's
         #: ``CausalLM.request_state_specs``), allocated before the KV cache is sized so that
-        #: memory profiling sees it; None for a model without
-        specs = model.request_state_specs()
-        self.request_states: RequestStatePool | None = (
-            RequestStatePool(specs, config.max_num_seqs, device) if specs else None
+        #: memory profiling sees it; None for a model without. Its dtypes: the model's, or
+        #: what --mamba-cache-dtype / --mamba-ssm-cache-dtype say.
+        specs = resolve_state_specs(
+            model.request_state_specs(), config.mamba_cache_dtype, config.mamba_ssm_cache_dtype
         )
+        self.request_states: RequestStatePool | None = (
+            RequestStatePool(specs, config.max_num_seqs, device, platform.kv_cache_zeros)
+            if specs
+            else None
+        )
+        if self.request_states is not None:
+            logger.info("request state pool: %s", self.request_states.describe())
         #: custom logits processors (``--logits-processors``), told of every batch change
         self.logits_processors = LogitsProcessors.build(config, device, pin_memory)
         if self.logits_processors is not None:
@@ -304,11 +312,14 @@ class ModelRunner:
         self._capture_graphs()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed KV caches of ``num_blocks`` blocks (the draft model's too), without
-        capturing graphs: :meth:`initialize_kv_cache` at start-up, sleep mode's wake-up
-        (then :meth:`capture_graphs` once the weights are back too)."""
+        """Allocate zeroed KV caches of ``num_blocks`` blocks (the draft model's too), and a
+        released request-state pool zeroed, without capturing graphs:
+        :meth:`initialize_kv_cache` at start-up, sleep mode's wake-up (then
+        :meth:`capture_graphs` once the weights are back too)."""
         self.graphs = None
         self.num_kv_blocks = num_blocks
+        if self.request_states is not None:
+            self.request_states.restore()  # (sleep mode's wake-up; allocated at start-up)
         tensors = [self._new_kv_cache(num_blocks) for _ in range(self._num_cache_tensors())]
         # with KV cache groups, layer j of every group shares tensor j (a block id belongs
         # to one group at a time, so their slots never meet)
@@ -331,10 +342,13 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         """Drop the KV caches (the draft model's too) and the decode graphs, which hold them
-        (sleep mode): their memory is freed once the platform's allocator lets go of it
-        (``Platform.empty_cache``). No step may run until :meth:`allocate_kv_cache`."""
+        (sleep mode), and the requests' recurrent state pool: their memory is freed once the
+        platform's allocator lets go of it (``Platform.empty_cache``). No step may run until
+        :meth:`allocate_kv_cache`, which brings the pool back zeroed."""
         self.graphs = None
         self.kv_caches = []
+        if self.request_states is not None:
+            self.request_states.release()
         if self.drafter is not None:
             self.drafter.kv_caches = []
 

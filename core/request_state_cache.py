@@ -8,7 +8,10 @@ cache is sized, gives each request in its persistent batch a slot, zeroed when t
 arrives (also when it comes back after a preemption, which recomputes it from position 0),
 freed when it finishes or is preempted, and passes each scheduled request's slot to the model
 through :class:`~chassis.core.attention.ForwardContext` (``state_slots``,
-``request_states``).
+``request_states``). The states are stored in the dtypes the model declares (its own) unless
+``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` say otherwise
+(:func:`resolve_state_specs`); a pool that does not fit is a start-up error naming its size;
+sleep mode frees it with the KV cache and wakes it up zeroed.
 
 A state summarizes the whole prefix, so a prefix-cache hit (which skips computing the prefix)
 cannot restore it, and speculative decoding would have to roll a state back over rejected
@@ -20,8 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,14 +36,41 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: the values of ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` (vLLM's): ``auto``
+#: keeps the dtype the model declares (its own dtype), the others name the state's dtype
+STATE_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+#: what a :class:`RequestStateSpec` may be (``kind``), for the dtype flags
+STATE_KINDS = ("conv", "ssm")
+
+
 @dataclass(frozen=True)
 class RequestStateSpec:
     """One tensor every request carries: ``shape`` (per request) in ``dtype``; ``name`` says
-    whose it is (``"layers.3.conv"``), for messages."""
+    whose it is (``"layers.3.conv"``), for messages.
+
+    ``kind`` says which flag may change the dtype (:func:`resolve_state_specs`):
+    ``"conv"`` (a convolution window) follows ``--mamba-cache-dtype``, ``"ssm"`` (a
+    state-space or linear-attention state) ``--mamba-ssm-cache-dtype`` and then
+    ``--mamba-cache-dtype``; ``None`` (the default) keeps ``dtype`` whatever the flags say.
+    ``dtype`` is what ``auto`` keeps: the model's dtype, as vLLM and HF transformers do.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    kind: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind not in STATE_KINDS:
+            raise ValueError(
+                f"request state {self.name!r}: kind must be one of {', '.join(STATE_KINDS)} "
+                f"or None; got {self.kind!r}"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -48,27 +78,152 @@ class RequestStateSpec:
         return math.prod(self.shape) * torch.tensor([], dtype=self.dtype).element_size()
 
 
+def resolve_state_specs(
+    specs: Sequence[RequestStateSpec],
+    mamba_cache_dtype: str = "auto",
+    mamba_ssm_cache_dtype: str = "auto",
+) -> list[RequestStateSpec]:
+    """``specs`` with the dtypes the flags choose (vLLM's semantics): a ``"conv"`` spec takes
+    ``mamba_cache_dtype``; an ``"ssm"`` spec ``mamba_ssm_cache_dtype``, or when that is
+    ``auto`` ``mamba_cache_dtype``; ``auto`` (and a spec without a kind) keeps the spec's
+    dtype. Unknown values are a ``ValueError``."""
+    for flag, value in (
+        ("--mamba-cache-dtype", mamba_cache_dtype),
+        ("--mamba-ssm-cache-dtype", mamba_ssm_cache_dtype),
+    ):
+        if value not in STATE_CACHE_DTYPES:
+            raise ValueError(
+                f"{flag} must be one of {', '.join(STATE_CACHE_DTYPES)}; got {value!r}"
+            )
+    ssm_choice = mamba_cache_dtype if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
+    chosen = {"conv": STATE_CACHE_DTYPES[mamba_cache_dtype], "ssm": STATE_CACHE_DTYPES[ssm_choice]}
+    resolved = []
+    for spec in specs:
+        dtype = chosen.get(spec.kind) if spec.kind is not None else None
+        resolved.append(spec if dtype is None else replace(spec, dtype=dtype))
+    return resolved
+
+
+def describe_state_pool(specs: Sequence[RequestStateSpec], num_slots: int) -> str:
+    """The pool's size for messages: ``"2 slots x 1.5 MiB = 3.0 MiB (conv float32, ssm
+    bfloat16)"``."""
+    per_slot = sum(spec.nbytes for spec in specs)
+    dtypes: dict[str, str] = {}
+    for spec in specs:
+        dtypes.setdefault(spec.kind or "other", str(spec.dtype).removeprefix("torch."))
+    kinds = ", ".join(f"{kind} {dtype}" for kind, dtype in dtypes.items())
+    slots = f"{num_slots} slot{'' if num_slots == 1 else 's'}"
+    return f"{slots} x {format_bytes(per_slot)} = {format_bytes(per_slot * num_slots)} ({kinds})"
+
+
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` in MiB (one decimal), or KiB below 1 MiB, or GiB from 1 GiB on."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
+
+
+#: makes a zeroed tensor of ``shape`` and ``dtype`` on ``device``
+ZerosFn = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def _torch_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+#: what to change when the pool is too large, for messages
+POOL_SETTINGS_HINT = (
+    "lower --max-num-seqs (one slot per sequence), or mind --mamba-cache-dtype / "
+    "--mamba-ssm-cache-dtype (float32 states take twice the memory of 16-bit ones)"
+)
+
+
+def state_pool_over_budget(pool: RequestStatePool, left: int, *, profiled: bool) -> str:
+    """The message when the memory left for the KV cache after ``pool`` is ``left`` < 0
+    bytes: a fixed budget (``--kv-cache-memory``, the CPU's default) smaller than the pool,
+    or, ``profiled``, device memory under ``--gpu-memory-utilization`` used up with it."""
+    if profiled:
+        where = (
+            "does not fit beside the model and its activations in --gpu-memory-utilization's "
+            f"share of the device memory ({format_bytes(-left)} short)"
+        )
+    else:
+        where = (
+            f"does not fit in the KV cache budget of {format_bytes(left + pool.nbytes)} "
+            "(--kv-cache-memory; the CPU's default: 4 GiB or 30% of free memory)"
+        )
+    return (
+        f"the per-request recurrent state pool ({pool.describe()}) {where}: {POOL_SETTINGS_HINT}"
+        f"{'' if profiled else ', or raise --kv-cache-memory'}"
+    )
+
+
 class RequestStatePool:
     """``num_slots`` slots of every spec's tensor: ``tensors[k]`` is ``[num_slots, *shape]``.
 
     ``allocate(request_id)`` hands out a free slot, zeroed; ``free(request_id)`` returns it.
     Slots are independent of persistent-batch rows (which move when requests leave).
+    The specs' dtypes are used as given (:func:`resolve_state_specs` applies the flags).
+    A pool the device cannot hold is a ``ValueError`` naming its size and the settings that
+    shrink it, not a bare out-of-memory error. Sleep mode drops the tensors
+    (:meth:`release`) and allocates them again, zeroed (:meth:`restore`).
     """
 
     def __init__(
-        self, specs: Sequence[RequestStateSpec], num_slots: int, device: torch.device | str
+        self,
+        specs: Sequence[RequestStateSpec],
+        num_slots: int,
+        device: torch.device | str,
+        zeros: ZerosFn | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"a request state pool needs at least one slot, got {num_slots}")
         self.specs = tuple(specs)
         self.num_slots = num_slots
-        #: one tensor per spec, ``[num_slots, *spec.shape]``, in the spec's order
-        self.tensors = [
-            torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=device)
-            for spec in self.specs
-        ]
+        self.device = torch.device(device)
+        #: makes a zeroed tensor (``Platform.kv_cache_zeros``: on the CPU, pages that are
+        #: only committed when a slot is used, so a pool over the budget is refused before
+        #: it takes any memory); ``torch.zeros`` by default
+        self._zeros: ZerosFn = zeros or _torch_zeros
+        #: one tensor per spec, ``[num_slots, *spec.shape]``, in the spec's order (empty
+        #: while released)
+        self.tensors: list[torch.Tensor] = []
+        self.restore()
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.slot_of: dict[str, int] = {}
+
+    def describe(self) -> str:
+        """Slots, bytes and dtypes, for logs and messages."""
+        return describe_state_pool(self.specs, self.num_slots)
+
+    @property
+    def released(self) -> bool:
+        """Whether the tensors are dropped (sleep mode)."""
+        return not self.tensors
+
+    def release(self) -> None:
+        """Drop the tensors (sleep mode: no request runs until :meth:`restore`); their memory
+        is freed once the platform's allocator lets go of it. The slots stay assigned: the
+        requests still holding one are finished ones the runner has not yet heard of."""
+        self.tensors = []
+
+    def restore(self) -> None:
+        """Allocate the tensors, zeroed, when released (start-up, sleep mode's wake-up);
+        nothing otherwise. Out of memory: a ``ValueError`` with the pool's size."""
+        if not self.released:
+            return
+        try:
+            self.tensors = [
+                self._zeros((self.num_slots, *spec.shape), spec.dtype, self.device)
+                for spec in self.specs
+            ]
+        except RuntimeError as error:  # (torch.OutOfMemoryError; the CPU allocator's own)
+            self.tensors = []
+            raise ValueError(
+                f"the per-request recurrent state pool ({self.describe()}) does not fit in "
+                f"the device's memory: {POOL_SETTINGS_HINT}"
+            ) from error
 
     @property
     def bytes_per_slot(self) -> int:

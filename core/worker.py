@@ -14,6 +14,7 @@ from chassis.core.kv_cache_groups import single_group_window
 from chassis.core.kv_cache_manager import max_group_blocks_per_request, max_tokens_per_step
 from chassis.core.lora.model import LoRAModel
 from chassis.core.model_runner import ModelRunner
+from chassis.core.request_state_cache import POOL_SETTINGS_HINT, state_pool_over_budget
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 from chassis.core.sleep_weights import checkpoint_tensors
 from chassis.core.sleep_worker import WorkerSleep
@@ -160,6 +161,9 @@ class Worker:
                 # A fixed budget (--kv-cache-memory, the CPU's) holds the requests' recurrent
                 # states too; a profiled one already counted them (allocated before).
                 budget -= states.nbytes
+            if states is not None and budget < 0:
+                # (also for a model without attention layers, whose blocks cost nothing)
+                raise ValueError(state_pool_over_budget(states, budget, profiled=bool(profiled)))
             bytes_per_block = self.runner.kv_cache_bytes_per_block()
             if bytes_per_block == 0:
                 # No attention layer, nothing cached: blocks cost nothing, so give every
@@ -202,9 +206,17 @@ class Worker:
                 if config.num_kv_blocks is not None
                 else "--kv-cache-memory / --gpu-memory-utilization"
             )
+            states = self.runner.request_states
+            pool_note = (
+                ""
+                if states is None or config.num_kv_blocks is not None
+                else f" (the per-request recurrent state pool, {states.describe()}, comes out of "
+                f"the same memory: {POOL_SETTINGS_HINT})"
+            )
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks ({num_blocks * config.block_size} "
                 f"tokens), fewer than {what}; raise {raise_what} or lower --max-model-len"
+                f"{pool_note}"
             )
         return num_blocks
 

@@ -21,6 +21,7 @@ from chassis.core.config import (
     INT4_WEIGHT_MODES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    MAMBA_CACHE_DTYPES,
     RUNNERS,
     TOKENIZER_MODES,
     EngineConfig,
@@ -316,6 +317,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
             "kv_cache_dtype",
         ),
     )
+    for flag, what in (
+        ("--mamba-cache-dtype", "the per-request states of state-space layers (conv and SSM)"),
+        ("--mamba-ssm-cache-dtype", "the SSM state alone (auto: as --mamba-cache-dtype)"),
+    ):
+        g.add_argument(
+            flag,
+            choices=MAMBA_CACHE_DTYPES,
+            help=_help(
+                f"what stores {what}: auto = the model's dtype; float32 for more precision at "
+                "twice a 16-bit state's memory (docs/architecture.md)",
+                flag.removeprefix("--").replace("-", "_"),
+            ),
+        )
     g.add_argument(
         "--kv-cache-memory",
         type=_memory_size_arg,

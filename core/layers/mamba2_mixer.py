@@ -5,15 +5,18 @@ Per token: ``in_proj`` gives the gate ``z``, the conv input ``xBC`` and ``dt``; 
 causal conv1d (window ``d_conv``) with SiLU over ``xBC``, split into ``x`` (heads x
 head_dim), ``B`` and ``C`` (groups x d_state); the SSD scan (:mod:`chassis.core.layers.
 ssd_scan`); a gated RMSNorm (``y * silu(z)``, normalized per group) and ``out_proj``.
+Falcon-H1's options (:class:`Mamba2Spec`): the norm before the gate or no norm, multipliers
+on the input and on each part of ``in_proj``'s output, ``out_proj``'s own bias flag.
 
 Each request carries two tensors across steps (:meth:`Mamba2Mixer.state_specs`): the last
-``d_conv - 1`` conv inputs ``[conv_dim, d_conv - 1]`` in the model dtype, and the SSM state
-``[heads, head_dim, d_state]`` in float32. A step's tokens are packed (request ``i`` owns
-rows ``query_start_loc[i]:query_start_loc[i + 1]``); the layer reads each request's state
-from its slot (``ctx.state_slots``), which starts zeroed, and writes it back. The requests
-with one token in the step (decodes) run as one batch, the others (prefill chunks) as
-another: a gathered conv and the chunked varlen scan (or, with ``use_reference``, request by
-request: a padded conv1d and the token-by-token scan).
+``d_conv - 1`` conv inputs ``[conv_dim, d_conv - 1]`` and the SSM state ``[heads, head_dim,
+d_state]``, stored in the model dtype unless ``--mamba-cache-dtype`` /
+``--mamba-ssm-cache-dtype`` say otherwise (the scan computes in float32). A step's tokens
+are packed (request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``); the
+layer reads each request's state from its slot (``ctx.state_slots``), which starts zeroed,
+and writes it back. The requests with one token in the step (decodes) run as one batch, the
+others (prefill chunks) as another: a gathered conv and the chunked varlen scan (or, with
+``use_reference``, request by request: a padded conv1d and the token-by-token scan).
 """
 
 from __future__ import annotations
@@ -49,8 +52,27 @@ class Mamba2Spec:
     proj_bias: bool
     norm_eps: float
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    #: ``out_proj``'s bias when it differs from ``in_proj``'s (Falcon-H1's
+    #: ``projectors_bias``); ``None``: ``proj_bias``
+    out_proj_bias: bool | None = None
+    #: how ``y`` meets the gate ``z`` before ``out_proj``: ``"gate_then_norm"`` (the gated
+    #: RMSNorm of ``y * silu(z)``), ``"norm_then_gate"`` (``rmsnorm(y) * silu(z)``) or
+    #: ``"gate"`` (``y * silu(z)``, no norm and no ``norm`` parameter)
+    gate_norm: str = "gate_then_norm"
+    #: scales the mixer's input (Falcon-H1's ``ssm_in_multiplier``)
+    in_multiplier: float = 1.0
+    #: scales ``in_proj``'s output by part: ``z``, ``x``, ``B``, ``C``, ``dt`` (Falcon-H1's
+    #: ``ssm_multipliers``); ``None``: unscaled
+    proj_multipliers: tuple[float, float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.gate_norm not in ("gate_then_norm", "norm_then_gate", "gate"):
+            raise ValueError(f"unknown mamba gate_norm {self.gate_norm!r}")
+        if self.proj_multipliers is not None and len(self.proj_multipliers) != 5:
+            raise ValueError(
+                f"mamba projection multipliers must be 5 (z, x, B, C, dt), got "
+                f"{self.proj_multipliers!r}"
+            )
         if self.num_heads * self.head_dim != self.intermediate_size:
             raise ValueError(
                 f"mamba heads ({self.num_heads}) x head_dim ({self.head_dim}) must equal the "
@@ -157,19 +179,28 @@ def conv_layout(lengths: tuple[int, ...], k: int, device: torch.device) -> ConvL
 
 class GatedRMSNorm(nn.Module):
     """``weight * rmsnorm(y * silu(z))``, the statistics per group of ``group_size`` channels,
-    in float32 (cast back before the weight, as HF's ``MambaRMSNormGated``)."""
+    in float32 (cast back before the weight, as HF's ``MambaRMSNormGated``). With
+    ``norm_before_gate``: ``weight * rmsnorm(y) * silu(z)``, all in float32 and cast at the
+    end (HF's ``FalconH1RMSNormGated``)."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+    def __init__(
+        self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        y = y.float() * F.silu(z.float())
+        y = y.float()
+        if not self.norm_before_gate:
+            y = y * F.silu(z.float())
         groups = y.view(*y.shape[:-1], -1, self.group_size)
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * groups.view(y.shape).to(dtype)
+        if not self.norm_before_gate:
+            return self.weight * groups.view(y.shape).to(dtype)
+        return (self.weight.float() * groups.view(y.shape) * F.silu(z.float())).to(dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -197,18 +228,37 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(spec.num_heads))
         self.A_log = nn.Parameter(torch.zeros(spec.num_heads))
         self.D = nn.Parameter(torch.ones(spec.num_heads))
-        self.norm = GatedRMSNorm(
-            spec.intermediate_size, spec.intermediate_size // spec.n_groups, spec.norm_eps
-        )
-        self.out_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, spec.proj_bias)
+        self.norm: GatedRMSNorm | None = None
+        if spec.gate_norm != "gate":
+            self.norm = GatedRMSNorm(
+                spec.intermediate_size,
+                spec.intermediate_size // spec.n_groups,
+                spec.norm_eps,
+                norm_before_gate=spec.gate_norm == "norm_then_gate",
+            )
+        out_bias = spec.proj_bias if spec.out_proj_bias is None else spec.out_proj_bias
+        self.out_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, out_bias)
+        scale = None
+        if spec.proj_multipliers is not None:
+            widths = (spec.intermediate_size, spec.intermediate_size)
+            widths += (spec.n_groups * spec.d_state,) * 2 + (spec.num_heads,)
+            scale = torch.cat(
+                [torch.full((n,), m) for n, m in zip(widths, spec.proj_multipliers, strict=True)]
+            )
+        #: ``in_proj``'s output scale (``spec.proj_multipliers`` per part), or ``None``
+        self.proj_scale: torch.Tensor | None
+        self.register_buffer("proj_scale", scale, persistent=False)
 
     def state_specs(self, prefix: str, dtype: torch.dtype) -> list[RequestStateSpec]:
-        """This layer's per-request tensors: the conv window (``dtype``) and the SSM state
-        (float32)."""
+        """This layer's per-request tensors: the conv window and the SSM state, both stored
+        in ``dtype`` (the model's, as HF and vLLM) unless --mamba-cache-dtype /
+        --mamba-ssm-cache-dtype say otherwise; the scan runs in float32 either way."""
         s = self.spec
         return [
-            RequestStateSpec(f"{prefix}.conv", (s.conv_dim, s.d_conv - 1), dtype),
-            RequestStateSpec(f"{prefix}.ssm", (s.num_heads, s.head_dim, s.d_state), torch.float32),
+            RequestStateSpec(f"{prefix}.conv", (s.conv_dim, s.d_conv - 1), dtype, kind="conv"),
+            RequestStateSpec(
+                f"{prefix}.ssm", (s.num_heads, s.head_dim, s.d_state), dtype, kind="ssm"
+            ),
         ]
 
     def graph_capture_blocker(self) -> str | None:
@@ -221,7 +271,12 @@ class Mamba2Mixer(nn.Module):
         num_reqs = metadata.num_reqs
         bounds = metadata.query_start_loc_cpu.tolist()
         num_tokens = bounds[num_reqs]
-        projected = self.in_proj(hidden_states[:num_tokens])
+        mixer_input = hidden_states[:num_tokens]
+        if s.in_multiplier != 1.0:
+            mixer_input = mixer_input * s.in_multiplier
+        projected = self.in_proj(mixer_input)
+        if self.proj_scale is not None:
+            projected = (projected * self.proj_scale).to(projected.dtype)
         z, xbc, dt = projected.split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         lo, hi = s.time_step_limit
@@ -242,7 +297,7 @@ class Mamba2Mixer(nn.Module):
             conv_pool = ctx.request_states[self.state_index]
             ssm_pool = ctx.request_states[self.state_index + 1]
             conv_states = conv_pool[slots]
-            ssm_states = ssm_pool[slots]
+            ssm_states = ssm_pool[slots].float()  # (a 16-bit pool: the scan stays float32)
 
         if num_tokens == num_reqs:  # one token per request: every request in one batch
             y, new_conv, new_ssm = self._decode(conv_states, ssm_states, xbc, dt, A, D)
@@ -277,7 +332,11 @@ class Mamba2Mixer(nn.Module):
         if slots is not None:
             conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
             ssm_pool.index_copy_(0, slots, new_ssm.to(ssm_pool.dtype))
-        out = self.norm(y.reshape(num_tokens, s.intermediate_size), z, dtype)
+        y = y.reshape(num_tokens, s.intermediate_size)
+        if self.norm is None:
+            out = (y * F.silu(z.float())).to(dtype)
+        else:
+            out = self.norm(y, z, dtype)
         out = self.out_proj(out)
         if out.shape[0] < hidden_states.shape[0]:  # padding rows past the step's tokens
             out = torch.cat([out, out.new_zeros(hidden_states.shape[0] - num_tokens, out.shape[1])])

@@ -1,0 +1,235 @@
+"""TII Falcon-H1 (``FalconH1ForCausalLM``: Falcon-H1-0.5B/1.5B/3B/7B/34B, base and instruct):
+every layer runs attention and a Mamba2 mixer side by side on the same normed input.
+
+As HF transformers' ``FalconH1`` code defines it, layer ``i`` is
+
+    h = x + ssm_out_multiplier * mamba(n) + attention_out_multiplier * attn(attention_in_multiplier * n)
+    out = h + mlp(pre_ff_layernorm(h)),  n = input_layernorm(x)
+
+- the mixer (``mamba.*``) is :class:`~chassis.core.layers.mamba2_mixer.Mamba2Mixer` with
+  Falcon-H1's options: ``mamba_d_ssm`` wide (else ``mamba_expand * hidden_size``), its input
+  scaled by ``ssm_in_multiplier`` and ``in_proj``'s parts (z, x, B, C, dt) by
+  ``ssm_multipliers``; ``mamba_rms_norm`` adds the gated RMSNorm (before the gate with
+  ``mamba_norm_before_gate``), otherwise ``y * silu(z)``; ``out_proj``'s bias is
+  ``projectors_bias``;
+- attention is Llama's (RoPE, GQA) with keys scaled by ``key_multiplier``;
+- the SwiGLU MLP scales the gate by ``mlp_multipliers[0]`` before SiLU and the output by
+  ``mlp_multipliers[1]``;
+- the embeddings are scaled by ``embedding_multiplier``, the logits by ``lm_head_multiplier``.
+
+Every layer has a KV cache and a request state (conv window and SSM state). The checkpoint's
+``feed_forward``, ``pre_ff_layernorm`` and ``model.final_layernorm`` load as the Llama
+decoder's ``mlp``, ``post_attention_layernorm`` and ``model.norm``. Tensor parallelism is
+refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chassis.builtin_plugins.models.llama import (
+    DecoderSpec,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+)
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.mamba2_mixer import Mamba2Mixer, Mamba2Spec, check_silu
+from chassis.core.layers.norm import RMSNorm
+from chassis.core.layers.rotary import RotaryEmbedding
+from chassis.core.model_interface import ModelBuildContext
+from chassis.core.request_state_cache import RequestStateSpec
+
+#: (checkpoint substring, ours), applied in order to every checkpoint name
+_RENAMES = (
+    (".feed_forward.", ".mlp."),
+    (".pre_ff_layernorm.", ".post_attention_layernorm."),
+    ("model.final_layernorm.", "model.norm."),
+)
+
+
+def _multiplier(hf_config: Any, name: str) -> float:
+    value = getattr(hf_config, name, None)
+    return 1.0 if value is None else float(value)
+
+
+def falcon_h1_mamba_spec(hf_config: Any) -> Mamba2Spec:
+    """The mixer of a ``FalconH1Config``."""
+    check_silu(hf_config)
+    hidden = int(hf_config.hidden_size)
+    d_ssm = getattr(hf_config, "mamba_d_ssm", None)
+    intermediate = int(hf_config.mamba_expand) * hidden if d_ssm is None else int(d_ssm)
+    heads = int(hf_config.mamba_n_heads)
+    head_dim = hf_config.mamba_d_head
+    head_dim = intermediate // heads if head_dim in (None, "auto") else int(head_dim)
+    limit = getattr(hf_config, "time_step_limit", None) or (0.0, float("inf"))
+    multipliers = getattr(hf_config, "ssm_multipliers", None) or [1.0] * 5
+    if len(multipliers) != 5:
+        raise ValueError(f"ssm_multipliers must be 5 numbers (z, x, B, C, dt), got {multipliers}")
+    if not getattr(hf_config, "mamba_rms_norm", False):
+        gate_norm = "gate"
+    elif getattr(hf_config, "mamba_norm_before_gate", True):
+        gate_norm = "norm_then_gate"
+    else:
+        gate_norm = "gate_then_norm"
+    return Mamba2Spec(
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=head_dim,
+        d_state=int(hf_config.mamba_d_state),
+        n_groups=int(hf_config.mamba_n_groups),
+        d_conv=int(hf_config.mamba_d_conv),
+        intermediate_size=intermediate,
+        chunk_size=int(getattr(hf_config, "mamba_chunk_size", 256) or 256),
+        conv_bias=bool(hf_config.mamba_conv_bias),
+        proj_bias=bool(hf_config.mamba_proj_bias),
+        norm_eps=float(hf_config.rms_norm_eps),
+        time_step_limit=(float(limit[0]), float(limit[1])),
+        out_proj_bias=bool(getattr(hf_config, "projectors_bias", False)),
+        gate_norm=gate_norm,
+        in_multiplier=_multiplier(hf_config, "ssm_in_multiplier"),
+        proj_multipliers=tuple(float(m) for m in multipliers),  # type: ignore[arg-type]
+    )
+
+
+class KeyScaledAttention(LlamaAttention):
+    """Llama's attention with the keys scaled by ``key_multiplier`` (after RoPE, which is
+    linear in them)."""
+
+    key_multiplier: float = 1.0
+
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = super().encode_positions(positions, q, k)
+        return q, k * self.key_multiplier
+
+
+class FalconH1MLP(nn.Module):
+    """``down_proj(silu(gate_multiplier * gate) * up) * down_multiplier``, gate and up merged
+    in ``gate_up_proj``."""
+
+    def __init__(self, spec: DecoderSpec, gate_multiplier: float, down_multiplier: float) -> None:
+        super().__init__()
+        inter = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_multiplier = gate_multiplier
+        self.down_multiplier = down_multiplier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * F.silu(gate * self.gate_multiplier)) * self.down_multiplier
+
+
+class FalconH1DecoderLayer(nn.Module):
+    """The mixer (``mamba``) and attention (``self_attn``) in parallel, then the MLP; returns
+    ``(mlp output, residual stream)`` as :class:`~chassis.builtin_plugins.models.llama.
+    LlamaDecoderLayer`."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        mamba: Mamba2Mixer,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        multipliers: dict[str, float],
+    ) -> None:
+        super().__init__()
+        self.mamba = mamba
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.ssm_out_multiplier = multipliers["ssm_out_multiplier"]
+        self.attention_in_multiplier = multipliers["attention_in_multiplier"]
+        self.attention_out_multiplier = multipliers["attention_out_multiplier"]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        ssm = self.mamba(hidden_states, ctx) * self.ssm_out_multiplier
+        attn = self.self_attn(positions, hidden_states * self.attention_in_multiplier, ctx)
+        hidden_states = ssm + attn * self.attention_out_multiplier
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class FalconH1ForCausalLM(LlamaForCausalLM):
+    """``FalconH1ForCausalLM`` checkpoints. Layer ``i`` reads KV cache ``i`` and holds
+    request-state tensors ``2i`` (conv) and ``2i + 1`` (SSM). Refused when built: a
+    ``hidden_act`` other than ``silu``, mixer shapes that do not fit."""
+
+    supports_tensor_parallel = False
+    has_recurrent_state = True
+
+    @classmethod
+    def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
+        return DecoderSpec.from_config(hf_config, sliding_window=None)
+
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> nn.Module:
+        self.mamba_spec = falcon_h1_mamba_spec(hf_config)
+        self.state_dtype = build_ctx.dtype
+        names = ("ssm_out_multiplier", "attention_in_multiplier", "attention_out_multiplier")
+        self.multipliers = {name: _multiplier(hf_config, name) for name in names}
+        self.key_multiplier = _multiplier(hf_config, "key_multiplier")
+        self.lm_head_multiplier = _multiplier(hf_config, "lm_head_multiplier")
+        mlp = getattr(hf_config, "mlp_multipliers", None) or [1.0, 1.0]
+        if len(mlp) != 2:
+            raise ValueError(f"mlp_multipliers must be 2 numbers (gate, down), got {mlp}")
+        self.mlp_multipliers = (float(mlp[0]), float(mlp[1]))
+        return LlamaModel(
+            hf_config,
+            self.spec,
+            build_ctx,
+            self.make_layer,
+            embedding_multiplier=_multiplier(hf_config, "embedding_multiplier"),
+        )
+
+    def make_layer(
+        self, layer_idx: int, rotary_emb: RotaryEmbedding, build_ctx: ModelBuildContext
+    ) -> FalconH1DecoderLayer:
+        attention = KeyScaledAttention(self.spec, rotary_emb, layer_idx, build_ctx)
+        attention.key_multiplier = self.key_multiplier
+        return FalconH1DecoderLayer(
+            self.spec,
+            Mamba2Mixer(self.mamba_spec, state_index=2 * layer_idx),
+            attention,
+            FalconH1MLP(self.spec, *self.mlp_multipliers),
+            self.multipliers,
+        )
+
+    def request_state_specs(self) -> list[RequestStateSpec]:
+        specs: list[RequestStateSpec] = []
+        for i, layer in enumerate(self.model.layers):
+            specs.extend(layer.mamba.state_specs(f"layers.{i}.mamba", self.state_dtype))
+        return specs
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return (self.lm_head(hidden_states) * self.lm_head_multiplier).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As :meth:`LlamaForCausalLM.load_weights`, after :data:`_RENAMES`."""
+
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in _RENAMES:
+                    name = name.replace(old, new)
+                yield name, tensor
+
+        return super().load_weights(renamed())

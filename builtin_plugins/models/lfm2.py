@@ -1,0 +1,174 @@
+"""LiquidAI LFM2 (``Lfm2ForCausalLM``: LFM2-350M/700M/1.2B/2.6B): gated short-convolution
+layers and a few attention layers.
+
+As HF transformers' ``Lfm2`` code defines it:
+
+- ``layer_types`` names each layer's mixer: ``"conv"`` (a :class:`~chassis.core.layers.
+  short_conv.ShortConv`, window ``conv_L_cache``) or ``"full_attention"`` (GQA with an
+  RMSNorm on each q and k head before RoPE). Only the attention layers have a KV cache; the
+  conv layers carry a state per request.
+- Every layer is pre-norm (``operator_norm``, ``ffn_norm``) with a SwiGLU MLP
+  (``feed_forward.w1/w3/w2``) whose width ``block_auto_adjust_ff_dim`` shrinks to two thirds
+  of ``intermediate_size`` (times ``block_ffn_dim_multiplier``, rounded up to
+  ``block_multiple_of``); the final norm is ``model.embedding_norm``.
+
+The checkpoint's names are renamed onto the Llama decoder's (:data:`_RENAMES`). Tensor
+parallelism is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaForCausalLM
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.norm import RMSNorm
+from chassis.core.layers.rotary import RotaryEmbedding
+from chassis.core.layers.short_conv import ShortConv
+from chassis.core.model_interface import ModelBuildContext
+from chassis.core.request_state_cache import RequestStateSpec
+
+#: (checkpoint substring, ours), applied in order to every checkpoint name
+_RENAMES = (
+    (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+    (".feed_forward.w1.", ".mlp.gate_proj."),
+    (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+    (".operator_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."),
+    ("model.embedding_norm.", "model.norm."),
+)
+_LAYER_KINDS = ("conv", "full_attention")
+
+
+def lfm2_layer_kinds(hf_config: Any) -> list[str]:
+    """``"conv"`` or ``"full_attention"`` per layer (``layer_types``); a ``ValueError`` for
+    another value or a wrong count."""
+    types = list(getattr(hf_config, "layer_types", None) or [])
+    num_layers = int(hf_config.num_hidden_layers)
+    if len(types) != num_layers:
+        raise ValueError(
+            f"config layer_types must name each of the {num_layers} layers' mixer, got {types!r}"
+        )
+    unknown = sorted({t for t in types if t not in _LAYER_KINDS})
+    if unknown:
+        raise ValueError(
+            f"config layer_types {unknown} not supported (known: {', '.join(_LAYER_KINDS)})"
+        )
+    return types
+
+
+def lfm2_mlp_width(hf_config: Any) -> int:
+    """The SwiGLU MLP's width, as HF's ``Lfm2MLP`` adjusts ``intermediate_size``."""
+    width = int(hf_config.intermediate_size)
+    if getattr(hf_config, "block_auto_adjust_ff_dim", False):
+        width = int(2 * width / 3)
+        multiplier = getattr(hf_config, "block_ffn_dim_multiplier", None)
+        if multiplier is not None:
+            width = int(multiplier * width)
+            multiple = int(hf_config.block_multiple_of)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
+class Lfm2DecoderLayer(nn.Module):
+    """Pre-norm mixer (``conv`` or ``self_attn``) and MLP blocks, the residual add fused into
+    the norms; returns ``(mlp output, residual stream)`` as :class:`~chassis.builtin_plugins.
+    models.llama.LlamaDecoderLayer`."""
+
+    def __init__(self, spec: DecoderSpec, mixer: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.conv: ShortConv | None = mixer if isinstance(mixer, ShortConv) else None
+        self.self_attn: nn.Module | None = None if self.conv is not None else mixer
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.conv is not None:
+            hidden_states = self.conv(hidden_states, ctx)
+        else:
+            assert self.self_attn is not None
+            hidden_states = self.self_attn(positions, hidden_states, ctx)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Lfm2ForCausalLM(LlamaForCausalLM):
+    """``Lfm2ForCausalLM`` checkpoints. Attention layer ``j`` (counting attention layers
+    only) reads KV cache ``j``; conv layer ``c`` holds request-state tensor ``c``. Refused
+    when built: unknown ``layer_types``, a ``conv_L_cache`` below 2."""
+
+    supports_tensor_parallel = False
+    has_recurrent_state = True
+
+    @classmethod
+    def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
+        return DecoderSpec.from_config(
+            hf_config,
+            qk_norm=True,
+            sliding_window=None,
+            rms_norm_eps=float(hf_config.norm_eps),
+            intermediate_size=lfm2_mlp_width(hf_config),
+        )
+
+    def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> nn.Module:
+        self.layer_kinds = lfm2_layer_kinds(hf_config)
+        self.state_dtype = build_ctx.dtype
+        return super().build_decoder(hf_config, build_ctx)
+
+    def make_layer(
+        self, layer_idx: int, rotary_emb: RotaryEmbedding, build_ctx: ModelBuildContext
+    ) -> Lfm2DecoderLayer:
+        before = self.layer_kinds[:layer_idx]
+        mixer: nn.Module
+        if self.layer_kinds[layer_idx] == "conv":
+            mixer = ShortConv(
+                self.spec.hidden_size,
+                int(self.hf_config.conv_L_cache),
+                bool(getattr(self.hf_config, "conv_bias", False)),
+                state_index=before.count("conv"),
+            )
+        else:
+            mixer = LlamaAttention(self.spec, rotary_emb, before.count("full_attention"), build_ctx)
+        return Lfm2DecoderLayer(self.spec, mixer, self.make_mlp(layer_idx))
+
+    @property
+    def num_attention_layers(self) -> int:
+        return lfm2_layer_kinds(self.hf_config).count("full_attention")
+
+    def request_state_specs(self) -> list[RequestStateSpec]:
+        specs: list[RequestStateSpec] = []
+        for i, layer in enumerate(self.model.layers):
+            if layer.conv is not None:
+                specs.extend(layer.conv.state_specs(f"layers.{i}.conv", self.state_dtype))
+        return specs
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As :meth:`LlamaForCausalLM.load_weights`, after :data:`_RENAMES`."""
+
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in _RENAMES:
+                    name = name.replace(old, new)
+                yield name, tensor
+
+        return super().load_weights(renamed())

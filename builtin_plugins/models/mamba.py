@@ -1,0 +1,114 @@
+"""Mamba (``MambaForCausalLM``: state-spaces/mamba-*-hf) and Falcon Mamba
+(``FalconMambaForCausalLM``: tiiuae/falcon-mamba-7b): stacks of Mamba-1 mixers, no attention.
+
+As HF transformers' ``Mamba`` / ``FalconMamba`` code defines them: ``backbone.embeddings``;
+each block ``backbone.layers.<i>`` is ``x + mixer(norm(x))`` (an RMSNorm, then a
+:class:`~chassis.core.layers.mamba_mixer.MambaMixer`), the residual stream in float32 with
+``residual_in_fp32``; ``backbone.norm_f``; ``lm_head`` (tied with ``tie_word_embeddings``).
+Falcon Mamba adds weightless RMS norms (``mixer_rms_eps``) on the mixer's ``dt``, ``B`` and
+``C``. The model runs as :class:`~chassis.builtin_plugins.models.mamba2.Mamba2ForCausalLM`
+(same backbone, embeddings and loading), with the Mamba-1 mixer. Tensor parallelism is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from chassis.builtin_plugins.models.mamba2 import Mamba2ForCausalLM
+from chassis.core.attention import ForwardContext
+from chassis.core.layers.mamba2_mixer import check_silu
+from chassis.core.layers.mamba_mixer import BcdtNorm, MambaMixer, MambaSpec
+from chassis.core.layers.norm import RMSNorm
+from chassis.core.model_interface import CausalLM, ModelBuildContext
+
+
+def mamba_spec(hf_config: Any, bcdt_norm: BcdtNorm = "none") -> MambaSpec:
+    """The mixer of a ``MambaConfig`` / ``FalconMambaConfig``."""
+    check_silu(hf_config)
+    hidden = int(hf_config.hidden_size)
+    rank = getattr(hf_config, "time_step_rank", "auto")
+    return MambaSpec(
+        hidden_size=hidden,
+        intermediate_size=int(
+            getattr(hf_config, "intermediate_size", None) or int(hf_config.expand) * hidden
+        ),
+        d_state=int(hf_config.state_size),
+        d_conv=int(hf_config.conv_kernel),
+        dt_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),
+        conv_bias=bool(hf_config.use_conv_bias),
+        proj_bias=bool(hf_config.use_bias),
+        bcdt_norm=bcdt_norm,
+        bcdt_norm_eps=float(getattr(hf_config, "mixer_rms_eps", 1e-6)),
+    )
+
+
+class MambaBlock(nn.Module):
+    """``norm`` then ``mixer``; :meth:`forward` returns the mixer output (the caller adds
+    the residual)."""
+
+    def __init__(self, spec: MambaSpec, eps: float, state_index: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(spec.hidden_size, eps)
+        self.mixer = MambaMixer(spec, state_index)
+
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.mixer(self.norm(hidden_states), ctx)
+
+
+class MambaBackbone(nn.Module):
+    """HF's ``backbone``: embeddings, blocks, final norm."""
+
+    def __init__(self, hf_config: Any, spec: MambaSpec) -> None:
+        super().__init__()
+        eps = float(hf_config.layer_norm_epsilon)
+        self.embeddings = nn.Embedding(int(hf_config.vocab_size), spec.hidden_size)
+        self.layers = nn.ModuleList(
+            MambaBlock(spec, eps, 2 * i) for i in range(int(hf_config.num_hidden_layers))
+        )
+        self.norm_f = RMSNorm(spec.hidden_size, eps)
+
+
+class MambaForCausalLM(Mamba2ForCausalLM):
+    """``MambaForCausalLM`` checkpoints. Layer ``i`` holds request-state tensors ``2i``
+    (conv ``[intermediate, d_conv - 1]``) and ``2i + 1`` (SSM ``[intermediate, d_state]``).
+    Refused when built: a ``hidden_act`` other than ``silu``, shapes that do not fit."""
+
+    #: how the mixers normalize dt, B and C (see :data:`~chassis.core.layers.mamba_mixer.
+    #: BcdtNorm`)
+    bcdt_norm: BcdtNorm = "none"
+
+    def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
+        # Mamba2ForCausalLM's forward, logits, state specs and loading; its own parts here
+        CausalLM.__init__(self, hf_config, build_ctx)
+        self.spec = mamba_spec(hf_config, self.bcdt_norm)
+        self.dtype = build_ctx.dtype
+        self.residual_in_fp32 = bool(getattr(hf_config, "residual_in_fp32", True))
+        self.backbone = MambaBackbone(hf_config, self.spec)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        head_device = "meta" if self.tie_word_embeddings else None
+        self.lm_head = nn.Linear(
+            self.spec.hidden_size, int(hf_config.vocab_size), bias=False, device=head_device
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+
+class FalconMambaForCausalLM(MambaForCausalLM):
+    """``FalconMambaForCausalLM`` checkpoints: Mamba with weightless RMS norms on the mixers'
+    ``dt``, ``B`` and ``C`` (``mixer_rms_eps``)."""
+
+    bcdt_norm: BcdtNorm = "weightless"
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As Mamba's; the mixers' ``*_layernorm.weight`` tensors some checkpoints carry
+        are skipped (HF keeps them only as stand-ins for a fused kernel and never reads
+        them)."""
+        return super().load_weights(
+            (name, tensor) for name, tensor in weights if not name.endswith("layernorm.weight")
+        )

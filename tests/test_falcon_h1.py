@@ -1,0 +1,180 @@
+"""Falcon-H1 (``FalconH1ForCausalLM``: attention and a Mamba2 mixer in parallel in every
+layer) against HF transformers on tiny random float32 checkpoints.
+
+Two checkpoints: the releases' options (the mixer's gated RMSNorm after the gate,
+``mamba_d_ssm`` narrower than ``mamba_expand * hidden_size``) and one without the mixer norm
+(``y * silu(z)``), 2 groups and biases on ``in_proj``/``out_proj``; the logits of a third
+have the norm before the gate. Every multiplier is far
+from 1 (embedding, attention in/out, key, ssm in/out, the five ``ssm_multipliers``, MLP
+gate/down, LM head), and every 1-D parameter is randomized (``save_tiny_checkpoint``).
+Logits must match HF's over a packed prefill, a decode, a 2-token chunk over the carried
+state and a mixed step (``check_logits`` of tests/test_mamba2_models.py); greedy tokens
+through ``LLM`` must be HF ``generate``'s, also with chunked prefill, two state slots and
+preemption.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
+from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
+from test_mamba2_models import StateRunner, check_logits
+from test_models_parity import PROMPTS as TOKEN_PROMPTS
+from test_models_parity import hf_logits, load_hf
+
+ARCHS = ("released", "no_norm")
+MULTIPLIERS: dict[str, Any] = {
+    "embedding_multiplier": 3.0,
+    "lm_head_multiplier": 0.25,
+    "key_multiplier": 0.7,
+    "attention_in_multiplier": 1.3,
+    "attention_out_multiplier": 0.6,
+    "ssm_in_multiplier": 0.8,
+    "ssm_out_multiplier": 1.4,
+    "ssm_multipliers": [0.9, 1.2, 0.5, 1.5, 0.7],
+    "mlp_multipliers": [1.6, 0.4],
+}
+
+
+def tiny_config(arch: str, **overrides: Any) -> Any:
+    from transformers import FalconH1Config
+
+    fields = {**TINY_CONFIG_FIELDS, **MULTIPLIERS}
+    fields.update(
+        num_hidden_layers=3,
+        intermediate_size=48,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+        mamba_conv_bias=True,
+        tie_word_embeddings=False,
+    )
+    if arch == "released":
+        fields.update(
+            mamba_d_ssm=96,
+            mamba_d_head=12,
+            mamba_n_groups=1,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=False,
+        )
+    else:
+        fields.update(
+            mamba_d_ssm=None,
+            mamba_expand=2,
+            mamba_d_head="auto",
+            mamba_n_groups=2,
+            mamba_rms_norm=False,
+            mamba_proj_bias=True,
+            projectors_bias=True,
+        )
+    return FalconH1Config(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        arch: save_tiny_checkpoint(tiny_config(arch), tmp_path_factory.mktemp(arch), seed=11)
+        for arch in ARCHS
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    check_logits(model_dirs[arch])
+
+
+def test_logits_with_the_norm_before_the_gate(tmp_path: Path) -> None:
+    """``mamba_norm_before_gate: true``: ``rmsnorm(y) * silu(z)``, over 2 groups."""
+    config = tiny_config("no_norm", mamba_rms_norm=True, mamba_norm_before_gate=True)
+    check_logits(save_tiny_checkpoint(config, tmp_path, seed=11))
+
+
+def test_the_multipliers_matter(tmp_path: Path, model_dirs: dict[str, Path]) -> None:
+    """Each multiplier, reset to 1 (and the mixer norm's placement flipped), moves HF's own
+    logits: a multiplier chassis ignored would fail the parity test."""
+    prompt = TOKEN_PROMPTS[0]
+    base = hf_logits(load_hf(model_dirs["released"]), prompt)
+    changes: dict[str, Any] = {name: 1.0 for name in MULTIPLIERS}
+    changes.update(
+        ssm_multipliers=[1.0] * 5,
+        mlp_multipliers=[1.0, 1.0],
+        mamba_norm_before_gate=True,
+    )
+    for name, value in changes.items():
+        model_dir = save_tiny_checkpoint(
+            tiny_config("released", **{name: value}), tmp_path / name, seed=11
+        )
+        moved = hf_logits(load_hf(model_dir), prompt)
+        assert (moved - base).abs().max() > 1e-3, name
+
+
+def test_the_layers_are_read(model_dirs: dict[str, Path]) -> None:
+    model = StateRunner(model_dirs["released"]).model
+    assert model.num_attention_layers == 3
+    assert [layer.self_attn.attn.layer_idx for layer in model.model.layers] == [0, 1, 2]
+    # conv [conv_dim = 96 + 2 * 1 * 16, d_conv - 1], ssm [heads, head_dim, d_state]
+    assert [s.shape for s in model.request_state_specs()] == [(128, 3), (8, 12, 16)] * 3
+    assert model.model.layers[0].mamba.norm is not None
+    assert StateRunner(model_dirs["no_norm"]).model.model.layers[0].mamba.norm is None
+    assert model.graph_capture_blocker() is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    """All prompts (1 to 40 tokens) in one ``generate``."""
+    model_dir = model_dirs[arch]
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS) == hf_greedy(
+        model_dir, PROMPTS, MAX_TOKENS
+    )
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, chunks of <= 7
+        {"max_num_seqs": 2},  # more requests than state slots: slots are reused
+    ],
+    ids=["chunked-prefill", "two-slots"],
+)
+def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], engine: dict) -> None:
+    model_dir = model_dirs["released"]
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine) == expected
+
+
+def test_bad_ssm_multipliers_are_refused(model_dirs: dict[str, Path]) -> None:
+    from chassis.builtin_plugins.models.falcon_h1 import falcon_h1_mamba_spec
+
+    config = tiny_config("released")
+    config.ssm_multipliers = [1.0, 2.0]
+    with pytest.raises(ValueError, match="ssm_multipliers must be 5"):
+        falcon_h1_mamba_spec(config)
+    assert torch.is_tensor(
+        StateRunner(model_dirs["released"]).model.model.layers[0].mamba.proj_scale
+    )
+
+
+def test_preemption_keeps_the_tokens(model_dirs: dict[str, Path]) -> None:
+    """A preempted request recomputes its state from position 0."""
+    from chassis.core.llm import LLM
+    from chassis.core.sampling_params import SamplingParams
+
+    model_dir = model_dirs["released"]
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=100,
+        num_kv_blocks=28,
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected

@@ -1,0 +1,133 @@
+"""LFM2 (``Lfm2ForCausalLM``: gated short-conv layers and attention layers) against HF
+transformers on tiny random float32 checkpoints.
+
+Two checkpoints: the releases' shape (conv window 3, no conv biases, tied embeddings) and
+one with conv biases, a window of 4 and an untied head. Every 1-D parameter (norms, biases)
+is randomized (``save_tiny_checkpoint``). Logits must match HF's over a packed prefill, a
+decode, a 2-token chunk over the carried state and a step mixing a chunk and a decode
+(``check_logits`` of tests/test_mamba2_models.py); greedy tokens through ``LLM`` must be HF
+``generate``'s, also with chunked prefill, fewer state slots than requests and preemption.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
+from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
+from test_mamba2_models import StateRunner, check_logits
+
+from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
+from chassis.builtin_plugins.models.lfm2 import Lfm2ForCausalLM, lfm2_layer_kinds
+from chassis.core.model_interface import ModelBuildContext
+
+ARCHS = ("released", "conv_bias")
+
+
+def tiny_config(arch: str, **overrides: Any) -> Any:
+    from transformers import Lfm2Config
+
+    fields = {
+        key: TINY_CONFIG_FIELDS[key]
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+        )
+    }
+    fields.update(
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        intermediate_size=128,  # adjusted to 2/3, rounded up to 32: 96
+        block_multiple_of=32,
+        norm_eps=1e-5,
+    )
+    if arch == "conv_bias":
+        fields.update(conv_bias=True, conv_L_cache=4, tie_word_embeddings=False)
+    return Lfm2Config(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        arch: save_tiny_checkpoint(tiny_config(arch), tmp_path_factory.mktemp(arch), seed=7)
+        for arch in ARCHS
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    check_logits(model_dirs[arch])
+
+
+def test_the_layers_are_read(model_dirs: dict[str, Path]) -> None:
+    model = StateRunner(model_dirs["conv_bias"]).model
+    kinds = [layer.conv is not None for layer in model.model.layers]
+    assert kinds == [True, False, True, True] and model.num_attention_layers == 1
+    assert model.model.layers[1].self_attn.attn.layer_idx == 0  # its KV cache
+    assert [s.shape for s in model.request_state_specs()] == [(64, 3)] * 3
+    assert [layer.conv.state_index for layer in model.model.layers if layer.conv] == [0, 1, 2]
+    assert model.model.layers[0].mlp.down_proj.in_features == 96
+    assert model.graph_capture_blocker() is not None
+
+
+def test_unknown_layer_types_are_refused() -> None:
+    config = tiny_config("released")
+    config.layer_types = ["conv", "sliding_attention", "conv", "conv"]
+    with pytest.raises(ValueError, match="sliding_attention"):
+        Lfm2ForCausalLM(config, ModelBuildContext(TorchPagedAttention, torch.float32))
+    config.layer_types = ["conv", "full_attention"]
+    with pytest.raises(ValueError, match="each of the 4 layers"):
+        lfm2_layer_kinds(config)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    """All prompts (1 to 40 tokens) in one ``generate``."""
+    model_dir = model_dirs[arch]
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS) == hf_greedy(
+        model_dir, PROMPTS, MAX_TOKENS
+    )
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, chunks of <= 7
+        {"max_num_seqs": 2},  # more requests than state slots: slots are reused
+    ],
+    ids=["chunked-prefill", "two-slots"],
+)
+def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], engine: dict) -> None:
+    model_dir = model_dirs["released"]
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine) == expected
+
+
+def test_preemption_keeps_the_tokens(model_dirs: dict[str, Path]) -> None:
+    """A preempted request recomputes its state from position 0."""
+    from chassis.core.llm import LLM
+    from chassis.core.sampling_params import SamplingParams
+
+    model_dir = model_dirs["released"]
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=100,
+        num_kv_blocks=28,
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected
