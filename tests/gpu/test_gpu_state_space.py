@@ -1,13 +1,15 @@
 """State-space models on a GPU (run by tests/gpu/run_gpu_checks.sh's pytest step).
 
-The engine on tests/test_mamba2_models.py's tiny random checkpoints (a dense Granite 4.0-H
-without position encoding: Mamba2 layers beside ``triton_paged`` attention layers; a pure
-Mamba2; the MoE variant is left to the CPU suite, out of this step's kernel compiles), float32 on
-CUDA: greedy tokens equal HF ``generate``'s on the same GPU (transformers' torch path when
-the ``mamba_ssm`` kernels are absent), with whole prefills, with 7-token prefill chunks
-carrying the state across steps, and with two state slots for more requests than that.
+The engine on the CPU suite's tiny random checkpoints, float32 on CUDA: greedy tokens equal
+HF ``generate``'s on the same GPU (transformers' torch paths when the ``mamba_ssm``/``fla``
+kernels are absent). A dense Granite 4.0-H without position encoding (Mamba2 layers beside
+``triton_paged`` attention layers) and a pure Mamba2 with whole prefills, with 7-token prefill
+chunks carrying the state across steps, and with two state slots for more requests than
+that; Mamba-1, Falcon-H1 and LFM2 with the chunks. The MoE models (Granite 4.0-H MoE, Jamba,
+Qwen3-Next) are left to the CPU suite, out of this step's kernel compiles.
 Decode graphs are not captured for these models (``graph_capture_blocker``): the engine
-starts eager. tests/test_mamba2_models.py runs the same checks on the CPU.
+starts eager. tests/test_mamba2_models.py, test_mamba1_models.py, test_falcon_h1.py and
+test_lfm2.py run the same checks on the CPU.
 """
 
 from __future__ import annotations
@@ -27,23 +29,35 @@ pytestmark = [
 
 PROMPT_LENS = (5, 17, 40, 3, 29)
 
+ENGINES = {"whole": {}, "chunked": {"max_num_batched_tokens": 7}, "two-slots": {"max_num_seqs": 2}}
+#: (test module with ``tiny_config(arch)``, arch, engine): every engine setting on the dense
+#: Granite 4.0-H and Mamba2, chunked prefill (the state carried across steps) on the others
+CASES = [
+    *[
+        ("test_mamba2_models", arch, e)
+        for arch in ("granite_dense_nope", "mamba2")
+        for e in ENGINES
+    ],
+    ("test_mamba1_models", "mamba", "chunked"),
+    ("test_falcon_h1", "released", "chunked"),
+    ("test_lfm2", "released", "chunked"),
+]
 
-@pytest.mark.parametrize("arch", ["granite_dense_nope", "mamba2"])
-@pytest.mark.parametrize(
-    "engine",
-    [{}, {"max_num_batched_tokens": 7}, {"max_num_seqs": 2}],
-    ids=["whole", "chunked", "two-slots"],
-)
-def test_engine_matches_hf_greedy_on_cuda(tmp_path: Path, arch: str, engine: dict) -> None:
+
+@pytest.mark.parametrize(("module", "arch", "engine"), CASES, ids=lambda v: str(v))
+def test_engine_matches_hf_greedy_on_cuda(
+    tmp_path: Path, module: str, arch: str, engine: str
+) -> None:
+    import importlib
     import random
 
     from fixtures_models import save_tiny_checkpoint
     from test_gpu_engine import NEW_TOKENS, hf_greedy
-    from test_mamba2_models import tiny_config
 
     from chassis.core.llm import LLM
     from chassis.core.sampling_params import SamplingParams
 
+    tiny_config = importlib.import_module(module).tiny_config
     model_dir = save_tiny_checkpoint(tiny_config(arch), tmp_path / arch, seed=5)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in PROMPT_LENS]
@@ -55,7 +69,7 @@ def test_engine_matches_hf_greedy_on_cuda(tmp_path: Path, arch: str, engine: dic
         attention_backend="triton_paged",
         max_model_len=256,
         gpu_memory_utilization=0.2,
-        **engine,
+        **ENGINES[engine],
     )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
