@@ -24,15 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from chassis.builtin_plugins.models.granitemoehybrid import NoPEAttention
+from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaMLP
 from chassis.builtin_plugins.models.sparse_moe import MoeSpec, SparseMoeBlock, SparseMoeForCausalLM
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.mamba_mixer import MambaMixer, MambaSpec
-from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.model_interface import ModelBuildContext
 from chassis.core.request_state_cache import RequestStateSpec
@@ -66,38 +64,13 @@ def jamba_mamba_spec(hf_config: Any) -> MambaSpec:
     )
 
 
-class JambaDecoderLayer(nn.Module):
-    """A pre-norm layer around a mamba mixer (``mamba``) or attention (``self_attn``) and a
-    feed-forward block (``mlp``); returns ``(mlp output, residual stream)`` as
-    :class:`~chassis.builtin_plugins.models.llama.LlamaDecoderLayer`."""
+class JambaDecoderLayer(HybridDecoderLayer):
+    """A Jamba layer: a Mamba-1 mixer (``mamba``) or attention (``self_attn``), then a
+    dense or mixture-of-experts feed-forward block (``mlp``)."""
 
-    def __init__(self, spec: DecoderSpec, mixer: nn.Module, mlp: nn.Module) -> None:
-        super().__init__()
-        self.mamba: MambaMixer | None = mixer if isinstance(mixer, MambaMixer) else None
-        self.self_attn: nn.Module | None = None if self.mamba is not None else mixer
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.mamba is not None:
-            hidden_states = self.mamba(hidden_states, ctx)
-        else:
-            assert self.self_attn is not None
-            hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    state_mixer_name = "mamba"
+    mamba: MambaMixer | None
+    state_mixer_cls = MambaMixer
 
 
 class JambaForCausalLM(SparseMoeForCausalLM):

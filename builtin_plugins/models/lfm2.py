@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaForCausalLM
-from chassis.core.attention import ForwardContext
-from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.layers.short_conv import ShortConv
 from chassis.core.model_interface import ModelBuildContext
@@ -77,38 +76,12 @@ def lfm2_mlp_width(hf_config: Any) -> int:
     return width
 
 
-class Lfm2DecoderLayer(nn.Module):
-    """Pre-norm mixer (``conv`` or ``self_attn``) and MLP blocks, the residual add fused into
-    the norms; returns ``(mlp output, residual stream)`` as :class:`~chassis.builtin_plugins.
-    models.llama.LlamaDecoderLayer`."""
+class Lfm2DecoderLayer(HybridDecoderLayer):
+    """An LFM2 layer: the gated short convolution (``conv``) or attention (``self_attn``)."""
 
-    def __init__(self, spec: DecoderSpec, mixer: nn.Module, mlp: nn.Module) -> None:
-        super().__init__()
-        self.conv: ShortConv | None = mixer if isinstance(mixer, ShortConv) else None
-        self.self_attn: nn.Module | None = None if self.conv is not None else mixer
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.conv is not None:
-            hidden_states = self.conv(hidden_states, ctx)
-        else:
-            assert self.self_attn is not None
-            hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    state_mixer_name = "conv"
+    conv: ShortConv | None
+    state_mixer_cls = ShortConv
 
 
 class Lfm2ForCausalLM(LlamaForCausalLM):

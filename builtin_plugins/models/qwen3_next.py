@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaModel
 from chassis.builtin_plugins.models.sparse_moe import MoeSpec, SparseMoeForCausalLM, qwen_moe_spec
 from chassis.core.attention import ForwardContext
@@ -109,38 +110,14 @@ class GatedAttention(LlamaAttention):
         return self.o_proj(out)
 
 
-class Qwen3NextDecoderLayer(nn.Module):
-    """Pre-norm layer around Gated DeltaNet (``linear_attn``) or gated attention
-    (``self_attn``) and the MLP; returns ``(mlp output, residual stream)`` as
-    :class:`~chassis.builtin_plugins.models.llama.LlamaDecoderLayer`."""
+class Qwen3NextDecoderLayer(HybridDecoderLayer):
+    """A Qwen3-Next layer: Gated DeltaNet (``linear_attn``) or gated attention
+    (``self_attn``), zero-centred norms (``(1 + weight)``)."""
 
-    def __init__(self, spec: DecoderSpec, mixer: nn.Module, mlp: nn.Module) -> None:
-        super().__init__()
-        self.linear_attn: GatedDeltaNet | None = mixer if isinstance(mixer, GatedDeltaNet) else None
-        self.self_attn: nn.Module | None = None if self.linear_attn is not None else mixer
-        self.mlp = mlp
-        self.input_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.linear_attn is not None:
-            hidden_states = self.linear_attn(hidden_states, ctx)
-        else:
-            assert self.self_attn is not None
-            hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    state_mixer_name = "linear_attn"
+    linear_attn: GatedDeltaNet | None
+    state_mixer_cls = GatedDeltaNet
+    norm_cls = GemmaRMSNorm
 
 
 class Qwen3NextForCausalLM(SparseMoeForCausalLM):
