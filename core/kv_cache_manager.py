@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -239,10 +239,10 @@ class KVCacheManager:
         #: the window every attention layer reads within, with one group; None otherwise
         self.sliding_window = single_group_window(windows)
         #: whether any group releases blocks (a window or a chunk group): a null block then
-        self._has_window = any(
+        self._releases_blocks = any(
             w is not None or c is not None for w, c in zip(windows, chunks, strict=True)
         )
-        self.block_pool = BlockPool(num_blocks, reserve_null_block=self._has_window)
+        self.block_pool = BlockPool(num_blocks, reserve_null_block=self._releases_blocks)
         #: blocks of the KV cache tensors (the null block included when reserved)
         self.num_blocks = num_blocks
         #: blocks requests can hold (``num_blocks`` less the null block)
@@ -288,7 +288,7 @@ class KVCacheManager:
     def group_num_null_blocks(self, request_id: str) -> list[int]:
         """:meth:`num_null_blocks` of every group; empty when no group has a window or chunks
         (every count is then 0: the scheduler sends no list per request and step)."""
-        if not self._has_window:
+        if not self._releases_blocks:
             return []
         states = self._requests.get(request_id)
         return [state.num_null_blocks for state in states] if states else [0] * self.num_groups
@@ -371,13 +371,21 @@ class KVCacheManager:
 
     def _group_hit(self, group: int, hashes: list[BlockHash]) -> list[int]:
         """``group``'s longest hit over ``hashes``: a cached prefix without a window or
-        chunks, else :meth:`_window_hit` or :meth:`_chunk_hit`."""
+        chunks, else the longest hit whose next query finds every block it reads
+        (:meth:`_longest_readable_hit`)."""
+        size = self.block_size
         window = self.group_windows[group]
         if window is not None:
-            return self._window_hit(group, window, hashes)
+            # the next query (position k * size) reads from key k * size - W + 1 on
+            return self._longest_readable_hit(
+                group, hashes, lambda k: max(0, k * size - window + 1) // size
+            )
         chunk = self.group_chunks[group]
         if chunk is not None:
-            return self._chunk_hit(group, chunk, hashes)
+            # ... from its chunk's start on (the module docstring, "Chunk groups")
+            return self._longest_readable_hit(
+                group, hashes, lambda k: k * size // chunk * chunk // size
+            )
         hit_blocks: list[int] = []
         for block_hash in hashes:
             block_id = self.block_pool.get_cached_block(_group_key(group, block_hash))
@@ -386,30 +394,13 @@ class KVCacheManager:
             hit_blocks.append(block_id)
         return hit_blocks
 
-    def _window_hit(self, group: int, window: int, hashes: list[BlockHash]) -> list[int]:
-        """The longest window-valid hit over ``hashes`` (see :meth:`get_computed_blocks`):
-        block ids with the null block before the blocks the window needs."""
-        size = self.block_size
-        found = [self.block_pool.get_cached_block(_group_key(group, h)) for h in hashes]
-        # run_start[i]: the first block of the run of cached blocks that ends at block i
-        run_start = [0] * len(found)
-        for i, block_id in enumerate(found):
-            if block_id is not None:
-                run_start[i] = run_start[i - 1] if i and found[i - 1] is not None else i
-        # a hit of k blocks needs blocks first..k-1 cached, first holding the first key the
-        # next query (position k * size) reads: k * size - W + 1
-        for k in range(len(found), 0, -1):
-            first = max(0, k * size - window + 1) // size
-            if found[k - 1] is not None and run_start[k - 1] <= first:
-                needed = [b for b in found[first:k] if b is not None]
-                return [NULL_BLOCK_ID] * first + needed
-        return []
-
-    def _chunk_hit(self, group: int, chunk: int, hashes: list[BlockHash]) -> list[int]:
-        """The longest chunk-valid hit over ``hashes`` (the module docstring, "Chunk
-        groups"): block ids with the null block before the blocks the next query's chunk
-        needs."""
-        size = self.block_size
+    def _longest_readable_hit(
+        self, group: int, hashes: list[BlockHash], first_read: Callable[[int], int]
+    ) -> list[int]:
+        """The longest hit of ``k`` blocks over ``hashes`` (see :meth:`get_computed_blocks`)
+        whose blocks ``first_read(k) .. k - 1`` (those the next query, at position ``k *
+        block_size``, reads: its window's or its chunk's) are all cached; block ids with the
+        null block in place of the ``first_read(k)`` blocks before them (``[]``: none)."""
         found = [self.block_pool.get_cached_block(_group_key(group, h)) for h in hashes]
         # missing_upto[i]: the last uncached block among 0..i (-1: none)
         last_missing = -1
@@ -418,11 +409,9 @@ class KVCacheManager:
             if block_id is None:
                 last_missing = i
             missing_upto.append(last_missing)
-        # a hit of k blocks: the next query sits at k * size and reads from its chunk's
-        # start on, so blocks first..k-1 must be cached (none when that start is k * size)
         for k in range(len(found), 0, -1):
-            first = k * size // chunk * chunk // size
-            if first == k or missing_upto[k - 1] < first:
+            first = first_read(k)
+            if missing_upto[k - 1] < first:  # (always when first == k: nothing to read)
                 return [NULL_BLOCK_ID] * first + [b for b in found[first:k] if b is not None]
         return []
 

@@ -10,9 +10,11 @@ gated_delta_rule`) with L2-normalized queries and keys, each query/key head shar
 group's value heads; then an RMSNorm per value head gated by ``silu(z)`` and ``out_proj``.
 
 Each request carries two tensors across steps (:meth:`GatedDeltaNet.state_specs`): the last
-``conv_kernel - 1`` conv inputs ``[conv_dim, conv_kernel - 1]`` in the model dtype and the
-delta-rule state ``[num_v_heads, k_head_dim, v_head_dim]`` in float32, read from and written
-back to the request's slot (``ctx.state_slots``) as the Mamba2 mixer does. In a step, the
+``conv_kernel - 1`` conv inputs ``[conv_dim, conv_kernel - 1]`` and the delta-rule state
+``[num_v_heads, k_head_dim, v_head_dim]``, stored in the model dtype unless
+``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` say otherwise (as vLLM; the delta rule
+computes in float32: a 16-bit state is widened when read and rounded when written), read
+from and written back to the request's slot (``ctx.state_slots``) as the Mamba2 mixer does. In a step, the
 requests with one token (decodes) run as one batch; the others (prefill chunks) as another,
 the delta rule chunk by chunk over the requests padded to one length (or, with
 ``use_reference``, request by request, token by token).
@@ -140,13 +142,18 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(s.value_dim, s.hidden_size, bias=False)
 
     def state_specs(self, prefix: str, dtype: torch.dtype) -> list[RequestStateSpec]:
-        """This layer's per-request tensors: the conv window (``dtype``) and the delta-rule
-        state (float32)."""
+        """This layer's per-request tensors: the conv window (``kind="conv"``) and the
+        delta-rule state (``kind="ssm"``), in ``dtype`` (the model's, as vLLM) unless
+        --mamba-cache-dtype / --mamba-ssm-cache-dtype say otherwise; the delta rule runs in
+        float32 either way."""
         s = self.spec
         return [
-            RequestStateSpec(f"{prefix}.conv", (s.conv_dim, s.conv_kernel - 1), dtype),
+            RequestStateSpec(f"{prefix}.conv", (s.conv_dim, s.conv_kernel - 1), dtype, kind="conv"),
             RequestStateSpec(
-                f"{prefix}.recurrent", (s.num_v_heads, s.k_head_dim, s.v_head_dim), torch.float32
+                f"{prefix}.recurrent",
+                (s.num_v_heads, s.k_head_dim, s.v_head_dim),
+                dtype,
+                kind="ssm",
             ),
         ]
 

@@ -9,8 +9,10 @@ normalized (:attr:`MambaSpec.bcdt_norm`); ``dt = softplus(dt_proj(dt))``; the se
 gate ``y * silu(z)`` and ``out_proj``.
 
 Each request carries two tensors across steps (:meth:`MambaMixer.state_specs`): the last
-``d_conv - 1`` conv inputs ``[intermediate, d_conv - 1]`` in the model dtype and the SSM
-state ``[intermediate, d_state]`` in float32, read from the request's slot
+``d_conv - 1`` conv inputs ``[intermediate, d_conv - 1]`` and the SSM state ``[intermediate,
+d_state]``, stored in the model dtype unless ``--mamba-cache-dtype`` /
+``--mamba-ssm-cache-dtype`` say otherwise (the scan computes in float32: a 16-bit state is
+widened when read and rounded when written), read from the request's slot
 (``ctx.state_slots``) and written back, as the Mamba2 mixer does
 (:mod:`chassis.core.layers.mamba2_mixer`, whose step split and conv layout this reuses).
 Decodes advance in one batched step; prefill chunks run one varlen scan (a token loop or a
@@ -123,12 +125,16 @@ class MambaMixer(nn.Module):
             self.c_layernorm = _RMSNormNoWeight(spec.bcdt_norm_eps)
 
     def state_specs(self, prefix: str, dtype: torch.dtype) -> list[RequestStateSpec]:
-        """This layer's per-request tensors: the conv window (``dtype``) and the SSM state
-        (float32)."""
+        """This layer's per-request tensors: the conv window (``kind="conv"``) and the SSM
+        state (``kind="ssm"``), in ``dtype`` (the model's, as HF and vLLM) unless
+        --mamba-cache-dtype / --mamba-ssm-cache-dtype say otherwise; the scan runs in float32
+        either way."""
         s = self.spec
         return [
-            RequestStateSpec(f"{prefix}.conv", (s.intermediate_size, s.d_conv - 1), dtype),
-            RequestStateSpec(f"{prefix}.ssm", (s.intermediate_size, s.d_state), torch.float32),
+            RequestStateSpec(
+                f"{prefix}.conv", (s.intermediate_size, s.d_conv - 1), dtype, kind="conv"
+            ),
+            RequestStateSpec(f"{prefix}.ssm", (s.intermediate_size, s.d_state), dtype, kind="ssm"),
         ]
 
     def graph_capture_blocker(self) -> str | None:
@@ -153,7 +159,7 @@ class MambaMixer(nn.Module):
             conv_pool = ctx.request_states[self.state_index]
             ssm_pool = ctx.request_states[self.state_index + 1]
             conv_states = conv_pool[slots]
-            ssm_states = ssm_pool[slots]
+            ssm_states = ssm_pool[slots].float()  # (a 16-bit pool: the scan stays float32)
 
         A = -torch.exp(self.A_log.float())
         D = self.D.float()
