@@ -48,6 +48,7 @@ from chassis.core.pooling_config import apply_pooling_defaults
 from chassis.core.pooling_input import EmbeddingModelInfo, process_pooling
 from chassis.core.pooling_outputs import EmbeddingRequestOutput
 from chassis.core.pooling_params import PoolingParams
+from chassis.core.prompt_embeds import EmbedsPrompt
 from chassis.core.request import EngineCoreOutputs, SchedulerStats
 from chassis.core.sampling_params import SamplingParams
 from chassis.core.sleep_mode import (
@@ -354,7 +355,7 @@ class AsyncLLM:
     @staticmethod
     async def _off_loop_when_slow(
         call: Callable[[], T],
-        prompt: str | list[int],
+        prompt: str | list[int] | EmbedsPrompt,
         sampling_params: SamplingParams,
         lora_request: LoRARequest | None,
         multi_modal_data: Mapping[str, Any] | None = None,
@@ -362,10 +363,12 @@ class AsyncLLM:
         """``call()`` (the input processor on one request), in a worker thread when it may
         be slow: a long text prompt to tokenize, a new structured-output constraint to
         compile (up to ~0.1 s for a large schema), a LoRA adapter whose first check reads its
-        files, images to process; on the event loop otherwise."""
+        files, images to process, a prompt given as embeddings (every value checked, the
+        rows copied to bytes); on the event loop otherwise."""
         long_prompt = isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS
         if (
             long_prompt
+            or isinstance(prompt, EmbedsPrompt)
             or sampling_params.structured_outputs is not None
             or lora_request is not None
             or multi_modal_data is not None

@@ -285,10 +285,9 @@ class InputProcessor:
                 "prompt_logprobs cannot be computed for prompt_embeds (the prompt has no token ids)"
             )
         if self._hidden_size is None:
-            from chassis.core.model_loader import engine_hf_config
+            from chassis.core.model_loader import engine_hf_config, language_model_config
 
-            hf = engine_hf_config(self.config)
-            hf = getattr(hf, "text_config", None) or hf
+            hf = language_model_config(engine_hf_config(self.config))  # (the engine's sizes)
             self._hidden_size = int(hf.hidden_size)
         embeds = check_embeds(prompt.embeds, self._hidden_size)
         return [PLACEHOLDER_TOKEN_ID] * len(embeds), embeds

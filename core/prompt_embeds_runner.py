@@ -1,8 +1,9 @@
 """The model runner's prompts given as input embeddings (:mod:`chassis.core.prompt_embeds`).
 
 A request that came with ``prompt_embeds`` keeps its rows here, on the device, from the step
-that brings it to the runner until it finishes or is preempted (it then comes back as new,
-rows and all, and its prompt is computed again from them). A step that schedules any of its
+that brings it to the runner until the step that computes the last of them (or until it
+finishes or is preempted: it then comes back as new, rows and all, and its prompt is
+computed again from them), so decode steps skip all this. A step that schedules any of its
 prompt positions (a chunked prefill schedules a slice) runs on ``embed_input_ids(ids)`` with
 those positions' rows replaced by the given ones; positions past the prompt (generated
 tokens) keep the model's own embeddings. Nothing here runs for requests given as tokens.
@@ -40,8 +41,9 @@ def prompt_embeds_refusal(model: CausalLM) -> str | None:
     ):
         return f"{name}'s decoder {type(decoder).__name__} takes no inputs_embeds (or has no embed)"
     if getattr(decoder, "embedding_multiplier", None) is not None:
-        # (HF scales given inputs_embeds too; which side of the scale the rows sit on is
-        # not settled here, so such models refuse rather than answer differently)
+        # (HF and vLLM scale given inputs_embeds too for Gemma and Granite: the rows sit
+        # before the scale, and taking them means scaling each piece here; HF's Falcon-H1
+        # scales only its own embeddings. Not done yet: such models refuse)
         return f"{name} scales its token embeddings (Gemma's sqrt(hidden_size), Granite's)"
     return None
 
@@ -60,11 +62,12 @@ class PromptEmbedsRunner:
             )
         self.model = model
         self.device = device
-        #: request id -> its prompt's rows ``[prompt_len, hidden]`` on the device
+        #: request id -> its prompt's rows ``[prompt_len, hidden]`` on the device, until the
+        #: step that computes the last of them
         self._embeds: dict[str, torch.Tensor] = {}
 
     def __bool__(self) -> bool:
-        """Whether any request in the runner has prompt embeddings."""
+        """Whether any request in the runner has prompt rows still to compute."""
         return bool(self._embeds)
 
     def add(self, request_id: str, embeds: MultiModalTensor | None) -> None:
@@ -102,9 +105,16 @@ class PromptEmbedsRunner:
             end = min(start + int(num_scheduled[i]), rows.shape[0])
             if start < end:
                 pieces.append((int(query_start_loc[i]), rows[start:end]))
+            if end == rows.shape[0]:
+                # the last rows are in this step: later steps decode on the model's own
+                # embeddings, so they skip all this (a preempted request comes back with
+                # its rows: add)
+                del self._embeds[request_id]
         if not pieces:
             return inputs_embeds
         embeds = self.model.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         for target, piece in pieces:
-            embeds[target : target + len(piece)] = piece.to(embeds.dtype)
+            # (only the hidden-size columns: Qwen3-VL's rows carry zero deepstack columns
+            # after them, which a text position keeps)
+            embeds[target : target + len(piece), : piece.shape[1]] = piece.to(embeds.dtype)
         return embeds
