@@ -310,6 +310,13 @@ class CausalLM(nn.Module, ABC):
         return cls
 
     @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        """Raise ``ValueError`` when ``hf_config``'s model cannot be split over ``size``
+        tensor-parallel ranks in ways the engine does not check itself (it checks
+        ``num_attention_heads`` and the KV heads); called before any rank starts. Nothing by
+        default (state-space models check their mixers' heads and groups)."""
+
+    @classmethod
     def context_length(cls, hf_config: Any) -> int | None:
         """The longest sequence the model can run when its config's length keys
         (``max_position_embeddings``, ...) overstate it, else ``None`` (those keys decide).

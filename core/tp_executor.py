@@ -468,7 +468,8 @@ def step_summary(output: ModelRunnerOutput) -> list[Any]:
 
 
 def _check_model_splits(config: EngineConfig) -> None:
-    """The model's class shards itself, its attention heads divide by the group's size, and
+    """The model's class shards itself and accepts the group's size
+    (``check_tensor_parallel``), its attention heads (if any) divide by the group's size, and
     its KV heads split over the group or replicate (``parallel_state.kv_head_split``)."""
     from chassis.core.model_loader import engine_hf_config, kv_head_count, model_class
     from chassis.core.parallel_state import kv_head_split
@@ -481,6 +482,9 @@ def _check_model_splits(config: EngineConfig) -> None:
             f"{cls.__name__} cannot be sharded (its supports_tensor_parallel is False); use "
             "--tensor-parallel-size 1"
         )
+    cls.check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    if getattr(hf_config, "num_attention_heads", None) is None:
+        return  # no attention layers (Mamba2)
     heads = int(hf_config.num_attention_heads)
     if heads % config.tensor_parallel_size:
         raise ValueError(

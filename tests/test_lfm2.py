@@ -6,11 +6,14 @@ one with conv biases, a window of 4 and an untied head. Every 1-D parameter (nor
 is randomized (``save_tiny_checkpoint``). Logits must match HF's over a packed prefill, a
 decode, a 2-token chunk over the carried state and a step mixing a chunk and a decode
 (``check_logits`` of tests/test_mamba2_models.py); greedy tokens through ``LLM`` must be HF
-``generate``'s, also with chunked prefill, fewer state slots than requests and preemption.
+``generate``'s, also with chunked prefill, fewer state slots than requests and preemption,
+and over two tensor-parallel ranks.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
 from test_mamba2_models import StateRunner, check_logits
+from test_tensor_parallel import wait_for_no_workers
 
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
 from chassis.builtin_plugins.models.lfm2 import Lfm2ForCausalLM, lfm2_layer_kinds
@@ -131,3 +135,19 @@ def test_preemption_keeps_the_tokens(model_dirs: dict[str, Path]) -> None:
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == expected
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_two_ranks_match_transformers(model_dirs: dict[str, Path]) -> None:
+    """Two real ranks, each with half of every conv layer's channels (their rows of
+    ``in_proj``'s three parts and of ``conv``, their ``out_proj`` columns, the ``out_proj``
+    bias on rank 0), the attention heads and MLP columns: HF's greedy tokens, chunked."""
+    model_dir = model_dirs["conv_bias"]
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    got = chassis_greedy(
+        model_dir, PROMPTS, MAX_TOKENS, tensor_parallel_size=2, max_num_batched_tokens=16
+    )
+    assert got == expected
+    gc.collect()  # the engine is gone, and with it the worker rank
+    wait_for_no_workers()

@@ -224,7 +224,7 @@ def test_falcon_mamba_with_chunked_prefill(model_dirs: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize("arch", ["mamba", "jamba"])
-def test_prefix_caching_is_off_tp_and_spec_decoding_refused(
+def test_prefix_caching_is_off_and_spec_decoding_refused(
     model_dirs: dict[str, Path], arch: str
 ) -> None:
     from chassis.core.llm import LLM
@@ -232,8 +232,6 @@ def test_prefix_caching_is_off_tp_and_spec_decoding_refused(
     model_dir = model_dirs[arch]
     llm = LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=32)
     assert llm.config.enable_prefix_caching is False
-    with pytest.raises(ValueError, match="cannot be sharded"):
-        LLM(str(model_dir), dtype="float32", max_model_len=64, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="speculative decoding"):
         LLM(
             str(model_dir),

@@ -371,7 +371,7 @@ def test_a_fixed_kv_budget_holds_the_state_pool(model_dirs: dict[str, Path]) -> 
         assert pool.num_free + len(pool.slot_of) == 3
 
 
-def test_prefix_caching_is_off_tp_and_spec_decoding_refused(
+def test_prefix_caching_is_off_and_spec_decoding_refused(
     model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     from chassis.core.llm import LLM
@@ -381,8 +381,6 @@ def test_prefix_caching_is_off_tp_and_spec_decoding_refused(
         llm = LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=32)
     assert llm.config.enable_prefix_caching is False
     assert "prefix caching is off" in caplog.text
-    with pytest.raises(ValueError, match="cannot be sharded"):
-        LLM(str(model_dir), dtype="float32", max_model_len=64, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="speculative decoding"):
         LLM(
             str(model_dir),

@@ -19,12 +19,17 @@ As HF transformers' ``FalconH1`` code defines it, layer ``i`` is
 
 Every layer has a KV cache and a request state (conv window and SSM state). The checkpoint's
 ``feed_forward``, ``pre_ff_layernorm`` and ``model.final_layernorm`` load as the Llama
-decoder's ``mlp``, ``post_attention_layernorm`` and ``model.norm``. Tensor parallelism is
-refused.
+decoder's ``mlp``, ``post_attention_layernorm`` and ``model.norm``.
+
+Tensor parallel: attention, MLP, embeddings and LM head as Llama's (the MLP's output summed
+over the group, the logits gathered); each mixer keeps this rank's heads and groups
+(:mod:`chassis.core.layers.mamba2_shard`: ``mamba_n_heads`` must divide by the ranks,
+``mamba_n_groups`` divide them or by them) and its output is summed over the group.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -38,10 +43,20 @@ from chassis.builtin_plugins.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
 )
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import Mamba2Mixer, Mamba2Spec, check_silu
+from chassis.core.layers.mamba2_mixer import (
+    Mamba2Mixer,
+    Mamba2Spec,
+    ShardedMixer,
+    check_silu,
+    mamba2_checkpoint_part,
+    mamba2_mixers,
+)
+from chassis.core.layers.mamba2_shard import mamba2_shard
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding
+from chassis.core.layers.vocab_parallel import gather_logits
 from chassis.core.model_interface import ModelBuildContext
 from chassis.core.request_state_cache import RequestStateSpec
 
@@ -112,7 +127,8 @@ class KeyScaledAttention(LlamaAttention):
 
 class FalconH1MLP(nn.Module):
     """``down_proj(silu(gate_multiplier * gate) * up) * down_multiplier``, gate and up merged
-    in ``gate_up_proj``."""
+    in ``gate_up_proj`` (this rank's columns; the output summed over the tensor-parallel
+    group)."""
 
     def __init__(self, spec: DecoderSpec, gate_multiplier: float, down_multiplier: float) -> None:
         super().__init__()
@@ -124,7 +140,8 @@ class FalconH1MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(up * F.silu(gate * self.gate_multiplier)) * self.down_multiplier
+        out = self.down_proj(up * F.silu(gate * self.gate_multiplier)) * self.down_multiplier
+        return parallel_state.all_reduce(out)
 
 
 class FalconH1DecoderLayer(nn.Module):
@@ -172,10 +189,14 @@ class FalconH1DecoderLayer(nn.Module):
 class FalconH1ForCausalLM(LlamaForCausalLM):
     """``FalconH1ForCausalLM`` checkpoints. Layer ``i`` reads KV cache ``i`` and holds
     request-state tensors ``2i`` (conv) and ``2i + 1`` (SSM). Refused when built: a
-    ``hidden_act`` other than ``silu``, mixer shapes that do not fit."""
+    ``hidden_act`` other than ``silu``, mixer shapes that do not fit (or do not split over
+    ``--tensor-parallel-size``)."""
 
-    supports_tensor_parallel = False
     has_recurrent_state = True
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        mamba2_shard(falcon_h1_mamba_spec(hf_config), size, 0)
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -220,7 +241,20 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
         return specs
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return (self.lm_head(hidden_states) * self.lm_head_multiplier).float()
+        logits = self.lm_head(hidden_states)
+        if parallel_state.tp_size() > 1:
+            logits = gather_logits(logits, self.vocab_size)
+        return (logits * self.lm_head_multiplier).float()
+
+    @functools.cached_property
+    def _mamba_mixers(self) -> dict[str, ShardedMixer]:
+        return mamba2_mixers(self)
+
+    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """As Llama's, and a mixer's tensors cut by :func:`mamba2_checkpoint_part`."""
+        if ".mamba." in name:
+            return mamba2_checkpoint_part(self._mamba_mixers, name, tensor)
+        return super()._tensor_parallel_slice(name, tensor)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -15,11 +15,17 @@ As HF transformers' ``GraniteMoeHybrid`` code defines it:
   multipliers as in :mod:`~chassis.builtin_plugins.models.granite`.
 
 Checkpoint names and the expert and shared-MLP loading are Granite MoE Shared's; the mixers'
-tensors (``mamba.*``) load under their own names. Tensor parallelism is refused.
+tensors (``mamba.*``) load under their own names.
+
+Tensor parallel: attention, MLPs, experts, embeddings and LM head as Granite MoE's; each
+mixer keeps this rank's heads and groups (:mod:`chassis.core.layers.mamba2_shard`:
+``mamba_n_heads`` must divide by the ranks, ``mamba_n_groups`` divide them or by them) and
+its output is summed over the group.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -27,8 +33,17 @@ from torch import nn
 
 from chassis.builtin_plugins.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaMLP, LlamaModel
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import Mamba2Mixer, Mamba2Spec, check_silu
+from chassis.core.layers.mamba2_mixer import (
+    Mamba2Mixer,
+    Mamba2Spec,
+    ShardedMixer,
+    check_silu,
+    mamba2_checkpoint_part,
+    mamba2_mixers,
+)
+from chassis.core.layers.mamba2_shard import mamba2_shard
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.model_interface import ModelBuildContext
@@ -101,7 +116,9 @@ class SharedMlpBlock(nn.Module):
 
     def __init__(self, spec: DecoderSpec, intermediate_size: int) -> None:
         super().__init__()
-        self.shared_mlp = LlamaMLP(spec, intermediate_size)
+        # this rank's columns (all of them without tensor parallelism)
+        _, share = parallel_state.shard(intermediate_size, "shared_intermediate_size")
+        self.shared_mlp = LlamaMLP(spec, share)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared_mlp(x)
@@ -157,11 +174,16 @@ class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
     Attention layer ``j`` (counting attention layers only) reads KV cache ``j``
     (:attr:`num_attention_layers` of them); mamba layer ``m`` holds request-state tensors
     ``2m`` (conv) and ``2m + 1`` (SSM). Refused when built: a ``hidden_act`` other than
-    ``silu``, unknown ``layer_types``, mixer shapes that do not fit, Granite MoE's refusals.
+    ``silu``, unknown ``layer_types``, mixer shapes that do not fit (or do not split over
+    ``--tensor-parallel-size``), Granite MoE's refusals.
     """
 
-    supports_tensor_parallel = False
     has_recurrent_state = True
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        if "mamba" in hybrid_layer_kinds(hf_config):
+            mamba2_shard(granite_mamba_spec(hf_config), size, 0)
 
     def build_decoder(self, hf_config: Any, build_ctx: ModelBuildContext) -> LlamaModel:
         self.layer_kinds = hybrid_layer_kinds(hf_config)
@@ -209,6 +231,16 @@ class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
     @property
     def num_attention_layers(self) -> int:
         return hybrid_layer_kinds(self.hf_config).count("attention")
+
+    @functools.cached_property
+    def _mamba_mixers(self) -> dict[str, ShardedMixer]:
+        return mamba2_mixers(self)
+
+    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """As Llama's, and a mixer's tensors cut by :func:`mamba2_checkpoint_part`."""
+        if ".mamba." in name:
+            return mamba2_checkpoint_part(self._mamba_mixers, name, tensor)
+        return super()._tensor_parallel_slice(name, tensor)
 
     def request_state_specs(self) -> list[RequestStateSpec]:
         specs: list[RequestStateSpec] = []

@@ -17,19 +17,31 @@ As HF transformers' ``Jamba`` code defines it:
 Checkpoint names map onto the Llama / sparse-MoE modules (``feed_forward`` -> ``mlp``,
 ``router`` -> ``gate``, per-expert ``gate_proj``/``up_proj``/``down_proj`` into the stacked
 experts). Only the attention layers have a KV cache; the mamba layers carry a state per
-request. Tensor parallelism is refused.
+request.
+
+Tensor parallel: attention, MLPs, experts, embeddings and LM head as the other MoE models';
+each mixer keeps ``intermediate / N`` channels (:mod:`~chassis.core.layers.mamba_mixer`:
+``x_proj``'s and ``out_proj``'s partial outputs summed over the group; the ``dt``/``B``/``C``
+norms whole on every rank).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import torch
 from torch import nn
 
 from chassis.builtin_plugins.models.granitemoehybrid import NoPEAttention
 from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaMLP
 from chassis.builtin_plugins.models.sparse_moe import MoeSpec, SparseMoeBlock, SparseMoeForCausalLM
+from chassis.core.layers.mamba2_mixer import (
+    ShardedMixer,
+    mamba2_checkpoint_part,
+    mamba2_mixers,
+)
 from chassis.core.layers.mamba_mixer import MambaMixer, MambaSpec
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.model_interface import ModelBuildContext
@@ -79,10 +91,10 @@ class JambaForCausalLM(SparseMoeForCausalLM):
     Attention layer ``j`` (counting attention layers only) reads KV cache ``j``
     (:attr:`num_attention_layers` of them); mamba layer ``m`` holds request-state tensors
     ``2m`` (conv) and ``2m + 1`` (SSM). Refused when built: a ``hidden_act`` other than
-    ``silu``, a layer offset not below its period, shapes that do not fit.
+    ``silu``, a layer offset not below its period, shapes that do not fit (or do not split
+    over ``--tensor-parallel-size``).
     """
 
-    supports_tensor_parallel = False
     has_recurrent_state = True
     checkpoint_renames = (
         (".feed_forward.router.", ".mlp.gate."),
@@ -147,3 +159,22 @@ class JambaForCausalLM(SparseMoeForCausalLM):
             if layer.mamba is not None:
                 specs.extend(layer.mamba.state_specs(f"layers.{i}.mamba", self.state_dtype))
         return specs
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        inner = jamba_mamba_spec(hf_config).intermediate_size
+        if inner % size:
+            raise ValueError(
+                f"the Mamba mixer's intermediate_size ({inner}) is not divisible by "
+                f"--tensor-parallel-size {size}"
+            )
+
+    @functools.cached_property
+    def _mamba_mixers(self) -> dict[str, ShardedMixer]:
+        return mamba2_mixers(self)
+
+    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """As Llama's, and a mixer's tensors cut by its ``checkpoint_part``."""
+        if ".mamba." in name:
+            return mamba2_checkpoint_part(self._mamba_mixers, name, tensor)
+        return super()._tensor_parallel_slice(name, tensor)

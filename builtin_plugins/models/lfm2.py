@@ -13,11 +13,12 @@ As HF transformers' ``Lfm2`` code defines it:
   ``block_multiple_of``); the final norm is ``model.embedding_norm``.
 
 The checkpoint's names are renamed onto the Llama decoder's (:data:`_RENAMES`). Tensor
-parallelism is refused.
+parallelism splits the conv layers' channels (:class:`Lfm2ForCausalLM`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -26,6 +27,11 @@ from torch import nn
 
 from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaForCausalLM
+from chassis.core.layers.mamba2_mixer import (
+    ShardedMixer,
+    mamba2_checkpoint_part,
+    mamba2_mixers,
+)
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.layers.short_conv import ShortConv
 from chassis.core.model_interface import ModelBuildContext
@@ -87,10 +93,22 @@ class Lfm2DecoderLayer(HybridDecoderLayer):
 class Lfm2ForCausalLM(LlamaForCausalLM):
     """``Lfm2ForCausalLM`` checkpoints. Attention layer ``j`` (counting attention layers
     only) reads KV cache ``j``; conv layer ``c`` holds request-state tensor ``c``. Refused
-    when built: unknown ``layer_types``, a ``conv_L_cache`` below 2."""
+    when built: unknown ``layer_types``, a ``conv_L_cache`` below 2.
 
-    supports_tensor_parallel = False
+    Tensor parallel: attention, MLP, embeddings and LM head as Llama's; each short-conv
+    layer keeps ``hidden_size / N`` channels (:mod:`~chassis.core.layers.short_conv`) and
+    its output is summed over the group."""
+
     has_recurrent_state = True
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        hidden = int(hf_config.hidden_size)
+        if "conv" in lfm2_layer_kinds(hf_config) and hidden % size:
+            raise ValueError(
+                f"hidden_size ({hidden}) is not divisible by --tensor-parallel-size {size} "
+                "(the short-conv layers split their channels)"
+            )
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -145,3 +163,13 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
         return super().load_weights(renamed())
+
+    @functools.cached_property
+    def _conv_mixers(self) -> dict[str, ShardedMixer]:
+        return mamba2_mixers(self)
+
+    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """As Llama's, and a short-conv layer's tensors cut by its ``checkpoint_part``."""
+        if ".conv." in name:
+            return mamba2_checkpoint_part(self._conv_mixers, name, tensor)
+        return super()._tensor_parallel_slice(name, tensor)

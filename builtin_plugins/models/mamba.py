@@ -7,7 +7,11 @@ each block ``backbone.layers.<i>`` is ``x + mixer(norm(x))`` (an RMSNorm, then a
 ``residual_in_fp32``; ``backbone.norm_f``; ``lm_head`` (tied with ``tie_word_embeddings``).
 Falcon Mamba adds weightless RMS norms (``mixer_rms_eps``) on the mixer's ``dt``, ``B`` and
 ``C``. The model runs as :class:`~chassis.builtin_plugins.models.mamba2.Mamba2ForCausalLM`
-(same backbone, embeddings and loading), with the Mamba-1 mixer. Tensor parallelism is refused.
+(same backbone, embeddings and loading), with the Mamba-1 mixer.
+
+Tensor parallel: each mixer keeps ``intermediate / N`` channels (``x_proj``'s and
+``out_proj``'s partial outputs summed over the group: :mod:`~chassis.core.layers.mamba_mixer`);
+the embeddings, norms and LM head are whole on every rank.
 """
 
 from __future__ import annotations
@@ -81,6 +85,15 @@ class MambaForCausalLM(Mamba2ForCausalLM):
     #: how the mixers normalize dt, B and C (see :data:`~chassis.core.layers.mamba_mixer.
     #: BcdtNorm`)
     bcdt_norm: BcdtNorm = "none"
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        inner = mamba_spec(hf_config, cls.bcdt_norm).intermediate_size
+        if inner % size:
+            raise ValueError(
+                f"the Mamba mixer's intermediate_size ({inner}) is not divisible by "
+                f"--tensor-parallel-size {size}"
+            )
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         # Mamba2ForCausalLM's forward, logits, state specs and loading; its own parts here

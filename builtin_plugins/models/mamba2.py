@@ -5,8 +5,12 @@ As HF transformers' ``Mamba2`` code defines it: ``backbone.embeddings``; each bl
 ``backbone.layers.<i>`` is ``x + mixer(norm(x))`` (an RMSNorm, then a
 :class:`~chassis.core.layers.mamba2_mixer.Mamba2Mixer`), the residual stream kept in float32
 with ``residual_in_fp32``; ``backbone.norm_f``; ``lm_head`` (tied to the embeddings with
-``tie_word_embeddings``). No KV cache: every layer carries a state per request. Tensor
-parallelism is refused.
+``tie_word_embeddings``). No KV cache: every layer carries a state per request.
+
+Tensor parallel: each rank keeps its share of every mixer's heads and groups
+(:mod:`chassis.core.layers.mamba2_shard`; ``num_heads`` must divide by the ranks, and
+``n_groups`` divide them or by them), and the mixers' outputs are summed over the group; the
+embeddings, norms and LM head are whole on every rank.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ import torch
 from torch import nn
 
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import Mamba2Mixer, Mamba2Spec, check_silu
+from chassis.core.layers.mamba2_mixer import (
+    Mamba2Mixer,
+    Mamba2Spec,
+    check_silu,
+    mamba2_checkpoint_part,
+    mamba2_mixers,
+)
+from chassis.core.layers.mamba2_shard import mamba2_shard
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.model_interface import CausalLM, ModelBuildContext
 from chassis.core.request_state_cache import RequestStateSpec
@@ -74,9 +85,14 @@ class Mamba2Backbone(nn.Module):
 class Mamba2ForCausalLM(CausalLM):
     """``Mamba2ForCausalLM`` checkpoints. Layer ``i`` holds request-state tensors ``2i``
     (conv) and ``2i + 1`` (SSM). Refused when built: a ``hidden_act`` other than ``silu``,
-    mixer shapes that do not fit."""
+    mixer shapes that do not fit, or that do not split over ``--tensor-parallel-size``."""
 
+    supports_tensor_parallel = True
     has_recurrent_state = True
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        mamba2_shard(mamba2_spec(hf_config), size, 0)
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__(hf_config, build_ctx)
@@ -124,9 +140,11 @@ class Mamba2ForCausalLM(CausalLM):
         ``backbone.embeddings``); ``lm_head.weight`` is skipped when tied. Unknown names and
         shapes that do not match raise ``ValueError``."""
         params = dict(self.named_parameters())
+        mixers = mamba2_mixers(self)
         filled: set[str] = set()
         for name, tensor in weights:
             name = name.replace("backbone.embedding.", "backbone.embeddings.")
+            tensor = mamba2_checkpoint_part(mixers, name, tensor)  # this rank's part
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
             param = params.get(name)

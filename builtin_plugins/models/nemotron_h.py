@@ -9,7 +9,12 @@ Mamba2Mixer` (``mamba_num_heads`` x ``mamba_head_dim``, ``ssm_state_size``, time
 clamped below at ``time_step_min``); attention has no position encoding and the
 ``head_dim ** -0.5`` scale; the MLP is ``down_proj(relu(up_proj(x)) ** 2)``. The block norms
 multiply their weight in float32 before rounding (unlike Llama's). ``moe`` blocks (Nemotron 3)
-are refused, and tensor parallelism.
+are refused.
+
+Tensor parallel: each rank keeps its share of the attention heads (and KV heads, as Llama's),
+of the MLP columns (``up_proj`` rows, ``down_proj`` columns) and of every mixer's heads and
+groups (:mod:`chassis.core.layers.mamba2_shard`); ``o_proj``, ``down_proj`` and the mixers'
+outputs are summed over the group. The embeddings, norms and LM head are whole on every rank.
 """
 
 from __future__ import annotations
@@ -26,8 +31,16 @@ from chassis.builtin_plugins.models.llama import (
     copy_checkpoint_tensor,
     filled_parameters,
 )
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import Mamba2Mixer, Mamba2Spec, check_silu
+from chassis.core.layers.mamba2_mixer import (
+    Mamba2Mixer,
+    Mamba2Spec,
+    check_silu,
+    mamba2_checkpoint_part,
+    mamba2_mixers,
+)
+from chassis.core.layers.mamba2_shard import mamba2_shard
 from chassis.core.layers.norm import RMSNorm
 from chassis.core.model_interface import CausalLM, ModelBuildContext
 from chassis.core.request_state_cache import RequestStateSpec
@@ -91,7 +104,8 @@ class Fp32WeightRMSNorm(RMSNorm):
 
 
 class Relu2MLP(nn.Module):
-    """``down_proj(relu(up_proj(x)) ** 2)``."""
+    """``down_proj(relu(up_proj(x)) ** 2)``; ``intermediate_size`` is this rank's share of the
+    columns, and the output is summed over the tensor-parallel group."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
@@ -99,7 +113,7 @@ class Relu2MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        return parallel_state.all_reduce(self.down_proj(torch.relu(self.up_proj(x)).square()))
 
 
 class NemotronHBlock(nn.Module):
@@ -148,6 +162,9 @@ class NemotronHBackbone(nn.Module):
         mlp_act = getattr(hf_config, "mlp_hidden_act", "relu2")
         if "mlp" in kinds and mlp_act != "relu2":
             raise ValueError(f"mlp_hidden_act {mlp_act!r} is not supported (only 'relu2')")
+        #: the whole layers' shapes (the checkpoint's), and this rank's share
+        self.full_spec = spec
+        spec = spec.tensor_parallel_share()
         blocks = []
         for i, kind in enumerate(kinds):
             before = kinds[:i]
@@ -172,7 +189,18 @@ class NemotronHForCausalLM(CausalLM):
     (counting attention blocks) reads KV cache ``j``; mamba block ``m`` holds request-state
     tensors ``2m`` and ``2m + 1``."""
 
+    supports_tensor_parallel = True
     has_recurrent_state = True
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        if "mamba" in nemotron_h_block_kinds(hf_config):
+            mamba2_shard(nemotron_h_mamba_spec(hf_config), size, 0)
+        if int(hf_config.intermediate_size) % size:  # (the MLP blocks' columns)
+            raise ValueError(
+                f"intermediate_size ({hf_config.intermediate_size}) is not divisible by "
+                f"--tensor-parallel-size {size}"
+            )
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__(hf_config, build_ctx)
@@ -220,11 +248,14 @@ class NemotronHForCausalLM(CausalLM):
         of ``qkv_proj``, everything else by name; ``lm_head.weight`` skipped when tied.
         Unknown names and shapes that do not match raise ``ValueError``."""
         params = dict(self.named_parameters())
+        mixers = mamba2_mixers(self)
         filled: set[str] = set()
         shards_loaded: dict[str, set[str]] = {}
         for name, tensor in weights:
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
+            tensor = mamba2_checkpoint_part(mixers, name, tensor)
+            tensor = self._tensor_parallel_slice(name, tensor)
             unknown = (
                 f"checkpoint tensor {name!r} has no counterpart in {type(self).__name__}; "
                 "is the checkpoint's architecture right?"
@@ -245,3 +276,28 @@ class NemotronHForCausalLM(CausalLM):
             param.data.copy_(tensor)
             filled.add(name)
         return filled | filled_parameters(shards_loaded)
+
+    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of an attention or MLP checkpoint tensor: the rows of its query
+        heads (``q_proj``), KV heads (``k_proj``/``v_proj``) and MLP columns (``up_proj``),
+        the columns of ``o_proj``/``down_proj`` (whose biases rank 0 alone adds). Other
+        tensors are returned whole."""
+        if parallel_state.tp_size() == 1 or ".mixer." not in name:
+            return tensor
+        leaf = name.split(".")[-2]
+        full = self.backbone.full_spec
+        if leaf == "q_proj":
+            first, count = parallel_state.shard(full.num_heads, "num_attention_heads")
+        elif leaf in ("k_proj", "v_proj"):
+            first, count = parallel_state.shard_kv_heads(full.num_kv_heads)
+        elif leaf == "up_proj":
+            start, length = parallel_state.shard(tensor.shape[0], name)
+            return tensor[start : start + length]
+        elif leaf in ("o_proj", "down_proj"):
+            if name.endswith(".bias"):
+                return tensor if parallel_state.tp_rank() == 0 else torch.zeros_like(tensor)
+            start, length = parallel_state.shard(tensor.shape[1], name)
+            return tensor[:, start : start + length]
+        else:
+            return tensor
+        return tensor[first * full.head_dim : (first + count) * full.head_dim]

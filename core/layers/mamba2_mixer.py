@@ -17,21 +17,27 @@ layer reads each request's state from its slot (``ctx.state_slots``), which star
 and writes it back. The requests with one token in the step (decodes) run as one batch, the
 others (prefill chunks) as another: a gathered conv and the chunked varlen scan (or, with
 ``use_reference``, request by request: a padded conv1d and the token-by-token scan).
+
+Under tensor parallelism each rank keeps a share of the heads and groups
+(:mod:`chassis.core.layers.mamba2_shard`) and the layer's output is summed over the group; a
+model loads the checkpoint's whole tensors through :func:`mamba2_checkpoint_part`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
+from chassis.core.layers.mamba2_shard import mamba2_shard
 from chassis.core.layers.ssd_scan import ssd_chunked_varlen, ssd_recurrence, ssd_step
 from chassis.core.request_state_cache import RequestStateSpec
 
@@ -184,20 +190,40 @@ class GatedRMSNorm(nn.Module):
     end (HF's ``FalconH1RMSNormGated``)."""
 
     def __init__(
-        self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool = False
+        self,
+        hidden_size: int,
+        group_size: int,
+        eps: float,
+        norm_before_gate: bool = False,
+        shared_group: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.eps = eps
         self.norm_before_gate = norm_before_gate
+        #: under tensor parallelism, when this rank holds ``hidden_size`` channels of one
+        #: group of ``group_size`` spread over several ranks: ``(that group's index, the
+        #: number of groups)``; the squares are then summed over the tensor-parallel group
+        self.shared_group = shared_group
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         y = y.float()
         if not self.norm_before_gate:
             y = y * F.silu(z.float())
-        groups = y.view(*y.shape[:-1], -1, self.group_size)
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.shared_group is None:
+            groups = y.view(*y.shape[:-1], -1, self.group_size)
+            mean_square = groups.pow(2).mean(-1, keepdim=True)
+        else:
+            # this rank's channels are part of one group: every rank puts its sum of squares
+            # in its group's column and the all-reduce adds up each group's (exact)
+            group, num_groups = self.shared_group
+            groups = y.view(*y.shape[:-1], 1, y.shape[-1])
+            sums = y.new_zeros(*y.shape[:-1], num_groups)
+            sums[..., group] = y.pow(2).sum(-1)
+            sums = parallel_state.all_reduce(sums)
+            mean_square = (sums[..., group] / self.group_size)[..., None, None]
+        groups = groups * torch.rsqrt(mean_square + self.eps)
         if not self.norm_before_gate:
             return self.weight * groups.view(y.shape).to(dtype)
         return (self.weight.float() * groups.view(y.shape) * F.silu(z.float())).to(dtype)
@@ -210,11 +236,20 @@ class Mamba2Mixer(nn.Module):
     ``state_index`` is the position of this layer's first state tensor in the model's
     ``request_state_specs`` (its conv state; the SSM state follows).
     ``forward(hidden [T, hidden_size], ctx) -> [T, hidden_size]``.
+
+    Under tensor parallelism (:mod:`chassis.core.parallel_state`) the layer keeps this
+    rank's heads and groups (:mod:`chassis.core.layers.mamba2_shard`): ``spec`` is then the
+    local share (``full_spec`` the checkpoint's), its state tensors are the local sizes, the
+    checkpoint's tensors load through :meth:`checkpoint_part`, and :meth:`forward` returns
+    ``out_proj``'s output summed over the group.
     """
 
     def __init__(self, spec: Mamba2Spec, state_index: int) -> None:
         super().__init__()
-        self.spec = spec
+        self.shard = mamba2_shard(spec, parallel_state.tp_size(), parallel_state.tp_rank())
+        #: the whole layer's shapes (the checkpoint's), and this rank's share of them
+        self.full_spec = spec
+        spec = self.spec = self.shard.local
         self.state_index = state_index
         #: run the scan token by token (the reference) instead of in chunks
         self.use_reference = False
@@ -230,11 +265,15 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(spec.num_heads))
         self.norm: GatedRMSNorm | None = None
         if spec.gate_norm != "gate":
+            full = self.full_spec
             self.norm = GatedRMSNorm(
                 spec.intermediate_size,
-                spec.intermediate_size // spec.n_groups,
+                full.intermediate_size // full.n_groups,
                 spec.norm_eps,
                 norm_before_gate=spec.gate_norm == "norm_then_gate",
+                shared_group=(self.shard.first_group, full.n_groups)
+                if self.shard.ranks_per_group > 1
+                else None,
             )
         out_bias = spec.proj_bias if spec.out_proj_bias is None else spec.out_proj_bias
         self.out_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, out_bias)
@@ -248,6 +287,13 @@ class Mamba2Mixer(nn.Module):
         #: ``in_proj``'s output scale (``spec.proj_multipliers`` per part), or ``None``
         self.proj_scale: torch.Tensor | None
         self.register_buffer("proj_scale", scale, persistent=False)
+
+    def checkpoint_part(self, leaf: str, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+        """This rank's part of the checkpoint's whole tensor ``leaf`` of this layer
+        (``in_proj.weight``, ``A_log``, ...; ``what``, the checkpoint name, for errors):
+        :meth:`~chassis.core.layers.mamba2_shard.Mamba2Shard.checkpoint_part`; the tensor
+        itself without tensor parallelism."""
+        return self.shard.checkpoint_part(leaf, tensor, what or leaf)
 
     def state_specs(self, prefix: str, dtype: torch.dtype) -> list[RequestStateSpec]:
         """This layer's per-request tensors: the conv window and the SSM state, both stored
@@ -337,7 +383,8 @@ class Mamba2Mixer(nn.Module):
             out = (y * F.silu(z.float())).to(dtype)
         else:
             out = self.norm(y, z, dtype)
-        out = self.out_proj(out)
+        # (under tensor parallelism: each rank's heads' share, summed over the group)
+        out = parallel_state.all_reduce(self.out_proj(out))
         if out.shape[0] < hidden_states.shape[0]:  # padding rows past the step's tokens
             out = torch.cat([out, out.new_zeros(hidden_states.shape[0] - num_tokens, out.shape[1])])
         return out
@@ -429,3 +476,39 @@ class Mamba2Mixer(nn.Module):
             B.reshape(num_tokens, s.n_groups, s.d_state),
             C.reshape(num_tokens, s.n_groups, s.d_state),
         )
+
+
+class ShardedMixer(Protocol):
+    """A layer that cuts its own checkpoint tensors for this rank (the Mamba2 and Mamba-1
+    mixers)."""
+
+    def checkpoint_part(self, leaf: str, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+        """This rank's part of the layer's whole checkpoint tensor ``leaf``."""
+        ...
+
+
+def mamba2_mixers(model: nn.Module) -> dict[str, ShardedMixer]:
+    """``model``'s mixers that cut their checkpoint tensors (a ``checkpoint_part``
+    method: the Mamba2 and Mamba-1 mixers) by module name, for
+    :func:`mamba2_checkpoint_part`."""
+    return {
+        name: module  # type: ignore[misc]
+        for name, module in model.named_modules()
+        if callable(getattr(module, "checkpoint_part", None))
+    }
+
+
+def mamba2_checkpoint_part(
+    mixers: Mapping[str, ShardedMixer], name: str, tensor: torch.Tensor
+) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``name`` when it belongs to one of ``mixers``
+    (named as in the model: ``backbone.layers.0.mixer.in_proj.weight``), else ``tensor``
+    unchanged (also without tensor parallelism)."""
+    if parallel_state.tp_size() == 1:
+        return tensor
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        mixer = mixers.get(".".join(parts[:i]))
+        if mixer is not None:
+            return mixer.checkpoint_part(".".join(parts[i:]), tensor, name)
+    return tensor

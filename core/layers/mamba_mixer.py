@@ -17,10 +17,18 @@ widened when read and rounded when written), read from the request's slot
 (:mod:`chassis.core.layers.mamba2_mixer`, whose step split and conv layout this reuses).
 Decodes advance in one batched step; prefill chunks run one varlen scan (a token loop or a
 parallel scan, :attr:`MambaMixer.use_reference`).
+
+Under tensor parallelism (as vLLM's ``MambaMixer``) each rank keeps ``intermediate / N``
+channels: its rows of ``in_proj``'s ``x`` and ``z`` halves, of ``conv1d``, ``dt_proj``,
+``A_log`` and ``D``, and its columns of ``x_proj`` and ``out_proj``; ``x_proj``'s partial
+outputs (``dt``, ``B``, ``C``, which every channel reads) and ``out_proj``'s are summed over
+the group. A model loads the checkpoint's whole tensors through
+:meth:`MambaMixer.checkpoint_part`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.mamba2_mixer import conv_layout, step_split
 from chassis.core.layers.selective_scan import selective_scan_varlen, selective_step
@@ -99,7 +108,13 @@ class MambaMixer(nn.Module):
 
     def __init__(self, spec: MambaSpec, state_index: int) -> None:
         super().__init__()
-        self.spec = spec
+        #: the whole layer's shapes (the checkpoint's); ``spec`` is this rank's share
+        self.full_spec = spec
+        #: this rank's first channel of the ``intermediate`` ones (0 without tensor parallelism)
+        self.first_channel, inner = parallel_state.shard(
+            spec.intermediate_size, "the Mamba mixer's intermediate_size"
+        )
+        spec = self.spec = dataclasses.replace(spec, intermediate_size=inner)
         self.state_index = state_index
         #: prefill scans token by token (``True``) or as parallel scans (``False``); ``None``:
         #: by device (see :func:`~chassis.core.layers.selective_scan.selective_scan_varlen`)
@@ -123,6 +138,36 @@ class MambaMixer(nn.Module):
             self.dt_layernorm = _RMSNormNoWeight(spec.bcdt_norm_eps)
             self.b_layernorm = _RMSNormNoWeight(spec.bcdt_norm_eps)
             self.c_layernorm = _RMSNormNoWeight(spec.bcdt_norm_eps)
+
+    def checkpoint_part(self, leaf: str, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+        """This rank's part of the checkpoint's whole tensor ``leaf`` of this layer
+        (``in_proj.weight``, ``A_log``, ...; ``what``, the checkpoint name, for errors): its
+        channels' rows (of both ``in_proj`` halves), ``x_proj``'s and ``out_proj``'s columns
+        (``out_proj``'s bias on rank 0 alone); the tensor itself without tensor parallelism."""
+        if parallel_state.tp_size() == 1:
+            return tensor
+        full, first, inner = (
+            self.full_spec.intermediate_size,
+            self.first_channel,
+            self.spec.intermediate_size,
+        )
+        module = leaf.split(".")[0]
+        if module == "in_proj":
+            if tensor.shape[0] != 2 * full:
+                raise ValueError(
+                    f"checkpoint tensor {what or leaf!r} has {tensor.shape[0]} rows, expected "
+                    f"{2 * full} (does config.json match the weights?)"
+                )
+            return torch.cat(
+                [tensor[first : first + inner], tensor[full + first : full + first + inner]]
+            )
+        if module in ("conv1d", "dt_proj", "A_log", "D"):  # by channel (dt_proj: its rows)
+            return tensor[first : first + inner]
+        if leaf == "x_proj.weight" or leaf == "out_proj.weight":
+            return tensor[:, first : first + inner]
+        if leaf == "out_proj.bias":  # added once, after the sum over the ranks
+            return tensor if parallel_state.tp_rank() == 0 else torch.zeros_like(tensor)
+        return tensor
 
     def state_specs(self, prefix: str, dtype: torch.dtype) -> list[RequestStateSpec]:
         """This layer's per-request tensors: the conv window (``kind="conv"``) and the SSM
@@ -204,7 +249,8 @@ class MambaMixer(nn.Module):
         if slots is not None:
             conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
             ssm_pool.index_copy_(0, slots, new_ssm.to(ssm_pool.dtype))
-        out = self.out_proj((y * F.silu(z.float())).to(dtype))
+        # (under tensor parallelism: each rank's channels' share, summed over the group)
+        out = parallel_state.all_reduce(self.out_proj((y * F.silu(z.float())).to(dtype)))
         if out.shape[0] < hidden_states.shape[0]:  # padding rows past the step's tokens
             out = torch.cat([out, out.new_zeros(hidden_states.shape[0] - num_tokens, out.shape[1])])
         return out
@@ -213,7 +259,9 @@ class MambaMixer(nn.Module):
         """``xc [T, I]`` (after the conv) -> ``dt [T, I]`` (float32, after softplus),
         ``B``/``C`` ``[T, N]``."""
         s = self.spec
-        dt, B, C = self.x_proj(xc).split([s.dt_rank, s.d_state, s.d_state], dim=-1)
+        # every channel reads dt, B and C: the ranks' partial products are summed
+        projected = parallel_state.all_reduce(self.x_proj(xc))
+        dt, B, C = projected.split([s.dt_rank, s.d_state, s.d_state], dim=-1)
         if self.dt_layernorm is not None:
             assert self.b_layernorm is not None and self.c_layernorm is not None
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)

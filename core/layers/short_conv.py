@@ -10,6 +10,11 @@ Each request carries one tensor across steps (:meth:`ShortConv.state_specs`): th
 requests (decodes and prefill chunks alike) are convolved together: every request's state
 rows are put before its tokens in one sequence and each token reads its window with one
 gather (:func:`~chassis.core.layers.mamba2_mixer.conv_layout`).
+
+Under tensor parallelism each rank keeps ``hidden / N`` channels (its rows of each of
+``in_proj``'s three parts and of ``conv``, its columns of ``out_proj``, whose partial outputs
+are summed over the group); the checkpoint's whole tensors load through
+:meth:`ShortConv.checkpoint_part`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import itertools
 import torch
 from torch import nn
 
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.mamba2_mixer import conv_layout
 from chassis.core.request_state_cache import RequestStateSpec
@@ -37,16 +43,46 @@ class ShortConv(nn.Module):
         if kernel_size < 2:
             raise ValueError(f"short conv window (conv_L_cache) must be >= 2, got {kernel_size}")
         self.hidden_size = hidden_size
+        #: this rank's channels: ``width`` of them from ``first_channel`` (all of them
+        #: without tensor parallelism)
+        self.first_channel, width = parallel_state.shard(hidden_size, "hidden_size")
+        self.width = width
         self.kernel_size = kernel_size
         self.state_index = state_index
-        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
-        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias)
-        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.in_proj = nn.Linear(hidden_size, 3 * width, bias=bias)
+        self.conv = nn.Conv1d(width, width, kernel_size, groups=width, bias=bias)
+        self.out_proj = nn.Linear(width, hidden_size, bias=bias)
+
+    def checkpoint_part(self, leaf: str, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+        """This rank's part of the checkpoint's whole tensor ``leaf`` of this layer
+        (``in_proj.weight``, ...; ``what``, the checkpoint name, for errors): its channels'
+        rows of each ``in_proj`` part (``B``, ``C``, ``x``) and of ``conv``, its columns of
+        ``out_proj`` (whose bias rank 0 alone adds); the tensor itself without tensor
+        parallelism."""
+        if parallel_state.tp_size() == 1:
+            return tensor
+        first, width, hidden = self.first_channel, self.width, self.hidden_size
+        if leaf.startswith("in_proj."):
+            if tensor.shape[0] != 3 * hidden:
+                raise ValueError(
+                    f"checkpoint tensor {what or leaf!r} has {tensor.shape[0]} rows, expected "
+                    f"{3 * hidden} (does config.json match the weights?)"
+                )
+            parts = tensor.split(hidden)
+            return torch.cat([part[first : first + width] for part in parts])
+        if leaf.startswith("conv."):
+            return tensor[first : first + width]
+        if leaf == "out_proj.weight":
+            return tensor[:, first : first + width]
+        if leaf == "out_proj.bias":  # added once, after the sum over the ranks
+            return tensor if parallel_state.tp_rank() == 0 else torch.zeros_like(tensor)
+        return tensor
 
     def state_specs(self, prefix: str, dtype: torch.dtype) -> list[RequestStateSpec]:
-        """This layer's per-request tensor: the conv window ``[hidden, L - 1]`` in ``dtype``
-        (the model's) unless --mamba-cache-dtype says otherwise (``kind`` ``"conv"``)."""
-        shape = (self.hidden_size, self.kernel_size - 1)
+        """This layer's per-request tensor: the conv window ``[hidden, L - 1]`` (this rank's
+        channels) in ``dtype`` (the model's) unless --mamba-cache-dtype says otherwise
+        (``kind`` ``"conv"``)."""
+        shape = (self.width, self.kernel_size - 1)
         return [RequestStateSpec(f"{prefix}.conv", shape, dtype, kind="conv")]
 
     def graph_capture_blocker(self) -> str | None:
@@ -57,7 +93,7 @@ class ShortConv(nn.Module):
         num_reqs = metadata.num_reqs
         bounds = metadata.query_start_loc_cpu.tolist()[: num_reqs + 1]
         num_tokens = bounds[-1]
-        k, width = self.kernel_size, self.hidden_size
+        k, width = self.kernel_size, self.width
         B, C, x = self.in_proj(hidden_states[:num_tokens]).chunk(3, dim=-1)
         bx = B * x
 
@@ -83,7 +119,8 @@ class ShortConv(nn.Module):
             new_states = extended[layout.last_rows].transpose(1, 2)
             pool.index_copy_(0, slots, new_states.to(pool.dtype))
 
-        out = self.out_proj(C * conv_out)
+        # (under tensor parallelism: each rank's channels' share, summed over the group)
+        out = parallel_state.all_reduce(self.out_proj(C * conv_out))
         if num_tokens < hidden_states.shape[0]:  # padding rows past the step's tokens
-            out = torch.cat([out, out.new_zeros(hidden_states.shape[0] - num_tokens, width)])
+            out = torch.cat([out, out.new_zeros(hidden_states.shape[0] - num_tokens, out.shape[1])])
         return out
