@@ -116,9 +116,9 @@ class MambaMixer(nn.Module):
         )
         spec = self.spec = dataclasses.replace(spec, intermediate_size=inner)
         self.state_index = state_index
-        #: prefill scans token by token (``True``) or as parallel scans (``False``); ``None``:
-        #: by device (see :func:`~chassis.core.layers.selective_scan.selective_scan_varlen`)
-        self.use_reference: bool | None = None
+        #: prefill scans token by token (``True``, the default) or as parallel scans
+        #: (``False``; see :func:`~chassis.core.layers.selective_scan.selective_scan_varlen`)
+        self.use_reference = True
         inner = spec.intermediate_size
         self.in_proj = nn.Linear(spec.hidden_size, 2 * inner, spec.proj_bias)
         self.conv1d = nn.Conv1d(inner, inner, spec.d_conv, groups=inner, bias=spec.conv_bias)

@@ -11,14 +11,14 @@ requests by one token each (decodes); :func:`selective_scan_varlen` runs several
 packed tokens at once, padded to the longest request with ``dt = 0`` (which leaves a state
 exactly as it was), in one of two ways:
 
-- the token loop (``reference=True``; the default on CPU): one batched
+- the token loop (``reference=True``, the default): one batched
   :func:`selective_step` per token, the obviously-correct path;
-- the parallel scan (``reference=False``; the default elsewhere): chunks of tokens, each an
+- the parallel scan (``reference=False``, asked for): chunks of tokens, each an
   inclusive prefix scan (Hillis-Steele: ``log2(chunk)`` rounds over the ``(decay, input)``
   pairs), the state handed from chunk to chunk. It does ``log2`` times the loop's
-  arithmetic in a few large kernels instead of a few small ones per token: on one CPU
-  thread it was 17-30x slower than the loop (512 tokens, 1536 channels, 16 states); the
-  default off CPU trades that for far fewer kernel launches, unmeasured so far (no GPU run).
+  arithmetic in a few large kernels instead of a few small ones per token: slower than the
+  loop on the CPU; whether its fewer kernel launches pay on a GPU is unmeasured (no GPU
+  run), so it is not the default anywhere.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def selective_scan_varlen(
     D: torch.Tensor,
     lengths: tuple[int, ...],
     *,
-    reference: bool | None = None,
+    reference: bool = True,
     max_chunk_elements: int = 1 << 24,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``R`` requests' tokens, request ``r``'s ``lengths[r]`` contiguous: ``h0 [R, I, N]``
@@ -86,8 +86,6 @@ def selective_scan_varlen(
 
     xp, dtp, Bp, Cp = padded(x), padded(dt), padded(B), padded(C)
     h = h0.float()
-    if reference is None:
-        reference = x.device.type == "cpu"
     if reference:
         ys = []
         for t in range(longest):
