@@ -131,6 +131,13 @@ class CausalLM(nn.Module, ABC):
     #: runner passes each request's slot in ``ctx.state_slots``.
     has_recurrent_state: bool = False
 
+    #: Why the model cannot run prompts given as input embeddings
+    #: (``--enable-prompt-embeds``) although it implements :meth:`embed_input_ids` and its
+    #: forward takes ``inputs_embeds`` (its decoder embeds the tokens itself: OLMo 2's,
+    #: OPT's); ``None`` (the default): it can. The flag is refused at start with this reason
+    #: (:func:`~chassis.core.prompt_embeds_runner.prompt_embeds_refusal`).
+    prompt_embeds_refusal: str | None = None
+
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
         super().__init__()
         self.hf_config = hf_config
@@ -174,6 +181,17 @@ class CausalLM(nn.Module, ABC):
         forward takes ``inputs_embeds`` of that width: Qwen3-VL puts its deepstack inputs
         beside the embedding (zero for text tokens). The runner only moves whole rows."""
         raise NotImplementedError(f"{type(self).__name__} does not take multimodal inputs")
+
+    def prompt_embeds_to_inputs(self, rows: torch.Tensor) -> torch.Tensor:
+        """Prompt rows given as embeddings -> the rows :meth:`forward` reads as
+        ``inputs_embeds`` (:meth:`embed_input_ids`' kind), in the model's dtype.
+
+        Given rows are HF's ``inputs_embeds``: what the checkpoint's input embedding layer
+        returns (``model.get_input_embeddings()(ids)``). The default keeps them: the model
+        scales nothing, or scales inside that layer (Gemma's ``sqrt(hidden_size)``). A model
+        whose HF forward scales ``inputs_embeds`` after that layer, given ones too
+        (Granite's ``embedding_multiplier``), applies its scale here."""
+        return rows
 
     def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One multimodal item's embeddings: ``inputs`` are its processed tensors

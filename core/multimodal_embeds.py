@@ -12,7 +12,13 @@ running the tower. The forms taken are vLLM's, per model (its class attribute
   each;
 * ``"grid"`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``{"image_embeds": [tokens, hidden_size],
   "image_grid_thw": [n, 3]}`` is ``n`` images, image ``i`` the next ``t * h * w /
-  merge_size**2`` rows; the grid also gives the images' M-RoPE positions.
+  merge_size**2`` rows; the grid also gives the images' M-RoPE positions;
+* ``"tiles"`` (Llama 4, whose run's tile separators need the image's tile grid):
+  ``{"image_embeds": [rows, hidden_size], "aspect_ratios": [n, 2]}`` is ``n`` images, image
+  ``i`` of ``r x c`` tiles (HF's ``aspect_ratios``) the next ``(r * c + (1 if r * c > 1)) *
+  per_tile`` rows (a global tile after a grid of several; ``per_tile`` the rows divided by
+  all the images' tiles); a tensor alone takes the ``"rows"`` form's shapes, each image one
+  tile (the model's processor refuses another count).
 
 The rows' width is the language model's ``hidden_size`` unless the model's class says
 otherwise (its classmethod ``image_embeds_width(hf_config)``: Qwen3-VL's rows carry its
@@ -25,8 +31,9 @@ itself, with its ``image_embeds_refusal`` as the reason when it has one.
 Each image becomes a :class:`PrecomputedItem` here, in the front-end; the model's processor
 expands its placeholder to ``length`` tokens (:meth:`~chassis.core.multimodal_processing.
 MultiModalProcessor.process`) and its feature's data is the rows (:data:`EMBEDS_KEY`) and,
-for the grid form, the grid (``image_grid_thw`` ``[1, 3]``), so the feature's identifier,
-which keys the prefix cache, is the hash of the rows. The runner hands a feature with
+for the grid form, the grid (``image_grid_thw`` ``[1, 3]``; the tiles form's item carries its
+``aspect_ratios`` ``[1, 2]`` to the processor, which writes the run from it), so the
+feature's identifier, which keys the prefix cache, is the hash of the rows. The runner hands a feature with
 :data:`EMBEDS_KEY` to the encoder-output cache as it is (:mod:`chassis.core.
 multimodal_runner`). Every refusal is a ``ValueError`` (the server's 400).
 
@@ -51,8 +58,10 @@ import torch
 EMBEDS_KEY = "image_embeds"
 #: the name of the grid in the grid form and in a feature's data
 GRID_KEY = "image_grid_thw"
+#: the name of the tile grids (rows, columns per image) in the tiles form and a feature's data
+ASPECT_KEY = "aspect_ratios"
 #: the forms a model may declare as ``image_embeds_form`` (``audio_embeds_form``: ``"rows"``)
-EMBEDS_FORMS = ("rows", "grid")
+EMBEDS_FORMS = ("rows", "grid", "tiles")
 #: the modalities whose items may be embeddings
 EMBEDS_MODALITIES = ("image", "audio")
 #: the most bytes one chat ``image_embeds`` payload may decode to (base64 decoded)
@@ -126,8 +135,10 @@ def precomputed_items(
     for item in items:
         if not is_embeds_item(item, modality):
             out.append(item)
-        elif form == "rows":
+        elif form == "rows" or (form == "tiles" and not isinstance(item, Mapping)):
             out.extend(_rows_items(item, width, model_cls.__name__, modality))
+        elif form == "tiles":
+            out.extend(_tiles_items(item, width, model_cls.__name__))
         else:
             merge = int(_field(hf_config.vision_config, "spatial_merge_size"))
             out.extend(_grid_items(item, width, merge, model_cls.__name__))
@@ -240,6 +251,56 @@ def _grid_items(item: Any, width: _Width, merge: int, model: str) -> list[Precom
     return out
 
 
+def _tiles_items(item: Mapping[Any, Any], width: _Width, model: str) -> list[PrecomputedItem]:
+    """A ``"tiles"`` model's dict: the rows of ``n`` images and their ``[n, 2]`` tile grids
+    (module docstring), one item each with its ``aspect_ratios`` ``[1, 2]``."""
+    hidden = width.size
+    form = f'{{"{EMBEDS_KEY}": [rows, {hidden}], "{ASPECT_KEY}": [images, 2]}}'
+    unknown = sorted(set(map(str, item)) - {EMBEDS_KEY, ASPECT_KEY})
+    if unknown or ASPECT_KEY not in item:
+        raise ValueError(
+            f"{model} takes image embeddings as a dict {form} (each image's tile rows and "
+            f"columns), or a tensor of one-tile images; got keys {sorted(map(str, item))}"
+        )
+    rows = _check_rows(item[EMBEDS_KEY], width, EMBEDS_KEY)
+    if rows.dim() != 2:
+        raise ValueError(f"{EMBEDS_KEY} has shape {tuple(rows.shape)}; expected [rows, {hidden}]")
+    grids = item[ASPECT_KEY]
+    if isinstance(grids, list | tuple):
+        grids = torch.tensor(grids)
+    if (
+        not isinstance(grids, torch.Tensor)
+        or grids.is_floating_point()
+        or grids.is_complex()
+        or grids.dtype == torch.bool
+        or grids.numel() == 0
+        or grids.numel() % 2
+    ):
+        raise ValueError(f"{ASPECT_KEY} must be integers [images, 2] (tile rows, columns)")
+    grids = grids.detach().to("cpu", torch.int64).reshape(-1, 2)
+    if bool((grids < 1).any()):
+        raise ValueError(f"{ASPECT_KEY} {grids.tolist()}: tile rows and columns must be >= 1")
+    # (a grid of several tiles is followed by the image's global tile)
+    tiles = [r * c + (r * c > 1) for r, c in grids.tolist()]
+    per_tile, rest = divmod(rows.shape[0], sum(tiles))
+    if rest or not per_tile:
+        raise ValueError(
+            f"{EMBEDS_KEY} has {rows.shape[0]} rows, not a multiple of the {sum(tiles)} tiles "
+            f"{ASPECT_KEY} {grids.tolist()} gives (rows * columns per image, plus a global "
+            "tile for each image of several)"
+        )
+    out: list[PrecomputedItem] = []
+    start = 0
+    for i, count in enumerate(tiles):
+        length = count * per_tile
+        chunk = rows[start : start + length].contiguous()
+        out.append(
+            PrecomputedItem(length, {EMBEDS_KEY: chunk, ASPECT_KEY: grids[i : i + 1].clone()})
+        )
+        start += length
+    return out
+
+
 def load_embeds(value: Any, modality: str = "image") -> Any:
     """A chat ``image_embeds`` (``audio_embeds``) part's payload as ``multi_modal_data``
     takes it: a base64
@@ -264,7 +325,8 @@ def load_embeds(value: Any, modality: str = "image") -> Any:
         }
     raise ValueError(
         "an image_embeds part needs 'image_embeds': the base64 of a torch.save'd tensor, or "
-        f"a dict of them ({EMBEDS_KEY}, {GRID_KEY}) for models that take a grid"
+        f"a dict of them ({EMBEDS_KEY}, {GRID_KEY} or {ASPECT_KEY}) for models that take a "
+        "grid"
     )
 
 

@@ -5,7 +5,8 @@ that brings it to the runner until the step that computes the last of them (or u
 finishes or is preempted: it then comes back as new, rows and all, and its prompt is
 computed again from them), so decode steps skip all this. A step that schedules any of its
 prompt positions (a chunked prefill schedules a slice) runs on ``embed_input_ids(ids)`` with
-those positions' rows replaced by the given ones; positions past the prompt (generated
+those positions' rows replaced by the given ones (as the model's forward reads them:
+``prompt_embeds_to_inputs``, Granite's scale); positions past the prompt (generated
 tokens) keep the model's own embeddings. Nothing here runs for requests given as tokens.
 """
 
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 def prompt_embeds_refusal(model: CausalLM) -> str | None:
     """Why ``model`` cannot run prompts given as embeddings (``None`` when it can): it needs
     :meth:`~chassis.core.model_interface.CausalLM.embed_input_ids` and a forward taking
-    ``inputs_embeds``."""
+    ``inputs_embeds``, and its class must not declare a reason of its own
+    (:attr:`~chassis.core.model_interface.CausalLM.prompt_embeds_refusal`)."""
     from chassis.core.model_interface import CausalLM
 
     name = type(model).__name__
@@ -34,17 +36,8 @@ def prompt_embeds_refusal(model: CausalLM) -> str | None:
         return f"{name} does not implement embed_input_ids"
     if "inputs_embeds" not in inspect.signature(model.forward).parameters:
         return f"{name}'s forward takes no inputs_embeds"
-    decoder = getattr(model, "model", None)  # (the Llama family hands the rows to it)
-    if isinstance(decoder, torch.nn.Module) and (
-        "inputs_embeds" not in inspect.signature(decoder.forward).parameters
-        or not callable(getattr(decoder, "embed", None))
-    ):
-        return f"{name}'s decoder {type(decoder).__name__} takes no inputs_embeds (or has no embed)"
-    if getattr(decoder, "embedding_multiplier", None) is not None:
-        # (HF and vLLM scale given inputs_embeds too for Gemma and Granite: the rows sit
-        # before the scale, and taking them means scaling each piece here; HF's Falcon-H1
-        # scales only its own embeddings. Not done yet: such models refuse)
-        return f"{name} scales its token embeddings (Gemma's sqrt(hidden_size), Granite's)"
+    if model.prompt_embeds_refusal is not None:
+        return f"{name}: {model.prompt_embeds_refusal}"
     return None
 
 
@@ -116,5 +109,6 @@ class PromptEmbedsRunner:
         for target, piece in pieces:
             # (only the hidden-size columns: Qwen3-VL's rows carry zero deepstack columns
             # after them, which a text position keeps)
-            embeds[target : target + len(piece), : piece.shape[1]] = piece.to(embeds.dtype)
+            rows = self.model.prompt_embeds_to_inputs(piece.to(embeds.dtype))
+            embeds[target : target + len(piece), : piece.shape[1]] = rows
         return embeds

@@ -499,7 +499,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     images = await load_images(state.renderer.chat_images, image_refs(conversation, num_earlier))
     if images:
         messages = with_images(messages, images)
-    check_audio(state.renderer.chat_images, audio_params(conversation, num_earlier))
+    await check_audio(state.renderer.chat_images, audio_params(conversation, num_earlier))
     chat_body = body.chat_request(messages)
     taken: list[Any] = []  # (the loaded images again, as the renderer took them)
     clips: list[Any] = []  # (the input_audio parts' clips, decoded by the renderer)

@@ -9,13 +9,18 @@ mp3 as on the chat route) and the clips go to the engine as the request's
 turn's), and :func:`check_audio` asks the engine whether it takes that many clips: a model
 without audio (``model 'm' (...) takes image inputs, not audio``) and
 ``--limit-mm-per-prompt`` are 400s naming the request's first audio part, before anything
-is decoded.
+is decoded. It then decodes the request's own clips once (off the event loop) so that bytes
+that are no audio, or an unknown format, are a 400 naming the part as Responses writes it
+(``input.N.content.M``), not the chat route's ``messages.N.content`` the renderer would
+name; the renderer decodes them again (a clip's decode is cheap next to its encoder run).
+Earlier turns' clips were decoded when their turn was taken.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from chassis.core.multimodal_inputs import ModalityRefusedError
 from chassis.serve.errors import bad_request
@@ -25,10 +30,19 @@ if TYPE_CHECKING:
     from chassis.core.chat_media import ChatImages
 
 
-def audio_params(items: Sequence[Mapping[str, Any]], num_earlier: int) -> list[tuple[str, str]]:
-    """``(param, label)`` of each audio part of a conversation's items, in order: the first
-    ``num_earlier`` items are earlier turns' (``previous_response_id``), the rest the
-    request's ``input`` (``input.N.content.M``, labelled ``input[N].content[M]``)."""
+class AudioRef(NamedTuple):
+    """One audio part of a conversation: the ``param`` a 400 names, the label its message
+    starts with, and the part itself."""
+
+    param: str
+    label: str
+    part: Mapping[str, Any]
+
+
+def audio_params(items: Sequence[Mapping[str, Any]], num_earlier: int) -> list[AudioRef]:
+    """Each audio part of a conversation's items, in order: the first ``num_earlier`` items
+    are earlier turns' (``previous_response_id``), the rest the request's ``input``
+    (``input.N.content.M``, labelled ``input[N].content[M]``)."""
     found = []
     for i, item in enumerate(items):
         content = item.get("content")
@@ -38,29 +52,46 @@ def audio_params(items: Sequence[Mapping[str, Any]], num_earlier: int) -> list[t
             if not isinstance(part, Mapping) or part.get("type") != AUDIO_PART:
                 continue
             if i < num_earlier:
-                found.append(("previous_response_id", f"previous_response_id (content[{j}])"))
+                label = f"previous_response_id (content[{j}])"
+                found.append(AudioRef("previous_response_id", label, part))
             else:
                 n = i - num_earlier
-                found.append((f"input.{n}.content.{j}", f"input[{n}].content[{j}]"))
+                found.append(AudioRef(f"input.{n}.content.{j}", f"input[{n}].content[{j}]", part))
     return found
 
 
-def check_audio(chat_images: ChatImages | None, params: Sequence[tuple[str, str]]) -> None:
+async def check_audio(chat_images: ChatImages | None, refs: Sequence[AudioRef]) -> None:
     """A 400 naming the request's first audio part (an earlier turn's when ``input`` has
-    none) when the engine does not take ``len(params)`` clips: no multimodal front-end, a
-    model without audio, ``--limit-mm-per-prompt``, an engine mode that takes no media.
-    Nothing for a conversation without audio."""
-    if not params:
+    none) when the engine does not take ``len(refs)`` clips: no multimodal front-end, a
+    model without audio, ``--limit-mm-per-prompt``, an engine mode that takes no media;
+    then a 400 naming the request's first part whose clip cannot be decoded (bytes that are
+    no audio, an unknown format). Nothing for a conversation without audio."""
+    if not refs:
         return
-    param, label = next((p for p in params if p[0] != "previous_response_id"), params[0])
+    param, label, _ = next((r for r in refs if r.param != "previous_response_id"), refs[0])
     if chat_images is None:
         raise bad_request(
             f"{label}: only text parts are supported (this server's engine takes no audio)",
             param,
         )
     try:
-        chat_images.multimodal.check_counts({"audio": len(params)})
+        chat_images.multimodal.check_counts({"audio": len(refs)})
     except ModalityRefusedError as exc:  # (the chat route's words)
         raise bad_request(f"{label}: audio parts are not supported ({exc})", param) from None
     except ValueError as exc:
         raise bad_request(f"{label}: {exc}", param) from None
+    own = [ref for ref in refs if ref.param != "previous_response_id"]
+    if own:
+        await asyncio.to_thread(_decode_each, chat_images, own)
+
+
+def _decode_each(chat_images: ChatImages, refs: Sequence[AudioRef]) -> None:
+    """Decode each part's clip (thrown away), a ``ValueError`` as a 400 naming the part."""
+    loader = chat_images.audio_loader
+    for ref in refs:
+        value = ref.part.get(AUDIO_PART)
+        value = value if isinstance(value, Mapping) else {}
+        try:
+            loader.load_input_audio(value.get("data"), value.get("format"))
+        except ValueError as exc:
+            raise bad_request(f"{ref.label}: {exc}", ref.param) from None

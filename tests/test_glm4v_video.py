@@ -228,6 +228,35 @@ def test_resized_clips_get_hf_grids(processor: Glm4vMediaInputs, hf_processor: A
     assert c[0] != a[0]
 
 
+def test_image_pixel_bounds_leave_videos_as_hf(
+    processor: Glm4vMediaInputs, hf_processor: Any
+) -> None:
+    """``min_pixels`` / ``max_pixels`` shrink the request's image but not its video: HF's
+    ``Glm4vVideoProcessor`` takes neither, so the clip keeps the checkpoint's video bounds
+    (HF's patch count for the same kwargs); bounds that sized the clip would shrink it."""
+    from chassis.builtin_plugins.models.qwen3_vl_video import frame_size
+
+    bounds = {"min_pixels": 28 * 28, "max_pixels": 56 * 56}
+    count, height, width = 4, 112, 140
+    items = {"image": [random_image(112, 112)], "video": [random_video(count, height, width)]}
+    prompt = chat("x", PLACEHOLDER + VIDEO)
+    plain = process(processor, prompt, items)[1]
+    bounded = process(processor, prompt, items, **bounds)[1]
+    (image_plain, video_plain), (image_bounded, video_bounded) = (
+        [next(f.tensors() for f in features if f.modality == m) for m in ("image", "video")]
+        for features in (plain, bounded)
+    )
+    # the image shrank; the clip's pixels are the same
+    assert image_bounded["image_grid_thw"].prod() < image_plain["image_grid_thw"].prod()
+    assert torch.equal(video_bounded["pixel_values_videos"], video_plain["pixel_values_videos"])
+    vp = hf_processor.video_processor
+    expected = vp.get_num_of_video_patches(count, height, width, dict(bounds))
+    assert expected == vp.get_num_of_video_patches(count, height, width)
+    assert int(video_bounded["video_grid_thw"].prod()) == expected
+    h, w = frame_size(count, height, width, processor.video_settings, **bounds)
+    assert count // 2 * (h // 14) * (w // 14) < expected
+
+
 def test_bad_videos_are_clear_errors(processor: Glm4vMediaInputs) -> None:
     cases = [
         (random_video(1, 56, 56), "at least 2 frames"),

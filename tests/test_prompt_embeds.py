@@ -202,20 +202,16 @@ def test_refusals(setup: dict[str, Any]) -> None:
 
 
 def test_models_that_cannot_take_rows_refuse_the_flag() -> None:
-    """A model without ``embed_input_ids``, one whose forward or decoder takes no
-    ``inputs_embeds``, and one that scales its embeddings refuse ``--enable-prompt-embeds``
-    by name (the runner is built at start, so the engine does not start)."""
+    """A model without ``embed_input_ids``, one whose forward takes no ``inputs_embeds``, and
+    one whose class declares ``prompt_embeds_refusal`` (OLMo 2's and OPT's decoders embed
+    the tokens themselves) refuse ``--enable-prompt-embeds`` by name (the runner is built at
+    start, so the engine does not start); one that scales its embeddings takes rows."""
+    from chassis.builtin_plugins.models.exaone4 import Exaone4ForCausalLM
+    from chassis.builtin_plugins.models.gpt2 import GPT2LMHeadModel
+    from chassis.builtin_plugins.models.olmo2 import Olmo2ForCausalLM
+    from chassis.builtin_plugins.models.opt import OPTForCausalLM
     from chassis.core.model_interface import CausalLM
     from chassis.core.prompt_embeds_runner import PromptEmbedsRunner, prompt_embeds_refusal
-
-    class Decoder(torch.nn.Module):
-        embedding_multiplier = None
-
-        def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return input_ids
-
-        def forward(self, input_ids: Any, positions: Any, ctx: Any, inputs_embeds: Any = None):
-            return inputs_embeds
 
     class TextOnly(CausalLM):
         def forward(self, input_ids: Any, positions: Any, ctx: Any) -> Any:  # type: ignore[override]
@@ -227,33 +223,28 @@ def test_models_that_cannot_take_rows_refuse_the_flag() -> None:
         def load_weights(self, weights: Any) -> set[str]:
             return set()
 
-    class Takes(TextOnly):
-        def __init__(self, decoder: torch.nn.Module) -> None:
-            super().__init__(None, None)  # type: ignore[arg-type]
-            self.model = decoder
-
-        def forward(self, input_ids: Any, positions: Any, ctx: Any, inputs_embeds: Any = None):  # type: ignore[override]
-            return input_ids
-
+    class NoEmbedsForward(TextOnly):
         def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
             return input_ids
 
-    class Scaled(Decoder):
-        embedding_multiplier = 8.0
-
-    class OldDecoder(torch.nn.Module):
-        def forward(self, input_ids: Any, positions: Any, ctx: Any) -> Any:
+    class Takes(NoEmbedsForward):
+        def forward(self, input_ids: Any, positions: Any, ctx: Any, inputs_embeds: Any = None):  # type: ignore[override]
             return input_ids
 
-    assert prompt_embeds_refusal(Takes(Decoder())) is None
+    class Declares(Takes):
+        prompt_embeds_refusal = "its decoder embeds the tokens itself"
+
+    assert prompt_embeds_refusal(Takes(None, None)) is None  # type: ignore[arg-type]
     for model, match in (
         (TextOnly(None, None), "does not implement embed_input_ids"),  # type: ignore[arg-type]
-        (Takes(OldDecoder()), "decoder OldDecoder takes no inputs_embeds"),
-        (Takes(Scaled()), "scales its token embeddings"),
+        (NoEmbedsForward(None, None), "forward takes no inputs_embeds"),  # type: ignore[arg-type]
+        (Declares(None, None), "Declares: its decoder embeds the tokens itself"),  # type: ignore[arg-type]
     ):
         assert match in (prompt_embeds_refusal(model) or "")
         with pytest.raises(ValueError, match=r"--enable-prompt-embeds: .*start without the flag"):
             PromptEmbedsRunner(model, torch.device("cpu"))
+    for cls in (Olmo2ForCausalLM, Exaone4ForCausalLM, OPTForCausalLM, GPT2LMHeadModel):
+        assert cls.prompt_embeds_refusal
 
 
 def test_the_runner_fills_the_hidden_columns_and_forgets_rows_once_computed() -> None:

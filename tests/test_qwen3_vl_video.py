@@ -216,6 +216,34 @@ def test_resized_clips_get_hf_grids(processor: Qwen3VLMediaInputs, hf_processor:
     assert c[0] != a[0]
 
 
+def test_image_pixel_bounds_leave_videos_as_hf(
+    processor: Qwen3VLMediaInputs, hf_processor: Any
+) -> None:
+    """``min_pixels`` / ``max_pixels`` shrink the request's image but not its video: HF's
+    video processor takes neither, so the clip keeps the checkpoint's video bounds (HF's
+    patch count for the same kwargs); bounds that sized the clip would shrink it."""
+    from chassis.builtin_plugins.models.qwen3_vl_video import frame_size
+
+    bounds = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
+    count, height, width = 4, 128, 160
+    items = {"image": [random_image(128, 128)], "video": [random_video(count, height, width)]}
+    plain = process(processor, chat("x", IMAGE + VIDEO), items)[1]
+    bounded = process(processor, chat("x", IMAGE + VIDEO), items, **bounds)[1]
+    (image_plain, video_plain), (image_bounded, video_bounded) = (
+        [next(f.tensors() for f in features if f.modality == m) for m in ("image", "video")]
+        for features in (plain, bounded)
+    )
+    # the image shrank; the clip's pixels are the same
+    assert image_bounded["image_grid_thw"].prod() < image_plain["image_grid_thw"].prod()
+    assert torch.equal(video_bounded["pixel_values_videos"], video_plain["pixel_values_videos"])
+    vp = hf_processor.video_processor
+    expected = vp.get_num_of_video_patches(count, height, width, dict(bounds))
+    assert expected == vp.get_num_of_video_patches(count, height, width)
+    assert int(video_bounded["video_grid_thw"].prod()) == expected
+    h, w = frame_size(count, height, width, processor.video_settings, **bounds)
+    assert count // 2 * (h // 16) * (w // 16) < expected
+
+
 def test_the_per_frame_cap_matches_hf(processor: Qwen3VLMediaInputs, hf_processor: Any) -> None:
     """With ``cap_pixels_per_frame`` (and a ``max_video_tokens`` of 8) the clip's frame size
     gives HF's patch count."""

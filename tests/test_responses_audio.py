@@ -2,7 +2,7 @@
 Qwen2-Audio (tests/fixtures_qwen2_audio.py), compared with the chat route: the same message
 and clip give the same prompt length and greedy text; a ``previous_response_id`` turn sees
 the earlier clip again; a malformed part, bad audio bytes and too many clips are 400s naming
-the part; a model without audio refuses the part with a 400 naming it and saying why."""
+the part as Responses names it (``input.N.content.M``); a model without audio refuses the part with a 400 naming it and saying why."""
 
 from __future__ import annotations
 
@@ -109,8 +109,9 @@ def test_audio_mistakes_are_400s_naming_the_part(http: TestClient) -> None:
     (over ``--limit-mm-per-prompt``): 400s naming the part."""
     cases = [
         ([{"type": "input_audio", "input_audio": {"data": WAV}}], "input.0.content.0", "needs"),
-        ([audio_part(base64.b64encode(b"junk").decode())], "messages.0.content", "not an audio"),
-        ([audio_part(fmt="ogg")], "messages.0.content", "format must be one of wav, mp3"),
+        ([audio_part(base64.b64encode(b"junk").decode())], "input.0.content.0", "not an audio"),
+        ([audio_part(fmt="ogg")], "input.0.content.0", "format must be one of wav, mp3"),
+        ([audio_part(), audio_part("@@")], "input.0.content.1", "not valid base64"),
         ([audio_part()] * 3, "input.0.content.0", "At most 2 audio"),
     ]
     for parts, param, match in cases:
@@ -118,6 +119,7 @@ def test_audio_mistakes_are_400s_naming_the_part(http: TestClient) -> None:
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["param"] == param and match in error["message"], error
+        assert error["message"].startswith("input") and "messages" not in error["message"]
 
 
 def test_a_model_without_audio_refuses_the_part(tiny_llama_dir: Path) -> None:

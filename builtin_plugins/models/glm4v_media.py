@@ -22,8 +22,9 @@ metadata)``, what a chat ``video_url`` part loads to) becomes ``pixel_values_vid
   either 24 frames per second, transformers' default. The video's rows sit at the
   ``<|image|>`` tokens of its run (GLM's video frames use the image token).
 
-``mm_processor_kwargs``: ``min_pixels`` / ``max_pixels`` bound an image's pixels and a video's
-pixels over all its frames; ``fps``, the rate the caller sampled raw frames at (a video's
+``mm_processor_kwargs``: ``min_pixels`` / ``max_pixels`` bound an image's pixels, not a video's
+(HF's ``Glm4vVideoProcessor`` takes neither: a video's frames are sized by the checkpoint's
+video ``size``, pixels over all its frames); ``fps``, the rate the caller sampled raw frames at (a video's
 metadata wins). Settings come from ``video_preprocessor_config.json`` (else
 ``preprocessor_config.json``, as transformers falls back) over ``Glm4vVideoProcessor``'s
 defaults.

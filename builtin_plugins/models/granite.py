@@ -120,6 +120,11 @@ class GraniteForCausalLM(LlamaForCausalLM):
             embedding_multiplier=self.multipliers.embedding,
         )
 
+    def prompt_embeds_to_inputs(self, rows: torch.Tensor) -> torch.Tensor:
+        """Given rows times the embedding multiplier: HF's Granite forward scales the
+        ``inputs_embeds`` it is given as it scales its own (the decoder's ``embed``)."""
+        return rows * self.multipliers.embedding
+
     def make_layer(
         self, layer_idx: int, rotary_emb: RotaryEmbedding, build_ctx: ModelBuildContext
     ) -> GraniteDecoderLayer:

@@ -183,6 +183,8 @@ class LearnedPositionsForCausalLM(CheckpointRenames, Starcoder2ForCausalLM):
     rows); the position table, norms and projections are whole.
     """
 
+    prompt_embeds_refusal = "its decoder (LearnedPositionsDecoder) takes no inputs_embeds"
+
     #: the checkpoint's model name, for error messages
     arch_name = "model"
 

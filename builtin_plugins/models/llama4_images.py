@@ -15,7 +15,9 @@ separators, ``<|image|>``, ``<|patch|>`` tokens, ``<|image_end|>``); the feature
 whole run and :meth:`Llama4ForConditionalGenerationWithImages.embed_multimodal` returns a row
 per token of it: the tiles' rows in order at the ``<|patch|>`` tokens (the config's
 ``image_token_id``), the token embeddings elsewhere, which is what HF's model feeds its
-decoder there.
+decoder there. Image embeddings (``--enable-mm-embeds``: an image's tiles' rows with its
+``aspect_ratios``, the ``"tiles"`` form; the processor writes the run from the grid) are
+spliced in the same way, the tower skipped.
 
 A checkpoint whose image side cannot be built (no ``vision_config``, or widths HF's tower
 could not run either) is served as text only (the class of :mod:`.llama4`; a warning says
@@ -41,6 +43,7 @@ from chassis.builtin_plugins.models.llama4_vision import (
     Llama4VisionTower,
 )
 from chassis.core.model_interface import CausalLM, ModelBuildContext
+from chassis.core.multimodal_embeds import EMBEDS_KEY
 from chassis.core.placeholder_runs import splice_item_rows
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,9 @@ class Llama4ForConditionalGenerationWithImages(
     image_modules = ("vision_model.", "multi_modal_projector.")
     image_side_label = "Llama 4 vision model or projector"
     image_side_name = staticmethod(image_side_name)
+    #: image embeddings as the tiles' rows with HF's ``aspect_ratios`` (tile rows and
+    #: columns: the run's separators need them; core/multimodal_embeds.py)
+    image_embeds_form = "tiles"
 
     @classmethod
     def class_for_config(cls, hf_config: Any) -> type[CausalLM]:
@@ -110,10 +116,14 @@ class Llama4ForConditionalGenerationWithImages(
         C, S, S]`` (or with a leading 1) and ``inputs["placeholder_ids"]`` ``[length]`` (the
         run's token ids) -> ``[length, hidden_size]`` in the model's dtype. ``ValueError`` for
         another modality, a missing input, a wrong shape, or a run whose ``<|patch|>`` count
-        is not the image's rows."""
-        pixels, run = image_run_inputs(self, modality, inputs)
-        features = self.image_features(image_tiles(pixels))
-        image_rows = features.reshape(-1, features.shape[-1])
+        is not the image's rows. Given rows (image embeddings: ``inputs["image_embeds"]``
+        ``[rows, hidden_size]`` with the run) are spliced in as they are, without the tower."""
+        if EMBEDS_KEY in inputs and modality == "image" and "placeholder_ids" in inputs:
+            image_rows, run = inputs[EMBEDS_KEY], inputs["placeholder_ids"]
+        else:
+            pixels, run = image_run_inputs(self, modality, inputs)
+            features = self.image_features(image_tiles(pixels))
+            image_rows = features.reshape(-1, features.shape[-1])
         return splice_item_rows(
             self.model.embed(run), run, self.image_token_id, image_rows, "image"
         )

@@ -29,6 +29,11 @@ transformers' defaults 14 and 0.5) and must be the tower's rows per tile. The fe
 the whole run and carries its ids (``placeholder_ids``): the model returns one row per token
 of it, the tiles' rows at the ``<|patch|>`` tokens (the config's ``image_token_id``). No
 per-request processor kwargs are taken.
+
+Image embeddings (``--enable-mm-embeds``, the ``"tiles"`` form of
+:mod:`chassis.core.multimodal_embeds`): an image's tiles' rows (the grid's, then the global
+tile) with its ``aspect_ratios`` (tile rows and columns) are written as the run of an image of
+that grid (:meth:`Llama4ImageInputs.precomputed_item`); rows alone are one tile's.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from chassis.builtin_plugins.models.processor_files import (
 )
 from chassis.builtin_plugins.models.run_writing_processor import RunWritingProcessor
 from chassis.core.image_loading import to_rgb
+from chassis.core.multimodal_embeds import ASPECT_KEY, EMBEDS_KEY, PrecomputedItem
 from chassis.core.multimodal_processing import MultiModalProcessor
 
 _PROCESSOR_TYPE = "Llama4ImageProcessor"
@@ -290,5 +296,38 @@ class Llama4ImageInputs(RunWritingProcessor, MultiModalProcessor):
         run = self.placeholder_ids(rows, cols)
         return len(run), {
             "pixel_values": torch.from_numpy(pixels),
+            "placeholder_ids": torch.tensor(run, dtype=torch.int64),
+        }
+
+    def precomputed_item(
+        self, modality: str, item: PrecomputedItem
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """Image embeddings: the rows of an image of ``aspect_ratios`` ``[1, 2]`` (rows,
+        columns) tiles in the model's order (the grid's row-major, then the global tile when
+        there are several), or without it one tile's, written as that image's run; its
+        tensors the rows and the run's ids. ``ValueError`` for a grid of more than
+        ``max_patches`` tiles or a row count that is not the grid's tiles' rows."""
+        rows = item.tensors[EMBEDS_KEY]
+        aspect = item.tensors.get(ASPECT_KEY)
+        grid_rows, grid_cols = (1, 1) if aspect is None else (int(x) for x in aspect[0])
+        if grid_rows * grid_cols > self.tiles.max_tiles:
+            raise ValueError(
+                f"Llama 4 image embeddings of {grid_rows}x{grid_cols} tiles: the checkpoint's "
+                f"images have at most {self.tiles.max_tiles} (max_patches)"
+            )
+        tiles = grid_rows * grid_cols + (grid_rows * grid_cols > 1)
+        if len(rows) != tiles * self.tokens_per_tile:
+            grid = "no aspect_ratios: one tile"
+            if aspect is not None:
+                grid = f"{ASPECT_KEY} {grid_rows}x{grid_cols}"
+            raise ValueError(
+                f"Llama 4 image embeddings have {len(rows)} rows, but {grid} takes "
+                f"{tiles * self.tokens_per_tile} ({tiles} tiles of {self.tokens_per_tile} "
+                f"rows); send an image of several tiles as {{{EMBEDS_KEY!r}: rows, "
+                f"{ASPECT_KEY!r}: [[rows, columns]]}}"
+            )
+        run = self.placeholder_ids(grid_rows, grid_cols)
+        return len(run), {
+            EMBEDS_KEY: rows,
             "placeholder_ids": torch.tensor(run, dtype=torch.int64),
         }

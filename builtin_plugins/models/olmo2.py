@@ -181,6 +181,8 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     none); a ``sliding_window`` in the config is ignored, as HF's Olmo2 ignores it.
     """
 
+    prompt_embeds_refusal = "its decoder (Olmo2Model) takes no inputs_embeds"
+
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         return DecoderSpec.from_config(hf_config, sliding_window=None)

@@ -12,8 +12,9 @@ and the feature covers the whole run (the model embeds its text tokens as text).
 
 The run's text is tokenized with the checkpoint's own tokenizer (loaded from the model
 folder on the first video). ``mm_processor_kwargs``: ``min_pixels`` / ``max_pixels`` bound an
-image's pixels and a video's pixels over all its frames; ``fps``, the rate the caller sampled
-raw frames at (a video's metadata wins).
+image's pixels, not a video's (as in transformers, whose video processor takes neither: a
+video's frames are sized by the checkpoint's video ``size``, pixels over all its frames);
+``fps``, the rate the caller sampled raw frames at (a video's metadata wins).
 """
 
 from __future__ import annotations
@@ -125,9 +126,9 @@ class Qwen3VLMediaInputs(RunWritingProcessor, Qwen2VLMediaInputs):
                 f"a video needs at least {self.min_video_frames()} frames (the model's temporal "
                 f"patch); got {count}"
             )
-        size = frame_size(
-            count, height, width, settings, kwargs.get("min_pixels"), kwargs.get("max_pixels")
-        )
+        # (the request's min_pixels / max_pixels bound images only: HF's Qwen3-VL and GLM-V
+        # video processors take no such keys, only their own ``size``)
+        size = frame_size(count, height, width, settings)
         pixels, grid = video_patches(array, settings, size=size)
         fps = float((metadata or {}).get("fps") or kwargs.get("fps") or DEFAULT_FPS)
         grid_t, grid_h, grid_w = (int(x) for x in grid[0])

@@ -82,7 +82,7 @@ def frame_size(
     """The (height, width) every frame of a clip of ``num_frames`` frames of ``height x
     width`` is resized to (module docstring): multiples of ``patch_size * merge_size``, near
     the aspect ratio. ``min_pixels`` / ``max_pixels`` replace the settings' bounds (pixels
-    over all frames). ``ValueError`` for fewer frames than ``temporal_patch_size`` or an
+    over all frames; a request's image bounds are not these). ``ValueError`` for fewer frames than ``temporal_patch_size`` or an
     aspect ratio over 200."""
     factor = settings.patch_size * settings.merge_size
     tp = settings.temporal_patch_size
