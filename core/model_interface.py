@@ -130,7 +130,14 @@ class CausalLM(nn.Module, ABC):
     #: (:func:`~chassis.core.request_state_cache.apply_recurrent_state_settings`), and the
     #: runner passes each request's slot in ``ctx.state_slots``.
     has_recurrent_state: bool = False
-
+    #: What the recurrent state holds, for the log line that turns prefix caching off.
+    recurrent_state_label: str = "state-space layers"
+    #: The model is an encoder-decoder (Whisper): a request's multimodal item feeds the
+    #: encoder and takes no decoder prompt position; in the step that computes the
+    #: request's first decoder tokens (position 0) the runner passes the item's tensors to
+    #: the forward as ``encoder_inputs`` (one entry per request of the step, ``None`` for
+    #: the others; :meth:`~chassis.core.multimodal_runner.MultiModalRunner.encoder_inputs`).
+    is_encoder_decoder: bool = False
     #: Why the model cannot run prompts given as input embeddings
     #: (``--enable-prompt-embeds``) although it implements :meth:`embed_input_ids` and its
     #: forward takes ``inputs_embeds`` (its decoder embeds the tokens itself: OLMo 2's,

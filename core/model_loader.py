@@ -49,6 +49,7 @@ _MAX_LEN_KEYS = (
     "max_seq_len",
     "seq_length",
     "max_sequence_length",
+    "max_target_positions",  # an encoder-decoder's decoder (Whisper)
 )
 
 

@@ -554,6 +554,8 @@ class ModelRunner:
         # M-RoPE positions, and encoder rows in place of a step's image placeholder tokens.
         rotary_positions = positions
         inputs_embeds: torch.Tensor | None = None
+        #: an encoder-decoder's (Whisper's) clips of requests starting this step
+        encoder_inputs: list[dict[str, torch.Tensor] | None] | None = None
         scheduled_ids: list[str] = []
         if self.mm:  # (some request in the runner has images; text steps skip all this)
             scheduled_ids = [batch.request_ids[r] for r in rows]
@@ -563,6 +565,8 @@ class ModelRunner:
             inputs_embeds = self.mm.inputs_embeds(
                 scheduled_ids, starts, num_scheduled, query_start_loc, input_ids
             )
+            if getattr(self.model, "is_encoder_decoder", False):
+                encoder_inputs = self.mm.encoder_inputs(scheduled_ids, starts)
         if self.prompt_embeds:  # prompts given as embeddings: their rows replace the ids'
             ids_of_rows = [batch.request_ids[r] for r in rows]
             if isinstance(input_ids, np.ndarray):
@@ -578,7 +582,7 @@ class ModelRunner:
             if attend_limit is not None:
                 check_attend_limits(attend_limit, seq_lens[req_of_token], scheduled_ids)
         # (a step with images or 3-component positions runs eager: graphs take neither)
-        plain_step = inputs_embeds is None and rotary_positions.ndim == 1
+        plain_step = inputs_embeds is None and rotary_positions.ndim == 1 and encoder_inputs is None
 
         if self.lora is not None:
             self.lora.prepare_step(batch.lora_ids[token_rows])
@@ -619,8 +623,13 @@ class ModelRunner:
             if plain_step:
                 hidden = self.forward(input_ids, self._to_device(rotary_positions), ctx)
             else:  # (the compiled forward takes neither: the model itself, eager)
+                extra = {} if encoder_inputs is None else {"encoder_inputs": encoder_inputs}
                 hidden = self.model(
-                    input_ids, self._to_device(rotary_positions), ctx, inputs_embeds=inputs_embeds
+                    input_ids,
+                    self._to_device(rotary_positions),
+                    ctx,
+                    inputs_embeds=inputs_embeds,
+                    **extra,
                 )
         if scheduled_ids:  # encoder outputs of images now wholly computed are dropped
             self.mm.finish_step(scheduled_ids, seq_lens)

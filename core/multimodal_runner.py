@@ -185,6 +185,8 @@ class MultiModalRunner:
         num_scheduled[i] - 1``, flat tokens from ``query_start_loc[i]``; ``input_ids`` are
         the step's ids on the device. Encodes the images whose tokens are scheduled and not
         encoded yet."""
+        if getattr(self.model, "is_encoder_decoder", False):  # (items feed its encoder)
+            return None
         targets: list[int] = []  # first flat row of each piece
         pieces: list[torch.Tensor] = []
         for i, request_id in enumerate(request_ids):
@@ -208,6 +210,25 @@ class MultiModalRunner:
         for target, piece in zip(targets, pieces, strict=True):
             embeds[target : target + len(piece)] = piece.to(embeds.dtype)
         return embeds
+
+    def encoder_inputs(
+        self, request_ids: Sequence[str], starts: np.ndarray
+    ) -> list[dict[str, torch.Tensor] | None] | None:
+        """For an encoder-decoder model (``CausalLM.is_encoder_decoder``): per request of the
+        step, its first item's tensors on the device when the step computes its first
+        decoder tokens (``starts[i] == 0``), else ``None``; ``None`` when no request needs
+        its encoder this step."""
+        found = False
+        inputs: list[dict[str, torch.Tensor] | None] = []
+        for request_id, start in zip(request_ids, starts, strict=True):
+            state = self._requests.get(request_id)
+            if state is None or int(start) != 0:
+                inputs.append(None)
+                continue
+            inputs.append({n: t.to(self.device) for n, t in state.features[0].tensors().items()})
+            self.num_encoder_runs += 1
+            found = True
+        return inputs if found else None
 
     def finish_step(self, request_ids: Sequence[str], num_computed_tokens: np.ndarray) -> None:
         """After a step: drop the encoder outputs of images whose every placeholder token is

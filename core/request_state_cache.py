@@ -280,8 +280,9 @@ def apply_recurrent_state_settings(config: EngineConfig, model_cls: Any) -> None
         )
     if config.enable_prefix_caching:
         logger.info(
-            "%s carries a recurrent state per request (state-space layers), which a prefix-"
+            "%s carries a recurrent state per request (%s), which a prefix-"
             "cache hit cannot restore: prefix caching is off",
             name,
+            getattr(model_cls, "recurrent_state_label", "state-space layers"),
         )
     config.enable_prefix_caching = False

@@ -9,6 +9,8 @@ Routes (every one answers errors in OpenAI's shape, see :mod:`chassis.serve.erro
 ``POST /v1/chat/completions``  :mod:`chassis.serve.openai_chat`
 ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``.../cancel``: :mod:`chassis.serve.openai_responses`
 ``POST /v1/embeddings``    :mod:`chassis.serve.openai_embeddings` (``--runner pooling``)
+``POST /v1/audio/transcriptions``, ``/v1/audio/translations``: multipart forms,
+                           :mod:`chassis.serve.openai_transcriptions` (Whisper)
 ``POST /score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``:
                            :mod:`chassis.serve.openai_score` (``--runner pooling``)
 ``POST /classify``, ``/pooling``: :mod:`chassis.serve.openai_classify` (pooling engines)
@@ -61,6 +63,7 @@ from chassis.serve.openai_completions import router as completions_router
 from chassis.serve.openai_embeddings import router as embeddings_router
 from chassis.serve.openai_responses import router as responses_router
 from chassis.serve.openai_score import router as score_router
+from chassis.serve.openai_transcriptions import router as transcriptions_router
 from chassis.serve.plugin_routes import include_plugin_routes
 from chassis.serve.protocol import (
     DetokenizeRequest,
@@ -360,6 +363,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(embeddings_router)
     app.include_router(score_router)
     app.include_router(classify_router)
+    app.include_router(transcriptions_router)
     app.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse)
     app.add_api_route(
         "/detokenize", detokenize, methods=["POST"], response_model=DetokenizeResponse

@@ -121,6 +121,10 @@ def chassis_register_models(registry: Any) -> None:
         "Qwen2AudioForConditionalGeneration",
         f"{_PKG}.qwen2_audio:Qwen2AudioForConditionalGenerationWithAudio",
     )
+    # Whisper: an encoder-decoder speech recognizer (cross K/V in per-request state slots)
+    registry.register(
+        "WhisperForConditionalGeneration", f"{_PKG}.whisper:WhisperForConditionalGeneration"
+    )
     # GLM-4.1V / GLM-4.5V: the GLM-4 / GLM-4.5 decoder, with images (Qwen VL's image path)
     registry.register(
         "Glm4vForConditionalGeneration", f"{_PKG}.glm4v:Glm4vForConditionalGeneration"
