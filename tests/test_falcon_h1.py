@@ -8,7 +8,7 @@ have the norm before the gate. Every multiplier is far
 from 1 (embedding, attention in/out, key, ssm in/out, the five ``ssm_multipliers``, MLP
 gate/down, LM head), and every 1-D parameter is randomized (``save_tiny_checkpoint``).
 Logits must match HF's over a packed prefill, a decode, a 2-token chunk over the carried
-state and a mixed step (``check_logits`` of tests/test_mamba2_models.py); greedy tokens
+state and a mixed step (``check_logits`` of tests/state_space_helpers.py); greedy tokens
 through ``LLM`` must be HF ``generate``'s, also with chunked prefill, two state slots and
 preemption.
 """
@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
-from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
-from test_mamba2_models import StateRunner, check_logits
+from state_space_helpers import StateRunner, check_greedy_tokens, check_logits
 from test_models_parity import PROMPTS as TOKEN_PROMPTS
 from test_models_parity import hf_logits, load_hf
 
@@ -126,25 +125,12 @@ def test_the_layers_are_read(model_dirs: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
-    """All prompts (1 to 40 tokens) in one ``generate``."""
-    model_dir = model_dirs[arch]
-    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS) == hf_greedy(
-        model_dir, PROMPTS, MAX_TOKENS
-    )
+    check_greedy_tokens(model_dirs[arch])
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, chunks of <= 7
-        {"max_num_seqs": 2},  # more requests than state slots: slots are reused
-    ],
-    ids=["chunked-prefill", "two-slots"],
-)
-def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], engine: dict) -> None:
-    model_dir = model_dirs["released"]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine) == expected
+@pytest.mark.parametrize("setting", ["chunked-prefill", "two-slots", "preemption"])
+def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], setting: str) -> None:
+    check_greedy_tokens(model_dirs["released"], setting)
 
 
 def test_bad_ssm_multipliers_are_refused(model_dirs: dict[str, Path]) -> None:
@@ -157,24 +143,3 @@ def test_bad_ssm_multipliers_are_refused(model_dirs: dict[str, Path]) -> None:
     assert torch.is_tensor(
         StateRunner(model_dirs["released"]).model.model.layers[0].mamba.proj_scale
     )
-
-
-def test_preemption_keeps_the_tokens(model_dirs: dict[str, Path]) -> None:
-    """A preempted request recomputes its state from position 0."""
-    from chassis.core.llm import LLM
-    from chassis.core.sampling_params import SamplingParams
-
-    model_dir = model_dirs["released"]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=100,
-        num_kv_blocks=28,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert got == expected

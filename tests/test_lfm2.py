@@ -5,7 +5,7 @@ Two checkpoints: the releases' shape (conv window 3, no conv biases, tied embedd
 one with conv biases, a window of 4 and an untied head. Every 1-D parameter (norms, biases)
 is randomized (``save_tiny_checkpoint``). Logits must match HF's over a packed prefill, a
 decode, a 2-token chunk over the carried state and a step mixing a chunk and a decode
-(``check_logits`` of tests/test_mamba2_models.py); greedy tokens through ``LLM`` must be HF
+(``check_logits`` of tests/state_space_helpers.py); greedy tokens through ``LLM`` must be HF
 ``generate``'s, also with chunked prefill, fewer state slots than requests and preemption,
 and over two tensor-parallel ranks.
 """
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
+from state_space_helpers import StateRunner, check_greedy_tokens, check_logits
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
-from test_mamba2_models import StateRunner, check_logits
 from test_tensor_parallel import wait_for_no_workers
 
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
@@ -95,46 +95,12 @@ def test_unknown_layer_types_are_refused() -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
-    """All prompts (1 to 40 tokens) in one ``generate``."""
-    model_dir = model_dirs[arch]
-    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS) == hf_greedy(
-        model_dir, PROMPTS, MAX_TOKENS
-    )
+    check_greedy_tokens(model_dirs[arch])
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, chunks of <= 7
-        {"max_num_seqs": 2},  # more requests than state slots: slots are reused
-    ],
-    ids=["chunked-prefill", "two-slots"],
-)
-def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], engine: dict) -> None:
-    model_dir = model_dirs["released"]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine) == expected
-
-
-def test_preemption_keeps_the_tokens(model_dirs: dict[str, Path]) -> None:
-    """A preempted request recomputes its state from position 0."""
-    from chassis.core.llm import LLM
-    from chassis.core.sampling_params import SamplingParams
-
-    model_dir = model_dirs["released"]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=100,
-        num_kv_blocks=28,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert got == expected
+@pytest.mark.parametrize("setting", ["chunked-prefill", "two-slots", "preemption"])
+def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], setting: str) -> None:
+    check_greedy_tokens(model_dirs["released"], setting)
 
 
 @pytest.mark.timeout(300)

@@ -3,7 +3,7 @@
 
 The mixers have 128 channels, d_state 16, conv window 4 and dt rank 8; A_log, D, the dt
 bias, conv biases and every norm weight are randomized. Logits must match HF's (the steps of
-``test_mamba2_models.check_logits``: two requests' prefill packed in one step, a decode, a
+``state_space_helpers.check_logits``: two requests' prefill packed in one step, a decode, a
 2-token chunk over the carried state, a step mixing a chunk and a decode); greedy tokens
 through ``LLM`` must be HF ``generate``'s, also with chunked prefill, preemption and more
 requests than state slots.
@@ -16,15 +16,20 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_models import TINY_CONFIG_FIELDS, make_attention_metadata, save_tiny_checkpoint
+from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
-from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
-from test_mamba2_models import StateRunner, check_logits
+from state_space_helpers import (
+    StateRunner,
+    check_forward_without_state_slots,
+    check_greedy_tokens,
+    check_logits,
+    check_prefill,
+    check_prefix_caching_off,
+    check_spec_decoding_refused,
+)
 from test_models_parity import PROMPTS as TOKEN_PROMPTS
-from test_models_parity import hf_logits, load_hf
 
 from chassis.builtin_plugins.models.sparse_moe import SparseMoeBlock
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.mamba_mixer import MambaMixer
 from chassis.core.layers.selective_scan import selective_scan_varlen, selective_step
 
@@ -156,86 +161,38 @@ def test_both_scans_match_transformers(model_dirs: dict[str, Path], reference: b
     """The model with either prefill scan (the token loop is the CPU default) gives HF's
     logits."""
     runner = StateRunner(model_dirs["jamba"])
-    for module in runner.model.modules():
-        if isinstance(module, MambaMixer):
-            module.use_reference = reference
-    prompt = TOKEN_PROMPTS[0]
-    runner.pool.allocate("0")
-    logits = runner.step([prompt], [len(prompt)], ["0"])
-    expected = hf_logits(load_hf(model_dirs["jamba"]), prompt)
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    runner.use_reference(MambaMixer, reference)
+    check_prefill(runner, model_dirs["jamba"], TOKEN_PROMPTS[0])
 
 
 def test_a_forward_without_state_slots_starts_from_zero(model_dirs: dict[str, Path]) -> None:
-    """A memory-profiling forward (no pool in the context) is a fresh prefill and keeps
-    nothing: HF's logits, the pool untouched."""
-    runner = StateRunner(model_dirs["jamba"])
-    prompt = TOKEN_PROMPTS[0]
-    metadata = make_attention_metadata([len(prompt)], [len(prompt)], [list(range(4))], 4)
-    ctx = ForwardContext(metadata, runner.kv_caches)
-    with torch.no_grad():
-        logits = runner.model.compute_logits(
-            runner.model(torch.tensor(prompt), torch.arange(len(prompt)), ctx)
-        )
-    expected = hf_logits(load_hf(model_dirs["jamba"]), prompt)
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-    assert all(not t.any() for t in runner.pool.tensors)
+    check_forward_without_state_slots(model_dirs["jamba"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
-    """All prompts (1 to 40 tokens) in one ``generate``."""
-    model_dir = model_dirs[arch]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS) == expected
+    check_greedy_tokens(model_dirs[arch])
 
 
 @pytest.mark.parametrize(
-    "engine",
+    ("arch", "setting"),
     [
-        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, chunks of <= 7
-        {"max_num_seqs": 2},  # more requests than state slots: slots are reused
-        {"num_kv_blocks": 28, "block_size": 4, "max_num_batched_tokens": 16},  # preemption
+        # Jamba: attention layers need KV blocks, so it can be preempted
+        ("jamba", "chunked-prefill"),
+        ("jamba", "two-slots"),
+        ("jamba", "preemption"),
+        ("falcon_mamba", "chunked-prefill"),
     ],
-    ids=["chunked-prefill", "two-slots", "preemption"],
 )
-def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], engine: dict) -> None:
-    """Jamba (attention layers need KV blocks, so it can be preempted)."""
-    model_dir = model_dirs["jamba"]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    if "num_kv_blocks" in engine:  # (chassis_greedy sets its own)
-        from chassis.core.llm import LLM
-        from chassis.core.sampling_params import SamplingParams
-
-        llm = LLM(str(model_dir), dtype="float32", max_model_len=100, **engine)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        assert llm.engine.scheduler.num_preemptions > 0
-    else:
-        got = chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine)
-    assert got == expected
-
-
-def test_falcon_mamba_with_chunked_prefill(model_dirs: dict[str, Path]) -> None:
-    model_dir = model_dirs["falcon_mamba"]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    got = chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, max_num_batched_tokens=5, block_size=4)
-    assert got == expected
+def test_engine_settings_keep_the_tokens(
+    model_dirs: dict[str, Path], arch: str, setting: str
+) -> None:
+    check_greedy_tokens(model_dirs[arch], setting)
 
 
 @pytest.mark.parametrize("arch", ["mamba", "jamba"])
 def test_prefix_caching_is_off_and_spec_decoding_refused(
-    model_dirs: dict[str, Path], arch: str
+    model_dirs: dict[str, Path], arch: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from chassis.core.llm import LLM
-
-    model_dir = model_dirs[arch]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=32)
-    assert llm.config.enable_prefix_caching is False
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(
-            str(model_dir),
-            dtype="float32",
-            max_model_len=64,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )
+    check_prefix_caching_off(model_dirs[arch], caplog)
+    check_spec_decoding_refused(model_dirs[arch])

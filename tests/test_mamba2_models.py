@@ -8,33 +8,37 @@ The mixers have 8 heads of 16 in 2 groups, d_state 16, conv window 4 and a scan 
 randomized (``save_tiny_checkpoint``). Logits must match HF's (prefill of two requests
 packed in one step, a decode, a 2-token chunk over the carried state, a step mixing a chunk
 and a decode); greedy tokens and logprobs through ``LLM`` must be HF ``generate``'s, with
-chunked prefill, preemption, async scheduling and more requests than state slots.
+chunked prefill, preemption, async scheduling and more requests than state slots (the
+checks shared by the state-space models' tests: tests/state_space_helpers.py).
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from fixtures_models import TINY_CONFIG_FIELDS, make_attention_metadata, save_tiny_checkpoint
-from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
+from fixtures_models import TINY_CONFIG_FIELDS
+from state_space_helpers import (
+    StateRunner,
+    check_forward_without_state_slots,
+    check_greedy_tokens,
+    check_logits,
+    check_logprobs,
+    check_prefill,
+    check_prefix_caching_off,
+    check_spec_decoding_refused,
+    saved_checkpoint,
+)
+from test_llm_parity import PROMPTS
 from test_models_parity import PROMPTS as TOKEN_PROMPTS
-from test_models_parity import hf_logits, load_hf
 from test_olmo2_granite_models import GRANITE_MULTIPLIERS
 
-from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
-from chassis.core.attention import ForwardContext, kv_cache_shape
-from chassis.core.config import EngineConfig
 from chassis.core.layers.mamba2_mixer import Mamba2Mixer
 from chassis.core.layers.ssd_scan import ssd_chunked_varlen, ssd_recurrence
-from chassis.core.model_loader import build_model, load_hf_config
 from chassis.core.request_state_cache import RequestStatePool
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 64
 MAMBA_FIELDS: dict[str, Any] = {
     "mamba_n_heads": 8,
     "mamba_d_head": 16,
@@ -118,81 +122,13 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {
-        arch: save_tiny_checkpoint(tiny_config(arch), tmp_path_factory.mktemp(arch), seed=5)
-        for arch in ARCHS
-    }
+    """The checkpoints of :data:`ARCHS` (seed 5; shared with tests/test_request_state_pool.py)."""
+    return {arch: mamba2_checkpoint(tmp_path_factory, arch) for arch in ARCHS}
 
 
-class StateRunner:
-    """Our model, paged KV caches for its attention layers and a request-state pool."""
-
-    def __init__(self, model_dir: Path, num_slots: int = 4) -> None:
-        hf_config = load_hf_config(model_dir)
-        config = EngineConfig(model=str(model_dir))
-        self.model = build_model(
-            config, hf_config, model_dir, TorchPagedAttention, "cpu", torch.float32
-        )
-        heads = getattr(hf_config, "num_attention_heads", 1)
-        kv_heads = getattr(hf_config, "num_key_value_heads", heads)
-        shape = kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, kv_heads, hf_config.hidden_size // heads)
-        self.kv_caches = [torch.zeros(shape) for _ in range(self.model.num_attention_layers)]
-        self.pool = RequestStatePool(self.model.request_state_specs(), num_slots, "cpu")
-
-    def step(
-        self, tokens: list[list[int]], seq_lens: list[int], request_ids: list[str]
-    ) -> torch.Tensor:
-        query_lens = [len(t) for t in tokens]
-        per_request = NUM_BLOCKS // 4
-        tables = [
-            list(range(int(r) * per_request, (int(r) + 1) * per_request)) for r in request_ids
-        ]
-        metadata = make_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
-        ids = torch.tensor([t for seq in tokens for t in seq])
-        positions = torch.tensor(
-            [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
-        )
-        ctx = ForwardContext(metadata, self.kv_caches)
-        ctx.request_states = self.pool.tensors
-        ctx.state_slots = torch.from_numpy(self.pool.slots(request_ids))
-        with torch.no_grad():
-            return self.model.compute_logits(self.model(ids, positions, ctx))
-
-
-def check_logits(model_dir: Path, atol: float = 1e-4) -> None:
-    runner = StateRunner(model_dir)
-    hf_model = load_hf(model_dir)
-    prompts = [TOKEN_PROMPTS[0] * 2, TOKEN_PROMPTS[1]]  # 26 and 3 tokens
-    ids = ["0", "1"]
-    for r in ids:
-        runner.pool.allocate(r)
-    seq_lens = [len(p) for p in prompts]
-    logits = runner.step(prompts, seq_lens, ids)
-    start, following = 0, []
-    for prompt in prompts:
-        expected = hf_logits(hf_model, prompt)
-        torch.testing.assert_close(
-            logits[start : start + len(prompt)], expected, atol=atol, rtol=1e-4
-        )
-        following.append(int(expected[-1].argmax()))
-        start += len(prompt)
-    # one decode each, from the carried states (and KV)
-    logits = runner.step([[t] for t in following], [n + 1 for n in seq_lens], ids)
-    extended = [[*p, t] for p, t in zip(prompts, following, strict=True)]
-    for i, tokens in enumerate(extended):
-        torch.testing.assert_close(logits[i], hf_logits(hf_model, tokens)[-1], atol=atol, rtol=1e-4)
-    # a 2-token chunk each over the carried state
-    logits = runner.step([[5, 77], [9, 11]], [n + 3 for n in seq_lens], ids)
-    for i, (tokens, more) in enumerate(zip(extended, ([5, 77], [9, 11]), strict=True)):
-        expected = hf_logits(hf_model, tokens + more)[-2:]
-        torch.testing.assert_close(logits[2 * i : 2 * i + 2], expected, atol=atol, rtol=1e-4)
-        extended[i] = tokens + more
-    # a mixed step: a 3-token chunk for the first request, one token for the second
-    logits = runner.step([[8, 9, 10], [12]], [seq_lens[0] + 6, seq_lens[1] + 4], ids)
-    expected = hf_logits(hf_model, extended[0] + [8, 9, 10])[-3:]
-    torch.testing.assert_close(logits[:3], expected, atol=atol, rtol=1e-4)
-    expected = hf_logits(hf_model, extended[1] + [12])[-1]
-    torch.testing.assert_close(logits[3], expected, atol=atol, rtol=1e-4)
+def mamba2_checkpoint(factory: pytest.TempPathFactory, arch: str) -> Path:
+    """``arch``'s tiny checkpoint (of :func:`tiny_config`, seed 5), saved once per run."""
+    return saved_checkpoint(factory, f"mamba2-models-{arch}", lambda: tiny_config(arch), seed=5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -241,14 +177,8 @@ def test_the_chunked_scan_is_the_recurrence() -> None:
 def test_the_reference_path_matches_transformers(model_dirs: dict[str, Path]) -> None:
     """The mixers' token-by-token reference scan in the model gives HF's logits too."""
     runner = StateRunner(model_dirs["mamba2"])
-    for module in runner.model.modules():
-        if isinstance(module, Mamba2Mixer):
-            module.use_reference = True
-    prompt = TOKEN_PROMPTS[0]
-    runner.pool.allocate("0")
-    logits = runner.step([prompt], [len(prompt)], ["0"])
-    expected = hf_logits(load_hf(model_dirs["mamba2"]), prompt)
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    runner.use_reference(Mamba2Mixer)
+    check_prefill(runner, model_dirs["mamba2"], TOKEN_PROMPTS[0])
 
 
 def test_state_slots_are_zeroed_and_reused() -> None:
@@ -269,79 +199,21 @@ def test_state_slots_are_zeroed_and_reused() -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
-    """All prompts (1 to 40 tokens) in one ``generate``."""
-    model_dir = model_dirs[arch]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS) == expected
+    check_greedy_tokens(model_dirs[arch])
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, chunks of <= 7
-        {"max_num_seqs": 2},  # more requests than state slots: slots are reused
-        {"num_kv_blocks": 28, "block_size": 4, "max_num_batched_tokens": 16},  # preemption
-        {"async_scheduling": True, "max_num_batched_tokens": 16, "block_size": 4},
-    ],
-    ids=["chunked-prefill", "two-slots", "preemption", "async"],
-)
-def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], engine: dict) -> None:
-    model_dir = model_dirs["granite_moe_rope"]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    kwargs = dict(engine)
-    if "num_kv_blocks" in kwargs:  # (chassis_greedy sets its own)
-        from chassis.core.llm import LLM
-        from chassis.core.sampling_params import SamplingParams
-
-        llm = LLM(str(model_dir), dtype="float32", max_model_len=100, **kwargs)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        assert llm.engine.scheduler.num_preemptions > 0
-    else:
-        got = chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **kwargs)
-    assert got == expected
+@pytest.mark.parametrize("setting", ["chunked-prefill", "two-slots", "preemption", "async"])
+def test_engine_settings_keep_the_tokens(model_dirs: dict[str, Path], setting: str) -> None:
+    check_greedy_tokens(model_dirs["granite_moe_rope"], setting)
 
 
 @pytest.mark.parametrize("arch", ["granite_dense_nope", "mamba2"])
 def test_logprobs_match_transformers(model_dirs: dict[str, Path], arch: str) -> None:
-    """Each sampled token's logprob (prompts of different lengths in one batch) is HF's
-    log-softmax at that position over the whole sequence."""
-    from chassis.core.llm import LLM
-    from chassis.core.sampling_params import SamplingParams
-    from chassis.core.tokenizer import load_tokenizer
-
-    model_dir = model_dirs[arch]
-    prompts = PROMPTS[1:4]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
-    outputs = llm.generate(prompts, params)
-    hf_model = load_hf(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        prompt_ids = tokenizer(prompt).input_ids
-        completion = output.outputs[0]
-        logits = hf_logits(hf_model, prompt_ids + completion.token_ids)
-        expected = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
-        assert completion.token_ids == expected.argmax(-1).tolist()
-        got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
-        want = expected.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=1e-4)
+    check_logprobs(model_dirs[arch])
 
 
 def test_a_forward_without_state_slots_starts_from_zero(model_dirs: dict[str, Path]) -> None:
-    """A memory-profiling forward (no pool in the context) is a fresh prefill and keeps
-    nothing: HF's logits, the pool untouched."""
-    runner = StateRunner(model_dirs["granite_moe_rope"])
-    prompt = TOKEN_PROMPTS[0]
-    metadata = make_attention_metadata([len(prompt)], [len(prompt)], [list(range(4))], BLOCK_SIZE)
-    ctx = ForwardContext(metadata, runner.kv_caches)
-    with torch.no_grad():
-        logits = runner.model.compute_logits(
-            runner.model(torch.tensor(prompt), torch.arange(len(prompt)), ctx)
-        )
-    expected = hf_logits(load_hf(model_dirs["granite_moe_rope"]), prompt)
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-    assert all(not t.any() for t in runner.pool.tensors)
+    check_forward_without_state_slots(model_dirs["granite_moe_rope"])
 
 
 def test_a_fixed_kv_budget_holds_the_state_pool(model_dirs: dict[str, Path]) -> None:
@@ -374,17 +246,5 @@ def test_a_fixed_kv_budget_holds_the_state_pool(model_dirs: dict[str, Path]) -> 
 def test_prefix_caching_is_off_and_spec_decoding_refused(
     model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from chassis.core.llm import LLM
-
-    model_dir = model_dirs["mamba2"]
-    with caplog.at_level(logging.INFO, logger="chassis.core.request_state_cache"):
-        llm = LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=32)
-    assert llm.config.enable_prefix_caching is False
-    assert "prefix caching is off" in caplog.text
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(
-            str(model_dir),
-            dtype="float32",
-            max_model_len=64,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )
+    check_prefix_caching_off(model_dirs["mamba2"], caplog)
+    check_spec_decoding_refused(model_dirs["mamba2"])

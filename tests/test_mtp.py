@@ -204,7 +204,13 @@ def test_head_logits_match_a_torch_reference(kind: str, checkpoints: dict[str, P
     target = build_model(
         config, load_hf_config(model_dir), model_dir, TorchPagedAttention, "cpu", torch.float32
     )
+    layers = target.model.layers
+    before = {name: p.clone() for name, p in target.named_parameters()}
     head = load_mtp_head(config, target, TorchPagedAttention, torch.device("cpu"), torch.float32)
+    # the head's layer loads through the target's loader without touching the target
+    assert target.model.layers is layers and len(layers) == target.hf_config.num_hidden_layers
+    for name, p in target.named_parameters():
+        assert torch.equal(p, before[name]), name
     reference = ReferenceMtp(model_dir)
     sequence = [5, 900, 77, 31000, 12, 4, 4, 8000, 615, 49000, 3, 270]
     with torch.inference_mode():

@@ -5,7 +5,7 @@ head), MoE blocks with a shared expert in layers 0-1 and a dense MLP in layer 2
 (``mlp_only_layers``). HF runs its pure-torch fallbacks (no fla / causal_conv1d here).
 
 Logits must match HF's (prefill of two requests packed in one step, decodes, 2-token
-chunks, a step mixing a chunk and a decode: :func:`test_mamba2_models.check_logits`), also
+chunks, a step mixing a chunk and a decode: :func:`state_space_helpers.check_logits`), also
 with the delta rule in chunks of 8 (prompts span several) and with the token-by-token
 reference; greedy tokens through ``LLM`` must be HF ``generate``'s, with chunked prefill,
 preemption and more requests than state slots.
@@ -21,14 +21,18 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_models import TINY_CONFIG_FIELDS, make_attention_metadata, save_tiny_checkpoint
-from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
-from test_mamba2_models import BLOCK_SIZE, StateRunner, check_logits
+from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
+from state_space_helpers import (
+    StateRunner,
+    check_forward_without_state_slots,
+    check_greedy_tokens,
+    check_logits,
+    check_logprobs,
+)
 from test_models_parity import PROMPTS as TOKEN_PROMPTS
 from test_models_parity import hf_logits, load_hf
 
 from chassis.builtin_plugins.models.qwen3_next import layer_types_of
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.gated_delta_rule import (
     delta_rule_chunked,
     delta_rule_recurrence,
@@ -140,92 +144,31 @@ def test_the_layers_are_read(model_dir: Path) -> None:
 
 
 def test_a_forward_without_state_slots_starts_from_zero(model_dir: Path) -> None:
-    """A memory-profiling forward (no pool in the context) is a fresh prefill and keeps
-    nothing: HF's logits, the pool untouched."""
-    runner = StateRunner(model_dir)
-    prompt = TOKEN_PROMPTS[0]
-    metadata = make_attention_metadata([len(prompt)], [len(prompt)], [list(range(4))], BLOCK_SIZE)
-    ctx = ForwardContext(metadata, runner.kv_caches)
-    with torch.no_grad():
-        logits = runner.model.compute_logits(
-            runner.model(torch.tensor(prompt), torch.arange(len(prompt)), ctx)
-        )
-    torch.testing.assert_close(logits, hf_logits(load_hf(model_dir), prompt), atol=1e-4, rtol=1e-4)
-    assert all(not t.any() for t in runner.pool.tensors)
+    check_forward_without_state_slots(model_dir)
 
 
 # -- greedy generation through LLM ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "engine",
-    [
-        {},
-        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, chunks of <= 7
-        {"max_num_seqs": 2},  # more requests than state slots: slots are reused
-        {"async_scheduling": True, "max_num_batched_tokens": 16, "block_size": 4},
-    ],
-    ids=["plain", "chunked-prefill", "two-slots", "async"],
+    "setting", ["plain", "chunked-prefill", "two-slots", "preemption", "async"]
 )
-def test_greedy_tokens_match_transformers(model_dir: Path, engine: dict) -> None:
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine) == expected
+def test_greedy_tokens_match_transformers(model_dir: Path, setting: str) -> None:
+    check_greedy_tokens(model_dir, setting)
 
 
-def test_preemption_keeps_the_tokens(model_dir: Path) -> None:
-    from chassis.core.llm import LLM
-    from chassis.core.sampling_params import SamplingParams
-
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=100,
-        num_kv_blocks=28,
-        block_size=4,
-        max_num_batched_tokens=16,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert got == expected
-
-
-def test_prefix_caching_is_off_and_tp_refused(
-    model_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_prefix_caching_is_off(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(Tensor parallelism: ``test_state_space_tp``.)"""
     from chassis.core.llm import LLM
 
     with caplog.at_level(logging.INFO, logger="chassis.core.request_state_cache"):
         llm = LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=32)
     assert llm.config.enable_prefix_caching is False
     assert "prefix caching is off" in caplog.text
-    with pytest.raises(ValueError, match="cannot be sharded"):
-        LLM(str(model_dir), dtype="float32", max_model_len=64, tensor_parallel_size=2)
 
 
 def test_logprobs_match_transformers(model_dir: Path) -> None:
-    """Each sampled token's logprob (prompts of different lengths in one batch) is HF's
-    log-softmax at that position over the whole sequence."""
-    from chassis.core.llm import LLM
-    from chassis.core.sampling_params import SamplingParams
-    from chassis.core.tokenizer import load_tokenizer
-
-    prompts = PROMPTS[1:4]
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
-    outputs = llm.generate(prompts, params)
-    hf_model = load_hf(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        prompt_ids = tokenizer(prompt).input_ids
-        completion = output.outputs[0]
-        logits = hf_logits(hf_model, prompt_ids + completion.token_ids)
-        expected = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
-        assert completion.token_ids == expected.argmax(-1).tolist()
-        got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
-        want = expected.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=1e-4)
+    check_logprobs(model_dir)
 
 
 def test_bad_shapes_are_refused() -> None:

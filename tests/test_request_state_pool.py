@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_models import save_tiny_checkpoint
-from test_mamba2_models import StateRunner, tiny_config
+from state_space_helpers import StateRunner
+from test_mamba2_models import mamba2_checkpoint, tiny_config
 
 from chassis import LLM, SamplingParams
 from chassis.core.config import MAMBA_CACHE_DTYPES, EngineConfig
@@ -37,9 +38,9 @@ SMALL = {"max_model_len": 64, "num_kv_blocks": 32}
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """tests/test_mamba2_models.py's checkpoints (the same directories in one run)."""
     return {
-        arch: save_tiny_checkpoint(tiny_config(arch), tmp_path_factory.mktemp(arch), seed=5)
-        for arch in ("mamba2", "granite_moe_rope")
+        arch: mamba2_checkpoint(tmp_path_factory, arch) for arch in ("mamba2", "granite_moe_rope")
     }
 
 

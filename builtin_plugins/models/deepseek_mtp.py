@@ -194,18 +194,28 @@ class MtpHead(CausalLM):
                     continue
                 yield "model.layers.0." + rest, tensor
 
-        # The target's loader, run over a decoder of this one layer: it knows the layer's
-        # tensors (MLA's per-head loading, merged projections, experts, rank shares).
-        decoder: Any = target.model
-        own_layers = decoder.layers
-        decoder.layers = nn.ModuleList([self.layer])
-        try:
-            loaded = target.load_weights(layer_tensors())
-        finally:
-            decoder.layers = own_layers
+        # The target's loader, run over a view of it holding this one layer: it knows the
+        # layer's tensors (MLA's per-head loading, merged projections, experts, rank shares).
+        loaded = _layer_loader(target, self.layer).load_weights(layer_tensors())
         filled |= {
             "layer." + n.removeprefix("model.layers.0.")
             for n in loaded
             if n.startswith("model.layers.0.")
         }
         return filled
+
+
+def _layer_loader(target: CausalLM, layer: nn.Module) -> Any:
+    """A shallow copy of ``target`` whose only submodule is a decoder ``model`` holding
+    ``layer`` as ``model.layers.0``: its ``load_weights`` (the target's class's) fills
+    ``layer`` from tensors named as the target's layer 0. The copy shares the target's plain
+    attributes (specs, flags) and none of its modules or parameters; the target is left as
+    it was. (A loader that kept a module map of its own from construction would still reach
+    the target's modules through the shared attributes: the targets' loaders build theirs
+    from ``named_modules``/``named_parameters`` per call.)"""
+    decoder = nn.Module()
+    decoder.layers = nn.ModuleList([layer])
+    view = copy.copy(target)
+    # copy.copy shares these dicts with the target: give the view its own
+    view.__dict__.update(_parameters={}, _buffers={}, _modules={"model": decoder})
+    return view

@@ -21,14 +21,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
+from chassis.builtin_plugins.models.backbone_lm import BackboneLM, rms_norm_backbone
 from chassis.builtin_plugins.models.mamba2 import Mamba2ForCausalLM
-from chassis.core.attention import ForwardContext
 from chassis.core.layers.mamba2_mixer import check_silu
 from chassis.core.layers.mamba_mixer import BcdtNorm, MambaMixer, MambaSpec
-from chassis.core.layers.norm import RMSNorm
-from chassis.core.model_interface import CausalLM, ModelBuildContext
+from chassis.core.model_interface import ModelBuildContext
 
 
 def mamba_spec(hf_config: Any, bcdt_norm: BcdtNorm = "none") -> MambaSpec:
@@ -51,32 +49,6 @@ def mamba_spec(hf_config: Any, bcdt_norm: BcdtNorm = "none") -> MambaSpec:
     )
 
 
-class MambaBlock(nn.Module):
-    """``norm`` then ``mixer``; :meth:`forward` returns the mixer output (the caller adds
-    the residual)."""
-
-    def __init__(self, spec: MambaSpec, eps: float, state_index: int) -> None:
-        super().__init__()
-        self.norm = RMSNorm(spec.hidden_size, eps)
-        self.mixer = MambaMixer(spec, state_index)
-
-    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.mixer(self.norm(hidden_states), ctx)
-
-
-class MambaBackbone(nn.Module):
-    """HF's ``backbone``: embeddings, blocks, final norm."""
-
-    def __init__(self, hf_config: Any, spec: MambaSpec) -> None:
-        super().__init__()
-        eps = float(hf_config.layer_norm_epsilon)
-        self.embeddings = nn.Embedding(int(hf_config.vocab_size), spec.hidden_size)
-        self.layers = nn.ModuleList(
-            MambaBlock(spec, eps, 2 * i) for i in range(int(hf_config.num_hidden_layers))
-        )
-        self.norm_f = RMSNorm(spec.hidden_size, eps)
-
-
 class MambaForCausalLM(Mamba2ForCausalLM):
     """``MambaForCausalLM`` checkpoints. Layer ``i`` holds request-state tensors ``2i``
     (conv ``[intermediate, d_conv - 1]``) and ``2i + 1`` (SSM ``[intermediate, d_state]``).
@@ -96,19 +68,14 @@ class MambaForCausalLM(Mamba2ForCausalLM):
             )
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
-        # Mamba2ForCausalLM's forward, logits, state specs and loading; its own parts here
-        CausalLM.__init__(self, hf_config, build_ctx)
-        self.spec = mamba_spec(hf_config, self.bcdt_norm)
-        self.dtype = build_ctx.dtype
-        self.residual_in_fp32 = bool(getattr(hf_config, "residual_in_fp32", True))
-        self.backbone = MambaBackbone(hf_config, self.spec)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        head_device = "meta" if self.tie_word_embeddings else None
-        self.lm_head = nn.Linear(
-            self.spec.hidden_size, int(hf_config.vocab_size), bias=False, device=head_device
+        # BackboneLM's forward, state specs and loading (Mamba2's checkpoint renames); the
+        # mixers and the tied default here
+        spec = mamba_spec(hf_config, self.bcdt_norm)
+        backbone = rms_norm_backbone(hf_config, spec.hidden_size, lambda i: MambaMixer(spec, 2 * i))
+        BackboneLM.__init__(
+            self, hf_config, build_ctx, backbone, residual_in_fp32=True, tie_word_embeddings=True
         )
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
+        self.spec = spec
 
 
 class FalconMambaForCausalLM(MambaForCausalLM):

@@ -19,31 +19,20 @@ outputs are summed over the group. The embeddings, norms and LM head are whole o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from chassis.builtin_plugins.models.backbone_lm import BackboneLM, NormMixerBlock
 from chassis.builtin_plugins.models.granitemoehybrid import NoPEAttention
-from chassis.builtin_plugins.models.llama import (
-    DecoderSpec,
-    copy_checkpoint_tensor,
-    filled_parameters,
-)
+from chassis.builtin_plugins.models.llama import DecoderSpec, copy_checkpoint_tensor
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import (
-    Mamba2Mixer,
-    Mamba2Spec,
-    check_silu,
-    mamba2_checkpoint_part,
-    mamba2_mixers,
-)
+from chassis.core.layers.mamba2_mixer import Mamba2Mixer, Mamba2Spec, check_silu
 from chassis.core.layers.mamba2_shard import mamba2_shard
 from chassis.core.layers.norm import RMSNorm
-from chassis.core.model_interface import CausalLM, ModelBuildContext
-from chassis.core.request_state_cache import RequestStateSpec
+from chassis.core.model_interface import ModelBuildContext
 
 #: ``layers_block_type`` values -> the block kind
 _BLOCK_KINDS = {
@@ -116,15 +105,13 @@ class Relu2MLP(nn.Module):
         return parallel_state.all_reduce(self.down_proj(torch.relu(self.up_proj(x)).square()))
 
 
-class NemotronHBlock(nn.Module):
+class NemotronHBlock(NormMixerBlock):
     """``norm`` and one ``mixer`` (``kind``: mamba, attention or mlp); :meth:`forward`
     returns the mixer's output (the caller adds the residual)."""
 
     def __init__(self, kind: str, mixer: nn.Module, hidden_size: int, eps: float) -> None:
-        super().__init__()
+        super().__init__(Fp32WeightRMSNorm(hidden_size, eps), mixer)
         self.kind = kind
-        self.norm = Fp32WeightRMSNorm(hidden_size, eps)
-        self.mixer = mixer
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
@@ -184,13 +171,12 @@ class NemotronHBackbone(nn.Module):
         self.spec = spec
 
 
-class NemotronHForCausalLM(CausalLM):
+class NemotronHForCausalLM(BackboneLM):
     """``NemotronHForCausalLM`` checkpoints without ``moe`` blocks. Attention block ``j``
     (counting attention blocks) reads KV cache ``j``; mamba block ``m`` holds request-state
     tensors ``2m`` and ``2m + 1``."""
 
     supports_tensor_parallel = True
-    has_recurrent_state = True
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
@@ -203,79 +189,39 @@ class NemotronHForCausalLM(CausalLM):
             )
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
-        super().__init__(hf_config, build_ctx)
-        self.kinds = nemotron_h_block_kinds(hf_config)
-        self.dtype = build_ctx.dtype
-        self.residual_in_fp32 = bool(getattr(hf_config, "residual_in_fp32", False))
-        self.backbone = NemotronHBackbone(hf_config, self.kinds, build_ctx)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        hidden = int(hf_config.hidden_size)
-        head_device = "meta" if self.tie_word_embeddings else None
-        self.lm_head = nn.Linear(hidden, int(hf_config.vocab_size), bias=False, device=head_device)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
+        kinds = nemotron_h_block_kinds(hf_config)
+        backbone = NemotronHBackbone(hf_config, kinds, build_ctx)
+        super().__init__(
+            hf_config, build_ctx, backbone, residual_in_fp32=False, tie_word_embeddings=False
+        )
+        self.kinds = kinds
 
     @property
     def num_attention_layers(self) -> int:
         return nemotron_h_block_kinds(self.hf_config).count("attention")
 
-    def request_state_specs(self) -> list[RequestStateSpec]:
-        specs: list[RequestStateSpec] = []
-        for i, block in enumerate(self.backbone.layers):
-            if block.kind == "mamba":
-                specs.extend(block.mixer.state_specs(f"layers.{i}.mixer", self.dtype))
-        return specs
-
-    def forward(
+    def copy_tensor(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden = self.backbone.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        for block in self.backbone.layers:
-            residual = hidden.float() if self.residual_in_fp32 else hidden
-            hidden = residual + block(positions, hidden.to(self.dtype), ctx)
-        return self.backbone.norm_f(hidden.to(self.dtype))
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in: attention's ``q_proj``/``k_proj``/``v_proj`` into rows
-        of ``qkv_proj``, everything else by name; ``lm_head.weight`` skipped when tied.
-        Unknown names and shapes that do not match raise ``ValueError``."""
-        params = dict(self.named_parameters())
-        mixers = mamba2_mixers(self)
-        filled: set[str] = set()
-        shards_loaded: dict[str, set[str]] = {}
-        for name, tensor in weights:
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            tensor = mamba2_checkpoint_part(mixers, name, tensor)
-            tensor = self._tensor_parallel_slice(name, tensor)
-            unknown = (
-                f"checkpoint tensor {name!r} has no counterpart in {type(self).__name__}; "
-                "is the checkpoint's architecture right?"
-            )
-            if any(part in name for part in _QKV):
-                copy_checkpoint_tensor(
-                    params, self.backbone.spec, name, tensor, shards_loaded, unknown=unknown
-                )
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(unknown)
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                    f"{tuple(param.shape)} (does config.json match the weights?)"
-                )
-            param.data.copy_(tensor)
-            filled.add(name)
-        return filled | filled_parameters(shards_loaded)
+        params: dict[str, nn.Parameter],
+        name: str,
+        tensor: torch.Tensor,
+        shards_loaded: dict[str, set[str]],
+    ) -> None:
+        """As :meth:`BackboneLM.copy_tensor`, attention and MLP tensors cut to this rank's
+        part first; attention's ``q_proj``/``k_proj``/``v_proj`` go into rows of
+        ``qkv_proj``."""
+        tensor = self._tensor_parallel_slice(name, tensor)
+        if not any(part in name for part in _QKV):
+            super().copy_tensor(params, name, tensor, shards_loaded)
+            return
+        copy_checkpoint_tensor(
+            params,
+            self.backbone.spec,
+            name,
+            tensor,
+            shards_loaded,
+            unknown=self.unknown_tensor(name),
+        )
 
     def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of an attention or MLP checkpoint tensor: the rows of its query
