@@ -51,6 +51,7 @@ from chassis.core.sampler_interface import check_sampler_output
 from chassis.core.sampling_metadata import SAMPLING_EPS, build_sampling_metadata
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 from chassis.core.seeded_drafts import skip_draws, stream_rewinds
+from chassis.core.state_decode_profile import borrowed_state_slots
 from chassis.core.structured_output_manager import unpack_masks
 
 if TYPE_CHECKING:
@@ -777,7 +778,8 @@ class ModelRunner:
         (``max_num_seqs``, times ``1 + num_speculative_tokens`` with speculative decoding), so
         that both peaks are seen; with probabilistic drafts, rejection sampling then runs on
         those logits (:meth:`DraftModelProposer.profile_verify`), and the draft model's
-        forward follows.
+        forward follows. A model with per-request recurrent state then runs a decode step
+        over as many free state slots as a step holds (:meth:`_profile_state_decode`).
         """
         num_tokens = max(1, num_tokens)
         input_ids, positions, ctx = dummy_prefill(
@@ -806,8 +808,38 @@ class ModelRunner:
         if self.drafter is not None:  # rejection sampling runs while the step's logits live
             self.drafter.profile_verify(logits)
         del logits, ctx  # (ctx: the dummy caches)
+        if self.request_states is not None and self.pooler is None:
+            self._profile_state_decode(num_tokens)
         if self.drafter is not None:
             self.drafter.profile_run(num_tokens)
+
+    def _profile_state_decode(self, num_tokens: int) -> None:
+        """One dummy decode step of ``min(max_num_seqs, num_tokens)`` requests over free
+        slots of the state pool, zeroed after (:mod:`chassis.core.state_decode_profile`):
+        the state mixers' temporaries grow with the requests, and may outgrow the prefill's."""
+        assert self.request_states is not None
+        num_reqs = min(self.config.max_num_seqs, num_tokens)
+        with borrowed_state_slots(self.request_states, num_reqs, self.device) as slots:
+            if slots.numel() == 0:
+                return
+            # one token per request at position 0 (no KV written): the state layers' decode
+            # temporaries; attention over long contexts is left to the prefill above
+            input_ids, positions, ctx = dummy_prefill(
+                slots.numel(),
+                1,
+                self.block_size,
+                self.model.num_attention_layers,
+                self.num_kv_heads,
+                self.head_dim,
+                self.kv_dtype,
+                self.device,
+                self._to_device,
+                aliased_kv_planes=self.kv_planes == 1,
+            )
+            ctx.request_states = self.request_states.tensors
+            ctx.state_slots = slots
+            hidden = self.forward(input_ids, positions, ctx)
+            self.model.compute_logits(hidden)  # (every request samples)
 
 
 def attention_layers(model: CausalLM) -> list[Attention] | None:

@@ -6,7 +6,8 @@ gated RMSNorm summed over them); with ``n_groups`` 2 (one group per rank) Granit
 (RoPE attention, experts) and Nemotron-H (NoPE attention, ReLU² MLP blocks); with ``n_groups`` 1 Granite 4.0-H dense (NoPE attention, the
 shared MLP) and Falcon-H1 (the norm before the gate, every multiplier, ``out_proj``'s bias);
 Falcon Mamba and Jamba (Mamba-1 mixers: channels split, ``x_proj``'s outputs summed before
-their norms).
+their norms); Qwen3-Next (Gated DeltaNet: one group of key and value heads per rank; gated
+attention with its one KV head replicated, experts and a shared expert).
 The checkpoint cuts are checked directly (the ranks' parts put together are the whole tensor), and
 a mixer whose heads or groups do not split is refused before any rank starts.
 """
@@ -26,6 +27,7 @@ from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
 from test_mamba1_models import save_checkpoint as save_mamba1_checkpoint
 from test_mamba1_models import tiny_config as mamba1_config
 from test_mamba2_models import tiny_config
+from test_qwen3_next import tiny_config as qwen3_next_config
 from test_tensor_parallel import wait_for_no_workers
 
 from chassis.builtin_plugins.models.mamba2 import mamba2_spec
@@ -47,12 +49,16 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon_mamba": ("falcon_mamba", {}),
     # Mamba-1 mixers beside attention and experts
     "jamba": ("jamba", {}),
+    # Gated DeltaNet beside gated attention, experts and a shared expert
+    "qwen3_next": ("qwen3_next", {}),
 }
 
 
 def make_config(arch: str, overrides: dict[str, Any]) -> Any:
     if arch == "falcon_h1":
         return falcon_h1_config("released", **overrides)  # mamba_n_groups 1
+    if arch == "qwen3_next":
+        return qwen3_next_config(**overrides)  # 2 key heads, 4 value heads
     return tiny_config(arch, **overrides)
 
 
@@ -139,5 +145,15 @@ def test_a_mixer_that_does_not_split_is_refused(
     """Refused with a ValueError naming the count, before any rank starts."""
     model_dir = save_tiny_checkpoint(tiny_config("mamba2", **overrides), tmp_path, seed=7)
     with pytest.raises(ValueError, match=message):
+        LLM(str(model_dir), dtype="float32", max_model_len=256, tensor_parallel_size=2)
+    wait_for_no_workers()
+
+
+def test_deltanet_key_heads_that_do_not_split_are_refused(tmp_path: Path) -> None:
+    """Qwen3-Next with one Gated DeltaNet key head: a ValueError naming it, before any rank
+    starts."""
+    config = qwen3_next_config(linear_num_key_heads=1, linear_num_value_heads=2)
+    model_dir = save_tiny_checkpoint(config, tmp_path, seed=7)
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(1\)"):
         LLM(str(model_dir), dtype="float32", max_model_len=256, tensor_parallel_size=2)
     wait_for_no_workers()

@@ -16,13 +16,19 @@ As HF transformers' ``qwen3_next`` code defines it:
   scaled by ``sigmoid(shared_expert_gate(x))``), or a dense SwiGLU MLP in
   ``mlp_only_layers`` and off the ``decoder_sparse_step``.
 
-The checkpoint's multi-token-prediction head (``mtp.*``) is not read. Tensor parallelism is
-refused; prefix caching is off and speculative decoding refused, as for every model with a
-recurrent state.
+Tensor parallelism: each Gated DeltaNet layer keeps whole groups of key and value heads
+(:mod:`chassis.core.layers.gated_deltanet_shard`; ``linear_num_key_heads`` must divide by
+the ranks), the gated attention its query heads (each head's query and gate rows together)
+and KV heads as Llama's, the MoE blocks their experts' and shared expert's columns; the
+mixers', attention's and MLPs' outputs are summed over the group.
+
+The checkpoint's multi-token-prediction head (``mtp.*``) is not read. Prefix caching is off
+and speculative decoding refused, as for every model with a recurrent state.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +39,15 @@ from torch import nn
 from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaModel
 from chassis.builtin_plugins.models.sparse_moe import MoeSpec, SparseMoeForCausalLM, qwen_moe_spec
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
+from chassis.core.layers.gated_deltanet_shard import gated_deltanet_shard
+from chassis.core.layers.mamba2_mixer import (
+    ShardedMixer,
+    mamba2_checkpoint_part,
+    mamba2_mixers,
+)
 from chassis.core.layers.norm import GemmaRMSNorm, RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.model_interface import ModelBuildContext
@@ -86,8 +99,9 @@ class GatedAttention(LlamaAttention):
         build_ctx: ModelBuildContext,
     ) -> None:
         super().__init__(spec, rotary_emb, layer_idx, build_ctx)
-        # twice the query rows (query and gate per head); zero-centred norms (replacing the
-        # base class's, which are sized for the plain layer). No tensor parallelism (refused).
+        # twice the query rows (query and gate per head: a rank's heads are one run of rows
+        # of q_proj); zero-centred norms (replacing the base class's, which are sized for the
+        # plain layer)
         self.qkv_proj = nn.Linear(
             spec.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
         )
@@ -107,7 +121,8 @@ class GatedAttention(LlamaAttention):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.encode_positions(positions, q, k)
         out = self.attn(q, k, v, ctx) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        # (under tensor parallelism: this rank's heads' share, summed over the group)
+        return parallel_state.all_reduce(self.o_proj(out))
 
 
 class Qwen3NextDecoderLayer(HybridDecoderLayer):
@@ -126,12 +141,18 @@ class Qwen3NextForCausalLM(SparseMoeForCausalLM):
     Full-attention layer ``j`` (counting those only) reads KV cache ``j``; linear-attention
     layer ``m`` holds request-state tensors ``2m`` (conv window) and ``2m + 1`` (delta-rule
     state). Refused when built: a ``hidden_act`` other than ``silu``, unknown
-    ``layer_types``, value heads that are not a multiple of the key heads.
+    ``layer_types``, value heads that are not a multiple of the key heads; and before any
+    rank starts, key heads that do not divide by ``--tensor-parallel-size``.
     """
 
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True
     has_recurrent_state = True
     norm_class: type[RMSNorm] = GemmaRMSNorm
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        if "linear_attention" in layer_types_of(hf_config):
+            gated_deltanet_shard(GatedDeltaNetSpec.from_config(hf_config), size, 0)
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -172,6 +193,16 @@ class Qwen3NextForCausalLM(SparseMoeForCausalLM):
                     layer.linear_attn.state_specs(f"layers.{i}.linear_attn", self.state_dtype)
                 )
         return specs
+
+    @functools.cached_property
+    def _deltanet_mixers(self) -> dict[str, ShardedMixer]:
+        return mamba2_mixers(self)
+
+    def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """As Llama's, and a Gated DeltaNet layer's tensors cut by its ``checkpoint_part``."""
+        if ".linear_attn." in name:
+            return mamba2_checkpoint_part(self._deltanet_mixers, name, tensor)
+        return super()._tensor_parallel_slice(name, tensor)
 
     def needs_checkpoint_tensor(self, name: str) -> bool:
         """Not the multi-token-prediction head (``mtp.*``), which is not built."""

@@ -36,12 +36,18 @@ def delta_rule_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for any leading batch shape ``B``: ``state [*B, k_dim, v_dim]``, ``q``/``k``
     ``[*B, k_dim]`` (normalized and scaled), ``v [*B, v_dim]``, ``g``/``beta`` ``[*B]``;
-    returns ``(o [*B, v_dim], new state)``."""
-    state = state * g.exp()[..., None, None]
-    predicted = (state * k[..., :, None]).sum(-2)  # S^T k
+    returns ``(o [*B, v_dim], new state)``; ``state`` itself is left as it was.
+
+    Products with the state are batched matrix products and the write is done in place on the
+    decayed copy, so that besides ``state`` only the new state is as large as a state (a
+    decode step of many requests holds little else: the start-up profile runs one)."""
+    k_dim, v_dim = state.shape[-2:]
+    state = state * g.exp()[..., None, None]  # (a new tensor, contiguous)
+    predicted = (k[..., None, :] @ state)[..., 0, :]  # S^T k
     delta = (v - predicted) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    return (state * q[..., :, None]).sum(-2), state
+    # S += k delta^T, as a rank-1 update of each head's matrix
+    state.view(-1, k_dim, v_dim).baddbmm_(k.reshape(-1, k_dim, 1), delta.reshape(-1, 1, v_dim))
+    return (q[..., None, :] @ state)[..., 0, :], state
 
 
 def delta_rule_recurrence(

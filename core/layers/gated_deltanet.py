@@ -18,6 +18,11 @@ from and written back to the request's slot (``ctx.state_slots``) as the Mamba2 
 requests with one token (decodes) run as one batch; the others (prefill chunks) as another,
 the delta rule chunk by chunk over the requests padded to one length (or, with
 ``use_reference``, request by request, token by token).
+
+Under tensor parallelism each rank keeps whole groups of key and value heads
+(:mod:`chassis.core.layers.gated_deltanet_shard`): the layer is built at the local sizes, its
+state tensors are the local heads', and ``out_proj``'s partial outputs are summed over the
+group.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.gated_delta_rule import (
     delta_rule_chunked,
@@ -36,6 +42,7 @@ from chassis.core.layers.gated_delta_rule import (
     delta_rule_step,
     l2_normalize,
 )
+from chassis.core.layers.gated_deltanet_shard import gated_deltanet_shard
 from chassis.core.request_state_cache import RequestStateSpec
 
 
@@ -122,11 +129,18 @@ class GatedDeltaNet(nn.Module):
     ``state_index`` is the position of this layer's conv state in the model's
     ``request_state_specs`` (the delta-rule state follows).
     ``forward(hidden [T, hidden_size], ctx) -> [T, hidden_size]``.
+
+    Under tensor parallelism ``spec`` is this rank's share (``full_spec`` the checkpoint's),
+    the checkpoint's whole tensors load through :meth:`checkpoint_part`, and :meth:`forward`
+    returns ``out_proj``'s output summed over the group.
     """
 
     def __init__(self, spec: GatedDeltaNetSpec, state_index: int) -> None:
         super().__init__()
-        self.spec = spec
+        self.shard = gated_deltanet_shard(spec, parallel_state.tp_size(), parallel_state.tp_rank())
+        #: the whole layer's shapes (the checkpoint's), and this rank's share of them
+        self.full_spec = spec
+        spec = self.spec = self.shard.local
         self.state_index = state_index
         #: run the delta rule token by token per request (the reference) instead of chunked
         self.use_reference = False
@@ -140,6 +154,12 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
         self.norm = NormThenGate(s.v_head_dim, s.norm_eps)
         self.out_proj = nn.Linear(s.value_dim, s.hidden_size, bias=False)
+
+    def checkpoint_part(self, leaf: str, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+        """This rank's part of the checkpoint's whole tensor ``leaf`` of this layer
+        (``in_proj_qkvz.weight``, ``A_log``, ...; ``what``, the checkpoint name, for errors);
+        the tensor itself without tensor parallelism."""
+        return self.shard.checkpoint_part(leaf, tensor, what or leaf)
 
     def state_specs(self, prefix: str, dtype: torch.dtype) -> list[RequestStateSpec]:
         """This layer's per-request tensors: the conv window (``kind="conv"``) and the
@@ -223,15 +243,16 @@ class GatedDeltaNet(nn.Module):
             conv_states = conv_pool[slots].to(mixed.dtype)
             states = state_pool[slots].float()
 
-        out = mixed.new_empty(num_tokens, s.num_v_heads, s.v_head_dim, dtype=torch.float32)
-        new_conv = torch.empty_like(conv_states)
-        new_states = torch.empty_like(states)
         singles = [i for i in range(num_reqs) if bounds[i + 1] - bounds[i] == 1]
         many = [i for i in range(num_reqs) if bounds[i + 1] - bounds[i] > 1]
         device = mixed.device
-        if len(singles) == num_reqs:  # a decode step: no gathers
+        if len(singles) == num_reqs:  # a decode step: no gathers, no outputs to fill
             out, new_conv, new_states = self._decode(conv_states, states, mixed, g, beta)
-        elif singles:
+        else:
+            out = mixed.new_empty(num_tokens, s.num_v_heads, s.v_head_dim, dtype=torch.float32)
+            new_conv = torch.empty_like(conv_states)
+            new_states = torch.empty_like(states)
+        if singles and many:
             rows = torch.tensor(singles, dtype=torch.int64, device=device)
             tokens = torch.tensor([bounds[i] for i in singles], dtype=torch.int64, device=device)
             out[tokens], new_conv[rows], new_states[rows] = self._decode(
@@ -245,7 +266,8 @@ class GatedDeltaNet(nn.Module):
             conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
             state_pool.index_copy_(0, slots, new_states.to(state_pool.dtype))
         normed = self.norm(out.to(dtype), z)
-        result = self.out_proj(normed.reshape(num_tokens, s.value_dim))
+        # (under tensor parallelism: each rank's heads' share, summed over the group)
+        result = parallel_state.all_reduce(self.out_proj(normed.reshape(num_tokens, s.value_dim)))
         if result.shape[0] < hidden_states.shape[0]:  # padding rows past the step's tokens
             pad = hidden_states.shape[0] - num_tokens
             result = torch.cat([result, result.new_zeros(pad, result.shape[1])])
