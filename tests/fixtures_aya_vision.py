@@ -4,15 +4,15 @@
 ``config.json`` and ``model.safetensors`` (``model.language_model.*`` or the hub layout,
 ``vision_tower.*``, ``multi_modal_projector.*``; the LM head tied by the top-level default), a
 Cohere2 text model of 2 layers (a sliding and a full one; ``logit_scale`` 0.25, which HF's Aya
-Vision never applies) and a SigLIP tower of 2 layers, hidden 32, patch 14 at 56 pixels (4 x 4
-patches, shuffled by ``downsample_factor`` 2 into 2 x 2: 4 rows a tile; ``vision_feature_layer``
--1, ``"full"``). The tokenizer is SmolLM2's with ``<|START_OF_IMG|>`` (49152),
-``<|END_OF_IMG|>`` (49153), ``<|IMG_PATCH|>`` (49154, the image token) and
-``<|IMG_LINE_BREAK|>`` added as special tokens; ``preprocessor_config.json`` is transformers'
-``GotOcr2ImageProcessor`` (56 x 56 tiles, 1 to 6 of them) and ``processor_config.json``
-says ``img_size`` 56, ``patch_size`` 14, ``downsample_factor`` 2. The chat template (ChatML)
-writes an image part as HF's text ``<image>``, the ``image_token`` ``AyaVisionProcessor``
-expands.
+Vision applies from transformers 5.25: :func:`scale_logits`) and a SigLIP tower of 2 layers,
+hidden 32, patch 14 at 56 pixels (4 x 4 patches, shuffled by ``downsample_factor`` 2 into
+2 x 2: 4 rows a tile; ``vision_feature_layer`` -1, ``"full"``). The tokenizer is SmolLM2's
+with ``<|START_OF_IMG|>`` (49152), ``<|END_OF_IMG|>`` (49153), ``<|IMG_PATCH|>`` (49154, the
+image token) and ``<|IMG_LINE_BREAK|>`` added as special tokens; ``preprocessor_config.json``
+is transformers' ``GotOcr2ImageProcessor`` (56 x 56 tiles, 1 to 6 of them) and
+``processor_config.json`` says ``img_size`` 56, ``patch_size`` 14, ``downsample_factor`` 2.
+The chat template (ChatML) writes an image part as HF's text ``<image>``, the
+``image_token`` ``AyaVisionProcessor`` expands.
 
 :func:`hf_inputs` runs transformers' ``AyaVisionProcessor`` over that image processor (its
 PIL backend) on a prompt with HF's ``<image>`` text where ours has ``<|IMG_PATCH|>``.
@@ -132,8 +132,22 @@ def hf_inputs(model_dir: Path, prompt: str, images: list[Any]) -> dict[str, torc
 
 
 def hf_model(model_dir: Path) -> Any:
+    """transformers' Aya Vision on ``model_dir``, its logits scaled (:func:`scale_logits`)."""
     import transformers as tf
 
-    return tf.AyaVisionForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    ).eval()
+    model = tf.AyaVisionForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    return scale_logits(model.eval())
+
+
+def scale_logits(model: Any) -> Any:
+    """``model`` (transformers' ``AyaVisionForConditionalGeneration``) with its logits
+    multiplied by the text config's ``logit_scale``, as chassis, vLLM and transformers from
+    5.25 compute them: before 5.25 transformers left the scale out, so its LM head's output is
+    scaled here (a forward hook); from 5.25 the model is returned as it is."""
+    import transformers as tf
+    from packaging.version import Version
+
+    if Version(tf.__version__).release < (5, 25):
+        scale = float(model.config.text_config.logit_scale)
+        model.lm_head.register_forward_hook(lambda _module, _inputs, logits: logits * scale)
+    return model

@@ -462,10 +462,17 @@ def test_mxfp4_checkpoint_runs_as_its_dequantized_twin(mxfp4_dirs: tuple[Path, P
 
 
 def test_transformers_reads_the_mxfp4_checkpoint_as_we_do(mxfp4_dirs: tuple[Path, Path]) -> None:
-    """transformers dequantizes the same MXFP4 checkpoint (on a CPU without its kernels) to
-    the twin's expert weights: the test's quantizer writes the layout it reads."""
+    """transformers dequantizes the same MXFP4 checkpoint to the twin's expert weights: the
+    test's quantizer writes the layout it reads. Dequantizing is asked for: transformers
+    before 5.25 chose it itself on a CPU, but from 5.25 (with triton and ``kernels``
+    installed) it keeps MXFP4 and fetches its triton kernels from the hub, which a test
+    never reaches."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
     quantized, twin = mxfp4_dirs
-    hf_quantized = load_hf(quantized)
+    hf_quantized = AutoModelForCausalLM.from_pretrained(
+        quantized, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
     hf_twin = load_hf(twin)
     for name, param in hf_twin.named_parameters():
         if "experts" in name:

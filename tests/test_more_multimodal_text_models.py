@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures_aya_vision import scale_logits
 from fixtures_models import TINY_CONFIG_FIELDS, allocate_block_tables, hf_greedy_tokens
 from safetensors.torch import load_file
 from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy
@@ -250,8 +251,11 @@ def save_model(arch: str, directory: Path, seed: int = 5) -> Path:
 
 
 def load_hf(arch: str, model_dir: Path) -> Any:
+    """transformers' model of ``arch`` on ``model_dir`` (Aya Vision's logits scaled as from
+    transformers 5.25 under any version: tests/fixtures_aya_vision.py)."""
     cls, _ = model_and_config(arch)
-    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return scale_logits(model) if arch == "aya_vision" else model
 
 
 @pytest.fixture(scope="module")
@@ -315,9 +319,10 @@ def test_llava_style_checkpoints_get_their_text_decoder(model_dirs: dict[str, Pa
         assert llava.supported_modalities == {"image"}
     assert Runner(model_dirs["internvl"]).model.tie_word_embeddings  # top-level default true
     assert Runner(model_dirs["llava_next"]).model.spec.head_dim == 32
-    # HF's Aya Vision head is unscaled: Cohere2's logit_scale (0.25 here) is not applied
+    # Aya Vision's logits are multiplied by Cohere2's logit_scale (0.25 here), as vLLM and
+    # transformers from 5.25 do (tests/fixtures_aya_vision.py: scale_logits)
     aya = Runner(model_dirs["aya_vision"])
-    assert aya.hf_config.logit_scale == 0.25 and aya.model.logit_scale == 1.0
+    assert aya.hf_config.logit_scale == 0.25 and aya.model.logit_scale == 0.25
 
     import transformers as tf
 

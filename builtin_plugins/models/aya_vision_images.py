@@ -6,7 +6,7 @@ The class is LLaVA-1.5's with another image side (:mod:`.llava_images`: composed
 registered decoder of the text architecture; the language model's tensors renamed to it; the
 LM head tied by the top-level flag; the image side whole on every tensor-parallel rank, never
 adapted by LoRA) and, as the text-only :class:`~.llava.AyaVisionForConditionalGeneration`,
-logits the LM head's unscaled (HF never applies Cohere2's ``logit_scale`` here). The tower is
+logits multiplied by Cohere2's ``logit_scale`` (as transformers from 5.25 and vLLM). The tower is
 :mod:`.clip_vision`'s SigLIP (only the layers the selected state needs), the projector
 :mod:`.aya_vision_projector`'s. An image arrives as its tiles (the front-end's,
 :mod:`.aya_vision_processing`, InternVL's GOT-OCR2 tiling) with its prompt run: the run holds

@@ -238,7 +238,8 @@ class InternVLImageInputs(MultiModalProcessor):
 
     def num_tokens(self, height: int, width: int) -> int:
         """Prompt tokens of an image of ``height x width`` pixels once expanded, ``<img>``
-        and ``</img>`` included (transformers' ``_get_num_multimodal_tokens``)."""
+        and ``</img>`` included (transformers' ``_get_num_multimodal_tokens`` before 5.25;
+        from 5.25 that counts the ``<IMG_CONTEXT>`` run only, 2 fewer)."""
         return 2 + self.tiles.num_tiles(height, width) * self.tokens_per_tile
 
     def process_item(

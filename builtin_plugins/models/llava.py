@@ -70,16 +70,10 @@ class LlavaForConditionalGeneration(TextOnlyWeights, CausalLM):
 
 class AyaVisionForConditionalGeneration(LlavaForConditionalGeneration):
     """``AyaVisionForConditionalGeneration`` (Aya Vision 8B/32B; Cohere2 text): as
-    :class:`LlavaForConditionalGeneration`, but the logits are the LM head's unscaled. HF's
-    ``AyaVisionForConditionalGeneration`` applies its own ``lm_head`` and never the text
-    config's ``logit_scale`` (which ``Cohere2ForCausalLM`` multiplies the logits by; vLLM
-    keeps Cohere2's scaling here). Greedy choices are the same either way; sampling
-    temperatures act as in transformers."""
-
-    def __init__(self, hf_config: Any, build_ctx: Any) -> None:
-        super().__init__(hf_config, build_ctx)
-        if hasattr(self, "logit_scale"):
-            self.logit_scale = 1.0
+    :class:`LlavaForConditionalGeneration`, the text decoder's logits kept as they are, so
+    Cohere2's ``logit_scale`` multiplies them (as in ``Cohere2ForCausalLM``, vLLM and
+    transformers from 5.25; transformers before 5.25 left the scale out of Aya Vision's
+    logits, which changed logprobs and sampling but never a greedy choice)."""
 
 
 def text_decoder_class(hf_config: Any) -> type[CausalLM]:
