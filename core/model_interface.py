@@ -140,8 +140,8 @@ class CausalLM(nn.Module, ABC):
     is_encoder_decoder: bool = False
     #: Why the model cannot run prompts given as input embeddings
     #: (``--enable-prompt-embeds``) although it implements :meth:`embed_input_ids` and its
-    #: forward takes ``inputs_embeds`` (its decoder embeds the tokens itself: OLMo 2's,
-    #: OPT's); ``None`` (the default): it can. The flag is refused at start with this reason
+    #: forward takes ``inputs_embeds`` (its decoder embeds the tokens itself: OPT's,
+    #: GPT-2's); ``None`` (the default): it can. The flag is refused at start with this reason
     #: (:func:`~chassis.core.prompt_embeds_runner.prompt_embeds_refusal`).
     prompt_embeds_refusal: str | None = None
 

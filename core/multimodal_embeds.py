@@ -217,19 +217,9 @@ def _grid_items(item: Any, width: _Width, merge: int, model: str) -> list[Precom
     rows = _check_rows(item[EMBEDS_KEY], width, EMBEDS_KEY)
     if rows.dim() != 2:
         raise ValueError(f"{EMBEDS_KEY} has shape {tuple(rows.shape)}; expected [tokens, {hidden}]")
-    grid = item[GRID_KEY]
-    if isinstance(grid, list | tuple):
-        grid = torch.tensor(grid)
-    if (
-        not isinstance(grid, torch.Tensor)
-        or grid.is_floating_point()
-        or grid.is_complex()
-        or grid.dtype == torch.bool
-        or grid.numel() == 0
-        or grid.numel() % 3
-    ):
-        raise ValueError(f"{GRID_KEY} must be integers [images, 3] (t, h, w per image)")
-    grid = grid.detach().to("cpu", torch.int64).reshape(-1, 3)
+    grid = _int_table(
+        item[GRID_KEY], 3, f"{GRID_KEY} must be integers [images, 3] (t, h, w per image)"
+    )
     if bool((grid < 1).any()) or bool((grid[:, 1:] % merge).any()):
         raise ValueError(
             f"{GRID_KEY} {grid.tolist()}: every t, h, w must be >= 1 and h, w multiples of "
@@ -265,19 +255,9 @@ def _tiles_items(item: Mapping[Any, Any], width: _Width, model: str) -> list[Pre
     rows = _check_rows(item[EMBEDS_KEY], width, EMBEDS_KEY)
     if rows.dim() != 2:
         raise ValueError(f"{EMBEDS_KEY} has shape {tuple(rows.shape)}; expected [rows, {hidden}]")
-    grids = item[ASPECT_KEY]
-    if isinstance(grids, list | tuple):
-        grids = torch.tensor(grids)
-    if (
-        not isinstance(grids, torch.Tensor)
-        or grids.is_floating_point()
-        or grids.is_complex()
-        or grids.dtype == torch.bool
-        or grids.numel() == 0
-        or grids.numel() % 2
-    ):
-        raise ValueError(f"{ASPECT_KEY} must be integers [images, 2] (tile rows, columns)")
-    grids = grids.detach().to("cpu", torch.int64).reshape(-1, 2)
+    grids = _int_table(
+        item[ASPECT_KEY], 2, f"{ASPECT_KEY} must be integers [images, 2] (tile rows, columns)"
+    )
     if bool((grids < 1).any()):
         raise ValueError(f"{ASPECT_KEY} {grids.tolist()}: tile rows and columns must be >= 1")
     # (a grid of several tiles is followed by the image's global tile)
@@ -299,6 +279,28 @@ def _tiles_items(item: Mapping[Any, Any], width: _Width, model: str) -> list[Pre
         )
         start += length
     return out
+
+
+def _int_table(value: Any, columns: int, message: str) -> torch.Tensor:
+    """``value`` (a tensor or nested list of integers ``[images, columns]``, or one image's
+    ``[columns]``) as an int64 CPU tensor ``[images, columns]``; ``ValueError(message)`` for
+    anything else (no other shape is re-read as rows of ``columns``)."""
+    if isinstance(value, list | tuple):
+        try:
+            value = torch.tensor(value)
+        except (TypeError, ValueError, RuntimeError):  # ragged, or not numbers
+            raise ValueError(message) from None
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.is_floating_point()
+        or value.is_complex()
+        or value.dtype == torch.bool
+        or value.numel() == 0
+        or value.dim() not in (1, 2)
+        or value.shape[-1] != columns
+    ):
+        raise ValueError(message)
+    return value.detach().to("cpu", torch.int64).reshape(-1, columns)
 
 
 def load_embeds(value: Any, modality: str = "image") -> Any:

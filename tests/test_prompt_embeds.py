@@ -203,12 +203,10 @@ def test_refusals(setup: dict[str, Any]) -> None:
 
 def test_models_that_cannot_take_rows_refuse_the_flag() -> None:
     """A model without ``embed_input_ids``, one whose forward takes no ``inputs_embeds``, and
-    one whose class declares ``prompt_embeds_refusal`` (OLMo 2's and OPT's decoders embed
+    one whose class declares ``prompt_embeds_refusal`` (OPT's and GPT-2's decoders embed
     the tokens themselves) refuse ``--enable-prompt-embeds`` by name (the runner is built at
     start, so the engine does not start); one that scales its embeddings takes rows."""
-    from chassis.builtin_plugins.models.exaone4 import Exaone4ForCausalLM
     from chassis.builtin_plugins.models.gpt2 import GPT2LMHeadModel
-    from chassis.builtin_plugins.models.olmo2 import Olmo2ForCausalLM
     from chassis.builtin_plugins.models.opt import OPTForCausalLM
     from chassis.core.model_interface import CausalLM
     from chassis.core.prompt_embeds_runner import PromptEmbedsRunner, prompt_embeds_refusal
@@ -243,7 +241,7 @@ def test_models_that_cannot_take_rows_refuse_the_flag() -> None:
         assert match in (prompt_embeds_refusal(model) or "")
         with pytest.raises(ValueError, match=r"--enable-prompt-embeds: .*start without the flag"):
             PromptEmbedsRunner(model, torch.device("cpu"))
-    for cls in (Olmo2ForCausalLM, Exaone4ForCausalLM, OPTForCausalLM, GPT2LMHeadModel):
+    for cls in (OPTForCausalLM, GPT2LMHeadModel):
         assert cls.prompt_embeds_refusal
 
 

@@ -105,8 +105,6 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
     no ``layer_types`` to say what it means.
     """
 
-    prompt_embeds_refusal = "its decoder (Olmo2Model) takes no inputs_embeds"
-
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         layer_types = exaone4_layer_types(hf_config)

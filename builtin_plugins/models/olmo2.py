@@ -162,9 +162,15 @@ class Olmo2Model(LlamaModel):
     keeps_aux_hidden_states = False  # its own forward keeps none: EAGLE-3 is refused
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        """The final hidden states; ``inputs_embeds`` (:meth:`embed`'s output, some rows
+        replaced: prompt embeddings) stands in for ``embed(input_ids)`` when given."""
+        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden_states = layer(positions, hidden_states, ctx)
         return self.norm(hidden_states)
@@ -180,8 +186,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     norms are whole on every rank. ``attention_bias`` is honoured (OLMo 2 checkpoints have
     none); a ``sliding_window`` in the config is ignored, as HF's Olmo2 ignores it.
     """
-
-    prompt_embeds_refusal = "its decoder (Olmo2Model) takes no inputs_embeds"
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
