@@ -190,6 +190,11 @@ class EngineConfig:
     #: that stops may compute one token that is thrown away (see docs/scheduling.md)
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
+    #: pipeline stages (vLLM's ``--pipeline-parallel-size``): each of this many worker
+    #: processes holds a contiguous run of the decoder layers, the hidden states passing
+    #: stage to stage, one batch in flight (it fits a bigger model, it is not faster);
+    #: tensor parallelism 1 only (``core/pipeline_parallel.py``; docs/architecture.md)
+    pipeline_parallel_size: int = 1
     #: engine replicas behind one front-end (vLLM's ``--data-parallel-size``): ``AsyncLLM``
     #: starts this many engine-core processes, each with the whole model on its own
     #: ``tensor_parallel_size`` devices, and sends each new request to the least busy one
@@ -307,6 +312,7 @@ class EngineConfig:
                 f"--tensor-parallel-size must be >= 1; got {self.tensor_parallel_size}"
             )
         self._validate_data_parallel()
+        self._validate_pipeline_parallel()
         # (not inf: the watchdog's thread cannot wait that long; 0 is "no limit")
         if not (math.isfinite(self.execute_model_timeout_s) and self.execute_model_timeout_s >= 0):
             raise ValueError(
@@ -417,6 +423,36 @@ class EngineConfig:
                 "--data-parallel-size above 1 runs every engine's ranks on this host (mp or "
                 "uni); not with --distributed-executor-backend ray yet"
             )
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of one engine: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _validate_pipeline_parallel(self) -> None:
+        size = self.pipeline_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be an integer >= 1; got {size!r}")
+        if size == 1:
+            return
+        # (the first cut: what a stage would need to be told about is refused, not guessed)
+        for flag, on in (
+            ("--tensor-parallel-size above 1", self.tensor_parallel_size > 1),
+            ("--data-parallel-size above 1", self.data_parallel_size > 1),
+            ("--speculative-config", self.speculative_config is not None),
+            ("--enable-lora", self.enable_lora),
+            ("--enable-prompt-embeds", self.enable_prompt_embeds),
+            ("--torch-compile", self.torch_compile),
+            ("--runner pooling", self.runner == "pooling"),
+            (
+                f"--distributed-executor-backend {self.distributed_executor_backend}",
+                self.distributed_executor_backend not in (None, "mp"),
+            ),
+        ):
+            if on:
+                raise ValueError(
+                    f"--pipeline-parallel-size {size} cannot be combined with {flag} yet"
+                )
 
     def _validate_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

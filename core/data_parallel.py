@@ -24,11 +24,19 @@ logger = logging.getLogger(__name__)
 
 def engine_rank_devices(config: EngineConfig) -> list[int]:
     """The local device index of each tensor-parallel rank of the engine ``config`` is for
-    (rank ``r`` uses entry ``r``); ``ValueError`` when the host has too few devices."""
+    (rank ``r`` uses entry ``r``; pipeline stages are ranks too); ``ValueError`` when the
+    host has too few devices."""
     from chassis.platforms import get_current_platform
 
     platform = get_current_platform()
-    size = config.tensor_parallel_size
+    size = config.world_size
+    if config.pipeline_parallel_size > 1:  # (the platform's message names tensor parallelism)
+        try:
+            return platform.tensor_parallel_devices(size)
+        except ValueError as exc:
+            raise ValueError(
+                f"--pipeline-parallel-size {config.pipeline_parallel_size} runs {size} ranks: {exc}"
+            ) from None
     if config.data_parallel_size == 1:
         return platform.tensor_parallel_devices(size)
     return platform.data_parallel_devices(

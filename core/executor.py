@@ -171,9 +171,9 @@ def make_executor(config: EngineConfig) -> Executor:
 
         # the ranks are actors: this process joins no group, other engines may run beside it
         return RayExecutor(config)
-    if parallel_state.tp_size() > 1:
+    if parallel_state.world_size() > 1:
         gc.collect()  # an engine nobody references any more leaves its group when collected
-        if parallel_state.tp_size() > 1:
+        if parallel_state.world_size() > 1:
             raise ValueError(
                 "a tensor-parallel engine is running in this process; call its shutdown() "
                 "before building another engine"
@@ -181,7 +181,7 @@ def make_executor(config: EngineConfig) -> Executor:
     if config.enable_expert_parallel and config.tensor_parallel_size == 1:
         # as vLLM: with one rank every expert is on it, so there is nothing to place
         logger.info("--enable-expert-parallel has no effect with --tensor-parallel-size 1")
-    if config.tensor_parallel_size > 1:
+    if config.world_size > 1:  # (tensor-parallel ranks, or pipeline stages)
         from chassis.core.tp_executor import TensorParallelExecutor
 
         return TensorParallelExecutor(config)

@@ -66,6 +66,12 @@ class CausalLM(nn.Module, ABC):
     #: runner sizes the KV cache so). ``--tensor-parallel-size`` above 1 is refused for models
     #: that do not.
     supports_tensor_parallel: bool = False
+    #: The model splits its decoder layers over pipeline stages (``--pipeline-parallel-size``,
+    #: :mod:`chassis.core.pipeline_parallel`): built in every stage's process, it builds and
+    #: loads only that stage's layers (``needs_checkpoint_tensor`` skips the others'), counts
+    #: them as its ``num_attention_layers`` (its attention layers read caches ``0 ..``), and its
+    #: ``compute_logits`` returns the last stage's logits on every stage. Refused otherwise.
+    supports_pipeline_parallel: bool = False
     #: The model is a sequence classifier: its forward returns class logits per token (a
     #: ``score`` head, not an LM head), which only a pooling engine runs; ``--runner auto``
     #: picks ``"pooling"`` for it (:mod:`chassis.core.pooling_classify`).

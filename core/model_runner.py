@@ -708,7 +708,7 @@ class ModelRunner:
             check_sampler_output(result, metadata_s, self.sampler)  # plugins: fail by name
             if verify is not None:  # their tokens by rejection sampling instead
                 result.sampled_token_ids = self.drafter.verify(verify, result.sampled_token_ids)
-            if parallel_state.tp_size() > 1:
+            if parallel_state.world_size() > 1:
                 # Every rank continues from the driver's tokens: the other ranks' generators
                 # need not stay in step with it (rank 0 may share its process with the user's).
                 result = dataclasses.replace(

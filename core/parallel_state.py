@@ -8,6 +8,13 @@ parallel``) reads :func:`tp_rank` and :func:`tp_size` when it is built, keeps it
 attention heads and MLP columns, and sums the partial outputs with :func:`all_reduce`. In a
 process that joined no group every call here is the single-device case: rank 0 of size 1.
 
+With ``--pipeline-parallel-size M`` (tensor parallelism 1) the M processes of the group are
+pipeline stages instead: :func:`pp_rank` holds a contiguous run of the decoder layers
+(``chassis.core.pipeline_parallel``), the hidden states pass stage to stage with
+:func:`send_to_next_stage` / :func:`recv_from_previous_stage`, and the last stage's logits
+reach every rank by :func:`broadcast_from_last_stage`. :func:`tp_size` is then 1 (nothing is
+sharded), :func:`world_size` is M.
+
 With ``--enable-expert-parallel`` the mixture-of-experts layers place whole experts on the
 ranks instead (:func:`expert_split`, :func:`shard_experts`, :func:`shard_expert_columns`); everything else stays
 tensor-parallel, and the experts' partial outputs are summed by the same all-reduce.
@@ -30,6 +37,14 @@ class TensorParallelGroup:
     size: int = 1
     #: the MoE layers hold whole experts per rank (``--enable-expert-parallel``)
     expert_parallel: bool = False
+    #: this process's pipeline stage, and the number of stages (``--pipeline-parallel-size``)
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def world(self) -> int:
+        """Every process of the group: tensor ranks times pipeline stages."""
+        return self.size * self.pp_size
 
 
 _GROUP = TensorParallelGroup()
@@ -45,36 +60,65 @@ def tp_size() -> int:
     return _GROUP.size
 
 
+def pp_rank() -> int:
+    """This process's pipeline stage (0 without pipeline parallelism)."""
+    return _GROUP.pp_rank
+
+
+def pp_size() -> int:
+    """The number of pipeline stages (1 without pipeline parallelism)."""
+    return _GROUP.pp_size
+
+
+def world_size() -> int:
+    """Every process of the group (tensor ranks times pipeline stages; 1 without one)."""
+    return _GROUP.world
+
+
 def init_tensor_parallel(
-    rank: int, size: int, backend: str, init_method: str, *, expert_parallel: bool = False
+    rank: int,
+    size: int,
+    backend: str,
+    init_method: str,
+    *,
+    expert_parallel: bool = False,
+    pipeline_size: int = 1,
 ) -> None:
     """Join the group of ``size`` processes as ``rank`` (every rank calls this at the same
     time; it returns once all have joined). ``init_method`` is a ``torch.distributed``
     rendezvous address, e.g. ``file:///tmp/dir/rendezvous``. All ranks run on this host, so
     the collectives' sockets listen on the loopback interface unless ``GLOO_SOCKET_IFNAME`` /
     ``NCCL_SOCKET_IFNAME`` say otherwise. ``expert_parallel``: the MoE layers built
-    afterwards hold whole experts per rank (meaningless, and ignored, for ``size`` 1)."""
+    afterwards hold whole experts per rank (meaningless, and ignored, for ``size`` 1).
+    ``pipeline_size`` above 1: the group's ``size * pipeline_size`` processes are pipeline
+    stages, ``rank`` being the stage (only with ``size`` 1: the engine refuses both at once)."""
     global _GROUP
-    if size > 1:
+    if pipeline_size > 1 and size != 1:
+        raise ValueError("pipeline parallelism with tensor parallelism is not supported")
+    world = size * pipeline_size
+    if world > 1:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         torch.distributed.init_process_group(
             backend=backend,
             init_method=init_method,
             rank=rank,
-            world_size=size,
+            world_size=world,
             # Long: a rank may load its weights minutes after another. A rank that fails
             # exits, which fails the others' collectives at once.
             timeout=datetime.timedelta(minutes=30),
         )
-    _GROUP = TensorParallelGroup(rank, size, expert_parallel and size > 1)
+    if pipeline_size > 1:
+        _GROUP = TensorParallelGroup(0, 1, False, pp_rank=rank, pp_size=pipeline_size)
+    else:
+        _GROUP = TensorParallelGroup(rank, size, expert_parallel and size > 1)
 
 
 def destroy_tensor_parallel() -> None:
     """Leave the group (a no-op without one)."""
     global _GROUP
     try:
-        if _GROUP.size > 1 and torch.distributed.is_initialized():
+        if _GROUP.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     finally:
         _GROUP = TensorParallelGroup()
@@ -89,11 +133,36 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 def broadcast_from_driver(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's ``tensor`` on every rank (a new contiguous tensor; unchanged without a
-    group)."""
-    if _GROUP.size == 1:
+    group). Every process of the group takes part (pipeline stages too)."""
+    if _GROUP.world == 1:
         return tensor
     tensor = tensor.contiguous()
     torch.distributed.broadcast(tensor, src=0)
+    return tensor
+
+
+def send_to_next_stage(tensor: torch.Tensor) -> None:
+    """Send ``tensor`` to the next pipeline stage (which calls
+    :func:`recv_from_previous_stage` with its shape and dtype)."""
+    torch.distributed.send(tensor.contiguous(), dst=_GROUP.pp_rank + 1)
+
+
+def recv_from_previous_stage(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The tensor the previous pipeline stage sent (:func:`send_to_next_stage`)."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    torch.distributed.recv(tensor, src=_GROUP.pp_rank - 1)
+    return tensor
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """The last pipeline stage's ``tensor`` on every stage (the others pass a tensor of the
+    same shape and dtype to receive into); unchanged without pipeline parallelism."""
+    if _GROUP.pp_size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    torch.distributed.broadcast(tensor, src=_GROUP.pp_size - 1)
     return tensor
 
 

@@ -17,6 +17,11 @@ are returned. A step that has not completed on every rank within
 not answered, after logging where each one is (:mod:`chassis.core.tp_watchdog`).
 docs/architecture.md has the failure handling.
 
+Pipeline parallelism (``--pipeline-parallel-size M``, tensor parallelism 1) runs on the same
+carrier: the M ranks are pipeline stages, each holding its run of the decoder layers, which
+pass the hidden states stage to stage inside the forward; the last stage's logits are
+broadcast, so every rank samples and is checked as above (``chassis.core.pipeline_parallel``).
+
 Graph capture and ``torch.compile`` are not used with more than one rank (not validated with
 collectives yet); async scheduling runs, without overlap.
 """
@@ -100,17 +105,18 @@ def start_rank(config: EngineConfig, rank: int, ipc_dir: str, watch: Callable[[]
     from chassis.platforms import get_current_platform
 
     platform = get_current_platform()
-    size = config.tensor_parallel_size
+    size = config.world_size  # (tensor-parallel ranks, or pipeline stages)
     device = engine_rank_devices(config)[rank]  # (this engine's, with data parallelism)
     # every rank of every engine (data parallelism) gets an equal share of the host's cores
     torch.set_num_threads(host_threads(size * config.data_parallel_size))
     wait_for_every_rank(ipc_dir, rank, size, watch)
     parallel_state.init_tensor_parallel(
         rank,
-        size,
+        config.tensor_parallel_size,
         platform.dist_backend,
         rendezvous(ipc_dir),
         expert_parallel=config.enable_expert_parallel,
+        pipeline_size=config.pipeline_parallel_size,
     )
     return Worker(config, device_index=device)
 
@@ -253,7 +259,7 @@ class TensorParallelExecutor(RankGroupExecutor):
     cannot be sharded) after stopping every rank it started."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size
         engine_rank_devices(config)  # enough devices?
         config = self._group_config(config)  # before any process starts
         self._broken = None
@@ -477,6 +483,11 @@ def _check_model_splits(config: EngineConfig) -> None:
     assert config.model is not None
     hf_config = engine_hf_config(config)
     cls = model_class(hf_config)
+    if config.pipeline_parallel_size > 1:  # (tensor parallelism 1: EngineConfig checked)
+        from chassis.core.pipeline_parallel import check_pipeline_parallel
+
+        check_pipeline_parallel(cls, hf_config, config.pipeline_parallel_size)
+        return
     if not cls.supports_tensor_parallel:
         raise ValueError(
             f"{cls.__name__} cannot be sharded (its supports_tensor_parallel is False); use "

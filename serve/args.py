@@ -484,8 +484,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
         "-pp",
         type=int,
         metavar="N",
-        help="vLLM's flag: only 1 (the default) is supported, pipeline parallelism is not; "
-        "shard a model with --tensor-parallel-size",
+        help=_help(
+            "pipeline stages: each of N worker processes holds a contiguous run of the decoder "
+            "layers, one batch in flight (fits a bigger model, not faster; Llama, Qwen2, Qwen3; "
+            "not with --tensor-parallel-size above 1); see docs/architecture.md",
+            "pipeline_parallel_size",
+        ),
     )
     g.add_argument(
         "--enable-expert-parallel",
@@ -629,12 +633,6 @@ _FIELD_OF = {"model_flag": "model"}
 
 def _check_vllm_only_flags(args: argparse.Namespace) -> None:
     """vLLM's flags whose only supported value means "what chassis does anyway"."""
-    pipeline = getattr(args, "pipeline_parallel_size", None)
-    if pipeline is not None and pipeline != 1:
-        raise ValueError(
-            f"--pipeline-parallel-size {pipeline} is not supported: chassis has no pipeline "
-            "parallelism; shard the model with --tensor-parallel-size instead"
-        )
     policy, scheduler = getattr(args, "scheduling_policy", None), getattr(args, "scheduler", None)
     if policy is not None:
         if scheduler is not None and scheduler != policy:
@@ -649,7 +647,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     Raises ``ValueError`` for invalid values (from ``EngineConfig``), for MODEL and
     ``--model`` naming different models (or ``--scheduling-policy`` and ``--scheduler``
-    different schedulers), for ``--pipeline-parallel-size`` above 1, for ``-O``/``--compilation-config`` and a chassis flag that disagree
+    different schedulers), for ``-O``/``--compilation-config`` and a chassis flag that disagree
     (:mod:`chassis.serve.compilation_config`), and for a plugin that failed to load.
     """
     load_error = getattr(args, _PLUGIN_ERROR, None)

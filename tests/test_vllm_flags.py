@@ -131,10 +131,13 @@ def test_scheduling_policy_names_the_built_in_scheduler() -> None:
         )
 
 
-def test_pipeline_parallel_size_one_is_accepted_and_more_refused() -> None:
-    assert engine_config_from_args(_parse(["serve", "-pp", "1"])).tensor_parallel_size == 1
-    with pytest.raises(ValueError, match="--pipeline-parallel-size 2 is not supported"):
-        engine_config_from_args(_parse(["serve", "--pipeline-parallel-size", "2"]))
+def test_pipeline_parallel_size_reaches_the_config() -> None:
+    assert engine_config_from_args(_parse(["serve", "-pp", "1"])).pipeline_parallel_size == 1
+    config = engine_config_from_args(_parse(["serve", "--pipeline-parallel-size", "2"]))
+    assert config.pipeline_parallel_size == 2 and config.world_size == 2
+    # (stages with tensor-parallel ranks are not supported yet: tests/test_pipeline_parallel.py)
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2 cannot be combined"):
+        engine_config_from_args(_parse(["serve", "-pp", "2", "-tp", "2"]))
 
 
 # -- --tokenizer-mode ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from chassis.core.layers.norm import RMSNorm
 from chassis.core.layers.rotary import RotaryEmbedding, rope_parameters
 from chassis.core.layers.vocab_parallel import VocabParallelEmbedding, gather_logits, vocab_shard
 from chassis.core.model_interface import CausalLM, LoRASlice, ModelBuildContext
+from chassis.core.pipeline_parallel import MissingLayer, stage_layers, tensor_layer
 
 #: checkpoint projection name -> (merged parameter module name, shard key)
 _MERGED_SHARDS = {
@@ -341,6 +342,13 @@ class LlamaModel(nn.Module):
     differ by layer (Gemma 3's local and global layers); by default every layer uses
     ``spec.rope``. Layers with equal parameters share one rotary table, of ``rotary_class``
     (M-RoPE's :class:`~chassis.core.layers.mrope.MRotaryEmbedding` for Qwen2-VL).
+
+    Pipeline parallel (``--pipeline-parallel-size``): this stage builds only its layers
+    ``[start_layer, end_layer)`` (:func:`~chassis.core.pipeline_parallel.stage_layers`; the
+    others are parameterless :class:`~chassis.core.pipeline_parallel.MissingLayer`), the
+    embedding only on the first stage and the final norm only on the last (``None``
+    elsewhere). Its attention layers read KV caches ``0 .. end_layer - start_layer - 1``: a
+    stage's KV cache holds its own layers only.
     """
 
     def __init__(
@@ -356,9 +364,19 @@ class LlamaModel(nn.Module):
         rotary_class: type[RotaryEmbedding] = RotaryEmbedding,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
-        self.embedding_multiplier = embedding_multiplier
         num_layers = int(hf_config.num_hidden_layers)
+        stage, stages = parallel_state.pp_rank(), parallel_state.pp_size()
+        self.start_layer, self.end_layer = (
+            stage_layers(num_layers, stage, stages) if stages > 1 else (0, num_layers)
+        )
+        self.first_stage, self.last_stage = stage == 0, stage == stages - 1
+        self.hidden_size = spec.hidden_size
+        self.embed_tokens: VocabParallelEmbedding | None = (
+            VocabParallelEmbedding(int(hf_config.vocab_size), spec.hidden_size)
+            if self.first_stage
+            else None
+        )
+        self.embedding_multiplier = embedding_multiplier
         if rope_per_layer is None:
             rope_per_layer = [spec.rope] * num_layers
         elif len(rope_per_layer) != num_layers:
@@ -374,9 +392,18 @@ class LlamaModel(nn.Module):
                     spec.head_dim, spec.max_position, params, context_len=build_ctx.max_model_len
                 )
                 rotaries.append((params, rotary_emb))
-            layers.append(make_layer(i, rotary_emb, build_ctx))
+            if self.start_layer <= i < self.end_layer:
+                layers.append(make_layer(i, rotary_emb, build_ctx))
+            else:
+                layers.append(MissingLayer())
         self.layers = nn.ModuleList(layers)
-        self.norm = norm_class(spec.hidden_size, spec.rms_norm_eps)
+        if stages > 1:
+            # this stage's KV caches are its layers' only: cache i is layer start_layer + i
+            for layer in self.layers[self.start_layer : self.end_layer]:
+                for module in layer.modules():
+                    if isinstance(module, Attention):
+                        module.layer_idx -= self.start_layer
+        self.norm = norm_class(spec.hidden_size, spec.rms_norm_eps) if self.last_stage else None
         #: the layers whose input :meth:`forward` keeps in :attr:`aux_hidden_states` (an
         #: EAGLE-3 head reads them; ``CausalLM.set_aux_hidden_state_layers``); empty: none
         self.aux_layer_ids: frozenset[int] = frozenset()
@@ -389,6 +416,8 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[n]`` token ids -> ``[n, hidden_size]``: what the first layer reads."""
+        if self.embed_tokens is None:
+            raise RuntimeError("the token embeddings are on the first pipeline stage")
         hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier is not None:
             # in the model dtype, as HF multiplies (the embedding is whole on every rank here)
@@ -403,7 +432,10 @@ class LlamaModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final hidden states; ``inputs_embeds`` (:meth:`embed`'s output, some rows
-        replaced) stands in for ``embed(input_ids)`` when given."""
+        replaced) stands in for ``embed(input_ids)`` when given. A pipeline stage but the
+        last returns its layers' output, which only gives the shape (:meth:`_stage_forward`)."""
+        if not (self.first_stage and self.last_stage):
+            return self._stage_forward(input_ids, positions, ctx, inputs_embeds)
         hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         aux = self.aux_layer_ids
@@ -419,6 +451,38 @@ class LlamaModel(nn.Module):
                 hidden_states, residual = layer(positions, hidden_states, residual, ctx)
         if residual is None:  # a model with no layers
             return self.norm(hidden_states)
+        assert self.norm is not None
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def _stage_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One pipeline stage's part of :meth:`forward`: embed (the first stage) or take the
+        hidden states and residual stream from the previous stage, run this stage's layers,
+        then normalize (the last stage) or send both on to the next stage. Every stage runs
+        the same steps in the same order, so each send meets its receive."""
+        residual: torch.Tensor | None = None
+        if self.first_stage:
+            hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        else:
+            weight = next(self.layers[self.start_layer].parameters())
+            num_tokens = positions.shape[-1]
+            both = parallel_state.recv_from_previous_stage(
+                (2, num_tokens, self.hidden_size), weight.dtype, weight.device
+            )
+            hidden_states, residual = both[0], both[1]
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+        assert residual is not None  # (every stage holds at least one layer)
+        if not self.last_stage:
+            parallel_state.send_to_next_stage(torch.stack((hidden_states, residual)))
+            return hidden_states  # (its shape only: the logits come from the last stage)
+        assert self.norm is not None
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -436,9 +500,23 @@ class LlamaForCausalLM(CausalLM):
     LM head (``core/layers/vocab_parallel.py``). It sums the partial outputs of ``o_proj``,
     ``down_proj`` and the embedding over the group and gathers the logits; the norms are
     whole on every rank.
+
+    Pipeline parallel: each stage holds its run of the decoder layers (:class:`LlamaModel`),
+    the last also the LM head (a tied head: the embedding matrix, loaded there too); the
+    last stage's logits are broadcast to every stage, so the runner samples on each as it
+    does without stages. A subclass supports it only when it declares
+    ``supports_pipeline_parallel`` itself (it may change the decoder's layout).
     """
 
     supports_tensor_parallel = True
+    supports_pipeline_parallel = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a subclass may build another decoder or head: it opts in to stages itself
+        if "supports_pipeline_parallel" not in cls.__dict__:
+            cls.supports_pipeline_parallel = False
+
     #: the class of every norm (each layer's and the final one) that :meth:`build_decoder`
     #: and :meth:`make_layer` build
     norm_class: type[RMSNorm] = RMSNorm
@@ -457,6 +535,9 @@ class LlamaForCausalLM(CausalLM):
         head, such as a sequence classifier's ``score``, overrides this) and set
         ``tie_word_embeddings``. Called from ``__init__`` after :meth:`build_decoder`."""
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if parallel_state.pp_size() > 1:
+            self._build_stage_head()
+            return
         # The head is a module even when tied (then sharing the embedding matrix, built on the
         # meta device so no second matrix is allocated; parameter listings name it once, as
         # model.embed_tokens.weight) so that a platform's prepare_model can swap it too.
@@ -466,6 +547,46 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(self.spec.hidden_size, vocab_rows, bias=False, device=head_device)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _build_stage_head(self) -> None:
+        """Pipeline parallel: the LM head on the last stage only (``None`` elsewhere); tied,
+        it shares the embedding when that stage also holds it (one stage), else it is a
+        matrix of its own, loaded from the checkpoint's embedding (:meth:`load_weights`)."""
+        if not self.model.last_stage:
+            self.lm_head = None
+            return
+        tied_here = self.tie_word_embeddings and self.model.embed_tokens is not None
+        self.lm_head = nn.Linear(
+            self.spec.hidden_size,
+            self.vocab_size,
+            bias=False,
+            device="meta" if tied_here else None,
+        )
+        if tied_here:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_attention_layers(self) -> int:
+        """This pipeline stage's decoder layers (all of them without stages)."""
+        if parallel_state.pp_size() == 1:
+            return super().num_attention_layers
+        return self.model.end_layer - self.model.start_layer
+
+    def needs_checkpoint_tensor(self, name: str) -> bool:
+        """Pipeline parallel: only this stage's tensors (its layers; the embedding on the
+        first stage, and on the last when the head is tied to it; the final norm and LM head
+        on the last), so that the others are never read."""
+        if parallel_state.pp_size() == 1:
+            return super().needs_checkpoint_tensor(name)
+        decoder = self.model
+        layer = tensor_layer(name)
+        if layer is not None:
+            return decoder.start_layer <= layer < decoder.end_layer
+        if name.startswith("model.embed_tokens."):
+            return decoder.first_stage or (decoder.last_stage and self.tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return decoder.last_stage
+        return True  # (anything else: load_weights says whether it belongs)
 
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
@@ -613,7 +734,16 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Project to the vocabulary in the model dtype; return float32 ``[n, vocab]`` (under
         tensor parallelism each rank projects to its vocabulary rows and the logits are
-        gathered)."""
+        gathered; under pipeline parallelism the last stage's are broadcast to every stage,
+        the others passing rows of the right count only)."""
+        if parallel_state.pp_size() > 1:
+            if self.lm_head is None:
+                logits = hidden_states.new_empty(
+                    (hidden_states.shape[0], self.vocab_size), dtype=torch.float32
+                )
+            else:
+                logits = self.lm_head(hidden_states).float()
+            return parallel_state.broadcast_from_last_stage(logits)
         logits = self.lm_head(hidden_states)
         if parallel_state.tp_size() > 1:
             logits = gather_logits(logits, self.vocab_size)
@@ -637,6 +767,8 @@ class LlamaForCausalLM(CausalLM):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
+            if name == "model.embed_tokens.weight" and self._head_loads_embedding():
+                name = "lm_head.weight"  # a tied head on a stage without the embedding
             copy_checkpoint_tensor(
                 params,
                 self.spec,
@@ -648,6 +780,16 @@ class LlamaForCausalLM(CausalLM):
                 label=f"checkpoint tensor {name!r}",
             )
         return filled_parameters(shards_loaded)
+
+    def _head_loads_embedding(self) -> bool:
+        """Whether this pipeline stage's tied LM head is a matrix of its own (the embedding
+        is on another stage), filled from the checkpoint's embedding."""
+        return (
+            parallel_state.pp_size() > 1
+            and self.tie_word_embeddings
+            and self.lm_head is not None
+            and self.model.embed_tokens is None
+        )
 
     def _tensor_parallel_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole checkpoint tensor: rows of the column-parallel

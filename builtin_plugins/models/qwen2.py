@@ -19,6 +19,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     :func:`qwen2_sliding_layers` gives.
     """
 
+    supports_pipeline_parallel = True  # (Llama's decoder: stages split it alike)
+
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         return DecoderSpec.from_config(
