@@ -161,7 +161,9 @@ class InputProcessor:
         with ``request_id``; for ``n > 1``, ``n`` requests with ids ``f"{i}_{request_id}"``,
         each ``n=1``; when ``params.seed`` is set, child ``i`` gets ``seed + i`` (modulo 2**64)
         so completions differ yet reproduce. ``add_special_tokens=False`` suits prompts
-        rendered by a chat template that already contains BOS. ``lora_request`` names the
+        rendered by a chat template that already contains BOS; an encoder-decoder model's
+        (Whisper's) text prompt never gets them (vLLM's rule: its decoder prompt names its
+        special tokens), and it needs its item. ``lora_request`` names the
         LoRA adapter to run with (:meth:`check_lora`); ``cache_salt`` (vLLM's) keeps the
         request's prefix-cache entries to requests of the same salt.
 
@@ -180,12 +182,19 @@ class InputProcessor:
         if isinstance(prompt, EmbedsPrompt):
             prompt_token_ids, embeds = self._embeds_prompt(prompt, params, multi_modal_data)
         else:
-            prompt_token_ids = self.token_ids(prompt, add_special_tokens=add_special_tokens)
+            encoder_decoder = isinstance(prompt, str) and self.multimodal.is_encoder_decoder()
+            prompt_token_ids = self.token_ids(
+                prompt, add_special_tokens=add_special_tokens and not encoder_decoder
+            )
             embeds = None
         mm_features: list[MultiModalFeature] = []
-        if multi_modal_data is not None:  # (mm_processor_kwargs alone: nothing to process)
+        # (mm_processor_kwargs alone: nothing to process; an encoder-decoder's processor
+        # refuses a request without its clip)
+        if multi_modal_data is not None or self.multimodal.is_encoder_decoder():
             prompt_token_ids, mm_features = self.multimodal.expand(
-                prompt_token_ids, multi_modal_data, mm_processor_kwargs
+                prompt_token_ids,
+                {} if multi_modal_data is None else multi_modal_data,
+                mm_processor_kwargs,
             )
         kept = self._truncate(prompt_token_ids, params)
         if embeds is not None and len(kept) < len(embeds):

@@ -143,6 +143,9 @@ class CausalLM(nn.Module, ABC):
     #: request's first decoder tokens (position 0) the runner passes the item's tensors to
     #: the forward as ``encoder_inputs`` (one entry per request of the step, ``None`` for
     #: the others; :meth:`~chassis.core.multimodal_runner.MultiModalRunner.encoder_inputs`).
+    #: The front-end sends its every request through the model's processor (which may
+    #: refuse one without its item) and tokenizes text prompts without special tokens
+    #: (:meth:`~chassis.core.multimodal_inputs.MultiModalInputs.is_encoder_decoder`).
     is_encoder_decoder: bool = False
     #: Why the model cannot run prompts given as input embeddings
     #: (``--enable-prompt-embeds``) although it implements :meth:`embed_input_ids` and its

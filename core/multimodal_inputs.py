@@ -114,6 +114,16 @@ class MultiModalInputs:
         if refusal is not None:
             raise ValueError(refusal)
 
+    def is_encoder_decoder(self) -> bool:
+        """Whether the engine's model is an encoder-decoder (Whisper,
+        ``CausalLM.is_encoder_decoder``): its every request needs its item (the clip its
+        encoder reads), and text prompts are tokenized without special tokens (vLLM's rule:
+        the decoder prompt names them). ``False`` for a config that names no model (unit
+        tests of the front-end); the model's class is read once."""
+        if self.config.model is None:
+            return False
+        return bool(getattr(self._model_class(), "is_encoder_decoder", False))
+
     def supported_modalities(self) -> frozenset[str]:
         """The modalities the engine's model takes (empty: text only); the model's class is
         read on the first call, its processor is not built."""
@@ -137,12 +147,15 @@ class MultiModalInputs:
         """The prompt with each item's placeholder expanded, and one feature per item in
         prompt order (:meth:`MultiModalProcessor.process`), once :meth:`check_counts`
         passed. ``multi_modal_data`` is vLLM's (:func:`multimodal_items`); when it holds no
-        item at all the prompt is returned as it is. Image embeddings among the images
+        item at all the prompt is returned as it is (an encoder-decoder model's processor
+        sees it, and refuses it: :meth:`is_encoder_decoder`). Image embeddings among the images
         (tensors, Qwen2-VL's dict) and audio embeddings among the clips (tensors of 2 or 3
         dimensions) need ``enable_mm_embeds`` and skip the model's processing
         (:mod:`chassis.core.multimodal_embeds`)."""
         items = multimodal_items(multi_modal_data)
         if not any(items.values()):
+            if self.is_encoder_decoder():  # (its processor refuses a request without a clip)
+                return self.processor().process(prompt_token_ids, {}, mm_processor_kwargs)
             return prompt_token_ids, []
         self.check_counts({modality: len(values) for modality, values in items.items()})
         if any(

@@ -139,6 +139,14 @@ POOL_SETTINGS_HINT = (
 )
 
 
+def pool_settings_hint(specs: Sequence[RequestStateSpec]) -> str:
+    """:data:`POOL_SETTINGS_HINT`, without the dtype flags when no spec has a kind they
+    change (Whisper's cross K/V: only --max-num-seqs sizes its pool)."""
+    if any(spec.kind is not None for spec in specs):
+        return POOL_SETTINGS_HINT
+    return "lower --max-num-seqs (one slot per sequence)"
+
+
 def state_pool_over_budget(pool: RequestStatePool, left: int, *, profiled: bool) -> str:
     """The message when the memory left for the KV cache after ``pool`` is ``left`` < 0
     bytes: a fixed budget (``--kv-cache-memory``, the CPU's default) smaller than the pool,
@@ -154,7 +162,8 @@ def state_pool_over_budget(pool: RequestStatePool, left: int, *, profiled: bool)
             "(--kv-cache-memory; the CPU's default: 4 GiB or 30% of free memory)"
         )
     return (
-        f"the per-request recurrent state pool ({pool.describe()}) {where}: {POOL_SETTINGS_HINT}"
+        f"the per-request recurrent state pool ({pool.describe()}) {where}: "
+        f"{pool_settings_hint(pool.specs)}"
         f"{'' if profiled else ', or raise --kv-cache-memory'}"
     )
 
@@ -222,7 +231,7 @@ class RequestStatePool:
             self.tensors = []
             raise ValueError(
                 f"the per-request recurrent state pool ({self.describe()}) does not fit in "
-                f"the device's memory: {POOL_SETTINGS_HINT}"
+                f"the device's memory: {pool_settings_hint(self.specs)}"
             ) from error
 
     @property
@@ -274,7 +283,8 @@ def apply_recurrent_state_settings(config: EngineConfig, model_cls: Any) -> None
     name = model_cls.__name__
     if config.speculative_config is not None:
         raise ValueError(
-            f"{name} carries a recurrent state per request (state-space layers), which "
+            f"{name} carries a recurrent state per request "
+            f"({getattr(model_cls, 'recurrent_state_label', 'state-space layers')}), which "
             "speculative decoding would have to roll back over rejected drafts: "
             "--speculative-config is not supported with it"
         )

@@ -14,7 +14,7 @@ from chassis.core.kv_cache_groups import single_group_window
 from chassis.core.kv_cache_manager import max_group_blocks_per_request, max_tokens_per_step
 from chassis.core.lora.model import LoRAModel
 from chassis.core.model_runner import ModelRunner
-from chassis.core.request_state_cache import POOL_SETTINGS_HINT, state_pool_over_budget
+from chassis.core.request_state_cache import pool_settings_hint, state_pool_over_budget
 from chassis.core.scheduler_interface import ModelRunnerOutput, SchedulerOutput
 from chassis.core.sleep_weights import checkpoint_tensors
 from chassis.core.sleep_worker import WorkerSleep
@@ -211,7 +211,7 @@ class Worker:
                 ""
                 if states is None or config.num_kv_blocks is not None
                 else f" (the per-request recurrent state pool, {states.describe()}, comes out of "
-                f"the same memory: {POOL_SETTINGS_HINT})"
+                f"the same memory: {pool_settings_hint(states.specs)})"
             )
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks ({num_blocks * config.block_size} "

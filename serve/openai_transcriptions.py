@@ -7,9 +7,10 @@ The request is a multipart form (OpenAI's fields):
   :func:`chassis.core.audio_loading.decode_audio`), averaged to mono and resampled to the
   feature extractor's rate (16 kHz);
 - ``model``: the served model's name (or an alias); another name is a 404;
-- ``language``: ISO 639-1 code whose ``<|xx|>`` token starts the decoder prompt; unset
-  means ``en`` (as vLLM: no language detection); a code the tokenizer has no token for is a
-  400. Translations always translate into English (the ``<|translate|>`` task);
+- ``language``: ISO 639-1 code of the audio's language, whose ``<|xx|>`` token starts the
+  decoder prompt; unset means ``en`` (as vLLM: no language detection); a code the tokenizer
+  has no token for is a 400. Translations take it too (the source language, as vLLM and
+  Whisper's own decoding do) and always translate into English (the ``<|translate|>`` task);
 - ``prompt``: text the model takes as the previous window's (``<|startofprev|>`` + text,
   before ``<|startoftranscript|>``);
 - ``response_format``: ``json`` (default: ``{"text": ..., "usage": {"type": "duration",
@@ -156,8 +157,13 @@ def _decoder_prompt(state: ServerState, language: str, task: str, prompt: str | 
             param="language",
         )
     ids = []
-    if prompt:
-        ids = [vocab["<|startofprev|>"]] if "<|startofprev|>" in vocab else []
+    if prompt:  # (previous text without its marker would read as the transcript's start)
+        if "<|startofprev|>" not in vocab:
+            raise errors.bad_request(
+                "the model's tokenizer has no <|startofprev|> token: prompt is not supported",
+                param="prompt",
+            )
+        ids = [vocab["<|startofprev|>"]]
         ids += tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
     for special in ("<|startoftranscript|>", token, f"<|{task}|>", "<|notimestamps|>"):
         if special not in vocab:
@@ -198,10 +204,8 @@ async def _transcribe(request: Request, task: str) -> Response:
     if upload is None or isinstance(upload, str):
         raise errors.bad_request("file (the audio file) is required", param="file")
     model = await speech_model(request, state)
-    language = DEFAULT_LANGUAGE if task == "translate" else (_field(form, "language") or "")
-    prompt_ids = _decoder_prompt(
-        state, language.strip().lower() or DEFAULT_LANGUAGE, task, _field(form, "prompt")
-    )
+    language = (_field(form, "language") or "").strip().lower() or DEFAULT_LANGUAGE
+    prompt_ids = _decoder_prompt(state, language, task, _field(form, "prompt"))
     data = await upload.read()
     try:
         windows, duration = await asyncio.to_thread(_windows, data, model)

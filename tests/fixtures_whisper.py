@@ -2,9 +2,10 @@
 
 :func:`save_tiny_whisper` writes ``WhisperForConditionalGeneration`` (float32, 2 encoder and 2
 decoder layers, ``d_model`` 32, 80 mel bins, the released 1,500 encoder positions: 30 s
-windows; 64 decoder positions), transformers' ``WhisperFeatureExtractor`` and a tokenizer:
-SmolLM2's with Whisper's special tokens added (ids from 49152, :data:`SPECIAL_TOKENS`);
-``<|endoftext|>`` (id 0) is the end of text.
+windows; 64 decoder positions), transformers' ``WhisperFeatureExtractor`` and a
+``WhisperTokenizer`` configured as the hub's (:func:`whisper_tokenizer`: SmolLM2's BPE with
+Whisper's special tokens added, ids from 49152, :data:`SPECIAL_TOKENS`); ``<|endoftext|>``
+(id 0) is the end of text.
 """
 
 from __future__ import annotations
@@ -70,13 +71,30 @@ def save_tiny_whisper(directory: Path, seed: int = 0) -> Path:
             elif name.startswith("model.decoder.embed_"):
                 param.copy_(0.5 * torch.randn_like(param))
     model.save_pretrained(directory, safe_serialization=True)
-    tokenizer = tf.AutoTokenizer.from_pretrained(embedded_model_dir())
-    tokenizer.add_tokens(list(SPECIAL_TOKENS), special_tokens=True)
-    assert tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS[0]) == SOT_ID
-    tokenizer.chat_template = None
-    tokenizer.save_pretrained(directory)
+    whisper_tokenizer(Path(embedded_model_dir())).save_pretrained(directory)
     tf.WhisperFeatureExtractor(feature_size=80).save_pretrained(directory)
     return directory
+
+
+def whisper_tokenizer(smol_dir: Path) -> Any:
+    """A ``WhisperTokenizer`` set up as openai/whisper-tiny's ``tokenizer_config.json`` sets
+    it (no language, no task, ``predict_timestamps`` false: its prefix tokens are
+    ``<|startoftranscript|><|notimestamps|>``, added with ``<|endoftext|>`` when special
+    tokens are), over SmolLM2's byte-level BPE vocabulary (``<|endoftext|>`` is id 0 there)
+    with :data:`SPECIAL_TOKENS` added as special tokens; no chat template."""
+    import json
+
+    import transformers as tf
+
+    model = json.loads((smol_dir / "tokenizer.json").read_text())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = tf.WhisperTokenizer(
+        vocab=model["vocab"], merges=merges, language=None, task=None, predict_timestamps=False
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
+    tokenizer.set_prefix_tokens()  # (the prefix's ids exist only now)
+    assert tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS[0]) == SOT_ID
+    return tokenizer
 
 
 def prompt_ids(*tokens: str) -> list[int]:

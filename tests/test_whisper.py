@@ -99,12 +99,29 @@ def test_generate_matches_hf(
     try:
         check(llm.generate(requests(clips), PARAMS), expected, "one batch")
         check(llm.generate(requests(clips[1:2]), PARAMS), expected[1:2], "alone")
-        # the engine's tokenizer gives the decoder prompt's ids as they are
+        # a text prompt is tokenized without special tokens (vLLM's rule for encoder-
+        # decoders), although the hub-style tokenizer would add its prefix and end of text
+        tokenizer = llm.get_tokenizer()
+        assert tokenizer(PROMPT).input_ids != DECODER_IDS
+        [out] = llm.generate(requests(clips[:1]), PARAMS)
+        assert list(out.prompt_token_ids) == DECODER_IDS
         by_ids = [
             {"prompt_token_ids": DECODER_IDS, "multi_modal_data": r["multi_modal_data"]}
             for r in requests(clips[:1])
         ]
         check(llm.generate(by_ids, PARAMS), expected[:1], "token ids")
+        # a request without its clip is refused (its encoder would read nothing)
+        for request in (
+            PROMPT,
+            {"prompt_token_ids": DECODER_IDS},
+            {"prompt": PROMPT, "multi_modal_data": {}},
+            {"prompt": PROMPT, "multi_modal_data": {"audio": []}},
+        ):
+            with pytest.raises(ValueError, match="needs its audio clip"):
+                llm.generate(request, PARAMS)
+        # no chat template (as the hub's checkpoints): chat is refused, saying so
+        with pytest.raises(ValueError, match="chat template"):
+            llm.chat([{"role": "user", "content": "hi"}], PARAMS)
         with pytest.raises(ValueError, match="exactly one audio clip"):
             llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": [clips[0]] * 2}})
         with pytest.raises(ValueError, match="longer than Whisper's 30 s window"):
@@ -168,3 +185,24 @@ def test_prefix_caching_is_turned_off_with_one_info_line(
     [line] = [r.getMessage() for r in caplog.records]
     assert "cross-attention keys and values of its audio" in line
     assert "prefix caching is off" in line
+
+
+def test_state_messages_name_the_cross_kv_and_only_max_num_seqs() -> None:
+    from chassis.builtin_plugins.models.whisper import WhisperForConditionalGeneration
+    from chassis.core.config import EngineConfig
+    from chassis.core.request_state_cache import (
+        RequestStatePool,
+        RequestStateSpec,
+        apply_recurrent_state_settings,
+        state_pool_over_budget,
+    )
+
+    config = EngineConfig(model="whisper", speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="cross-attention keys and values of its audio"):
+        apply_recurrent_state_settings(config, WhisperForConditionalGeneration)
+    # Whisper's specs have no kind: the dtype flags would not shrink its pool
+    specs = [
+        RequestStateSpec(f"layers.{i}.cross_kv", (2, 4, 1500, 8), torch.float32) for i in (0, 1)
+    ]
+    message = state_pool_over_budget(RequestStatePool(specs, 2, "cpu"), -1, profiled=True)
+    assert "lower --max-num-seqs" in message and "mamba" not in message

@@ -17,7 +17,7 @@ a request's clip is one ``"audio"`` multimodal item that occupies no decoder pro
 (:mod:`.whisper_processing`); the model runner hands the model the clip's tensors in the step
 that computes the request's first decoder tokens (position 0: its first step, or its first
 again after a preemption, which restarts it from 0). That step runs the encoder and writes
-each decoder layer's cross-attention keys and values ``[max_source_positions, heads,
+each decoder layer's cross-attention keys and values ``[2, heads, max_source_positions,
 head_dim]`` into the request's state slot (:mod:`chassis.core.request_state_cache`); every
 later step reads them from there. The slot makes the engine turn prefix caching off and
 refuse speculative decoding (:attr:`has_recurrent_state`). Not tensor parallel; decode steps
@@ -101,21 +101,22 @@ class _DecoderLayer(nn.Module):
         self.act = activation(str(getattr(hf_config, "activation_function", "gelu")))
 
     def cross_kv(self, encoded: torch.Tensor) -> torch.Tensor:
-        """``[clips, S, d_model]`` encoder rows -> ``[clips, 2, S, heads, head_dim]``."""
+        """``[clips, S, d_model]`` encoder rows -> ``[clips, 2, heads, S, head_dim]`` (heads
+        before rows: the layout attention reads, no transpose per step)."""
         clips, rows, _ = encoded.shape
         shape = (clips, rows, self.num_heads, self.head_dim)
         k = self.encoder_attn.k_proj(encoded).view(shape)
         v = self.encoder_attn.v_proj(encoded).view(shape)
-        return torch.stack((k, v), dim=1)
+        return torch.stack((k, v), dim=1).transpose(2, 3)
 
     def forward(
         self,
         h: torch.Tensor,
         ctx: ForwardContext,
-        cross: Sequence[torch.Tensor],
+        cross: torch.Tensor,
         bounds: Sequence[int],
     ) -> torch.Tensor:
-        """``h [T, d_model]``; ``cross[i]`` request ``i``'s ``[2, S, heads, head_dim]``,
+        """``h [T, d_model]``; ``cross[i]`` request ``i``'s ``[2, heads, S, head_dim]``,
         its tokens ``bounds[i] .. bounds[i + 1]``."""
         x = self.self_attn_layer_norm(h)
         sa = self.self_attn
@@ -127,22 +128,20 @@ class _DecoderLayer(nn.Module):
         return h + self.fc2(self.act(self.fc1(self.final_layer_norm(h))))
 
     def _cross_attention(
-        self, x: torch.Tensor, cross: Sequence[torch.Tensor], bounds: Sequence[int]
+        self, x: torch.Tensor, cross: torch.Tensor, bounds: Sequence[int]
     ) -> torch.Tensor:
+        """``cross [R, 2, H, S, D]``: the step's requests' keys and values, in order."""
         q = self.encoder_attn.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        if all(bounds[i + 1] - bounds[i] == 1 for i in range(len(cross))):
+        if len(bounds) - 1 == q.shape[0]:
             # decode: one query per request, all requests in one call
-            kv = torch.stack([c.to(q.dtype) for c in cross])  # [R, 2, S, H, D]
-            k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # [R, H, S, D]
-            out = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=self.scale)
+            out = F.scaled_dot_product_attention(
+                q[:, :, None], cross[:, 0], cross[:, 1], scale=self.scale
+            )
             return out.reshape(q.shape[0], -1)
         pieces = []
         for i, kv in enumerate(cross):
             qi = q[bounds[i] : bounds[i + 1]].transpose(0, 1)  # [H, n, D]
-            kv = kv.to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                qi, kv[0].transpose(0, 1), kv[1].transpose(0, 1), scale=self.scale
-            )
+            out = F.scaled_dot_product_attention(qi, kv[0], kv[1], scale=self.scale)
             pieces.append(out.transpose(0, 1).reshape(qi.shape[1], -1))
         return torch.cat(pieces)
 
@@ -217,10 +216,10 @@ class WhisperForConditionalGeneration(CausalLM):
         return WhisperInputs.from_pretrained(model_dir, hf_config)
 
     def request_state_specs(self) -> list[RequestStateSpec]:
-        """Per decoder layer, the cross-attention K and V of the request's clip ``[2,
-        max_source_positions, heads, head_dim]`` in the model's dtype (no dtype flag
-        changes them)."""
-        shape = (2, self.encoder_len, self.num_heads, self.head_dim)
+        """Per decoder layer, the cross-attention K and V of the request's clip ``[2, heads,
+        max_source_positions, head_dim]`` in the model's dtype (no dtype flag changes
+        them)."""
+        shape = (2, self.num_heads, self.encoder_len, self.head_dim)
         return [
             RequestStateSpec(f"layers.{i}.cross_kv", shape, self.dtype)
             for i in range(self.num_attention_layers)
@@ -234,7 +233,7 @@ class WhisperForConditionalGeneration(CausalLM):
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         """``[clips, mel_bins, frames]`` log-mel features -> every decoder layer's cross K/V
-        ``[layers, clips, 2, S, heads, head_dim]``."""
+        ``[layers, clips, 2, heads, S, head_dim]``."""
         encoded = self.model.encoder(features)
         return torch.stack([layer.cross_kv(encoded) for layer in self.model.decoder.layers])
 
@@ -253,24 +252,19 @@ class WhisperForConditionalGeneration(CausalLM):
         bounds = ctx.attn_metadata.query_start_loc_cpu.tolist()
         num_reqs = len(bounds) - 1
         layers = self.model.decoder.layers
-        cross: list[list[torch.Tensor]]
+        pools: Sequence[torch.Tensor]
         if ctx.request_states is None or ctx.state_slots is None:
-            # memory profiling: zero keys and values, nothing kept
-            zeros = torch.zeros(
-                2,
-                self.encoder_len,
-                self.num_heads,
-                self.head_dim,
-                dtype=self.dtype,
-                device=input_ids.device,
-            )
-            cross = [[zeros] * num_reqs for _ in layers]
+            # memory profiling: zero keys and values, nothing kept (one [R, ...] tensor: what
+            # a layer's gather below allocates)
+            shape = (num_reqs, *self.request_state_specs()[0].shape)
+            zeros = torch.zeros(shape, dtype=self.dtype, device=input_ids.device)
+            pools, slots_t = [zeros] * len(layers), None
         else:
-            slots = ctx.state_slots.tolist()
-            pools = ctx.request_states
+            pools, slots_t = ctx.request_states, ctx.state_slots
             fresh = [i for i, item in enumerate(encoder_inputs or ()) if item is not None]
             if fresh:
                 assert encoder_inputs is not None
+                slots = slots_t.tolist()  # (a sync only in steps that encode)
                 features = torch.cat([_clip_features(encoder_inputs[i]) for i in fresh]).to(
                     input_ids.device
                 )
@@ -278,11 +272,14 @@ class WhisperForConditionalGeneration(CausalLM):
                 for n, i in enumerate(fresh):
                     for layer, pool in enumerate(pools):
                         pool[slots[i]].copy_(kv[layer, n])
-            cross = [[pool[slot] for slot in slots] for pool in pools]
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         h = h + self.model.decoder.embed_positions(positions)
-        for layer, layer_cross in zip(layers, cross, strict=True):
-            h = layer(h, ctx, layer_cross, bounds)
+        for layer, pool in zip(layers, pools, strict=True):
+            # the step's requests' K/V [R, 2, heads, S, head_dim]: one gather per layer, made
+            # when the layer runs (one layer's at a time); the slot tensor stays on the
+            # device (no sync)
+            cross = pool if slots_t is None else pool.index_select(0, slots_t)
+            h = layer(h, ctx, cross, bounds)
         return self.model.decoder.layer_norm(h)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

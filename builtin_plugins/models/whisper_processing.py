@@ -11,6 +11,9 @@ is refused (``ValueError``); the transcription endpoint splits long files into w
 
 The item's feature is recorded at prompt offset 0 with length 1 (a feature needs a range);
 the runner hands it to the encoder (``CausalLM.is_encoder_decoder``), never as embeddings.
+The front-end calls :meth:`WhisperInputs.process` for every request, with or without items
+(:meth:`~chassis.core.multimodal_inputs.MultiModalInputs.is_encoder_decoder`): a request
+without its clip is refused here.
 """
 
 from __future__ import annotations
@@ -91,6 +94,11 @@ class WhisperInputs(MultiModalProcessor):
         self.check_kwargs(kwargs)
         other = sorted(m for m, values in items.items() if m != "audio" and values)
         clips = list(items.get("audio", ()))
+        if not other and not clips:  # (its encoder would read nothing: refused)
+            raise ValueError(
+                "a Whisper request needs its audio clip: send one in "
+                "multi_modal_data={'audio': (waveform, sampling_rate)}"
+            )
         if other or len(clips) != 1:
             raise ValueError(
                 "a Whisper request takes exactly one audio clip and no other item; got "
