@@ -47,7 +47,7 @@ def tensor_layer(name: str) -> int | None:
 
 class MissingLayer(nn.Module):
     """Stands where a decoder layer of another pipeline stage is: no parameters, never run
-    (its checkpoint tensors are skipped, ``CausalLM.pipeline_owns``)."""
+    (its checkpoint tensors are skipped, ``CausalLM.needs_checkpoint_tensor``)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a decoder layer of another pipeline stage was run on this one")

@@ -180,6 +180,12 @@ class RankGroupExecutor(Executor):
         if not config.enforce_eager:
             logger.info("tensor parallel: device graphs are off (not validated with collectives)")
             config = dataclasses.replace(config, enforce_eager=True)
+        if config.pipeline_parallel_size > 1 and config.sliding_window_kv_release:
+            # A stage plans KV cache groups and windows from its own layers, which may slide
+            # where another stage's do not, while the scheduler follows rank 0's: keep every
+            # block instead (one group; each layer masks its own window).
+            logger.info("pipeline parallel: the sliding-window KV release is off")
+            config = dataclasses.replace(config, sliding_window_kv_release=False)
         _check_model_splits(config)
         return config
 

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chassis.serve import errors
 from chassis.serve.state import ServerState
@@ -111,6 +112,8 @@ async def _form(request: Request) -> Any:
         )
     try:
         return await request.form()
+    except StarletteHTTPException:  # (the body bound's 413, raised while the body is read)
+        raise
     except Exception as exc:  # (a body that is not a multipart form)
         raise errors.bad_request(f"the body is not a readable multipart form: {exc}") from exc
 

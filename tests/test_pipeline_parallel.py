@@ -200,3 +200,26 @@ def test_seeded_sampling_and_logprobs_with_async_scheduling_match_one_stage(
             assert expected.keys() == got.keys()
             for token, lp in expected.items():
                 assert got[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+def test_sliding_window_layers_on_some_stages_match_hf(tmp_path: Path) -> None:
+    """Qwen2 whose layer 0 attends fully and layers 1-2 slide: stage 0 alone would plan two KV
+    cache groups and stage 1 one sliding group, so the stages keep every block instead (one
+    group, as ``--no-sliding-window-kv-release``) and agree on the block tables."""
+    model_dir = write_tiny_checkpoint(
+        "qwen2",
+        tmp_path / "sliding",
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        max_window_layers=1,
+        sliding_window=8,
+    )
+    llm = LLM(
+        str(model_dir), dtype="float32", max_model_len=128, block_size=4, pipeline_parallel_size=2
+    )
+    try:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert llm.engine.executor.kv_cache_group_windows() == (None,)
+    finally:
+        llm.shutdown()
+    assert tokens == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
