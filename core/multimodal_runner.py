@@ -243,13 +243,16 @@ class MultiModalRunner:
     def _encode(self, feature: MultiModalFeature) -> torch.Tensor:
         """``feature``'s encoder output ``[length, hidden]``, checked against its length:
         the rows the caller gave (image or audio embeddings,
-        :mod:`chassis.core.multimodal_embeds`; the front-end checked their width), else the
+        :mod:`chassis.core.multimodal_embeds`; the front-end checked their width) through the
+        model's ``prompt_embeds_to_inputs``, else the
         model's ``embed_multimodal`` (which splices given rows into their item's token run
         when the processor wrote one)."""
         inputs = {name: t.to(self.device) for name, t in feature.tensors().items()}
         given = embeds_key(feature.modality)
         if given in inputs and PLACEHOLDER_IDS_KEY not in inputs:
-            encoded = inputs[given]
+            # given rows are HF's (the projector's output): scaled as the decoder scales the
+            # inputs_embeds it is given (Granite's multiplier; the others keep them)
+            encoded = self.model.prompt_embeds_to_inputs(inputs[given])
         else:
             # (rows with a token run: the model splices them into the run, tower skipped)
             encoded = self.model.embed_multimodal(feature.modality, inputs)

@@ -64,8 +64,10 @@ def tiny_config(tower: str = "clip", **overrides: Any) -> Any:
     else:
         raise ValueError(f"unknown tower {tower!r}")
     fields.update(overrides)
+    # (a "text_config" override replaces the text model: tests/test_llava_granite.py)
+    text_config = fields.pop("text_config", None) or text.to_dict()
     return tf.LlavaConfig(
-        text_config=text.to_dict(),
+        text_config=text_config,
         vision_config=vision_config.to_dict(),
         image_token_index=IMAGE_TOKEN_ID,
         tie_word_embeddings=False,

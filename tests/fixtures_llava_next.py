@@ -53,8 +53,10 @@ def tiny_config(**overrides: Any) -> Any:
         "image_grid_pinpoints": PINPOINTS,
         **overrides,
     }
+    # (a "text_config" override replaces the text model: tests/test_llava_granite.py)
+    text_config = fields.pop("text_config", None) or text.to_dict()
     return tf.LlavaNextConfig(
-        text_config=text.to_dict(),
+        text_config=text_config,
         vision_config=vision.to_dict(),
         image_token_index=IMAGE_TOKEN_ID,
         tie_word_embeddings=False,

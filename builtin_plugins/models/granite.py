@@ -105,6 +105,11 @@ class GraniteForCausalLM(LlamaForCausalLM):
     ignored, as HF's Granite ignores it.
     """
 
+    #: whether :meth:`compute_logits` divides by ``logits_scaling`` (as ``GraniteForCausalLM``
+    #: does); a wrapper whose HF class has its own LM head over the Granite text model
+    #: (LLaVA's, :mod:`.llava`) clears it, since that head divides nothing
+    applies_logits_scaling: bool = True
+
     @classmethod
     def decoder_spec(cls, hf_config: Any) -> DecoderSpec:
         return DecoderSpec.from_config(hf_config, sliding_window=None)
@@ -139,8 +144,11 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """As :meth:`LlamaForCausalLM.compute_logits`, divided by ``logits_scaling`` in the
-        model dtype (where HF divides, so 16-bit logits round as HF's do)."""
-        logits = self.lm_head(hidden_states) / self.multipliers.logits_scaling
+        model dtype (where HF divides, so 16-bit logits round as HF's do) unless
+        :attr:`applies_logits_scaling` is cleared."""
+        logits = self.lm_head(hidden_states)
+        if self.applies_logits_scaling:
+            logits = logits / self.multipliers.logits_scaling
         if parallel_state.tp_size() > 1:
             logits = gather_logits(logits, self.vocab_size)
         return logits.float()

@@ -119,6 +119,9 @@ class Idefics3ForConditionalGenerationWithImages(
             pixels = pixels[0]
         features = self.image_features(pixels)
         image_rows = features.reshape(-1, features.shape[-1])
+        # the image rows scaled as the decoder scales given rows (Granite's multiplier), the
+        # run's text rows already are (its embed)
+        image_rows = self.prompt_embeds_to_inputs(image_rows)
         return splice_item_rows(
             self.model.embed(run), run, self.image_token_id, image_rows, "image"
         )

@@ -62,7 +62,7 @@ class InternVLForConditionalGenerationWithImages(LlavaForConditionalGenerationWi
 
         return InternVLImageInputs.from_pretrained(model_dir, hf_config)
 
-    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def item_rows(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One image's rows: ``inputs["pixel_values"]`` ``[tiles, C, S, S]`` (or with a
         leading 1) -> ``[tiles * tokens_per_tile, hidden_size]`` in the model's dtype, the
         tiles' rows in order. ``ValueError`` for another modality, a missing input or a wrong

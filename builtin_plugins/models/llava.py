@@ -37,7 +37,16 @@ class LlavaForConditionalGeneration(TextOnlyWeights, CausalLM):
     ``lm_head.*``, is read too. The vision tower, the projector and LLaVA-NeXT's
     ``image_newline`` are never read. The LM head is tied by the checkpoint's top-level
     ``tie_word_embeddings``, as transformers ties it.
+
+    The logits are the LM head's, as transformers' LLaVA classes compute them with their own
+    head: over a Granite text model (granite-vision) they are not divided by
+    ``logits_scaling``, which only ``GraniteForCausalLM``'s head applies (vLLM's LLaVA calls
+    the text model's ``compute_logits`` and divides; transformers is the bar here). Other
+    decoders' heads are kept as they are (Cohere2's ``logit_scale``: Aya Vision).
     """
+
+    #: transformers' LLaVA head does not divide by Granite's ``logits_scaling`` (granite.py)
+    applies_logits_scaling = False
 
     language_model_prefixes = (
         ("language_model.model.", "model."),

@@ -127,6 +127,15 @@ class LlavaForConditionalGenerationWithImages(
     # -- inputs ---------------------------------------------------------------------------------
 
     def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One item's rows as the decoder reads them: :meth:`item_rows` (the projector's
+        output, HF's image features) through the decoder's
+        :meth:`~chassis.core.model_interface.CausalLM.prompt_embeds_to_inputs`, since
+        transformers splices the features into ``inputs_embeds`` and the text model's forward
+        scales every row it is given (Granite's ``embedding_multiplier``: granite-vision);
+        for the other decoders the rows are kept as they are."""
+        return self.prompt_embeds_to_inputs(self.item_rows(modality, inputs))
+
+    def item_rows(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One image's rows: ``inputs["pixel_values"]`` ``[1, C, S, S]`` (or ``[C, S, S]``)
         -> ``[tokens_per_image, hidden_size]`` in the model's dtype. ``ValueError`` for
         another modality, a missing input or a wrong shape."""

@@ -69,7 +69,7 @@ class LlavaNextForConditionalGenerationWithImages(LlavaForConditionalGenerationW
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def item_rows(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One image's rows: ``inputs["pixel_values"]`` ``[1 + tiles, C, S, S]`` and
         ``inputs["image_sizes"]`` ``[1, 2]`` -> ``[tokens, hidden_size]`` in the model's
         dtype. ``ValueError`` for another modality, a missing input, or shapes that do not

@@ -59,13 +59,13 @@ class LlavaOnevisionForConditionalGenerationWithImages(LlavaNextForConditionalGe
 
         return LlavaOnevisionMediaInputs.from_pretrained(model_dir, hf_config)
 
-    def embed_multimodal(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def item_rows(self, modality: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """An image's rows (LLaVA-NeXT's inputs, OneVision's packing), or a video's:
         ``inputs["pixel_values_videos"]`` ``[T, C, S, S]`` -> ``[T * ceil(side / 2)^2 + 1,
         hidden_size]``. ``ValueError`` for another modality, a missing input or a wrong
         shape."""
         if modality == "image":
-            return super().embed_multimodal(modality, inputs)
+            return super().item_rows(modality, inputs)
         if modality != "video":
             raise ValueError(f"{type(self).__name__} takes images and videos, not {modality!r}")
         pixels = inputs.get("pixel_values_videos")

@@ -6,8 +6,8 @@ each block ``backbone.layers.<i>`` is ``x + mixer(norm(x))`` (an RMSNorm, then a
 :class:`~chassis.core.layers.mamba_mixer.MambaMixer`), the residual stream in float32 with
 ``residual_in_fp32``; ``backbone.norm_f``; ``lm_head`` (tied with ``tie_word_embeddings``).
 Falcon Mamba adds weightless RMS norms (``mixer_rms_eps``) on the mixer's ``dt``, ``B`` and
-``C``. The model runs as :class:`~chassis.builtin_plugins.models.mamba2.Mamba2ForCausalLM`
-(same backbone, embeddings and loading), with the Mamba-1 mixer.
+``C``. The model is a :class:`~chassis.builtin_plugins.models.backbone_lm.BackboneLM` (the
+backbone, embeddings and loading Mamba-2's uses too), with the Mamba-1 mixer.
 
 Tensor parallel: each mixer keeps ``intermediate / N`` channels (``x_proj``'s and
 ``out_proj``'s partial outputs summed over the group: :mod:`~chassis.core.layers.mamba_mixer`);
@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from chassis.builtin_plugins.models.backbone_lm import BackboneLM, rms_norm_backbone
-from chassis.builtin_plugins.models.mamba2 import Mamba2ForCausalLM
 from chassis.core.layers.mamba2_mixer import check_silu
 from chassis.core.layers.mamba_mixer import BcdtNorm, MambaMixer, MambaSpec
 from chassis.core.model_interface import ModelBuildContext
@@ -49,7 +48,7 @@ def mamba_spec(hf_config: Any, bcdt_norm: BcdtNorm = "none") -> MambaSpec:
     )
 
 
-class MambaForCausalLM(Mamba2ForCausalLM):
+class MambaForCausalLM(BackboneLM):
     """``MambaForCausalLM`` checkpoints. Layer ``i`` holds request-state tensors ``2i``
     (conv ``[intermediate, d_conv - 1]``) and ``2i + 1`` (SSM ``[intermediate, d_state]``).
     Refused when built: a ``hidden_act`` other than ``silu``, shapes that do not fit."""
@@ -57,6 +56,7 @@ class MambaForCausalLM(Mamba2ForCausalLM):
     #: how the mixers normalize dt, B and C (see :data:`~chassis.core.layers.mamba_mixer.
     #: BcdtNorm`)
     bcdt_norm: BcdtNorm = "none"
+    supports_tensor_parallel = True
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
@@ -68,14 +68,20 @@ class MambaForCausalLM(Mamba2ForCausalLM):
             )
 
     def __init__(self, hf_config: Any, build_ctx: ModelBuildContext) -> None:
-        # BackboneLM's forward, state specs and loading (Mamba2's checkpoint renames); the
-        # mixers and the tied default here
         spec = mamba_spec(hf_config, self.bcdt_norm)
         backbone = rms_norm_backbone(hf_config, spec.hidden_size, lambda i: MambaMixer(spec, 2 * i))
-        BackboneLM.__init__(
-            self, hf_config, build_ctx, backbone, residual_in_fp32=True, tie_word_embeddings=True
+        super().__init__(
+            hf_config, build_ctx, backbone, residual_in_fp32=True, tie_word_embeddings=True
         )
         self.spec = spec
+
+    @property
+    def num_attention_layers(self) -> int:
+        return 0
+
+    def checkpoint_name(self, name: str) -> str:
+        """Older checkpoints' ``backbone.embedding`` is ``backbone.embeddings``."""
+        return name.replace("backbone.embedding.", "backbone.embeddings.")
 
 
 class FalconMambaForCausalLM(MambaForCausalLM):
