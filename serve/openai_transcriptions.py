@@ -73,24 +73,24 @@ class SpeechModel:
 
 
 def _speech_model(state: ServerState) -> SpeechModel:
-    """The served model's :class:`SpeechModel`; ``APIError`` 400 when it cannot transcribe."""
-    from chassis.core.model_loader import engine_hf_config, model_class
-
-    config = state.engine.config
-    name = state.model_name
+    """The served model's :class:`SpeechModel`, asked of the engine's multimodal front-end
+    (its processor: built once, the one the engine's requests use); ``APIError`` 400 when it
+    cannot transcribe."""
+    chat_images = state.renderer.chat_images
+    multimodal = None if chat_images is None else chat_images.multimodal
     try:
-        hf_config = engine_hf_config(config)
-        cls = model_class(hf_config)
+        speech = multimodal is not None and multimodal.is_encoder_decoder()
     except Exception:  # (a config that cannot be read or mapped: no speech model)
-        cls = None
-    if cls is None or not getattr(cls, "is_encoder_decoder", False):
+        speech = False
+    if not speech:
         raise errors.bad_request(
-            f"the model {name!r} cannot transcribe audio: /v1/audio/transcriptions and "
-            "/v1/audio/translations need an encoder-decoder speech model "
+            f"the model {state.model_name!r} cannot transcribe audio: /v1/audio/transcriptions "
+            "and /v1/audio/translations need an encoder-decoder speech model "
             "(WhisperForConditionalGeneration)",
             param="model",
         )
-    processor = cls.multimodal_processor(config.model, hf_config)
+    assert multimodal is not None
+    processor: Any = multimodal.processor()
     return SpeechModel(int(processor.sampling_rate), int(processor.window_samples))
 
 
@@ -193,7 +193,7 @@ async def _transcribe(request: Request, task: str) -> Response:
     state: ServerState = request.app.state.chassis
     state.check_accepting()
     form = await _form(request)
-    model_name = state.check_model(_field(form, "model") or None)
+    state.check_model(_field(form, "model") or None)  # (OpenAI's answer does not repeat it)
     response_format = _field(form, "response_format") or "json"
     if response_format not in RESPONSE_FORMATS:
         raise errors.bad_request(
@@ -257,7 +257,6 @@ async def _transcribe(request: Request, task: str) -> Response:
         raise
     except Exception as exc:
         raise errors.to_api_error(exc) from exc
-    del model_name  # (checked; OpenAI's answer does not repeat it)
     if response_format == "text":
         return PlainTextResponse(text)
     return JSONResponse(

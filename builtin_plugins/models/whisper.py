@@ -288,7 +288,7 @@ class WhisperForConditionalGeneration(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint names are the module's (``model.encoder.*``, ``model.decoder.*``);
-        ``proj_out.weight`` (the tied head) is checked against the embedding and dropped;
+        ``proj_out.weight`` (the tied head: the decoder's ``embed_tokens``) is skipped;
         the decoder's self-attention projections load as named."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
