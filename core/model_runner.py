@@ -563,11 +563,12 @@ class ModelRunner:
             rotary_positions = self.mm.rotary_positions(scheduled_ids, query_start_loc, positions)
             if isinstance(input_ids, np.ndarray):
                 input_ids = self._to_device(input_ids)
-            inputs_embeds = self.mm.inputs_embeds(
-                scheduled_ids, starts, num_scheduled, query_start_loc, input_ids
-            )
-            if getattr(self.model, "is_encoder_decoder", False):
+            if self.model.is_encoder_decoder:  # (its items feed its encoder, not its rows)
                 encoder_inputs = self.mm.encoder_inputs(scheduled_ids, starts)
+            else:
+                inputs_embeds = self.mm.inputs_embeds(
+                    scheduled_ids, starts, num_scheduled, query_start_loc, input_ids
+                )
         if self.prompt_embeds:  # prompts given as embeddings: their rows replace the ids'
             ids_of_rows = [batch.request_ids[r] for r in rows]
             if isinstance(input_ids, np.ndarray):
@@ -782,18 +783,7 @@ class ModelRunner:
         over as many free state slots as a step holds (:meth:`_profile_state_decode`).
         """
         num_tokens = max(1, num_tokens)
-        input_ids, positions, ctx = dummy_prefill(
-            num_tokens,
-            self.config.max_model_len,
-            self.block_size,
-            self.model.num_attention_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            self.kv_dtype,
-            self.device,
-            self._to_device,
-            aliased_kv_planes=self.kv_planes == 1,
-        )
+        input_ids, positions, ctx = self._dummy_prefill(num_tokens, self.config.max_model_len)
         if self.lora is not None:
             self.lora.prepare_profile(num_tokens)  # the adapter matmuls' memory too
         hidden = self.forward(input_ids, positions, ctx)
@@ -813,6 +803,24 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.profile_run(num_tokens)
 
+    def _dummy_prefill(
+        self, num_tokens: int, max_seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """:func:`dummy_prefill` over this runner's model and KV cache layout (the memory
+        profile's steps)."""
+        return dummy_prefill(
+            num_tokens,
+            max_seq_len,
+            self.block_size,
+            self.model.num_attention_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_dtype,
+            self.device,
+            self._to_device,
+            aliased_kv_planes=self.kv_planes == 1,
+        )
+
     def _profile_state_decode(self, num_tokens: int) -> None:
         """One dummy decode step of ``min(max_num_seqs, num_tokens)`` requests over free
         slots of the state pool, zeroed after (:mod:`chassis.core.state_decode_profile`):
@@ -824,18 +832,7 @@ class ModelRunner:
                 return
             # one token per request at position 0 (no KV written): the state layers' decode
             # temporaries; attention over long contexts is left to the prefill above
-            input_ids, positions, ctx = dummy_prefill(
-                slots.numel(),
-                1,
-                self.block_size,
-                self.model.num_attention_layers,
-                self.num_kv_heads,
-                self.head_dim,
-                self.kv_dtype,
-                self.device,
-                self._to_device,
-                aliased_kv_planes=self.kv_planes == 1,
-            )
+            input_ids, positions, ctx = self._dummy_prefill(slots.numel(), 1)
             ctx.request_states = self.request_states.tensors
             ctx.state_slots = slots
             hidden = self.forward(input_ids, positions, ctx)

@@ -184,9 +184,8 @@ class MultiModalRunner:
         ``request_ids[i]`` computes sequence positions ``starts[i] ..`` ``starts[i] +
         num_scheduled[i] - 1``, flat tokens from ``query_start_loc[i]``; ``input_ids`` are
         the step's ids on the device. Encodes the images whose tokens are scheduled and not
-        encoded yet."""
-        if getattr(self.model, "is_encoder_decoder", False):  # (items feed its encoder)
-            return None
+        encoded yet. Not for an encoder-decoder model, whose items feed its encoder
+        (:meth:`encoder_inputs`)."""
         targets: list[int] = []  # first flat row of each piece
         pieces: list[torch.Tensor] = []
         for i, request_id in enumerate(request_ids):

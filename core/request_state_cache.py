@@ -30,19 +30,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from chassis.core.config import MAMBA_CACHE_DTYPES
+
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 
-#: the values of ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` (vLLM's): ``auto``
-#: keeps the dtype the model declares (its own dtype), the others name the state's dtype
+#: the values of ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` (vLLM's, listed in
+#: ``EngineConfig``'s module) -> the state's dtype; ``auto`` (``None``) keeps the dtype the
+#: model declares (its own dtype)
 STATE_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
+    name: None if name == "auto" else getattr(torch, name) for name in MAMBA_CACHE_DTYPES
 }
 #: what a :class:`RequestStateSpec` may be (``kind``), for the dtype flags
 STATE_KINDS = ("conv", "ssm")
@@ -281,10 +281,10 @@ def apply_recurrent_state_settings(config: EngineConfig, model_cls: Any) -> None
     if not getattr(model_cls, "has_recurrent_state", False):
         return
     name = model_cls.__name__
+    label = getattr(model_cls, "recurrent_state_label", "state-space layers")
     if config.speculative_config is not None:
         raise ValueError(
-            f"{name} carries a recurrent state per request "
-            f"({getattr(model_cls, 'recurrent_state_label', 'state-space layers')}), which "
+            f"{name} carries a recurrent state per request ({label}), which "
             "speculative decoding would have to roll back over rejected drafts: "
             "--speculative-config is not supported with it"
         )
@@ -293,6 +293,6 @@ def apply_recurrent_state_settings(config: EngineConfig, model_cls: Any) -> None
             "%s carries a recurrent state per request (%s), which a prefix-"
             "cache hit cannot restore: prefix caching is off",
             name,
-            getattr(model_cls, "recurrent_state_label", "state-space layers"),
+            label,
         )
     config.enable_prefix_caching = False
