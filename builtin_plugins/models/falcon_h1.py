@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chassis.builtin_plugins.models.granitemoehybrid import granite_mamba_spec
 from chassis.builtin_plugins.models.llama import (
     DecoderSpec,
     LlamaAttention,
@@ -49,7 +50,6 @@ from chassis.core.layers.mamba2_mixer import (
     Mamba2Mixer,
     Mamba2Spec,
     ShardedMixer,
-    check_silu,
     mamba2_checkpoint_part,
     mamba2_mixers,
 )
@@ -74,15 +74,9 @@ def _multiplier(hf_config: Any, name: str) -> float:
 
 
 def falcon_h1_mamba_spec(hf_config: Any) -> Mamba2Spec:
-    """The mixer of a ``FalconH1Config``."""
-    check_silu(hf_config)
-    hidden = int(hf_config.hidden_size)
+    """The mixer of a ``FalconH1Config``: Bamba's ``mamba_*`` fields, ``mamba_d_ssm`` wide
+    when set, with Falcon-H1's norm placement, projector bias and multipliers."""
     d_ssm = getattr(hf_config, "mamba_d_ssm", None)
-    intermediate = int(hf_config.mamba_expand) * hidden if d_ssm is None else int(d_ssm)
-    heads = int(hf_config.mamba_n_heads)
-    head_dim = hf_config.mamba_d_head
-    head_dim = intermediate // heads if head_dim in (None, "auto") else int(head_dim)
-    limit = getattr(hf_config, "time_step_limit", None) or (0.0, float("inf"))
     multipliers = getattr(hf_config, "ssm_multipliers", None) or [1.0] * 5
     if len(multipliers) != 5:
         raise ValueError(f"ssm_multipliers must be 5 numbers (z, x, B, C, dt), got {multipliers}")
@@ -92,23 +86,13 @@ def falcon_h1_mamba_spec(hf_config: Any) -> Mamba2Spec:
         gate_norm = "norm_then_gate"
     else:
         gate_norm = "gate_then_norm"
-    return Mamba2Spec(
-        hidden_size=hidden,
-        num_heads=heads,
-        head_dim=head_dim,
-        d_state=int(hf_config.mamba_d_state),
-        n_groups=int(hf_config.mamba_n_groups),
-        d_conv=int(hf_config.mamba_d_conv),
-        intermediate_size=intermediate,
-        chunk_size=int(getattr(hf_config, "mamba_chunk_size", 256) or 256),
-        conv_bias=bool(hf_config.mamba_conv_bias),
-        proj_bias=bool(hf_config.mamba_proj_bias),
-        norm_eps=float(hf_config.rms_norm_eps),
-        time_step_limit=(float(limit[0]), float(limit[1])),
+    return granite_mamba_spec(
+        hf_config,
+        None if d_ssm is None else int(d_ssm),
         out_proj_bias=bool(getattr(hf_config, "projectors_bias", False)),
         gate_norm=gate_norm,
         in_multiplier=_multiplier(hf_config, "ssm_in_multiplier"),
-        proj_multipliers=tuple(float(m) for m in multipliers),  # type: ignore[arg-type]
+        proj_multipliers=tuple(float(m) for m in multipliers),
     )
 
 

@@ -75,11 +75,17 @@ def hybrid_layer_kinds(hf_config: Any) -> list[str]:
     return [_LAYER_KINDS[t] for t in types]
 
 
-def granite_mamba_spec(hf_config: Any) -> Mamba2Spec:
-    """The mixer of GraniteMoeHybrid / Bamba configs (``mamba_*`` fields)."""
+def granite_mamba_spec(
+    hf_config: Any, intermediate_size: int | None = None, **options: Any
+) -> Mamba2Spec:
+    """The mixer of GraniteMoeHybrid / Bamba configs (``mamba_*`` fields). Falcon-H1 reads the
+    same fields and passes its own ``intermediate_size`` (default ``mamba_expand`` x hidden)
+    and further :class:`Mamba2Spec` ``options``."""
     check_silu(hf_config)
     hidden = int(hf_config.hidden_size)
-    intermediate = int(hf_config.mamba_expand) * hidden
+    intermediate = intermediate_size
+    if intermediate is None:
+        intermediate = int(hf_config.mamba_expand) * hidden
     heads = int(hf_config.mamba_n_heads)
     head_dim = hf_config.mamba_d_head
     head_dim = intermediate // heads if head_dim in (None, "auto") else int(head_dim)
@@ -97,6 +103,7 @@ def granite_mamba_spec(hf_config: Any) -> Mamba2Spec:
         proj_bias=bool(hf_config.mamba_proj_bias),
         norm_eps=float(hf_config.rms_norm_eps),
         time_step_limit=(float(limit[0]), float(limit[1])),
+        **options,
     )
 
 

@@ -9,12 +9,15 @@ MLP, the residual add fused into the norms. A subclass names its state mixer's a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from chassis.builtin_plugins.models.llama import DecoderSpec
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.norm import RMSNorm
+from chassis.core.request_state_cache import RequestStateSpec
 
 
 class HybridDecoderLayer(nn.Module):
@@ -57,3 +60,14 @@ class HybridDecoderLayer(nn.Module):
             hidden_states = self.self_attn(positions, hidden_states, ctx)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+def hybrid_state_specs(layers: Iterable[nn.Module], dtype: torch.dtype) -> list[RequestStateSpec]:
+    """The request-state tensors of :class:`HybridDecoderLayer` ``layers``, layer by layer:
+    each state mixer's ``state_specs`` named ``layers.{i}.{state_mixer_name}``."""
+    specs: list[RequestStateSpec] = []
+    for i, layer in enumerate(layers):
+        mixer = getattr(layer, layer.state_mixer_name)
+        if mixer is not None:
+            specs.extend(mixer.state_specs(f"layers.{i}.{layer.state_mixer_name}", dtype))
+    return specs

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from chassis.builtin_plugins.models.granitemoehybrid import NoPEAttention
-from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
+from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer, hybrid_state_specs
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaMLP
 from chassis.builtin_plugins.models.sparse_moe import MoeSpec, SparseMoeBlock, SparseMoeForCausalLM
 from chassis.core.layers.mamba2_mixer import (
@@ -154,11 +154,7 @@ class JambaForCausalLM(SparseMoeForCausalLM):
         return sum(jamba_layer_is_attention(self.hf_config))
 
     def request_state_specs(self) -> list[RequestStateSpec]:
-        specs: list[RequestStateSpec] = []
-        for i, layer in enumerate(self.model.layers):
-            if layer.mamba is not None:
-                specs.extend(layer.mamba.state_specs(f"layers.{i}.mamba", self.state_dtype))
-        return specs
+        return hybrid_state_specs(self.model.layers, self.state_dtype)
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:

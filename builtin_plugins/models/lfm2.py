@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
+from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer, hybrid_state_specs
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaForCausalLM
 from chassis.core.layers.mamba2_mixer import (
     ShardedMixer,
@@ -146,11 +146,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         return lfm2_layer_kinds(self.hf_config).count("full_attention")
 
     def request_state_specs(self) -> list[RequestStateSpec]:
-        specs: list[RequestStateSpec] = []
-        for i, layer in enumerate(self.model.layers):
-            if layer.conv is not None:
-                specs.extend(layer.conv.state_specs(f"layers.{i}.conv", self.state_dtype))
-        return specs
+        return hybrid_state_specs(self.model.layers, self.state_dtype)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer
+from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer, hybrid_state_specs
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaModel
 from chassis.builtin_plugins.models.sparse_moe import MoeSpec, SparseMoeForCausalLM, qwen_moe_spec
 from chassis.core import parallel_state
@@ -186,13 +186,7 @@ class Qwen3NextForCausalLM(SparseMoeForCausalLM):
         return layer_types_of(self.hf_config).count("full_attention")
 
     def request_state_specs(self) -> list[RequestStateSpec]:
-        specs: list[RequestStateSpec] = []
-        for i, layer in enumerate(self.model.layers):
-            if layer.linear_attn is not None:
-                specs.extend(
-                    layer.linear_attn.state_specs(f"layers.{i}.linear_attn", self.state_dtype)
-                )
-        return specs
+        return hybrid_state_specs(self.model.layers, self.state_dtype)
 
     @functools.cached_property
     def _deltanet_mixers(self) -> dict[str, ShardedMixer]:

@@ -145,7 +145,7 @@ def step_split(bounds: tuple[int, ...], device: torch.device) -> StepSplit:
 
 @dataclass(frozen=True)
 class ConvLayout:
-    """Rows of the extended sequence :meth:`Mamba2Mixer._prefill` convolves: each request's
+    """Rows of the extended sequence :func:`packed_causal_conv` convolves: each request's
     ``k - 1`` conv-state rows (``state_rows``), then its tokens (``token_rows``);
     ``windows [T, k]`` each token's window, ``last_rows [R, k - 1]`` each request's new conv
     state; ``num_rows`` in all."""
@@ -181,6 +181,26 @@ def conv_layout(lengths: tuple[int, ...], k: int, device: torch.device) -> ConvL
             (segment_start + segment - (k - 1))[:, None] + np.arange(k - 1), device
         ),
     )
+
+
+def packed_causal_conv(
+    conv: nn.Conv1d, states: torch.Tensor, x: torch.Tensor, lengths: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depthwise causal ``conv`` (window ``k``, bias if it has one, no activation) over
+    several requests' tokens (request ``r``'s ``lengths[r]`` contiguous in ``x [T, C]``), each
+    after its conv state (``states [R, C, k - 1]``); returns ``(conv [T, C], new states [R, C,
+    k - 1])``. Each token's window is one gather from a sequence that puts every request's
+    state rows before its tokens (:func:`conv_layout`)."""
+    k, channels = conv.kernel_size[0], x.shape[-1]
+    layout = conv_layout(tuple(lengths), k, x.device)
+    extended = x.new_empty(layout.num_rows, channels)
+    extended[layout.state_rows] = states.to(x.dtype).transpose(1, 2).reshape(-1, channels)
+    extended[layout.token_rows] = x
+    window = extended[layout.windows]  # [T, k, C]
+    out = (window * conv.weight[:, 0, :].T).sum(1)
+    if conv.bias is not None:
+        out = out + conv.bias
+    return out, extended[layout.last_rows].transpose(1, 2)
 
 
 class GatedRMSNorm(nn.Module):
@@ -427,19 +447,8 @@ class Mamba2Mixer(nn.Module):
         The conv reads each token's window from one sequence that puts every request's conv
         state before its tokens (one gather); the scan is :func:`ssd_chunked_varlen`."""
         s = self.spec
-        k = s.d_conv
         num_tokens = xbc.shape[0]
-        layout = conv_layout(tuple(lengths), k, xbc.device)
-        extended = xbc.new_empty(layout.num_rows, s.conv_dim)
-        extended[layout.state_rows] = (
-            conv_states.to(xbc.dtype).transpose(1, 2).reshape(-1, s.conv_dim)
-        )
-        extended[layout.token_rows] = xbc
-        window = extended[layout.windows]  # [T, k, C]
-        conv_out = (window * self.conv1d.weight[:, 0, :].T).sum(1)
-        if self.conv1d.bias is not None:
-            conv_out = conv_out + self.conv1d.bias
-        new_conv = extended[layout.last_rows].transpose(1, 2)
+        conv_out, new_conv = packed_causal_conv(self.conv1d, conv_states, xbc, lengths)
         x, B, C = self._split_conv(F.silu(conv_out), num_tokens)
         y, new_ssm = ssd_chunked_varlen(ssm_states, x, dt, A, B, C, D, lengths, s.chunk_size)
         return y, new_conv, new_ssm

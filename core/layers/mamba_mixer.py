@@ -39,7 +39,7 @@ from torch import nn
 
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import conv_layout, step_split
+from chassis.core.layers.mamba2_mixer import packed_causal_conv, step_split
 from chassis.core.layers.selective_scan import selective_scan_varlen, selective_step
 from chassis.core.request_state_cache import RequestStateSpec
 
@@ -287,15 +287,5 @@ class MambaMixer(nn.Module):
         I]``) after their conv states ``[R, I, d_conv - 1]``; returns ``(silu(conv) [T, I],
         new conv states)``. Each token's window is gathered from one sequence that puts
         every request's state before its tokens."""
-        s = self.spec
-        layout = conv_layout(tuple(lengths), s.d_conv, x.device)
-        extended = x.new_empty(layout.num_rows, s.intermediate_size)
-        extended[layout.state_rows] = (
-            conv_states.to(x.dtype).transpose(1, 2).reshape(-1, s.intermediate_size)
-        )
-        extended[layout.token_rows] = x
-        window = extended[layout.windows]  # [T, k, I]
-        out = (window * self.conv1d.weight[:, 0, :].T).sum(1)
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias
-        return F.silu(out), extended[layout.last_rows].transpose(1, 2)
+        out, new_states = packed_causal_conv(self.conv1d, conv_states, x, lengths)
+        return F.silu(out), new_states

@@ -9,7 +9,7 @@ Each request carries one tensor across steps (:meth:`ShortConv.state_specs`): th
 (``ctx.state_slots``; zeroed when the request arrives) and written back every step. A step's
 requests (decodes and prefill chunks alike) are convolved together: every request's state
 rows are put before its tokens in one sequence and each token reads its window with one
-gather (:func:`~chassis.core.layers.mamba2_mixer.conv_layout`).
+gather (:func:`~chassis.core.layers.mamba2_mixer.packed_causal_conv`).
 
 Under tensor parallelism each rank keeps ``hidden / N`` channels (its rows of each of
 ``in_proj``'s three parts and of ``conv``, its columns of ``out_proj``, whose partial outputs
@@ -26,7 +26,7 @@ from torch import nn
 
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import conv_layout
+from chassis.core.layers.mamba2_mixer import packed_causal_conv
 from chassis.core.request_state_cache import RequestStateSpec
 
 
@@ -107,16 +107,8 @@ class ShortConv(nn.Module):
             states = pool[slots]
 
         lengths = tuple(b - a for a, b in itertools.pairwise(bounds))
-        layout = conv_layout(lengths, k, bx.device)
-        extended = bx.new_empty(layout.num_rows, width)
-        extended[layout.state_rows] = states.to(bx.dtype).transpose(1, 2).reshape(-1, width)
-        extended[layout.token_rows] = bx
-        window = extended[layout.windows]  # [T, k, hidden]
-        conv_out = (window * self.conv.weight[:, 0, :].T).sum(1)
-        if self.conv.bias is not None:
-            conv_out = conv_out + self.conv.bias
+        conv_out, new_states = packed_causal_conv(self.conv, states, bx, lengths)
         if pool is not None:
-            new_states = extended[layout.last_rows].transpose(1, 2)
             pool.index_copy_(0, slots, new_states.to(pool.dtype))
 
         # (under tensor parallelism: each rank's channels' share, summed over the group)
