@@ -10,7 +10,8 @@ gate/down, LM head), and every 1-D parameter is randomized (``save_tiny_checkpoi
 Logits must match HF's over a packed prefill, a decode, a 2-token chunk over the carried
 state and a mixed step (``check_logits`` of tests/state_space_helpers.py); greedy tokens
 through ``LLM`` must be HF ``generate``'s, also with chunked prefill, two state slots and
-preemption.
+preemption. A LoRA adapter naming the checkpoint's modules (``feed_forward.*``, ``mamba.*``)
+gives HF's greedy tokens with the adapter merged into its weights.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures_lora import greedy_with_adapters, hf_greedy, hf_merged_model, lora_engine
+from fixtures_lora import write_peft_adapter as write_adapter
 from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
 from state_space_helpers import StateRunner, check_greedy_tokens, check_logits
 from test_models_parity import PROMPTS as TOKEN_PROMPTS
 from test_models_parity import hf_logits, load_hf
+
+from chassis.core.lora import LoRARequest
 
 ARCHS = ("released", "no_norm")
 MULTIPLIERS: dict[str, Any] = {
@@ -143,3 +148,45 @@ def test_bad_ssm_multipliers_are_refused(model_dirs: dict[str, Path]) -> None:
     assert torch.is_tensor(
         StateRunner(model_dirs["released"]).model.model.layers[0].mamba.proj_scale
     )
+
+
+#: every adaptable projection, by the checkpoint's names (``feed_forward.*``, ``mamba.*``)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS += ("in_proj", "out_proj")
+
+
+def test_lora_slices_carry_the_checkpoint_names(model_dirs: dict[str, Path]) -> None:
+    model = StateRunner(model_dirs["released"]).model
+    names = {
+        s.hf_module
+        for module_name, module in model.named_modules()
+        if module_name.startswith("model.layers.0.")
+        for s in model.lora_slices(module_name, module)
+    }
+    assert names == {
+        f"model.layers.0.{part}.{leaf}"
+        for part, leaves in (
+            ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+            ("feed_forward", ("gate_proj", "up_proj", "down_proj")),
+            ("mamba", ("in_proj", "out_proj")),
+        )
+        for leaf in leaves
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_adapter_matches_hf_merged(
+    model_dirs: dict[str, Path], arch: str, tmp_path: Path
+) -> None:
+    """A random PEFT adapter on every projection (attention, mixer, MLP under its
+    multipliers): greedy tokens equal HF's with the adapter merged into its weights, and
+    differ from the base model's."""
+    model_dir = model_dirs[arch]
+    adapter = write_adapter(tmp_path / "a", model_dir, targets=LORA_TARGETS, magnitude=0.1)
+    lora = LoRARequest("a", 1, str(adapter))
+    prompts = [TOKEN_PROMPTS[0], TOKEN_PROMPTS[1]]
+    got = greedy_with_adapters(lora_engine(model_dir), [lora, None], prompts, 8)
+    base = hf_merged_model(model_dir, None, load_hf)
+    assert got[0] == hf_greedy(hf_merged_model(model_dir, adapter, load_hf), prompts[0], 8)
+    assert got[1] == hf_greedy(base, prompts[1], 8)
+    assert got[0] != hf_greedy(base, prompts[0], 8)

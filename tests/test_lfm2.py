@@ -7,7 +7,9 @@ is randomized (``save_tiny_checkpoint``). Logits must match HF's over a packed p
 decode, a 2-token chunk over the carried state and a step mixing a chunk and a decode
 (``check_logits`` of tests/state_space_helpers.py); greedy tokens through ``LLM`` must be HF
 ``generate``'s, also with chunked prefill, fewer state slots than requests and preemption,
-and over two tensor-parallel ranks.
+and over two tensor-parallel ranks. A LoRA adapter naming the checkpoint's modules
+(``feed_forward.w1``, ``self_attn.out_proj``, ``conv.in_proj``) gives HF's greedy tokens with
+the adapter merged into its weights.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures_lora import greedy_with_adapters, hf_greedy, hf_merged_model, lora_engine
+from fixtures_lora import write_peft_adapter as write_adapter
 from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
 from state_space_helpers import StateRunner, check_greedy_tokens, check_logits
-from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy, hf_greedy
+from test_llm_parity import MAX_TOKENS, PROMPTS, chassis_greedy
+from test_llm_parity import hf_greedy as hf_text_greedy
+from test_models_parity import PROMPTS as TOKEN_PROMPTS
 from test_tensor_parallel import wait_for_no_workers
 
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
 from chassis.builtin_plugins.models.lfm2 import Lfm2ForCausalLM, lfm2_layer_kinds
+from chassis.core.lora import LoRARequest
 from chassis.core.model_interface import ModelBuildContext
 
 ARCHS = ("released", "conv_bias")
@@ -110,10 +117,43 @@ def test_two_ranks_match_transformers(model_dirs: dict[str, Path]) -> None:
     ``in_proj``'s three parts and of ``conv``, their ``out_proj`` columns, the ``out_proj``
     bias on rank 0), the attention heads and MLP columns: HF's greedy tokens, chunked."""
     model_dir = model_dirs["conv_bias"]
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    expected = hf_text_greedy(model_dir, PROMPTS, MAX_TOKENS)
     got = chassis_greedy(
         model_dir, PROMPTS, MAX_TOKENS, tensor_parallel_size=2, max_num_batched_tokens=16
     )
     assert got == expected
     gc.collect()  # the engine is gone, and with it the worker rank
     wait_for_no_workers()
+
+
+#: every adaptable projection, by the checkpoint's names (``out_proj``: attention and conv)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3")
+
+
+def test_lora_slices_carry_the_checkpoint_names(model_dirs: dict[str, Path]) -> None:
+    model = StateRunner(model_dirs["released"]).model
+    names = {
+        s.hf_module
+        for module_name, module in model.named_modules()
+        if module_name.startswith(("model.layers.0.", "model.layers.1."))
+        for s in model.lora_slices(module_name, module)
+    }
+    conv = {f"model.layers.0.conv.{leaf}" for leaf in ("in_proj", "out_proj")}
+    attn = {f"model.layers.1.self_attn.{leaf}" for leaf in ("q_proj", "k_proj", "v_proj")}
+    mlp = {f"model.layers.{i}.feed_forward.w{j}" for i in (0, 1) for j in (1, 2, 3)}
+    assert names == conv | attn | mlp | {"model.layers.1.self_attn.out_proj"}
+
+
+def test_lora_adapter_matches_hf_merged(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A random PEFT adapter on every projection (conv, attention and MLP layers): greedy
+    tokens equal HF's with the adapter merged into its weights, and differ from the base."""
+    model_dir = model_dirs["conv_bias"]
+    adapter = write_adapter(tmp_path / "a", model_dir, targets=LORA_TARGETS)
+    lora = LoRARequest("a", 1, str(adapter))
+    prompts = [TOKEN_PROMPTS[0], TOKEN_PROMPTS[1]]
+    got = greedy_with_adapters(lora_engine(model_dir), [lora, None], prompts, MAX_TOKENS)
+    reference = hf_merged_model(model_dir, adapter)
+    base = hf_merged_model(model_dir, None)
+    assert got[0] == hf_greedy(reference, prompts[0], MAX_TOKENS)
+    assert got[1] == hf_greedy(base, prompts[1], MAX_TOKENS)
+    assert got[0] != hf_greedy(base, prompts[0], MAX_TOKENS)

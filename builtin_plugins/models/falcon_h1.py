@@ -19,7 +19,8 @@ As HF transformers' ``FalconH1`` code defines it, layer ``i`` is
 
 Every layer has a KV cache and a request state (conv window and SSM state). The checkpoint's
 ``feed_forward``, ``pre_ff_layernorm`` and ``model.final_layernorm`` load as the Llama
-decoder's ``mlp``, ``post_attention_layernorm`` and ``model.norm``.
+decoder's ``mlp``, ``post_attention_layernorm`` and ``model.norm``
+(:attr:`FalconH1ForCausalLM.checkpoint_renames`; LoRA adapters name ``feed_forward.*``).
 
 Tensor parallel: attention, MLP, embeddings and LM head as Llama's (the MLP's output summed
 over the group, the logits gathered); each mixer keeps this rank's heads and groups
@@ -30,7 +31,6 @@ over the group, the logits gathered); each mixer keeps this rank's heads and gro
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from chassis.builtin_plugins.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
 )
+from chassis.builtin_plugins.models.parallel_residual import CheckpointRenames
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.mamba2_mixer import (
@@ -59,13 +60,6 @@ from chassis.core.layers.rotary import RotaryEmbedding
 from chassis.core.layers.vocab_parallel import gather_logits
 from chassis.core.model_interface import ModelBuildContext
 from chassis.core.request_state_cache import RequestStateSpec
-
-#: (checkpoint substring, ours), applied in order to every checkpoint name
-_RENAMES = (
-    (".feed_forward.", ".mlp."),
-    (".pre_ff_layernorm.", ".post_attention_layernorm."),
-    ("model.final_layernorm.", "model.norm."),
-)
 
 
 def _multiplier(hf_config: Any, name: str) -> float:
@@ -170,13 +164,18 @@ class FalconH1DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class FalconH1ForCausalLM(LlamaForCausalLM):
+class FalconH1ForCausalLM(CheckpointRenames, LlamaForCausalLM):
     """``FalconH1ForCausalLM`` checkpoints. Layer ``i`` reads KV cache ``i`` and holds
     request-state tensors ``2i`` (conv) and ``2i + 1`` (SSM). Refused when built: a
     ``hidden_act`` other than ``silu``, mixer shapes that do not fit (or do not split over
     ``--tensor-parallel-size``)."""
 
     has_recurrent_state = True
+    checkpoint_renames = (
+        (".feed_forward.", ".mlp."),
+        (".pre_ff_layernorm.", ".post_attention_layernorm."),
+        (".model.final_layernorm.", ".model.norm."),
+    )
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
@@ -239,15 +238,3 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
         if ".mamba." in name:
             return mamba2_checkpoint_part(self._mamba_mixers, name, tensor)
         return super()._tensor_parallel_slice(name, tensor)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """As :meth:`LlamaForCausalLM.load_weights`, after :data:`_RENAMES`."""
-
-        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for old, new in _RENAMES:
-                    name = name.replace(old, new)
-                yield name, tensor
-
-        return super().load_weights(renamed())

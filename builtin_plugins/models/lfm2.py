@@ -12,14 +12,15 @@ As HF transformers' ``Lfm2`` code defines it:
   of ``intermediate_size`` (times ``block_ffn_dim_multiplier``, rounded up to
   ``block_multiple_of``); the final norm is ``model.embedding_norm``.
 
-The checkpoint's names are renamed onto the Llama decoder's (:data:`_RENAMES`). Tensor
-parallelism splits the conv layers' channels (:class:`Lfm2ForCausalLM`).
+The checkpoint's names are renamed onto the Llama decoder's
+(:attr:`Lfm2ForCausalLM.checkpoint_renames`), and back for the module names LoRA adapters
+use (``feed_forward.w1``, ``self_attn.out_proj``, ``conv.in_proj``). Tensor parallelism
+splits the conv layers' channels (:class:`Lfm2ForCausalLM`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 
 from chassis.builtin_plugins.models.hybrid_layer import HybridDecoderLayer, hybrid_state_specs
 from chassis.builtin_plugins.models.llama import DecoderSpec, LlamaAttention, LlamaForCausalLM
+from chassis.builtin_plugins.models.parallel_residual import CheckpointRenames
 from chassis.core.layers.mamba2_mixer import (
     ShardedMixer,
     mamba2_checkpoint_part,
@@ -37,18 +39,6 @@ from chassis.core.layers.short_conv import ShortConv
 from chassis.core.model_interface import ModelBuildContext
 from chassis.core.request_state_cache import RequestStateSpec
 
-#: (checkpoint substring, ours), applied in order to every checkpoint name
-_RENAMES = (
-    (".self_attn.out_proj.", ".self_attn.o_proj."),
-    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
-    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
-    (".feed_forward.w1.", ".mlp.gate_proj."),
-    (".feed_forward.w3.", ".mlp.up_proj."),
-    (".feed_forward.w2.", ".mlp.down_proj."),
-    (".operator_norm.", ".input_layernorm."),
-    (".ffn_norm.", ".post_attention_layernorm."),
-    ("model.embedding_norm.", "model.norm."),
-)
 _LAYER_KINDS = ("conv", "full_attention")
 
 
@@ -90,7 +80,7 @@ class Lfm2DecoderLayer(HybridDecoderLayer):
     state_mixer_cls = ShortConv
 
 
-class Lfm2ForCausalLM(LlamaForCausalLM):
+class Lfm2ForCausalLM(CheckpointRenames, LlamaForCausalLM):
     """``Lfm2ForCausalLM`` checkpoints. Attention layer ``j`` (counting attention layers
     only) reads KV cache ``j``; conv layer ``c`` holds request-state tensor ``c``. Refused
     when built: unknown ``layer_types``, a ``conv_L_cache`` below 2.
@@ -100,6 +90,17 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     its output is summed over the group."""
 
     has_recurrent_state = True
+    checkpoint_renames = (
+        (".self_attn.out_proj.", ".self_attn.o_proj."),
+        (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+        (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+        (".feed_forward.w1.", ".mlp.gate_proj."),
+        (".feed_forward.w3.", ".mlp.up_proj."),
+        (".feed_forward.w2.", ".mlp.down_proj."),
+        (".operator_norm.", ".input_layernorm."),
+        (".ffn_norm.", ".post_attention_layernorm."),
+        (".model.embedding_norm.", ".model.norm."),
+    )
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
@@ -147,18 +148,6 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 
     def request_state_specs(self) -> list[RequestStateSpec]:
         return hybrid_state_specs(self.model.layers, self.state_dtype)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """As :meth:`LlamaForCausalLM.load_weights`, after :data:`_RENAMES`."""
-
-        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for old, new in _RENAMES:
-                    name = name.replace(old, new)
-                yield name, tensor
-
-        return super().load_weights(renamed())
 
     @functools.cached_property
     def _conv_mixers(self) -> dict[str, ShardedMixer]:
