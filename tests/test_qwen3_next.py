@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_models import TINY_CONFIG_FIELDS, save_tiny_checkpoint
+from fixtures_models import TINY_CONFIG_FIELDS, make_attention_metadata, save_tiny_checkpoint
 from state_space_helpers import (
     StateRunner,
     check_forward_without_state_slots,
@@ -33,8 +33,10 @@ from test_models_parity import PROMPTS as TOKEN_PROMPTS
 from test_models_parity import hf_logits, load_hf
 
 from chassis.builtin_plugins.models.qwen3_next import layer_types_of
+from chassis.core.attention import ForwardContext
 from chassis.core.layers.gated_delta_rule import (
     delta_rule_chunked,
+    delta_rule_chunked_varlen,
     delta_rule_recurrence,
     l2_normalize,
 )
@@ -119,6 +121,69 @@ def test_the_chunked_delta_rule_is_the_recurrence() -> None:
         )
         torch.testing.assert_close(o[r, :n], o_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(h[r], h_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_packed_chunked_delta_rule_is_the_recurrence() -> None:
+    """Sequences of 19, 1, 8 and 5 tokens packed one after another from nonzero states (the
+    layer's prefill path): each one's outputs and final state are its recurrence's."""
+    gen = torch.Generator().manual_seed(1)
+    heads, k_dim, v_dim, lengths = 2, 8, 6, (19, 1, 8, 5)
+    total = sum(lengths)
+    q = l2_normalize(torch.randn(total, heads, k_dim, generator=gen)) * k_dim**-0.5
+    k = l2_normalize(torch.randn(total, heads, k_dim, generator=gen))
+    v = torch.randn(total, heads, v_dim, generator=gen)
+    g = -2 * torch.rand(total, heads, generator=gen)
+    beta = torch.rand(total, heads, generator=gen)
+    h0 = torch.randn(len(lengths), heads, k_dim, v_dim, generator=gen)
+    o, h = delta_rule_chunked_varlen(h0, q, k, v, g, beta, lengths, chunk_size=8)
+    start = 0
+    for r, n in enumerate(lengths):
+        rows = slice(start, start + n)
+        o_ref, h_ref = delta_rule_recurrence(h0[r], q[rows], k[rows], v[rows], g[rows], beta[rows])
+        torch.testing.assert_close(o[rows], o_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h[r], h_ref, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_the_packed_prefill_is_the_reference() -> None:
+    """One layer, a step of prefill chunks of 7, 12 and 3 tokens beside a decode, from random
+    conv and delta-rule states: the packed conv and chunked rule (chunks of 4) give the
+    per-request reference's outputs and new states."""
+    spec = GatedDeltaNetSpec(
+        hidden_size=24,
+        num_k_heads=2,
+        num_v_heads=4,
+        k_head_dim=8,
+        v_head_dim=6,
+        conv_kernel=4,
+        norm_eps=1e-6,
+        chunk_size=4,
+    )
+    gen = torch.Generator().manual_seed(7)
+    layer = GatedDeltaNet(spec, state_index=0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    query_lens = [7, 1, 12, 3]
+    hidden = torch.randn(sum(query_lens), spec.hidden_size, generator=gen)
+    start = [
+        torch.randn(len(query_lens), spec.conv_dim, spec.conv_kernel - 1, generator=gen),
+        torch.randn(len(query_lens), spec.num_v_heads, spec.k_head_dim, spec.v_head_dim),
+    ]
+    seq_lens = [n + 5 for n in query_lens]
+    tables = [[2 * i, 2 * i + 1] for i in range(len(query_lens))]
+    metadata = make_attention_metadata(query_lens, seq_lens, tables, 16)
+    results = []
+    for reference in (False, True):
+        layer.use_reference = reference
+        pool = [t.clone() for t in start]
+        ctx = ForwardContext(
+            metadata, [], request_states=pool, state_slots=torch.arange(len(query_lens))
+        )
+        with torch.no_grad():
+            results.append((layer(hidden, ctx), *pool))
+    for fast, ref in zip(*results, strict=True):
+        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_the_layers_are_read(model_dir: Path) -> None:

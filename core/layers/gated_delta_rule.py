@@ -10,13 +10,19 @@ Per value head, a state ``S [k_dim, v_dim]`` is carried over the tokens. Token `
 
 :func:`delta_rule_recurrence` is that loop (the reference); :func:`delta_rule_chunked`
 gives the same result chunk by chunk: inside a chunk the corrections of all its tokens come
-from one unit-lower-triangular solve, so the sequential part is one step per chunk.
+from one unit-lower-triangular solve, so the sequential part is one step per chunk;
+:func:`delta_rule_chunked_varlen` runs it over sequences of different lengths packed one
+after another (a step's prefill chunks).
 Everything here is float32; inputs are ``[..., heads, ...]`` with the value heads already
 matched (query/key heads repeated over their value heads by the caller).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -130,3 +136,44 @@ def delta_rule_chunked(
     o = torch.stack(outputs, dim=2)  # [R, H, N, C, v_dim]
     o = o.transpose(1, 2).transpose(2, 3).reshape(num_seqs, num_chunks * chunk_size, heads, -1)
     return o[:, :length], state
+
+
+@functools.lru_cache(maxsize=8)
+def _padded_rows(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Each packed token's row in a ``[R, max(lengths)]`` grid (request-major), and the
+    grid's width. Cached: every layer of a step asks for the same one."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    longest = int(lens.max())
+    starts = np.cumsum(lens) - lens
+    request_of_token = np.repeat(np.arange(len(lens)), lens)
+    rows = request_of_token * longest + np.arange(int(lens.sum())) - starts[request_of_token]
+    return torch.from_numpy(rows).to(device), longest
+
+
+def delta_rule_chunked_varlen(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    lengths: Sequence[int],
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`delta_rule_chunked` over ``R`` sequences packed one after another, sequence
+    ``r``'s ``lengths[r]`` tokens contiguous: ``state [R, H, k_dim, v_dim]``, ``q``/``k``
+    ``[T, H, k_dim]``, ``v [T, H, v_dim]``, ``g``/``beta`` ``[T, H]``; returns ``(o [T, H,
+    v_dim], final states)``. The sequences are padded at their ends to the longest with
+    zeros (tokens that leave a state as it is) and run as one batch."""
+    rows, longest = _padded_rows(tuple(lengths), q.device)
+    num_seqs = state.shape[0]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        grid = x.new_zeros(num_seqs * longest, *x.shape[1:])
+        grid.index_copy_(0, rows, x)
+        return grid.view(num_seqs, longest, *x.shape[1:])
+
+    o, new_state = delta_rule_chunked(
+        state, padded(q), padded(k), padded(v), padded(g), padded(beta), chunk_size
+    )
+    return o.reshape(num_seqs * longest, *o.shape[2:])[rows], new_state

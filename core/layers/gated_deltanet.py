@@ -14,10 +14,12 @@ Each request carries two tensors across steps (:meth:`GatedDeltaNet.state_specs`
 ``[num_v_heads, k_head_dim, v_head_dim]``, stored in the model dtype unless
 ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` say otherwise (as vLLM; the delta rule
 computes in float32: a 16-bit state is widened when read and rounded when written), read
-from and written back to the request's slot (``ctx.state_slots``) as the Mamba2 mixer does. In a step, the
-requests with one token (decodes) run as one batch; the others (prefill chunks) as another,
-the delta rule chunk by chunk over the requests padded to one length (or, with
-``use_reference``, request by request, token by token).
+from and written back to the request's slot (``ctx.state_slots``) as the Mamba2 mixer does.
+In a step, the requests with one token (decodes) run as one batch; the others (prefill
+chunks) as another: the packed conv (:mod:`chassis.core.layers.causal_conv`), then the delta
+rule chunk by chunk over the requests padded to one length (or, with ``use_reference``,
+request by request: a conv1d over the state and the tokens, the delta rule token by
+token).
 
 Under tensor parallelism each rank keeps whole groups of key and value heads
 (:mod:`chassis.core.layers.gated_deltanet_shard`): the layer is built at the local sizes, its
@@ -27,6 +29,7 @@ group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +39,15 @@ from torch import nn
 
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
+from chassis.core.layers.causal_conv import packed_causal_conv
 from chassis.core.layers.gated_delta_rule import (
-    delta_rule_chunked,
+    delta_rule_chunked_varlen,
     delta_rule_recurrence,
     delta_rule_step,
     l2_normalize,
 )
 from chassis.core.layers.gated_deltanet_shard import gated_deltanet_shard
+from chassis.core.layers.mamba2_mixer import step_split
 from chassis.core.request_state_cache import RequestStateSpec
 
 
@@ -243,25 +248,35 @@ class GatedDeltaNet(nn.Module):
             conv_states = conv_pool[slots].to(mixed.dtype)
             states = state_pool[slots].float()
 
-        singles = [i for i in range(num_reqs) if bounds[i + 1] - bounds[i] == 1]
-        many = [i for i in range(num_reqs) if bounds[i + 1] - bounds[i] > 1]
-        device = mixed.device
-        if len(singles) == num_reqs:  # a decode step: no gathers, no outputs to fill
+        if num_tokens == num_reqs:  # one token per request: every request in one batch
             out, new_conv, new_states = self._decode(conv_states, states, mixed, g, beta)
         else:
+            # requests with one token (decodes) in one batch, the others in another
             out = mixed.new_empty(num_tokens, s.num_v_heads, s.v_head_dim, dtype=torch.float32)
             new_conv = torch.empty_like(conv_states)
             new_states = torch.empty_like(states)
-        if singles and many:
-            rows = torch.tensor(singles, dtype=torch.int64, device=device)
-            tokens = torch.tensor([bounds[i] for i in singles], dtype=torch.int64, device=device)
-            out[tokens], new_conv[rows], new_states[rows] = self._decode(
-                conv_states[rows], states[rows], mixed[tokens], g[tokens], beta[tokens]
-            )
-        if many:
-            self._prefill(
-                many, bounds, conv_states, states, mixed, g, beta, out, new_conv, new_states
-            )
+            split = step_split(tuple(bounds[: num_reqs + 1]), mixed.device)
+            if len(split.single_rows):
+                rows, tokens = split.single_rows, split.single_tokens
+                out[tokens], new_conv[rows], new_states[rows] = self._decode(
+                    conv_states[rows], states[rows], mixed[tokens], g[tokens], beta[tokens]
+                )
+            if self.use_reference:
+                for i in split.many:
+                    a, b = bounds[i], bounds[i + 1]
+                    out[a:b], new_conv[i], new_states[i] = self._prefill_reference(
+                        conv_states[i], states[i], mixed[a:b], g[a:b], beta[a:b]
+                    )
+            elif split.many:
+                rows, tokens = split.many_rows, split.many_tokens
+                out[tokens], new_conv[rows], new_states[rows] = self._prefill(
+                    conv_states[rows],
+                    states[rows],
+                    mixed[tokens],
+                    g[tokens],
+                    beta[tokens],
+                    split.many_lengths,
+                )
         if slots is not None:
             conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
             state_pool.index_copy_(0, slots, new_states.to(state_pool.dtype))
@@ -292,50 +307,44 @@ class GatedDeltaNet(nn.Module):
 
     def _prefill(
         self,
-        requests: list[int],
-        bounds: list[int],
         conv_states: torch.Tensor,
         states: torch.Tensor,
         mixed: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        out: torch.Tensor,
-        new_conv: torch.Tensor,
-        new_states: torch.Tensor,
-    ) -> None:
-        """The requests ``requests`` (rows of ``conv_states``/``states``) with several
-        tokens each (rows ``bounds[i]:bounds[i + 1]`` of ``mixed``, ``g``, ``beta``): writes
-        their outputs into ``out`` and their states into ``new_conv``/``new_states``."""
+        lengths: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Several requests' tokens at once: ``conv_states [R, conv_dim, K - 1]``, ``states
+        [R, H, k_dim, v_dim]``, ``mixed [T, conv_dim]`` and ``g``/``beta`` ``[T, H]`` with
+        request ``r``'s ``lengths[r]`` tokens contiguous; returns ``(o [T, H, v_dim], new
+        conv states, new states)``.
+
+        The conv is :func:`~chassis.core.layers.causal_conv.packed_causal_conv` (one conv1d
+        over every request's state and tokens), the delta rule
+        :func:`~chassis.core.layers.gated_delta_rule.delta_rule_chunked_varlen` (the
+        requests padded to the longest, in one batch)."""
+        conv_out, new_conv = packed_causal_conv(self.conv1d, conv_states, mixed, lengths)
+        q, k, v = self._qkv(F.silu(conv_out))
+        o, new_states = delta_rule_chunked_varlen(
+            states, q, k, v, g, beta, lengths, self.spec.chunk_size
+        )
+        return o, new_conv, new_states
+
+    def _prefill_reference(
+        self,
+        conv_state: torch.Tensor,
+        state: torch.Tensor,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference for one request's ``L`` tokens: ``conv_state [conv_dim, K - 1]``,
+        ``state [H, k_dim, v_dim]``, ``mixed [L, conv_dim]``, ``g``/``beta`` ``[L, H]``; a
+        conv1d over the state and the tokens, then the token-by-token delta rule; returns
+        ``(o [L, H, v_dim], new conv state, new state)``."""
         s = self.spec
-        qkv = []
-        for i in requests:
-            a, b = bounds[i], bounds[i + 1]
-            window = torch.cat([conv_states[i], mixed[a:b].T], dim=-1)  # [conv_dim, K - 1 + L]
-            conv_out = F.conv1d(window[None], self.conv1d.weight, groups=s.conv_dim)[0].T
-            qkv.append(self._qkv(F.silu(conv_out)))
-            new_conv[i] = window[:, -(s.conv_kernel - 1) :]
-        if self.use_reference:
-            for i, (q, k, v) in zip(requests, qkv, strict=True):
-                a, b = bounds[i], bounds[i + 1]
-                out[a:b], new_states[i] = delta_rule_recurrence(
-                    states[i], q, k, v, g[a:b], beta[a:b]
-                )
-            return
-        # every request padded at its end to the longest (padding leaves a state unchanged)
-        length = max(bounds[i + 1] - bounds[i] for i in requests)
-
-        def padded(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack(
-                [F.pad(x, (0, 0) * (x.dim() - 1) + (0, length - x.shape[0])) for x in parts]
-            )
-
-        q = padded([x[0] for x in qkv])
-        k = padded([x[1] for x in qkv])
-        v = padded([x[2] for x in qkv])
-        gs = padded([g[bounds[i] : bounds[i + 1]] for i in requests])
-        betas = padded([beta[bounds[i] : bounds[i + 1]] for i in requests])
-        rows = torch.tensor(requests, dtype=torch.int64, device=mixed.device)
-        o, new_states[rows] = delta_rule_chunked(states[rows], q, k, v, gs, betas, s.chunk_size)
-        for r, i in enumerate(requests):
-            a, b = bounds[i], bounds[i + 1]
-            out[a:b] = o[r, : b - a]
+        window = torch.cat([conv_state, mixed.T], dim=-1)  # [conv_dim, K - 1 + L]
+        conv_out = F.conv1d(window[None], self.conv1d.weight, groups=s.conv_dim)[0].T
+        q, k, v = self._qkv(F.silu(conv_out))
+        o, new_state = delta_rule_recurrence(state, q, k, v, g, beta)
+        return o, window[:, -(s.conv_kernel - 1) :], new_state

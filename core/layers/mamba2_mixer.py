@@ -15,7 +15,8 @@ d_state]``, stored in the model dtype unless ``--mamba-cache-dtype`` /
 are packed (request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``); the
 layer reads each request's state from its slot (``ctx.state_slots``), which starts zeroed,
 and writes it back. The requests with one token in the step (decodes) run as one batch, the
-others (prefill chunks) as another: a gathered conv and the chunked varlen scan (or, with
+others (prefill chunks) as another: the packed conv (:mod:`chassis.core.layers.causal_conv`)
+and the chunked varlen scan (or, with
 ``use_reference``, request by request: a padded conv1d and the token-by-token scan).
 
 Under tensor parallelism each rank keeps a share of the heads and groups
@@ -37,6 +38,7 @@ from torch import nn
 
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
+from chassis.core.layers.causal_conv import packed_causal_conv
 from chassis.core.layers.mamba2_shard import mamba2_shard
 from chassis.core.layers.ssd_scan import ssd_chunked_varlen, ssd_recurrence, ssd_step
 from chassis.core.request_state_cache import RequestStateSpec
@@ -141,66 +143,6 @@ def step_split(bounds: tuple[int, ...], device: torch.device) -> StepSplit:
         many_tokens=_on_device(many_tokens, device),
         many_lengths=tuple(int(n) for n in lengths[many]),
     )
-
-
-@dataclass(frozen=True)
-class ConvLayout:
-    """Rows of the extended sequence :func:`packed_causal_conv` convolves: each request's
-    ``k - 1`` conv-state rows (``state_rows``), then its tokens (``token_rows``);
-    ``windows [T, k]`` each token's window, ``last_rows [R, k - 1]`` each request's new conv
-    state; ``num_rows`` in all."""
-
-    num_rows: int
-    state_rows: torch.Tensor
-    token_rows: torch.Tensor
-    windows: torch.Tensor
-    last_rows: torch.Tensor
-
-
-@functools.lru_cache(maxsize=8)
-def conv_layout(lengths: tuple[int, ...], k: int, device: torch.device) -> ConvLayout:
-    """:class:`ConvLayout` for requests of ``lengths`` tokens and a conv window ``k``.
-    Cached: every mixer layer of a step asks for the same one."""
-    lens = np.asarray(lengths, dtype=np.int64)
-    segment = lens + (k - 1)  # a request's state rows and tokens
-    segment_start = np.cumsum(segment) - segment
-    token_start = np.cumsum(lens) - lens
-    request_of_token = np.repeat(np.arange(len(lens)), lens)
-    token_rows = (
-        segment_start[request_of_token]
-        + (k - 1)
-        + np.arange(int(lens.sum()))
-        - token_start[request_of_token]
-    )
-    return ConvLayout(
-        num_rows=int(segment.sum()),
-        state_rows=_on_device((segment_start[:, None] + np.arange(k - 1)).reshape(-1), device),
-        token_rows=_on_device(token_rows, device),
-        windows=_on_device(token_rows[:, None] - (k - 1) + np.arange(k), device),
-        last_rows=_on_device(
-            (segment_start + segment - (k - 1))[:, None] + np.arange(k - 1), device
-        ),
-    )
-
-
-def packed_causal_conv(
-    conv: nn.Conv1d, states: torch.Tensor, x: torch.Tensor, lengths: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The depthwise causal ``conv`` (window ``k``, bias if it has one, no activation) over
-    several requests' tokens (request ``r``'s ``lengths[r]`` contiguous in ``x [T, C]``), each
-    after its conv state (``states [R, C, k - 1]``); returns ``(conv [T, C], new states [R, C,
-    k - 1])``. Each token's window is one gather from a sequence that puts every request's
-    state rows before its tokens (:func:`conv_layout`)."""
-    k, channels = conv.kernel_size[0], x.shape[-1]
-    layout = conv_layout(tuple(lengths), k, x.device)
-    extended = x.new_empty(layout.num_rows, channels)
-    extended[layout.state_rows] = states.to(x.dtype).transpose(1, 2).reshape(-1, channels)
-    extended[layout.token_rows] = x
-    window = extended[layout.windows]  # [T, k, C]
-    out = (window * conv.weight[:, 0, :].T).sum(1)
-    if conv.bias is not None:
-        out = out + conv.bias
-    return out, extended[layout.last_rows].transpose(1, 2)
 
 
 class GatedRMSNorm(nn.Module):
@@ -444,8 +386,8 @@ class Mamba2Mixer(nn.Module):
         ``r``'s ``lengths[r]`` tokens contiguous; returns ``(y [T, H, P], new conv states,
         new SSM states)``.
 
-        The conv reads each token's window from one sequence that puts every request's conv
-        state before its tokens (one gather); the scan is :func:`ssd_chunked_varlen`."""
+        The conv is :func:`~chassis.core.layers.causal_conv.packed_causal_conv` (one conv1d
+        over every request's state and tokens); the scan is :func:`ssd_chunked_varlen`."""
         s = self.spec
         num_tokens = xbc.shape[0]
         conv_out, new_conv = packed_causal_conv(self.conv1d, conv_states, xbc, lengths)

@@ -14,7 +14,8 @@ d_state]``, stored in the model dtype unless ``--mamba-cache-dtype`` /
 ``--mamba-ssm-cache-dtype`` say otherwise (the scan computes in float32: a 16-bit state is
 widened when read and rounded when written), read from the request's slot
 (``ctx.state_slots``) and written back, as the Mamba2 mixer does
-(:mod:`chassis.core.layers.mamba2_mixer`, whose step split and conv layout this reuses).
+(:mod:`chassis.core.layers.mamba2_mixer`, whose step split this reuses; the prefill conv is
+:mod:`chassis.core.layers.causal_conv`'s).
 Decodes advance in one batched step; prefill chunks run one varlen scan (a token loop or a
 parallel scan, :attr:`MambaMixer.use_reference`).
 
@@ -39,7 +40,8 @@ from torch import nn
 
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import packed_causal_conv, step_split
+from chassis.core.layers.causal_conv import packed_causal_conv
+from chassis.core.layers.mamba2_mixer import step_split
 from chassis.core.layers.selective_scan import selective_scan_varlen, selective_step
 from chassis.core.request_state_cache import RequestStateSpec
 
@@ -285,7 +287,6 @@ class MambaMixer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Several requests' tokens (request ``r``'s ``lengths[r]`` contiguous in ``x [T,
         I]``) after their conv states ``[R, I, d_conv - 1]``; returns ``(silu(conv) [T, I],
-        new conv states)``. Each token's window is gathered from one sequence that puts
-        every request's state before its tokens."""
+        new conv states)``: :func:`~chassis.core.layers.causal_conv.packed_causal_conv`."""
         out, new_states = packed_causal_conv(self.conv1d, conv_states, x, lengths)
         return F.silu(out), new_states

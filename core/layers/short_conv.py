@@ -8,8 +8,8 @@ Each request carries one tensor across steps (:meth:`ShortConv.state_specs`): th
 ``L - 1`` conv inputs ``[hidden, L - 1]`` in the model dtype, read from its slot
 (``ctx.state_slots``; zeroed when the request arrives) and written back every step. A step's
 requests (decodes and prefill chunks alike) are convolved together: every request's state
-rows are put before its tokens in one sequence and each token reads its window with one
-gather (:func:`~chassis.core.layers.mamba2_mixer.packed_causal_conv`).
+rows are put before its tokens in one sequence and one conv1d runs over it
+(:func:`~chassis.core.layers.causal_conv.packed_causal_conv`).
 
 Under tensor parallelism each rank keeps ``hidden / N`` channels (its rows of each of
 ``in_proj``'s three parts and of ``conv``, its columns of ``out_proj``, whose partial outputs
@@ -26,7 +26,7 @@ from torch import nn
 
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
-from chassis.core.layers.mamba2_mixer import packed_causal_conv
+from chassis.core.layers.causal_conv import packed_causal_conv
 from chassis.core.request_state_cache import RequestStateSpec
 
 
