@@ -19,7 +19,10 @@ it. Audio (Qwen2-Audio), where the caller takes it: OpenAI's ``{"type": "input_a
 "audio_url", "audio_url": {"url": URL}}`` (``data:audio/...;base64,``, http(s), ``file://``),
 decoded by :mod:`chassis.core.audio_loading` into vLLM's ``(waveform, sample_rate)`` item
 and marked ``{"type": "audio"}``; with ``--enable-mm-embeds`` also vLLM's ``{"type":
-"audio_embeds", "audio_embeds": BASE64}`` (a ``torch.save``'d ``[rows, hidden]`` tensor). Other media parts (files) are refused naming the type.
+"audio_embeds", "audio_embeds": BASE64}`` (a ``torch.save``'d ``[rows, hidden]`` tensor); and,
+offline, ``{"type": "audio_clip", "audio_clip": (waveform, sample_rate)}``, a clip already
+decoded (``/v1/responses`` hands its decoded clips on so: :mod:`chassis.serve.
+responses_audio`). Other media parts (files) are refused naming the type.
 
 Before anything is loaded, the engine says whether it takes that many images and videos
 (:meth:`chassis.core.multimodal_inputs.MultiModalInputs.check_counts`: a model that takes
@@ -34,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from chassis.core.audio_loading import AudioLoader, check_pyav_for_audio
 from chassis.core.chat import AUDIO_PART, IMAGE_PART, VIDEO_PART, ChatMessageError
@@ -64,8 +69,11 @@ UNSUPPORTED_PART_TYPES = (
 VIDEO_ROUTES = "/v1/chat/completions and LLM.chat"
 #: the audio-embeddings part type (vLLM's), taken with --enable-mm-embeds
 AUDIO_EMBEDS_PART_TYPE = "audio_embeds"
+#: the already-decoded audio part type (offline, as ``image_pil`` for images): the clip as
+#: vLLM's ``(waveform, sample_rate)`` item
+AUDIO_CLIP_PART_TYPE = "audio_clip"
 #: the audio part types taken (OpenAI's and vLLM's), where the caller takes audio
-AUDIO_PART_TYPES = ("input_audio", "audio_url", AUDIO_EMBEDS_PART_TYPE)
+AUDIO_PART_TYPES = ("input_audio", "audio_url", AUDIO_EMBEDS_PART_TYPE, AUDIO_CLIP_PART_TYPE)
 #: where audio parts are taken
 AUDIO_ROUTES = "/v1/chat/completions, /v1/responses and LLM.chat"
 
@@ -168,8 +176,9 @@ class ChatImages:
                 placeholders[modality] = self._admit(modality, parts)
         if found["video"]:
             _named(found["video"][0], lambda _: check_pyav())  # (before any URL is fetched)
-        clips = [part for part in found["audio"] if part[2]["type"] != AUDIO_EMBEDS_PART_TYPE]
-        if clips:  # (embeddings need no decoder)
+        undecoded = (AUDIO_EMBEDS_PART_TYPE, AUDIO_CLIP_PART_TYPE)
+        clips = [part for part in found["audio"] if part[2]["type"] not in undecoded]
+        if clips:  # (embeddings and decoded clips need no decoder)
             _named(clips[0], lambda _: check_pyav_for_audio())
         media = ChatMedia(
             out,
@@ -210,10 +219,13 @@ class ChatImages:
         return self.loader.load(_image_source(part))
 
     def _load_audio(self, part: Mapping[str, Any]) -> tuple[Any, int]:
-        """An audio part's clip: an input_audio part's base64 data, an audio_url's URL; an
-        audio_embeds part's tensor (checked against the model by the front-end)."""
+        """An audio part's clip: an input_audio part's base64 data, an audio_url's URL, an
+        audio_clip part's clip as it is; an audio_embeds part's tensor (checked against the
+        model by the front-end)."""
         if part["type"] == AUDIO_EMBEDS_PART_TYPE:
             return load_embeds(part.get(AUDIO_EMBEDS_PART_TYPE), "audio")
+        if part["type"] == AUDIO_CLIP_PART_TYPE:
+            return _decoded_clip(part.get(AUDIO_CLIP_PART_TYPE))
         if part["type"] == "input_audio":
             value = part.get("input_audio")
             if not isinstance(value, Mapping):
@@ -223,6 +235,25 @@ class ChatImages:
                 )
             return self.audio_loader.load_input_audio(value.get("data"), value.get("format"))
         return self.audio_loader.load_url(_url(part, "audio_url"))
+
+
+def _decoded_clip(clip: Any) -> tuple[Any, int]:
+    """An audio_clip part's clip, once it is a ``(1-D float32 waveform, sample rate)``
+    pair as the decoder gives (JSON cannot hold one: this part is for in-process callers)."""
+    if isinstance(clip, tuple) and len(clip) == 2:
+        waveform, rate = clip
+        if (
+            isinstance(waveform, np.ndarray)
+            and waveform.ndim == 1
+            and waveform.dtype == np.float32
+            and isinstance(rate, int)
+            and rate > 0
+        ):
+            return waveform, rate
+    raise ValueError(
+        "an audio_clip part needs its decoded clip: a (1-D float32 numpy waveform, sample "
+        "rate) pair (in-process callers only; over HTTP send input_audio or audio_url parts)"
+    )
 
 
 def _named(found: _Found, load: Callable[[Mapping[str, Any]], Any]) -> Any:

@@ -19,8 +19,8 @@ server's bounded in-memory store (:mod:`chassis.serve.responses_store`) for
 The conversation's ``input_image`` parts (its earlier turns' too) are admitted by the engine
 and loaded before the prompt renders (:mod:`chassis.serve.responses_images`), and go to the
 engine as the request's ``multi_modal_data``, as the chat route's images do; so do its
-``input_audio`` parts' clips (admitted by :mod:`chassis.serve.responses_audio`, decoded by
-the chat renderer). The usage's ``input_tokens`` is the engine's prompt length, each image's
+``input_audio`` parts' clips (admitted and decoded, once, by
+:mod:`chassis.serve.responses_audio`). The usage's ``input_tokens`` is the engine's prompt length, each image's
 (clip's) placeholder expanded.
 
 With ``background: true`` the response is made by a task of the server
@@ -47,7 +47,7 @@ from chassis.serve.chat_parsing import ChoiceDelta, ChoiceParser, RequestParsing
 from chassis.serve.openai_chat import prepare_chat
 from chassis.serve.protocol import ChatMessage, check_max_logprobs
 from chassis.serve.request_log import log_request
-from chassis.serve.responses_audio import audio_params, check_audio
+from chassis.serve.responses_audio import audio_params, load_audio, with_audio
 from chassis.serve.responses_background import (
     BackgroundResponses,
     BackgroundRun,
@@ -499,14 +499,16 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     images = await load_images(state.renderer.chat_images, image_refs(conversation, num_earlier))
     if images:
         messages = with_images(messages, images)
-    await check_audio(state.renderer.chat_images, audio_params(conversation, num_earlier))
+    clips = await load_audio(state.renderer.chat_images, audio_params(conversation, num_earlier))
+    if clips:
+        messages = with_audio(messages, clips)
     chat_body = body.chat_request(messages)
     taken: list[Any] = []  # (the loaded images again, as the renderer took them)
-    clips: list[Any] = []  # (the input_audio parts' clips, decoded by the renderer)
-    params, prompt_ids, parsing = await prepare_chat(state, chat_body, taken, audios=clips)
+    taken_clips: list[Any] = []  # (the decoded clips again, as the renderer took them)
+    params, prompt_ids, parsing = await prepare_chat(state, chat_body, taken, audios=taken_clips)
     # (mm_processor_kwargs without images or audio are ignored, as on the chat route)
     multimodal: dict[str, Any] = {}
-    data = {key: items for key, items in (("image", taken), ("audio", clips)) if items}
+    data = {key: items for key, items in (("image", taken), ("audio", taken_clips)) if items}
     if data:
         multimodal = {"multi_modal_data": data, "mm_processor_kwargs": body.mm_processor_kwargs}
     response_id = new_id("resp")

@@ -1,19 +1,20 @@
-"""The audio clips of a Responses conversation: its ``input_audio`` parts found and admitted
-by the engine before the prompt renders, a refusal a 400 naming the request's part.
+"""The audio clips of a Responses conversation: its ``input_audio`` parts found, admitted by
+the engine and decoded before the prompt renders, a refusal a 400 naming the request's part.
 
 :func:`chassis.serve.responses_input.chat_messages` passes each ``input_audio`` part to the
-chat route as it is; the chat renderer decodes it (:mod:`chassis.core.chat_media`, wav or
-mp3 as on the chat route) and the clips go to the engine as the request's
-``multi_modal_data["audio"]``. Here, first, :func:`audio_params` lists the parts with the
-``param`` a 400 names (``input.N.content.M``, or ``previous_response_id`` for an earlier
-turn's), and :func:`check_audio` asks the engine whether it takes that many clips: a model
-without audio (``model 'm' (...) takes image inputs, not audio``) and
-``--limit-mm-per-prompt`` are 400s naming the request's first audio part, before anything
-is decoded. It then decodes the request's own clips once (off the event loop) so that bytes
-that are no audio, or an unknown format, are a 400 naming the part as Responses writes it
-(``input.N.content.M``), not the chat route's ``messages.N.content`` the renderer would
-name; the renderer decodes them again (a clip's decode is cheap next to its encoder run).
-Earlier turns' clips were decoded when their turn was taken.
+chat route as it is. Here, first, :func:`audio_params` lists the parts with the ``param`` a
+400 names (``input.N.content.M``, or ``previous_response_id`` for an earlier turn's), and
+:func:`load_audio` asks the engine whether it takes that many clips: a model without audio
+(``model 'm' (...) takes image inputs, not audio``) and ``--limit-mm-per-prompt`` are 400s
+naming the request's first audio part, before anything is decoded. It then decodes every
+clip once (off the event loop; wav or mp3, :mod:`chassis.core.audio_loading`, as on the chat
+route), so that bytes that are no audio, or an unknown format, are a 400 naming the part as
+Responses writes it (``input.N.content.M``), not the chat route's ``messages.N.content``.
+:func:`with_audio` then puts the decoded clips in the messages as ``audio_clip`` parts
+(:mod:`chassis.core.chat_media`), which the chat renderer takes as they are: no clip is
+decoded twice, and they go to the engine as the request's ``multi_modal_data["audio"]``.
+Earlier turns' clips are decoded again with each later turn (a 400 for one names
+``previous_response_id``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from chassis.core.chat_media import AUDIO_CLIP_PART_TYPE
 from chassis.core.multimodal_inputs import ModalityRefusedError
 from chassis.serve.errors import bad_request
+from chassis.serve.protocol import ChatMessage
 from chassis.serve.responses_input import AUDIO_PART
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from chassis.core.chat_media import ChatImages
 
 
@@ -60,14 +65,17 @@ def audio_params(items: Sequence[Mapping[str, Any]], num_earlier: int) -> list[A
     return found
 
 
-async def check_audio(chat_images: ChatImages | None, refs: Sequence[AudioRef]) -> None:
-    """A 400 naming the request's first audio part (an earlier turn's when ``input`` has
-    none) when the engine does not take ``len(refs)`` clips: no multimodal front-end, a
-    model without audio, ``--limit-mm-per-prompt``, an engine mode that takes no media;
-    then a 400 naming the request's first part whose clip cannot be decoded (bytes that are
-    no audio, an unknown format). Nothing for a conversation without audio."""
+async def load_audio(
+    chat_images: ChatImages | None, refs: Sequence[AudioRef]
+) -> list[tuple[np.ndarray, int]]:
+    """Each part's decoded clip, vLLM's ``(waveform, sample_rate)``, in order; first a 400
+    naming the request's first audio part (an earlier turn's when ``input`` has none) when
+    the engine does not take ``len(refs)`` clips: no multimodal front-end, a model without
+    audio, ``--limit-mm-per-prompt``, an engine mode that takes no media; then a 400 naming
+    the first part whose clip cannot be decoded (bytes that are no audio, an unknown
+    format). Nothing for a conversation without audio."""
     if not refs:
-        return
+        return []
     param, label, _ = next((r for r in refs if r.param != "previous_response_id"), refs[0])
     if chat_images is None:
         raise bad_request(
@@ -80,18 +88,46 @@ async def check_audio(chat_images: ChatImages | None, refs: Sequence[AudioRef]) 
         raise bad_request(f"{label}: audio parts are not supported ({exc})", param) from None
     except ValueError as exc:
         raise bad_request(f"{label}: {exc}", param) from None
-    own = [ref for ref in refs if ref.param != "previous_response_id"]
-    if own:
-        await asyncio.to_thread(_decode_each, chat_images, own)
+    return await asyncio.to_thread(_decode_each, chat_images, refs)
 
 
-def _decode_each(chat_images: ChatImages, refs: Sequence[AudioRef]) -> None:
-    """Decode each part's clip (thrown away), a ``ValueError`` as a 400 naming the part."""
+def _decode_each(chat_images: ChatImages, refs: Sequence[AudioRef]) -> list[tuple[np.ndarray, int]]:
+    """Each part's clip, a ``ValueError`` as a 400 naming the part."""
     loader = chat_images.audio_loader
+    clips = []
     for ref in refs:
         value = ref.part.get(AUDIO_PART)
         value = value if isinstance(value, Mapping) else {}
         try:
-            loader.load_input_audio(value.get("data"), value.get("format"))
+            clips.append(loader.load_input_audio(value.get("data"), value.get("format")))
         except ValueError as exc:
             raise bad_request(f"{ref.label}: {exc}", ref.param) from None
+    return clips
+
+
+def with_audio(
+    messages: list[ChatMessage], clips: Sequence[tuple[np.ndarray, int]]
+) -> list[ChatMessage]:
+    """``messages`` with their ``input_audio`` parts (the conversation's, in the same order
+    as :func:`audio_params` lists them) replaced by ``audio_clip`` parts holding ``clips``,
+    which the chat renderer takes without decoding; messages without audio are kept, the
+    others copied."""
+    remaining = iter(clips)
+    out = []
+    for message in messages:
+        content = message.content
+        if not isinstance(content, list) or not any(
+            part.get("type") == AUDIO_PART for part in content
+        ):
+            out.append(message)
+            continue
+        parts = [
+            {"type": AUDIO_CLIP_PART_TYPE, AUDIO_CLIP_PART_TYPE: next(remaining)}
+            if part.get("type") == AUDIO_PART
+            else part
+            for part in content
+        ]
+        out.append(message.model_copy(update={"content": parts}))
+    if next(remaining, None) is not None:  # (chat_messages made one part per clip)
+        raise AssertionError("more clips than input_audio parts in the messages")
+    return out

@@ -12,8 +12,8 @@ which are valid input items too):
   loaded, with the chat route's loader and limits, by :mod:`chassis.serve.responses_images`;
   an ``input_image`` naming a ``file_id`` is refused (this server has no Files API), and so
   are file parts. Audio parts are OpenAI's ``{"type": "input_audio", "input_audio":
-  {"data": BASE64, "format": "wav" | "mp3"}}``, passed to the chat route as they are (its
-  renderer decodes them; the engine's model must take audio:
+  {"data": BASE64, "format": "wav" | "mp3"}}``, passed on as they are, then decoded
+  once and handed to the renderer as decoded clips (the engine's model must take audio:
   :mod:`chassis.serve.responses_audio`). The role reaches the chat template as sent, ``developer``
   included, as on the chat route (and in vLLM): the same messages render the same prompt on
   both routes; a template that knows no ``developer`` treats it as it does in chat.
@@ -172,8 +172,8 @@ def _content(
 
 def _audio_part(part: Mapping[str, Any], at: str, j: int) -> dict[str, Any]:
     """An ``input_audio`` part (``at`` its content's path, ``j`` its index) as the chat
-    route's part of the same shape, whose audio the chat renderer decodes (wav or mp3, as
-    on the chat route); a 400 naming the part when ``input_audio`` is not an object with
+    route's part of the same shape (its audio decoded by :mod:`chassis.serve.responses_audio`,
+    wav or mp3 as on the chat route); a 400 naming the part when ``input_audio`` is not an object with
     string ``data`` (base64) and ``format``."""
     value = part.get(AUDIO_PART)
     if not (

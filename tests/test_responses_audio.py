@@ -2,7 +2,8 @@
 Qwen2-Audio (tests/fixtures_qwen2_audio.py), compared with the chat route: the same message
 and clip give the same prompt length and greedy text; a ``previous_response_id`` turn sees
 the earlier clip again; a malformed part, bad audio bytes and too many clips are 400s naming
-the part as Responses names it (``input.N.content.M``); a model without audio refuses the part with a 400 naming it and saying why."""
+the part as Responses names it (``input.N.content.M``); each clip is decoded once per
+request (an ``audio_clip`` part sent over HTTP is refused); a model without audio refuses the part with a 400 naming it and saying why."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from fixtures_qwen2_audio import random_clip, save_tiny_qwen2_audio, wav_bytes
 
+from chassis.core import audio_loading
 from chassis.core.async_llm import AsyncLLM
 from chassis.core.config import EngineConfig
 from chassis.serve.app import build_app
@@ -120,6 +122,43 @@ def test_audio_mistakes_are_400s_naming_the_part(http: TestClient) -> None:
         error = reply.json()["error"]
         assert error["param"] == param and match in error["message"], error
         assert error["message"].startswith("input") and "messages" not in error["message"]
+
+
+def test_each_clip_is_decoded_once(http: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two clips: two decodes (checked and rendered from the same decode), also for a later
+    turn that sees them again through ``previous_response_id``."""
+    decoded: list[str] = []
+
+    def counting_decode(data: bytes, where: str) -> Any:
+        decoded.append(where)
+        return real_decode(data, where)
+
+    real_decode = audio_loading.decode_audio
+    monkeypatch.setattr(audio_loading, "decode_audio", counting_decode)
+    body = {"input": [user(audio_part(), audio_part())], "max_output_tokens": 2, **GREEDY}
+    first = http.post("/v1/responses", json=body)
+    assert first.status_code == 200, first.text
+    assert len(decoded) == 2
+    assert first.json()["usage"]["input_tokens"] > 2 * 17  # (both clips' rows)
+    follow_up = http.post(
+        "/v1/responses",
+        json={"input": "Again?", "previous_response_id": first.json()["id"], **GREEDY},
+    )
+    assert follow_up.status_code == 200, follow_up.text
+    assert len(decoded) == 4
+
+
+def test_a_decoded_clip_part_sent_over_http_is_refused(http: TestClient) -> None:
+    """The ``audio_clip`` part (how Responses hands its decoded clips to the renderer) holds
+    a numpy clip, which JSON cannot: sent to the chat route it is a 400 naming the part."""
+    part = {"type": "audio_clip", "audio_clip": [[0.0, 0.1], 16000]}
+    reply = http.post(
+        "/v1/chat/completions",
+        json={"messages": [user(part, text_type="text")], "max_tokens": 2},
+    )
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert message.startswith("messages[0].content[0]: an audio_clip part needs"), message
 
 
 def test_a_model_without_audio_refuses_the_part(tiny_llama_dir: Path) -> None:
