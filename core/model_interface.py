@@ -49,6 +49,10 @@ class ModelBuildContext:
     #: when not known, and models then assume their config's own maximum. Models may use it
     #: to skip a sliding window no sequence outgrows, or to pick RoPE scaling (LongRoPE).
     max_model_len: int | None = None
+    #: the decoder layer whose KV cache is ``ctx.kv_caches[0]``: 0, or a pipeline stage's
+    #: first layer (a stage's caches hold its own layers only), so that the attention of
+    #: decoder layer ``i`` reads cache ``i - first_cache_layer``
+    first_cache_layer: int = 0
 
 
 class CausalLM(nn.Module, ABC):

@@ -14,6 +14,7 @@ checkpoint tensors into row slices of the merged weights.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -200,7 +201,7 @@ class LlamaAttention(nn.Module):
             spec.head_dim,
             spec.num_kv_heads,
             spec.head_dim**-0.5 if scale is None else scale,
-            layer_idx,
+            layer_idx - build_ctx.first_cache_layer,  # (its KV cache's index)
             build_ctx.attention_backend,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
@@ -348,7 +349,8 @@ class LlamaModel(nn.Module):
     others are parameterless :class:`~chassis.core.pipeline_parallel.MissingLayer`), the
     embedding only on the first stage and the final norm only on the last (``None``
     elsewhere). Its attention layers read KV caches ``0 .. end_layer - start_layer - 1``: a
-    stage's KV cache holds its own layers only.
+    stage's KV cache holds its own layers only, so ``make_layer`` gets a ``build_ctx`` whose
+    ``first_cache_layer`` is ``start_layer``.
     """
 
     def __init__(
@@ -383,6 +385,8 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"rope_per_layer has {len(rope_per_layer)} entries for {num_layers} layers"
             )
+        # this stage's KV caches are its layers' only: cache 0 is layer start_layer's
+        stage_ctx = dataclasses.replace(build_ctx, first_cache_layer=self.start_layer)
         rotaries: list[tuple[dict[str, Any], RotaryEmbedding]] = []
         layers = []
         for i, params in enumerate(rope_per_layer):
@@ -393,16 +397,10 @@ class LlamaModel(nn.Module):
                 )
                 rotaries.append((params, rotary_emb))
             if self.start_layer <= i < self.end_layer:
-                layers.append(make_layer(i, rotary_emb, build_ctx))
+                layers.append(make_layer(i, rotary_emb, stage_ctx))
             else:
                 layers.append(MissingLayer())
         self.layers = nn.ModuleList(layers)
-        if stages > 1:
-            # this stage's KV caches are its layers' only: cache i is layer start_layer + i
-            for layer in self.layers[self.start_layer : self.end_layer]:
-                for module in layer.modules():
-                    if isinstance(module, Attention):
-                        module.layer_idx -= self.start_layer
         self.norm = norm_class(spec.hidden_size, spec.rms_norm_eps) if self.last_stage else None
         #: the layers whose input :meth:`forward` keeps in :attr:`aux_hidden_states` (an
         #: EAGLE-3 head reads them; ``CausalLM.set_aux_hidden_state_layers``); empty: none
@@ -432,59 +430,52 @@ class LlamaModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final hidden states; ``inputs_embeds`` (:meth:`embed`'s output, some rows
-        replaced) stands in for ``embed(input_ids)`` when given. A pipeline stage but the
-        last returns its layers' output, which only gives the shape (:meth:`_stage_forward`)."""
-        if not (self.first_stage and self.last_stage):
-            return self._stage_forward(input_ids, positions, ctx, inputs_embeds)
-        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        replaced) stands in for ``embed(input_ids)`` when given.
+
+        Pipeline parallel: the first stage embeds, the others take the hidden states and
+        residual stream from the previous stage; each runs its layers, then the last
+        normalizes and the others send both on to the next stage and return their layers'
+        output, which only gives the shape (the logits come from the last stage). Every
+        stage runs the same steps in the same order, so each send meets its receive; without
+        stages the one stage is both first and last."""
         residual: torch.Tensor | None = None
+        if self.first_stage:
+            hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        else:
+            hidden_states, residual = self._receive_from_previous_stage(positions)
+        layers = itertools.islice(self.layers, self.start_layer, self.end_layer)
         aux = self.aux_layer_ids
         if aux:  # off (the plain path): no test per layer
             kept = {}
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(layers, self.start_layer):
                 if i in aux:  # the residual stream entering layer i (HF's hidden_states[i])
                     kept[i] = hidden_states if residual is None else hidden_states + residual
                 hidden_states, residual = layer(positions, hidden_states, residual, ctx)
             self.aux_hidden_states = [kept[i] for i in self._aux_order]
         else:
-            for layer in self.layers:
+            for layer in layers:
                 hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+        if not self.last_stage:
+            assert residual is not None  # (every stage holds at least one layer)
+            parallel_state.send_to_next_stage(torch.stack((hidden_states, residual)))
+            return hidden_states
+        assert self.norm is not None
         if residual is None:  # a model with no layers
             return self.norm(hidden_states)
-        assert self.norm is not None
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
-    def _stage_forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        inputs_embeds: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """One pipeline stage's part of :meth:`forward`: embed (the first stage) or take the
-        hidden states and residual stream from the previous stage, run this stage's layers,
-        then normalize (the last stage) or send both on to the next stage. Every stage runs
-        the same steps in the same order, so each send meets its receive."""
-        residual: torch.Tensor | None = None
-        if self.first_stage:
-            hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        else:
-            weight = next(self.layers[self.start_layer].parameters())
-            num_tokens = positions.shape[-1]
-            both = parallel_state.recv_from_previous_stage(
-                (2, num_tokens, self.hidden_size), weight.dtype, weight.device
-            )
-            hidden_states, residual = both[0], both[1]
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        assert residual is not None  # (every stage holds at least one layer)
-        if not self.last_stage:
-            parallel_state.send_to_next_stage(torch.stack((hidden_states, residual)))
-            return hidden_states  # (its shape only: the logits come from the last stage)
-        assert self.norm is not None
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def _receive_from_previous_stage(
+        self, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stage but the first: the previous stage's hidden states and residual stream,
+        ``[num_tokens, hidden_size]`` each, in this stage's dtype and device."""
+        weight = next(self.layers[self.start_layer].parameters())
+        num_tokens = positions.shape[-1]
+        both = parallel_state.recv_from_previous_stage(
+            (2, num_tokens, self.hidden_size), weight.dtype, weight.device
+        )
+        return both[0], both[1]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -513,7 +504,12 @@ class LlamaForCausalLM(CausalLM):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # a subclass may build another decoder or head: it opts in to stages itself
+        # Unlike supports_tensor_parallel, the opt-in is not inherited: most of the ~70
+        # subclasses replace the decoder, its layers' attention, the head or the weight
+        # loading, which stages would split wrongly, and an inherited True would claim
+        # support for each (and for every new subclass) untested. So a subclass that keeps
+        # this class's stage layout declares `supports_pipeline_parallel = True` in its own
+        # body (Qwen2's, Qwen3's); any other reads False here.
         if "supports_pipeline_parallel" not in cls.__dict__:
             cls.supports_pipeline_parallel = False
 
