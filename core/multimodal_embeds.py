@@ -15,10 +15,11 @@ running the tower. The forms taken are vLLM's, per model (its class attribute
   merge_size**2`` rows; the grid also gives the images' M-RoPE positions;
 * ``"tiles"`` (Llama 4, whose run's tile separators need the image's tile grid):
   ``{"image_embeds": [rows, hidden_size], "aspect_ratios": [n, 2]}`` is ``n`` images, image
-  ``i`` of ``r x c`` tiles (HF's ``aspect_ratios``) the next ``(r * c + (1 if r * c > 1)) *
-  per_tile`` rows (a global tile after a grid of several; ``per_tile`` the rows divided by
-  all the images' tiles); a tensor alone takes the ``"rows"`` form's shapes, each image one
-  tile (the model's processor refuses another count).
+  ``i`` of ``r x c`` tiles (HF's ``aspect_ratios``) the next ``tiles(r, c) * per_tile`` rows,
+  ``tiles`` being the model class's ``image_embeds_tiles`` (Llama 4's: ``r * c``, plus a
+  global tile after a grid of several; ``per_tile`` the rows divided by all the images'
+  tiles); a tensor alone takes the ``"rows"`` form's shapes, each image one tile (the
+  model's processor refuses another count).
 
 The rows' width is the language model's ``hidden_size`` unless the model's class says
 otherwise (its classmethod ``image_embeds_width(hf_config)``: Qwen3-VL's rows carry its
@@ -138,7 +139,7 @@ def precomputed_items(
         elif form == "rows" or (form == "tiles" and not isinstance(item, Mapping)):
             out.extend(_rows_items(item, width, model_cls.__name__, modality))
         elif form == "tiles":
-            out.extend(_tiles_items(item, width, model_cls.__name__))
+            out.extend(_tiles_items(item, width, model_cls))
         else:
             merge = int(_field(hf_config.vision_config, "spatial_merge_size"))
             out.extend(_grid_items(item, width, merge, model_cls.__name__))
@@ -241,9 +242,11 @@ def _grid_items(item: Any, width: _Width, merge: int, model: str) -> list[Precom
     return out
 
 
-def _tiles_items(item: Mapping[Any, Any], width: _Width, model: str) -> list[PrecomputedItem]:
+def _tiles_items(item: Mapping[Any, Any], width: _Width, model_cls: type) -> list[PrecomputedItem]:
     """A ``"tiles"`` model's dict: the rows of ``n`` images and their ``[n, 2]`` tile grids
-    (module docstring), one item each with its ``aspect_ratios`` ``[1, 2]``."""
+    (module docstring), one item each with its ``aspect_ratios`` ``[1, 2]``; the model
+    class's ``image_embeds_tiles(rows, columns)`` gives each image's tile count."""
+    model = model_cls.__name__
     hidden = width.size
     form = f'{{"{EMBEDS_KEY}": [rows, {hidden}], "{ASPECT_KEY}": [images, 2]}}'
     unknown = sorted(set(map(str, item)) - {EMBEDS_KEY, ASPECT_KEY})
@@ -260,14 +263,13 @@ def _tiles_items(item: Mapping[Any, Any], width: _Width, model: str) -> list[Pre
     )
     if bool((grids < 1).any()):
         raise ValueError(f"{ASPECT_KEY} {grids.tolist()}: tile rows and columns must be >= 1")
-    # (a grid of several tiles is followed by the image's global tile)
-    tiles = [r * c + (r * c > 1) for r, c in grids.tolist()]
+    tiles = [int(model_cls.image_embeds_tiles(r, c)) for r, c in grids.tolist()]
     per_tile, rest = divmod(rows.shape[0], sum(tiles))
     if rest or not per_tile:
         raise ValueError(
             f"{EMBEDS_KEY} has {rows.shape[0]} rows, not a multiple of the {sum(tiles)} tiles "
-            f"{ASPECT_KEY} {grids.tolist()} gives (rows * columns per image, plus a global "
-            "tile for each image of several)"
+            f"{ASPECT_KEY} {grids.tolist()} gives ({tiles} per image: {model}'s tile count "
+            "for each grid)"
         )
     out: list[PrecomputedItem] = []
     start = 0

@@ -234,6 +234,8 @@ def test_image_pixel_bounds_leave_videos_as_hf(
     """``min_pixels`` / ``max_pixels`` shrink the request's image but not its video: HF's
     ``Glm4vVideoProcessor`` takes neither, so the clip keeps the checkpoint's video bounds
     (HF's patch count for the same kwargs); bounds that sized the clip would shrink it."""
+    import dataclasses
+
     from chassis.builtin_plugins.models.qwen3_vl_video import frame_size
 
     bounds = {"min_pixels": 28 * 28, "max_pixels": 56 * 56}
@@ -253,7 +255,7 @@ def test_image_pixel_bounds_leave_videos_as_hf(
     expected = vp.get_num_of_video_patches(count, height, width, dict(bounds))
     assert expected == vp.get_num_of_video_patches(count, height, width)
     assert int(video_bounded["video_grid_thw"].prod()) == expected
-    h, w = frame_size(count, height, width, processor.video_settings, **bounds)
+    h, w = frame_size(count, height, width, dataclasses.replace(processor.video_settings, **bounds))
     assert count // 2 * (h // 14) * (w // 14) < expected
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from chassis.builtin_plugins.models.llama4_processing import tiles_per_image
 from chassis.core.multimodal_embeds import precomputed_items
 
 CONFIG = SimpleNamespace(hidden_size=8)
@@ -20,6 +21,7 @@ CONFIG = SimpleNamespace(hidden_size=8)
 
 class _Tiles:
     image_embeds_form = "tiles"
+    image_embeds_tiles = staticmethod(tiles_per_image)  # (Llama 4's: a global tile after several)
 
 
 def items(aspect_ratios: Any, rows: int = 12) -> list[tuple[int, list[list[int]]]]:

@@ -37,6 +37,7 @@ from chassis.builtin_plugins.models.embeds_forward import DecoderOverEmbeds
 from chassis.builtin_plugins.models.image_item_inputs import image_run_inputs, image_tiles
 from chassis.builtin_plugins.models.image_side_weights import ImageSideWeights, renamed_by_prefix
 from chassis.builtin_plugins.models.llama4 import Llama4ForConditionalGeneration
+from chassis.builtin_plugins.models.llama4_processing import tiles_per_image
 from chassis.builtin_plugins.models.llama4_vision import (
     Llama4Projector,
     Llama4VisionSpec,
@@ -84,6 +85,9 @@ class Llama4ForConditionalGenerationWithImages(
     #: image embeddings as the tiles' rows with HF's ``aspect_ratios`` (tile rows and
     #: columns: the run's separators need them; core/multimodal_embeds.py)
     image_embeds_form = "tiles"
+    #: ``(tile rows, tile columns) -> tiles`` of one image, by which the tiles form splits
+    #: its rows among the images (the grid's tiles, then a global one when there are several)
+    image_embeds_tiles = staticmethod(tiles_per_image)
 
     @classmethod
     def class_for_config(cls, hf_config: Any) -> type[CausalLM]:

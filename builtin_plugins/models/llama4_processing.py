@@ -141,6 +141,13 @@ def resized_size(
     return max(new_h, 1), max(new_w, 1)
 
 
+def tiles_per_image(grid_rows: int, grid_cols: int) -> int:
+    """The tiles an image cut into ``grid_rows x grid_cols`` takes: the grid's, plus a global
+    tile (the whole image) when there are several."""
+    tiles = grid_rows * grid_cols
+    return tiles + (tiles > 1)
+
+
 class Llama4Tiles:
     """Steps 1-4 of the module docstring for one checkpoint's image processor settings."""
 
@@ -315,7 +322,7 @@ class Llama4ImageInputs(RunWritingProcessor, MultiModalProcessor):
                 f"Llama 4 image embeddings of {grid_rows}x{grid_cols} tiles: the checkpoint's "
                 f"images have at most {self.tiles.max_tiles} (max_patches)"
             )
-        tiles = grid_rows * grid_cols + (grid_rows * grid_cols > 1)
+        tiles = tiles_per_image(grid_rows, grid_cols)
         if len(rows) != tiles * self.tokens_per_tile:
             grid = "no aspect_ratios: one tile"
             if aspect is not None:

@@ -76,18 +76,17 @@ def frame_size(
     height: int,
     width: int,
     settings: Qwen3VLVideoSettings,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
 ) -> tuple[int, int]:
     """The (height, width) every frame of a clip of ``num_frames`` frames of ``height x
     width`` is resized to (module docstring): multiples of ``patch_size * merge_size``, near
-    the aspect ratio. ``min_pixels`` / ``max_pixels`` replace the settings' bounds (pixels
-    over all frames; a request's image bounds are not these). ``ValueError`` for fewer frames than ``temporal_patch_size`` or an
-    aspect ratio over 200."""
+    the aspect ratio, within the settings' pixel bounds over all frames (a request's
+    ``min_pixels`` / ``max_pixels`` bound its images only, as HF's video processors take
+    neither). ``ValueError`` for fewer frames than ``temporal_patch_size`` or an aspect ratio
+    over 200."""
     factor = settings.patch_size * settings.merge_size
     tp = settings.temporal_patch_size
-    low = min_pixels or settings.min_pixels
-    high = max_pixels or settings.max_pixels
+    low = settings.min_pixels
+    high = settings.max_pixels
     if num_frames < tp:
         raise ValueError(
             f"a Qwen3-VL video needs at least {tp} frames (its temporal patch); got {num_frames}"
