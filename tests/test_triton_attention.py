@@ -126,9 +126,14 @@ def test_backend_matches_dense_reference(
 
 
 @in_interpreter
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 16])
-@pytest.mark.parametrize("specs", [DECODES, MIXED[:5]], ids=["decodes", "mixed"])
-def test_split_kv_gives_the_same_result(num_splits: int, specs) -> None:
+@pytest.mark.parametrize(
+    ("specs", "num_splits"),
+    # 16 (every combine lane used, most splits empty) on the cheap decodes only; 2 takes the
+    # same split path as 3
+    [(DECODES, 1), (DECODES, 3), (DECODES, 16), (MIXED[:5], 1), (MIXED[:5], 3)],
+    ids=["decodes-1", "decodes-3", "decodes-16", "mixed-1", "mixed-3"],
+)
+def test_split_kv_gives_the_same_result(specs, num_splits: int) -> None:
     from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
 
     batch = make_batch(
@@ -276,8 +281,11 @@ def test_engine_with_triton_paged_matches_torch_paged(tiny_qwen3_dir, async_sche
 
 
 @in_interpreter
-@pytest.mark.parametrize(("sliding_window", "soft_cap"), WINDOW_CAP)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("sliding_window", "soft_cap", "dtype"),
+    # bfloat16 (float32 dots under the interpreter, as float32) with both options only
+    [(*options, torch.float32) for options in WINDOW_CAP] + [(8, 2.0, torch.bfloat16)],
+)
 def test_sliding_window_and_soft_cap_match_dense(
     sliding_window: int | None, soft_cap: float | None, dtype: torch.dtype
 ) -> None:
@@ -295,7 +303,7 @@ def test_sliding_window_and_soft_cap_match_dense(
 
 
 @in_interpreter
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])  # (3 already leaves splits without a tile)
 @pytest.mark.parametrize(("tile_n", "block_m"), [(16, 16), (32, 32)], ids=["t16", "t32"])
 def test_window_skips_tiles_and_splits_what_is_left(
     num_splits: int, tile_n: int, block_m: int
@@ -413,8 +421,11 @@ def _sinks(num_heads: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @in_interpreter
-@pytest.mark.parametrize(("sliding_window", "soft_cap"), SINK_OPTIONS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("sliding_window", "soft_cap", "dtype"),
+    # bfloat16 sinks (a parameter of the model dtype) with window and cap together only
+    [(*options, torch.float32) for options in SINK_OPTIONS] + [(8, 2.0, torch.bfloat16)],
+)
 def test_attention_sinks_match_dense(
     sliding_window: int | None, soft_cap: float | None, dtype: torch.dtype
 ) -> None:
@@ -432,7 +443,7 @@ def test_attention_sinks_match_dense(
 
 
 @in_interpreter
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])  # (3 already leaves splits without a tile)
 @pytest.mark.parametrize("specs", [DECODES, WINDOWED], ids=["decodes", "windowed"])
 def test_attention_sinks_count_once_over_kv_splits(num_splits: int, specs) -> None:
     """With the KV range split, only split 0 carries the sink: every split count gives the
