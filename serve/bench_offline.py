@@ -105,7 +105,11 @@ def with_fresh_ids(
     ]
 
 
-def load_hf_model(config: EngineConfig, dtype: torch.dtype) -> Any:
+def load_hf_model(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Any:
+    """HF's model of ``config.model`` on ``device`` in ``dtype``, for the comparison runs:
+    random weights for ``--load-format dummy`` (initialized on the device, not drawn on the
+    host and copied: on the H200, loading HF's 0.6B model took about 40 s of a benchmark
+    step, the host's random init the likely bulk of it), else the checkpoint's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     assert config.model is not None
@@ -114,11 +118,12 @@ def load_hf_model(config: EngineConfig, dtype: torch.dtype) -> Any:
             config.model, trust_remote_code=config.trust_remote_code
         )
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        with device:
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=dtype, trust_remote_code=config.trust_remote_code
-        )
+        ).to(device)
     return model.eval()
 
 
@@ -257,7 +262,7 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
         assert device is not None  # _check_backend refused engines without one
         del llm
         _release_memory(device)
-        model = load_hf_model(config, dtype).to(device)
+        model = load_hf_model(config, dtype, device)
         batch = args.hf_batch_size or len(hf_workload)
         run_hf(model, [BenchRequest(hf_workload[0].prompt_token_ids, 4)], pad, 1)  # warm-up
         hf_result = run_hf(model, hf_workload, pad, batch)
@@ -337,7 +342,7 @@ def latency(args: Any, config: EngineConfig) -> dict[str, Any]:
         assert device is not None  # _check_backend refused engines without one
         del llm
         _release_memory(device)
-        model = load_hf_model(config, dtype).to(device)
+        model = load_hf_model(config, dtype, device)
         for _ in range(args.num_iters_warmup):
             run_hf(model, workload, pad, args.batch_size)
         hf_times = [

@@ -75,8 +75,16 @@ def hf_greedy(directory, prompts: list[list[int]], device: str) -> list[list[int
 def divergence_report(
     directory, prompts: list[list[int]], expected: list[list[int]], got: list[list[int]]
 ) -> str:
-    """For a failed exact-token comparison: where the first sequence diverges, and HF's two
-    best logits there (a gap near float32 rounding is a near-tie, not a broken kernel)."""
+    """For a failed exact-token comparison: where the first sequence diverges, HF's two best
+    logits there on the GPU and on the CPU (a gap near float32 rounding is a near-tie, not a
+    broken kernel), and the float32 matmul settings in force.
+
+    On the H200 (2026-12-04) HF's float32 logits on the GPU differed from its CPU ones by
+    0.011 at a Gemma 2 near-tie, and the engine took the CPU's choice; TF32 matmuls (e.g.
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` in an image) would explain it, so the report says
+    which reference the engine agrees with."""
+    import os
+
     from transformers import AutoModelForCausalLM
 
     for prompt, want, have in zip(prompts, expected, got, strict=True):
@@ -85,15 +93,26 @@ def divergence_report(
         i = next((j for j, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), None)
         if i is None:
             return f"prompt of {len(prompt)}: lengths differ ({len(want)} vs {len(have)})"
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda()
-        with torch.inference_mode():
-            ids = torch.tensor([prompt + want[:i]], device="cuda")
-            logits = model(input_ids=ids).logits[0, -1]
-        top = torch.topk(logits, 2)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        tops = {}
+        for device in ("cuda", "cpu"):
+            with torch.inference_mode():
+                ids = torch.tensor([prompt + want[:i]], device=device)
+                logits = model.to(device)(input_ids=ids).logits[0, -1].cpu()
+            top = torch.topk(logits, 2)
+            tops[device] = (
+                f"HF on {device}: top-2 logits {top.values.tolist()} for ids "
+                f"{top.indices.tolist()}, logit of the token got {logits[have[i]].item()}"
+            )
+        settings = (
+            f"matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
+            f"float32_matmul_precision={torch.get_float32_matmul_precision()}, "
+            "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="
+            f"{os.environ.get('TORCH_ALLOW_TF32_CUBLAS_OVERRIDE')}"
+        )
         return (
             f"prompt of {len(prompt)} tokens diverges at new token {i}: expected {want[i]}, "
-            f"got {have[i]}; HF top-2 logits {top.values.tolist()} for ids "
-            f"{top.indices.tolist()}, logit of the token got {logits[have[i]].item()}"
+            f"got {have[i]}; {tops['cuda']}; {tops['cpu']}; {settings}"
         )
     return "no divergence"
 
