@@ -80,10 +80,7 @@ CHASSIS=("$PY" -m chassis.serve.cli)
 # Every pytest call's own options: no cache folder, and the run this script asks for whatever
 # pyproject's addopts say (`-o addopts=`: README's `-n 2` would need pytest-xdist, and workers
 # would split one GPU between processes); `-p no:xdist` keeps xdist, where installed, unloaded.
-# `env -u TORCH_ALLOW_TF32_CUBLAS_OVERRIDE`: an image may force TF32 float32 matmuls below
-# torch's flags, which moves float32 logits by ~1e-2 and flips the engine tests' near-ties
-# (tests/gpu/conftest.py turns TF32 off; env.txt says what the image sets).
-PYTEST=(env -u TORCH_ALLOW_TF32_CUBLAS_OVERRIDE "$PY" -m pytest -p no:cacheprovider -o addopts= -p no:xdist)
+PYTEST=("$PY" -m pytest -p no:cacheprovider -o addopts= -p no:xdist)
 START=$SECONDS
 STATUS=0
 
@@ -101,7 +98,7 @@ fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
     "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'hip', torch.version.hip)"
     "$PY" -c "import fastapi, uvicorn, zmq, msgspec; print('server deps ok')"
-    # float32 matmul precision as the image sets it (TF32 would loosen the float32 engine tests)
+    # float32 matmul precision as the image sets it (TF32 moves the float32 engine tests' logits)
     "$PY" -c "import torch; print('tf32: matmul', torch.backends.cuda.matmul.allow_tf32, 'cudnn', torch.backends.cudnn.allow_tf32, 'precision', torch.get_float32_matmul_precision())"
     env | grep -i -E "tf32|cublas|nvidia_tf32" || echo "no TF32 variables in the environment"
     # the serving step's HTTP parser and event loop (h11 and asyncio's loop without them)

@@ -51,10 +51,19 @@ def write_tiny_qwen3(directory) -> None:
     Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(directory)
 
 
+#: HF's reference attention. On the H200 (transformers 5.17, 2026-12-04) HF's default on the
+#: GPU dropped Gemma 2's attention soft cap: its logits there equal eager HF's with
+#: ``attn_logit_softcapping=None`` to four decimals, and the engine, which applies the cap,
+#: "diverged" at a near-tie. Eager is HF's implementation of every feature.
+HF_ATTENTION = "eager"
+
+
 def hf_greedy(directory, prompts: list[list[int]], device: str) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation=HF_ATTENTION
+    ).to(device)
     model.eval()
     outputs = []
     with torch.inference_mode():
@@ -77,12 +86,8 @@ def divergence_report(
 ) -> str:
     """For a failed exact-token comparison: where the first sequence diverges, HF's two best
     logits there on the GPU and on the CPU (a gap near float32 rounding is a near-tie, not a
-    broken kernel), and the float32 matmul settings in force.
-
-    On the H200 (2026-12-04) HF's float32 logits on the GPU differed from its CPU ones by
-    0.011 at a Gemma 2 near-tie, and the engine took the CPU's choice; TF32 matmuls (e.g.
-    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` in an image) would explain it, so the report says
-    which reference the engine agrees with."""
+    broken kernel; a GPU/CPU disagreement points at HF's GPU path, as Gemma 2's dropped soft
+    cap did, see :data:`HF_ATTENTION`), and the float32 matmul settings in force."""
     import os
 
     from transformers import AutoModelForCausalLM
@@ -93,7 +98,9 @@ def divergence_report(
         i = next((j for j, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), None)
         if i is None:
             return f"prompt of {len(prompt)}: lengths differ ({len(want)} vs {len(have)})"
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, attn_implementation=HF_ATTENTION
+        )
         tops = {}
         for device in ("cuda", "cpu"):
             with torch.inference_mode():
