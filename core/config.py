@@ -187,8 +187,12 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None
     #: plan step N+1 while the device computes step N (vLLM's flag): the next step's input
     #: tokens come from the device, outputs reach the front-end one step later, and a request
-    #: that stops may compute one token that is thrown away (see docs/scheduling.md)
-    async_scheduling: bool = False
+    #: that stops may compute one token that is thrown away (see docs/scheduling.md).
+    #: None: "auto", on where the platform's device runs asynchronously to the host
+    #: (``Platform.device_runs_async``) and nothing in the config refuses it, resolved to a
+    #: bool by the engine core (``core/async_scheduling_default.py``); True: on, a refusal
+    #: is an error; False: off
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     #: pipeline stages (vLLM's ``--pipeline-parallel-size``): each of this many worker
     #: processes holds a contiguous run of the decoder layers, the hidden states passing
@@ -339,7 +343,7 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             _ = self.speculative  # parsed and validated (SpeculativeConfig.from_value)
-            if self.async_scheduling:
+            if self.async_scheduling is True:  # (None, the default, resolves to off)
                 raise ValueError(
                     "--speculative-config and --async-scheduling cannot be combined yet: a "
                     "step's accepted tokens must be known before the next one is planned"

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from chassis.core.async_scheduling_default import resolve_async_scheduling
 from chassis.core.config import EngineConfig
 from chassis.core.errors import EngineBusyError
 from chassis.core.executor import make_executor
@@ -62,6 +63,9 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     #: the window of each KV cache group (None: full attention); several when the model
     #: mixes sliding-window and full layers (each group's blocks released by its window)
     kv_cache_group_windows: tuple[int | None, ...] = (None,)
+    #: whether steps are scheduled asynchronously (``--async-scheduling`` resolved: its
+    #: default depends on the platform, ``core/async_scheduling_default.py``)
+    async_scheduling: bool = False
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -129,7 +133,16 @@ class EngineCore:
                 "supports_pooling is False): --runner pooling needs a scheduler built on "
                 "ContinuousBatchingScheduler, such as fcfs or priority"
             )
+        if config.async_scheduling is True and not scheduler_cls.supports_async_scheduling:
+            # (checked before the model loads; the default, None, just resolves to off)
+            raise ValueError(
+                f"scheduler {config.scheduler!r} does not support --async-scheduling "
+                "(its supports_async_scheduling is False); drop the flag or use a scheduler "
+                "built on ContinuousBatchingScheduler"
+            )
         platform = get_current_platform()
+        # None ("auto") becomes a bool here, before anything downstream reads it
+        config.async_scheduling = resolve_async_scheduling(config, platform, scheduler_cls)
         self.executor = make_executor(config)
         try:
             num_blocks = self.executor.determine_num_blocks()
@@ -146,12 +159,6 @@ class EngineCore:
             group_windows=group_windows,
             group_chunks=group_chunks,
         )
-        if config.async_scheduling and not scheduler_cls.supports_async_scheduling:
-            raise ValueError(
-                f"scheduler {config.scheduler!r} does not support --async-scheduling "
-                "(its supports_async_scheduling is False); drop the flag or use a scheduler "
-                "built on ContinuousBatchingScheduler"
-            )
         self.scheduler = scheduler_cls(config, self.kv_cache_manager)
         #: the plan launched by the last async step, whose results are not collected yet
         self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
@@ -193,13 +200,15 @@ class EngineCore:
             kv_cache_group_windows=group_windows,
             max_model_len=config.max_model_len,
             lora_target_shapes=self.executor.lora_target_shapes(),
+            async_scheduling=config.async_scheduling,
         )
         logger.info(
-            "engine core ready: platform=%s attention=%s scheduler=%s KV cache %d blocks "
-            "(%d tokens)%s",
+            "engine core ready: platform=%s attention=%s scheduler=%s async_scheduling=%s "
+            "KV cache %d blocks (%d tokens)%s",
             platform.name,
             config.attention_backend,
             config.scheduler,
+            config.async_scheduling,
             self.info.num_kv_blocks,
             self.info.kv_capacity_tokens,
             _window_note(self.info.kv_cache_window, group_windows, group_chunks),

@@ -43,6 +43,9 @@ class TorchCudaLikePlatform(Platform):
 
     device_type = "cuda"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    # (kernels queue on a stream; --async-scheduling measured faster on an H200:
+    # docs/scheduling.md)
+    device_runs_async = True
 
     def device_count(self) -> int:
         return torch_facts.cuda_device_count()

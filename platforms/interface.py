@@ -60,6 +60,10 @@ class Platform(ABC):
     dist_backend: ClassVar[str]
     #: dtypes a model may run in on this device, best first.
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    #: Whether kernels launched on this device run asynchronously to the host (a CUDA
+    #: stream), so that planning step N+1 while step N runs overlaps host and device work:
+    #: the default of ``--async-scheduling`` (``core/async_scheduling_default.py``).
+    device_runs_async: ClassVar[bool] = False
 
     #: Why this platform was chosen; filled in by platform resolution.
     selection_reason: str = ""

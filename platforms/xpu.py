@@ -21,6 +21,8 @@ class XpuPlatform(Platform):
     device_type = "xpu"
     dist_backend = "xccl"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    # XPU queues kernels too, but --async-scheduling is unmeasured here: off by default
+    device_runs_async = False
 
     @classmethod
     def is_available(cls) -> bool:

@@ -446,10 +446,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_plugins: bool = Tru
     add_compilation_args(g)
     g.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="plan step N+1 while the device runs step N; pays off where the host's "
-        "per-step work is a large part of a step (small models on a GPU); see "
+        "per-step work is a large part of a step (small models on a GPU). Default: on for "
+        "platforms whose device runs asynchronously to the host (CUDA, ROCm) unless "
+        "speculative decoding or the scheduler rules it out, off elsewhere; see "
         "docs/scheduling.md",
     )
     g.add_argument(

@@ -245,6 +245,7 @@ def throughput(args: Any, config: EngineConfig) -> dict[str, Any]:
         for r in with_fresh_ids(workload[:16], vocab_size, special, config.seed + 1)
     ]
     chassis_result, llm = run_chassis(config, workload, warmup)
+    report["workload"]["async_scheduling"] = llm.config.async_scheduling  # (as resolved)
     print(chassis_result.line())
     report["results"].append(_as_dict(chassis_result))
     dtype, device = _engine_dtype_device(llm)
@@ -313,6 +314,7 @@ def latency(args: Any, config: EngineConfig) -> dict[str, Any]:
     # Prefix caching off: every iteration must recompute the same prompt.
     config.enable_prefix_caching = False
     llm = LLM(**config.to_dict())
+    report["workload"]["async_scheduling"] = llm.config.async_scheduling  # (as resolved)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = _greedy(output_len)
     for _ in range(args.num_iters_warmup):
