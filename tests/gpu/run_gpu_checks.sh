@@ -11,11 +11,11 @@
 #   throughput  (a)+(c) nano-vllm workload on the Qwen3-0.6B preset, chassis and HF
 #                                                            -> throughput.txt/.json
 #   latency     (b)+(c) batch 1, 128-token prompt, 256 new tokens, chassis and HF; then
-#               chassis with --async-scheduling              -> latency*.txt/.json
-#   profile     chassis bench step --profile at batch 1 and PROFILE_BATCH, sync and async:
+#               chassis with --no-async-scheduling           -> latency*.txt/.json
+#   profile     chassis bench step --profile at batch 1 and PROFILE_BATCH, async and sync:
 #               host time per engine-core call, device busy/idle, top kernels
 #                                                            -> profile_*.txt, profile_*/
-#   async       (a) chassis only, with --async-scheduling    -> throughput_async.txt/.json
+#   sync        (a) chassis only, --no-async-scheduling      -> throughput_sync.txt/.json
 #   serve       (d) chassis serve + chassis bench serve, 64 concurrent streams
 #                                                            -> server.txt, serve.txt/.json
 #   eager       (b) chassis only, with --enforce-eager       -> latency_eager.txt/.json
@@ -32,14 +32,15 @@
 #                                                            -> bench.txt
 #   tune        (only when named in STEPS) tests/gpu/tune_triton_attention.py -> tune.txt
 # STEPS="throughput serve" runs a subset; PYTEST_FILES (default tests/gpu) and PYTEST_LIMIT
-# (default 220 s) narrow the pytest step; PROFILE_MODES (default "sync async") the profile step. HF_NUM_PROMPTS (default 8): HF runs only the first
-# N of the 256 throughput requests, and the throughput ratio compares chassis and HF on those
-# same N request shapes (see docs/gpu.md). Writes env.txt and summary.txt (one line per step:
+# (default 220 s) narrow the pytest step; PROFILE_MODES (default "async sync") the profile
+# step. HF_NUM_PROMPTS (default 8): HF runs only the first N of the 256 throughput requests,
+# and the throughput ratio compares chassis and HF on those same N request shapes (see
+# docs/gpu.md). Writes env.txt and summary.txt (one line per step:
 # name, exit status, seconds). Everything is packed into $OUT/results.tgz (default OUT:
 # /tmp/chassis-gpu), next to a copy of summary.txt.
 # Exit status: 0 when every step that ran passed, else 1.
 # A dry run of the benchmark steps on a CPU, with a tiny config directory:
-#   STEPS="throughput latency serve profile async eager kernels" MODEL=/tmp/tiny NUM_PROMPTS=4 \
+#   STEPS="throughput latency serve profile sync eager kernels" MODEL=/tmp/tiny NUM_PROMPTS=4 \
 #   HF_NUM_PROMPTS=2 LENS=4:8 LAT_INPUT=8 LAT_OUTPUT=4 VOCAB=512 PROFILE_CONTEXT=64 \
 #   PROFILE_BATCH=8 ENGINE_ARGS="--num-kv-blocks 64" bash tests/gpu/run_gpu_checks.sh
 # (the tiny config holds 512 positions: the profile's default 600-token context does not fit)
@@ -52,7 +53,7 @@ OUT="${RESULTS_DIR:-/tmp/chassis-gpu-results}"
 rm -rf "$OUT"
 mkdir -p "$OUT" "$FINAL_OUT"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-pytest throughput latency profile async serve eager kernels compile moe attn}"
+STEPS="${STEPS:-pytest throughput latency profile sync serve eager kernels compile moe attn}"
 BUDGET_S="${BUDGET_S:-540}"
 HF_NUM_PROMPTS="${HF_NUM_PROMPTS:-8}"
 PORT="${PORT:-8123}"
@@ -166,30 +167,32 @@ if wanted latency; then
     step latency 110 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
         --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
         --num-iters 2 --num-iters-warmup 1 --backend hf --output-json "$OUT/latency.json"
-    # the same with async scheduling (chassis only): what overlapping host and device gains
-    step latency_async 60 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
-        --async-scheduling --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
-        --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_async.json"
+    # the same synchronous (chassis only): what async scheduling, the default on CUDA and ROCm,
+    # gains by overlapping host and device
+    step latency_sync 60 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+        --no-async-scheduling --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
+        --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_sync.json"
 fi
 
 if wanted profile; then
     # Where a decode step's time goes (issue 5: "CPU vs GPU time per step, top kernels"), at
-    # batch 1 and at the throughput workload's batch, synchronous and async; Chrome traces in
+    # batch 1 and at the throughput workload's batch, async (the default) and synchronous; Chrome traces in
     # $OUT/profile*/.
-    for mode in ${PROFILE_MODES:-sync async}; do
+    for mode in ${PROFILE_MODES:-async sync}; do
         extra=()
-        [[ $mode == async ]] && extra=(--async-scheduling)
+        [[ $mode == sync ]] && extra=(--no-async-scheduling)
         step "profile_$mode" 120 "${CHASSIS[@]}" bench step "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
             "${extra[@]}" --batch-size 1 "$PROFILE_BATCH" --context-len "$PROFILE_CONTEXT" \
             --num-steps 10 --repeats 2 --profile --profile-dir "$OUT/profile_$mode"
     done
 fi
 
-if wanted async; then
-    # (a) again with async scheduling (chassis only), next to the synchronous run above
-    step throughput_async 120 "${CHASSIS[@]}" bench throughput "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
-        --async-scheduling --num-prompts "$NUM_PROMPTS" --input-len "$LENS" --output-len "$LENS" \
-        --output-json "$OUT/throughput_async.json"
+if wanted sync; then
+    # (a) again synchronous (chassis only), next to the run above with async scheduling (the
+    # default on CUDA and ROCm)
+    step throughput_sync 120 "${CHASSIS[@]}" bench throughput "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+        --no-async-scheduling --num-prompts "$NUM_PROMPTS" --input-len "$LENS" --output-len "$LENS" \
+        --output-json "$OUT/throughput_sync.json"
 fi
 
 if wanted serve; then
