@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -17,6 +19,11 @@ from chassis.plugins.hookspecs import hookimpl
 if TYPE_CHECKING:
     from chassis.core.config import EngineConfig
     from chassis.core.layers.kernels import LayerKernels
+
+logger = logging.getLogger(__name__)
+
+#: ``CHASSIS_TRITON_GEMV=1``: few-row linear layers run the Triton GEMV (opt-in, unmeasured)
+TRITON_GEMV_VARIABLE = "CHASSIS_TRITON_GEMV"
 
 
 @cache
@@ -99,6 +106,29 @@ class TorchCudaLikePlatform(Platform):
         """The Triton RMSNorm(+residual), SiLU-and-mul and RoPE kernels (``core/layers/
         triton_ops``), when Triton is installed; the layers' torch code otherwise."""
         return _triton_layer_kernels()
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """With ``CHASSIS_TRITON_GEMV=1`` (default off) and Triton installed: every plain
+        ``nn.Linear`` becomes a :class:`~chassis.platforms.cuda_small_batch_linear.
+        SmallBatchLinear` sharing its parameters, which runs inputs of up to 8 rows (batch-1
+        to batch-8 decode) through the Triton GEMV of ``core/layers/triton_gemv`` and the
+        rest through ``F.linear`` (docs/gpu.md, "Small-batch GEMV"). Off by default until an
+        H200 run shows it beats cuBLAS. LoRA's wrappers exist by now (the worker builds them
+        first); the plain ``nn.Linear`` inside each is swapped, the wrapper stays. Otherwise
+        nothing: the weights stay as loaded."""
+        if os.environ.get(TRITON_GEMV_VARIABLE) != "1":
+            return
+        if importlib.util.find_spec("triton") is None:
+            logger.warning("%s=1 ignored: Triton is not installed", TRITON_GEMV_VARIABLE)
+            return
+        from chassis.platforms.cuda_small_batch_linear import use_small_batch_gemv
+
+        count = use_small_batch_gemv(model)
+        logger.info(
+            "%s=1: %d linear layers run inputs of up to 8 rows through the Triton GEMV",
+            TRITON_GEMV_VARIABLE,
+            count,
+        )
 
     def supports_graph_capture(self) -> bool:
         return True

@@ -12,6 +12,10 @@
 #                                                            -> throughput.txt/.json
 #   latency     (b)+(c) batch 1, 128-token prompt, 256 new tokens, chassis and HF; then
 #               chassis with --no-async-scheduling           -> latency*.txt/.json
+#   gemv        the opt-in Triton GEMV (CHASSIS_TRITON_GEMV=1): tests/gpu/bench_triton_gemv.py
+#               --sweep (cuBLAS vs the GEMV per Qwen3-0.6B layer and 1-8 rows), then (b) chassis
+#               only with CHASSIS_TRITON_GEMV=1, next to latency's -> bench_gemv.txt,
+#               latency_gemv.txt/.json
 #   profile     chassis bench step --profile at batch 1 and PROFILE_BATCH, async and sync:
 #               host time per engine-core call, device busy/idle, top kernels
 #                                                            -> profile_*.txt, profile_*/
@@ -40,7 +44,7 @@
 # /tmp/chassis-gpu), next to a copy of summary.txt.
 # Exit status: 0 when every step that ran passed, else 1.
 # A dry run of the benchmark steps on a CPU, with a tiny config directory:
-#   STEPS="throughput latency serve profile sync eager kernels" MODEL=/tmp/tiny NUM_PROMPTS=4 \
+#   STEPS="throughput latency gemv serve profile sync eager kernels" MODEL=/tmp/tiny NUM_PROMPTS=4 \
 #   HF_NUM_PROMPTS=2 LENS=4:8 LAT_INPUT=8 LAT_OUTPUT=4 VOCAB=512 PROFILE_CONTEXT=64 \
 #   PROFILE_BATCH=8 ENGINE_ARGS="--num-kv-blocks 64" bash tests/gpu/run_gpu_checks.sh
 # (the tiny config holds 512 positions: the profile's default 600-token context does not fit)
@@ -53,7 +57,7 @@ OUT="${RESULTS_DIR:-/tmp/chassis-gpu-results}"
 rm -rf "$OUT"
 mkdir -p "$OUT" "$FINAL_OUT"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-pytest throughput latency profile sync serve eager kernels compile moe attn}"
+STEPS="${STEPS:-pytest throughput latency gemv profile sync serve eager kernels compile moe attn}"
 BUDGET_S="${BUDGET_S:-540}"
 HF_NUM_PROMPTS="${HF_NUM_PROMPTS:-8}"
 PORT="${PORT:-8123}"
@@ -172,6 +176,16 @@ if wanted latency; then
     step latency_sync 60 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
         --no-async-scheduling --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
         --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_sync.json"
+fi
+
+if wanted gemv; then
+    # the opt-in small-batch Triton GEMV (core/layers/triton_gemv.py): kernel timings against
+    # cuBLAS (the script prints and exits 0 without a GPU), then (b) with it on (chassis only,
+    # async scheduling as in `latency`): compare latency_gemv.json with latency.json
+    step bench_gemv 60 "$PY" tests/gpu/bench_triton_gemv.py --sweep
+    step latency_gemv 60 env CHASSIS_TRITON_GEMV=1 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" \
+        "${ENGINE[@]}" --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
+        --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_gemv.json"
 fi
 
 if wanted profile; then

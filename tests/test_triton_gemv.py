@@ -1,0 +1,330 @@
+"""The small-batch Triton GEMV (core/layers/triton_gemv.py) and the layer that uses it
+(platforms/cuda_small_batch_linear.py, ``CHASSIS_TRITON_GEMV=1``).
+
+The kernel runs in the shared ``TRITON_INTERPRET=1`` child (see tests/test_triton_attention.py
+for why) at tiny shapes against ``gemv_ref``, on every launch path (split-K or not, dot or
+multiply-and-reduce), and is compiled for the GPU targets without a GPU. The layer, the swap
+and the platform's wiring run in-process. tests/gpu/test_gpu_triton_gemv.py checks the kernel
+at Qwen3-0.6B's shapes and in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from triton_compile_check import (
+    TARGETS,
+    compile_kernel,
+    in_interpreter,
+    interpreter_parent,
+    not_in_interpreter,
+    run_kernel_tests,
+)
+
+pytest.importorskip("triton")
+
+from chassis.core.layers import triton_gemv
+from chassis.core.layers.triton_gemv import GemvConfig, choose_config, gemv, gemv_ref
+from chassis.core.lora.layers import LoRALinear, LoRAStepState
+from chassis.platforms import cuda_small_batch_linear as sbl
+from chassis.platforms.cuda_small_batch_linear import (
+    SmallBatchLinear,
+    small_batch_layers,
+    use_small_batch_gemv,
+)
+
+#: one rounding of float32 sums in another order; two steps of a 16-bit dtype (the
+#: interpreter converts float32 to bfloat16 by truncation), relative to outputs of O(1)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = TOL[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def _layer_tensors(
+    rows: int, in_features: int, out_features: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [rows, in]``, ``weight [out, in]``, ``bias [out]`` with outputs of O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    weight = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(dtype)
+    return x, weight, torch.randn(out_features, generator=g).to(dtype)
+
+
+@interpreter_parent
+def test_gemv_under_interpreter(request: pytest.FixtureRequest) -> None:
+    run_kernel_tests(__file__, request)
+
+
+# -- the kernel (interpreter) ---------------------------------------------------------------
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(64, 40), (300, 72)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_kernel_matches_reference(shape: tuple[int, int], rows: int, dtype: torch.dtype) -> None:
+    """The default launch config; 300 inputs end in a partial tile, 40 and 72 outputs in a
+    partial block."""
+    x, weight, bias = _layer_tensors(rows, *shape, dtype)
+    for b in (None, bias):
+        _close(gemv(x, weight, b), gemv_ref(x, weight, b))
+
+
+#: every launch path: split or not, dot or multiply-and-reduce, whole or partial K tiles
+CONFIGS = {
+    "dot": GemvConfig(block_n=16, block_k=32, split_k=1, use_dot=True),
+    "dot_split": GemvConfig(block_n=16, block_k=32, split_k=4, use_dot=True),
+    "reduce": GemvConfig(block_n=16, block_k=64, split_k=1, use_dot=False),
+    "reduce_split": GemvConfig(block_n=16, block_k=32, split_k=4, use_dot=False),
+}
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("in_features", [256, 300])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_launch_path_matches_reference(
+    name: str, in_features: int, rows: int, dtype: torch.dtype
+) -> None:
+    x, weight, bias = _layer_tensors(rows, in_features, 40, dtype, seed=rows)
+    for b in (None, bias):
+        _close(gemv(x, weight, b, config=CONFIGS[name]), gemv_ref(x, weight, b))
+
+
+@in_interpreter
+def test_split_sums_in_a_fixed_order_and_leaves_the_counters_zero() -> None:
+    """The last split to arrive adds the partials in split order: the same bits every call;
+    the counters are zero again afterwards (the next launch starts from them). Splits that
+    would get no tile are dropped (10 tiles in 4 splits of 3: 4 launched; 5 tiles: 3)."""
+    x, weight, bias = _layer_tensors(3, 160, 40, torch.float32)
+    config = GemvConfig(block_n=16, block_k=16, split_k=4, use_dot=False)
+    first = gemv(x, weight, bias, config=config)
+    assert torch.equal(first, gemv(x, weight, bias, config=config))
+    _close(first, gemv_ref(x, weight, bias))
+    assert all(not counters.any() for counters in triton_gemv._COUNTERS.values())
+    x, weight, bias = _layer_tensors(2, 80, 24, torch.float32)
+    _close(gemv(x, weight, bias, config=config), gemv_ref(x, weight, bias))
+
+
+@in_interpreter
+def test_kernel_takes_leading_dimensions_views_and_no_rows() -> None:
+    x, weight, bias = _layer_tensors(6, 64, 24, torch.float32)
+    x = x.view(2, 3, 64)
+    _close(gemv(x, weight, bias), gemv_ref(x, weight, bias))
+    assert gemv(x[:0], weight, bias).shape == (0, 3, 24)
+    # rows of a wider tensor (stride 128): the row stride is the kernel's argument
+    wide = torch.randn(4, 128)
+    _close(gemv(wide[:, :64], weight, None), gemv_ref(wide[:, :64], weight, None))
+    # a weight whose rows are a slice of a wider matrix (unit stride along K, row stride 128)
+    wide_weight = torch.randn(24, 128)
+    _close(gemv(wide[:, :64], wide_weight[:, :64]), gemv_ref(wide[:, :64], wide_weight[:, :64]))
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_runs_the_kernel_for_few_rows_and_f_linear_for_more(dtype: torch.dtype) -> None:
+    """Under the interpreter the layer sends CPU tensors of up to 8 rows to the kernel."""
+    linear = nn.Linear(96, 40, dtype=dtype)
+    layer = SmallBatchLinear(linear)
+    calls = []
+    original = triton_gemv.gemv
+
+    def counting(*args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    triton_gemv.gemv = counting
+    try:
+        with torch.inference_mode():
+            for shape in [(1, 96), (2, 4, 96), (8, 96)]:
+                x = torch.randn(*shape).to(dtype)
+                _close(layer(x), gemv_ref(x, linear.weight, linear.bias))
+            x = torch.randn(9, 96).to(dtype)
+            assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
+    finally:
+        triton_gemv.gemv = original
+    assert calls == [(1, 96), (2, 4, 96), (8, 96)]
+
+
+# -- launch configs and argument checks --------------------------------------------------------
+
+
+def test_default_configs_at_qwen3_shapes() -> None:
+    """What :func:`choose_config`'s docstring promises for Qwen3-0.6B at batch 1 and 8."""
+    splits = {(4096, 1024): 2, (1024, 2048): 8, (6144, 1024): 2, (1024, 3072): 8, (151936, 1024): 1}
+    for (n, k), split in splits.items():
+        for rows in (1, 8):
+            config = choose_config(rows, n, k, torch.bfloat16)
+            assert config.split_k == split, (n, k)
+            assert config.block_k == 128 and config.use_dot
+            assert config.block_n == (64 if n == 151936 else 32)
+    assert choose_config(1, 40, 24, torch.float32).block_k == 32  # no tile past K's power of 2
+
+
+def test_config_and_argument_checks() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        GemvConfig(block_n=24)
+    with pytest.raises(ValueError, match="at least 16"):
+        GemvConfig(block_n=8, use_dot=True)
+    x, weight, bias = _layer_tensors(2, 64, 24, torch.float32)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        gemv(torch.randn(9, 64), weight)
+    with pytest.raises(ValueError, match="takes 64 features"):
+        gemv(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="share one of"):
+        gemv(x.bfloat16(), weight)
+    with pytest.raises(ValueError, match="unit stride along in"):
+        gemv(x, weight.t().contiguous().t())
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        gemv(x, weight, bias[:12])
+    with pytest.raises(ValueError, match="unit stride along its last"):
+        gemv(torch.randn(64, 2).t(), weight)
+
+
+@not_in_interpreter
+def test_compiled_kernel_refuses_cpu_tensors() -> None:
+    x, weight, bias = _layer_tensors(2, 64, 24, torch.float32)
+    with pytest.raises(ValueError, match="CUDA/ROCm tensors"):
+        gemv(x, weight, bias)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: str(t[0]))
+def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
+    """Each launch path the heuristic or a sweep can take, compiled for sm_90 and gfx942."""
+    # (dtype, USE_DOT, SPLIT_K, BLOCK_M, EVEN_K)
+    variants = [
+        ("*bf16", True, 1, 16, True),
+        ("*bf16", True, 8, 16, True),
+        ("*bf16", False, 1, 1, True),
+        ("*bf16", False, 2, 1, False),
+        ("*fp16", False, 4, 8, True),
+        ("*fp32", True, 2, 16, False),
+    ]
+    for dtype, use_dot, split_k, block_m, even_k in variants:
+        compile_kernel(
+            triton_gemv._gemv_kernel,
+            target,
+            dict(
+                HAS_BIAS=True,
+                SPLIT_K=split_k,
+                USE_DOT=use_dot,
+                FLOAT32_DOT=dtype == "*fp32",
+                EVEN_K=even_k,
+                BLOCK_M=block_m,
+                BLOCK_N=32,
+                BLOCK_K=128,
+            ),
+            pointer_types={
+                **{name: dtype for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")},
+                "ws_ptr": "*fp32",
+                "counter_ptr": "*i32",
+            },
+        )
+
+
+# -- the layer and the swap ---------------------------------------------------------------------
+
+
+def test_layer_shares_the_linear_parameters() -> None:
+    linear = nn.Linear(64, 24)
+    layer = SmallBatchLinear(linear)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    assert layer.weight.data_ptr() == linear.weight.data_ptr()
+    assert list(layer.state_dict()) == list(linear.state_dict())
+    with torch.no_grad():  # an in-place update (load_weights, sleep mode) is seen at once
+        linear.weight.mul_(2)
+    x = torch.randn(20, 64)
+    assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
+    no_bias = SmallBatchLinear(nn.Linear(64, 24, bias=False))
+    assert no_bias.bias is None and "bias=False" in repr(no_bias)
+
+
+@not_in_interpreter
+@pytest.mark.parametrize("rows", [1, 8, 9])
+def test_layer_runs_f_linear_on_cpu_tensors(rows: int) -> None:
+    linear = nn.Linear(64, 24).bfloat16()
+    layer = SmallBatchLinear(linear)
+    x = torch.randn(rows, 64).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
+
+
+class _Subclassed(nn.Linear):
+    """A layer with a forward of its own (must not be swapped)."""
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 16)
+        self.custom = _Subclassed(32, 16)
+        self.adapted = LoRALinear(
+            nn.Linear(32, 16, bias=False),
+            [(0, 16)],
+            LoRAStepState(torch.zeros(16, 2), active=True),
+            max_loras=2,
+            max_rank=4,
+        )
+        self.head = nn.Linear(16, 48, bias=False)
+        self.shared_head = self.head  # one module under two names (a shared head)
+
+
+def test_swap_replaces_exactly_the_plain_linear_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    block = _Block()
+    # nothing is swapped on the CPU (the kernel runs on GPUs)
+    assert use_small_batch_gemv(block) == 0 and type(block.proj) is nn.Linear
+    names = [name for name, _ in block.named_parameters()]
+    params = {name: p for name, p in block.named_parameters()}
+    monkeypatch.setattr(sbl, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
+    assert use_small_batch_gemv(block) == 3
+    assert type(block.proj) is SmallBatchLinear
+    assert type(block.custom) is _Subclassed
+    assert type(block.adapted) is LoRALinear
+    assert type(block.adapted.base_layer) is SmallBatchLinear
+    assert block.head is block.shared_head and type(block.head) is SmallBatchLinear
+    assert [name for name, _ in block.named_parameters()] == names
+    assert all(p is params[name] for name, p in block.named_parameters())
+    assert len(small_batch_layers(block)) == 3
+    assert use_small_batch_gemv(block) == 0  # (already swapped)
+    # layers of another dtype are left alone
+    assert not sbl.can_swap(nn.Linear(4, 4).to(torch.float64))
+
+
+def test_lora_wrapper_adds_its_deltas_over_the_swapped_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker wraps LoRA layers first, then the platform swaps their base layers: the
+    adapter's delta is still added (through the GEMV under the interpreter, else F.linear)."""
+    torch.manual_seed(0)
+    state = LoRAStepState(torch.zeros(16, 2), active=True)
+    lora = LoRALinear(nn.Linear(32, 16), [(0, 16)], state, max_loras=2, max_rank=4)
+    lora.set_slot(1, 0, torch.randn(4, 32), torch.randn(16, 4))
+    state.token_mask[:3, 1] = 1
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        expected = lora(x)
+        monkeypatch.setattr(sbl, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
+        assert use_small_batch_gemv(lora) == 1
+        _close(lora(x), expected)
+
+
+def test_cuda_platform_swaps_only_with_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chassis.platforms.cuda import CudaPlatform
+
+    monkeypatch.setattr(sbl, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
+    block = _Block()
+    monkeypatch.delenv("CHASSIS_TRITON_GEMV", raising=False)
+    CudaPlatform().prepare_model(block)
+    assert type(block.proj) is nn.Linear
+    monkeypatch.setenv("CHASSIS_TRITON_GEMV", "0")
+    CudaPlatform().prepare_model(block)
+    assert type(block.proj) is nn.Linear
+    monkeypatch.setenv("CHASSIS_TRITON_GEMV", "1")
+    CudaPlatform().prepare_model(block)
+    assert type(block.proj) is SmallBatchLinear and len(small_batch_layers(block)) == 3
