@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from chassis.core.chat_media import AUDIO_CLIP_PART_TYPE
 from chassis.core.multimodal_inputs import ModalityRefusedError
 from chassis.serve.errors import bad_request
+from chassis.serve.message_parts import replace_parts
 from chassis.serve.protocol import ChatMessage
 from chassis.serve.responses_input import AUDIO_PART
 
@@ -112,22 +113,4 @@ def with_audio(
     as :func:`audio_params` lists them) replaced by ``audio_clip`` parts holding ``clips``,
     which the chat renderer takes without decoding; messages without audio are kept, the
     others copied."""
-    remaining = iter(clips)
-    out = []
-    for message in messages:
-        content = message.content
-        if not isinstance(content, list) or not any(
-            part.get("type") == AUDIO_PART for part in content
-        ):
-            out.append(message)
-            continue
-        parts = [
-            {"type": AUDIO_CLIP_PART_TYPE, AUDIO_CLIP_PART_TYPE: next(remaining)}
-            if part.get("type") == AUDIO_PART
-            else part
-            for part in content
-        ]
-        out.append(message.model_copy(update={"content": parts}))
-    if next(remaining, None) is not None:  # (chat_messages made one part per clip)
-        raise AssertionError("more clips than input_audio parts in the messages")
-    return out
+    return replace_parts(messages, AUDIO_PART, AUDIO_CLIP_PART_TYPE, clips)

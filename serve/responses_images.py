@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from chassis.core.multimodal_inputs import ModalityRefusedError
 from chassis.serve.errors import bad_request
+from chassis.serve.message_parts import replace_parts
 from chassis.serve.protocol import ChatMessage
 from chassis.serve.responses_input import IMAGE_PART
 
@@ -112,22 +113,4 @@ def with_images(messages: list[ChatMessage], images: Sequence[Image]) -> list[Ch
     """``messages`` with their ``image_url`` parts (made from the conversation's
     ``input_image`` parts, in the same order) replaced by ``image_pil`` parts holding
     ``images``; messages without images are kept, the others copied."""
-    remaining = iter(images)
-    out = []
-    for message in messages:
-        content = message.content
-        if not isinstance(content, list) or not any(
-            part.get("type") == "image_url" for part in content
-        ):
-            out.append(message)
-            continue
-        parts = [
-            {"type": "image_pil", "image_pil": next(remaining)}
-            if part.get("type") == "image_url"
-            else part
-            for part in content
-        ]
-        out.append(message.model_copy(update={"content": parts}))
-    if next(remaining, None) is not None:  # (chat_messages made one part per image)
-        raise AssertionError("more images than image parts in the messages")
-    return out
+    return replace_parts(messages, "image_url", "image_pil", images)
