@@ -108,8 +108,8 @@ def with_fresh_ids(
 def load_hf_model(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Any:
     """HF's model of ``config.model`` on ``device`` in ``dtype``, for the comparison runs:
     random weights for ``--load-format dummy`` (initialized on the device, not drawn on the
-    host and copied: on the H200, loading HF's 0.6B model took about 40 s of a benchmark
-    step, the host's random init the likely bulk of it), else the checkpoint's."""
+    host and copied: on the H200 about 40 s of a latency step went to HF's untimed set-up,
+    which the host's random init of 0.6B parameters would explain), else the checkpoint's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     assert config.model is not None

@@ -21,9 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+from chassis.core.layers.step_split import index_tensor
 
 
 @dataclass(frozen=True)
@@ -57,10 +55,10 @@ def conv_layout(lengths: tuple[int, ...], k: int, device: torch.device) -> ConvL
     )
     return ConvLayout(
         num_rows=int(segment.sum()),
-        state_rows=_on_device((segment_start[:, None] + np.arange(k - 1)).reshape(-1), device),
-        token_rows=_on_device(token_rows, device),
-        windows=_on_device(token_rows - (k - 1), device),
-        last_rows=_on_device(
+        state_rows=index_tensor((segment_start[:, None] + np.arange(k - 1)).reshape(-1), device),
+        token_rows=index_tensor(token_rows, device),
+        windows=index_tensor(token_rows - (k - 1), device),
+        last_rows=index_tensor(
             (segment_start + segment - (k - 1))[:, None] + np.arange(k - 1), device
         ),
     )

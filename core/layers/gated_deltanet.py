@@ -47,7 +47,7 @@ from chassis.core.layers.gated_delta_rule import (
     l2_normalize,
 )
 from chassis.core.layers.gated_deltanet_shard import gated_deltanet_shard
-from chassis.core.layers.mamba2_mixer import step_split
+from chassis.core.layers.step_split import step_split
 from chassis.core.request_state_cache import RequestStateSpec
 
 

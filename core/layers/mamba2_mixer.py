@@ -26,12 +26,10 @@ model loads the checkpoint's whole tensors through :func:`mamba2_checkpoint_part
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +39,7 @@ from chassis.core.attention import ForwardContext
 from chassis.core.layers.causal_conv import packed_causal_conv
 from chassis.core.layers.mamba2_shard import mamba2_shard
 from chassis.core.layers.ssd_scan import ssd_chunked_varlen, ssd_recurrence, ssd_step
+from chassis.core.layers.step_split import step_split
 from chassis.core.request_state_cache import RequestStateSpec
 
 
@@ -103,46 +102,6 @@ def check_silu(hf_config: Any, field: str = "hidden_act") -> None:
     act = getattr(hf_config, field, "silu")
     if act != "silu":
         raise ValueError(f"{field} {act!r} is not supported by the Mamba2 mixer (only 'silu')")
-
-
-def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-
-
-@dataclass(frozen=True)
-class StepSplit:
-    """A step's requests by kind: those with one token (decodes; ``single_rows`` their
-    requests, ``single_tokens`` their token rows) and those with more (``many``, their
-    requests' indices; ``many_rows``, ``many_tokens`` and ``many_lengths`` for the batched
-    prefill)."""
-
-    single_rows: torch.Tensor
-    single_tokens: torch.Tensor
-    many: tuple[int, ...]
-    many_rows: torch.Tensor
-    many_tokens: torch.Tensor
-    many_lengths: tuple[int, ...]
-
-
-@functools.lru_cache(maxsize=8)
-def step_split(bounds: tuple[int, ...], device: torch.device) -> StepSplit:
-    """:class:`StepSplit` of a step whose request ``i`` owns token rows ``bounds[i]:bounds[i
-    + 1]``. Cached: every mixer layer of a step asks for the same one."""
-    starts = np.asarray(bounds[:-1], dtype=np.int64)
-    lengths = np.diff(np.asarray(bounds, dtype=np.int64))
-    singles = np.flatnonzero(lengths == 1)
-    many = np.flatnonzero(lengths > 1)
-    many_tokens = np.concatenate(
-        [np.arange(starts[i], starts[i] + lengths[i]) for i in many] or [np.zeros(0, np.int64)]
-    )
-    return StepSplit(
-        single_rows=_on_device(singles, device),
-        single_tokens=_on_device(starts[singles], device),
-        many=tuple(int(i) for i in many),
-        many_rows=_on_device(many, device),
-        many_tokens=_on_device(many_tokens, device),
-        many_lengths=tuple(int(n) for n in lengths[many]),
-    )
 
 
 class GatedRMSNorm(nn.Module):

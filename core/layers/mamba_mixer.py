@@ -41,8 +41,8 @@ from torch import nn
 from chassis.core import parallel_state
 from chassis.core.attention import ForwardContext
 from chassis.core.layers.causal_conv import packed_causal_conv
-from chassis.core.layers.mamba2_mixer import step_split
 from chassis.core.layers.selective_scan import selective_scan_varlen, selective_step
+from chassis.core.layers.step_split import step_split
 from chassis.core.request_state_cache import RequestStateSpec
 
 #: how ``dt``, ``B`` and ``C`` are normalized after ``x_proj``: not at all (Mamba), an RMS
