@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from chassis.core.attention import AttentionBackend
     from chassis.core.config import EngineConfig
     from chassis.core.model_interface import CausalLM
-    from chassis.platforms.interface import DeviceGraph, Platform
+    from chassis.platforms.interface import DeviceEvent, DeviceGraph, Platform
 
 logger = logging.getLogger(__name__)
 
@@ -112,26 +112,114 @@ def eager_reason(
     return None
 
 
+#: byte alignment of each region of the packed input buffer (any dtype's view starts aligned)
+_REGION_ALIGN = 16
+#: tables above this many bytes per replay go in a copy of their own, of only the step's
+#: columns (a long max_model_len at a large batch would otherwise copy mostly stale columns)
+MAX_PACKED_TABLE_BYTES = 256 * 1024
+
+
 class _StaticInputs:
     """The buffers every graph reads; rows ``0 .. size-1`` are graph ``size``'s inputs.
-    ``slot_mappings`` and ``block_tables`` hold one buffer per KV cache group: views of one
-    ``[group, ...]`` tensor each, so a replay fills every group's with one copy."""
+
+    They are typed views of one device byte buffer, in this order: ``input_ids`` and
+    ``positions`` (int64 ``[max_size]``), ``group_slot_mapping`` (int64 ``[G, max_size]``),
+    ``seq_lens`` (int32 ``[max_size]``), ``group_block_table`` (int32 ``[G, max_size, W]``),
+    so that a replay fills all of them with one copy of a host mirror of the same layout
+    (:class:`_HostStaging`). ``slot_mappings`` and ``block_tables`` are the per-group views.
+    """
 
     def __init__(
         self, max_size: int, max_blocks_per_req: int, device: torch.device, num_groups: int = 1
     ) -> None:
-        i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_size, **i64)
-        self.positions = torch.zeros(max_size, **i64)
+        self.layout = _PackedLayout(max_size, max_blocks_per_req, num_groups)
+        self.raw = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
+        views = self.layout.views(self.raw)
+        self.input_ids, self.positions, self.group_slot_mapping, self.seq_lens = views[:4]
+        self.group_block_table = views[4]
         # The capture-time contents are the padding's: no KV write, one context token.
-        self.group_slot_mapping = torch.full((num_groups, max_size), -1, **i64)
+        self.group_slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
         self.slot_mappings = list(self.group_slot_mapping)
-        self.seq_lens = torch.ones(max_size, **i32)
-        # One query token per request: constant, written once.
-        self.query_start_loc = torch.arange(max_size + 1, **i32)
-        self.group_block_table = torch.zeros(num_groups, max_size, max_blocks_per_req, **i32)
         self.block_tables = list(self.group_block_table)
+        # One query token per request: constant, written once (not part of the copy).
+        self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
+
+
+class _PackedLayout:
+    """Byte offsets of the static inputs in their packed buffer (see :class:`_StaticInputs`)."""
+
+    def __init__(self, max_size: int, max_blocks_per_req: int, num_groups: int) -> None:
+        self.max_size = max_size
+        self.width = max_blocks_per_req
+        self.num_groups = num_groups
+        shapes = [
+            (torch.int64, (max_size,)),  # input_ids
+            (torch.int64, (max_size,)),  # positions
+            (torch.int64, (num_groups, max_size)),  # slot mappings
+            (torch.int32, (max_size,)),  # seq_lens
+            (torch.int32, (num_groups, max_size, max_blocks_per_req)),  # block tables
+        ]
+        self.regions: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
+        offset = 0
+        for dtype, shape in shapes:
+            self.regions.append((offset, dtype, shape))
+            size = int(np.prod(shape)) * dtype.itemsize
+            offset += -(-size // _REGION_ALIGN) * _REGION_ALIGN
+        self.nbytes = offset
+        self.tables_offset = self.regions[4][0]
+
+    def views(self, raw: torch.Tensor) -> list[torch.Tensor]:
+        """The five typed views of the byte tensor ``raw`` (device or host)."""
+        out = []
+        for offset, dtype, shape in self.regions:
+            size = int(np.prod(shape)) * dtype.itemsize
+            out.append(raw[offset : offset + size].view(dtype).view(shape))
+        return out
+
+    def table_bytes(self, num_rows: int) -> int:
+        """Bytes of the tables region that hold rows ``0 .. num_rows-1`` of every group."""
+        return ((self.num_groups - 1) * self.max_size + num_rows) * self.width * 4
+
+
+class _HostStaging:
+    """Host mirrors of the packed static inputs, two used in turn: a replay fills one while
+    the copy out of the other may still be queued behind the device's previous step (async
+    scheduling). Pinned when the platform copies asynchronously; then an event (the
+    platform's) recorded after each copy out of a mirror guards its next refill: the engine
+    has at most two steps in flight, so by then the copy has finished and ``query()`` says so
+    without a wait; only an event that cannot tell is waited for."""
+
+    def __init__(self, layout: _PackedLayout, platform: Platform, pin_memory: bool) -> None:
+        self.layout = layout
+        self.platform = platform
+        self.pin_memory = pin_memory
+        self.buffers = [
+            torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin_memory) for _ in range(2)
+        ]
+        self.arrays = [[view.numpy() for view in layout.views(b)] for b in self.buffers]
+        for arrays in self.arrays:
+            arrays[2].fill(-1)  # padding slots
+            arrays[3].fill(1)  # padding context lengths
+        self.events: list[DeviceEvent | None] = [None, None]
+        self.turn = 0
+
+    def next(self) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """The mirror to fill for this replay (its previous copy has finished) and its numpy
+        views (ids, positions, slots, seq_lens, tables)."""
+        self.turn ^= 1
+        event = self.events[self.turn]
+        if event is not None:
+            query = getattr(event, "query", None)
+            if query is None or not query():
+                event.synchronize()
+            self.events[self.turn] = None
+        return self.buffers[self.turn], self.arrays[self.turn]
+
+    def copied(self) -> None:
+        """The current mirror's copy is queued on the device's current stream."""
+        if self.pin_memory:
+            self.events[self.turn] = self.platform.record_event()
 
 
 class DecodeGraphs:
@@ -175,9 +263,9 @@ class DecodeGraphs:
         self.layer_group = layer_group
         num_groups = 1 if layer_group is None else max(layer_group) + 1
         self._inputs = _StaticInputs(max_size, max_blocks_per_req, device, num_groups)
-        # Host staging for the padded slots, and the host copies of seq_lens and
-        # query_start_loc that the metadata carries (kept equal to the device buffers).
-        self._slots_host = np.full(num_groups * max_size, -1, dtype=np.int64)
+        self._staging = _HostStaging(self._inputs.layout, platform, pin_memory)
+        # The host copies of seq_lens and query_start_loc that the metadata carries (kept
+        # equal to the device buffers).
         self._seq_lens_host = np.ones(max_size, dtype=np.int32)
         self._seq_lens_cpu = torch.from_numpy(self._seq_lens_host)
         self._query_start_loc_cpu = torch.arange(max_size + 1, dtype=torch.int32)
@@ -326,9 +414,6 @@ class DecodeGraphs:
         if size is None:
             raise ValueError(f"no graph for a batch of {n}; capture sizes: {self.sizes}")
         inputs = self._inputs
-        ids = input_ids if isinstance(input_ids, torch.Tensor) else self._host(input_ids)
-        inputs.input_ids[:n].copy_(ids, non_blocking=True)
-        inputs.positions[:n].copy_(self._host(positions), non_blocking=True)
         slot_mappings = np.asarray(slot_mapping)  # [G, n] (a list of G arrays is stacked)
         if slot_mappings.ndim == 1:
             slot_mappings = slot_mappings[None]
@@ -341,21 +426,36 @@ class DecodeGraphs:
                 f"slot mappings and block tables for {len(slot_mappings)} and {len(tables)} "
                 f"KV cache groups; the graphs were captured for {num_groups}"
             )
-        # Padding rows: slot -1 (write nothing), a one-token context (read almost nothing).
-        # Every group's slots in one copy, and every group's tables in another. The staging
-        # is the contiguous front of the buffer (a [:, :size] column slice would be strided:
-        # pinned, then copied again to pageable memory by the device copy).
-        slots = self._slots_host[: num_groups * size].reshape(num_groups, size)
-        slots[:, :n] = slot_mappings
-        slots[:, n:] = -1
-        inputs.group_slot_mapping[:, :size].copy_(self._host(slots), non_blocking=True)
+        # Every input goes into one host mirror of the static buffers and reaches them in one
+        # copy (each copy costs the host a pinned staging and a launch: ~10-30 us apiece).
+        # Padding rows: slot -1 (write nothing), a one-token context (read almost nothing);
+        # their ids, positions and table entries are stale but valid. Rows past ``size`` are
+        # not read by this graph.
+        raw, (ids_h, positions_h, slots_h, lens_h, tables_h) = self._staging.next()
+        device_ids = isinstance(input_ids, torch.Tensor)
+        if not device_ids:
+            ids_h[:n] = input_ids
+        positions_h[:n] = positions
+        slots_h[:, :n] = slot_mappings
+        slots_h[:, n:size] = -1
         lens = self._seq_lens_host[:size]  # also the metadata's seq_lens_cpu
         lens[:n] = seq_lens
         lens[n:] = 1
-        inputs.seq_lens[:size].copy_(self._host(lens), non_blocking=True)
-        # Padding rows keep stale block ids: valid ids, of which only entry 0 is read.
+        lens_h[:size] = lens
         width = tables.shape[2]
-        inputs.group_block_table[:, :n, :width].copy_(self._host(tables), non_blocking=True)
+        layout = inputs.layout
+        packed_tables = layout.table_bytes(n) <= MAX_PACKED_TABLE_BYTES
+        if packed_tables:
+            tables_h[:, :n, :width] = tables
+            end = layout.tables_offset + layout.table_bytes(n)
+        else:
+            end = layout.tables_offset
+        inputs.raw[:end].copy_(raw[:end], non_blocking=True)
+        self._staging.copied()
+        if not packed_tables:
+            inputs.group_block_table[:, :n, :width].copy_(self._host(tables), non_blocking=True)
+        if device_ids:  # sampled by the previous step: gathered on the device
+            inputs.input_ids[:n].copy_(input_ids, non_blocking=True)
         self._graphs[size].replay()
         self.replays[size] += 1
         if self.aux_model is not None:

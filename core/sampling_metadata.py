@@ -31,7 +31,8 @@ class SamplingMetadata:
     """Settings for the rows that sample this step (row ``i`` = ``i``-th sampling request).
 
     Optional tensors are ``None`` when no row uses the feature, so the sampler skips it.
-    Greedy rows carry neutral ``top_k``/``top_p``/``min_p`` values.
+    Greedy rows carry neutral ``top_k``/``top_p``/``min_p`` values. The tensors are
+    read-only: they may be shared between steps (an all-greedy step's ``temperature``).
     """
 
     #: [num_rows] float32; 0 means greedy for that row
@@ -151,6 +152,22 @@ def host_to_device(
     return host.to(device)
 
 
+#: device -> a float32 zero vector: the ``temperature`` of all-greedy steps, sliced per step
+_GREEDY_TEMPERATURES: dict[torch.device, torch.Tensor] = {}
+
+
+def greedy_temperatures(num_rows: int, device: torch.device) -> torch.Tensor:
+    """``[num_rows]`` float32 zeros on ``device``: a view of one vector per device, grown when
+    needed (an all-greedy step then costs no host-to-device copy: at batch 1 on a GPU that
+    copy, with its pinned staging, is a measurable share of the step's host time). Read-only,
+    as every tensor of :class:`SamplingMetadata`."""
+    zeros = _GREEDY_TEMPERATURES.get(device)
+    if zeros is None or zeros.shape[0] < num_rows:
+        zeros = torch.zeros(max(num_rows, 256), dtype=torch.float32, device=device)
+        _GREEDY_TEMPERATURES[device] = zeros
+    return zeros[:num_rows]
+
+
 def build_sampling_metadata(
     rows: Sequence[SamplingRow], device: torch.device | str, vocab_size: int
 ) -> SamplingMetadata:
@@ -259,7 +276,9 @@ def build_sampling_metadata(
 
     num_rows = len(temperature)
     metadata = SamplingMetadata(
-        temperature=host_to_device(temperature, torch.float32, device),
+        temperature=greedy_temperatures(num_rows, device)
+        if num_greedy == num_rows
+        else host_to_device(temperature, torch.float32, device),
         all_greedy=num_greedy == num_rows,
         all_random=num_greedy == 0 and num_rows > 0,
         top_k=host_to_device(top_k, torch.int64, device) if use_top_k else None,

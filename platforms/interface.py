@@ -30,6 +30,11 @@ class DeviceEvent(Protocol):
     def synchronize(self) -> None:
         """Block the host until all work queued before the event has finished."""
 
+    def query(self) -> bool:
+        """Whether all work queued before the event has finished; never blocks. (Optional:
+        callers treat an event without it as unfinished and call :meth:`synchronize`.)"""
+        ...
+
 
 class _QueueDrainEvent:
     """The default :class:`DeviceEvent`: waits for *all* queued work of the platform.
@@ -44,6 +49,9 @@ class _QueueDrainEvent:
 
     def synchronize(self) -> None:
         self._platform.synchronize()
+
+    def query(self) -> bool:
+        return False  # (it cannot tell without waiting)
 
 
 class Platform(ABC):

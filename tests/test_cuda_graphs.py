@@ -273,6 +273,41 @@ def test_static_buffers_are_padded_and_refilled() -> None:
         graphs.run(*(np.zeros(9, dtype=np.int64),) * 3, np.ones(9, np.int32), np.zeros((9, 1)))
 
 
+def test_input_staging_waits_only_for_an_unfinished_copy() -> None:
+    """The two host mirrors alternate; refilling one asks its last copy's event, and waits
+    only when the event says the copy is unfinished (or cannot tell)."""
+    from chassis.core.cuda_graphs import _HostStaging, _PackedLayout
+
+    class Event:
+        def __init__(self, done: bool | None) -> None:
+            self.done, self.waits = done, 0
+
+        def query(self) -> bool:
+            assert self.done is not None
+            return self.done
+
+        def synchronize(self) -> None:
+            self.waits += 1
+
+    class NoQueryEvent(Event):
+        query = None  # type: ignore[assignment]
+
+    events = [Event(True), Event(False), NoQueryEvent(None), Event(True), Event(True)]
+    platform = GraphTestPlatform()
+    platform.record_event = lambda: events.pop(0)  # type: ignore[method-assign]
+    staging = _HostStaging(_PackedLayout(4, 2, 1), platform, pin_memory=False)
+    staging.pin_memory = True  # (pinned buffers need a GPU; only the events matter here)
+    finished, unfinished, unknown = events[:3]
+    turns = []
+    for _ in range(5):
+        _, arrays = staging.next()
+        assert (arrays[2] == -1).all() and (arrays[3] == 1).all()  # padding as initialized
+        turns.append(staging.turn)
+        staging.copied()
+    assert turns == [1, 0, 1, 0, 1]
+    assert (finished.waits, unfinished.waits, unknown.waits) == (0, 1, 1)
+
+
 # -- the whole engine: graphs vs eager --------------------------------------------------------
 
 MAX_TOKENS = 6

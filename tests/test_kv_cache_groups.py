@@ -238,12 +238,21 @@ def test_each_step_packs_into_a_new_host_tensor() -> None:
     assert copy_packed(first, torch.device("cpu")) is first
 
 
-def test_decode_graph_staging_is_contiguous_below_the_largest_size() -> None:
-    """A replay smaller than the largest graph stages every group's slots in one contiguous
-    host array: a strided one would be pinned, then copied again to pageable memory by the
-    device copy (and on CUDA a copy from pageable memory waits for the stream)."""
+@pytest.mark.parametrize("packed_tables", [True, False])
+def test_decode_graph_replay_fills_every_input_in_one_copy(
+    packed_tables: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay stages ids, positions, every group's slots, the context lengths and (when
+    small) every group's block tables in one host mirror of the static buffers and copies it
+    in one piece; tables above ``MAX_PACKED_TABLE_BYTES`` go in a second copy of the step's
+    columns only, from a contiguous host array (a strided one would be pinned, then copied
+    again to pageable memory by the device copy). Replays alternate between two mirrors."""
     from test_cuda_graphs import GraphTestPlatform
 
+    from chassis.core import cuda_graphs
+
+    if not packed_tables:
+        monkeypatch.setattr(cuda_graphs, "MAX_PACKED_TABLE_BYTES", 0)
     graphs = DecodeGraphs(
         _GroupEchoModel(),
         [],
@@ -263,11 +272,19 @@ def test_decode_graph_staging_is_contiguous_below_the_largest_size() -> None:
         return host(array)
 
     graphs._host = recording  # type: ignore[method-assign]
-    slots = [np.array([5]), np.array([50])]
-    tables = [np.array([[1]], np.int32), np.array([[11]], np.int32)]
-    with torch.inference_mode():
-        out = graphs.run(
-            np.zeros(1, np.int64), np.zeros(1, np.int64), slots, np.ones(1, np.int32), tables
-        )
-    np.testing.assert_array_equal(out.numpy(), [[50, 5, 11, 1]])
-    assert staged and all(a.flags.c_contiguous for a in staged)
+    mirrors = []
+    for value in (5, 7):
+        slots = [np.array([value]), np.array([10 * value])]
+        tables = [np.array([[value + 1]], np.int32), np.array([[value + 11]], np.int32)]
+        with torch.inference_mode():
+            out = graphs.run(
+                np.zeros(1, np.int64), np.zeros(1, np.int64), slots, np.ones(1, np.int32), tables
+            )
+        np.testing.assert_array_equal(out.numpy(), [[10 * value, value, value + 11, value + 1]])
+        mirrors.append(graphs._staging.turn)
+        assert (graphs._inputs.slot_mappings[0][1:2] == -1).all()  # padding writes nothing
+    assert mirrors[0] != mirrors[1]
+    if packed_tables:
+        assert staged == []
+    else:
+        assert len(staged) == 2 and all(a.flags.c_contiguous for a in staged)

@@ -86,6 +86,19 @@ def test_builder_skips_unused_features() -> None:
     assert meta.max_num_logprobs is None and meta.generators == {}
 
 
+def test_all_greedy_steps_share_one_zero_temperature_vector() -> None:
+    """An all-greedy step copies no temperatures to the device: its vector is a view of one
+    shared zero vector, grown on demand (hence read-only)."""
+    greedy = row(SamplingParams(temperature=0.0))
+    small = build_sampling_metadata([greedy] * 3, "cpu", VOCAB).temperature
+    again = build_sampling_metadata([greedy], "cpu", VOCAB).temperature
+    assert small.data_ptr() == again.data_ptr() and again.tolist() == [0.0]
+    large = build_sampling_metadata([greedy] * 300, "cpu", VOCAB).temperature
+    assert large.shape == (300,) and not large.any()
+    mixed = build_sampling_metadata([greedy, row(SamplingParams(temperature=0.5))], "cpu", VOCAB)
+    assert mixed.temperature.tolist() == [0.0, 0.5]
+
+
 def test_builder_greedy_rows_are_neutral_and_seedless() -> None:
     greedy = SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2, seed=3)
     rand = SamplingParams(temperature=0.8, top_k=5, top_p=0.5, min_p=0.2, seed=3)

@@ -30,6 +30,11 @@ class _CountedEvent:
     def __init__(self, event) -> None:
         self._event = event
 
+    def query(self) -> bool:
+        """Not a wait (the decode graphs' input staging asks it; ``True`` there means no
+        wait follows)."""
+        return self._event.query()
+
     def synchronize(self) -> None:
         _CountedEvent.waits += 1
         with warnings.catch_warnings(record=True):
