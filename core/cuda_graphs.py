@@ -3,7 +3,8 @@
 A decode step launches every kernel of the model from Python (hundreds per step), which at
 small batches costs more than the kernels themselves. Where the platform can capture graphs
 and the attention backend is graph-capture safe, the model runner captures the model's forward
-(embedding to final hidden states; logits and sampling stay eager) once per batch size in a
+(embedding to final hidden states; for batches of up to ``MAX_LOGITS_CAPTURE_SIZE`` also the
+float32 logits; sampling stays eager) once per batch size in a
 list of *capture sizes*. A step whose every request has exactly one query token, with at most
 the largest capture size of requests, is padded up to the smallest capture size that holds it
 and replayed:
@@ -46,6 +47,11 @@ logger = logging.getLogger(__name__)
 #: the largest batch captured by default; larger decode batches run eager, where launch
 #: overhead is small next to the work of the batch
 DEFAULT_MAX_CAPTURE_SIZE = 512
+#: graphs of at most this many requests also compute the float32 logits (given a
+#: ``logits_fn``): at such batches the LM head's launch and the cast, eager after the
+#: replay, were a tenth of the host's step on an H200 (docs/gpu.md, "CUDA graphs"); the
+#: static logits of every such graph together stay small (31 rows of the vocabulary)
+MAX_LOGITS_CAPTURE_SIZE = 16
 
 
 def capture_size_pattern(largest: int) -> list[int]:
@@ -234,6 +240,9 @@ class DecodeGraphs:
     auxiliary hidden states (EAGLE-3), else None: each graph then copies the states its forward
     kept into static buffers (``[max_size, width]`` per kept layer; graph ``size`` writes rows
     ``0 .. size-1``), and :meth:`run` puts their first ``n`` rows back into the model.
+    ``logits_fn`` (the model's ``compute_logits``, or None): graphs of up to
+    :data:`MAX_LOGITS_CAPTURE_SIZE` requests apply it to their hidden states and cast to
+    float32, read back by :attr:`last_logits`.
     """
 
     def __init__(
@@ -249,6 +258,7 @@ class DecodeGraphs:
         pin_memory: bool = False,
         layer_group: list[int] | None = None,
         aux_model: CausalLM | None = None,
+        logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"capture sizes must be sorted, unique and >= 1; got {sizes}")
@@ -276,11 +286,23 @@ class DecodeGraphs:
         #: forward :meth:`capture` runs first, when their width and dtype are known)
         self.aux_outputs: list[torch.Tensor] | None = None
         self.replays: Counter[int] = Counter()
+        self.logits_fn = logits_fn
+        #: graph size -> its static float32 logits (graphs up to MAX_LOGITS_CAPTURE_SIZE)
+        self._logits: dict[int, torch.Tensor] = {}
+        self._last_logits: torch.Tensor | None = None
 
     @property
     def max_size(self) -> int:
         """The largest batch a graph exists for."""
         return self.sizes[-1]
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        """The float32 logits ``logits_fn`` gives for the last :meth:`run`'s hidden states
+        (rows ``:n``), when its graph computed them (a ``logits_fn`` and a size up to
+        :data:`MAX_LOGITS_CAPTURE_SIZE`); else None. Valid until the next replay, which
+        overwrites them; the caller may edit them in place (the sampler does)."""
+        return self._last_logits
 
     @property
     def num_replays(self) -> int:
@@ -345,6 +367,10 @@ class DecodeGraphs:
                 )
             for buffer, state in zip(self.aux_outputs, states, strict=True):
                 buffer[:size].copy_(state)
+        if self.logits_fn is not None and size <= MAX_LOGITS_CAPTURE_SIZE:
+            # Python that runs at capture only, like the aux states: the tensor of the last
+            # call (the capture's) is the one each replay recomputes in place
+            self._logits[size] = self.logits_fn(hidden).float()
         return hidden
 
     @torch.inference_mode()
@@ -458,6 +484,8 @@ class DecodeGraphs:
             inputs.input_ids[:n].copy_(input_ids, non_blocking=True)
         self._graphs[size].replay()
         self.replays[size] += 1
+        logits = self._logits.get(size)
+        self._last_logits = None if logits is None else logits[:n]
         if self.aux_model is not None:
             assert self.aux_outputs is not None  # allocated by capture
             self.aux_model.put_aux_hidden_states([buffer[:n] for buffer in self.aux_outputs])

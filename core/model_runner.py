@@ -392,6 +392,9 @@ class ModelRunner:
             layer_group=self.layer_group,
             # an EAGLE-3 target's kept states come out of the graphs as static outputs
             aux_model=self.model if self.model.aux_hidden_state_layers() else None,
+            # small batches' logits in the graph too; not where compute_logits gathers or
+            # broadcasts across ranks (collectives in graphs are not tried here)
+            logits_fn=self.model.compute_logits if parallel_state.world_size() == 1 else None,
         )
         if self.lora is not None:
             # Captured with the adapter matmuls (an all-zero mask is the base model), so that
@@ -599,7 +602,9 @@ class ModelRunner:
             hidden = graphs.run(
                 input_ids, rotary_positions, slot_mappings, seq_lens_i32, block_tables
             )
+            graph_logits = graphs.last_logits
         else:
+            graph_logits = None
             # Every group's table and slots (and the shared query_start_loc and seq_lens)
             # reach the device in one copy; step_forward_context is the reference.
             ctx = packed_forward_context(
@@ -673,11 +678,14 @@ class ModelRunner:
         result = None
         rewinds = None
         if states:
-            if len(sample_token) == total:
-                sample_hidden = hidden  # every token samples, in order: every row
+            if len(sample_token) == total and graph_logits is not None:
+                logits = graph_logits  # every row samples; the graph computed them
             else:
-                sample_hidden = hidden[self._to_device(sample_token)]
-            logits = self.model.compute_logits(sample_hidden).float()
+                if len(sample_token) == total:
+                    sample_hidden = hidden  # every token samples, in order: every row
+                else:
+                    sample_hidden = hidden[self._to_device(sample_token)]
+                logits = self.model.compute_logits(sample_hidden).float()
             unresolved = batch.num_unresolved[sample_rows]
             if unresolved.any() and any(
                 state.sampling_row.reads_output_history

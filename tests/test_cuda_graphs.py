@@ -273,6 +273,30 @@ def test_static_buffers_are_padded_and_refilled() -> None:
         graphs.run(*(np.zeros(9, dtype=np.int64),) * 3, np.ones(9, np.int32), np.zeros((9, 1)))
 
 
+def test_small_graphs_compute_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphs up to MAX_LOGITS_CAPTURE_SIZE also apply ``logits_fn`` and cast to float32;
+    ``last_logits`` holds the last replay's rows, None after a larger graph's replay."""
+    from chassis.core import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "MAX_LOGITS_CAPTURE_SIZE", 2)
+    graphs = DecodeGraphs(
+        _EchoModel(), [], GraphTestPlatform(), [1, 2, 4], device=torch.device("cpu"),
+        max_model_len=64, max_blocks_per_req=2, logits_fn=lambda h: (2 * h).to(torch.float16),
+    )  # fmt: skip
+    graphs.capture()
+    assert graphs.last_logits is None
+    for n, has_logits in ((2, True), (3, False), (1, True)):
+        ids = np.arange(n) + 10 * n
+        with torch.inference_mode():
+            out = graphs.run(ids, ids, ids, np.ones(n, np.int32), np.zeros((n, 1), np.int32))
+        logits = graphs.last_logits
+        if has_logits:
+            assert logits is not None and logits.dtype == torch.float32
+            torch.testing.assert_close(logits, 2 * out)
+        else:
+            assert logits is None
+
+
 def test_input_staging_waits_only_for_an_unfinished_copy() -> None:
     """The two host mirrors alternate; refilling one asks its last copy's event, and waits
     only when the event says the copy is unfinished (or cannot tell)."""
