@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chassis.core.layers import triton_gemv
+from chassis.core.layers.activation import SiluAndMul
 
 __all__ = ["SmallBatchLinear", "can_swap", "small_batch_layers", "use_small_batch_gemv"]
 
@@ -60,9 +61,11 @@ class SmallBatchLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
 
-    def _takes(self, x: torch.Tensor) -> bool:
+    def _takes(self, x: torch.Tensor, features: int | None = None) -> bool:
         """Whether the GEMV runs ``x``: few rows, the weight's dtype and device, unit stride
         along the features (CPU tensors only under Triton's interpreter, for tests)."""
+        if features is not None and (x.dim() == 0 or x.shape[-1] != features):
+            return False
         rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
         if not 0 < rows <= triton_gemv.MAX_ROWS:
             return False
@@ -79,6 +82,18 @@ class SmallBatchLinear(nn.Module):
             bias = None if self.bias is None else self.bias.detach()
             return triton_gemv.gemv(x, self.weight.detach(), bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(SiluAndMul()(gate_up))`` for ``gate_up [..., 2 * in_features]`` (a SwiGLU
+        MLP's down projection): few rows on a GPU in one GEMV launch that applies the
+        activation as it loads its input, else the two steps. The optional capability that
+        ``LlamaMLP`` asks its ``down_proj`` for."""
+        if gate_up.shape[-1] == 2 * self.in_features and self._takes(
+            gate_up, features=2 * self.in_features
+        ):
+            bias = None if self.bias is None else self.bias.detach()
+            return triton_gemv.gemv(gate_up, self.weight.detach(), bias, silu_and_mul=True)
+        return self(SiluAndMul()(gate_up))
 
     def extra_repr(self) -> str:
         return (

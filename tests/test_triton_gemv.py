@@ -26,7 +26,13 @@ from triton_compile_check import (
 pytest.importorskip("triton")
 
 from chassis.core.layers import triton_gemv
-from chassis.core.layers.triton_gemv import GemvConfig, choose_config, gemv, gemv_ref
+from chassis.core.layers.triton_gemv import (
+    GemvConfig,
+    choose_config,
+    gemv,
+    gemv_ref,
+    silu_and_mul_gemv_ref,
+)
 from chassis.core.lora.layers import LoRALinear, LoRAStepState
 from chassis.platforms import cuda_small_batch_linear as sbl
 from chassis.platforms.cuda_small_batch_linear import (
@@ -111,6 +117,53 @@ def test_split_sums_in_a_fixed_order_and_leaves_the_counters_zero() -> None:
     assert all(not counters.any() for counters in triton_gemv._COUNTERS.values())
     x, weight, bias = _layer_tensors(2, 80, 24, torch.float32)
     _close(gemv(x, weight, bias, config=config), gemv_ref(x, weight, bias))
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["dot", "reduce_split"])
+def test_silu_and_mul_input_matches_the_two_steps(name: str, dtype: torch.dtype) -> None:
+    """``silu_and_mul=True``: the input is ``silu(gate) * up`` of a ``[rows, 2K]`` gate|up
+    tensor, applied as tiles load; equal to SwiGLU then the GEMV (within a rounding), on a
+    split and an unsplit path and a partial K tile."""
+    gate_up, weight, bias = _layer_tensors(3, 2 * 300, 40, dtype, seed=7)
+    weight = weight[:, :300].contiguous()
+    for b in (None, bias):
+        fused = gemv(gate_up, weight, b, config=CONFIGS[name], silu_and_mul=True)
+        _close(fused, silu_and_mul_gemv_ref(gate_up, weight, b))
+    with pytest.raises(ValueError, match="twice as many"):
+        gemv(gate_up[:, :300], weight, silu_and_mul=True)
+
+
+@in_interpreter
+def test_layer_fuses_the_swiglu_activation_for_few_rows() -> None:
+    """``SmallBatchLinear.forward_silu_and_mul``: one fused launch for few rows, SwiGLU then
+    the layer for more; and the Llama MLP asks its down projection for it."""
+    from chassis.builtin_plugins.models.llama import LlamaMLP
+    from chassis.core.layers.activation import SiluAndMul
+
+    linear = nn.Linear(48, 24, bias=False)
+    layer = SmallBatchLinear(linear)
+    with torch.inference_mode():
+        few = torch.randn(2, 96)
+        _close(layer.forward_silu_and_mul(few), silu_and_mul_gemv_ref(few, linear.weight))
+        many = torch.randn(9, 96)
+        expected = F.linear(SiluAndMul().forward_reference(many), linear.weight)
+        torch.testing.assert_close(layer.forward_silu_and_mul(many), expected)
+    mlp = LlamaMLP.__new__(LlamaMLP)
+    nn.Module.__init__(mlp)
+    mlp.gate_up_proj = SmallBatchLinear(nn.Linear(16, 96, bias=False))
+    mlp.down_proj = layer
+    mlp.act_fn = SiluAndMul()
+    mlp.reduce_output = False
+    calls = []
+    original = layer.forward_silu_and_mul
+    layer.forward_silu_and_mul = lambda h: calls.append(h.shape) or original(h)  # type: ignore[method-assign]
+    with torch.inference_mode():
+        x = torch.randn(1, 16)
+        expected = silu_and_mul_gemv_ref(gemv_ref(x, mlp.gate_up_proj.weight), linear.weight)
+        _close(mlp(x), expected)
+    assert calls == [(1, 96)]
 
 
 @in_interpreter
@@ -213,6 +266,7 @@ def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
             target,
             dict(
                 HAS_BIAS=True,
+                SILU_AND_MUL=split_k == 8,  # (down_proj's launch: split 8 ways at Qwen3)
                 SPLIT_K=split_k,
                 USE_DOT=use_dot,
                 FLOAT32_DOT=dtype == "*fp32",

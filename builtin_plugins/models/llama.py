@@ -253,7 +253,14 @@ class LlamaMLP(nn.Module):
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        # A down projection that can apply SwiGLU's activation itself (the GPU's small-batch
+        # GEMV: one launch fewer per layer at decode) is asked to; else two steps.
+        fused = getattr(self.down_proj, "forward_silu_and_mul", None)
+        if fused is not None and type(self.act_fn) is SiluAndMul:
+            out = fused(gate_up)
+        else:
+            out = self.down_proj(self.act_fn(gate_up))
         # Each rank holds some columns of the MLP: down_proj's partial sums add up.
         return parallel_state.all_reduce(out) if self.reduce_output else out
 

@@ -50,7 +50,14 @@ import triton.language as tl
 
 from chassis.core.layers.triton_ops import check_launchable, is_interpreted
 
-__all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv", "gemv_ref"]
+__all__ = [
+    "MAX_ROWS",
+    "GemvConfig",
+    "choose_config",
+    "gemv",
+    "gemv_ref",
+    "silu_and_mul_gemv_ref",
+]
 
 #: the most rows (tokens) the kernel takes: beyond that a GEMM kernel reuses each weight tile
 #: for enough rows that cuBLAS's GEMMs are the right tool
@@ -149,6 +156,7 @@ def _gemv_kernel(
     stride_om,
     tiles_per_split,
     HAS_BIAS: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     FLOAT32_DOT: tl.constexpr,
@@ -184,7 +192,16 @@ def _gemv_kernel(
         else:
             mask_k = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+        if SILU_AND_MUL:
+            # x is [M, 2K], gate | up: the input is silu(gate) * up, rounded as
+            # SiluAndMul's kernel rounds it (silu to the dtype, then the product)
+            gate = tl.load(x_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            up = tl.load(x_rows + K + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            gate32 = gate.to(tl.float32)
+            act = (gate32 / (1.0 + tl.exp(-gate32))).to(dtype).to(tl.float32)
+            x = (act * up.to(tl.float32)).to(dtype)
+        else:
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
         if USE_DOT:
             if FLOAT32_DOT:  # IEEE float32 (not TF32); the interpreter's 16-bit dots too
                 acc = tl.dot(
@@ -250,12 +267,24 @@ def gemv_ref(
     return y.to(x.dtype)
 
 
+def silu_and_mul_gemv_ref(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The specification of ``gemv(..., silu_and_mul=True)``: ``silu(gate) * up`` rounded as
+    ``fused_ops.silu_and_mul_ref`` rounds it (``gate_up [..., 2 * in]``), then
+    :func:`gemv_ref`."""
+    from chassis.core.layers.fused_ops import silu_and_mul_ref
+
+    return gemv_ref(silu_and_mul_ref(gate_up), weight, bias)
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
     """``x [..., K] -> [..., N]`` in ``x``'s dtype, as :func:`gemv_ref` computes it (float32
     sums in another order: an output may differ from it by a rounding step of its dtype).
@@ -266,15 +295,24 @@ def gemv(
     float16 or float32) and device. ``config`` overrides :func:`choose_config`. ``ValueError``
     when these do not hold or the kernel cannot run on ``x``'s device (no operand is made
     contiguous here: a copy would hide a launch in every call; leading dimensions that do not
-    flatten to a view are the exception, as in ``F.linear``)."""
+    flatten to a view are the exception, as in ``F.linear``).
+
+    ``silu_and_mul``: ``x`` is ``[..., 2 * K]``, a SwiGLU's gate and up halves, and the
+    product's input is ``silu(gate) * up`` (:func:`silu_and_mul_gemv_ref`), computed as each
+    tile is loaded: the activation's own kernel launch (and its output's round trip through
+    memory) is saved; each program recomputes the activation of its K range."""
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(
             f"weight must be 2-D [out, in] with unit stride along in, got shape "
             f"{tuple(weight.shape)} stride {weight.stride()}"
         )
     out_features, in_features = weight.shape
-    if x.dim() == 0 or x.shape[-1] != in_features:
-        raise ValueError(f"x has shape {tuple(x.shape)}; the weight takes {in_features} features")
+    x_features = 2 * in_features if silu_and_mul else in_features
+    if x.dim() == 0 or x.shape[-1] != x_features:
+        raise ValueError(
+            f"x has shape {tuple(x.shape)}; the weight takes {in_features} features"
+            + (" (x holds gate and up: twice as many)" if silu_and_mul else "")
+        )
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
         raise ValueError(
             f"x and weight must share one of {SUPPORTED_DTYPES}, got {x.dtype} and {weight.dtype}"
@@ -288,7 +326,7 @@ def gemv(
         )
     if weight.device != x.device or (bias is not None and bias.device != x.device):
         raise ValueError(f"x, weight and bias must be on one device, got x on {x.device}")
-    rows = x.reshape(-1, in_features)
+    rows = x.reshape(-1, x_features)
     num_rows = rows.shape[0]
     if num_rows > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {num_rows}; use F.linear")
@@ -335,6 +373,7 @@ def gemv(
         out.stride(0),
         tiles_per_split,
         HAS_BIAS=bias is not None,
+        SILU_AND_MUL=silu_and_mul,
         SPLIT_K=split_k,
         USE_DOT=config.use_dot,
         FLOAT32_DOT=x.dtype == torch.float32 or interpreted,

@@ -51,6 +51,21 @@ def test_kernel_matches_reference_at_qwen3_shapes(shape: tuple[int, int], rows: 
     _close(gemv(x, weight, bias), gemv_ref(x, weight, bias))
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_swiglu_input_at_the_down_projection(rows: int) -> None:
+    """``silu_and_mul=True`` at Qwen3-0.6B's down_proj (gate|up 2 x 3072 -> 1024): equal to
+    SwiGLU's Triton kernel then the GEMV (the same activation rounding) and to the torch
+    reference, within the tolerance."""
+    from chassis.core.layers.triton_gemv import gemv, silu_and_mul_gemv_ref
+    from chassis.core.layers.triton_ops import silu_and_mul
+
+    gate_up, _, _ = _tensors(rows, 6144, 1, torch.bfloat16, seed=rows)
+    _, weight, bias = _tensors(rows, 3072, 1024, torch.bfloat16, seed=rows + 1)
+    fused = gemv(gate_up, weight, bias, silu_and_mul=True)
+    _close(fused, gemv(silu_and_mul(gate_up), weight, bias))
+    _close(fused, silu_and_mul_gemv_ref(gate_up, weight, bias))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_dtypes(dtype: torch.dtype) -> None:
     from chassis.core.layers.triton_gemv import gemv, gemv_ref
