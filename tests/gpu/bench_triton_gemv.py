@@ -6,7 +6,9 @@ which flushes the L2 cache before each call, as a model whose weights far exceed
 and GB/s of weight + input + output bytes, for cuBLAS and for the GEMV's default launch config
 (``choose_config``), their ratio, and the GEMV's largest difference from ``gemv_ref``. With
 ``--sweep`` (what the script runs), a time-boxed sweep of launch configs at 1 and 8 rows
-follows: the fastest three per shape next to the default. Without a GPU it says so and exits 0.
+follows: the fastest three per shape next to the default. Between them, the down projection
+with SwiGLU's activation folded in (``silu_and_mul=True``) against the activation's kernel
+followed by cuBLAS or the GEMV. Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -77,6 +79,22 @@ def main() -> int:
                 f"{'dot' if config.use_dot else 'reduce'} w{config.num_warps} s{config.num_stages}",
                 flush=True,
             )
+    # SwiGLU folded into the down projection: one launch against the activation's kernel
+    # followed by the GEMV (and by cuBLAS, what the engine runs without CHASSIS_TRITON_GEMV)
+    from chassis.core.layers.triton_ops import silu_and_mul
+
+    print("\ndown_proj with SwiGLU's activation, us per call (median, L2 flushed)")
+    weight = weights["down"]
+    for rows in ROWS:
+        gate_up = torch.randn(rows, 2 * weight.shape[1], device="cuda").to(DTYPE)
+        t_two = _time_us(lambda h=gate_up, w=weight: F.linear(silu_and_mul(h), w))
+        t_split = _time_us(lambda h=gate_up, w=weight: gemv(silu_and_mul(h), w))
+        t_fused = _time_us(lambda h=gate_up, w=weight: gemv(h, w, silu_and_mul=True))
+        print(
+            f"  M={rows}: silu kernel + cuBLAS {t_two:.2f}, silu kernel + gemv {t_split:.2f}, "
+            f"fused gemv {t_fused:.2f}",
+            flush=True,
+        )
     if not args.sweep:
         return 0
     print(f"\nsweep (at most {args.sweep_seconds:.0f} s): fastest three per layer and M")
