@@ -75,8 +75,10 @@ def split_counters(device: torch.device) -> torch.Tensor:
     another, can all share one buffer (the small-batch GEMV's split-K and ``triton_paged``'s
     split-KV merge do). Two streams get two buffers, so concurrent launches never share a
     counter. Under CUDA-graph capture the buffer of the capturing stream is baked into the
-    graph; call once on that stream before capturing (the platform's warm-up does) so that
-    it is not allocated inside the capture.
+    graph, and replays use it on whatever stream they run: graphs captured on one stream must
+    not be replayed concurrently (the engine replays one at a time). Call once on the
+    capturing stream before capturing (the platform's warm-up does), so that the buffer is
+    not allocated inside the capture.
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
