@@ -593,7 +593,7 @@ def _counters_all_zero() -> bool:
 FUSED_CASES = [
     ("gqa2-split1", 4, 2, 1, 16, {}),
     ("gqa2-split3", 4, 2, 3, 16, {}),
-    ("gqa3-split16", 6, 2, 16, None, {}),
+    ("gqa3-split16", 3, 1, 16, None, {}),
     ("gqa1-split3-window-cap", 2, 2, 3, 16, dict(sliding_window=5, logits_soft_cap=2.0)),
     ("gqa3-split3-sinks-chunks", 6, 2, 3, None, dict(sinks=True, attention_chunk_size=32)),
     ("gqa2-split5-window", 4, 2, 5, 16, dict(sliding_window=20)),
