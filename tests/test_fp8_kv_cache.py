@@ -247,7 +247,8 @@ def test_triton_matches_torch_paged(
 def test_triton_fp8_variants_compile_for_sm90(cache_type: str) -> None:
     """The write kernel and the decode (split-KV) and prefill attention variants with an fp8
     cache and a bfloat16 model compile to sm_90 machine code; the write converts with
-    round-to-nearest and saturation (``cvt.rn.satfinite``)."""
+    round-to-nearest and saturation (``cvt.rn.satfinite``), and so does the decode variant
+    that writes the step's K/V itself (``CHASSIS_FUSED_DECODE_ATTENTION=1``)."""
     pytest.importorskip("triton")
     from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
 
@@ -264,10 +265,17 @@ def test_triton_fp8_variants_compile_for_sm90(cache_type: str) -> None:
     scratch = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
     ints = {
         n: "*i32"
-        for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "attend_limit_ptr")
+        for n in (
+            "block_table_ptr",
+            "seq_lens_ptr",
+            "query_start_loc_ptr",
+            "attend_limit_ptr",
+            "counter_ptr",
+        )
     }
     group = 4
-    for block_m, tile_n, split, warps in ((16, 32, True, 4), (64, 64, False, 8)):
+    variants = ((16, 32, True, 4, False), (64, 64, False, 8, False), (16, 32, True, 4, True))
+    for block_m, tile_n, split, warps, fused in variants:
         compiled = compile_kernel(
             kernels._paged_attention_kernel,
             target,
@@ -288,12 +296,16 @@ def test_triton_fp8_variants_compile_for_sm90(cache_type: str) -> None:
                 SOFT_CAP=False,
                 HAS_SINKS=False,
                 HAS_LIMIT=False,
+                CHUNKED=False,
+                FUSED_WRITE=fused,
+                FUSED_COMBINE=fused,
             ),
-            pointer_types={**scratch, **ints, **cache},
-            float_args=("scale_log2", "cap_in_log2", "cap_out_log2", "v_scale"),
+            pointer_types={**scratch, **ints, **cache, "slot_mapping_ptr": "*i64"},
+            float_args=("scale_log2", "cap_in_log2", "cap_out_log2", "k_scale", "v_scale"),
             num_warps=warps,
         )
         assert compiled.asm["cubin"]
+        assert ("cvt.rn.satfinite" in compiled.asm["ptx"]) == fused
 
 
 # -- engine ------------------------------------------------------------------------------

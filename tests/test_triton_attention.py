@@ -12,6 +12,9 @@ Shapes are tiny: the interpreter executes every program of the grid in numpy.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 from paged_attention_cases import dense_attention, make_batch
@@ -254,12 +257,22 @@ def test_matches_torch_paged_backend() -> None:
 
 
 @in_interpreter
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_engine_with_triton_paged_matches_torch_paged(tiny_qwen3_dir, async_scheduling) -> None:
+@pytest.mark.parametrize(
+    ("async_scheduling", "fused"),
+    [(False, False), (True, False), (False, True)],
+    ids=["sync", "async", "fused-decode"],
+)
+def test_engine_with_triton_paged_matches_torch_paged(
+    tiny_qwen3_dir, async_scheduling: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The whole engine with the GPU's attention backend (its model-runner integration:
     metadata, chunked prefills beside decodes, KV writes through the slot mapping), greedy
-    tokens equal to the reference backend's; also with async scheduling."""
+    tokens equal to the reference backend's; also with async scheduling, and with
+    ``CHASSIS_FUSED_DECODE_ATTENTION=1`` (decode steps' K/V written by the attention kernel)."""
     from chassis import LLM, SamplingParams
+
+    if fused:
+        monkeypatch.setenv("CHASSIS_FUSED_DECODE_ATTENTION", "1")
 
     prompts = [{"prompt_token_ids": [3 + i, 5, 7, 9 + i] * (i + 2)} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -513,6 +526,295 @@ def test_decode_step_one_program_per_request_equals_the_searched_grid(num_splits
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
 
 
+# -- fused decode: the KV write and the split-KV merge inside the attention kernel ----------
+
+#: decodes over 1-5 KV tiles of 16 positions (the explicit configs below) or 1-3 of 32 (the
+#: chosen one), new tokens at a block's first, middle and last slot, and 2 padding tokens
+FUSED_DECODES = [(0, 1), (3, 1), (17, 1), (70, 1), (8, 1), (47, 1)]
+
+
+@contextmanager
+def _recording_launches() -> Iterator[list]:
+    """The kernels ``triton_paged_kernels`` launches inside the block, in order."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    launched = []
+    check = kernels.check_launchable
+
+    def recording(kernel, tensor):
+        launched.append(kernel)
+        return check(kernel, tensor)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "check_launchable", recording)
+        yield launched
+
+
+def _copy_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of ``cache``, its V plane aliasing its K plane again where ``cache``'s does."""
+    from chassis.core.attention import alias_kv_planes
+
+    return alias_kv_planes(cache[:, :1].clone()) if cache.stride(1) == 0 else cache.clone()
+
+
+def _two_ways(batch, options: dict, cache=None, **launch):
+    """The step by the write kernel + attention (+ combine), and by the fused attention
+    kernel, each on its own copy of the batch's cache (``cache``: instead of it): both
+    outputs, both caches and the kernels the fused launch ran."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    cache = batch.kv_cache if cache is None else cache
+    m = batch.metadata
+    args = {**batch.kernel_args(0.25), **options, **launch}
+    new_kv = dict(key=batch.key, value=batch.value, slot_mapping=m.slot_mapping)
+    results = []
+    for fuse in (False, True):
+        kv_cache = _copy_cache(cache)
+        out = torch.empty_like(batch.query)
+        with _recording_launches() as launched:
+            kernels.paged_attention(
+                batch.query, kv_cache, out, **new_kv, fuse_kv_write=fuse, fuse_combine=fuse, **args
+            )
+        results.append((out[: m.num_actual_tokens], kv_cache, launched))
+    (ref, ref_cache, _), (out, fused_cache, launched) = results
+    return ref, out, ref_cache, fused_cache, launched
+
+
+def _counters_all_zero() -> bool:
+    from chassis.core.layers import triton_ops
+
+    return all(not counters.any() for counters in triton_ops._SPLIT_COUNTERS.values())
+
+
+#: (name, num_heads, num_kv_heads, num_splits, tile_n, options): GQA groups 1-3; no split, 3,
+#: 5 and 16 (most of them empty); windows, caps, sinks and chunks with the split; KV tiles of
+#: 16 positions, or (None) the launcher's decode tiles of 32 (a group of 3 fills 15 of 16 rows,
+#: which only the launcher's own config does)
+FUSED_CASES = [
+    ("gqa2-split1", 4, 2, 1, 16, {}),
+    ("gqa2-split3", 4, 2, 3, 16, {}),
+    ("gqa3-split16", 3, 1, 16, None, {}),
+    ("gqa1-split3-window-cap", 2, 2, 3, 16, dict(sliding_window=5, logits_soft_cap=2.0)),
+    ("gqa3-split3-sinks-chunks", 6, 2, 3, None, dict(sinks=True, attention_chunk_size=32)),
+    ("gqa2-split5-window", 4, 2, 5, 16, dict(sliding_window=20)),
+]
+
+
+@in_interpreter
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "num_splits", "tile_n", "options"),
+    [case[1:] for case in FUSED_CASES],
+    ids=[case[0] for case in FUSED_CASES],
+)
+def test_fused_decode_equals_the_separate_kernels_bit_for_bit(
+    num_heads: int,
+    num_kv_heads: int,
+    num_splits: int,
+    tile_n: int | None,
+    options: dict,
+) -> None:
+    """A decode-only step with the K/V write and the split merge inside the attention kernel
+    (one launch) gives the same output bits as the write, attention and combine kernels, the
+    same cache bits (padding rows, slot -1, write nothing; unowned slots stay NaN), and the
+    dense answer; the ticket counters are zero afterwards."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    group = num_heads // num_kv_heads
+    batch = make_batch(
+        FUSED_DECODES,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        num_pad_tokens=2,
+        seed=num_splits,
+    )
+    options = dict(options)
+    sinks = _sinks(num_heads, torch.float32) if options.pop("sinks", False) else None
+    if tile_n is None:
+        launch: dict = dict(num_splits=num_splits)
+    else:
+        launch = dict(config=kernels.LaunchConfig(16, 16 // group, tile_n, num_splits, 4, 2))
+    ref, out, ref_cache, fused_cache, launched = _two_ways(
+        batch, {**options, "sinks": sinks}, **launch
+    )
+    assert launched == [kernels._paged_attention_kernel]
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(fused_cache, ref_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(fused_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+    window, cap = options.get("sliding_window"), options.get("logits_soft_cap")
+    chunk = options.get("attention_chunk_size")
+    expected = dense_attention(batch, 0.25, window, cap, sinks, attention_chunk_size=chunk)
+    torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=0)
+    assert _counters_all_zero()
+
+
+@in_interpreter
+def test_fused_decode_in_bfloat16_and_again_on_the_same_counters() -> None:
+    """A bfloat16 model with the launcher's decode tiles and 3 splits: bit-equal to the
+    separate kernels; three fused launches in a row (each starting from the counters the
+    last one left) give the same bits."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        FUSED_DECODES, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.bfloat16
+    )
+    ref, out, ref_cache, fused_cache, launched = _two_ways(batch, {}, num_splits=3)
+    assert launched == [kernels._paged_attention_kernel]
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(fused_cache, ref_cache, atol=0, rtol=0, equal_nan=True)
+    _assert_matches_dense(out, batch, 0.25)
+    m = batch.metadata
+    for _ in range(2):
+        again = torch.empty_like(batch.query)
+        kernels.paged_attention(
+            batch.query,
+            fused_cache,
+            again,
+            num_splits=3,
+            key=batch.key,
+            value=batch.value,
+            slot_mapping=m.slot_mapping,
+            fuse_kv_write=True,
+            fuse_combine=True,
+            **batch.kernel_args(0.25),
+        )
+        assert torch.equal(again[: m.num_actual_tokens], out)
+        assert _counters_all_zero()
+
+
+@in_interpreter
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fused_decode_write_quantizes_as_the_write_kernel(fp8: torch.dtype) -> None:
+    """An 8-bit cache: the attention kernel's write stores the bytes the write kernel stores
+    (``k / k_scale``, saturated, rounded to nearest even; values up to 8x the range saturate)
+    and the outputs are the same bits."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        FUSED_DECODES,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.bfloat16,
+        num_pad_tokens=2,
+    )
+    batch.key.mul_(300.0 if fp8 == torch.float8_e4m3fn else 4e4)  # some past the range
+    cache = batch.kv_cache.to(fp8)
+    scales = dict(k_scale=0.5, v_scale=2.0)
+    ref, out, ref_cache, fused_cache, launched = _two_ways(batch, scales, cache=cache, num_splits=3)
+    assert launched == [kernels._paged_attention_kernel]
+    assert torch.equal(fused_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    assert not torch.equal(fused_cache.view(torch.uint8), cache.view(torch.uint8))  # written
+    assert torch.equal(out, ref)
+
+
+@in_interpreter
+def test_fused_merge_of_a_mixed_step_with_the_write_kernel() -> None:
+    """A mixed step (prefill chunks beside decodes) never fuses the write: the write kernel
+    runs first; a forced split still merges in the attention kernel, over query blocks of
+    many tokens (the general grid), to the same bits as the combine kernel."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(
+        MIXED[:5],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        num_pad_tokens=1,
+    )
+    ref, out, ref_cache, fused_cache, launched = _two_ways(batch, {}, num_splits=3)
+    assert launched == [kernels._write_kv_kernel, kernels._paged_attention_kernel]
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(fused_cache, ref_cache, atol=0, rtol=0, equal_nan=True)
+    _assert_matches_dense(out, batch, 0.25)
+    assert _counters_all_zero()
+
+
+@in_interpreter
+def test_fused_decode_falls_back_where_the_write_is_unsafe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kv head's query group spread over two head programs (DeepSeek's wide heads do it)
+    and a V plane aliasing the K plane (MLA's latent cache) keep the write kernel; a grid
+    with more (query block, head program) pairs than counters keeps the combine kernel. Each
+    gives the separate kernels' bits."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+    from chassis.core.attention import alias_kv_planes
+
+    shape = dict(num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32)
+    batch = make_batch(FUSED_DECODES[:4], num_heads=4, **shape)
+    spread = kernels.LaunchConfig(16, 8, 16, 3, 4, 2, heads_per_program=2)
+    ref, out, _, _, launched = _two_ways(batch, {}, config=spread)
+    assert launched == [kernels._write_kv_kernel, kernels._paged_attention_kernel]
+    assert torch.equal(out, ref)
+
+    batch.value = batch.key  # MLA passes the latent as both
+    aliased = alias_kv_planes(batch.kv_cache[:, :1].clone())
+    ref, out, ref_cache, fused_cache, launched = _two_ways(batch, {}, cache=aliased, num_splits=3)
+    assert fused_cache.stride(1) == 0
+    assert launched == [kernels._write_kv_kernel, kernels._paged_attention_kernel]
+    assert torch.equal(out, ref)
+    assert torch.equal(fused_cache.nan_to_num(), ref_cache.nan_to_num())
+
+    monkeypatch.setattr(kernels, "NUM_SPLIT_COUNTERS", 3)  # 4 requests x 1 kv head
+    batch = make_batch(FUSED_DECODES[:4], num_heads=4, **shape)
+    ref, out, _, _, launched = _two_ways(batch, {}, num_splits=3)
+    assert launched == [kernels._paged_attention_kernel, kernels._combine_kernel]
+    assert torch.equal(out, ref)
+
+
+@in_interpreter
+def test_backend_fuses_decode_steps_under_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CHASSIS_FUSED_DECODE_ATTENTION=1``, read when a backend is built: its decode steps
+    launch the attention kernel alone, its mixed steps the write kernel first; the same
+    results either way. Unset (or another value): the write kernel every step."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    monkeypatch.setenv("CHASSIS_FUSED_DECODE_ATTENTION", "1")
+    fused = _backend(4, 2, 16)
+    monkeypatch.setenv("CHASSIS_FUSED_DECODE_ATTENTION", "true")
+    assert not _backend(4, 2, 16).fused_decode
+    monkeypatch.delenv("CHASSIS_FUSED_DECODE_ATTENTION")
+    plain = _backend(4, 2, 16)
+    assert fused.fused_decode and not plain.fused_decode
+    shape = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16)
+    write, attention = kernels._write_kv_kernel, kernels._paged_attention_kernel
+    for specs, backend, launches in (
+        (FUSED_DECODES, fused, [attention]),
+        (FUSED_DECODES, plain, [write, attention]),
+        (MIXED[:4], fused, [write, attention]),
+    ):
+        batch = make_batch(specs, num_pad_tokens=2, **shape)
+        with _recording_launches() as launched:
+            out = backend.forward(
+                batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+            )
+        assert launched == launches
+        torch.testing.assert_close(
+            batch.kv_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True
+        )
+        _assert_matches_dense(out, batch, backend.scale)
+
+
+def test_fused_write_blocker_names_each_reason() -> None:
+    pytest.importorskip("triton")
+    from chassis.builtin_plugins.attention.triton_paged_kernels import fused_kv_write_blocker
+    from chassis.core.attention import alias_kv_planes
+
+    cache = torch.zeros(2, 2, 4, 1, 16)
+    common = dict(group=4, heads_per_program=4, max_query_len=1)
+    assert fused_kv_write_blocker(kv_cache=cache, **common) is None
+    blocker = fused_kv_write_blocker
+    assert "decode-only" in blocker(kv_cache=cache, **{**common, "max_query_len": 2})
+    assert "spread over programs" in blocker(kv_cache=cache, **{**common, "heads_per_program": 2})
+    assert "aliases" in blocker(kv_cache=alias_kv_planes(cache[:, :1]), **common)
+
+
 @in_interpreter
 def test_launch_config_groups_heads_and_tiles() -> None:
     from chassis.builtin_plugins.attention.triton_paged_kernels import choose_launch_config
@@ -650,20 +952,43 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
         dict(sliding_window=True, soft_cap=False, sinks=True),
         dict(sliding_window=False, soft_cap=False, sinks=True),
     ]
+    # CHASSIS_FUSED_DECODE_ATTENTION=1: Qwen3 decodes with the K/V write in the kernel, split
+    # or not (the merge in the kernel too); a forced split of a prefill merged in the kernel;
+    # gpt-oss's windowed decode with sinks; float32 (the GPU engine tests' tiny models)
+    fused = dict(sliding_window=False, soft_cap=False, fused_write=True)
+    variants += [
+        (2, 128, 16, 32, 1, False, 4, True),
+        (2, 128, 16, 32, 4, False, 4, True),
+        (2, 128, 64, 64, 4, False, 8, True),
+        (8, 64, 16, 32, 4, False, 4, True),
+        (2, 128, 16, 32, 4, True, 4, True),
+    ]
+    options += [
+        fused,
+        {**fused, "fused_combine": True},
+        dict(sliding_window=False, soft_cap=False, fused_combine=True),
+        dict(sliding_window=True, soft_cap=False, sinks=True, fused_write=True, fused_combine=True),
+        {**fused, "fused_combine": True},
+    ]
+    compiled = []
     for variant, option in zip(variants, options, strict=True):
         group, head_dim, block_m, tile_n, splits, fp32, warps, aligned = variant
-        compile_attention_variant(
-            target,
-            group=group,
-            head_dim=head_dim,
-            block_m=block_m,
-            tile_n=tile_n,
-            split=splits > 1,
-            fp32=fp32,
-            num_warps=warps,
-            aligned=aligned,
-            **option,
+        compiled.append(
+            compile_attention_variant(
+                target,
+                group=group,
+                head_dim=head_dim,
+                block_m=block_m,
+                tile_n=tile_n,
+                split=splits > 1,
+                fp32=fp32,
+                num_warps=warps,
+                aligned=aligned,
+                **option,
+            )
         )
+    if target[0] == "cuda":
+        _check_fused_ptx(compiled[-4].asm["ptx"])  # Qwen3's split decode, both fused
     scratch = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
     compile_kernel(
         kernels._combine_kernel,
@@ -677,3 +1002,15 @@ def test_kernels_compile_for_gpu_targets(target) -> None:
         dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, BLOCK_SIZE=16),
         pointer_types={"slot_mapping_ptr": "*i64"},
     )
+
+
+def _check_fused_ptx(ptx: str) -> None:
+    """The fused decode variant's PTX: the K/V stores, then a CTA barrier, then the first
+    pipelined KV tile loads (``cp.async``) that read the slot back; the ticket is a GPU-scope
+    acquire-release atomic and the merge reads the partials from L2 (``ld.global.cg``)."""
+    first_tile_load = ptx.index("cp.async")
+    before = ptx[:first_tile_load]
+    last_store = before.rindex("st.global")
+    assert "bar.sync" in before[last_store:], "no barrier between the K/V write and its read"
+    assert "atom.global.gpu.acq_rel.add" in ptx
+    assert "ld.global.cg" in ptx

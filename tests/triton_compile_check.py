@@ -75,9 +75,18 @@ _ATTENTION_POINTERS = {
     **{n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")},
     **{
         n: "*i32"
-        for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "attend_limit_ptr")
+        for n in (
+            "block_table_ptr",
+            "seq_lens_ptr",
+            "query_start_loc_ptr",
+            "attend_limit_ptr",
+            "counter_ptr",
+        )
     },
+    "slot_mapping_ptr": "*i64",
 }
+#: float (not integer) runtime arguments of the ``triton_paged`` attention kernel
+ATTENTION_FLOAT_ARGS = ("scale_log2", "cap_in_log2", "cap_out_log2", "k_scale", "v_scale")
 
 
 def compile_attention_variant(
@@ -97,6 +106,10 @@ def compile_attention_variant(
     attend_limit: bool = False,
     heads_per_program: int | None = None,
     dim_pad: int | None = None,
+    chunked: bool = False,
+    fused_write: bool = False,
+    fused_combine: bool = False,
+    kv_cache_type: str | None = None,
 ) -> Any:
     """Compile one ``_paged_attention_kernel`` variant, 8 kv heads of ``group`` query heads,
     as ``paged_attention`` launches it (16-row tiles are the decode variants: one query block
@@ -104,11 +117,24 @@ def compile_attention_variant(
     ``soft_cap`` / ``sinks``: the variants of layers with a window / a logit soft cap /
     attention sinks; ``attend_limit``: the variant of steps with bidirectional image blocks.
     ``heads_per_program`` (default: the group) splits a group over
-    programs; ``dim_pad`` (default: ``head_dim``) pads a head dim that is no power of two."""
+    programs; ``dim_pad`` (default: ``head_dim``) pads a head dim that is no power of two.
+    ``chunked``: the variant of chunked local attention (Llama 4).
+    ``fused_write`` / ``fused_combine``: the fused decode variants (the step's K/V written by
+    the kernel; the KV splits merged by the last split to finish, with ``split``);
+    ``kv_cache_type`` (default: the model dtype): the cache pointers' type, e.g.
+    ``"*fp8e4nv"`` for an 8-bit cache."""
     heads = heads_per_program or group
     from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
 
-    model_io = {n: "*fp32" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    model_io = {
+        n: "*fp32"
+        for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "key_ptr", "value_ptr")
+    }
+    cache = (
+        {}
+        if kv_cache_type is None
+        else dict.fromkeys(("k_cache_ptr", "v_cache_ptr"), kv_cache_type)
+    )
     return compile_kernel(
         kernels._paged_attention_kernel,
         target,
@@ -129,9 +155,12 @@ def compile_attention_variant(
             SOFT_CAP=soft_cap,
             HAS_SINKS=sinks,
             HAS_LIMIT=attend_limit,
+            CHUNKED=chunked,
+            FUSED_WRITE=fused_write,
+            FUSED_COMBINE=fused_combine,
         ),
-        pointer_types={**_ATTENTION_POINTERS, **(model_io if fp32 else {})},
-        float_args=("scale_log2", "cap_in_log2", "cap_out_log2"),
+        pointer_types={**_ATTENTION_POINTERS, **(model_io if fp32 else {}), **cache},
+        float_args=ATTENTION_FLOAT_ARGS,
         num_warps=num_warps,
         aligned=aligned,
     )

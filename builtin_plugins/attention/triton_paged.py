@@ -26,18 +26,51 @@ head, in a cache whose V plane aliases its K plane) are padded to a power of two
 and a large query-head group is split over programs so that each one's tiles fit the shared
 memory (``triton_paged_kernels.choose_launch_config``).
 
+``CHASSIS_FUSED_DECODE_ATTENTION=1`` (read when a backend is built; default off until measured
+on a GPU) folds the two small launches around a decode step's attention into the attention
+kernel: the KV write of a decode-only step (``max_query_len == 1``) and the split-KV merge.
+At batch 1 on an H200 each was a launch per layer costing about as much as its work (0.040 and
+0.049 ms of a 1.35 ms step over 28 layers), and every launch is one more node a CUDA graph
+replays. Where the write cannot be fused (mixed steps, a query group spread over programs,
+aliased K/V planes: ``triton_paged_kernels.fused_kv_write_blocker``) the write kernel runs as
+before; the result is the same either way.
+
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
 is for tests; otherwise they raise ``ValueError``.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import logging
+import os
+from functools import cache
+from typing import Any, ClassVar
 
 import torch
 
 from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
 from chassis.core.attention import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+#: ``CHASSIS_FUSED_DECODE_ATTENTION=1``: decode steps write K/V and merge KV splits inside the
+#: attention kernel (opt-in, unmeasured; docs/gpu.md, "Fused decode attention")
+FUSED_DECODE_VARIABLE = "CHASSIS_FUSED_DECODE_ATTENTION"
+
+
+def fused_decode_requested() -> bool:
+    """Whether ``CHASSIS_FUSED_DECODE_ATTENTION`` is ``1`` in this process's environment now."""
+    return os.environ.get(FUSED_DECODE_VARIABLE, "").strip() == "1"
+
+
+@cache
+def _announce_fused_decode() -> None:
+    """Log once per process that the fused decode path is on (every layer builds a backend)."""
+    logger.info(
+        "%s=1: triton_paged writes decode steps' K/V and merges KV splits inside the "
+        "attention kernel",
+        FUSED_DECODE_VARIABLE,
+    )
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -71,6 +104,17 @@ class TritonPagedAttention(AttentionBackend):
     #: the runner sets ``attend_limit`` only on eager steps)
     supports_attend_limit: ClassVar[bool] = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """See :meth:`AttentionBackend.__init__`; also reads ``CHASSIS_FUSED_DECODE_ATTENTION``
+        once, into :attr:`fused_decode`."""
+        super().__init__(*args, **kwargs)
+        #: write a decode step's K/V and merge its KV splits inside the attention kernel
+        #: (``CHASSIS_FUSED_DECODE_ATTENTION=1`` when the backend was built); fixed for the
+        #: backend's life, so every step, eager or captured, launches the same way
+        self.fused_decode = fused_decode_requested()
+        if self.fused_decode:
+            _announce_fused_decode()
+
     def forward(
         self,
         query: torch.Tensor,
@@ -95,14 +139,8 @@ class TritonPagedAttention(AttentionBackend):
                 f"triton_paged computes in {', '.join(map(str, self.supported_dtypes))}; "
                 f"got {query.dtype}"
             )
-        kernels.write_kv_cache(
-            key,
-            value,
-            kv_cache,
-            metadata.slot_mapping,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
-        )
+        # the K/V write goes with the attention launch: a separate kernel first, or, with
+        # fused_decode in a decode-only step, inside the attention kernel
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         kernels.paged_attention(
             query,
@@ -122,5 +160,10 @@ class TritonPagedAttention(AttentionBackend):
             attention_chunk_size=self.attention_chunk_size,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            key=key,
+            value=value,
+            slot_mapping=metadata.slot_mapping,
+            fuse_kv_write=self.fused_decode,
+            fuse_combine=self.fused_decode,
         )
         return out

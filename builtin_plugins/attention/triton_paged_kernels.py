@@ -19,6 +19,11 @@ range and rounds to nearest even; attention casts each loaded K/V tile to the co
 and multiplies the output by ``v_scale``. Triton's
 interpreter handles the fp8 types too, so the CPU tests run the same code. NVIDIA GPUs need
 sm_89 or later (Ada, Hopper) for Triton's e4m3 conversions.
+
+Decode steps can run as one launch instead of two or three (``paged_attention``'s
+``fuse_kv_write`` / ``fuse_combine``; the backend's ``CHASSIS_FUSED_DECODE_ATTENTION=1``): the
+attention kernel then writes the step's K/V itself and merges its KV splits in the last split
+program to finish (see the comment above ``_paged_attention_kernel``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ import triton
 import triton.language as tl
 
 from chassis.core.attention import FP8_KV_DTYPES  # the kernels store and read both
-from chassis.core.layers.triton_ops import check_launchable, is_interpreted
+from chassis.core.layers.triton_ops import (
+    NUM_SPLIT_COUNTERS,
+    check_launchable,
+    is_interpreted,
+    split_counters,
+)
 
 _LOG2E = 1.4426950408889634
 #: upper bound on KV splits of one query block (split-KV "flash decoding")
@@ -41,11 +51,30 @@ MAX_KV_SPLITS = 16
 _MIN_TILES_PER_SPLIT = 4
 #: the combine kernel's split lanes: one compiled variant for every split count
 _SPLITS_PAD = triton.next_power_of_2(MAX_KV_SPLITS)
+#: the same, as the attention kernel's fused merge reads it (a global the kernel may use)
+_SPLIT_LANES = tl.constexpr(_SPLITS_PAD)
 
 
 # ---------------------------------------------------------------------------------------------
 # KV-cache write
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_to_cache(cache_ptr, offsets, x, scale, mask):
+    """Store ``x`` at ``cache_ptr + offsets`` (where ``mask``) in the cache's element type.
+
+    An 8-bit cache (the pointer's element type, so a compile-time branch) gets ``x / scale``
+    saturated to the format's largest finite value and rounded to nearest even: the plain
+    cast would give NaN or inf beyond the range. Other caches get ``x`` as it is (the
+    model's dtype). The write kernel and the attention kernel's fused decode write both store
+    through this, so the two paths store the same bits."""
+    cache_ty = cache_ptr.dtype.element_ty
+    if cache_ty.is_fp8():
+        fp8_max = 448.0 if cache_ty == tl.float8e4nv else 57344.0  # e4m3fn, e5m2
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -fp8_max), fp8_max)
+        x = x.to(cache_ty, fp_downcast_rounding="rtne")
+    tl.store(cache_ptr + offsets, x, mask=mask)
 
 
 @triton.jit
@@ -70,12 +99,8 @@ def _write_kv_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """One program per token: copy its K and V (all kv heads) to cache slot ``slot_mapping[t]``.
-
-    An 8-bit cache (the pointer's element type, so a compile-time branch) gets ``k / k_scale``
-    (``v / v_scale``) saturated to the format's largest finite value and rounded to nearest
-    even: the plain cast would give NaN or inf beyond the range."""
-    cache_ty = k_cache_ptr.dtype.element_ty
+    """One program per token: copy its K and V (all kv heads) to cache slot ``slot_mapping[t]``
+    (quantized for an 8-bit cache: :func:`_store_to_cache`)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token: nothing to write
@@ -94,18 +119,11 @@ def _write_kv_kernel(
     k = tl.load(
         key_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask
     )
-    if cache_ty.is_fp8():
-        fp8_max = 448.0 if cache_ty == tl.float8e4nv else 57344.0  # e4m3fn, e5m2
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -fp8_max), fp8_max)
-        k = k.to(cache_ty, fp_downcast_rounding="rtne")
-    tl.store(k_cache_ptr + cache_off, k, mask=mask)
+    _store_to_cache(k_cache_ptr, cache_off, k, k_scale, mask)
     v = tl.load(
         value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask
     )
-    if cache_ty.is_fp8():
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -fp8_max), fp8_max)
-        v = v.to(cache_ty, fp_downcast_rounding="rtne")
-    tl.store(v_cache_ptr + cache_off, v, mask=mask)
+    _store_to_cache(v_cache_ptr, cache_off, v, v_scale, mask)
 
 
 def write_kv_cache(
@@ -202,6 +220,26 @@ def write_kv_cache(
 # before the start of each row's chunk, ``floor(pos / chunk) * chunk``, and, as the window
 # does, starts a block's KV loop at its first row's chunk start. All five are constexpr
 # switches: the kernel without them is the plain one, unchanged.
+#
+# Two more constexpr switches fold the launches around a decode step into this kernel
+# (``paged_attention(fuse_kv_write=..., fuse_combine=...)``, the backend's
+# CHASSIS_FUSED_DECODE_ATTENTION=1; at batch 1 each extra launch costs about as much as the
+# work it does):
+#
+# - FUSED_COMBINE (with SPLIT_KV): each split program writes its partials as before, then takes
+#   a ticket from the counter of its (query block, head program) with one atomic add; the
+#   program that draws the last ticket merges every split's partials, row by row in the
+#   combine kernel's own arithmetic (:func:`_merge_split_row`, which both call), stores the
+#   output and zeroes the counter for the stream's next launch (the counters:
+#   ``triton_ops.split_counters``). No _combine_kernel launch.
+# - FUSED_WRITE (decode-only launches: every request has one query token, at position
+#   seq_len - 1, in the request's last KV tile): the program whose KV range holds that tile
+#   stores the token's K and V of its kv head at ``slot_mapping[token]`` (slot -1: nothing),
+#   quantized as _write_kv_kernel does (:func:`_store_to_cache`), and a CTA barrier orders
+#   those stores before the KV loop reads the tile back. That program is the only one to read
+#   that position of that kv head: the other splits end before the last tile, and the host
+#   fuses only when one head program covers a kv head's whole query group and the V plane
+#   does not alias the K plane. No _write_kv_kernel launch.
 @triton.jit(
     do_not_specialize=["num_reqs", "stride_bt", "num_splits", "sliding_window", "chunk_size"]
 )
@@ -218,6 +256,10 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     sinks_ptr,
     attend_limit_ptr,
+    key_ptr,
+    value_ptr,
+    slot_mapping_ptr,
+    counter_ptr,
     num_reqs,
     scale_log2,
     stride_q_tok,
@@ -233,7 +275,12 @@ def _paged_attention_kernel(
     chunk_size,
     cap_in_log2,
     cap_out_log2,
+    k_scale,
     v_scale,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
@@ -251,6 +298,8 @@ def _paged_attention_kernel(
     HAS_SINKS: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     CHUNKED: tl.constexpr,
+    FUSED_WRITE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     head_program = tl.program_id(1)
@@ -329,6 +378,32 @@ def _paged_attention_kernel(
         tile_lo = first_tile
         tile_hi = num_tiles
 
+    if FUSED_WRITE:
+        # A decode-only launch (the host checked): q_len == 1, the token sits at seq_len - 1,
+        # in the last tile, which a window or chunk never skips (a token sees itself). The
+        # program whose range ends with that tile (the only one without the split) writes.
+        if (tile_lo < num_tiles) & (tile_hi == num_tiles):
+            new_tok = q_start.to(tl.int64)
+            slot = tl.load(slot_mapping_ptr + new_tok).to(tl.int64)
+            if slot >= 0:  # -1: a CUDA graph's padding row, nothing to write
+                slot_off = (slot // BLOCK_SIZE) * stride_c_block
+                slot_off += (slot % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
+                k_new = tl.load(
+                    key_ptr + new_tok * stride_k_tok + kv_head * stride_k_head + dims,
+                    mask=dim_valid,
+                )
+                _store_to_cache(k_cache_ptr, slot_off + dims, k_new, k_scale, dim_valid)
+                v_new = tl.load(
+                    value_ptr + new_tok * stride_v_tok + kv_head * stride_v_head + dims,
+                    mask=dim_valid,
+                )
+                _store_to_cache(v_cache_ptr, slot_off + dims, v_new, v_scale, dim_valid)
+        # The KV loop reads the slot back through the block table, with other threads than
+        # the ones that stored it: a CTA barrier makes every thread's global stores before it
+        # visible to every thread of the program after it (and keeps the compiler's loads of
+        # the first tiles after it).
+        tl.debug_barrier()
+
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINKS:
@@ -397,8 +472,9 @@ def _paged_attention_kernel(
     if k_cache_ptr.dtype.element_ty.is_fp8():
         acc = acc * v_scale  # the cache holds v / v_scale; linear, so splits combine as before
     if SPLIT_KV:
-        # partial results [T, NUM_HEADS, num_splits(, DIM_PAD)], combined by _combine_kernel;
-        # an empty split still writes (max -inf, sum 0) so the combine needs no other signal
+        # partial results [T, NUM_HEADS, num_splits(, DIM_PAD)], merged by _combine_kernel or
+        # by the fused merge below; an empty split still writes (max -inf, sum 0) so the merge
+        # needs no other signal
         part = (q_tok * NUM_HEADS + q_head) * num_splits + split
         tl.store(part_max_ptr + part, row_max, mask=row_valid)
         tl.store(part_sum_ptr + part, row_sum, mask=row_valid)
@@ -407,6 +483,35 @@ def _paged_attention_kernel(
             acc,
             mask=row_valid[:, None],
         )
+        if FUSED_COMBINE:
+            # The last of the splits of this (query block, head program) to get here merges
+            # them all. Every thread's partial stores happen before the ticket (the barrier);
+            # the ticket's atomic (acq_rel, GPU scope) publishes them to the program that
+            # draws the last ticket and makes the others' visible to it, which then reads
+            # them from L2 (.cg loads in _merge_split_row: L1 is not coherent across SMs).
+            tl.debug_barrier()
+            counter = counter_ptr + q_block * (NUM_HEADS // HEADS_PER_PROGRAM) + head_program
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                # the block's rows that hold a token, in row order (token-major)
+                num_rows = tl.minimum(q_len - first_q, BLOCK_Q) * HEADS_PER_PROGRAM
+                for r in range(0, num_rows):
+                    _merge_split_row(
+                        out_ptr,
+                        part_acc_ptr,
+                        part_max_ptr,
+                        part_sum_ptr,
+                        (q_start + first_q + r // HEADS_PER_PROGRAM).to(tl.int64),
+                        head_program * HEADS_PER_PROGRAM + r % HEADS_PER_PROGRAM,
+                        num_splits,
+                        stride_o_tok,
+                        stride_o_head,
+                        NUM_HEADS,
+                        HEAD_DIM,
+                        DIM_PAD,
+                        _SPLIT_LANES,
+                    )
+                tl.store(counter, 0)  # zero again for the stream's next split launch
     else:
         out = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]
         tl.store(
@@ -417,6 +522,58 @@ def _paged_attention_kernel(
             out,
             mask=row_valid[:, None] & dim_valid[None, :],
         )
+
+
+@triton.jit
+def _merge_split_row(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    token,
+    head,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Merge the ``num_splits`` online-softmax partial results ``(acc, max, sum)`` of output
+    row (``token`` (int64), query ``head``) and store the row: ``sum_s w_s acc_s / sum_s w_s
+    sum_s`` with ``w_s = exp2(max_s - max)``; an empty split (max -inf, sum 0) weighs 0.
+
+    The loads are ``.cg`` (from L2): in the fused merge the partials were stored by other
+    programs of the same launch, which an SM's L1 may hold stale lines of. The combine kernel
+    and the fused merge both call this, so they compute each row with the same operations."""
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    dims = tl.arange(0, DIM_PAD)
+    base = (token * NUM_HEADS + head) * num_splits
+    maxes = tl.load(
+        part_max_ptr + base + splits,
+        mask=split_valid,
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    sums = tl.load(part_sum_ptr + base + splits, mask=split_valid, other=0.0, cache_modifier=".cg")
+    global_max = tl.max(maxes, 0)
+    safe_max = tl.where(global_max == float("-inf"), 0.0, global_max)
+    weights = tl.exp2(maxes - safe_max)  # empty splits: exp2(-inf) = 0
+    total = tl.sum(sums * weights, 0)
+    acc = tl.load(
+        part_acc_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    out = tl.sum(acc * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_o_tok + head * stride_o_head + dims,
+        out,
+        mask=dims < HEAD_DIM,
+    )
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -440,26 +597,20 @@ def _combine_kernel(
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_reqs):
         return  # a padding token: no partial results were written for it
-    splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < num_splits
-    dims = tl.arange(0, DIM_PAD)
-    base = (token * NUM_HEADS + head) * num_splits
-    maxes = tl.load(part_max_ptr + base + splits, mask=split_valid, other=float("-inf"))
-    sums = tl.load(part_sum_ptr + base + splits, mask=split_valid, other=0.0)
-    global_max = tl.max(maxes, 0)
-    safe_max = tl.where(global_max == float("-inf"), 0.0, global_max)
-    weights = tl.exp2(maxes - safe_max)  # empty splits: exp2(-inf) = 0
-    total = tl.sum(sums * weights, 0)
-    acc = tl.load(
-        part_acc_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :],
-        mask=split_valid[:, None],
-        other=0.0,
-    )
-    out = tl.sum(acc * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + token * stride_o_tok + head * stride_o_head + dims,
-        out,
-        mask=dims < HEAD_DIM,
+    _merge_split_row(
+        out_ptr,
+        part_acc_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        token,
+        head,
+        num_splits,
+        stride_o_tok,
+        stride_o_head,
+        NUM_HEADS,
+        HEAD_DIM,
+        DIM_PAD,
+        SPLITS_PAD,
     )
 
 
@@ -589,8 +740,25 @@ def paged_attention(
     config: LaunchConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    fuse_kv_write: bool = False,
+    fuse_combine: bool = False,
 ) -> LaunchConfig:
     """Causal paged attention of a mixed prefill/decode batch into ``out``; returns the config.
+
+    With ``key``, ``value`` and ``slot_mapping`` (all three or none) it first stores the
+    step's K/V into ``kv_cache`` as :func:`write_kv_cache` does (same bits): by that kernel,
+    or, with ``fuse_kv_write`` in a launch :func:`fused_kv_write_blocker` finds no reason
+    against (a decode-only step: ``max_query_len == 1``), inside the attention kernel, one
+    launch fewer. The fused write stores only the requests' tokens (``query_start_loc``):
+    tokens past them must be padding (slot ``-1``), as in the engine's CUDA graphs.
+    ``fuse_combine`` merges the KV splits' partial results inside the attention kernel (the
+    last split of each query block to finish does it, with the combine kernel's arithmetic)
+    instead of launching the combine kernel; it needs one counter of the stream's
+    ``triton_ops.split_counters`` per (query block, head program), and launches the combine
+    kernel where the grid has more. Neither changes the result.
 
     :param query: ``[T, num_heads, head_dim]`` (last dim contiguous)
     :param kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, the query's
@@ -616,6 +784,12 @@ def paged_attention(
     :param num_splits: force the KV split count (tests); ``None`` chooses
     :param k_scale: an 8-bit cache's K dequantization scale (ignored for other caches)
     :param v_scale: the same for V
+    :param key: ``[T, num_kv_heads, head_dim]``, this step's keys (one row per query token;
+        last dim contiguous, or copied)
+    :param value: the same shape, this step's values
+    :param slot_mapping: ``[>= T]`` the tokens' cache slots, ``-1`` for padding
+    :param fuse_kv_write: write ``key``/``value`` inside the attention kernel where possible
+    :param fuse_combine: merge the KV splits inside the attention kernel where possible
     :param config: launch with these tiles instead of :func:`choose_launch_config`'s (tuning
         sweeps; any valid config gives the same result): ``block_m`` a power of two and a
         multiple of the heads per program (``heads_per_program``, a divisor of the GQA group;
@@ -665,6 +839,19 @@ def paged_attention(
         k_scale = v_scale = 1.0  # (a 16/32-bit cache holds K/V as they are)
     if out.shape != query.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dim")
+    new_kv = (key is not None, value is not None, slot_mapping is not None)
+    if any(new_kv) and not all(new_kv):
+        raise ValueError("key, value and slot_mapping go together (all three or none)")
+    if key is not None and value is not None and slot_mapping is not None:
+        kv_shape = (num_tokens, num_kv_heads, head_dim)
+        if key.shape != kv_shape or value.shape != kv_shape:
+            raise ValueError(
+                f"key and value must be {kv_shape}; got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+            raise ValueError(
+                f"slot_mapping must have >= {num_tokens} entries; got {tuple(slot_mapping.shape)}"
+            )
     if config is None:
         config = choose_launch_config(
             num_heads=num_heads,
@@ -681,11 +868,27 @@ def paged_attention(
         )
     else:
         _check_config(config, num_heads // num_kv_heads)
+    group = num_heads // num_kv_heads
+    heads_per_program = config.heads_of(group)
+    fused_write = (
+        key is not None
+        and fuse_kv_write
+        and num_tokens > 0
+        and num_reqs > 0
+        and fused_kv_write_blocker(
+            group=group,
+            heads_per_program=heads_per_program,
+            max_query_len=max_query_len,
+            kv_cache=kv_cache,
+        )
+        is None
+    )
+    if key is not None and value is not None and slot_mapping is not None and not fused_write:
+        write_kv_cache(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     if num_tokens == 0 or num_reqs == 0:
         return config
     query = _last_dim_contiguous(query)
     kernel = check_launchable(_paged_attention_kernel, query)
-    group = num_heads // num_kv_heads
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     splits = config.num_splits
     if splits > 1:
@@ -699,8 +902,17 @@ def paged_attention(
     # need no search for it; otherwise query blocks are numbered across requests (see the kernel).
     one_block_per_req = max_query_len <= config.block_q
     num_q_blocks = num_reqs if one_block_per_req else num_tokens // config.block_q + num_reqs
-    heads_per_program = config.heads_of(num_heads // num_kv_heads)
     grid = (num_q_blocks, num_heads // heads_per_program, splits)
+    # one ticket counter per (query block, head program); a grid with more merges in a
+    # second kernel
+    fused_combine = fuse_combine and splits > 1 and grid[0] * grid[1] <= NUM_SPLIT_COUNTERS
+    counters = split_counters(query.device) if fused_combine else seq_lens  # (else unused)
+    if fused_write:
+        assert key is not None and value is not None and slot_mapping is not None
+        key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+        new_key, new_value, slots = key, value, slot_mapping
+    else:  # unused by the kernel; tensors of the right device and types will do
+        new_key, new_value, slots = query, query, seq_lens
     # unused by the kernel without the option (constexpr-gated); 0 and 1.0 keep the types fixed
     cap = logits_soft_cap or 1.0
     scale = scale * k_scale  # q . (k_scale * stored k) = k_scale * (q . stored k)
@@ -717,6 +929,10 @@ def paged_attention(
         query_start_loc,
         sinks if sinks is not None else out,  # unused without HAS_SINKS
         attend_limit if attend_limit is not None else seq_lens,  # unused without HAS_LIMIT
+        new_key,
+        new_value,
+        slots,
+        counters,
         num_reqs,
         scale * _LOG2E,
         query.stride(0),
@@ -732,7 +948,12 @@ def paged_attention(
         attention_chunk_size or 1,
         2.0 * scale * _LOG2E / cap,
         cap * _LOG2E,
+        float(k_scale),
         float(v_scale),
+        new_key.stride(0) if fused_write else 0,
+        new_key.stride(1) if fused_write else 0,
+        new_value.stride(0) if fused_write else 0,
+        new_value.stride(1) if fused_write else 0,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEADS_PER_PROGRAM=heads_per_program,
@@ -750,10 +971,12 @@ def paged_attention(
         HAS_SINKS=sinks is not None,
         HAS_LIMIT=attend_limit is not None,
         CHUNKED=attention_chunk_size is not None,
+        FUSED_WRITE=fused_write,
+        FUSED_COMBINE=fused_combine,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and not fused_combine:
         combine = check_launchable(_combine_kernel, query)
         combine[(num_tokens, num_heads)](
             out,
@@ -772,6 +995,29 @@ def paged_attention(
             num_warps=4,
         )
     return config
+
+
+def fused_kv_write_blocker(
+    *, group: int, heads_per_program: int, max_query_len: int, kv_cache: torch.Tensor
+) -> str | None:
+    """Why a launch cannot write the step's K/V inside the attention kernel (``None``: it can).
+
+    The fused write is safe when exactly one program reads back each position it writes
+    before anyone else may: every request has one query token (``max_query_len == 1``, so
+    the token is the last position of its context and only the program of the split holding
+    the last tile reads it), one head program covers a kv head's whole query group
+    (``heads_per_program == group``; DeepSeek's wide latent heads spread a group over
+    programs, which would read the slot while another writes it), and the cache's V plane is
+    not its K plane (MLA's aliased planes, ``kv_cache.stride(1) == 0``: K and V of the
+    same slot would be two writers' stores to one address).
+    """
+    if max_query_len != 1:
+        return f"not a decode-only step (max_query_len {max_query_len})"
+    if heads_per_program != group:
+        return f"a kv head's {group} query heads are spread over programs of {heads_per_program}"
+    if kv_cache.stride(1) == 0:
+        return "the cache's V plane aliases its K plane"
+    return None
 
 
 def _check_config(config: LaunchConfig, group: int) -> None:

@@ -30,7 +30,8 @@ Design, for bandwidth:
   their sum order, so the result, changes from run to run. The ticket costs one atomic per
   program and a workspace of ``SPLIT_K * M * N`` floats.
 
-The counters are a small int32 buffer per (device, stream), zero between launches: launches of
+The counters are a small int32 buffer per (device, stream), zero between launches
+(``triton_ops.split_counters``, shared with ``triton_paged``'s split-KV merge): launches of
 one stream run one after another, so they never share a counter; two streams get two buffers.
 
 Float32 accumulation, the bias added in float32, the output rounded once to ``x``'s dtype
@@ -48,7 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from chassis.core.layers.triton_ops import check_launchable, is_interpreted
+from chassis.core.layers.triton_ops import (
+    NUM_SPLIT_COUNTERS,
+    check_launchable,
+    is_interpreted,
+    split_counters,
+)
 
 __all__ = [
     "MAX_ROWS",
@@ -65,8 +71,9 @@ MAX_ROWS = 8
 #: programs the heuristic aims for: about two per multiprocessor of an H200 (132 SMs), so that
 #: every SM has loads in flight
 TARGET_PROGRAMS = 256
-#: output blocks a stream's counter buffer holds; a split launch needs one per output block
-MAX_SPLIT_BLOCKS = 8192
+#: output blocks a split launch may have: it takes one counter per output block from its
+#: stream's shared buffer (``triton_ops.split_counters``)
+MAX_SPLIT_BLOCKS = NUM_SPLIT_COUNTERS
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -239,23 +246,6 @@ def _gemv_kernel(
             tl.store(counter_ptr + pid_n, 0)  # zero again for the stream's next split launch
 
 
-#: (device, stream) -> the int32 counters of split launches on that stream (all zero between
-#: launches)
-_COUNTERS: dict[tuple[str, int | None, int], torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The zeroed split-K counters of the current stream of ``device`` (allocated once; a
-    launch leaves them zero again)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        counters = torch.zeros(MAX_SPLIT_BLOCKS, dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
-
-
 def gemv_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -354,7 +344,7 @@ def gemv(
         workspace = torch.empty(
             split_k, num_rows, out_features, dtype=torch.float32, device=x.device
         )
-        counters = _counters(x.device)
+        counters = split_counters(x.device)
     else:
         workspace = counters = out  # (unused)
     interpreted = is_interpreted(kernel)

@@ -22,12 +22,14 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "NUM_SPLIT_COUNTERS",
     "check_launchable",
     "is_interpreted",
     "qk_norm_rotary_embedding_",
     "rms_norm",
     "rotary_embedding_",
     "silu_and_mul",
+    "split_counters",
 ]
 
 
@@ -51,6 +53,40 @@ def check_launchable(kernel, tensor: torch.Tensor):
             "(slowly, for tests) set TRITON_INTERPRET=1 before triton is first imported."
         )
     return kernel
+
+
+#: int32 counters in each (device, stream)'s buffer (:func:`split_counters`): a split launch
+#: may use at most this many (one per group of programs whose partial results one of them
+#: merges)
+NUM_SPLIT_COUNTERS = 8192
+#: (device type, index, stream) -> that stream's counters, all zero between launches
+_SPLIT_COUNTERS: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The :data:`NUM_SPLIT_COUNTERS` int32 ticket counters of ``device``'s current stream,
+    zero between launches (allocated zeroed on first use, kept for the process's life).
+
+    For kernels whose programs split one result's work and merge it without a second
+    launch ("the last to arrive merges"): each program of a group writes its partial result,
+    takes a ticket from the group's counter with one ``atomic_add``, and the one that draws
+    the last ticket merges the partials and stores 0 back. A launch must therefore leave
+    every counter it touched at zero; then launches of one stream, which run one after
+    another, can all share one buffer (the small-batch GEMV's split-K and ``triton_paged``'s
+    split-KV merge do). Two streams get two buffers, so concurrent launches never share a
+    counter. Under CUDA-graph capture the buffer of the capturing stream is baked into the
+    graph, and replays use it on whatever stream they run: graphs captured on one stream must
+    not be replayed concurrently (the engine replays one at a time). Call once on the
+    capturing stream before capturing (the platform's warm-up does), so that the buffer is
+    not allocated inside the capture.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    counters = _SPLIT_COUNTERS.get(key)
+    if counters is None:
+        counters = torch.zeros(NUM_SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[key] = counters
+    return counters
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,17 +3,23 @@
 Not a test: run by tests/gpu/run_gpu_checks.sh after the GPU tests, to record numbers that
 later tuning compares against. Each line: case, microseconds per call (median of
 ``triton.testing.do_bench``), and for decode the KV bytes read per second (also with an fp8
-KV cache, ``--kv-cache-dtype fp8``).
+KV cache, ``--kv-cache-dtype fp8``). Then decode steps as the engine runs them, 28 layers
+(each its own cache) replayed from one CUDA graph, with the K/V write and split merge as
+separate kernels and fused into the attention kernel (``CHASSIS_FUSED_DECODE_ATTENTION=1``):
+microseconds per layer, launch gaps included.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
 from chassis.builtin_plugins.attention.torch_paged import TorchPagedAttention
 from chassis.builtin_plugins.attention.triton_paged import TritonPagedAttention
 from chassis.core.attention import AttentionMetadata
@@ -60,6 +66,65 @@ def step(prefixes: list[int], query_len: int) -> tuple[tuple, int]:
     return (q, k, v, cache, meta), kv_bytes
 
 
+def graph_us_per_call(calls: list[Callable[[], object]], replays: int = 10) -> float:
+    """Microseconds per call of ``calls``, captured in order into one CUDA graph and replayed
+    (median of ``replays``): device time with the launch gaps a decode step's graph has,
+    without Python. Each call runs once first on the capture stream (compiles, allocates that
+    stream's split counters)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def fused_decode_lines(layers: int = 28) -> None:
+    """Decode steps of ``layers`` layers in one graph, separate kernels vs fused, per layer."""
+    separate = TritonPagedAttention(HEADS, DIM, KV_HEADS, DIM**-0.5)
+    fused = TritonPagedAttention(HEADS, DIM, KV_HEADS, DIM**-0.5)
+    separate.fused_decode, fused.fused_decode = False, True
+    for batch, ctx in [(1, 600), (1, 4096), (8, 1024), (64, 1024)]:
+        steps = [step([ctx] * batch, 1)[0] for _ in range(layers)]  # a cache per layer
+        config = kernels.choose_launch_config(
+            num_heads=HEADS,
+            num_kv_heads=KV_HEADS,
+            head_dim=DIM,
+            num_tokens=batch,
+            num_reqs=batch,
+            max_query_len=1,
+            max_seq_len=ctx + 1,
+            device=torch.device("cuda"),
+        )
+        us = {
+            name: graph_us_per_call([partial(backend.forward, *args) for args in steps])
+            for name, backend in (("separate", separate), ("fused", fused))
+        }
+        print(
+            f"decode graph {layers} layers B={batch:<3} ctx={ctx:<5} splits {config.num_splits:<2} "
+            f"separate {us['separate']:7.2f} us/layer  fused {us['fused']:7.2f} us/layer  "
+            f"({us['fused'] / us['separate']:.2f}x)",
+            flush=True,
+        )
+        del steps
+        torch.cuda.empty_cache()
+
+
 def _dense_causal(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
 
@@ -101,6 +166,7 @@ def main() -> None:
             f"SDPA dense causal over prefix+q {sdpa_us:8.1f} us",
             flush=True,
         )
+    fused_decode_lines()
     x = torch.randn(256, 1024, device="cuda", dtype=DTYPE)
     r, w = torch.randn_like(x), torch.ones(1024, device="cuda", dtype=DTYPE)
     fused = do_bench(lambda: triton_ops.rms_norm(x, w, 1e-6, r)) * 1e3

@@ -22,14 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers
 
 from triton_compile_check import compile_attention_variant
 
-#: (name, group, head_dim, block_m, tile_n, split, warps, aligned): Qwen3-0.6B's GQA group
+#: (name, group, head_dim, block_m, tile_n, split, warps, aligned, fused): Qwen3-0.6B's GQA
+#: group; ``fused``: the K/V write (and, split, the merge) in the kernel
+#: (CHASSIS_FUSED_DECODE_ATTENTION=1)
 VARIANTS = [
-    ("decode", 2, 128, 16, 32, False, 4, True),
-    ("decode, split KV", 2, 128, 16, 32, True, 4, True),
-    ("decode, tile 64", 2, 128, 16, 64, False, 4, True),
-    ("decode, 8 warps", 2, 128, 16, 32, False, 8, True),
-    ("decode, unaligned", 2, 128, 16, 32, False, 4, False),
-    ("prefill", 2, 128, 64, 64, False, 8, True),
+    ("decode", 2, 128, 16, 32, False, 4, True, False),
+    ("decode, split KV", 2, 128, 16, 32, True, 4, True, False),
+    ("decode, fused", 2, 128, 16, 32, False, 4, True, True),
+    ("decode, split, fused", 2, 128, 16, 32, True, 4, True, True),
+    ("decode, tile 64", 2, 128, 16, 64, False, 4, True, False),
+    ("decode, 8 warps", 2, 128, 16, 32, False, 8, True, False),
+    ("decode, unaligned", 2, 128, 16, 32, False, 4, False, False),
+    ("prefill", 2, 128, 64, 64, False, 8, True, False),
 ]
 
 
@@ -51,7 +55,7 @@ def resource_usage(compiled) -> str:
 
 def main() -> None:
     print("variant                 dynamic shared  cuobjdump -res-usage")
-    for name, group, head_dim, block_m, tile_n, split, warps, aligned in VARIANTS:
+    for name, group, head_dim, block_m, tile_n, split, warps, aligned, fused in VARIANTS:
         compiled = compile_attention_variant(
             ("cuda", 90, 32),
             group=group,
@@ -61,6 +65,8 @@ def main() -> None:
             split=split,
             num_warps=warps,
             aligned=aligned,
+            fused_write=fused,
+            fused_combine=fused and split,
         )
         shared = compiled.metadata.shared
         print(f"{name:22s}  {shared:>8d} B      {resource_usage(compiled)}")

@@ -16,6 +16,9 @@
 #               --sweep (cuBLAS vs the GEMV per Qwen3-0.6B layer and 1-8 rows), then (b) chassis
 #               only with CHASSIS_TRITON_GEMV=1, next to latency's -> bench_gemv.txt,
 #               latency_gemv.txt/.json
+#   fused_attn  (b) chassis only with CHASSIS_FUSED_DECODE_ATTENTION=1 (decode steps' K/V
+#               write and split-KV merge inside the attention kernel), next to latency's
+#                                                            -> latency_fused_attn.txt/.json
 #   profile     chassis bench step --profile at batch 1 and PROFILE_BATCH, async and sync:
 #               host time per engine-core call, device busy/idle, top kernels
 #                                                            -> profile_*.txt, profile_*/
@@ -32,8 +35,8 @@
 #                                                            -> pytest_moe.txt, junit_moe.xml
 #   gpt_oss     (only when named in STEPS) the gpt-oss part of moe alone
 #                                                    -> pytest_gpt_oss.txt, junit_gpt_oss.xml
-#   attn        tests/gpu/bench_triton_attention.py (decodes with bf16 and fp8 KV caches)
-#                                                            -> bench.txt
+#   attn        tests/gpu/bench_triton_attention.py (decodes with bf16 and fp8 KV caches;
+#               28-layer decode graphs, separate kernels vs fused)  -> bench.txt
 #   tune        (only when named in STEPS) tests/gpu/tune_triton_attention.py -> tune.txt
 # STEPS="throughput serve" runs a subset; PYTEST_FILES (default tests/gpu) and PYTEST_LIMIT
 # (default 220 s) narrow the pytest step; PROFILE_MODES (default "async sync") the profile
@@ -44,7 +47,8 @@
 # /tmp/chassis-gpu), next to a copy of summary.txt.
 # Exit status: 0 when every step that ran passed, else 1.
 # A dry run of the benchmark steps on a CPU, with a tiny config directory:
-#   STEPS="throughput latency gemv serve profile sync eager kernels" MODEL=/tmp/tiny NUM_PROMPTS=4 \
+#   STEPS="throughput latency gemv fused_attn serve profile sync eager kernels" MODEL=/tmp/tiny \
+#   NUM_PROMPTS=4 \
 #   HF_NUM_PROMPTS=2 LENS=4:8 LAT_INPUT=8 LAT_OUTPUT=4 VOCAB=512 PROFILE_CONTEXT=64 \
 #   PROFILE_BATCH=8 ENGINE_ARGS="--num-kv-blocks 64" bash tests/gpu/run_gpu_checks.sh
 # (the tiny config holds 512 positions: the profile's default 600-token context does not fit)
@@ -57,7 +61,7 @@ OUT="${RESULTS_DIR:-/tmp/chassis-gpu-results}"
 rm -rf "$OUT"
 mkdir -p "$OUT" "$FINAL_OUT"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-pytest throughput latency gemv profile sync serve eager kernels compile moe attn}"
+STEPS="${STEPS:-pytest throughput latency gemv fused_attn profile sync serve eager kernels compile moe attn}"
 BUDGET_S="${BUDGET_S:-540}"
 HF_NUM_PROMPTS="${HF_NUM_PROMPTS:-8}"
 PORT="${PORT:-8123}"
@@ -186,6 +190,16 @@ if wanted gemv; then
     step latency_gemv 60 env CHASSIS_TRITON_GEMV=1 "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" \
         "${ENGINE[@]}" --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" --batch-size 1 \
         --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_gemv.json"
+fi
+
+if wanted fused_attn; then
+    # the opt-in fused decode attention (builtin_plugins/attention/triton_paged.py): (b) with
+    # each decode step's K/V write and split-KV merge inside the attention kernel, two launches
+    # per layer fewer (chassis only, async scheduling as in `latency`): compare
+    # latency_fused_attn.json with latency.json
+    step latency_fused_attn 60 env CHASSIS_FUSED_DECODE_ATTENTION=1 "${CHASSIS[@]}" bench latency \
+        "${MODEL_ARGS[@]}" "${ENGINE[@]}" --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" \
+        --batch-size 1 --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_fused_attn.json"
 fi
 
 if wanted profile; then

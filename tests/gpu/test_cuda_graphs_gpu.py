@@ -6,7 +6,8 @@ engine captures batch sizes 1, 2, 4, 8 (so batches of 3 and 5 are padded); the o
 with ``enforce_eager=True``. Prompts of mixed lengths up to 300 tokens with
 ``max_model_len=512`` make the captured split-KV configuration (chosen for 512 tokens) replay
 over contexts of very different lengths. Also checked: the graphs were really replayed
-(``DecodeGraphs.replays``), and a replay makes no device->host synchronization.
+(``DecodeGraphs.replays``), and a replay makes no device->host synchronization; and the same
+with the graph engine built under CHASSIS_FUSED_DECODE_ATTENTION=1.
 """
 
 from __future__ import annotations
@@ -65,11 +66,40 @@ def test_graph_replay_matches_eager_greedy(model_dir: Path) -> None:
     _free_gpu_memory()
 
 
-def _check_graph_replay_matches_eager(model_dir: Path) -> None:
+def test_fused_decode_graph_replay_matches_eager_greedy(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graph engine built under CHASSIS_FUSED_DECODE_ATTENTION=1 (decode steps write their
+    K/V and merge their KV splits inside the attention kernel; padding rows of the padded
+    batches write nothing) against the eager engine without it: the same greedy tokens."""
+    _check_graph_replay_matches_eager(model_dir, monkeypatch)
+    _free_gpu_memory()
+
+
+def _attention_backend(llm):
+    """The attention backend of the engine's first attention layer (the engine runs in this
+    process)."""
+    from chassis.core.layers.attention import Attention
+
+    model = llm.engine.executor.worker.runner.model
+    return next(module.backend for module in model.modules() if isinstance(module, Attention))
+
+
+def _check_graph_replay_matches_eager(
+    model_dir: Path, fused: pytest.MonkeyPatch | None = None
+) -> None:
+    """``fused``: build the graph engine with CHASSIS_FUSED_DECODE_ATTENTION=1 (set and
+    unset through it), the eager one without."""
     from chassis.core.llm import LLM
 
+    if fused is not None:
+        fused.setenv("CHASSIS_FUSED_DECODE_ATTENTION", "1")
     graphs_llm = LLM(str(model_dir), cuda_graph_sizes=[1, 2, 4, 8], **ENGINE)
+    if fused is not None:
+        fused.delenv("CHASSIS_FUSED_DECODE_ATTENTION")
+        assert _attention_backend(graphs_llm).fused_decode
     eager_llm = LLM(str(model_dir), enforce_eager=True, **ENGINE)
+    assert fused is None or not _attention_backend(eager_llm).fused_decode
     assert graphs_llm.engine.info.platform in ("cuda", "rocm")
     assert graphs_llm.config.attention_backend == "triton_paged"
     runner = graphs_llm.engine.executor.worker.runner

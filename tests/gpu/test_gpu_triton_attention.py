@@ -5,12 +5,15 @@ Shapes: Qwen3-0.6B (16 q heads, 8 kv heads, head_dim 128), SmolLM2 (9/3, 64) and
 gpt-oss-20b (64/8, 64) for attention sinks.
 Checks against the dense float32 reference and the ``torch_paged`` backend, the split-KV
 decode path, CUDA-graph replay with new metadata, the absence of device->host syncs, and
-cache offsets past 2**31 elements.
+cache offsets past 2**31 elements; and the fused decode path (CHASSIS_FUSED_DECODE_ATTENTION=1:
+the K/V write and the split merge inside the attention kernel) against the separate kernels,
+the dense reference, 200 back-to-back launches, fp8 caches and a captured graph's replays.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -375,3 +378,230 @@ def test_cache_offsets_beyond_int32() -> None:
         enable_gqa=True,
     ).transpose(0, 1)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+# -- CHASSIS_FUSED_DECODE_ATTENTION=1: K/V write and split merge inside the attention kernel --
+
+#: decodes over long and short contexts (new tokens at a block's first, middle and last
+#: slot), for the fused decode path
+FUSED_DECODES = [(4000, 1), (1000, 1), (17, 1), (600, 1), (0, 1), (15, 1), (16, 1)]
+#: one rounding step of each output dtype, relative (bfloat16 keeps 8 significant bits)
+ROUNDING = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-22}
+
+
+def _fused_and_separate(batch, scale: float, **args):
+    """The decode step by the separate kernels (write, attention, combine) and by the fused
+    attention kernel, each on its own copy of the batch's cache (slots of the new tokens hold
+    NaN before: a read of the slot before its write shows): ``(separate output, fused output,
+    separate cache, fused cache)``."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    m = batch.metadata
+    new_kv = dict(key=batch.key, value=batch.value, slot_mapping=m.slot_mapping)
+    results = []
+    for fuse in (False, True):
+        cache = batch.kv_cache.clone()
+        out = torch.empty_like(batch.query)
+        kernels.paged_attention(
+            batch.query,
+            cache,
+            out,
+            **batch.kernel_args(scale),
+            **new_kv,
+            fuse_kv_write=fuse,
+            fuse_combine=fuse,
+            **args,
+        )
+        results.append((out[: m.num_actual_tokens], cache))
+    (separate, separate_cache), (fused, fused_cache) = results
+    return separate, fused, separate_cache, fused_cache
+
+
+def _assert_within_one_rounding(fused: torch.Tensor, separate: torch.Tensor) -> None:
+    """Equal, or (the merge's reductions laid out differently by the compiler) within one
+    rounding step of the dtype; a warning tells the next session how many differ."""
+    differ = int((fused != separate).sum())
+    if differ:
+        warnings.warn(
+            f"fused decode differs from the separate kernels in {differ} of "
+            f"{separate.numel()} {separate.dtype} outputs",
+            stacklevel=2,
+        )
+    step = ROUNDING[separate.dtype]
+    torch.testing.assert_close(fused, separate, atol=step, rtol=step)
+
+
+def _counters_zero() -> bool:
+    from chassis.core.layers import triton_ops
+
+    torch.cuda.synchronize()
+    return all(not counters.any() for counters in triton_ops._SPLIT_COUNTERS.values())
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "num_splits", "options"),
+    [
+        (QWEN3, torch.bfloat16, None, {}),  # the heuristic's split (asserted > 1)
+        (QWEN3, torch.bfloat16, 1, {}),
+        (QWEN3, torch.bfloat16, 16, {}),  # most splits empty
+        (QWEN3, torch.float16, None, {}),
+        (QWEN3, torch.float32, None, {}),
+        (GPT_OSS, torch.bfloat16, None, dict(sliding_window=128, sinks=True)),
+        (GEMMA2, torch.bfloat16, None, dict(sliding_window=256, logits_soft_cap=50.0)),
+    ],
+    ids=str,
+)
+def test_fused_decode_matches_separate_kernels_and_dense(
+    shape, dtype: torch.dtype, num_splits: int | None, options: dict
+) -> None:
+    """A decode-only step with the K/V write and the split merge in the attention kernel:
+    the cache bits of the write kernel (padding tokens, slot -1, write nothing), the output of
+    the separate kernels within a rounding step, the dense answer; counters zero after."""
+    num_heads, num_kv_heads, head_dim = shape
+    batch = make_batch(
+        FUSED_DECODES,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        num_pad_tokens=3,
+    )
+    options = dict(options)
+    sinks = None
+    if options.pop("sinks", False):
+        gen = torch.Generator().manual_seed(0)
+        sinks = (2 * torch.randn(num_heads, generator=gen)).to(dtype).cuda()
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    scale = head_dim**-0.5
+    args = {**options, "sinks": sinks, "num_splits": num_splits}
+    config = kernels.paged_attention(
+        batch.query, batch.kv_cache.clone(), torch.empty_like(batch.query),
+        **batch.kernel_args(scale), **args,
+    )  # fmt: skip
+    if num_splits is None:
+        assert config.num_splits > 1, config
+    separate, fused, separate_cache, fused_cache = _fused_and_separate(batch, scale, **args)
+    torch.testing.assert_close(fused_cache, separate_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(fused_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+    _assert_within_one_rounding(fused, separate)
+    window, cap = options.get("sliding_window"), options.get("logits_soft_cap")
+    expected = dense_attention(batch, scale, window, cap, sinks)
+    tol = TOL[dtype]
+    torch.testing.assert_close(fused.float().cpu(), expected, atol=tol, rtol=tol)
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fused_decode_quantizes_as_the_write_kernel(fp8: torch.dtype) -> None:
+    """An 8-bit cache at Qwen3's shape with the heuristic's split: the fused write stores the
+    write kernel's bytes (scaled, saturated, rounded to nearest even)."""
+    batch = make_batch(FUSED_DECODES, **QWEN3_BF16, num_pad_tokens=3)
+    batch.key.mul_(300.0)  # some keys past e4m3's range after the scale
+    batch.kv_cache = batch.kv_cache.to(fp8)
+    args = dict(k_scale=0.5, v_scale=2.0)
+    separate, fused, separate_cache, fused_cache = _fused_and_separate(batch, 128**-0.5, **args)
+    assert torch.equal(fused_cache.view(torch.uint8), separate_cache.view(torch.uint8))
+    _assert_within_one_rounding(fused, separate)
+
+
+def test_fused_decode_launches_back_to_back_agree() -> None:
+    """200 fused split launches queued without a sync, the new tokens' slots set to NaN
+    before each (a queued kernel too), each taking tickets from the counters the one before
+    left: every output the same bits, the counters zero after. A ticket left over, a merge
+    that read a partial before its store landed, or a tile read before the write (NaN) would
+    break some."""
+    from chassis.builtin_plugins.attention import triton_paged_kernels as kernels
+
+    batch = make_batch(FUSED_DECODES, **QWEN3_BF16)
+    m = batch.metadata
+    launch = dict(
+        key=batch.key,
+        value=batch.value,
+        slot_mapping=m.slot_mapping,
+        fuse_kv_write=True,
+        fuse_combine=True,
+        **batch.kernel_args(128**-0.5),
+    )
+    block_size = batch.kv_cache.shape[2]
+    new_blocks, new_offsets = m.slot_mapping // block_size, m.slot_mapping % block_size
+    outs = [torch.empty_like(batch.query) for _ in range(200)]
+    configs = set()
+    for out in outs:
+        batch.kv_cache[new_blocks, :, new_offsets] = float("nan")
+        configs.add(kernels.paged_attention(batch.query, batch.kv_cache, out, **launch))
+    assert all(c.num_splits > 1 for c in configs), configs
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    _check(outs[0], batch, 128**-0.5)
+    assert _counters_zero()
+
+
+def _append_padding_requests(batch, count: int):
+    """``batch`` with ``count`` more requests as a CUDA graph's padding rows are: one token,
+    ``seq_len`` 1, slot -1, block-table row 0 (its K/V must not be written)."""
+    m = batch.metadata
+    dev = batch.query.device
+    n = m.num_actual_tokens
+    batch.query = torch.cat([batch.query[:n], torch.randn_like(batch.query[:count])])
+    batch.key = torch.cat([batch.key[:n], torch.randn_like(batch.key[:count])])
+    batch.value = torch.cat([batch.value[:n], torch.randn_like(batch.value[:count])])
+    qsl = torch.arange(n + count + 1, dtype=torch.int32)
+    lens = torch.cat([m.seq_lens_cpu, torch.ones(count, dtype=torch.int32)])
+    pad_table = torch.zeros(count, m.block_table.shape[1], dtype=torch.int32, device=dev)
+    m.query_start_loc, m.query_start_loc_cpu = qsl.to(dev), qsl
+    m.seq_lens, m.seq_lens_cpu = lens.to(dev), lens
+    m.block_table = torch.cat([m.block_table, pad_table])
+    m.slot_mapping = torch.cat(
+        [m.slot_mapping[:n], torch.full((count,), -1, dtype=torch.int64, device=dev)]
+    )
+    m.num_reqs += count
+    m.num_actual_tokens = n + count
+    return batch
+
+
+def test_fused_decode_cuda_graph_replays_with_new_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backend built under CHASSIS_FUSED_DECODE_ATTENTION=1, a decode step with two
+    padding requests (slot -1) captured and replayed on other lengths and blocks: each replay
+    writes the new K/V (the cache the write kernel would leave), merges the splits and
+    matches the dense answer."""
+    monkeypatch.setenv("CHASSIS_FUSED_DECODE_ATTENTION", "1")
+    backend = _backend(16, 8, 128)
+    assert backend.fused_decode
+    shape = dict(**QWEN3_BF16, num_blocks=200, max_blocks=130)
+    a = _append_padding_requests(make_batch([(250, 1), (60, 1), (3, 1), (900, 1)], **shape), 2)
+    b = _append_padding_requests(make_batch([(3, 1), (1900, 1), (60, 1), (10, 1)], **shape), 2)
+    expected_a, expected_b = a.expected_cache.clone(), b.expected_cache.clone()
+    static = (a.query, a.key, a.value, a.kv_cache, a.metadata)
+    clean = a.kv_cache.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(*static)  # compile, allocate this stream's counters, warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    a.kv_cache.copy_(clean)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = backend.forward(*static)
+    a.kv_cache.copy_(clean)  # (capture runs nothing, but be sure)
+    graph.replay()
+    torch.cuda.synchronize()
+    # padding rows wrote nothing: block 0 holds only what the batch put there
+    torch.testing.assert_close(a.kv_cache, expected_a, atol=0, rtol=0, equal_nan=True)
+    a.metadata.num_actual_tokens = a.metadata.num_actual_tokens - 2
+    _check(out, a, backend.scale)
+
+    for name in ("query", "key", "value", "kv_cache"):
+        getattr(a, name).copy_(getattr(b, name))
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        getattr(a.metadata, name).copy_(getattr(b.metadata, name))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(a.kv_cache, expected_b, atol=0, rtol=0, equal_nan=True)
+    b.metadata.num_actual_tokens -= 2
+    _check(out, b, backend.scale)
+    assert _counters_zero()

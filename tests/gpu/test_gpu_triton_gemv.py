@@ -90,7 +90,7 @@ def test_every_launch_path(use_dot: bool, split_k: int) -> None:
 def test_split_launches_back_to_back_agree_bit_for_bit() -> None:
     """200 split launches queued without a sync: each sums its partials in split order, so
     every result is the same bits; a ticket left over by one launch would break a later one."""
-    from chassis.core.layers import triton_gemv
+    from chassis.core.layers import triton_gemv, triton_ops
 
     x, weight, bias = _tensors(4, 3072, 1024, torch.bfloat16)
     config = triton_gemv.GemvConfig(split_k=8)
@@ -98,7 +98,7 @@ def test_split_launches_back_to_back_agree_bit_for_bit() -> None:
     assert all(torch.equal(out, outputs[0]) for out in outputs)
     _close(outputs[0], triton_gemv.gemv_ref(x, weight, bias))
     torch.cuda.synchronize()
-    assert all(not counters.any() for counters in triton_gemv._COUNTERS.values())
+    assert all(not counters.any() for counters in triton_ops._SPLIT_COUNTERS.values())
 
 
 def test_swapped_layers_replay_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
