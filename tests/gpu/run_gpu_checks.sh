@@ -17,9 +17,12 @@
 #               only with CHASSIS_TRITON_GEMV=1, next to latency's -> bench_gemv.txt,
 #               latency_gemv.txt/.json
 #   fused_attn  (b) chassis only with CHASSIS_FUSED_DECODE_ATTENTION=1 (decode steps' K/V
-#               write and split-KV merge inside the attention kernel), next to latency's
-#                                                            -> latency_fused_attn.txt/.json
-#   profile     chassis bench step --profile at batch 1 and PROFILE_BATCH, async and sync:
+#               write and split-KV merge inside the attention kernel), next to latency's;
+#               then (b) and (a) with both opt-ins (the GEMV too): every launch saving at once
+#                       -> latency_fused_attn.txt/.json, latency_fused.txt/.json,
+#                          throughput_fused.txt/.json
+#   profile     chassis bench step --profile at batch 1 and PROFILE_BATCH, async and sync
+#               (PROFILE_MODES; mode "fused": async with both opt-ins):
 #               host time per engine-core call, device busy/idle, top kernels
 #                                                            -> profile_*.txt, profile_*/
 #   sync        (a) chassis only, --no-async-scheduling      -> throughput_sync.txt/.json
@@ -200,6 +203,16 @@ if wanted fused_attn; then
     step latency_fused_attn 60 env CHASSIS_FUSED_DECODE_ATTENTION=1 "${CHASSIS[@]}" bench latency \
         "${MODEL_ARGS[@]}" "${ENGINE[@]}" --input-len "$LAT_INPUT" --output-len "$LAT_OUTPUT" \
         --batch-size 1 --num-iters 2 --num-iters-warmup 1 --output-json "$OUT/latency_fused_attn.json"
+    # both opt-ins together, the candidate default: batch 1, and workload (a) to see that the
+    # batch-256 steps lose nothing (compare with throughput.json)
+    step latency_fused 60 env CHASSIS_TRITON_GEMV=1 CHASSIS_FUSED_DECODE_ATTENTION=1 \
+        "${CHASSIS[@]}" bench latency "${MODEL_ARGS[@]}" "${ENGINE[@]}" --input-len "$LAT_INPUT" \
+        --output-len "$LAT_OUTPUT" --batch-size 1 --num-iters 2 --num-iters-warmup 1 \
+        --output-json "$OUT/latency_fused.json"
+    step throughput_fused 120 env CHASSIS_TRITON_GEMV=1 CHASSIS_FUSED_DECODE_ATTENTION=1 \
+        "${CHASSIS[@]}" bench throughput "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+        --num-prompts "$NUM_PROMPTS" --input-len "$LENS" --output-len "$LENS" \
+        --output-json "$OUT/throughput_fused.json"
 fi
 
 if wanted profile; then
@@ -208,8 +221,10 @@ if wanted profile; then
     # $OUT/profile*/.
     for mode in ${PROFILE_MODES:-async sync}; do
         extra=()
+        opt_in=()
         [[ $mode == sync ]] && extra=(--no-async-scheduling)
-        step "profile_$mode" 120 "${CHASSIS[@]}" bench step "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
+        [[ $mode == fused ]] && opt_in=(CHASSIS_TRITON_GEMV=1 CHASSIS_FUSED_DECODE_ATTENTION=1)
+        step "profile_$mode" 120 env "${opt_in[@]}" "${CHASSIS[@]}" bench step "${MODEL_ARGS[@]}" "${ENGINE[@]}" \
             "${extra[@]}" --batch-size 1 "$PROFILE_BATCH" --context-len "$PROFILE_CONTEXT" \
             --num-steps 10 --repeats 2 --profile --profile-dir "$OUT/profile_$mode"
     done
