@@ -22,6 +22,7 @@ from torch import nn
 
 from chassis.core.layers import triton_gemv
 from chassis.core.layers.activation import SiluAndMul
+from chassis.core.layers.norm import RMSNorm
 
 __all__ = ["SmallBatchLinear", "can_swap", "small_batch_layers", "use_small_batch_gemv"]
 
@@ -82,6 +83,30 @@ class SmallBatchLinear(nn.Module):
             bias = None if self.bias is None else self.bias.detach()
             return triton_gemv.gemv(x, self.weight.detach(), bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``normed, stream = norm(x, residual)``, then ``(self(normed), stream)``: for few
+        rows on a GPU, when ``norm`` is exactly an :class:`RMSNorm` (subclasses such as
+        Gemma's compute other formulas) of ``x``'s dtype, one GEMV launch that adds, normalizes
+        and multiplies (:func:`~chassis.core.layers.triton_gemv.add_rms_norm_gemv`); else the
+        two steps. The optional capability that ``LlamaMLP`` asks its ``gate_up_proj`` for."""
+        if (
+            type(norm) is RMSNorm
+            and norm.weight.dtype == x.dtype
+            and norm.weight.device == x.device
+            and residual.shape == x.shape
+            and residual.dtype == x.dtype
+            and residual.stride(-1) == 1
+            and self._takes(x, features=self.in_features)
+        ):
+            bias = None if self.bias is None else self.bias.detach()
+            return triton_gemv.add_rms_norm_gemv(
+                x, residual, norm.weight.detach(), norm.eps, self.weight.detach(), bias
+            )
+        normed, stream = norm(x, residual)
+        return self(normed), stream
 
     def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(SiluAndMul()(gate_up))`` for ``gate_up [..., 2 * in_features]`` (a SwiGLU

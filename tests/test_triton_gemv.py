@@ -28,6 +28,8 @@ pytest.importorskip("triton")
 from chassis.core.layers import triton_gemv, triton_ops
 from chassis.core.layers.triton_gemv import (
     GemvConfig,
+    add_rms_norm_gemv,
+    add_rms_norm_gemv_ref,
     choose_config,
     gemv,
     gemv_ref,
@@ -167,6 +169,72 @@ def test_layer_fuses_the_swiglu_activation_for_few_rows() -> None:
 
 
 @in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["dot_split", "reduce"])
+def test_residual_add_and_rms_norm_input_match_the_two_steps(name: str, dtype: torch.dtype) -> None:
+    """``add_rms_norm_gemv``: the input is RMSNorm(x + residual) (statistics over the whole
+    row, 300 features: a partial tile), the residual stream comes back as ``x + residual`` in
+    a new tensor (exactly, in float32), and the inputs are left as they were."""
+    x, weight, bias = _layer_tensors(3, 300, 40, dtype, seed=11)
+    residual, norm_weight, _ = _layer_tensors(3, 300, 300, dtype, seed=12)
+    norm_weight = norm_weight[0].contiguous()
+    x_before, residual_before = x.clone(), residual.clone()
+    for b in (None, bias):
+        out, stream = add_rms_norm_gemv(
+            x, residual, norm_weight, 1e-6, weight, b, config=CONFIGS[name]
+        )
+        ref_out, ref_stream = add_rms_norm_gemv_ref(x, residual, norm_weight, 1e-6, weight, b)
+        _close(out, ref_out)
+        if dtype == torch.float32:
+            assert torch.equal(stream, ref_stream)
+        else:  # (the interpreter rounds float32 to bfloat16 by truncation; a GPU rounds)
+            _close(stream, ref_stream)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+    with pytest.raises(ValueError, match="residual must match x"):
+        add_rms_norm_gemv(x, residual[:2], norm_weight, 1e-6, weight)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        add_rms_norm_gemv(x, residual, norm_weight[:8], 1e-6, weight)
+
+
+@in_interpreter
+def test_llama_mlp_takes_the_post_attention_norm_into_its_first_launch() -> None:
+    """``LlamaMLP.forward_after_norm`` with swapped layers: the gate/up projection adds the
+    residual and normalizes in its launch (an exact ``RMSNorm`` only), equal to the norm then
+    the MLP; Gemma's norm takes the two steps."""
+    from chassis.builtin_plugins.models.llama import LlamaMLP
+    from chassis.core.layers.activation import SiluAndMul
+    from chassis.core.layers.norm import GemmaRMSNorm, RMSNorm
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP.__new__(LlamaMLP)
+    nn.Module.__init__(mlp)
+    mlp.gate_up_proj = SmallBatchLinear(nn.Linear(32, 96, bias=False))
+    mlp.down_proj = SmallBatchLinear(nn.Linear(48, 32, bias=False))
+    mlp.act_fn = SiluAndMul()
+    mlp.reduce_output = False
+    calls = []
+    original = mlp.gate_up_proj.forward_add_rms_norm
+
+    def counting(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(type(args[2]).__name__)
+        return original(*args)  # type: ignore[arg-type]
+
+    mlp.gate_up_proj.forward_add_rms_norm = counting  # type: ignore[method-assign]
+    x, residual = torch.randn(2, 32), torch.randn(2, 32)
+    for norm in (RMSNorm(32), GemmaRMSNorm(32)):
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        with torch.inference_mode():
+            out, stream = mlp.forward_after_norm(x, residual, norm)
+            normed, expected_stream = norm.forward_reference(x, residual)
+            gate_up = gemv_ref(normed, mlp.gate_up_proj.weight)
+            expected = silu_and_mul_gemv_ref(gate_up, mlp.down_proj.weight)
+        _close(out, expected)
+        torch.testing.assert_close(stream, expected_stream)
+    assert calls == ["RMSNorm", "GemmaRMSNorm"]  # (the second fell back inside the layer)
+
+
+@in_interpreter
 def test_kernel_takes_leading_dimensions_views_and_no_rows() -> None:
     x, weight, bias = _layer_tensors(6, 64, 24, torch.float32)
     x = x.view(2, 3, 64)
@@ -267,6 +335,9 @@ def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
             dict(
                 HAS_BIAS=True,
                 SILU_AND_MUL=split_k == 8,  # (down_proj's launch: split 8 ways at Qwen3)
+                # (gate/up's launch with the post-attention norm: unsplit bf16 here)
+                ADD_RMS_NORM=(dtype, split_k) == ("*bf16", 1),
+                K_POW2=1024,
                 SPLIT_K=split_k,
                 USE_DOT=use_dot,
                 FLOAT32_DOT=dtype == "*fp32",
@@ -279,7 +350,9 @@ def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
                 **{name: dtype for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")},
                 "ws_ptr": "*fp32",
                 "counter_ptr": "*i32",
+                **{name: dtype for name in ("res_ptr", "norm_w_ptr", "res_out_ptr")},
             },
+            float_args=("eps",),
         )
 
 

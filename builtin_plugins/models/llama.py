@@ -253,9 +253,27 @@ class LlamaMLP(nn.Module):
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # A down projection that can apply SwiGLU's activation itself (the GPU's small-batch
-        # GEMV: one launch fewer per layer at decode) is asked to; else two steps.
+        return self._down(self.gate_up_proj(x))
+
+    def forward_after_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(hidden_states, residual)`` (a residual-adding norm), then the MLP; returns
+        ``(MLP output, residual stream)``. A gate/up projection that can take the residual
+        add and the norm itself (the GPU's small-batch GEMV: one launch fewer per layer at
+        decode) is asked to; else the two steps. A subclass with a forward of its own always
+        gets the two steps."""
+        fused = getattr(self.gate_up_proj, "forward_add_rms_norm", None)
+        if fused is None or type(self).forward is not LlamaMLP.forward:
+            hidden_states, residual = norm(hidden_states, residual)
+            return self(hidden_states), residual
+        gate_up, residual = fused(hidden_states, residual, norm)
+        return self._down(gate_up), residual
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation and the down projection (summed over ranks unless ``reduce_output``
+        is off). A down projection that can apply SwiGLU's activation itself (the GPU's
+        small-batch GEMV: one launch fewer per layer at decode) is asked to."""
         fused = getattr(self.down_proj, "forward_silu_and_mul", None)
         if fused is not None and type(self.act_fn) is SiluAndMul:
             out = fused(gate_up)
@@ -313,6 +331,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(mlp output, residual stream)``; their sum is the layer's output."""
         hidden_states, residual = self.attend(positions, hidden_states, residual, ctx)
+        # (a LlamaMLP may take the norm into its first projection's launch)
+        after_norm = getattr(self.mlp, "forward_after_norm", None)
+        if after_norm is not None:
+            return after_norm(hidden_states, residual, self.post_attention_layernorm)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

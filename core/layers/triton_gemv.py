@@ -59,6 +59,8 @@ from chassis.core.layers.triton_ops import (
 __all__ = [
     "MAX_ROWS",
     "GemvConfig",
+    "add_rms_norm_gemv",
+    "add_rms_norm_gemv_ref",
     "choose_config",
     "gemv",
     "gemv_ref",
@@ -147,7 +149,7 @@ def choose_config(rows: int, out_features: int, in_features: int, dtype: torch.d
     )
 
 
-@triton.jit(do_not_specialize=["M", "tiles_per_split"])
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "eps"])
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -162,8 +164,16 @@ def _gemv_kernel(
     stride_wn,
     stride_om,
     tiles_per_split,
+    res_ptr,
+    norm_w_ptr,
+    res_out_ptr,
+    stride_rm,
+    stride_rom,
+    eps,
     HAS_BIAS: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
+    ADD_RMS_NORM: tl.constexpr,
+    K_POW2: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     FLOAT32_DOT: tl.constexpr,
@@ -186,6 +196,25 @@ def _gemv_kernel(
     # rows past M (padding to BLOCK_M) read row M - 1 again: no row mask on the loads, and
     # their sums land in accumulator rows that are never stored
     x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
+    if ADD_RMS_NORM:
+        # The input is RMSNorm(x + residual) * norm_w, as RMSNorm's kernel computes it: every
+        # program takes each row's statistics over the whole row first (x and the residual
+        # are a few KiB, from L2), then normalizes its own tiles as they load. Program (0, 0)
+        # writes the residual stream x + residual (to a new tensor: the inputs stay as they
+        # are while other programs read them).
+        res_rows = res_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_rm
+        cols = tl.arange(0, K_POW2)
+        mask_cols = cols < K
+        denom = tl.full((BLOCK_M,), 1.0, tl.float32)
+        for m in range(0, M):
+            xr = tl.load(x_ptr + m * stride_xm + cols, mask=mask_cols, other=0.0)
+            rr = tl.load(res_ptr + m * stride_rm + cols, mask=mask_cols, other=0.0)
+            h = (xr.to(tl.float32) + rr.to(tl.float32)).to(dtype)
+            if (pid_n == 0) & (pid_k == 0):
+                tl.store(res_out_ptr + m * stride_rom + cols, h, mask=mask_cols)
+            h32 = h.to(tl.float32)
+            row_denom = tl.sqrt_rn(tl.sum(h32 * h32, 0) / K + eps)
+            denom = tl.where(offs_m == m, row_denom, denom)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:  # products summed per lane; one reduction over K after the loop
@@ -207,6 +236,13 @@ def _gemv_kernel(
             gate32 = gate.to(tl.float32)
             act = (gate32 / (1.0 + tl.exp(-gate32))).to(dtype).to(tl.float32)
             x = (act * up.to(tl.float32)).to(dtype)
+        elif ADD_RMS_NORM:
+            xr = tl.load(x_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            rr = tl.load(res_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            h32 = (xr.to(tl.float32) + rr.to(tl.float32)).to(dtype).to(tl.float32)
+            normed = (h32 / denom[:, None]).to(dtype).to(tl.float32)
+            scale = tl.load(norm_w_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = (normed * scale[None, :]).to(dtype)
         else:
             x = tl.load(x_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
         if USE_DOT:
@@ -268,6 +304,22 @@ def silu_and_mul_gemv_ref(
     return gemv_ref(silu_and_mul_ref(gate_up), weight, bias)
 
 
+def add_rms_norm_gemv_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification of :func:`add_rms_norm_gemv`: ``fused_ops.rms_norm_ref`` with the
+    residual, then :func:`gemv_ref`; returns ``(output, x + residual)``."""
+    from chassis.core.layers.fused_ops import rms_norm_ref
+
+    normed, stream = rms_norm_ref(x, norm_weight, eps, residual)
+    return gemv_ref(normed, weight, bias), stream
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -291,6 +343,61 @@ def gemv(
     product's input is ``silu(gate) * up`` (:func:`silu_and_mul_gemv_ref`), computed as each
     tile is loaded: the activation's own kernel launch (and its output's round trip through
     memory) is saved; each program recomputes the activation of its K range."""
+    return _gemv(x, weight, bias, config, silu_and_mul=silu_and_mul)
+
+
+def add_rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm(x + residual)`` (``norm_weight``, ``eps``; RMSNorm's kernel's rounding), then
+    :func:`gemv`: one launch for a decoder layer's residual add, its norm and the following
+    linear layer. Returns ``(output [..., N], x + residual)``, the second a new tensor (the
+    residual stream the layer continues from; the inputs are not modified).
+
+    ``x`` and ``residual`` are ``[..., K]`` of one shape, dtype and device, unit stride along
+    ``K``; ``norm_weight`` a contiguous ``[K]`` of their dtype. Every program takes the rows'
+    statistics over all of ``K`` (a few KiB of reads from L2 per program) before its own
+    tiles; the results equal :func:`add_rms_norm_gemv_ref` within a rounding step (float32
+    sums in another order). Other conditions and errors as :func:`gemv`.
+    """
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"residual must match x: got {tuple(residual.shape)} {residual.dtype} on "
+            f"{residual.device} for x {tuple(x.shape)} {x.dtype} on {x.device}"
+        )
+    if (
+        norm_weight.shape != (x.shape[-1],)
+        or norm_weight.stride(0) != 1
+        or norm_weight.dtype != x.dtype
+        or norm_weight.device != x.device
+    ):
+        raise ValueError(
+            f"norm_weight must be a contiguous [{x.shape[-1]}] {x.dtype} vector on {x.device}, "
+            f"got {tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}"
+        )
+    stream = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = _gemv(x, weight, bias, config, norm=(residual, norm_weight, float(eps), stream))
+    return out, stream
+
+
+def _gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig | None,
+    *,
+    silu_and_mul: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:func:`gemv`'s checks and launch; ``norm`` is ``(residual, norm_weight, eps,
+    stream_out)`` for :func:`add_rms_norm_gemv`."""
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(
             f"weight must be 2-D [out, in] with unit stride along in, got shape "
@@ -322,8 +429,21 @@ def gemv(
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {num_rows}; use F.linear")
     if in_features > 1 and rows.stride(1) != 1:
         raise ValueError(f"x must have unit stride along its last dimension, got {x.stride()}")
+    if norm is not None:
+        residual, norm_weight, eps, stream = norm
+        res_rows = residual.reshape(-1, in_features)
+        stream_rows = stream.view(-1, in_features)
+        if in_features > 1 and res_rows.stride(1) != 1:
+            raise ValueError(
+                f"residual must have unit stride along its last dimension, got {residual.stride()}"
+            )
+    else:
+        res_rows = stream_rows = norm_weight = rows  # (unused)
+        eps = 0.0
     kernel = check_launchable(_gemv_kernel, x)
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    if norm is not None and out_features == 0:  # no program runs, yet the stream is needed
+        stream_rows.copy_(rows + res_rows)
     if num_rows == 0 or out_features == 0:
         return out.reshape(*x.shape[:-1], out_features)
     if in_features == 0:
@@ -362,8 +482,16 @@ def gemv(
         weight.stride(0),
         out.stride(0),
         tiles_per_split,
+        res_rows,
+        norm_weight,
+        stream_rows,
+        res_rows.stride(0),
+        stream_rows.stride(0),
+        eps,
         HAS_BIAS=bias is not None,
         SILU_AND_MUL=silu_and_mul,
+        ADD_RMS_NORM=norm is not None,
+        K_POW2=triton.next_power_of_2(in_features) if norm is not None else 16,
         SPLIT_K=split_k,
         USE_DOT=config.use_dot,
         FLOAT32_DOT=x.dtype == torch.float32 or interpreted,

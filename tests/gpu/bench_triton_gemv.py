@@ -8,7 +8,9 @@ and GB/s of weight + input + output bytes, for cuBLAS and for the GEMV's default
 ``--sweep`` (what the script runs), a time-boxed sweep of launch configs at 1 and 8 rows
 follows: the fastest three per shape next to the default. Between them, the down projection
 with SwiGLU's activation folded in (``silu_and_mul=True``) against the activation's kernel
-followed by cuBLAS or the GEMV. Without a GPU it says so and exits 0.
+followed by cuBLAS or the GEMV, and gate/up with the post-attention norm folded in
+(``add_rms_norm_gemv``) against the norm's kernel followed by either. Without a GPU it says
+so and exits 0.
 """
 
 from __future__ import annotations
@@ -92,6 +94,30 @@ def main() -> int:
         t_fused = _time_us(lambda h=gate_up, w=weight: gemv(h, w, silu_and_mul=True))
         print(
             f"  M={rows}: silu kernel + cuBLAS {t_two:.2f}, silu kernel + gemv {t_split:.2f}, "
+            f"fused gemv {t_fused:.2f}",
+            flush=True,
+        )
+    # the post-attention RMSNorm (with its residual add) folded into gate/up's launch
+    from chassis.core.layers.triton_gemv import add_rms_norm_gemv
+    from chassis.core.layers.triton_ops import rms_norm
+
+    print("\ngate_up with the post-attention norm, us per call (median, L2 flushed)")
+    weight = weights["gate_up"]
+    norm_weight = torch.ones(weight.shape[1], device="cuda", dtype=DTYPE)
+    for rows in ROWS:
+        x = torch.randn(rows, weight.shape[1], device="cuda").to(DTYPE)
+        res = torch.randn_like(x)
+        t_two = _time_us(
+            lambda x=x, r=res, w=weight: F.linear(rms_norm(x, norm_weight, 1e-6, r)[0], w)
+        )
+        t_split = _time_us(
+            lambda x=x, r=res, w=weight: gemv(rms_norm(x, norm_weight, 1e-6, r)[0], w)
+        )
+        t_fused = _time_us(
+            lambda x=x, r=res, w=weight: add_rms_norm_gemv(x, r, norm_weight, 1e-6, w)
+        )
+        print(
+            f"  M={rows}: norm kernel + cuBLAS {t_two:.2f}, norm kernel + gemv {t_split:.2f}, "
             f"fused gemv {t_fused:.2f}",
             flush=True,
         )

@@ -76,6 +76,17 @@ def test_fused_decode_graph_replay_matches_eager_greedy(
     _free_gpu_memory()
 
 
+def test_every_opt_in_graph_replay_matches_eager_greedy(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graph engine built with both opt-ins, CHASSIS_FUSED_DECODE_ATTENTION=1 and
+    CHASSIS_TRITON_GEMV=1 (the small-batch GEMV, with SwiGLU's activation and the
+    post-attention norm folded into its launches), against the plain eager engine: the same
+    greedy tokens (float32 sums in another order; the tiny model's top logits are far apart)."""
+    _check_graph_replay_matches_eager(model_dir, monkeypatch, gemv=True)
+    _free_gpu_memory()
+
+
 def _attention_backend(llm):
     """The attention backend of the engine's first attention layer (the engine runs in this
     process)."""
@@ -86,18 +97,24 @@ def _attention_backend(llm):
 
 
 def _check_graph_replay_matches_eager(
-    model_dir: Path, fused: pytest.MonkeyPatch | None = None
+    model_dir: Path, fused: pytest.MonkeyPatch | None = None, gemv: bool = False
 ) -> None:
     """``fused``: build the graph engine with CHASSIS_FUSED_DECODE_ATTENTION=1 (set and
-    unset through it), the eager one without."""
+    unset through it), and with ``gemv`` CHASSIS_TRITON_GEMV=1 too; the eager one without."""
     from chassis.core.llm import LLM
+    from chassis.platforms.cuda_small_batch_linear import small_batch_layers
 
     if fused is not None:
         fused.setenv("CHASSIS_FUSED_DECODE_ATTENTION", "1")
+        if gemv:
+            fused.setenv("CHASSIS_TRITON_GEMV", "1")
     graphs_llm = LLM(str(model_dir), cuda_graph_sizes=[1, 2, 4, 8], **ENGINE)
     if fused is not None:
         fused.delenv("CHASSIS_FUSED_DECODE_ATTENTION")
+        fused.delenv("CHASSIS_TRITON_GEMV", raising=False)
         assert _attention_backend(graphs_llm).fused_decode
+        model = graphs_llm.engine.executor.worker.runner.model
+        assert bool(small_batch_layers(model)) == gemv
     eager_llm = LLM(str(model_dir), enforce_eager=True, **ENGINE)
     assert fused is None or not _attention_backend(eager_llm).fused_decode
     assert graphs_llm.engine.info.platform in ("cuda", "rocm")

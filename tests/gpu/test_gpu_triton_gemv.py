@@ -5,6 +5,7 @@ every launch path (split-K or not, dot or multiply-and-reduce); the split path's
 counters over many back-to-back launches; and layers swapped by ``CHASSIS_TRITON_GEMV=1``
 captured in a CUDA graph and replayed with new inputs. Run by tests/gpu/run_gpu_checks.sh
 (the pytest step); the timings are tests/gpu/bench_triton_gemv.py's (the ``gemv`` group).
+Also the launches with SwiGLU's activation and with the post-attention norm folded in.
 """
 
 from __future__ import annotations
@@ -64,6 +65,24 @@ def test_swiglu_input_at_the_down_projection(rows: int) -> None:
     fused = gemv(gate_up, weight, bias, silu_and_mul=True)
     _close(fused, gemv(silu_and_mul(gate_up), weight, bias))
     _close(fused, silu_and_mul_gemv_ref(gate_up, weight, bias))
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_post_attention_norm_at_the_gate_up_projection(rows: int) -> None:
+    """``add_rms_norm_gemv`` at Qwen3-0.6B's gate/up (1024 -> 6144) after its post-attention
+    norm: against RMSNorm's Triton kernel then the GEMV, and the torch reference; the
+    residual stream bit-equal to the norm kernel's."""
+    from chassis.core.layers.triton_gemv import add_rms_norm_gemv, add_rms_norm_gemv_ref, gemv
+    from chassis.core.layers.triton_ops import rms_norm
+
+    x, weight, _ = _tensors(rows, 1024, 6144, torch.bfloat16, seed=rows)
+    residual, norm_weight, _ = _tensors(rows, 1024, 1024, torch.bfloat16, seed=rows + 1)
+    norm_weight = norm_weight[0].contiguous() + 1
+    out, stream = add_rms_norm_gemv(x, residual, norm_weight, 1e-6, weight)
+    normed, kernel_stream = rms_norm(x, norm_weight, 1e-6, residual.clone())
+    assert torch.equal(stream, kernel_stream)
+    _close(out, gemv(normed, weight))
+    _close(out, add_rms_norm_gemv_ref(x, residual, norm_weight, 1e-6, weight)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
