@@ -235,6 +235,44 @@ def test_llama_mlp_takes_the_post_attention_norm_into_its_first_launch() -> None
 
 
 @in_interpreter
+def test_llama_attention_takes_the_input_norm_into_its_qkv_launch() -> None:
+    """``LlamaAttention.forward_after_norm`` with a swapped q/k/v projection hands the rest
+    of the attention the fused launch's q/k/v (equal to the norm then the projection); a
+    subclass with a forward of its own gets the two steps."""
+    from chassis.builtin_plugins.models.llama import LlamaAttention
+    from chassis.core.layers.norm import RMSNorm
+
+    class OwnForward(LlamaAttention):
+        def forward(self, positions, hidden_states, ctx):  # type: ignore[no-untyped-def]
+            return ("own", hidden_states)
+
+    torch.manual_seed(0)
+    norm = RMSNorm(32)
+    x, residual = torch.randn(3, 32), torch.randn(3, 32)
+    for cls in (LlamaAttention, OwnForward):
+        attn = cls.__new__(cls)
+        nn.Module.__init__(attn)
+        attn.qkv_proj = SmallBatchLinear(nn.Linear(32, 64, bias=True))
+        fused_calls = []
+        original = attn.qkv_proj.forward_add_rms_norm
+        attn.qkv_proj.forward_add_rms_norm = (  # type: ignore[method-assign]
+            lambda *a, original=original, calls=fused_calls: calls.append(1) or original(*a)
+        )
+        attn._attend_projected = lambda positions, qkv, ctx: ("projected", qkv)  # type: ignore[method-assign]
+        with torch.inference_mode():
+            (kind, value), stream = attn.forward_after_norm(None, x, residual, norm, None)
+            normed, expected_stream = norm.forward_reference(x, residual)
+            expected_qkv = gemv_ref(normed, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        torch.testing.assert_close(stream, expected_stream)
+        if cls is LlamaAttention:
+            assert kind == "projected" and fused_calls == [1]
+            _close(value, expected_qkv)
+        else:
+            assert kind == "own" and fused_calls == []
+            torch.testing.assert_close(value, normed)
+
+
+@in_interpreter
 def test_kernel_takes_leading_dimensions_views_and_no_rows() -> None:
     x, weight, bias = _layer_tensors(6, 64, 24, torch.float32)
     x = x.view(2, 3, 64)

@@ -212,10 +212,34 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
+        return self._attend_projected(positions, self.qkv_proj(hidden_states), ctx)
+
+    def forward_after_norm(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        norm: nn.Module,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(hidden_states, residual)`` (a residual-adding norm), then the attention;
+        returns ``(attention output, residual stream)``. A q/k/v projection that can take the
+        residual add and the norm itself (the GPU's small-batch GEMV: one launch fewer per
+        layer at decode) is asked to; else the two steps. A subclass with a forward of its
+        own always gets the two steps."""
+        fused = getattr(self.qkv_proj, "forward_add_rms_norm", None)
+        if fused is None or type(self).forward is not LlamaAttention.forward:
+            hidden_states, residual = norm(hidden_states, residual)
+            return self(positions, hidden_states, ctx), residual
+        qkv, residual = fused(hidden_states, residual, norm)
+        return self._attend_projected(positions, qkv, ctx), residual
+
+    def _attend_projected(
+        self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """The attention after the q/k/v projection (``qkv [T, q + 2 kv]``)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.encode_positions(positions, q, k)
@@ -351,8 +375,12 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            return self.self_attn(positions, hidden_states, ctx), residual
+        # (a LlamaAttention may take the norm into its q/k/v projection's launch)
+        after_norm = getattr(self.self_attn, "forward_after_norm", None)
+        if after_norm is not None:
+            return after_norm(positions, hidden_states, residual, self.input_layernorm, ctx)
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
         return self.self_attn(positions, hidden_states, ctx), residual
 
 
