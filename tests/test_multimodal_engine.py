@@ -541,6 +541,9 @@ class RecordingGraphs:
     """Stands in for captured decode graphs (none on the CPU): records the positions each
     "replay" gets and runs the model eager with them, as a replay would."""
 
+    #: as DecodeGraphs without a logits_fn: the runner computes the logits eager
+    last_logits = None
+
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.positions: list[list[int]] = []
