@@ -22,6 +22,15 @@ pid changes: checked every second while idle, and before it starts).
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":
+    # A rank process: no cyclic garbage collection while it imports torch and transformers
+    # and loads its share of the model (the collector walked the imports' objects again and
+    # again: ~0.45 s of the ~3.4 s of CPU until the model is loaded, on the 2-core dev VM);
+    # switched on again once the model is loaded (_start).
+    gc.disable()
+
 import contextlib
 import faulthandler
 import functools
@@ -219,7 +228,9 @@ def _start(config_dict: dict[str, Any], ipc_dir: str, rank: int, watch: Callable
     from chassis.core.tp_executor import start_rank
 
     config = EngineConfig.from_dict(config_dict)
-    return start_rank(config, rank, ipc_dir, watch)
+    worker = start_rank(config, rank, ipc_dir, watch)
+    gc.enable()  # (off while a rank process started: the top of this module)
+    return worker
 
 
 def exit_without_finalization(code: int) -> NoReturn:
