@@ -40,11 +40,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     import triton_compile_check
 
-    triton_compile_check.start_shared_child_early(session.items)
+    triton_compile_check.start_shared_child_early(session.items, session.config)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A background child no parent test read (the run stopped before one) is ended."""
+    """A background child no parent test read (the run stopped before one) is ended; one
+    that another pytest-xdist worker may still read is waited for, unless the run was
+    interrupted or stopped at a failure (``-x``)."""
     import triton_compile_check
 
-    triton_compile_check.stop_unused_children()
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or bool(
+        session.shouldstop or session.shouldfail
+    )
+    triton_compile_check.stop_unused_children(interrupted)

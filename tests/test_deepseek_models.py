@@ -344,14 +344,21 @@ def test_each_rank_loads_its_heads(
             assert torch.equal(ours[prefix + name], whole[prefix + name])
 
 
+@pytest.fixture(scope="module")
+def v3_seed_4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The V3 checkpoint both parallel layouts below run: written once, so that
+    ``hf_greedy`` (cached per checkpoint files) computes HF's tokens once for both."""
+    return write_checkpoint("v3", tmp_path_factory.mktemp("v3_seed_4"), seed=4)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
-def test_two_ranks_match_transformers(tmp_path: Path, expert_parallel: bool) -> None:
+def test_two_ranks_match_transformers(v3_seed_4_dir: Path, expert_parallel: bool) -> None:
     """Two real ranks of V3 (grouped sigmoid routing, YaRN): half the heads and the
     shared/dense MLP columns each, the router whole, and half of every expert's columns or
     (expert parallel) 4 whole experts each. HF's greedy tokens."""
-    model_dir = write_checkpoint("v3", tmp_path / "v3", seed=4)
+    model_dir = v3_seed_4_dir
     expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
     engine = {"tensor_parallel_size": 2, "enable_expert_parallel": expert_parallel}
     assert chassis_greedy(model_dir, PROMPTS, MAX_TOKENS, **engine) == expected

@@ -66,10 +66,12 @@ def test_a_hung_child_names_the_test_it_hung_in(
         "test_hangs.py",
         "import time\ndef test_quick(): pass\ndef test_sleeps(): time.sleep(600)\n",
     )
-    monkeypatch.setattr(triton_compile_check, "SHARED_CHILD_TIMEOUT", 20)
+    # (the child reaches test_sleeps ~2 s after its start on a quiet machine: a 5x margin,
+    # without waiting out a longer hang guard for nothing)
+    monkeypatch.setattr(triton_compile_check, "SHARED_CHILD_TIMEOUT", 10)
     monkeypatch.setattr(triton_compile_check, "_SHARED_RESULTS", {})
     request = SimpleNamespace(session=SimpleNamespace(items=[]))
-    with pytest.raises(AssertionError, match=r"(?s)timed out after 20 seconds.*test_sleeps"):
+    with pytest.raises(AssertionError, match=r"(?s)timed out after 10 seconds.*test_sleeps"):
         triton_compile_check._run_shared_child(hangs, request)
 
 
@@ -122,3 +124,43 @@ def test_a_background_child_dies_with_a_run_that_exits_at_once(tmp_path: Path) -
     if alive():
         os.kill(pid, 9)
         pytest.fail("the background child outlived its run")
+
+
+@pytest.mark.timeout(120)
+def test_another_xdist_worker_reads_the_child_one_worker_started(tmp_path: Path) -> None:
+    """Under pytest-xdist the worker that created the run's directory for the shared child
+    starts it there (``start_shared_child_early``); another worker reads the same per-file
+    results from that directory once the starting worker has published the exit status."""
+    fine = _write(tmp_path, "test_fine.py", "def test_ok(): pass\ndef test_ok_too(): pass\n")
+    failing = _write(tmp_path, "test_failing.py", "def test_no(): assert False, 'boom'\n")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    child = triton_compile_check._start_child([fine, failing], workdir=shared)
+    outcomes, output = triton_compile_check._wait_for_other_worker(shared, [fine, failing])
+    assert file_result(outcomes, "test_fine.py", output) == "2 passed"
+    with pytest.raises(AssertionError, match="boom"):
+        file_result(outcomes, "test_failing.py", output)
+    assert child.proc.returncode == 1
+    child.published.join(timeout=10)
+    child.cleanup()
+    assert (shared / "report.xml").exists()  # kept: other workers read it
+
+
+@pytest.mark.timeout(120)
+def test_a_shared_child_that_dies_without_a_result_fails_the_other_workers_at_once(
+    tmp_path: Path,
+) -> None:
+    """The child dies with the worker that started it (``_die_with_parent``): the other
+    workers' parent tests fail at once rather than wait for the whole hang guard."""
+    sleeps = _write(tmp_path, "test_sleeps.py", "import time\ndef test_s(): time.sleep(600)\n")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    # the starting worker as it dies: the status it would publish never comes
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    (shared / "pid").write_text(str(proc.pid))
+    started = time.monotonic()
+    proc.kill()
+    proc.wait()
+    with pytest.raises(AssertionError, match=rf"pid {proc.pid}\) ended without a result"):
+        triton_compile_check._wait_for_other_worker(shared, [sleeps])
+    assert time.monotonic() - started < 30

@@ -38,7 +38,7 @@ from triton_compile_check import (
     in_interpreter,
     interpreter_parent,
     not_in_interpreter,
-    run_under_interpreter,
+    run_kernel_tests,
 )
 
 from chassis import LLM, SamplingParams
@@ -273,10 +273,10 @@ def test_the_row_view_follows_the_strides() -> None:
 
 
 @interpreter_parent
-def test_triton_under_interpreter() -> None:
-    pytest.importorskip("triton")
-    output = run_under_interpreter(__file__)
-    assert "skipped" in output, output[-2000:]
+def test_triton_under_interpreter(request: pytest.FixtureRequest) -> None:
+    """The ``in_interpreter`` tests, in the child shared with tests/test_triton_*.py."""
+    output = run_kernel_tests(__file__, request)
+    assert "skipped" in output, output[-2000:]  # the child skipped this file's CPU tests
 
 
 @in_interpreter

@@ -7,12 +7,17 @@ wheel, hsaco for MI300) catches that without a GPU. Used by tests/test_triton_*.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,7 +207,9 @@ def run_under_interpreter(test_file: str, timeout: float = 500, request: Any = N
 #: and the package again, several seconds on a 2-core machine, so a whole-suite run starts
 #: one instead of one per file.
 SHARED_CHILD_FILES = (
+    "test_attend_limit.py",
     "test_fp8_kv_cache.py",
+    "test_mla_latent_cache.py",
     "test_triton_attention.py",
     "test_triton_gemv.py",
     "test_triton_int4.py",
@@ -229,6 +236,11 @@ _OLDEST_INTERPRETER = {
 }
 #: shared children started ahead of their first parent test (:func:`start_shared_child_early`)
 _STARTED: dict[tuple[str, ...], _Child] = {}
+#: shared children that another pytest-xdist worker of the run started: where it publishes
+#: their results (:func:`_wait_for_other_worker`)
+_OTHER_WORKERS: dict[tuple[str, ...], Path] = {}
+#: the threads that publish those children's exit status (:func:`_publish_returncode`)
+_PUBLISHING: list[threading.Thread] = []
 #: the shared child's results, keyed by the tuple of files it ran
 _SHARED_RESULTS: dict[tuple[str, ...], tuple[dict[str, dict[str, list[str]]], str]] = {}
 #: a hang guard for the shared child (the parent test's own timeout mark must exceed it)
@@ -286,15 +298,16 @@ def _shared_key(here: Path, items: Any) -> tuple[str, ...]:
     return tuple(sorted(str(path) for path in files if interpreter_runs(str(path))))
 
 
-def start_shared_child_early(items: Any) -> None:
+def start_shared_child_early(items: Any, config: Any = None) -> None:
     """Start the shared child now, in the background, when ``items`` (a run's collected
     tests) hold a parent test of a :data:`SHARED_CHILD_FILES` file; its first parent test
     then waits for its results instead of starting it.
 
     The child is single-threaded interpreter work (~100 s on the 2-core CI machine) while
     the tests before its first parent mostly keep one core busy, so the two overlap. Called
-    by tests/conftest.py once collection is done; :func:`stop_unused_children` ends a child
-    no parent test read (a run stopped early)."""
+    by tests/conftest.py once collection is done (``config``: the run's, whose pytest-xdist
+    workers then share one child: :func:`_xdist_shared_dir`); :func:`stop_unused_children`
+    ends a child no parent test read (a run stopped early)."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # the child itself
         return
     parents = [
@@ -305,17 +318,53 @@ def start_shared_child_early(items: Any) -> None:
     if not parents or importlib.util.find_spec("triton") is None:
         return
     key = _shared_key(parents[0], items)
-    if key and key not in _STARTED and key not in _SHARED_RESULTS:
+    if not key or key in _STARTED or key in _SHARED_RESULTS or key in _OTHER_WORKERS:
+        return
+    # Under pytest-xdist every worker collects every test, so each would start the same
+    # child (~70 s of interpreter work each, the parent tests spread over both workers):
+    # the first worker to create the run's directory for it starts it, the others read
+    # its results from there.
+    shared = _xdist_shared_dir(config, key) if config is not None else None
+    if shared is None:
         _STARTED[key] = _start_child(list(key))
+        return
+    try:
+        shared.mkdir()
+    except FileExistsError:
+        _OTHER_WORKERS[key] = shared
+        return
+    _STARTED[key] = _start_child(list(key), workdir=shared)
 
 
-def stop_unused_children() -> None:
-    """Kill the children :func:`start_shared_child_early` started that no parent test read."""
+def _xdist_shared_dir(config: Any, key: tuple[str, ...]) -> Path | None:
+    """Under pytest-xdist, the directory of this run where the worker that starts the shared
+    child of ``key`` leaves its output for the others: beside the workers' own temporary
+    directories, in the run's ``--basetemp`` (pytest's retention of old runs removes it).
+    ``None`` outside xdist (or without a base temporary directory)."""
+    basetemp = config.getoption("basetemp", None)
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not basetemp:
+        return None
+    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
+    return Path(basetemp).parent / f"triton-interpreter-{digest}"
+
+
+def stop_unused_children(interrupted: bool = False) -> None:
+    """Kill the children :func:`start_shared_child_early` started that no parent test read.
+
+    A child whose results other xdist workers read (:data:`_OTHER_WORKERS` there) is waited
+    for instead, unless the run was ``interrupted``: this worker can finish its share of the
+    run before another worker reaches a parent test, and the child dies with this process."""
     while _STARTED:
         _, started = _STARTED.popitem()
-        started.proc.kill()
-        started.proc.wait()
-        started.workdir.cleanup()
+        if started.published and not interrupted:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                started.proc.wait(timeout=max(0.0, started.deadline - time.monotonic()))
+        if started.proc.poll() is None:
+            started.proc.kill()
+            started.proc.wait()
+        started.cleanup()
+    for thread in _PUBLISHING:  # (a child read here: its status may still be on its way)
+        thread.join(timeout=10)
 
 
 def _run_shared_child(test_file: str, request: Any) -> str:
@@ -330,8 +379,11 @@ def _run_shared_child(test_file: str, request: Any) -> str:
     key = _shared_key(here, request.session.items)
     if key not in _SHARED_RESULTS:
         try:
-            started = _STARTED.pop(key, None) or _start_child(list(key))
-            _SHARED_RESULTS[key] = _finish_child(started)
+            if key in _OTHER_WORKERS:
+                _SHARED_RESULTS[key] = _wait_for_other_worker(_OTHER_WORKERS[key], list(key))
+            else:
+                started = _STARTED.pop(key, None) or _start_child(list(key))
+                _SHARED_RESULTS[key] = _finish_child(started)
         except subprocess.TimeoutExpired as hung:
             # what it printed so far (-v: the test it hung in is the last one named)
             partial = hung.stdout or ""
@@ -369,6 +421,11 @@ def _run_child_with_report(files: list[str]) -> tuple[dict[str, dict[str, list[s
     return _finish_child(_start_child(files))
 
 
+#: files of a shared child's directory: its JUnit report, its output, its pid, and its exit
+#: status once it has ended (written by the worker that started it, for the others)
+_REPORT, _OUTPUT, _PID, _RETURNCODE = "report.xml", "output.txt", "pid", "returncode"
+
+
 @dataclass
 class _Child:
     """A started child pytest (:func:`_start_child`): its output goes to a file, not a pipe,
@@ -376,16 +433,20 @@ class _Child:
 
     proc: subprocess.Popen
     files: list[str]
-    workdir: tempfile.TemporaryDirectory
+    workdir: Path
     deadline: float
+    #: removes ``workdir`` (nothing for a directory other xdist workers read)
+    cleanup: Callable[[], None]
+    #: the thread that writes the exit status for other xdist workers, if they read it
+    published: threading.Thread | None = None
 
     @property
     def report(self) -> Path:
-        return Path(self.workdir.name) / "report.xml"
+        return self.workdir / _REPORT
 
     @property
     def output(self) -> str:
-        return (Path(self.workdir.name) / "output.txt").read_text(errors="replace")
+        return (self.workdir / _OUTPUT).read_text(errors="replace")
 
 
 def _die_with_parent() -> Any:
@@ -402,13 +463,20 @@ def _die_with_parent() -> Any:
     return lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def _start_child(files: list[str]) -> _Child:
+def _start_child(files: list[str], workdir: Path | None = None) -> _Child:
     """Start the ``TRITON_INTERPRET=1`` child pytest of ``files`` (see
-    :func:`_run_child_with_report`); :func:`_finish_child` waits for it."""
-    workdir = tempfile.TemporaryDirectory()
+    :func:`_run_child_with_report`); :func:`_finish_child` waits for it. With ``workdir``
+    (a directory other xdist workers read: :func:`_wait_for_other_worker`) the child writes
+    there and its pid and, once it ends, its exit status are published there; otherwise in a
+    temporary directory removed once it has been read."""
+    if workdir is None:
+        temporary = tempfile.TemporaryDirectory()
+        workdir, cleanup = Path(temporary.name), temporary.cleanup
+    else:
+        cleanup = _keep
     command = [
         *(sys.executable, "-m", "pytest", *files, "-v", "-p", "no:cacheprovider"),
-        *(f"--junitxml={Path(workdir.name) / 'report.xml'}", "-o", "junit_family=xunit1"),
+        *(f"--junitxml={workdir / _REPORT}", "-o", "junit_family=xunit1"),
         # a file that cannot be imported fails its own parent, not the others
         "--continue-on-collection-errors",
         # a test past its timeout fails alone (the project's thread method would end the
@@ -416,7 +484,7 @@ def _start_child(files: list[str]) -> _Child:
         # SHARED_CHILD_TIMEOUT
         *("-o", "timeout_method=signal"),
     ]
-    with open(Path(workdir.name) / "output.txt", "w") as output:
+    with open(workdir / _OUTPUT, "w") as output:
         proc = subprocess.Popen(
             command,
             env={**os.environ, "TRITON_INTERPRET": "1"},
@@ -426,17 +494,83 @@ def _start_child(files: list[str]) -> _Child:
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent(),
         )
-    return _Child(proc, files, workdir, time.monotonic() + SHARED_CHILD_TIMEOUT)
+    child = _Child(proc, files, workdir, time.monotonic() + SHARED_CHILD_TIMEOUT, cleanup)
+    if cleanup is _keep:
+        _write_atomically(workdir / _PID, str(proc.pid))
+        child.published = threading.Thread(
+            target=_publish_returncode, args=(proc, workdir), daemon=True
+        )
+        child.published.start()
+        _PUBLISHING.append(child.published)
+    return child
+
+
+def _keep() -> None:
+    """The ``cleanup`` of a directory other xdist workers read: it stays (pytest's
+    retention of old base temporary directories removes it)."""
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``path`` so that another process sees it whole or not at all."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _publish_returncode(proc: subprocess.Popen, workdir: Path) -> None:
+    """(A thread of the worker that started a shared child) Write its exit status to
+    ``workdir`` once it ends, after its report, for the other workers."""
+    _write_atomically(workdir / _RETURNCODE, str(proc.wait()))
+
+
+def _wait_for_other_worker(workdir: Path, files: list[str]) -> tuple[dict[str, Any], str]:
+    """The results of the shared child of ``files`` that another xdist worker started with
+    ``workdir``, as :func:`_finish_child` returns them, once it has ended: waits until its
+    exit status is there (``subprocess.TimeoutExpired`` with its output after
+    :data:`SHARED_CHILD_TIMEOUT`, the child then killed), failing at once if it died without
+    one (its worker died, taking it along: :func:`_die_with_parent`)."""
+    deadline = time.monotonic() + SHARED_CHILD_TIMEOUT
+    returncode = workdir / _RETURNCODE
+
+    def output() -> str:
+        path = workdir / _OUTPUT
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    while not returncode.exists():
+        pid = int((workdir / _PID).read_text()) if (workdir / _PID).exists() else None
+        if pid is None and time.monotonic() > deadline - SHARED_CHILD_TIMEOUT + 120:
+            # (its worker writes the pid right after creating the directory)
+            raise AssertionError(f"no shared child started in {workdir}")
+        if pid is not None and not _alive(pid):
+            time.sleep(2)  # its worker writes the status right after reaping it
+            if returncode.exists():
+                break
+            raise AssertionError(f"the shared child (pid {pid}) ended without a result\n{output()}")
+        if time.monotonic() > deadline:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired("shared child", SHARED_CHILD_TIMEOUT, output=output())
+        time.sleep(0.5)
+    return _read_report(workdir, files, int(returncode.read_text()), output())
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a zombie too: its parent reaps it at once)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _finish_child(started: _Child) -> tuple[dict[str, dict[str, list[str]]], str]:
     """Wait for ``started`` (until :data:`SHARED_CHILD_TIMEOUT` after it started: then it is
     killed and ``subprocess.TimeoutExpired`` carries what it printed) and read its report,
     as :func:`_run_child_with_report` returns it."""
-    import xml.etree.ElementTree as ET
-
-    files = started.files
-    with started.workdir:
+    try:
         try:
             started.proc.wait(timeout=max(0.0, started.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -445,27 +579,37 @@ def _finish_child(started: _Child) -> tuple[dict[str, dict[str, list[str]]], str
             raise subprocess.TimeoutExpired(
                 started.proc.args, SHARED_CHILD_TIMEOUT, output=started.output
             ) from None
-        output = started.output
-        report = started.report
-        # 0: all passed; 1: some failed (reported per file below); else the run itself broke
-        assert started.proc.returncode in (0, 1) and report.exists(), output[-6000:]
-        stems = {Path(file).stem: Path(file).name for file in files}
-        outcomes: dict[str, dict[str, list[str]]] = {}
-        for case in ET.parse(report).getroot().iter("testcase"):
-            name = case.get("name", "")
-            # "tests.test_triton_moe[.Class]" for a test; "" (name: the module) for a
-            # collection error
-            module_parts = (case.get("classname") or name).split(".")
-            owners = [stems[part] for part in module_parts if part in stems]
-            by_kind = outcomes.setdefault(owners[0] if len(owners) == 1 else UNATTRIBUTED, {})
-            problems = [child for child in case if child.tag in ("failure", "error")]
-            if problems:
-                texts = [
-                    f"{name}: {child.get('message', '')}\n{child.text or ''}" for child in problems
-                ]
-                by_kind.setdefault("failed", []).extend(texts)
-            elif any(child.tag == "skipped" for child in case):
-                by_kind.setdefault("skipped", []).append(name)
-            else:
-                by_kind.setdefault("passed", []).append(name)
+        return _read_report(started.workdir, started.files, started.proc.returncode, started.output)
+    finally:
+        started.cleanup()
+
+
+def _read_report(
+    workdir: Path, files: list[str], returncode: int, output: str
+) -> tuple[dict[str, dict[str, list[str]]], str]:
+    """A finished child's results (:func:`_finish_child`) from its report in ``workdir``."""
+    import xml.etree.ElementTree as ET
+
+    report = workdir / _REPORT
+    # 0: all passed; 1: some failed (reported per file below); else the run itself broke
+    assert returncode in (0, 1) and report.exists(), output[-6000:]
+    stems = {Path(file).stem: Path(file).name for file in files}
+    outcomes: dict[str, dict[str, list[str]]] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = case.get("name", "")
+        # "tests.test_triton_moe[.Class]" for a test; "" (name: the module) for a
+        # collection error
+        module_parts = (case.get("classname") or name).split(".")
+        owners = [stems[part] for part in module_parts if part in stems]
+        by_kind = outcomes.setdefault(owners[0] if len(owners) == 1 else UNATTRIBUTED, {})
+        problems = [child for child in case if child.tag in ("failure", "error")]
+        if problems:
+            texts = [
+                f"{name}: {child.get('message', '')}\n{child.text or ''}" for child in problems
+            ]
+            by_kind.setdefault("failed", []).extend(texts)
+        elif any(child.tag == "skipped" for child in case):
+            by_kind.setdefault("skipped", []).append(name)
+        else:
+            by_kind.setdefault("passed", []).append(name)
     return outcomes, output
