@@ -166,22 +166,22 @@ class _PackedLayout:
             (torch.int32, (max_size,)),  # seq_lens
             (torch.int32, (num_groups, max_size, max_blocks_per_req)),  # block tables
         ]
-        self.regions: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
+        #: (byte offset, byte size, dtype, shape) of each view
+        self.regions: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
         offset = 0
         for dtype, shape in shapes:
-            self.regions.append((offset, dtype, shape))
             size = int(np.prod(shape)) * dtype.itemsize
+            self.regions.append((offset, size, dtype, shape))
             offset += -(-size // _REGION_ALIGN) * _REGION_ALIGN
         self.nbytes = offset
         self.tables_offset = self.regions[4][0]
 
     def views(self, raw: torch.Tensor) -> list[torch.Tensor]:
         """The five typed views of the byte tensor ``raw`` (device or host)."""
-        out = []
-        for offset, dtype, shape in self.regions:
-            size = int(np.prod(shape)) * dtype.itemsize
-            out.append(raw[offset : offset + size].view(dtype).view(shape))
-        return out
+        return [
+            raw[offset : offset + size].view(dtype).view(shape)
+            for offset, size, dtype, shape in self.regions
+        ]
 
     def table_bytes(self, num_rows: int) -> int:
         """Bytes of the tables region that hold rows ``0 .. num_rows-1`` of every group."""
@@ -470,10 +470,11 @@ class DecodeGraphs:
         lens_h[:size] = lens
         width = tables.shape[2]
         layout = inputs.layout
-        packed_tables = layout.table_bytes(n) <= MAX_PACKED_TABLE_BYTES
+        table_bytes = layout.table_bytes(n)
+        packed_tables = table_bytes <= MAX_PACKED_TABLE_BYTES
         if packed_tables:
             tables_h[:, :n, :width] = tables
-            end = layout.tables_offset + layout.table_bytes(n)
+            end = layout.tables_offset + table_bytes
         else:
             end = layout.tables_offset
         inputs.raw[:end].copy_(raw[:end], non_blocking=True)

@@ -113,9 +113,7 @@ class SmallBatchLinear(nn.Module):
         MLP's down projection): few rows on a GPU in one GEMV launch that applies the
         activation as it loads its input, else the two steps. The optional capability that
         ``LlamaMLP`` asks its ``down_proj`` for."""
-        if gate_up.shape[-1] == 2 * self.in_features and self._takes(
-            gate_up, features=2 * self.in_features
-        ):
+        if self._takes(gate_up, features=2 * self.in_features):
             bias = None if self.bias is None else self.bias.detach()
             return triton_gemv.gemv(gate_up, self.weight.detach(), bias, silu_and_mul=True)
         return self(SiluAndMul()(gate_up))
